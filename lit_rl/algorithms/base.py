@@ -1,0 +1,147 @@
+"""What every algorithm shares, as one thin base class and plain functions.
+
+The base owns the policy (loaded in `configure_model`, so strategies that shard can build it in place), the
+tokenizer, the optimizer, and the rule for logging a MetricCollection once per optimizer step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
+from torchmetrics import MetricCollection
+
+from lit_rl.models import load_causal_lm, load_tokenizer
+from lit_rl.ops import position_ids_from_mask, token_logprobs
+
+
+class PolicyModule(L.LightningModule):
+    """Base of the algorithms: a causal-LM policy, its tokenizer, AdamW with linear warm-up."""
+
+    def __init__(
+        self,
+        model_name_or_path: str,
+        dtype: str = "float32",
+        gradient_checkpointing: bool = False,
+        trust_remote_code: bool = False,
+        random_init: bool = False,
+        learning_rate: float = 1e-5,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        max_prompt_length: Optional[int] = None,
+    ) -> None:
+        super().__init__()
+        if learning_rate <= 0:
+            raise ValueError(f"model.learning_rate must be > 0, got {learning_rate}")
+        self.tokenizer = load_tokenizer(model_name_or_path, trust_remote_code=trust_remote_code)
+        self.policy: Optional[torch.nn.Module] = None
+
+    # -- model -----------------------------------------------------------------------------------------------
+    def load_model(self, random_init: bool = False) -> torch.nn.Module:
+        hp = self.hparams
+        return load_causal_lm(
+            hp.model_name_or_path,
+            dtype=hp.dtype,
+            random_init=random_init,
+            gradient_checkpointing=hp.gradient_checkpointing,
+            trust_remote_code=hp.trust_remote_code,
+        )
+
+    def configure_model(self) -> None:
+        if self.policy is None:
+            # from_pretrained returns eval mode; Lightning switches modes around validation, start in train mode.
+            self.policy = self.load_model(random_init=self.hparams.get("random_init", False)).train()
+
+    def on_train_start(self) -> None:
+        # Lightning's ModelCheckpoint forgets, on resume, that the resumed-from step was saved; with gradient
+        # accumulation the first micro-batches after resuming end with the old global_step, and it would save
+        # that step again (with a data position one micro-batch later). Mark the resumed step as saved.
+        for callback in self.trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint):
+                callback._last_global_step_saved = max(callback._last_global_step_saved, self.trainer.global_step)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=hp.learning_rate, weight_decay=hp.weight_decay)
+        warmup = max(hp.warmup_steps, 0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # -- text ------------------------------------------------------------------------------------------------
+    def format_prompt(self, prompt: Any) -> str:
+        """Text prompts pass through; chat messages go through the tokenizer's chat template."""
+        if isinstance(prompt, str):
+            return prompt
+        return self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+
+    def encode_prompts(self, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded prompt ids and mask [B, P] on the module's device (long prompts keep their end)."""
+        texts = [self.format_prompt(p) for p in prompts]
+        max_len = self.hparams.max_prompt_length
+        self.tokenizer.padding_side = "left"
+        self.tokenizer.truncation_side = "left"
+        enc = self.tokenizer(
+            texts, padding=True, truncation=max_len is not None, max_length=max_len, return_tensors="pt"
+        )
+        return enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
+
+    # -- metrics ---------------------------------------------------------------------------------------------
+    def log_collection(self, collection: MetricCollection, on_step: bool, prog_bar: tuple[str, ...] = ()) -> None:
+        """Compute (synced across ranks), log and reset every metric of `collection` that received data."""
+        values = {}
+        for name, metric in collection.items(keep_base=True):
+            if metric.update_called:
+                values[f"{collection.prefix}{name}"] = metric.compute()
+        collection.reset()
+        for name, value in values.items():
+            shown = any(name.endswith("/" + key) and name.count("/") == 1 for key in prog_bar)
+            self.log(name, value, on_step=on_step, on_epoch=not on_step, prog_bar=shown, batch_size=1)
+        if not on_step and values and self.trainer.state.fn == TrainerFn.FITTING:
+            # Validation inside fit: label it with the number of optimizer steps taken so far.
+            self.log("step", float(self.trainer.global_step), on_step=False, on_epoch=True, batch_size=1)
+        if on_step and values:
+            # Called just before optimizer step number `global_step + 1`: label the row with that number, the
+            # one its checkpoint (`step=<N>.ckpt`) carries, instead of Lightning's 0-based batch counter.
+            self.log("step", float(self.trainer.global_step + 1), on_step=True, on_epoch=False, batch_size=1)
+
+
+def completion_forward(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+) -> torch.Tensor:
+    """Logits that predict each completion token: [N, P] + [N, T] -> [N, T, V].
+
+    Positions come from the attention mask, as in generation, so a left-padded prompt gets the same positions
+    (and the same log-probs) as when it was sampled.
+    """
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [N, P+T]
+    attention_mask = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1)
+    T = completion_ids.shape[1]
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        logits_to_keep=T + 1,
+        use_cache=False,
+    )
+    return out.logits[:, :-1]  # [N, T, V]: the logit at position t predicts token t + 1
+
+
+def completion_logprobs(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Per-token log-probs [N, T] of the completion tokens under `softmax(logits / temperature)`."""
+    logits = completion_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    return token_logprobs(logits, completion_ids, temperature)

@@ -1,0 +1,104 @@
+"""Supervised fine-tuning on prompt/completion pairs: the warm start of the RL demos.
+
+Loss: mean negative log-likelihood of the completion tokens (and the EOS after them) of the micro-batch,
+
+    L = - sum_{i,t} m_it log p(y_it | x_i, y_i,<t) / sum_{i,t} m_it
+
+prompt tokens are context only (m = 0 there).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from lit_rl.algorithms.base import PolicyModule, completion_forward
+from lit_rl.metrics import sft_metrics
+from lit_rl.ops import token_logprobs
+
+
+class SFT(PolicyModule):
+    """Supervised fine-tuning of a causal LM on the completions of prompt/completion pairs.
+
+    Args:
+        model_name_or_path: a hub id, a local directory, or `lit-rl/<asset>` for a shipped one.
+        random_init: build the model from its config with random weights instead of loading weights.
+        learning_rate: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        warmup_steps: linear learning-rate warm-up, in optimizer steps.
+        dtype: dtype the model is loaded in (`float32`, `bfloat16`, `float16`, `auto`).
+        gradient_checkpointing: recompute activations in the backward pass to save memory.
+        trust_remote_code: allow model code from the model repository (off by default).
+        max_prompt_length: truncate prompts to their last `max_prompt_length` tokens (None: no limit).
+        max_completion_length: truncate completions to this many tokens, EOS included (None: no limit).
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: str = "lit-rl/tiny-qwen2-base",
+        random_init: bool = False,
+        learning_rate: float = 1e-3,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        dtype: str = "float32",
+        gradient_checkpointing: bool = False,
+        trust_remote_code: bool = False,
+        max_prompt_length: Optional[int] = None,
+        max_completion_length: Optional[int] = None,
+    ) -> None:
+        super().__init__(
+            model_name_or_path,
+            dtype=dtype,
+            gradient_checkpointing=gradient_checkpointing,
+            trust_remote_code=trust_remote_code,
+            random_init=random_init,
+            learning_rate=learning_rate,
+            weight_decay=weight_decay,
+            warmup_steps=warmup_steps,
+            max_prompt_length=max_prompt_length,
+        )
+        self.save_hyperparameters()
+        metrics = sft_metrics()
+        self.train_metrics = metrics.clone(prefix="train/")
+        self.val_metrics = metrics.clone(prefix="val/")
+
+    def encode_completions(self, completions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-padded completion ids followed by EOS, and their mask [B, T]."""
+        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        limit = self.hparams.max_completion_length
+        ids = [self.tokenizer(c, add_special_tokens=False)["input_ids"] + [eos] for c in completions]
+        ids = [seq[:limit] if limit else seq for seq in ids]
+        T = max(len(seq) for seq in ids)
+        out = torch.full((len(ids), T), pad, dtype=torch.long)
+        mask = torch.zeros((len(ids), T), dtype=torch.float32)
+        for row, seq in enumerate(ids):
+            out[row, : len(seq)] = torch.tensor(seq)
+            mask[row, : len(seq)] = 1.0
+        return out.to(self.device), mask.to(self.device)
+
+    def _step(self, rows: list[dict[str, Any]], metrics) -> torch.Tensor:
+        prompt_ids, prompt_mask = self.encode_prompts([row["prompt"] for row in rows])
+        completion_ids, completion_mask = self.encode_completions([row["completion"] for row in rows])
+        logits = completion_forward(self.policy, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        logprobs = token_logprobs(logits, completion_ids)  # [B, T]
+        tokens = completion_mask > 0
+        loss = -(logprobs * completion_mask).sum() / completion_mask.sum()
+        with torch.no_grad():
+            correct = (logits.argmax(dim=-1) == completion_ids).float()
+            metrics["loss"].update(-logprobs.detach()[tokens])  # token-weighted across micro-batches and ranks
+            metrics["token_accuracy"].update(correct[tokens])
+            metrics["num_tokens"].update(completion_mask.sum())
+        return loss
+
+    def training_step(self, batch: list[dict[str, Any]], batch_idx: int) -> torch.Tensor:
+        return self._step(batch, self.train_metrics)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.log_collection(self.train_metrics, on_step=True, prog_bar=("loss",))
+
+    def validation_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
+        self._step(batch, self.val_metrics)
+
+    def on_validation_epoch_end(self) -> None:
+        self.log_collection(self.val_metrics, on_step=False, prog_bar=("loss",))

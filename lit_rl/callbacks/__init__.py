@@ -1,0 +1,6 @@
+"""Callbacks: progress display, Hugging Face export, and (later) weight sync to rollout engines."""
+
+from lit_rl.callbacks.export import SaveHFPretrained
+from lit_rl.callbacks.progress import StepProgressBar
+
+__all__ = ["SaveHFPretrained", "StepProgressBar"]

@@ -1,0 +1,27 @@
+"""Write the trained policy as a Hugging Face `save_pretrained` directory (loadable by transformers and vLLM)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+
+
+class SaveHFPretrained(Callback):
+    """At the end of `fit`, save `pl_module.policy` and `pl_module.tokenizer` to `dirpath` (rank 0 only).
+
+    Args:
+        dirpath: output directory (created; existing files with the same names are replaced).
+    """
+
+    def __init__(self, dirpath: str) -> None:
+        self.dirpath = dirpath
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.is_global_zero:
+            out = Path(self.dirpath)
+            out.mkdir(parents=True, exist_ok=True)
+            pl_module.policy.save_pretrained(out, safe_serialization=True)
+            pl_module.tokenizer.save_pretrained(out)
+        trainer.strategy.barrier("save_hf_pretrained")

@@ -1,0 +1,150 @@
+"""GRPO policy loss: the clipped surrogate per token, the k3 KL term, and the named aggregations.
+
+Shapes: N sequences in the micro-batch, T completion tokens. The per-token loss is
+
+    r_t      = exp(logprobs_t - old_logprobs_t)
+    l_t      = -min(r_t * A, clip(r_t, 1 - epsilon_low, 1 + epsilon_high) * A) + beta * k3_t
+    k3_t     = exp(ref_t - logprobs_t) - (ref_t - logprobs_t) - 1
+
+The KL term is added per token *before* aggregation, so it is normalised exactly like the policy term.
+Aggregation turns l [N, T] and the completion mask m [N, T] into a scalar; the denominators describe the whole
+optimizer step (all micro-batches and ranks), so summing the micro-batch losses gives the exact step loss:
+
+    sequence : sum_i (sum_t l_it m_it / sum_t m_it) / num_sequences          (GRPO paper)
+    token    : sum_it l_it m_it / num_tokens                                  (token mean of the step)
+    constant : sum_it l_it m_it / (num_sequences * max_completion_length)    (Dr. GRPO)
+    dapo     : sum_it l_it m_it / num_tokens of the whole generation batch    (DAPO)
+
+With a single micro-batch the defaults (`num_sequences = N`, `num_tokens = sum(m)`) give the textbook means.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal, Optional
+
+import torch
+
+from lit_rl.ops import kl_k3, masked_sum
+
+LossAggregation = Literal["sequence", "token", "constant", "dapo"]
+
+
+@dataclass(frozen=True)
+class LossNormalizer:
+    """Denominators of the aggregation, counted over everything one optimizer step (or generation) covers.
+
+    num_sequences: sequences in the optimizer step, all micro-batches and ranks (`sequence`, `constant`).
+    num_tokens: completion tokens in the optimizer step, all micro-batches and ranks (`token`).
+    num_generation_tokens: completion tokens of the whole generation batch across ranks (`dapo`).
+    max_completion_length: the generation budget T_max (`constant`).
+    """
+
+    num_sequences: float
+    num_tokens: float
+    num_generation_tokens: float
+    max_completion_length: int
+
+    @classmethod
+    def local(cls, completion_mask: torch.Tensor, max_completion_length: Optional[int] = None) -> "LossNormalizer":
+        """Denominators of a single micro-batch: the textbook definitions."""
+        tokens = float(completion_mask.sum())
+        return cls(
+            num_sequences=float(completion_mask.shape[0]),
+            num_tokens=tokens,
+            num_generation_tokens=tokens,
+            max_completion_length=max_completion_length or completion_mask.shape[1],
+        )
+
+
+def _sequence(per_token: torch.Tensor, mask: torch.Tensor, norm: LossNormalizer) -> torch.Tensor:
+    per_sequence = masked_sum(per_token, mask, dim=1) / mask.sum(dim=1).clamp(min=1)  # [N]
+    return per_sequence.sum() / norm.num_sequences
+
+
+def _token(per_token: torch.Tensor, mask: torch.Tensor, norm: LossNormalizer) -> torch.Tensor:
+    return masked_sum(per_token, mask) / max(norm.num_tokens, 1.0)
+
+
+def _constant(per_token: torch.Tensor, mask: torch.Tensor, norm: LossNormalizer) -> torch.Tensor:
+    return masked_sum(per_token, mask) / (norm.num_sequences * norm.max_completion_length)
+
+
+def _dapo(per_token: torch.Tensor, mask: torch.Tensor, norm: LossNormalizer) -> torch.Tensor:
+    return masked_sum(per_token, mask) / max(norm.num_generation_tokens, 1.0)
+
+
+AGGREGATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, LossNormalizer], torch.Tensor]] = {
+    "sequence": _sequence,
+    "token": _token,
+    "constant": _constant,
+    "dapo": _dapo,
+}
+
+
+def aggregate(
+    per_token: torch.Tensor, completion_mask: torch.Tensor, aggregation: str, normalizer: LossNormalizer
+) -> torch.Tensor:
+    """Reduce a per-token quantity [N, T] to a scalar with the named aggregation (see the module docstring)."""
+    try:
+        reduce = AGGREGATIONS[aggregation]
+    except KeyError:
+        raise ValueError(f"loss_aggregation must be one of {sorted(AGGREGATIONS)}, got {aggregation!r}") from None
+    return reduce(per_token, completion_mask, normalizer)
+
+
+def grpo_per_token_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    ref_logprobs: Optional[torch.Tensor] = None,
+    beta: float = 0.0,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token clipped surrogate plus `beta * k3` (see module docstring).
+
+    logprobs, old_logprobs, ref_logprobs: [N, T]; advantages: [N]. Returns the per-token loss [N, T] and
+    per-token stats [N, T]: `kl` (when beta > 0), `clipped_low` (r < 1 - eps_low with A < 0: the gradient is cut),
+    `clipped_high` (r > 1 + eps_high with A > 0), `ratio`.
+    """
+    ratio = torch.exp(logprobs - old_logprobs)  # [N, T]
+    adv = advantages.unsqueeze(1)  # [N, 1]
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high) * adv
+    per_token = -torch.min(unclipped, clipped)
+    stats = {
+        "ratio": ratio.detach(),
+        "clipped_low": ((ratio < 1.0 - epsilon_low) & (adv < 0)).float(),
+        "clipped_high": ((ratio > 1.0 + epsilon_high) & (adv > 0)).float(),
+    }
+    if beta != 0.0:
+        if ref_logprobs is None:
+            raise ValueError("beta != 0 needs ref_logprobs")
+        kl = kl_k3(logprobs, ref_logprobs)
+        per_token = per_token + beta * kl
+        stats["kl"] = kl.detach()
+    return per_token, stats
+
+
+def grpo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    aggregation: LossAggregation = "sequence",
+    normalizer: Optional[LossNormalizer] = None,
+    ref_logprobs: Optional[torch.Tensor] = None,
+    beta: float = 0.0,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GRPO loss of one micro-batch: `aggregate(grpo_per_token_loss(...))`; stats as in `grpo_per_token_loss`.
+
+    `normalizer` defaults to this micro-batch's own counts (`LossNormalizer.local`).
+    """
+    per_token, stats = grpo_per_token_loss(
+        logprobs, old_logprobs, advantages, ref_logprobs, beta, epsilon_low, epsilon_high
+    )
+    normalizer = normalizer or LossNormalizer.local(completion_mask)
+    return aggregate(per_token, completion_mask, aggregation, normalizer), stats

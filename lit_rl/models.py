@@ -1,0 +1,178 @@
+"""Loading policies and tokenizers through `transformers`, and the tiny offline model lit-rl ships.
+
+`model_name_or_path` is a hub id or a local directory, loaded by the same `from_pretrained` call either way.
+Names `lit-rl/<asset>` resolve to the directories shipped in `lit_rl/assets/` (when one exists), so the
+default configs run offline from any working directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ASSETS_DIR = Path(__file__).parent / "assets"
+BUILTIN_PREFIX = "lit-rl/"
+TINY_BASE = "tiny-qwen2-base"
+TINY_SFT = "tiny-qwen2-addition-sft"
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """`lit-rl/<asset>` -> the shipped asset directory; anything else unchanged (hub id or local path)."""
+    if name_or_path.startswith(BUILTIN_PREFIX):
+        candidate = ASSETS_DIR / name_or_path[len(BUILTIN_PREFIX) :]
+        if candidate.is_dir():
+            return str(candidate)
+    return name_or_path
+
+
+def has_weights(path: str) -> bool:
+    return Path(path).is_dir() and any((Path(path) / f).exists() for f in _WEIGHT_FILES)
+
+
+def _check_exists(name_or_path: str, resolved: str) -> None:
+    looks_local = name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/").replace("/", os.sep, 1)
+    if (looks_local or name_or_path.startswith(BUILTIN_PREFIX)) and not Path(resolved).exists():
+        if name_or_path.count("/") != 1 or name_or_path.startswith((".", "/", "~")):
+            raise FileNotFoundError(f"model path {name_or_path!r} does not exist")
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, padding_side: str = "left"):
+    """AutoTokenizer with a pad token (EOS, or a new `<|pad|>`, with a warning when it had none)."""
+    from transformers import AutoTokenizer
+
+    resolved = resolve_model_path(name_or_path)
+    _check_exists(name_or_path, resolved)
+    tokenizer = AutoTokenizer.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+    tokenizer.padding_side = padding_side
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is not None:
+            tokenizer.pad_token = tokenizer.eos_token
+            log.warning("tokenizer of %r has no pad token; using its EOS token %r", name_or_path, tokenizer.eos_token)
+        else:
+            tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
+            log.warning("tokenizer of %r has no pad or EOS token; added '<|pad|>'", name_or_path)
+    return tokenizer
+
+
+def load_causal_lm(
+    name_or_path: str,
+    dtype: str = "float32",
+    random_init: bool = False,
+    gradient_checkpointing: bool = False,
+    trust_remote_code: bool = False,
+    attn_implementation: Optional[str] = None,
+) -> torch.nn.Module:
+    """AutoModelForCausalLM from a hub id or local directory; `random_init` builds it from its config only."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    resolved = resolve_model_path(name_or_path)
+    _check_exists(name_or_path, resolved)
+    kwargs = {"trust_remote_code": trust_remote_code}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    if random_init:
+        config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_config(config, dtype=_DTYPES[dtype] if dtype != "auto" else None, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(resolved, dtype=_DTYPES[dtype], **kwargs)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The tiny offline model: a Qwen2 architecture with a character-level tokenizer.
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]
+# Concatenates message contents: the tiny model has no chat roles, but chat-formatted prompts still go through
+# the tokenizer's template like they do for real models.
+TINY_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+
+
+def _byte_alphabet() -> list[str]:
+    """GPT-2's byte-to-unicode table, in byte order: the 256 symbols of a byte-level BPE."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    symbols, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            symbols[byte] = chr(byte)
+        else:
+            symbols[byte] = chr(256 + extra)
+            extra += 1
+    return [symbols[byte] for byte in range(256)]
+
+
+def build_char_tokenizer():
+    """A byte-level BPE with no merges (one token per byte: characters, for ASCII text), deterministic.
+
+    It is a `Qwen2Tokenizer`, the class `AutoTokenizer` picks for a Qwen2 config (here and in vLLM), so every
+    loader tokenizes the same way. Token ids: the 256 bytes, then `<|endoftext|>` (EOS) and `<|pad|>`.
+    """
+    from transformers import Qwen2Tokenizer
+
+    vocab = {symbol: index for index, symbol in enumerate(_byte_alphabet() + SPECIAL_TOKENS)}
+    return Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        unk_token=None,
+        eos_token="<|endoftext|>",
+        pad_token="<|pad|>",
+        chat_template=TINY_CHAT_TEMPLATE,
+        model_max_length=128,
+    )
+
+
+def tiny_qwen2_config(vocab_size: int = 320):
+    """Qwen2 with hidden 128, 4 layers, 2 heads of head_dim 64 (vLLM's CPU attention needs 64): ~1M parameters."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        pad_token_id=256 + SPECIAL_TOKENS.index("<|pad|>"),
+        eos_token_id=256 + SPECIAL_TOKENS.index("<|endoftext|>"),
+        bos_token_id=None,
+        torch_dtype="float32",
+    )
+
+
+def build_tiny_base(out_dir: str | Path) -> Path:
+    """Write the tokenizer and config of the tiny model (no weights: SFT starts it from a random init)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_char_tokenizer()
+    tokenizer.save_pretrained(out)
+    config = tiny_qwen2_config()
+    config.save_pretrained(out)
+    # Normalise JSON key order so rebuilding gives byte-identical files.
+    for name in ("config.json", "tokenizer_config.json"):
+        path = out / name
+        if path.exists():
+            path.write_text(json.dumps(json.loads(path.read_text()), indent=2, sort_keys=True) + "\n")
+    return out
+
+
+if __name__ == "__main__":  # python -m lit_rl.models OUT_DIR
+    import sys
+
+    print(build_tiny_base(sys.argv[1] if len(sys.argv) > 1 else ASSETS_DIR / TINY_BASE))

@@ -1,0 +1,52 @@
+"""Batches that flow between rollout, losses and the LightningModules.
+
+Shapes use the house names: N = B * G sequences (B prompts, G completions each), P prompt tokens (left-padded),
+T completion tokens (right-padded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class RolloutBatch:
+    """One rank's share of a generation: sampled completions, their scores and everything the loss needs."""
+
+    prompt_ids: torch.Tensor  # [N, P] long, left-padded
+    prompt_mask: torch.Tensor  # [N, P] long, 1 on real prompt tokens
+    completion_ids: torch.Tensor  # [N, T] long, right-padded
+    completion_mask: torch.Tensor  # [N, T] float, 1 up to and including the first EOS
+    rollout_logprobs: torch.Tensor  # [N, T] float, the engine's log-probs of the sampled tokens
+    rewards: torch.Tensor  # [N] float, weighted sum over reward functions
+    reward_components: torch.Tensor  # [N, F] float, one column per reward function (unweighted)
+    advantages: torch.Tensor  # [N] float
+    group_reward_std: torch.Tensor  # [N] float, std of the rewards of the sequence's group
+    old_logprobs: Optional[torch.Tensor] = None  # [N, T], None when the policy is used on-policy once
+    ref_logprobs: Optional[torch.Tensor] = None  # [N, T], None when beta == 0
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]
+
+    def select(self, index: torch.Tensor | slice) -> "RolloutBatch":
+        """Rows `index` of every tensor field (a micro-batch of the buffer)."""
+        values = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            values[f.name] = None if value is None else value[index]
+        return replace(self, **values)
+
+    def to(self, device: torch.device) -> "RolloutBatch":
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return replace(self, **{k: None if v is None else v.to(device) for k, v in values.items()})
+
+    def state_dict(self) -> dict[str, Optional[torch.Tensor]]:
+        """Plain tensors (on CPU) for a checkpoint, so a resumed run continues the same rollout buffer."""
+        return {f.name: None if getattr(self, f.name) is None else getattr(self, f.name).cpu() for f in fields(self)}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Optional[torch.Tensor]]) -> "RolloutBatch":
+        return cls(**state)

@@ -1,0 +1,83 @@
+"""Shared helpers: run the real CLI in-process on the shipped tiny model, read what it wrote."""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def write_overlay(path: Path, every_n_train_steps: Optional[int] = None, save_dir: Optional[Path] = None,
+                  extra: Optional[dict[str, Any]] = None) -> Path:
+    """A config overlay for tests: logs under `save_dir`, checkpoints every N steps (or none), no progress bar."""
+    callbacks = []
+    if every_n_train_steps:
+        callbacks.append({
+            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {"filename": "{step}", "every_n_train_steps": every_n_train_steps, "save_top_k": -1},
+        })
+    trainer = {
+        "enable_progress_bar": False,
+        "enable_checkpointing": bool(every_n_train_steps),
+        "callbacks": callbacks,
+        "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                   "init_args": {"save_dir": str(save_dir or path.parent), "name": "run", "version": 0}},
+    }
+    config: dict[str, Any] = {"trainer": trainer}
+    for section, values in (extra or {}).items():
+        config.setdefault(section, {}).update(values)
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+# Small, fast GRPO settings for the tiny model: 2 prompts x G=4 per generation by default.
+FAST_GRPO = [
+    "--model.num_generations", "4",
+    "--model.micro_batch_size", "8",
+    "--model.max_new_tokens", "4",
+    "--data.val_limit", "16",
+    "--data.val_batch_size", "16",
+    "--trainer.val_check_interval", "1000",
+    "--trainer.num_sanity_val_steps", "0",
+]
+
+
+def run_cli(*args: str) -> None:
+    from lit_rl.cli import main
+
+    main(list(args))
+
+
+def read_metrics(log_dir: Path) -> list[dict[str, str]]:
+    with open(log_dir / "metrics.csv") as handle:
+        return list(csv.DictReader(handle))
+
+
+def train_rows(log_dir: Path) -> list[dict[str, float]]:
+    """Rows of metrics.csv that carry train/ values, as floats (empty cells dropped)."""
+    rows = []
+    for row in read_metrics(log_dir):
+        values = {k: float(v) for k, v in row.items() if v != "" and (k.startswith("train/") or k == "step")}
+        if any(k.startswith("train/") for k in values):
+            rows.append(values)
+    return rows
+
+
+def saved_steps(log_dir: Path) -> list[int]:
+    return sorted(int(p.stem.split("=")[1]) for p in (log_dir / "checkpoints").glob("step=*.ckpt"))
+
+
+@pytest.fixture
+def tmp_run(tmp_path):
+    return tmp_path

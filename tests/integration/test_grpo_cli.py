@@ -1,0 +1,112 @@
+"""GRPO through the real CLI on the shipped tiny model: metrics, validation isolation, accumulation, checkpoints."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from tests.conftest import CONFIGS, FAST_GRPO, read_metrics, run_cli, saved_steps, train_rows, write_overlay
+
+pytestmark = pytest.mark.slow
+
+GRPO = str(CONFIGS / "grpo.yaml")
+
+
+def _fit(tmp_path, *args, every_n=None, name="a"):
+    overlay = write_overlay(tmp_path / f"{name}.yaml", every_n_train_steps=every_n, save_dir=tmp_path / name)
+    run_cli("fit", "--config", GRPO, "--config", str(overlay), *FAST_GRPO, *args)
+    return tmp_path / name / "run" / "version_0"
+
+
+def test_grpo_logs_separate_train_and_val_metrics(tmp_path):
+    log_dir = _fit(tmp_path, "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--model.beta", "0.04")
+    rows = read_metrics(log_dir)
+    columns = set(rows[0])
+    for name in ["reward", "reward_std", "rewards/correctness", "rewards/integer_format", "loss", "kl", "entropy",
+                 "completion_length", "clip_ratio/low", "clip_ratio/high", "frac_reward_zero_std",
+                 "rollout_logprob_diff/mean", "rollout_logprob_diff/max"]:
+        assert f"train/{name}" in columns, name
+    for name in ["reward", "rewards/correctness", "completion_length"]:
+        assert f"val/{name}" in columns, name
+    assert not any(c.startswith(("loss", "reward")) for c in columns), "every metric carries its stage prefix"
+    # Each row is one stage: no row mixes train/ and val/ values.
+    for row in rows:
+        stages = {k.split("/")[0] for k, v in row.items() if v != "" and "/" in k}
+        assert len(stages) == 1, row
+    train = train_rows(log_dir)
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    val_steps = [float(r["step"]) for r in rows if r.get("val/reward")]
+    assert val_steps == [2.0, 4.0]
+    # The trainer's recomputed log-probs agree with generate's own scores.
+    assert max(r["train/rollout_logprob_diff/max"] for r in train) < 1e-4
+    assert all(r["train/kl"] >= 0 for r in train)
+
+
+def test_validation_does_not_change_training(tmp_path):
+    with_val = _fit(tmp_path, "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", name="val")
+    without = _fit(tmp_path, "--trainer.max_steps", "4", "--trainer.limit_val_batches", "0", name="noval")
+    assert any(r.get("val/reward") for r in read_metrics(with_val))
+    assert train_rows(with_val) == train_rows(without)
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence", "dapo"])
+def test_accumulation_equals_one_big_micro_batch(tmp_path, aggregation):
+    """Same global batch as 1 x 8 and 4 x 2 micro-batches: same per-step loss and metrics."""
+    common = ("--trainer.max_steps", "3", "--model.loss_aggregation", aggregation, "--model.num_iterations", "2",
+              "--model.steps_per_generation", "1", "--model.beta", "0.04")
+    one = _fit(tmp_path, *common, "--model.micro_batch_size", "8", name="one")
+    four = _fit(tmp_path, *common, "--model.micro_batch_size", "2", "--trainer.accumulate_grad_batches", "4",
+                name="four")
+    a, b = train_rows(one), train_rows(four)
+    assert len(a) == len(b) == 3
+    for row_a, row_b in zip(a, b):
+        assert row_a.keys() == row_b.keys()
+        for key in row_a:
+            assert row_a[key] == pytest.approx(row_b[key], abs=1e-5, rel=1e-5), key
+
+
+MATRIX = list(itertools.product([1, 2], [1, 2], [1, 2]))  # accumulate, num_iterations, steps_per_generation
+
+
+@pytest.mark.parametrize("accumulate, num_iterations, steps_per_generation", MATRIX)
+def test_checkpoints_land_exactly_every_n_steps(tmp_path, accumulate, num_iterations, steps_per_generation):
+    log_dir = _fit(
+        tmp_path,
+        "--trainer.max_steps", "9",
+        "--trainer.accumulate_grad_batches", str(accumulate),
+        "--model.num_iterations", str(num_iterations),
+        "--model.steps_per_generation", str(steps_per_generation),
+        "--model.micro_batch_size", "4",
+        every_n=3,
+    )
+    assert saved_steps(log_dir) == [3, 6, 9]
+    assert [r["step"] for r in train_rows(log_dir)] == list(range(1, 10))
+
+
+def test_resume_mid_generation_keeps_cadence_and_metrics(tmp_path):
+    # 2 steps per generation x 2 iterations = 4 optimizer steps per generation: step 2 is mid-generation.
+    common = ("--trainer.accumulate_grad_batches", "2", "--model.num_iterations", "2",
+              "--model.steps_per_generation", "2", "--model.micro_batch_size", "2")
+    full = _fit(tmp_path, "--trainer.max_steps", "8", *common, every_n=2, name="full")
+    first = _fit(tmp_path, "--trainer.max_steps", "2", *common, every_n=2, name="first")
+    assert saved_steps(first) == [2]
+    resumed = _fit(tmp_path, "--trainer.max_steps", "8", *common, "--ckpt_path", str(first / "checkpoints" / "step=2.ckpt"),
+                   every_n=2, name="resumed")
+    assert saved_steps(resumed) == [4, 6, 8]
+    checkpoint = torch.load(resumed / "checkpoints" / "step=8.ckpt", weights_only=False)
+    assert checkpoint["global_step"] == 8
+    full_rows = {r["step"]: r for r in train_rows(full)}
+    resumed_rows = train_rows(resumed)
+    assert [r["step"] for r in resumed_rows] == [3, 4, 5, 6, 7, 8]
+    for row in resumed_rows:
+        for key, value in row.items():
+            assert value == pytest.approx(full_rows[row["step"]][key], abs=1e-6), (row["step"], key)
+
+
+def test_reference_model_is_not_saved_in_checkpoints(tmp_path):
+    log_dir = _fit(tmp_path, "--trainer.max_steps", "1", "--model.beta", "0.1", every_n=1)
+    checkpoint = torch.load(log_dir / "checkpoints" / "step=1.ckpt", weights_only=False)
+    assert any(k.startswith("policy.") for k in checkpoint["state_dict"])
+    assert not any(k.startswith("ref_model.") for k in checkpoint["state_dict"])
