@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -39,10 +38,18 @@ def has_weights(path: str) -> bool:
 
 
 def _check_exists(name_or_path: str, resolved: str) -> None:
-    looks_local = name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/").replace("/", os.sep, 1)
-    if (looks_local or name_or_path.startswith(BUILTIN_PREFIX)) and not Path(resolved).exists():
-        if name_or_path.count("/") != 1 or name_or_path.startswith((".", "/", "~")):
-            raise FileNotFoundError(f"model path {name_or_path!r} does not exist")
+    """Fail early, naming the path, when a local path or a `lit-rl/` asset does not exist.
+
+    `org/name` may be a hub id, so it is left to `from_pretrained`; anything that can only be a local path
+    (absolute, `./`, `../`, `~`, or more than one `/`) must exist.
+    """
+    if Path(resolved).exists():
+        return
+    if name_or_path.startswith(BUILTIN_PREFIX):
+        known = sorted(p.name for p in ASSETS_DIR.iterdir() if p.is_dir())
+        raise FileNotFoundError(f"model {name_or_path!r}: no such built-in model (built-in: {known})")
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        raise FileNotFoundError(f"model path {name_or_path!r} does not exist")
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, padding_side: str = "left"):

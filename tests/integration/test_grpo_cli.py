@@ -110,3 +110,16 @@ def test_reference_model_is_not_saved_in_checkpoints(tmp_path):
     checkpoint = torch.load(log_dir / "checkpoints" / "step=1.ckpt", weights_only=False)
     assert any(k.startswith("policy.") for k in checkpoint["state_dict"])
     assert not any(k.startswith("ref_model.") for k in checkpoint["state_dict"])
+
+
+def test_grpo_on_a_user_jsonl_file_with_chat_prompts(tmp_path):
+    import json
+
+    rows = [{"prompt": [{"role": "user", "content": f"{a}+{a}="}], "answer": str(2 * a)} for a in range(12)]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    log_dir = _fit(tmp_path, "--trainer.max_steps", "2", "--data.train_data", str(data),
+                   "--data.val_data", str(data), "--trainer.val_check_interval", "2")
+    assert len(train_rows(log_dir)) == 2
+    val = [r for r in read_metrics(log_dir) if r.get("val/rewards/correctness")]
+    assert float(val[0]["val/rewards/correctness"]) > 0  # the chat template produced prompts the model can answer

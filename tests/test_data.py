@@ -1,0 +1,97 @@
+import json
+
+import pytest
+import torch
+
+from lit_rl.data import RolloutSchedule, RolloutScheduleLoader, load_rows, validate_rows
+from lit_rl.data.arithmetic import VAL_SIZE
+
+
+def test_builtin_addition_splits_are_disjoint_and_complete():
+    train, val = load_rows("builtin:addition/train"), load_rows("builtin:addition/val")
+    assert len(val) == VAL_SIZE and len(train) + len(val) == 100 * 100
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in val}
+    row = train[0]
+    a, b = map(int, row["prompt"].rstrip("=").split("+"))
+    assert row["answer"] == row["completion"] == str(a + b)
+    assert load_rows("builtin:addition/val") == val  # deterministic
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}],
+        [{"prompt": [{"role": "user", "content": "2+2="}], "answer": "4"}],
+    ],
+    ids=["text", "chat"],
+)
+def test_jsonl_json_and_parquet_load_the_same_rows(tmp_path, rows):
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    for name in ("d.jsonl", "d.json", "d.parquet"):
+        assert load_rows(str(tmp_path / name)) == rows, name
+
+
+def test_malformed_jsonl_names_the_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "a"}\n{"prompt": \n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: malformed JSON"):
+        load_rows(str(path))
+
+
+def test_missing_file_and_unknown_extension(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        load_rows(str(tmp_path / "nope.jsonl"))
+    (tmp_path / "x.csv").write_text("prompt\n")
+    with pytest.raises(ValueError, match="unsupported extension '.csv'"):
+        load_rows(str(tmp_path / "x.csv"))
+
+
+def test_validate_rows_names_the_row_and_column():
+    with pytest.raises(ValueError, match="row 1 has no 'prompt' column"):
+        validate_rows([{"prompt": "a"}, {"question": "b"}], ["prompt"], "data.jsonl")
+    with pytest.raises(ValueError, match="empty"):
+        validate_rows([], ["prompt"], "data.jsonl")
+
+
+def _loader(rows, start=0, rank=0, world=1, prompts=2, micro=3, seed=0):
+    schedule = RolloutSchedule(prompts_per_rank=prompts, micro_steps_per_generation=micro, start_micro_step=lambda: start)
+    return RolloutScheduleLoader(rows, schedule, seed=seed, rank=rank, world_size=world)
+
+
+def test_schedule_carries_prompts_on_the_first_micro_step_of_each_generation():
+    rows = [{"prompt": str(i)} for i in range(10)]
+    loader = _loader(rows)
+    assert len(loader) == 5 * 3  # 5 generations of 2 prompts, 3 micro-steps each
+    items = list(loader)
+    assert [item["micro_step"] for item in items] == list(range(15))
+    assert [len(item["rows"]) for item in items] == [2, 0, 0] * 5
+    seen = [row["prompt"] for item in items for row in item["rows"]]
+    assert sorted(seen) == sorted(r["prompt"] for r in rows)  # one epoch = every prompt once
+
+
+def test_schedule_resumes_mid_epoch_with_the_same_items():
+    rows = [{"prompt": str(i)} for i in range(10)]
+    full = list(_loader(rows))
+    resumed = list(_loader(rows, start=7))
+    assert resumed == full[7:]
+    next_epoch = list(_loader(rows, start=15))
+    assert [i["micro_step"] for i in next_epoch] == list(range(15, 30))
+    assert [r for i in next_epoch for r in i["rows"]] != [r for i in full for r in i["rows"]]  # reshuffled
+
+
+def test_schedule_gives_ranks_disjoint_prompts():
+    rows = [{"prompt": str(i)} for i in range(12)]
+    rank0 = [r["prompt"] for i in _loader(rows, rank=0, world=2) for r in i["rows"]]
+    rank1 = [r["prompt"] for i in _loader(rows, rank=1, world=2) for r in i["rows"]]
+    assert len(rank0) == len(rank1) == 12 // 2 // 2 * 2
+    assert not set(rank0) & set(rank1)
+
+
+def test_schedule_rejects_too_little_data():
+    with pytest.raises(ValueError, match="fewer than one generation batch"):
+        _loader([{"prompt": "a"}], prompts=2)

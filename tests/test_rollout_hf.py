@@ -1,0 +1,53 @@
+"""The trainer's recomputed log-probs equal HF generate's own scores on a left-padded batch (fp32)."""
+
+import pytest
+import torch
+
+from lit_rl.algorithms.base import completion_logprobs
+from lit_rl.models import load_causal_lm, load_tokenizer
+from lit_rl.rollout import HFGenerateEngine, SamplingParams
+
+MODEL = "lit-rl/tiny-qwen2-addition-sft"
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return load_tokenizer(MODEL), load_causal_lm(MODEL)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_trainer_logprobs_match_generate_scores_on_left_padded_prompts(policy, temperature):
+    tokenizer, model = policy
+    prompts = ["1+2=", "45+67=", "  9+99=", "3+40="]  # different lengths: left padding of 0 to 3 tokens
+    enc = tokenizer(prompts, padding=True, return_tensors="pt")
+    assert (enc["attention_mask"] == 0).any(), "the batch must actually be left-padded"
+    ids = enc["input_ids"].repeat_interleave(4, 0)
+    mask = enc["attention_mask"].repeat_interleave(4, 0)
+    engine = HFGenerateEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    out = engine.generate(ids, mask, SamplingParams(max_new_tokens=6, temperature=temperature))
+    assert out.completion_mask.sum(1).min() >= 1
+    with torch.no_grad():
+        trainer_logprobs = completion_logprobs(model, ids, mask, out.completion_ids, out.completion_mask, temperature)
+    tokens = out.completion_mask > 0
+    diff = (trainer_logprobs - out.logprobs).abs()[tokens]
+    assert diff.max().item() < 1e-5
+    # Not trivially equal: the log-probs are real, varied numbers.
+    assert out.logprobs[tokens].std() > 0.01
+
+
+def test_greedy_generation_and_completion_mask(policy):
+    tokenizer, model = policy
+    enc = tokenizer(["12+34=", "7+8="], padding=True, return_tensors="pt")
+    engine = HFGenerateEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    out = engine.generate(enc["input_ids"], enc["attention_mask"], SamplingParams(max_new_tokens=8, temperature=0.0))
+    for row in range(2):
+        length = int(out.completion_mask[row].sum())
+        ids = out.completion_ids[row]
+        assert ids[length - 1] == tokenizer.eos_token_id  # the mask ends on the first EOS
+        assert (ids[length:] == tokenizer.pad_token_id).all()
+    texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+    assert all(text.strip().isdigit() for text in texts)
+    model.train()
+    engine.generate(enc["input_ids"], enc["attention_mask"], SamplingParams(max_new_tokens=2, temperature=0.0))
+    assert model.training, "generate must restore the train mode it found"
