@@ -54,3 +54,13 @@ def rollout_eval_metrics(reward_names: Iterable[str]) -> MetricCollection:
 def sft_metrics() -> MetricCollection:
     """Token-weighted negative log-likelihood and next-token accuracy of the completion tokens."""
     return _collection({"loss": MeanMetric(), "token_accuracy": MeanMetric(), "num_tokens": SumMetric()})
+
+
+def dpo_metrics() -> MetricCollection:
+    """Per-pair means (weighted by pair, padding pairs weigh 0); `logits/*` are token-weighted means of the
+    vocabulary-mean logit over completion tokens."""
+    names = [
+        "loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+        "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected",
+    ]
+    return _collection({name: MeanMetric() for name in names})

@@ -1,8 +1,8 @@
 """Loading policies and tokenizers through `transformers`, and the tiny offline model lit-rl ships.
 
 `model_name_or_path` is a hub id or a local directory, loaded by the same `from_pretrained` call either way.
-Names `lit-rl/<asset>` resolve to the directories shipped in `lit_rl/assets/` (when one exists), so the
-default configs run offline from any working directory.
+Names `lit-rl/<asset>` resolve to the directories shipped in `lit_rl/assets/` (an unknown asset name is an
+error, not a hub lookup), so the default configs run offline from any working directory.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ def resolve_model_path(name_or_path: str) -> str:
         candidate = ASSETS_DIR / name_or_path[len(BUILTIN_PREFIX) :]
         if candidate.is_dir():
             return str(candidate)
+    if name_or_path.startswith("~"):
+        return str(Path(name_or_path).expanduser())
     return name_or_path
 
 
@@ -77,8 +79,13 @@ def load_causal_lm(
     gradient_checkpointing: bool = False,
     trust_remote_code: bool = False,
     attn_implementation: Optional[str] = None,
+    disable_dropout: bool = False,
 ) -> torch.nn.Module:
-    """AutoModelForCausalLM from a hub id or local directory; `random_init` builds it from its config only."""
+    """AutoModelForCausalLM from a hub id or local directory; `random_init` builds it from its config only.
+
+    `disable_dropout` zeroes every dropout probability of the config and every `nn.Dropout`: RL losses compare
+    log-probs of the same tokens under the same weights, which dropout would make differ.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if dtype not in _DTYPES:
@@ -88,11 +95,19 @@ def load_causal_lm(
     kwargs = {"trust_remote_code": trust_remote_code}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
+    config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+    if disable_dropout:
+        for key, value in list(vars(config).items()):
+            if isinstance(value, float) and ("dropout" in key or key.endswith("pdrop")):
+                setattr(config, key, 0.0)
     if random_init:
-        config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_config(config, dtype=_DTYPES[dtype] if dtype != "auto" else None, **kwargs)
     else:
-        model = AutoModelForCausalLM.from_pretrained(resolved, dtype=_DTYPES[dtype], **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(resolved, config=config, dtype=_DTYPES[dtype], **kwargs)
+    if disable_dropout:
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False

@@ -80,3 +80,22 @@ def test_dtype_option():
     assert next(load_causal_lm("lit-rl/tiny-qwen2-addition-sft", dtype="bfloat16").parameters()).dtype == torch.bfloat16
     with pytest.raises(ValueError, match="dtype"):
         load_causal_lm("lit-rl/tiny-qwen2-addition-sft", dtype="float8")
+
+
+def test_disable_dropout_zeroes_config_and_modules(tmp_path):
+    from transformers import Qwen2Config
+
+    from lit_rl.models import tiny_qwen2_config
+
+    config = tiny_qwen2_config()
+    config.attention_dropout = 0.3
+    config.save_pretrained(tmp_path)
+    build_char_tokenizer().save_pretrained(tmp_path)
+    assert load_causal_lm(str(tmp_path), random_init=True).config.attention_dropout == 0.3
+    assert load_causal_lm(str(tmp_path), random_init=True, disable_dropout=True).config.attention_dropout == 0.0
+    assert isinstance(config, Qwen2Config)
+
+
+def test_home_relative_paths_are_expanded(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert resolve_model_path("~/models/x") == str(tmp_path / "models" / "x")

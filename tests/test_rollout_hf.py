@@ -51,3 +51,31 @@ def test_greedy_generation_and_completion_mask(policy):
     model.train()
     engine.generate(enc["input_ids"], enc["attention_mask"], SamplingParams(max_new_tokens=2, temperature=0.0))
     assert model.training, "generate must restore the train mode it found"
+
+
+def test_the_models_own_generation_settings_do_not_leak_into_sampling(policy):
+    """A repository's generation_config (top_k=1, repetition penalty) must not change what the engine samples:
+    the trainer's log-probs assume plain softmax(logits / T)."""
+    tokenizer, model = policy
+    saved = model.generation_config.to_dict()
+    model.generation_config.top_k = 1
+    model.generation_config.suppress_tokens = [tokenizer.convert_tokens_to_ids("1")]
+    try:
+        enc = tokenizer(["45+67="] * 32, return_tensors="pt")
+        engine = HFGenerateEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        torch.manual_seed(0)
+        out = engine.generate(enc["input_ids"], enc["attention_mask"], SamplingParams(max_new_tokens=6, temperature=1.5))
+        distinct = {tuple(row.tolist()) for row in out.completion_ids}
+        assert len(distinct) > 1, "top_k=1 from the model's generation_config leaked into sampling"
+        one = tokenizer.convert_tokens_to_ids("1")
+        assert (out.completion_ids == one).any(), "suppress_tokens from the model's generation_config leaked"
+        assert model.generation_config.top_k == 1  # restored afterwards
+    finally:
+        model.generation_config.update(**{k: saved.get(k) for k in ("top_k", "suppress_tokens")})
+
+
+def test_any_of_several_eos_ids_ends_a_completion():
+    from lit_rl.rollout.base import completion_mask_from_ids
+
+    ids = torch.tensor([[5, 7, 3, 3], [5, 8, 3, 3], [5, 5, 5, 5]])
+    assert completion_mask_from_ids(ids, [7, 8]).tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]

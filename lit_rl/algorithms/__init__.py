@@ -1,6 +1,7 @@
 """One LightningModule per algorithm."""
 
+from lit_rl.algorithms.dpo import DPO
 from lit_rl.algorithms.grpo import GRPO
 from lit_rl.algorithms.sft import SFT
 
-__all__ = ["GRPO", "SFT"]
+__all__ = ["DPO", "GRPO", "SFT"]

@@ -21,6 +21,9 @@ from lit_rl.ops import position_ids_from_mask, token_logprobs
 class PolicyModule(L.LightningModule):
     """Base of the algorithms: a causal-LM policy, its tokenizer, AdamW with linear warm-up."""
 
+    # RL algorithms compare log-probs of the same tokens under the same weights: no dropout (SFT keeps it).
+    disable_dropout = True
+
     def __init__(
         self,
         model_name_or_path: str,
@@ -34,21 +37,26 @@ class PolicyModule(L.LightningModule):
         max_prompt_length: Optional[int] = None,
     ) -> None:
         super().__init__()
-        if learning_rate <= 0:
-            raise ValueError(f"model.learning_rate must be > 0, got {learning_rate}")
+        if learning_rate < 0:
+            raise ValueError(f"model.learning_rate must be >= 0, got {learning_rate}")
         self.tokenizer = load_tokenizer(model_name_or_path, trust_remote_code=trust_remote_code)
         self.policy: Optional[torch.nn.Module] = None
 
     # -- model -----------------------------------------------------------------------------------------------
-    def load_model(self, random_init: bool = False) -> torch.nn.Module:
+    def load_model(self, random_init: bool = False, path: Optional[str] = None) -> torch.nn.Module:
+        """The policy's model (or the one at `path`, e.g. a reference) with this module's loading options."""
         hp = self.hparams
-        return load_causal_lm(
-            hp.model_name_or_path,
+        model = load_causal_lm(
+            path or hp.model_name_or_path,
             dtype=hp.dtype,
             random_init=random_init,
             gradient_checkpointing=hp.gradient_checkpointing,
             trust_remote_code=hp.trust_remote_code,
+            disable_dropout=self.disable_dropout,
         )
+        if len(self.tokenizer) > model.get_input_embeddings().num_embeddings:  # a pad token was added
+            model.resize_token_embeddings(len(self.tokenizer))
+        return model
 
     def configure_model(self) -> None:
         if self.policy is None:
@@ -81,11 +89,16 @@ class PolicyModule(L.LightningModule):
     def encode_prompts(self, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded prompt ids and mask [B, P] on the module's device (long prompts keep their end)."""
         texts = [self.format_prompt(p) for p in prompts]
-        max_len = self.hparams.max_prompt_length
+        max_len = self.hparams.get("max_prompt_length")
         self.tokenizer.padding_side = "left"
         self.tokenizer.truncation_side = "left"
         enc = self.tokenizer(
-            texts, padding=True, truncation=max_len is not None, max_length=max_len, return_tensors="pt"
+            texts,
+            padding=True,
+            truncation=max_len is not None,
+            max_length=max_len,
+            return_tensors="pt",
+            add_special_tokens=all(isinstance(p, str) for p in prompts),  # a chat template already added them
         )
         return enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
 

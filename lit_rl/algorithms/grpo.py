@@ -20,6 +20,7 @@ from lit_rl.metrics import grpo_metrics, rollout_eval_metrics
 from lit_rl.ops import entropy_from_logits, token_logprobs
 from lit_rl.rewards import call_reward_function, import_reward_function, reward_name
 from lit_rl.rollout import HFGenerateEngine, RolloutEngine, SamplingParams
+from lit_rl.rollout.hf import model_eos_token_ids
 from lit_rl.types import RolloutBatch
 
 _ZERO_STD = 1e-6
@@ -121,10 +122,19 @@ class GRPO(PolicyModule):
     def engine(self) -> RolloutEngine:
         """The rollout engine (HF `generate` on the policy unless one was injected), created on first use."""
         if self.rollout_engine is None:
-            self.rollout_engine = HFGenerateEngine(self.policy, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
+            eos_ids = model_eos_token_ids(self.policy, self.tokenizer.eos_token_id)
+            self.rollout_engine = HFGenerateEngine(self.policy, eos_ids, self.tokenizer.pad_token_id)
         return self.rollout_engine
 
     def setup(self, stage: str) -> None:
+        limit = self.trainer.limit_train_batches if stage == "fit" else None
+        if limit is not None and (isinstance(limit, float) and limit != 1.0 or isinstance(limit, int)):
+            # A truncated epoch would end inside a generation, where Lightning forces a partial optimizer step.
+            if not isinstance(limit, int) or limit % self.micro_steps_per_generation != 0:
+                raise ValueError(
+                    f"trainer.limit_train_batches={limit} must be an integer multiple of the "
+                    f"{self.micro_steps_per_generation} micro-steps of a generation"
+                )
         if stage == "fit":
             completions = self.completions_per_generation
             if completions % self.hparams.num_generations != 0:
@@ -253,6 +263,8 @@ class GRPO(PolicyModule):
             self._buffer = self.make_rollout(batch["rows"])
         micro_batches = self.micro_steps_per_generation // hp.num_iterations
         index = generation_micro_step % micro_batches
+        if self._buffer.prompt_ids.device != self.device:  # restored from a checkpoint on CPU
+            self._buffer = self._buffer.to(self.device)
         mb = self._buffer.select(slice(index * hp.micro_batch_size, (index + 1) * hp.micro_batch_size))
 
         logits = completion_forward(self.policy, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask)
@@ -303,28 +315,32 @@ class GRPO(PolicyModule):
             m["rollout_logprob_diff/mean"].update(diff)
             m["rollout_logprob_diff/max"].update(diff)
 
-    def _update_rollout_metrics(self, m, rewards, components, completion_mask, group_std) -> None:
-        m["reward"].update(rewards)
-        m["reward_std"].update(group_std)
-        m["completion_length"].update(completion_mask.sum(dim=1))
+    def _update_rollout_metrics(self, m, rewards, components, completion_mask, group_std, weight=None) -> None:
+        weight = torch.ones_like(rewards) if weight is None else weight
+        m["reward"].update(rewards, weight)
+        m["reward_std"].update(group_std, weight)
+        m["completion_length"].update(completion_mask.sum(dim=1), weight)
         for column, name in enumerate(self.reward_fns):
-            m[f"rewards/{name}"].update(components[:, column])
+            m[f"rewards/{name}"].update(components[:, column], weight)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Called once per optimizer step, after every micro-batch of the window has run its backward.
         self.log_collection(self.train_metrics, on_step=True, prog_bar=("reward", "loss"))
 
     # -- validation ------------------------------------------------------------------------------------------
-    def validation_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         hp = self.hparams
-        # Validation samples with its own RNG stream, so it cannot change what training samples next.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(7919 * (batch_idx + 1))
-            _, _, out, components = self.sample(batch, hp.val_num_generations, self.sampling_params(training=False))
-        rewards = (components.nan_to_num(0.0) * self.reward_weights.to(components)).sum(dim=1)
         G = hp.val_num_generations
+        # Validation samples with its own RNG stream, so it cannot change what training samples next.
+        # fork_rng saves and restores the CPU RNG and, listed here, this GPU's.
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(7919 * (batch_idx + 1))
+            _, _, out, components = self.sample(batch["rows"], G, self.sampling_params(training=False))
+        rewards = (components.nan_to_num(0.0) * self.reward_weights.to(components)).sum(dim=1)
         group_std = rewards.view(-1, G).std(dim=1).repeat_interleave(G) if G > 1 else torch.zeros_like(rewards)
-        self._update_rollout_metrics(self.val_metrics, rewards, components, out.completion_mask, group_std)
+        weight = batch["weight"].to(rewards).repeat_interleave(G)  # 0 on rows that pad this rank's share
+        self._update_rollout_metrics(self.val_metrics, rewards, components, out.completion_mask, group_std, weight)
 
     def on_validation_epoch_end(self) -> None:
         self.log_collection(self.val_metrics, on_step=False, prog_bar=("reward",))
@@ -335,24 +351,51 @@ class GRPO(PolicyModule):
         checkpoint["state_dict"] = {
             k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("ref_model.")
         }
-        checkpoint["lit_rl"] = {
-            "micro_steps_done": self._micro_steps_done,
+        # Every rank has its own buffer and RNG stream, but only rank 0 writes the file: gather them all.
+        local = {
             "buffer": None if self._buffer is None else self._buffer.state_dict(),
             "normalizers": [vars(n) for n in self._normalizers],
-            "torch_rng_state": torch.get_rng_state(),
+            "rng": rng_state(self.device),
         }
+        per_rank = [local]
+        if self.trainer.world_size > 1:
+            per_rank = [None] * self.trainer.world_size
+            torch.distributed.all_gather_object(per_rank, local)
+        checkpoint["lit_rl"] = {"micro_steps_done": self._micro_steps_done, "per_rank": per_rank}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.ref_model is not None:
             for key, value in self.ref_model.state_dict().items():
                 checkpoint["state_dict"][f"ref_model.{key}"] = value
-        state = checkpoint.get("lit_rl", {})
-        self._micro_steps_done = state.get("micro_steps_done", 0)
-        buffer = state.get("buffer")
-        self._buffer = None if buffer is None else RolloutBatch.from_state_dict(buffer).to(self.device)
-        self._normalizers = [LossNormalizer(**n) for n in state.get("normalizers", [])]
-        if "torch_rng_state" in state:
-            torch.set_rng_state(state["torch_rng_state"])
+        state = checkpoint.get("lit_rl")
+        if state is None:
+            return
+        per_rank = state["per_rank"]
+        if len(per_rank) != self.trainer.world_size:
+            raise ValueError(
+                f"checkpoint was written by {len(per_rank)} ranks, this run has {self.trainer.world_size}: "
+                "GRPO resumes its rollout buffer per rank, so resume with the same number of devices"
+            )
+        mine = per_rank[self.global_rank]
+        self._micro_steps_done = state["micro_steps_done"]
+        # Kept on CPU here: the module is moved to its device after this hook; training_step moves it.
+        self._buffer = None if mine["buffer"] is None else RolloutBatch.from_state_dict(mine["buffer"])
+        self._normalizers = [LossNormalizer(**n) for n in mine["normalizers"]]
+        set_rng_state(mine["rng"])
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """CPU and (on GPU) this device's RNG state: what sampling draws from."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"], torch.cuda.current_device())
 
 
 def _check_grpo_args(args: dict[str, Any]) -> None:

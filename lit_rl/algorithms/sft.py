@@ -34,6 +34,8 @@ class SFT(PolicyModule):
         max_completion_length: truncate completions to this many tokens, EOS included (None: no limit).
     """
 
+    disable_dropout = False
+
     def __init__(
         self,
         model_name_or_path: str = "lit-rl/tiny-qwen2-base",

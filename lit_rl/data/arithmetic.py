@@ -27,3 +27,26 @@ def addition_rows(split: str) -> list[dict[str, str]]:
 
 
 BUILTIN_DATASETS = {"addition": addition_rows}
+
+
+def addition_preference_rows(split: str) -> list[dict[str, str]]:
+    """Preference pairs of the addition task: `chosen` is the right sum, `rejected` a near miss.
+
+    The wrong answer is the sum plus an offset of +-1, +-2 or +-10 (kept non-negative), drawn with a fixed seed,
+    so the data set is the same everywhere.
+    """
+    rows = addition_rows(split)
+    generator = torch.Generator().manual_seed(_SPLIT_SEED + 1)
+    offsets = [-10, -2, -1, 1, 2, 10]
+    picks = torch.randint(len(offsets), (len(rows),), generator=generator).tolist()
+    out = []
+    for row, pick in zip(rows, picks):
+        answer = int(row["answer"])
+        wrong = answer + offsets[pick]
+        if wrong < 0:
+            wrong = answer - offsets[pick]
+        out.append({"prompt": row["prompt"], "chosen": str(answer), "rejected": str(wrong), "answer": row["answer"]})
+    return out
+
+
+BUILTIN_DATASETS["addition_preference"] = addition_preference_rows

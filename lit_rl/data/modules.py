@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lit_rl.data.files import Row, load_rows, validate_rows
+from lit_rl.data.preference import ShardedPairBatches, ShardedRowBatches, TokenizedPair, tokenize_pairs
 from lit_rl.data.schedule import RolloutSchedule, RolloutScheduleLoader
 
 
@@ -78,14 +79,10 @@ class PromptDataModule(L.LightningDataModule):
     def val_dataloader(self) -> Any:
         if not self.val_rows:
             return []
+        batches = ShardedRowBatches(self.val_rows, self.val_batch_size, self.trainer.global_rank, self.trainer.world_size)
         # Its own generator: creating a DataLoader iterator draws a seed from the generator, and drawing it from
         # the global RNG would make a run with validation sample different training rollouts than one without.
-        return DataLoader(
-            self.val_rows,  # type: ignore[arg-type]
-            batch_size=self.val_batch_size,
-            collate_fn=collate_rows,
-            generator=torch.Generator().manual_seed(self.seed),
-        )
+        return DataLoader(batches, batch_size=None, generator=torch.Generator().manual_seed(self.seed))
 
 
 class SFTDataModule(PromptDataModule):
@@ -130,3 +127,67 @@ class SFTDataModule(PromptDataModule):
 
     def val_dataloader(self) -> DataLoader[Any]:
         return self._loader(self.val_rows, shuffle=False)
+
+
+class PreferenceDataModule(PromptDataModule):
+    """Preference pairs for DPO: `prompt`, `chosen`, `rejected` (text, or chat messages).
+
+    Tokenized once in `setup` with the algorithm's tokenizer; batches are sharded across ranks by
+    `lit_rl.data.preference.ShardedPairBatches` (uneven shares padded with weight-0 pairs).
+
+    Args:
+        train_data: `builtin:addition_preference/train` or a local `.jsonl` / `.json` / `.parquet` file.
+        val_data: same format, for validation; None disables validation.
+        val_limit: use at most this many validation rows.
+        batch_size: pairs per micro-batch on each rank (each pair is two sequences).
+        max_prompt_length: keep the last `max_prompt_length` prompt tokens (None: no limit).
+        max_length: cut completions so that prompt + completion fits (None: no limit).
+        seed: seed of the training order (a new permutation each epoch).
+    """
+
+    required_columns = ("prompt", "chosen", "rejected")
+
+    def __init__(
+        self,
+        train_data: str = "builtin:addition_preference/train",
+        val_data: Optional[str] = "builtin:addition_preference/val",
+        val_limit: Optional[int] = None,
+        batch_size: int = 32,
+        max_prompt_length: Optional[int] = None,
+        max_length: Optional[int] = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(train_data=train_data, val_data=val_data, val_limit=val_limit, val_batch_size=batch_size,
+                         seed=seed)
+        if batch_size < 1:
+            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+        self.batch_size = batch_size
+        self.max_prompt_length = max_prompt_length
+        self.max_length = max_length
+        self.train_pairs: list[TokenizedPair] = []
+        self.val_pairs: list[TokenizedPair] = []
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        super().setup(stage)
+        module = self.trainer.lightning_module
+        tokenize = lambda rows, source: tokenize_pairs(  # noqa: E731
+            rows, module.tokenizer, module.format_prompt, self.max_prompt_length, self.max_length, source
+        )
+        if not self.train_pairs:
+            self.train_pairs = tokenize(self.train_rows, self.train_data)
+        if self.val_rows and not self.val_pairs:
+            self.val_pairs = tokenize(self.val_rows, self.val_data)
+
+    def _batches(self, pairs: list[TokenizedPair], shuffle: bool) -> DataLoader[Any]:
+        trainer = self.trainer
+        batches = ShardedPairBatches(
+            pairs, self.batch_size, shuffle, self.seed, trainer.global_rank, trainer.world_size,
+            pad_id=trainer.lightning_module.tokenizer.pad_token_id, epoch=lambda: trainer.current_epoch,
+        )
+        return DataLoader(batches, batch_size=None)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return self._batches(self.train_pairs, shuffle=True)
+
+    def val_dataloader(self) -> Any:
+        return self._batches(self.val_pairs, shuffle=False) if self.val_pairs else []

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional, Protocol
+from typing import Iterable, Optional, Protocol, Sequence
 
 import torch
 
@@ -51,9 +51,10 @@ class RolloutEngine(Protocol):
         """Make the engine sample from the current policy (a no-op for engines that share the model)."""
 
 
-def completion_mask_from_ids(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """1 on every token up to and including the first EOS, 0 after it: [N, T] -> [N, T] float."""
-    is_eos = completion_ids == eos_token_id
+def completion_mask_from_ids(completion_ids: torch.Tensor, eos_token_ids: int | Sequence[int]) -> torch.Tensor:
+    """1 on every token up to and including the first EOS (any of `eos_token_ids`), 0 after it: [N, T] -> [N, T]."""
+    eos = torch.tensor([eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids))
+    is_eos = torch.isin(completion_ids, eos.to(completion_ids.device))
     # Number of EOS strictly before each position; a token counts while none came before it.
     eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
     return (eos_before == 0).float()

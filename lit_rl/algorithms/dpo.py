@@ -1,0 +1,229 @@
+"""Direct Preference Optimization and its variants (losses in `lit_rl.losses.dpo`) as a LightningModule.
+
+Chosen and rejected completions go through the policy in one forward pass of the concatenated batch; sequence
+log-probs are sums over completion tokens. The reference is a frozen copy of the starting policy, or, with
+`precompute_ref_logprobs`, its log-probs computed once before training (cached on disk) so no reference model
+stays in memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from lit_rl.algorithms.base import PolicyModule, completion_forward
+from lit_rl.data.preference import TokenizedPair, collate_pairs
+from lit_rl.losses.dpo import DPO_LOSSES, REFERENCE_FREE, dpo_loss
+from lit_rl.metrics import dpo_metrics
+from lit_rl.models import resolve_model_path
+from lit_rl.ops import token_logprobs
+
+log = logging.getLogger(__name__)
+
+
+class DPO(PolicyModule):
+    """DPO, cDPO, robust DPO, IPO, hinge (SLiC), APO-zero and SimPO.
+
+    Args:
+        model_name_or_path: policy to train: a hub id, a local directory, or `lit-rl/<asset>`.
+        ref_model_name_or_path: reference model (default: the starting policy, `model_name_or_path`).
+        loss_type: one of `sigmoid`, `robust`, `hinge`, `ipo`, `apo_zero`, `simpo` (reference-free).
+        beta: inverse temperature of the implicit reward `beta * (logp - ref_logp)`.
+        label_smoothing: probability that a preference label is flipped (cDPO / robust DPO).
+        simpo_gamma: target reward margin of SimPO.
+        precompute_ref_logprobs: compute the reference log-probs once before training and keep no reference model.
+        ref_cache_dir: where precomputed reference log-probs are cached (keyed to the model and the data).
+        learning_rate: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        warmup_steps: linear learning-rate warm-up, in optimizer steps.
+        dtype: dtype the models are loaded in (`float32`, `bfloat16`, `float16`, `auto`).
+        gradient_checkpointing: recompute activations in the backward pass to save memory.
+        trust_remote_code: allow model code from the model repository (off by default).
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: str = "lit-rl/tiny-qwen2-addition-sft",
+        ref_model_name_or_path: Optional[str] = None,
+        loss_type: str = "sigmoid",
+        beta: float = 0.1,
+        label_smoothing: float = 0.0,
+        simpo_gamma: float = 0.5,
+        precompute_ref_logprobs: bool = False,
+        ref_cache_dir: str = "runs/cache",
+        learning_rate: float = 1e-5,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        dtype: str = "float32",
+        gradient_checkpointing: bool = False,
+        trust_remote_code: bool = False,
+    ) -> None:
+        if loss_type not in DPO_LOSSES:
+            raise ValueError(f"model.loss_type must be one of {DPO_LOSSES}, got {loss_type!r}")
+        if beta <= 0:
+            raise ValueError(f"model.beta must be > 0, got {beta}")
+        if not 0 <= label_smoothing < 0.5:
+            raise ValueError(f"model.label_smoothing must be in [0, 0.5), got {label_smoothing}")
+        super().__init__(
+            model_name_or_path,
+            dtype=dtype,
+            gradient_checkpointing=gradient_checkpointing,
+            trust_remote_code=trust_remote_code,
+            learning_rate=learning_rate,
+            weight_decay=weight_decay,
+            warmup_steps=warmup_steps,
+        )
+        self.save_hyperparameters()
+        metrics = dpo_metrics()
+        self.train_metrics = metrics.clone(prefix="train/")
+        self.val_metrics = metrics.clone(prefix="val/")
+        self.ref_model: Optional[torch.nn.Module] = None
+        self._ref_cache: dict[str, torch.Tensor] = {}  # split -> [N, 2] (chosen, rejected) reference log-probs
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.hparams.loss_type not in REFERENCE_FREE
+
+    @property
+    def ref_path(self) -> str:
+        return self.hparams.ref_model_name_or_path or self.hparams.model_name_or_path
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        if self.needs_reference and not self.hparams.precompute_ref_logprobs and self.ref_model is None:
+            self.ref_model = self.load_model(path=self.ref_path).eval().requires_grad_(False)
+
+    # -- reference log-probs ---------------------------------------------------------------------------------
+    def on_fit_start(self) -> None:
+        if self.needs_reference and self.hparams.precompute_ref_logprobs:
+            datamodule = self.trainer.datamodule
+            self._ref_cache = {"train": self._cached_ref_logprobs(datamodule.train_pairs, "train")}
+            if datamodule.val_pairs:
+                self._ref_cache["val"] = self._cached_ref_logprobs(datamodule.val_pairs, "val")
+
+    def _cached_ref_logprobs(self, pairs: list[TokenizedPair], split: str) -> torch.Tensor:
+        """[N, 2] reference log-probs of every pair, from the cache file when its key matches."""
+        path = Path(self.hparams.ref_cache_dir) / f"ref_logprobs-{self._cache_key(pairs)}.pt"
+        if path.exists():
+            log.info("reference log-probs of the %s pairs loaded from %s", split, path)
+            return torch.load(path, weights_only=True).to(self.device)
+        ref_model = self.load_model(path=self.ref_path).to(self.device).eval().requires_grad_(False)
+        values = []
+        with torch.no_grad():
+            for start in range(0, len(pairs), 64):
+                chunk = pairs[start : start + 64]
+                batch = collate_pairs(chunk, [1.0] * len(chunk), self.tokenizer.pad_token_id)
+                batch = {k: v.to(self.device) for k, v in batch.items()}
+                logps, _, _ = self.sequence_logps(ref_model, batch)
+                values.append(torch.stack(logps.split(len(chunk)), dim=1))  # [n, 2]
+        del ref_model
+        result = torch.cat(values)
+        if self.trainer.is_global_zero:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            torch.save(result.cpu(), tmp)
+            os.replace(tmp, path)  # atomic: a killed run never leaves a half-written cache
+        log.info("reference log-probs of %d %s pairs computed and cached at %s", len(pairs), split, path)
+        return result
+
+    def _cache_key(self, pairs: list[TokenizedPair]) -> str:
+        """Hash of the reference model (path, config, size and ends of its weight files), dtype and the token ids."""
+        digest = hashlib.sha256()
+        resolved = Path(resolve_model_path(self.ref_path))
+        digest.update(json.dumps([self.ref_path, self.hparams.dtype]).encode())
+        if resolved.is_dir():
+            for file in sorted(resolved.iterdir()):
+                if file.suffix in (".json", ".safetensors", ".bin"):
+                    digest.update(file.name.encode() + str(file.stat().st_size).encode())
+                    with file.open("rb") as handle:
+                        digest.update(handle.read(1 << 20))
+                        handle.seek(max(file.stat().st_size - (1 << 20), 0))
+                        digest.update(handle.read())
+        for pair in pairs:
+            digest.update(json.dumps([pair.prompt_ids, pair.chosen_ids, pair.rejected_ids]).encode())
+        return digest.hexdigest()[:16]
+
+    # -- forward ---------------------------------------------------------------------------------------------
+    def sequence_logps(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]):
+        """Summed completion log-probs [2B], completion lengths [2B], and vocab-mean logits per token [2B, T]."""
+        logits = completion_forward(
+            model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"]
+        )
+        mask = batch["completion_mask"]
+        logps = (token_logprobs(logits, batch["completion_ids"]) * mask).sum(dim=1)
+        return logps, mask.sum(dim=1), logits.detach().mean(dim=-1)
+
+    def _reference(self, batch: dict[str, torch.Tensor], split: str) -> tuple[Optional[torch.Tensor], ...]:
+        if not self.needs_reference:
+            return None, None
+        if self.hparams.precompute_ref_logprobs:
+            values = self._ref_cache[split][batch["index"]]  # [B, 2]
+            return values[:, 0], values[:, 1]
+        with torch.no_grad():
+            logps, _, _ = self.sequence_logps(self.ref_model, batch)
+        return logps.chunk(2)
+
+    def _step(self, batch: dict[str, torch.Tensor], split: str, metrics) -> torch.Tensor:
+        hp = self.hparams
+        weight = batch["weight"]  # [B], 0 on padding pairs
+        logps, lengths, mean_logits = self.sequence_logps(self.policy, batch)
+        chosen, rejected = logps.chunk(2)
+        ref_chosen, ref_rejected = self._reference(batch, split)
+        if hp.loss_type == "ipo":  # IPO compares length-averaged log-probs
+            len_c, len_r = lengths.chunk(2)
+            chosen, rejected = chosen / len_c, rejected / len_r
+            ref_chosen, ref_rejected = ref_chosen / len_c, ref_rejected / len_r
+        # Normalise by the pairs of this micro-batch on every rank, so that padding and uneven shares count right.
+        num_pairs = weight.sum()
+        if self.trainer.world_size > 1:
+            num_pairs = self.trainer.strategy.reduce(num_pairs.clone(), reduce_op="sum")
+        len_c, len_r = lengths.chunk(2)
+        loss, stats = dpo_loss(
+            chosen, rejected, ref_chosen, ref_rejected, hp.loss_type, hp.beta, hp.label_smoothing,
+            chosen_lengths=len_c, rejected_lengths=len_r, simpo_gamma=hp.simpo_gamma,
+            num_pairs=num_pairs.clamp(min=1.0), weights=weight,
+        )
+        self._update_metrics(metrics, stats, chosen.detach(), rejected.detach(), mean_logits, batch, weight)
+        return loss * self.trainer.world_size  # data-parallel strategies average gradients over ranks
+
+    def _update_metrics(self, m, stats, chosen, rejected, mean_logits, batch, weight) -> None:
+        m["loss"].update(stats["losses"], weight)
+        m["rewards/chosen"].update(stats["chosen_rewards"], weight)
+        m["rewards/rejected"].update(stats["rejected_rewards"], weight)
+        m["rewards/margins"].update(stats["margins"], weight)
+        m["rewards/accuracies"].update(stats["accuracies"], weight)
+        m["logps/chosen"].update(chosen, weight)
+        m["logps/rejected"].update(rejected, weight)
+        mask = batch["completion_mask"]  # [2B, T]
+        token_weight = mask * weight.repeat(2)[:, None]
+        chosen_w, rejected_w = token_weight.chunk(2)
+        chosen_l, rejected_l = mean_logits.chunk(2)
+        m["logits/chosen"].update(chosen_l[chosen_w > 0], chosen_w[chosen_w > 0])
+        m["logits/rejected"].update(rejected_l[rejected_w > 0], rejected_w[rejected_w > 0])
+
+    # -- Lightning hooks -------------------------------------------------------------------------------------
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self._step(batch, "train", self.train_metrics)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.log_collection(self.train_metrics, on_step=True, prog_bar=("loss",))
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._step(batch, "val", self.val_metrics)
+
+    def on_validation_epoch_end(self) -> None:
+        self.log_collection(self.val_metrics, on_step=False, prog_bar=("loss",))
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("ref_model.")}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.ref_model is not None:
+            for key, value in self.ref_model.state_dict().items():
+                checkpoint["state_dict"][f"ref_model.{key}"] = value

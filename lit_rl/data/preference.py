@@ -1,0 +1,163 @@
+"""Preference pairs (`prompt`, `chosen`, `rejected`): tokenization, truncation, and rank-sharded batches.
+
+Batches are built here, not by a sampler, so every rank gets the same number of batches whatever the data size:
+a rank whose share runs out is padded with copies of a pair of weight 0, which the loss and the metrics ignore.
+Lightning leaves an IterableDataset's sharding alone, so this works with or without its distributed sampler.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch.utils.data import IterableDataset
+
+from lit_rl.data.files import Row
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TokenizedPair:
+    index: int  # row number in the data set (keys the precomputed reference log-probs)
+    prompt_ids: list[int]
+    chosen_ids: list[int]  # completion tokens, EOS appended
+    rejected_ids: list[int]
+
+
+def completion_text(prompt_text: str, prompt: Any, completion: Any, tokenizer: Any) -> str:
+    """A completion as text: plain text as is; chat messages rendered by the chat template after the prompt."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(prompt, list):
+        full = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+        if full.startswith(prompt_text):
+            return full[len(prompt_text) :]
+    return "".join(message["content"] for message in completion)
+
+
+def tokenize_pairs(
+    rows: list[Row],
+    tokenizer: Any,
+    format_prompt: Callable[[Any], str],
+    max_prompt_length: Optional[int],
+    max_length: Optional[int],
+    source: str,
+) -> list[TokenizedPair]:
+    """Tokenize every pair; prompts keep their last `max_prompt_length` tokens, and completions are cut so that
+    prompt + completion fits `max_length`. Logs how many rows were truncated."""
+    eos = tokenizer.eos_token_id
+    pairs, truncated = [], 0
+    for index, row in enumerate(rows):
+        prompt_text = format_prompt(row["prompt"])
+        # A chat template already wrote the special tokens; plain text gets the tokenizer's own.
+        prompt_ids = tokenizer(prompt_text, add_special_tokens=isinstance(row["prompt"], str))["input_ids"]
+        completions = []
+        for key in ("chosen", "rejected"):
+            text = completion_text(prompt_text, row["prompt"], row[key], tokenizer)
+            completions.append(tokenizer(text, add_special_tokens=False)["input_ids"] + [eos])
+        cut = False
+        if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
+            prompt_ids, cut = prompt_ids[-max_prompt_length:], True
+        if max_length is not None:
+            budget = max(max_length - len(prompt_ids), 1)
+            if any(len(c) > budget for c in completions):
+                completions, cut = [c[:budget] for c in completions], True
+        truncated += cut
+        pairs.append(TokenizedPair(index, prompt_ids, completions[0], completions[1]))
+    if truncated:
+        log.warning(
+            "%s: truncated %d of %d rows (max_prompt_length=%s, max_length=%s)",
+            source, truncated, len(rows), max_prompt_length, max_length,
+        )
+    return pairs
+
+
+def collate_pairs(pairs: list[TokenizedPair], weights: list[float], pad_id: int) -> dict[str, torch.Tensor]:
+    """One batch of B pairs as 2B sequences, chosen first then rejected, for a single forward pass.
+
+    prompt_ids/prompt_mask [2B, P] left-padded; completion_ids/completion_mask [2B, T] right-padded;
+    weight [B] (0 for padding pairs); index [B].
+    """
+    prompts = [p.prompt_ids for p in pairs] * 2
+    completions = [p.chosen_ids for p in pairs] + [p.rejected_ids for p in pairs]
+    P, T = max(map(len, prompts)), max(map(len, completions))
+    prompt_ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((len(prompts), P), dtype=torch.long)
+    completion_ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
+    completion_mask = torch.zeros((len(prompts), T), dtype=torch.float32)
+    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+        prompt_ids[row, P - len(prompt) :] = torch.tensor(prompt)
+        prompt_mask[row, P - len(prompt) :] = 1
+        completion_ids[row, : len(completion)] = torch.tensor(completion)
+        completion_mask[row, : len(completion)] = 1.0
+    return {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "weight": torch.tensor(weights, dtype=torch.float32),
+        "index": torch.tensor([p.index for p in pairs], dtype=torch.long),
+    }
+
+
+def shard_batches(
+    order: list[int], batch_size: int, rank: int, world_size: int
+) -> Iterator[tuple[list[int], list[float]]]:
+    """This rank's batches of `order[rank::world_size]`: (indices, weights) with every rank getting the same
+    number of full batches; the shortfall is filled with copies of an index of weight 0."""
+    shard = order[rank::world_size]
+    num_batches = math.ceil(math.ceil(len(order) / world_size) / batch_size)
+    filler = shard[0] if shard else order[0]
+    padded = shard + [filler] * (num_batches * batch_size - len(shard))
+    for start in range(0, len(padded), batch_size):
+        chunk = padded[start : start + batch_size]
+        yield chunk, [1.0 if start + i < len(shard) else 0.0 for i in range(len(chunk))]
+
+
+class ShardedRowBatches(IterableDataset):
+    """Unshuffled batches of raw rows (`{"rows": [...], "weight": [B]}`) sharded like `shard_batches`: the
+    validation loader of rollout algorithms, whose metrics weigh padding rows 0 (exact under any world size)."""
+
+    def __init__(self, rows: list[Row], batch_size: int, rank: int, world_size: int) -> None:
+        self.rows, self.batch_size, self.rank, self.world_size = rows, batch_size, rank, world_size
+
+    def __len__(self) -> int:
+        return math.ceil(math.ceil(len(self.rows) / self.world_size) / self.batch_size)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for indices, weights in shard_batches(list(range(len(self.rows))), self.batch_size, self.rank, self.world_size):
+            yield {"rows": [self.rows[i] for i in indices], "weight": torch.tensor(weights)}
+
+
+class ShardedPairBatches(IterableDataset):
+    """Batches of this rank's share of the pairs (`order[rank::world_size]`), all ranks with the same count."""
+
+    def __init__(
+        self,
+        pairs: list[TokenizedPair],
+        batch_size: int,
+        shuffle: bool,
+        seed: int,
+        rank: int,
+        world_size: int,
+        pad_id: int,
+        epoch: Callable[[], int] = lambda: 0,
+    ) -> None:
+        self.pairs, self.batch_size, self.shuffle, self.seed = pairs, batch_size, shuffle, seed
+        self.rank, self.world_size, self.pad_id, self.epoch = rank, world_size, pad_id, epoch
+
+    def __len__(self) -> int:
+        return math.ceil(math.ceil(len(self.pairs) / self.world_size) / self.batch_size)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        if self.shuffle:
+            order = torch.randperm(len(self.pairs), generator=torch.Generator().manual_seed(self.seed + self.epoch()))
+            order = order.tolist()
+        else:
+            order = list(range(len(self.pairs)))
+        for indices, weights in shard_batches(order, self.batch_size, self.rank, self.world_size):
+            yield collate_pairs([self.pairs[i] for i in indices], weights, self.pad_id)

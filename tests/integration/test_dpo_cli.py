@@ -1,0 +1,132 @@
+"""DPO through the real CLI: metrics, precomputed reference, and exact global metrics across 2 DDP processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import CONFIGS, REPO, read_metrics, run_cli, train_rows, write_overlay
+
+pytestmark = pytest.mark.slow
+
+DPO_YAML = str(CONFIGS / "dpo.yaml")
+FAST = ["--data.batch_size", "8", "--data.val_limit", "16", "--trainer.num_sanity_val_steps", "0"]
+NAMES = ["loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+         "logps/rejected", "logits/chosen", "logits/rejected"]
+
+
+def _fit(tmp_path, *args, name="a"):
+    overlay = write_overlay(tmp_path / f"{name}.yaml", save_dir=tmp_path / name)
+    run_cli("fit", "--config", DPO_YAML, "--config", str(overlay), *FAST, *args)
+    return tmp_path / name / "run" / "version_0"
+
+
+def test_dpo_logs_every_metric_for_train_and_val(tmp_path):
+    log_dir = _fit(tmp_path, "--trainer.max_steps", "4", "--trainer.val_check_interval", "2")
+    columns = set(read_metrics(log_dir)[0])
+    for name in NAMES:
+        assert f"train/{name}" in columns and f"val/{name}" in columns, name
+    rows = train_rows(log_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[0]["train/rewards/margins"] == pytest.approx(0.0, abs=1e-6)  # policy == reference at step 1
+    assert rows[-1]["train/rewards/margins"] > 0
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_precomputed_reference_trains_to_the_same_numbers(tmp_path, loss_type):
+    common = ("--trainer.max_steps", "3", "--model.loss_type", loss_type, "--trainer.limit_val_batches", "0")
+    live = _fit(tmp_path, *common, name="live")
+    cache = tmp_path / "cache"
+    pre = _fit(tmp_path, *common, "--model.precompute_ref_logprobs", "true", "--model.ref_cache_dir", str(cache),
+               name="pre")
+    assert len(list(cache.glob("ref_logprobs-*.pt"))) == 2  # train and val pairs
+    again = _fit(tmp_path, *common, "--model.precompute_ref_logprobs", "true", "--model.ref_cache_dir", str(cache),
+                 name="again")  # served from the cache
+    for a, b, c in zip(train_rows(live), train_rows(pre), train_rows(again)):
+        for key in a:
+            assert a[key] == pytest.approx(b[key], abs=1e-5), key
+            assert b[key] == c[key], key
+
+
+def _perturbed_reference(path):
+    from lit_rl.models import load_causal_lm
+
+    torch.manual_seed(123)
+    model = load_causal_lm("lit-rl/tiny-qwen2-addition-sft")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    model.save_pretrained(path)
+    load_causal_lm_tokenizer_copy(path)
+    return path
+
+
+def load_causal_lm_tokenizer_copy(path):
+    from lit_rl.models import load_tokenizer
+
+    load_tokenizer("lit-rl/tiny-qwen2-addition-sft").save_pretrained(path)
+
+
+def _expected_means(rows, ref_path):
+    """Every DPO metric computed in one process over the union of the pairs."""
+    from lit_rl.algorithms import DPO
+    from lit_rl.data.preference import collate_pairs, tokenize_pairs
+    from lit_rl.losses.dpo import dpo_loss
+
+    module = DPO(ref_model_name_or_path=str(ref_path))
+    module.configure_model()
+    pairs = tokenize_pairs(rows, module.tokenizer, module.format_prompt, None, None, "union")
+    batch = collate_pairs(pairs, [1.0] * len(pairs), module.tokenizer.pad_token_id)
+    with torch.no_grad():
+        logps, _, mean_logits = module.sequence_logps(module.policy, batch)
+        ref, _, _ = module.sequence_logps(module.ref_model, batch)
+    chosen, rejected = logps.chunk(2)
+    _, stats = dpo_loss(chosen, rejected, *ref.chunk(2), beta=0.1)
+    mask_c, mask_r = batch["completion_mask"].chunk(2)
+    logits_c, logits_r = mean_logits.chunk(2)
+    return {
+        "loss": stats["losses"].mean(), "rewards/chosen": stats["chosen_rewards"].mean(),
+        "rewards/rejected": stats["rejected_rewards"].mean(), "rewards/margins": stats["margins"].mean(),
+        "rewards/accuracies": stats["accuracies"].mean(), "logps/chosen": chosen.mean(),
+        "logps/rejected": rejected.mean(), "logits/chosen": logits_c[mask_c > 0].mean(),
+        "logits/rejected": logits_r[mask_r > 0].mean(),
+    }
+
+
+def test_two_process_ddp_metrics_are_the_exact_global_values(tmp_path):
+    """7 pairs on 2 ranks (4 and 3, in micro-batches of 2 with accumulation 2): every logged value must equal the
+    value over all 7 pairs, not rank 0's and not a mean of per-rank or per-micro-batch means."""
+    rows = [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1 + a % 3)}
+            for a, b in [(3, 4), (12, 30), (55, 44), (9, 9), (71, 8), (40, 40), (99, 1)]]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    ref_path = _perturbed_reference(tmp_path / "ref")
+    overlay = write_overlay(tmp_path / "ddp.yaml", save_dir=tmp_path / "ddp")
+    command = [
+        sys.executable, "-m", "lit_rl.cli", "fit", "--config", DPO_YAML, "--config", str(overlay),
+        "--trainer.devices", "2", "--trainer.strategy", "ddp", "--trainer.accumulate_grad_batches", "2",
+        "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.num_sanity_val_steps", "0",
+        "--data.train_data", str(data), "--data.val_data", str(data), "--data.batch_size", "2",
+        "--model.ref_model_name_or_path", str(ref_path), "--model.learning_rate", "0.0",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = _expected_means(rows, ref_path)
+    log_dir = tmp_path / "ddp" / "run" / "version_0"
+    train = train_rows(log_dir)
+    assert [r["step"] for r in train] == [1, 2]
+    val = [r for r in read_metrics(log_dir) if r.get("val/loss")]
+    assert [float(r["step"]) for r in val] == [1.0, 2.0]  # val_check_interval counts micro-batches: 2 = 1 step
+    for name, value in expected.items():
+        for row in train:
+            assert row[f"train/{name}"] == pytest.approx(value.item(), abs=2e-5), name
+        for row in val:
+            assert float(row[f"val/{name}"]) == pytest.approx(value.item(), abs=2e-5), name
+    # The union's accuracy is k/7: a rank-0-only or per-rank mean would be a multiple of 1/4 or 1/3.
+    assert expected["rewards/accuracies"].item() * 7 == pytest.approx(round(expected["rewards/accuracies"].item() * 7))
