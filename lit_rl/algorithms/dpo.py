@@ -102,10 +102,16 @@ class DPO(PolicyModule):
     # -- reference log-probs ---------------------------------------------------------------------------------
     def on_fit_start(self) -> None:
         if self.needs_reference and self.hparams.precompute_ref_logprobs:
-            datamodule = self.trainer.datamodule
-            self._ref_cache = {"train": self._cached_ref_logprobs(datamodule.train_pairs, "train")}
-            if datamodule.val_pairs:
-                self._ref_cache["val"] = self._cached_ref_logprobs(datamodule.val_pairs, "val")
+            self._precomputed("train")
+            if self.trainer.datamodule.val_pairs:
+                self._precomputed("val")
+
+    def _precomputed(self, split: str) -> torch.Tensor:
+        """[N, 2] reference log-probs of the split's pairs, computed (or loaded) on first use."""
+        if split not in self._ref_cache:
+            pairs = getattr(self.trainer.datamodule, f"{split}_pairs")
+            self._ref_cache[split] = self._cached_ref_logprobs(pairs, split)
+        return self._ref_cache[split]
 
     def _cached_ref_logprobs(self, pairs: list[TokenizedPair], split: str) -> torch.Tensor:
         """[N, 2] reference log-probs of every pair, from the cache file when its key matches."""
@@ -163,7 +169,7 @@ class DPO(PolicyModule):
         if not self.needs_reference:
             return None, None
         if self.hparams.precompute_ref_logprobs:
-            values = self._ref_cache[split][batch["index"]]  # [B, 2]
+            values = self._precomputed(split)[batch["index"]]  # [B, 2]
             return values[:, 0], values[:, 1]
         with torch.no_grad():
             logps, _, _ = self.sequence_logps(self.ref_model, batch)

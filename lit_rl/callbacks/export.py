@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
@@ -12,15 +13,16 @@ class SaveHFPretrained(Callback):
     """At the end of `fit`, save `pl_module.policy` and `pl_module.tokenizer` to `dirpath` (rank 0 only).
 
     Args:
-        dirpath: output directory (created; existing files with the same names are replaced).
+        dirpath: output directory (created; files with the same names are replaced). Default: `hf/` in the
+            logger's directory of this run (`runs/<name>/version_N/hf`), so runs never overwrite each other.
     """
 
-    def __init__(self, dirpath: str) -> None:
+    def __init__(self, dirpath: Optional[str] = None) -> None:
         self.dirpath = dirpath
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.is_global_zero:
-            out = Path(self.dirpath)
+            out = Path(self.dirpath) if self.dirpath else Path(trainer.log_dir or trainer.default_root_dir) / "hf"
             out.mkdir(parents=True, exist_ok=True)
             pl_module.policy.save_pretrained(out, safe_serialization=True)
             pl_module.tokenizer.save_pretrained(out)

@@ -27,7 +27,9 @@ def _fit(tmp_path, *args, name="a"):
 
 
 def test_dpo_logs_every_metric_for_train_and_val(tmp_path):
-    log_dir = _fit(tmp_path, "--trainer.max_steps", "4", "--trainer.val_check_interval", "2")
+    log_dir = _fit(tmp_path, "--trainer.max_steps", "4", "--trainer.val_check_interval", "2",
+                   "--trainer.callbacks+=lit_rl.callbacks.SaveHFPretrained")
+    assert (log_dir / "hf" / "model.safetensors").exists()  # exported into this run's own directory
     columns = set(read_metrics(log_dir)[0])
     for name in NAMES:
         assert f"train/{name}" in columns and f"val/{name}" in columns, name
@@ -51,6 +53,14 @@ def test_precomputed_reference_trains_to_the_same_numbers(tmp_path, loss_type):
         for key in a:
             assert a[key] == pytest.approx(b[key], abs=1e-5), key
             assert b[key] == c[key], key
+
+
+def test_validate_subcommand_with_precomputed_reference(tmp_path, capsys):
+    overlay = write_overlay(tmp_path / "v.yaml", save_dir=tmp_path / "v")
+    run_cli("validate", "--config", DPO_YAML, "--config", str(overlay), *FAST, "--model.precompute_ref_logprobs",
+            "true", "--model.ref_cache_dir", str(tmp_path / "cache"))
+    rows = read_metrics(tmp_path / "v" / "run" / "version_0")
+    assert float(rows[-1]["val/loss"]) == pytest.approx(0.6931, abs=1e-3)  # log 2: policy == reference
 
 
 def _perturbed_reference(path):
