@@ -39,6 +39,45 @@ def grpo_metrics(reward_names: Iterable[str], with_kl: bool) -> MetricCollection
     return _collection(metrics)
 
 
+def rloo_metrics(reward_names: Iterable[str]) -> MetricCollection:
+    """Metrics of RLOO: `reward` is the task reward (before the KL penalty); `kl` the mean per-sequence KL."""
+    metrics = {
+        "loss": SumMetric(),
+        "reward": MeanMetric(),
+        "reward_std": MeanMetric(),
+        "completion_length": MeanMetric(),
+        "kl": MeanMetric(),
+        "advantage_std": MeanMetric(),
+        "entropy": MeanMetric(),
+        "clip_ratio": MeanMetric(),
+        "rollout_logprob_diff/mean": MeanMetric(),
+        "rollout_logprob_diff/max": MaxMetric(),
+    }
+    for name in reward_names:
+        metrics[f"rewards/{name}"] = MeanMetric()
+    return _collection(metrics)
+
+
+def online_dpo_metrics(reward_names: Iterable[str]) -> MetricCollection:
+    """Metrics of Online DPO: the rollout's rewards, the DPO pair metrics over untied pairs, `frac_tied_pairs`."""
+    metrics = {
+        "loss": SumMetric(),
+        "reward": MeanMetric(),
+        "reward_std": MeanMetric(),
+        "completion_length": MeanMetric(),
+        "frac_tied_pairs": MeanMetric(),
+        "entropy": MeanMetric(),
+        "rollout_logprob_diff/mean": MeanMetric(),
+        "rollout_logprob_diff/max": MaxMetric(),
+    }
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                 "logps/rejected"):
+        metrics[name] = MeanMetric()
+    for name in reward_names:
+        metrics[f"rewards/{name}"] = MeanMetric()
+    return _collection(metrics)
+
+
 def rollout_eval_metrics(reward_names: Iterable[str]) -> MetricCollection:
     """Metrics of generating for held-out prompts (validation of rollout algorithms)."""
     metrics = {

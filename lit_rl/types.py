@@ -23,10 +23,12 @@ class RolloutBatch:
     rollout_logprobs: torch.Tensor  # [N, T] float, the engine's log-probs of the sampled tokens
     rewards: torch.Tensor  # [N] float, weighted sum over reward functions
     reward_components: torch.Tensor  # [N, F] float, one column per reward function (unweighted)
-    advantages: torch.Tensor  # [N] float
+    advantages: torch.Tensor  # [N] float (Online DPO: +1 chosen, -1 rejected, 0 both rows of a tied pair)
     group_reward_std: torch.Tensor  # [N] float, std of the rewards of the sequence's group
     old_logprobs: Optional[torch.Tensor] = None  # [N, T], None when the policy is used on-policy once
-    ref_logprobs: Optional[torch.Tensor] = None  # [N, T], None when beta == 0
+    ref_logprobs: Optional[torch.Tensor] = None  # [N, T], None without a reference model
+    kl: Optional[torch.Tensor] = None  # [N] RLOO: sum_t (old_logprobs - ref_logprobs), the reward penalty's KL
+    advantage_std: Optional[torch.Tensor] = None  # [N] RLOO: std of the generation's advantages, on every row
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]

@@ -2,6 +2,8 @@
 
 from lit_rl.algorithms.dpo import DPO
 from lit_rl.algorithms.grpo import GRPO
+from lit_rl.algorithms.online_dpo import OnlineDPO
+from lit_rl.algorithms.rloo import RLOO
 from lit_rl.algorithms.sft import SFT
 
-__all__ = ["DPO", "GRPO", "SFT"]
+__all__ = ["DPO", "GRPO", "RLOO", "SFT", "OnlineDPO"]

@@ -38,12 +38,15 @@ class LossNormalizer:
     num_tokens: completion tokens in the optimizer step, all micro-batches and ranks (`token`).
     num_generation_tokens: completion tokens of the whole generation batch across ranks (`dapo`).
     max_completion_length: the generation budget T_max (`constant`).
+    num_active_sequences: sequences with a non-zero advantage in the optimizer step, all ranks (Online DPO
+        counts its untied pairs with it).
     """
 
     num_sequences: float
     num_tokens: float
     num_generation_tokens: float
     max_completion_length: int
+    num_active_sequences: float = 0.0
 
     @classmethod
     def local(cls, completion_mask: torch.Tensor, max_completion_length: Optional[int] = None) -> "LossNormalizer":

@@ -1,0 +1,129 @@
+"""RLOO (Ahmadian et al. 2024): REINFORCE with a leave-one-out baseline, a KL penalty folded into the reward,
+and a sequence-level PPO-clipped importance ratio (`lit_rl.losses.rloo`).
+
+The rollout schedule, buffer, validation and checkpoint state are `OnPolicyModule`'s, so `global_step` is
+Lightning's: the checkpoint cadence is exact for any accumulation, `num_iterations` or resume.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from lit_rl.algorithms.on_policy import OnPolicyModule, check_rollout_args
+from lit_rl.losses import LossNormalizer
+from lit_rl.losses.rloo import kl_penalized_rewards, rloo_advantages, rloo_loss
+from lit_rl.metrics import rloo_metrics
+from lit_rl.types import RolloutBatch
+
+
+class RLOO(OnPolicyModule):
+    """REINFORCE Leave-One-Out.
+
+    Args:
+        model_name_or_path: policy to train: a hub id, a local directory, or `lit-rl/<asset>` for a shipped one.
+        reward_funcs: import paths of reward functions `(prompts, completions, **columns) -> list[float]`.
+        reward_weights: one weight per reward function (default: all 1.0); the reward is the weighted sum.
+        num_generations: k, completions sampled per prompt (>= 2 for the leave-one-out baseline).
+        micro_batch_size: completions per `training_step` on each rank.
+        steps_per_generation: optimizer steps taken on each generation's buffer (per pass).
+        num_iterations: passes over each generation's buffer; > 1 uses the clipped importance ratio.
+        max_new_tokens: completion budget.
+        temperature: sampling temperature; log-probs are computed at this temperature.
+        top_p: nucleus sampling threshold (1.0 disables).
+        top_k: top-k sampling (0 disables).
+        beta: KL penalty in the reward, `r - beta * sum_t (logp - ref_logp)`; 0 loads no reference model.
+        epsilon: clip range of the sequence-level ratio, `[1 - epsilon, 1 + epsilon]`.
+        normalize_advantages: standardise the advantages over the whole generation batch (all ranks).
+        learning_rate: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        warmup_steps: linear learning-rate warm-up, in optimizer steps.
+        dtype: dtype the policy is loaded in (`float32`, `bfloat16`, `float16`, `auto`).
+        gradient_checkpointing: recompute activations in the backward pass to save memory.
+        trust_remote_code: allow model code from the model repository (off by default).
+        max_prompt_length: truncate prompts to their last `max_prompt_length` tokens (None: no limit).
+        val_temperature: sampling temperature for validation (0: greedy).
+        val_num_generations: completions per validation prompt.
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: str = "lit-rl/tiny-qwen2-addition-sft",
+        reward_funcs: Optional[list[str]] = None,
+        reward_weights: Optional[list[float]] = None,
+        num_generations: int = 4,
+        micro_batch_size: int = 16,
+        steps_per_generation: int = 1,
+        num_iterations: int = 1,
+        max_new_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        beta: float = 0.05,
+        epsilon: float = 0.2,
+        normalize_advantages: bool = False,
+        learning_rate: float = 1e-5,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        dtype: str = "float32",
+        gradient_checkpointing: bool = False,
+        trust_remote_code: bool = False,
+        max_prompt_length: Optional[int] = None,
+        val_temperature: float = 0.0,
+        val_num_generations: int = 1,
+    ) -> None:
+        check_rollout_args(locals())
+        if epsilon < 0:
+            raise ValueError(f"model.epsilon must be >= 0, got {epsilon}")
+        super().__init__(
+            model_name_or_path,
+            reward_funcs,
+            reward_weights,
+            dtype=dtype,
+            gradient_checkpointing=gradient_checkpointing,
+            trust_remote_code=trust_remote_code,
+            learning_rate=learning_rate,
+            weight_decay=weight_decay,
+            warmup_steps=warmup_steps,
+            max_prompt_length=max_prompt_length,
+        )
+        self.save_hyperparameters()
+        self.train_metrics = rloo_metrics(self.reward_fns).clone(prefix="train/")
+        self.val_metrics = self.rollout_val_metrics()
+
+    def uses_reference(self) -> bool:
+        return self.hparams.beta != 0.0
+
+    def needs_old_logprobs(self) -> bool:
+        # The KL penalty is part of the reward, so it needs the sampling policy's log-probs at generation time.
+        return self.hparams.beta != 0.0 or super().needs_old_logprobs()
+
+    def finish_rollout(self, batch: RolloutBatch, all_rewards: torch.Tensor) -> None:
+        hp = self.hparams
+        rewards = batch.rewards
+        if batch.ref_logprobs is not None:
+            rewards, batch.kl = kl_penalized_rewards(
+                rewards, batch.old_logprobs, batch.ref_logprobs, batch.completion_mask, hp.beta
+            )
+        all_penalized = self.all_gather(rewards).reshape(-1) if self.trainer.world_size > 1 else rewards
+        advantages = rloo_advantages(all_penalized, hp.num_generations, hp.normalize_advantages)
+        batch.advantages = advantages[self.local_slice(len(batch))]
+        batch.advantage_std = advantages.std().expand(len(batch)).clone()
+
+    def micro_batch_loss(
+        self, mb: RolloutBatch, logits: torch.Tensor, logprobs: torch.Tensor, normalizer: LossNormalizer
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        old_logprobs = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
+        return rloo_loss(
+            logprobs, old_logprobs, mb.advantages, mb.completion_mask, self.hparams.epsilon,
+            num_sequences=normalizer.num_sequences,
+        )
+
+    def update_algorithm_metrics(self, mb: RolloutBatch, loss: torch.Tensor, stats: dict[str, torch.Tensor]) -> None:
+        m = self.train_metrics
+        m["loss"].update(loss.detach())
+        m["clip_ratio"].update(stats["clipped"])
+        m["advantage_std"].update(mb.advantage_std)
+        if mb.kl is not None:
+            m["kl"].update(mb.kl)

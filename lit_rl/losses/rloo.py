@@ -1,0 +1,62 @@
+"""RLOO (Ahmadian et al. 2024, "Back to Basics"): REINFORCE with a leave-one-out baseline.
+
+k completions per prompt, consecutive rows. With rewards r (KL-penalised, see `kl_penalized_rewards`):
+
+    b_i = (sum_{j in group(i)} r_j - r_i) / (k - 1)          leave-one-out baseline
+    A_i = r_i - b_i                                           optionally (A - mean(A)) / (std(A) + eps) over the batch
+
+Policy loss with a sequence-level importance ratio and PPO clipping:
+
+    rho_i = exp(sum_t m_it (logprobs_it - old_logprobs_it))
+    L     = sum_i -min(rho_i A_i, clip(rho_i, 1 - epsilon, 1 + epsilon) A_i) / num_sequences
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def kl_penalized_rewards(
+    rewards: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, completion_mask: torch.Tensor,
+    beta: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`r_i - beta * sum_t m_it (logprobs_it - ref_logprobs_it)` [N] (no gradient) and the per-sequence KL [N]."""
+    kl = ((logprobs - ref_logprobs) * completion_mask).sum(dim=1).detach()
+    return rewards - beta * kl, kl
+
+
+def rloo_advantages(
+    rewards: torch.Tensor, group_size: int, normalize: bool = False, eps: float = 1e-8
+) -> torch.Tensor:
+    """Leave-one-out advantages [N] of rewards [N] in groups of `group_size` consecutive rows (see module)."""
+    if group_size < 2:
+        raise ValueError("RLOO needs at least 2 completions per prompt")
+    if rewards.ndim != 1 or rewards.numel() % group_size != 0:
+        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} rows, got {tuple(rewards.shape)}")
+    grouped = rewards.view(-1, group_size)  # [B, k]
+    baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
+    advantages = (grouped - baseline).reshape(-1)
+    if normalize:
+        advantages = (advantages - advantages.mean()) / (advantages.std() + eps)
+    return advantages
+
+
+def rloo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    epsilon: float = 0.2,
+    num_sequences: Optional[float] = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped sequence-level surrogate (see module), summed over these N sequences / `num_sequences`
+    (default N). Stats per sequence [N]: `ratio`, `clipped` (1 where the clipped term was the minimum)."""
+    log_ratio = ((logprobs - old_logprobs) * completion_mask).sum(dim=1)  # [N]
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * advantages
+    losses = -torch.min(unclipped, clipped)
+    stats = {"ratio": ratio.detach(), "clipped": (clipped < unclipped).float()}
+    return losses.sum() / (num_sequences if num_sequences is not None else losses.shape[0]), stats

@@ -1,0 +1,53 @@
+import pytest
+import torch
+
+from lit_rl.algorithms import OnlineDPO
+from lit_rl.types import RolloutBatch
+
+
+def _batch(rewards):
+    n = len(rewards)
+    zeros = torch.zeros(n, 2)
+    return RolloutBatch(zeros.long(), zeros.long(), zeros.long(), zeros, zeros, torch.tensor(rewards),
+                        torch.tensor(rewards)[:, None], torch.zeros(n), torch.zeros(n))
+
+
+def test_pairs_are_ranked_by_reward_and_ties_get_no_label():
+    module = OnlineDPO()
+    batch = _batch([1.0, 0.0, 0.2, 0.7, 0.5, 0.5])
+    module.finish_rollout(batch, batch.rewards)
+    assert batch.advantages.tolist() == [1.0, -1.0, -1.0, 1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"num_generations": 4}, "num_generations must be 2"),
+    ({"micro_batch_size": 3}, "micro_batch_size must be even"),
+    ({"loss_type": "simpo"}, "loss_type must be one of"),
+])
+def test_bad_settings_name_the_key(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        OnlineDPO(**kwargs)
+
+
+def test_a_reward_model_given_by_path_ranks_the_pairs(tmp_path):
+    from transformers import Qwen2ForSequenceClassification
+
+    from lit_rl.models import build_char_tokenizer, tiny_qwen2_config
+    from lit_rl.rewards.model import RewardModel
+
+    torch.manual_seed(0)
+    config = tiny_qwen2_config()
+    config.num_labels = 1
+    Qwen2ForSequenceClassification(config).save_pretrained(tmp_path / "rm")
+    build_char_tokenizer().save_pretrained(tmp_path / "rm")
+    judge = RewardModel(str(tmp_path / "rm"))
+    scores = judge(["1+2=", "1+2=", [{"role": "user", "content": "1+2="}]], ["3", "4", "3"])
+    assert len(scores) == 3 and scores[0] != scores[1]
+    assert scores[2] == pytest.approx(scores[0], abs=1e-5)  # the tiny chat template concatenates contents
+
+    module = OnlineDPO(reward_funcs=[], reward_model_name_or_path=str(tmp_path / "rm"))
+    assert list(module.reward_fns) == ["reward_model"] and module.reward_weights.tolist() == [1.0]
+    assert "val/rewards/reward_model" in module.val_metrics.keys()
+    both = OnlineDPO(reward_funcs=["lit_rl.rewards.arithmetic.correctness"], reward_weights=[1.0, 0.5],
+                     reward_model_name_or_path=str(tmp_path / "rm"))
+    assert list(both.reward_fns) == ["correctness", "reward_model"] and both.reward_weights.tolist() == [1.0, 0.5]
