@@ -3,18 +3,60 @@
     lit-rl fit --config configs/grpo.yaml --model.beta 0.04 --trainer.max_steps 50
     lit-rl fit --config configs/grpo.yaml --print_config
     lit-rl fit --model.help lit_rl.algorithms.GRPO      # every option of an algorithm, with its documentation
+
+Mistakes in the input (a config key or value, a data file, a reward function, a model path) end the run with one
+line, `lit-rl: error: ...`, naming the key, file, row or function, and a non-zero exit; `LIT_RL_TRACEBACK=1`
+shows the traceback as well.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+import re
+import sys
+from typing import Any, NoReturn, Optional
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback, ProgressBar
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lit_rl.callbacks import StepProgressBar
+from lit_rl.errors import LitRLError
+
+CONFIG_ERROR_EXIT = 2
+INPUT_ERROR_EXIT = 1
+_NOISE = ("Parser key", "Does not validate", "Subtypes:", "Errors:", "Given value", "- Expected a <class 'NoneType'>")
+
+
+def condense_parser_error(message: str) -> str:
+    """jsonargparse's nested, multi-line message -> `key.path: what is wrong` on one line."""
+    keys = re.findall(r'Parser key "([^"]+)"', message)
+    unknown = re.search(r"Option '([^']+)' is not accepted", message)
+    if unknown:
+        return ".".join(keys + [unknown.group(1)]) + ": unknown option"
+    detail = ""
+    for line in (raw.strip() for raw in message.splitlines()):
+        if line and not line.startswith(_NOISE) and "Problem with given class_path" not in line:
+            detail = line.lstrip("- ")
+            break
+    key = ".".join(keys)
+    return f"{key}: {detail}" if key and detail else (detail or message.strip().splitlines()[0])
+
+
+class OneLineErrorParser(LightningArgumentParser):
+    """Reports a bad command line or config in one line instead of the whole usage text."""
+
+    def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
+        if not getattr(self, "exit_on_error", True):
+            super().error(message, ex)
+        sys.stderr.write(
+            f"lit-rl: error: {condense_parser_error(message)} (see `lit-rl {self._subcommand_hint()}--help`)\n"
+        )
+        sys.exit(CONFIG_ERROR_EXIT)
+
+    def _subcommand_hint(self) -> str:
+        prog = self.prog.split()
+        return f"{prog[-1]} " if len(prog) > 1 else ""
 
 
 class LitRLCLI(LightningCLI):
@@ -31,15 +73,35 @@ class LitRLCLI(LightningCLI):
 
 def main(args: Optional[list[str]] = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    LitRLCLI(
-        model_class=L.LightningModule,
-        datamodule_class=L.LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        save_config_kwargs={"overwrite": True},
-        args=args,
-        auto_configure_optimizers=False,
-    )
+    try:
+        LitRLCLI(
+            model_class=L.LightningModule,
+            datamodule_class=L.LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            save_config_kwargs={"overwrite": True},
+            args=args,
+            auto_configure_optimizers=False,
+            parser_class=OneLineErrorParser,
+        )
+    except Exception as err:
+        user_error = find_user_error(err)
+        if user_error is None or os.environ.get("LIT_RL_TRACEBACK"):
+            raise
+        sys.stderr.write(f"lit-rl: error: {user_error}\n")
+        sys.exit(INPUT_ERROR_EXIT)
+
+
+def find_user_error(err: BaseException) -> Optional[LitRLError]:
+    """The LitRLError behind `err`: itself, or one that jsonargparse or Lightning wrapped while instantiating."""
+    seen: set[int] = set()
+    current: Optional[BaseException] = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, LitRLError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ def grpo_metrics(reward_names: Iterable[str], with_kl: bool) -> MetricCollection
         "loss": SumMetric(),
         "reward": MeanMetric(),
         "reward_std": MeanMetric(),
+        "frac_invalid_reward": MeanMetric(),
         "frac_reward_zero_std": MeanMetric(),
         "completion_length": MeanMetric(),
         "entropy": MeanMetric(),
@@ -45,6 +46,7 @@ def rloo_metrics(reward_names: Iterable[str]) -> MetricCollection:
         "loss": SumMetric(),
         "reward": MeanMetric(),
         "reward_std": MeanMetric(),
+        "frac_invalid_reward": MeanMetric(),
         "completion_length": MeanMetric(),
         "kl": MeanMetric(),
         "advantage_std": MeanMetric(),
@@ -64,14 +66,21 @@ def online_dpo_metrics(reward_names: Iterable[str]) -> MetricCollection:
         "loss": SumMetric(),
         "reward": MeanMetric(),
         "reward_std": MeanMetric(),
+        "frac_invalid_reward": MeanMetric(),
         "completion_length": MeanMetric(),
         "frac_tied_pairs": MeanMetric(),
         "entropy": MeanMetric(),
         "rollout_logprob_diff/mean": MeanMetric(),
         "rollout_logprob_diff/max": MaxMetric(),
     }
-    for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-                 "logps/rejected"):
+    for name in (
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+    ):
         metrics[name] = MeanMetric()
     for name in reward_names:
         metrics[f"rewards/{name}"] = MeanMetric()
@@ -83,6 +92,7 @@ def rollout_eval_metrics(reward_names: Iterable[str]) -> MetricCollection:
     metrics = {
         "reward": MeanMetric(),
         "reward_std": MeanMetric(),
+        "frac_invalid_reward": MeanMetric(),
         "completion_length": MeanMetric(),
     }
     for name in reward_names:
@@ -99,7 +109,14 @@ def dpo_metrics() -> MetricCollection:
     """Per-pair means (weighted by pair, padding pairs weigh 0); `logits/*` are token-weighted means of the
     vocabulary-mean logit over completion tokens."""
     names = [
-        "loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-        "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected",
+        "loss",
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+        "logits/chosen",
+        "logits/rejected",
     ]
     return _collection({name: MeanMetric() for name in names})

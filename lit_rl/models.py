@@ -14,6 +14,8 @@ from typing import Optional
 
 import torch
 
+from lit_rl.errors import ConfigError, ModelNotFound
+
 log = logging.getLogger(__name__)
 
 ASSETS_DIR = Path(__file__).parent / "assets"
@@ -49,9 +51,9 @@ def _check_exists(name_or_path: str, resolved: str) -> None:
         return
     if name_or_path.startswith(BUILTIN_PREFIX):
         known = sorted(p.name for p in ASSETS_DIR.iterdir() if p.is_dir())
-        raise FileNotFoundError(f"model {name_or_path!r}: no such built-in model (built-in: {known})")
+        raise ModelNotFound(f"model {name_or_path!r}: no such built-in model (built-in: {known})")
     if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
-        raise FileNotFoundError(f"model path {name_or_path!r} does not exist")
+        raise ModelNotFound(f"model path {name_or_path!r} does not exist")
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, padding_side: str = "left"):
@@ -89,7 +91,7 @@ def load_causal_lm(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        raise ConfigError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     resolved = resolve_model_path(name_or_path)
     _check_exists(name_or_path, resolved)
     kwargs = {"trust_remote_code": trust_remote_code}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import logging
 import os
 from pathlib import Path
 from typing import Any, Optional
@@ -13,26 +14,38 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 
+# Library loggers keep the stream of the first test that configured them; pytest closes captured streams between
+# tests, and logging would then print "--- Logging error ---" tracebacks into the next test's output.
+logging.raiseExceptions = False
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def write_overlay(path: Path, every_n_train_steps: Optional[int] = None, save_dir: Optional[Path] = None,
-                  extra: Optional[dict[str, Any]] = None) -> Path:
+def write_overlay(
+    path: Path,
+    every_n_train_steps: Optional[int] = None,
+    save_dir: Optional[Path] = None,
+    extra: Optional[dict[str, Any]] = None,
+) -> Path:
     """A config overlay for tests: logs under `save_dir`, checkpoints every N steps (or none), no progress bar."""
     callbacks = []
     if every_n_train_steps:
-        callbacks.append({
-            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-            "init_args": {"filename": "{step}", "every_n_train_steps": every_n_train_steps, "save_top_k": -1},
-        })
+        callbacks.append(
+            {
+                "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                "init_args": {"filename": "{step}", "every_n_train_steps": every_n_train_steps, "save_top_k": -1},
+            }
+        )
     trainer = {
         "enable_progress_bar": False,
         "enable_checkpointing": bool(every_n_train_steps),
         "callbacks": callbacks,
-        "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
-                   "init_args": {"save_dir": str(save_dir or path.parent), "name": "run", "version": 0}},
+        "logger": {
+            "class_path": "lightning.pytorch.loggers.CSVLogger",
+            "init_args": {"save_dir": str(save_dir or path.parent), "name": "run", "version": 0},
+        },
     }
     config: dict[str, Any] = {"trainer": trainer}
     for section, values in (extra or {}).items():
@@ -43,13 +56,20 @@ def write_overlay(path: Path, every_n_train_steps: Optional[int] = None, save_di
 
 # Small, fast GRPO settings for the tiny model: 2 prompts x G=4 per generation by default.
 FAST_GRPO = [
-    "--model.num_generations", "4",
-    "--model.micro_batch_size", "8",
-    "--model.max_new_tokens", "4",
-    "--data.val_limit", "16",
-    "--data.val_batch_size", "16",
-    "--trainer.val_check_interval", "1000",
-    "--trainer.num_sanity_val_steps", "0",
+    "--model.num_generations",
+    "4",
+    "--model.micro_batch_size",
+    "8",
+    "--model.max_new_tokens",
+    "4",
+    "--data.val_limit",
+    "16",
+    "--data.val_batch_size",
+    "16",
+    "--trainer.val_check_interval",
+    "1000",
+    "--trainer.num_sanity_val_steps",
+    "0",
 ]
 
 

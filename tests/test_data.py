@@ -1,7 +1,6 @@
 import json
 
 import pytest
-import torch
 
 from lit_rl.data import RolloutSchedule, RolloutScheduleLoader, load_rows, validate_rows
 from lit_rl.data.arithmetic import VAL_SIZE
@@ -59,7 +58,9 @@ def test_validate_rows_names_the_row_and_column():
 
 
 def _loader(rows, start=0, rank=0, world=1, prompts=2, micro=3, seed=0):
-    schedule = RolloutSchedule(prompts_per_rank=prompts, micro_steps_per_generation=micro, start_micro_step=lambda: start)
+    schedule = RolloutSchedule(
+        prompts_per_rank=prompts, micro_steps_per_generation=micro, start_micro_step=lambda: start
+    )
     return RolloutScheduleLoader(rows, schedule, seed=seed, rank=rank, world_size=world)
 
 

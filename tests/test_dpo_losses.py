@@ -49,8 +49,17 @@ def test_dpo_losses_by_hand(loss_type, kwargs, expected):
 
 def test_simpo_is_reference_free_and_length_normalised():
     lengths_c, lengths_r = torch.tensor([3.0]), torch.tensor([5.0])
-    loss, stats = dpo_loss(torch.tensor([PC]), torch.tensor([PR]), None, None, loss_type="simpo", beta=2.0,
-                           chosen_lengths=lengths_c, rejected_lengths=lengths_r, simpo_gamma=0.5)
+    loss, stats = dpo_loss(
+        torch.tensor([PC]),
+        torch.tensor([PR]),
+        None,
+        None,
+        loss_type="simpo",
+        beta=2.0,
+        chosen_lengths=lengths_c,
+        rejected_lengths=lengths_r,
+        simpo_gamma=0.5,
+    )
     margin = 2.0 * (PC / 3 - PR / 5) - 0.5  # 2 * (-1 + 1) - 0.5 = -0.5
     assert loss.item() == pytest.approx(-logsig(margin), rel=1e-6)
     assert stats["chosen_rewards"].item() == pytest.approx(-2.0)

@@ -13,8 +13,13 @@ def _fit(**model_args):
     args.update(model_args)
     model = GRPO(**args)
     trainer = L.Trainer(
-        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0,
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
     )
     L.seed_everything(0)
     trainer.fit(model, PromptDataModule(val_data=None))

@@ -8,8 +8,17 @@ from lit_rl.types import RolloutBatch
 def _batch(rewards):
     n = len(rewards)
     zeros = torch.zeros(n, 2)
-    return RolloutBatch(zeros.long(), zeros.long(), zeros.long(), zeros, zeros, torch.tensor(rewards),
-                        torch.tensor(rewards)[:, None], torch.zeros(n), torch.zeros(n))
+    return RolloutBatch(
+        zeros.long(),
+        zeros.long(),
+        zeros.long(),
+        zeros,
+        zeros,
+        torch.tensor(rewards),
+        torch.tensor(rewards)[:, None],
+        torch.zeros(n),
+        torch.zeros(n),
+    )
 
 
 def test_pairs_are_ranked_by_reward_and_ties_get_no_label():
@@ -19,11 +28,14 @@ def test_pairs_are_ranked_by_reward_and_ties_get_no_label():
     assert batch.advantages.tolist() == [1.0, -1.0, -1.0, 1.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"num_generations": 4}, "num_generations must be 2"),
-    ({"micro_batch_size": 3}, "micro_batch_size must be even"),
-    ({"loss_type": "simpo"}, "loss_type must be one of"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_generations": 4}, "num_generations must be 2"),
+        ({"micro_batch_size": 3}, "micro_batch_size must be even"),
+        ({"loss_type": "simpo"}, "loss_type must be one of"),
+    ],
+)
 def test_bad_settings_name_the_key(kwargs, message):
     with pytest.raises(ValueError, match=message):
         OnlineDPO(**kwargs)
@@ -48,6 +60,9 @@ def test_a_reward_model_given_by_path_ranks_the_pairs(tmp_path):
     module = OnlineDPO(reward_funcs=[], reward_model_name_or_path=str(tmp_path / "rm"))
     assert list(module.reward_fns) == ["reward_model"] and module.reward_weights.tolist() == [1.0]
     assert "val/rewards/reward_model" in module.val_metrics.keys()
-    both = OnlineDPO(reward_funcs=["lit_rl.rewards.arithmetic.correctness"], reward_weights=[1.0, 0.5],
-                     reward_model_name_or_path=str(tmp_path / "rm"))
+    both = OnlineDPO(
+        reward_funcs=["lit_rl.rewards.arithmetic.correctness"],
+        reward_weights=[1.0, 0.5],
+        reward_model_name_or_path=str(tmp_path / "rm"),
+    )
     assert list(both.reward_fns) == ["correctness", "reward_model"] and both.reward_weights.tolist() == [1.0, 0.5]

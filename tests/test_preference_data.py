@@ -1,7 +1,5 @@
 import logging
 
-import torch
-
 from lit_rl.data.preference import ShardedPairBatches, TokenizedPair, collate_pairs, tokenize_pairs
 from lit_rl.models import load_tokenizer
 
@@ -23,8 +21,13 @@ def test_tokenize_appends_eos_and_counts_truncated_rows(caplog):
 
 
 def test_chat_formatted_pairs_use_the_chat_template():
-    rows = [{"prompt": [{"role": "user", "content": "1+2="}], "chosen": [{"role": "assistant", "content": "3"}],
-             "rejected": [{"role": "assistant", "content": "4"}]}]
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": "1+2="}],
+            "chosen": [{"role": "assistant", "content": "3"}],
+            "rejected": [{"role": "assistant", "content": "4"}],
+        }
+    ]
     fmt = lambda p: TOKENIZER.apply_chat_template(p, tokenize=False, add_generation_prompt=True)  # noqa: E731
     (pair,) = tokenize_pairs(rows, TOKENIZER, fmt, None, None, "chat.jsonl")
     assert TOKENIZER.decode(pair.prompt_ids) == "1+2="

@@ -64,7 +64,9 @@ def test_the_models_own_generation_settings_do_not_leak_into_sampling(policy):
         enc = tokenizer(["45+67="] * 32, return_tensors="pt")
         engine = HFGenerateEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
         torch.manual_seed(0)
-        out = engine.generate(enc["input_ids"], enc["attention_mask"], SamplingParams(max_new_tokens=6, temperature=1.5))
+        out = engine.generate(
+            enc["input_ids"], enc["attention_mask"], SamplingParams(max_new_tokens=6, temperature=1.5)
+        )
         distinct = {tuple(row.tolist()) for row in out.completion_ids}
         assert len(distinct) > 1, "top_k=1 from the model's generation_config leaked into sampling"
         one = tokenizer.convert_tokens_to_ids("1")

@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from torchmetrics import MetricCollection
 
+from lit_rl.errors import ConfigError
 from lit_rl.models import load_causal_lm, load_tokenizer
 from lit_rl.ops import position_ids_from_mask, token_logprobs
 
@@ -38,7 +39,7 @@ class PolicyModule(L.LightningModule):
     ) -> None:
         super().__init__()
         if learning_rate < 0:
-            raise ValueError(f"model.learning_rate must be >= 0, got {learning_rate}")
+            raise ConfigError(f"model.learning_rate must be >= 0, got {learning_rate}")
         self.tokenizer = load_tokenizer(model_name_or_path, trust_remote_code=trust_remote_code)
         self.policy: Optional[torch.nn.Module] = None
 

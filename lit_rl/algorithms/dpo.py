@@ -19,6 +19,7 @@ import torch
 
 from lit_rl.algorithms.base import PolicyModule, completion_forward
 from lit_rl.data.preference import TokenizedPair, collate_pairs
+from lit_rl.errors import ConfigError
 from lit_rl.losses.dpo import DPO_LOSSES, REFERENCE_FREE, dpo_loss
 from lit_rl.metrics import dpo_metrics
 from lit_rl.models import resolve_model_path
@@ -65,11 +66,11 @@ class DPO(PolicyModule):
         trust_remote_code: bool = False,
     ) -> None:
         if loss_type not in DPO_LOSSES:
-            raise ValueError(f"model.loss_type must be one of {DPO_LOSSES}, got {loss_type!r}")
+            raise ConfigError(f"model.loss_type must be one of {DPO_LOSSES}, got {loss_type!r}")
         if beta <= 0:
-            raise ValueError(f"model.beta must be > 0, got {beta}")
+            raise ConfigError(f"model.beta must be > 0, got {beta}")
         if not 0 <= label_smoothing < 0.5:
-            raise ValueError(f"model.label_smoothing must be in [0, 0.5), got {label_smoothing}")
+            raise ConfigError(f"model.label_smoothing must be in [0, 0.5), got {label_smoothing}")
         super().__init__(
             model_name_or_path,
             dtype=dtype,
@@ -191,9 +192,18 @@ class DPO(PolicyModule):
             num_pairs = self.trainer.strategy.reduce(num_pairs.clone(), reduce_op="sum")
         len_c, len_r = lengths.chunk(2)
         loss, stats = dpo_loss(
-            chosen, rejected, ref_chosen, ref_rejected, hp.loss_type, hp.beta, hp.label_smoothing,
-            chosen_lengths=len_c, rejected_lengths=len_r, simpo_gamma=hp.simpo_gamma,
-            num_pairs=num_pairs.clamp(min=1.0), weights=weight,
+            chosen,
+            rejected,
+            ref_chosen,
+            ref_rejected,
+            hp.loss_type,
+            hp.beta,
+            hp.label_smoothing,
+            chosen_lengths=len_c,
+            rejected_lengths=len_r,
+            simpo_gamma=hp.simpo_gamma,
+            num_pairs=num_pairs.clamp(min=1.0),
+            weights=weight,
         )
         self._update_metrics(metrics, stats, chosen.detach(), rejected.detach(), mean_logits, batch, weight)
         return loss * self.trainer.world_size  # data-parallel strategies average gradients over ranks

@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from lit_rl.algorithms.on_policy import ZERO_STD, OnPolicyModule, check_rollout_args
+from lit_rl.errors import ConfigError
 from lit_rl.losses import AGGREGATIONS, LossNormalizer, group_advantages, grpo_loss
 from lit_rl.metrics import grpo_metrics
 from lit_rl.types import RolloutBatch
@@ -46,6 +47,8 @@ class GRPO(OnPolicyModule):
         max_prompt_length: truncate prompts to their last `max_prompt_length` tokens (None: no limit).
         val_temperature: sampling temperature for validation (0: greedy).
         val_num_generations: completions per validation prompt.
+        invalid_reward: what a NaN/None/inf reward value does: `zero` counts it as 0 (and in the metric
+            `frac_invalid_reward`), `error` stops the run naming the reward function.
     """
 
     def __init__(
@@ -75,14 +78,20 @@ class GRPO(OnPolicyModule):
         max_prompt_length: Optional[int] = None,
         val_temperature: float = 0.0,
         val_num_generations: int = 1,
+        invalid_reward: str = "zero",
     ) -> None:
         check_rollout_args(locals())
         if loss_aggregation not in AGGREGATIONS:
-            raise ValueError(f"model.loss_aggregation must be one of {sorted(AGGREGATIONS)}, got {loss_aggregation!r}")
+            raise ConfigError(f"model.loss_aggregation must be one of {sorted(AGGREGATIONS)}, got {loss_aggregation!r}")
         if scale_rewards not in ("group", "batch", "none"):
-            raise ValueError(f"model.scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}")
+            raise ConfigError(f"model.scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}")
         if epsilon_low < 0 or epsilon_high < 0:
-            raise ValueError("model.epsilon_low and model.epsilon_high must be >= 0")
+            raise ConfigError("model.epsilon_low and model.epsilon_high must be >= 0")
+        if epsilon_high < epsilon_low:
+            raise ConfigError(
+                f"model.epsilon_high ({epsilon_high}) must be >= model.epsilon_low ({epsilon_low}): "
+                "clip-higher widens the upper range, never narrows it"
+            )
         super().__init__(
             model_name_or_path,
             reward_funcs,

@@ -18,6 +18,7 @@ from torchmetrics import MetricCollection
 
 from lit_rl.algorithms.base import PolicyModule, completion_forward, completion_logprobs
 from lit_rl.data.schedule import RolloutSchedule
+from lit_rl.errors import ConfigError, DataError, RewardFunctionError
 from lit_rl.losses import LossNormalizer
 from lit_rl.metrics import rollout_eval_metrics
 from lit_rl.ops import entropy_from_logits, token_logprobs
@@ -61,7 +62,7 @@ class OnPolicyModule(PolicyModule):
         self.reward_fns = {reward_name(path): import_reward_function(path) for path in reward_funcs}
         self.reward_weights = torch.tensor(reward_weights or [1.0] * len(reward_funcs), dtype=torch.float32)
         if len(self.reward_weights) != len(reward_funcs):
-            raise ValueError(
+            raise ConfigError(
                 f"model.reward_weights has {len(self.reward_weights)} values for {len(reward_funcs)} reward_funcs"
             )
         self.ref_model: Optional[torch.nn.Module] = None
@@ -124,17 +125,49 @@ class OnPolicyModule(PolicyModule):
         if isinstance(limit, int) or limit != 1.0:
             # A truncated epoch would end inside a generation, where Lightning forces a partial optimizer step.
             if not isinstance(limit, int) or limit % self.micro_steps_per_generation != 0:
-                raise ValueError(
+                raise ConfigError(
                     f"trainer.limit_train_batches={limit} must be an integer multiple of the "
                     f"{self.micro_steps_per_generation} micro-steps of a generation"
                 )
         completions = self.completions_per_generation
         if completions % self.hparams.num_generations != 0:
-            raise ValueError(
+            raise ConfigError(
                 f"model.micro_batch_size x trainer.accumulate_grad_batches x model.steps_per_generation = "
                 f"{completions} completions per rank must be a multiple of model.num_generations="
                 f"{self.hparams.num_generations}"
             )
+
+    def on_fit_start(self) -> None:
+        self.check_prompt_lengths()
+
+    def check_prompt_lengths(self) -> None:
+        """Fail before training when a prompt plus `max_new_tokens` cannot fit the model's context."""
+        context = getattr(self.policy.config, "max_position_embeddings", None)
+        if context is None:
+            return
+        hp, datamodule = self.hparams, self.trainer.datamodule
+        if hp.max_prompt_length is not None:
+            if hp.max_prompt_length + hp.max_new_tokens > context:
+                raise ConfigError(
+                    f"model.max_prompt_length ({hp.max_prompt_length}) + model.max_new_tokens ({hp.max_new_tokens}) "
+                    f"exceeds the model's context of {context} tokens"
+                )
+            return
+        for source, rows in (
+            (datamodule.train_data, datamodule.train_rows),
+            (datamodule.val_data, datamodule.val_rows),
+        ):
+            for start in range(0, len(rows), 1024):
+                chunk = rows[start : start + 1024]
+                prompts = [row["prompt"] for row in chunk]
+                lengths = [len(ids) for ids in self.tokenizer([self.format_prompt(p) for p in prompts])["input_ids"]]
+                for offset, length in enumerate(lengths):
+                    if length + hp.max_new_tokens > context:
+                        raise DataError(
+                            f"{source}: row {start + offset} has a prompt of {length} tokens; with "
+                            f"model.max_new_tokens={hp.max_new_tokens} it exceeds the model's context of {context} "
+                            "tokens (set model.max_prompt_length to truncate prompts)"
+                        )
 
     @property
     def accumulate(self) -> int:
@@ -171,17 +204,26 @@ class OnPolicyModule(PolicyModule):
     def score(self, rows: list[dict[str, Any]], completions: list[str], repeat: int) -> torch.Tensor:
         """Reward components [N, F] (one column per reward function) for rows repeated `repeat` times."""
         prompts = [row["prompt"] for row in rows for _ in range(repeat)]
-        columns = {
-            key: [row.get(key) for row in rows for _ in range(repeat)] for key in rows[0] if key != "prompt"
-        }
-        values = [
-            call_reward_function(name, fn, prompts, completions, columns) for name, fn in self.reward_fns.items()
-        ]
+        columns = {key: [row.get(key) for row in rows for _ in range(repeat)] for key in rows[0] if key != "prompt"}
+        values = [call_reward_function(name, fn, prompts, completions, columns) for name, fn in self.reward_fns.items()]
         return torch.tensor(values, dtype=torch.float32, device=self.device).T.reshape(len(completions), -1)
 
     def weighted_reward(self, components: torch.Tensor) -> torch.Tensor:
-        """[N, F] -> [N]: the weighted sum of the reward functions (NaN counts as 0)."""
-        return (components.nan_to_num(0.0) * self.reward_weights.to(components)).sum(dim=1)
+        """[N, F] -> [N]: the weighted sum of the reward functions.
+
+        An invalid value (NaN, inf, or None from the function) counts as 0 with `invalid_reward: zero` (the
+        default; `frac_invalid_reward` counts them) and stops the run, naming the function, with `error`.
+        """
+        invalid = ~torch.isfinite(components)
+        if invalid.any() and self.hparams.get("invalid_reward", "zero") == "error":
+            row, column = (int(i) for i in invalid.nonzero()[0])
+            name = list(self.reward_fns)[column]
+            raise RewardFunctionError(
+                f"reward function {name!r} returned {components[row, column].item()} for completion {row} "
+                "(set model.invalid_reward: zero to count invalid rewards as 0)"
+            )
+        weights = self.reward_weights.to(components)
+        return (torch.where(invalid, torch.zeros_like(components), components) * weights).sum(dim=1)
 
     def sample(self, rows: list[dict[str, Any]], repeat: int, params: SamplingParams):
         """Prompt ids [N, P], mask, engine output, decoded completions and reward components for `rows` x `repeat`."""
@@ -228,7 +270,11 @@ class OnPolicyModule(PolicyModule):
             mb = batch.select(slice(start, start + self.hparams.micro_batch_size))
             chunks.append(
                 completion_logprobs(
-                    model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
+                    model,
+                    mb.prompt_ids,
+                    mb.prompt_mask,
+                    mb.completion_ids,
+                    mb.completion_mask,
                     self.hparams.temperature,
                 )
             )
@@ -249,7 +295,10 @@ class OnPolicyModule(PolicyModule):
         num_sequences = float(per_step * self.trainer.world_size)
         return [
             LossNormalizer(
-                num_sequences, float(counts[i]), float(counts[steps]), self.hparams.max_new_tokens,
+                num_sequences,
+                float(counts[i]),
+                float(counts[steps]),
+                self.hparams.max_new_tokens,
                 num_active_sequences=float(counts[steps + 1 + i]),
             )
             for i in range(steps)
@@ -301,10 +350,12 @@ class OnPolicyModule(PolicyModule):
     def _update_rollout_metrics(self, m, rewards, components, completion_mask, group_std, weight=None) -> None:
         weight = torch.ones_like(rewards) if weight is None else weight
         m["reward"].update(rewards, weight)
+        m["frac_invalid_reward"].update((~torch.isfinite(components)).any(dim=1).float(), weight)
         m["reward_std"].update(group_std, weight)
         m["completion_length"].update(completion_mask.sum(dim=1), weight)
         for column, name in enumerate(self.reward_fns):
-            m[f"rewards/{name}"].update(components[:, column], weight)
+            valid = torch.isfinite(components[:, column])  # each function's mean is over its valid values
+            m[f"rewards/{name}"].update(components[:, column].nan_to_num(0.0, 0.0, 0.0), weight * valid)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Called once per optimizer step, after every micro-batch of the window has run its backward.
@@ -330,9 +381,7 @@ class OnPolicyModule(PolicyModule):
     # -- checkpoints -----------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # The reference model is frozen and reloaded from its path: keep it out of the checkpoint.
-        checkpoint["state_dict"] = {
-            k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("ref_model.")
-        }
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("ref_model.")}
         # Every rank has its own buffer and RNG stream, but only rank 0 writes the file: gather them all.
         local = {
             "buffer": None if self._buffer is None else self._buffer.state_dict(),
@@ -354,7 +403,7 @@ class OnPolicyModule(PolicyModule):
             return
         per_rank = state["per_rank"]
         if len(per_rank) != self.trainer.world_size:
-            raise ValueError(
+            raise ConfigError(
                 f"checkpoint was written by {len(per_rank)} ranks, this run has {self.trainer.world_size}: "
                 "rollout algorithms resume their buffer per rank, so resume with the same number of devices"
             )
@@ -385,12 +434,14 @@ def check_rollout_args(args: dict[str, Any]) -> None:
     positive = ("num_generations", "micro_batch_size", "steps_per_generation", "num_iterations", "max_new_tokens")
     for key in positive:
         if args[key] < 1:
-            raise ValueError(f"model.{key} must be >= 1, got {args[key]}")
+            raise ConfigError(f"model.{key} must be >= 1, got {args[key]}")
     if args["num_generations"] < 2:
-        raise ValueError(
+        raise ConfigError(
             f"model.num_generations must be >= 2 (completions are compared), got {args['num_generations']}"
         )
     if args["temperature"] <= 0 or not math.isfinite(args["temperature"]):
-        raise ValueError(f"model.temperature must be > 0 for training rollouts, got {args['temperature']}")
+        raise ConfigError(f"model.temperature must be > 0 for training rollouts, got {args['temperature']}")
+    if args.get("invalid_reward", "zero") not in ("zero", "error"):
+        raise ConfigError(f"model.invalid_reward must be 'zero' or 'error', got {args['invalid_reward']!r}")
     if args.get("beta", 0.0) < 0:
-        raise ValueError(f"model.beta must be >= 0, got {args['beta']}")
+        raise ConfigError(f"model.beta must be >= 0, got {args['beta']}")

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from lit_rl.algorithms.on_policy import OnPolicyModule, check_rollout_args
+from lit_rl.errors import ConfigError
 from lit_rl.losses import LossNormalizer
 from lit_rl.losses.dpo import DPO_LOSSES, REFERENCE_FREE, dpo_loss
 from lit_rl.metrics import online_dpo_metrics
@@ -51,6 +52,8 @@ class OnlineDPO(OnPolicyModule):
         max_prompt_length: truncate prompts to their last `max_prompt_length` tokens (None: no limit).
         val_temperature: sampling temperature for validation (0: greedy).
         val_num_generations: completions per validation prompt.
+        invalid_reward: what a NaN/None/inf reward value does: `zero` counts it as 0 (and in the metric
+            `frac_invalid_reward`), `error` stops the run naming the reward function.
     """
 
     def __init__(
@@ -79,17 +82,20 @@ class OnlineDPO(OnPolicyModule):
         max_prompt_length: Optional[int] = None,
         val_temperature: float = 0.0,
         val_num_generations: int = 1,
+        invalid_reward: str = "zero",
     ) -> None:
         check_rollout_args(locals())
         if num_generations != 2:
-            raise ValueError(f"model.num_generations must be 2 for Online DPO (one pair per prompt), got {num_generations}")
+            raise ConfigError(
+                f"model.num_generations must be 2 for Online DPO (one pair per prompt), got {num_generations}"
+            )
         if micro_batch_size % 2:
-            raise ValueError(f"model.micro_batch_size must be even (pairs are never split), got {micro_batch_size}")
+            raise ConfigError(f"model.micro_batch_size must be even (pairs are never split), got {micro_batch_size}")
         if loss_type not in DPO_LOSSES or loss_type in REFERENCE_FREE:
             allowed = [t for t in DPO_LOSSES if t not in REFERENCE_FREE]
-            raise ValueError(f"model.loss_type must be one of {allowed}, got {loss_type!r}")
+            raise ConfigError(f"model.loss_type must be one of {allowed}, got {loss_type!r}")
         if not 0 <= label_smoothing < 0.5:
-            raise ValueError(f"model.label_smoothing must be in [0, 0.5), got {label_smoothing}")
+            raise ConfigError(f"model.label_smoothing must be in [0, 0.5), got {label_smoothing}")
         judge_weight = None
         if reward_model_name_or_path is not None:
             funcs = list(reward_funcs or [])
@@ -143,10 +149,15 @@ class OnlineDPO(OnPolicyModule):
         pick = lambda values, col: values.gather(1, col[:, None]).squeeze(1)  # noqa: E731
         untied = (labels[:, 0] != 0).float()  # [n/2]
         loss, stats = dpo_loss(
-            pick(seq_logps, chosen_col), pick(seq_logps, 1 - chosen_col),
-            pick(ref_logps, chosen_col), pick(ref_logps, 1 - chosen_col),
-            hp.loss_type, hp.beta, hp.label_smoothing,
-            num_pairs=max(normalizer.num_active_sequences / 2, 1.0), weights=untied,
+            pick(seq_logps, chosen_col),
+            pick(seq_logps, 1 - chosen_col),
+            pick(ref_logps, chosen_col),
+            pick(ref_logps, 1 - chosen_col),
+            hp.loss_type,
+            hp.beta,
+            hp.label_smoothing,
+            num_pairs=max(normalizer.num_active_sequences / 2, 1.0),
+            weights=untied,
         )
         stats["untied"] = untied
         stats["chosen_logps"] = pick(seq_logps, chosen_col).detach()
@@ -158,8 +169,13 @@ class OnlineDPO(OnPolicyModule):
         untied = stats["untied"]
         m["loss"].update(loss.detach())
         m["frac_tied_pairs"].update(1.0 - untied)
-        for name, key in [("rewards/chosen", "chosen_rewards"), ("rewards/rejected", "rejected_rewards"),
-                          ("rewards/accuracies", "accuracies"), ("rewards/margins", "margins"),
-                          ("logps/chosen", "chosen_logps"), ("logps/rejected", "rejected_logps")]:
+        for name, key in [
+            ("rewards/chosen", "chosen_rewards"),
+            ("rewards/rejected", "rejected_rewards"),
+            ("rewards/accuracies", "accuracies"),
+            ("rewards/margins", "margins"),
+            ("logps/chosen", "chosen_logps"),
+            ("logps/rejected", "rejected_logps"),
+        ]:
             # Always updated (ties weigh 0), so every rank takes part in the metric's sync.
             m[name].update(stats[key], untied)

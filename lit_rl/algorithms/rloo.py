@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from lit_rl.algorithms.on_policy import OnPolicyModule, check_rollout_args
+from lit_rl.errors import ConfigError
 from lit_rl.losses import LossNormalizer
 from lit_rl.losses.rloo import kl_penalized_rewards, rloo_advantages, rloo_loss
 from lit_rl.metrics import rloo_metrics
@@ -45,6 +46,8 @@ class RLOO(OnPolicyModule):
         max_prompt_length: truncate prompts to their last `max_prompt_length` tokens (None: no limit).
         val_temperature: sampling temperature for validation (0: greedy).
         val_num_generations: completions per validation prompt.
+        invalid_reward: what a NaN/None/inf reward value does: `zero` counts it as 0 (and in the metric
+            `frac_invalid_reward`), `error` stops the run naming the reward function.
     """
 
     def __init__(
@@ -72,10 +75,11 @@ class RLOO(OnPolicyModule):
         max_prompt_length: Optional[int] = None,
         val_temperature: float = 0.0,
         val_num_generations: int = 1,
+        invalid_reward: str = "zero",
     ) -> None:
         check_rollout_args(locals())
         if epsilon < 0:
-            raise ValueError(f"model.epsilon must be >= 0, got {epsilon}")
+            raise ConfigError(f"model.epsilon must be >= 0, got {epsilon}")
         super().__init__(
             model_name_or_path,
             reward_funcs,
@@ -116,7 +120,11 @@ class RLOO(OnPolicyModule):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         old_logprobs = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
         return rloo_loss(
-            logprobs, old_logprobs, mb.advantages, mb.completion_mask, self.hparams.epsilon,
+            logprobs,
+            old_logprobs,
+            mb.advantages,
+            mb.completion_mask,
+            self.hparams.epsilon,
             num_sequences=normalizer.num_sequences,
         )
 

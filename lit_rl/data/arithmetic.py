@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from lit_rl.errors import DataError
+
 VAL_SIZE = 256
 _SPLIT_SEED = 20240607
 
@@ -15,7 +17,7 @@ _SPLIT_SEED = 20240607
 def addition_rows(split: str) -> list[dict[str, str]]:
     """Rows with `prompt`, `completion` (for SFT) and `answer` (for the reward functions)."""
     if split not in ("train", "val"):
-        raise ValueError(f"builtin:addition has splits 'train' and 'val', not {split!r}")
+        raise DataError(f"builtin:addition has splits 'train' and 'val', not {split!r}")
     pairs = [(a, b) for a in range(100) for b in range(100)]
     order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(_SPLIT_SEED)).tolist()
     chosen = order[:VAL_SIZE] if split == "val" else order[VAL_SIZE:]

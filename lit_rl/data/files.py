@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from lit_rl.data.arithmetic import BUILTIN_DATASETS
+from lit_rl.errors import DataError, DataFileNotFound
 
 Row = dict[str, Any]
 
@@ -16,11 +17,11 @@ def load_rows(spec: str) -> list[Row]:
     if spec.startswith("builtin:"):
         name, _, split = spec[len("builtin:") :].partition("/")
         if name not in BUILTIN_DATASETS:
-            raise ValueError(f"unknown built-in dataset {spec!r}; known: {sorted(BUILTIN_DATASETS)}")
+            raise DataError(f"unknown built-in dataset {spec!r}; known: {sorted(BUILTIN_DATASETS)}")
         return BUILTIN_DATASETS[name](split or "train")
     path = Path(spec)
     if not path.is_file():
-        raise FileNotFoundError(f"data file {spec!r} does not exist")
+        raise DataFileNotFound(f"data file {spec!r} does not exist")
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         return _read_jsonl(path)
@@ -30,13 +31,13 @@ def load_rows(spec: str) -> list[Row]:
             keys = list(data)
             data = [dict(zip(keys, values)) for values in zip(*(data[k] for k in keys))]
         if not isinstance(data, list):
-            raise ValueError(f"{spec}: expected a list of rows or a dict of columns")
+            raise DataError(f"{spec}: expected a list of rows or a dict of columns")
         return data
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
         return pq.read_table(path).to_pylist()
-    raise ValueError(f"data file {spec!r}: unsupported extension {suffix!r} (use .jsonl, .json or .parquet)")
+    raise DataError(f"data file {spec!r}: unsupported extension {suffix!r} (use .jsonl, .json or .parquet)")
 
 
 def _read_jsonl(path: Path) -> list[Row]:
@@ -48,9 +49,9 @@ def _read_jsonl(path: Path) -> list[Row]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{line_number}: malformed JSON ({err.msg})") from None
+                raise DataError(f"{path}:{line_number}: malformed JSON ({err.msg})") from None
             if not isinstance(row, dict):
-                raise ValueError(f"{path}:{line_number}: each line must be a JSON object")
+                raise DataError(f"{path}:{line_number}: each line must be a JSON object")
             rows.append(row)
     return rows
 
@@ -58,11 +59,11 @@ def _read_jsonl(path: Path) -> list[Row]:
 def validate_rows(rows: Sequence[Row], required: Sequence[str], source: str) -> None:
     """Fail on an empty data set or a row missing a required column (naming the row)."""
     if not rows:
-        raise ValueError(f"{source}: the data set is empty")
+        raise DataError(f"{source}: the data set is empty")
     for index, row in enumerate(rows):
         for column in required:
             value = row.get(column)
             if value is None:
-                raise ValueError(f"{source}: row {index} has no {column!r} column")
+                raise DataError(f"{source}: row {index} has no {column!r} column")
             if not isinstance(value, (str, list)):
-                raise ValueError(f"{source}: row {index} column {column!r} must be text or chat messages")
+                raise DataError(f"{source}: row {index} column {column!r} must be text or chat messages")

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 from lit_rl.data.files import Row, load_rows, validate_rows
 from lit_rl.data.preference import ShardedPairBatches, ShardedRowBatches, TokenizedPair, tokenize_pairs
 from lit_rl.data.schedule import RolloutSchedule, RolloutScheduleLoader
+from lit_rl.errors import ConfigError
 
 
 def collate_rows(rows: list[Row]) -> list[Row]:
@@ -47,7 +48,7 @@ class PromptDataModule(L.LightningDataModule):
     ) -> None:
         super().__init__()
         if val_batch_size < 1:
-            raise ValueError(f"data.val_batch_size must be >= 1, got {val_batch_size}")
+            raise ConfigError(f"data.val_batch_size must be >= 1, got {val_batch_size}")
         self.train_data = train_data
         self.val_data = val_data
         self.val_limit = val_limit
@@ -79,7 +80,9 @@ class PromptDataModule(L.LightningDataModule):
     def val_dataloader(self) -> Any:
         if not self.val_rows:
             return []
-        batches = ShardedRowBatches(self.val_rows, self.val_batch_size, self.trainer.global_rank, self.trainer.world_size)
+        batches = ShardedRowBatches(
+            self.val_rows, self.val_batch_size, self.trainer.global_rank, self.trainer.world_size
+        )
         # Its own generator: creating a DataLoader iterator draws a seed from the generator, and drawing it from
         # the global RNG would make a run with validation sample different training rollouts than one without.
         return DataLoader(batches, batch_size=None, generator=torch.Generator().manual_seed(self.seed))
@@ -106,9 +109,9 @@ class SFTDataModule(PromptDataModule):
         batch_size: int = 64,
         num_workers: int = 0,
     ) -> None:
-        super().__init__(train_data=train_data, val_data=val_data, val_limit=val_limit, val_batch_size=batch_size)
         if batch_size < 1:
-            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+            raise ConfigError(f"data.batch_size must be >= 1, got {batch_size}")
+        super().__init__(train_data=train_data, val_data=val_data, val_limit=val_limit, val_batch_size=batch_size)
         self.batch_size = batch_size
         self.num_workers = num_workers
 
@@ -157,10 +160,11 @@ class PreferenceDataModule(PromptDataModule):
         max_length: Optional[int] = None,
         seed: int = 0,
     ) -> None:
-        super().__init__(train_data=train_data, val_data=val_data, val_limit=val_limit, val_batch_size=batch_size,
-                         seed=seed)
         if batch_size < 1:
-            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+            raise ConfigError(f"data.batch_size must be >= 1, got {batch_size}")
+        super().__init__(
+            train_data=train_data, val_data=val_data, val_limit=val_limit, val_batch_size=batch_size, seed=seed
+        )
         self.batch_size = batch_size
         self.max_prompt_length = max_prompt_length
         self.max_length = max_length
@@ -181,8 +185,14 @@ class PreferenceDataModule(PromptDataModule):
     def _batches(self, pairs: list[TokenizedPair], shuffle: bool) -> DataLoader[Any]:
         trainer = self.trainer
         batches = ShardedPairBatches(
-            pairs, self.batch_size, shuffle, self.seed, trainer.global_rank, trainer.world_size,
-            pad_id=trainer.lightning_module.tokenizer.pad_token_id, epoch=lambda: trainer.current_epoch,
+            pairs,
+            self.batch_size,
+            shuffle,
+            self.seed,
+            trainer.global_rank,
+            trainer.world_size,
+            pad_id=trainer.lightning_module.tokenizer.pad_token_id,
+            epoch=lambda: trainer.current_epoch,
         )
         return DataLoader(batches, batch_size=None)
 

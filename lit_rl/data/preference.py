@@ -71,7 +71,11 @@ def tokenize_pairs(
     if truncated:
         log.warning(
             "%s: truncated %d of %d rows (max_prompt_length=%s, max_length=%s)",
-            source, truncated, len(rows), max_prompt_length, max_length,
+            source,
+            truncated,
+            len(rows),
+            max_prompt_length,
+            max_length,
         )
     return pairs
 

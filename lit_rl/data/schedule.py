@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from lit_rl.data.files import Row
+from lit_rl.errors import DataError
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class RolloutScheduleLoader:
         prompts_per_generation = prompts_per_rank * world_size
         self.generations_per_epoch = len(rows) // prompts_per_generation
         if self.generations_per_epoch == 0:
-            raise ValueError(
+            raise DataError(
                 f"the training data has {len(rows)} prompts, fewer than one generation batch "
                 f"({prompts_per_rank} prompts per rank x {world_size} ranks)"
             )

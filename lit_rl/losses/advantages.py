@@ -24,7 +24,9 @@ def group_advantages(
     `std` is the unbiased (n - 1) standard deviation, as in the GRPO reference implementations.
     """
     if rewards.ndim != 1 or rewards.numel() % group_size != 0:
-        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} rows, got {tuple(rewards.shape)}")
+        raise ValueError(
+            f"rewards must be 1-D with a multiple of group_size={group_size} rows, got {tuple(rewards.shape)}"
+        )
     grouped = rewards.view(-1, group_size)  # [B, G]
     group_mean = grouped.mean(dim=1, keepdim=True).expand_as(grouped).reshape(-1)
     group_std = grouped.std(dim=1, keepdim=True).expand_as(grouped).reshape(-1)

@@ -19,7 +19,10 @@ import torch
 
 
 def kl_penalized_rewards(
-    rewards: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, completion_mask: torch.Tensor,
+    rewards: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    completion_mask: torch.Tensor,
     beta: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`r_i - beta * sum_t m_it (logprobs_it - ref_logprobs_it)` [N] (no gradient) and the per-sequence KL [N]."""
@@ -27,14 +30,14 @@ def kl_penalized_rewards(
     return rewards - beta * kl, kl
 
 
-def rloo_advantages(
-    rewards: torch.Tensor, group_size: int, normalize: bool = False, eps: float = 1e-8
-) -> torch.Tensor:
+def rloo_advantages(rewards: torch.Tensor, group_size: int, normalize: bool = False, eps: float = 1e-8) -> torch.Tensor:
     """Leave-one-out advantages [N] of rewards [N] in groups of `group_size` consecutive rows (see module)."""
     if group_size < 2:
         raise ValueError("RLOO needs at least 2 completions per prompt")
     if rewards.ndim != 1 or rewards.numel() % group_size != 0:
-        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} rows, got {tuple(rewards.shape)}")
+        raise ValueError(
+            f"rewards must be 1-D with a multiple of group_size={group_size} rows, got {tuple(rewards.shape)}"
+        )
     grouped = rewards.view(-1, group_size)  # [B, k]
     baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
     advantages = (grouped - baseline).reshape(-1)

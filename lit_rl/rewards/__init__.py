@@ -10,6 +10,8 @@ import importlib
 import math
 from typing import Any, Callable, Sequence
 
+from lit_rl.errors import RewardFunctionError
+
 RewardFunction = Callable[..., Sequence[float]]
 
 
@@ -17,14 +19,14 @@ def import_reward_function(path: str) -> RewardFunction:
     """Import `package.module.function` or `package.module:function`; a clear error names `path` otherwise."""
     module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
     if not sep or not module_name or not attr:
-        raise ValueError(f"reward function path {path!r} must look like 'package.module.function'")
+        raise RewardFunctionError(f"reward function path {path!r} must look like 'package.module.function'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise ValueError(f"reward function {path!r}: cannot import module {module_name!r} ({err})") from None
+        raise RewardFunctionError(f"reward function {path!r}: cannot import module {module_name!r} ({err})") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"reward function {path!r}: module {module_name!r} has no callable {attr!r}")
+        raise RewardFunctionError(f"reward function {path!r}: module {module_name!r} has no callable {attr!r}")
     return fn
 
 
@@ -36,14 +38,24 @@ def reward_name(path: str) -> str:
 def call_reward_function(
     name: str, fn: RewardFunction, prompts: list[Any], completions: list[str], columns: dict[str, list[Any]]
 ) -> list[float]:
-    """Call `fn` and check what it returns: one finite-or-NaN float per completion."""
-    values = list(fn(prompts=prompts, completions=completions, **columns))
+    """Call `fn` and check what it returns: one float per completion; None becomes NaN (an invalid reward, handled
+    by the algorithm's `invalid_reward` policy). A function that raises or returns the wrong number of values is
+    a `RewardFunctionError` naming it."""
+    try:
+        values = list(fn(prompts=prompts, completions=completions, **columns))
+    except Exception as err:  # the user's code: report it by name, keep the cause for LIT_RL_TRACEBACK=1
+        raise RewardFunctionError(f"reward function {name!r} raised {type(err).__name__}: {err}") from err
     if len(values) != len(completions):
-        raise ValueError(f"reward function {name!r} returned {len(values)} values for {len(completions)} completions")
+        raise RewardFunctionError(
+            f"reward function {name!r} returned {len(values)} values for {len(completions)} completions"
+        )
     out = []
-    for value in values:
+    for row, value in enumerate(values):
         if value is None:
             out.append(math.nan)
-        else:
+            continue
+        try:
             out.append(float(value))
+        except (TypeError, ValueError):
+            raise RewardFunctionError(f"reward function {name!r} returned {value!r} for completion {row}, not a number")
     return out

@@ -23,15 +23,24 @@ class RewardModel:
         trust_remote_code: allow model code from the model repository (off by default).
     """
 
-    def __init__(self, name_or_path: str, batch_size: int = 32, device: str | torch.device = "cpu",
-                 trust_remote_code: bool = False) -> None:
+    def __init__(
+        self,
+        name_or_path: str,
+        batch_size: int = 32,
+        device: str | torch.device = "cpu",
+        trust_remote_code: bool = False,
+    ) -> None:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         resolved = resolve_model_path(name_or_path)
         self.tokenizer = AutoTokenizer.from_pretrained(resolved, trust_remote_code=trust_remote_code)
-        self.model = AutoModelForSequenceClassification.from_pretrained(
-            resolved, num_labels=1, trust_remote_code=trust_remote_code
-        ).eval().requires_grad_(False)
+        self.model = (
+            AutoModelForSequenceClassification.from_pretrained(
+                resolved, num_labels=1, trust_remote_code=trust_remote_code
+            )
+            .eval()
+            .requires_grad_(False)
+        )
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model.config.pad_token_id = self.tokenizer.pad_token_id

@@ -42,9 +42,7 @@ class RolloutOutput:
 class RolloutEngine(Protocol):
     """Generates completions for token-id prompts and receives the policy's weights after each update."""
 
-    def generate(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams
-    ) -> RolloutOutput:
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> RolloutOutput:
         """Sample one completion per row of the left-padded `prompt_ids` [N, P] (repeat rows for groups)."""
 
     def update_weights(self, named_tensors: Optional[Iterable[tuple[str, torch.Tensor]]] = None) -> None:

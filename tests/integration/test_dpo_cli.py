@@ -16,8 +16,17 @@ pytestmark = pytest.mark.slow
 
 DPO_YAML = str(CONFIGS / "dpo.yaml")
 FAST = ["--data.batch_size", "8", "--data.val_limit", "16", "--trainer.num_sanity_val_steps", "0"]
-NAMES = ["loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-         "logps/rejected", "logits/chosen", "logits/rejected"]
+NAMES = [
+    "loss",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "logits/chosen",
+    "logits/rejected",
+]
 
 
 def _fit(tmp_path, *args, name="a"):
@@ -27,8 +36,14 @@ def _fit(tmp_path, *args, name="a"):
 
 
 def test_dpo_logs_every_metric_for_train_and_val(tmp_path):
-    log_dir = _fit(tmp_path, "--trainer.max_steps", "4", "--trainer.val_check_interval", "2",
-                   "--trainer.callbacks+=lit_rl.callbacks.SaveHFPretrained")
+    log_dir = _fit(
+        tmp_path,
+        "--trainer.max_steps",
+        "4",
+        "--trainer.val_check_interval",
+        "2",
+        "--trainer.callbacks+=lit_rl.callbacks.SaveHFPretrained",
+    )
     assert (log_dir / "hf" / "model.safetensors").exists()  # exported into this run's own directory
     columns = set(read_metrics(log_dir)[0])
     for name in NAMES:
@@ -44,11 +59,13 @@ def test_precomputed_reference_trains_to_the_same_numbers(tmp_path, loss_type):
     common = ("--trainer.max_steps", "3", "--model.loss_type", loss_type, "--trainer.limit_val_batches", "0")
     live = _fit(tmp_path, *common, name="live")
     cache = tmp_path / "cache"
-    pre = _fit(tmp_path, *common, "--model.precompute_ref_logprobs", "true", "--model.ref_cache_dir", str(cache),
-               name="pre")
+    pre = _fit(
+        tmp_path, *common, "--model.precompute_ref_logprobs", "true", "--model.ref_cache_dir", str(cache), name="pre"
+    )
     assert len(list(cache.glob("ref_logprobs-*.pt"))) == 2  # train and val pairs
-    again = _fit(tmp_path, *common, "--model.precompute_ref_logprobs", "true", "--model.ref_cache_dir", str(cache),
-                 name="again")  # served from the cache
+    again = _fit(
+        tmp_path, *common, "--model.precompute_ref_logprobs", "true", "--model.ref_cache_dir", str(cache), name="again"
+    )  # served from the cache
     for a, b, c in zip(train_rows(live), train_rows(pre), train_rows(again)):
         for key in a:
             assert a[key] == pytest.approx(b[key], abs=1e-5), key
@@ -57,8 +74,18 @@ def test_precomputed_reference_trains_to_the_same_numbers(tmp_path, loss_type):
 
 def test_validate_subcommand_with_precomputed_reference(tmp_path, capsys):
     overlay = write_overlay(tmp_path / "v.yaml", save_dir=tmp_path / "v")
-    run_cli("validate", "--config", DPO_YAML, "--config", str(overlay), *FAST, "--model.precompute_ref_logprobs",
-            "true", "--model.ref_cache_dir", str(tmp_path / "cache"))
+    run_cli(
+        "validate",
+        "--config",
+        DPO_YAML,
+        "--config",
+        str(overlay),
+        *FAST,
+        "--model.precompute_ref_logprobs",
+        "true",
+        "--model.ref_cache_dir",
+        str(tmp_path / "cache"),
+    )
     rows = read_metrics(tmp_path / "v" / "run" / "version_0")
     assert float(rows[-1]["val/loss"]) == pytest.approx(0.6931, abs=1e-3)  # log 2: policy == reference
 
@@ -100,10 +127,14 @@ def _expected_means(rows, ref_path):
     mask_c, mask_r = batch["completion_mask"].chunk(2)
     logits_c, logits_r = mean_logits.chunk(2)
     return {
-        "loss": stats["losses"].mean(), "rewards/chosen": stats["chosen_rewards"].mean(),
-        "rewards/rejected": stats["rejected_rewards"].mean(), "rewards/margins": stats["margins"].mean(),
-        "rewards/accuracies": stats["accuracies"].mean(), "logps/chosen": chosen.mean(),
-        "logps/rejected": rejected.mean(), "logits/chosen": logits_c[mask_c > 0].mean(),
+        "loss": stats["losses"].mean(),
+        "rewards/chosen": stats["chosen_rewards"].mean(),
+        "rewards/rejected": stats["rejected_rewards"].mean(),
+        "rewards/margins": stats["margins"].mean(),
+        "rewards/accuracies": stats["accuracies"].mean(),
+        "logps/chosen": chosen.mean(),
+        "logps/rejected": rejected.mean(),
+        "logits/chosen": logits_c[mask_c > 0].mean(),
         "logits/rejected": logits_r[mask_r > 0].mean(),
     }
 
@@ -111,18 +142,45 @@ def _expected_means(rows, ref_path):
 def test_two_process_ddp_metrics_are_the_exact_global_values(tmp_path):
     """7 pairs on 2 ranks (4 and 3, in micro-batches of 2 with accumulation 2): every logged value must equal the
     value over all 7 pairs, not rank 0's and not a mean of per-rank or per-micro-batch means."""
-    rows = [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1 + a % 3)}
-            for a, b in [(3, 4), (12, 30), (55, 44), (9, 9), (71, 8), (40, 40), (99, 1)]]
+    rows = [
+        {"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1 + a % 3)}
+        for a, b in [(3, 4), (12, 30), (55, 44), (9, 9), (71, 8), (40, 40), (99, 1)]
+    ]
     data = tmp_path / "pairs.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows))
     ref_path = _perturbed_reference(tmp_path / "ref")
     overlay = write_overlay(tmp_path / "ddp.yaml", save_dir=tmp_path / "ddp")
     command = [
-        sys.executable, "-m", "lit_rl.cli", "fit", "--config", DPO_YAML, "--config", str(overlay),
-        "--trainer.devices", "2", "--trainer.strategy", "ddp", "--trainer.accumulate_grad_batches", "2",
-        "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.num_sanity_val_steps", "0",
-        "--data.train_data", str(data), "--data.val_data", str(data), "--data.batch_size", "2",
-        "--model.ref_model_name_or_path", str(ref_path), "--model.learning_rate", "0.0",
+        sys.executable,
+        "-m",
+        "lit_rl.cli",
+        "fit",
+        "--config",
+        DPO_YAML,
+        "--config",
+        str(overlay),
+        "--trainer.devices",
+        "2",
+        "--trainer.strategy",
+        "ddp",
+        "--trainer.accumulate_grad_batches",
+        "2",
+        "--trainer.max_steps",
+        "2",
+        "--trainer.val_check_interval",
+        "2",
+        "--trainer.num_sanity_val_steps",
+        "0",
+        "--data.train_data",
+        str(data),
+        "--data.val_data",
+        str(data),
+        "--data.batch_size",
+        "2",
+        "--model.ref_model_name_or_path",
+        str(ref_path),
+        "--model.learning_rate",
+        "0.0",
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)

@@ -24,9 +24,21 @@ def test_grpo_logs_separate_train_and_val_metrics(tmp_path):
     log_dir = _fit(tmp_path, "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--model.beta", "0.04")
     rows = read_metrics(log_dir)
     columns = set(rows[0])
-    for name in ["reward", "reward_std", "rewards/correctness", "rewards/integer_format", "loss", "kl", "entropy",
-                 "completion_length", "clip_ratio/low", "clip_ratio/high", "frac_reward_zero_std",
-                 "rollout_logprob_diff/mean", "rollout_logprob_diff/max"]:
+    for name in [
+        "reward",
+        "reward_std",
+        "rewards/correctness",
+        "rewards/integer_format",
+        "loss",
+        "kl",
+        "entropy",
+        "completion_length",
+        "clip_ratio/low",
+        "clip_ratio/high",
+        "frac_reward_zero_std",
+        "rollout_logprob_diff/mean",
+        "rollout_logprob_diff/max",
+    ]:
         assert f"train/{name}" in columns, name
     for name in ["reward", "rewards/correctness", "completion_length"]:
         assert f"val/{name}" in columns, name
@@ -54,11 +66,22 @@ def test_validation_does_not_change_training(tmp_path):
 @pytest.mark.parametrize("aggregation", ["token", "sequence", "dapo"])
 def test_accumulation_equals_one_big_micro_batch(tmp_path, aggregation):
     """Same global batch as 1 x 8 and 4 x 2 micro-batches: same per-step loss and metrics."""
-    common = ("--trainer.max_steps", "3", "--model.loss_aggregation", aggregation, "--model.num_iterations", "2",
-              "--model.steps_per_generation", "1", "--model.beta", "0.04")
+    common = (
+        "--trainer.max_steps",
+        "3",
+        "--model.loss_aggregation",
+        aggregation,
+        "--model.num_iterations",
+        "2",
+        "--model.steps_per_generation",
+        "1",
+        "--model.beta",
+        "0.04",
+    )
     one = _fit(tmp_path, *common, "--model.micro_batch_size", "8", name="one")
-    four = _fit(tmp_path, *common, "--model.micro_batch_size", "2", "--trainer.accumulate_grad_batches", "4",
-                name="four")
+    four = _fit(
+        tmp_path, *common, "--model.micro_batch_size", "2", "--trainer.accumulate_grad_batches", "4", name="four"
+    )
     a, b = train_rows(one), train_rows(four)
     assert len(a) == len(b) == 3
     for row_a, row_b in zip(a, b):
@@ -74,11 +97,16 @@ MATRIX = list(itertools.product([1, 2], [1, 2], [1, 2]))  # accumulate, num_iter
 def test_checkpoints_land_exactly_every_n_steps(tmp_path, accumulate, num_iterations, steps_per_generation):
     log_dir = _fit(
         tmp_path,
-        "--trainer.max_steps", "9",
-        "--trainer.accumulate_grad_batches", str(accumulate),
-        "--model.num_iterations", str(num_iterations),
-        "--model.steps_per_generation", str(steps_per_generation),
-        "--model.micro_batch_size", "4",
+        "--trainer.max_steps",
+        "9",
+        "--trainer.accumulate_grad_batches",
+        str(accumulate),
+        "--model.num_iterations",
+        str(num_iterations),
+        "--model.steps_per_generation",
+        str(steps_per_generation),
+        "--model.micro_batch_size",
+        "4",
         every_n=3,
     )
     assert saved_steps(log_dir) == [3, 6, 9]
@@ -87,13 +115,29 @@ def test_checkpoints_land_exactly_every_n_steps(tmp_path, accumulate, num_iterat
 
 def test_resume_mid_generation_keeps_cadence_and_metrics(tmp_path):
     # 2 steps per generation x 2 iterations = 4 optimizer steps per generation: step 2 is mid-generation.
-    common = ("--trainer.accumulate_grad_batches", "2", "--model.num_iterations", "2",
-              "--model.steps_per_generation", "2", "--model.micro_batch_size", "2")
+    common = (
+        "--trainer.accumulate_grad_batches",
+        "2",
+        "--model.num_iterations",
+        "2",
+        "--model.steps_per_generation",
+        "2",
+        "--model.micro_batch_size",
+        "2",
+    )
     full = _fit(tmp_path, "--trainer.max_steps", "8", *common, every_n=2, name="full")
     first = _fit(tmp_path, "--trainer.max_steps", "2", *common, every_n=2, name="first")
     assert saved_steps(first) == [2]
-    resumed = _fit(tmp_path, "--trainer.max_steps", "8", *common, "--ckpt_path", str(first / "checkpoints" / "step=2.ckpt"),
-                   every_n=2, name="resumed")
+    resumed = _fit(
+        tmp_path,
+        "--trainer.max_steps",
+        "8",
+        *common,
+        "--ckpt_path",
+        str(first / "checkpoints" / "step=2.ckpt"),
+        every_n=2,
+        name="resumed",
+    )
     assert saved_steps(resumed) == [4, 6, 8]
     checkpoint = torch.load(resumed / "checkpoints" / "step=8.ckpt", weights_only=False)
     assert checkpoint["global_step"] == 8
@@ -118,8 +162,17 @@ def test_grpo_on_a_user_jsonl_file_with_chat_prompts(tmp_path):
     rows = [{"prompt": [{"role": "user", "content": f"{a}+{a}="}], "answer": str(2 * a)} for a in range(12)]
     data = tmp_path / "prompts.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows))
-    log_dir = _fit(tmp_path, "--trainer.max_steps", "2", "--data.train_data", str(data),
-                   "--data.val_data", str(data), "--trainer.val_check_interval", "2")
+    log_dir = _fit(
+        tmp_path,
+        "--trainer.max_steps",
+        "2",
+        "--data.train_data",
+        str(data),
+        "--data.val_data",
+        str(data),
+        "--trainer.val_check_interval",
+        "2",
+    )
     assert len(train_rows(log_dir)) == 2
     val = [r for r in read_metrics(log_dir) if r.get("val/rewards/correctness")]
     assert float(val[0]["val/rewards/correctness"]) > 0  # the chat template produced prompts the model can answer

@@ -16,9 +16,26 @@ pytestmark = pytest.mark.slow
 def _ddp_fit(tmp_path, name, *args):
     overlay = write_overlay(tmp_path / f"{name}.yaml", every_n_train_steps=2, save_dir=tmp_path / name)
     command = [
-        sys.executable, "-m", "lit_rl.cli", "fit", "--config", str(CONFIGS / "grpo.yaml"), "--config", str(overlay),
-        *FAST_GRPO, "--trainer.devices", "2", "--trainer.strategy", "ddp",
-        "--model.num_iterations", "2", "--model.micro_batch_size", "4", "--model.steps_per_generation", "2", *args,
+        sys.executable,
+        "-m",
+        "lit_rl.cli",
+        "fit",
+        "--config",
+        str(CONFIGS / "grpo.yaml"),
+        "--config",
+        str(overlay),
+        *FAST_GRPO,
+        "--trainer.devices",
+        "2",
+        "--trainer.strategy",
+        "ddp",
+        "--model.num_iterations",
+        "2",
+        "--model.micro_batch_size",
+        "4",
+        "--model.steps_per_generation",
+        "2",
+        *args,
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
@@ -29,13 +46,22 @@ def _ddp_fit(tmp_path, name, *args):
 def test_two_process_grpo_resumes_mid_generation_exactly(tmp_path):
     # 2 steps per generation x 2 iterations: the step-2 checkpoint is in the middle of a generation, with a
     # different rollout buffer and RNG stream on each rank.
-    full = _ddp_fit(tmp_path, "full", "--trainer.max_steps", "6", "--trainer.val_check_interval", "4",
-                    "--data.val_limit", "7")
+    full = _ddp_fit(
+        tmp_path, "full", "--trainer.max_steps", "6", "--trainer.val_check_interval", "4", "--data.val_limit", "7"
+    )
     assert saved_steps(full) == [2, 4, 6]
     val = [r for r in read_metrics(full) if r.get("val/reward")]
     assert len(val) >= 1  # 7 validation prompts over 2 ranks: one rank's share is padded, with weight 0
-    resumed = _ddp_fit(tmp_path, "resumed", "--trainer.max_steps", "6", "--trainer.limit_val_batches", "0",
-                       "--ckpt_path", str(full / "checkpoints" / "step=2.ckpt"))
+    resumed = _ddp_fit(
+        tmp_path,
+        "resumed",
+        "--trainer.max_steps",
+        "6",
+        "--trainer.limit_val_batches",
+        "0",
+        "--ckpt_path",
+        str(full / "checkpoints" / "step=2.ckpt"),
+    )
     assert saved_steps(resumed) == [4, 6]
     expected = {r["step"]: r for r in train_rows(full)}
     rows = train_rows(resumed)

@@ -19,8 +19,16 @@ FAST[FAST.index("--model.num_generations") + 1] = "2"  # overridden per algorith
 
 def _fit(tmp_path, algorithm, *args, every_n=None, name="a"):
     overlay = write_overlay(tmp_path / f"{name}.yaml", every_n_train_steps=every_n, save_dir=tmp_path / name)
-    run_cli("fit", "--config", str(CONFIGS / f"{algorithm}.yaml"), "--config", str(overlay), *FAST,
-            *ALGORITHMS[algorithm], *args)
+    run_cli(
+        "fit",
+        "--config",
+        str(CONFIGS / f"{algorithm}.yaml"),
+        "--config",
+        str(overlay),
+        *FAST,
+        *ALGORITHMS[algorithm],
+        *args,
+    )
     return tmp_path / name / "run" / "version_0"
 
 
@@ -28,13 +36,33 @@ def _fit(tmp_path, algorithm, *args, every_n=None, name="a"):
     "algorithm, expected",
     [
         ("rloo", ["reward", "loss", "completion_length", "kl", "advantage_std", "clip_ratio", "rewards/correctness"]),
-        ("online_dpo", ["reward", "loss", "completion_length", "frac_tied_pairs", "rewards/chosen",
-                        "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen"]),
+        (
+            "online_dpo",
+            [
+                "reward",
+                "loss",
+                "completion_length",
+                "frac_tied_pairs",
+                "rewards/chosen",
+                "rewards/rejected",
+                "rewards/accuracies",
+                "rewards/margins",
+                "logps/chosen",
+            ],
+        ),
     ],
 )
 def test_metrics_are_logged_per_stage(tmp_path, algorithm, expected):
-    log_dir = _fit(tmp_path, algorithm, "--trainer.max_steps", "3", "--trainer.val_check_interval", "3",
-                   "--model.micro_batch_size", "16")
+    log_dir = _fit(
+        tmp_path,
+        algorithm,
+        "--trainer.max_steps",
+        "3",
+        "--trainer.val_check_interval",
+        "3",
+        "--model.micro_batch_size",
+        "16",
+    )
     rows = read_metrics(log_dir)
     columns = set(rows[0])
     for name in expected:
@@ -56,9 +84,18 @@ def test_metrics_are_logged_per_stage(tmp_path, algorithm, expected):
 @pytest.mark.parametrize("accumulate, num_iterations, steps_per_generation", [(2, 2, 1), (1, 2, 2), (2, 1, 2)])
 def test_checkpoint_cadence_is_exact(tmp_path, algorithm, accumulate, num_iterations, steps_per_generation):
     log_dir = _fit(
-        tmp_path, algorithm, "--trainer.max_steps", "8",
-        "--trainer.accumulate_grad_batches", str(accumulate), "--model.num_iterations", str(num_iterations),
-        "--model.steps_per_generation", str(steps_per_generation), "--model.micro_batch_size", "4",
+        tmp_path,
+        algorithm,
+        "--trainer.max_steps",
+        "8",
+        "--trainer.accumulate_grad_batches",
+        str(accumulate),
+        "--model.num_iterations",
+        str(num_iterations),
+        "--model.steps_per_generation",
+        str(steps_per_generation),
+        "--model.micro_batch_size",
+        "4",
         every_n=4,
     )
     assert saved_steps(log_dir) == [4, 8]
@@ -67,12 +104,29 @@ def test_checkpoint_cadence_is_exact(tmp_path, algorithm, accumulate, num_iterat
 
 @pytest.mark.parametrize("algorithm", ["rloo", "online_dpo"])
 def test_resume_mid_generation_keeps_cadence_and_global_step(tmp_path, algorithm):
-    common = ("--trainer.accumulate_grad_batches", "2", "--model.num_iterations", "2",
-              "--model.steps_per_generation", "2", "--model.micro_batch_size", "2")
+    common = (
+        "--trainer.accumulate_grad_batches",
+        "2",
+        "--model.num_iterations",
+        "2",
+        "--model.steps_per_generation",
+        "2",
+        "--model.micro_batch_size",
+        "2",
+    )
     full = _fit(tmp_path, algorithm, "--trainer.max_steps", "6", *common, every_n=3, name="full")
     first = _fit(tmp_path, algorithm, "--trainer.max_steps", "3", *common, every_n=3, name="first")
-    resumed = _fit(tmp_path, algorithm, "--trainer.max_steps", "6", *common,
-                   "--ckpt_path", str(first / "checkpoints" / "step=3.ckpt"), every_n=3, name="resumed")
+    resumed = _fit(
+        tmp_path,
+        algorithm,
+        "--trainer.max_steps",
+        "6",
+        *common,
+        "--ckpt_path",
+        str(first / "checkpoints" / "step=3.ckpt"),
+        every_n=3,
+        name="resumed",
+    )
     assert saved_steps(full) == [3, 6] and saved_steps(resumed) == [6]
     assert torch.load(resumed / "checkpoints" / "step=6.ckpt", weights_only=False)["global_step"] == 6
     expected = {r["step"]: r for r in train_rows(full)}
@@ -93,9 +147,20 @@ def test_online_dpo_with_a_reward_model_judge(tmp_path):
     config.num_labels = 1
     Qwen2ForSequenceClassification(config).save_pretrained(tmp_path / "rm")
     build_char_tokenizer().save_pretrained(tmp_path / "rm")
-    log_dir = _fit(tmp_path, "online_dpo", "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0",
-                   "--model.reward_funcs", "[]", "--model.reward_weights", "null",
-                   "--model.reward_model_name_or_path", str(tmp_path / "rm"))
+    log_dir = _fit(
+        tmp_path,
+        "online_dpo",
+        "--trainer.max_steps",
+        "2",
+        "--trainer.limit_val_batches",
+        "0",
+        "--model.reward_funcs",
+        "[]",
+        "--model.reward_weights",
+        "null",
+        "--model.reward_model_name_or_path",
+        str(tmp_path / "rm"),
+    )
     rows = train_rows(log_dir)
     assert [r["step"] for r in rows] == [1, 2]
     assert "train/rewards/reward_model" in rows[0]

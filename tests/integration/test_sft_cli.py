@@ -12,10 +12,23 @@ def test_sft_trains_checkpoints_and_exports(tmp_path):
     overlay = write_overlay(tmp_path / "o.yaml", every_n_train_steps=10, save_dir=tmp_path)
     export = tmp_path / "hf"
     run_cli(
-        "fit", "--config", str(CONFIGS / "sft.yaml"), "--config", str(overlay),
-        "--trainer.max_steps", "30", "--trainer.val_check_interval", "30", "--data.val_limit", "64",  # counts micro-batches
-        "--trainer.accumulate_grad_batches", "2", "--data.batch_size", "16",
-        "--trainer.callbacks+=lit_rl.callbacks.SaveHFPretrained", f"--trainer.callbacks.dirpath={export}",
+        "fit",
+        "--config",
+        str(CONFIGS / "sft.yaml"),
+        "--config",
+        str(overlay),
+        "--trainer.max_steps",
+        "30",
+        "--trainer.val_check_interval",
+        "30",
+        "--data.val_limit",
+        "64",  # counts micro-batches
+        "--trainer.accumulate_grad_batches",
+        "2",
+        "--data.batch_size",
+        "16",
+        "--trainer.callbacks+=lit_rl.callbacks.SaveHFPretrained",
+        f"--trainer.callbacks.dirpath={export}",
     )
     log_dir = tmp_path / "run" / "version_0"
     assert saved_steps(log_dir) == [10, 20, 30]

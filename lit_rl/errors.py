@@ -1,0 +1,30 @@
+"""Errors caused by what the user wrote (a config value, a data file, a reward function, a model path).
+
+The CLI prints them as one line, `lit-rl: error: <message>`, and exits non-zero without a traceback
+(`LIT_RL_TRACEBACK=1` shows it). Every message names the offending key, file, row or function. They subclass
+`ValueError` (and `FileNotFoundError` where a path is missing) so library callers can catch the usual types.
+"""
+
+
+class LitRLError(ValueError):
+    """A mistake in the input, reported in one line."""
+
+
+class ConfigError(LitRLError):
+    """An impossible configuration value; the message starts with the key (`model.beta ...`)."""
+
+
+class DataError(LitRLError):
+    """A data file or row that cannot be used; the message names the file and row."""
+
+
+class DataFileNotFound(DataError, FileNotFoundError):
+    """A data file that does not exist."""
+
+
+class ModelNotFound(LitRLError, FileNotFoundError):
+    """A model path or built-in model name that does not exist."""
+
+
+class RewardFunctionError(LitRLError):
+    """A reward function that does not import, raises, or returns the wrong values; the message names it."""
