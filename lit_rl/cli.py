@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 from typing import Any, NoReturn, Optional
 
@@ -20,7 +21,8 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from lit_rl.callbacks import StepProgressBar
+from lit_rl.callbacks import GracefulStop, NonFiniteGuard, StepProgressBar
+from lit_rl.checkpoint import AtomicCheckpointIO
 from lit_rl.errors import LitRLError
 
 CONFIG_ERROR_EXIT = 2
@@ -60,21 +62,32 @@ class OneLineErrorParser(LightningArgumentParser):
 
 
 class LitRLCLI(LightningCLI):
-    """LightningCLI with lit-rl defaults: any LightningModule/DataModule by class path, configs overwritable,
-    and a rich progress bar that shows the optimizer step (unless `--trainer.enable_progress_bar false`)."""
+    """LightningCLI with lit-rl defaults: any LightningModule/DataModule by class path, configs overwritable, and
+    unless configured otherwise:
+    - a rich progress bar that shows the optimizer step (off with `--trainer.enable_progress_bar false`);
+    - `NonFiniteGuard` (stop at a NaN/inf gradient; add it with `action: skip` to skip such steps instead);
+    - `GracefulStop` (SIGTERM/SIGINT write a resumable `last.ckpt` after the current step, then stop);
+    - `AtomicCheckpointIO` (checkpoints are written to a temporary file and renamed), unless `trainer.plugins`
+      is set or the strategy is DeepSpeed (which writes checkpoint directories its own way).
+    """
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> L.Trainer:
         configured = list(config.get("callbacks") or []) + callbacks
-        wants_bar = config.get("enable_progress_bar") is not False
-        if wants_bar and not any(isinstance(cb, ProgressBar) for cb in configured):
-            callbacks = [*callbacks, StepProgressBar()]
-        return super()._instantiate_trainer(config, callbacks)
+        extra: list[Callback] = []
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in configured):
+            extra.append(StepProgressBar())
+        for kind in (NonFiniteGuard, GracefulStop):
+            if not any(isinstance(c, kind) for c in configured):
+                extra.append(kind())
+        if not config.get("plugins") and "deepspeed" not in str(config.get("strategy", "")).lower():
+            config = {**config, "plugins": [AtomicCheckpointIO()]}
+        return super()._instantiate_trainer(config, [*callbacks, *extra])
 
 
 def main(args: Optional[list[str]] = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        LitRLCLI(
+        cli = LitRLCLI(
             model_class=L.LightningModule,
             datamodule_class=L.LightningDataModule,
             subclass_mode_model=True,
@@ -84,12 +97,26 @@ def main(args: Optional[list[str]] = None) -> None:
             auto_configure_optimizers=False,
             parser_class=OneLineErrorParser,
         )
+        if cli.subcommand == "fit":
+            exit_if_interrupted(cli.trainer)
     except Exception as err:
         user_error = find_user_error(err)
         if user_error is None or os.environ.get("LIT_RL_TRACEBACK"):
             raise
         sys.stderr.write(f"lit-rl: error: {user_error}\n")
         sys.exit(INPUT_ERROR_EXIT)
+
+
+def exit_if_interrupted(trainer: L.Trainer) -> None:
+    """After a run that GracefulStop ended on a signal: say where the checkpoint is and exit 128 + signal."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, GracefulStop) and callback.received is not None and callback.checkpoint_path:
+            name = signal.Signals(callback.received).name
+            sys.stderr.write(
+                f"lit-rl: stopped by {name} after step {callback.stopped_at_step}; checkpoint written to "
+                f"{callback.checkpoint_path} (resume with --ckpt_path last)\n"
+            )
+            sys.exit(128 + callback.received)
 
 
 def find_user_error(err: BaseException) -> Optional[LitRLError]:

@@ -28,6 +28,7 @@ def write_overlay(
     every_n_train_steps: Optional[int] = None,
     save_dir: Optional[Path] = None,
     extra: Optional[dict[str, Any]] = None,
+    save_last: Optional[str] = None,
 ) -> Path:
     """A config overlay for tests: logs under `save_dir`, checkpoints every N steps (or none), no progress bar."""
     callbacks = []
@@ -35,7 +36,12 @@ def write_overlay(
         callbacks.append(
             {
                 "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                "init_args": {"filename": "{step}", "every_n_train_steps": every_n_train_steps, "save_top_k": -1},
+                "init_args": {
+                    "filename": "{step}",
+                    "every_n_train_steps": every_n_train_steps,
+                    "save_top_k": -1,
+                    "save_last": save_last,
+                },
             }
         )
     trainer = {

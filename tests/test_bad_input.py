@@ -15,7 +15,7 @@ GRPO = ["--config", str(CONFIGS / "grpo.yaml")]
 DPO = ["--config", str(CONFIGS / "dpo.yaml")]
 SFT = ["--config", str(CONFIGS / "sft.yaml")]
 
-BAD_REWARDS = '''
+BAD_REWARDS = """
 def raises(prompts, completions, **_):
     raise KeyError("answer_column")
 
@@ -27,7 +27,7 @@ def nones(prompts, completions, **_):
 
 def text(prompts, completions, **_):
     return ["high" for _ in completions]
-'''
+"""
 
 
 def _jsonl(path, rows):
@@ -48,43 +48,125 @@ CASES = [
     ("zero-micro-batch", GRPO, ["--model.micro_batch_size", "0"], "model.micro_batch_size must be >= 1", 1),
     ("negative-batch-size", SFT, ["--data.batch_size", "-4"], "data.batch_size must be >= 1", 1),
     ("one-generation", GRPO, ["--model.num_generations", "1"], "model.num_generations must be >= 2", 1),
-    ("batch-not-multiple-of-group", GRPO, ["--model.micro_batch_size", "6"],
-     "must be a multiple of model.num_generations=4", 1),
-    ("epsilon-high-below-low", GRPO, ["--model.epsilon_low", "0.3", "--model.epsilon_high", "0.2"],
-     "model.epsilon_high (0.2) must be >= model.epsilon_low (0.3)", 1),
+    (
+        "batch-not-multiple-of-group",
+        GRPO,
+        ["--model.micro_batch_size", "6"],
+        "must be a multiple of model.num_generations=4",
+        1,
+    ),
+    (
+        "epsilon-high-below-low",
+        GRPO,
+        ["--model.epsilon_low", "0.3", "--model.epsilon_high", "0.2"],
+        "model.epsilon_high (0.2) must be >= model.epsilon_low (0.3)",
+        1,
+    ),
     ("unknown-aggregation", GRPO, ["--model.loss_aggregation", "mean"], "model.loss_aggregation must be one of", 1),
     ("unknown-scale-rewards", GRPO, ["--model.scale_rewards", "std"], "model.scale_rewards", 1),
-    ("reward-weights-mismatch", GRPO, ["--model.reward_weights", "[1.0]"],
-     "model.reward_weights has 1 values for 2 reward_funcs", 1),
+    (
+        "reward-weights-mismatch",
+        GRPO,
+        ["--model.reward_weights", "[1.0]"],
+        "model.reward_weights has 1 values for 2 reward_funcs",
+        1,
+    ),
     ("unknown-dtype", GRPO, ["--model.dtype", "float8"], "dtype must be one of", 1),
     ("unknown-dpo-loss", DPO, ["--model.loss_type", "kto"], "model.loss_type must be one of", 1),
-    ("missing-model", GRPO, ["--model.model_name_or_path", "./no/such/model"], "model path './no/such/model' does not exist", 1),
+    (
+        "missing-model",
+        GRPO,
+        ["--model.model_name_or_path", "./no/such/model"],
+        "model path './no/such/model' does not exist",
+        1,
+    ),
     ("missing-data-file", GRPO, ["--data.train_data", "missing.jsonl"], "data file 'missing.jsonl' does not exist", 1),
     ("unknown-builtin", GRPO, ["--data.train_data", "builtin:subtraction/train"], "unknown built-in dataset", 1),
-    ("unsupported-extension", GRPO, lambda t: ["--data.train_data", _jsonl(t / "d.csv", ["prompt"])],
-     "unsupported extension '.csv'", 1),
+    (
+        "unsupported-extension",
+        GRPO,
+        lambda t: ["--data.train_data", _jsonl(t / "d.csv", ["prompt"])],
+        "unsupported extension '.csv'",
+        1,
+    ),
     ("empty-data", GRPO, lambda t: ["--data.train_data", _jsonl(t / "empty.jsonl", [""])], "the data set is empty", 1),
-    ("row-missing-prompt", GRPO, lambda t: _data(t, "q.jsonl", [{"prompt": "1+1="}, {"question": "2+2="}]),
-     "q.jsonl: row 1 has no 'prompt' column", 1),
-    ("row-missing-rejected", DPO, lambda t: _data(t, "p.jsonl", [{"prompt": "1+1=", "chosen": "2"}]),
-     "p.jsonl: row 0 has no 'rejected' column", 1),
-    ("non-string-prompt", GRPO, lambda t: _data(t, "n.jsonl", [{"prompt": 12}]),
-     "n.jsonl: row 0 column 'prompt' must be text or chat messages", 1),
-    ("malformed-jsonl", GRPO, lambda t: _data(t, "m.jsonl", ['{"prompt": "1+1="}', '{"prompt": ']),
-     "m.jsonl:2: malformed JSON", 1),
-    ("prompt-too-long", GRPO, lambda t: _data(t, "long.jsonl", [{"prompt": "1+" * 70 + "1=", "answer": "71"}] * 4),
-     "long.jsonl: row 0 has a prompt of 142 tokens", 1),
-    ("reward-path-not-importable", GRPO, ["--model.reward_funcs", "[no_such_pkg.score]"],
-     "reward function 'no_such_pkg.score': cannot import module 'no_such_pkg'", 1),
-    ("reward-raises", GRPO, ["--model.reward_funcs", "[bad_rewards.raises]", "--model.reward_weights", "null"],
-     "reward function 'raises' raised KeyError: 'answer_column'", 1),
-    ("reward-wrong-count", GRPO, ["--model.reward_funcs", "[bad_rewards.too_few]", "--model.reward_weights", "null"],
-     "reward function 'too_few' returned 1 values for 8 completions", 1),
-    ("reward-not-a-number", GRPO, ["--model.reward_funcs", "[bad_rewards.text]", "--model.reward_weights", "null"],
-     "reward function 'text' returned 'high' for completion 0, not a number", 1),
-    ("reward-none-with-error-policy", GRPO,
-     ["--model.reward_funcs", "[bad_rewards.nones]", "--model.reward_weights", "null", "--model.invalid_reward",
-      "error"], "reward function 'nones' returned nan for completion 0", 1),
+    (
+        "row-missing-prompt",
+        GRPO,
+        lambda t: _data(t, "q.jsonl", [{"prompt": "1+1="}, {"question": "2+2="}]),
+        "q.jsonl: row 1 has no 'prompt' column",
+        1,
+    ),
+    (
+        "row-missing-rejected",
+        DPO,
+        lambda t: _data(t, "p.jsonl", [{"prompt": "1+1=", "chosen": "2"}]),
+        "p.jsonl: row 0 has no 'rejected' column",
+        1,
+    ),
+    (
+        "non-string-prompt",
+        GRPO,
+        lambda t: _data(t, "n.jsonl", [{"prompt": 12}]),
+        "n.jsonl: row 0 column 'prompt' must be text or chat messages",
+        1,
+    ),
+    (
+        "malformed-jsonl",
+        GRPO,
+        lambda t: _data(t, "m.jsonl", ['{"prompt": "1+1="}', '{"prompt": ']),
+        "m.jsonl:2: malformed JSON",
+        1,
+    ),
+    (
+        "prompt-too-long",
+        GRPO,
+        lambda t: _data(t, "long.jsonl", [{"prompt": "1+" * 70 + "1=", "answer": "71"}] * 4),
+        "long.jsonl: row 0 has a prompt of 142 tokens",
+        1,
+    ),
+    (
+        "reward-path-not-importable",
+        GRPO,
+        ["--model.reward_funcs", "[no_such_pkg.score]"],
+        "reward function 'no_such_pkg.score': cannot import module 'no_such_pkg'",
+        1,
+    ),
+    (
+        "reward-raises",
+        GRPO,
+        ["--model.reward_funcs", "[bad_rewards.raises]", "--model.reward_weights", "null"],
+        "reward function 'raises' raised KeyError: 'answer_column'",
+        1,
+    ),
+    (
+        "reward-wrong-count",
+        GRPO,
+        ["--model.reward_funcs", "[bad_rewards.too_few]", "--model.reward_weights", "null"],
+        "reward function 'too_few' returned 1 values for 8 completions",
+        1,
+    ),
+    (
+        "reward-not-a-number",
+        GRPO,
+        ["--model.reward_funcs", "[bad_rewards.text]", "--model.reward_weights", "null"],
+        "reward function 'text' returned 'high' for completion 0, not a number",
+        1,
+    ),
+    (
+        "reward-none-with-error-policy",
+        GRPO,
+        [
+            "--model.reward_funcs",
+            "[bad_rewards.nones]",
+            "--model.reward_weights",
+            "null",
+            "--model.invalid_reward",
+            "error",
+        ],
+        "reward function 'nones' returned nan for completion 0",
+        1,
+    ),
 ]
 
 
@@ -120,9 +202,21 @@ def test_invalid_rewards_count_as_zero_by_default_and_are_counted(bad_rewards):
     from tests.conftest import train_rows
 
     overlay = write_overlay(bad_rewards / "o.yaml", save_dir=bad_rewards / "runs")
-    run_cli("fit", *GRPO, "--config", str(overlay), *FAST_GRPO, "--trainer.max_steps", "1",
-            "--model.reward_funcs", "[bad_rewards.nones, lit_rl.rewards.arithmetic.correctness]",
-            "--model.reward_weights", "null", "--trainer.limit_val_batches", "0")
+    run_cli(
+        "fit",
+        *GRPO,
+        "--config",
+        str(overlay),
+        *FAST_GRPO,
+        "--trainer.max_steps",
+        "1",
+        "--model.reward_funcs",
+        "[bad_rewards.nones, lit_rl.rewards.arithmetic.correctness]",
+        "--model.reward_weights",
+        "null",
+        "--trainer.limit_val_batches",
+        "0",
+    )
     (row,) = train_rows(bad_rewards / "runs" / "run" / "version_0")
     assert row["train/frac_invalid_reward"] == 1.0
     assert row["train/reward"] == row["train/rewards/correctness"]  # the invalid column counted as 0
@@ -139,9 +233,24 @@ def test_a_real_process_prints_no_traceback_and_keeps_what_was_written(tmp_path)
         "    return [0.0 for _ in completions]\n"
     )
     overlay = write_overlay(tmp_path / "o.yaml", every_n_train_steps=1, save_dir=tmp_path / "runs")
-    command = [sys.executable, "-m", "lit_rl.cli", "fit", *GRPO, "--config", str(overlay), *FAST_GRPO,
-               "--trainer.max_steps", "5", "--trainer.limit_val_batches", "0",
-               "--model.reward_funcs", "[late.fails_at_third_generation]", "--model.reward_weights", "null"]
+    command = [
+        sys.executable,
+        "-m",
+        "lit_rl.cli",
+        "fit",
+        *GRPO,
+        "--config",
+        str(overlay),
+        *FAST_GRPO,
+        "--trainer.max_steps",
+        "5",
+        "--trainer.limit_val_batches",
+        "0",
+        "--model.reward_funcs",
+        "[late.fails_at_third_generation]",
+        "--model.reward_weights",
+        "null",
+    ]
     env = {"PYTHONPATH": f"{tmp_path}:{REPO}", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1

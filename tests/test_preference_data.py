@@ -54,10 +54,21 @@ def test_uneven_shards_get_equal_batch_counts_with_weight_zero_padding():
 
 def test_shuffle_changes_with_the_epoch_and_is_reproducible():
     pairs = [TokenizedPair(i, [1], [2], [3]) for i in range(20)]
-    epoch = {"n": 0}
-    batches = ShardedPairBatches(pairs, 20, True, 3, 0, 1, 0, epoch=lambda: epoch["n"])
+    position = {"n": 0}
+    batches = ShardedPairBatches(pairs, 20, True, 3, 0, 1, 0, start_batch=lambda: position["n"])
     first = next(iter(batches))["index"].tolist()
     assert next(iter(batches))["index"].tolist() == first
-    epoch["n"] = 1
+    position["n"] = 1  # one batch consumed: the next epoch, a new permutation
     assert next(iter(batches))["index"].tolist() != first
     assert sorted(first) == list(range(20))
+
+
+def test_iteration_resumes_at_the_consumed_batch_count():
+    pairs = [TokenizedPair(i, [1], [2], [3]) for i in range(12)]
+    position = {"n": 0}
+    batches = ShardedPairBatches(pairs, 2, True, 0, 0, 1, 0, start_batch=lambda: position["n"])
+    epoch0 = [b["index"].tolist() for b in batches]
+    position["n"] = 4
+    assert [b["index"].tolist() for b in batches] == epoch0[4:]
+    position["n"] = 6 + 1
+    assert len(list(batches)) == 5  # epoch 1, one batch already consumed

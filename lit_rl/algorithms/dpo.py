@@ -86,6 +86,7 @@ class DPO(PolicyModule):
         self.val_metrics = metrics.clone(prefix="val/")
         self.ref_model: Optional[torch.nn.Module] = None
         self._ref_cache: dict[str, torch.Tensor] = {}  # split -> [N, 2] (chosen, rejected) reference log-probs
+        self.train_batches_done = 0  # position in the training data, checkpointed (see ShardedPairBatches)
 
     @property
     def needs_reference(self) -> bool:
@@ -225,7 +226,9 @@ class DPO(PolicyModule):
 
     # -- Lightning hooks -------------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self._step(batch, "train", self.train_metrics)
+        loss = self._step(batch, "train", self.train_metrics)
+        self.train_batches_done += 1
+        return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.log_collection(self.train_metrics, on_step=True, prog_bar=("loss",))
@@ -238,8 +241,10 @@ class DPO(PolicyModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("ref_model.")}
+        checkpoint["lit_rl"] = {"train_batches_done": self.train_batches_done}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.train_batches_done = checkpoint.get("lit_rl", {}).get("train_batches_done", 0)
         if self.ref_model is not None:
             for key, value in self.ref_model.state_dict().items():
                 checkpoint["state_dict"][f"ref_model.{key}"] = value

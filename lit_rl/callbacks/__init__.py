@@ -2,5 +2,6 @@
 
 from lit_rl.callbacks.export import SaveHFPretrained
 from lit_rl.callbacks.progress import StepProgressBar
+from lit_rl.callbacks.safety import GracefulStop, NonFiniteError, NonFiniteGuard
 
-__all__ = ["SaveHFPretrained", "StepProgressBar"]
+__all__ = ["GracefulStop", "NonFiniteError", "NonFiniteGuard", "SaveHFPretrained", "StepProgressBar"]

@@ -184,6 +184,7 @@ class PreferenceDataModule(PromptDataModule):
 
     def _batches(self, pairs: list[TokenizedPair], shuffle: bool) -> DataLoader[Any]:
         trainer = self.trainer
+        module = trainer.lightning_module
         batches = ShardedPairBatches(
             pairs,
             self.batch_size,
@@ -191,8 +192,9 @@ class PreferenceDataModule(PromptDataModule):
             self.seed,
             trainer.global_rank,
             trainer.world_size,
-            pad_id=trainer.lightning_module.tokenizer.pad_token_id,
-            epoch=lambda: trainer.current_epoch,
+            pad_id=module.tokenizer.pad_token_id,
+            # Training resumes from the algorithm's checkpointed count of consumed batches.
+            start_batch=(lambda: getattr(module, "train_batches_done", 0)) if shuffle else (lambda: 0),
         )
         return DataLoader(batches, batch_size=None)
 

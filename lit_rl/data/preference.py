@@ -138,7 +138,12 @@ class ShardedRowBatches(IterableDataset):
 
 
 class ShardedPairBatches(IterableDataset):
-    """Batches of this rank's share of the pairs (`order[rank::world_size]`), all ranks with the same count."""
+    """Batches of this rank's share of the pairs (`order[rank::world_size]`), all ranks with the same count.
+
+    `start_batch()` is how many batches the run has consumed (the algorithm's checkpointed counter): iteration
+    resumes there, in the permutation of epoch `start_batch() // len(self)`, so a resumed run sees exactly the
+    batches an uninterrupted one would have.
+    """
 
     def __init__(
         self,
@@ -149,19 +154,21 @@ class ShardedPairBatches(IterableDataset):
         rank: int,
         world_size: int,
         pad_id: int,
-        epoch: Callable[[], int] = lambda: 0,
+        start_batch: Callable[[], int] = lambda: 0,
     ) -> None:
         self.pairs, self.batch_size, self.shuffle, self.seed = pairs, batch_size, shuffle, seed
-        self.rank, self.world_size, self.pad_id, self.epoch = rank, world_size, pad_id, epoch
+        self.rank, self.world_size, self.pad_id, self.start_batch = rank, world_size, pad_id, start_batch
 
     def __len__(self) -> int:
         return math.ceil(math.ceil(len(self.pairs) / self.world_size) / self.batch_size)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        epoch, skip = divmod(self.start_batch(), len(self))
         if self.shuffle:
-            order = torch.randperm(len(self.pairs), generator=torch.Generator().manual_seed(self.seed + self.epoch()))
-            order = order.tolist()
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            order = torch.randperm(len(self.pairs), generator=generator).tolist()
         else:
             order = list(range(len(self.pairs)))
-        for indices, weights in shard_batches(order, self.batch_size, self.rank, self.world_size):
-            yield collate_pairs([self.pairs[i] for i in indices], weights, self.pad_id)
+        for index, (indices, weights) in enumerate(shard_batches(order, self.batch_size, self.rank, self.world_size)):
+            if index >= skip:
+                yield collate_pairs([self.pairs[i] for i in indices], weights, self.pad_id)

@@ -72,6 +72,48 @@ def test_precomputed_reference_trains_to_the_same_numbers(tmp_path, loss_type):
             assert b[key] == c[key], key
 
 
+def test_resume_mid_epoch_is_exact(tmp_path):
+    """8 steps straight, or 3 steps then a resume to 8: the same train/ values and the same final weights."""
+    common = (
+        "--trainer.accumulate_grad_batches",
+        "2",
+        "--trainer.limit_val_batches",
+        "0",
+        "--data.train_data",
+        "builtin:addition_preference/val",
+        "--data.batch_size",
+        "16",
+    )
+    # 256 pairs in batches of 16 with accumulation 2: an epoch is 8 steps, so the resumed run crosses into epoch 2
+    overlay = lambda name: write_overlay(tmp_path / f"{name}.yaml", every_n_train_steps=1, save_dir=tmp_path / name)  # noqa: E731
+    run_cli("fit", "--config", DPO_YAML, "--config", str(overlay("full")), *FAST, *common, "--trainer.max_steps", "10")
+    run_cli("fit", "--config", DPO_YAML, "--config", str(overlay("part")), *FAST, *common, "--trainer.max_steps", "3")
+    part = tmp_path / "part" / "run" / "version_0"
+    run_cli(
+        "fit",
+        "--config",
+        DPO_YAML,
+        "--config",
+        str(overlay("resumed")),
+        *FAST,
+        *common,
+        "--trainer.max_steps",
+        "10",
+        "--ckpt_path",
+        str(part / "checkpoints" / "step=3.ckpt"),
+    )
+    full, resumed = tmp_path / "full" / "run" / "version_0", tmp_path / "resumed" / "run" / "version_0"
+    expected = {r["step"]: r for r in train_rows(full)}
+    rows = train_rows(resumed)
+    assert [r["step"] for r in rows] == list(range(4, 11))  # crosses the epoch boundary at step 8
+    for row in rows:
+        for key, value in row.items():
+            assert value == pytest.approx(expected[row["step"]][key], abs=1e-6), (row["step"], key)
+    a = torch.load(full / "checkpoints" / "step=10.ckpt", weights_only=True)["state_dict"]
+    b = torch.load(resumed / "checkpoints" / "step=10.ckpt", weights_only=True)["state_dict"]
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
 def test_validate_subcommand_with_precomputed_reference(tmp_path, capsys):
     overlay = write_overlay(tmp_path / "v.yaml", save_dir=tmp_path / "v")
     run_cli(

@@ -139,7 +139,7 @@ def test_resume_mid_generation_keeps_cadence_and_metrics(tmp_path):
         name="resumed",
     )
     assert saved_steps(resumed) == [4, 6, 8]
-    checkpoint = torch.load(resumed / "checkpoints" / "step=8.ckpt", weights_only=False)
+    checkpoint = torch.load(resumed / "checkpoints" / "step=8.ckpt", weights_only=True)
     assert checkpoint["global_step"] == 8
     full_rows = {r["step"]: r for r in train_rows(full)}
     resumed_rows = train_rows(resumed)
@@ -147,11 +147,14 @@ def test_resume_mid_generation_keeps_cadence_and_metrics(tmp_path):
     for row in resumed_rows:
         for key, value in row.items():
             assert value == pytest.approx(full_rows[row["step"]][key], abs=1e-6), (row["step"], key)
+    final_full = torch.load(full / "checkpoints" / "step=8.ckpt", weights_only=True)["state_dict"]
+    for key, value in checkpoint["state_dict"].items():
+        assert torch.allclose(value, final_full[key], atol=1e-6), key  # the same weights at step 8
 
 
 def test_reference_model_is_not_saved_in_checkpoints(tmp_path):
     log_dir = _fit(tmp_path, "--trainer.max_steps", "1", "--model.beta", "0.1", every_n=1)
-    checkpoint = torch.load(log_dir / "checkpoints" / "step=1.ckpt", weights_only=False)
+    checkpoint = torch.load(log_dir / "checkpoints" / "step=1.ckpt", weights_only=True)
     assert any(k.startswith("policy.") for k in checkpoint["state_dict"])
     assert not any(k.startswith("ref_model.") for k in checkpoint["state_dict"])
 
@@ -176,3 +179,14 @@ def test_grpo_on_a_user_jsonl_file_with_chat_prompts(tmp_path):
     assert len(train_rows(log_dir)) == 2
     val = [r for r in read_metrics(log_dir) if r.get("val/rewards/correctness")]
     assert float(val[0]["val/rewards/correctness"]) > 0  # the chat template produced prompts the model can answer
+
+
+def test_ckpt_path_last_resumes_from_the_newest_step(tmp_path):
+    overlay = write_overlay(tmp_path / "o.yaml", every_n_train_steps=2, save_dir=tmp_path / "r", save_last="link")
+    args = ("fit", "--config", GRPO, "--config", str(overlay), *FAST_GRPO, "--trainer.limit_val_batches", "0")
+    run_cli(*args, "--trainer.max_steps", "4")
+    checkpoints = tmp_path / "r" / "run" / "version_0" / "checkpoints"
+    assert (checkpoints / "last.ckpt").resolve() == (checkpoints / "step=4.ckpt").resolve()
+    run_cli(*args, "--trainer.max_steps", "6", "--ckpt_path", "last")
+    assert [r["step"] for r in train_rows(tmp_path / "r" / "run" / "version_0")] == [5, 6]
+    assert saved_steps(tmp_path / "r" / "run" / "version_0") == [2, 4, 6]

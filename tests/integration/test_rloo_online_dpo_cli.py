@@ -128,7 +128,7 @@ def test_resume_mid_generation_keeps_cadence_and_global_step(tmp_path, algorithm
         name="resumed",
     )
     assert saved_steps(full) == [3, 6] and saved_steps(resumed) == [6]
-    assert torch.load(resumed / "checkpoints" / "step=6.ckpt", weights_only=False)["global_step"] == 6
+    assert torch.load(resumed / "checkpoints" / "step=6.ckpt", weights_only=True)["global_step"] == 6
     expected = {r["step"]: r for r in train_rows(full)}
     rows = train_rows(resumed)
     assert [r["step"] for r in rows] == [4, 5, 6]

@@ -1,0 +1,112 @@
+"""Callbacks that keep long runs safe: stop (or skip) on non-finite gradients, checkpoint on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lit_rl.errors import LitRLError
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteError(LitRLError):
+    """Training met a NaN/inf loss or gradient and `NonFiniteGuard(action="stop")` ended it."""
+
+
+class NonFiniteGuard(Callback):
+    """Checks every gradient before each optimizer step (all ranks agree).
+
+    `action="stop"` (default) ends the run with a one-line error naming the step; the step is not taken and no
+    checkpoint of it is written. `action="skip"` drops that step's gradients (the optimizer leaves every weight and
+    its state unchanged), logs a warning and counts it in `train/skipped_steps`.
+
+    Args:
+        action: `stop` or `skip`.
+    """
+
+    def __init__(self, action: str = "stop") -> None:
+        if action not in ("stop", "skip"):
+            raise LitRLError(f"NonFiniteGuard action must be 'stop' or 'skip', got {action!r}")
+        self.action = action
+        self.skipped_steps = 0
+
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        bad = torch.tensor(float(any(not torch.isfinite(g).all() for g in grads)), device=pl_module.device)
+        if trainer.world_size > 1:
+            bad = trainer.strategy.reduce(bad, reduce_op="sum")
+        if bad.item() == 0:
+            return
+        step = trainer.global_step + 1
+        if self.action == "stop":
+            raise NonFiniteError(
+                f"non-finite loss or gradient at step {step}: training stopped before the step, no checkpoint of it "
+                "was written (NonFiniteGuard(action='skip') skips such steps instead)"
+            )
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        self.skipped_steps += 1
+        log.warning("non-finite loss or gradient at step %d: step skipped (%d so far)", step, self.skipped_steps)
+        pl_module.log("train/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False, batch_size=1)
+
+
+class GracefulStop(Callback):
+    """On SIGTERM or SIGINT, finish the current optimizer step, write a resumable `last.ckpt`, and stop.
+
+    The CLI then exits with 128 + the signal number and says how to resume (`--ckpt_path last`). Signals that
+    arrive outside training keep their usual behaviour.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.received: Optional[int] = None
+        self.checkpoint_path: Optional[str] = None
+        self.stopped_at_step: Optional[int] = None
+        self._previous: dict[int, Any] = {}
+        self._last_step = -1
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C stops at once
+        self.received = signum
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._last_step = trainer.global_step
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handler)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self._last_step:
+            return  # inside an accumulation window: only stop right after an optimizer step
+        self._last_step = trainer.global_step
+        flag = torch.tensor(float(self.received is not None), device=pl_module.device)
+        if trainer.world_size > 1:
+            flag = trainer.strategy.reduce(flag, reduce_op="sum")  # any rank signalled: all ranks stop together
+        if flag.item() == 0:
+            return
+        self.received = self.received or signal.SIGTERM
+        directory = Path(
+            getattr(trainer.checkpoint_callback, "dirpath", None) or Path(trainer.log_dir or ".") / "checkpoints"
+        )
+        self.checkpoint_path = str(directory / "last.ckpt")
+        trainer.save_checkpoint(self.checkpoint_path)
+        self.stopped_at_step = trainer.global_step
+        trainer.should_stop = True
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()

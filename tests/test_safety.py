@@ -1,0 +1,156 @@
+"""Non-finite gradients, atomic checkpoint writes, and SIGTERM handling."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import lightning as L
+import pytest
+import torch
+
+from lit_rl.callbacks import NonFiniteError, NonFiniteGuard
+from lit_rl.checkpoint import AtomicCheckpointIO
+from tests.conftest import CONFIGS, FAST_GRPO, REPO, saved_steps, train_rows, write_overlay
+
+
+class NaNAtStep(L.LightningModule):
+    """A linear model whose loss turns NaN at optimizer step `bad_step` (1-based)."""
+
+    def __init__(self, bad_step: int) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        self.bad_step = bad_step
+        self.weights_before_bad_step = None
+
+    def training_step(self, batch, batch_idx):
+        loss = self.layer(batch[0]).pow(2).mean()
+        if self.global_step + 1 == self.bad_step:
+            self.weights_before_bad_step = self.layer.weight.detach().clone()
+            loss = loss * float("nan")
+        return loss
+
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(64, 4))
+        return torch.utils.data.DataLoader(data, batch_size=4)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.1)
+
+
+def _trainer(tmp_path, guard, max_steps=5):
+    checkpoints = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=tmp_path, filename="{step}", every_n_train_steps=1, save_top_k=-1
+    )
+    return L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        callbacks=[guard, checkpoints],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+def test_nonfinite_gradient_stops_at_its_step_without_a_checkpoint_of_it(tmp_path):
+    with pytest.raises(NonFiniteError, match="non-finite loss or gradient at step 3"):
+        _trainer(tmp_path, NonFiniteGuard()).fit(NaNAtStep(bad_step=3))
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["step=1.ckpt", "step=2.ckpt"]
+    for path in tmp_path.glob("*.ckpt"):
+        state = torch.load(path, weights_only=True)["state_dict"]
+        assert all(torch.isfinite(v).all() for v in state.values())
+
+
+def test_skip_leaves_the_weights_unchanged_and_training_goes_on(tmp_path):
+    module, guard = NaNAtStep(bad_step=3), NonFiniteGuard(action="skip")
+    trainer = _trainer(tmp_path, guard)
+    trainer.fit(module)
+    assert trainer.global_step == 5 and guard.skipped_steps == 1
+    after_step_3 = torch.load(tmp_path / "step=3.ckpt", weights_only=True)["state_dict"]["layer.weight"]
+    assert torch.equal(after_step_3, module.weights_before_bad_step)
+    assert torch.isfinite(module.layer.weight).all()
+
+
+SLOW_SAVE = """
+import sys, time, torch
+from lit_rl.checkpoint import AtomicCheckpointIO
+
+class Slow:
+    def __reduce__(self):
+        print("saving", flush=True)
+        time.sleep(60)  # killed here, in the middle of writing the file
+        return (int, (0,))
+
+io = AtomicCheckpointIO()
+io.save_checkpoint({"state_dict": {"w": torch.ones(3)}}, sys.argv[1] + "/step=1.ckpt")
+io.save_checkpoint({"state_dict": {"w": torch.ones(3) * 2}, "blob": torch.zeros(1 << 20)}, sys.argv[1] + "/step=1.ckpt")
+"""
+
+
+def test_sigkill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    script = tmp_path / "slow_save.py"
+    script.write_text(SLOW_SAVE.replace("torch.zeros(1 << 20)}", "torch.zeros(1 << 20), 'slow': Slow()}"))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env)
+    assert process.stdout.readline().strip() == "saving"  # the second save is half-way through pickling
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    checkpoint = torch.load(tmp_path / "step=1.ckpt", weights_only=True)
+    assert torch.equal(checkpoint["state_dict"]["w"], torch.ones(3))  # the previous, complete checkpoint
+    leftovers = list(tmp_path.glob(".step=1.ckpt.tmp-*"))
+    assert len(leftovers) == 1  # the partial write went to a temporary file...
+    AtomicCheckpointIO().save_checkpoint({"w": 3}, tmp_path / "step=1.ckpt")
+    assert not list(tmp_path.glob(".step=1.ckpt.tmp-*"))  # ...which the next save in the directory removes
+
+
+@pytest.mark.slow
+def test_sigterm_writes_a_resumable_checkpoint_and_exits_non_zero(tmp_path):
+    overlay = write_overlay(tmp_path / "o.yaml", every_n_train_steps=1000, save_dir=tmp_path / "runs")
+    base = [
+        sys.executable,
+        "-m",
+        "lit_rl.cli",
+        "fit",
+        "--config",
+        str(CONFIGS / "grpo.yaml"),
+        "--config",
+        str(overlay),
+        *FAST_GRPO,
+        "--trainer.limit_val_batches",
+        "0",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen(
+        [*base, "--trainer.max_steps", "100000"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(12)  # start-up and some training steps
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    last_line = stderr.strip().splitlines()[-1]
+    assert last_line.startswith("lit-rl: stopped by SIGTERM after step ") and "--ckpt_path last" in last_line
+    checkpoints = tmp_path / "runs" / "run" / "version_0" / "checkpoints"
+    state = torch.load(checkpoints / "last.ckpt", weights_only=True)
+    stopped = state["global_step"]
+    assert stopped > 0 and f"after step {stopped};" in last_line
+    resumed = subprocess.run(
+        [*base, "--trainer.max_steps", str(stopped + 2), "--ckpt_path", "last"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    log_dir = tmp_path / "runs" / "run" / "version_0"
+    assert [r["step"] for r in train_rows(log_dir)] == [stopped + 1, stopped + 2]  # continued, not restarted
+    assert saved_steps(log_dir) == []  # cadence 1000: nothing else saved
+    assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == stopped
