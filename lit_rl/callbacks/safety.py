@@ -41,6 +41,8 @@ class NonFiniteGuard(Callback):
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
+        if getattr(trainer.precision_plugin, "scaler", None) is not None:
+            return  # fp16 with a GradScaler: overflowing steps are expected, and the scaler already skips them
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         bad = torch.tensor(float(any(not torch.isfinite(g).all() for g in grads)), device=pl_module.device)
         if trainer.world_size > 1:
