@@ -20,6 +20,7 @@ from typing import Any, NoReturn, Optional
 import lightning as L
 from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.plugins.io import CheckpointIO
 
 from lit_rl.callbacks import GracefulStop, NonFiniteGuard, StepProgressBar
 from lit_rl.checkpoint import AtomicCheckpointIO
@@ -33,9 +34,13 @@ _NOISE = ("Parser key", "Does not validate", "Subtypes:", "Errors:", "Given valu
 def condense_parser_error(message: str) -> str:
     """jsonargparse's nested, multi-line message -> `key.path: what is wrong` on one line."""
     keys = re.findall(r'Parser key "([^"]+)"', message)
+    wrong_type = re.search(r"Expected a <class '(?!NoneType)[^']+'>[^\n]*", message)
+    if wrong_type and keys:
+        return f"{'.'.join(dict.fromkeys(keys))}: {wrong_type.group(0)}"
     unknown = re.search(r"Option '([^']+)' is not accepted", message)
     if unknown:
-        return ".".join(keys + [unknown.group(1)]) + ": unknown option"
+        option = unknown.group(1)
+        return ".".join(keys + ([option] if not keys or keys[-1] != option else [])) + ": unknown option"
     detail = ""
     for line in (raw.strip() for raw in message.splitlines()):
         if line and not line.startswith(_NOISE) and "Problem with given class_path" not in line:
@@ -79,8 +84,11 @@ class LitRLCLI(LightningCLI):
         for kind in (NonFiniteGuard, GracefulStop):
             if not any(isinstance(c, kind) for c in configured):
                 extra.append(kind())
-        if not config.get("plugins") and "deepspeed" not in str(config.get("strategy", "")).lower():
-            config = {**config, "plugins": [AtomicCheckpointIO()]}
+        plugins = config.get("plugins") or []
+        plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+        deepspeed = "deepspeed" in str(config.get("strategy", "")).lower()
+        if not deepspeed and not any(isinstance(p, CheckpointIO) for p in plugins):
+            config = {**config, "plugins": [*plugins, AtomicCheckpointIO()]}
         return super()._instantiate_trainer(config, [*callbacks, *extra])
 
 
@@ -127,7 +135,7 @@ def find_user_error(err: BaseException) -> Optional[LitRLError]:
         if isinstance(current, LitRLError):
             return current
         seen.add(id(current))
-        current = current.__cause__ or current.__context__
+        current = current.__cause__ if current.__suppress_context__ else (current.__cause__ or current.__context__)
     return None
 
 

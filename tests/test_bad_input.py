@@ -25,6 +25,9 @@ def too_few(prompts, completions, **_):
 def nones(prompts, completions, **_):
     return [None for _ in completions]
 
+def correctness(prompts, completions, **_):
+    return [1.0 for _ in completions]
+
 def text(prompts, completions, **_):
     return ["high" for _ in completions]
 """

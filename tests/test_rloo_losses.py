@@ -51,3 +51,11 @@ def test_on_policy_loss_is_minus_mean_advantage_with_a_gradient():
     assert loss.item() == pytest.approx(-adv.sum().item() / 8)
     loss.backward()
     assert logp.grad.abs().sum() > 0
+
+
+def test_huge_log_ratio_with_zero_advantage_stays_finite():
+    logp = torch.full((2, 4), 30.0, requires_grad=True)  # summed log-ratio 120: exp would overflow
+    loss, _ = rloo_loss(logp, torch.zeros(2, 4), torch.tensor([0.0, -1.0]), torch.ones(2, 4))
+    assert torch.isfinite(loss)
+    loss.backward()
+    assert torch.isfinite(logp.grad).all()

@@ -141,14 +141,16 @@ class DPO(PolicyModule):
         return result
 
     def _cache_key(self, pairs: list[TokenizedPair]) -> str:
-        """Hash of the reference model (path, config, size and ends of its weight files), dtype and the token ids."""
+        """Hash of the reference model (path; name, size, mtime and first/last MiB of its config and weight files),
+        the dtype and the token ids. A hub id is keyed by its name: clear the cache when the hub model changes."""
         digest = hashlib.sha256()
         resolved = Path(resolve_model_path(self.ref_path))
         digest.update(json.dumps([self.ref_path, self.hparams.dtype]).encode())
         if resolved.is_dir():
             for file in sorted(resolved.iterdir()):
                 if file.suffix in (".json", ".safetensors", ".bin"):
-                    digest.update(file.name.encode() + str(file.stat().st_size).encode())
+                    stat = file.stat()
+                    digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
                     with file.open("rb") as handle:
                         digest.update(handle.read(1 << 20))
                         handle.seek(max(file.stat().st_size - (1 << 20), 0))
@@ -187,8 +189,9 @@ class DPO(PolicyModule):
             len_c, len_r = lengths.chunk(2)
             chosen, rejected = chosen / len_c, rejected / len_r
             ref_chosen, ref_rejected = ref_chosen / len_c, ref_rejected / len_r
-        # Normalise by the pairs of this micro-batch on every rank, so that padding and uneven shares count right.
-        num_pairs = weight.sum()
+        # Normalise by the real pairs of the whole optimizer step (training) or micro-batch (validation) on every
+        # rank: padding pairs and uneven shares then weigh exactly nothing.
+        num_pairs = batch.get("window_pairs", weight.sum()).to(weight)
         if self.trainer.world_size > 1:
             num_pairs = self.trainer.strategy.reduce(num_pairs.clone(), reduce_op="sum")
         len_c, len_r = lengths.chunk(2)
@@ -207,7 +210,10 @@ class DPO(PolicyModule):
             weights=weight,
         )
         self._update_metrics(metrics, stats, chosen.detach(), rejected.detach(), mean_logits, batch, weight)
-        return loss * self.trainer.world_size  # data-parallel strategies average gradients over ranks
+        # Lightning divides each micro-batch loss by the accumulation and data-parallel strategies average
+        # gradients over ranks: undo both, the denominator already covers the step on all ranks.
+        scale = self.trainer.world_size * (self.trainer.accumulate_grad_batches if "window_pairs" in batch else 1)
+        return loss * scale
 
     def _update_metrics(self, m, stats, chosen, rejected, mean_logits, batch, weight) -> None:
         m["loss"].update(stats["losses"], weight)

@@ -59,7 +59,11 @@ class OnPolicyModule(PolicyModule):
         )
         # None means the built-in task's correctness reward; an empty list means none (a subclass adds its own).
         reward_funcs = ["lit_rl.rewards.arithmetic.correctness"] if reward_funcs is None else reward_funcs
-        self.reward_fns = {reward_name(path): import_reward_function(path) for path in reward_funcs}
+        names = [reward_name(path) for path in reward_funcs]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ConfigError(f"model.reward_funcs: two functions are named {duplicates[0]!r}; names must be unique")
+        self.reward_fns = {name: import_reward_function(path) for name, path in zip(names, reward_funcs)}
         self.reward_weights = torch.tensor(reward_weights or [1.0] * len(reward_funcs), dtype=torch.float32)
         if len(self.reward_weights) != len(reward_funcs):
             raise ConfigError(
@@ -232,7 +236,25 @@ class OnPolicyModule(PolicyModule):
         prompt_mask = prompt_mask.repeat_interleave(repeat, dim=0)
         out = self.engine().generate(prompt_ids, prompt_mask, params)
         completions = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
-        return prompt_ids, prompt_mask, out, self.score(rows, completions, repeat)
+        return prompt_ids, prompt_mask, out, self._score_on_every_rank(rows, completions, repeat)
+
+    def _score_on_every_rank(self, rows: list[dict[str, Any]], completions: list[str], repeat: int) -> torch.Tensor:
+        """`score` (and the invalid-reward policy), failing on every rank together when it fails on one: a rank
+        that raised alone would leave the others waiting in the next collective until a timeout."""
+        error: Optional[RewardFunctionError] = None
+        components = None
+        try:
+            components = self.score(rows, completions, repeat)
+            self.weighted_reward(components)
+        except RewardFunctionError as err:
+            error = err
+        failed = float(error is not None)
+        if self.trainer.world_size > 1:
+            flag = torch.tensor(failed, device=self.device)
+            failed = float(self.trainer.strategy.reduce(flag, reduce_op="sum"))
+        if failed:
+            raise error or RewardFunctionError("a reward function failed on another rank (its error is above)")
+        return components
 
     @torch.no_grad()
     def make_rollout(self, rows: list[dict[str, Any]]) -> RolloutBatch:

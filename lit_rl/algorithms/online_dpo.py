@@ -96,16 +96,18 @@ class OnlineDPO(OnPolicyModule):
             raise ConfigError(f"model.loss_type must be one of {allowed}, got {loss_type!r}")
         if not 0 <= label_smoothing < 0.5:
             raise ConfigError(f"model.label_smoothing must be in [0, 0.5), got {label_smoothing}")
-        judge_weight = None
+        # A reward model is one more judge after the reward functions: its weight is the extra last entry of
+        # reward_weights, if any. New names, so save_hyperparameters keeps the arguments as given.
+        judge_weight = 1.0
+        funcs, weights = reward_funcs, reward_weights
         if reward_model_name_or_path is not None:
             funcs = list(reward_funcs or [])
             if reward_weights is not None and len(reward_weights) == len(funcs) + 1:
-                reward_weights, judge_weight = list(reward_weights[:-1]), reward_weights[-1]
-            reward_funcs = funcs
+                weights, judge_weight = list(reward_weights[:-1]), reward_weights[-1]
         super().__init__(
             model_name_or_path,
-            reward_funcs if reward_model_name_or_path is None or reward_funcs else [],
-            reward_weights,
+            funcs,
+            weights or None,
             dtype=dtype,
             gradient_checkpointing=gradient_checkpointing,
             trust_remote_code=trust_remote_code,
@@ -117,7 +119,7 @@ class OnlineDPO(OnPolicyModule):
         self.save_hyperparameters()
         if reward_model_name_or_path is not None:
             # A plain callable, never an nn.Module attribute: the reward model is not trained or checkpointed.
-            self.add_reward_function("reward_model", RewardModel(reward_model_name_or_path), judge_weight or 1.0)
+            self.add_reward_function("reward_model", RewardModel(reward_model_name_or_path), judge_weight)
         self.train_metrics = online_dpo_metrics(self.reward_fns).clone(prefix="train/")
         self.val_metrics = self.rollout_val_metrics()
 
@@ -145,6 +147,9 @@ class OnlineDPO(OnPolicyModule):
         labels = mb.advantages.view(-1, 2)  # [n/2, 2]
         seq_logps = (logprobs * mask).sum(dim=1).view(-1, 2)  # [n/2, 2]
         ref_logps = (mb.ref_logprobs * mask).sum(dim=1).view(-1, 2)
+        if hp.loss_type == "ipo":  # IPO compares length-averaged log-probs, as in DPO
+            lengths = mask.sum(dim=1).clamp(min=1).view(-1, 2)
+            seq_logps, ref_logps = seq_logps / lengths, ref_logps / lengths
         chosen_col = (labels[:, 1] > 0).long()  # 0 when the first completion is chosen (or tied)
         pick = lambda values, col: values.gather(1, col[:, None]).squeeze(1)  # noqa: E731
         untied = (labels[:, 0] != 0).float()  # [n/2]

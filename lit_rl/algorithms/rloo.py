@@ -118,7 +118,10 @@ class RLOO(OnPolicyModule):
     def micro_batch_loss(
         self, mb: RolloutBatch, logits: torch.Tensor, logprobs: torch.Tensor, normalizer: LossNormalizer
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        old_logprobs = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
+        # The old log-probs exist for the KL penalty even when the policy has not moved since generation; then the
+        # ratio is 1 by definition, so use this pass's own log-probs (no numerical drift into the clipping).
+        policy_moved = OnPolicyModule.needs_old_logprobs(self)
+        old_logprobs = mb.old_logprobs if policy_moved else logprobs.detach()
         return rloo_loss(
             logprobs,
             old_logprobs,

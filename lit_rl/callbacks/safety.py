@@ -107,8 +107,18 @@ class GracefulStop(Callback):
         trainer.save_checkpoint(self.checkpoint_path)
         self.stopped_at_step = trainer.global_step
         trainer.should_stop = True
+        # Stopping would otherwise run a full validation first (Lightning validates when asked to stop early),
+        # which can outlast a pre-emption grace period.
+        trainer.fit_loop.epoch_loop._skip_next_val = True
 
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+    def _restore_handlers(self) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
+
+    # Restored before Lightning restores its own handlers at teardown, so the process ends with the original ones.
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._restore_handlers()
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._restore_handlers()

@@ -195,6 +195,7 @@ class PreferenceDataModule(PromptDataModule):
             pad_id=module.tokenizer.pad_token_id,
             # Training resumes from the algorithm's checkpointed count of consumed batches.
             start_batch=(lambda: getattr(module, "train_batches_done", 0)) if shuffle else (lambda: 0),
+            accumulate=trainer.accumulate_grad_batches if shuffle else 1,
         )
         return DataLoader(batches, batch_size=None)
 

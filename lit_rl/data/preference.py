@@ -142,7 +142,8 @@ class ShardedPairBatches(IterableDataset):
 
     `start_batch()` is how many batches the run has consumed (the algorithm's checkpointed counter): iteration
     resumes there, in the permutation of epoch `start_batch() // len(self)`, so a resumed run sees exactly the
-    batches an uninterrupted one would have.
+    batches an uninterrupted one would have. Each batch also carries `window_pairs`, the real pairs of this rank in
+    its window of `accumulate` batches (one optimizer step).
     """
 
     def __init__(
@@ -155,9 +156,11 @@ class ShardedPairBatches(IterableDataset):
         world_size: int,
         pad_id: int,
         start_batch: Callable[[], int] = lambda: 0,
+        accumulate: int = 1,
     ) -> None:
         self.pairs, self.batch_size, self.shuffle, self.seed = pairs, batch_size, shuffle, seed
         self.rank, self.world_size, self.pad_id, self.start_batch = rank, world_size, pad_id, start_batch
+        self.accumulate = accumulate
 
     def __len__(self) -> int:
         return math.ceil(math.ceil(len(self.pairs) / self.world_size) / self.batch_size)
@@ -169,6 +172,13 @@ class ShardedPairBatches(IterableDataset):
             order = torch.randperm(len(self.pairs), generator=generator).tolist()
         else:
             order = list(range(len(self.pairs)))
-        for index, (indices, weights) in enumerate(shard_batches(order, self.batch_size, self.rank, self.world_size)):
-            if index >= skip:
-                yield collate_pairs([self.pairs[i] for i in indices], weights, self.pad_id)
+        batches = list(shard_batches(order, self.batch_size, self.rank, self.world_size))
+        for index, (indices, weights) in enumerate(batches):
+            if index < skip:
+                continue
+            batch = collate_pairs([self.pairs[i] for i in indices], weights, self.pad_id)
+            # Real pairs of this rank in the accumulation window (optimizer step) holding this batch: the loss is
+            # normalised by the window's pairs on all ranks, so a half-empty last batch does not weigh more.
+            window = index // self.accumulate * self.accumulate
+            batch["window_pairs"] = torch.tensor(sum(sum(w) for _, w in batches[window : window + self.accumulate]))
+            yield batch

@@ -56,7 +56,8 @@ def rloo_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped sequence-level surrogate (see module), summed over these N sequences / `num_sequences`
     (default N). Stats per sequence [N]: `ratio`, `clipped` (1 where the clipped term was the minimum)."""
-    log_ratio = ((logprobs - old_logprobs) * completion_mask).sum(dim=1)  # [N]
+    # Clamped so that exp() stays finite: inf * 0 (a zero advantage) would be NaN.
+    log_ratio = ((logprobs - old_logprobs) * completion_mask).sum(dim=1).clamp(-20.0, 20.0)  # [N]
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * advantages

@@ -240,3 +240,43 @@ def test_two_process_ddp_metrics_are_the_exact_global_values(tmp_path):
             assert float(row[f"val/{name}"]) == pytest.approx(value.item(), abs=2e-5), name
     # The union's accuracy is k/7: a rank-0-only or per-rank mean would be a multiple of 1/4 or 1/3.
     assert expected["rewards/accuracies"].item() * 7 == pytest.approx(round(expected["rewards/accuracies"].item() * 7))
+
+
+def test_accumulation_gives_the_same_steps_as_one_big_batch(tmp_path):
+    """38 pairs per epoch: 1 x 16 or 4 x 4 pairs per step; the last step has 4 + 2 real pairs in its micro-batches,
+    which must weigh each pair equally (the same metrics, hence the same weights, as one batch of 6)."""
+    common = (
+        "--trainer.limit_val_batches",
+        "0",
+        "--trainer.max_steps",
+        "4",
+        "--data.train_data",
+        "builtin:addition_preference/val",
+        "--data.val_data",
+        "null",
+        "--model.learning_rate",
+        "0.001",
+    )
+    rows = [
+        json.dumps(r)
+        for r in __import__("lit_rl.data", fromlist=["load_rows"]).load_rows("builtin:addition_preference/val")[:38]
+    ]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("\n".join(rows))
+    one = _fit(tmp_path, *common, "--data.train_data", str(data), "--data.batch_size", "16", name="one")
+    four = _fit(
+        tmp_path,
+        *common,
+        "--data.train_data",
+        str(data),
+        "--data.batch_size",
+        "4",
+        "--trainer.accumulate_grad_batches",
+        "4",
+        name="four",
+    )
+    a, b = train_rows(one), train_rows(four)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]  # step 4 sees step 3's update
+    for row_a, row_b in zip(a, b):
+        for key in row_a:
+            assert row_a[key] == pytest.approx(row_b[key], abs=1e-5), (row_a["step"], key)
