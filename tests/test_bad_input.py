@@ -129,6 +129,18 @@ CASES = [
         1,
     ),
     (
+        "duplicate-reward-names",
+        GRPO,
+        [
+            "--model.reward_funcs",
+            "[lit_rl.rewards.arithmetic.correctness, bad_rewards.correctness]",
+            "--model.reward_weights",
+            "null",
+        ],
+        "model.reward_funcs: two functions are named 'correctness'",
+        1,
+    ),
+    (
         "reward-path-not-importable",
         GRPO,
         ["--model.reward_funcs", "[no_such_pkg.score]"],
