@@ -7,15 +7,23 @@ from __future__ import annotations
 
 import torch
 
+CHUNK_ELEMENTS = 1 << 24  # float32 elements per chunk (64 MiB): ~110 rows at the Qwen2 vocabulary of 151,936
+
+
+def _rows_per_chunk(vocab: int, chunk_size: int | None) -> int:
+    return chunk_size if chunk_size is not None else max(1, CHUNK_ELEMENTS // vocab)
+
 
 def token_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024
+    logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0, chunk_size: int | None = None
 ) -> torch.Tensor:
     """Log-probability of `token_ids` under `softmax(logits / temperature)`.
 
     `logits` [..., V], `token_ids` [...] -> [...] (float32). Computes `logit[id] - logsumexp(logits)` over chunks
-    of rows, so the peak extra memory is one chunk of float32 logits instead of a full `[..., V]` log-softmax.
+    of `chunk_size` rows (default: 64 MiB of float32 per chunk), so the peak extra memory is one chunk instead of a
+    full float32 `[..., V]` log-softmax (`benchmarks/logprob_memory.py` measures it).
     """
+    chunk_size = _rows_per_chunk(logits.shape[-1], chunk_size)
     flat_logits = logits.reshape(-1, logits.shape[-1])
     flat_ids = token_ids.reshape(-1)
     out = torch.empty(flat_ids.shape, dtype=torch.float32, device=logits.device)
@@ -29,8 +37,9 @@ def token_logprobs(
 
 
 @torch.no_grad()
-def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024) -> torch.Tensor:
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, chunk_size: int | None = None) -> torch.Tensor:
     """Entropy `-sum_v p_v log p_v` of `softmax(logits / temperature)`, [..., V] -> [...], chunked like above."""
+    chunk_size = _rows_per_chunk(logits.shape[-1], chunk_size)
     flat = logits.reshape(-1, logits.shape[-1])
     out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
     for start in range(0, flat.shape[0], chunk_size):

@@ -22,6 +22,7 @@ from lit_rl.errors import ConfigError, DataError, RewardFunctionError
 from lit_rl.losses import LossNormalizer
 from lit_rl.metrics import rollout_eval_metrics
 from lit_rl.ops import entropy_from_logits, token_logprobs
+from lit_rl.perf import StepTimer
 from lit_rl.rewards import call_reward_function, import_reward_function, reward_name
 from lit_rl.rollout import HFGenerateEngine, RolloutEngine, SamplingParams
 from lit_rl.rollout.hf import model_eos_token_ids
@@ -72,6 +73,7 @@ class OnPolicyModule(PolicyModule):
         self.ref_model: Optional[torch.nn.Module] = None
         self.rollout_engine: Optional[RolloutEngine] = None  # a plain object, never an nn.Module attribute
         self._micro_steps_done = 0
+        self.timer = StepTimer()  # perf/ metrics: where each step's time goes
         self._buffer: Optional[RolloutBatch] = None
         self._normalizers: list[LossNormalizer] = []
 
@@ -234,9 +236,13 @@ class OnPolicyModule(PolicyModule):
         prompt_ids, prompt_mask = self.encode_prompts([row["prompt"] for row in rows])
         prompt_ids = prompt_ids.repeat_interleave(repeat, dim=0)  # [B*G, P]
         prompt_mask = prompt_mask.repeat_interleave(repeat, dim=0)
-        out = self.engine().generate(prompt_ids, prompt_mask, params)
+        with self.timer.phase("generation"):
+            out = self.engine().generate(prompt_ids, prompt_mask, params)
+        self.timer.count("generated_tokens", float(out.completion_mask.sum()))
         completions = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
-        return prompt_ids, prompt_mask, out, self._score_on_every_rank(rows, completions, repeat)
+        with self.timer.phase("reward"):
+            components = self._score_on_every_rank(rows, completions, repeat)
+        return prompt_ids, prompt_mask, out, components
 
     def _score_on_every_rank(self, rows: list[dict[str, Any]], completions: list[str], repeat: int) -> torch.Tensor:
         """`score` (and the invalid-reward policy), failing on every rank together when it fails on one: a rank
@@ -274,9 +280,11 @@ class OnPolicyModule(PolicyModule):
             group_reward_std=rewards.view(-1, G).std(dim=1).repeat_interleave(G),
         )
         if self.needs_old_logprobs():
-            batch.old_logprobs = self._logprobs_in_chunks(self.policy, batch)
+            with self.timer.phase("old_logprobs"):
+                batch.old_logprobs = self._logprobs_in_chunks(self.policy, batch)
         if self.ref_model is not None:
-            batch.ref_logprobs = self._logprobs_in_chunks(self.ref_model, batch)
+            with self.timer.phase("ref_logprobs"):
+                batch.ref_logprobs = self._logprobs_in_chunks(self.ref_model, batch)
         # Groups never span ranks here, but batch-level statistics need every rank's rewards.
         self.finish_rollout(batch, self.all_gather(rewards).reshape(-1))
         self._normalizers = self._step_normalizers(batch)
@@ -343,6 +351,7 @@ class OnPolicyModule(PolicyModule):
             self._buffer = self._buffer.to(self.device)
         mb = self._buffer.select(slice(index * hp.micro_batch_size, (index + 1) * hp.micro_batch_size))
 
+        self.timer.count("trained_tokens", float(mb.completion_mask.sum()))
         logits = completion_forward(self.policy, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask)
         logprobs = token_logprobs(logits, mb.completion_ids, hp.temperature)  # [n, T]
         loss, stats = self.micro_batch_loss(mb, logits, logprobs, self._normalizers[index // self.accumulate])
@@ -382,8 +391,18 @@ class OnPolicyModule(PolicyModule):
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Called once per optimizer step, after every micro-batch of the window has run its backward.
         self.log_collection(self.train_metrics, on_step=True, prog_bar=("reward", "loss"))
+        # Timings: the slowest rank's, since the step waits for it.
+        for name, value in self.timer.summary().items():
+            self.log(name, value, on_step=True, on_epoch=False, sync_dist=True, reduce_fx="max", batch_size=1)
 
     # -- validation ------------------------------------------------------------------------------------------
+    def on_validation_start(self) -> None:
+        self._timer_during_training = self.timer
+        self.timer = StepTimer()  # validation's generation is not part of any training step
+
+    def on_validation_end(self) -> None:
+        self.timer = getattr(self, "_timer_during_training", self.timer)
+
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         G = self.hparams.val_num_generations
         # Validation samples with its own RNG stream, so it cannot change what training samples next.

@@ -45,8 +45,12 @@ def test_grpo_logs_separate_train_and_val_metrics(tmp_path):
     assert not any(c.startswith(("loss", "reward")) for c in columns), "every metric carries its stage prefix"
     # Each row is one stage: no row mixes train/ and val/ values.
     for row in rows:
-        stages = {k.split("/")[0] for k, v in row.items() if v != "" and "/" in k}
+        stages = {k.split("/")[0] for k, v in row.items() if v != "" and "/" in k and not k.startswith("perf/")}
         assert len(stages) == 1, row
+    perf = [r for r in rows if r.get("perf/step_s")]
+    assert len(perf) == 4  # one timing row per optimizer step, beside the train/ values
+    for name in ("generation_s", "reward_s", "ref_logprobs_s", "policy_update_s", "generated_tokens_per_s"):
+        assert float(perf[0][f"perf/{name}"]) >= 0, name
     train = train_rows(log_dir)
     assert [r["step"] for r in train] == [1, 2, 3, 4]
     val_steps = [float(r["step"]) for r in rows if r.get("val/reward")]

@@ -1,0 +1,46 @@
+"""Wall-clock accounting of a training step, logged as `perf/` metrics (not `train/`: timings differ per run)."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Iterator
+
+
+class StepTimer:
+    """Accumulates named phases (generation, reward, ...) between two optimizer steps.
+
+    `summary()` returns `perf/<phase>_s` for every phase, `perf/step_s` (wall time since the previous step) and
+    `perf/policy_update_s` (the rest: forward/backward/optimizer of the policy), then starts the next step.
+    """
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = defaultdict(float)
+        self.counters: dict[str, float] = defaultdict(float)
+        self._step_start = time.perf_counter()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] += time.perf_counter() - start
+
+    def count(self, name: str, value: float) -> None:
+        self.counters[name] += value
+
+    def summary(self) -> dict[str, float]:
+        now = time.perf_counter()
+        step = now - self._step_start
+        out = {f"perf/{name}_s": seconds for name, seconds in self.phases.items()}
+        out["perf/step_s"] = step
+        out["perf/policy_update_s"] = max(step - sum(self.phases.values()), 0.0)
+        if self.phases.get("generation"):
+            out["perf/generated_tokens_per_s"] = self.counters["generated_tokens"] / self.phases["generation"]
+        out["perf/trained_tokens_per_s"] = self.counters["trained_tokens"] / step if step > 0 else 0.0
+        self.phases.clear()
+        self.counters.clear()
+        self._step_start = now
+        return out
