@@ -12,8 +12,12 @@ from tests.conftest import REPO
 @pytest.mark.slow
 def test_logprob_memory_quick_meets_the_memory_target_with_identical_values(tmp_path):
     out = tmp_path / "logprob.json"
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "logprob_memory.py"), "--quick", "--json", str(out)],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "logprob_memory.py"), "--quick", "--json", str(out)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     report = json.loads(out.read_text())
     assert report["vocab"] == 151_936
     assert report["max_abs_diff"] <= 1e-5
@@ -29,9 +33,29 @@ def test_run_report_summarises_first_and_last_steps(tmp_path):
     lines += ["0,10,,0.9"]
     (log_dir / "metrics.csv").write_text("\n".join(lines) + "\n")
     out = tmp_path / "report.json"
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "run_report.py"), str(log_dir), "--window", "2",
-                    "--json", str(out)], check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "run_report.py"), str(log_dir), "--window", "2", "--json", str(out)],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     report = json.loads(out.read_text())
     assert report["train_first"]["train/reward"] == pytest.approx(0.15)
     assert report["train_last"]["train/reward"] == pytest.approx(0.95)
     assert report["val"] == [{"step": 10.0, "val/reward": 0.9}]
+
+
+def test_plot_curves_writes_a_png(tmp_path):
+    log_dir = tmp_path / "run"
+    log_dir.mkdir()
+    lines = ["epoch,step,train/rewards/correctness,train/loss,val/rewards/correctness"]
+    lines += [f"0,{s},{s / 20},{1 / s}," for s in range(1, 21)] + ["0,10,,,0.5", "0,20,,,0.9"]
+    (log_dir / "metrics.csv").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "curves.png"
+    subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "plot_curves.py"), str(log_dir), "--out", str(out)],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000

@@ -24,11 +24,9 @@ def _ddp_fit(tmp_path, name, *args):
         str(CONFIGS / "grpo.yaml"),
         "--config",
         str(overlay),
+        "--config",
+        str(CONFIGS / "strategy" / "ddp.yaml"),  # the overlay users add: 2 processes, DDP
         *FAST_GRPO,
-        "--trainer.devices",
-        "2",
-        "--trainer.strategy",
-        "ddp",
         "--model.num_iterations",
         "2",
         "--model.micro_batch_size",
