@@ -6,7 +6,8 @@
 
 Each method runs in a fresh subprocess that first builds the logits (bf16, as a bf16 model returns them) and
 then computes the log-probs of given tokens; the reported peak is the growth of the process's peak RSS during the
-computation only (peak RSS after minus RSS before, Linux), so the shared input does not count. Values are compared (max |difference|) in the parent.
+computation only (peak RSS after minus RSS before, Linux), so the shared input does not count. Values are
+compared (max |difference|) in the parent.
 """
 
 from __future__ import annotations
