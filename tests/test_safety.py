@@ -131,7 +131,12 @@ def test_sigterm_writes_a_resumable_checkpoint_and_exits_non_zero(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
     )
-    time.sleep(12)  # start-up and some training steps
+    # Wait until training is under way: the CSV logger first writes metrics.csv after 100 steps.
+    metrics = tmp_path / "runs" / "run" / "version_0" / "metrics.csv"
+    deadline = time.monotonic() + 240
+    while not metrics.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert metrics.exists(), "training did not start"
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 128 + signal.SIGTERM, stderr[-2000:]
