@@ -42,6 +42,7 @@ class PolicyModule(L.LightningModule):
             raise ConfigError(f"model.learning_rate must be >= 0, got {learning_rate}")
         self.tokenizer = load_tokenizer(model_name_or_path, trust_remote_code=trust_remote_code)
         self.policy: Optional[torch.nn.Module] = None
+        self.ref_model: Optional[torch.nn.Module] = None  # frozen; set by `load_reference`, never checkpointed
 
     # -- model -----------------------------------------------------------------------------------------------
     def load_model(self, random_init: bool = False, path: Optional[str] = None) -> torch.nn.Module:
@@ -59,10 +60,24 @@ class PolicyModule(L.LightningModule):
             model.resize_token_embeddings(len(self.tokenizer))
         return model
 
+    def load_reference(self, path: Optional[str] = None) -> torch.nn.Module:
+        """A frozen copy of the model at `path` (default: the starting policy), in eval mode."""
+        return self.load_model(path=path).eval().requires_grad_(False)
+
     def configure_model(self) -> None:
         if self.policy is None:
             # from_pretrained returns eval mode; Lightning switches modes around validation, start in train mode.
             self.policy = self.load_model(random_init=self.hparams.get("random_init", False)).train()
+
+    # The reference model is frozen and reloaded from its path: it stays out of checkpoints, and its current
+    # weights fill its keys back in when one is loaded, so strict loading still checks the policy's keys.
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("ref_model.")}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.ref_model is not None:
+            for key, value in self.ref_model.state_dict().items():
+                checkpoint["state_dict"][f"ref_model.{key}"] = value
 
     def on_train_start(self) -> None:
         # Lightning's ModelCheckpoint forgets, on resume, that the resumed-from step was saved; with gradient

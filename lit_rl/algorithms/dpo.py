@@ -84,7 +84,6 @@ class DPO(PolicyModule):
         metrics = dpo_metrics()
         self.train_metrics = metrics.clone(prefix="train/")
         self.val_metrics = metrics.clone(prefix="val/")
-        self.ref_model: Optional[torch.nn.Module] = None
         self._ref_cache: dict[str, torch.Tensor] = {}  # split -> [N, 2] (chosen, rejected) reference log-probs
         self.train_batches_done = 0  # position in the training data, checkpointed (see ShardedPairBatches)
 
@@ -99,7 +98,7 @@ class DPO(PolicyModule):
     def configure_model(self) -> None:
         super().configure_model()
         if self.needs_reference and not self.hparams.precompute_ref_logprobs and self.ref_model is None:
-            self.ref_model = self.load_model(path=self.ref_path).eval().requires_grad_(False)
+            self.ref_model = self.load_reference(self.ref_path)
 
     # -- reference log-probs ---------------------------------------------------------------------------------
     def on_fit_start(self) -> None:
@@ -121,7 +120,7 @@ class DPO(PolicyModule):
         if path.exists():
             log.info("reference log-probs of the %s pairs loaded from %s", split, path)
             return torch.load(path, weights_only=True).to(self.device)
-        ref_model = self.load_model(path=self.ref_path).to(self.device).eval().requires_grad_(False)
+        ref_model = self.load_reference(self.ref_path).to(self.device)
         values = []
         with torch.no_grad():
             for start in range(0, len(pairs), 64):
@@ -246,11 +245,9 @@ class DPO(PolicyModule):
         self.log_collection(self.val_metrics, on_step=False, prog_bar=("loss",))
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("ref_model.")}
+        super().on_save_checkpoint(checkpoint)
         checkpoint["lit_rl"] = {"train_batches_done": self.train_batches_done}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
         self.train_batches_done = checkpoint.get("lit_rl", {}).get("train_batches_done", 0)
-        if self.ref_model is not None:
-            for key, value in self.ref_model.state_dict().items():
-                checkpoint["state_dict"][f"ref_model.{key}"] = value

@@ -70,7 +70,6 @@ class OnPolicyModule(PolicyModule):
             raise ConfigError(
                 f"model.reward_weights has {len(self.reward_weights)} values for {len(reward_funcs)} reward_funcs"
             )
-        self.ref_model: Optional[torch.nn.Module] = None
         self.rollout_engine: Optional[RolloutEngine] = None  # a plain object, never an nn.Module attribute
         self._micro_steps_done = 0
         self.timer = StepTimer()  # perf/ metrics: where each step's time goes
@@ -115,7 +114,7 @@ class OnPolicyModule(PolicyModule):
     def configure_model(self) -> None:
         super().configure_model()
         if self.uses_reference() and self.ref_model is None:
-            self.ref_model = self.load_model().eval().requires_grad_(False)
+            self.ref_model = self.load_reference()
 
     def engine(self) -> RolloutEngine:
         """The rollout engine (HF `generate` on the policy unless one was injected), created on first use."""
@@ -421,8 +420,7 @@ class OnPolicyModule(PolicyModule):
 
     # -- checkpoints -----------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # The reference model is frozen and reloaded from its path: keep it out of the checkpoint.
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("ref_model.")}
+        super().on_save_checkpoint(checkpoint)  # without the reference model
         # Every rank has its own buffer and RNG stream, but only rank 0 writes the file: gather them all.
         local = {
             "buffer": None if self._buffer is None else self._buffer.state_dict(),
@@ -436,9 +434,7 @@ class OnPolicyModule(PolicyModule):
         checkpoint["lit_rl"] = {"micro_steps_done": self._micro_steps_done, "per_rank": per_rank}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self.ref_model is not None:
-            for key, value in self.ref_model.state_dict().items():
-                checkpoint["state_dict"][f"ref_model.{key}"] = value
+        super().on_load_checkpoint(checkpoint)
         state = checkpoint.get("lit_rl")
         if state is None:
             return
