@@ -18,86 +18,80 @@ def _collection(metrics: dict) -> MetricCollection:
     return MetricCollection(metrics, compute_groups=False)
 
 
-def grpo_metrics(reward_names: Iterable[str], with_kl: bool) -> MetricCollection:
-    """Metrics of GRPO-style training. `loss` is a sum of micro-batch terms that are already step-normalised."""
+def _rollout_metrics(reward_names: Iterable[str]) -> dict:
+    """What every rollout is scored on, in training and validation: one sample each, weighted per completion."""
     metrics = {
-        "loss": SumMetric(),
         "reward": MeanMetric(),
         "reward_std": MeanMetric(),
         "frac_invalid_reward": MeanMetric(),
-        "frac_reward_zero_std": MeanMetric(),
         "completion_length": MeanMetric(),
+    }
+    for name in reward_names:
+        metrics[f"rewards/{name}"] = MeanMetric()
+    return metrics
+
+
+def _on_policy_training_metrics(reward_names: Iterable[str]) -> dict:
+    """The rollout metrics plus what every on-policy training step logs. `loss` is a sum of micro-batch terms
+    that are already normalised over the step."""
+    return {
+        **_rollout_metrics(reward_names),
+        "loss": SumMetric(),
         "entropy": MeanMetric(),
-        "clip_ratio/low": MeanMetric(),
-        "clip_ratio/high": MeanMetric(),
         "rollout_logprob_diff/mean": MeanMetric(),
         "rollout_logprob_diff/max": MaxMetric(),
     }
+
+
+def grpo_metrics(reward_names: Iterable[str], with_kl: bool) -> MetricCollection:
+    """Metrics of GRPO-style training: the on-policy ones, the clipping and, when beta > 0, the KL."""
+    metrics = {
+        **_on_policy_training_metrics(reward_names),
+        "frac_reward_zero_std": MeanMetric(),
+        "clip_ratio/low": MeanMetric(),
+        "clip_ratio/high": MeanMetric(),
+    }
     if with_kl:
         metrics["kl"] = MeanMetric()
-    for name in reward_names:
-        metrics[f"rewards/{name}"] = MeanMetric()
     return _collection(metrics)
 
 
 def rloo_metrics(reward_names: Iterable[str]) -> MetricCollection:
     """Metrics of RLOO: `reward` is the task reward (before the KL penalty); `kl` the mean per-sequence KL."""
-    metrics = {
-        "loss": SumMetric(),
-        "reward": MeanMetric(),
-        "reward_std": MeanMetric(),
-        "frac_invalid_reward": MeanMetric(),
-        "completion_length": MeanMetric(),
-        "kl": MeanMetric(),
-        "advantage_std": MeanMetric(),
-        "entropy": MeanMetric(),
-        "clip_ratio": MeanMetric(),
-        "rollout_logprob_diff/mean": MeanMetric(),
-        "rollout_logprob_diff/max": MaxMetric(),
-    }
-    for name in reward_names:
-        metrics[f"rewards/{name}"] = MeanMetric()
-    return _collection(metrics)
+    return _collection(
+        {
+            **_on_policy_training_metrics(reward_names),
+            "kl": MeanMetric(),
+            "advantage_std": MeanMetric(),
+            "clip_ratio": MeanMetric(),
+        }
+    )
+
+
+DPO_PAIR_METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
 
 
 def online_dpo_metrics(reward_names: Iterable[str]) -> MetricCollection:
     """Metrics of Online DPO: the rollout's rewards, the DPO pair metrics over untied pairs, `frac_tied_pairs`."""
-    metrics = {
-        "loss": SumMetric(),
-        "reward": MeanMetric(),
-        "reward_std": MeanMetric(),
-        "frac_invalid_reward": MeanMetric(),
-        "completion_length": MeanMetric(),
-        "frac_tied_pairs": MeanMetric(),
-        "entropy": MeanMetric(),
-        "rollout_logprob_diff/mean": MeanMetric(),
-        "rollout_logprob_diff/max": MaxMetric(),
-    }
-    for name in (
-        "rewards/chosen",
-        "rewards/rejected",
-        "rewards/accuracies",
-        "rewards/margins",
-        "logps/chosen",
-        "logps/rejected",
-    ):
-        metrics[name] = MeanMetric()
-    for name in reward_names:
-        metrics[f"rewards/{name}"] = MeanMetric()
-    return _collection(metrics)
+    return _collection(
+        {
+            **_on_policy_training_metrics(reward_names),
+            "frac_tied_pairs": MeanMetric(),
+            **{name: MeanMetric() for name in DPO_PAIR_METRICS},
+        }
+    )
 
 
 def rollout_eval_metrics(reward_names: Iterable[str]) -> MetricCollection:
     """Metrics of generating for held-out prompts (validation of rollout algorithms)."""
-    metrics = {
-        "reward": MeanMetric(),
-        "reward_std": MeanMetric(),
-        "frac_invalid_reward": MeanMetric(),
-        "completion_length": MeanMetric(),
-    }
-    for name in reward_names:
-        metrics[f"rewards/{name}"] = MeanMetric()
-    return _collection(metrics)
+    return _collection(_rollout_metrics(reward_names))
 
 
 def sft_metrics() -> MetricCollection:
@@ -108,15 +102,5 @@ def sft_metrics() -> MetricCollection:
 def dpo_metrics() -> MetricCollection:
     """Per-pair means (weighted by pair, padding pairs weigh 0); `logits/*` are token-weighted means of the
     vocabulary-mean logit over completion tokens."""
-    names = [
-        "loss",
-        "rewards/chosen",
-        "rewards/rejected",
-        "rewards/accuracies",
-        "rewards/margins",
-        "logps/chosen",
-        "logps/rejected",
-        "logits/chosen",
-        "logits/rejected",
-    ]
+    names = ["loss", *DPO_PAIR_METRICS, "logits/chosen", "logits/rejected"]
     return _collection({name: MeanMetric() for name in names})
