@@ -13,8 +13,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from lit_rl.data.files import Row, load_rows, validate_rows
-from lit_rl.data.preference import ShardedPairBatches, ShardedRowBatches, TokenizedPair, tokenize_pairs
+from lit_rl.data.preference import ShardedPairBatches, TokenizedPair, tokenize_pairs
 from lit_rl.data.schedule import RolloutSchedule, RolloutScheduleLoader
+from lit_rl.data.sharding import ShardedRowBatches
 from lit_rl.errors import ConfigError
 
 

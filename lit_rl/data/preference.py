@@ -1,14 +1,13 @@
 """Preference pairs (`prompt`, `chosen`, `rejected`): tokenization, truncation, and rank-sharded batches.
 
-Batches are built here, not by a sampler, so every rank gets the same number of batches whatever the data size:
-a rank whose share runs out is padded with copies of a pair of weight 0, which the loss and the metrics ignore.
-Lightning leaves an IterableDataset's sharding alone, so this works with or without its distributed sampler.
+Batches are built here, not by a sampler (see `lit_rl.data.sharding`), so every rank gets the same number of
+batches whatever the data size: a rank whose share runs out is padded with copies of a pair of weight 0, which the
+loss and the metrics ignore.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
@@ -16,6 +15,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from lit_rl.data.files import Row
+from lit_rl.data.sharding import epoch_order, num_shard_batches, shard_batches
 
 log = logging.getLogger(__name__)
 
@@ -108,35 +108,6 @@ def collate_pairs(pairs: list[TokenizedPair], weights: list[float], pad_id: int)
     }
 
 
-def shard_batches(
-    order: list[int], batch_size: int, rank: int, world_size: int
-) -> Iterator[tuple[list[int], list[float]]]:
-    """This rank's batches of `order[rank::world_size]`: (indices, weights) with every rank getting the same
-    number of full batches; the shortfall is filled with copies of an index of weight 0."""
-    shard = order[rank::world_size]
-    num_batches = math.ceil(math.ceil(len(order) / world_size) / batch_size)
-    filler = shard[0] if shard else order[0]
-    padded = shard + [filler] * (num_batches * batch_size - len(shard))
-    for start in range(0, len(padded), batch_size):
-        chunk = padded[start : start + batch_size]
-        yield chunk, [1.0 if start + i < len(shard) else 0.0 for i in range(len(chunk))]
-
-
-class ShardedRowBatches(IterableDataset):
-    """Unshuffled batches of raw rows (`{"rows": [...], "weight": [B]}`) sharded like `shard_batches`: the
-    validation loader of rollout algorithms, whose metrics weigh padding rows 0 (exact under any world size)."""
-
-    def __init__(self, rows: list[Row], batch_size: int, rank: int, world_size: int) -> None:
-        self.rows, self.batch_size, self.rank, self.world_size = rows, batch_size, rank, world_size
-
-    def __len__(self) -> int:
-        return math.ceil(math.ceil(len(self.rows) / self.world_size) / self.batch_size)
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        for indices, weights in shard_batches(list(range(len(self.rows))), self.batch_size, self.rank, self.world_size):
-            yield {"rows": [self.rows[i] for i in indices], "weight": torch.tensor(weights)}
-
-
 class ShardedPairBatches(IterableDataset):
     """Batches of this rank's share of the pairs (`order[rank::world_size]`), all ranks with the same count.
 
@@ -163,15 +134,11 @@ class ShardedPairBatches(IterableDataset):
         self.accumulate = accumulate
 
     def __len__(self) -> int:
-        return math.ceil(math.ceil(len(self.pairs) / self.world_size) / self.batch_size)
+        return num_shard_batches(len(self.pairs), self.batch_size, self.world_size)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         epoch, skip = divmod(self.start_batch(), len(self))
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + epoch)
-            order = torch.randperm(len(self.pairs), generator=generator).tolist()
-        else:
-            order = list(range(len(self.pairs)))
+        order = epoch_order(len(self.pairs), self.seed, epoch) if self.shuffle else list(range(len(self.pairs)))
         batches = list(shard_batches(order, self.batch_size, self.rank, self.world_size))
         for index, (indices, weights) in enumerate(batches):
             if index < skip:

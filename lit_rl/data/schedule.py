@@ -14,9 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-import torch
-
 from lit_rl.data.files import Row
+from lit_rl.data.sharding import epoch_order
 from lit_rl.errors import DataError
 
 
@@ -55,8 +54,7 @@ class RolloutScheduleLoader:
 
     def _permutation(self, epoch: int) -> list[int]:
         if epoch not in self._permutations:
-            generator = torch.Generator().manual_seed(self.seed + epoch)
-            self._permutations = {epoch: torch.randperm(len(self.rows), generator=generator).tolist()}
+            self._permutations = {epoch: epoch_order(len(self.rows), self.seed, epoch)}
         return self._permutations[epoch]
 
     def prompts_of_generation(self, generation: int) -> list[Row]:
