@@ -231,7 +231,7 @@ class OnPolicyModule(PolicyModule):
         return (torch.where(invalid, torch.zeros_like(components), components) * weights).sum(dim=1)
 
     def sample(self, rows: list[dict[str, Any]], repeat: int, params: SamplingParams):
-        """Prompt ids [N, P], mask, engine output, decoded completions and reward components for `rows` x `repeat`."""
+        """For `rows` x `repeat`: prompt ids [N, P], mask, engine output, reward components [N, F] and rewards [N]."""
         prompt_ids, prompt_mask = self.encode_prompts([row["prompt"] for row in rows])
         prompt_ids = prompt_ids.repeat_interleave(repeat, dim=0)  # [B*G, P]
         prompt_mask = prompt_mask.repeat_interleave(repeat, dim=0)
@@ -240,17 +240,20 @@ class OnPolicyModule(PolicyModule):
         self.timer.count("generated_tokens", float(out.completion_mask.sum()))
         completions = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
         with self.timer.phase("reward"):
-            components = self._score_on_every_rank(rows, completions, repeat)
-        return prompt_ids, prompt_mask, out, components
+            components, rewards = self._score_on_every_rank(rows, completions, repeat)
+        return prompt_ids, prompt_mask, out, components, rewards
 
-    def _score_on_every_rank(self, rows: list[dict[str, Any]], completions: list[str], repeat: int) -> torch.Tensor:
-        """`score` (and the invalid-reward policy), failing on every rank together when it fails on one: a rank
-        that raised alone would leave the others waiting in the next collective until a timeout."""
+    def _score_on_every_rank(
+        self, rows: list[dict[str, Any]], completions: list[str], repeat: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reward components [N, F] and weighted rewards [N] (`score`, then the invalid-reward policy), failing on
+        every rank together when they fail on one: a rank that raised alone would leave the others waiting in
+        the next collective until a timeout."""
         error: Optional[RewardFunctionError] = None
-        components = None
+        components = rewards = None
         try:
             components = self.score(rows, completions, repeat)
-            self.weighted_reward(components)
+            rewards = self.weighted_reward(components)
         except RewardFunctionError as err:
             error = err
         failed = float(error is not None)
@@ -259,14 +262,13 @@ class OnPolicyModule(PolicyModule):
             failed = float(self.trainer.strategy.reduce(flag, reduce_op="sum"))
         if failed:
             raise error or RewardFunctionError("a reward function failed on another rank (its error is above)")
-        return components
+        return components, rewards
 
     @torch.no_grad()
     def make_rollout(self, rows: list[dict[str, Any]]) -> RolloutBatch:
         """Generate and score this rank's completions, then let the algorithm finish the batch."""
         G = self.hparams.num_generations
-        prompt_ids, prompt_mask, out, components = self.sample(rows, G, self.sampling_params(training=True))
-        rewards = self.weighted_reward(components)  # [N]
+        prompt_ids, prompt_mask, out, components, rewards = self.sample(rows, G, self.sampling_params(training=True))
         batch = RolloutBatch(
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
@@ -409,8 +411,7 @@ class OnPolicyModule(PolicyModule):
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(7919 * (batch_idx + 1))
-            _, _, out, components = self.sample(batch["rows"], G, self.sampling_params(training=False))
-        rewards = self.weighted_reward(components)
+            _, _, out, components, rewards = self.sample(batch["rows"], G, self.sampling_params(training=False))
         group_std = rewards.view(-1, G).std(dim=1).repeat_interleave(G) if G > 1 else torch.zeros_like(rewards)
         weight = batch["weight"].to(rewards).repeat_interleave(G)  # 0 on rows that pad this rank's share
         self._update_rollout_metrics(self.val_metrics, rewards, components, out.completion_mask, group_std, weight)
