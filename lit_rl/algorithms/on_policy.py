@@ -392,9 +392,14 @@ class OnPolicyModule(PolicyModule):
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Called once per optimizer step, after every micro-batch of the window has run its backward.
         self.log_collection(self.train_metrics, on_step=True, prog_bar=("reward", "loss"))
-        # Timings: the slowest rank's, since the step waits for it.
-        for name, value in self.timer.summary().items():
-            self.log(name, value, on_step=True, on_epoch=False, sync_dist=True, reduce_fx="max", batch_size=1)
+        # Timings: the slowest rank's, since the step waits for it; one collective for all of them (every rank
+        # times the same phases, because every rank follows the same schedule).
+        timings = self.timer.summary()
+        values = torch.tensor(list(timings.values()), dtype=torch.float32, device=self.device)
+        if self.trainer.world_size > 1:
+            values = self.trainer.strategy.reduce(values, reduce_op="max")
+        for name, value in zip(timings, values.tolist()):
+            self.log(name, value, on_step=True, on_epoch=False, batch_size=1)
 
     # -- validation ------------------------------------------------------------------------------------------
     def on_validation_start(self) -> None:
