@@ -5,10 +5,12 @@ from __future__ import annotations
 import csv
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
 import pytest
+import torch
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,6 +100,37 @@ def train_rows(log_dir: Path) -> list[dict[str, float]]:
         if any(k.startswith("train/") for k in values):
             rows.append(values)
     return rows
+
+
+def assert_rows_match(rows: list[dict[str, float]], reference: list[dict[str, float]], **tolerance: Any) -> None:
+    """Every value of every row equals (pytest.approx with `tolerance`) the reference row with the same step."""
+    by_step = {row["step"]: row for row in reference}
+    for row in rows:
+        expected = by_step[row["step"]]
+        for key, value in row.items():
+            assert value == pytest.approx(expected[key], **tolerance), (row["step"], key)
+
+
+# The real CLI in a separate process (multi-process strategies, signals, exit codes).
+CLI_COMMAND = [sys.executable, "-m", "lit_rl.cli"]
+
+
+def cli_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def build_tiny_reward_model(path: Path) -> Path:
+    """A randomly initialised one-label Qwen2 sequence classifier with the tiny tokenizer, saved at `path`."""
+    from transformers import Qwen2ForSequenceClassification
+
+    from lit_rl.models import build_char_tokenizer, tiny_qwen2_config
+
+    torch.manual_seed(0)
+    config = tiny_qwen2_config()
+    config.num_labels = 1
+    Qwen2ForSequenceClassification(config).save_pretrained(path)
+    build_char_tokenizer().save_pretrained(path)
+    return path
 
 
 def saved_steps(log_dir: Path) -> list[int]:

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import CONFIGS, FAST_GRPO, REPO, run_cli, write_overlay
+from tests.conftest import CLI_COMMAND, CONFIGS, FAST_GRPO, REPO, run_cli, write_overlay
 
 GRPO = ["--config", str(CONFIGS / "grpo.yaml")]
 DPO = ["--config", str(CONFIGS / "dpo.yaml")]
@@ -249,9 +248,7 @@ def test_a_real_process_prints_no_traceback_and_keeps_what_was_written(tmp_path)
     )
     overlay = write_overlay(tmp_path / "o.yaml", every_n_train_steps=1, save_dir=tmp_path / "runs")
     command = [
-        sys.executable,
-        "-m",
-        "lit_rl.cli",
+        *CLI_COMMAND,
         "fit",
         *GRPO,
         "--config",

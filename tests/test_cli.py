@@ -1,12 +1,11 @@
 """The `lit-rl` CLI: every config parses, overrides apply, --help documents the constructor arguments."""
 
 import subprocess
-import sys
 
 import pytest
 import yaml
 
-from tests.conftest import CONFIGS, run_cli
+from tests.conftest import CLI_COMMAND, CONFIGS, run_cli
 
 TOP_LEVEL = sorted(CONFIGS.glob("*.yaml"))
 OVERLAYS = sorted(p for p in CONFIGS.rglob("*.yaml") if p.parent != CONFIGS)
@@ -69,7 +68,7 @@ def test_help_documents_every_constructor_argument(capsys):
 
 
 def test_console_script_lists_subcommands():
-    out = subprocess.run([sys.executable, "-m", "lit_rl.cli", "--help"], capture_output=True, text=True, check=True)
+    out = subprocess.run([*CLI_COMMAND, "--help"], capture_output=True, text=True, check=True)
     for subcommand in ("fit", "validate", "test", "predict"):
         assert subcommand in out.stdout
 

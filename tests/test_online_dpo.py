@@ -3,6 +3,7 @@ import torch
 
 from lit_rl.algorithms import OnlineDPO
 from lit_rl.types import RolloutBatch
+from tests.conftest import build_tiny_reward_model
 
 
 def _batch(rewards):
@@ -42,16 +43,9 @@ def test_bad_settings_name_the_key(kwargs, message):
 
 
 def test_a_reward_model_given_by_path_ranks_the_pairs(tmp_path):
-    from transformers import Qwen2ForSequenceClassification
-
-    from lit_rl.models import build_char_tokenizer, tiny_qwen2_config
     from lit_rl.rewards.model import RewardModel
 
-    torch.manual_seed(0)
-    config = tiny_qwen2_config()
-    config.num_labels = 1
-    Qwen2ForSequenceClassification(config).save_pretrained(tmp_path / "rm")
-    build_char_tokenizer().save_pretrained(tmp_path / "rm")
+    build_tiny_reward_model(tmp_path / "rm")
     judge = RewardModel(str(tmp_path / "rm"))
     scores = judge(["1+2=", "1+2=", [{"role": "user", "content": "1+2="}]], ["3", "4", "3"])
     assert len(scores) == 3 and scores[0] != scores[1]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import torch
 
 from lit_rl.callbacks import NonFiniteError, NonFiniteGuard
 from lit_rl.checkpoint import AtomicCheckpointIO
-from tests.conftest import CONFIGS, FAST_GRPO, REPO, saved_steps, train_rows, write_overlay
+from tests.conftest import CLI_COMMAND, CONFIGS, FAST_GRPO, cli_env, saved_steps, train_rows, write_overlay
 
 
 class NaNAtStep(L.LightningModule):
@@ -93,7 +92,7 @@ io.save_checkpoint({"state_dict": {"w": torch.ones(3) * 2}, "blob": torch.zeros(
 def test_sigkill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     script = tmp_path / "slow_save.py"
     script.write_text(SLOW_SAVE.replace("torch.zeros(1 << 20)}", "torch.zeros(1 << 20), 'slow': Slow()}"))
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = cli_env()
     process = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env)
     assert process.stdout.readline().strip() == "saving"  # the second save is half-way through pickling
     process.send_signal(signal.SIGKILL)
@@ -110,9 +109,7 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path)
 def test_sigterm_writes_a_resumable_checkpoint_and_exits_non_zero(tmp_path):
     overlay = write_overlay(tmp_path / "o.yaml", every_n_train_steps=1000, save_dir=tmp_path / "runs")
     base = [
-        sys.executable,
-        "-m",
-        "lit_rl.cli",
+        *CLI_COMMAND,
         "fit",
         "--config",
         str(CONFIGS / "grpo.yaml"),
@@ -122,7 +119,7 @@ def test_sigterm_writes_a_resumable_checkpoint_and_exits_non_zero(tmp_path):
         "--trainer.limit_val_batches",
         "0",
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = cli_env()
     process = subprocess.Popen(
         [*base, "--trainer.max_steps", "100000"],
         cwd=tmp_path,

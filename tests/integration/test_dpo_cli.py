@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.conftest import CONFIGS, REPO, read_metrics, run_cli, train_rows, write_overlay
+from tests.conftest import (
+    CLI_COMMAND,
+    CONFIGS,
+    assert_rows_match,
+    cli_env,
+    read_metrics,
+    run_cli,
+    train_rows,
+    write_overlay,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -66,10 +73,9 @@ def test_precomputed_reference_trains_to_the_same_numbers(tmp_path, loss_type):
     again = _fit(
         tmp_path, *common, "--model.precompute_ref_logprobs", "true", "--model.ref_cache_dir", str(cache), name="again"
     )  # served from the cache
-    for a, b, c in zip(train_rows(live), train_rows(pre), train_rows(again)):
-        for key in a:
-            assert a[key] == pytest.approx(b[key], abs=1e-5), key
-            assert b[key] == c[key], key
+    assert [r["step"] for r in train_rows(pre)] == [r["step"] for r in train_rows(live)]
+    assert_rows_match(train_rows(pre), train_rows(live), abs=1e-5)
+    assert train_rows(again) == train_rows(pre)  # exactly: the same cached values
 
 
 def test_resume_mid_epoch_is_exact(tmp_path):
@@ -103,12 +109,9 @@ def test_resume_mid_epoch_is_exact(tmp_path):
         str(part / "checkpoints" / "step=3.ckpt"),
     )
     full, resumed = tmp_path / "full" / "run" / "version_0", tmp_path / "resumed" / "run" / "version_0"
-    expected = {r["step"]: r for r in train_rows(full)}
     rows = train_rows(resumed)
     assert [r["step"] for r in rows] == list(range(4, 11))  # crosses the epoch boundary at step 8
-    for row in rows:
-        for key, value in row.items():
-            assert value == pytest.approx(expected[row["step"]][key], abs=1e-6), (row["step"], key)
+    assert_rows_match(rows, train_rows(full), abs=1e-6)
     a = torch.load(full / "checkpoints" / "step=10.ckpt", weights_only=True)["state_dict"]
     b = torch.load(resumed / "checkpoints" / "step=10.ckpt", weights_only=True)["state_dict"]
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
@@ -193,9 +196,7 @@ def test_two_process_ddp_metrics_are_the_exact_global_values(tmp_path):
     ref_path = _perturbed_reference(tmp_path / "ref")
     overlay = write_overlay(tmp_path / "ddp.yaml", save_dir=tmp_path / "ddp")
     command = [
-        sys.executable,
-        "-m",
-        "lit_rl.cli",
+        *CLI_COMMAND,
         "fit",
         "--config",
         DPO_YAML,
@@ -224,7 +225,7 @@ def test_two_process_ddp_metrics_are_the_exact_global_values(tmp_path):
         "--model.learning_rate",
         "0.0",
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = cli_env()
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     expected = _expected_means(rows, ref_path)
@@ -277,6 +278,4 @@ def test_accumulation_gives_the_same_steps_as_one_big_batch(tmp_path):
     )
     a, b = train_rows(one), train_rows(four)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]  # step 4 sees step 3's update
-    for row_a, row_b in zip(a, b):
-        for key in row_a:
-            assert row_a[key] == pytest.approx(row_b[key], abs=1e-5), (row_a["step"], key)
+    assert_rows_match(a, b, abs=1e-5)

@@ -7,7 +7,16 @@ import itertools
 import pytest
 import torch
 
-from tests.conftest import CONFIGS, FAST_GRPO, read_metrics, run_cli, saved_steps, train_rows, write_overlay
+from tests.conftest import (
+    CONFIGS,
+    FAST_GRPO,
+    assert_rows_match,
+    read_metrics,
+    run_cli,
+    saved_steps,
+    train_rows,
+    write_overlay,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -88,10 +97,8 @@ def test_accumulation_equals_one_big_micro_batch(tmp_path, aggregation):
     )
     a, b = train_rows(one), train_rows(four)
     assert len(a) == len(b) == 3
-    for row_a, row_b in zip(a, b):
-        assert row_a.keys() == row_b.keys()
-        for key in row_a:
-            assert row_a[key] == pytest.approx(row_b[key], abs=1e-5, rel=1e-5), key
+    assert [r.keys() for r in a] == [r.keys() for r in b]
+    assert_rows_match(a, b, abs=1e-5, rel=1e-5)
 
 
 MATRIX = list(itertools.product([1, 2], [1, 2], [1, 2]))  # accumulate, num_iterations, steps_per_generation
@@ -145,12 +152,9 @@ def test_resume_mid_generation_keeps_cadence_and_metrics(tmp_path):
     assert saved_steps(resumed) == [4, 6, 8]
     checkpoint = torch.load(resumed / "checkpoints" / "step=8.ckpt", weights_only=True)
     assert checkpoint["global_step"] == 8
-    full_rows = {r["step"]: r for r in train_rows(full)}
     resumed_rows = train_rows(resumed)
     assert [r["step"] for r in resumed_rows] == [3, 4, 5, 6, 7, 8]
-    for row in resumed_rows:
-        for key, value in row.items():
-            assert value == pytest.approx(full_rows[row["step"]][key], abs=1e-6), (row["step"], key)
+    assert_rows_match(resumed_rows, train_rows(full), abs=1e-6)
     final_full = torch.load(full / "checkpoints" / "step=8.ckpt", weights_only=True)["state_dict"]
     for key, value in checkpoint["state_dict"].items():
         assert torch.allclose(value, final_full[key], atol=1e-6), key  # the same weights at step 8

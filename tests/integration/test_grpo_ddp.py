@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import CONFIGS, FAST_GRPO, REPO, read_metrics, saved_steps, train_rows, write_overlay
+from tests.conftest import (
+    CLI_COMMAND,
+    CONFIGS,
+    FAST_GRPO,
+    assert_rows_match,
+    cli_env,
+    read_metrics,
+    saved_steps,
+    train_rows,
+    write_overlay,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -16,9 +24,7 @@ pytestmark = pytest.mark.slow
 def _ddp_fit(tmp_path, name, *args):
     overlay = write_overlay(tmp_path / f"{name}.yaml", every_n_train_steps=2, save_dir=tmp_path / name)
     command = [
-        sys.executable,
-        "-m",
-        "lit_rl.cli",
+        *CLI_COMMAND,
         "fit",
         "--config",
         str(CONFIGS / "grpo.yaml"),
@@ -35,7 +41,7 @@ def _ddp_fit(tmp_path, name, *args):
         "2",
         *args,
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = cli_env()
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return tmp_path / name / "run" / "version_0"
@@ -61,9 +67,6 @@ def test_two_process_grpo_resumes_mid_generation_exactly(tmp_path):
         str(full / "checkpoints" / "step=2.ckpt"),
     )
     assert saved_steps(resumed) == [4, 6]
-    expected = {r["step"]: r for r in train_rows(full)}
     rows = train_rows(resumed)
     assert [r["step"] for r in rows] == [3, 4, 5, 6]
-    for row in rows:
-        for key, value in row.items():
-            assert value == pytest.approx(expected[row["step"]][key], abs=1e-6), (row["step"], key)
+    assert_rows_match(rows, train_rows(full), abs=1e-6)

@@ -5,7 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import CONFIGS, FAST_GRPO, read_metrics, run_cli, saved_steps, train_rows, write_overlay
+from tests.conftest import (
+    CONFIGS,
+    FAST_GRPO,
+    assert_rows_match,
+    build_tiny_reward_model,
+    read_metrics,
+    run_cli,
+    saved_steps,
+    train_rows,
+    write_overlay,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -129,24 +139,13 @@ def test_resume_mid_generation_keeps_cadence_and_global_step(tmp_path, algorithm
     )
     assert saved_steps(full) == [3, 6] and saved_steps(resumed) == [6]
     assert torch.load(resumed / "checkpoints" / "step=6.ckpt", weights_only=True)["global_step"] == 6
-    expected = {r["step"]: r for r in train_rows(full)}
     rows = train_rows(resumed)
     assert [r["step"] for r in rows] == [4, 5, 6]
-    for row in rows:
-        for key, value in row.items():
-            assert value == pytest.approx(expected[row["step"]][key], abs=1e-6, nan_ok=True), (row["step"], key)
+    assert_rows_match(rows, train_rows(full), abs=1e-6, nan_ok=True)
 
 
 def test_online_dpo_with_a_reward_model_judge(tmp_path):
-    from transformers import Qwen2ForSequenceClassification
-
-    from lit_rl.models import build_char_tokenizer, tiny_qwen2_config
-
-    torch.manual_seed(0)
-    config = tiny_qwen2_config()
-    config.num_labels = 1
-    Qwen2ForSequenceClassification(config).save_pretrained(tmp_path / "rm")
-    build_char_tokenizer().save_pretrained(tmp_path / "rm")
+    build_tiny_reward_model(tmp_path / "rm")
     log_dir = _fit(
         tmp_path,
         "online_dpo",
