@@ -21,8 +21,6 @@ log = logging.getLogger(__name__)
 ASSETS_DIR = Path(__file__).parent / "assets"
 BUILTIN_PREFIX = "lit-rl/"
 TINY_BASE = "tiny-qwen2-base"
-TINY_SFT = "tiny-qwen2-addition-sft"
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 
@@ -35,10 +33,6 @@ def resolve_model_path(name_or_path: str) -> str:
     if name_or_path.startswith("~"):
         return str(Path(name_or_path).expanduser())
     return name_or_path
-
-
-def has_weights(path: str) -> bool:
-    return Path(path).is_dir() and any((Path(path) / f).exists() for f in _WEIGHT_FILES)
 
 
 def _check_exists(name_or_path: str, resolved: str) -> None:
