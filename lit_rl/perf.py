@@ -5,7 +5,9 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Optional
+
+import torch
 
 
 class StepTimer:
@@ -40,7 +42,17 @@ class StepTimer:
         if self.phases.get("generation"):
             out["perf/generated_tokens_per_s"] = self.counters["generated_tokens"] / self.phases["generation"]
         out["perf/trained_tokens_per_s"] = self.counters["trained_tokens"] / step if step > 0 else 0.0
+        out["perf/peak_memory_mib"] = peak_memory_mib()
         self.phases.clear()
         self.counters.clear()
         self._step_start = now
         return out
+
+
+def peak_memory_mib(device: Optional[torch.device] = None) -> float:
+    """Peak memory of this process so far: CUDA max allocated on a GPU, else the peak resident set size (RSS)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux

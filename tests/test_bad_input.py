@@ -64,6 +64,17 @@ CASES = [
         "model.epsilon_high (0.2) must be >= model.epsilon_low (0.3)",
         1,
     ),
+    ("vllm-unknown-mode", GRPO, ["--model.vllm.mode", "remote"], "model.vllm.mode", 2),
+    (
+        "vllm-server-url-without-scheme",
+        GRPO,
+        ["--model.vllm.mode", "server", "--model.vllm.server_url", "localhost:8000"],
+        "model.vllm.server_url must start with http:// or https://",
+        1,
+    ),
+    ("vllm-negative-retries", GRPO, ["--model.vllm.max_retries", "-1"], "model.vllm.max_retries must be >= 0", 1),
+    ("is-correction-unknown", GRPO, ["--model.rollout_is_correction", "seq"], "model.rollout_is_correction", 1),
+    ("is-cap-below-one", GRPO, ["--model.rollout_is_cap", "0.5"], "model.rollout_is_cap must be >= 1", 1),
     ("unknown-aggregation", GRPO, ["--model.loss_aggregation", "mean"], "model.loss_aggregation must be one of", 1),
     ("unknown-scale-rewards", GRPO, ["--model.scale_rewards", "std"], "model.scale_rewards", 1),
     (

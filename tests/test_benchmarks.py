@@ -59,3 +59,29 @@ def test_plot_curves_writes_a_png(tmp_path):
         timeout=120,
     )
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_throughput_quick_compares_hf_and_colocated_vllm(tmp_path):
+    out = tmp_path / "throughput.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "throughput.py"), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    report = json.loads(out.read_text())
+    assert report["commit"] and report["versions"]["vllm"] and "--quick" in report["command"]
+    by_engine = {r["engine"]: r for r in report["results"]}
+    assert set(by_engine) == {"hf", "vllm_colocate"}
+    for r in by_engine.values():
+        assert r["steps_measured"] == 5 and r["step_s"] > 0 and r["samples_per_s"] > 0
+        assert r["peak_memory_mib_per_rank"] > 0
+        # The split accounts for the whole step: the parts add up to the step time.
+        assert sum(r["split_s"].values()) == pytest.approx(r["step_s"], rel=1e-3)
+    assert by_engine["hf"]["split_s"]["weight_push"] == 0.0  # generate runs on the policy: nothing to push
+    assert by_engine["vllm_colocate"]["split_s"]["weight_push"] > 0.0
+    assert by_engine["vllm_colocate"]["rollout_logprob_diff_max"] < 1e-4
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "s/step" in result.stdout

@@ -13,8 +13,9 @@ import torch
 
 from lit_rl.algorithms.on_policy import ZERO_STD, OnPolicyModule, check_rollout_args
 from lit_rl.errors import ConfigError
-from lit_rl.losses import AGGREGATIONS, LossNormalizer, group_advantages, grpo_loss
+from lit_rl.losses import AGGREGATIONS, LossNormalizer, group_advantages, grpo_loss, truncated_is_weights
 from lit_rl.metrics import grpo_metrics
+from lit_rl.rollout import VLLMConfig
 from lit_rl.types import RolloutBatch
 
 
@@ -49,6 +50,12 @@ class GRPO(OnPolicyModule):
         val_num_generations: completions per validation prompt.
         invalid_reward: what a NaN/None/inf reward value does: `zero` counts it as 0 (and in the metric
             `frac_invalid_reward`), `error` stops the run naming the reward function.
+        vllm: generate rollouts with vLLM (`configs/rollout/vllm_colocate.yaml`, `vllm_server.yaml`); None: HF
+            `generate` on the policy. See `lit_rl.rollout.VLLMConfig` for the keys (`--model.vllm.mode ...`).
+        rollout_is_correction: `token_truncate` weighs each token's policy term by the truncated importance
+            ratio `min(exp(old_logprobs - rollout_logprobs), rollout_is_cap)` of the trainer's probability over
+            the rollout engine's (for engines whose numerics differ, e.g. bf16 vLLM); `none` (default) does not.
+        rollout_is_cap: the truncation cap of `token_truncate`.
     """
 
     def __init__(
@@ -79,12 +86,21 @@ class GRPO(OnPolicyModule):
         val_temperature: float = 0.0,
         val_num_generations: int = 1,
         invalid_reward: str = "zero",
+        vllm: Optional[VLLMConfig] = None,
+        rollout_is_correction: str = "none",
+        rollout_is_cap: float = 2.0,
     ) -> None:
         check_rollout_args(locals())
         if loss_aggregation not in AGGREGATIONS:
             raise ConfigError(f"model.loss_aggregation must be one of {sorted(AGGREGATIONS)}, got {loss_aggregation!r}")
         if scale_rewards not in ("group", "batch", "none"):
             raise ConfigError(f"model.scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}")
+        if rollout_is_correction not in ("none", "token_truncate"):
+            raise ConfigError(
+                f"model.rollout_is_correction must be 'none' or 'token_truncate', got {rollout_is_correction!r}"
+            )
+        if not rollout_is_cap >= 1.0:
+            raise ConfigError(f"model.rollout_is_cap must be >= 1, got {rollout_is_cap}")
         if epsilon_low < 0 or epsilon_high < 0:
             raise ConfigError("model.epsilon_low and model.epsilon_high must be >= 0")
         if epsilon_high < epsilon_low:
@@ -103,6 +119,7 @@ class GRPO(OnPolicyModule):
             weight_decay=weight_decay,
             warmup_steps=warmup_steps,
             max_prompt_length=max_prompt_length,
+            vllm=vllm,
         )
         self.save_hyperparameters()
         self.train_metrics = grpo_metrics(self.reward_fns, with_kl=beta != 0.0).clone(prefix="train/")
@@ -121,6 +138,11 @@ class GRPO(OnPolicyModule):
         hp = self.hparams
         # One on-policy pass: the old log-probs are these very log-probs (ratio 1, gradient intact).
         old_logprobs = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
+        importance_weights = None
+        if hp.rollout_is_correction == "token_truncate":
+            importance_weights = truncated_is_weights(
+                old_logprobs, mb.rollout_logprobs, mb.completion_mask, hp.rollout_is_cap
+            )
         return grpo_loss(
             logprobs,
             old_logprobs,
@@ -132,6 +154,7 @@ class GRPO(OnPolicyModule):
             beta=hp.beta,
             epsilon_low=hp.epsilon_low,
             epsilon_high=hp.epsilon_high,
+            importance_weights=importance_weights,
         )
 
     def update_algorithm_metrics(self, mb: RolloutBatch, loss: torch.Tensor, stats: dict[str, torch.Tensor]) -> None:

@@ -21,10 +21,13 @@ from lit_rl.data.schedule import RolloutSchedule
 from lit_rl.errors import ConfigError, DataError, RewardFunctionError
 from lit_rl.losses import LossNormalizer
 from lit_rl.metrics import rollout_eval_metrics
+from lit_rl.models import resolve_model_path
 from lit_rl.ops import entropy_from_logits, token_logprobs
 from lit_rl.perf import StepTimer
 from lit_rl.rewards import call_reward_function, import_reward_function, reward_name
-from lit_rl.rollout import HFGenerateEngine, RolloutEngine, SamplingParams
+from lit_rl.rollout import HFGenerateEngine, RolloutEngine, SamplingParams, VLLMConfig
+from lit_rl.rollout.base import policy_weights
+from lit_rl.rollout.config import check_vllm_config
 from lit_rl.rollout.hf import model_eos_token_ids
 from lit_rl.types import RolloutBatch
 
@@ -47,7 +50,9 @@ class OnPolicyModule(PolicyModule):
         weight_decay: float,
         warmup_steps: int,
         max_prompt_length: Optional[int],
+        vllm: Optional[VLLMConfig] = None,
     ) -> None:
+        check_vllm_config(vllm)
         super().__init__(
             model_name_or_path,
             dtype=dtype,
@@ -70,7 +75,9 @@ class OnPolicyModule(PolicyModule):
             raise ConfigError(
                 f"model.reward_weights has {len(self.reward_weights)} values for {len(reward_funcs)} reward_funcs"
             )
+        self.vllm_config = vllm
         self.rollout_engine: Optional[RolloutEngine] = None  # a plain object, never an nn.Module attribute
+        self._engine_weights_step: Optional[int] = None  # the global_step whose weights the engine holds
         self._micro_steps_done = 0
         self.timer = StepTimer()  # perf/ metrics: where each step's time goes
         self._buffer: Optional[RolloutBatch] = None
@@ -117,11 +124,46 @@ class OnPolicyModule(PolicyModule):
             self.ref_model = self.load_reference()
 
     def engine(self) -> RolloutEngine:
-        """The rollout engine (HF `generate` on the policy unless one was injected), created on first use."""
+        """The rollout engine, created on first use: HF `generate` on the policy, or vLLM with `model.vllm`
+        (unless one was injected), holding the policy's current weights."""
         if self.rollout_engine is None:
-            eos_ids = model_eos_token_ids(self.policy, self.tokenizer.eos_token_id)
-            self.rollout_engine = HFGenerateEngine(self.policy, eos_ids, self.tokenizer.pad_token_id)
+            with self.timer.phase("engine_start"):
+                self.rollout_engine = self._build_engine()
+            self._engine_weights_step = None
+        if self.rollout_engine.needs_weights and self._engine_weights_step != self.trainer.global_step:
+            # Only optimizer steps advance global_step: several generations between two steps push once.
+            with self.timer.phase("weight_push"):
+                self.rollout_engine.update_weights(policy_weights(self.policy))
+            self._engine_weights_step = self.trainer.global_step
         return self.rollout_engine
+
+    def _build_engine(self) -> RolloutEngine:
+        eos_ids = model_eos_token_ids(self.policy, self.tokenizer.eos_token_id)
+        pad_id = self.tokenizer.pad_token_id
+        config = self.vllm_config
+        if config is None:
+            return HFGenerateEngine(self.policy, eos_ids, pad_id)
+        if config.mode == "server":
+            from lit_rl.rollout.server import VLLMServerEngine
+
+            return VLLMServerEngine(config, eos_ids, pad_id)
+        from lit_rl.rollout.vllm import VLLMColocateEngine
+
+        return VLLMColocateEngine(
+            config,
+            resolve_model_path(self.hparams.model_name_or_path),
+            policy_dtype=next(self.policy.parameters()).dtype,
+            device=self.device,
+            eos_token_ids=eos_ids,
+            pad_token_id=pad_id,
+            seed=self.global_rank,
+            trust_remote_code=self.hparams.trust_remote_code,
+        )
+
+    def teardown(self, stage: str) -> None:
+        if self.rollout_engine is not None:
+            self.rollout_engine.close()
+            self.rollout_engine = None
 
     def setup(self, stage: str) -> None:
         if stage != "fit":
@@ -235,8 +277,9 @@ class OnPolicyModule(PolicyModule):
         prompt_ids, prompt_mask = self.encode_prompts([row["prompt"] for row in rows])
         prompt_ids = prompt_ids.repeat_interleave(repeat, dim=0)  # [B*G, P]
         prompt_mask = prompt_mask.repeat_interleave(repeat, dim=0)
+        engine = self.engine()  # pushes the policy's weights first when the engine needs them (its own phase)
         with self.timer.phase("generation"):
-            out = self.engine().generate(prompt_ids, prompt_mask, params)
+            out = engine.generate(prompt_ids, prompt_mask, params)
         self.timer.count("generated_tokens", float(out.completion_mask.sum()))
         completions = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
         with self.timer.phase("reward"):

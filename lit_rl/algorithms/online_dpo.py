@@ -18,6 +18,7 @@ from lit_rl.losses import LossNormalizer
 from lit_rl.losses.dpo import DPO_LOSSES, REFERENCE_FREE, dpo_loss
 from lit_rl.metrics import online_dpo_metrics
 from lit_rl.rewards.model import RewardModel
+from lit_rl.rollout import VLLMConfig
 from lit_rl.types import RolloutBatch
 
 
@@ -54,6 +55,8 @@ class OnlineDPO(OnPolicyModule):
         val_num_generations: completions per validation prompt.
         invalid_reward: what a NaN/None/inf reward value does: `zero` counts it as 0 (and in the metric
             `frac_invalid_reward`), `error` stops the run naming the reward function.
+        vllm: generate rollouts with vLLM (`configs/rollout/vllm_colocate.yaml`, `vllm_server.yaml`); None: HF
+            `generate` on the policy. See `lit_rl.rollout.VLLMConfig` for the keys (`--model.vllm.mode ...`).
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class OnlineDPO(OnPolicyModule):
         val_temperature: float = 0.0,
         val_num_generations: int = 1,
         invalid_reward: str = "zero",
+        vllm: Optional[VLLMConfig] = None,
     ) -> None:
         check_rollout_args(locals())
         if num_generations != 2:
@@ -115,6 +119,7 @@ class OnlineDPO(OnPolicyModule):
             weight_decay=weight_decay,
             warmup_steps=warmup_steps,
             max_prompt_length=max_prompt_length,
+            vllm=vllm,
         )
         self.save_hyperparameters()
         if reward_model_name_or_path is not None:

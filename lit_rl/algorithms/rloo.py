@@ -16,6 +16,7 @@ from lit_rl.errors import ConfigError
 from lit_rl.losses import LossNormalizer
 from lit_rl.losses.rloo import kl_penalized_rewards, rloo_advantages, rloo_loss
 from lit_rl.metrics import rloo_metrics
+from lit_rl.rollout import VLLMConfig
 from lit_rl.types import RolloutBatch
 
 
@@ -48,6 +49,8 @@ class RLOO(OnPolicyModule):
         val_num_generations: completions per validation prompt.
         invalid_reward: what a NaN/None/inf reward value does: `zero` counts it as 0 (and in the metric
             `frac_invalid_reward`), `error` stops the run naming the reward function.
+        vllm: generate rollouts with vLLM (`configs/rollout/vllm_colocate.yaml`, `vllm_server.yaml`); None: HF
+            `generate` on the policy. See `lit_rl.rollout.VLLMConfig` for the keys (`--model.vllm.mode ...`).
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class RLOO(OnPolicyModule):
         val_temperature: float = 0.0,
         val_num_generations: int = 1,
         invalid_reward: str = "zero",
+        vllm: Optional[VLLMConfig] = None,
     ) -> None:
         check_rollout_args(locals())
         if epsilon < 0:
@@ -91,6 +95,7 @@ class RLOO(OnPolicyModule):
             weight_decay=weight_decay,
             warmup_steps=warmup_steps,
             max_prompt_length=max_prompt_length,
+            vllm=vllm,
         )
         self.save_hyperparameters()
         self.train_metrics = rloo_metrics(self.reward_fns).clone(prefix="train/")

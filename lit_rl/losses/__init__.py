@@ -1,6 +1,21 @@
 """Loss and advantage math as pure functions: tensors in, `(loss, stats)` out. No lightning imports here."""
 
 from lit_rl.losses.advantages import group_advantages
-from lit_rl.losses.grpo import AGGREGATIONS, LossNormalizer, aggregate, grpo_loss, grpo_per_token_loss
+from lit_rl.losses.grpo import (
+    AGGREGATIONS,
+    LossNormalizer,
+    aggregate,
+    grpo_loss,
+    grpo_per_token_loss,
+    truncated_is_weights,
+)
 
-__all__ = ["AGGREGATIONS", "LossNormalizer", "aggregate", "group_advantages", "grpo_loss", "grpo_per_token_loss"]
+__all__ = [
+    "AGGREGATIONS",
+    "LossNormalizer",
+    "aggregate",
+    "group_advantages",
+    "grpo_loss",
+    "grpo_per_token_loss",
+    "truncated_is_weights",
+]

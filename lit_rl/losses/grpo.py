@@ -3,8 +3,12 @@
 Shapes: N sequences in the micro-batch, T completion tokens. The per-token loss is
 
     r_t      = exp(logprobs_t - old_logprobs_t)
-    l_t      = -min(r_t * A, clip(r_t, 1 - epsilon_low, 1 + epsilon_high) * A) + beta * k3_t
+    l_t      = -w_t * min(r_t * A, clip(r_t, 1 - epsilon_low, 1 + epsilon_high) * A) + beta * k3_t
     k3_t     = exp(ref_t - logprobs_t) - (ref_t - logprobs_t) - 1
+
+w_t is 1 unless a rollout-engine correction is asked for: truncated importance sampling (Yao et al. 2025) weighs
+the policy term by w_t = min(exp(old_logprobs_t - rollout_logprobs_t), cap), the trainer's probability of the
+sampled token over the engine's (a constant: no gradient flows through it; see `truncated_is_weights`).
 
 The KL term is added per token *before* aggregation, so it is normalised exactly like the policy term.
 Aggregation turns l [N, T] and the completion mask m [N, T] into a scalar; the denominators describe the whole
@@ -20,6 +24,7 @@ With a single micro-batch the defaults (`num_sequences = N`, `num_tokens = sum(m
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional
 
@@ -104,10 +109,12 @@ def grpo_per_token_loss(
     beta: float = 0.0,
     epsilon_low: float = 0.2,
     epsilon_high: float = 0.2,
+    importance_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token clipped surrogate plus `beta * k3` (see module docstring).
 
-    logprobs, old_logprobs, ref_logprobs: [N, T]; advantages: [N]. Returns the per-token loss [N, T] and
+    logprobs, old_logprobs, ref_logprobs, importance_weights (w, default 1): [N, T]; advantages: [N].
+    Returns the per-token loss [N, T] and
     per-token stats [N, T]: `kl` (when beta > 0), `clipped_low` (r < 1 - eps_low with A < 0: the gradient is cut),
     `clipped_high` (r > 1 + eps_high with A > 0), `ratio`.
     """
@@ -116,6 +123,8 @@ def grpo_per_token_loss(
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high) * adv
     per_token = -torch.min(unclipped, clipped)
+    if importance_weights is not None:
+        per_token = per_token * importance_weights.detach()
     stats = {
         "ratio": ratio.detach(),
         "clipped_low": ((ratio < 1.0 - epsilon_low) & (adv < 0)).float(),
@@ -141,13 +150,28 @@ def grpo_loss(
     beta: float = 0.0,
     epsilon_low: float = 0.2,
     epsilon_high: float = 0.2,
+    importance_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss of one micro-batch: `aggregate(grpo_per_token_loss(...))`; stats as in `grpo_per_token_loss`.
 
     `normalizer` defaults to this micro-batch's own counts (`LossNormalizer.local`).
     """
     per_token, stats = grpo_per_token_loss(
-        logprobs, old_logprobs, advantages, ref_logprobs, beta, epsilon_low, epsilon_high
+        logprobs, old_logprobs, advantages, ref_logprobs, beta, epsilon_low, epsilon_high, importance_weights
     )
     normalizer = normalizer or LossNormalizer.local(completion_mask)
     return aggregate(per_token, completion_mask, aggregation, normalizer), stats
+
+
+def truncated_is_weights(
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, completion_mask: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """Truncated importance weights [N, T] for a rollout engine whose numerics differ from the trainer's:
+
+        w_t = min(exp(old_logprobs_t - rollout_logprobs_t), cap)     (0 on padding)
+
+    old_logprobs: the trainer's log-probs of the sampled tokens at the weights that generated them;
+    rollout_logprobs: the engine's log-probs of the same tokens. Returned detached.
+    """
+    log_ratio = (old_logprobs - rollout_logprobs).detach().clamp(max=math.log(cap))
+    return torch.exp(log_ratio) * completion_mask

@@ -40,13 +40,22 @@ class RolloutOutput:
 
 
 class RolloutEngine(Protocol):
-    """Generates completions for token-id prompts and receives the policy's weights after each update."""
+    """Generates completions for token-id prompts and receives the policy's weights after each update.
+
+    `needs_weights` is False for engines that sample from the policy module itself (HF `generate`); the trainer
+    then never materialises the weights for them.
+    """
+
+    needs_weights: bool
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> RolloutOutput:
         """Sample one completion per row of the left-padded `prompt_ids` [N, P] (repeat rows for groups)."""
 
     def update_weights(self, named_tensors: Optional[Iterable[tuple[str, torch.Tensor]]] = None) -> None:
         """Make the engine sample from the current policy (a no-op for engines that share the model)."""
+
+    def close(self) -> None:
+        """Release what the engine holds (processes, memory, files)."""
 
 
 def completion_mask_from_ids(completion_ids: torch.Tensor, eos_token_ids: int | Sequence[int]) -> torch.Tensor:
@@ -56,3 +65,52 @@ def completion_mask_from_ids(completion_ids: torch.Tensor, eos_token_ids: int | 
     # Number of EOS strictly before each position; a token counts while none came before it.
     eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
     return (eos_before == 0).float()
+
+
+def unpadded_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
+    """Left-padded prompts [N, P] and their mask -> N lists of the real token ids."""
+    return [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+
+
+def draw_seeds(n: int) -> list[int]:
+    """One sampling seed per completion, drawn from the global torch RNG (which `seed_everything` seeds and
+    checkpoints restore), so an engine with its own sampler samples reproducibly and resumes exactly."""
+    return torch.randint(0, 2**31 - 1, (n,)).tolist()
+
+
+def padded_output(
+    token_ids: Sequence[Sequence[int]],
+    logprobs: Sequence[Sequence[float]],
+    eos_token_ids: Sequence[int],
+    pad_token_id: int,
+    device: torch.device,
+) -> RolloutOutput:
+    """Ragged completions (token ids and the engine's log-probs of them) -> a right-padded `RolloutOutput`.
+
+    The mask covers each completion's own tokens up to and including its first EOS: an engine that stopped for
+    another reason (the context filled up) leaves no padding marked as completion.
+    """
+    width = max(1, max((len(ids) for ids in token_ids), default=0))
+    ids = torch.full((len(token_ids), width), pad_token_id, dtype=torch.long)
+    lps = torch.zeros((len(token_ids), width), dtype=torch.float32)
+    lengths = torch.zeros((len(token_ids), 1), dtype=torch.long)
+    for row, (row_ids, row_lps) in enumerate(zip(token_ids, logprobs)):
+        if len(row_ids) != len(row_lps):
+            raise RuntimeError(f"rollout engine returned {len(row_ids)} tokens but {len(row_lps)} log-probs")
+        ids[row, : len(row_ids)] = torch.tensor(row_ids, dtype=torch.long)
+        lps[row, : len(row_lps)] = torch.tensor(row_lps, dtype=torch.float32)
+        lengths[row] = len(row_ids)
+    within = (torch.arange(width).unsqueeze(0) < lengths).float()  # [N, T]
+    mask = completion_mask_from_ids(ids, eos_token_ids) * within
+    ids = ids.masked_fill(mask == 0, pad_token_id)
+    return RolloutOutput(
+        completion_ids=ids.to(device), completion_mask=mask.to(device), logprobs=(lps * mask).to(device)
+    )
+
+
+def policy_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The policy's weights by their Hugging Face names (what vLLM's `load_weights` expects), detached.
+
+    Tied weights appear once per name (vLLM skips `lm_head.weight` itself when embeddings are tied).
+    """
+    return [(name, tensor.detach()) for name, tensor in model.state_dict().items()]

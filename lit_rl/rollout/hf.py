@@ -42,6 +42,8 @@ class HFGenerateEngine:
     saved). Sampling uses the global torch RNG, which `seed_everything` seeds and checkpoints restore.
     """
 
+    needs_weights = False
+
     def __init__(self, model: torch.nn.Module, eos_token_ids: int | Sequence[int], pad_token_id: int) -> None:
         self.model = model
         self.eos_token_ids = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids)
@@ -78,3 +80,6 @@ class HFGenerateEngine:
 
     def update_weights(self, named_tensors: Optional[Iterable[tuple[str, torch.Tensor]]] = None) -> None:
         """Nothing to do: `generate` runs on the policy module itself."""
+
+    def close(self) -> None:
+        """Nothing to release: the model belongs to the trainer."""

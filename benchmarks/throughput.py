@@ -1,0 +1,255 @@
+"""Throughput of an algorithm config across rollout engines, strategies and device counts, from real runs.
+
+    python benchmarks/throughput.py --config configs/grpo.yaml --engines hf vllm_colocate vllm_server \\
+        --strategies single ddp --devices 1 2 --steps 30 --warmup 5 --out benchmarks/results/throughput_cpu.json
+    python benchmarks/throughput.py --quick          # the tiny model, hf + colocated vLLM, a few steps
+
+Each configuration is one `lit-rl fit` process (the `vllm_server` engine also starts the documented vLLM server
+and stops it afterwards). Its `perf/` metrics, logged every optimizer step by the trainer itself, are averaged
+over the steps after `--warmup`: seconds per step and its split into generation, reward, reference and old
+log-probs, weight push and policy update; generated and trained tokens/s; peak memory per rank (RSS on CPU, CUDA
+max allocated on GPU). Samples/s = completions per optimizer step (micro_batch_size x accumulation x ranks) /
+seconds per step. Output: a rich table, a JSON file (machine, versions, commit, the exact command) and a PNG of
+the time split. The same script runs unchanged on a GPU machine (`--accelerator gpu`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from lit_rl.models import resolve_model_path
+from lit_rl.rollout.server import LocalVLLMServer
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+PARTS = ["generation", "reward", "ref_logprobs", "old_logprobs", "weight_push", "policy_update"]
+STRATEGIES = {
+    "single": None,
+    "ddp": CONFIGS / "strategy" / "ddp.yaml",
+    "fsdp": CONFIGS / "strategy" / "fsdp.yaml",
+    "deepspeed_zero2": CONFIGS / "strategy" / "deepspeed_zero2.yaml",
+    "deepspeed_zero3": CONFIGS / "strategy" / "deepspeed_zero3.yaml",
+}
+ENGINES = {
+    "hf": None,
+    "vllm_colocate": CONFIGS / "rollout" / "vllm_colocate.yaml",
+    "vllm_server": CONFIGS / "rollout" / "vllm_server.yaml",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def policy_of(config_path: Path, overrides: list[str]) -> str:
+    model = yaml.safe_load(config_path.read_text())["model"]["init_args"].get("model_name_or_path")
+    for flag, value in zip(overrides, overrides[1:]):
+        if flag == "--model.model_name_or_path":
+            model = value
+    return model
+
+
+def run_one(args, engine: str, strategy: str, devices: int, workdir: Path) -> dict:
+    name = f"{engine}-{strategy}-{devices}"
+    command = [
+        sys.executable,
+        "-m",
+        "lit_rl.cli",
+        "fit",
+        "--config",
+        str(args.config),
+        *(["--config", str(STRATEGIES[strategy])] if STRATEGIES[strategy] else []),
+        *(["--config", str(ENGINES[engine])] if ENGINES[engine] else []),
+        "--trainer.accelerator",
+        args.accelerator,
+        "--trainer.devices",
+        str(devices),
+        "--trainer.max_steps",
+        str(args.steps),
+        "--trainer.val_check_interval",
+        "1000000",
+        "--trainer.num_sanity_val_steps",
+        "0",
+        "--trainer.enable_checkpointing",
+        "false",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.callbacks",
+        "null",
+        "--trainer.logger.init_args.save_dir",
+        str(workdir),
+        "--trainer.logger.init_args.name",
+        name,
+        *args.overrides,
+    ]
+    server: Optional[LocalVLLMServer] = None
+    if engine == "vllm_server":
+        model = resolve_model_path(policy_of(args.config, args.overrides))
+        log = str(workdir / f"{name}-server.log")
+        server = LocalVLLMServer(model, free_port(), log, cpu=args.accelerator == "cpu")
+        command += ["--model.vllm.server_url", server.url]
+    started = time.monotonic()
+    try:
+        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    finally:
+        if server is not None:
+            server.stop()
+    wall = time.monotonic() - started
+    if result.returncode != 0:
+        return {"engine": engine, "strategy": strategy, "devices": devices, "error": result.stderr.strip()[-600:]}
+    log_dir = max((workdir / name).glob("version_*"))
+    return summarise(log_dir, args.warmup) | {
+        "engine": engine,
+        "strategy": strategy,
+        "devices": devices,
+        "wall_s": wall,
+    }
+
+
+def summarise(log_dir: Path, warmup: int) -> dict:
+    with open(log_dir / "metrics.csv") as handle:
+        rows = [{k: float(v) for k, v in row.items() if v not in ("", None)} for row in csv.DictReader(handle)]
+    steps = [r for r in rows if "perf/step_s" in r and r["step"] > warmup]
+    if not steps:
+        raise RuntimeError(f"{log_dir}: no step after the {warmup} warm-up steps; raise --steps")
+    config = yaml.safe_load((log_dir / "config.yaml").read_text())
+    trainer, model = config["trainer"], config["model"]["init_args"]
+    devices = trainer["devices"] if isinstance(trainer["devices"], int) else 1
+    samples_per_step = model["micro_batch_size"] * (trainer.get("accumulate_grad_batches") or 1) * devices
+
+    def mean(key: str) -> float:
+        return statistics.fmean(r.get(key, 0.0) for r in steps)
+
+    step_s = mean("perf/step_s")
+    return {
+        "steps_measured": len(steps),
+        "step_s": step_s,
+        "samples_per_s": samples_per_step / step_s,
+        "generated_tokens_per_s": mean("perf/generated_tokens_per_s"),
+        "trained_tokens_per_s": mean("perf/trained_tokens_per_s"),
+        "peak_memory_mib_per_rank": max(r.get("perf/peak_memory_mib", 0.0) for r in steps),
+        "split_s": {part: mean(f"perf/{part}_s") for part in PARTS},
+        "rollout_logprob_diff_max": max(r.get("train/rollout_logprob_diff/max", 0.0) for r in steps),
+    }
+
+
+def environment() -> dict:
+    import torch
+
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for package in ("lightning", "transformers", "vllm", "deepspeed"):
+        try:
+            versions[package] = __import__(package).__version__
+        except ImportError:
+            versions[package] = None
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {
+        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(), "gpu": gpu},
+        "versions": versions,
+        "commit": commit,
+    }
+
+
+def print_table(results: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="seconds per optimizer step and where they go (means after warm-up)")
+    for column in ["engine", "strategy", "dev", "s/step", "samples/s", "gen tok/s", *PARTS, "peak MiB/rank"]:
+        table.add_column(column, justify="left" if column in ("engine", "strategy") else "right")
+    for r in results:
+        if "error" in r:
+            table.add_row(r["engine"], r["strategy"], str(r["devices"]), "error: " + r["error"][-60:])
+            continue
+        table.add_row(
+            r["engine"],
+            r["strategy"],
+            str(r["devices"]),
+            f"{r['step_s']:.3f}",
+            f"{r['samples_per_s']:.0f}",
+            f"{r['generated_tokens_per_s']:.0f}",
+            *[f"{r['split_s'][part]:.3f}" for part in PARTS],
+            f"{r['peak_memory_mib_per_rank']:.0f}",
+        )
+    Console(width=200).print(table)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if "error" not in r]
+    labels = [f"{r['engine']}\n{r['strategy']} x{r['devices']}" for r in ok]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(ok)), 4))
+    bottom = [0.0] * len(ok)
+    for part in PARTS:
+        values = [r["split_s"][part] for r in ok]
+        ax.bar(labels, values, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_ylabel("seconds per optimizer step")
+    ax.set_title("Where a step's time goes")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=CONFIGS / "grpo.yaml")
+    parser.add_argument("--engines", nargs="+", choices=list(ENGINES), default=["hf"])
+    parser.add_argument("--strategies", nargs="+", choices=list(STRATEGIES), default=["single"])
+    parser.add_argument("--devices", nargs="+", type=int, default=[1])
+    parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the means (engine start-up)")
+    parser.add_argument("--quick", action="store_true", help="tiny model, hf + colocated vLLM, 8 steps")
+    parser.add_argument("--out", type=Path, default=None, help="JSON results (the PNG goes beside it)")
+    parser.add_argument("overrides", nargs="*", help="extra `lit-rl fit` flags, after `--`")
+    args = parser.parse_args()
+    if args.quick:
+        args.engines = [e for e in args.engines if e != "hf"] or ["vllm_colocate"]
+        args.engines = ["hf", *args.engines]
+        args.steps, args.warmup = 8, 3
+        args.overrides = ["--model.num_generations", "8", "--model.micro_batch_size", "32", *args.overrides]
+    invalid = [(s, d) for s in args.strategies for d in args.devices if s == "single" and d != 1]
+    if invalid:
+        parser.error("strategy 'single' runs on 1 device; use ddp/fsdp/deepspeed_* for more")
+    results = []
+    with tempfile.TemporaryDirectory(prefix="lit-rl-throughput-") as tmp:
+        for strategy in args.strategies:
+            for devices in args.devices:
+                for engine in args.engines:
+                    print(f"running {engine} / {strategy} / {devices} device(s) ...", flush=True)
+                    results.append(run_one(args, engine, strategy, devices, Path(tmp)))
+    print_table(results)
+    if args.out:
+        report = environment() | {"command": shlex.join([sys.argv[0], *sys.argv[1:]]), "results": results}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        plot(results, args.out.with_suffix(".png"))
+    if any("error" in r for r in results):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

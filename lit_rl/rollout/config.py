@@ -1,0 +1,82 @@
+"""`model.vllm`: which vLLM rollout engine to use and how to run it. Plain data: importing it imports no vLLM."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from lit_rl.errors import ConfigError
+
+
+@dataclass
+class VLLMConfig:
+    """Rollouts with vLLM instead of HF `generate`: `--config configs/rollout/vllm_{colocate,server}.yaml`.
+
+    Args:
+        mode: `colocate`: an in-process `vllm.LLM` on each trainer rank's device. `server`: a separately started
+            vLLM OpenAI-compatible server (see the README for the command); rank 0 talks to it.
+        gpu_memory_utilization: (colocate, GPU) share of the GPU vLLM may take for weights and KV cache.
+        tensor_parallel_size: (colocate) GPUs one engine spans.
+        max_model_len: (colocate) context vLLM reserves KV cache for; None: the model's context.
+        dtype: (colocate) vLLM's dtype; `auto` follows the policy's dtype.
+        enable_prefix_caching: (colocate) reuse the KV cache of shared prompt prefixes (the G completions of a
+            prompt share it). The cache is reset after every weight push.
+        enable_sleep_mode: (colocate, GPU) release vLLM's GPU memory between generations (weights offloaded,
+            KV cache dropped) so the policy's update has it.
+        enforce_eager: (colocate) no CUDA graphs / compilation; None: True on CPU (compiling costs more than it
+            saves there), False on GPU.
+        cpu_kvcache_space_gib: (colocate, CPU) KV cache size in GiB (`VLLM_CPU_KVCACHE_SPACE`).
+        server_url: (server) base URL of the server. Bind it to 127.0.0.1 unless it must be reached from elsewhere.
+        request_timeout_s: (server) seconds one HTTP request may take before it counts as failed.
+        max_retries: (server) attempts after the first for a request that failed to connect, timed out, or got a
+            5xx answer; waits 1, 2, 4, ... seconds in between. Then the run stops with an error naming the URL.
+        wait_for_server_s: (server) how long the first request waits for a server that is still starting.
+        weight_sync_dir: (server) directory, shared with the server, where rank 0 writes the policy's weights
+            before asking the server to reload them; None: a fresh directory under /dev/shm (or the temp dir).
+    """
+
+    mode: Literal["colocate", "server"] = "colocate"
+    gpu_memory_utilization: float = 0.3
+    tensor_parallel_size: int = 1
+    max_model_len: Optional[int] = None
+    dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    enable_sleep_mode: bool = False
+    enforce_eager: Optional[bool] = None
+    cpu_kvcache_space_gib: int = 1
+    server_url: str = "http://127.0.0.1:8000"
+    request_timeout_s: float = 300.0
+    max_retries: int = 3
+    wait_for_server_s: float = 60.0
+    weight_sync_dir: Optional[str] = None
+
+
+def check_vllm_config(config: Optional[VLLMConfig]) -> None:
+    """Reject impossible settings at construction, naming the offending `model.vllm.<key>`."""
+    if config is None:
+        return
+    if config.mode not in ("colocate", "server"):
+        raise ConfigError(f"model.vllm.mode must be 'colocate' or 'server', got {config.mode!r}")
+    if not 0 < config.gpu_memory_utilization <= 1:
+        raise ConfigError(f"model.vllm.gpu_memory_utilization must be in (0, 1], got {config.gpu_memory_utilization}")
+    if config.tensor_parallel_size < 1:
+        raise ConfigError(f"model.vllm.tensor_parallel_size must be >= 1, got {config.tensor_parallel_size}")
+    if config.max_model_len is not None and config.max_model_len < 1:
+        raise ConfigError(f"model.vllm.max_model_len must be >= 1, got {config.max_model_len}")
+    if config.cpu_kvcache_space_gib < 1:
+        raise ConfigError(
+            f"model.vllm.cpu_kvcache_space_gib must be >= 1 (whole GiB), got {config.cpu_kvcache_space_gib}"
+        )
+    if not config.server_url.startswith(("http://", "https://")):
+        raise ConfigError(f"model.vllm.server_url must start with http:// or https://, got {config.server_url!r}")
+    if not (0 < config.request_timeout_s < math.inf):
+        raise ConfigError(
+            f"model.vllm.request_timeout_s must be a finite number of seconds > 0, got {config.request_timeout_s}"
+        )
+    if not (0 <= config.wait_for_server_s < math.inf):
+        raise ConfigError(
+            f"model.vllm.wait_for_server_s must be a finite number of seconds >= 0, got {config.wait_for_server_s}"
+        )
+    if config.max_retries < 0:
+        raise ConfigError(f"model.vllm.max_retries must be >= 0, got {config.max_retries}")

@@ -1,0 +1,345 @@
+"""Rollouts from a separately started vLLM server, over HTTP. Imports no vLLM: the trainer needs none installed.
+
+Start the server (same machine or one that shares `weight_sync_dir`), bound to 127.0.0.1 unless it must be
+reached from elsewhere:
+
+    VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model <policy> --served-model-name policy \
+        --host 127.0.0.1 --port 8000 --logprobs-mode processed_logprobs --generation-config vllm
+
+`VLLM_SERVER_DEV_MODE=1` enables vLLM's RL endpoints (`/pause`, `/resume`, `/collective_rpc`, ...).
+
+Only rank 0 talks to the server: every rank's prompts (and per-completion seeds) are gathered to it, it sends
+one request per run of identical prompts (`n` completions; vLLM gives child `i` the seed `seed + i`), and the
+completions are scattered back. A weight push writes the policy's weights as safetensors into
+`weight_sync_dir`, then asks the server to pause, reload from there (`collective_rpc("reload_weights")`),
+reset its prefix cache and resume. On GPUs an NCCL transfer would skip the file; this path works on CPU too.
+
+Every request has a timeout; failures to connect, timeouts and 5xx answers are retried with exponential
+backoff, then stop the run with one line naming the URL. 4xx answers fail at once with the server's message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from itertools import groupby
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+
+from lit_rl.errors import LitRLError
+from lit_rl.rollout.base import RolloutOutput, SamplingParams, draw_seeds, padded_output, unpadded_prompts
+from lit_rl.rollout.config import VLLMConfig
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def server_command(model: str, port: int, host: str = "127.0.0.1", cpu: bool = True) -> tuple[list[str], dict]:
+    """The documented command that starts a vLLM server lit-rl can drive: (argv, extra environment).
+
+    `--logprobs-mode processed_logprobs` reports the log-probs of the distribution sampled from (what the
+    trainer recomputes); `--generation-config vllm` ignores the repository's sampling defaults.
+    """
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--served-model-name",
+        "policy",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--generation-config",
+        "vllm",
+    ]
+    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if cpu:
+        argv += ["--dtype", "float32", "--enforce-eager"]
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    return argv, env
+
+
+class LocalVLLMServer:
+    """`server_command` started as a child process on 127.0.0.1, waited for until healthy; `stop()` ends it.
+
+    For tests, benchmarks and single-machine runs; a production server is started by its own supervisor.
+    """
+
+    def __init__(
+        self, model: str, port: int, log_path: str, cpu: bool = True, extra_args: Sequence[str] = (), timeout_s=600
+    ) -> None:
+        import subprocess
+
+        argv, env = server_command(model, port, cpu=cpu)
+        self.url = f"http://127.0.0.1:{port}"
+        self._log = open(log_path, "w")
+        self.process = subprocess.Popen(
+            [*argv, *extra_args], env={**os.environ, **env}, stdout=self._log, stderr=subprocess.STDOUT
+        )
+        deadline = time.monotonic() + timeout_s
+        client = VLLMServerClient(self.url, timeout_s=2.0, max_retries=0)
+        while True:
+            try:
+                client.request("GET", "/health")
+                return
+            except RolloutServerError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RolloutServerError(f"vLLM server {self.url} did not start; its log: {log_path}") from None
+                time.sleep(1.0)
+
+    def stop(self) -> None:
+        import subprocess
+
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self._log.close()
+
+
+class RolloutServerError(LitRLError):
+    """The vLLM server could not be reached or answered with an error."""
+
+
+class _RetryableError(Exception):
+    pass
+
+
+class VLLMServerClient:
+    """JSON over HTTP to one vLLM server, with a timeout on every request and retries with backoff."""
+
+    def __init__(self, base_url: str, timeout_s: float, max_retries: int) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+
+    def request(self, method: str, path: str, body: Optional[dict] = None, retries: Optional[int] = None) -> Any:
+        """Send one request, retrying connection failures, timeouts and 5xx answers; the parsed JSON answer."""
+        url = f"{self.base_url}{path}"
+        retries = self.max_retries if retries is None else retries
+        for attempt in range(retries + 1):
+            try:
+                return self._once(method, url, body)
+            except _RetryableError as err:
+                if attempt == retries:
+                    raise RolloutServerError(
+                        f"vLLM server {url}: {err} (after {attempt + 1} attempts, timeout {self.timeout_s:g} s "
+                        "each); is the server running? (see model.vllm.server_url)"
+                    ) from None
+                time.sleep(min(2.0**attempt, 30.0))
+
+    def _once(self, method: str, url: str, body: Optional[dict]) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                payload = response.read()
+        except urllib.error.HTTPError as err:
+            message = _error_message(err)
+            if err.code >= 500:
+                raise _RetryableError(f"HTTP {err.code}: {message}") from None
+            raise RolloutServerError(f"vLLM server {url}: HTTP {err.code}: {message}") from None
+        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as err:
+            reason = getattr(err, "reason", err)
+            raise _RetryableError(f"no answer ({reason})") from None
+        return json.loads(payload) if payload else None
+
+    def wait_until_healthy(self, wait_s: float) -> None:
+        """Poll `/health` until the server answers, for at most `wait_s` seconds (it may still be starting)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self._once("GET", f"{self.base_url}/health", None)
+                return
+            except (_RetryableError, RolloutServerError) as err:
+                if time.monotonic() >= deadline:
+                    raise RolloutServerError(
+                        f"vLLM server {self.base_url}/health: {err} (waited {wait_s:g} s; "
+                        "model.vllm.wait_for_server_s); is the server running? (see model.vllm.server_url)"
+                    ) from None
+                time.sleep(1.0)
+
+
+def _error_message(err: urllib.error.HTTPError) -> str:
+    try:
+        body = json.loads(err.read() or b"{}")
+    except (ValueError, OSError):
+        return str(err.reason)
+    detail = body.get("error", body.get("detail", body)) if isinstance(body, dict) else body
+    if isinstance(detail, dict):
+        detail = detail.get("message", detail)
+    return " ".join(str(detail).split())[:300]
+
+
+class VLLMServerEngine:
+    """Generates on a vLLM server and pushes weights to it; see the module docstring for the protocol."""
+
+    needs_weights = True
+
+    def __init__(self, config: VLLMConfig, eos_token_ids: Sequence[int], pad_token_id: int) -> None:
+        self.config = config
+        self.eos_token_ids = list(eos_token_ids)
+        self.pad_token_id = pad_token_id
+        self.rank, self.world_size = _rank_and_world()
+        self.client = VLLMServerClient(config.server_url, config.request_timeout_s, config.max_retries)
+        self.model_name: Optional[str] = None
+        self._own_sync_dir = False
+        self.sync_dir: Optional[str] = None
+        # Rank 0 alone connects; every rank learns whether it worked, so none waits on a dead one.
+        _on_rank0_then_share(self._connect, self.rank, self.world_size)
+
+    def _connect(self) -> None:
+        self.client.wait_until_healthy(self.config.wait_for_server_s)
+        self.model_name = self.client.request("GET", "/v1/models")["data"][0]["id"]
+        self.sync_dir = self.config.weight_sync_dir
+        if self.sync_dir is None:
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            self.sync_dir = tempfile.mkdtemp(prefix="lit-rl-weights-", dir=shm)
+            self._own_sync_dir = True
+        os.makedirs(self.sync_dir, exist_ok=True)
+
+    # -- generation ------------------------------------------------------------------------------------------
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> RolloutOutput:
+        local = (unpadded_prompts(prompt_ids, prompt_mask), draw_seeds(len(prompt_ids)))
+        gathered = _gather_to_rank0(local, self.rank, self.world_size)
+        generate_all = lambda: [self._generate_rows(prompts, seeds, params) for prompts, seeds in gathered]  # noqa: E731
+        token_ids, logprobs = _on_rank0_then_scatter(generate_all, self.rank, self.world_size)
+        return padded_output(token_ids, logprobs, self.eos_token_ids, self.pad_token_id, prompt_ids.device)
+
+    def _generate_rows(
+        self, prompts: list[list[int]], seeds: list[int], params: SamplingParams
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        # Runs of identical prompts (the G completions of one prompt) go out as one request for n completions.
+        runs, start = [], 0
+        for _, run in groupby(range(len(prompts)), key=lambda i: tuple(prompts[i])):
+            n = len(list(run))
+            runs.append((start, n))
+            start += n
+        with ThreadPoolExecutor(max_workers=max(1, min(16, len(runs)))) as pool:
+            answers = list(pool.map(lambda run: self._complete(prompts[run[0]], seeds[run[0]], run[1], params), runs))
+        token_ids: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        for ids, lps in answers:
+            token_ids.extend(ids)
+            logprobs.extend(lps)
+        return token_ids, logprobs
+
+    def _complete(
+        self, prompt: list[int], seed: int, n: int, params: SamplingParams
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        body = {
+            "model": self.model_name,
+            "prompt": prompt,
+            "n": n,
+            "seed": seed,
+            "max_tokens": params.max_new_tokens,
+            "temperature": 0.0 if params.greedy else params.temperature,
+            "top_p": 1.0 if params.greedy else params.top_p,
+            "top_k": 0 if params.greedy else params.top_k,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "stop_token_ids": self.eos_token_ids,
+            "skip_special_tokens": False,
+        }
+        answer = self.client.request("POST", "/v1/completions", body)
+        choices = sorted(answer["choices"], key=lambda choice: choice["index"])
+        if len(choices) != n:
+            raise RolloutServerError(
+                f"vLLM server {self.client.base_url}: asked for {n} completions, got {len(choices)}"
+            )
+        return (
+            [list(choice["token_ids"]) for choice in choices],
+            [list(choice["logprobs"]["token_logprobs"]) for choice in choices],
+        )
+
+    # -- weights ---------------------------------------------------------------------------------------------
+    def update_weights(self, named_tensors: Optional[Iterable[tuple[str, torch.Tensor]]] = None) -> None:
+        """Rank 0 writes the weights to `weight_sync_dir` and has the server reload them; the others wait for it."""
+        if self.rank == 0 and named_tensors is None:
+            raise ValueError("VLLMServerEngine.update_weights needs the policy's (name, tensor) pairs")
+        _on_rank0_then_share(lambda: self._push(named_tensors), self.rank, self.world_size)
+
+    def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        _write_safetensors(named_tensors, os.path.join(self.sync_dir, WEIGHTS_FILE))
+        # `mode=wait` lets any request still running finish; then nothing samples with half-loaded weights.
+        self.client.request("POST", "/pause?mode=wait")
+        try:
+            rpc = {"method": "reload_weights", "kwargs": {"weights_path": self.sync_dir}}
+            self.client.request("POST", "/collective_rpc", rpc, retries=0)  # a failed reload is not retried blindly
+            self.client.request("POST", "/reset_prefix_cache")
+        finally:
+            self.client.request("POST", "/resume")
+
+    def close(self) -> None:
+        if self._own_sync_dir and self.sync_dir:
+            shutil.rmtree(self.sync_dir, ignore_errors=True)
+            self.sync_dir = None
+
+
+def _write_safetensors(named_tensors: Iterable[tuple[str, torch.Tensor]], path: str) -> None:
+    """Write the weights atomically (a reader never sees half a file): to a temporary name, then rename."""
+    from safetensors.torch import save_file
+
+    tensors, seen = {}, set()
+    for name, tensor in named_tensors:
+        tensor = tensor.detach().to("cpu").contiguous()
+        if tensor.data_ptr() in seen:  # tied weights share storage; safetensors stores each storage once
+            tensor = tensor.clone()
+        seen.add(tensor.data_ptr())
+        tensors[name] = tensor
+    tmp = f"{path}.tmp"  # not *.safetensors: the server's loader never picks it up
+    save_file(tensors, tmp)
+    os.replace(tmp, path)
+
+
+def _rank_and_world() -> tuple[int, int]:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _gather_to_rank0(obj: Any, rank: int, world_size: int) -> Optional[list[Any]]:
+    if world_size == 1:
+        return [obj]
+    gathered = [None] * world_size if rank == 0 else None
+    torch.distributed.gather_object(obj, gathered, dst=0)
+    return gathered
+
+
+def _on_rank0_then_share(fn: Callable[[], None], rank: int, world_size: int) -> None:
+    """Run `fn` on rank 0; if it fails with a server error, every rank raises it (none is left waiting)."""
+    _on_rank0_then_scatter(lambda: [fn()] * world_size, rank, world_size)
+
+
+def _on_rank0_then_scatter(fn: Callable[[], list[Any]], rank: int, world_size: int) -> Any:
+    """Run `fn` (one result per rank) on rank 0 and hand each rank its result, or its `RolloutServerError`."""
+    outcome: list[Any] = []
+    if rank == 0:
+        try:
+            outcome = [("ok", result) for result in fn()]
+        except RolloutServerError as err:
+            outcome = [("error", str(err))] * world_size
+    if world_size > 1:
+        received = [None]
+        torch.distributed.scatter_object_list(received, outcome if rank == 0 else None, src=0)
+        status, value = received[0]
+    else:
+        status, value = outcome[0]
+    if status == "error":
+        raise RolloutServerError(value)
+    return value

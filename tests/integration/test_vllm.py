@@ -1,0 +1,165 @@
+"""vLLM rollouts with the real CPU build: weight pushes that make vLLM sample from the trainer's policy, GRPO with
+the colocated and the server engine (one process and two DDP processes), and what a dead server does.
+
+Everything that starts vLLM runs in a child process: vLLM binds threads and sets process-wide state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lit_rl.rollout.server import LocalVLLMServer, RolloutServerError
+from tests.conftest import CLI_COMMAND, CONFIGS, FAST_GRPO, REPO, cli_env, saved_steps, train_rows, write_overlay
+
+pytestmark = pytest.mark.slow
+
+CHECK_SCRIPT = Path(__file__).with_name("vllm_logprob_check.py")
+TOLERANCE = 1e-4  # fp32; measured differences are ~1e-5
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _vllm_env() -> dict[str, str]:
+    return {**cli_env(), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory):
+    """The documented server command, on 127.0.0.1 and a free port, serving the shipped SFT policy."""
+    log = tmp_path_factory.mktemp("vllm_server") / "server.log"
+    model = str(REPO / "lit_rl" / "assets" / "tiny-qwen2-addition-sft")
+    try:
+        server = LocalVLLMServer(model, _free_port(), str(log), extra_args=["--max-model-len", "128"])
+    except RolloutServerError as err:
+        pytest.fail(f"{err}:\n{log.read_text()[-3000:]}")
+    yield server.url
+    server.stop()
+
+
+def _logprob_check(*args: str) -> dict[str, float]:
+    result = subprocess.run(
+        [sys.executable, str(CHECK_SCRIPT), *args], env=_vllm_env(), capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _check_push(diffs: dict[str, float]) -> None:
+    assert diffs["tokens"] > 0
+    assert diffs["synced"] < TOLERANCE
+    assert diffs["before_push"] > 0.1  # the engine still samples from the old weights
+    assert diffs["after_push"] < TOLERANCE
+
+
+def test_transformers_models_import_next_to_vllm():
+    # The CPU build of vLLM pulls torchvision/torchaudio builds for another torch; the install removes them.
+    code = "import vllm, transformers; from transformers import Qwen2ForCausalLM; print(Qwen2ForCausalLM.__name__)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().endswith("Qwen2ForCausalLM")
+
+
+def test_colocated_engine_samples_from_the_pushed_weights():
+    _check_push(_logprob_check("colocate"))
+
+
+def test_server_engine_samples_from_the_pushed_weights(vllm_server):
+    _check_push(_logprob_check("server", vllm_server))
+
+
+def _grpo_fit(tmp_path: Path, name: str, *args: str) -> Path:
+    overlay = write_overlay(tmp_path / f"{name}.yaml", every_n_train_steps=2, save_dir=tmp_path / name)
+    command = [
+        *CLI_COMMAND,
+        "fit",
+        "--config",
+        str(CONFIGS / "grpo.yaml"),
+        "--config",
+        str(overlay),
+        *FAST_GRPO,
+        "--trainer.max_steps",
+        "4",
+        "--model.learning_rate",
+        "1e-3",  # large steps: an engine left with old weights would show in the log-prob difference
+        *args,
+    ]
+    result = subprocess.run(command, cwd=tmp_path, env=_vllm_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return tmp_path / name / "run" / "version_0"
+
+
+def _check_run(log_dir: Path) -> None:
+    assert saved_steps(log_dir) == [2, 4]
+    rows = train_rows(log_dir)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    for row in rows:
+        assert row["train/rollout_logprob_diff/max"] < TOLERANCE, row
+        assert 0.0 <= row["train/reward"] <= 1.1
+
+
+def test_grpo_trains_with_the_colocated_engine(tmp_path):
+    log_dir = _grpo_fit(tmp_path, "colocate", "--config", str(CONFIGS / "rollout" / "vllm_colocate.yaml"))
+    _check_run(log_dir)
+    pushes = [row for row in _rows_with(log_dir, "perf/weight_push_s")]
+    assert len(pushes) == 4  # one push before each generation: the first, then after each optimizer step
+
+
+def _rows_with(log_dir: Path, key: str) -> list[dict[str, str]]:
+    import csv
+
+    with open(log_dir / "metrics.csv") as handle:
+        return [row for row in csv.DictReader(handle) if row.get(key)]
+
+
+def test_grpo_trains_with_the_server_engine(tmp_path, vllm_server):
+    server_args = ("--config", str(CONFIGS / "rollout" / "vllm_server.yaml"), "--model.vllm.server_url", vllm_server)
+    log_dir = _grpo_fit(tmp_path, "server", *server_args)
+    _check_run(log_dir)
+
+
+def test_grpo_on_two_ddp_processes_shares_one_server(tmp_path, vllm_server):
+    # Rank 0 alone talks to the server; both ranks get their own completions back.
+    server_args = ("--config", str(CONFIGS / "rollout" / "vllm_server.yaml"), "--model.vllm.server_url", vllm_server)
+    ddp = ("--config", str(CONFIGS / "strategy" / "ddp.yaml"), "--model.micro_batch_size", "4")
+    log_dir = _grpo_fit(tmp_path, "server_ddp", *server_args, *ddp)
+    _check_run(log_dir)
+
+
+def test_dead_server_stops_the_run_with_one_line_naming_the_url(tmp_path):
+    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    overlay = write_overlay(tmp_path / "dead.yaml", save_dir=tmp_path / "dead")
+    command = [
+        *CLI_COMMAND,
+        "fit",
+        "--config",
+        str(CONFIGS / "grpo.yaml"),
+        "--config",
+        str(overlay),
+        "--config",
+        str(CONFIGS / "rollout" / "vllm_server.yaml"),
+        *FAST_GRPO,
+        "--model.vllm.server_url",
+        url,
+        "--model.vllm.wait_for_server_s",
+        "2",
+    ]
+    started = time.monotonic()
+    result = subprocess.run(command, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert url in last and "is the server running" in last, last
+    assert "Traceback" not in result.stderr
+    assert time.monotonic() - started < 120
+    assert os.path.isdir(tmp_path / "dead")  # the run directory the trainer wrote before failing is kept

@@ -1,0 +1,76 @@
+"""Run as a script (vLLM needs the `__main__` guard): does a vLLM engine sample from the policy the trainer has?
+
+    python tests/integration/vllm_logprob_check.py colocate
+    python tests/integration/vllm_logprob_check.py server http://127.0.0.1:PORT
+
+The engine starts from the shipped SFT policy's weights. The trainer's copy is then perturbed; completions sampled
+before the push are scored by the trainer (their log-prob difference is large), the weights are pushed, and
+completions sampled after it are scored again (the difference is rounding). Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+
+def max_logprob_diff(engine, policy, prompt_ids, prompt_mask, params) -> tuple[float, int]:
+    from lit_rl.algorithms.base import completion_logprobs
+
+    out = engine.generate(prompt_ids, prompt_mask, params)
+    trainer = completion_logprobs(
+        policy, prompt_ids, prompt_mask, out.completion_ids, out.completion_mask, params.logprob_temperature
+    )
+    diff = ((trainer - out.logprobs).abs() * out.completion_mask).max().item()
+    return diff, int(out.completion_mask.sum())
+
+
+def main(mode: str, url: str | None) -> None:
+    from lit_rl.models import load_causal_lm, load_tokenizer, resolve_model_path
+    from lit_rl.rollout import SamplingParams, VLLMConfig
+    from lit_rl.rollout.base import policy_weights
+    from lit_rl.rollout.hf import model_eos_token_ids
+
+    path = "lit-rl/tiny-qwen2-addition-sft"
+    tokenizer = load_tokenizer(path)
+    policy = load_causal_lm(path, dtype="float32").eval()
+    eos_ids = model_eos_token_ids(policy, tokenizer.eos_token_id)
+    if mode == "colocate":
+        from lit_rl.rollout.vllm import VLLMColocateEngine
+
+        engine = VLLMColocateEngine(
+            VLLMConfig(mode="colocate"),
+            resolve_model_path(path),
+            torch.float32,
+            torch.device("cpu"),
+            eos_ids,
+            tokenizer.pad_token_id,
+        )
+    else:
+        from lit_rl.rollout.server import VLLMServerEngine
+
+        engine = VLLMServerEngine(VLLMConfig(mode="server", server_url=url), eos_ids, tokenizer.pad_token_id)
+    engine.update_weights(policy_weights(policy))  # the engine holds the SFT weights
+
+    tokenizer.padding_side = "left"
+    enc = tokenizer(["12+34=", "7+5=", "60+39=", "3+3="], padding=True, return_tensors="pt")
+    prompt_ids = enc["input_ids"].repeat_interleave(4, dim=0)
+    prompt_mask = enc["attention_mask"].repeat_interleave(4, dim=0)
+    params = SamplingParams(max_new_tokens=6, temperature=0.8)
+
+    torch.manual_seed(0)
+    synced, _ = max_logprob_diff(engine, policy, prompt_ids, prompt_mask, params)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    before, _ = max_logprob_diff(engine, policy, prompt_ids, prompt_mask, params)
+    engine.update_weights(policy_weights(policy))
+    after, tokens = max_logprob_diff(engine, policy, prompt_ids, prompt_mask, params)
+    engine.close()
+    print(json.dumps({"synced": synced, "before_push": before, "after_push": after, "tokens": tokens}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)

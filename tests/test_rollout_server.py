@@ -1,0 +1,183 @@
+"""The vLLM server client without vLLM: timeouts, retries with backoff, one-line errors naming the URL, and
+what the engine makes of the server's answers. A stdlib HTTP server in a thread plays the vLLM server."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from lit_rl.rollout import SamplingParams, VLLMConfig
+from lit_rl.rollout.server import RolloutServerError, VLLMServerClient, VLLMServerEngine
+
+
+class FakeServer:
+    """Answers each request with the next scripted (status, body, delay_s); the last one repeats."""
+
+    def __init__(self, script):
+        self.script = list(script)
+        self.requests: list[tuple[str, str, object]] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length)) if length else None
+                outer.requests.append((self.command, self.path, body))
+                status, payload, delay = outer.script.pop(0) if len(outer.script) > 1 else outer.script[0]
+                if callable(payload):
+                    payload = payload(self.path, body)
+                time.sleep(delay)
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def fake_server():
+    servers = []
+
+    def start(*script):
+        servers.append(FakeServer(script))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def test_5xx_answers_are_retried_then_succeed(fake_server, monkeypatch):
+    monkeypatch.setattr(time, "sleep", lambda s: None)  # the backoff waits; not here
+    server = fake_server((503, {"error": "busy"}, 0), (500, {"error": "busy"}, 0), (200, {"ok": 1}, 0))
+    assert VLLMServerClient(server.url, timeout_s=5, max_retries=2).request("GET", "/x") == {"ok": 1}
+    assert len(server.requests) == 3
+
+
+def test_retries_exhausted_raise_one_line_naming_the_url(fake_server, monkeypatch):
+    waits = []
+    monkeypatch.setattr(time, "sleep", waits.append)
+    server = fake_server((500, {"error": {"message": "EngineCore died"}}, 0))
+    with pytest.raises(RolloutServerError) as info:
+        VLLMServerClient(server.url, timeout_s=5, max_retries=3).request("POST", "/v1/completions", {})
+    message = str(info.value)
+    assert f"{server.url}/v1/completions" in message and "EngineCore died" in message and "\n" not in message
+    assert [w for w in waits if w > 0] == [1.0, 2.0, 4.0]  # backoff between the 4 attempts (0: the fake server)
+
+
+def test_4xx_answers_fail_at_once_with_the_servers_message(fake_server):
+    server = fake_server((400, {"error": {"message": "max_tokens must be at least 1"}}, 0))
+    with pytest.raises(RolloutServerError, match="HTTP 400: max_tokens must be at least 1"):
+        VLLMServerClient(server.url, timeout_s=5, max_retries=3).request("POST", "/v1/completions", {})
+    assert len(server.requests) == 1
+
+
+def test_a_server_that_never_answers_times_out(fake_server):
+    server = fake_server((200, {"ok": 1}, 3.0))
+    started = time.monotonic()
+    with pytest.raises(RolloutServerError, match="timed out|no answer"):
+        VLLMServerClient(server.url, timeout_s=0.5, max_retries=0).request("GET", "/slow")
+    assert time.monotonic() - started < 2.5
+
+
+def test_nothing_listening_fails_after_waiting_for_the_server():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"  # bound, not listening: connections are refused
+        started = time.monotonic()
+        with pytest.raises(RolloutServerError) as info:
+            VLLMServerEngine(VLLMConfig(mode="server", server_url=url, wait_for_server_s=1.0), [2], 0)
+    assert f"{url}/health" in str(info.value) and "is the server running" in str(info.value)
+    assert time.monotonic() - started < 10
+
+
+def _completions(path, body):
+    """A vLLM-like answer: completion i of a request is [seed % 7 + 10 + i, 2 (EOS)], or 3 tokens without EOS."""
+    if path == "/v1/models":
+        return {"data": [{"id": "policy"}]}
+    if path != "/v1/completions":
+        return {}
+    choices = []
+    for i in range(body["n"]):
+        ids = [body["seed"] % 7 + 10 + i, 2] if body["prompt"][-1] != 99 else [5, 6, 7]
+        choices.append({"index": i, "token_ids": ids, "logprobs": {"token_logprobs": [-0.5] * len(ids)}})
+    return {"choices": choices[::-1]}  # out of order: the engine sorts by index
+
+
+def test_engine_groups_identical_prompts_and_pads_completions(fake_server, tmp_path):
+    server = fake_server((200, _completions, 0))
+    engine = VLLMServerEngine(
+        VLLMConfig(mode="server", server_url=server.url, weight_sync_dir=str(tmp_path)),
+        eos_token_ids=[2],
+        pad_token_id=0,
+    )
+    prompt_ids = torch.tensor([[0, 4, 5], [0, 4, 5], [0, 4, 5], [8, 9, 99]])  # left-padded; 3 copies of one prompt
+    prompt_mask = torch.tensor([[0, 1, 1], [0, 1, 1], [0, 1, 1], [1, 1, 1]])
+    torch.manual_seed(0)
+    out = engine.generate(prompt_ids, prompt_mask, SamplingParams(max_new_tokens=3, temperature=0.7))
+    # Requests go out concurrently: order them by size (3 completions, then 1).
+    completions = sorted((b for _, path, b in server.requests if path == "/v1/completions"), key=lambda b: -b["n"])
+    assert [(c["prompt"], c["n"]) for c in completions] == [([4, 5], 3), ([8, 9, 99], 1)]
+    assert completions[0]["temperature"] == 0.7 and completions[0]["stop_token_ids"] == [2]
+    first = completions[0]["seed"] % 7 + 10
+    assert out.completion_ids.tolist() == [[first, 2, 0], [first + 1, 2, 0], [first + 2, 2, 0], [5, 6, 7]]
+    assert out.completion_mask.tolist() == [[1, 1, 0], [1, 1, 0], [1, 1, 0], [1, 1, 1]]
+    assert out.logprobs.tolist() == [[-0.5, -0.5, 0.0]] * 3 + [[-0.5] * 3]
+    # Seeds come from the torch RNG: the same seed draws the same requests.
+    torch.manual_seed(0)
+    engine.generate(prompt_ids, prompt_mask, SamplingParams(max_new_tokens=3, temperature=0.7))
+    again = [b for _, path, b in server.requests if path == "/v1/completions"][2:]
+    assert sorted(c["seed"] for c in again) == sorted(c["seed"] for c in completions)
+
+
+def test_weight_push_writes_safetensors_then_reloads_between_pause_and_resume(fake_server, tmp_path):
+    from safetensors.torch import load_file
+
+    server = fake_server((200, _completions, 0))
+    engine = VLLMServerEngine(VLLMConfig(mode="server", server_url=server.url, weight_sync_dir=str(tmp_path)), [2], 0)
+    embed = torch.randn(4, 3)
+    engine.update_weights([("model.embed_tokens.weight", embed), ("lm_head.weight", embed)])  # tied: one storage
+    calls = [(method, path) for method, path, _ in server.requests][2:]  # after /health and /v1/models
+    assert calls == [
+        ("POST", "/pause?mode=wait"),
+        ("POST", "/collective_rpc"),
+        ("POST", "/reset_prefix_cache"),
+        ("POST", "/resume"),
+    ]
+    rpc = server.requests[3][2]
+    assert rpc == {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path)}}
+    written = load_file(tmp_path / "model.safetensors")
+    assert torch.equal(written["lm_head.weight"], embed) and torch.equal(written["model.embed_tokens.weight"], embed)
+    assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]  # no temporary file left behind
+
+
+def test_a_failed_reload_still_resumes_the_server(fake_server, tmp_path, monkeypatch):
+    def answer(path, body):
+        return {"error": {"message": "Cannot find any model weights"}} if path == "/collective_rpc" else {}
+
+    server = fake_server((200, {"data": [{"id": "policy"}]}, 0), (200, {"data": [{"id": "policy"}]}, 0))
+    engine = VLLMServerEngine(VLLMConfig(mode="server", server_url=server.url, weight_sync_dir=str(tmp_path)), [2], 0)
+    server.script = [(200, answer, 0), (500, answer, 0), (200, answer, 0), (200, answer, 0)]
+    with pytest.raises(RolloutServerError, match="Cannot find any model weights"):
+        engine.update_weights([("w", torch.zeros(2))])
+    assert [path for _, path, _ in server.requests][-1] == "/resume"
