@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Iterable, Optional, Sequence
+from contextlib import contextmanager
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -88,22 +89,25 @@ class VLLMColocateEngine:
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
         self._asleep = False
-        self.llm = vllm.LLM(
-            model=model_name_or_path,
-            load_format="dummy",  # the trainer pushes the real weights before the first generation
-            skip_tokenizer_init=True,  # prompts arrive as token ids; completions are decoded by the trainer
-            generation_config="vllm",  # ignore the repository's sampling defaults: sample what we ask for
-            logprobs_mode="processed_logprobs",
-            dtype=dtype,
-            seed=seed,
-            max_model_len=config.max_model_len,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            tensor_parallel_size=config.tensor_parallel_size,
-            enable_prefix_caching=config.enable_prefix_caching,
-            enable_sleep_mode=config.enable_sleep_mode,
-            enforce_eager=(not on_gpu) if config.enforce_eager is None else config.enforce_eager,
-            trust_remote_code=trust_remote_code,
-        )
+        # vLLM seeds the global RNGs when it starts; keep the trainer's streams where they were, or a run that
+        # resumes (and starts its engine later) would sample differently from one that never stopped.
+        with _rng_states_kept(device):
+            self.llm = vllm.LLM(
+                model=model_name_or_path,
+                load_format="dummy",  # the trainer pushes the real weights before the first generation
+                skip_tokenizer_init=True,  # prompts arrive as token ids; completions are decoded by the trainer
+                generation_config="vllm",  # ignore the repository's sampling defaults: sample what we ask for
+                logprobs_mode="processed_logprobs",
+                dtype=dtype,
+                seed=seed,
+                max_model_len=config.max_model_len,
+                gpu_memory_utilization=config.gpu_memory_utilization,
+                tensor_parallel_size=config.tensor_parallel_size,
+                enable_prefix_caching=config.enable_prefix_caching,
+                enable_sleep_mode=config.enable_sleep_mode,
+                enforce_eager=(not on_gpu) if config.enforce_eager is None else config.enforce_eager,
+                trust_remote_code=trust_remote_code,
+            )
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> RolloutOutput:
         from vllm.inputs import TokensPrompt
@@ -142,3 +146,18 @@ class VLLMColocateEngine:
             if callable(shutdown):
                 shutdown()
             del llm
+
+
+@contextmanager
+def _rng_states_kept(device: torch.device) -> Iterator[None]:
+    """Restore the torch (CPU and this GPU), Python and NumPy RNG states on exit."""
+    import random
+
+    import numpy as np
+
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+    random.setstate(python_state)
+    np.random.set_state(numpy_state)

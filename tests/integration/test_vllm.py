@@ -17,7 +17,17 @@ from pathlib import Path
 import pytest
 
 from lit_rl.rollout.server import LocalVLLMServer, RolloutServerError
-from tests.conftest import CLI_COMMAND, CONFIGS, FAST_GRPO, REPO, cli_env, saved_steps, train_rows, write_overlay
+from tests.conftest import (
+    CLI_COMMAND,
+    CONFIGS,
+    FAST_GRPO,
+    REPO,
+    assert_rows_match,
+    cli_env,
+    saved_steps,
+    train_rows,
+    write_overlay,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -79,18 +89,18 @@ def test_server_engine_samples_from_the_pushed_weights(vllm_server):
     _check_push(_logprob_check("server", vllm_server))
 
 
-def _grpo_fit(tmp_path: Path, name: str, *args: str) -> Path:
+def _fit(tmp_path: Path, name: str, *args: str, algorithm: str = "grpo", max_steps: int = 4) -> Path:
     overlay = write_overlay(tmp_path / f"{name}.yaml", every_n_train_steps=2, save_dir=tmp_path / name)
     command = [
         *CLI_COMMAND,
         "fit",
         "--config",
-        str(CONFIGS / "grpo.yaml"),
+        str(CONFIGS / f"{algorithm}.yaml"),
         "--config",
         str(overlay),
         *FAST_GRPO,
         "--trainer.max_steps",
-        "4",
+        str(max_steps),
         "--model.learning_rate",
         "1e-3",  # large steps: an engine left with old weights would show in the log-prob difference
         *args,
@@ -98,6 +108,9 @@ def _grpo_fit(tmp_path: Path, name: str, *args: str) -> Path:
     result = subprocess.run(command, cwd=tmp_path, env=_vllm_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return tmp_path / name / "run" / "version_0"
+
+
+COLOCATE = ("--config", str(CONFIGS / "rollout" / "vllm_colocate.yaml"))
 
 
 def _check_run(log_dir: Path) -> None:
@@ -110,7 +123,7 @@ def _check_run(log_dir: Path) -> None:
 
 
 def test_grpo_trains_with_the_colocated_engine(tmp_path):
-    log_dir = _grpo_fit(tmp_path, "colocate", "--config", str(CONFIGS / "rollout" / "vllm_colocate.yaml"))
+    log_dir = _fit(tmp_path, "colocate", *COLOCATE)
     _check_run(log_dir)
     pushes = [row for row in _rows_with(log_dir, "perf/weight_push_s")]
     assert len(pushes) == 4  # one push before each generation: the first, then after each optimizer step
@@ -123,9 +136,34 @@ def _rows_with(log_dir: Path, key: str) -> list[dict[str, str]]:
         return [row for row in csv.DictReader(handle) if row.get(key)]
 
 
+def test_grpo_on_two_ddp_processes_with_an_engine_per_rank(tmp_path):
+    ddp = ("--config", str(CONFIGS / "strategy" / "ddp.yaml"), "--model.micro_batch_size", "4")
+    _check_run(_fit(tmp_path, "colocate_ddp", *COLOCATE, *ddp))
+
+
+@pytest.mark.parametrize("algorithm, group", [("rloo", "4"), ("online_dpo", "2")])
+def test_rloo_and_online_dpo_take_the_same_overlay(tmp_path, algorithm, group):
+    log_dir = _fit(tmp_path, algorithm, *COLOCATE, "--model.num_generations", group, algorithm=algorithm)
+    _check_run(log_dir)
+
+
+def test_colocated_run_resumes_to_the_same_numbers(tmp_path):
+    # Each completion's seed comes from the torch RNG the checkpoint restores, and the resumed engine gets the
+    # checkpoint's weights before its first generation: the resumed steps sample and train exactly the same.
+    full = _fit(tmp_path, "full", *COLOCATE)
+    _fit(tmp_path, "half", *COLOCATE, max_steps=2)
+    resumed = _fit(
+        tmp_path, "half", *COLOCATE, "--ckpt_path", str(tmp_path / "half/run/version_0/checkpoints/step=2.ckpt")
+    )
+    assert saved_steps(resumed) == [2, 4]
+    rows = [row for row in train_rows(resumed) if row["step"] > 2]
+    assert [row["step"] for row in rows] == [3, 4]
+    assert_rows_match(rows, train_rows(full), rel=1e-4, abs=1e-5)
+
+
 def test_grpo_trains_with_the_server_engine(tmp_path, vllm_server):
     server_args = ("--config", str(CONFIGS / "rollout" / "vllm_server.yaml"), "--model.vllm.server_url", vllm_server)
-    log_dir = _grpo_fit(tmp_path, "server", *server_args)
+    log_dir = _fit(tmp_path, "server", *server_args)
     _check_run(log_dir)
 
 
@@ -133,7 +171,7 @@ def test_grpo_on_two_ddp_processes_shares_one_server(tmp_path, vllm_server):
     # Rank 0 alone talks to the server; both ranks get their own completions back.
     server_args = ("--config", str(CONFIGS / "rollout" / "vllm_server.yaml"), "--model.vllm.server_url", vllm_server)
     ddp = ("--config", str(CONFIGS / "strategy" / "ddp.yaml"), "--model.micro_batch_size", "4")
-    log_dir = _grpo_fit(tmp_path, "server_ddp", *server_args, *ddp)
+    log_dir = _fit(tmp_path, "server_ddp", *server_args, *ddp)
     _check_run(log_dir)
 
 
