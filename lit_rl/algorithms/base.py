@@ -17,6 +17,7 @@ from torchmetrics import MetricCollection
 from lit_rl.errors import ConfigError
 from lit_rl.models import load_causal_lm, load_tokenizer
 from lit_rl.ops import position_ids_from_mask, token_logprobs
+from lit_rl.strategies import hf_zero3_loading, is_accumulating_micro_batch
 
 
 class PolicyModule(L.LightningModule):
@@ -61,13 +62,16 @@ class PolicyModule(L.LightningModule):
         return model
 
     def load_reference(self, path: Optional[str] = None) -> torch.nn.Module:
-        """A frozen copy of the model at `path` (default: the starting policy), in eval mode."""
-        return self.load_model(path=path).eval().requires_grad_(False)
+        """A frozen copy of the model at `path` (default: the starting policy), in eval mode (under ZeRO-3 it is
+        partitioned like the policy and never given to the optimizer)."""
+        with hf_zero3_loading(self.trainer.strategy if self._trainer is not None else None):
+            return self.load_model(path=path).eval().requires_grad_(False)
 
     def configure_model(self) -> None:
         if self.policy is None:
             # from_pretrained returns eval mode; Lightning switches modes around validation, start in train mode.
-            self.policy = self.load_model(random_init=self.hparams.get("random_init", False)).train()
+            with hf_zero3_loading(self.trainer.strategy):
+                self.policy = self.load_model(random_init=self.hparams.get("random_init", False)).train()
 
     # The reference model is frozen and reloaded from its path: it stays out of checkpoints, and its current
     # weights fill its keys back in when one is loaded, so strict loading still checks the policy's keys.
@@ -86,6 +90,24 @@ class PolicyModule(L.LightningModule):
         for callback in self.trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint):
                 callback._last_global_step_saved = max(callback._last_global_step_saved, self.trainer.global_step)
+
+    def step_loss_scale(self, accumulated: bool = True) -> float:
+        """What a micro-batch loss normalised over the whole optimizer step (all micro-batches and ranks) is
+        multiplied by, so the gradient Lightning and the strategy produce is exactly that loss's gradient.
+
+        Lightning divides each micro-batch loss by the accumulation; data-parallel strategies average gradients
+        over ranks; DeepSpeed's engine divides by its accumulation steps once more. `accumulated=False` for a loss
+        whose denominator does not span the accumulation window.
+        """
+        accumulate = self.trainer.accumulate_grad_batches
+        scale = float(self.trainer.world_size) * (accumulate if accumulated else 1)
+        if self.trainer.strategy.handles_gradient_accumulation:  # DeepSpeed
+            scale *= accumulate
+        return scale
+
+    def is_accumulating(self) -> bool:
+        """See `lit_rl.strategies.is_accumulating_micro_batch`."""
+        return is_accumulating_micro_batch(self.trainer)
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams

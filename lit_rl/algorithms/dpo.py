@@ -209,10 +209,8 @@ class DPO(PolicyModule):
             weights=weight,
         )
         self._update_metrics(metrics, stats, chosen.detach(), rejected.detach(), mean_logits, batch, weight)
-        # Lightning divides each micro-batch loss by the accumulation and data-parallel strategies average
-        # gradients over ranks: undo both, the denominator already covers the step on all ranks.
-        scale = self.trainer.world_size * (self.trainer.accumulate_grad_batches if "window_pairs" in batch else 1)
-        return loss * scale
+        # The denominator covers the step on all ranks (the accumulation window too, when "window_pairs" is known).
+        return loss * self.step_loss_scale(accumulated="window_pairs" in batch)
 
     def _update_metrics(self, m, stats, chosen, rejected, mean_logits, batch, weight) -> None:
         m["loss"].update(stats["losses"], weight)
@@ -236,6 +234,8 @@ class DPO(PolicyModule):
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.is_accumulating():
+            return
         self.log_collection(self.train_metrics, on_step=True, prog_bar=("loss",))
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:

@@ -29,6 +29,7 @@ from lit_rl.rollout import HFGenerateEngine, RolloutEngine, SamplingParams, VLLM
 from lit_rl.rollout.base import policy_weights
 from lit_rl.rollout.config import check_vllm_config
 from lit_rl.rollout.hf import model_eos_token_ids
+from lit_rl.strategies import gathered_parameters, is_zero3
 from lit_rl.types import RolloutBatch
 
 ZERO_STD = 1e-6
@@ -132,7 +133,7 @@ class OnPolicyModule(PolicyModule):
             self._engine_weights_step = None
         if self.rollout_engine.needs_weights and self._engine_weights_step != self.trainer.global_step:
             # Only optimizer steps advance global_step: several generations between two steps push once.
-            with self.timer.phase("weight_push"):
+            with self.timer.phase("weight_push"), gathered_parameters(self.policy):  # ZeRO-3: whole on every rank
                 self.rollout_engine.update_weights(policy_weights(self.policy))
             self._engine_weights_step = self.trainer.global_step
         return self.rollout_engine
@@ -142,7 +143,8 @@ class OnPolicyModule(PolicyModule):
         pad_id = self.tokenizer.pad_token_id
         config = self.vllm_config
         if config is None:
-            return HFGenerateEngine(self.policy, eos_ids, pad_id)
+            synced = is_zero3(self.trainer.strategy) and self.trainer.world_size > 1
+            return HFGenerateEngine(self.policy, eos_ids, pad_id, synced_ranks=synced)
         if config.mode == "server":
             from lit_rl.rollout.server import VLLMServerEngine
 
@@ -403,9 +405,8 @@ class OnPolicyModule(PolicyModule):
         self._update_common_metrics(mb, logits, logprobs if first_pass else None)
         self.update_algorithm_metrics(mb, loss, stats)
         self._micro_steps_done += 1
-        # The loss denominators cover the whole step on every rank; Lightning divides by the accumulation and
-        # data-parallel strategies average gradients over ranks, so undo both.
-        return loss * self.accumulate * self.trainer.world_size
+        # The loss denominators cover the whole step on every rank.
+        return loss * self.step_loss_scale()
 
     def _update_common_metrics(
         self, mb: RolloutBatch, logits: torch.Tensor, fresh_logprobs: Optional[torch.Tensor]
@@ -433,7 +434,9 @@ class OnPolicyModule(PolicyModule):
             m[f"rewards/{name}"].update(components[:, column].nan_to_num(0.0, 0.0, 0.0), weight * valid)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        # Called once per optimizer step, after every micro-batch of the window has run its backward.
+        # Once per optimizer step, after every micro-batch of the window has run its backward.
+        if self.is_accumulating():
+            return
         self.log_collection(self.train_metrics, on_step=True, prog_bar=("reward", "loss"))
         # Timings: the slowest rank's, since the step waits for it; one collective for all of them (every rank
         # times the same phases, because every rank follows the same schedule).

@@ -94,9 +94,14 @@ class SFT(PolicyModule):
         return loss
 
     def training_step(self, batch: list[dict[str, Any]], batch_idx: int) -> torch.Tensor:
-        return self._step(batch, self.train_metrics)
+        loss = self._step(batch, self.train_metrics)
+        if self.trainer.strategy.handles_gradient_accumulation:
+            loss = loss * self.trainer.accumulate_grad_batches  # DeepSpeed divides by the accumulation a second time
+        return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.is_accumulating():
+            return
         self.log_collection(self.train_metrics, on_step=True, prog_bar=("loss",))
 
     def validation_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:

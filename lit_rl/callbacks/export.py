@@ -8,6 +8,8 @@ from typing import Optional
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
+from lit_rl.strategies import gathered_parameters
+
 
 class SaveHFPretrained(Callback):
     """At the end of `fit`, save `pl_module.policy` and `pl_module.tokenizer` to `dirpath` (rank 0 only).
@@ -21,9 +23,11 @@ class SaveHFPretrained(Callback):
         self.dirpath = dirpath
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.is_global_zero:
-            out = Path(self.dirpath) if self.dirpath else Path(trainer.log_dir or trainer.default_root_dir) / "hf"
-            out.mkdir(parents=True, exist_ok=True)
-            pl_module.policy.save_pretrained(out, safe_serialization=True)
-            pl_module.tokenizer.save_pretrained(out)
+        # Every rank asks: `trainer.log_dir` is a broadcast, and a collective on rank 0 alone never returns.
+        out = Path(self.dirpath) if self.dirpath else Path(trainer.log_dir or trainer.default_root_dir) / "hf"
+        with gathered_parameters(pl_module.policy):  # ZeRO-3: every rank takes part in gathering the shards
+            if trainer.is_global_zero:
+                out.mkdir(parents=True, exist_ok=True)
+                pl_module.policy.save_pretrained(out, safe_serialization=True)
+                pl_module.tokenizer.save_pretrained(out)
         trainer.strategy.barrier("save_hf_pretrained")

@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lit_rl.errors import LitRLError
+from lit_rl.strategies import is_accumulating_micro_batch
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ class NonFiniteGuard(Callback):
     ) -> None:
         if getattr(trainer.precision_plugin, "scaler", None) is not None:
             return  # fp16 with a GradScaler: overflowing steps are expected, and the scaler already skips them
+        if is_accumulating_micro_batch(trainer):
+            return  # DeepSpeed: not the last micro-batch of the window
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         bad = torch.tensor(float(any(not torch.isfinite(g).all() for g in grads)), device=pl_module.device)
         if trainer.world_size > 1:

@@ -44,8 +44,17 @@ class HFGenerateEngine:
 
     needs_weights = False
 
-    def __init__(self, model: torch.nn.Module, eos_token_ids: int | Sequence[int], pad_token_id: int) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        eos_token_ids: int | Sequence[int],
+        pad_token_id: int,
+        synced_ranks: bool = False,
+    ) -> None:
         self.model = model
+        # Under ZeRO-3 every forward gathers parameters collectively: ranks must take the same number of decoding
+        # steps, so each keeps stepping (on finished rows) until all ranks are done.
+        self.synced_ranks = synced_ranks
         self.eos_token_ids = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids)
         self.pad_token_id = pad_token_id
 
@@ -68,7 +77,12 @@ class HFGenerateEngine:
         self.model.eval()
         try:
             with _library_generation_defaults(self.model):
-                out = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+                out = self.model.generate(
+                    input_ids=prompt_ids,
+                    attention_mask=prompt_mask,
+                    generation_config=config,
+                    synced_gpus=self.synced_ranks,
+                )
         finally:
             self.model.train(was_training)
         completion_ids = out.sequences[:, prompt_ids.shape[1] :]  # [N, T]

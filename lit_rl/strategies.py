@@ -1,0 +1,92 @@
+"""Strategy presets: Lightning's DeepSpeed strategy, also on CPU processes (gloo) so CI runs the real engine.
+
+On CUDA, `DeepSpeedStrategy` here is Lightning's own, unchanged. With `--trainer.accelerator cpu` it skips the
+three CUDA-only parts of Lightning's version: the accelerator check, the device-index validation, and a root
+device that must be a GPU (each process reports `cpu:<local_rank>`). DeepSpeed itself detects its CPU
+accelerator and the process group runs over gloo.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeedStrategy
+
+
+class DeepSpeedStrategy(LightningDeepSpeedStrategy):
+    """Lightning's `DeepSpeedStrategy` (same arguments: `stage`, `offload_optimizer`, `config`, ...), able to run
+    on CPU processes for tests; see the module docstring."""
+
+    def _on_cpu(self) -> bool:
+        return isinstance(self.accelerator, CPUAccelerator)
+
+    def setup_environment(self) -> None:
+        if self._on_cpu():
+            DDPStrategy.setup_environment(self)  # Lightning's version refuses anything but CUDA
+            return
+        super().setup_environment()
+
+    def setup_distributed(self) -> None:
+        if self._on_cpu():
+            reset_seed()
+            self.set_world_ranks()
+            self._init_deepspeed_distributed()  # without the CUDA device-index validation
+            return
+        super().setup_distributed()
+
+    @property
+    def root_device(self) -> torch.device:
+        if self._on_cpu():
+            return torch.device("cpu", self.local_rank)
+        return super().root_device
+
+
+def is_zero3(strategy: object) -> bool:
+    return isinstance(strategy, LightningDeepSpeedStrategy) and strategy.zero_stage_3
+
+
+@contextmanager
+def hf_zero3_loading(strategy: object) -> Iterator[None]:
+    """Let `from_pretrained` load into ZeRO-3 partitions (no-op under any other strategy).
+
+    Lightning runs `configure_model` inside `deepspeed.zero.Init`, so every parameter is a placeholder of size 0 as
+    soon as it is created. Registered as `HfDeepSpeedConfig`, the strategy's config tells transformers so: it then
+    gathers each module's shards while it fills them from the checkpoint.
+    """
+    if not is_zero3(strategy):
+        yield
+        return
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    hf_config = HfDeepSpeedConfig(strategy.config)  # transformers holds a weak reference: keep this one alive
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+        del hf_config
+
+
+@contextmanager
+def gathered_parameters(module: torch.nn.Module) -> Iterator[None]:
+    """Inside, every parameter of `module` is whole on every rank (ZeRO-3 partitions gathered; a no-op otherwise).
+    A collective: every rank must enter it."""
+    params = [p for p in module.parameters() if hasattr(p, "ds_id")]
+    if not params:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        yield
+
+
+def is_accumulating_micro_batch(trainer) -> bool:
+    """True on the micro-batches before the last of an accumulation window under DeepSpeed, where Lightning calls
+    the optimizer-step hooks on every micro-batch (the engine decides when to step). Hooks meant to run once per
+    optimizer step return early when this is True."""
+    return trainer.strategy.handles_gradient_accumulation and trainer.fit_loop._should_accumulate()
