@@ -64,22 +64,30 @@ class PolicyModule(L.LightningModule):
     def load_reference(self, path: Optional[str] = None) -> torch.nn.Module:
         """A frozen copy of the model at `path` (default: the starting policy), in eval mode (under ZeRO-3 it is
         partitioned like the policy and never given to the optimizer)."""
-        with hf_zero3_loading(self.trainer.strategy if self._trainer is not None else None):
+        with hf_zero3_loading(self._attached_strategy()):
             return self.load_model(path=path).eval().requires_grad_(False)
+
+    def _attached_strategy(self) -> Optional[Any]:
+        """The trainer's strategy, or None for a module used on its own (tests, export)."""
+        return self._trainer.strategy if self._trainer is not None else None
 
     def configure_model(self) -> None:
         if self.policy is None:
             # from_pretrained returns eval mode; Lightning switches modes around validation, start in train mode.
-            with hf_zero3_loading(self.trainer.strategy):
+            with hf_zero3_loading(self._attached_strategy()):
                 self.policy = self.load_model(random_init=self.hparams.get("random_init", False)).train()
 
     # The reference model is frozen and reloaded from its path: it stays out of checkpoints, and its current
     # weights fill its keys back in when one is loaded, so strict loading still checks the policy's keys.
+    # (DeepSpeed saves and loads the module's weights itself, reference included: its checkpoints reach these hooks
+    # without a "state_dict".)
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("ref_model.")}
+        if "state_dict" in checkpoint:
+            state = checkpoint["state_dict"]
+            checkpoint["state_dict"] = {k: v for k, v in state.items() if not k.startswith("ref_model.")}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self.ref_model is not None:
+        if self.ref_model is not None and "state_dict" in checkpoint:
             for key, value in self.ref_model.state_dict().items():
                 checkpoint["state_dict"][f"ref_model.{key}"] = value
 

@@ -1,6 +1,7 @@
-"""DeepSpeed ZeRO-2 and ZeRO-3 on 2 CPU processes (gloo), through the real CLI and the shipped overlays: the same
-per-step numbers as DDP, exact checkpoint cadence under accumulation, exact resume from sharded checkpoints,
-rollouts from a ZeRO-3 policy into vLLM, and checkpoint conversion to a Hugging Face directory."""
+"""DeepSpeed ZeRO-2 and ZeRO-3 on CPU processes (gloo), through the real CLI and the shipped overlays, with a
+reference model (beta > 0) and gradient accumulation: the same per-step numbers as DDP, exact checkpoint cadence,
+exact resume from sharded checkpoints, rollouts from a ZeRO-3 policy into vLLM, checkpoint conversion to a Hugging
+Face directory, and an 8-process run."""
 
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ def _fit(tmp_path, name, strategy, *args, max_steps=4):
         "4",
         "--trainer.accumulate_grad_batches",
         "2",
+        "--model.beta",
+        "0.04",  # a frozen reference model too: partitioned under ZeRO-3, never given to the optimizer
         "--trainer.max_steps",
         str(max_steps),
         *args,
@@ -106,3 +109,14 @@ def test_zero3_checkpoint_converts_to_a_loadable_hf_directory(tmp_path):
     assert sorted(converted) == sorted(exported)
     for key, value in exported.items():
         assert torch.equal(converted[key], value), key
+
+
+@pytest.mark.eight_processes
+def test_eight_processes_ddp_and_zero3_agree_with_exact_cadence(tmp_path):
+    # 8 ranks x 4 completions x accumulation 2 = one prompt group of 4 per micro-batch per rank.
+    eight = ("--trainer.devices", "8")
+    ddp = _rows(_fit(tmp_path, "ddp8", "ddp", *eight, max_steps=2))
+    zero3_dir = _fit(tmp_path, "zero3_8", "deepspeed_zero3", *eight, max_steps=2)
+    assert saved_steps(zero3_dir) == [2]
+    assert [row["step"] for row in ddp] == [1, 2]
+    assert_rows_match(_rows(zero3_dir), ddp, rel=1e-5, abs=1e-6)
