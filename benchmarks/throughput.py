@@ -3,6 +3,7 @@
     python benchmarks/throughput.py --config configs/grpo.yaml --engines hf vllm_colocate vllm_server \\
         --strategies single ddp --devices 1 2 --steps 30 --warmup 5 --out benchmarks/results/throughput_cpu.json
     python benchmarks/throughput.py --quick          # the tiny model, hf + colocated vLLM, a few steps
+    python benchmarks/throughput.py --markdown benchmarks/results/throughput_cpu.json   # the README's table
 
 Each configuration is one `lit-rl fit` process (the `vllm_server` engine also starts the documented vLLM server
 and stops it afterwards). Its `perf/` metrics, logged every optimizer step by the trainer itself, are averaged
@@ -192,6 +193,26 @@ def print_table(results: list[dict]) -> None:
     Console(width=200).print(table)
 
 
+def markdown_table(results: list[dict]) -> str:
+    """The README's table of a results file (a test checks the README carries exactly this)."""
+    lines = [
+        "| engine | strategy x devices | s/step | samples/s | generation | weight push | policy update | push share "
+        "| max logprob diff | peak memory/rank |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if "error" in r:
+            continue
+        split = r["split_s"]
+        lines.append(
+            f"| {r['engine']} | {r['strategy']} x {r['devices']} | {r['step_s']:.3f} | {r['samples_per_s']:.0f} "
+            f"| {split['generation']:.3f} | {split['weight_push']:.3f} | {split['policy_update']:.3f} "
+            f"| {100 * split['weight_push'] / r['step_s']:.1f}% | {r['rollout_logprob_diff_max']:.1e} "
+            f"| {r['peak_memory_mib_per_rank']:.0f} MiB |"
+        )
+    return "\n".join(lines)
+
+
 def plot(results: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -224,8 +245,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the means (engine start-up)")
     parser.add_argument("--quick", action="store_true", help="tiny model, hf + colocated vLLM, 8 steps")
     parser.add_argument("--out", type=Path, default=None, help="JSON results (the PNG goes beside it)")
+    parser.add_argument("--markdown", type=Path, default=None, help="print the markdown table of a results JSON")
     parser.add_argument("overrides", nargs="*", help="extra `lit-rl fit` flags, after `--`")
     args = parser.parse_args()
+    if args.markdown:
+        print(markdown_table(json.loads(args.markdown.read_text())["results"]))
+        return
     if args.quick:
         args.engines = [e for e in args.engines if e != "hf"] or ["vllm_colocate"]
         args.engines = ["hf", *args.engines]

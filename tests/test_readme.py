@@ -20,3 +20,15 @@ def test_ci_runs_the_readme_test_command_verbatim():
 def test_readme_main_job_is_the_grpo_config():
     run_command, _ = _setup_commands()
     assert run_command == "pip install -e . && lit-rl fit --config configs/grpo.yaml"
+
+
+def test_readme_throughput_table_is_the_committed_results_file():
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("throughput", REPO / "benchmarks" / "throughput.py")
+    throughput = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(throughput)
+    report = json.loads((REPO / "benchmarks" / "results" / "throughput_cpu.json").read_text())
+    assert throughput.markdown_table(report["results"]) in (REPO / "README.md").read_text()
+    assert report["command"] in (REPO / "README.md").read_text().replace("\n", " ")
