@@ -9,6 +9,9 @@ from typing import Iterator, Optional
 
 import torch
 
+# The phases of a rollout step, in order; logged as `perf/<phase>_s` on every step.
+PHASES = ("engine_start", "weight_push", "generation", "reward", "old_logprobs", "ref_logprobs")
+
 
 class StepTimer:
     """Accumulates named phases (generation, reward, ...) between two optimizer steps.
@@ -36,11 +39,13 @@ class StepTimer:
     def summary(self) -> dict[str, float]:
         now = time.perf_counter()
         step = now - self._step_start
-        out = {f"perf/{name}_s": seconds for name, seconds in self.phases.items()}
+        # Every phase, every step (0 when it did not happen): a key logged on some steps only would be repeated,
+        # stale, by the logger on the steps in between.
+        out = {f"perf/{name}_s": self.phases.get(name, 0.0) for name in (*PHASES, *self.phases)}
         out["perf/step_s"] = step
         out["perf/policy_update_s"] = max(step - sum(self.phases.values()), 0.0)
-        if self.phases.get("generation"):
-            out["perf/generated_tokens_per_s"] = self.counters["generated_tokens"] / self.phases["generation"]
+        generation = self.phases.get("generation", 0.0)
+        out["perf/generated_tokens_per_s"] = self.counters["generated_tokens"] / generation if generation else 0.0
         out["perf/trained_tokens_per_s"] = self.counters["trained_tokens"] / step if step > 0 else 0.0
         out["perf/peak_memory_mib"] = peak_memory_mib()
         self.phases.clear()

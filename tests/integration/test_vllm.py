@@ -125,15 +125,28 @@ def _check_run(log_dir: Path) -> None:
 def test_grpo_trains_with_the_colocated_engine(tmp_path):
     log_dir = _fit(tmp_path, "colocate", *COLOCATE)
     _check_run(log_dir)
-    pushes = [row for row in _rows_with(log_dir, "perf/weight_push_s")]
-    assert len(pushes) == 4  # one push before each generation: the first, then after each optimizer step
+    pushes = [int(float(row["step"])) for row in _rows_with(log_dir, "perf/weight_push_s")]
+    assert pushes == [1, 2, 3, 4]  # before every generation: the first, then after each optimizer step
+    generations = [int(float(row["step"])) for row in _rows_with(log_dir, "perf/generation_s")]
+    assert generations == [1, 2, 3, 4]
+
+
+def test_no_push_when_the_policy_did_not_change(tmp_path):
+    # Two optimizer steps per generation: generations before steps 1 and 3 only, so 2 pushes in 4 steps.
+    log_dir = _fit(tmp_path, "two_steps", *COLOCATE, "--model.steps_per_generation", "2")
+    _check_run(log_dir)
+    pushes = [int(float(row["step"])) for row in _rows_with(log_dir, "perf/weight_push_s")]
+    assert pushes == [1, 3]
+    # Timings are logged on every step, 0 where the phase did not run (never a stale repeat of the last value).
+    generations = [int(float(row["step"])) for row in _rows_with(log_dir, "perf/generation_s")]
+    assert generations == [1, 3]
 
 
 def _rows_with(log_dir: Path, key: str) -> list[dict[str, str]]:
     import csv
 
     with open(log_dir / "metrics.csv") as handle:
-        return [row for row in csv.DictReader(handle) if row.get(key)]
+        return [row for row in csv.DictReader(handle) if float(row.get(key) or 0) > 0]
 
 
 def test_grpo_on_two_ddp_processes_with_an_engine_per_rank(tmp_path):
