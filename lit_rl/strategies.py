@@ -71,10 +71,23 @@ def hf_zero3_loading(strategy: object) -> Iterator[None]:
         del hf_config
 
 
+def shards_parameters(strategy: object) -> bool:
+    """Whether every forward pass is a collective (ZeRO-3 or FSDP): ranks must then run the same number of them."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    return is_zero3(strategy) or isinstance(strategy, FSDPStrategy)
+
+
 @contextmanager
 def gathered_parameters(module: torch.nn.Module) -> Iterator[None]:
-    """Inside, every parameter of `module` is whole on every rank (ZeRO-3 partitions gathered; a no-op otherwise).
-    A collective: every rank must enter it."""
+    """Inside, every parameter of `module` is whole on every rank (ZeRO-3 partitions or FSDP shards gathered; a
+    no-op otherwise). A collective: every rank must enter it. (The FSDP path needs GPUs and is untested here.)"""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+        with FullyShardedDataParallel.summon_full_params(module, writeback=False, recurse=True):
+            yield
+        return
     params = [p for p in module.parameters() if hasattr(p, "ds_id")]
     if not params:
         yield

@@ -72,6 +72,13 @@ CASES = [
         "model.vllm.server_url must start with http:// or https://",
         1,
     ),
+    (
+        "vllm-colocate-tensor-parallel",
+        GRPO,
+        ["--model.vllm.tensor_parallel_size", "2"],
+        "model.vllm.tensor_parallel_size > 1 is not supported with mode colocate",
+        1,
+    ),
     ("vllm-negative-retries", GRPO, ["--model.vllm.max_retries", "-1"], "model.vllm.max_retries must be >= 0", 1),
     ("is-correction-unknown", GRPO, ["--model.rollout_is_correction", "seq"], "model.rollout_is_correction", 1),
     ("is-cap-below-one", GRPO, ["--model.rollout_is_cap", "0.5"], "model.rollout_is_cap must be >= 1", 1),

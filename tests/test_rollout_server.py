@@ -181,3 +181,33 @@ def test_a_failed_reload_still_resumes_the_server(fake_server, tmp_path, monkeyp
     with pytest.raises(RolloutServerError, match="Cannot find any model weights"):
         engine.update_weights([("w", torch.zeros(2))])
     assert [path for _, path, _ in server.requests][-1] == "/resume"
+
+
+def test_any_failure_on_rank_0_becomes_one_server_error():
+    from lit_rl.rollout.server import _on_rank0_then_scatter
+
+    with pytest.raises(RolloutServerError, match="vLLM server: ZeroDivisionError"):
+        _on_rank0_then_scatter(lambda: [1 / 0], rank=0, world_size=1)
+
+
+def test_malformed_answers_are_named_errors(fake_server, tmp_path):
+    server = fake_server((200, {"data": []}, 0))
+    with pytest.raises(RolloutServerError, match="/v1/models lists no model"):
+        VLLMServerEngine(VLLMConfig(mode="server", server_url=server.url, weight_sync_dir=str(tmp_path)), [2], 0)
+    models = (200, {"data": [{"id": "policy"}]}, 0)
+    completions = fake_server(models, models, (200, {"choices": [{"index": 0}]}, 0))  # /health, /v1/models, ...
+    config = VLLMConfig(mode="server", server_url=completions.url, weight_sync_dir=str(tmp_path))
+    engine = VLLMServerEngine(config, [2], 0)
+    with pytest.raises(RolloutServerError, match="without token_ids or log-probs"):
+        engine.generate(torch.tensor([[4, 5]]), torch.ones(1, 2, dtype=torch.long), SamplingParams())
+
+
+def test_the_default_weight_directory_is_removed_on_close(fake_server):
+    import os
+
+    server = fake_server((200, {"data": [{"id": "policy"}]}, 0))
+    engine = VLLMServerEngine(VLLMConfig(mode="server", server_url=server.url), [2], 0)
+    directory = engine.sync_dir
+    assert os.path.isdir(directory)
+    engine.close()
+    assert not os.path.exists(directory)

@@ -29,7 +29,7 @@ from lit_rl.rollout import HFGenerateEngine, RolloutEngine, SamplingParams, VLLM
 from lit_rl.rollout.base import policy_weights
 from lit_rl.rollout.config import check_vllm_config
 from lit_rl.rollout.hf import model_eos_token_ids
-from lit_rl.strategies import gathered_parameters, is_zero3
+from lit_rl.strategies import gathered_parameters, shards_parameters
 from lit_rl.types import RolloutBatch
 
 ZERO_STD = 1e-6
@@ -143,7 +143,7 @@ class OnPolicyModule(PolicyModule):
         pad_id = self.tokenizer.pad_token_id
         config = self.vllm_config
         if config is None:
-            synced = is_zero3(self.trainer.strategy) and self.trainer.world_size > 1
+            synced = shards_parameters(self.trainer.strategy) and self.trainer.world_size > 1
             return HFGenerateEngine(self.policy, eos_ids, pad_id, synced_ranks=synced)
         if config.mode == "server":
             from lit_rl.rollout.server import VLLMServerEngine

@@ -17,7 +17,7 @@ class VLLMConfig:
         mode: `colocate`: an in-process `vllm.LLM` on each trainer rank's device. `server`: a separately started
             vLLM OpenAI-compatible server (see the README for the command); rank 0 talks to it.
         gpu_memory_utilization: (colocate, GPU) share of the GPU vLLM may take for weights and KV cache.
-        tensor_parallel_size: (colocate) GPUs one engine spans.
+        tensor_parallel_size: GPUs one engine spans; 1 for colocated engines (one per rank) for now.
         max_model_len: (colocate) context vLLM reserves KV cache for; None: the model's context.
         dtype: (colocate) vLLM's dtype; `auto` follows the policy's dtype.
         enable_prefix_caching: (colocate) reuse the KV cache of shared prompt prefixes (the G completions of a
@@ -62,6 +62,12 @@ def check_vllm_config(config: Optional[VLLMConfig]) -> None:
         raise ConfigError(f"model.vllm.gpu_memory_utilization must be in (0, 1], got {config.gpu_memory_utilization}")
     if config.tensor_parallel_size < 1:
         raise ConfigError(f"model.vllm.tensor_parallel_size must be >= 1, got {config.tensor_parallel_size}")
+    if config.mode == "colocate" and config.tensor_parallel_size != 1:
+        # An in-process engine spanning several GPUs needs vLLM's external launcher wired to the trainer's ranks.
+        raise ConfigError(
+            "model.vllm.tensor_parallel_size > 1 is not supported with mode colocate yet (one engine per rank); "
+            "use mode server for a tensor-parallel engine"
+        )
     if config.max_model_len is not None and config.max_model_len < 1:
         raise ConfigError(f"model.vllm.max_model_len must be >= 1, got {config.max_model_len}")
     if config.cpu_kvcache_space_gib < 1:

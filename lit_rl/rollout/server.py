@@ -20,6 +20,7 @@ backoff, then stop the run with one line naming the URL. 4xx answers fail at onc
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
@@ -28,6 +29,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from itertools import groupby
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -85,9 +87,20 @@ class LocalVLLMServer:
         argv, env = server_command(model, port, cpu=cpu)
         self.url = f"http://127.0.0.1:{port}"
         self._log = open(log_path, "w")
-        self.process = subprocess.Popen(
-            [*argv, *extra_args], env={**os.environ, **env}, stdout=self._log, stderr=subprocess.STDOUT
-        )
+        try:
+            self.process = subprocess.Popen(
+                [*argv, *extra_args], env={**os.environ, **env}, stdout=self._log, stderr=subprocess.STDOUT
+            )
+        except BaseException:
+            self._log.close()
+            raise
+        try:
+            self._wait_until_healthy(timeout_s, log_path)
+        except BaseException:  # never leave a server running behind an error or Ctrl-C
+            self.stop()
+            raise
+
+    def _wait_until_healthy(self, timeout_s: float, log_path: str) -> None:
         deadline = time.monotonic() + timeout_s
         client = VLLMServerClient(self.url, timeout_s=2.0, max_retries=0)
         while True:
@@ -96,13 +109,14 @@ class LocalVLLMServer:
                 return
             except RolloutServerError:
                 if self.process.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
                     raise RolloutServerError(f"vLLM server {self.url} did not start; its log: {log_path}") from None
                 time.sleep(1.0)
 
     def stop(self) -> None:
         import subprocess
 
+        if self._log.closed:
+            return
         self.process.terminate()
         try:
             self.process.wait(timeout=30)
@@ -142,28 +156,31 @@ class VLLMServerClient:
                     ) from None
                 time.sleep(min(2.0**attempt, 30.0))
 
-    def _once(self, method: str, url: str, body: Optional[dict]) -> Any:
+    def _once(self, method: str, url: str, body: Optional[dict], timeout_s: Optional[float] = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+            with urllib.request.urlopen(request, timeout=min(timeout_s or self.timeout_s, self.timeout_s)) as response:
                 payload = response.read()
         except urllib.error.HTTPError as err:
             message = _error_message(err)
             if err.code >= 500:
                 raise _RetryableError(f"HTTP {err.code}: {message}") from None
             raise RolloutServerError(f"vLLM server {url}: HTTP {err.code}: {message}") from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as err:
+        except (urllib.error.URLError, http.client.HTTPException, TimeoutError, ConnectionError, OSError) as err:
             reason = getattr(err, "reason", err)
-            raise _RetryableError(f"no answer ({reason})") from None
-        return json.loads(payload) if payload else None
+            raise _RetryableError(f"no answer ({type(err).__name__}: {reason})") from None
+        try:
+            return json.loads(payload) if payload else None
+        except ValueError:
+            raise RolloutServerError(f"vLLM server {url}: the answer is not JSON: {payload[:200]!r}") from None
 
     def wait_until_healthy(self, wait_s: float) -> None:
         """Poll `/health` until the server answers, for at most `wait_s` seconds (it may still be starting)."""
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                self._once("GET", f"{self.base_url}/health", None)
+                self._once("GET", f"{self.base_url}/health", None, timeout_s=max(1.0, deadline - time.monotonic()))
                 return
             except (_RetryableError, RolloutServerError) as err:
                 if time.monotonic() >= deadline:
@@ -204,39 +221,51 @@ class VLLMServerEngine:
 
     def _connect(self) -> None:
         self.client.wait_until_healthy(self.config.wait_for_server_s)
-        self.model_name = self.client.request("GET", "/v1/models")["data"][0]["id"]
+        try:
+            self.model_name = self.client.request("GET", "/v1/models")["data"][0]["id"]
+        except (KeyError, IndexError, TypeError):
+            raise RolloutServerError(f"vLLM server {self.client.base_url}/v1/models lists no model") from None
         self.sync_dir = self.config.weight_sync_dir
         if self.sync_dir is None:
             shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
             self.sync_dir = tempfile.mkdtemp(prefix="lit-rl-weights-", dir=shm)
             self._own_sync_dir = True
+            # Removed even when the run dies with an exception (Lightning then skips teardown): /dev/shm is RAM.
+            self._cleanup = weakref.finalize(self, shutil.rmtree, self.sync_dir, True)
         os.makedirs(self.sync_dir, exist_ok=True)
 
     # -- generation ------------------------------------------------------------------------------------------
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> RolloutOutput:
         local = (unpadded_prompts(prompt_ids, prompt_mask), draw_seeds(len(prompt_ids)))
         gathered = _gather_to_rank0(local, self.rank, self.world_size)
-        generate_all = lambda: [self._generate_rows(prompts, seeds, params) for prompts, seeds in gathered]  # noqa: E731
-        token_ids, logprobs = _on_rank0_then_scatter(generate_all, self.rank, self.world_size)
+        token_ids, logprobs = _on_rank0_then_scatter(
+            lambda: self._generate_all(gathered, params), self.rank, self.world_size
+        )
         return padded_output(token_ids, logprobs, self.eos_token_ids, self.pad_token_id, prompt_ids.device)
 
-    def _generate_rows(
-        self, prompts: list[list[int]], seeds: list[int], params: SamplingParams
-    ) -> tuple[list[list[int]], list[list[float]]]:
-        # Runs of identical prompts (the G completions of one prompt) go out as one request for n completions.
-        runs, start = [], 0
-        for _, run in groupby(range(len(prompts)), key=lambda i: tuple(prompts[i])):
-            n = len(list(run))
-            runs.append((start, n))
-            start += n
-        with ThreadPoolExecutor(max_workers=max(1, min(16, len(runs)))) as pool:
-            answers = list(pool.map(lambda run: self._complete(prompts[run[0]], seeds[run[0]], run[1], params), runs))
-        token_ids: list[list[int]] = []
-        logprobs: list[list[float]] = []
-        for ids, lps in answers:
-            token_ids.extend(ids)
-            logprobs.extend(lps)
-        return token_ids, logprobs
+    def _generate_all(
+        self, per_rank: list[tuple[list[list[int]], list[int]]], params: SamplingParams
+    ) -> list[tuple[list[list[int]], list[list[float]]]]:
+        """Every rank's completions, in rank order. Runs of identical prompts (the G completions of one prompt) go
+        out as one request for n completions; all requests share one pool, and the first failure cancels the rest."""
+        requests = []  # (rank, prompt, seed, n)
+        for rank, (prompts, seeds) in enumerate(per_rank):
+            start = 0
+            for _, run in groupby(range(len(prompts)), key=lambda i: tuple(prompts[i])):
+                n = len(list(run))
+                requests.append((rank, prompts[start], seeds[start], n))
+                start += n
+        pool = ThreadPoolExecutor(max_workers=max(1, min(16, len(requests))))
+        try:
+            futures = [pool.submit(self._complete, prompt, seed, n, params) for _, prompt, seed, n in requests]
+            answers = [future.result() for future in futures]
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        results: list[tuple[list[list[int]], list[list[float]]]] = [([], []) for _ in per_rank]
+        for (rank, *_), (ids, lps) in zip(requests, answers):
+            results[rank][0].extend(ids)
+            results[rank][1].extend(lps)
+        return results
 
     def _complete(
         self, prompt: list[int], seed: int, n: int, params: SamplingParams
@@ -261,10 +290,16 @@ class VLLMServerEngine:
             raise RolloutServerError(
                 f"vLLM server {self.client.base_url}: asked for {n} completions, got {len(choices)}"
             )
-        return (
-            [list(choice["token_ids"]) for choice in choices],
-            [list(choice["logprobs"]["token_logprobs"]) for choice in choices],
-        )
+        try:
+            return (
+                [list(choice["token_ids"]) for choice in choices],
+                [list(choice["logprobs"]["token_logprobs"]) for choice in choices],
+            )
+        except (KeyError, TypeError):
+            raise RolloutServerError(
+                f"vLLM server {self.client.base_url}: completions come without token_ids or log-probs "
+                "(vLLM >= 0.32 with return_token_ids support is needed)"
+            ) from None
 
     # -- weights ---------------------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Optional[Iterable[tuple[str, torch.Tensor]]] = None) -> None:
@@ -274,7 +309,13 @@ class VLLMServerEngine:
         _on_rank0_then_share(lambda: self._push(named_tensors), self.rank, self.world_size)
 
     def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        _write_safetensors(named_tensors, os.path.join(self.sync_dir, WEIGHTS_FILE))
+        try:
+            _write_safetensors(named_tensors, os.path.join(self.sync_dir, WEIGHTS_FILE))
+        except OSError as err:
+            raise RolloutServerError(
+                f"cannot write the policy's weights to {self.sync_dir} ({err.strerror or err}); "
+                "set model.vllm.weight_sync_dir to a directory with room for them, shared with the server"
+            ) from None
         # `mode=wait` lets any request still running finish; then nothing samples with half-loaded weights.
         self.client.request("POST", "/pause?mode=wait")
         try:
@@ -286,7 +327,7 @@ class VLLMServerEngine:
 
     def close(self) -> None:
         if self._own_sync_dir and self.sync_dir:
-            shutil.rmtree(self.sync_dir, ignore_errors=True)
+            self._cleanup()
             self.sync_dir = None
 
 
@@ -332,8 +373,9 @@ def _on_rank0_then_scatter(fn: Callable[[], list[Any]], rank: int, world_size: i
     if rank == 0:
         try:
             outcome = [("ok", result) for result in fn()]
-        except RolloutServerError as err:
-            outcome = [("error", str(err))] * world_size
+        except Exception as err:  # any failure on rank 0 must reach the ranks waiting for its answer
+            message = str(err) if isinstance(err, RolloutServerError) else f"vLLM server: {type(err).__name__}: {err}"
+            outcome = [("error", message)] * world_size
     if world_size > 1:
         received = [None]
         torch.distributed.scatter_object_list(received, outcome if rank == 0 else None, src=0)
