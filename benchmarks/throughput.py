@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,12 +50,6 @@ ENGINES = {
     "vllm_colocate": CONFIGS / "rollout" / "vllm_colocate.yaml",
     "vllm_server": CONFIGS / "rollout" / "vllm_server.yaml",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def policy_of(config_path: Path, overrides: list[str]) -> str:
@@ -104,7 +97,7 @@ def run_one(args, engine: str, strategy: str, devices: int, workdir: Path) -> di
     if engine == "vllm_server":
         model = resolve_model_path(policy_of(args.config, args.overrides))
         log = str(workdir / f"{name}-server.log")
-        server = LocalVLLMServer(model, free_port(), log, cpu=args.accelerator == "cpu")
+        server = LocalVLLMServer(model, log, cpu=args.accelerator == "cpu")
         command += ["--model.vllm.server_url", server.url]
     started = time.monotonic()
     try:

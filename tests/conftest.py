@@ -119,6 +119,27 @@ def cli_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO)}
 
 
+def fit_in_subprocess(
+    tmp_path: Path,
+    name: str,
+    config: str,
+    *args: str,
+    every_n_train_steps: Optional[int] = 2,
+    env: Optional[dict[str, str]] = None,
+) -> Path:
+    """`lit-rl fit --config configs/<config> <test overlay> *args` as a process (multi-process strategies, vLLM);
+    asserts it succeeded and returns its log directory (checkpoints every `every_n_train_steps`)."""
+    import subprocess
+
+    overlay = write_overlay(
+        tmp_path / f"{name}.yaml", every_n_train_steps=every_n_train_steps, save_dir=tmp_path / name
+    )
+    command = [*CLI_COMMAND, "fit", "--config", str(CONFIGS / config), "--config", str(overlay), *args]
+    result = subprocess.run(command, cwd=tmp_path, env=env or cli_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return tmp_path / name / "run" / "version_0"
+
+
 def build_tiny_reward_model(path: Path) -> Path:
     """A randomly initialised one-label Qwen2 sequence classifier with the tiny tokenizer, saved at `path`."""
     from transformers import Qwen2ForSequenceClassification

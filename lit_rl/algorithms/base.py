@@ -17,7 +17,7 @@ from torchmetrics import MetricCollection
 from lit_rl.errors import ConfigError
 from lit_rl.models import load_causal_lm, load_tokenizer
 from lit_rl.ops import position_ids_from_mask, token_logprobs
-from lit_rl.strategies import hf_zero3_loading, is_accumulating_micro_batch
+from lit_rl.strategies import hf_zero3_loading
 
 
 class PolicyModule(L.LightningModule):
@@ -99,23 +99,20 @@ class PolicyModule(L.LightningModule):
             if isinstance(callback, ModelCheckpoint):
                 callback._last_global_step_saved = max(callback._last_global_step_saved, self.trainer.global_step)
 
-    def step_loss_scale(self, accumulated: bool = True) -> float:
+    def step_loss_scale(self, accumulated: bool = True, across_ranks: bool = True) -> float:
         """What a micro-batch loss normalised over the whole optimizer step (all micro-batches and ranks) is
         multiplied by, so the gradient Lightning and the strategy produce is exactly that loss's gradient.
 
         Lightning divides each micro-batch loss by the accumulation; data-parallel strategies average gradients
         over ranks; DeepSpeed's engine divides by its accumulation steps once more. `accumulated=False` for a loss
-        whose denominator does not span the accumulation window.
+        whose denominator does not span the accumulation window, `across_ranks=False` for one that does not span
+        the ranks (a per-micro-batch mean: then only DeepSpeed's second division is undone).
         """
         accumulate = self.trainer.accumulate_grad_batches
-        scale = float(self.trainer.world_size) * (accumulate if accumulated else 1)
+        scale = float(self.trainer.world_size if across_ranks else 1) * (accumulate if accumulated else 1)
         if self.trainer.strategy.handles_gradient_accumulation:  # DeepSpeed
             scale *= accumulate
         return scale
-
-    def is_accumulating(self) -> bool:
-        """See `lit_rl.strategies.is_accumulating_micro_batch`."""
-        return is_accumulating_micro_batch(self.trainer)
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams

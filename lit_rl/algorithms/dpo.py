@@ -24,6 +24,7 @@ from lit_rl.losses.dpo import DPO_LOSSES, REFERENCE_FREE, dpo_loss
 from lit_rl.metrics import dpo_metrics
 from lit_rl.models import resolve_model_path
 from lit_rl.ops import token_logprobs
+from lit_rl.strategies import is_accumulating_micro_batch
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +235,7 @@ class DPO(PolicyModule):
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.is_accumulating():
+        if is_accumulating_micro_batch(self.trainer):
             return
         self.log_collection(self.train_metrics, on_step=True, prog_bar=("loss",))
 

@@ -29,7 +29,7 @@ from lit_rl.rollout import HFGenerateEngine, RolloutEngine, SamplingParams, VLLM
 from lit_rl.rollout.base import policy_weights
 from lit_rl.rollout.config import check_vllm_config
 from lit_rl.rollout.hf import model_eos_token_ids
-from lit_rl.strategies import gathered_parameters, shards_parameters
+from lit_rl.strategies import gathered_parameters, is_accumulating_micro_batch, shards_parameters
 from lit_rl.types import RolloutBatch
 
 ZERO_STD = 1e-6
@@ -435,7 +435,7 @@ class OnPolicyModule(PolicyModule):
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Once per optimizer step, after every micro-batch of the window has run its backward.
-        if self.is_accumulating():
+        if is_accumulating_micro_batch(self.trainer):
             return
         self.log_collection(self.train_metrics, on_step=True, prog_bar=("reward", "loss"))
         # Timings: the slowest rank's, since the step waits for it; one collective for all of them (every rank

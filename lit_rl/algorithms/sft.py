@@ -16,6 +16,7 @@ import torch
 from lit_rl.algorithms.base import PolicyModule, completion_forward
 from lit_rl.metrics import sft_metrics
 from lit_rl.ops import token_logprobs
+from lit_rl.strategies import is_accumulating_micro_batch
 
 
 class SFT(PolicyModule):
@@ -94,13 +95,11 @@ class SFT(PolicyModule):
         return loss
 
     def training_step(self, batch: list[dict[str, Any]], batch_idx: int) -> torch.Tensor:
-        loss = self._step(batch, self.train_metrics)
-        if self.trainer.strategy.handles_gradient_accumulation:
-            loss = loss * self.trainer.accumulate_grad_batches  # DeepSpeed divides by the accumulation a second time
-        return loss
+        # A per-micro-batch token mean (Lightning's usual mean of means): only DeepSpeed's extra division is undone.
+        return self._step(batch, self.train_metrics) * self.step_loss_scale(accumulated=False, across_ranks=False)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.is_accumulating():
+        if is_accumulating_micro_batch(self.trainer):
             return
         self.log_collection(self.train_metrics, on_step=True, prog_bar=("loss",))
 

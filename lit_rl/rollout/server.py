@@ -74,16 +74,24 @@ def server_command(model: str, port: int, host: str = "127.0.0.1", cpu: bool = T
 
 
 class LocalVLLMServer:
-    """`server_command` started as a child process on 127.0.0.1, waited for until healthy; `stop()` ends it.
+    """`server_command` started as a child process on 127.0.0.1 (a free port unless `port` is given), waited for
+    until healthy; `stop()` ends it.
 
     For tests, benchmarks and single-machine runs; a production server is started by its own supervisor.
     """
 
     def __init__(
-        self, model: str, port: int, log_path: str, cpu: bool = True, extra_args: Sequence[str] = (), timeout_s=600
+        self,
+        model: str,
+        log_path: str,
+        port: Optional[int] = None,
+        cpu: bool = True,
+        extra_args: Sequence[str] = (),
+        timeout_s: float = 600,
     ) -> None:
         import subprocess
 
+        port = port or free_port()
         argv, env = server_command(model, port, cpu=cpu)
         self.url = f"http://127.0.0.1:{port}"
         self._log = open(log_path, "w")
@@ -95,22 +103,14 @@ class LocalVLLMServer:
             self._log.close()
             raise
         try:
-            self._wait_until_healthy(timeout_s, log_path)
-        except BaseException:  # never leave a server running behind an error or Ctrl-C
+            client = VLLMServerClient(self.url, timeout_s=2.0, max_retries=0)
+            client.wait_until_healthy(timeout_s, gone=lambda: self.process.poll() is not None)
+        except RolloutServerError:
+            self.stop()
+            raise RolloutServerError(f"vLLM server {self.url} did not start; its log: {log_path}") from None
+        except BaseException:  # never leave a server running behind Ctrl-C
             self.stop()
             raise
-
-    def _wait_until_healthy(self, timeout_s: float, log_path: str) -> None:
-        deadline = time.monotonic() + timeout_s
-        client = VLLMServerClient(self.url, timeout_s=2.0, max_retries=0)
-        while True:
-            try:
-                client.request("GET", "/health")
-                return
-            except RolloutServerError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise RolloutServerError(f"vLLM server {self.url} did not start; its log: {log_path}") from None
-                time.sleep(1.0)
 
     def stop(self) -> None:
         import subprocess
@@ -123,6 +123,15 @@ class LocalVLLMServer:
         except subprocess.TimeoutExpired:
             self.process.kill()
         self._log.close()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 class RolloutServerError(LitRLError):
@@ -175,15 +184,16 @@ class VLLMServerClient:
         except ValueError:
             raise RolloutServerError(f"vLLM server {url}: the answer is not JSON: {payload[:200]!r}") from None
 
-    def wait_until_healthy(self, wait_s: float) -> None:
-        """Poll `/health` until the server answers, for at most `wait_s` seconds (it may still be starting)."""
+    def wait_until_healthy(self, wait_s: float, gone: Callable[[], bool] = lambda: False) -> None:
+        """Poll `/health` until the server answers, for at most `wait_s` seconds (it may still be starting), or
+        until `gone()` says it never will (its process exited)."""
         deadline = time.monotonic() + wait_s
         while True:
             try:
                 self._once("GET", f"{self.base_url}/health", None, timeout_s=max(1.0, deadline - time.monotonic()))
                 return
             except (_RetryableError, RolloutServerError) as err:
-                if time.monotonic() >= deadline:
+                if time.monotonic() >= deadline or gone():
                     raise RolloutServerError(
                         f"vLLM server {self.base_url}/health: {err} (waited {wait_s:g} s; "
                         "model.vllm.wait_for_server_s); is the server running? (see model.vllm.server_url)"

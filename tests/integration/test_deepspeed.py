@@ -13,14 +13,13 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import (
-    CLI_COMMAND,
     CONFIGS,
     FAST_GRPO,
     assert_rows_match,
     cli_env,
+    fit_in_subprocess,
     saved_steps,
     train_rows,
-    write_overlay,
 )
 
 pytestmark = pytest.mark.slow
@@ -34,14 +33,10 @@ def _rows(log_dir):
 
 
 def _fit(tmp_path, name, strategy, *args, max_steps=4):
-    overlay = write_overlay(tmp_path / f"{name}.yaml", every_n_train_steps=2, save_dir=tmp_path / name)
-    command = [
-        *CLI_COMMAND,
-        "fit",
-        "--config",
-        str(CONFIGS / "grpo.yaml"),
-        "--config",
-        str(overlay),
+    return fit_in_subprocess(
+        tmp_path,
+        name,
+        "grpo.yaml",
         "--config",
         str(STRATEGY / f"{strategy}.yaml"),
         *FAST_GRPO,
@@ -54,10 +49,7 @@ def _fit(tmp_path, name, strategy, *args, max_steps=4):
         "--trainer.max_steps",
         str(max_steps),
         *args,
-    ]
-    result = subprocess.run(command, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return tmp_path / name / "run" / "version_0"
+    )
 
 
 @pytest.fixture(scope="module")

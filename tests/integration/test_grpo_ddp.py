@@ -2,34 +2,26 @@
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
 from tests.conftest import (
-    CLI_COMMAND,
     CONFIGS,
     FAST_GRPO,
     assert_rows_match,
-    cli_env,
+    fit_in_subprocess,
     read_metrics,
     saved_steps,
     train_rows,
-    write_overlay,
 )
 
 pytestmark = pytest.mark.slow
 
 
 def _ddp_fit(tmp_path, name, *args):
-    overlay = write_overlay(tmp_path / f"{name}.yaml", every_n_train_steps=2, save_dir=tmp_path / name)
-    command = [
-        *CLI_COMMAND,
-        "fit",
-        "--config",
-        str(CONFIGS / "grpo.yaml"),
-        "--config",
-        str(overlay),
+    return fit_in_subprocess(
+        tmp_path,
+        name,
+        "grpo.yaml",
         "--config",
         str(CONFIGS / "strategy" / "ddp.yaml"),  # the overlay users add: 2 processes, DDP
         *FAST_GRPO,
@@ -40,11 +32,7 @@ def _ddp_fit(tmp_path, name, *args):
         "--model.steps_per_generation",
         "2",
         *args,
-    ]
-    env = cli_env()
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return tmp_path / name / "run" / "version_0"
+    )
 
 
 def test_two_process_grpo_resumes_mid_generation_exactly(tmp_path):

@@ -3,11 +3,9 @@ must log the same per-step loss and metrics (the loss and every metric are norma
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
-from tests.conftest import CLI_COMMAND, CONFIGS, assert_rows_match, cli_env, train_rows, write_overlay
+from tests.conftest import assert_rows_match, fit_in_subprocess, train_rows
 
 pytestmark = pytest.mark.slow
 
@@ -15,15 +13,10 @@ LAYOUTS = [(1, 4), (2, 2), (4, 1)]  # (processes, micro-batches per process per 
 
 
 def _dpo(tmp_path, devices: int, accumulate: int):
-    name = f"dpo_{devices}x{accumulate}"
-    overlay = write_overlay(tmp_path / f"{name}.yaml", save_dir=tmp_path / name)
-    command = [
-        *CLI_COMMAND,
-        "fit",
-        "--config",
-        str(CONFIGS / "dpo.yaml"),
-        "--config",
-        str(overlay),
+    log_dir = fit_in_subprocess(
+        tmp_path,
+        f"dpo_{devices}x{accumulate}",
+        "dpo.yaml",
         "--trainer.devices",
         str(devices),
         "--trainer.accumulate_grad_batches",
@@ -39,10 +32,9 @@ def _dpo(tmp_path, devices: int, accumulate: int):
         "--model.learning_rate",
         "1e-3",  # large steps: layouts that disagreed on a gradient would drift apart by step 3
         *(["--trainer.strategy", "ddp"] if devices > 1 else []),
-    ]
-    result = subprocess.run(command, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return train_rows(tmp_path / name / "run" / "version_0")
+        every_n_train_steps=None,
+    )
+    return train_rows(log_dir)
 
 
 def test_dpo_steps_are_the_same_in_every_layout(tmp_path):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from lit_rl.rollout.server import LocalVLLMServer, RolloutServerError
+from lit_rl.rollout.server import LocalVLLMServer, RolloutServerError, free_port
 from tests.conftest import (
     CLI_COMMAND,
     CONFIGS,
@@ -24,6 +23,8 @@ from tests.conftest import (
     REPO,
     assert_rows_match,
     cli_env,
+    fit_in_subprocess,
+    read_metrics,
     saved_steps,
     train_rows,
     write_overlay,
@@ -33,12 +34,6 @@ pytestmark = pytest.mark.slow
 
 CHECK_SCRIPT = Path(__file__).with_name("vllm_logprob_check.py")
 TOLERANCE = 1e-4  # fp32; measured differences are ~1e-5
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _vllm_env() -> dict[str, str]:
@@ -51,7 +46,7 @@ def vllm_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm_server") / "server.log"
     model = str(REPO / "lit_rl" / "assets" / "tiny-qwen2-addition-sft")
     try:
-        server = LocalVLLMServer(model, _free_port(), str(log), extra_args=["--max-model-len", "128"])
+        server = LocalVLLMServer(model, str(log), extra_args=["--max-model-len", "128"])
     except RolloutServerError as err:
         pytest.fail(f"{err}:\n{log.read_text()[-3000:]}")
     yield server.url
@@ -90,24 +85,18 @@ def test_server_engine_samples_from_the_pushed_weights(vllm_server):
 
 
 def _fit(tmp_path: Path, name: str, *args: str, algorithm: str = "grpo", max_steps: int = 4) -> Path:
-    overlay = write_overlay(tmp_path / f"{name}.yaml", every_n_train_steps=2, save_dir=tmp_path / name)
-    command = [
-        *CLI_COMMAND,
-        "fit",
-        "--config",
-        str(CONFIGS / f"{algorithm}.yaml"),
-        "--config",
-        str(overlay),
+    return fit_in_subprocess(
+        tmp_path,
+        name,
+        f"{algorithm}.yaml",
         *FAST_GRPO,
         "--trainer.max_steps",
         str(max_steps),
         "--model.learning_rate",
         "1e-3",  # large steps: an engine left with old weights would show in the log-prob difference
         *args,
-    ]
-    result = subprocess.run(command, cwd=tmp_path, env=_vllm_env(), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return tmp_path / name / "run" / "version_0"
+        env=_vllm_env(),
+    )
 
 
 COLOCATE = ("--config", str(CONFIGS / "rollout" / "vllm_colocate.yaml"))
@@ -143,10 +132,7 @@ def test_no_push_when_the_policy_did_not_change(tmp_path):
 
 
 def _rows_with(log_dir: Path, key: str) -> list[dict[str, str]]:
-    import csv
-
-    with open(log_dir / "metrics.csv") as handle:
-        return [row for row in csv.DictReader(handle) if float(row.get(key) or 0) > 0]
+    return [row for row in read_metrics(log_dir) if float(row.get(key) or 0) > 0]
 
 
 def test_grpo_on_two_ddp_processes_with_an_engine_per_rank(tmp_path):
@@ -189,7 +175,7 @@ def test_grpo_on_two_ddp_processes_shares_one_server(tmp_path, vllm_server):
 
 
 def test_dead_server_stops_the_run_with_one_line_naming_the_url(tmp_path):
-    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     overlay = write_overlay(tmp_path / "dead.yaml", save_dir=tmp_path / "dead")
     command = [
         *CLI_COMMAND,
