@@ -4,7 +4,8 @@
 
 The checkpoint is either a Lightning `.ckpt` file or a DeepSpeed checkpoint directory (ZeRO-2 or ZeRO-3 shards,
 consolidated here on CPU; no GPU and no process group needed). The model's architecture and tokenizer come from
-the checkpoint's own `model_name_or_path`; the weights are the policy's at the checkpoint's step.
+the checkpoint's own `model_name_or_path`; the weights are the policy's at the checkpoint's step. A LoRA
+checkpoint gives the merged model, or with `--adapter` the peft adapter alone.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Any
 import torch
 
 from lit_rl.errors import DataFileNotFound, LitRLError
-from lit_rl.models import load_tokenizer, resolve_model_path
+from lit_rl.lora import apply_lora, as_lora_config, save_merged, trainable_keys
+from lit_rl.models import load_causal_lm, load_tokenizer, resolve_model_path
 
 POLICY_PREFIX = "policy."
 
@@ -37,10 +39,13 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def export_checkpoint(checkpoint_path: str | Path, out_dir: str | Path) -> Path:
-    """Write the policy of `checkpoint_path` to `out_dir` with `save_pretrained`, tokenizer included."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def export_checkpoint(checkpoint_path: str | Path, out_dir: str | Path, adapter_only: bool = False) -> Path:
+    """Write the policy of `checkpoint_path` to `out_dir` with `save_pretrained`, tokenizer included.
 
+    A LoRA checkpoint (trained with `model.lora`) holds the adapter only: the frozen weights are loaded from its
+    `model_name_or_path` (which must be unchanged since training), and `out_dir` gets the merged model, or with
+    `adapter_only` the peft adapter (`PeftModel.from_pretrained(base, out_dir)`).
+    """
     checkpoint = load_checkpoint(Path(checkpoint_path))
     hparams = checkpoint.get("hyper_parameters") or {}
     name = hparams.get("model_name_or_path")
@@ -54,23 +59,52 @@ def export_checkpoint(checkpoint_path: str | Path, out_dir: str | Path) -> Path:
     }
     if not policy_state:
         raise LitRLError(f"checkpoint {checkpoint_path} holds no policy weights (no 'policy.*' keys)")
-    config = AutoConfig.from_pretrained(resolve_model_path(name), trust_remote_code=trust_remote_code)
-    config.dtype = next(iter(policy_state.values())).dtype
-    model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    lora = as_lora_config(hparams.get("lora"))
+    if lora is None and adapter_only:
+        raise LitRLError(f"checkpoint {checkpoint_path} was not trained with model.lora: it has no adapter to export")
     tokenizer = load_tokenizer(name, trust_remote_code=trust_remote_code)
+    if lora is None:
+        model = _model_from_config(name, trust_remote_code, next(iter(policy_state.values())).dtype, tokenizer)
+        _load_weights(model, policy_state, checkpoint_path, name, may_miss=_tied_keys(model))
+    else:
+        model = load_causal_lm(name, dtype=hparams.get("dtype", "float32"), trust_remote_code=trust_remote_code)
+        if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+            model.resize_token_embeddings(len(tokenizer))
+        model = apply_lora(model, lora)
+        frozen = set(model.state_dict()) - trainable_keys(model)  # loaded from `name` above
+        _load_weights(model, policy_state, checkpoint_path, name, may_miss=frozen)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if lora is not None and not adapter_only:
+        save_merged(model, out)
+    else:
+        model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _model_from_config(name: str, trust_remote_code: bool, dtype: torch.dtype, tokenizer: Any) -> torch.nn.Module:
+    """The architecture of `name` with uninitialised weights of `dtype`, sized for `tokenizer`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(resolve_model_path(name), trust_remote_code=trust_remote_code)
+    config.dtype = dtype
+    model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # training added a pad token
         model.resize_token_embeddings(len(tokenizer))
-    missing, unexpected = model.load_state_dict(policy_state, strict=False)
-    missing = [key for key in missing if key not in _tied_keys(model)]
+    return model
+
+
+def _load_weights(
+    model: torch.nn.Module, state: dict[str, torch.Tensor], checkpoint_path: Any, name: str, may_miss: set[str]
+) -> None:
+    """Load `state` into `model`; every key must match, except the `may_miss` ones the checkpoint may omit."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [key for key in missing if key not in may_miss]
     if missing or unexpected:
         raise LitRLError(
             f"checkpoint {checkpoint_path} does not match {name}: missing {missing[:3]}, unexpected {unexpected[:3]}"
         )
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    return out
 
 
 def _tied_keys(model: torch.nn.Module) -> set[str]:
@@ -83,9 +117,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a .ckpt file or a DeepSpeed checkpoint directory")
     parser.add_argument("out_dir", help="where to write the save_pretrained directory")
+    parser.add_argument(
+        "--adapter",
+        action="store_true",
+        help="for a LoRA checkpoint: write the peft adapter only (default: the model with the adapter merged in)",
+    )
     args = parser.parse_args(argv)
     try:
-        out = export_checkpoint(args.checkpoint, args.out_dir)
+        out = export_checkpoint(args.checkpoint, args.out_dir, adapter_only=args.adapter)
     except LitRLError as err:
         sys.stderr.write(f"lit-rl export: error: {err}\n")
         sys.exit(1)

@@ -153,17 +153,21 @@ def build_char_tokenizer():
     )
 
 
-def tiny_qwen2_config(vocab_size: int = 320):
-    """Qwen2 with hidden 128, 4 layers, 2 heads of head_dim 64 (vLLM's CPU attention needs 64): ~1M parameters."""
+def tiny_qwen2_config(
+    vocab_size: int = 320, hidden_size: int = 128, num_hidden_layers: int = 4, intermediate_size: int = 512
+):
+    """Qwen2 with heads of head_dim 64 (vLLM's CPU attention needs 64). The defaults, hidden 128 and 4 layers, are
+    the shipped tiny model (~1M parameters); hidden 512, 8 layers, intermediate 1024 is the ~20M benchmark model."""
     from transformers import Qwen2Config
 
+    heads = hidden_size // 64
     return Qwen2Config(
         vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=2,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
         head_dim=64,
         max_position_embeddings=128,
         tie_word_embeddings=True,
@@ -187,6 +191,18 @@ def build_tiny_base(out_dir: str | Path) -> Path:
         path = out / name
         if path.exists():
             path.write_text(json.dumps(json.loads(path.read_text()), indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def build_random_model(out_dir: str | Path, seed: int = 0, **sizes: int) -> Path:
+    """A randomly initialised Qwen2 of `tiny_qwen2_config(**sizes)` with the tiny tokenizer, saved at `out_dir`
+    (benchmark models of other sizes, built offline)."""
+    from transformers import Qwen2ForCausalLM
+
+    out = Path(out_dir)
+    torch.manual_seed(seed)
+    Qwen2ForCausalLM(tiny_qwen2_config(**sizes)).save_pretrained(out)
+    build_char_tokenizer().save_pretrained(out)
     return out
 
 

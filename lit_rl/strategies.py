@@ -9,7 +9,7 @@ accelerator and the process group runs over gloo.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from lightning.fabric.utilities.seed import reset_seed
@@ -79,9 +79,10 @@ def shards_parameters(strategy: object) -> bool:
 
 
 @contextmanager
-def gathered_parameters(module: torch.nn.Module) -> Iterator[None]:
+def gathered_parameters(module: torch.nn.Module, modifier_rank: Optional[int] = None) -> Iterator[None]:
     """Inside, every parameter of `module` is whole on every rank (ZeRO-3 partitions or FSDP shards gathered; a
-    no-op otherwise). A collective: every rank must enter it. (The FSDP path needs GPUs and is untested here.)"""
+    no-op otherwise). A collective: every rank must enter it. (The FSDP path needs GPUs and is untested here.)
+    With `modifier_rank`, what that rank writes into them is partitioned back to every rank (ZeRO-3 only)."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
@@ -94,7 +95,7 @@ def gathered_parameters(module: torch.nn.Module) -> Iterator[None]:
         return
     import deepspeed
 
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank):
         yield
 
 

@@ -140,6 +140,29 @@ def fit_in_subprocess(
     return tmp_path / name / "run" / "version_0"
 
 
+def fit_grpo(**model_args: Any):
+    """GRPO on the tiny model for one optimizer step with a plain Trainer (no CLI, no logger); the fitted module."""
+    import lightning as L
+
+    from lit_rl.algorithms import GRPO
+    from lit_rl.data import PromptDataModule
+
+    args = dict(num_generations=4, micro_batch_size=8, max_new_tokens=4, temperature=1.0)
+    model = GRPO(**{**args, **model_args})
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    L.seed_everything(0)
+    trainer.fit(model, PromptDataModule(val_data=None))
+    return model
+
+
 def build_tiny_reward_model(path: Path) -> Path:
     """A randomly initialised one-label Qwen2 sequence classifier with the tiny tokenizer, saved at `path`."""
     from transformers import Qwen2ForSequenceClassification

@@ -61,17 +61,22 @@ def test_plot_curves_writes_a_png(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
-@pytest.mark.slow
-def test_throughput_quick_compares_hf_and_colocated_vllm(tmp_path):
-    out = tmp_path / "throughput.json"
+def _quick_report(script: str, tmp_path) -> tuple[dict, str]:
+    """Run `benchmarks/<script>.py --quick --out <tmp_path>/<script>.json`: the JSON report it wrote, its stdout."""
+    out = tmp_path / f"{script}.json"
     result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "throughput.py"), "--quick", "--out", str(out)],
+        [sys.executable, str(REPO / "benchmarks" / f"{script}.py"), "--quick", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text()), result.stdout
+
+
+@pytest.mark.slow
+def test_throughput_quick_compares_hf_and_colocated_vllm(tmp_path):
+    report, stdout = _quick_report("throughput", tmp_path)
     assert report["commit"] and report["versions"]["vllm"] and "--quick" in report["command"]
     by_engine = {r["engine"]: r for r in report["results"]}
     assert set(by_engine) == {"hf", "vllm_colocate"}
@@ -83,5 +88,15 @@ def test_throughput_quick_compares_hf_and_colocated_vllm(tmp_path):
     assert by_engine["hf"]["split_s"]["weight_push"] == 0.0  # generate runs on the policy: nothing to push
     assert by_engine["vllm_colocate"]["split_s"]["weight_push"] > 0.0
     assert by_engine["vllm_colocate"]["rollout_logprob_diff_max"] < 1e-4
-    assert out.with_suffix(".png").stat().st_size > 0
-    assert "s/step" in result.stdout
+    assert (tmp_path / "throughput.png").stat().st_size > 0
+    assert "s/step" in stdout
+
+
+@pytest.mark.slow
+def test_lora_quick_reports_fewer_trainable_parameters_and_a_smaller_checkpoint(tmp_path):
+    report, _ = _quick_report("lora", tmp_path)
+    full, lora = (next(r for r in report["results"] if r["lora"] is flag) for flag in (False, True))
+    assert full["trainable_parameters"] == full["total_parameters"]
+    assert lora["trainable_parameters"] < 0.25 * full["trainable_parameters"]
+    assert lora["checkpoint_mib"] < 0.3 * full["checkpoint_mib"]
+    assert full["peak_memory_mib"] > 0 and lora["peak_memory_mib"] > 0

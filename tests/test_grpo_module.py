@@ -1,39 +1,19 @@
 """GRPO internals through a plain Trainer: what is (not) computed, and what the rollout buffer holds."""
 
-import lightning as L
 import pytest
 import torch
 
-from lit_rl.algorithms import GRPO
-from lit_rl.data import PromptDataModule
-
-
-def _fit(**model_args):
-    args = dict(num_generations=4, micro_batch_size=8, max_new_tokens=4, temperature=1.0)
-    args.update(model_args)
-    model = GRPO(**args)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-    )
-    L.seed_everything(0)
-    trainer.fit(model, PromptDataModule(val_data=None))
-    return model
+from tests.conftest import fit_grpo
 
 
 def test_on_policy_single_pass_computes_no_old_logprobs_and_beta0_loads_no_reference():
-    model = _fit(beta=0.0, num_iterations=1, steps_per_generation=1)
+    model = fit_grpo(beta=0.0, num_iterations=1, steps_per_generation=1)
     assert model.ref_model is None
     assert model._buffer.old_logprobs is None and model._buffer.ref_logprobs is None
 
 
 def test_multiple_iterations_compute_old_logprobs_that_match_the_rollout():
-    model = _fit(beta=0.1, num_iterations=2, micro_batch_size=4, steps_per_generation=2)
+    model = fit_grpo(beta=0.1, num_iterations=2, micro_batch_size=4, steps_per_generation=2)
     buffer = model._buffer
     assert model.ref_model is not None and not any(p.requires_grad for p in model.ref_model.parameters())
     tokens = buffer.completion_mask > 0
@@ -47,4 +27,4 @@ def test_multiple_iterations_compute_old_logprobs_that_match_the_rollout():
 
 def test_group_must_fit_in_a_generation_batch():
     with pytest.raises(ValueError, match="must be a multiple of model.num_generations=3"):
-        _fit(num_generations=3, micro_batch_size=4)
+        fit_grpo(num_generations=3, micro_batch_size=4)

@@ -1,4 +1,6 @@
-"""The README's set-up commands are the ones CI and the configs use."""
+"""The README's set-up commands are the ones CI and the configs use; its tables are the committed results."""
+
+import pytest
 
 from tests.conftest import REPO
 
@@ -22,13 +24,14 @@ def test_readme_main_job_is_the_grpo_config():
     assert run_command == "pip install -e . && lit-rl fit --config configs/grpo.yaml"
 
 
-def test_readme_throughput_table_is_the_committed_results_file():
+@pytest.mark.parametrize("script, results", [("throughput", "throughput_cpu.json"), ("lora", "lora_cpu.json")])
+def test_readme_tables_are_the_committed_results_files(script, results):
     import importlib.util
     import json
 
-    spec = importlib.util.spec_from_file_location("throughput", REPO / "benchmarks" / "throughput.py")
-    throughput = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(throughput)
-    report = json.loads((REPO / "benchmarks" / "results" / "throughput_cpu.json").read_text())
-    assert throughput.markdown_table(report["results"]) in (REPO / "README.md").read_text()
+    spec = importlib.util.spec_from_file_location(script, REPO / "benchmarks" / f"{script}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    report = json.loads((REPO / "benchmarks" / "results" / results).read_text())
+    assert module.markdown_table(report["results"]) in (REPO / "README.md").read_text()
     assert report["command"] in (REPO / "README.md").read_text().replace("\n", " ")

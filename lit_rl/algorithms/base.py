@@ -6,7 +6,8 @@ tokenizer, the optimizer, and the rule for logging a MetricCollection once per o
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import lightning as L
 import torch
@@ -15,9 +16,20 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torchmetrics import MetricCollection
 
 from lit_rl.errors import ConfigError
+from lit_rl.lora import (
+    LoRAConfig,
+    adapter_layers,
+    apply_lora,
+    as_lora_config,
+    check_lora_config,
+    reference_view,
+    reset_adapter,
+    trainable_keys,
+)
 from lit_rl.models import load_causal_lm, load_tokenizer
 from lit_rl.ops import position_ids_from_mask, token_logprobs
-from lit_rl.strategies import hf_zero3_loading
+from lit_rl.perf import StepTimer
+from lit_rl.strategies import gathered_parameters, hf_zero3_loading
 
 
 class PolicyModule(L.LightningModule):
@@ -37,13 +49,16 @@ class PolicyModule(L.LightningModule):
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
         max_prompt_length: Optional[int] = None,
+        lora: Optional[LoRAConfig] = None,
     ) -> None:
         super().__init__()
         if learning_rate < 0:
             raise ConfigError(f"model.learning_rate must be >= 0, got {learning_rate}")
+        check_lora_config(as_lora_config(lora))
         self.tokenizer = load_tokenizer(model_name_or_path, trust_remote_code=trust_remote_code)
         self.policy: Optional[torch.nn.Module] = None
         self.ref_model: Optional[torch.nn.Module] = None  # frozen; set by `load_reference`, never checkpointed
+        self.timer = StepTimer()  # perf/ metrics: where each step's time goes
 
     # -- model -----------------------------------------------------------------------------------------------
     def load_model(self, random_init: bool = False, path: Optional[str] = None) -> torch.nn.Module:
@@ -61,6 +76,27 @@ class PolicyModule(L.LightningModule):
             model.resize_token_embeddings(len(self.tokenizer))
         return model
 
+    @property
+    def lora_config(self) -> Optional[LoRAConfig]:
+        """`model.lora`: train a LoRA adapter instead of the full weights (None: full fine-tuning)."""
+        return as_lora_config(self.hparams.get("lora"))
+
+    def reference_is_adapter_off(self, path: Optional[str] = None) -> bool:
+        """Whether the reference (the model at `path`, default the starting policy) is the policy with its LoRA
+        adapter disabled, so that no second copy of the weights is loaded."""
+        return self.lora_config is not None and path in (None, self.hparams.model_name_or_path)
+
+    @contextmanager
+    def reference_model(self) -> Iterator[torch.nn.Module]:
+        """The model that gives reference log-probs: the frozen copy, or with LoRA the policy, adapter disabled."""
+        if self.ref_model is not None:
+            yield self.ref_model
+        elif self.reference_is_adapter_off():
+            with reference_view(self.policy):
+                yield self.policy
+        else:
+            raise RuntimeError("no reference model was loaded")
+
     def load_reference(self, path: Optional[str] = None) -> torch.nn.Module:
         """A frozen copy of the model at `path` (default: the starting policy), in eval mode (under ZeRO-3 it is
         partitioned like the policy and never given to the optimizer)."""
@@ -76,20 +112,45 @@ class PolicyModule(L.LightningModule):
             # from_pretrained returns eval mode; Lightning switches modes around validation, start in train mode.
             with hf_zero3_loading(self._attached_strategy()):
                 self.policy = self.load_model(random_init=self.hparams.get("random_init", False)).train()
+                if self.lora_config is not None:
+                    self._add_lora_adapter()
 
-    # The reference model is frozen and reloaded from its path: it stays out of checkpoints, and its current
-    # weights fill its keys back in when one is loaded, so strict loading still checks the policy's keys.
-    # (DeepSpeed saves and loads the module's weights itself, reference included: its checkpoints reach these hooks
-    # without a "state_dict".)
+    def _add_lora_adapter(self) -> None:
+        """Wrap the policy with a new LoRA adapter, initialised from the run's seed alone: the same under every
+        strategy, and leaving the global RNG stream (which sampling draws from) where it was."""
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            self.policy = apply_lora(self.policy, self.lora_config)
+            torch.manual_seed(torch.initial_seed())
+            for layer in adapter_layers(self.policy):
+                # Under ZeRO-3 `configure_model` runs inside `deepspeed.zero.Init`: the adapters were partitioned
+                # as they were created, before peft could set B = 0. Initialise them whole (elsewhere a no-op).
+                with gathered_parameters(layer, modifier_rank=0):
+                    reset_adapter(layer)
+
+    # Frozen weights are reloaded from their paths: the reference model and, with LoRA, the policy's base weights
+    # stay out of checkpoints (which then hold the adapter only), and their current values fill their keys back in
+    # when one is loaded, so strict loading still checks every trained key.
+    # (DeepSpeed saves and loads the module's weights itself, frozen ones included: its checkpoints reach these
+    # hooks without a "state_dict".)
+    def _frozen_state(self) -> dict[str, torch.Tensor]:
+        state = {}
+        if self.ref_model is not None:
+            state.update({f"ref_model.{k}": v for k, v in self.ref_model.state_dict().items()})
+        if self.lora_config is not None:
+            trained = trainable_keys(self.policy)
+            state.update({f"policy.{k}": v for k, v in self.policy.state_dict().items() if k not in trained})
+        return state
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "state_dict" in checkpoint:
-            state = checkpoint["state_dict"]
-            checkpoint["state_dict"] = {k: v for k, v in state.items() if not k.startswith("ref_model.")}
+            frozen = self._frozen_state()
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self.ref_model is not None and "state_dict" in checkpoint:
-            for key, value in self.ref_model.state_dict().items():
-                checkpoint["state_dict"][f"ref_model.{key}"] = value
+        if "state_dict" in checkpoint:
+            for key, value in self._frozen_state().items():
+                checkpoint["state_dict"].setdefault(key, value)
 
     def on_train_start(self) -> None:
         # Lightning's ModelCheckpoint forgets, on resume, that the resumed-from step was saved; with gradient
@@ -163,6 +224,24 @@ class PolicyModule(L.LightningModule):
             # Called just before optimizer step number `global_step + 1`: label the row with that number, the
             # one its checkpoint (`step=<N>.ckpt`) carries, instead of Lightning's 0-based batch counter.
             self.log("step", float(self.trainer.global_step + 1), on_step=True, on_epoch=False, batch_size=1)
+
+    # -- timings ---------------------------------------------------------------------------------------------
+    def log_timings(self) -> None:
+        """Log the step's `perf/` timings and peak memory (call once per optimizer step): the slowest rank's, since
+        the step waits for it; one collective for all of them (every rank times the same phases)."""
+        timings = self.timer.summary()
+        values = torch.tensor(list(timings.values()), dtype=torch.float32, device=self.device)
+        if self.trainer.world_size > 1:
+            values = self.trainer.strategy.reduce(values, reduce_op="max")
+        for name, value in zip(timings, values.tolist()):
+            self.log(name, value, on_step=True, on_epoch=False, batch_size=1)
+
+    def on_validation_start(self) -> None:
+        self._timer_during_training = self.timer
+        self.timer = StepTimer()  # validation's work is not part of any training step
+
+    def on_validation_end(self) -> None:
+        self.timer = getattr(self, "_timer_during_training", self.timer)
 
 
 def completion_forward(

@@ -12,14 +12,16 @@ import hashlib
 import json
 import logging
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
 from lit_rl.algorithms.base import PolicyModule, completion_forward
 from lit_rl.data.preference import TokenizedPair, collate_pairs
 from lit_rl.errors import ConfigError
+from lit_rl.lora import LoRAConfig
 from lit_rl.losses.dpo import DPO_LOSSES, REFERENCE_FREE, dpo_loss
 from lit_rl.metrics import dpo_metrics
 from lit_rl.models import resolve_model_path
@@ -47,6 +49,9 @@ class DPO(PolicyModule):
         dtype: dtype the models are loaded in (`float32`, `bfloat16`, `float16`, `auto`).
         gradient_checkpointing: recompute activations in the backward pass to save memory.
         trust_remote_code: allow model code from the model repository (off by default).
+        lora: train a LoRA adapter (`configs/peft/lora.yaml`) instead of the full weights, the reference being the
+            policy with its adapter disabled (unless `ref_model_name_or_path` names another model). See
+            `lit_rl.lora.LoRAConfig` for the keys (`--model.lora.r 8`).
     """
 
     def __init__(
@@ -65,6 +70,7 @@ class DPO(PolicyModule):
         dtype: str = "float32",
         gradient_checkpointing: bool = False,
         trust_remote_code: bool = False,
+        lora: Optional[LoRAConfig] = None,
     ) -> None:
         if loss_type not in DPO_LOSSES:
             raise ConfigError(f"model.loss_type must be one of {DPO_LOSSES}, got {loss_type!r}")
@@ -80,6 +86,7 @@ class DPO(PolicyModule):
             learning_rate=learning_rate,
             weight_decay=weight_decay,
             warmup_steps=warmup_steps,
+            lora=lora,
         )
         self.save_hyperparameters()
         metrics = dpo_metrics()
@@ -98,7 +105,8 @@ class DPO(PolicyModule):
 
     def configure_model(self) -> None:
         super().configure_model()
-        if self.needs_reference and not self.hparams.precompute_ref_logprobs and self.ref_model is None:
+        keeps_reference = self.needs_reference and not self.hparams.precompute_ref_logprobs
+        if keeps_reference and self.ref_model is None and not self.reference_is_adapter_off(self.ref_path):
             self.ref_model = self.load_reference(self.ref_path)
 
     # -- reference log-probs ---------------------------------------------------------------------------------
@@ -121,16 +129,14 @@ class DPO(PolicyModule):
         if path.exists():
             log.info("reference log-probs of the %s pairs loaded from %s", split, path)
             return torch.load(path, weights_only=True).to(self.device)
-        ref_model = self.load_reference(self.ref_path).to(self.device)
         values = []
-        with torch.no_grad():
+        with torch.no_grad(), self._reference_for_precompute() as ref_model:
             for start in range(0, len(pairs), 64):
                 chunk = pairs[start : start + 64]
                 batch = collate_pairs(chunk, [1.0] * len(chunk), self.tokenizer.pad_token_id)
                 batch = {k: v.to(self.device) for k, v in batch.items()}
                 logps, _, _ = self.sequence_logps(ref_model, batch)
                 values.append(torch.stack(logps.split(len(chunk)), dim=1))  # [n, 2]
-        del ref_model
         result = torch.cat(values)
         if self.trainer.is_global_zero:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -139,6 +145,17 @@ class DPO(PolicyModule):
             os.replace(tmp, path)  # atomic: a killed run never leaves a half-written cache
         log.info("reference log-probs of %d %s pairs computed and cached at %s", len(pairs), split, path)
         return result
+
+    @contextmanager
+    def _reference_for_precompute(self) -> Iterator[torch.nn.Module]:
+        """The reference model for a one-off pass: the policy with its adapter off, or a copy loaded for it."""
+        if self.reference_is_adapter_off(self.ref_path):
+            with self.reference_model() as ref_model:
+                yield ref_model
+        else:
+            ref_model = self.load_reference(self.ref_path).to(self.device)
+            yield ref_model
+            del ref_model
 
     def _cache_key(self, pairs: list[TokenizedPair]) -> str:
         """Hash of the reference model (path; name, size, mtime and first/last MiB of its config and weight files),
@@ -175,8 +192,8 @@ class DPO(PolicyModule):
         if self.hparams.precompute_ref_logprobs:
             values = self._precomputed(split)[batch["index"]]  # [B, 2]
             return values[:, 0], values[:, 1]
-        with torch.no_grad():
-            logps, _, _ = self.sequence_logps(self.ref_model, batch)
+        with torch.no_grad(), self.timer.phase("ref_logprobs"), self.reference_model() as ref_model:
+            logps, _, _ = self.sequence_logps(ref_model, batch)
         return logps.chunk(2)
 
     def _step(self, batch: dict[str, torch.Tensor], split: str, metrics) -> torch.Tensor:
@@ -230,6 +247,7 @@ class DPO(PolicyModule):
 
     # -- Lightning hooks -------------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.timer.count("trained_tokens", float(batch["completion_mask"].sum()))
         loss = self._step(batch, "train", self.train_metrics)
         self.train_batches_done += 1
         return loss
@@ -238,6 +256,7 @@ class DPO(PolicyModule):
         if is_accumulating_micro_batch(self.trainer):
             return
         self.log_collection(self.train_metrics, on_step=True, prog_bar=("loss",))
+        self.log_timings()
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self._step(batch, "val", self.val_metrics)

@@ -13,6 +13,7 @@ import torch
 
 from lit_rl.algorithms.on_policy import ZERO_STD, OnPolicyModule, check_rollout_args
 from lit_rl.errors import ConfigError
+from lit_rl.lora import LoRAConfig
 from lit_rl.losses import AGGREGATIONS, LossNormalizer, group_advantages, grpo_loss, truncated_is_weights
 from lit_rl.metrics import grpo_metrics
 from lit_rl.rollout import VLLMConfig
@@ -52,6 +53,8 @@ class GRPO(OnPolicyModule):
             `frac_invalid_reward`), `error` stops the run naming the reward function.
         vllm: generate rollouts with vLLM (`configs/rollout/vllm_colocate.yaml`, `vllm_server.yaml`); None: HF
             `generate` on the policy. See `lit_rl.rollout.VLLMConfig` for the keys (`--model.vllm.mode ...`).
+        lora: train a LoRA adapter (`configs/peft/lora.yaml`) instead of the full weights; the reference is then
+            the policy with its adapter disabled. See `lit_rl.lora.LoRAConfig` for the keys (`--model.lora.r 8`).
         rollout_is_correction: `token_truncate` weighs each token's policy term by the truncated importance
             ratio `min(exp(old_logprobs - rollout_logprobs), rollout_is_cap)` of the trainer's probability over
             the rollout engine's (for engines whose numerics differ, e.g. bf16 vLLM); `none` (default) does not.
@@ -87,6 +90,7 @@ class GRPO(OnPolicyModule):
         val_num_generations: int = 1,
         invalid_reward: str = "zero",
         vllm: Optional[VLLMConfig] = None,
+        lora: Optional[LoRAConfig] = None,
         rollout_is_correction: str = "none",
         rollout_is_cap: float = 2.0,
     ) -> None:
@@ -120,6 +124,7 @@ class GRPO(OnPolicyModule):
             warmup_steps=warmup_steps,
             max_prompt_length=max_prompt_length,
             vllm=vllm,
+            lora=lora,
         )
         self.save_hyperparameters()
         self.train_metrics = grpo_metrics(self.reward_fns, with_kl=beta != 0.0).clone(prefix="train/")

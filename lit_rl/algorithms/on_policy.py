@@ -19,11 +19,11 @@ from torchmetrics import MetricCollection
 from lit_rl.algorithms.base import PolicyModule, completion_forward, completion_logprobs
 from lit_rl.data.schedule import RolloutSchedule
 from lit_rl.errors import ConfigError, DataError, RewardFunctionError
+from lit_rl.lora import LoRAConfig
 from lit_rl.losses import LossNormalizer
 from lit_rl.metrics import rollout_eval_metrics
 from lit_rl.models import resolve_model_path
 from lit_rl.ops import entropy_from_logits, token_logprobs
-from lit_rl.perf import StepTimer
 from lit_rl.rewards import call_reward_function, import_reward_function, reward_name
 from lit_rl.rollout import HFGenerateEngine, RolloutEngine, SamplingParams, VLLMConfig
 from lit_rl.rollout.base import policy_weights
@@ -52,6 +52,7 @@ class OnPolicyModule(PolicyModule):
         warmup_steps: int,
         max_prompt_length: Optional[int],
         vllm: Optional[VLLMConfig] = None,
+        lora: Optional[LoRAConfig] = None,
     ) -> None:
         check_vllm_config(vllm)
         super().__init__(
@@ -63,6 +64,7 @@ class OnPolicyModule(PolicyModule):
             weight_decay=weight_decay,
             warmup_steps=warmup_steps,
             max_prompt_length=max_prompt_length,
+            lora=lora,
         )
         # None means the built-in task's correctness reward; an empty list means none (a subclass adds its own).
         reward_funcs = ["lit_rl.rewards.arithmetic.correctness"] if reward_funcs is None else reward_funcs
@@ -80,7 +82,6 @@ class OnPolicyModule(PolicyModule):
         self.rollout_engine: Optional[RolloutEngine] = None  # a plain object, never an nn.Module attribute
         self._engine_weights_step: Optional[int] = None  # the global_step whose weights the engine holds
         self._micro_steps_done = 0
-        self.timer = StepTimer()  # perf/ metrics: where each step's time goes
         self._buffer: Optional[RolloutBatch] = None
         self._normalizers: list[LossNormalizer] = []
 
@@ -121,7 +122,7 @@ class OnPolicyModule(PolicyModule):
     # -- set-up ----------------------------------------------------------------------------------------------
     def configure_model(self) -> None:
         super().configure_model()
-        if self.uses_reference() and self.ref_model is None:
+        if self.uses_reference() and self.ref_model is None and not self.reference_is_adapter_off():
             self.ref_model = self.load_reference()
 
     def engine(self) -> RolloutEngine:
@@ -328,9 +329,9 @@ class OnPolicyModule(PolicyModule):
         if self.needs_old_logprobs():
             with self.timer.phase("old_logprobs"):
                 batch.old_logprobs = self._logprobs_in_chunks(self.policy, batch)
-        if self.ref_model is not None:
-            with self.timer.phase("ref_logprobs"):
-                batch.ref_logprobs = self._logprobs_in_chunks(self.ref_model, batch)
+        if self.uses_reference():
+            with self.timer.phase("ref_logprobs"), self.reference_model() as ref_model:
+                batch.ref_logprobs = self._logprobs_in_chunks(ref_model, batch)
         # Groups never span ranks here, but batch-level statistics need every rank's rewards.
         self.finish_rollout(batch, self.all_gather(rewards).reshape(-1))
         self._normalizers = self._step_normalizers(batch)
@@ -438,23 +439,9 @@ class OnPolicyModule(PolicyModule):
         if is_accumulating_micro_batch(self.trainer):
             return
         self.log_collection(self.train_metrics, on_step=True, prog_bar=("reward", "loss"))
-        # Timings: the slowest rank's, since the step waits for it; one collective for all of them (every rank
-        # times the same phases, because every rank follows the same schedule).
-        timings = self.timer.summary()
-        values = torch.tensor(list(timings.values()), dtype=torch.float32, device=self.device)
-        if self.trainer.world_size > 1:
-            values = self.trainer.strategy.reduce(values, reduce_op="max")
-        for name, value in zip(timings, values.tolist()):
-            self.log(name, value, on_step=True, on_epoch=False, batch_size=1)
+        self.log_timings()
 
     # -- validation ------------------------------------------------------------------------------------------
-    def on_validation_start(self) -> None:
-        self._timer_during_training = self.timer
-        self.timer = StepTimer()  # validation's generation is not part of any training step
-
-    def on_validation_end(self) -> None:
-        self.timer = getattr(self, "_timer_during_training", self.timer)
-
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         G = self.hparams.val_num_generations
         # Validation samples with its own RNG stream, so it cannot change what training samples next.

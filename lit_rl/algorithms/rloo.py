@@ -13,6 +13,7 @@ import torch
 
 from lit_rl.algorithms.on_policy import OnPolicyModule, check_rollout_args
 from lit_rl.errors import ConfigError
+from lit_rl.lora import LoRAConfig
 from lit_rl.losses import LossNormalizer
 from lit_rl.losses.rloo import kl_penalized_rewards, rloo_advantages, rloo_loss
 from lit_rl.metrics import rloo_metrics
@@ -51,6 +52,8 @@ class RLOO(OnPolicyModule):
             `frac_invalid_reward`), `error` stops the run naming the reward function.
         vllm: generate rollouts with vLLM (`configs/rollout/vllm_colocate.yaml`, `vllm_server.yaml`); None: HF
             `generate` on the policy. See `lit_rl.rollout.VLLMConfig` for the keys (`--model.vllm.mode ...`).
+        lora: train a LoRA adapter (`configs/peft/lora.yaml`) instead of the full weights; the reference is then
+            the policy with its adapter disabled. See `lit_rl.lora.LoRAConfig` for the keys (`--model.lora.r 8`).
     """
 
     def __init__(
@@ -80,6 +83,7 @@ class RLOO(OnPolicyModule):
         val_num_generations: int = 1,
         invalid_reward: str = "zero",
         vllm: Optional[VLLMConfig] = None,
+        lora: Optional[LoRAConfig] = None,
     ) -> None:
         check_rollout_args(locals())
         if epsilon < 0:
@@ -96,6 +100,7 @@ class RLOO(OnPolicyModule):
             warmup_steps=warmup_steps,
             max_prompt_length=max_prompt_length,
             vllm=vllm,
+            lora=lora,
         )
         self.save_hyperparameters()
         self.train_metrics = rloo_metrics(self.reward_fns).clone(prefix="train/")

@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 
 from lit_rl.algorithms.base import PolicyModule, completion_forward
+from lit_rl.lora import LoRAConfig
 from lit_rl.metrics import sft_metrics
 from lit_rl.ops import token_logprobs
 from lit_rl.strategies import is_accumulating_micro_batch
@@ -33,6 +34,8 @@ class SFT(PolicyModule):
         trust_remote_code: allow model code from the model repository (off by default).
         max_prompt_length: truncate prompts to their last `max_prompt_length` tokens (None: no limit).
         max_completion_length: truncate completions to this many tokens, EOS included (None: no limit).
+        lora: train a LoRA adapter (`configs/peft/lora.yaml`) instead of the full weights. See
+            `lit_rl.lora.LoRAConfig` for the keys (`--model.lora.r 8`).
     """
 
     disable_dropout = False
@@ -49,6 +52,7 @@ class SFT(PolicyModule):
         trust_remote_code: bool = False,
         max_prompt_length: Optional[int] = None,
         max_completion_length: Optional[int] = None,
+        lora: Optional[LoRAConfig] = None,
     ) -> None:
         super().__init__(
             model_name_or_path,
@@ -60,6 +64,7 @@ class SFT(PolicyModule):
             weight_decay=weight_decay,
             warmup_steps=warmup_steps,
             max_prompt_length=max_prompt_length,
+            lora=lora,
         )
         self.save_hyperparameters()
         metrics = sft_metrics()
@@ -102,6 +107,7 @@ class SFT(PolicyModule):
         if is_accumulating_micro_batch(self.trainer):
             return
         self.log_collection(self.train_metrics, on_step=True, prog_bar=("loss",))
+        self.log_timings()
 
     def validation_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
         self._step(batch, self.val_metrics)

@@ -8,11 +8,15 @@ from typing import Optional
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
+from lit_rl.lora import is_lora_model, save_merged
 from lit_rl.strategies import gathered_parameters
 
 
 class SaveHFPretrained(Callback):
     """At the end of `fit`, save `pl_module.policy` and `pl_module.tokenizer` to `dirpath` (rank 0 only).
+
+    A LoRA policy is saved twice: merged into a plain model in `dirpath` (loadable by transformers and vLLM without
+    peft) and as the peft adapter alone in `dirpath/adapter` (`PeftModel.from_pretrained(base, dirpath/adapter)`).
 
     Args:
         dirpath: output directory (created; files with the same names are replaced). Default: `hf/` in the
@@ -28,6 +32,10 @@ class SaveHFPretrained(Callback):
         with gathered_parameters(pl_module.policy):  # ZeRO-3: every rank takes part in gathering the shards
             if trainer.is_global_zero:
                 out.mkdir(parents=True, exist_ok=True)
-                pl_module.policy.save_pretrained(out, safe_serialization=True)
+                if is_lora_model(pl_module.policy):
+                    save_merged(pl_module.policy, out)
+                    pl_module.policy.save_pretrained(out / "adapter", safe_serialization=True)
+                else:
+                    pl_module.policy.save_pretrained(out, safe_serialization=True)
                 pl_module.tokenizer.save_pretrained(out)
         trainer.strategy.barrier("save_hf_pretrained")

@@ -7,6 +7,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 
+from lit_rl.lora import base_model
 from lit_rl.ops import token_logprobs
 from lit_rl.rollout.base import RolloutOutput, SamplingParams, completion_mask_from_ids
 
@@ -26,6 +27,7 @@ def _library_generation_defaults(model: torch.nn.Module) -> Iterator[None]:
     `generate` fills every unset field from it, which would sample from a distribution the trainer never sees."""
     from transformers import GenerationConfig
 
+    model = base_model(model)  # a peft wrapper generates with its base model's settings
     saved = model.generation_config
     model.generation_config = GenerationConfig()
     try:

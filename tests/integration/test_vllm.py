@@ -76,12 +76,15 @@ def test_transformers_models_import_next_to_vllm():
     assert result.stdout.strip().endswith("Qwen2ForCausalLM")
 
 
-def test_colocated_engine_samples_from_the_pushed_weights():
-    _check_push(_logprob_check("colocate"))
+# With "--lora" the trainer's policy carries a LoRA adapter and the engine receives the merged weights.
+@pytest.mark.parametrize("lora", [(), ("--lora",)], ids=["full", "lora"])
+def test_colocated_engine_samples_from_the_pushed_weights(lora):
+    _check_push(_logprob_check("colocate", *lora))
 
 
-def test_server_engine_samples_from_the_pushed_weights(vllm_server):
-    _check_push(_logprob_check("server", vllm_server))
+@pytest.mark.parametrize("lora", [(), ("--lora",)], ids=["full", "lora"])
+def test_server_engine_samples_from_the_pushed_weights(vllm_server, lora):
+    _check_push(_logprob_check("server", vllm_server, *lora))
 
 
 def _fit(tmp_path: Path, name: str, *args: str, algorithm: str = "grpo", max_steps: int = 4) -> Path:
@@ -118,6 +121,11 @@ def test_grpo_trains_with_the_colocated_engine(tmp_path):
     assert pushes == [1, 2, 3, 4]  # before every generation: the first, then after each optimizer step
     generations = [int(float(row["step"])) for row in _rows_with(log_dir, "perf/generation_s")]
     assert generations == [1, 2, 3, 4]
+
+
+def test_grpo_with_lora_pushes_merged_weights_into_the_colocated_engine(tmp_path):
+    log_dir = _fit(tmp_path, "colocate_lora", *COLOCATE, "--config", str(CONFIGS / "peft" / "lora.yaml"))
+    _check_run(log_dir)  # includes the engine-vs-trainer log-prob gap < 1e-4 on every step
 
 
 def test_no_push_when_the_policy_did_not_change(tmp_path):

@@ -2,10 +2,13 @@
 
     python tests/integration/vllm_logprob_check.py colocate
     python tests/integration/vllm_logprob_check.py server http://127.0.0.1:PORT
+    python tests/integration/vllm_logprob_check.py colocate --lora
 
 The engine starts from the shipped SFT policy's weights. The trainer's copy is then perturbed; completions sampled
 before the push are scored by the trainer (their log-prob difference is large), the weights are pushed, and
-completions sampled after it are scored again (the difference is rounding). Prints one JSON line.
+completions sampled after it are scored again (the difference is rounding). With `--lora` the policy is the SFT
+model with a LoRA adapter, and only the adapter is perturbed: the engine receives the merged weights.
+Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ def max_logprob_diff(engine, policy, prompt_ids, prompt_mask, params) -> tuple[f
     return diff, int(out.completion_mask.sum())
 
 
-def main(mode: str, url: str | None) -> None:
+def main(mode: str, url: str | None, lora: bool) -> None:
     from lit_rl.models import load_causal_lm, load_tokenizer, resolve_model_path
     from lit_rl.rollout import SamplingParams, VLLMConfig
     from lit_rl.rollout.base import policy_weights
@@ -36,6 +39,10 @@ def main(mode: str, url: str | None) -> None:
     path = "lit-rl/tiny-qwen2-addition-sft"
     tokenizer = load_tokenizer(path)
     policy = load_causal_lm(path, dtype="float32").eval()
+    if lora:
+        from lit_rl.lora import LoRAConfig, apply_lora
+
+        policy = apply_lora(policy, LoRAConfig(r=8)).eval()
     eos_ids = model_eos_token_ids(policy, tokenizer.eos_token_id)
     if mode == "colocate":
         from lit_rl.rollout.vllm import VLLMColocateEngine
@@ -64,7 +71,8 @@ def main(mode: str, url: str | None) -> None:
     synced, _ = max_logprob_diff(engine, policy, prompt_ids, prompt_mask, params)
     with torch.no_grad():
         for p in policy.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+            if p.requires_grad:  # everything, or with LoRA the adapter (whose B starts at 0)
+                p.add_(torch.randn_like(p) * 0.05)
     before, _ = max_logprob_diff(engine, policy, prompt_ids, prompt_mask, params)
     engine.update_weights(policy_weights(policy))
     after, tokens = max_logprob_diff(engine, policy, prompt_ids, prompt_mask, params)
@@ -73,4 +81,5 @@ def main(mode: str, url: str | None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)
+    positional = [arg for arg in sys.argv[1:] if not arg.startswith("--")]
+    main(positional[0], positional[1] if len(positional) > 1 else None, lora="--lora" in sys.argv)

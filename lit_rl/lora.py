@@ -1,0 +1,193 @@
+"""LoRA adapters with the `peft` library: the one module that imports peft.
+
+With `model.lora` set (`--config configs/peft/lora.yaml`), the policy is the loaded model wrapped by
+`peft.get_peft_model`: its weights are frozen and only the low-rank matrices (and `modules_to_save`) train.
+
+- The reference model of GRPO/RLOO/Online DPO/DPO is the same model with the adapter disabled
+  (`reference_view`): the starting weights, without a second copy of them in memory.
+- Rollout engines that hold their own weights (vLLM) receive the merged weights `W + (alpha / r) B A` under the
+  base model's Hugging Face names (`merged_weights`). They are computed next to the frozen weights, not merged
+  into them in place: merging and unmerging round `W` in floating point, so the frozen weights would drift.
+- Checkpoints keep only what trains (`trainable_keys`); the frozen weights are reloaded from
+  `model_name_or_path` when a checkpoint is loaded.
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, ContextManager, Optional
+
+import torch
+
+from lit_rl.errors import ConfigError
+
+# The attention and MLP projections of Qwen2/Llama/Mistral-style models.
+DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+_BIASES = ("none", "all", "lora_only")
+
+
+@dataclass
+class LoRAConfig:
+    """LoRA settings (`model.lora`): the adapted weight is `W + (alpha / r) B A`, with A [r, in], B [out, r].
+
+    Args:
+        r: rank of the adapter.
+        alpha: scaling numerator; the update is scaled by `alpha / r`.
+        dropout: dropout on the adapter's input. Keep 0 for RL: the trainer compares log-probs of the same tokens
+            under the same weights, which dropout makes differ.
+        target_modules: module names (suffixes) that get an adapter; default: the attention and MLP projections
+            of Qwen2/Llama-style models. `all-linear` adapts every linear layer but the output head.
+        modules_to_save: modules that stay fully trainable (and are saved whole), e.g. `[lm_head]`.
+        bias: which biases train: `none`, `all` or `lora_only`.
+    """
+
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))
+    modules_to_save: Optional[list[str]] = None
+    bias: str = "none"
+
+
+def as_lora_config(value: Any) -> Optional[LoRAConfig]:
+    """`model.lora` as given (a LoRAConfig, a dict from an older checkpoint's hyper-parameters, or None)."""
+    if value is None or isinstance(value, LoRAConfig):
+        return value
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - set(LoRAConfig.__dataclass_fields__))
+        if unknown:
+            raise ConfigError(f"model.lora has no key {unknown[0]!r} (keys: {sorted(LoRAConfig.__dataclass_fields__)})")
+        return LoRAConfig(**value)
+    raise ConfigError(f"model.lora must be a mapping of LoRA settings, got {value!r}")
+
+
+def check_lora_config(config: Optional[LoRAConfig]) -> None:
+    """Reject impossible settings at construction, naming the key; and a missing `peft` install."""
+    if config is None:
+        return
+    if config.r < 1:
+        raise ConfigError(f"model.lora.r must be >= 1, got {config.r}")
+    if not config.alpha > 0:
+        raise ConfigError(f"model.lora.alpha must be > 0, got {config.alpha}")
+    if not 0.0 <= config.dropout < 1.0:
+        raise ConfigError(f"model.lora.dropout must be in [0, 1), got {config.dropout}")
+    if config.bias not in _BIASES:
+        raise ConfigError(f"model.lora.bias must be one of {list(_BIASES)}, got {config.bias!r}")
+    if not config.target_modules:
+        raise ConfigError("model.lora.target_modules must name at least one module")
+    try:
+        import peft  # noqa: F401
+    except ImportError as err:
+        raise ConfigError(f"model.lora needs the peft library ({err}): pip install -e '.[peft]'") from None
+
+
+def apply_lora(model: torch.nn.Module, config: LoRAConfig) -> torch.nn.Module:
+    """Wrap `model` with a fresh LoRA adapter (peft initialises B = 0, so the output is unchanged at first)."""
+    import peft
+
+    target: Any = config.target_modules
+    if target == ["all-linear"]:
+        target = "all-linear"
+    peft_config = peft.LoraConfig(
+        r=config.r,
+        lora_alpha=config.alpha,
+        lora_dropout=config.dropout,
+        target_modules=target,
+        modules_to_save=config.modules_to_save,
+        bias=config.bias,
+        task_type="CAUSAL_LM",
+    )
+    gradient_checkpointing = getattr(model, "is_gradient_checkpointing", False)
+    try:
+        wrapped = peft.get_peft_model(model, peft_config)
+    except ValueError as err:  # e.g. "Target modules {...} not found in the base model"
+        raise ConfigError(f"model.lora.target_modules={config.target_modules}: {err}") from None
+    if gradient_checkpointing:
+        # The embeddings are frozen: without this, checkpointed blocks see inputs that need no gradient and the
+        # adapters inside them would get none.
+        wrapped.enable_input_require_grads()
+    return wrapped
+
+
+def adapter_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules peft put an adapter into."""
+    from peft.tuners.lora import LoraLayer
+
+    return [module for module in model.modules() if isinstance(module, LoraLayer)]
+
+
+def reset_adapter(layer: torch.nn.Module) -> None:
+    """Initialise `layer`'s adapters as peft does when it creates them (A random, B = 0)."""
+    for name in list(layer.lora_A) + list(layer.lora_embedding_A):
+        layer.reset_lora_parameters(name, init_lora_weights=True)
+
+
+def is_lora_model(model: Optional[torch.nn.Module]) -> bool:
+    """Whether `model` is a peft model (duck-typed, so callers need not import peft)."""
+    return model is not None and hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")
+
+
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The `transformers` model under a peft wrapper (the model itself otherwise)."""
+    return model.get_base_model() if is_lora_model(model) else model
+
+
+def reference_view(model: torch.nn.Module) -> ContextManager[None]:
+    """Inside it, `model` computes with its adapters disabled: the frozen starting weights."""
+    return model.disable_adapter() if is_lora_model(model) else nullcontext()
+
+
+_ADAPTER_KEY = re.compile(r"\.(lora_[A-Za-z_]+|original_module)\.")
+_WRAPPED_KEY = re.compile(r"\.(base_layer|modules_to_save\.[^.]+)\.")
+
+
+def merged_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The weights a plain `transformers` model of the base architecture would have with the adapter merged in,
+    by their Hugging Face names (what vLLM's `load_weights` and `save_pretrained` expect), detached.
+
+    `W' = W + delta`, with peft's own `get_delta_weight` (`(alpha / r) B A`, transposed for fan-in-fan-out
+    layers) summed over the active adapters; a module in `modules_to_save` contributes its trained copy.
+    """
+    with torch.no_grad():
+        return _merged_weights(base_model(model))
+
+
+def _merged_weights(base: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    from peft.tuners.lora import LoraLayer
+
+    deltas: dict[str, torch.Tensor] = {}
+    for path, module in base.named_modules():
+        if isinstance(module, LoraLayer) and not module.merged:
+            adapters = [
+                name for name in module.active_adapters if name in module.lora_A or name in module.lora_embedding_A
+            ]
+            if adapters:
+                deltas[f"{path}.base_layer.weight"] = sum(module.get_delta_weight(name) for name in adapters)
+    weights = []
+    for key, tensor in base.state_dict().items():
+        if _ADAPTER_KEY.search(key):
+            continue
+        value = tensor.detach()
+        if key in deltas:
+            value = value + deltas[key].to(value.dtype)
+        weights.append((_WRAPPED_KEY.sub(".", key), value))
+    return weights
+
+
+def trainable_keys(module: torch.nn.Module) -> set[str]:
+    """State-dict keys of `module`'s parameters that train (with LoRA: the adapters and `modules_to_save`)."""
+    return {name for name, param in module.named_parameters() if param.requires_grad}
+
+
+def save_merged(model: torch.nn.Module, out_dir: Any) -> None:
+    """`save_pretrained` of the base architecture with the adapter merged in: loadable without peft (and by vLLM)."""
+    merged = dict(merged_weights(model))
+    base_model(model).save_pretrained(out_dir, state_dict=merged, safe_serialization=True)
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, sum(p.numel() for p in model.parameters())

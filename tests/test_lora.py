@@ -1,0 +1,114 @@
+"""LoRA (`model.lora`): merged weights, the adapter-off reference, what trains, what a checkpoint holds."""
+
+import copy
+
+import pytest
+import torch
+
+from lit_rl.algorithms import DPO, GRPO
+from lit_rl.algorithms.base import PolicyModule
+from lit_rl.errors import ConfigError
+from lit_rl.lora import LoRAConfig, apply_lora, merged_weights, reference_view, trainable_keys
+from lit_rl.models import load_causal_lm
+from tests.conftest import fit_grpo
+
+SFT = "lit-rl/tiny-qwen2-addition-sft"
+
+
+def _perturbed_lora_model(**config) -> torch.nn.Module:
+    model = apply_lora(load_causal_lm(SFT, disable_dropout=True), LoRAConfig(r=4, **config))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.add_(torch.randn_like(param) * 0.05)
+    return model
+
+
+def test_merged_weights_equal_peft_merge_and_carry_the_plain_model_names():
+    model = _perturbed_lora_model(modules_to_save=["norm"])
+    merged = dict(merged_weights(model))
+    reference = copy.deepcopy(model).merge_and_unload().state_dict()
+    plain_names = set(load_causal_lm(SFT).state_dict())
+    assert set(merged) == set(reference) == plain_names
+    for name, value in reference.items():
+        assert torch.equal(merged[name], value), name
+    # The frozen weights themselves are untouched: nothing was merged in place.
+    q_proj = model.get_base_model().model.layers[0].self_attn.q_proj
+    assert not q_proj.merged
+    assert not torch.equal(q_proj.base_layer.weight, merged["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_adapter_off_is_exactly_the_starting_model():
+    plain = load_causal_lm(SFT, disable_dropout=True)
+    model = _perturbed_lora_model()
+    ids = torch.randint(0, 256, (3, 9))
+    expected = plain(ids).logits
+    with torch.no_grad(), reference_view(model):
+        assert torch.equal(model(ids).logits, expected)
+    assert (model(ids).logits - expected).abs().max() > 0.1  # the adapter is back on after the block
+
+
+@pytest.mark.parametrize(
+    "config, key",
+    [
+        (dict(r=0), "model.lora.r"),
+        (dict(alpha=0.0), "model.lora.alpha"),
+        (dict(dropout=1.0), "model.lora.dropout"),
+        (dict(bias="some"), "model.lora.bias"),
+        (dict(target_modules=[]), "model.lora.target_modules"),
+    ],
+)
+def test_bad_settings_are_rejected_by_name(config, key):
+    with pytest.raises(ConfigError, match=key):
+        GRPO(lora=LoRAConfig(**config))
+
+
+def test_unknown_target_module_names_the_key():
+    module = GRPO(lora=LoRAConfig(target_modules=["no_such_proj"]))
+    with pytest.raises(ConfigError, match=r"model.lora.target_modules=\['no_such_proj'\]"):
+        module.configure_model()
+
+
+def test_grpo_with_lora_trains_the_adapter_only_and_loads_no_reference_copy():
+    model = fit_grpo(beta=0.1, num_iterations=2, steps_per_generation=2, lora=LoRAConfig(r=4))
+    assert model.ref_model is None  # the reference is the policy with its adapter disabled
+    buffer = model._buffer
+    tokens = buffer.completion_mask > 0
+    # Generated before any update: the adapter (B = 0) changes nothing yet, so reference = old log-probs.
+    assert (buffer.ref_logprobs - buffer.old_logprobs).abs()[tokens].max() < 1e-5
+    trained = trainable_keys(model.policy)
+    assert trained and all(".lora_" in name for name in trained)
+    optimized = sum(p.numel() for group in model.trainer.optimizers[0].param_groups for p in group["params"])
+    assert optimized == sum(p.numel() for n, p in model.policy.named_parameters() if n in trained)
+    plain = load_causal_lm(SFT).state_dict()
+    now = model.policy.get_base_model().state_dict()
+    assert torch.equal(now["model.embed_tokens.weight"], plain["model.embed_tokens.weight"])
+    base = now["model.layers.0.self_attn.q_proj.base_layer.weight"]
+    assert torch.equal(base, plain["model.layers.0.self_attn.q_proj.weight"])  # frozen weights did not move
+    merged = dict(merged_weights(model.policy))
+    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], base)  # the adapter did
+
+
+@pytest.mark.parametrize("module_class", [GRPO, DPO])
+def test_checkpoint_state_holds_the_adapter_only_and_loads_strictly(module_class):
+    module = module_class(lora=LoRAConfig(r=4))
+    module.configure_model()
+    full_state = module.state_dict()
+    checkpoint = {"state_dict": dict(full_state)}
+    PolicyModule.on_save_checkpoint(module, checkpoint)  # the hook that filters weights (no trainer needed)
+    kept = set(checkpoint["state_dict"])
+    assert kept and all(".lora_" in key for key in kept)
+    assert sum(v.numel() for v in checkpoint["state_dict"].values()) < 0.25 * sum(
+        v.numel() for k, v in full_state.items() if k.startswith("policy.")
+    )
+    restored = module_class(lora=LoRAConfig(r=4))
+    restored.configure_model()
+    with torch.no_grad():
+        for key, value in checkpoint["state_dict"].items():
+            value.add_(1.0)  # make the saved adapter differ from the fresh one
+    PolicyModule.on_load_checkpoint(restored, checkpoint)
+    restored.load_state_dict(checkpoint["state_dict"], strict=True)
+    for key, value in restored.state_dict().items():
+        expected = checkpoint["state_dict"][key]
+        assert torch.equal(value, expected), key
