@@ -8,8 +8,9 @@ With `model.lora` set (`--config configs/peft/lora.yaml`), the policy is the loa
 - Rollout engines that hold their own weights (vLLM) receive the merged weights `W + (alpha / r) B A` under the
   base model's Hugging Face names (`merged_weights`). They are computed next to the frozen weights, not merged
   into them in place: merging and unmerging round `W` in floating point, so the frozen weights would drift.
-- Checkpoints keep only what trains (`trainable_keys`); the frozen weights are reloaded from
-  `model_name_or_path` when a checkpoint is loaded.
+- Lightning checkpoints keep only what trains (`trainable_keys`); the frozen weights are reloaded from
+  `model_name_or_path` when a checkpoint is loaded. (DeepSpeed writes its own checkpoint directories, frozen
+  weights included.)
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ class LoRAConfig:
             under the same weights, which dropout makes differ.
         target_modules: module names (suffixes) that get an adapter; default: the attention and MLP projections
             of Qwen2/Llama-style models. `all-linear` adapts every linear layer but the output head.
-        modules_to_save: modules that stay fully trainable (and are saved whole), e.g. `[lm_head]`.
+        modules_to_save: modules that stay fully trainable (and are saved whole), e.g. `[lm_head]` of a model
+            whose embeddings are not tied (with tied embeddings the input embedding and head are rejected here).
         bias: which biases train: `none`, `all` or `lora_only`.
     """
 
@@ -87,6 +89,7 @@ def apply_lora(model: torch.nn.Module, config: LoRAConfig) -> torch.nn.Module:
     """Wrap `model` with a fresh LoRA adapter (peft initialises B = 0, so the output is unchanged at first)."""
     import peft
 
+    _check_tied_embeddings(model, config)
     target: Any = config.target_modules
     if target == ["all-linear"]:
         target = "all-linear"
@@ -99,16 +102,31 @@ def apply_lora(model: torch.nn.Module, config: LoRAConfig) -> torch.nn.Module:
         bias=config.bias,
         task_type="CAUSAL_LM",
     )
-    gradient_checkpointing = getattr(model, "is_gradient_checkpointing", False)
     try:
         wrapped = peft.get_peft_model(model, peft_config)
     except ValueError as err:  # e.g. "Target modules {...} not found in the base model"
         raise ConfigError(f"model.lora.target_modules={config.target_modules}: {err}") from None
-    if gradient_checkpointing:
-        # The embeddings are frozen: without this, checkpointed blocks see inputs that need no gradient and the
-        # adapters inside them would get none.
-        wrapped.enable_input_require_grads()
+    # (Gradient checkpointing needs nothing more: transformers checkpoints non-reentrantly, so adapters inside a
+    # checkpointed block get gradients although the frozen embeddings' outputs need none.)
     return wrapped
+
+
+def _check_tied_embeddings(model: torch.nn.Module, config: LoRAConfig) -> None:
+    """Reject adapting or training the input embedding or output head of a model that ties them: the trained one
+    would part from its twin, and loaders that tie them again (vLLM) would silently drop the change."""
+    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return
+    embeddings = (model.get_input_embeddings(), model.get_output_embeddings())
+    names = {name for name, module in model.named_modules() if any(module is e for e in embeddings)}
+    names |= {name.rsplit(".", 1)[-1] for name in names}
+    asked = set(config.target_modules) | set(config.modules_to_save or [])
+    clash = sorted(asked & names)
+    if clash:
+        raise ConfigError(
+            f"model.lora names {clash}, but the model ties its input and output embeddings (tie_word_embeddings): "
+            "adapting or training one of them alone would untie them; leave them out of target_modules and "
+            "modules_to_save"
+        )
 
 
 def adapter_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

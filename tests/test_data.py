@@ -57,9 +57,12 @@ def test_validate_rows_names_the_row_and_column():
         validate_rows([], ["prompt"], "data.jsonl")
 
 
-def _loader(rows, start=0, rank=0, world=1, prompts=2, micro=3, seed=0):
+def _loader(rows, start=0, rank=0, world=1, prompts=2, micro=3, seed=0, group=1):
     schedule = RolloutSchedule(
-        prompts_per_rank=prompts, micro_steps_per_generation=micro, start_micro_step=lambda: start
+        completions_per_rank=prompts * group,
+        group_size=group,
+        micro_steps_per_generation=micro,
+        start_micro_step=lambda: start,
     )
     return RolloutScheduleLoader(rows, schedule, seed=seed, rank=rank, world_size=world)
 
@@ -91,6 +94,25 @@ def test_schedule_gives_ranks_disjoint_prompts():
     rank1 = [r["prompt"] for i in _loader(rows, rank=1, world=2) for r in i["rows"]]
     assert len(rank0) == len(rank1) == 12 // 2 // 2 * 2
     assert not set(rank0) & set(rank1)
+
+
+def test_groups_span_ranks_when_a_rank_holds_less_than_a_group():
+    # G = 4 completions per prompt, 2 per rank, 4 ranks: 2 prompts per generation, each split over 2 ranks.
+    rows = [{"prompt": str(i)} for i in range(8)]
+    schedule = RolloutSchedule(completions_per_rank=2, group_size=4, micro_steps_per_generation=1, start_micro_step=int)
+    per_rank = [
+        [r["prompt"] for r in RolloutScheduleLoader(rows, schedule, seed=0, rank=rank, world_size=4).item(0)["rows"]]
+        for rank in range(4)
+    ]
+    assert per_rank[0][0] == per_rank[0][1] == per_rank[1][0] == per_rank[1][1]  # one group over ranks 0 and 1
+    assert per_rank[2][0] == per_rank[2][1] == per_rank[3][0] == per_rank[3][1]
+    assert per_rank[0][0] != per_rank[2][0]
+    # The same global batch as one rank holding everything: prompt-major, in slot order.
+    one_rank = RolloutSchedule(completions_per_rank=8, group_size=4, micro_steps_per_generation=1, start_micro_step=int)
+    everything = [
+        r["prompt"] for r in RolloutScheduleLoader(rows, one_rank, seed=0, rank=0, world_size=1).item(0)["rows"]
+    ]
+    assert everything == [p for rank_rows in per_rank for p in rank_rows]
 
 
 def test_schedule_rejects_too_little_data():

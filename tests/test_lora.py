@@ -5,18 +5,18 @@ import copy
 import pytest
 import torch
 
-from lit_rl.algorithms import DPO, GRPO
+from lit_rl.algorithms import DPO, GRPO, SFT
 from lit_rl.algorithms.base import PolicyModule
 from lit_rl.errors import ConfigError
 from lit_rl.lora import LoRAConfig, apply_lora, merged_weights, reference_view, trainable_keys
 from lit_rl.models import load_causal_lm
 from tests.conftest import fit_grpo
 
-SFT = "lit-rl/tiny-qwen2-addition-sft"
+SFT_MODEL = "lit-rl/tiny-qwen2-addition-sft"
 
 
 def _perturbed_lora_model(**config) -> torch.nn.Module:
-    model = apply_lora(load_causal_lm(SFT, disable_dropout=True), LoRAConfig(r=4, **config))
+    model = apply_lora(load_causal_lm(SFT_MODEL, disable_dropout=True), LoRAConfig(r=4, **config))
     torch.manual_seed(0)
     with torch.no_grad():
         for param in model.parameters():
@@ -29,7 +29,7 @@ def test_merged_weights_equal_peft_merge_and_carry_the_plain_model_names():
     model = _perturbed_lora_model(modules_to_save=["norm"])
     merged = dict(merged_weights(model))
     reference = copy.deepcopy(model).merge_and_unload().state_dict()
-    plain_names = set(load_causal_lm(SFT).state_dict())
+    plain_names = set(load_causal_lm(SFT_MODEL).state_dict())
     assert set(merged) == set(reference) == plain_names
     for name, value in reference.items():
         assert torch.equal(merged[name], value), name
@@ -40,7 +40,7 @@ def test_merged_weights_equal_peft_merge_and_carry_the_plain_model_names():
 
 
 def test_adapter_off_is_exactly_the_starting_model():
-    plain = load_causal_lm(SFT, disable_dropout=True)
+    plain = load_causal_lm(SFT_MODEL, disable_dropout=True)
     model = _perturbed_lora_model()
     ids = torch.randint(0, 256, (3, 9))
     expected = plain(ids).logits
@@ -64,6 +64,27 @@ def test_bad_settings_are_rejected_by_name(config, key):
         GRPO(lora=LoRAConfig(**config))
 
 
+def test_settings_that_would_corrupt_the_numbers_are_rejected():
+    with pytest.raises(ConfigError, match="model.lora.dropout must be 0 for GRPO"):
+        GRPO(lora=LoRAConfig(dropout=0.1))
+    SFT(model_name_or_path=SFT_MODEL, lora=LoRAConfig(dropout=0.1))  # SFT keeps dropout: allowed
+    with pytest.raises(ConfigError, match="model.lora with model.random_init"):
+        SFT(random_init=True, lora=LoRAConfig())
+    module = GRPO(beta=0.1, lora=LoRAConfig(bias="all"))
+    with pytest.raises(ConfigError, match="model.lora.bias='all' trains biases"):
+        module.configure_model()
+    # The tiny model ties its embeddings: adapting the head alone would untie them (and vLLM would tie them back).
+    with pytest.raises(ConfigError, match=r"model.lora names \['lm_head'\].*tie_word_embeddings"):
+        GRPO(lora=LoRAConfig(modules_to_save=["lm_head"])).configure_model()
+
+
+def test_resuming_across_lora_and_full_training_is_refused():
+    module = DPO(lora=LoRAConfig(r=4))
+    module.configure_model()
+    with pytest.raises(ConfigError, match="trained without model.lora"):
+        module.on_load_checkpoint({"hyper_parameters": {"lora": None}, "state_dict": {}})
+
+
 def test_unknown_target_module_names_the_key():
     module = GRPO(lora=LoRAConfig(target_modules=["no_such_proj"]))
     with pytest.raises(ConfigError, match=r"model.lora.target_modules=\['no_such_proj'\]"):
@@ -81,7 +102,7 @@ def test_grpo_with_lora_trains_the_adapter_only_and_loads_no_reference_copy():
     assert trained and all(".lora_" in name for name in trained)
     optimized = sum(p.numel() for group in model.trainer.optimizers[0].param_groups for p in group["params"])
     assert optimized == sum(p.numel() for n, p in model.policy.named_parameters() if n in trained)
-    plain = load_causal_lm(SFT).state_dict()
+    plain = load_causal_lm(SFT_MODEL).state_dict()
     now = model.policy.get_base_model().state_dict()
     assert torch.equal(now["model.embed_tokens.weight"], plain["model.embed_tokens.weight"])
     base = now["model.layers.0.self_attn.q_proj.base_layer.weight"]
@@ -95,7 +116,7 @@ def test_checkpoint_state_holds_the_adapter_only_and_loads_strictly(module_class
     module = module_class(lora=LoRAConfig(r=4))
     module.configure_model()
     full_state = module.state_dict()
-    checkpoint = {"state_dict": dict(full_state)}
+    checkpoint = {"state_dict": dict(full_state), "hyper_parameters": dict(module.hparams)}
     PolicyModule.on_save_checkpoint(module, checkpoint)  # the hook that filters weights (no trainer needed)
     kept = set(checkpoint["state_dict"])
     assert kept and all(".lora_" in key for key in kept)
@@ -112,3 +133,11 @@ def test_checkpoint_state_holds_the_adapter_only_and_loads_strictly(module_class
     for key, value in restored.state_dict().items():
         expected = checkpoint["state_dict"][key]
         assert torch.equal(value, expected), key
+
+
+def test_adapters_learn_under_gradient_checkpointing():
+    # The embeddings are frozen; checkpointed blocks must still pass gradients to the adapters inside them.
+    lora = LoRAConfig(r=4)
+    model = fit_grpo(steps_per_generation=2, gradient_checkpointing=True, learning_rate=1e-2, lora=lora)
+    lora_b = [p for name, p in model.policy.named_parameters() if "lora_B" in name]
+    assert lora_b and all(p.abs().sum() > 0 for p in lora_b)  # B starts at 0; every one of them moved

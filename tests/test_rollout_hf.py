@@ -81,3 +81,69 @@ def test_any_of_several_eos_ids_ends_a_completion():
 
     ids = torch.tensor([[5, 7, 3, 3], [5, 8, 3, 3], [5, 5, 5, 5]])
     assert completion_mask_from_ids(ids, [7, 8]).tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
+
+
+def test_seeded_sampling_depends_on_the_row_and_its_seed_only(policy):
+    # What makes GRPO rank-invariant: a completion is the same whether its row is sampled in a batch of 12 on
+    # one rank or alone on another, as long as its prompt and seed are.
+    tokenizer, model = policy
+    engine = HFGenerateEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    enc = tokenizer(["1+2=", "45+67=", "  9+99="], padding=True, return_tensors="pt")
+    ids, mask = enc["input_ids"].repeat_interleave(4, 0), enc["attention_mask"].repeat_interleave(4, 0)
+    seeds = list(range(100, 112))
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    together = engine.generate(ids, mask, params, seeds=seeds)
+    alone = tokenizer(["45+67="], return_tensors="pt")
+    for row in (4, 7):
+        single = engine.generate(alone["input_ids"], alone["attention_mask"], params, seeds=[seeds[row]])
+        width = single.completion_ids.shape[1]
+        assert torch.equal(single.completion_ids[0], together.completion_ids[row, :width])
+        assert torch.allclose(single.logprobs[0], together.logprobs[row, :width], atol=1e-5)
+    # The global RNG plays no part, and different seeds give different samples.
+    torch.manual_seed(123)
+    again = engine.generate(ids, mask, params, seeds=seeds)
+    assert torch.equal(again.completion_ids, together.completion_ids)
+    other = engine.generate(ids, mask, params, seeds=[s + 1000 for s in seeds])
+    assert not torch.equal(other.completion_ids, together.completion_ids)
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (2, 1.0), (0, 0.7)])
+def test_seeded_row_sampler_draws_from_the_truncated_softmax(top_k, top_p):
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from lit_rl.rollout.hf import SeededRowSampler
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    params = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p)
+    draws = 20000
+    sampler = SeededRowSampler(list(range(draws)), params)
+    ids = torch.zeros((draws, 1), dtype=torch.long)
+    picked = sampler(ids, logits.expand(draws, -1)).argmax(dim=1)
+    frequencies = torch.bincount(picked, minlength=5).float() / draws
+    expected = TemperatureLogitsWarper(0.8)(ids[:1], logits.clone())
+    if top_k:
+        expected = TopKLogitsWarper(top_k)(ids[:1], expected)
+    if top_p < 1.0:
+        expected = TopPLogitsWarper(top_p)(ids[:1], expected)
+    probabilities = expected.softmax(dim=1)[0]
+    assert (frequencies - probabilities).abs().max() < 0.015  # 4 standard errors at 20,000 draws
+    assert frequencies[probabilities == 0].sum() == 0  # truncated tokens are never drawn
+
+
+def test_counter_uniforms_are_splitmix64_of_the_counter():
+    from lit_rl.rollout.hf import counter_uniforms
+
+    def splitmix64(x: int) -> int:  # the reference algorithm, in Python's unbounded integers
+        mask = (1 << 64) - 1
+        z = (x + 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    seeds, step, vocab = [0, 5, 2**31 - 2], 3, 258
+    values = counter_uniforms(torch.tensor(seeds), step, vocab)
+    for row, seed in enumerate(seeds):
+        for v in (0, 17, vocab - 1):
+            counter = (seed * 0x9E3779B97F4A7C15 + step * vocab + v) & ((1 << 64) - 1)
+            assert values[row, v].item() == ((splitmix64(counter) >> 11) + 0.5) / 2**53
+    assert 0.0 < values.min() and values.max() < 1.0

@@ -54,7 +54,18 @@ class PolicyModule(L.LightningModule):
         super().__init__()
         if learning_rate < 0:
             raise ConfigError(f"model.learning_rate must be >= 0, got {learning_rate}")
-        check_lora_config(as_lora_config(lora))
+        lora = as_lora_config(lora)
+        check_lora_config(lora)
+        if lora is not None and random_init:
+            raise ConfigError(
+                "model.lora with model.random_init: the adapter would train on random frozen weights that no "
+                "checkpoint keeps; train the full model (drop model.lora) or start from saved weights"
+            )
+        if lora is not None and lora.dropout > 0 and self.disable_dropout:
+            raise ConfigError(
+                f"model.lora.dropout must be 0 for {type(self).__name__} (got {lora.dropout}): it compares "
+                "log-probs of the same tokens under the same weights, which dropout would make differ"
+            )
         self.tokenizer = load_tokenizer(model_name_or_path, trust_remote_code=trust_remote_code)
         self.policy: Optional[torch.nn.Module] = None
         self.ref_model: Optional[torch.nn.Module] = None  # frozen; set by `load_reference`, never checkpointed
@@ -83,8 +94,16 @@ class PolicyModule(L.LightningModule):
 
     def reference_is_adapter_off(self, path: Optional[str] = None) -> bool:
         """Whether the reference (the model at `path`, default the starting policy) is the policy with its LoRA
-        adapter disabled, so that no second copy of the weights is loaded."""
-        return self.lora_config is not None and path in (None, self.hparams.model_name_or_path)
+        adapter disabled, so that no second copy of the weights is loaded. Raises when training biases (which
+        disabling the adapter does not undo) would make that reference differ from the starting model."""
+        lora = self.lora_config
+        adapter_off = lora is not None and path in (None, self.hparams.model_name_or_path)
+        if adapter_off and lora.bias != "none":
+            raise ConfigError(
+                f"model.lora.bias={lora.bias!r} trains biases, which disabling the adapter does not undo: the "
+                "reference model would drift from the starting policy (use bias: none)"
+            )
+        return adapter_off
 
     @contextmanager
     def reference_model(self) -> Iterator[torch.nn.Module]:
@@ -148,11 +167,18 @@ class PolicyModule(L.LightningModule):
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        saved_lora = (checkpoint.get("hyper_parameters") or {}).get("lora") is not None
+        if saved_lora != (self.lora_config is not None):
+            raise ConfigError(
+                f"the checkpoint was trained {'with' if saved_lora else 'without'} model.lora and this run is "
+                f"{'not' if saved_lora else 'configured with it'}: resume with the checkpoint's model.lora setting"
+            )
         if "state_dict" in checkpoint:
             for key, value in self._frozen_state().items():
                 checkpoint["state_dict"].setdefault(key, value)
 
     def on_train_start(self) -> None:
+        self.timer = StepTimer()  # the first step's time starts here, not at model loading
         # Lightning's ModelCheckpoint forgets, on resume, that the resumed-from step was saved; with gradient
         # accumulation the first micro-batches after resuming end with the old global_step, and it would save
         # that step again (with a data position one micro-batch later). Mark the resumed step as saved.

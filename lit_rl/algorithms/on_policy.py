@@ -11,6 +11,7 @@ A subclass provides `finish_rollout` (advantages, or pairs), `micro_batch_loss` 
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Optional
 
 import torch
@@ -26,7 +27,7 @@ from lit_rl.models import resolve_model_path
 from lit_rl.ops import entropy_from_logits, token_logprobs
 from lit_rl.rewards import call_reward_function, import_reward_function, reward_name
 from lit_rl.rollout import HFGenerateEngine, RolloutEngine, SamplingParams, VLLMConfig
-from lit_rl.rollout.base import policy_weights
+from lit_rl.rollout.base import global_batch_seeds, policy_weights
 from lit_rl.rollout.config import check_vllm_config
 from lit_rl.rollout.hf import model_eos_token_ids
 from lit_rl.strategies import gathered_parameters, is_accumulating_micro_batch, shards_parameters
@@ -179,12 +180,12 @@ class OnPolicyModule(PolicyModule):
                     f"trainer.limit_train_batches={limit} must be an integer multiple of the "
                     f"{self.micro_steps_per_generation} micro-steps of a generation"
                 )
-        completions = self.completions_per_generation
+        completions = self.completions_per_generation * self.trainer.world_size
         if completions % self.hparams.num_generations != 0:
             raise ConfigError(
-                f"model.micro_batch_size x trainer.accumulate_grad_batches x model.steps_per_generation = "
-                f"{completions} completions per rank must be a multiple of model.num_generations="
-                f"{self.hparams.num_generations}"
+                f"model.micro_batch_size x trainer.accumulate_grad_batches x model.steps_per_generation x ranks = "
+                f"{completions} completions per generation must be a multiple of model.num_generations="
+                f"{self.hparams.num_generations} (a group may span ranks, but every group must be whole)"
             )
 
     def on_fit_start(self) -> None:
@@ -236,7 +237,8 @@ class OnPolicyModule(PolicyModule):
     def rollout_schedule(self) -> RolloutSchedule:
         """How the training loader must feed this module (see `lit_rl.data.schedule`)."""
         return RolloutSchedule(
-            prompts_per_rank=self.completions_per_generation // self.hparams.num_generations,
+            completions_per_rank=self.completions_per_generation,
+            group_size=self.hparams.num_generations,
             micro_steps_per_generation=self.micro_steps_per_generation,
             start_micro_step=lambda: self._micro_steps_done,
         )
@@ -275,14 +277,17 @@ class OnPolicyModule(PolicyModule):
         weights = self.reward_weights.to(components)
         return (torch.where(invalid, torch.zeros_like(components), components) * weights).sum(dim=1)
 
-    def sample(self, rows: list[dict[str, Any]], repeat: int, params: SamplingParams):
-        """For `rows` x `repeat`: prompt ids [N, P], mask, engine output, reward components [N, F] and rewards [N]."""
+    def sample(
+        self, rows: list[dict[str, Any]], repeat: int, params: SamplingParams, seeds: Optional[list[int]] = None
+    ):
+        """For `rows` x `repeat`: prompt ids [N, P], mask, engine output, reward components [N, F] and rewards [N]
+        (sampled with one seed per completion when `seeds` are given, else from the global RNG)."""
         prompt_ids, prompt_mask = self.encode_prompts([row["prompt"] for row in rows])
         prompt_ids = prompt_ids.repeat_interleave(repeat, dim=0)  # [B*G, P]
         prompt_mask = prompt_mask.repeat_interleave(repeat, dim=0)
         engine = self.engine()  # pushes the policy's weights first when the engine needs them (its own phase)
         with self.timer.phase("generation"):
-            out = engine.generate(prompt_ids, prompt_mask, params)
+            out = engine.generate(prompt_ids, prompt_mask, params, seeds=seeds)
         self.timer.count("generated_tokens", float(out.completion_mask.sum()))
         completions = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
         with self.timer.phase("reward"):
@@ -312,9 +317,16 @@ class OnPolicyModule(PolicyModule):
 
     @torch.no_grad()
     def make_rollout(self, rows: list[dict[str, Any]]) -> RolloutBatch:
-        """Generate and score this rank's completions, then let the algorithm finish the batch."""
+        """Generate and score this rank's completions (`rows`: the prompt row of each, see
+        `lit_rl.data.schedule`), then let the algorithm finish the batch."""
         G = self.hparams.num_generations
-        prompt_ids, prompt_mask, out, components, rewards = self.sample(rows, G, self.sampling_params(training=True))
+        seeds = self.completion_seeds(len(rows))
+        prompt_ids, prompt_mask, out, components, rewards = self.sample(
+            rows, 1, self.sampling_params(training=True), seeds
+        )
+        # Every rank's rewards in global slot order: a group may span ranks, so group statistics use them all.
+        all_rewards = self.all_gather(rewards).reshape(-1)  # [world*N]
+        group_std = all_rewards.view(-1, G).std(dim=1).repeat_interleave(G)[self.local_slice(len(rows))]
         batch = RolloutBatch(
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
@@ -324,7 +336,7 @@ class OnPolicyModule(PolicyModule):
             rewards=rewards,
             reward_components=components,
             advantages=torch.zeros_like(rewards),
-            group_reward_std=rewards.view(-1, G).std(dim=1).repeat_interleave(G),
+            group_reward_std=group_std,
         )
         if self.needs_old_logprobs():
             with self.timer.phase("old_logprobs"):
@@ -332,10 +344,20 @@ class OnPolicyModule(PolicyModule):
         if self.uses_reference():
             with self.timer.phase("ref_logprobs"), self.reference_model() as ref_model:
                 batch.ref_logprobs = self._logprobs_in_chunks(ref_model, batch)
-        # Groups never span ranks here, but batch-level statistics need every rank's rewards.
-        self.finish_rollout(batch, self.all_gather(rewards).reshape(-1))
+        self.finish_rollout(batch, all_rewards)
         self._normalizers = self._step_normalizers(batch)
         return batch
+
+    def completion_seeds(self, n: int) -> list[int]:
+        """Sampling seeds of this rank's `n` completions of the current generation: slices of one list for the
+        global batch (`global_batch_seeds`), so that a completion's sample depends on the run's seed, the
+        generation and its place in the global batch, never on how the batch is split across ranks. The loader
+        gives each rank a consecutive slice of the generation's prompts, so rank r holds completions r*n..r*n+n-1.
+        """
+        generation = self._micro_steps_done // self.micro_steps_per_generation
+        run_seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # `seed_everything`'s seed, the same on every rank
+        seeds = global_batch_seeds(run_seed, generation, n * self.trainer.world_size)
+        return seeds[self.local_slice(n)]
 
     def local_slice(self, n: int) -> slice:
         """This rank's rows in a tensor gathered from all ranks with `n` rows each."""

@@ -91,6 +91,7 @@ class SFT(PolicyModule):
         logits = completion_forward(self.policy, prompt_ids, prompt_mask, completion_ids, completion_mask)
         logprobs = token_logprobs(logits, completion_ids)  # [B, T]
         tokens = completion_mask > 0
+        self.timer.count("trained_tokens", float(completion_mask.sum()))
         loss = -(logprobs * completion_mask).sum() / completion_mask.sum()
         with torch.no_grad():
             correct = (logits.argmax(dim=-1) == completion_ids).float()

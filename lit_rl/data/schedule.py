@@ -1,8 +1,13 @@
 """The training loader of rollout algorithms: one item per `training_step` call (a micro-step).
 
 A generation is followed by `micro_steps_per_generation` micro-steps over its buffer (all micro-batches,
-`num_iterations` times). Item `i` is micro-step `i` of the run; it carries the prompts of generation
-`i // micro_steps_per_generation` when it is that generation's first micro-step, and nothing otherwise.
+`num_iterations` times). Item `i` is micro-step `i` of the run; it carries, on the first micro-step of generation
+`i // micro_steps_per_generation`, one prompt row per completion this rank samples, and nothing otherwise.
+
+A generation's global batch is `P` prompts (a consecutive slice of the epoch's permutation) x `G` completions,
+prompt-major: completion slot `s` belongs to prompt `s // G`. Rank `r` takes slots `r*n .. r*n + n - 1`. A group
+of G completions may therefore span ranks (when n is not a multiple of G); the algorithm normalises rewards over
+the gathered global batch, so the split never changes a group.
 
 Everything an item holds is a pure function of `i`, the seed and the rank, and the loader starts at the
 algorithm's own counter of micro-steps done (restored from the checkpoint with the module). So Lightning's
@@ -21,10 +26,12 @@ from lit_rl.errors import DataError
 
 @dataclass(frozen=True)
 class RolloutSchedule:
-    """What an algorithm tells the loader: prompts per rank per generation, micro-steps per generation, and a
-    callable returning how many micro-steps the run has done (the algorithm's checkpointed counter)."""
+    """What an algorithm tells the loader: completions per rank per generation (n), completions per prompt (G),
+    micro-steps per generation, and a callable returning how many micro-steps the run has done (the algorithm's
+    checkpointed counter)."""
 
-    prompts_per_rank: int
+    completions_per_rank: int
+    group_size: int
     micro_steps_per_generation: int
     start_micro_step: Callable[[], int]
 
@@ -32,19 +39,23 @@ class RolloutSchedule:
 class RolloutScheduleLoader:
     def __init__(self, rows: list[Row], schedule: RolloutSchedule, seed: int, rank: int, world_size: int) -> None:
         self.rows = rows
-        self.prompts_per_rank = schedule.prompts_per_rank
+        self.completions_per_rank = schedule.completions_per_rank
+        self.group_size = schedule.group_size
         self.micro_steps_per_generation = schedule.micro_steps_per_generation
         self.start_micro_step = schedule.start_micro_step
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
-        prompts_per_rank = self.prompts_per_rank
-        prompts_per_generation = prompts_per_rank * world_size
-        self.generations_per_epoch = len(rows) // prompts_per_generation
+        completions = self.completions_per_rank * world_size
+        if completions % self.group_size:
+            raise ValueError(f"{completions} completions per generation are not whole groups of {self.group_size}")
+        self.prompts_per_generation = completions // self.group_size
+        self.generations_per_epoch = len(rows) // self.prompts_per_generation
         if self.generations_per_epoch == 0:
             raise DataError(
                 f"the training data has {len(rows)} prompts, fewer than one generation batch "
-                f"({prompts_per_rank} prompts per rank x {world_size} ranks)"
+                f"({self.prompts_per_generation} prompts: {self.completions_per_rank} completions per rank x "
+                f"{world_size} ranks / {self.group_size} per prompt)"
             )
         self._permutations: dict[int, list[int]] = {}
 
@@ -57,17 +68,18 @@ class RolloutScheduleLoader:
             self._permutations = {epoch: epoch_order(len(self.rows), self.seed, epoch)}
         return self._permutations[epoch]
 
-    def prompts_of_generation(self, generation: int) -> list[Row]:
-        """This rank's prompts of generation `generation` (consecutive slices of the epoch's permutation)."""
+    def rows_of_generation(self, generation: int) -> list[Row]:
+        """The prompt row of each of this rank's completion slots in generation `generation` (module docstring)."""
         epoch, within = divmod(generation, self.generations_per_epoch)
-        global_start = within * self.prompts_per_rank * self.world_size
-        start = global_start + self.rank * self.prompts_per_rank
         order = self._permutation(epoch)
-        return [self.rows[i] for i in order[start : start + self.prompts_per_rank]]
+        first_prompt = within * self.prompts_per_generation
+        first_slot = self.rank * self.completions_per_rank
+        slots = range(first_slot, first_slot + self.completions_per_rank)
+        return [self.rows[order[first_prompt + slot // self.group_size]] for slot in slots]
 
     def item(self, micro_step: int) -> dict[str, Any]:
         generation, within = divmod(micro_step, self.micro_steps_per_generation)
-        rows = self.prompts_of_generation(generation) if within == 0 else []
+        rows = self.rows_of_generation(generation) if within == 0 else []
         return {"micro_step": micro_step, "rows": rows}
 
     def __iter__(self) -> Iterator[dict[str, Any]]:

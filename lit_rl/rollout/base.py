@@ -50,8 +50,17 @@ class RolloutEngine(Protocol):
 
     needs_weights: bool
 
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> RolloutOutput:
-        """Sample one completion per row of the left-padded `prompt_ids` [N, P] (repeat rows for groups)."""
+    def generate(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        params: SamplingParams,
+        seeds: Optional[Sequence[int]] = None,
+    ) -> RolloutOutput:
+        """Sample one completion per row of the left-padded `prompt_ids` [N, P] (repeat rows for groups).
+
+        With `seeds` (one per row), each row's sample is a function of its prompt, the weights and its seed alone:
+        not of the other rows, the batch or the rank. Without, engines draw from the global torch RNG."""
 
     def update_weights(self, named_tensors: Optional[Iterable[tuple[str, torch.Tensor]]] = None) -> None:
         """Make the engine sample from the current policy (a no-op for engines that share the model)."""
@@ -78,6 +87,14 @@ def draw_seeds(n: int) -> list[int]:
     """One sampling seed per completion, drawn from the global torch RNG (which `seed_everything` seeds and
     checkpoints restore), so an engine with its own sampler samples reproducibly and resumes exactly."""
     return torch.randint(0, 2**31 - 1, (n,)).tolist()
+
+
+def global_batch_seeds(run_seed: int, generation: int, total: int) -> list[int]:
+    """`total` sampling seeds for generation number `generation`, one per completion of the global batch (all
+    ranks, in global order): a function of the run's seed and the generation alone, so a completion gets the same
+    seed whatever the number of ranks it is split over, and a resumed run the same seeds as an uninterrupted one."""
+    generator = torch.Generator().manual_seed((run_seed % 2**31) * 2**32 + generation)
+    return torch.randint(0, 2**31 - 1, (total,), generator=generator).tolist()
 
 
 def padded_output(

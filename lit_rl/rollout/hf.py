@@ -61,20 +61,31 @@ class HFGenerateEngine:
         self.pad_token_id = pad_token_id
 
     @torch.no_grad()
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> RolloutOutput:
-        from transformers import GenerationConfig
+    def generate(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        params: SamplingParams,
+        seeds: Optional[Sequence[int]] = None,
+    ) -> RolloutOutput:
+        from transformers import GenerationConfig, LogitsProcessorList
 
+        # With seeds, each row samples by Gumbel-max from its own generator (`SeededRowSampler`) and `generate`
+        # only takes the argmax; otherwise `generate` samples the whole batch from the global RNG.
+        seeded = seeds is not None and not params.greedy
+        sample_in_generate = not params.greedy and not seeded
         config = GenerationConfig(
             max_new_tokens=params.max_new_tokens,
-            do_sample=not params.greedy,
-            temperature=None if params.greedy else params.temperature,
-            top_p=None if params.greedy else params.top_p,
-            top_k=None if params.greedy else params.top_k,  # 0 disables it (None would mean the default, 50)
+            do_sample=sample_in_generate,
+            temperature=params.temperature if sample_in_generate else None,
+            top_p=params.top_p if sample_in_generate else None,
+            top_k=params.top_k if sample_in_generate else None,  # 0 disables it (None would mean the default, 50)
             eos_token_id=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
             output_logits=True,
             return_dict_in_generate=True,
         )
+        processors = LogitsProcessorList([SeededRowSampler(seeds, params)] if seeded else [])
         was_training = self.model.training
         self.model.eval()
         try:
@@ -83,6 +94,7 @@ class HFGenerateEngine:
                     input_ids=prompt_ids,
                     attention_mask=prompt_mask,
                     generation_config=config,
+                    logits_processor=processors,
                     synced_gpus=self.synced_ranks,
                 )
         finally:
@@ -99,3 +111,55 @@ class HFGenerateEngine:
 
     def close(self) -> None:
         """Nothing to release: the model belongs to the trainer."""
+
+
+class SeededRowSampler:
+    """A logits processor that turns greedy decoding into sampling, each row from its own seed.
+
+    Gumbel-max: `argmax(z + g)` with `g = -log(-log(u))`, `u ~ U(0, 1)` i.i.d. per vocabulary entry, is a sample
+    of `softmax(z)`. Here `z` is the logits divided by the temperature, truncated by top-k and top-p (entries
+    outside set to -inf), so the argmax `generate` takes is a sample of exactly the distribution `generate` itself
+    would sample. The uniforms of row `r` at decoding step `t` are a hash of (`seeds[r]`, `t`, vocabulary index)
+    (`counter_uniforms`): vectorised over the batch, the same on any device, and independent of the other rows.
+    """
+
+    def __init__(self, seeds: Sequence[int], params: SamplingParams) -> None:
+        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        self.seeds = torch.tensor([int(seed) for seed in seeds], dtype=torch.int64)
+        self.step = 0
+        warpers = [TemperatureLogitsWarper(params.temperature)]
+        if params.top_k > 0:
+            warpers.append(TopKLogitsWarper(params.top_k))
+        if params.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(params.top_p))
+        self.warpers = LogitsProcessorList(warpers)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if len(self.seeds) != scores.shape[0]:
+            raise ValueError(f"{len(self.seeds)} seeds for {scores.shape[0]} rows")
+        scores = self.warpers(input_ids, scores.float())  # [N, V]
+        uniform = counter_uniforms(self.seeds.to(scores.device), self.step, scores.shape[1])  # [N, V]
+        self.step += 1
+        return scores + (-torch.log(-torch.log(uniform))).to(scores.dtype)
+
+
+_GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed int64
+_MIX1 = -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9
+_MIX2 = -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 values (torch's `>>` keeps the sign)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def counter_uniforms(seeds: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
+    """Uniforms in (0, 1) [N, V], float64: SplitMix64 of the counter `seed * golden + step * V + v` (int64
+    arithmetic wraps around, as the hash wants)."""
+    counter = torch.arange(vocab, dtype=torch.int64, device=seeds.device) + step * vocab  # [V]
+    z = seeds[:, None] * _GOLDEN + counter[None, :] + _GOLDEN  # [N, V]
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    z = z ^ _shift_right(z, 31)
+    return (_shift_right(z, 11).double() + 0.5) / 2.0**53

@@ -245,8 +245,15 @@ class VLLMServerEngine:
         os.makedirs(self.sync_dir, exist_ok=True)
 
     # -- generation ------------------------------------------------------------------------------------------
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> RolloutOutput:
-        local = (unpadded_prompts(prompt_ids, prompt_mask), draw_seeds(len(prompt_ids)))
+    def generate(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        params: SamplingParams,
+        seeds: Optional[Sequence[int]] = None,
+    ) -> RolloutOutput:
+        seeds = draw_seeds(len(prompt_ids)) if seeds is None else list(seeds)
+        local = (unpadded_prompts(prompt_ids, prompt_mask), seeds)
         gathered = _gather_to_rank0(local, self.rank, self.world_size)
         token_ids, logprobs = _on_rank0_then_scatter(
             lambda: self._generate_all(gathered, params), self.rank, self.world_size

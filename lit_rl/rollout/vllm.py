@@ -109,11 +109,18 @@ class VLLMColocateEngine:
                 trust_remote_code=trust_remote_code,
             )
 
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> RolloutOutput:
+    def generate(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        params: SamplingParams,
+        seeds: Optional[Sequence[int]] = None,
+    ) -> RolloutOutput:
         from vllm.inputs import TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in unpadded_prompts(prompt_ids, prompt_mask)]
-        sampling = [vllm_sampling_params(params, seed, self.eos_token_ids) for seed in draw_seeds(len(prompts))]
+        seeds = draw_seeds(len(prompts)) if seeds is None else seeds
+        sampling = [vllm_sampling_params(params, seed, self.eos_token_ids) for seed in seeds]
         self._wake()
         outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
         if self.config.enable_sleep_mode:
