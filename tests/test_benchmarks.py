@@ -100,3 +100,14 @@ def test_lora_quick_reports_fewer_trainable_parameters_and_a_smaller_checkpoint(
     assert lora["trainable_parameters"] < 0.25 * full["trainable_parameters"]
     assert lora["checkpoint_mib"] < 0.3 * full["checkpoint_mib"]
     assert full["peak_memory_mib"] > 0 and lora["peak_memory_mib"] > 0
+
+
+@pytest.mark.slow
+def test_trl_comparison_quick_times_both_libraries_on_both_algorithms(tmp_path):
+    report, stdout = _quick_report("compare_trl", tmp_path)
+    assert report["versions"]["trl"] and "--quick" in report["command"]
+    assert {(r["algorithm"], r["model"]) for r in report["results"]} == {("grpo", "tiny"), ("dpo", "tiny")}
+    for r in report["results"]:
+        assert r["lit_rl_s_per_step"] > 0 and r["trl_s_per_step"] > 0
+        assert r["ratio"] == pytest.approx(r["lit_rl_s_per_step"] / r["trl_s_per_step"])
+    assert "| grpo | tiny |" in stdout

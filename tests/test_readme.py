@@ -24,7 +24,10 @@ def test_readme_main_job_is_the_grpo_config():
     assert run_command == "pip install -e . && lit-rl fit --config configs/grpo.yaml"
 
 
-@pytest.mark.parametrize("script, results", [("throughput", "throughput_cpu.json"), ("lora", "lora_cpu.json")])
+@pytest.mark.parametrize(
+    "script, results",
+    [("throughput", "throughput_cpu.json"), ("lora", "lora_cpu.json"), ("compare_trl", "compare_trl_cpu.json")],
+)
 def test_readme_tables_are_the_committed_results_files(script, results):
     import importlib.util
     import json
