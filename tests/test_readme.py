@@ -26,7 +26,12 @@ def test_readme_main_job_is_the_grpo_config():
 
 @pytest.mark.parametrize(
     "script, results",
-    [("throughput", "throughput_cpu.json"), ("lora", "lora_cpu.json"), ("compare_trl", "compare_trl_cpu.json")],
+    [
+        ("throughput", "throughput_cpu.json"),
+        ("throughput", "throughput_strategies_cpu.json"),
+        ("lora", "lora_cpu.json"),
+        ("compare_trl", "compare_trl_cpu.json"),
+    ],
 )
 def test_readme_tables_are_the_committed_results_files(script, results):
     import importlib.util
