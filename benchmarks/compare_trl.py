@@ -24,9 +24,7 @@ both with the character tokenizer.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
-import shlex
 import statistics
 import subprocess
 import sys
@@ -37,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from throughput import environment  # noqa: E402
+from throughput import metric_rows, write_report  # noqa: E402
 
 from lit_rl.models import build_random_model, resolve_model_path  # noqa: E402
 
@@ -93,8 +91,7 @@ def lit_run(algorithm: str, model: str, steps: int, workdir: Path) -> list[float
         args = ["--config", str(REPO / "configs" / "dpo.yaml"), "--data.batch_size", str(PAIRS)]
     main(["fit", *args, *common])
     (log_dir,) = workdir.glob("*/version_*")
-    with open(log_dir / "metrics.csv") as handle:
-        return [float(row["perf/step_s"]) for row in csv.DictReader(handle) if row.get("perf/step_s")]
+    return [row["perf/step_s"] for row in metric_rows(log_dir) if "perf/step_s" in row]
 
 
 def trl_run(algorithm: str, model: str, steps: int, workdir: Path) -> list[float]:
@@ -261,10 +258,7 @@ def main() -> None:
     if args.out:
         import trl
 
-        report = environment() | {"command": shlex.join([sys.argv[0], *sys.argv[1:]]), "results": results}
-        report["versions"]["trl"] = trl.__version__
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        write_report(args.out, results, versions={"trl": trl.__version__})
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
 import subprocess
 import sys
@@ -27,7 +26,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from throughput import environment  # noqa: E402
+from throughput import metric_rows, write_report  # noqa: E402
 
 from lit_rl.lora import LoRAConfig, apply_lora, count_parameters  # noqa: E402
 from lit_rl.models import build_random_model, load_causal_lm  # noqa: E402
@@ -77,7 +76,7 @@ def run_one(algorithm: str, lora: bool, model_dir: Path, steps: int, workdir: Pa
     if result.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{result.stderr[-3000:]}")
     log_dir = max((workdir / name).glob("version_*"))
-    rows = [row for row in _rows(log_dir / "metrics.csv") if "perf/step_s" in row]
+    rows = [row for row in metric_rows(log_dir) if "perf/step_s" in row]
     (checkpoint_file,) = (workdir / name / "checkpoints").glob("*.ckpt")
     model = load_causal_lm(str(model_dir))
     trainable, total = count_parameters(apply_lora(model, LoRAConfig(**_lora_settings())) if lora else model)
@@ -90,13 +89,6 @@ def run_one(algorithm: str, lora: bool, model_dir: Path, steps: int, workdir: Pa
         "peak_memory_mib": max(row["perf/peak_memory_mib"] for row in rows),
         "step_s": statistics.fmean(row["perf/step_s"] for row in rows[1:] or rows),
     }
-
-
-def _rows(path: Path) -> list[dict[str, float]]:
-    import csv
-
-    with open(path) as handle:
-        return [{k: float(v) for k, v in row.items() if v not in ("", None)} for row in csv.DictReader(handle)]
 
 
 def _lora_settings() -> dict:
@@ -165,14 +157,7 @@ def main() -> None:
     print_table(results)
     if args.out:
         model = {"hidden_size": args.hidden, "num_hidden_layers": args.layers, "intermediate_size": args.intermediate}
-        report = environment() | {
-            "command": shlex.join([sys.argv[0], *sys.argv[1:]]),
-            "model": model,
-            "steps": args.steps,
-            "results": results,
-        }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        write_report(args.out, results, model=model, steps=args.steps)
 
 
 if __name__ == "__main__":

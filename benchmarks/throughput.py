@@ -117,9 +117,14 @@ def run_one(args, engine: str, strategy: str, devices: int, workdir: Path) -> di
     }
 
 
-def summarise(log_dir: Path, warmup: int) -> dict:
+def metric_rows(log_dir: Path) -> list[dict[str, float]]:
+    """The rows of a run's metrics.csv, as floats, empty cells left out."""
     with open(log_dir / "metrics.csv") as handle:
-        rows = [{k: float(v) for k, v in row.items() if v not in ("", None)} for row in csv.DictReader(handle)]
+        return [{k: float(v) for k, v in row.items() if v not in ("", None)} for row in csv.DictReader(handle)]
+
+
+def summarise(log_dir: Path, warmup: int) -> dict:
+    rows = metric_rows(log_dir)
     steps = [r for r in rows if "perf/step_s" in r and r["step"] > warmup]
     if not steps:
         raise RuntimeError(f"{log_dir}: no step after the {warmup} warm-up steps; raise --steps")
@@ -160,6 +165,15 @@ def environment() -> dict:
         "versions": versions,
         "commit": commit,
     }
+
+
+def write_report(path: Path, results: list[dict], versions: Optional[dict] = None, **extra) -> None:
+    """The results JSON: machine, versions (plus `versions`), commit, the exact command, `extra` fields and the
+    results."""
+    report = environment() | {"command": shlex.join([sys.argv[0], *sys.argv[1:]]), **extra, "results": results}
+    report["versions"].update(versions or {})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
 
 
 def print_table(results: list[dict]) -> None:
@@ -261,9 +275,7 @@ def main() -> None:
                     results.append(run_one(args, engine, strategy, devices, Path(tmp)))
     print_table(results)
     if args.out:
-        report = environment() | {"command": shlex.join([sys.argv[0], *sys.argv[1:]]), "results": results}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        write_report(args.out, results)
         plot(results, args.out.with_suffix(".png"))
     if any("error" in r for r in results):
         sys.exit(1)
