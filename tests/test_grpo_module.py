@@ -28,3 +28,40 @@ def test_multiple_iterations_compute_old_logprobs_that_match_the_rollout():
 def test_group_must_fit_in_a_generation_batch():
     with pytest.raises(ValueError, match="must be a multiple of model.num_generations=3"):
         fit_grpo(num_generations=3, micro_batch_size=4)
+
+
+class CountingTokenizer:
+    """Passes everything to a tokenizer and records the texts of each call."""
+
+    def __init__(self, inner):
+        self.__dict__.update(inner=inner, calls=[])
+
+    def __call__(self, texts, **kwargs):
+        self.calls.append(list(texts))
+        return self.inner(texts, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name, value):
+        setattr(self.inner, name, value)
+
+
+def test_encode_prompts_tokenizes_each_distinct_prompt_once():
+    """A rollout batch holds every prompt G times: the encoding must equal tokenizing every row, from one
+    tokenizer call over the distinct prompts (chat prompts included)."""
+    from lit_rl.algorithms import GRPO
+
+    module = GRPO()
+    module.configure_model()
+    chat = [{"role": "user", "content": "45+67="}]
+    prompts = ["1+2=", "9+99=", "1+2=", chat, "9+99=", [dict(m) for m in chat]]
+    texts = [p if isinstance(p, str) else module.format_prompt(p) for p in prompts]
+    module.tokenizer.padding_side = "left"
+    expected = module.tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False)
+    assert (expected["attention_mask"] == 0).any()  # padded: the rows differ in length
+    module.tokenizer = CountingTokenizer(module.tokenizer)
+    ids, mask = module.encode_prompts(prompts)
+    assert module.tokenizer.calls == [["1+2=", "9+99=", texts[3]]]
+    assert torch.equal(ids, expected["input_ids"])
+    assert torch.equal(mask, expected["attention_mask"])

@@ -156,3 +156,16 @@ def test_sigterm_writes_a_resumable_checkpoint_and_exits_non_zero(tmp_path):
     assert [r["step"] for r in train_rows(log_dir)] == [stopped + 1, stopped + 2]  # continued, not restarted
     assert saved_steps(log_dir) == []  # cadence 1000: nothing else saved
     assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == stopped
+
+
+def test_has_non_finite_finds_one_bad_element_in_any_dtype():
+    from lit_rl.callbacks.safety import has_non_finite
+
+    tensors = [torch.randn(64, 32), torch.randn(7, dtype=torch.bfloat16), torch.randn(3, 3, 3)]
+    assert not has_non_finite(tensors)
+    assert not has_non_finite([])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for index in range(len(tensors)):
+            broken = [t.clone() for t in tensors]
+            broken[index].view(-1)[5] = bad
+            assert has_non_finite(broken), (bad, index)

@@ -6,6 +6,7 @@ tokenizer, the optimizer, and the rule for logging a MetricCollection once per o
 
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
@@ -29,6 +30,7 @@ from lit_rl.lora import (
 from lit_rl.models import load_causal_lm, load_tokenizer
 from lit_rl.ops import position_ids_from_mask, token_logprobs
 from lit_rl.perf import StepTimer
+from lit_rl.shared_prompts import shared_prompt_cache
 from lit_rl.strategies import gathered_parameters, hf_zero3_loading
 
 
@@ -220,8 +222,15 @@ class PolicyModule(L.LightningModule):
         return self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
 
     def encode_prompts(self, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Left-padded prompt ids and mask [B, P] on the module's device (long prompts keep their end)."""
-        texts = [self.format_prompt(p) for p in prompts]
+        """Left-padded prompt ids and mask [B, P] on the module's device (long prompts keep their end).
+
+        Each distinct prompt is rendered and tokenized once (a rollout batch holds every prompt G times)."""
+        keys = [p if isinstance(p, str) else json.dumps(p, sort_keys=True, default=str) for p in prompts]
+        first_of = {}  # key -> the first prompt with it
+        for key, prompt in zip(keys, prompts):
+            first_of.setdefault(key, prompt)
+        distinct_index = {key: i for i, key in enumerate(first_of)}
+        texts = [self.format_prompt(p) for p in first_of.values()]
         max_len = self.hparams.get("max_prompt_length")
         self.tokenizer.padding_side = "left"
         self.tokenizer.truncation_side = "left"
@@ -233,7 +242,8 @@ class PolicyModule(L.LightningModule):
             return_tensors="pt",
             add_special_tokens=all(isinstance(p, str) for p in prompts),  # a chat template already added them
         )
-        return enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
+        rows = torch.tensor([distinct_index[key] for key in keys], dtype=torch.long)  # [B] -> distinct prompt
+        return enc["input_ids"][rows].to(self.device), enc["attention_mask"][rows].to(self.device)
 
     # -- metrics ---------------------------------------------------------------------------------------------
     def log_collection(self, collection: MetricCollection, on_step: bool, prog_bar: tuple[str, ...] = ()) -> None:
@@ -283,17 +293,25 @@ def completion_forward(
     """Logits that predict each completion token: [N, P] + [N, T] -> [N, T, V].
 
     Positions come from the attention mask, as in generation, so a left-padded prompt gets the same positions
-    (and the same log-probs) as when it was sampled.
+    (and the same log-probs) as when it was sampled. Rows that share a prompt share its forward
+    (`lit_rl.shared_prompts`): each distinct prompt but its last token runs once, and the rows run the rest.
     """
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [N, P+T]
-    attention_mask = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1)  # [N, P+T]
+    positions = position_ids_from_mask(attention_mask)
     T = completion_ids.shape[1]
+    cache = shared_prompt_cache(model, prompt_ids, prompt_mask)
+    if cache is None:
+        input_ids, past = torch.cat([prompt_ids, completion_ids], dim=1), None  # [N, P+T]
+    else:  # the cache holds prompt positions 0..P-2; run the last prompt token and the completion on it
+        input_ids, past = torch.cat([prompt_ids[:, -1:], completion_ids], dim=1), cache  # [N, 1+T]
+        positions = positions[:, -(T + 1) :]
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
+        position_ids=positions,
+        past_key_values=past,
         logits_to_keep=T + 1,
-        use_cache=False,
+        use_cache=past is not None,
     )
     return out.logits[:, :-1]  # [N, T, V]: the logit at position t predicts token t + 1
 

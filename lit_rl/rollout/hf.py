@@ -10,6 +10,7 @@ import torch
 from lit_rl.lora import base_model
 from lit_rl.ops import token_logprobs
 from lit_rl.rollout.base import RolloutOutput, SamplingParams, completion_mask_from_ids
+from lit_rl.shared_prompts import shared_prompt_cache
 
 
 def model_eos_token_ids(model: torch.nn.Module, tokenizer_eos_id: Optional[int]) -> list[int]:
@@ -89,10 +90,13 @@ class HFGenerateEngine:
         was_training = self.model.training
         self.model.eval()
         try:
+            # Completions of the same prompt share its prefill: `generate` starts after the cached P-1 positions.
+            cache = shared_prompt_cache(self.model, prompt_ids, prompt_mask)
             with _library_generation_defaults(self.model):
                 out = self.model.generate(
                     input_ids=prompt_ids,
                     attention_mask=prompt_mask,
+                    past_key_values=cache,
                     generation_config=config,
                     logits_processor=processors,
                     synced_gpus=self.synced_ranks,
