@@ -111,3 +111,23 @@ def test_trl_comparison_quick_times_both_libraries_on_both_algorithms(tmp_path):
         assert r["lit_rl_s_per_step"] > 0 and r["trl_s_per_step"] > 0
         assert r["ratio"] == pytest.approx(r["lit_rl_s_per_step"] / r["trl_s_per_step"])
     assert "| grpo | tiny |" in stdout
+
+
+@pytest.mark.slow
+def test_weight_push_benchmark_times_and_splits_the_colocated_push(tmp_path):
+    out = tmp_path / "push.json"
+    subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "weight_push.py"), "--pushes", "3", "--profiled-pushes", "2"]
+        + ["--json", str(out)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    report = json.loads(out.read_text())
+    (result,) = report["results"]
+    assert result["tensors"] > 0 and 0 < result["push_s_mean"] < 60
+    shares = result["profiled_shares"]
+    # Nested parts: the re-pack is inside load_weights, which is inside reload_weights, inside the push.
+    assert 0 <= shares["re-pack for the CPU GEMM kernels"] <= shares["vLLM load_weights (re-pack included)"]
+    assert shares["vLLM load_weights (re-pack included)"] > 0
+    assert shares["vLLM load_weights (re-pack included)"] <= shares["reload_weights in all"] <= 1.0

@@ -31,6 +31,7 @@ def test_readme_main_job_is_the_grpo_config():
         ("throughput", "throughput_strategies_cpu.json"),
         ("lora", "lora_cpu.json"),
         ("compare_trl", "compare_trl_cpu.json"),
+        ("weight_push", "weight_push_cpu.json"),
     ],
 )
 def test_readme_tables_are_the_committed_results_files(script, results):
