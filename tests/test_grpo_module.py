@@ -65,3 +65,10 @@ def test_encode_prompts_tokenizes_each_distinct_prompt_once():
     assert module.tokenizer.calls == [["1+2=", "9+99=", texts[3]]]
     assert torch.equal(ids, expected["input_ids"])
     assert torch.equal(mask, expected["attention_mask"])
+    # All text prompts: the tokenizer adds its special tokens, once per distinct prompt too.
+    module.tokenizer.calls.clear()
+    texts = ["7+8=", "12+34=", "7+8="]
+    ids, mask = module.encode_prompts(texts)
+    assert module.tokenizer.calls == [["7+8=", "12+34="]]
+    expected = module.tokenizer(texts, padding=True, return_tensors="pt")
+    assert torch.equal(ids, expected["input_ids"]) and torch.equal(mask, expected["attention_mask"])

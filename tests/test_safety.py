@@ -164,6 +164,7 @@ def test_has_non_finite_finds_one_bad_element_in_any_dtype():
     tensors = [torch.randn(64, 32), torch.randn(7, dtype=torch.bfloat16), torch.randn(3, 3, 3)]
     assert not has_non_finite(tensors)
     assert not has_non_finite([])
+    assert not has_non_finite([torch.full((100,), 60000.0, dtype=torch.float16)])  # an fp16 L2 norm would overflow
     for bad in (float("nan"), float("inf"), float("-inf")):
         for index in range(len(tensors)):
             broken = [t.clone() for t in tensors]

@@ -7,7 +7,7 @@ from lit_rl.algorithms.base import completion_forward
 from lit_rl.models import load_causal_lm, load_tokenizer
 from lit_rl.ops import position_ids_from_mask, token_logprobs
 from lit_rl.rollout import HFGenerateEngine, SamplingParams
-from lit_rl.shared_prompts import distinct_prompts
+from lit_rl.shared_prompts import distinct_prompts, shared_prompt_cache
 
 MODEL = "lit-rl/tiny-qwen2-addition-sft"
 
@@ -130,3 +130,92 @@ def test_generation_from_the_shared_prefill_samples_the_same_completions(model, 
     assert torch.equal(shared.completion_mask, plain.completion_mask)
     assert (shared.logprobs - plain.logprobs).abs().max().item() < 1e-5
     assert len(set(map(tuple, shared.completion_ids.tolist()))) > 3  # rows of one prompt do differ
+
+
+def test_active_dropout_in_training_takes_the_plain_path(model, tokenizer):
+    """With dropout, each row must draw its own mask on the prompt's states, as in the plain forward."""
+    batch = grouped_batch(tokenizer)
+    model.config.attention_dropout = 0.1
+    model.train()
+    counts = count_input_tokens(model)
+    completion_forward(model, *batch)
+    model.eval()  # dropout off: sharing is exact again
+    completion_forward(model, *batch)
+    N, P = batch[0].shape
+    assert counts == [N * (P + batch[2].shape[1]), 3 * (P - 1), N * (batch[2].shape[1] + 1)]
+
+
+def test_a_cache_without_the_prompt_positions_is_not_used(model, tokenizer):
+    """A forward that returns an empty cache (a checkpoint wrapper the model does not report drops it) must not
+    leave the rows without their prompt: the plain forward runs instead."""
+    from transformers.cache_utils import DynamicCache
+
+    batch = grouped_batch(tokenizer)
+
+    class DropsTheCache(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, **kwargs):
+            out = self.inner(**kwargs)
+            if kwargs.get("use_cache"):
+                out.past_key_values = DynamicCache()
+            return out
+
+    wrapped = DropsTheCache(model).eval()
+    assert shared_prompt_cache(wrapped, batch[0], batch[1]) is None
+    with torch.no_grad():
+        logits = completion_forward(wrapped, *batch)
+        assert (logits - plain_forward(model, *batch)).abs().max().item() < 1e-4
+
+
+def test_lora_policy_and_its_adapter_off_reference_share_prompts_exactly(model, tokenizer):
+    from lit_rl.lora import LoRAConfig, apply_lora, reference_view
+
+    batch = grouped_batch(tokenizer)
+    base_logits = plain_forward(model, *batch).detach()
+    policy = apply_lora(model, LoRAConfig(r=4, alpha=8))
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)  # a trained-looking adapter: the policy differs from its base
+    counts = count_input_tokens(policy)
+    with torch.no_grad():
+        shared = completion_forward(policy, *batch)
+        assert len(counts) == 2  # the prefix and the rows: shared through the peft wrapper
+        assert (shared - plain_forward(policy, *batch)).abs().max().item() < 1e-4
+        assert (shared - base_logits).abs().max().item() > 1e-2
+        with reference_view(policy):
+            reference = completion_forward(policy, *batch)
+        assert (reference - base_logits).abs().max().item() < 1e-4
+
+
+def _rank_decides(rank: int, world: int, init_file: str, synced: bool, results) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        tokenizer, model = load_tokenizer(MODEL), load_causal_lm(MODEL)
+        # Rank 0's rows repeat a prompt; rank 1's are all different.
+        prompts = ["1+2=", "1+2="] if rank == 0 else ["1+2=", "45+67="]
+        enc = tokenizer(prompts, padding=True, return_tensors="pt")
+        counts = count_input_tokens(model)
+        with torch.no_grad():
+            cache = shared_prompt_cache(model, enc["input_ids"], enc["attention_mask"], synced_ranks=synced)
+        results[rank] = (cache is not None, len(counts))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("synced", [False, True])
+def test_ranks_with_sharded_parameters_agree_on_sharing(tmp_path, synced):
+    """Under ZeRO-3/FSDP every forward is a collective: a rank that shares (one more forward) while another does
+    not would hang them both. With `synced_ranks`, they share only if all can."""
+    import torch.multiprocessing as mp
+
+    results = mp.Manager().dict()
+    mp.spawn(_rank_decides, args=(2, str(tmp_path / "init"), synced, results), nprocs=2, join=True)
+    if synced:
+        assert dict(results) == {0: (False, 0), 1: (False, 0)}
+    else:  # what the all-reduce prevents: rank 0 runs a prefix forward, rank 1 does not
+        assert dict(results) == {0: (True, 1), 1: (False, 0)}

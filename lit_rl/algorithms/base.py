@@ -31,7 +31,7 @@ from lit_rl.models import load_causal_lm, load_tokenizer
 from lit_rl.ops import position_ids_from_mask, token_logprobs
 from lit_rl.perf import StepTimer
 from lit_rl.shared_prompts import shared_prompt_cache
-from lit_rl.strategies import gathered_parameters, hf_zero3_loading
+from lit_rl.strategies import gathered_parameters, hf_zero3_loading, shards_parameters
 
 
 class PolicyModule(L.LightningModule):
@@ -214,6 +214,12 @@ class PolicyModule(L.LightningModule):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def parameters_sharded(self) -> bool:
+        """Whether every forward gathers the parameters from all ranks (ZeRO-3, FSDP on several ranks): then all
+        ranks must run the same forwards."""
+        trainer = self._trainer
+        return trainer is not None and trainer.world_size > 1 and shards_parameters(trainer.strategy)
+
     # -- text ------------------------------------------------------------------------------------------------
     def format_prompt(self, prompt: Any) -> str:
         """Text prompts pass through; chat messages go through the tokenizer's chat template."""
@@ -225,7 +231,7 @@ class PolicyModule(L.LightningModule):
         """Left-padded prompt ids and mask [B, P] on the module's device (long prompts keep their end).
 
         Each distinct prompt is rendered and tokenized once (a rollout batch holds every prompt G times)."""
-        keys = [p if isinstance(p, str) else json.dumps(p, sort_keys=True, default=str) for p in prompts]
+        keys = [_prompt_key(p, row) for row, p in enumerate(prompts)]
         first_of = {}  # key -> the first prompt with it
         for key, prompt in zip(keys, prompts):
             first_of.setdefault(key, prompt)
@@ -283,23 +289,37 @@ class PolicyModule(L.LightningModule):
         self.timer = getattr(self, "_timer_during_training", self.timer)
 
 
+def _prompt_key(prompt: Any, row: int) -> tuple:
+    """Equal keys for equal prompts: text as itself, chat messages as their JSON; a prompt JSON cannot encode
+    exactly gets a key of its own (no sharing for it)."""
+    if isinstance(prompt, str):
+        return ("text", prompt)
+    try:
+        return ("chat", json.dumps(prompt, sort_keys=True))
+    except (TypeError, ValueError):
+        return ("row", row)
+
+
 def completion_forward(
     model: torch.nn.Module,
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
+    synced_ranks: bool = False,
 ) -> torch.Tensor:
     """Logits that predict each completion token: [N, P] + [N, T] -> [N, T, V].
 
     Positions come from the attention mask, as in generation, so a left-padded prompt gets the same positions
     (and the same log-probs) as when it was sampled. Rows that share a prompt share its forward
     (`lit_rl.shared_prompts`): each distinct prompt but its last token runs once, and the rows run the rest.
+    `synced_ranks`: parameters are sharded across ranks (`PolicyModule.parameters_sharded`), so the ranks must
+    decide together.
     """
     attention_mask = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1)  # [N, P+T]
     positions = position_ids_from_mask(attention_mask)
     T = completion_ids.shape[1]
-    cache = shared_prompt_cache(model, prompt_ids, prompt_mask)
+    cache = shared_prompt_cache(model, prompt_ids, prompt_mask, synced_ranks)
     if cache is None:
         input_ids, past = torch.cat([prompt_ids, completion_ids], dim=1), None  # [N, P+T]
     else:  # the cache holds prompt positions 0..P-2; run the last prompt token and the completion on it
@@ -323,7 +343,8 @@ def completion_logprobs(
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
     temperature: float = 1.0,
+    synced_ranks: bool = False,
 ) -> torch.Tensor:
     """Per-token log-probs [N, T] of the completion tokens under `softmax(logits / temperature)`."""
-    logits = completion_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    logits = completion_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, synced_ranks)
     return token_logprobs(logits, completion_ids, temperature)

@@ -180,7 +180,12 @@ class DPO(PolicyModule):
     def sequence_logps(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]):
         """Summed completion log-probs [2B], completion lengths [2B], and vocab-mean logits per token [2B, T]."""
         logits = completion_forward(
-            model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"]
+            model,
+            batch["prompt_ids"],
+            batch["prompt_mask"],
+            batch["completion_ids"],
+            batch["completion_mask"],
+            synced_ranks=self.parameters_sharded(),
         )
         mask = batch["completion_mask"]
         logps = (token_logprobs(logits, batch["completion_ids"]) * mask).sum(dim=1)

@@ -30,7 +30,7 @@ from lit_rl.rollout import HFGenerateEngine, RolloutEngine, SamplingParams, VLLM
 from lit_rl.rollout.base import global_batch_seeds, policy_weights
 from lit_rl.rollout.config import check_vllm_config
 from lit_rl.rollout.hf import model_eos_token_ids
-from lit_rl.strategies import gathered_parameters, is_accumulating_micro_batch, shards_parameters
+from lit_rl.strategies import gathered_parameters, is_accumulating_micro_batch
 from lit_rl.types import RolloutBatch
 
 ZERO_STD = 1e-6
@@ -145,8 +145,7 @@ class OnPolicyModule(PolicyModule):
         pad_id = self.tokenizer.pad_token_id
         config = self.vllm_config
         if config is None:
-            synced = shards_parameters(self.trainer.strategy) and self.trainer.world_size > 1
-            return HFGenerateEngine(self.policy, eos_ids, pad_id, synced_ranks=synced)
+            return HFGenerateEngine(self.policy, eos_ids, pad_id, synced_ranks=self.parameters_sharded())
         if config.mode == "server":
             from lit_rl.rollout.server import VLLMServerEngine
 
@@ -375,6 +374,7 @@ class OnPolicyModule(PolicyModule):
                     mb.completion_ids,
                     mb.completion_mask,
                     self.hparams.temperature,
+                    synced_ranks=self.parameters_sharded(),
                 )
             )
         return torch.cat(chunks) * batch.completion_mask
@@ -421,7 +421,14 @@ class OnPolicyModule(PolicyModule):
         mb = self._buffer.select(slice(index * hp.micro_batch_size, (index + 1) * hp.micro_batch_size))
 
         self.timer.count("trained_tokens", float(mb.completion_mask.sum()))
-        logits = completion_forward(self.policy, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask)
+        logits = completion_forward(
+            self.policy,
+            mb.prompt_ids,
+            mb.prompt_mask,
+            mb.completion_ids,
+            mb.completion_mask,
+            synced_ranks=self.parameters_sharded(),
+        )
         logprobs = token_logprobs(logits, mb.completion_ids, hp.temperature)  # [n, T]
         loss, stats = self.micro_batch_loss(mb, logits, logprobs, self._normalizers[index // self.accumulate])
         first_pass = generation_micro_step < micro_batches

@@ -88,7 +88,9 @@ class SFT(PolicyModule):
     def _step(self, rows: list[dict[str, Any]], metrics) -> torch.Tensor:
         prompt_ids, prompt_mask = self.encode_prompts([row["prompt"] for row in rows])
         completion_ids, completion_mask = self.encode_completions([row["completion"] for row in rows])
-        logits = completion_forward(self.policy, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        logits = completion_forward(
+            self.policy, prompt_ids, prompt_mask, completion_ids, completion_mask, self.parameters_sharded()
+        )
         logprobs = token_logprobs(logits, completion_ids)  # [B, T]
         tokens = completion_mask > 0
         self.timer.count("trained_tokens", float(completion_mask.sum()))

@@ -91,7 +91,7 @@ class HFGenerateEngine:
         self.model.eval()
         try:
             # Completions of the same prompt share its prefill: `generate` starts after the cached P-1 positions.
-            cache = shared_prompt_cache(self.model, prompt_ids, prompt_mask)
+            cache = shared_prompt_cache(self.model, prompt_ids, prompt_mask, self.synced_ranks)
             with _library_generation_defaults(self.model):
                 out = self.model.generate(
                     input_ids=prompt_ids,
