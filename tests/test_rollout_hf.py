@@ -1,5 +1,7 @@
 """The trainer's recomputed log-probs equal HF generate's own scores on a left-padded batch (fp32)."""
 
+import math
+
 import pytest
 import torch
 
@@ -147,3 +149,56 @@ def test_counter_uniforms_are_splitmix64_of_the_counter():
             counter = (seed * 0x9E3779B97F4A7C15 + step * vocab + v) & ((1 << 64) - 1)
             assert values[row, v].item() == ((splitmix64(counter) >> 11) + 0.5) / 2**53
     assert 0.0 < values.min() and values.max() < 1.0
+
+
+def test_sampled_token_logprobs_keeps_one_step_and_reads_each_chosen_token():
+    from lit_rl.rollout.hf import SampledTokenLogprobs
+
+    recorder = SampledTokenLogprobs(temperature=2.0)
+    step0 = torch.tensor([[0.0, 2.0, 4.0], [1.0, 1.0, 1.0]])
+    step1 = torch.tensor([[4.0, 0.0, 0.0], [0.0, 6.0, 0.0]])
+    prompt = torch.tensor([[9], [9]])
+    assert recorder(prompt, step0) is step0  # the scores pass through untouched
+    recorder(torch.cat([prompt, torch.tensor([[2], [0]])], 1), step1)  # step 0 chose tokens 2 and 0
+    assert len(recorder.logprobs) == 1
+    logprobs = recorder.logprobs_of(torch.tensor([[2, 0], [0, 1]]))  # step 1 chose 0 and 1
+    # log softmax(z / 2): row 0 of step 0 is [0, 1, 2] - log(1 + e + e^2); row 1 is uniform, log(1/3).
+    expected = torch.tensor(
+        [
+            [2 - math.log(1 + math.e + math.e**2), 2 - math.log(math.e**2 + 2)],
+            [math.log(1 / 3), 3 - math.log(math.e**3 + 2)],
+        ]
+    )
+    assert torch.allclose(logprobs, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_engine_logprobs_equal_those_of_every_steps_logits(policy, temperature):
+    """The engine keeps one step's log-softmax at a time; the values equal those from all the raw logits
+    (`output_logits=True`), early-finished rows included."""
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    from lit_rl.ops import token_logprobs
+    from lit_rl.rollout.hf import SampledTokenLogprobs, SeededRowSampler
+
+    tokenizer, model = policy
+    enc = tokenizer(["1+2=", "45+67=", "9+99="], padding=True, return_tensors="pt")
+    ids, mask = enc["input_ids"].repeat_interleave(4, 0), enc["attention_mask"].repeat_interleave(4, 0)
+    params = SamplingParams(max_new_tokens=8, temperature=temperature)
+    recorder = SampledTokenLogprobs(temperature)
+    config = GenerationConfig(
+        max_new_tokens=8,
+        do_sample=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    sampler = SeededRowSampler(list(range(len(ids))), params)
+    with torch.no_grad():
+        processors = LogitsProcessorList([recorder, sampler])
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=processors)
+    completion_ids = out.sequences[:, ids.shape[1] :]
+    assert (completion_ids == tokenizer.eos_token_id).any(dim=1).any()  # some rows end early
+    expected = token_logprobs(torch.stack(out.logits, dim=1), completion_ids, temperature)
+    assert (recorder.logprobs_of(completion_ids) - expected).abs().max().item() < 1e-5  # float rounding only

@@ -8,8 +8,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 import torch
 
 from lit_rl.lora import base_model
-from lit_rl.ops import token_logprobs
-from lit_rl.rollout.base import RolloutOutput, SamplingParams, completion_mask_from_ids
+from lit_rl.rollout.base import RolloutOutput, SamplingParams, completion_mask_from_ids, draw_seeds
 from lit_rl.shared_prompts import shared_prompt_cache
 
 
@@ -42,7 +41,8 @@ class HFGenerateEngine:
 
     Sampling is exactly `softmax(logits / temperature)` truncated by `top_k`/`top_p` when asked: the model's own
     generation settings are ignored. The model is held by reference (this is not an `nn.Module`, and it is never
-    saved). Sampling uses the global torch RNG, which `seed_everything` seeds and checkpoints restore.
+    saved). Each row samples from its own seed; without `seeds`, they are drawn from the global torch RNG, which
+    `seed_everything` seeds and checkpoints restore.
     """
 
     needs_weights = False
@@ -71,22 +71,20 @@ class HFGenerateEngine:
     ) -> RolloutOutput:
         from transformers import GenerationConfig, LogitsProcessorList
 
-        # With seeds, each row samples by Gumbel-max from its own generator (`SeededRowSampler`) and `generate`
-        # only takes the argmax; otherwise `generate` samples the whole batch from the global RNG.
-        seeded = seeds is not None and not params.greedy
-        sample_in_generate = not params.greedy and not seeded
+        # `generate` only ever takes the argmax: sampling is Gumbel-max inside `SeededRowSampler`, each row from its
+        # own seed (drawn from the global RNG when none are given). The first processor sees the raw logits and
+        # keeps the sampled tokens' log-probs, one step at a time instead of every step's [N, V] logits.
+        if seeds is None and not params.greedy:
+            seeds = draw_seeds(len(prompt_ids))
         config = GenerationConfig(
             max_new_tokens=params.max_new_tokens,
-            do_sample=sample_in_generate,
-            temperature=params.temperature if sample_in_generate else None,
-            top_p=params.top_p if sample_in_generate else None,
-            top_k=params.top_k if sample_in_generate else None,  # 0 disables it (None would mean the default, 50)
+            do_sample=False,
             eos_token_id=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
-            output_logits=True,
             return_dict_in_generate=True,
         )
-        processors = LogitsProcessorList([SeededRowSampler(seeds, params)] if seeded else [])
+        recorder = SampledTokenLogprobs(params.logprob_temperature)
+        processors = LogitsProcessorList([recorder] + ([] if params.greedy else [SeededRowSampler(seeds, params)]))
         was_training = self.model.training
         self.model.eval()
         try:
@@ -104,17 +102,52 @@ class HFGenerateEngine:
         finally:
             self.model.train(was_training)
         completion_ids = out.sequences[:, prompt_ids.shape[1] :]  # [N, T]
-        logits = torch.stack(out.logits, dim=1)  # [N, T, V], raw (before temperature and truncation)
+        logprobs = recorder.logprobs_of(completion_ids)  # [N, T]
         mask = completion_mask_from_ids(completion_ids, self.eos_token_ids)
         completion_ids = completion_ids.masked_fill(mask == 0, self.pad_token_id)
-        logprobs = token_logprobs(logits, completion_ids, params.logprob_temperature) * mask
-        return RolloutOutput(completion_ids=completion_ids, completion_mask=mask, logprobs=logprobs)
+        return RolloutOutput(completion_ids=completion_ids, completion_mask=mask, logprobs=logprobs * mask)
 
     def update_weights(self, named_tensors: Optional[Iterable[tuple[str, torch.Tensor]]] = None) -> None:
         """Nothing to do: `generate` runs on the policy module itself."""
 
     def close(self) -> None:
         """Nothing to release: the model belongs to the trainer."""
+
+
+class SampledTokenLogprobs:
+    """A logits processor, first in the list so that it sees the raw logits, that keeps the log-prob of each sampled
+    token under `softmax(logits / temperature)`.
+
+    At decoding step t it holds step t's log-softmax [N, V] (float32) until step t + 1 shows which token was chosen
+    (the last column of `input_ids`); `logprobs_of` reads the last step's. Peak memory is one step's [N, V], where
+    `output_logits=True` would keep all T of them: 20 GB in float32 for 64 completions of 512 tokens at the Qwen2
+    vocabulary.
+    """
+
+    def __init__(self, temperature: float = 1.0) -> None:
+        self.temperature = temperature
+        self.logprobs: list[torch.Tensor] = []  # [N] per decided step
+        self._pending: Optional[torch.Tensor] = None  # [N, V]: the step whose token is not yet known
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self._pending is not None:
+            self._take(input_ids[:, -1])
+        self._pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)  # a new tensor: never aliased
+        return scores
+
+    def logprobs_of(self, completion_ids: torch.Tensor) -> torch.Tensor:
+        """[N, T] log-probs of the generated tokens (`completion_ids` [N, T], the tokens `generate` returned)."""
+        if self._pending is not None:
+            self._take(completion_ids[:, len(self.logprobs)])
+        if len(self.logprobs) != completion_ids.shape[1]:
+            raise RuntimeError(f"{len(self.logprobs)} log-prob steps for {completion_ids.shape[1]} generated tokens")
+        if not self.logprobs:
+            return torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
+        return torch.stack(self.logprobs, dim=1)
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        self.logprobs.append(self._pending.gather(-1, tokens[:, None]).squeeze(-1))
+        self._pending = None
 
 
 class SeededRowSampler:
