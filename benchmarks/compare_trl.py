@@ -35,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from throughput import metric_rows, write_report  # noqa: E402
+from throughput import fit_flags, metric_rows, write_report  # noqa: E402
 
 from lit_rl.models import build_random_model, resolve_model_path  # noqa: E402
 
@@ -53,20 +53,9 @@ def lit_run(algorithm: str, model: str, steps: int, workdir: Path) -> list[float
         model,
         "--model.learning_rate",
         str(LR),
-        "--trainer.max_steps",
-        str(steps),
         "--trainer.limit_val_batches",
         "0",
-        "--trainer.num_sanity_val_steps",
-        "0",
-        "--trainer.enable_checkpointing",
-        "false",
-        "--trainer.enable_progress_bar",
-        "false",
-        "--trainer.callbacks",
-        "null",
-        "--trainer.logger.init_args.save_dir",
-        str(workdir),
+        *fit_flags(steps, workdir),
     ]
     if algorithm == "grpo":
         args = [

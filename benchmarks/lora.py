@@ -26,7 +26,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from throughput import metric_rows, write_report  # noqa: E402
+from throughput import fit_flags, metric_rows, write_report  # noqa: E402
 
 from lit_rl.lora import LoRAConfig, apply_lora, count_parameters  # noqa: E402
 from lit_rl.models import build_random_model, load_causal_lm  # noqa: E402
@@ -58,18 +58,9 @@ def run_one(algorithm: str, lora: bool, model_dir: Path, steps: int, workdir: Pa
         str(overlay),
         "--model.model_name_or_path",
         str(model_dir),
-        "--trainer.max_steps",
-        str(steps),
         "--trainer.val_check_interval",
         "1000000",
-        "--trainer.num_sanity_val_steps",
-        "0",
-        "--trainer.enable_progress_bar",
-        "false",
-        "--trainer.logger.init_args.save_dir",
-        str(workdir),
-        "--trainer.logger.init_args.name",
-        name,
+        *fit_flags(steps, workdir, name, checkpoints=True),
         *ALGORITHMS[algorithm],
     ]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)

@@ -60,6 +60,17 @@ def policy_of(config_path: Path, overrides: list[str]) -> str:
     return model
 
 
+def fit_flags(steps: int, workdir: Path, name: Optional[str] = None, checkpoints: bool = False) -> list[str]:
+    """The `lit-rl fit` flags every benchmark run shares: `steps` optimizer steps, no sanity validation, no progress
+    bar, metrics.csv under `workdir` (in `name/` when given); unless `checkpoints`, no checkpointing and none of the
+    config's callbacks. Each script adds how it keeps validation out of the measured steps."""
+    flags = ["--trainer.max_steps", str(steps), "--trainer.num_sanity_val_steps", "0"]
+    if not checkpoints:
+        flags += ["--trainer.enable_checkpointing", "false", "--trainer.callbacks", "null"]
+    flags += ["--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(workdir)]
+    return flags + (["--trainer.logger.init_args.name", name] if name else [])
+
+
 def run_one(args, engine: str, strategy: str, devices: int, workdir: Path) -> dict:
     name = f"{engine}-{strategy}-{devices}"
     command = [
@@ -75,22 +86,9 @@ def run_one(args, engine: str, strategy: str, devices: int, workdir: Path) -> di
         args.accelerator,
         "--trainer.devices",
         str(devices),
-        "--trainer.max_steps",
-        str(args.steps),
         "--trainer.val_check_interval",
         "1000000",
-        "--trainer.num_sanity_val_steps",
-        "0",
-        "--trainer.enable_checkpointing",
-        "false",
-        "--trainer.enable_progress_bar",
-        "false",
-        "--trainer.callbacks",
-        "null",
-        "--trainer.logger.init_args.save_dir",
-        str(workdir),
-        "--trainer.logger.init_args.name",
-        name,
+        *fit_flags(args.steps, workdir, name),
         *args.overrides,
     ]
     server: Optional[LocalVLLMServer] = None
