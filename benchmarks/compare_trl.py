@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,11 +41,27 @@ from throughput import fit_flags, metric_rows, write_report  # noqa: E402
 from lit_rl.models import build_random_model, resolve_model_path  # noqa: E402
 
 TINY = "lit-rl/tiny-qwen2-addition-sft"
-G, PROMPTS, MAX_NEW_TOKENS, PAIRS, LR = 8, 8, 8, 32, 1e-5
+
+
+@dataclass
+class Workload:
+    """What both libraries run. The defaults are this script's CPU workloads; `benchmarks/gpu_suite.py` runs GRPO
+    on a GPU in bf16 with colocated vLLM through the same two functions."""
+
+    group: int = 8  # G, completions per prompt
+    prompts: int = 8  # prompts per optimizer step
+    max_new_tokens: int = 8
+    pairs: int = 32  # DPO pairs per step
+    learning_rate: float = 1e-5
+    gpu: bool = False
+    bf16: bool = False  # lit-rl `bf16-mixed`, TRL `bf16=True`
+    vllm: bool = False  # colocated vLLM (lit-rl `configs/rollout/vllm_colocate.yaml`, TRL `vllm_mode="colocate"`)
+    sleep_mode: bool = False
+    gpu_memory_utilization: float = 0.3
 
 
 # -- one run (a child process) ---------------------------------------------------------------------------------
-def lit_run(algorithm: str, model: str, steps: int, workdir: Path) -> list[float]:
+def lit_run(algorithm: str, model: str, steps: int, workdir: Path, work: Workload = Workload()) -> list[float]:
     """lit-rl's CLI on the workload; its per-step wall times (`perf/step_s`)."""
     from lit_rl.cli import main
 
@@ -52,11 +69,15 @@ def lit_run(algorithm: str, model: str, steps: int, workdir: Path) -> list[float
         "--model.model_name_or_path",
         model,
         "--model.learning_rate",
-        str(LR),
+        str(work.learning_rate),
         "--trainer.limit_val_batches",
         "0",
         *fit_flags(steps, workdir),
     ]
+    if work.gpu:
+        common += ["--trainer.accelerator", "gpu", "--trainer.devices", "1"]
+    if work.bf16:
+        common += ["--trainer.precision", "bf16-mixed"]
     if algorithm == "grpo":
         args = [
             "--config",
@@ -66,24 +87,28 @@ def lit_run(algorithm: str, model: str, steps: int, workdir: Path) -> list[float
             "--model.reward_weights",
             "null",
             "--model.num_generations",
-            str(G),
+            str(work.group),
             "--model.micro_batch_size",
-            str(G * PROMPTS),
+            str(work.group * work.prompts),
             "--model.max_new_tokens",
-            str(MAX_NEW_TOKENS),
+            str(work.max_new_tokens),
             "--model.beta",
             "0.0",
             "--model.loss_aggregation",
             "sequence",
         ]
+        if work.vllm:
+            args += ["--config", str(REPO / "configs" / "rollout" / "vllm_colocate.yaml")]
+            args += ["--model.vllm.enable_sleep_mode", str(work.sleep_mode).lower()]
+            args += ["--model.vllm.gpu_memory_utilization", str(work.gpu_memory_utilization)]
     else:
-        args = ["--config", str(REPO / "configs" / "dpo.yaml"), "--data.batch_size", str(PAIRS)]
+        args = ["--config", str(REPO / "configs" / "dpo.yaml"), "--data.batch_size", str(work.pairs)]
     main(["fit", *args, *common])
     (log_dir,) = workdir.glob("*/version_*")
     return [row["perf/step_s"] for row in metric_rows(log_dir) if "perf/step_s" in row]
 
 
-def trl_run(algorithm: str, model: str, steps: int, workdir: Path) -> list[float]:
+def trl_run(algorithm: str, model: str, steps: int, workdir: Path, work: Workload = Workload()) -> list[float]:
     """TRL's trainer on the workload; the wall times between its optimizer steps."""
     import torch
     from datasets import Dataset
@@ -109,17 +134,18 @@ def trl_run(algorithm: str, model: str, steps: int, workdir: Path) -> list[float
     common = dict(
         output_dir=str(workdir),
         max_steps=steps,
-        learning_rate=LR,
+        learning_rate=work.learning_rate,
         lr_scheduler_type="constant",
-        use_cpu=True,
+        use_cpu=not work.gpu,
         report_to=[],
         save_strategy="no",
         logging_steps=1,
         disable_tqdm=True,
         dataloader_num_workers=0,
         seed=0,
-        # TRL's configs default to bf16 mixed precision and gradient checkpointing; the workload is fp32 without.
-        bf16=False,
+        # TRL's configs default to bf16 mixed precision and gradient checkpointing; the workload says which
+        # precision, and both run without checkpointing.
+        bf16=work.bf16,
         gradient_checkpointing=False,
     )
     if algorithm == "grpo":
@@ -129,10 +155,10 @@ def trl_run(algorithm: str, model: str, steps: int, workdir: Path) -> list[float
         dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
         config = GRPOConfig(
             **common,
-            per_device_train_batch_size=G * PROMPTS,
+            per_device_train_batch_size=work.group * work.prompts,
             gradient_accumulation_steps=1,
-            num_generations=G,
-            max_completion_length=MAX_NEW_TOKENS,
+            num_generations=work.group,
+            max_completion_length=work.max_new_tokens,
             temperature=1.0,
             top_k=0,
             beta=0.0,
@@ -140,7 +166,10 @@ def trl_run(algorithm: str, model: str, steps: int, workdir: Path) -> list[float
             loss_type="grpo",
             scale_rewards="group",
             disable_dropout=True,
-            use_vllm=False,
+            use_vllm=work.vllm,
+            vllm_mode="colocate",
+            vllm_enable_sleep_mode=work.sleep_mode,
+            vllm_gpu_memory_utilization=work.gpu_memory_utilization,
         )
         trainer = GRPOTrainer(
             model=policy,
@@ -155,7 +184,7 @@ def trl_run(algorithm: str, model: str, steps: int, workdir: Path) -> list[float
 
         rows = addition_preference_rows("train")
         dataset = Dataset.from_list([{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows])
-        config = DPOConfig(**common, per_device_train_batch_size=PAIRS, beta=0.1, loss_type="sigmoid")
+        config = DPOConfig(**common, per_device_train_batch_size=work.pairs, beta=0.1, loss_type="sigmoid")
         ref = load_causal_lm(model, disable_dropout=True)
         trainer = DPOTrainer(
             model=policy,
@@ -170,9 +199,13 @@ def trl_run(algorithm: str, model: str, steps: int, workdir: Path) -> list[float
 
 
 # -- the comparison ----------------------------------------------------------------------------------------------
-def run_child(library: str, algorithm: str, model: str, steps: int, workdir: Path) -> list[float]:
+def run_child(
+    library: str, algorithm: str, model: str, steps: int, workdir: Path, work: Workload = Workload()
+) -> list[float]:
+    """One run in a process of its own: the per-step wall times of `library` on the workload."""
     out = workdir / "times.json"
     command = [sys.executable, __file__, "--child", library, algorithm, model, str(steps), str(out)]
+    command.append(json.dumps(asdict(work)))
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{library} {algorithm} on {model} failed:\n{result.stderr[-3000:]}")
@@ -214,9 +247,9 @@ def markdown_table(results: list[dict]) -> str:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        library, algorithm, model, steps, out = sys.argv[2:7]
+        library, algorithm, model, steps, out, work = sys.argv[2:8]
         run = lit_run if library == "lit_rl" else trl_run
-        times = run(algorithm, model, int(steps), Path(out).parent)
+        times = run(algorithm, model, int(steps), Path(out).parent, Workload(**json.loads(work)))
         Path(out).write_text(json.dumps(times))
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

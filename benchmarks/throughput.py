@@ -144,6 +144,7 @@ def summarise(log_dir: Path, warmup: int) -> dict:
         "peak_memory_mib_per_rank": max(r.get("perf/peak_memory_mib", 0.0) for r in steps),
         "split_s": {part: mean(f"perf/{part}_s") for part in PARTS},
         "rollout_logprob_diff_max": max(r.get("train/rollout_logprob_diff/max", 0.0) for r in steps),
+        "rollout_kl_mean": mean("train/rollout_kl"),
     }
 
 

@@ -63,9 +63,10 @@ def main() -> None:
     import torch
 
     from lit_rl.models import load_causal_lm, resolve_model_path
-    from lit_rl.rollout.base import policy_weights
     from lit_rl.rollout.config import VLLMConfig
+    from lit_rl.rollout.placement import EnginePlacement
     from lit_rl.rollout.vllm import VLLMColocateEngine
+    from lit_rl.rollout.weights import policy_weights
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from throughput import write_report
@@ -73,7 +74,8 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     path = str(resolve_model_path(args.model))
     model = load_causal_lm(path)
-    engine = VLLMColocateEngine(VLLMConfig(), path, model.dtype, torch.device("cpu"), [0], 0)
+    placement = EnginePlacement(rank=0, local_rank=0, world_size=1, local_world_size=1)
+    engine = VLLMColocateEngine.start(VLLMConfig(), path, model.dtype, torch.device("cpu"), [0], 0, placement)
     try:
         engine.update_weights(policy_weights(model))  # the first push: one-off set-up
         seconds = []

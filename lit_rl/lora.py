@@ -173,25 +173,38 @@ def merged_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def _merged_weights(base: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    from peft.tuners.lora import LoraLayer
-
-    deltas: dict[str, torch.Tensor] = {}
-    for path, module in base.named_modules():
-        if isinstance(module, LoraLayer) and not module.merged:
-            adapters = [
-                name for name in module.active_adapters if name in module.lora_A or name in module.lora_embedding_A
-            ]
-            if adapters:
-                deltas[f"{path}.base_layer.weight"] = sum(module.get_delta_weight(name) for name in adapters)
+    deltas = {f"{path}.base_layer.weight": lora_delta(module) for path, module in base.named_modules()}
     weights = []
     for key, tensor in base.state_dict().items():
-        if _ADAPTER_KEY.search(key):
-            continue
-        value = tensor.detach()
-        if key in deltas:
-            value = value + deltas[key].to(value.dtype)
-        weights.append((_WRAPPED_KEY.sub(".", key), value))
+        name = hf_weight_name(key)
+        if name is not None:
+            delta = deltas.get(key)
+            weights.append((name, tensor.detach() if delta is None else tensor.detach() + delta.to(tensor.dtype)))
     return weights
+
+
+def lora_delta(module: torch.nn.Module) -> Optional[torch.Tensor]:
+    """`(alpha / r) B A` of a LoRA layer (peft's `get_delta_weight`, summed over its active adapters), to add to
+    its `base_layer.weight`; None for any other module, or a layer whose adapter is merged already."""
+    from peft.tuners.lora import LoraLayer
+
+    if not isinstance(module, LoraLayer) or module.merged:
+        return None
+    adapters = [name for name in module.active_adapters if name in module.lora_A or name in module.lora_embedding_A]
+    return sum(module.get_delta_weight(name) for name in adapters) if adapters else None
+
+
+def is_lora_layer(module: torch.nn.Module) -> bool:
+    """Whether peft put an adapter into `module` (its weights merge as one: see `lora_delta`)."""
+    from peft.tuners.lora import LoraLayer
+
+    return isinstance(module, LoraLayer)
+
+
+def hf_weight_name(key: str) -> Optional[str]:
+    """A state-dict key of a (peft-wrapped) model -> the plain model's name; None for adapter keys and the
+    frozen originals of `modules_to_save`, which the plain model does not have."""
+    return None if _ADAPTER_KEY.search(key) else _WRAPPED_KEY.sub(".", key)
 
 
 def trainable_keys(module: torch.nn.Module) -> set[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from torchmetrics import MaxMetric, MeanMetric, MetricCollection, SumMetric
+from torchmetrics import MaxMetric, MeanMetric, MetricCollection, MinMetric, SumMetric
 
 
 def _collection(metrics: dict) -> MetricCollection:
@@ -40,6 +40,12 @@ def _on_policy_training_metrics(reward_names: Iterable[str]) -> dict:
         "entropy": MeanMetric(),
         "rollout_logprob_diff/mean": MeanMetric(),
         "rollout_logprob_diff/max": MaxMetric(),
+        # Engine-trainer mismatch per sampled token: the importance ratio r = exp(trainer - engine log-prob)
+        # and the k3 estimate of KL(engine || trainer), (r - 1) - log r.
+        "rollout_kl": MeanMetric(),
+        "rollout_is_ratio/min": MinMetric(),
+        "rollout_is_ratio/mean": MeanMetric(),
+        "rollout_is_ratio/max": MaxMetric(),
     }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -154,22 +154,31 @@ def build_char_tokenizer():
 
 
 def tiny_qwen2_config(
-    vocab_size: int = 320, hidden_size: int = 128, num_hidden_layers: int = 4, intermediate_size: int = 512
+    vocab_size: int = 320,
+    hidden_size: int = 128,
+    num_hidden_layers: int = 4,
+    intermediate_size: int = 512,
+    num_attention_heads: Optional[int] = None,
+    num_key_value_heads: Optional[int] = None,
+    head_dim: int = 64,
+    max_position_embeddings: int = 128,
 ):
     """Qwen2 with heads of head_dim 64 (vLLM's CPU attention needs 64). The defaults, hidden 128 and 4 layers, are
-    the shipped tiny model (~1M parameters); hidden 512, 8 layers, intermediate 1024 is the ~20M benchmark model."""
+    the shipped tiny model (~1M parameters); hidden 512, 8 layers, intermediate 1024 is the ~20M benchmark model.
+    The other arguments shape it like a real Qwen2.5 (`benchmarks/gpu_suite.py`); heads default to
+    `hidden_size // head_dim`, key/value heads to the attention heads."""
     from transformers import Qwen2Config
 
-    heads = hidden_size // 64
+    heads = num_attention_heads or hidden_size // head_dim
     return Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_hidden_layers,
         num_attention_heads=heads,
-        num_key_value_heads=heads,
-        head_dim=64,
-        max_position_embeddings=128,
+        num_key_value_heads=num_key_value_heads or heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=True,
         pad_token_id=256 + SPECIAL_TOKENS.index("<|pad|>"),
         eos_token_id=256 + SPECIAL_TOKENS.index("<|endoftext|>"),
@@ -194,7 +203,7 @@ def build_tiny_base(out_dir: str | Path) -> Path:
     return out
 
 
-def build_random_model(out_dir: str | Path, seed: int = 0, **sizes: int) -> Path:
+def build_random_model(out_dir: str | Path, seed: int = 0, **sizes: Any) -> Path:
     """A randomly initialised Qwen2 of `tiny_qwen2_config(**sizes)` with the tiny tokenizer, saved at `out_dir`
     (benchmark models of other sizes, built offline)."""
     from transformers import Qwen2ForCausalLM

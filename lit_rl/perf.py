@@ -9,12 +9,25 @@ from typing import Iterator, Optional
 
 import torch
 
-# The phases of a rollout step, in order; logged as `perf/<phase>_s` on every step.
-PHASES = ("engine_start", "weight_push", "generation", "reward", "old_logprobs", "ref_logprobs")
+# The phases of a rollout step, in order; logged as `perf/<phase>_s` on every step. `engine_wake` and
+# `engine_sleep` (vLLM sleep mode) happen inside the push and the generation and are not counted in them.
+PHASES = (
+    "engine_start",
+    "engine_wake",
+    "weight_push",
+    "generation",
+    "engine_sleep",
+    "reward",
+    "old_logprobs",
+    "ref_logprobs",
+)
 
 
 class StepTimer:
     """Accumulates named phases (generation, reward, ...) between two optimizer steps.
+
+    Phases are exclusive: time spent in a phase opened inside another counts for the inner one only, so the
+    phases add up to at most the step.
 
     `summary()` returns `perf/<phase>_s` for every phase, `perf/step_s` (wall time since the previous step) and
     `perf/policy_update_s` (the rest: forward/backward/optimizer of the policy), then starts the next step.
@@ -24,14 +37,20 @@ class StepTimer:
         self.phases: dict[str, float] = defaultdict(float)
         self.counters: dict[str, float] = defaultdict(float)
         self._step_start = time.perf_counter()
+        self._open: list[str] = []  # phases entered and not yet left, innermost last
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         start = time.perf_counter()
+        self._open.append(name)
         try:
             yield
         finally:
-            self.phases[name] += time.perf_counter() - start
+            self._open.pop()
+            elapsed = time.perf_counter() - start
+            self.phases[name] += elapsed
+            if self._open:  # the enclosing phase adds its whole duration when it ends: take this part back
+                self.phases[self._open[-1]] -= elapsed
 
     def count(self, name: str, value: float) -> None:
         self.counters[name] += value

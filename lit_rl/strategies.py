@@ -83,20 +83,44 @@ def gathered_parameters(module: torch.nn.Module, modifier_rank: Optional[int] = 
     """Inside, every parameter of `module` is whole on every rank (ZeRO-3 partitions or FSDP shards gathered; a
     no-op otherwise). A collective: every rank must enter it. (The FSDP path needs GPUs and is untested here.)
     With `modifier_rank`, what that rank writes into them is partitioned back to every rank (ZeRO-3 only)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    if is_fsdp_wrapped(module):
+        from torch.distributed.fsdp import FullyShardedDataParallel
 
-    if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
         with FullyShardedDataParallel.summon_full_params(module, writeback=False, recurse=True):
             yield
         return
-    params = [p for p in module.parameters() if hasattr(p, "ds_id")]
-    if not params:
+    with gathered_parameters_of(list(module.parameters()), modifier_rank):
+        yield
+
+
+@contextmanager
+def gathered_parameters_of(params: list[torch.nn.Parameter], modifier_rank: Optional[int] = None) -> Iterator[None]:
+    """Inside, the ZeRO-3 parameters among `params` are whole on every rank (others are left as they are). A
+    collective under ZeRO-3: every rank must enter it with the same parameters."""
+    partitioned = [p for p in params if hasattr(p, "ds_id")]
+    if not partitioned:
         yield
         return
     import deepspeed
 
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank):
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=modifier_rank):
         yield
+
+
+def settle_zero3_parameters(strategy: object) -> None:
+    """Under ZeRO-3, wait for the parameters DeepSpeed is prefetching and release every gathered one (a no-op
+    otherwise). A training step runs inside the DeepSpeed engine's forward, whose hooks prefetch the parameters
+    the recorded trace expects next; gathering those for anything else (a weight push) then fails with "Cannot
+    partition a param in flight". Modules gather what they need again at their next forward."""
+    if is_zero3(strategy):
+        strategy.deepspeed_engine.empty_partition_cache()
+
+
+def is_fsdp_wrapped(module: torch.nn.Module) -> bool:
+    """Whether `module` is (or holds) an FSDP-wrapped module, whose parameters are sharded flat."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return any(isinstance(m, FullyShardedDataParallel) for m in module.modules())
 
 
 def is_accumulating_micro_batch(trainer) -> bool:

@@ -102,6 +102,12 @@ def train_rows(log_dir: Path) -> list[dict[str, float]]:
     return rows
 
 
+def without_engine_gap(rows: list[dict[str, float]]) -> list[dict[str, float]]:
+    """Rows without the engine-vs-trainer mismatch metrics (`train/rollout_logprob_diff/*`, `train/rollout_kl`,
+    `train/rollout_is_ratio/*`): rounding noise around 1e-6, different in every layout of the same run."""
+    return [{k: v for k, v in row.items() if not k.startswith("train/rollout_")} for row in rows]
+
+
 def assert_rows_match(rows: list[dict[str, float]], reference: list[dict[str, float]], **tolerance: Any) -> None:
     """Every value of every row equals (pytest.approx with `tolerance`) the reference row with the same step."""
     by_step = {row["step"]: row for row in reference}
@@ -109,6 +115,16 @@ def assert_rows_match(rows: list[dict[str, float]], reference: list[dict[str, fl
         expected = by_step[row["step"]]
         for key, value in row.items():
             assert value == pytest.approx(expected[key], **tolerance), (row["step"], key)
+
+
+def strategy_overlay(name: str) -> list[str]:
+    """`--config configs/strategy/<name>.yaml`; under ZeRO-3 with every parameter partitioned. DeepSpeed keeps
+    parameters under `param_persistence_threshold` (100k) elements whole on every rank, which is every parameter
+    of the tiny model: without this, a ZeRO-3 test would gather nothing and prove nothing about partitions."""
+    overlay = ["--config", str(CONFIGS / "strategy" / f"{name}.yaml")]
+    if name == "deepspeed_zero3":
+        overlay += ["--config", str(REPO / "tests" / "integration" / "zero3_partition_all.yaml")]
+    return overlay
 
 
 # The real CLI in a separate process (multi-process strategies, signals, exit codes).

@@ -131,3 +131,22 @@ def test_weight_push_benchmark_times_and_splits_the_colocated_push(tmp_path):
     assert 0 <= shares["re-pack for the CPU GEMM kernels"] <= shares["vLLM load_weights (re-pack included)"]
     assert shares["vLLM load_weights (re-pack included)"] > 0
     assert shares["vLLM load_weights (re-pack included)"] <= shares["reload_weights in all"] <= 1.0
+
+
+@pytest.mark.slow
+def test_push_memory_quick_holds_about_one_bucket_under_zero3(tmp_path):
+    out = tmp_path / "push_memory.json"
+    subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "push_memory.py"), "--quick", "--out", str(out)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    whole, bucketed = json.loads(out.read_text())["results"]
+    assert whole["push"] == "whole" and bucketed["bucket_mib"] == 0.5
+    # The whole gather holds about the model; a bucketed push about one bucket (here one decoder layer) plus the
+    # largest tensor. Measured (2 ranks, tiny model): 3.2 MiB against 1.1 MiB, bound 1.3 MiB. The 25% margin is
+    # for what the collectives allocate beside the gathered parameters.
+    assert whole["extra_mib"] > 0.6 * whole["model_mib"]
+    assert bucketed["extra_mib"] <= 1.25 * bucketed["bound_mib"]
+    assert bucketed["extra_mib"] < 0.5 * whole["extra_mib"]

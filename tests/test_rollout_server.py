@@ -166,9 +166,25 @@ def test_weight_push_writes_safetensors_then_reloads_between_pause_and_resume(fa
     ]
     rpc = server.requests[3][2]
     assert rpc == {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path)}}
-    written = load_file(tmp_path / "model.safetensors")
+    written = load_file(tmp_path / "model-00000.safetensors")
     assert torch.equal(written["lm_head.weight"], embed) and torch.equal(written["model.embed_tokens.weight"], embed)
-    assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]  # no temporary file left behind
+    assert [p.name for p in tmp_path.iterdir()] == ["model-00000.safetensors"]  # no temporary file left behind
+
+
+def test_weight_push_writes_one_file_per_bucket_and_removes_the_last_push_files(fake_server, tmp_path):
+    from safetensors.torch import load_file
+
+    server = fake_server((200, _completions, 0))
+    config = VLLMConfig(mode="server", server_url=server.url, weight_sync_dir=str(tmp_path), push_bucket_mib=1 / 64)
+    engine = VLLMServerEngine(config, [2], 0)  # buckets of 16 KiB
+    (tmp_path / "model-00007.safetensors").write_bytes(b"an earlier push")
+    weights = [(f"w{i}", torch.full((1024,), float(i))) for i in range(10)]  # 4 KiB each
+    engine.update_weights(iter(weights))
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["model-00000.safetensors", "model-00001.safetensors", "model-00002.safetensors"]
+    shards = [load_file(tmp_path / name) for name in files]
+    assert [sorted(shard) for shard in shards] == [["w0", "w1", "w2", "w3"], ["w4", "w5", "w6", "w7"], ["w8", "w9"]]
+    assert all(torch.equal(shard[name], tensor) for shard in shards for name, tensor in weights if name in shard)
 
 
 def test_a_failed_reload_still_resumes_the_server(fake_server, tmp_path, monkeypatch):

@@ -57,7 +57,9 @@ class GRPO(OnPolicyModule):
             the policy with its adapter disabled. See `lit_rl.lora.LoRAConfig` for the keys (`--model.lora.r 8`).
         rollout_is_correction: `token_truncate` weighs each token's policy term by the truncated importance
             ratio `min(exp(old_logprobs - rollout_logprobs), rollout_is_cap)` of the trainer's probability over
-            the rollout engine's (for engines whose numerics differ, e.g. bf16 vLLM); `none` (default) does not.
+            the rollout engine's (for engines whose numerics differ, e.g. bf16 vLLM); `none` does not; `auto`
+            (default) is `token_truncate` when a vLLM engine computes in another dtype than the trainer or in any
+            dtype below float32 (`OnPolicyModule.engine_numerics_differ`), else `none`.
         rollout_is_cap: the truncation cap of `token_truncate`.
     """
 
@@ -91,7 +93,7 @@ class GRPO(OnPolicyModule):
         invalid_reward: str = "zero",
         vllm: Optional[VLLMConfig] = None,
         lora: Optional[LoRAConfig] = None,
-        rollout_is_correction: str = "none",
+        rollout_is_correction: str = "auto",
         rollout_is_cap: float = 2.0,
     ) -> None:
         check_rollout_args(locals())
@@ -99,9 +101,9 @@ class GRPO(OnPolicyModule):
             raise ConfigError(f"model.loss_aggregation must be one of {sorted(AGGREGATIONS)}, got {loss_aggregation!r}")
         if scale_rewards not in ("group", "batch", "none"):
             raise ConfigError(f"model.scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}")
-        if rollout_is_correction not in ("none", "token_truncate"):
+        if rollout_is_correction not in ("auto", "none", "token_truncate"):
             raise ConfigError(
-                f"model.rollout_is_correction must be 'none' or 'token_truncate', got {rollout_is_correction!r}"
+                f"model.rollout_is_correction must be 'auto', 'none' or 'token_truncate', got {rollout_is_correction!r}"
             )
         if not rollout_is_cap >= 1.0:
             raise ConfigError(f"model.rollout_is_cap must be >= 1, got {rollout_is_cap}")
@@ -137,6 +139,13 @@ class GRPO(OnPolicyModule):
         advantages, _ = group_advantages(all_rewards, self.hparams.num_generations, self.hparams.scale_rewards)
         batch.advantages = advantages[self.local_slice(len(batch))]
 
+    def rollout_is_correction(self) -> str:
+        """`model.rollout_is_correction` with `auto` resolved for this run's engine and precision."""
+        mode = self.hparams.rollout_is_correction
+        if mode == "auto":
+            return "token_truncate" if self.engine_numerics_differ() else "none"
+        return mode
+
     def micro_batch_loss(
         self, mb: RolloutBatch, logits: torch.Tensor, logprobs: torch.Tensor, normalizer: LossNormalizer
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -144,7 +153,7 @@ class GRPO(OnPolicyModule):
         # One on-policy pass: the old log-probs are these very log-probs (ratio 1, gradient intact).
         old_logprobs = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
         importance_weights = None
-        if hp.rollout_is_correction == "token_truncate":
+        if self.rollout_is_correction() == "token_truncate":
             importance_weights = truncated_is_weights(
                 old_logprobs, mb.rollout_logprobs, mb.completion_mask, hp.rollout_is_cap
             )

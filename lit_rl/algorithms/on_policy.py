@@ -27,13 +27,23 @@ from lit_rl.models import resolve_model_path
 from lit_rl.ops import entropy_from_logits, token_logprobs
 from lit_rl.rewards import call_reward_function, import_reward_function, reward_name
 from lit_rl.rollout import HFGenerateEngine, RolloutEngine, SamplingParams, VLLMConfig
-from lit_rl.rollout.base import global_batch_seeds, policy_weights
+from lit_rl.rollout.base import global_batch_seeds
 from lit_rl.rollout.config import check_vllm_config
 from lit_rl.rollout.hf import model_eos_token_ids
-from lit_rl.strategies import gathered_parameters, is_accumulating_micro_batch
+from lit_rl.rollout.placement import EnginePlacement
+from lit_rl.rollout.weights import DEFAULT_BUCKET_MIB, policy_weight_stream
+from lit_rl.strategies import is_accumulating_micro_batch, settle_zero3_parameters
 from lit_rl.types import RolloutBatch
 
 ZERO_STD = 1e-6
+# vLLM's dtype names (`model.vllm.dtype`) as torch dtypes.
+VLLM_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
 
 
 class OnPolicyModule(PolicyModule):
@@ -133,12 +143,17 @@ class OnPolicyModule(PolicyModule):
             with self.timer.phase("engine_start"):
                 self.rollout_engine = self._build_engine()
             self._engine_weights_step = None
-        if self.rollout_engine.needs_weights and self._engine_weights_step != self.trainer.global_step:
-            # Only optimizer steps advance global_step: several generations between two steps push once.
-            with self.timer.phase("weight_push"), gathered_parameters(self.policy):  # ZeRO-3: whole on every rank
-                self.rollout_engine.update_weights(policy_weights(self.policy))
+        engine = self.rollout_engine
+        # Only optimizer steps advance global_step: several generations between two steps push once, unless the
+        # engine released its weights in between (sleep mode).
+        stale = self._engine_weights_step != self.trainer.global_step or not getattr(engine, "holds_weights", True)
+        if engine.needs_weights and stale:
+            bucket_mib = self.vllm_config.push_bucket_mib if self.vllm_config else DEFAULT_BUCKET_MIB
+            with self.timer.phase("weight_push"):  # ZeRO-3: gathered a bucket at a time, as the engine loads
+                settle_zero3_parameters(self.trainer.strategy)
+                engine.update_weights(policy_weight_stream(self.policy, int(bucket_mib * 2**20)))
             self._engine_weights_step = self.trainer.global_step
-        return self.rollout_engine
+        return engine
 
     def _build_engine(self) -> RolloutEngine:
         eos_ids = model_eos_token_ids(self.policy, self.tokenizer.eos_token_id)
@@ -152,15 +167,43 @@ class OnPolicyModule(PolicyModule):
             return VLLMServerEngine(config, eos_ids, pad_id)
         from lit_rl.rollout.vllm import VLLMColocateEngine
 
-        return VLLMColocateEngine(
+        return VLLMColocateEngine.start(
             config,
             resolve_model_path(self.hparams.model_name_or_path),
-            policy_dtype=next(self.policy.parameters()).dtype,
+            dtype=self.compute_dtype(),
             device=self.device,
             eos_token_ids=eos_ids,
             pad_token_id=pad_id,
-            seed=self.global_rank,
+            placement=self.engine_placement(),
             trust_remote_code=self.hparams.trust_remote_code,
+            phase=lambda name: self.timer.phase(name),  # the current timer (validation swaps it)
+        )
+
+    def engine_dtype(self) -> Optional[torch.dtype]:
+        """The dtype the vLLM engine computes in (`model.vllm.dtype`; `auto`: the trainer's compute dtype), or None
+        for HF `generate`, which samples from the policy itself."""
+        if self.vllm_config is None:
+            return None
+        if self.vllm_config.dtype == "auto":
+            return self.compute_dtype()
+        return VLLM_DTYPES.get(self.vllm_config.dtype, torch.float32)
+
+    def engine_numerics_differ(self) -> bool:
+        """Whether the engine's log-probs of a token can differ from the trainer's by more than float32 rounding:
+        a vLLM engine in another dtype than the trainer's, or in any dtype below float32 (bf16 kernels of two
+        libraries round differently even at the same dtype)."""
+        dtype = self.engine_dtype()
+        return dtype is not None and (dtype != torch.float32 or dtype != self.compute_dtype())
+
+    def engine_placement(self) -> EnginePlacement:
+        """Where this rank's colocated engine lives and which ranks share it (`model.vllm.tensor_parallel_size`)."""
+        trainer = self.trainer
+        return EnginePlacement(
+            rank=trainer.global_rank,
+            local_rank=trainer.local_rank,
+            world_size=trainer.world_size,
+            local_world_size=trainer.num_devices,
+            tensor_parallel_size=self.vllm_config.tensor_parallel_size,
         )
 
     def teardown(self, stage: str) -> None:
@@ -169,6 +212,8 @@ class OnPolicyModule(PolicyModule):
             self.rollout_engine = None
 
     def setup(self, stage: str) -> None:
+        if self.vllm_config is not None and self.vllm_config.mode == "colocate":
+            self.engine_placement()  # rejects a TP size that does not fit the ranks, before anything starts
         if stage != "fit":
             return
         limit = self.trainer.limit_train_batches
@@ -449,9 +494,13 @@ class OnPolicyModule(PolicyModule):
         # were computed at generation time, else this (first, on-policy) pass.
         trainer_logprobs = mb.old_logprobs if mb.old_logprobs is not None else fresh_logprobs
         if trainer_logprobs is not None:
-            diff = (trainer_logprobs.detach() - mb.rollout_logprobs).abs()[tokens]
-            m["rollout_logprob_diff/mean"].update(diff)
-            m["rollout_logprob_diff/max"].update(diff)
+            log_ratio = (trainer_logprobs.detach() - mb.rollout_logprobs)[tokens]
+            m["rollout_logprob_diff/mean"].update(log_ratio.abs())
+            m["rollout_logprob_diff/max"].update(log_ratio.abs())
+            ratio = torch.exp(log_ratio)
+            m["rollout_kl"].update(ratio - 1 - log_ratio)
+            for stat in ("min", "mean", "max"):
+                m[f"rollout_is_ratio/{stat}"].update(ratio)
 
     def _update_rollout_metrics(self, m, rewards, components, completion_mask, group_std, weight=None) -> None:
         weight = torch.ones_like(rewards) if weight is None else weight

@@ -7,8 +7,6 @@ from typing import Iterable, Optional, Protocol, Sequence
 
 import torch
 
-from lit_rl.lora import is_lora_model, merged_weights
-
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -125,14 +123,3 @@ def padded_output(
     return RolloutOutput(
         completion_ids=ids.to(device), completion_mask=mask.to(device), logprobs=(lps * mask).to(device)
     )
-
-
-def policy_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The policy's weights by their Hugging Face names (what vLLM's `load_weights` expects), detached.
-
-    Tied weights appear once per name (vLLM skips `lm_head.weight` itself when embeddings are tied). A LoRA policy
-    gives its merged weights (`lit_rl.lora.merged_weights`).
-    """
-    if is_lora_model(model):
-        return merged_weights(model)
-    return [(name, tensor.detach()) for name, tensor in model.state_dict().items()]

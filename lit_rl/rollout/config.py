@@ -17,7 +17,8 @@ class VLLMConfig:
         mode: `colocate`: an in-process `vllm.LLM` on each trainer rank's device. `server`: a separately started
             vLLM OpenAI-compatible server (see the README for the command); rank 0 talks to it.
         gpu_memory_utilization: (colocate, GPU) share of the GPU vLLM may take for weights and KV cache.
-        tensor_parallel_size: GPUs one engine spans; 1 for colocated engines (one per rank) for now.
+        tensor_parallel_size: GPUs one engine spans. Colocated: consecutive trainer ranks (a divisor of the
+            ranks per node) serve one engine together and split its completions; 1: an engine per rank.
         max_model_len: (colocate) context vLLM reserves KV cache for; None: the model's context.
         dtype: (colocate) vLLM's dtype; `auto` follows the policy's dtype.
         enable_prefix_caching: (colocate) reuse the KV cache of shared prompt prefixes (the G completions of a
@@ -32,6 +33,9 @@ class VLLMConfig:
         max_retries: (server) attempts after the first for a request that failed to connect, timed out, or got a
             5xx answer; waits 1, 2, 4, ... seconds in between. Then the run stops with an error naming the URL.
         wait_for_server_s: (server) how long the first request waits for a server that is still starting.
+        push_bucket_mib: weights are gathered (ZeRO-3) and pushed a bucket of at most this many MiB at a time,
+            so no rank holds a second full copy of the model (see `lit_rl.rollout.weights`). The server engine
+            writes one file per bucket.
         weight_sync_dir: (server) directory, shared with the server, where rank 0 writes the policy's weights
             before asking the server to reload them; None: a fresh directory under /dev/shm (or the temp dir).
     """
@@ -50,6 +54,7 @@ class VLLMConfig:
     max_retries: int = 3
     wait_for_server_s: float = 60.0
     weight_sync_dir: Optional[str] = None
+    push_bucket_mib: float = 512.0
 
 
 def check_vllm_config(config: Optional[VLLMConfig]) -> None:
@@ -62,11 +67,9 @@ def check_vllm_config(config: Optional[VLLMConfig]) -> None:
         raise ConfigError(f"model.vllm.gpu_memory_utilization must be in (0, 1], got {config.gpu_memory_utilization}")
     if config.tensor_parallel_size < 1:
         raise ConfigError(f"model.vllm.tensor_parallel_size must be >= 1, got {config.tensor_parallel_size}")
-    if config.mode == "colocate" and config.tensor_parallel_size != 1:
-        # An in-process engine spanning several GPUs needs vLLM's external launcher wired to the trainer's ranks.
+    if not (0 < config.push_bucket_mib < math.inf):
         raise ConfigError(
-            "model.vllm.tensor_parallel_size > 1 is not supported with mode colocate yet (one engine per rank); "
-            "use mode server for a tensor-parallel engine"
+            f"model.vllm.push_bucket_mib must be a finite number of MiB > 0, got {config.push_bucket_mib}"
         )
     if config.max_model_len is not None and config.max_model_len < 1:
         raise ConfigError(f"model.vllm.max_model_len must be >= 1, got {config.max_model_len}")

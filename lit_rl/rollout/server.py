@@ -8,10 +8,11 @@ reached from elsewhere:
 
 `VLLM_SERVER_DEV_MODE=1` enables vLLM's RL endpoints (`/pause`, `/resume`, `/collective_rpc`, ...).
 
-Only rank 0 talks to the server: every rank's prompts (and per-completion seeds) are gathered to it, it sends
-one request per run of identical prompts (`n` completions; vLLM gives child `i` the seed `seed + i`), and the
-completions are scattered back. A weight push writes the policy's weights as safetensors into
-`weight_sync_dir`, then asks the server to pause, reload from there (`collective_rpc("reload_weights")`),
+Only rank 0 talks to the server: every rank's prompts (and per-completion seeds) are gathered to it, it sends one
+request per run of identical prompts (`n` completions; vLLM gives child `i` the seed `seed + i`), and the
+completions are scattered back. A weight push writes the policy's weights as safetensors into `weight_sync_dir`,
+one file per `push_bucket_mib` (rank 0 never holds more than about one bucket of gathered weights; the other ranks
+take part in the gathers), then asks the server to pause, reload from there (`collective_rpc("reload_weights")`),
 reset its prefix cache and resume. On GPUs an NCCL transfer would skip the file; this path works on CPU too.
 
 Every request has a timeout; failures to connect, timeouts and 5xx answers are retried with exponential
@@ -32,7 +33,7 @@ import urllib.request
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from itertools import groupby
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -40,7 +41,7 @@ from lit_rl.errors import LitRLError
 from lit_rl.rollout.base import RolloutOutput, SamplingParams, draw_seeds, padded_output, unpadded_prompts
 from lit_rl.rollout.config import VLLMConfig
 
-WEIGHTS_FILE = "model.safetensors"
+WEIGHT_SHARD = "model-{:05d}.safetensors"
 
 
 def server_command(model: str, port: int, host: str = "127.0.0.1", cpu: bool = True) -> tuple[list[str], dict]:
@@ -320,15 +321,22 @@ class VLLMServerEngine:
 
     # -- weights ---------------------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Optional[Iterable[tuple[str, torch.Tensor]]] = None) -> None:
-        """Rank 0 writes the weights to `weight_sync_dir` and has the server reload them; the others wait for it."""
+        """Rank 0 writes the weights to `weight_sync_dir` and has the server reload them; the others wait for it.
+
+        Every rank consumes its `named_tensors` (a lazy stream gathers ZeRO-3 parameters as a collective)."""
         if self.rank == 0 and named_tensors is None:
             raise ValueError("VLLMServerEngine.update_weights needs the policy's (name, tensor) pairs")
-        _on_rank0_then_share(lambda: self._push(named_tensors), self.rank, self.world_size)
+        if self.rank != 0:
+            for _ in named_tensors or ():  # take part in the gathers that rank 0's stream goes through
+                pass
+        _on_rank0_then_share(lambda: self._push(iter(named_tensors)), self.rank, self.world_size)
 
-    def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def _push(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         try:
-            _write_safetensors(named_tensors, os.path.join(self.sync_dir, WEIGHTS_FILE))
+            _write_safetensors_shards(named_tensors, self.sync_dir, int(self.config.push_bucket_mib * 2**20))
         except OSError as err:
+            for _ in named_tensors:  # the other ranks still gather through the rest of the stream
+                pass
             raise RolloutServerError(
                 f"cannot write the policy's weights to {self.sync_dir} ({err.strerror or err}); "
                 "set model.vllm.weight_sync_dir to a directory with room for them, shared with the server"
@@ -348,12 +356,33 @@ class VLLMServerEngine:
             self.sync_dir = None
 
 
-def _write_safetensors(named_tensors: Iterable[tuple[str, torch.Tensor]], path: str) -> None:
-    """Write the weights atomically (a reader never sees half a file): to a temporary name, then rename."""
+def _write_safetensors_shards(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], directory: str, shard_bytes: int
+) -> None:
+    """Write the weights as `model-00000.safetensors`, `model-00001...`, each of about `shard_bytes` (a shard is
+    written as soon as it is full, so only one shard's tensors are held at a time). Files of an earlier push are
+    removed first; each file is written to a temporary name, then renamed (a reader never sees half a file)."""
+    for name in os.listdir(directory):
+        if name.startswith("model-") and name.endswith((".safetensors", ".safetensors.tmp")):
+            os.remove(os.path.join(directory, name))
+    shard: dict[str, torch.Tensor] = {}
+    size, index = 0, 0
+    for name, tensor in named_tensors:
+        shard[name] = tensor
+        size += tensor.numel() * tensor.element_size()
+        if size >= shard_bytes:
+            _write_safetensors(shard, os.path.join(directory, WEIGHT_SHARD.format(index)))
+            shard, size, index = {}, 0, index + 1
+    if shard or index == 0:
+        _write_safetensors(shard, os.path.join(directory, WEIGHT_SHARD.format(index)))
+
+
+def _write_safetensors(named_tensors: dict[str, torch.Tensor], path: str) -> None:
+    """Write one file atomically: to a temporary name, then rename."""
     from safetensors.torch import save_file
 
     tensors, seen = {}, set()
-    for name, tensor in named_tensors:
+    for name, tensor in named_tensors.items():
         tensor = tensor.detach().to("cpu").contiguous()
         if tensor.data_ptr() in seen:  # tied weights share storage; safetensors stores each storage once
             tensor = tensor.clone()

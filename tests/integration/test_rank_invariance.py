@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import FAST_GRPO, assert_rows_match, fit_in_subprocess, train_rows
+from tests.conftest import FAST_GRPO, assert_rows_match, fit_in_subprocess, train_rows, without_engine_gap
 
 pytestmark = pytest.mark.slow
 
@@ -74,8 +74,7 @@ def _grpo(tmp_path, devices: int, accumulate: int):
         *(["--trainer.strategy", "ddp"] if devices > 1 else []),
         every_n_train_steps=None,
     )
-    # The engine-vs-trainer log-prob gap is rounding noise (~1e-7), different in every layout.
-    return [{k: v for k, v in row.items() if "rollout_logprob_diff" not in k} for row in train_rows(log_dir)]
+    return without_engine_gap(train_rows(log_dir))
 
 
 def test_grpo_steps_are_the_same_in_every_layout(tmp_path):

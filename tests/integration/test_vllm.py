@@ -143,9 +143,35 @@ def _rows_with(log_dir: Path, key: str) -> list[dict[str, str]]:
     return [row for row in read_metrics(log_dir) if float(row.get(key) or 0) > 0]
 
 
-def test_grpo_on_two_ddp_processes_with_an_engine_per_rank(tmp_path):
+def _placements(directory: Path) -> list[dict]:
+    return [json.loads((directory / f"engine_rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def test_two_ddp_processes_place_an_engine_per_rank_or_one_tensor_parallel_engine_alike(tmp_path):
+    """Through vLLM's external launcher, inside the trainer's process group: with tensor_parallel_size 1 each
+    rank has its own engine; with 2 the two ranks serve one engine and split its completions. Each completion
+    has its own seed, so both layouts sample and log the same numbers."""
     ddp = ("--config", str(CONFIGS / "strategy" / "ddp.yaml"), "--model.micro_batch_size", "4")
-    _check_run(_fit(tmp_path, "colocate_ddp", *COLOCATE, *ddp))
+    runs = {}
+    for tp in (1, 2):
+        probe = ("--trainer.callbacks+", "tests.integration.probes.RecordEnginePlacement")
+        probe += ("--trainer.callbacks.directory", str(tmp_path / f"engines_tp{tp}"))
+        runs[tp] = _fit(tmp_path, f"tp{tp}", *COLOCATE, *ddp, *probe, "--model.vllm.tensor_parallel_size", str(tp))
+        _check_run(runs[tp])
+    per_rank, shared = _placements(tmp_path / "engines_tp1"), _placements(tmp_path / "engines_tp2")
+    assert {p["executor"] for p in per_rank + shared} == {"ExecutorWithExternalLauncher"}
+    assert [p["world_ranks"] for p in per_rank + shared] == [[0, 1]] * 4  # the trainer's world, not one of its own
+    assert [p["tp_ranks"] for p in per_rank] == [[0], [1]]
+    assert [p["tp_ranks"] for p in shared] == [[0, 1], [0, 1]]
+    assert {p["device"] for p in per_rank + shared} == {"cpu"}  # on GPU: cuda:LOCAL_RANK (tests/gpu)
+    tp1, tp2 = train_rows(runs[1]), train_rows(runs[2])
+    assert [row.keys() for row in tp1] == [row.keys() for row in tp2]
+    for row, expected in zip(tp2, tp1, strict=True):
+        for key, value in expected.items():
+            # Completions and rewards are identical; TP splits the matmuls, so log-prob values move in the
+            # last digits.
+            tolerance = 1e-5 if key.startswith("train/rollout_") else 0  # the engine-trainer gap
+            assert row[key] == pytest.approx(value, rel=1e-5, abs=tolerance), (row["step"], key)
 
 
 @pytest.mark.parametrize("algorithm, group", [("rloo", "4"), ("online_dpo", "2")])

@@ -8,7 +8,8 @@ The engine starts from the shipped SFT policy's weights. The trainer's copy is t
 before the push are scored by the trainer (their log-prob difference is large), the weights are pushed, and
 completions sampled after it are scored again (the difference is rounding). With `--lora` the policy is the SFT
 model with a LoRA adapter, and only the adapter is perturbed: the engine receives the merged weights.
-Prints one JSON line.
+Weights go through the training path (`policy_weight_stream`) in small buckets, so a push spans several buckets
+(and the server engine writes several files). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import json
 import sys
 
 import torch
+
+BUCKET_BYTES = 256 * 2**10  # below one decoder layer of the tiny model (1 MiB): a bucket per layer
 
 
 def max_logprob_diff(engine, policy, prompt_ids, prompt_mask, params) -> tuple[float, int]:
@@ -33,8 +36,8 @@ def max_logprob_diff(engine, policy, prompt_ids, prompt_mask, params) -> tuple[f
 def main(mode: str, url: str | None, lora: bool) -> None:
     from lit_rl.models import load_causal_lm, load_tokenizer, resolve_model_path
     from lit_rl.rollout import SamplingParams, VLLMConfig
-    from lit_rl.rollout.base import policy_weights
     from lit_rl.rollout.hf import model_eos_token_ids
+    from lit_rl.rollout.weights import policy_weight_stream
 
     path = "lit-rl/tiny-qwen2-addition-sft"
     tokenizer = load_tokenizer(path)
@@ -45,21 +48,24 @@ def main(mode: str, url: str | None, lora: bool) -> None:
         policy = apply_lora(policy, LoRAConfig(r=8)).eval()
     eos_ids = model_eos_token_ids(policy, tokenizer.eos_token_id)
     if mode == "colocate":
+        from lit_rl.rollout.placement import EnginePlacement
         from lit_rl.rollout.vllm import VLLMColocateEngine
 
-        engine = VLLMColocateEngine(
+        engine = VLLMColocateEngine.start(
             VLLMConfig(mode="colocate"),
             resolve_model_path(path),
             torch.float32,
             torch.device("cpu"),
             eos_ids,
             tokenizer.pad_token_id,
+            placement=EnginePlacement(rank=0, local_rank=0, world_size=1, local_world_size=1),
         )
     else:
         from lit_rl.rollout.server import VLLMServerEngine
 
-        engine = VLLMServerEngine(VLLMConfig(mode="server", server_url=url), eos_ids, tokenizer.pad_token_id)
-    engine.update_weights(policy_weights(policy))  # the engine holds the SFT weights
+        config = VLLMConfig(mode="server", server_url=url, push_bucket_mib=BUCKET_BYTES / 2**20)
+        engine = VLLMServerEngine(config, eos_ids, tokenizer.pad_token_id)
+    engine.update_weights(policy_weight_stream(policy, BUCKET_BYTES))  # the engine holds the SFT weights
 
     tokenizer.padding_side = "left"
     enc = tokenizer(["12+34=", "7+5=", "60+39=", "3+3="], padding=True, return_tensors="pt")
@@ -74,7 +80,7 @@ def main(mode: str, url: str | None, lora: bool) -> None:
             if p.requires_grad:  # everything, or with LoRA the adapter (whose B starts at 0)
                 p.add_(torch.randn_like(p) * 0.05)
     before, _ = max_logprob_diff(engine, policy, prompt_ids, prompt_mask, params)
-    engine.update_weights(policy_weights(policy))
+    engine.update_weights(policy_weight_stream(policy, BUCKET_BYTES))
     after, tokens = max_logprob_diff(engine, policy, prompt_ids, prompt_mask, params)
     engine.close()
     print(json.dumps({"synced": synced, "before_push": before, "after_push": after, "tokens": tokens}))

@@ -1,0 +1,188 @@
+"""The colocated vLLM engine without vLLM: where rank r of W puts its engine, what it asks vLLM for, and the order
+of sleep mode's calls (a recording fake in place of `vllm.LLM`). The real engine runs in tests/integration."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lit_rl.errors import ConfigError
+from lit_rl.perf import StepTimer
+from lit_rl.rollout import SamplingParams, VLLMConfig
+from lit_rl.rollout import vllm as vllm_module
+from lit_rl.rollout.placement import EnginePlacement, tp_slice
+from lit_rl.rollout.vllm import VLLMColocateEngine, engine_kwargs
+from tests.conftest import fit_grpo
+
+
+@pytest.mark.parametrize(
+    "rank, local_rank, world, per_node, tp, group, tp_ranks",
+    [
+        (0, 0, 1, 1, 1, 0, [0]),
+        (5, 5, 8, 8, 1, 5, [5]),  # one engine per rank, on the rank's own GPU
+        (5, 5, 8, 8, 2, 2, [4, 5]),
+        (6, 2, 8, 4, 4, 1, [4, 5, 6, 7]),  # 2 nodes of 4: rank 6 is GPU 2 of node 1
+        (3, 3, 8, 8, 8, 0, list(range(8))),
+    ],
+)
+def test_placement_of_rank_r_of_w(rank, local_rank, world, per_node, tp, group, tp_ranks):
+    placement = EnginePlacement(rank, local_rank, world, per_node, tp)
+    assert placement.device_index == local_rank  # cuda:LOCAL_RANK, never GPU 0 for everyone
+    assert (placement.tp_group, placement.tp_ranks, placement.tp_rank) == (group, tp_ranks, tp_ranks.index(rank))
+    assert placement.engine_seed == group  # the members of one engine sample alike
+    groups = placement.all_tp_groups()
+    assert sorted(r for g in groups for r in g) == list(range(world)) and tp_ranks in groups
+    env = placement.environment("10.0.0.1", 29500)
+    assert env["RANK"] == str(rank) and env["LOCAL_RANK"] == str(local_rank) and env["WORLD_SIZE"] == str(world)
+
+
+@pytest.mark.parametrize(
+    "world, per_node, tp, message",
+    [
+        (2, 2, 4, "tensor_parallel_size=4 must divide the 2 trainer ranks"),
+        (6, 6, 4, "tensor_parallel_size=4 must divide the 6 trainer ranks"),
+        (8, 2, 4, "must divide the 2 ranks per node: a tensor-parallel engine cannot span nodes"),
+    ],
+)
+def test_placement_rejects_tp_groups_that_do_not_fit(world, per_node, tp, message):
+    with pytest.raises(ConfigError, match=message):
+        EnginePlacement(0, 0, world, per_node, tp)
+
+
+def test_each_member_keeps_its_own_rows_of_the_group_request():
+    assert [tp_slice([3, 2, 4], r) for r in range(3)] == [slice(0, 3), slice(3, 5), slice(5, 9)]
+
+
+def test_engine_arguments_of_rank_r_use_the_external_launcher():
+    placement = EnginePlacement(5, 1, 8, 4, tensor_parallel_size=2)
+    config = VLLMConfig(gpu_memory_utilization=0.4, enable_sleep_mode=True, tensor_parallel_size=2)
+    kwargs = engine_kwargs(config, "/models/qwen", "bfloat16", placement, on_gpu=True)
+    assert kwargs["distributed_executor_backend"] == "external_launcher"
+    assert kwargs["tensor_parallel_size"] == 2 and kwargs["seed"] == 2
+    assert kwargs["dtype"] == "bfloat16" and kwargs["enable_sleep_mode"] is True
+    assert kwargs["load_format"] == "dummy" and kwargs["trust_remote_code"] is False
+    assert kwargs["enforce_eager"] is False  # CUDA graphs on GPU
+    assert engine_kwargs(VLLMConfig(), "m", "float32", EnginePlacement(0, 0, 1, 1), on_gpu=False)["enforce_eager"]
+
+
+class RecordingLLM:
+    """Stands in for `vllm.LLM`: records every call, answers each request with two tokens."""
+
+    def __init__(self):
+        self.calls = []
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tuple(tags)))
+
+    def sleep(self, level=1):
+        self.calls.append(("sleep", level))
+
+    def collective_rpc(self, method, kwargs):
+        names = [name for name, _ in kwargs["weights_iterator"]]  # consumed, as vLLM does
+        self.calls.append((method, len(names)))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+    def generate(self, requests, sampling, use_tqdm=False):
+        assert [s[1] for s in sampling] == [1, 2] and all("prompt_token_ids" in r for r in requests)
+        self.calls.append(("generate", len(requests)))
+        step = {5: SimpleNamespace(logprob=-0.5), 2: SimpleNamespace(logprob=-0.25)}
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[5, 2], logprobs=[step, step])]) for _ in requests]
+
+
+@pytest.fixture(autouse=True)
+def no_vllm_import(monkeypatch):
+    """vLLM is never imported in the test process (it binds threads): sampling settings stay lit-rl's."""
+    monkeypatch.setattr(vllm_module, "vllm_sampling_params", lambda params, seed, eos: (params, seed))
+
+
+def _sleeping_engine():
+    timer = StepTimer()
+    llm = RecordingLLM()
+    engine = VLLMColocateEngine(llm, VLLMConfig(enable_sleep_mode=True), [2], 0, phase=timer.phase)
+    return engine, llm, timer
+
+
+PROMPTS = (torch.tensor([[0, 4, 5], [7, 8, 9]]), torch.tensor([[0, 1, 1], [1, 1, 1]]))
+
+
+def test_sleep_mode_wakes_weights_then_pushes_then_wakes_the_cache_then_generates_then_sleeps():
+    engine, llm, timer = _sleeping_engine()
+    weights = [("a", torch.zeros(2)), ("b", torch.ones(2))]
+    engine.update_weights(iter(weights))  # just started: awake, nothing to wake
+    out = engine.generate(*PROMPTS, SamplingParams(max_new_tokens=2), seeds=[1, 2])
+    assert out.completion_ids.tolist() == [[5, 2], [5, 2]] and out.logprobs.tolist() == [[-0.5, -0.25]] * 2
+    assert not engine.holds_weights  # level 2 released them
+    llm.calls.clear()
+    engine.update_weights(iter(weights))
+    engine.generate(*PROMPTS, SamplingParams(max_new_tokens=2), seeds=[1, 2])
+    assert llm.calls == [
+        ("wake_up", ("weights",)),
+        ("reload_weights", 2),
+        ("reset_prefix_cache",),
+        ("wake_up", ("kv_cache",)),
+        ("generate", 2),
+        ("sleep", 2),
+    ]
+    perf = timer.summary()
+    assert perf["perf/engine_wake_s"] > 0 and perf["perf/engine_sleep_s"] > 0
+
+
+def test_a_slept_engine_refuses_to_generate_before_a_push():
+    engine, llm, _ = _sleeping_engine()
+    engine.update_weights([("a", torch.zeros(2))])
+    engine.generate(*PROMPTS, SamplingParams(max_new_tokens=2), seeds=[1, 2])
+    with pytest.raises(RuntimeError, match="push weights first"):
+        engine.generate(*PROMPTS, SamplingParams(max_new_tokens=2), seeds=[1, 2])
+    assert llm.calls[-1] == ("sleep", 2)  # nothing was woken or generated
+
+
+def test_without_sleep_mode_the_engine_never_sleeps_or_wakes():
+    llm = RecordingLLM()
+    engine = VLLMColocateEngine(llm, VLLMConfig(), [2], 0)
+    for _ in range(2):
+        engine.update_weights([("a", torch.zeros(2))])
+        engine.generate(*PROMPTS, SamplingParams(max_new_tokens=2), seeds=[1, 2])
+    assert [call[0] for call in llm.calls] == ["reload_weights", "reset_prefix_cache", "generate"] * 2
+
+
+def test_nested_phases_count_once():
+    timer = StepTimer()
+    with timer.phase("weight_push"):
+        with timer.phase("engine_wake"):
+            torch.ones(300, 300).matmul(torch.ones(300, 300))
+    perf = timer.summary()
+    assert perf["perf/engine_wake_s"] > 0 and perf["perf/weight_push_s"] >= 0
+    parts = perf["perf/engine_wake_s"] + perf["perf/weight_push_s"] + perf["perf/policy_update_s"]
+    assert parts == pytest.approx(perf["perf/step_s"], rel=1e-6)
+
+
+class SleepingFakeEngine:
+    """An engine that needs weights and loses them after every generation (as sleep level 2 does)."""
+
+    needs_weights = True
+
+    def __init__(self):
+        self.pushes = 0
+        self.holds_weights = False
+
+    def update_weights(self, named_tensors):
+        assert len(list(named_tensors)) > 0
+        self.pushes += 1
+        self.holds_weights = True
+
+    def close(self):
+        pass
+
+
+def test_the_module_pushes_again_after_the_engine_released_its_weights():
+    model = fit_grpo()
+    fake = SleepingFakeEngine()
+    model.rollout_engine, model._engine_weights_step = fake, None
+    model.engine()
+    model.engine()
+    assert fake.pushes == 1  # same global_step, weights still held: one push
+    fake.holds_weights = False  # slept
+    model.engine()
+    assert fake.pushes == 2
