@@ -158,11 +158,15 @@ def environment() -> dict:
         except ImportError:
             versions[package] = None
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    # Tracked files changed since that commit (untracked ones, such as results being written, do not count).
+    status = ["git", "status", "--porcelain", "--untracked-files=no"]
+    dirty = bool(subprocess.run(status, cwd=REPO, capture_output=True, text=True).stdout.strip())
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(), "gpu": gpu},
         "versions": versions,
         "commit": commit,
+        "dirty": dirty,
     }
 
 

@@ -1,0 +1,82 @@
+"""The GPU acceptance tests (`pytest -m gpu`): what only a CUDA device can show, on the tiny model, through the real
+CLI. Skipped where no GPU is visible, so CI (CPU) collects and skips them. The numbers at scale come from
+`benchmarks/gpu_suite.py`.
+
+- the colocated engine is built through vLLM's external launcher on the rank's own GPU (`cuda:LOCAL_RANK`), in
+  bf16 under `bf16-mixed`, with GRPO's importance-sampling correction switched on by `auto`;
+- sleep mode wakes and sleeps the engine on every step (`perf/engine_wake_s`, `perf/engine_sleep_s`) and the
+  engine still samples from the pushed weights;
+- under ZeRO-3 (bucketed, every parameter partitioned) and FSDP the pushed weights are the policy's.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import CONFIGS, FAST_GRPO, fit_in_subprocess, read_metrics, strategy_overlay, train_rows
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+GPU = ("--trainer.accelerator", "gpu", "--trainer.devices", "1")
+COLOCATE = ("--config", str(CONFIGS / "rollout" / "vllm_colocate.yaml"))
+BF16_GAP = 0.05  # mean k3 KL between a bf16 engine's and the bf16-mixed trainer's log-probs, per token
+
+
+def _probes(directory) -> list[str]:
+    flags = []
+    for probe in ("RecordPrecision", "RecordEnginePlacement"):
+        flags += ["--trainer.callbacks+", f"tests.integration.probes.{probe}"]
+        flags += ["--trainer.callbacks.directory", str(directory)]
+    return flags
+
+
+def _fit(tmp_path, name, *args, steps=4):
+    return fit_in_subprocess(
+        tmp_path,
+        name,
+        "grpo.yaml",
+        *FAST_GRPO,
+        *GPU,
+        *COLOCATE,
+        "--trainer.precision",
+        "bf16-mixed",
+        "--trainer.max_steps",
+        str(steps),
+        "--model.vllm.gpu_memory_utilization",
+        "0.2",
+        *args,
+        *_probes(tmp_path / f"{name}_probe"),
+    )
+
+
+def test_colocated_engine_on_the_ranks_gpu_in_bf16_with_sleep_mode(tmp_path):
+    log_dir = _fit(tmp_path, "sleep", "--model.vllm.enable_sleep_mode", "true")
+    engine = json.loads((tmp_path / "sleep_probe" / "engine_rank0.json").read_text())
+    precision = json.loads((tmp_path / "sleep_probe" / "precision_rank0.json").read_text())
+    assert engine["executor"] == "ExecutorWithExternalLauncher"
+    assert engine["device"] == "cuda:0" and engine["dtype"] == "bfloat16"
+    assert engine["tp_ranks"] == [0] and engine["world_ranks"] == [0]
+    assert precision["rollout_is_correction"] == "token_truncate"
+    rows = train_rows(log_dir)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert all(row["train/rollout_kl"] < BF16_GAP for row in rows), rows  # it samples from the pushed weights
+    perf = [row for row in read_metrics(log_dir) if row.get("perf/step_s")]
+    # Every step after the first wakes the weights and the KV cache and sleeps after generating.
+    assert all(float(row["perf/engine_wake_s"]) > 0 for row in perf[1:])
+    assert all(float(row["perf/engine_sleep_s"]) > 0 for row in perf)
+
+
+@pytest.mark.parametrize("strategy", ["deepspeed_zero3", "fsdp"])
+def test_sharded_policies_push_their_weights_into_the_colocated_engine(tmp_path, strategy):
+    # GPU after the overlay, which names its own device count.
+    log_dir = _fit(tmp_path, strategy, *strategy_overlay(strategy), *GPU, "--model.vllm.push_bucket_mib", "0.25")
+    rows = train_rows(log_dir)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert all(row["train/rollout_kl"] < BF16_GAP for row in rows), rows
