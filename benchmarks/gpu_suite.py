@@ -19,8 +19,10 @@ Parts (`--parts`, default all):
 - `hf`: the same with HF `generate`, for the generated-tokens/s ratio vLLM / HF.
 - `strategies`: DeepSpeed ZeRO-2, ZeRO-3 and FSDP on the one GPU with colocated vLLM (0.5B shape): s/step and
   peak memory.
-- `trl`: TRL's GRPOTrainer (`use_vllm`, `vllm_mode="colocate"`, bf16, sleep mode) on the same workload and model
-  (0.5B shape), and lit-rl again in the same process layout, interleaved: the s/step ratio.
+- `trl`: TRL's GRPOTrainer (`use_vllm`, `vllm_mode="colocate"`, bf16, sleep mode) against lit-rl, interleaved,
+  each its own process, through `benchmarks/compare_trl.py`'s two runners on the 0.5B shape: its GRPO workload
+  (8 prompts x G = 8 in one micro-batch of 64, the sequence-level loss) with this suite's token budget, bf16 and
+  colocated vLLM on both sides: the s/step ratio.
 
 Targets (issue: the 8-GPU path), reported met or not, never asserted: the push at most 2% of the step for the 0.5B
 shape; vLLM at least 5x HF `generate` in generated tokens/s; lit-rl at most 0.67x TRL's s/step.

@@ -150,3 +150,31 @@ def test_push_memory_quick_holds_about_one_bucket_under_zero3(tmp_path):
     assert whole["extra_mib"] > 0.6 * whole["model_mib"]
     assert bucketed["extra_mib"] <= 1.25 * bucketed["bound_mib"]
     assert bucketed["extra_mib"] < 0.5 * whole["extra_mib"]
+
+
+@pytest.mark.slow
+def test_gpu_suite_pipeline_runs_on_cpu_and_refuses_to_measure_without_a_gpu(tmp_path):
+    suite = [sys.executable, str(REPO / "benchmarks" / "gpu_suite.py")]
+    refused = subprocess.run(suite, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "no CUDA device" in refused.stderr
+    out = tmp_path / "smoke.json"
+    subprocess.run([*suite, "--cpu-smoke", "--out", str(out)], check=True, capture_output=True, timeout=900)
+    report = json.loads(out.read_text())
+    runs = {r["name"]: r for r in report["results"]["runs"]}
+    assert set(runs) == {"vllm smoke", "hf smoke", "vllm smoke deepspeed_zero2", "vllm smoke deepspeed_zero3"}
+    assert not any("error" in r for r in runs.values()), runs
+    assert runs["vllm smoke"]["split_s"]["weight_push"] > 0 and runs["hf smoke"]["split_s"]["weight_push"] == 0
+    assert all(r["rollout_kl_mean"] > 0 for r in runs.values())  # bf16 on both sides of every run
+    (comparison,) = report["results"]["comparisons"]
+    assert comparison["ratio"] == pytest.approx(comparison["lit_rl_s_per_step"] / comparison["trl_s_per_step"])
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_suite", REPO / "benchmarks" / "gpu_suite.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_suite"] = module
+    spec.loader.exec_module(module)
+    assert [t["target"] for t in module.targets(report["results"])] == [
+        "weight push share of the step (0.5B)",
+        "vLLM / HF generate, generated tokens/s",
+        "lit-rl / TRL, s per step",
+    ]

@@ -8,7 +8,7 @@ import torch
 
 from lit_rl.errors import ConfigError
 from lit_rl.perf import StepTimer
-from lit_rl.rollout import SamplingParams, VLLMConfig
+from lit_rl.rollout import RolloutOutput, SamplingParams, VLLMConfig
 from lit_rl.rollout import vllm as vllm_module
 from lit_rl.rollout.placement import EnginePlacement, tp_slice
 from lit_rl.rollout.vllm import VLLMColocateEngine, engine_kwargs
@@ -113,10 +113,15 @@ def test_sleep_mode_wakes_weights_then_pushes_then_wakes_the_cache_then_generate
     engine.update_weights(iter(weights))  # just started: awake, nothing to wake
     out = engine.generate(*PROMPTS, SamplingParams(max_new_tokens=2), seeds=[1, 2])
     assert out.completion_ids.tolist() == [[5, 2], [5, 2]] and out.logprobs.tolist() == [[-0.5, -0.25]] * 2
+    engine.generate(*PROMPTS, SamplingParams(max_new_tokens=2), seeds=[1, 2])  # e.g. a second validation batch
+    engine.sleep()
     assert not engine.holds_weights  # level 2 released them
+    assert [call[0] for call in llm.calls] == ["reload_weights", "reset_prefix_cache", "generate", "generate", "sleep"]
     llm.calls.clear()
     engine.update_weights(iter(weights))
     engine.generate(*PROMPTS, SamplingParams(max_new_tokens=2), seeds=[1, 2])
+    engine.sleep()
+    engine.sleep()  # asleep already: nothing more
     assert llm.calls == [
         ("wake_up", ("weights",)),
         ("reload_weights", 2),
@@ -133,6 +138,7 @@ def test_a_slept_engine_refuses_to_generate_before_a_push():
     engine, llm, _ = _sleeping_engine()
     engine.update_weights([("a", torch.zeros(2))])
     engine.generate(*PROMPTS, SamplingParams(max_new_tokens=2), seeds=[1, 2])
+    engine.sleep()
     with pytest.raises(RuntimeError, match="push weights first"):
         engine.generate(*PROMPTS, SamplingParams(max_new_tokens=2), seeds=[1, 2])
     assert llm.calls[-1] == ("sleep", 2)  # nothing was woken or generated
@@ -144,6 +150,7 @@ def test_without_sleep_mode_the_engine_never_sleeps_or_wakes():
     for _ in range(2):
         engine.update_weights([("a", torch.zeros(2))])
         engine.generate(*PROMPTS, SamplingParams(max_new_tokens=2), seeds=[1, 2])
+        engine.sleep()
     assert [call[0] for call in llm.calls] == ["reload_weights", "reset_prefix_cache", "generate"] * 2
 
 
@@ -159,30 +166,41 @@ def test_nested_phases_count_once():
 
 
 class SleepingFakeEngine:
-    """An engine that needs weights and loses them after every generation (as sleep level 2 does)."""
+    """An engine that needs weights and releases them when told to sleep (as vLLM's sleep level 2 does)."""
 
     needs_weights = True
 
     def __init__(self):
-        self.pushes = 0
+        self.calls = []
         self.holds_weights = False
 
     def update_weights(self, named_tensors):
         assert len(list(named_tensors)) > 0
-        self.pushes += 1
+        self.calls.append("push")
         self.holds_weights = True
+
+    def generate(self, prompt_ids, prompt_mask, params, seeds=None):
+        self.calls.append("generate")
+        n = len(prompt_ids)
+        return RolloutOutput(torch.full((n, 2), 5), torch.ones(n, 2), torch.full((n, 2), -0.5))
+
+    def sleep(self):
+        self.calls.append("sleep")
+        self.holds_weights = False
 
     def close(self):
         pass
 
 
-def test_the_module_pushes_again_after_the_engine_released_its_weights():
+def test_the_module_sleeps_the_engine_after_a_rollout_and_pushes_again_after():
     model = fit_grpo()
     fake = SleepingFakeEngine()
     model.rollout_engine, model._engine_weights_step = fake, None
     model.engine()
     model.engine()
-    assert fake.pushes == 1  # same global_step, weights still held: one push
-    fake.holds_weights = False  # slept
-    model.engine()
-    assert fake.pushes == 2
+    assert fake.calls == ["push"]  # same global_step, weights still held: one push
+    rows = [{"prompt": "1+2=", "answer": "3"}] * 8
+    model.make_rollout(rows)
+    assert fake.calls == ["push", "generate", "sleep"]  # asleep before the log-prob forwards and the update
+    model.make_rollout(rows)
+    assert fake.calls == ["push", "generate", "sleep", "push", "generate", "sleep"]  # woken by a push

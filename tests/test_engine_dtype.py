@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lit_rl.algorithms import GRPO
 from lit_rl.rollout import VLLMConfig
@@ -13,7 +14,8 @@ from lit_rl.rollout import VLLMConfig
 def _grpo(precision: str, **kwargs) -> GRPO:
     model = GRPO(num_generations=4, micro_batch_size=8, **kwargs)
     model.configure_model()
-    model._trainer = SimpleNamespace(precision=precision)
+    plugin = MixedPrecision(precision, "cpu") if precision.endswith("-mixed") else None
+    model._trainer = SimpleNamespace(precision=precision, precision_plugin=plugin)
     return model
 
 
@@ -27,6 +29,8 @@ def _grpo(precision: str, **kwargs) -> GRPO:
         ("bf16-true", VLLMConfig(), torch.bfloat16, "token_truncate"),  # same dtype, different bf16 kernels
         ("32-true", VLLMConfig(dtype="bfloat16"), torch.bfloat16, "token_truncate"),
         ("bf16-mixed", VLLMConfig(dtype="float32"), torch.float32, "token_truncate"),  # the trainer is bf16
+        ("32-true", VLLMConfig(mode="server"), None, "token_truncate"),  # the server's dtype is its own
+        ("32-true", VLLMConfig(mode="server", dtype="float32"), torch.float32, "none"),
     ],
 )
 def test_auto_is_correction_follows_the_engine_and_trainer_dtypes(precision, vllm, engine_dtype, correction):

@@ -227,3 +227,20 @@ def test_the_default_weight_directory_is_removed_on_close(fake_server):
     assert os.path.isdir(directory)
     engine.close()
     assert not os.path.exists(directory)
+
+
+def test_a_failed_write_still_consumes_the_whole_weight_stream(fake_server, tmp_path):
+    # Under ZeRO-3 every rank gathers through its stream in step: rank 0 must finish its stream even when writing
+    # fails, or the other ranks wait in the next gather forever.
+    server = fake_server((200, _completions, 0))
+    engine = VLLMServerEngine(VLLMConfig(mode="server", server_url=server.url, weight_sync_dir=str(tmp_path)), [2], 0)
+    consumed = []
+
+    def stream():
+        for i in range(5):
+            consumed.append(i)
+            yield (f"w{i}", torch.zeros(2) if i != 1 else "not a tensor")
+
+    with pytest.raises(RolloutServerError, match="AttributeError"):
+        engine.update_weights(stream())
+    assert consumed == [0, 1, 2, 3, 4]

@@ -1,6 +1,10 @@
 """The bucketed weight stream (`lit_rl.rollout.weights`): the same weights as the whole state dict, in buckets that
 never split a layer, gathered one bucket at a time."""
 
+import json
+import os
+import subprocess
+import sys
 from contextlib import contextmanager
 
 import pytest
@@ -9,7 +13,8 @@ import torch
 from lit_rl.lora import LoRAConfig, apply_lora, merged_weights
 from lit_rl.models import load_causal_lm
 from lit_rl.rollout import weights as weights_module
-from lit_rl.rollout.weights import buckets, policy_weight_stream, policy_weights, weight_blocks
+from lit_rl.rollout.weights import buckets, plain_name, policy_weight_stream, policy_weights, weight_blocks
+from tests.conftest import REPO
 
 SFT_MODEL = "lit-rl/tiny-qwen2-addition-sft"  # 4 decoder layers of 1,051,136 bytes; embeddings tied
 LAYER_BYTES = 1_051_136
@@ -97,3 +102,27 @@ def test_one_bucket_is_gathered_at_a_time_and_its_tensors_are_read_inside(model,
     for name, _ in policy_weight_stream(model, 2 * LAYER_BYTES):
         assert owner[name] in state["open"], f"{name} was read outside its bucket's gather"
     assert state["gathers"] == [320 * 128 * 4 + LAYER_BYTES, 2 * LAYER_BYTES, LAYER_BYTES + 128 * 4 + 320 * 128 * 4]
+
+
+def test_wrapper_segments_leave_the_names_and_flat_parameters_are_dropped():
+    assert plain_name("model.layers.0._fsdp_wrapped_module.self_attn.q_proj.weight") == (
+        "model.layers.0.self_attn.q_proj.weight"
+    )
+    assert plain_name("_orig_mod.model.layers.1._checkpoint_wrapped_module.mlp.up_proj.weight") == (
+        "model.layers.1.mlp.up_proj.weight"
+    )
+    assert plain_name("model.layers.0._fsdp_wrapped_module._flat_param") is None
+
+
+@pytest.mark.slow
+def test_an_fsdp_sharded_policy_streams_the_plain_names_and_whole_weights():
+    """Two CPU processes shard the model with FSDP. Gathered from the FSDP root (Lightning's wrapped module), the
+    stream carries the plain model's names and weights; gathered from the policy alone, the weights the root's
+    flat parameter holds (embeddings, final norm) would stay sharded."""
+    script = REPO / "tests" / "integration" / "fsdp_stream_check.py"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    by_root = {r["root"]: r for r in map(json.loads, result.stdout.strip().splitlines())}
+    assert by_root[True] == {"root": True, "names": True, "values": True}
+    assert by_root[False]["names"] and not by_root[False]["values"]  # what gathering the policy alone misses

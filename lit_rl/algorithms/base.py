@@ -13,6 +13,7 @@ from typing import Any, Iterator, Optional
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
 from torchmetrics import MetricCollection
 
@@ -231,8 +232,10 @@ class PolicyModule(L.LightningModule):
     ) -> None:
         # Lightning's mixed-precision plugin refuses to clip for a fused optimizer, in case it unscales fp16
         # gradients internally. bf16-mixed has no gradient scaler, so there is nothing to unscale: clip directly
-        # (what the plugin's base class does). fp16 mixed precision uses the unfused optimizer instead.
-        if str(self.trainer.precision) == "bf16-mixed" and gradient_clip_val:
+        # (what the plugin's base class does). Only under that plugin: FSDP and DeepSpeed clip their own way, and
+        # fp16 mixed precision uses the unfused optimizer instead.
+        plugin = self.trainer.precision_plugin
+        if isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed" and gradient_clip_val:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             if gradient_clip_algorithm == "value":
                 torch.nn.utils.clip_grad_value_(params, gradient_clip_val)

@@ -32,7 +32,7 @@ from lit_rl.rollout.config import check_vllm_config
 from lit_rl.rollout.hf import model_eos_token_ids
 from lit_rl.rollout.placement import EnginePlacement
 from lit_rl.rollout.weights import DEFAULT_BUCKET_MIB, policy_weight_stream
-from lit_rl.strategies import is_accumulating_micro_batch, settle_zero3_parameters
+from lit_rl.strategies import is_accumulating_micro_batch, is_fsdp_wrapped, settle_zero3_parameters
 from lit_rl.types import RolloutBatch
 
 ZERO_STD = 1e-6
@@ -149,9 +149,13 @@ class OnPolicyModule(PolicyModule):
         stale = self._engine_weights_step != self.trainer.global_step or not getattr(engine, "holds_weights", True)
         if engine.needs_weights and stale:
             bucket_mib = self.vllm_config.push_bucket_mib if self.vllm_config else DEFAULT_BUCKET_MIB
+            strategy = self.trainer.strategy
+            # FSDP: gather from the root (Lightning wraps this module; its flat parameter holds the embeddings).
+            wrapped = getattr(strategy, "model", None)
+            fsdp_root = wrapped if wrapped is not None and is_fsdp_wrapped(wrapped) else None
             with self.timer.phase("weight_push"):  # ZeRO-3: gathered a bucket at a time, as the engine loads
-                settle_zero3_parameters(self.trainer.strategy)
-                engine.update_weights(policy_weight_stream(self.policy, int(bucket_mib * 2**20)))
+                settle_zero3_parameters(strategy)
+                engine.update_weights(policy_weight_stream(self.policy, int(bucket_mib * 2**20), fsdp_root))
             self._engine_weights_step = self.trainer.global_step
         return engine
 
@@ -180,20 +184,24 @@ class OnPolicyModule(PolicyModule):
         )
 
     def engine_dtype(self) -> Optional[torch.dtype]:
-        """The dtype the vLLM engine computes in (`model.vllm.dtype`; `auto`: the trainer's compute dtype), or None
-        for HF `generate`, which samples from the policy itself."""
-        if self.vllm_config is None:
+        """The dtype the vLLM engine computes in: `model.vllm.dtype`, whose `auto` means the trainer's compute dtype
+        for a colocated engine and "not known here" for a server (started with its own `--dtype`). None for HF
+        `generate`, which samples from the policy itself, and for a server whose dtype is not given."""
+        config = self.vllm_config
+        if config is None or (config.mode == "server" and config.dtype == "auto"):
             return None
-        if self.vllm_config.dtype == "auto":
+        if config.dtype == "auto":
             return self.compute_dtype()
-        return VLLM_DTYPES.get(self.vllm_config.dtype, torch.float32)
+        return VLLM_DTYPES.get(config.dtype, torch.float32)
 
     def engine_numerics_differ(self) -> bool:
         """Whether the engine's log-probs of a token can differ from the trainer's by more than float32 rounding:
-        a vLLM engine in another dtype than the trainer's, or in any dtype below float32 (bf16 kernels of two
-        libraries round differently even at the same dtype)."""
+        any vLLM engine but one computing in float32 next to a float32 trainer (bf16 kernels of two libraries
+        round differently even at the same dtype; a server of unknown dtype counts as differing)."""
+        if self.vllm_config is None:
+            return False
         dtype = self.engine_dtype()
-        return dtype is not None and (dtype != torch.float32 or dtype != self.compute_dtype())
+        return dtype is None or dtype != torch.float32 or dtype != self.compute_dtype()
 
     def engine_placement(self) -> EnginePlacement:
         """Where this rank's colocated engine lives and which ranks share it (`model.vllm.tensor_parallel_size`)."""
@@ -205,6 +213,13 @@ class OnPolicyModule(PolicyModule):
             local_world_size=trainer.num_devices,
             tensor_parallel_size=self.vllm_config.tensor_parallel_size,
         )
+
+    def release_engine(self) -> None:
+        """Let the engine release its device memory until it is needed again (vLLM's sleep mode; a no-op for
+        engines without one)."""
+        sleep = getattr(self.rollout_engine, "sleep", None)
+        if callable(sleep):
+            sleep()
 
     def teardown(self, stage: str) -> None:
         if self.rollout_engine is not None:
@@ -368,6 +383,7 @@ class OnPolicyModule(PolicyModule):
         prompt_ids, prompt_mask, out, components, rewards = self.sample(
             rows, 1, self.sampling_params(training=True), seeds
         )
+        self.release_engine()  # sleep mode: the log-prob forwards and the update get the engine's memory
         # Every rank's rewards in global slot order: a group may span ranks, so group statistics use them all.
         all_rewards = self.all_gather(rewards).reshape(-1)  # [world*N]
         group_std = all_rewards.view(-1, G).std(dim=1).repeat_interleave(G)[self.local_slice(len(rows))]
@@ -533,6 +549,7 @@ class OnPolicyModule(PolicyModule):
         self._update_rollout_metrics(self.val_metrics, rewards, components, out.completion_mask, group_std, weight)
 
     def on_validation_epoch_end(self) -> None:
+        self.release_engine()  # after the last validation batch: all of them share one push
         self.log_collection(self.val_metrics, on_step=False, prog_bar=("reward",))
 
     # -- checkpoints -----------------------------------------------------------------------------------------

@@ -335,12 +335,13 @@ class VLLMServerEngine:
         try:
             _write_safetensors_shards(named_tensors, self.sync_dir, int(self.config.push_bucket_mib * 2**20))
         except OSError as err:
-            for _ in named_tensors:  # the other ranks still gather through the rest of the stream
-                pass
             raise RolloutServerError(
                 f"cannot write the policy's weights to {self.sync_dir} ({err.strerror or err}); "
                 "set model.vllm.weight_sync_dir to a directory with room for them, shared with the server"
             ) from None
+        finally:
+            for _ in named_tensors:  # after a failure, the other ranks still gather through the rest of the stream
+                pass
         # `mode=wait` lets any request still running finish; then nothing samples with half-loaded weights.
         self.client.request("POST", "/pause?mode=wait")
         try:
@@ -360,7 +361,7 @@ def _write_safetensors_shards(
     named_tensors: Iterable[tuple[str, torch.Tensor]], directory: str, shard_bytes: int
 ) -> None:
     """Write the weights as `model-00000.safetensors`, `model-00001...`, each of about `shard_bytes` (a shard is
-    written as soon as it is full, so only one shard's tensors are held at a time). Files of an earlier push are
+    written as soon as it is full, so only one shard's host copies are held at a time). Files of an earlier push are
     removed first; each file is written to a temporary name, then renamed (a reader never sees half a file)."""
     for name in os.listdir(directory):
         if name.startswith("model-") and name.endswith((".safetensors", ".safetensors.tmp")):
@@ -368,7 +369,8 @@ def _write_safetensors_shards(
     shard: dict[str, torch.Tensor] = {}
     size, index = 0, 0
     for name, tensor in named_tensors:
-        shard[name] = tensor
+        # A host copy: the stream's gathered bucket is released as it moves on, whatever the shard holds.
+        shard[name] = tensor.detach().to("cpu", copy=True)
         size += tensor.numel() * tensor.element_size()
         if size >= shard_bytes:
             _write_safetensors(shard, os.path.join(directory, WEIGHT_SHARD.format(index)))
@@ -381,13 +383,7 @@ def _write_safetensors(named_tensors: dict[str, torch.Tensor], path: str) -> Non
     """Write one file atomically: to a temporary name, then rename."""
     from safetensors.torch import save_file
 
-    tensors, seen = {}, set()
-    for name, tensor in named_tensors.items():
-        tensor = tensor.detach().to("cpu").contiguous()
-        if tensor.data_ptr() in seen:  # tied weights share storage; safetensors stores each storage once
-            tensor = tensor.clone()
-        seen.add(tensor.data_ptr())
-        tensors[name] = tensor
+    tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in named_tensors.items()}
     tmp = f"{path}.tmp"  # not *.safetensors: the server's loader never picks it up
     save_file(tensors, tmp)
     os.replace(tmp, path)

@@ -13,10 +13,11 @@ arrive as a lazy iterator (`lit_rl.rollout.weights.policy_weight_stream`), which
 bucket by bucket while vLLM consumes them. The prefix cache is reset after each push, since cached prompt states
 belong to the old weights.
 
-Sleep mode (GPU): between generations the engine holds no GPU memory (`sleep(level=2)`: weights and KV cache
-released), so the policy's update has it. The order is: wake the weights, push, wake the KV cache, generate,
-sleep. Level 2 drops the weights rather than offloading them to CPU memory (level 1 would hold a copy of every
-rank's engine weights in host memory), so a push must come after every sleep: `holds_weights` says so.
+Sleep mode (GPU): between rollouts the engine holds no GPU memory (`sleep(level=2)`: weights and KV cache
+released), so the policy's update has it. The order is: wake the weights, push, wake the KV cache, generate, sleep
+(`sleep()`, which the trainer calls once a rollout's generations are done). Level 2 drops the weights rather than
+offloading them to CPU memory (level 1 would hold a copy of every rank's engine weights in host memory), so a push
+must come after every sleep: `holds_weights` says so.
 
 Log-probs are vLLM's `processed_logprobs`: of the distribution it sampled from (after temperature, and after
 top-k/top-p truncation when those are on), which with `top_k=0, top_p=1` is exactly `softmax(logits / T)`, what
@@ -105,6 +106,8 @@ class VLLMColocateEngine:
         placement: this rank's place (its TP group); None: a single engine of one rank.
         tp_group: the `torch.distributed` group of this rank's TP group (None when it has one member).
         phase: `phase(name)` times a part of the work (`perf/engine_wake_s`, `perf/engine_sleep_s`).
+        device_type: `cuda` or `cpu`: vLLM runs with that device's autocast off (a training step runs inside the
+            trainer's autocast under mixed precision; vLLM computes in its own dtype).
     """
 
     needs_weights = True
@@ -118,8 +121,10 @@ class VLLMColocateEngine:
         placement: Optional[EnginePlacement] = None,
         tp_group: Optional[Any] = None,
         phase: Optional[PhaseTimer] = None,
+        device_type: str = "cpu",
     ) -> None:
         self.llm = llm
+        self.device_type = device_type
         self.config = config
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
@@ -165,11 +170,11 @@ class VLLMColocateEngine:
         )
         # vLLM seeds the global RNGs when it starts; keep the trainer's streams where they were, or a run that
         # resumes (and starts its engine later) would sample differently from one that never stopped.
-        with _rng_states_kept(device):
+        with _rng_states_kept(device), torch.autocast(device.type, enabled=False):
             llm = vllm.LLM(**kwargs)
         # vLLM's CPU platform rewrites LOCAL_WORLD_SIZE to the TP size; put the trainer's value back.
         os.environ["LOCAL_WORLD_SIZE"] = str(placement.local_world_size)
-        engine = cls(llm, config, eos_token_ids, pad_token_id, placement, tp_group, phase)
+        engine = cls(llm, config, eos_token_ids, pad_token_id, placement, tp_group, phase, device.type)
         log.info("rank %d: colocated vLLM engine %s", placement.rank, engine.describe())
         return engine
 
@@ -186,11 +191,8 @@ class VLLMColocateEngine:
         requests = [{"prompt_token_ids": ids} for ids in prompts]  # vLLM's `TokensPrompt` (a TypedDict)
         sampling = [vllm_sampling_params(params, seed, self.eos_token_ids) for seed in seeds]
         self._wake_cache()
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False)[mine]
-        if self.config.enable_sleep_mode:
-            with self.phase("engine_sleep"):
-                self.llm.sleep(level=SLEEP_LEVEL)
-            self._weights_awake = self._cache_awake = self.holds_weights = False
+        with self._own_precision():
+            outputs = self.llm.generate(requests, sampling, use_tqdm=False)[mine]
         token_ids = [list(out.outputs[0].token_ids) for out in outputs]
         logprobs = [
             [step[token].logprob for step, token in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
@@ -222,9 +224,24 @@ class VLLMColocateEngine:
             with self.phase("engine_wake"):
                 self.llm.wake_up(tags=["weights"])
             self._weights_awake = True
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+        with self._own_precision():
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
         self.llm.reset_prefix_cache()
         self.holds_weights = True
+
+    def sleep(self) -> None:
+        """With sleep mode, release the engine's GPU memory (weights and KV cache) until the next push: the trainer
+        calls it when a rollout's generations are done (a training generation, or the end of validation), so the
+        batches of one validation share one push. A no-op without sleep mode, or when asleep already."""
+        if not self.config.enable_sleep_mode or not (self._weights_awake or self._cache_awake):
+            return
+        with self.phase("engine_sleep"):
+            self.llm.sleep(level=SLEEP_LEVEL)
+        self._weights_awake = self._cache_awake = self.holds_weights = False
+
+    def _own_precision(self) -> ContextManager[None]:
+        """The trainer's autocast off: vLLM computes in its own dtype."""
+        return torch.autocast(self.device_type, enabled=False)
 
     def _wake_cache(self) -> None:
         if not self.holds_weights:

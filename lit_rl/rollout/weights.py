@@ -12,14 +12,17 @@ buckets, so a layer that vLLM fuses (q/k/v, gate/up) arrives whole within one bu
 With a LoRA policy, each adapted layer yields its merged weight `W + (alpha / r) B A` (`lit_rl.lora`), computed
 from the gathered bucket; adapter tensors never leave. Tied weights are yielded once (under the first name).
 
-FSDP: the whole model is gathered once (`summon_full_params`), as before; bucketing is for ZeRO-3.
+FSDP: the whole model is gathered once (`summon_full_params`), as before; bucketing is for ZeRO-3. The names of
+wrapped modules lose FSDP's (and activation checkpointing's) wrapper segments, and FSDP's own flat parameters are
+left out: what remains are the plain model's names.
 """
 
 from __future__ import annotations
 
+import re
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
@@ -27,6 +30,16 @@ from lit_rl.lora import base_model, hf_weight_name, is_lora_layer, is_lora_model
 from lit_rl.strategies import gathered_parameters, gathered_parameters_of, is_fsdp_wrapped
 
 DEFAULT_BUCKET_MIB = 512
+_WRAPPER_SEGMENT = re.compile(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.")
+_FLAT_PARAM = "_flat_param"
+
+
+def plain_name(key: str) -> Optional[str]:
+    """A parameter's key in a model wrapped by FSDP, activation checkpointing or `torch.compile` -> its key in the
+    plain model; None for FSDP's flat parameter, which the plain model does not have."""
+    if key.rsplit(".", 1)[-1] == _FLAT_PARAM:
+        return None
+    return _WRAPPER_SEGMENT.sub("", key)
 
 
 @dataclass
@@ -64,7 +77,8 @@ class WeightBlock:
             ]
             for name, tensor in tensors:
                 key = f"{path}.{name}" if path else name
-                hf_name = hf_weight_name(key) if merge_lora else key
+                plain = plain_name(key)
+                hf_name = hf_weight_name(plain) if merge_lora and plain is not None else plain
                 if hf_name is None:
                     continue
                 value = tensor.detach()
@@ -124,13 +138,19 @@ def buckets(blocks: list[WeightBlock], bucket_bytes: int) -> list[list[WeightBlo
 
 
 def policy_weight_stream(
-    model: torch.nn.Module, bucket_bytes: int = DEFAULT_BUCKET_MIB * 2**20
+    model: torch.nn.Module,
+    bucket_bytes: int = DEFAULT_BUCKET_MIB * 2**20,
+    fsdp_root: Optional[torch.nn.Module] = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The policy's weights by Hugging Face name, gathered one bucket at a time (a collective under ZeRO-3 and
     FSDP: every rank must consume its stream, in step). A tensor is valid until the stream moves past its bucket;
-    a consumer that keeps one longer keeps that bucket's memory alive."""
+    a consumer that keeps one longer keeps that bucket's memory alive.
+
+    `fsdp_root`: under FSDP, the outermost FSDP module (Lightning wraps the LightningModule itself, whose flat
+    parameter holds the weights not in a wrapped layer: the embeddings, the final norm)."""
     merge_lora = is_lora_model(model)
-    whole_model = gathered_parameters(model) if is_fsdp_wrapped(model) else nullcontext()
+    root = fsdp_root if fsdp_root is not None else model
+    whole_model = gathered_parameters(root) if is_fsdp_wrapped(root) else nullcontext()
     with whole_model:
         for bucket in buckets(weight_blocks(model), bucket_bytes):
             with gathered_parameters_of([p for block in bucket for p in block.parameters]):
