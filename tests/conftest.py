@@ -179,6 +179,23 @@ def fit_grpo(**model_args: Any):
     return model
 
 
+def perturbed_lora_model(**config: Any) -> torch.nn.Module:
+    """The shipped SFT model with a LoRA adapter (r 4, `config` on top) whose trainable weights are moved by
+    N(0, 0.05) noise, so that merged weights differ from the frozen ones."""
+    from lit_rl.lora import LoRAConfig, apply_lora
+    from lit_rl.models import load_causal_lm
+
+    model = apply_lora(
+        load_causal_lm("lit-rl/tiny-qwen2-addition-sft", disable_dropout=True), LoRAConfig(r=4, **config)
+    )
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.add_(torch.randn_like(param) * 0.05)
+    return model
+
+
 def build_tiny_reward_model(path: Path) -> Path:
     """A randomly initialised one-label Qwen2 sequence classifier with the tiny tokenizer, saved at `path`."""
     from transformers import Qwen2ForSequenceClassification

@@ -8,25 +8,15 @@ import torch
 from lit_rl.algorithms import DPO, GRPO, SFT
 from lit_rl.algorithms.base import PolicyModule
 from lit_rl.errors import ConfigError
-from lit_rl.lora import LoRAConfig, apply_lora, merged_weights, reference_view, trainable_keys
+from lit_rl.lora import LoRAConfig, merged_weights, reference_view, trainable_keys
 from lit_rl.models import load_causal_lm
-from tests.conftest import fit_grpo
+from tests.conftest import fit_grpo, perturbed_lora_model
 
 SFT_MODEL = "lit-rl/tiny-qwen2-addition-sft"
 
 
-def _perturbed_lora_model(**config) -> torch.nn.Module:
-    model = apply_lora(load_causal_lm(SFT_MODEL, disable_dropout=True), LoRAConfig(r=4, **config))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.requires_grad:
-                param.add_(torch.randn_like(param) * 0.05)
-    return model
-
-
 def test_merged_weights_equal_peft_merge_and_carry_the_plain_model_names():
-    model = _perturbed_lora_model(modules_to_save=["norm"])
+    model = perturbed_lora_model(modules_to_save=["norm"])
     merged = dict(merged_weights(model))
     reference = copy.deepcopy(model).merge_and_unload().state_dict()
     plain_names = set(load_causal_lm(SFT_MODEL).state_dict())
@@ -41,7 +31,7 @@ def test_merged_weights_equal_peft_merge_and_carry_the_plain_model_names():
 
 def test_adapter_off_is_exactly_the_starting_model():
     plain = load_causal_lm(SFT_MODEL, disable_dropout=True)
-    model = _perturbed_lora_model()
+    model = perturbed_lora_model()
     ids = torch.randint(0, 256, (3, 9))
     expected = plain(ids).logits
     with torch.no_grad(), reference_view(model):

@@ -10,11 +10,11 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from lit_rl.lora import LoRAConfig, apply_lora, merged_weights
+from lit_rl.lora import merged_weights
 from lit_rl.models import load_causal_lm
 from lit_rl.rollout import weights as weights_module
 from lit_rl.rollout.weights import buckets, plain_name, policy_weight_stream, policy_weights, weight_blocks
-from tests.conftest import REPO
+from tests.conftest import REPO, perturbed_lora_model
 
 SFT_MODEL = "lit-rl/tiny-qwen2-addition-sft"  # 4 decoder layers of 1,051,136 bytes; embeddings tied
 LAYER_BYTES = 1_051_136
@@ -27,13 +27,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def lora_model():
-    model = apply_lora(load_causal_lm(SFT_MODEL, disable_dropout=True), LoRAConfig(r=4, modules_to_save=["norm"]))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.requires_grad:
-                param.add_(torch.randn_like(param) * 0.05)
-    return model
+    return perturbed_lora_model(modules_to_save=["norm"])
 
 
 @pytest.mark.parametrize(
