@@ -65,9 +65,11 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimator of KL(policy || reference): `exp(ref - logp) - (ref - logp) - 1` (>= 0).
 
     Unbiased for KL under samples from the policy, low variance (Schulman, "Approximating KL divergence").
+    Computed as `expm1(delta) - delta`: for log-prob differences near float32 rounding, `exp(delta) - 1` would
+    cancel to noise (about 1e-8) where the value is about delta^2 / 2.
     """
     delta = ref_logprobs - logprobs
-    return torch.exp(delta) - delta - 1.0
+    return torch.expm1(delta) - delta
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

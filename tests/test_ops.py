@@ -1,8 +1,9 @@
 """Optimised numerics against naive references."""
 
+import pytest
 import torch
 
-from lit_rl.ops import entropy_from_logits, masked_mean, position_ids_from_mask, token_logprobs
+from lit_rl.ops import entropy_from_logits, kl_k3, masked_mean, position_ids_from_mask, token_logprobs
 from lit_rl.rollout.base import completion_mask_from_ids
 
 
@@ -46,3 +47,15 @@ def test_completion_mask_keeps_first_eos_only():
     eos = 9
     ids = torch.tensor([[1, 2, eos, 0, 0], [1, 1, 1, 1, 1], [eos, eos, 3, 3, 3]])
     assert completion_mask_from_ids(ids, eos).tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+
+
+def test_k3_kl_is_accurate_for_log_prob_differences_near_float32_rounding():
+    # k3 = exp(d) - d - 1 = d^2 / 2 + d^3 / 6 + ...; for d = 1e-3 and 1e-6 in float32, exp(d) - 1 cancels to noise
+    # (5% off and exactly 0 with that formula).
+    logprobs = torch.tensor([-1.0, -2.0, -0.5], dtype=torch.float32)
+    ref_logprobs = logprobs + torch.tensor([1e-3, -1e-6, 0.5], dtype=torch.float32)
+    delta = (ref_logprobs - logprobs).double().tolist()  # the differences float32 can hold
+    expected = [d * d / 2 + d**3 / 6 + d**4 / 24 + d**5 / 120 + d**6 / 720 for d in delta]
+    got = kl_k3(logprobs, ref_logprobs).tolist()
+    for value, reference in zip(got, expected, strict=True):
+        assert value == pytest.approx(reference, rel=1e-2, abs=0)

@@ -24,7 +24,7 @@ from lit_rl.lora import LoRAConfig
 from lit_rl.losses import LossNormalizer
 from lit_rl.metrics import rollout_eval_metrics
 from lit_rl.models import resolve_model_path
-from lit_rl.ops import entropy_from_logits, token_logprobs
+from lit_rl.ops import entropy_from_logits, kl_k3, token_logprobs
 from lit_rl.rewards import call_reward_function, import_reward_function, reward_name
 from lit_rl.rollout import HFGenerateEngine, RolloutEngine, SamplingParams, VLLMConfig
 from lit_rl.rollout.base import global_batch_seeds
@@ -513,8 +513,8 @@ class OnPolicyModule(PolicyModule):
             log_ratio = (trainer_logprobs.detach() - mb.rollout_logprobs)[tokens]
             m["rollout_logprob_diff/mean"].update(log_ratio.abs())
             m["rollout_logprob_diff/max"].update(log_ratio.abs())
+            m["rollout_kl"].update(kl_k3(mb.rollout_logprobs[tokens], trainer_logprobs.detach()[tokens]))
             ratio = torch.exp(log_ratio)
-            m["rollout_kl"].update(ratio - 1 - log_ratio)
             for stat in ("min", "mean", "max"):
                 m[f"rollout_is_ratio/{stat}"].update(ratio)
 
