@@ -1,5 +1,6 @@
 """Rollout engines: who samples completions. `hf.py` wraps `generate`; `vllm.py` (the only module importing vLLM)
-runs an in-process engine; `server.py` talks to a vLLM server over HTTP."""
+runs an in-process engine, placed by `placement.py`; `server.py` talks to a vLLM server over HTTP; `weights.py`
+streams the policy's weights into them, a bucket at a time."""
 
 from lit_rl.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
 from lit_rl.rollout.config import VLLMConfig
