@@ -9,8 +9,8 @@ from typing import Iterator, Optional
 
 import torch
 
-# The phases of a rollout step, in order; logged as `perf/<phase>_s` on every step. `engine_wake` and
-# `engine_sleep` (vLLM sleep mode) happen inside the push and the generation and are not counted in them.
+# The phases of a rollout step, in order; logged as `perf/<phase>_s` on every step. `engine_wake` (vLLM sleep
+# mode) happens inside the push and the generation and is not counted in them; `engine_sleep` follows them.
 PHASES = (
     "engine_start",
     "engine_wake",

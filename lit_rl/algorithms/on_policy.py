@@ -28,7 +28,7 @@ from lit_rl.ops import entropy_from_logits, kl_k3, token_logprobs
 from lit_rl.rewards import call_reward_function, import_reward_function, reward_name
 from lit_rl.rollout import HFGenerateEngine, RolloutEngine, SamplingParams, VLLMConfig
 from lit_rl.rollout.base import global_batch_seeds
-from lit_rl.rollout.config import check_vllm_config
+from lit_rl.rollout.config import VLLM_DTYPES, check_vllm_config
 from lit_rl.rollout.hf import model_eos_token_ids
 from lit_rl.rollout.placement import EnginePlacement
 from lit_rl.rollout.weights import DEFAULT_BUCKET_MIB, policy_weight_stream
@@ -36,14 +36,6 @@ from lit_rl.strategies import is_accumulating_micro_batch, is_fsdp_wrapped, sett
 from lit_rl.types import RolloutBatch
 
 ZERO_STD = 1e-6
-# vLLM's dtype names (`model.vllm.dtype`) as torch dtypes.
-VLLM_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-}
 
 
 class OnPolicyModule(PolicyModule):

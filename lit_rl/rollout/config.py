@@ -6,7 +6,18 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+import torch
+
 from lit_rl.errors import ConfigError
+
+# vLLM's dtype names (`model.vllm.dtype`) as torch dtypes; the first name of each dtype is the one lit-rl passes.
+VLLM_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float": torch.float32,
+    "half": torch.float16,
+}
 
 
 @dataclass
@@ -24,8 +35,8 @@ class VLLMConfig:
             the dtype the server was started with, if known (`auto`: unknown), for `rollout_is_correction: auto`.
         enable_prefix_caching: (colocate) reuse the KV cache of shared prompt prefixes (the G completions of a
             prompt share it). The cache is reset after every weight push.
-        enable_sleep_mode: (colocate, GPU) release vLLM's GPU memory between generations (weights offloaded,
-            KV cache dropped) so the policy's update has it.
+        enable_sleep_mode: (colocate, GPU) release vLLM's GPU memory between rollouts (weights and KV cache, sleep
+            level 2; the next push refills the weights) so the policy's update has it.
         enforce_eager: (colocate) no CUDA graphs / compilation; None: True on CPU (compiling costs more than it
             saves there), False on GPU.
         cpu_kvcache_space_gib: (colocate, CPU) KV cache size in GiB (`VLLM_CPU_KVCACHE_SPACE`).

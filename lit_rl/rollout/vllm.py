@@ -35,12 +35,12 @@ import torch
 
 from lit_rl.errors import ConfigError
 from lit_rl.rollout.base import RolloutOutput, SamplingParams, draw_seeds, padded_output, unpadded_prompts
-from lit_rl.rollout.config import VLLMConfig
+from lit_rl.rollout.config import VLLM_DTYPES, VLLMConfig
 from lit_rl.rollout.placement import EXECUTOR, EnginePlacement, tp_slice
 
 log = logging.getLogger(__name__)
 
-TORCH_TO_VLLM_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+TORCH_TO_VLLM_DTYPE = {dtype: name for name, dtype in reversed(VLLM_DTYPES.items())}  # float32, not float
 SLEEP_LEVEL = 2  # release weights and KV cache; the next push refills the weights
 
 PhaseTimer = Callable[[str], ContextManager[None]]
