@@ -36,7 +36,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from throughput import fit_flags, metric_rows, write_report  # noqa: E402
+from provenance import add_allow_dirty, check_output, write_report  # noqa: E402
+from throughput import fit_flags, metric_rows  # noqa: E402
 
 from lit_rl.models import build_random_model, resolve_model_path  # noqa: E402
 
@@ -261,10 +262,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny model, 6 steps, 1 round")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None, help="print the markdown table of a results JSON")
+    add_allow_dirty(parser)
     args = parser.parse_args()
     if args.markdown:
         print(markdown_table(json.loads(args.markdown.read_text())["results"]))
         return
+    check_output(args.out, args.allow_dirty)
     if args.quick:
         args.models, args.steps, args.warmup, args.rounds = ["tiny"], 6, 2, 1
     results = []
@@ -280,7 +283,7 @@ def main() -> None:
     if args.out:
         import trl
 
-        write_report(args.out, results, versions={"trl": trl.__version__})
+        write_report(args.out, results, versions={"trl": trl.__version__}, allow_dirty=args.allow_dirty)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from compare_trl import Workload, run_child  # noqa: E402
-from throughput import run_one, write_report  # noqa: E402
+from provenance import add_allow_dirty, check_output, write_report  # noqa: E402
+from throughput import run_one  # noqa: E402
 
 QWEN_VOCAB = 151_936
 SHAPES = {
@@ -245,23 +246,25 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/gpu_<device>.json")
     parser.add_argument("--append", action="store_true", help="merge into --out instead of replacing it")
     parser.add_argument("--markdown", type=Path, default=None, help="print the markdown tables of a results JSON")
+    add_allow_dirty(parser)
     args = parser.parse_args()
     if args.markdown:
         print(markdown_table(json.loads(args.markdown.read_text())["results"]))
         return
     import torch
 
+    out = args.out or REPO / "benchmarks" / "results" / f"gpu_{device_slug()}.json"
+    check_output(out, args.allow_dirty)
     if not args.cpu_smoke and not torch.cuda.is_available():
         parser.error("no CUDA device: run on a GPU machine, or --cpu-smoke to check the pipeline on CPU")
     shapes = ["smoke"] if args.cpu_smoke else (args.shapes or ["qwen2.5-0.5b", "qwen2.5-1.5b"])
     rounds = 1 if args.cpu_smoke else args.rounds
     with tempfile.TemporaryDirectory(prefix="lit-rl-gpu-suite-") as tmp:
         results = run_suite(args.parts, shapes, args.cpu_smoke, rounds, Path(tmp))
-    out = args.out or REPO / "benchmarks" / "results" / f"gpu_{device_slug()}.json"
     if args.append and out.exists():
         results = merge(json.loads(out.read_text())["results"], results)
     print(markdown_table(results))
-    write_report(out, results, device=device_slug())
+    write_report(out, results, allow_dirty=args.allow_dirty, device=device_slug())
     if any("error" in r for r in results["runs"]):
         sys.exit(1)
 

@@ -2,7 +2,8 @@
 
     python benchmarks/logprob_memory.py                      # vocabulary 151,936 (Qwen2), 8 x 256 tokens
     python benchmarks/logprob_memory.py --quick              # a smaller problem, for CI
-    python benchmarks/logprob_memory.py --json out.json
+    python benchmarks/logprob_memory.py --json benchmarks/results/logprob_memory_cpu.json
+    python benchmarks/logprob_memory.py --markdown benchmarks/results/logprob_memory_cpu.json   # the README's table
 
 Each method runs in a fresh subprocess that first builds the logits (bf16, as a bf16 model returns them) and
 then computes the log-probs of given tokens; the reported peak is the growth of the process's peak RSS during the
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import resource
 import subprocess
 import sys
@@ -23,7 +23,15 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from provenance import add_allow_dirty, check_output, write_report  # noqa: E402
+
 METHODS = ("naive", "lit_rl")
+LABELS = {
+    "naive": "naive `log_softmax(logits.float()).gather(...)`",
+    "lit_rl": "lit-rl `token_logprobs` (64 MiB fp32 chunks of `logit[id] - logsumexp`)",
+}
 
 
 def _logits(batch: int, length: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,10 +101,25 @@ def run(batch: int, length: int, vocab: int, workdir: Path) -> dict:
         "peak_memory_ratio": results["lit_rl"]["peak_mib"] / max(results["naive"]["peak_mib"], 1e-9),
         "time_ratio": results["lit_rl"]["seconds"] / results["naive"]["seconds"],
         "max_abs_diff": diff,
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        "torch": torch.__version__,
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
     }
+
+
+def markdown_table(results: dict) -> str:
+    """The README's table of a results file (a test checks the README carries exactly this)."""
+    lines = ["| path | peak extra memory | seconds |", "|---|---|---|"]
+    for method in METHODS:
+        lines.append(f"| {LABELS[method]} | {results[method]['peak_mib']:.0f} MiB | {results[method]['seconds']:.2f} |")
+    return "\n".join(lines)
+
+
+def claims(results: dict) -> list[str]:
+    """The README's prose numbers of a results file (a test checks the README says them)."""
+    return [
+        f"bf16 logits for {results['batch']} x {results['length']} tokens at vocabulary {results['vocab']:,} = "
+        f"{results['logits_mib']:.0f} MiB",
+        f"Memory ratio {results['peak_memory_ratio']:.3f}, time ratio {results['time_ratio']:.2f}, max |difference| "
+        f"{results['max_abs_diff']:.1e}.".replace("e-0", "e-"),
+    ]
 
 
 def main() -> None:
@@ -105,12 +128,18 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=151_936)
     parser.add_argument("--quick", action="store_true", help="8 x 128 tokens at vocabulary 151,936")
-    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None, help="JSON results (machine, versions, commit, command)")
+    parser.add_argument("--markdown", type=Path, default=None, help="print the markdown table of a results JSON")
+    add_allow_dirty(parser)
     parser.add_argument("--child", choices=METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return _child(args.child, args.batch, args.length, args.vocab, args.out)
+    if args.markdown:
+        print(markdown_table(json.loads(args.markdown.read_text())["results"]))
+        return
+    check_output(args.json, args.allow_dirty)
     if args.quick:
         args.batch, args.length = 8, 128
     import tempfile
@@ -134,7 +163,7 @@ def main() -> None:
         f" max |difference|: {report['max_abs_diff']:.2e}"
     )
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+        write_report(args.json, report, allow_dirty=args.allow_dirty)
 
 
 if __name__ == "__main__":

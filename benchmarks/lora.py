@@ -26,7 +26,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from throughput import fit_flags, metric_rows, write_report  # noqa: E402
+from provenance import add_allow_dirty, check_output, write_report  # noqa: E402
+from throughput import fit_flags, metric_rows  # noqa: E402
 
 from lit_rl.lora import LoRAConfig, apply_lora, count_parameters  # noqa: E402
 from lit_rl.models import build_random_model, load_causal_lm  # noqa: E402
@@ -131,10 +132,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="hidden 128, 2 layers, GRPO, 2 steps")
     parser.add_argument("--out", type=Path, default=None, help="JSON results")
     parser.add_argument("--markdown", type=Path, default=None, help="print the markdown table of a results JSON")
+    add_allow_dirty(parser)
     args = parser.parse_args()
     if args.markdown:
         print(markdown_table(json.loads(args.markdown.read_text())["results"]))
         return
+    check_output(args.out, args.allow_dirty)
     if args.quick:
         args.algorithms, args.hidden, args.layers, args.intermediate, args.steps = ["grpo"], 128, 2, 256, 2
     results = []
@@ -148,7 +151,7 @@ def main() -> None:
     print_table(results)
     if args.out:
         model = {"hidden_size": args.hidden, "num_hidden_layers": args.layers, "intermediate_size": args.intermediate}
-        write_report(args.out, results, model=model, steps=args.steps)
+        write_report(args.out, results, allow_dirty=args.allow_dirty, model=model, steps=args.steps)
 
 
 if __name__ == "__main__":

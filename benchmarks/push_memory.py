@@ -26,6 +26,10 @@ import os
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from provenance import add_allow_dirty, check_output, write_report  # noqa: E402
+
 MIB = 2**20
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
 
@@ -151,14 +155,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the tiny model (1M parameters), buckets of 0.5 MiB")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None, help="print the markdown table of a results JSON")
+    add_allow_dirty(parser)
     args = parser.parse_args()
     if args.markdown:
         print(markdown_table(json.loads(args.markdown.read_text())["results"]))
         return
+    check_output(args.out, args.allow_dirty)
     import tempfile
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from throughput import write_report
 
     sizes = dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1024)  # the 21M benchmark model
     if args.quick:
@@ -167,7 +170,7 @@ def main() -> None:
         results = run(sizes, args.buckets_mib, args.pushes, Path(tmp))
     print(markdown_table(results))
     if args.out:
-        write_report(args.out, results)
+        write_report(args.out, results, allow_dirty=args.allow_dirty)
 
 
 if __name__ == "__main__":

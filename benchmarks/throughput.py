@@ -19,9 +19,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
-import platform
-import shlex
 import statistics
 import subprocess
 import sys
@@ -32,10 +29,14 @@ from typing import Optional
 
 import yaml
 
-from lit_rl.models import resolve_model_path
-from lit_rl.rollout.server import LocalVLLMServer
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from provenance import add_allow_dirty, check_output, write_report  # noqa: E402
+
+from lit_rl.models import resolve_model_path  # noqa: E402
+from lit_rl.rollout.server import LocalVLLMServer  # noqa: E402
+
 CONFIGS = REPO / "configs"
 PARTS = ["generation", "reward", "ref_logprobs", "old_logprobs", "weight_push", "policy_update"]
 STRATEGIES = {
@@ -148,37 +149,6 @@ def summarise(log_dir: Path, warmup: int) -> dict:
     }
 
 
-def environment() -> dict:
-    import torch
-
-    versions = {"python": platform.python_version(), "torch": torch.__version__}
-    for package in ("lightning", "transformers", "vllm", "deepspeed"):
-        try:
-            versions[package] = __import__(package).__version__
-        except ImportError:
-            versions[package] = None
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    # Tracked files changed since that commit (untracked ones, such as results being written, do not count).
-    status = ["git", "status", "--porcelain", "--untracked-files=no"]
-    dirty = bool(subprocess.run(status, cwd=REPO, capture_output=True, text=True).stdout.strip())
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {
-        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(), "gpu": gpu},
-        "versions": versions,
-        "commit": commit,
-        "dirty": dirty,
-    }
-
-
-def write_report(path: Path, results: list[dict], versions: Optional[dict] = None, **extra) -> None:
-    """The results JSON: machine, versions (plus `versions`), commit, the exact command, `extra` fields and the
-    results."""
-    report = environment() | {"command": shlex.join([sys.argv[0], *sys.argv[1:]]), **extra, "results": results}
-    report["versions"].update(versions or {})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
-
-
 def print_table(results: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -256,11 +226,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny model, hf + colocated vLLM, 8 steps")
     parser.add_argument("--out", type=Path, default=None, help="JSON results (the PNG goes beside it)")
     parser.add_argument("--markdown", type=Path, default=None, help="print the markdown table of a results JSON")
+    add_allow_dirty(parser)
     parser.add_argument("overrides", nargs="*", help="extra `lit-rl fit` flags, after `--`")
     args = parser.parse_args()
     if args.markdown:
         print(markdown_table(json.loads(args.markdown.read_text())["results"]))
         return
+    check_output(args.out, args.allow_dirty)
     if args.quick:
         args.engines = [e for e in args.engines if e != "hf"] or ["vllm_colocate"]
         args.engines = ["hf", *args.engines]
@@ -278,7 +250,7 @@ def main() -> None:
                     results.append(run_one(args, engine, strategy, devices, Path(tmp)))
     print_table(results)
     if args.out:
-        write_report(args.out, results)
+        write_report(args.out, results, allow_dirty=args.allow_dirty)
         plot(results, args.out.with_suffix(".png"))
     if any("error" in r for r in results):
         sys.exit(1)

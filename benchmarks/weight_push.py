@@ -22,6 +22,10 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from provenance import add_allow_dirty, check_output, write_report  # noqa: E402
+
 # Function names whose cumulative time makes each part (vLLM 0.32).
 PARTS = {
     "re-pack for the CPU GEMM kernels": "dispatch_cpu_unquantized_gemm",
@@ -55,10 +59,12 @@ def main() -> None:
     parser.add_argument("--profiled-pushes", type=int, default=10)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None, help="print the markdown table of a results JSON")
+    add_allow_dirty(parser)
     args = parser.parse_args()
     if args.markdown:
         print(markdown_table(json.loads(args.markdown.read_text())["results"]))
         return
+    check_output(args.json, args.allow_dirty)
 
     import torch
 
@@ -67,9 +73,6 @@ def main() -> None:
     from lit_rl.rollout.placement import EnginePlacement
     from lit_rl.rollout.vllm import VLLMColocateEngine
     from lit_rl.rollout.weights import policy_weights
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from throughput import write_report
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     path = str(resolve_model_path(args.model))
@@ -106,7 +109,7 @@ def main() -> None:
     for part, share in shares.items():
         print(f"  {part}: {100 * share:.0f}% of the profiled push time")
     if args.json:
-        write_report(args.json, [result])
+        write_report(args.json, [result], allow_dirty=args.allow_dirty)
 
 
 if __name__ == "__main__":  # vLLM may start worker processes: keep the guard

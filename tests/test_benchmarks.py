@@ -18,7 +18,7 @@ def test_logprob_memory_quick_meets_the_memory_target_with_identical_values(tmp_
         capture_output=True,
         timeout=300,
     )
-    report = json.loads(out.read_text())
+    report = json.loads(out.read_text())["results"]
     assert report["vocab"] == 151_936
     assert report["max_abs_diff"] <= 1e-5
     assert report["peak_memory_ratio"] <= 0.25, report  # the issue's target, measured in one run
@@ -40,6 +40,8 @@ def test_run_report_summarises_first_and_last_steps(tmp_path):
         timeout=60,
     )
     report = json.loads(out.read_text())
+    assert report["commit"] and "dirty" in report and "run_report.py" in report["command"]
+    report = report["results"]
     assert report["train_first"]["train/reward"] == pytest.approx(0.15)
     assert report["train_last"]["train/reward"] == pytest.approx(0.95)
     assert report["val"] == [{"step": 10.0, "val/reward": 0.9}]
@@ -177,4 +179,148 @@ def test_gpu_suite_pipeline_runs_on_cpu_and_refuses_to_measure_without_a_gpu(tmp
         "weight push share of the step (0.5B)",
         "vLLM / HF generate, generated tokens/s",
         "lit-rl / TRL, s per step",
+    ]
+
+
+def _benchmark_module(script: str):
+    """benchmarks/<script>.py, imported by path (benchmarks/ is not a package)."""
+    import importlib.util
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(script, REPO / "benchmarks" / f"{script}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[script] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _git_checkout(tmp_path, files: dict[str, str]):
+    """A temporary git checkout with benchmarks/provenance.py, benchmarks/run_report.py and `files` committed."""
+    import shutil
+
+    repo = tmp_path / "repo"
+    (repo / "benchmarks" / "results").mkdir(parents=True)
+    for name in ("provenance.py", "run_report.py"):
+        shutil.copy(REPO / "benchmarks" / name, repo / "benchmarks" / name)
+    for name, text in files.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    git = ["git", "-C", str(repo), "-c", "user.name=test", "-c", "user.email=test@example.com"]
+    for command in (["init", "-q"], ["add", "."], ["commit", "-q", "-m", "init"]):
+        subprocess.run([*git, *command], check=True, capture_output=True)
+    commit = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+    return repo, commit
+
+
+def test_results_path_is_refused_from_a_dirty_tree_unless_allowed_and_then_marked_dirty(tmp_path):
+    provenance = _benchmark_module("provenance")
+    repo, commit = _git_checkout(tmp_path, {"tracked.txt": "clean\n"})
+    results = repo / "benchmarks" / "results" / "bench.json"
+    (repo / "benchmarks" / "results" / "earlier.json").write_text("{}")  # results being written are not dirt
+    assert provenance.dirty_files(repo) == []
+    provenance.write_report(results, [{"x": 1}], repo=repo)
+    clean = json.loads(results.read_text())
+    assert clean["commit"] == commit and clean["dirty"] is False and "dirty_files" not in clean
+    (repo / "tracked.txt").write_text("edited\n")
+    (repo / "new.py").write_text("")
+    assert sorted(provenance.dirty_files(repo)) == ["new.py", "tracked.txt"]
+    results.unlink()
+    with pytest.raises(SystemExit) as refused:
+        provenance.write_report(results, [{"x": 1}], repo=repo)
+    message = str(refused.value)
+    assert "\n" not in message and "tracked.txt" in message and "new.py" in message and "--allow-dirty" in message
+    assert not results.exists()
+    provenance.write_report(results, [{"x": 1}], allow_dirty=True, repo=repo)
+    allowed = json.loads(results.read_text())
+    assert allowed["dirty"] is True and sorted(allowed["dirty_files"]) == ["new.py", "tracked.txt"]
+    elsewhere = tmp_path / "elsewhere.json"  # outside benchmarks/results/: written, and recorded as dirty
+    provenance.write_report(elsewhere, [{"x": 1}], repo=repo)
+    assert json.loads(elsewhere.read_text())["dirty"] is True
+
+
+def test_lit_rl_imported_from_another_checkout_counts_as_dirty(tmp_path):
+    provenance = _benchmark_module("provenance")
+    repo, _ = _git_checkout(tmp_path, {"lit_rl/__init__.py": ""})
+    # This process imports lit_rl from the repository under test, not from the temporary checkout.
+    (entry,) = provenance.dirty_files(repo)
+    assert entry.startswith("lit_rl (imported from ")
+
+
+def test_a_script_refuses_results_from_a_dirty_tree_in_one_line_and_allow_dirty_says_so(tmp_path):
+    repo, _ = _git_checkout(tmp_path, {"tracked.txt": "clean\n"})
+    (repo / "tracked.txt").write_text("edited\n")
+    log_dir = tmp_path / "run"
+    log_dir.mkdir()
+    (log_dir / "metrics.csv").write_text("epoch,step,train/reward\n0,1,0.5\n0,2,0.7\n")
+    out = repo / "benchmarks" / "results" / "run.json"
+    command = [sys.executable, str(repo / "benchmarks" / "run_report.py"), str(log_dir), "--json", str(out)]
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and not out.exists()
+    (line,) = refused.stderr.strip().splitlines()
+    assert line.startswith("run_report.py: error: refusing to write") and "tracked.txt" in line
+    subprocess.run([*command, "--allow-dirty"], check=True, capture_output=True, timeout=120)
+    report = json.loads(out.read_text())
+    assert report["dirty"] is True and report["dirty_files"] == ["tracked.txt"]
+    assert report["results"]["train_last"]["train/reward"] == pytest.approx(0.6)
+
+
+def _fit_summary(run_report, rewards: list[float], val: list[tuple[int, dict]], **model) -> dict:
+    """A demo's `fit` entry from made-up per-step values (perf/step_s 0.1 every step)."""
+    train = [{"step": s + 1, "train/rewards/correctness": r, "train/reward": r + 0.1} for s, r in enumerate(rewards)]
+    for row in train:
+        row |= {"perf/step_s": 0.1, "perf/generation_s": 0.03, "perf/policy_update_s": 0.07}
+        row["train/frac_tied_pairs"] = 0.5 if row["step"] <= 2 else 0.25
+    rows = [{"step": step, **values} for step, values in val]
+    summary = run_report.summarise(train, rows, window=2)
+    return summary | {"command": "lit-rl fit --config configs/x.yaml", "wall_s": 112.4, "model": model}
+
+
+def test_run_report_renders_the_demo_tables_and_numbers():
+    run_report = _benchmark_module("run_report")
+    val = [(s, {"val/rewards/correctness": 0.5 + s / 100}) for s in (2, 4)]
+    grpo = {"demo": "grpo", "fit": _fit_summary(run_report, [0.1, 0.2, 0.3, 0.5], val, temperature=1.0)}
+    grpo["start"] = {"val": {"val/rewards/correctness": 0.4}}
+    table = run_report.markdown_table(grpo)
+    assert "mean of the first / last 2 steps, temperature 1) | 0.150 | 0.400 |" in table
+    assert table.endswith("| 0.400 (step 0) | 0.540 (step 4) |")
+    assert run_report.claims(grpo) == [
+        "Wall time of the whole command: **1 min 52 s**",
+        "# step 0: val/rewards/correctness 0.4000",
+        "moves between 0.520 and 0.540 over the last 2 validations (steps 2 to 4)",
+        "medians over the 4 steps of the GRPO demo: 0.100 s per step, 0.030 s generation, 0.070 s policy update",
+    ]
+    dpo_val = [(s, {"val/rewards/accuracies": s / 10, "val/loss": 0.6}) for s in (2, 4)]
+    dpo = {"demo": "dpo", "fit": _fit_summary(run_report, [0.0] * 4, dpo_val)}
+    dpo |= {"start": {"val": {"val/rewards/accuracies": 0.0, "val/loss": 0.693}}}
+    dpo |= {
+        "task_start": {"val": {"val/rewards/correctness": 0.6}},
+        "task_end": {"val": {"val/rewards/correctness": 0.7}},
+    }
+    assert run_report.markdown_table(dpo).splitlines() == [
+        "| | start | step 2 | step 4 |",
+        "|---|---|---|---|",
+        "| preference accuracy (`val/rewards/accuracies`, 256 held-out pairs) | 0.000 (*) | 0.200 | 0.400 |",
+        "| `val/loss` | 0.693 | 0.600 | 0.600 |",
+        "| greedy task accuracy on the 256 held-out prompts | 0.600 | | 0.700 |",
+    ]
+    online = {"demo": "online_dpo", "fit": _fit_summary(run_report, [0.2] * 4, val, num_generations=2)}
+    online["start"] = {"val": {"val/rewards/correctness": 0.4}}
+    rloo = online | {"demo": "rloo", "fit": online["fit"] | {"model": {"num_generations": 8}, "wall_s": 56.0}}
+    assert run_report.markdown_table([rloo, online]).splitlines()[2:] == [
+        "| `lit-rl fit --config configs/x.yaml` (k = 8) | 56 s | 0.300 -> 0.300 | 0.200 -> 0.200 | 0.400 -> 0.540 |",
+        "| `lit-rl fit --config configs/x.yaml` (2 samples per prompt) | 1 min 52 s | 0.300 -> 0.300 | 0.200 -> 0.200 "
+        "| 0.400 -> 0.540 |",
+    ]
+    assert run_report.claims(online) == ["skipped 50% of its pairs as ties in the first 2 steps and 25% in the last 2"]
+
+
+def test_ci_time_reads_pytest_summary_and_renders_the_readme_sentence():
+    ci_time = _benchmark_module("ci_time")
+    output = "collected 343 items\n...\n==== 340 passed, 3 skipped, 7 warnings in 1217.43s (0:20:17) ====\n"
+    summary = ci_time.parse_pytest_summary(output)
+    assert summary == {"tests_s": 1217.43, "passed": 340, "skipped": 3, "warnings": 7}
+    results = summary | {"total_s": 1355.0, "install_s": 137.57, "cores": 2, "commit": "6c547593dd1b"}
+    assert ci_time.claims(results) == [
+        "`bash .ci/run` took 22 min 35 s on 2 cores at 6c54759: about 2 min 18 s to install, 20 min 17 s of tests "
+        "(340 passed, 3 skipped)."
     ]
