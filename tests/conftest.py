@@ -109,10 +109,16 @@ def without_engine_gap(rows: list[dict[str, float]]) -> list[dict[str, float]]:
 
 
 def assert_rows_match(rows: list[dict[str, float]], reference: list[dict[str, float]], **tolerance: Any) -> None:
-    """Every value of every row equals (pytest.approx with `tolerance`) the reference row with the same step."""
+    """Each row has a reference row with the same step, with the same keys (a metric missing on either side
+    fails), and every value equals the reference's (pytest.approx with `tolerance`). `rows` may cover only some
+    of the reference's steps (a resumed run), but not none."""
+    assert rows, "no rows to compare"
     by_step = {row["step"]: row for row in reference}
+    assert len(by_step) == len(reference), "the reference has two rows for one step"
     for row in rows:
+        assert row["step"] in by_step, f"step {row['step']} is not in the reference"
         expected = by_step[row["step"]]
+        assert sorted(row) == sorted(expected), (row["step"], sorted(set(row) ^ set(expected)))
         for key, value in row.items():
             assert value == pytest.approx(expected[key], **tolerance), (row["step"], key)
 

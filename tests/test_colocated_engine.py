@@ -154,15 +154,43 @@ def test_without_sleep_mode_the_engine_never_sleeps_or_wakes():
     assert [call[0] for call in llm.calls] == ["reload_weights", "reset_prefix_cache", "generate"] * 2
 
 
-def test_nested_phases_count_once():
+class FakeClock:
+    """`time.perf_counter` that moves only when told: phase times become known numbers."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+    def advance(self, seconds):
+        self.now += seconds
+
+
+def test_phases_are_measured_and_nested_ones_count_once(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr("lit_rl.perf.time.perf_counter", clock)
     timer = StepTimer()
+    clock.advance(0.5)  # before any phase: policy update
     with timer.phase("weight_push"):
+        clock.advance(2.0)
         with timer.phase("engine_wake"):
-            torch.ones(300, 300).matmul(torch.ones(300, 300))
+            clock.advance(1.0)
+        clock.advance(0.25)
+    with timer.phase("generation"):
+        clock.advance(3.0)
+    with timer.phase("generation"):  # a phase entered twice in a step adds up
+        clock.advance(1.0)
+    clock.advance(0.75)
     perf = timer.summary()
-    assert perf["perf/engine_wake_s"] > 0 and perf["perf/weight_push_s"] >= 0
-    parts = perf["perf/engine_wake_s"] + perf["perf/weight_push_s"] + perf["perf/policy_update_s"]
-    assert parts == pytest.approx(perf["perf/step_s"], rel=1e-6)
+    assert perf["perf/step_s"] == 8.5
+    assert perf["perf/weight_push_s"] == 2.25  # its own time, without the wake inside it
+    assert perf["perf/engine_wake_s"] == 1.0
+    assert perf["perf/generation_s"] == 4.0
+    assert perf["perf/policy_update_s"] == 1.25  # the time outside every phase
+    assert perf["perf/reward_s"] == 0.0  # every phase is logged, 0 when it did not happen
+    clock.advance(2.0)
+    assert timer.summary()["perf/step_s"] == 2.0  # the next step starts where the previous summary was taken
 
 
 class SleepingFakeEngine:

@@ -72,3 +72,74 @@ def test_encode_prompts_tokenizes_each_distinct_prompt_once():
     assert module.tokenizer.calls == [["7+8=", "12+34="]]
     expected = module.tokenizer(texts, padding=True, return_tensors="pt")
     assert torch.equal(ids, expected["input_ids"]) and torch.equal(mask, expected["attention_mask"])
+
+
+class RecordLossAndGradient:
+    """Lightning callback: `training_step`'s returned loss, the gradient norm before the optimizer step, and the
+    rollout buffer the step trained on."""
+
+    def __new__(cls):
+        import lightning as L
+
+        class _Record(L.Callback):
+            def __init__(self):
+                self.losses, self.grad_norms, self.buffers = [], [], []
+
+            def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+                grads = [p.grad.flatten() for p in pl_module.parameters() if p.grad is not None]
+                self.grad_norms.append(torch.cat(grads).norm().item())
+                self.buffers.append(pl_module._buffer)
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                self.losses.append(outputs["loss"].item())
+
+        return _Record()
+
+
+def beta0_rounding_bound(rewards, advantages, group_size, completion_length, eps=1e-4):
+    """Bound on |loss| for beta 0, one iteration, `sequence` aggregation, group-scaled advantages, float32.
+
+    In exact arithmetic the loss is -mean_i(A_i) = 0 (each group's advantages sum to 0), while its gradient is
+    -mean_i(A_i * mean_t grad logp_it). In float32 (unit roundoff u = 2^-24), with N sequences of at most T tokens:
+    - the loss's reductions (T-token sums per sequence, N-sequence sum, two divisions) add at most
+      (T + N + 3) u mean|A|;
+    - the advantages sum to G (mean - fl(mean)) / (std + eps) per group plus 2u sum|A|, and the float32 mean of G
+      rewards is within G u mean|r| of the exact one: at most G u mean_i(mean_g(i)|r| / (std_g(i) + eps)) + 2u
+      mean|A| after dividing by N.
+    So |loss| <= u [(T + N + 6) mean|A| + G mean_i(mean_g(i)|r| / (std_g(i) + eps))] (first order in u)."""
+    u = 2.0**-24
+    rewards, advantages = rewards.double(), advantages.double()
+    grouped = rewards.view(-1, group_size)
+    scale = (grouped.abs().mean(dim=1) / (grouped.std(dim=1) + eps)).repeat_interleave(group_size)
+    N = len(advantages)
+    return u * ((completion_length + N + 6) * advantages.abs().mean() + group_size * scale.mean()).item()
+
+
+def test_beta0_one_iteration_sequence_loss_is_zero_to_rounding_through_training_step():
+    """The invariant at module level: `training_step`'s loss is 0 within the float32 rounding bound, while the
+    gradient it back-propagates is not."""
+    import lightning as L
+
+    from lit_rl.algorithms import GRPO
+    from lit_rl.data import PromptDataModule
+
+    record = RecordLossAndGradient()
+    model = GRPO(num_generations=4, micro_batch_size=8, max_new_tokens=4, temperature=1.0, beta=0.0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[record],
+    )
+    L.seed_everything(0)
+    trainer.fit(model, PromptDataModule(val_data=None))
+    assert len(record.losses) == len(record.grad_norms) == 3
+    for loss, grad_norm, buffer in zip(record.losses, record.grad_norms, record.buffers, strict=True):
+        assert buffer.advantages.abs().max() > 0.1  # rewards differ within groups: the gradient has a signal
+        bound = beta0_rounding_bound(buffer.rewards, buffer.advantages, 4, buffer.completion_mask.shape[1])
+        assert abs(loss) <= bound, (loss, bound)
+        assert bound < 1e-4 and grad_norm > 1e-2

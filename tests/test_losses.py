@@ -74,6 +74,40 @@ def test_kl_is_added_per_token_before_aggregation():
     assert stats["kl"][0, :2].tolist() == pytest.approx([k3, 0.0], abs=1e-7)
 
 
+def _k3(p: float, q: float) -> float:
+    """k3 of a token the policy gives probability p and the reference q: q/p - log(q/p) - 1."""
+    return q / p - math.log(q / p) - 1.0
+
+
+# Three sequences of lengths 3, 1 and 2 (padded to 4); the policy gives each sampled token probability 0.5.
+REF_PROBS = [[0.25, 0.5, 0.125], [0.4], [0.3, 0.6]]
+KL = [[_k3(0.5, q) for q in row] for row in REF_PROBS]
+KL_SUM = sum(map(sum, KL))
+
+
+@pytest.mark.parametrize(
+    "aggregation, expected_kl",
+    [
+        ("sequence", (sum(KL[0]) / 3 + KL[1][0] / 1 + sum(KL[2]) / 2) / 3),  # mean per sequence, then over 3
+        ("token", KL_SUM / 6),  # the step's 6 tokens
+        ("constant", KL_SUM / (3 * 4)),  # 3 sequences x max_completion_length 4
+        ("dapo", KL_SUM / 10),  # the generation batch's 10 tokens
+    ],
+)
+def test_kl_is_aggregated_like_the_policy_term(aggregation, expected_kl):
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    ref = torch.log(torch.tensor([row + [0.5] * (4 - len(row)) for row in REF_PROBS]))
+    logp = torch.full((3, 4), math.log(0.5))
+    advantages = torch.tensor([1.0, -0.5, 2.0])
+    norm = LossNormalizer(num_sequences=3, num_tokens=6, num_generation_tokens=10, max_completion_length=4)
+    kwargs = dict(aggregation=aggregation, normalizer=norm, ref_logprobs=ref)
+    with_kl, _ = grpo_loss(logp, logp, advantages, mask, beta=0.1, **kwargs)
+    without, _ = grpo_loss(logp, logp, advantages, mask, beta=0.0, **kwargs)
+    policy_only = aggregate(-advantages[:, None].expand(3, 4), mask, aggregation, norm)  # ratio 1: -A per token
+    assert without.item() == pytest.approx(policy_only.item(), abs=1e-7)
+    assert (with_kl - without).item() == pytest.approx(0.1 * expected_kl, abs=1e-7)
+
+
 PER_TOKEN = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 9.0]])
 MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
 

@@ -8,7 +8,8 @@ def test_train_and_val_collections_are_distinct_objects():
     train, val = base.clone(prefix="train/"), base.clone(prefix="val/")
     train["reward"].update(torch.tensor([1.0, 1.0]))
     assert not val["reward"].update_called
-    assert all(a is not b for a, b in zip(train.values(), val.values()))
+    assert len(train) == len(val) > 0
+    assert all(a is not b for a, b in zip(train.values(), val.values(), strict=True))
     assert all(k.startswith("train/") for k in train.keys(keep_base=False))
 
 

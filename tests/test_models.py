@@ -46,8 +46,10 @@ def test_builtin_names_resolve_and_local_dirs_load_through_the_same_path(tmp_pat
     model = load_causal_lm("lit-rl/tiny-qwen2-addition-sft")
     model.save_pretrained(tmp_path / "copy")
     again = load_causal_lm(str(tmp_path / "copy"))
-    for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
-        assert torch.equal(a, b), name
+    original, reloaded = model.state_dict(), again.state_dict()
+    assert list(reloaded) == list(original)
+    for name, tensor in original.items():
+        assert torch.equal(tensor, reloaded[name]), name
 
 
 def test_missing_paths_fail_with_the_path_in_the_message(tmp_path):

@@ -47,7 +47,7 @@ def test_uneven_shards_get_equal_batch_counts_with_weight_zero_padding():
     pairs = [TokenizedPair(i, [1], [2], [3]) for i in range(7)]
     ranks = [list(ShardedPairBatches(pairs, 2, False, 0, rank, 2, pad_id=0)) for rank in (0, 1)]
     assert [len(r) for r in ranks] == [2, 2]
-    real = [[int(i) for b in r for i, w in zip(b["index"], b["weight"]) if w > 0] for r in ranks]
+    real = [[int(i) for b in r for i, w in zip(b["index"], b["weight"], strict=True) if w > 0] for r in ranks]
     assert real == [[0, 2, 4, 6], [1, 3, 5]]
     assert [b["weight"].tolist() for b in ranks[1]] == [[1.0, 1.0], [1.0, 0.0]]
 

@@ -139,7 +139,7 @@ class PolicyModule(L.LightningModule):
 
     def _add_lora_adapter(self) -> None:
         """Wrap the policy with a new LoRA adapter, initialised from the run's seed alone: the same under every
-        strategy, and leaving the global RNG stream (which sampling draws from) where it was."""
+        strategy, and leaving the global RNG stream (which validation sampling draws from) where it was."""
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):
             self.policy = apply_lora(self.policy, self.lora_config)

@@ -85,7 +85,7 @@ class PromptDataModule(L.LightningDataModule):
             self.val_rows, self.val_batch_size, self.trainer.global_rank, self.trainer.world_size
         )
         # Its own generator: creating a DataLoader iterator draws a seed from the generator, and drawing it from
-        # the global RNG would make a run with validation sample different training rollouts than one without.
+        # the global RNG would move that stream (dropout, the engines' fallback seeds) in a run with validation.
         return DataLoader(batches, batch_size=None, generator=torch.Generator().manual_seed(self.seed))
 
 

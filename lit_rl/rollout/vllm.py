@@ -168,8 +168,10 @@ class VLLMColocateEngine:
         kwargs = engine_kwargs(
             config, model_name_or_path, vllm_dtype, placement, on_gpu, trust_remote_code=trust_remote_code
         )
-        # vLLM seeds the global RNGs when it starts; keep the trainer's streams where they were, or a run that
-        # resumes (and starts its engine later) would sample differently from one that never stopped.
+        # vLLM seeds the global RNGs when it starts; keep the trainer's streams where they were. Training samples
+        # do not read them (each completion has a seed of its place in the global batch), but sampled validation
+        # and anything else the trainer draws (dropout, shuffling) would then depend on when the engine started,
+        # which differs between a resumed run and one that never stopped.
         with _rng_states_kept(device), torch.autocast(device.type, enabled=False):
             llm = vllm.LLM(**kwargs)
         # vLLM's CPU platform rewrites LOCAL_WORLD_SIZE to the TP size; put the trainer's value back.

@@ -44,3 +44,47 @@ class RecordPrecision(_Probe):
                 "rollout_is_correction": resolve() if callable(resolve) else None,
             },
         )
+
+
+class RecordRngAcrossValidation(_Probe):
+    """`rng_rank<r>.json`: for each validation run, the step and whether the global torch RNG state (CPU, and
+    this GPU's) at its end is the one at its start, i.e. whether validation left the trainer's stream alone."""
+
+    def __init__(self, directory: str) -> None:
+        super().__init__(directory)
+        self.before = None
+        self.records: list[dict] = []
+
+    @staticmethod
+    def _state(pl_module: L.LightningModule) -> list:
+        import torch
+
+        states = [torch.get_rng_state()]
+        if pl_module.device.type == "cuda":
+            states.append(torch.cuda.get_rng_state(pl_module.device))
+        return states
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.before = self._state(pl_module)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        after = self._state(pl_module)
+        unchanged = all(a.equal(b) for a, b in zip(self.before, after, strict=True))
+        self.records.append({"step": trainer.global_step, "unchanged": unchanged})
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.write("rng", trainer.global_rank, {"validations": self.records})
+
+
+class RecordCompletionTokens(_Probe):
+    """`tokens_rank<r>.json`: the completion tokens in this rank's rollout buffer at each optimizer step."""
+
+    def __init__(self, directory: str) -> None:
+        super().__init__(directory)
+        self.tokens: list[int] = []
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
+        self.tokens.append(int(pl_module._buffer.completion_mask.sum()))
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.write("tokens", trainer.global_rank, {"tokens_per_step": self.tokens})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from tests.conftest import (
 pytestmark = pytest.mark.slow
 
 GRPO = str(CONFIGS / "grpo.yaml")
+PROBES = "tests.integration.probes."
 
 
 def _fit(tmp_path, *args, every_n=None, name="a"):
@@ -69,10 +71,20 @@ def test_grpo_logs_separate_train_and_val_metrics(tmp_path):
     assert all(r["train/kl"] >= 0 for r in train)
 
 
-def test_validation_does_not_change_training(tmp_path):
-    with_val = _fit(tmp_path, "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", name="val")
+def test_sampled_validation_does_not_change_training(tmp_path):
+    # Validation samples (temperature 1, 4 completions per prompt): it draws from the torch RNG, in a stream of
+    # its own. The probe checks that stream's isolation directly (the global RNG state after each validation is
+    # the one before it), the logs check that training is unchanged by validation.
+    sampled = ("--model.val_temperature", "1", "--model.val_num_generations", "4")
+    probe = ("--trainer.callbacks+", PROBES + "RecordRngAcrossValidation")
+    probe += ("--trainer.callbacks.directory", str(tmp_path / "probe"))
+    with_val = _fit(tmp_path, "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", *sampled, *probe)
     without = _fit(tmp_path, "--trainer.max_steps", "4", "--trainer.limit_val_batches", "0", name="noval")
-    assert any(r.get("val/reward") for r in read_metrics(with_val))
+    val = [r for r in read_metrics(with_val) if r.get("val/reward")]
+    assert [float(r["step"]) for r in val] == [2.0, 4.0]
+    assert all(float(r["val/reward_std"]) > 0 for r in val)  # completions of a prompt differ: it sampled
+    validations = json.loads((tmp_path / "probe" / "rng_rank0.json").read_text())["validations"]
+    assert validations == [{"step": 2, "unchanged": True}, {"step": 4, "unchanged": True}]
     assert train_rows(with_val) == train_rows(without)
 
 

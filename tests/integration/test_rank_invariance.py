@@ -2,9 +2,12 @@
 must log the same per-step loss and metrics (the loss and every metric are normalised over the whole step).
 For GRPO that also needs the same completions in every layout (each is sampled with a seed of its place in the
 global batch, `OnPolicyModule.completion_seeds`, not from its rank's random stream) and group statistics over
-the whole group when a group spans ranks (4 x 1 below)."""
+the whole group when a group spans ranks (4 x 1 below). GRPO runs with beta > 0 and each of the four loss
+aggregations, whose denominators are counts over all ranks and micro-batches."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -49,10 +52,11 @@ def test_dpo_steps_are_the_same_in_every_layout(tmp_path):
         assert_rows_match(rows, reference, rel=1e-5, abs=1e-6)
 
 
-def _grpo(tmp_path, devices: int, accumulate: int):
+def _grpo(tmp_path, aggregation: str, devices: int, accumulate: int):
+    name = f"grpo_{aggregation}_{devices}x{accumulate}"
     log_dir = fit_in_subprocess(
         tmp_path,
-        f"grpo_{devices}x{accumulate}",
+        name,
         "grpo.yaml",
         *FAST_GRPO,
         "--trainer.devices",
@@ -65,23 +69,39 @@ def _grpo(tmp_path, devices: int, accumulate: int):
         "4",  # 16 completions (2 prompts x 8) per optimizer step; in the 4 x 1 layout each group spans 2 ranks
         "--model.beta",
         "0.04",
+        "--model.loss_aggregation",
+        aggregation,
         "--trainer.max_steps",
         "3",
         "--trainer.limit_val_batches",
         "0",
         "--model.learning_rate",
         "1e-3",
+        "--trainer.callbacks+",
+        "tests.integration.probes.RecordCompletionTokens",
+        "--trainer.callbacks.directory",
+        str(tmp_path / name / "probe"),
         *(["--trainer.strategy", "ddp"] if devices > 1 else []),
         every_n_train_steps=None,
     )
-    return without_engine_gap(train_rows(log_dir))
+    tokens = [
+        json.loads((tmp_path / name / "probe" / f"tokens_rank{rank}.json").read_text())["tokens_per_step"]
+        for rank in range(devices)
+    ]
+    return without_engine_gap(train_rows(log_dir)), tokens
 
 
-def test_grpo_steps_are_the_same_in_every_layout(tmp_path):
-    runs = {layout: _grpo(tmp_path, *layout) for layout in LAYOUTS}
-    reference = runs[(1, 4)]
+@pytest.mark.parametrize("aggregation", ["sequence", "token", "constant", "dapo"])
+def test_grpo_steps_are_the_same_in_every_layout(tmp_path, aggregation):
+    """`token`, `constant` and `dapo` divide by counts summed over ranks (tokens, sequences); a rank that used
+    its own counts would weigh its tokens differently from the 1-process run, which the unequal completion
+    lengths across ranks (checked) make visible."""
+    runs = {layout: _grpo(tmp_path, aggregation, *layout) for layout in LAYOUTS}
+    reference, _ = runs[(1, 4)]
     assert [row["step"] for row in reference] == [1, 2, 3]
     assert reference[-1]["train/kl"] > 0  # the policy moved: later steps sample from updated weights
-    for layout, rows in runs.items():
+    for layout, (rows, tokens) in runs.items():
         assert [row["step"] for row in rows] == [1, 2, 3], layout
+        if layout[0] > 1:  # the ranks' completions differ in length: their token counts differ at some step
+            assert any(len(set(per_rank)) > 1 for per_rank in zip(*tokens, strict=True)), (layout, tokens)
         assert_rows_match(rows, reference, rel=1e-5, abs=1e-6)
