@@ -28,3 +28,7 @@ class ModelNotFound(LitRLError, FileNotFoundError):
 
 class RewardFunctionError(LitRLError):
     """A reward function that does not import, raises, or returns the wrong values; the message names it."""
+
+
+class BrokenInstall(LitRLError):
+    """An installed package that cannot work with this environment; the message says how to fix it."""
