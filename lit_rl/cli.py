@@ -11,10 +11,12 @@ shows the traceback as well.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
 import sys
+import warnings
 from typing import Any, NoReturn, Optional
 
 import lightning as L
@@ -22,12 +24,28 @@ from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 
-from lit_rl.callbacks import GracefulStop, NonFiniteGuard, StepProgressBar
+from lit_rl.callbacks import GracefulStop, NonFiniteGuard, RunSummary, StepProgressBar
 from lit_rl.checkpoint import AtomicCheckpointIO
 from lit_rl.errors import LitRLError
 
 CONFIG_ERROR_EXIT = 2
 INPUT_ERROR_EXIT = 1
+# Console messages a lit-rl user cannot act on, silenced by `quiet_console` (each by its own text, nothing else):
+# Lightning's advertisements, a deprecation inside Lightning's own code, DataLoader advice that does not apply to
+# lit-rl's loaders (batches are built in the main process on purpose: tokenizing and rollouts belong to the
+# module), the frozen reference model that is in eval mode by design, and DeepSpeed saying on a CPU-only machine
+# that it found no GPU (Lightning's "GPU available: False" line says it already).
+IGNORED_WARNINGS = (  # (message regex, category, module regex)
+    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning, r"lightning\."),
+    (r"The '\w+' does not have many workers", UserWarning, ""),
+    (r"Your `IterableDataset` has `__len__` defined", UserWarning, ""),
+    (r"Found \d+ module\(s\) in eval mode at the start of training", UserWarning, ""),
+)
+IGNORED_LOG_MESSAGES = {  # logger name -> message prefixes
+    "lightning.pytorch.utilities.rank_zero": ("💡 Tip:",),
+    "lightning.fabric.utilities.rank_zero": ("💡 Tip:",),
+    "DeepSpeed": ("Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it",),
+}
 _NOISE = ("Parser key", "Does not validate", "Subtypes:", "Errors:", "Given value", "- Expected a <class 'NoneType'>")
 
 
@@ -48,6 +66,28 @@ def condense_parser_error(message: str) -> str:
             break
     key = ".".join(keys)
     return f"{key}: {detail}" if key and detail else (detail or message.strip().splitlines()[0])
+
+
+class DropMessages(logging.Filter):
+    """A logging filter that drops the records whose message starts with one of `prefixes`."""
+
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefixes)
+
+
+_LOG_FILTERS = {name: DropMessages(prefixes) for name, prefixes in IGNORED_LOG_MESSAGES.items()}
+
+
+def quiet_console() -> None:
+    """Silence the known messages above (idempotent); every other warning and log message is left as it is."""
+    for message, category, module in IGNORED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+    for name, log_filter in _LOG_FILTERS.items():
+        logging.getLogger(name).addFilter(log_filter)  # a logger keeps one copy of the same filter object
 
 
 class OneLineErrorParser(LightningArgumentParser):
@@ -72,6 +112,8 @@ class LitRLCLI(LightningCLI):
     - a rich progress bar that shows the optimizer step (off with `--trainer.enable_progress_bar false`);
     - `NonFiniteGuard` (stop at a NaN/inf gradient; add it with `action: skip` to skip such steps instead);
     - `GracefulStop` (SIGTERM/SIGINT write a resumable `last.ckpt` after the current step, then stop);
+    - `RunSummary` (at the end of `fit`, steps, wall time, headline metrics and output paths, also without the
+      progress bar);
     - `AtomicCheckpointIO` (checkpoints are written to a temporary file and renamed), unless `trainer.plugins`
       is set or the strategy is DeepSpeed (which writes checkpoint directories its own way).
     """
@@ -81,7 +123,7 @@ class LitRLCLI(LightningCLI):
         extra: list[Callback] = []
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in configured):
             extra.append(StepProgressBar())
-        for kind in (NonFiniteGuard, GracefulStop):
+        for kind in (NonFiniteGuard, GracefulStop, RunSummary):
             if not any(isinstance(c, kind) for c in configured):
                 extra.append(kind())
         plugins = config.get("plugins") or []
@@ -94,6 +136,7 @@ class LitRLCLI(LightningCLI):
 
 def main(args: Optional[list[str]] = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    quiet_console()
     try:
         cli = LitRLCLI(
             model_class=L.LightningModule,

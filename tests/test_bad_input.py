@@ -41,6 +41,19 @@ def _data(tmp_path, name, rows, key="train_data"):
     return [f"--data.{key}", _jsonl(tmp_path / name, rows), "--data.val_data", "null"]
 
 
+def _file(tmp_path, name, text):
+    (tmp_path / name).write_text(text)
+    return ["--data.train_data", str(tmp_path / name), "--data.val_data", "null"]
+
+
+def _parquet(tmp_path, name, rows):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / name)
+    return ["--data.train_data", str(tmp_path / name), "--data.val_data", "null"]
+
+
 # (id, base config, arguments (a callable of tmp_path when it needs files), expected text, exit code)
 CASES = [
     ("unknown-key", GRPO, ["--model.no_such_option", "1"], "model.no_such_option: unknown option", 2),
@@ -121,35 +134,70 @@ CASES = [
         "row-missing-prompt",
         GRPO,
         lambda t: _data(t, "q.jsonl", [{"prompt": "1+1="}, {"question": "2+2="}]),
-        "q.jsonl: row 1 has no 'prompt' column",
+        "q.jsonl: line 2 has no 'prompt' column",  # lines as editors count them: 1-based
         1,
     ),
     (
         "row-missing-rejected",
         DPO,
         lambda t: _data(t, "p.jsonl", [{"prompt": "1+1=", "chosen": "2"}]),
-        "p.jsonl: row 0 has no 'rejected' column",
+        "p.jsonl: line 1 has no 'rejected' column",
         1,
     ),
     (
         "non-string-prompt",
         GRPO,
         lambda t: _data(t, "n.jsonl", [{"prompt": 12}]),
-        "n.jsonl: row 0 column 'prompt' must be text or chat messages",
+        "n.jsonl: line 1 column 'prompt' must be text or chat messages",
         1,
     ),
     (
         "malformed-jsonl",
         GRPO,
         lambda t: _data(t, "m.jsonl", ['{"prompt": "1+1="}', '{"prompt": ']),
-        "m.jsonl:2: malformed JSON",
+        "m.jsonl: line 2: malformed JSON",
+        1,
+    ),
+    (
+        "blank-lines-count-as-lines",
+        GRPO,
+        lambda t: _data(t, "b.jsonl", [{"prompt": "1+1="}, "", {"question": "2+2="}]),
+        "b.jsonl: line 3 has no 'prompt' column",
+        1,
+    ),
+    (
+        "malformed-json",
+        GRPO,
+        lambda t: _file(t, "m.json", '[{"prompt": "1+1="},\n {"prompt": }]'),
+        "m.json: line 2: malformed JSON",
+        1,
+    ),
+    (
+        "json-record-missing-prompt",
+        GRPO,
+        lambda t: _file(t, "q.json", json.dumps([{"prompt": "1+1="}, {"question": "2+2="}])),
+        "q.json: record 2 has no 'prompt' column",
+        1,
+    ),
+    (
+        "json-record-not-an-object",
+        GRPO,
+        lambda t: _file(t, "s.json", json.dumps([{"prompt": "1+1="}, "2+2="])),
+        "s.json: record 2 must be an object with named columns",
+        1,
+    ),
+    (
+        "parquet-record-missing-prompt",
+        GRPO,
+        lambda t: _parquet(t, "q.parquet", [{"prompt": "1+1="}, {"prompt": None}]),
+        "q.parquet: record 2 has no 'prompt' column",
         1,
     ),
     (
         "prompt-too-long",
         GRPO,
-        lambda t: _data(t, "long.jsonl", [{"prompt": "1+" * 70 + "1=", "answer": "71"}] * 4),
-        "long.jsonl: row 0 has a prompt of 142 tokens",
+        lambda t: _data(t, "long.jsonl", [{"prompt": "1+1=", "answer": "2"}, ""] + [{"prompt": "1+" * 70 + "1="}] * 4),
+        "long.jsonl: line 3 has a prompt of 142 tokens",
         1,
     ),
     (

@@ -1,6 +1,7 @@
 """The `lit-rl` CLI: every config parses, overrides apply, --help documents the constructor arguments."""
 
 import subprocess
+import sys
 
 import pytest
 import yaml
@@ -80,3 +81,115 @@ def test_unknown_key_is_rejected_by_name(capsys):
         run_cli("fit", "--config", str(CONFIGS / "grpo.yaml"), "--model.no_such_option", "1", "--print_config")
     assert exit_info.value.code != 0
     assert "no_such_option" in capsys.readouterr().err
+
+
+# --- The console: a summary at the end of `fit`, and none of the messages a user cannot act on ---------------------
+
+# What a normal run printed before `lit_rl.cli.quiet_console`: Lightning's advertisement, Lightning's use of a
+# deprecated torch API, DataLoader advice, the frozen reference model in eval mode, DeepSpeed finding no GPU.
+SILENCED = (
+    "litlogger",
+    "💡 Tip",
+    "LeafSpec",
+    "does not have many workers",
+    "Your `IterableDataset` has `__len__` defined",
+    "module(s) in eval mode",
+    "Setting accelerator to CPU",
+)
+
+
+def _last_values(log_dir):
+    """The last non-empty value of every column of metrics.csv."""
+    from tests.conftest import read_metrics
+
+    last = {}
+    for row in read_metrics(log_dir):
+        last.update({key: float(value) for key, value in row.items() if value != ""})
+    return last
+
+
+def test_headline_metrics_are_a_small_set_per_algorithm():
+    from lit_rl.callbacks import headline_metrics
+
+    grpo = ["loss", "reward", "reward_std", "rewards/correctness", "rewards/integer_format", "kl", "entropy"]
+    assert headline_metrics(grpo) == ["reward", "rewards/correctness", "rewards/integer_format"]
+    online_dpo = ["loss", "reward", "rewards/judge", "rewards/chosen", "rewards/accuracies", "rewards/margins"]
+    assert headline_metrics(online_dpo) == ["reward", "rewards/judge"]
+    dpo = ["loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen"]
+    assert headline_metrics(dpo) == ["loss", "rewards/accuracies"]
+    assert headline_metrics(["loss", "token_accuracy", "num_tokens"]) == ["loss"]
+
+
+def test_fit_ends_with_a_summary_of_steps_metrics_and_outputs(tmp_path, capsys):
+    from tests.conftest import FAST_GRPO, write_overlay
+
+    overlay = write_overlay(tmp_path / "o.yaml", every_n_train_steps=2, save_dir=tmp_path / "runs")
+    config = yaml.safe_load(overlay.read_text())
+    config["trainer"]["callbacks"].append({"class_path": "lit_rl.callbacks.SaveHFPretrained"})
+    overlay.write_text(yaml.safe_dump(config))
+    run_cli(
+        "fit",
+        "--config",
+        str(CONFIGS / "grpo.yaml"),
+        "--config",
+        str(overlay),
+        *FAST_GRPO,
+        "--trainer.max_steps",
+        "3",
+        "--trainer.val_check_interval",
+        "2",
+    )
+    log_dir = tmp_path / "runs" / "run" / "version_0"
+    lines = capsys.readouterr().out.strip().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("lit-rl: "))
+    header, train, val, *outputs = lines[start:]
+    assert header.startswith("lit-rl: done, 3 optimizer steps in 0:00:"), header
+    last = _last_values(log_dir)
+    for line, keys in (
+        (train, ["train/reward", "train/rewards/correctness", "train/rewards/integer_format"]),
+        (val, ["val/reward", "val/rewards/correctness", "val/rewards/integer_format"]),
+    ):
+        assert line.split()[::2] == keys, line  # the headline set, nothing else (no loss, no kl)
+        for key, shown in zip(keys, line.split()[1::2]):
+            assert float(shown) == pytest.approx(last[key], rel=1e-3, abs=1e-4), key
+    assert [line.split() for line in outputs] == [
+        ["checkpoint", str(log_dir / "checkpoints" / "step=2.ckpt")],
+        ["metrics", str(log_dir / "metrics.csv")],
+        ["model", str(log_dir / "hf")],
+    ]
+    assert (log_dir / "hf" / "config.json").is_file()
+
+
+def test_a_normal_fit_prints_no_advert_and_no_known_warning(tmp_path):
+    """The real process and console (progress bar on), GRPO with a frozen reference model (beta > 0), validation
+    and the Hugging Face export; the CPU count is raised to 16 so that Lightning's "does not have many workers"
+    check fires on a small machine too."""
+    from tests.conftest import FAST_GRPO, cli_env, write_overlay
+
+    overlay = write_overlay(tmp_path / "o.yaml", save_dir=tmp_path / "runs")
+    config = yaml.safe_load(overlay.read_text())
+    config["trainer"]["enable_progress_bar"] = True
+    config["trainer"]["callbacks"].append({"class_path": "lit_rl.callbacks.SaveHFPretrained"})  # imports DeepSpeed
+    overlay.write_text(yaml.safe_dump(config))
+    driver = (
+        "import lightning.fabric.utilities.data as data; data._num_cpus_available = lambda: 16; "
+        "from lit_rl.cli import main; main()"
+    )
+    args = ["--config", str(CONFIGS / "grpo.yaml"), "--config", str(overlay), *FAST_GRPO]
+    args += ["--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--model.beta", "0.04"]
+    result = subprocess.run(
+        [sys.executable, "-c", driver, "fit", *args],
+        cwd=tmp_path,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    console = result.stdout + result.stderr
+    for text in SILENCED:
+        assert text not in console, (text, console[-3000:])
+    lines = result.stdout.strip().splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("lit-rl: "))
+    assert lines[header].startswith("lit-rl: done, 2 optimizer steps in"), lines[header]
+    assert all(line.startswith("  ") for line in lines[header + 1 :]), lines  # the summary comes last, after the bar

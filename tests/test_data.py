@@ -4,6 +4,7 @@ import pytest
 
 from lit_rl.data import RolloutSchedule, RolloutScheduleLoader, load_rows, validate_rows
 from lit_rl.data.arithmetic import VAL_SIZE
+from lit_rl.data.files import record_label
 
 
 def test_builtin_addition_splits_are_disjoint_and_complete():
@@ -38,7 +39,7 @@ def test_jsonl_json_and_parquet_load_the_same_rows(tmp_path, rows):
 def test_malformed_jsonl_names_the_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "a"}\n{"prompt": \n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:2: malformed JSON"):
+    with pytest.raises(ValueError, match=r"bad.jsonl: line 2: malformed JSON"):
         load_rows(str(path))
 
 
@@ -50,11 +51,21 @@ def test_missing_file_and_unknown_extension(tmp_path):
         load_rows(str(tmp_path / "x.csv"))
 
 
-def test_validate_rows_names_the_row_and_column():
-    with pytest.raises(ValueError, match="row 1 has no 'prompt' column"):
-        validate_rows([{"prompt": "a"}, {"question": "b"}], ["prompt"], "data.jsonl")
+def test_validate_rows_names_the_record_and_column():
+    with pytest.raises(ValueError, match="data.parquet: record 2 has no 'prompt' column"):
+        validate_rows([{"prompt": "a"}, {"question": "b"}], ["prompt"], "data.parquet")
     with pytest.raises(ValueError, match="empty"):
         validate_rows([], ["prompt"], "data.jsonl")
+
+
+def test_records_of_a_jsonl_file_are_named_by_their_line_as_editors_count(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "a"}\n\n{"question": "b"}\n')
+    rows = load_rows(str(path))
+    with pytest.raises(ValueError, match="d.jsonl: line 3 has no 'prompt' column"):  # the blank line counts
+        validate_rows(rows, ["prompt"], str(path))
+    assert [record_label(str(path), index) for index in range(2)] == ["line 1", "line 3"]
+    assert record_label("builtin:addition/train", 0) == "record 1"
 
 
 def _loader(rows, start=0, rank=0, world=1, prompts=2, micro=3, seed=0, group=1):

@@ -18,6 +18,7 @@ import torch
 from torchmetrics import MetricCollection
 
 from lit_rl.algorithms.base import PolicyModule, completion_forward, completion_logprobs
+from lit_rl.data.files import record_label
 from lit_rl.data.schedule import RolloutSchedule
 from lit_rl.errors import ConfigError, DataError, RewardFunctionError
 from lit_rl.lora import LoRAConfig
@@ -266,7 +267,7 @@ class OnPolicyModule(PolicyModule):
                 for offset, length in enumerate(lengths):
                     if length + hp.max_new_tokens > context:
                         raise DataError(
-                            f"{source}: row {start + offset} has a prompt of {length} tokens; with "
+                            f"{source}: {record_label(source, start + offset)} has a prompt of {length} tokens; with "
                             f"model.max_new_tokens={hp.max_new_tokens} it exceeds the model's context of {context} "
                             "tokens (set model.max_prompt_length to truncate prompts)"
                         )

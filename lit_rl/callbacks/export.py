@@ -25,6 +25,7 @@ class SaveHFPretrained(Callback):
 
     def __init__(self, dirpath: Optional[str] = None) -> None:
         self.dirpath = dirpath
+        self.saved_to: Optional[Path] = None  # where the last `fit` wrote the model (the run summary shows it)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Every rank asks: `trainer.log_dir` is a broadcast, and a collective on rank 0 alone never returns.
@@ -39,3 +40,4 @@ class SaveHFPretrained(Callback):
                     pl_module.policy.save_pretrained(out, safe_serialization=True)
                 pl_module.tokenizer.save_pretrained(out)
         trainer.strategy.barrier("save_hf_pretrained")
+        self.saved_to = out

@@ -120,7 +120,7 @@ class GracefulStop(Callback):
             getattr(trainer.checkpoint_callback, "dirpath", None) or Path(trainer.log_dir or ".") / "checkpoints"
         )
         self.checkpoint_path = str(directory / "last.ckpt")
-        trainer.save_checkpoint(self.checkpoint_path)
+        trainer.save_checkpoint(self.checkpoint_path, weights_only=False)  # full state, to resume from
         self.stopped_at_step = trainer.global_step
         trainer.should_stop = True
         # Stopping would otherwise run a full validation first (Lightning validates when asked to stop early),

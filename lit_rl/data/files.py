@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any, Sequence
@@ -26,7 +27,10 @@ def load_rows(spec: str) -> list[Row]:
     if suffix == ".jsonl":
         return _read_jsonl(path)
     if suffix == ".json":
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}: line {err.lineno}: malformed JSON ({err.msg})") from None
         if isinstance(data, dict):  # column-oriented {"prompt": [...], ...}
             keys = list(data)
             data = [dict(zip(keys, values)) for values in zip(*(data[k] for k in keys))]
@@ -49,21 +53,40 @@ def _read_jsonl(path: Path) -> list[Row]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{line_number}: malformed JSON ({err.msg})") from None
+                raise DataError(f"{path}: line {line_number}: malformed JSON ({err.msg})") from None
             if not isinstance(row, dict):
-                raise DataError(f"{path}:{line_number}: each line must be a JSON object")
+                raise DataError(f"{path}: line {line_number}: each line must be a JSON object")
             rows.append(row)
     return rows
 
 
 def validate_rows(rows: Sequence[Row], required: Sequence[str], source: str) -> None:
-    """Fail on an empty data set or a row missing a required column (naming the row)."""
+    """Fail on an empty data set or a row missing a required column (naming its line or record, see
+    `record_label`)."""
     if not rows:
         raise DataError(f"{source}: the data set is empty")
     for index, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise DataError(f"{source}: {record_label(source, index)} must be an object with named columns")
         for column in required:
             value = row.get(column)
             if value is None:
-                raise DataError(f"{source}: row {index} has no {column!r} column")
+                raise DataError(f"{source}: {record_label(source, index)} has no {column!r} column")
             if not isinstance(value, (str, list)):
-                raise DataError(f"{source}: row {index} column {column!r} must be text or chat messages")
+                raise DataError(
+                    f"{source}: {record_label(source, index)} column {column!r} must be text or chat messages"
+                )
+
+
+def record_label(source: str, index: int) -> str:
+    """Where row `index` (0-based, as loaded by `load_rows(source)`) is, as people count: `line N` of a `.jsonl`
+    file (1-based, blank lines counted), `record N` (1-based) of anything else (.json, .parquet, built-in)."""
+    path = Path(source)
+    if path.suffix.lower() == ".jsonl" and path.is_file():
+        # Read again on this (error) path only, so rows need not carry their line numbers.
+        with path.open() as handle:
+            non_blank = (number for number, line in enumerate(handle, start=1) if line.strip())
+            number = next(itertools.islice(non_blank, index, None), None)
+        if number is not None:
+            return f"line {number}"
+    return f"record {index + 1}"
