@@ -139,13 +139,13 @@ def soak(engine: str, steps: int, every: int, warmup: int, workdir: Path, overri
 def markdown_table(results: list[dict]) -> str:
     """The README's table of a results file (a test checks the README carries exactly this)."""
     lines = [
-        "| engine | steps | wall time | RSS at warm-up -> end, MiB | RSS growth (<= 5%) | fds growth | "
-        "threads growth | within bounds |",
-        "|---|---|---|---|---|---|---|---|",
+        "| engine | steps | RSS at warm-up -> end, MiB | RSS growth (<= 5%) | fds growth | threads growth | "
+        "within bounds |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
-            f"| {r['engine']} | {r['steps']} | {r['wall_s'] / 60:.1f} min | {r['rss_mib_at_warmup']:.0f} -> "
+            f"| {r['engine']} | {r['steps']} | {r['rss_mib_at_warmup']:.0f} -> "
             f"{r['rss_mib_end']:.0f} | {100 * r['rss_growth']:.1f}% | {r['fds_growth']:+d} | "
             f"{r['threads_growth']:+d} | {'yes' if r['within_bounds'] else 'no'} |"
         )
