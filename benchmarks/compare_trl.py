@@ -246,6 +246,20 @@ def markdown_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def claims(results: list[dict]) -> list[str]:
+    """The README's prose numbers of a results file (a test checks the README says them): the range of the ratios,
+    the tiny model's GRPO step, and how far single rounds of one configuration and library spread."""
+    ratios = [r["ratio"] for r in results]
+    spread = max(max(t) / min(t) - 1 for r in results for t in r["rounds"].values())
+    tiny = next(r for r in results if (r["algorithm"], r["model"]) == ("grpo", "tiny"))
+    return [
+        f"Ratio = lit-rl / TRL, {min(ratios):.2f} to {max(ratios):.2f}",
+        f"Single rounds of the same configuration differ by up to {100 * spread:.0f}%",
+        f"The tiny model's GRPO step ({1000 * tiny['lit_rl_s_per_step']:.0f} ms)",
+        f"the TRL speed ratio ({min(ratios):.2f}-{max(ratios):.2f} today, 0.67 asked)",
+    ]
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         library, algorithm, model, steps, out, work = sys.argv[2:8]

@@ -148,6 +148,19 @@ def markdown_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def claims(results: list[dict]) -> list[str]:
+    """The README's prose numbers of a results file (a test checks the README says them)."""
+    whole = next(r for r in results if r["bound_mib"] is None)
+    buckets = [r for r in results if r["bound_mib"] is not None]
+    over = max(100 * (r["extra_mib"] / r["bound_mib"] - 1) for r in buckets)
+    return [
+        f"The whole gather holds the model again ({whole['extra_mib']:.1f} MiB for an {whole['model_mib']:.1f} MiB "
+        f"model)",
+        f"one decoder layer ({whole['largest_block_mib']:.1f} MiB) when the bucket is smaller, plus the largest tensor "
+        f"({whole['largest_tensor_mib']:.0f} MiB), at most {max(over, 0):.0f}% above that bound",
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--buckets-mib", type=float, nargs="+", default=[4.0, 16.0, 32.0])

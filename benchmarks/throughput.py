@@ -193,6 +193,19 @@ def markdown_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def claims(results: list[dict]) -> list[str]:
+    """The README's prose numbers of a results file (a test checks the README says them): the colocated engine's
+    push share of the step, against the issue's 5% target."""
+    out = []
+    for r in results:
+        if r.get("engine") == "vllm_colocate" and "error" not in r:
+            share = 100 * r["split_s"]["weight_push"] / r["step_s"]
+            side = "above" if share > 5 else "within"
+            out.append(f"The colocated push is {share:.1f}% of the step here, {side} the issue's 5% target.")
+            out.append(f"the colocated weight push under 5% of a step ({share:.1f}% on CPU)")
+    return out
+
+
 def plot(results: list[dict], path: Path) -> None:
     import matplotlib
 

@@ -1,8 +1,17 @@
-"""The README's set-up commands are the ones CI and the configs use; its tables are the committed results."""
+"""The README's set-up commands are the ones CI and the configs use; its tables and numbers are the committed results,
+and every committed result says which commit made it, from a clean tree, with a script that commit has."""
+
+import importlib.util
+import json
+import shlex
+import subprocess
+import sys
 
 import pytest
 
 from tests.conftest import REPO
+
+RESULTS = REPO / "benchmarks" / "results"
 
 
 def _setup_commands() -> list[str]:
@@ -12,9 +21,17 @@ def _setup_commands() -> list[str]:
     return [line for line in block if line and not line.startswith("#")]
 
 
+def _benchmark_module(script: str):
+    spec = importlib.util.spec_from_file_location(script, REPO / "benchmarks" / f"{script}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[script] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_ci_runs_the_readme_test_command_verbatim():
     run_command, test_command = _setup_commands()
-    assert test_command.startswith('pip install -e ".[test]"') and test_command.endswith("pytest")
+    assert test_command.startswith('pip install -e ".[test-cpu]"') and test_command.endswith("pytest")
     ci_lines = (REPO / ".ci" / "run").read_text().splitlines()
     assert test_command in ci_lines
 
@@ -25,25 +42,65 @@ def test_readme_main_job_is_the_grpo_config():
 
 
 @pytest.mark.parametrize(
-    "script, results",
+    "script, files",
     [
-        ("throughput", "throughput_cpu.json"),
-        ("throughput", "throughput_strategies_cpu.json"),
-        ("lora", "lora_cpu.json"),
-        ("compare_trl", "compare_trl_cpu.json"),
-        ("weight_push", "weight_push_cpu.json"),
-        ("push_memory", "push_memory_cpu.json"),
+        ("throughput", ["throughput_cpu.json"]),
+        ("throughput", ["throughput_strategies_cpu.json"]),
+        ("lora", ["lora_cpu.json"]),
+        ("compare_trl", ["compare_trl_cpu.json"]),
+        ("weight_push", ["weight_push_cpu.json"]),
+        ("push_memory", ["push_memory_cpu.json"]),
+        ("logprob_memory", ["logprob_memory_cpu.json"]),
+        ("run_report", ["grpo_demo.json"]),
+        ("run_report", ["dpo_demo.json"]),
+        ("run_report", ["rloo_demo.json", "online_dpo_demo.json"]),
+        ("soak", ["soak_cpu.json"]),
+        ("ci_time", ["ci_time.json"]),
     ],
 )
-def test_readme_tables_are_the_committed_results_files(script, results):
-    import importlib.util
-    import json
-    import sys
+def test_readme_tables_and_numbers_are_the_committed_results_files(script, files):
+    """Each table is its script's `markdown_table` of the committed JSON (several files: one table), each prose number
+    its `claims`, and the command that wrote each file is quoted (line breaks aside)."""
+    module = _benchmark_module(script)
+    reports = [json.loads((RESULTS / name).read_text()) for name in files]
+    readme = (REPO / "README.md").read_text()
+    flat = " ".join(readme.split())
+    if hasattr(module, "markdown_table"):
+        results = [r["results"] for r in reports]
+        assert module.markdown_table(results[0] if len(results) == 1 else results) in readme
+    for report in reports:
+        for claim in getattr(module, "claims", lambda results: [])(report["results"]):
+            assert claim in flat, claim
+        assert report["command"] in flat
 
-    spec = importlib.util.spec_from_file_location(script, REPO / "benchmarks" / f"{script}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[script] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    report = json.loads((REPO / "benchmarks" / "results" / results).read_text())
-    assert module.markdown_table(report["results"]) in (REPO / "README.md").read_text()
-    assert report["command"] in (REPO / "README.md").read_text().replace("\n", " ")
+
+def test_every_results_file_is_quoted_by_the_readme_test():
+    quoted = {"throughput_cpu.json", "throughput_strategies_cpu.json", "lora_cpu.json", "compare_trl_cpu.json"}
+    quoted |= {"weight_push_cpu.json", "push_memory_cpu.json", "logprob_memory_cpu.json", "ci_time.json"}
+    quoted |= {"soak_cpu.json"}
+    quoted |= {f"{demo}_demo.json" for demo in ("grpo", "dpo", "rloo", "online_dpo")}
+    assert {path.name for path in RESULTS.glob("*.json")} == quoted
+
+
+def _script_of(command: str) -> str:
+    """The file a results command ran: its first argument with a path in it (`benchmarks/x.py`, `.ci/run`)."""
+    return next(token for token in shlex.split(command) if "/" in token)
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("*.json")), ids=lambda path: path.name)
+def test_committed_results_record_a_clean_commit_that_has_their_script(path):
+    report = json.loads(path.read_text())
+    assert set(report) >= {"commit", "dirty", "command"}, "results without provenance"
+    assert report["dirty"] is False, f"{path.name} was written from a dirty tree"
+    if _git("rev-parse", "--is-inside-work-tree").stdout.strip() != "true":
+        pytest.skip("not a git checkout")
+    if _git("rev-parse", "--is-shallow-repository").stdout.strip() == "true":
+        pytest.skip("a shallow clone: the recorded commits may be missing")
+    script = _script_of(report["command"])
+    assert not script.startswith("/"), f"{path.name}: the command names an absolute path: {script}"
+    found = _git("cat-file", "-e", f"{report['commit']}:{script}")
+    assert found.returncode == 0, f"{path.name}: {script} does not exist at its recorded commit {report['commit']}"
