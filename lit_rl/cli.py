@@ -23,10 +23,12 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeedStrategy
 
 from lit_rl.callbacks import GracefulStop, NonFiniteGuard, RunSummary, StepProgressBar
 from lit_rl.checkpoint import AtomicCheckpointIO
 from lit_rl.errors import LitRLError
+from lit_rl.strategies import as_project_deepspeed
 
 CONFIG_ERROR_EXIT = 2
 INPUT_ERROR_EXIT = 1
@@ -115,7 +117,9 @@ class LitRLCLI(LightningCLI):
     - `RunSummary` (at the end of `fit`, steps, wall time, headline metrics and output paths, also without the
       progress bar);
     - `AtomicCheckpointIO` (checkpoints are written to a temporary file and renamed), unless `trainer.plugins`
-      is set or the strategy is DeepSpeed (which writes checkpoint directories its own way).
+      is set or the strategy is DeepSpeed;
+    - under DeepSpeed, `lit_rl.strategies.DeepSpeedStrategy` for Lightning's (a `deepspeed*` name or Lightning's
+      class): its checkpoint directories are written to a temporary directory and renamed.
     """
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> L.Trainer:
@@ -128,7 +132,9 @@ class LitRLCLI(LightningCLI):
                 extra.append(kind())
         plugins = config.get("plugins") or []
         plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
-        deepspeed = "deepspeed" in str(config.get("strategy", "")).lower()
+        strategy = as_project_deepspeed(config.get("strategy", "auto"))
+        config = {**config, "strategy": strategy}
+        deepspeed = isinstance(strategy, LightningDeepSpeedStrategy)  # writes checkpoint directories, atomically
         if not deepspeed and not any(isinstance(p, CheckpointIO) for p in plugins):
             config = {**config, "plugins": [*plugins, AtomicCheckpointIO()]}
         return super()._instantiate_trainer(config, [*callbacks, *extra])

@@ -1,21 +1,26 @@
-"""Strategy presets: Lightning's DeepSpeed strategy, also on CPU processes (gloo) so CI runs the real engine.
+"""Strategy presets: Lightning's DeepSpeed strategy, also on CPU processes (gloo) so CI runs the real engine, with
+atomic checkpoint directories.
 
-On CUDA, `DeepSpeedStrategy` here is Lightning's own, unchanged. With `--trainer.accelerator cpu` it skips the
-three CUDA-only parts of Lightning's version: the accelerator check, the device-index validation, and a root
-device that must be a GPU (each process reports `cpu:<local_rank>`). DeepSpeed itself detects its CPU
-accelerator and the process group runs over gloo.
+`DeepSpeedStrategy` here is Lightning's own with two changes. Its checkpoint directories are written atomically
+(see `DeepSpeedStrategy.save_checkpoint`). With `--trainer.accelerator cpu` it skips the three CUDA-only parts of
+Lightning's version: the accelerator check, the device-index validation, and a root device that must be a GPU
+(each process reports `cpu:<local_rank>`). DeepSpeed itself detects its CPU accelerator and the process group runs
+over gloo.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from pathlib import Path
+from typing import Any, Iterator, Optional
 
 import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeedStrategy
+
+from lit_rl.checkpoint import publish_directory, remove_directory, remove_stale_temporaries, temporary_directory
 
 
 class DeepSpeedStrategy(LightningDeepSpeedStrategy):
@@ -44,6 +49,93 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy):
         if self._on_cpu():
             return torch.device("cpu", self.local_rank)
         return super().root_device
+
+    def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Write the checkpoint directory `filepath` atomically: every rank writes its shards into `.<name>.tmp`
+        beside it; once all have finished, one rank fsyncs it and renames it to `filepath` (replacing an existing
+        one, or a `last.ckpt` symlink, in one exchange). A process killed mid-save leaves every earlier checkpoint
+        intact and the final name absent; the next save removes the temporary it left. Remote (URL) paths, node-local
+        storage and DeepSpeed's decoupled (asynchronous) checkpoint engines keep DeepSpeed's own writer."""
+        filepath = self.broadcast(filepath)
+        if "://" in str(filepath) or not self._atomic_saves():
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = Path(filepath)
+        tmp = temporary_directory(path)
+        if self.is_global_zero:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            remove_stale_temporaries(path.parent)
+        self.barrier("lit_rl.save_checkpoint.prepare")
+        super().save_checkpoint(checkpoint, str(tmp), storage_options)  # ends with DeepSpeed's own barrier
+        if self.is_global_zero:
+            publish_directory(tmp, path)
+        self.barrier("lit_rl.save_checkpoint.publish")
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Remove a checkpoint directory without ever leaving it half-removed under its name (`remove_directory`)."""
+        if "://" in str(filepath):
+            return super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            remove_directory(Path(filepath))
+
+    def _atomic_saves(self) -> bool:
+        engine = self.deepspeed_engine
+        decoupled = getattr(getattr(engine, "checkpoint_engine", None), "is_decoupled", lambda: False)()
+        return not (decoupled or engine.use_node_local_storage())
+
+
+def as_project_deepspeed(strategy: Any) -> Any:
+    """Lightning's DeepSpeed strategy, given by a registered name (`deepspeed`, `deepspeed_stage_3_offload`, ...)
+    or as an instance of Lightning's class, -> this module's `DeepSpeedStrategy` with the same arguments (atomic
+    checkpoint directories, CPU processes); anything else is returned as it is."""
+    if isinstance(strategy, str) and strategy in StrategyRegistry:
+        entry = StrategyRegistry[strategy]
+        if issubclass(entry["strategy"], LightningDeepSpeedStrategy):
+            return DeepSpeedStrategy(**entry["init_params"])
+    elif type(strategy) is LightningDeepSpeedStrategy:
+        strategy.__class__ = DeepSpeedStrategy  # the subclass adds methods only, no state: the instance is unchanged
+    return strategy
+
+
+def deepspeed_engine(strategy: object) -> Optional[Any]:
+    """The DeepSpeed engine of `strategy` once it is set up; None under any other strategy."""
+    if not isinstance(strategy, LightningDeepSpeedStrategy):
+        return None
+    import deepspeed
+
+    return strategy.model if isinstance(strategy.model, deepspeed.DeepSpeedEngine) else None
+
+
+def deepspeed_local_gradients(engine: Any) -> list[torch.Tensor]:
+    """This rank's gradients where the engine's optimizer keeps them, after the backward of the last micro-batch
+    of an accumulation window and before `engine.step()`: already reduced across ranks, and under ZeRO-2/3 only
+    this rank's partition (`param.grad` is None there). A non-finite value shows on the rank that owns it only."""
+    optimizer = engine.optimizer
+    flat = getattr(optimizer, "grad_partitions_flat_buffer", None)  # ZeRO-3: all of this rank's partitions
+    if isinstance(flat, torch.Tensor):
+        return [flat]
+    grads: list[Optional[torch.Tensor]] = []
+    for group in (getattr(optimizer, "averaged_gradients", None) or {}).values():  # ZeRO-1/2
+        grads += group if isinstance(group, (list, tuple)) else [group]
+    if getattr(optimizer, "cpu_offload", False):  # ZeRO-1/2 with the optimizer offloaded: fp32 partitions on CPU
+        grads += [partition.grad for partition in optimizer.single_partition_of_fp32_groups]
+    grads += [p.grad for p in engine.module.parameters()]  # no ZeRO: whole gradients, all-reduced
+    return [g for g in grads if g is not None]
+
+
+def deepspeed_discards_non_finite_steps(engine: Any) -> bool:
+    """Whether `engine.step()` discards a step whose gradients are non-finite (weights and optimizer state
+    unchanged, `engine.was_step_applied()` False), as DeepSpeed's ZeRO optimizers do: ZeRO-3 always (an invalid
+    gradient norm is an overflow); ZeRO-1/2 with `check_grad_overflow` or, outside bf16, a computed norm."""
+    stage = engine.zero_optimization_stage()
+    if stage == 3:
+        return True
+    if stage in (1, 2):
+        optimizer = engine.optimizer
+        checks_norm = (
+            getattr(optimizer, "compute_grad_norm", True) and getattr(optimizer, "dtype", None) != torch.bfloat16
+        )
+        return bool(getattr(optimizer, "check_grad_overflow", False) or checks_norm)
+    return False
 
 
 def is_zero3(strategy: object) -> bool:

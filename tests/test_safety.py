@@ -1,18 +1,22 @@
-"""Non-finite gradients, atomic checkpoint writes, and SIGTERM handling."""
+"""Non-finite gradients, atomic checkpoint writes (files and DeepSpeed directories), and SIGTERM handling. The real
+DeepSpeed runs (SIGKILL mid-save, NaN gradients under ZeRO-2/3) are in tests/integration/test_deepspeed.py."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
 import torch
 
+from lit_rl import checkpoint as checkpoint_module
 from lit_rl.callbacks import NonFiniteError, NonFiniteGuard
-from lit_rl.checkpoint import AtomicCheckpointIO
+from lit_rl.checkpoint import AtomicCheckpointIO, publish_directory, remove_directory, remove_stale_temporaries
 from tests.conftest import CLI_COMMAND, CONFIGS, FAST_GRPO, cli_env, saved_steps, train_rows, write_overlay
 
 
@@ -103,6 +107,74 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path)
     assert len(leftovers) == 1  # the partial write went to a temporary file...
     AtomicCheckpointIO().save_checkpoint({"w": 3}, tmp_path / "step=1.ckpt")
     assert not list(tmp_path.glob(".step=1.ckpt.tmp-*"))  # ...which the next save in the directory removes
+
+
+def _checkpoint_dir(path, value):
+    (path / "checkpoint").mkdir(parents=True)
+    (path / "checkpoint" / "shard.pt").write_text(value)
+    return path
+
+
+def _shard(path):
+    return (path / "checkpoint" / "shard.pt").read_text()
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_publish_directory_replaces_a_directory_or_a_link_whole(tmp_path, monkeypatch, exchange):
+    if not exchange:  # a filesystem without renameat2(RENAME_EXCHANGE): the old one is moved aside first
+        monkeypatch.setattr(checkpoint_module, "_exchange", lambda a, b: False)
+    publish_directory(_checkpoint_dir(tmp_path / ".step=2.ckpt.tmp", "2"), tmp_path / "step=2.ckpt")
+    publish_directory(_checkpoint_dir(tmp_path / ".last.ckpt.tmp", "old"), tmp_path / "last.ckpt")
+    publish_directory(_checkpoint_dir(tmp_path / ".last.ckpt.tmp", "new"), tmp_path / "last.ckpt")
+    assert _shard(tmp_path / "last.ckpt") == "new"
+    remove_directory(tmp_path / "last.ckpt")
+    os.symlink("step=2.ckpt", tmp_path / "last.ckpt")  # `save_last: link`, then a full save to last.ckpt
+    publish_directory(_checkpoint_dir(tmp_path / ".last.ckpt.tmp", "4"), tmp_path / "last.ckpt")
+    assert not (tmp_path / "last.ckpt").is_symlink() and _shard(tmp_path / "last.ckpt") == "4"
+    assert _shard(tmp_path / "step=2.ckpt") == "2"  # the link's target untouched (DeepSpeed wrote into it)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step=2.ckpt"]
+
+
+def test_stale_temporaries_and_removed_checkpoints_never_look_like_checkpoints(tmp_path):
+    _checkpoint_dir(tmp_path / ".step=4.ckpt.tmp", "partial")  # a save killed half-way
+    _checkpoint_dir(tmp_path / "step=2.ckpt", "2")
+    (tmp_path / ".step=6.ckpt.tmp-123").write_text("AtomicCheckpointIO's, not a directory")
+    remove_stale_temporaries(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".step=6.ckpt.tmp-123", "step=2.ckpt"]
+    os.symlink("step=2.ckpt", tmp_path / "last.ckpt")
+    remove_directory(tmp_path / "last.ckpt")  # a link: only the link goes
+    assert _shard(tmp_path / "step=2.ckpt") == "2"
+    remove_directory(tmp_path / "step=2.ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".step=6.ckpt.tmp-123"]
+
+
+def test_deepspeed_by_name_or_as_lightnings_class_becomes_the_subclass_with_atomic_directories():
+    from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeedStrategy
+
+    from lit_rl.strategies import DeepSpeedStrategy, as_project_deepspeed
+
+    by_name = as_project_deepspeed("deepspeed_stage_3_offload")
+    assert type(by_name) is DeepSpeedStrategy and by_name.config["zero_optimization"]["stage"] == 3
+    assert by_name.config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    by_class = as_project_deepspeed(LightningDeepSpeedStrategy(stage=2))
+    assert type(by_class) is DeepSpeedStrategy and by_class.config["zero_optimization"]["stage"] == 2
+    assert as_project_deepspeed("ddp") == "ddp" and as_project_deepspeed("auto") == "auto"
+
+
+def _engine(stage, dtype=torch.float32, check_grad_overflow=False, compute_grad_norm=True):
+    optimizer = SimpleNamespace(
+        dtype=dtype, check_grad_overflow=check_grad_overflow, compute_grad_norm=compute_grad_norm
+    )
+    return SimpleNamespace(zero_optimization_stage=lambda: stage, optimizer=optimizer)
+
+
+def test_skip_under_deepspeed_only_where_deepspeed_discards_non_finite_steps():
+    from lit_rl.strategies import deepspeed_discards_non_finite_steps as discards
+
+    assert discards(_engine(3, torch.bfloat16)) and discards(_engine(2)) and discards(_engine(1))
+    assert discards(_engine(2, torch.bfloat16, check_grad_overflow=True))
+    assert not discards(_engine(2, torch.bfloat16))  # DeepSpeed's bf16 default: a NaN step would be applied
+    assert not discards(_engine(2, compute_grad_norm=False)) and not discards(_engine(0))
 
 
 @pytest.mark.slow

@@ -13,7 +13,12 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lit_rl.errors import LitRLError
-from lit_rl.strategies import is_accumulating_micro_batch
+from lit_rl.strategies import (
+    deepspeed_discards_non_finite_steps,
+    deepspeed_engine,
+    deepspeed_local_gradients,
+    is_accumulating_micro_batch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -23,11 +28,17 @@ class NonFiniteError(LitRLError):
 
 
 class NonFiniteGuard(Callback):
-    """Checks every gradient before each optimizer step (all ranks agree).
+    """Checks the loss and every gradient before each optimizer step (all ranks agree).
 
     `action="stop"` (default) ends the run with a one-line error naming the step; the step is not taken and no
-    checkpoint of it is written. `action="skip"` drops that step's gradients (the optimizer leaves every weight and
-    its state unchanged), logs a warning and counts it in `train/skipped_steps`.
+    checkpoint of it is written. `action="skip"` drops that step (the optimizer leaves every weight and its state
+    unchanged), logs a warning and counts it in `train/skipped_steps`.
+
+    Under DeepSpeed the gradients are read where the engine keeps them (ZeRO-2/3: this rank's reduced partition;
+    `param.grad` is None there), after the last backward of the window and before `engine.step()`. To skip, the
+    guard lets DeepSpeed's own overflow path discard the step (ZeRO stages 1-3; checked at the start of `fit`), and
+    fails if DeepSpeed applied it anyway. With fp16 (a GradScaler, or DeepSpeed's loss scaler) overflowing steps
+    are expected and the scaler skips them: the guard then does nothing.
 
     Args:
         action: `stop` or `skip`.
@@ -38,16 +49,38 @@ class NonFiniteGuard(Callback):
             raise LitRLError(f"NonFiniteGuard action must be 'stop' or 'skip', got {action!r}")
         self.action = action
         self.skipped_steps = 0
+        self._bad_loss: Optional[torch.Tensor] = None  # any non-finite loss in the window, without a device sync
+        self._discarding: list[torch.Tensor] = []  # DeepSpeed gradients poisoned so that the engine drops the step
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        engine = deepspeed_engine(trainer.strategy)
+        if self.action == "skip" and engine is not None and not deepspeed_discards_non_finite_steps(engine):
+            raise LitRLError(
+                "NonFiniteGuard(action='skip') under DeepSpeed needs ZeRO stage 1-3 (bf16: with "
+                "`bf16.check_grad_overflow: true` in the DeepSpeed config), where DeepSpeed discards a non-finite "
+                "step; use action='stop' otherwise"
+            )
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        bad = ~torch.isfinite(loss.detach()).all()
+        self._bad_loss = bad if self._bad_loss is None else self._bad_loss | bad
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        if getattr(trainer.precision_plugin, "scaler", None) is not None:
-            return  # fp16 with a GradScaler: overflowing steps are expected, and the scaler already skips them
         if is_accumulating_micro_batch(trainer):
             return  # DeepSpeed: not the last micro-batch of the window
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        bad = torch.tensor(float(has_non_finite(grads)), device=pl_module.device)
+        bad_loss, self._bad_loss = self._bad_loss, None
+        engine = deepspeed_engine(trainer.strategy)
+        if getattr(trainer.precision_plugin, "scaler", None) is not None or (
+            engine is not None and engine.fp16_enabled()
+        ):
+            return  # fp16: overflowing steps are expected, and the loss scaler already skips them
+        if engine is not None:
+            grads = deepspeed_local_gradients(engine)
+        else:
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        bad = torch.tensor(float(has_non_finite(grads) or bool(bad_loss)), device=pl_module.device)
         if trainer.world_size > 1:
             bad = trainer.strategy.reduce(bad, reduce_op="sum")
         if bad.item() == 0:
@@ -58,12 +91,27 @@ class NonFiniteGuard(Callback):
                 f"non-finite loss or gradient at step {step}: training stopped before the step, no checkpoint of it "
                 "was written (NonFiniteGuard(action='skip') skips such steps instead)"
             )
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                p.grad = None
+        if engine is not None:
+            self._discarding = [g.fill_(float("nan")) for g in grads]  # every rank: DeepSpeed's check sees it
+        else:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
         self.skipped_steps += 1
         log.warning("non-finite loss or gradient at step %d: step skipped (%d so far)", step, self.skipped_steps)
         pl_module.log("train/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False, batch_size=1)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if not self._discarding:
+            return
+        poisoned, self._discarding = self._discarding, []
+        if deepspeed_engine(trainer.strategy).was_step_applied():
+            raise NonFiniteError(
+                f"DeepSpeed applied step {trainer.global_step} although its gradients were non-finite; the weights "
+                "are no longer finite and no checkpoint of them was written"
+            )
+        for grad in poisoned:
+            grad.zero_()  # ZeRO-3 keeps its gradient buffer: leave no NaN in it for the next window
 
 
 def has_non_finite(tensors: list[torch.Tensor]) -> bool:

@@ -1,18 +1,24 @@
 """DeepSpeed ZeRO-2 and ZeRO-3 on CPU processes (gloo), through the real CLI and the shipped overlays, with a
 reference model (beta > 0) and gradient accumulation: the same per-step numbers as DDP, exact checkpoint cadence,
 exact resume from sharded checkpoints, rollouts from a ZeRO-3 policy into vLLM, checkpoint conversion to a Hugging
-Face directory, and an 8-process run."""
+Face directory, an 8-process run, checkpoint directories that survive a SIGKILL mid-save, and the non-finite guard
+stopping (or skipping) a NaN step under ZeRO-2/3."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from tests.conftest import (
+    CLI_COMMAND,
     CONFIGS,
     FAST_GRPO,
     assert_rows_match,
@@ -22,6 +28,7 @@ from tests.conftest import (
     strategy_overlay,
     train_rows,
     without_engine_gap,
+    write_overlay,
 )
 
 pytestmark = pytest.mark.slow
@@ -125,3 +132,83 @@ def test_eight_processes_ddp_and_zero3_log_the_global_values_with_exact_cadence(
     assert [row["step"] for row in ddp] == [row["step"] for row in single] == [1, 2]
     assert_rows_match(ddp, single, rel=1e-5, abs=1e-6)
     assert_rows_match(_rows(zero3_dir), single, rel=1e-5, abs=1e-6)
+
+
+KILL_MID_SAVE = Path(__file__).with_name("kill_mid_save.py")
+NONFINITE = Path(__file__).with_name("deepspeed_nonfinite.py")
+
+
+def test_sigkill_in_the_middle_of_a_checkpoint_directory_save_leaves_the_previous_one_resumable(tmp_path):
+    overlay = write_overlay(tmp_path / "o.yaml", every_n_train_steps=2, save_dir=tmp_path / "runs", save_last="link")
+    args = ["fit", "--config", str(CONFIGS / "grpo.yaml"), "--config", str(overlay)]
+    args += [*strategy_overlay("deepspeed_zero3"), *FAST_GRPO]
+    # Every rank dies right after rank 0 wrote the first file of the step-4 checkpoint.
+    killed = subprocess.Popen(
+        [sys.executable, str(KILL_MID_SAVE), "step=4.ckpt", *args, "--trainer.max_steps", "6"],
+        cwd=tmp_path,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, stderr = killed.communicate(timeout=300)
+    finally:
+        if killed.poll() is None:
+            os.killpg(killed.pid, signal.SIGKILL)
+    assert killed.returncode == -signal.SIGKILL, stderr[-3000:]
+    log_dir = tmp_path / "runs" / "run" / "version_0"
+    checkpoints = log_dir / "checkpoints"
+    assert saved_steps(log_dir) == [2] and not (checkpoints / "step=4.ckpt").exists()  # no half-written step 4
+    partial = checkpoints / ".step=4.ckpt.tmp"
+    assert any(p.is_file() for p in partial.rglob("*"))  # it was written, under the temporary name
+    assert os.readlink(checkpoints / "last.ckpt") == "step=2.ckpt"
+    resumed = subprocess.run(
+        [*CLI_COMMAND, *args, "--trainer.max_steps", "4", "--ckpt_path", "last"],
+        cwd=tmp_path,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [row["step"] for row in train_rows(log_dir)] == [3, 4]  # continued from the step-2 checkpoint
+    assert saved_steps(log_dir) == [2, 4] and not partial.exists()  # the next save removed the stale temporary
+    for link in checkpoints.glob("last*.ckpt"):  # (the resumed run links `last-v1.ckpt`: Lightning's numbering)
+        assert (checkpoints / os.readlink(link) / "latest").exists()  # each points at a complete checkpoint
+    assert (checkpoints / "step=4.ckpt" / "latest").read_text() == "checkpoint"  # complete: DeepSpeed's last file
+
+
+def _nonfinite_run(tmp_path, stage, action):
+    """`deepspeed_nonfinite.py`: 2 ranks, 5 steps, the bias gradient NaN at step 3 on rank 1 only; both records."""
+    subprocess.run(
+        [sys.executable, str(NONFINITE), str(tmp_path), "--stage", str(stage), "--action", action, "--bad-step", "3"],
+        cwd=tmp_path,
+        env=cli_env(),
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_nonfinite_guard_stops_before_a_nan_gradient_step_under_zero(tmp_path, stage):
+    # The loss stays finite and only rank 1's bias gradient is NaN: under ZeRO-2/3 only the rank that owns that
+    # partition sees it (`param.grad` is None everywhere), and every rank must stop.
+    for record in _nonfinite_run(tmp_path, stage, "stop"):
+        assert record["error"].startswith("NonFiniteError: non-finite loss or gradient at step 3"), record
+        assert record["global_step"] == 2
+        assert record["final"] == record["before_bad_step"]  # the bad step was not applied
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step=1.ckpt", "step=2.ckpt"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_nonfinite_guard_skips_a_nan_gradient_step_under_zero(tmp_path, stage):
+    for record in _nonfinite_run(tmp_path, stage, "skip"):
+        assert record["error"] is None and record["global_step"] == 5
+        assert record["skipped_steps"] == 1 and record["logged_skipped_steps"] == 1.0
+        assert record["after_bad_step"] == record["before_bad_step"]  # skipped: weights unchanged
+        assert record["final"] != record["before_bad_step"]  # and training went on
+        assert all(abs(w) < 1e6 for w in record["final"])  # finite (NaN fails every comparison)
