@@ -162,8 +162,9 @@ def fit_in_subprocess(
     return tmp_path / name / "run" / "version_0"
 
 
-def fit_grpo(**model_args: Any):
-    """GRPO on the tiny model for one optimizer step with a plain Trainer (no CLI, no logger); the fitted module."""
+def fit_grpo(max_steps: int = 1, callbacks: Optional[list] = None, **model_args: Any):
+    """GRPO on the tiny model for `max_steps` optimizer steps with a plain Trainer (no CLI, no logger); the fitted
+    module."""
     import lightning as L
 
     from lit_rl.algorithms import GRPO
@@ -173,12 +174,13 @@ def fit_grpo(**model_args: Any):
     model = GRPO(**{**args, **model_args})
     trainer = L.Trainer(
         accelerator="cpu",
-        max_steps=1,
+        max_steps=max_steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,
+        callbacks=callbacks,
     )
     L.seed_everything(0)
     trainer.fit(model, PromptDataModule(val_data=None))

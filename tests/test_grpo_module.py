@@ -1,5 +1,6 @@
 """GRPO internals through a plain Trainer: what is (not) computed, and what the rollout buffer holds."""
 
+import lightning as L
 import pytest
 import torch
 
@@ -74,26 +75,20 @@ def test_encode_prompts_tokenizes_each_distinct_prompt_once():
     assert torch.equal(ids, expected["input_ids"]) and torch.equal(mask, expected["attention_mask"])
 
 
-class RecordLossAndGradient:
-    """Lightning callback: `training_step`'s returned loss, the gradient norm before the optimizer step, and the
-    rollout buffer the step trained on."""
+class RecordLossAndGradient(L.Callback):
+    """`training_step`'s returned loss, the gradient norm before the optimizer step, and the rollout buffer the
+    step trained on."""
 
-    def __new__(cls):
-        import lightning as L
+    def __init__(self):
+        self.losses, self.grad_norms, self.buffers = [], [], []
 
-        class _Record(L.Callback):
-            def __init__(self):
-                self.losses, self.grad_norms, self.buffers = [], [], []
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        grads = [p.grad.flatten() for p in pl_module.parameters() if p.grad is not None]
+        self.grad_norms.append(torch.cat(grads).norm().item())
+        self.buffers.append(pl_module._buffer)
 
-            def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-                grads = [p.grad.flatten() for p in pl_module.parameters() if p.grad is not None]
-                self.grad_norms.append(torch.cat(grads).norm().item())
-                self.buffers.append(pl_module._buffer)
-
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-                self.losses.append(outputs["loss"].item())
-
-        return _Record()
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(outputs["loss"].item())
 
 
 def beta0_rounding_bound(rewards, advantages, group_size, completion_length, eps=1e-4):
@@ -118,25 +113,8 @@ def beta0_rounding_bound(rewards, advantages, group_size, completion_length, eps
 def test_beta0_one_iteration_sequence_loss_is_zero_to_rounding_through_training_step():
     """The invariant at module level: `training_step`'s loss is 0 within the float32 rounding bound, while the
     gradient it back-propagates is not."""
-    import lightning as L
-
-    from lit_rl.algorithms import GRPO
-    from lit_rl.data import PromptDataModule
-
     record = RecordLossAndGradient()
-    model = GRPO(num_generations=4, micro_batch_size=8, max_new_tokens=4, temperature=1.0, beta=0.0)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        callbacks=[record],
-    )
-    L.seed_everything(0)
-    trainer.fit(model, PromptDataModule(val_data=None))
+    fit_grpo(max_steps=3, callbacks=[record], beta=0.0)
     assert len(record.losses) == len(record.grad_norms) == 3
     for loss, grad_norm, buffer in zip(record.losses, record.grad_norms, record.buffers, strict=True):
         assert buffer.advantages.abs().max() > 0.1  # rewards differ within groups: the gradient has a signal
