@@ -5,6 +5,7 @@ and against TRL on the same workload. One command:
     python benchmarks/gpu_suite.py --parts vllm hf --out ... --append              # some parts (10-minute slots)
     python benchmarks/gpu_suite.py --markdown benchmarks/results/gpu_<device>.json # the README's tables
     python benchmarks/gpu_suite.py --cpu-smoke --out /tmp/smoke.json                # the same pipeline on CPU
+    python benchmarks/gpu_suite.py --parts hf strategies trl --engine hf ...        # a GPU machine without vLLM
 
 Models: randomly initialised Qwen2 shaped like Qwen2.5-0.5B and Qwen2.5-1.5B (vocabulary 151,936, built from a
 config with the character tokenizer: nothing is downloaded). A random model rarely samples EOS, so completions run
@@ -27,6 +28,9 @@ Parts (`--parts`, default all):
 Targets (issue: the 8-GPU path), reported met or not, never asserted: the push at most 2% of the step for the 0.5B
 shape; vLLM at least 5x HF `generate` in generated tokens/s; lit-rl at most 0.67x TRL's s/step.
 
+`--engine hf` runs the `strategies` and `trl` parts with HF `generate` on both sides, for a machine where vLLM
+cannot be installed; their runs are named `hf ...`, and the push-share target (a vLLM measure) is not reported.
+
 `--cpu-smoke` runs every part but FSDP and sleep mode on the CPU with a two-layer model of the same vocabulary,
 a few steps and 16 new tokens, and compares with TRL on HF `generate` (TRL's colocated push does not run on
 vLLM's CPU build): it checks the suite's plumbing (a test runs it), not its numbers.
@@ -35,6 +39,7 @@ vLLM's CPU build): it checks the suite's plumbing (a test runs it), not its numb
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import re
 import statistics
@@ -78,7 +83,7 @@ PARTS = ("vllm", "hf", "strategies", "trl")
 TARGETS = {"push_share_max": 0.02, "vllm_over_hf_min": 5.0, "lit_over_trl_max": 0.67}
 
 
-def workload(smoke: bool) -> SimpleNamespace:
+def workload(smoke: bool, engine: str = "vllm_colocate") -> SimpleNamespace:
     """The GRPO workload of every run, as lit-rl flags and as TRL's `Workload`."""
     if smoke:
         group, prompts, accumulate, max_new_tokens, steps, warmup = 4, 2, 1, 16, 4, 1
@@ -112,8 +117,8 @@ def workload(smoke: bool) -> SimpleNamespace:
         learning_rate=1e-6,
         gpu=not smoke,
         bf16=True,
-        vllm=not smoke,
-        sleep_mode=not smoke,
+        vllm=not smoke and engine == "vllm_colocate",
+        sleep_mode=not smoke and engine == "vllm_colocate",
     )
     return SimpleNamespace(flags=flags, steps=steps, warmup=warmup, trl=trl)
 
@@ -138,7 +143,7 @@ def lit_run(name: str, model: str, engine: str, strategy: str, work, smoke: bool
     result["name"] = name
     if "error" in result:
         print(f"  {name} failed: {result['error'][-400:]}", flush=True)
-    else:
+    elif engine == "vllm_colocate":
         result["push_share"] = result["split_s"]["weight_push"] / result["step_s"]
     return result
 
@@ -157,10 +162,13 @@ def trl_ratio(model: str, work, workdir: Path, rounds: int) -> dict:
     return {"name": "lit-rl vs TRL", "lit_rl_s_per_step": lit, "trl_s_per_step": trl, "ratio": lit / trl}
 
 
-def run_suite(parts: list[str], shapes: list[str], smoke: bool, rounds: int, workdir: Path) -> dict:
+def run_suite(
+    parts: list[str], shapes: list[str], smoke: bool, rounds: int, workdir: Path, engine: str = "vllm_colocate"
+) -> dict:
     from lit_rl.models import build_random_model
 
-    work = workload(smoke)
+    work = workload(smoke, engine)
+    prefix = "vllm" if engine == "vllm_colocate" else "hf"
     models = {shape: str(build_random_model(workdir / shape, **SHAPES[shape])) for shape in shapes}
     first = shapes[0]
     runs, comparisons = [], []
@@ -173,10 +181,10 @@ def run_suite(parts: list[str], shapes: list[str], smoke: bool, rounds: int, wor
     if "strategies" in parts:
         strategies = ["deepspeed_zero2", "deepspeed_zero3"] + ([] if smoke else ["fsdp"])
         for strategy in strategies:
-            name = f"vllm {first} {strategy}"
-            runs.append(lit_run(name, models[first], "vllm_colocate", strategy, work, smoke, workdir))
+            name = f"{prefix} {first} {strategy}"
+            runs.append(lit_run(name, models[first], engine, strategy, work, smoke, workdir))
     if "trl" in parts:
-        comparisons.append(trl_ratio(models[first], work, workdir, rounds) | {"model": first})
+        comparisons.append(trl_ratio(models[first], work, workdir, rounds) | {"model": first, "engine": engine})
     return {"runs": runs, "comparisons": comparisons}
 
 
@@ -196,15 +204,16 @@ def targets(results: dict) -> list[dict]:
     out = []
     vllm = runs.get("vllm qwen2.5-0.5b") or runs.get("vllm smoke")
     hf = runs.get("hf qwen2.5-0.5b") or runs.get("hf smoke")
-    if vllm:
+    if vllm and "push_share" in vllm:
         share = vllm["push_share"]
         out.append({"target": "weight push share of the step (0.5B)", "value": share, "met": share <= 0.02})
     if vllm and hf:
         ratio = vllm["generated_tokens_per_s"] / hf["generated_tokens_per_s"]
         out.append({"target": "vLLM / HF generate, generated tokens/s", "value": ratio, "met": ratio >= 5.0})
     for comparison in results["comparisons"]:
-        ratio = comparison["ratio"]
-        out.append({"target": "lit-rl / TRL, s per step", "value": ratio, "met": ratio <= 0.67})
+        ratio, engine = comparison["ratio"], comparison.get("engine", "vllm_colocate")
+        name = "lit-rl / TRL, s per step" + ("" if engine == "vllm_colocate" else f" (both on {engine})")
+        out.append({"target": name, "value": ratio, "met": ratio <= 0.67})
     return out
 
 
@@ -218,10 +227,13 @@ def markdown_table(results: dict) -> str:
         if "error" in r:
             lines.append(f"| {r['name']} | failed | | | | | |")
             continue
+        if "push_share" in r:  # a vLLM run: its push and the engine-trainer gap
+            push = f"{r['split_s']['weight_push']:.3f} ({100 * r['push_share']:.1f}%)"
+            gap = f"{r['rollout_logprob_diff_max']:.2e} | {r['rollout_kl_mean']:.1e}"
+        else:
+            push, gap = "", " | "
         lines.append(
-            f"| {r['name']} | {r['step_s']:.3f} | {r['generated_tokens_per_s']:.0f} "
-            f"| {r['split_s']['weight_push']:.3f} ({100 * r['push_share']:.1f}%) "
-            f"| {r['rollout_logprob_diff_max']:.2e} | {r['rollout_kl_mean']:.1e} "
+            f"| {r['name']} | {r['step_s']:.3f} | {r['generated_tokens_per_s']:.0f} | {push} | {gap} "
             f"| {r['peak_memory_mib_per_rank']:.0f} MiB |"
         )
     lines += ["", "| target | measured | met |", "|---|---|---|"]
@@ -246,6 +258,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/gpu_<device>.json")
     parser.add_argument("--append", action="store_true", help="merge into --out instead of replacing it")
     parser.add_argument("--markdown", type=Path, default=None, help="print the markdown tables of a results JSON")
+    parser.add_argument(
+        "--engine",
+        choices=["vllm_colocate", "hf"],
+        default="vllm_colocate",
+        help="the rollout engine of the `strategies` and `trl` parts (hf: where vLLM cannot be installed)",
+    )
     add_allow_dirty(parser)
     args = parser.parse_args()
     if args.markdown:
@@ -257,10 +275,13 @@ def main() -> None:
     check_output(out, args.allow_dirty)
     if not args.cpu_smoke and not torch.cuda.is_available():
         parser.error("no CUDA device: run on a GPU machine, or --cpu-smoke to check the pipeline on CPU")
+    wants_vllm = "vllm" in args.parts or (args.engine == "vllm_colocate" and {"strategies", "trl"} & set(args.parts))
+    if wants_vllm and importlib.util.find_spec("vllm") is None:
+        parser.error("vLLM is not installed: install it, or run `--parts hf strategies trl --engine hf`")
     shapes = ["smoke"] if args.cpu_smoke else (args.shapes or ["qwen2.5-0.5b", "qwen2.5-1.5b"])
     rounds = 1 if args.cpu_smoke else args.rounds
     with tempfile.TemporaryDirectory(prefix="lit-rl-gpu-suite-") as tmp:
-        results = run_suite(args.parts, shapes, args.cpu_smoke, rounds, Path(tmp))
+        results = run_suite(args.parts, shapes, args.cpu_smoke, rounds, Path(tmp), args.engine)
     if args.append and out.exists():
         results = merge(json.loads(out.read_text())["results"], results)
     print(markdown_table(results))

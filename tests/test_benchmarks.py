@@ -180,6 +180,9 @@ def test_gpu_suite_pipeline_runs_on_cpu_and_refuses_to_measure_without_a_gpu(tmp
         "vLLM / HF generate, generated tokens/s",
         "lit-rl / TRL, s per step",
     ]
+    table = module.markdown_table(report["results"]).splitlines()
+    hf_row = next(line for line in table if line.startswith("| hf smoke |"))
+    assert "%" not in hf_row  # HF `generate` pushes nothing: no push share, no engine-trainer gap
 
 
 def _benchmark_module(script: str):

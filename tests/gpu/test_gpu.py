@@ -6,11 +6,16 @@ CLI. Skipped where no GPU is visible, so CI (CPU) collects and skips them. The n
   bf16 under `bf16-mixed`, with GRPO's importance-sampling correction switched on by `auto`;
 - sleep mode wakes and sleeps the engine on every step (`perf/engine_wake_s`, `perf/engine_sleep_s`) and the
   engine still samples from the pushed weights;
-- under ZeRO-3 (bucketed, every parameter partitioned) and FSDP the pushed weights are the policy's.
+- under ZeRO-3 (bucketed, every parameter partitioned) and FSDP the pushed weights are the policy's;
+- without vLLM (HF `generate`), GRPO trains on the GPU in `bf16-mixed` alone, under ZeRO-2/3 and under FSDP, and
+  the policy computes in bf16 on the GPU.
+
+The vLLM tests are skipped, with the reason, where vLLM is not installed (a GPU machine without a registry).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -29,33 +34,37 @@ COLOCATE = ("--config", str(CONFIGS / "rollout" / "vllm_colocate.yaml"))
 BF16_GAP = 0.05  # mean k3 KL between a bf16 engine's and the bf16-mixed trainer's log-probs, per token
 
 
-def _probes(directory) -> list[str]:
+def _probes(directory, probes=("RecordPrecision", "RecordEnginePlacement")) -> list[str]:
     flags = []
-    for probe in ("RecordPrecision", "RecordEnginePlacement"):
+    for probe in probes:
         flags += ["--trainer.callbacks+", f"tests.integration.probes.{probe}"]
         flags += ["--trainer.callbacks.directory", str(directory)]
     return flags
 
 
-def _fit(tmp_path, name, *args, steps=4):
+def _fit(tmp_path, name, *args, steps=4, engine=COLOCATE):
+    vllm = ("--model.vllm.gpu_memory_utilization", "0.2") if engine else ()
     return fit_in_subprocess(
         tmp_path,
         name,
         "grpo.yaml",
         *FAST_GRPO,
         *GPU,
-        *COLOCATE,
+        *engine,
         "--trainer.precision",
         "bf16-mixed",
         "--trainer.max_steps",
         str(steps),
-        "--model.vllm.gpu_memory_utilization",
-        "0.2",
+        *vllm,
         *args,
-        *_probes(tmp_path / f"{name}_probe"),
+        *_probes(tmp_path / f"{name}_probe", probes=("RecordPrecision", "RecordEnginePlacement")[: 2 if engine else 1]),
     )
 
 
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+
+
+@needs_vllm
 def test_colocated_engine_on_the_ranks_gpu_in_bf16_with_sleep_mode(tmp_path):
     log_dir = _fit(tmp_path, "sleep", "--model.vllm.enable_sleep_mode", "true")
     engine = json.loads((tmp_path / "sleep_probe" / "engine_rank0.json").read_text())
@@ -73,6 +82,7 @@ def test_colocated_engine_on_the_ranks_gpu_in_bf16_with_sleep_mode(tmp_path):
     assert all(float(row["perf/engine_sleep_s"]) > 0 for row in perf)
 
 
+@needs_vllm
 @pytest.mark.parametrize("strategy", ["deepspeed_zero3", "fsdp"])
 def test_sharded_policies_push_their_weights_into_the_colocated_engine(tmp_path, strategy):
     # GPU after the overlay, which names its own device count.
@@ -80,3 +90,14 @@ def test_sharded_policies_push_their_weights_into_the_colocated_engine(tmp_path,
     rows = train_rows(log_dir)
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
     assert all(row["train/rollout_kl"] < BF16_GAP for row in rows), rows
+
+
+@pytest.mark.parametrize("strategy", ["single", "deepspeed_zero2", "deepspeed_zero3", "fsdp"])
+def test_grpo_trains_on_the_gpu_in_bf16_with_hf_generate(tmp_path, strategy):
+    overlay = (*strategy_overlay(strategy), *GPU) if strategy != "single" else ()
+    log_dir = _fit(tmp_path, strategy, *overlay, engine=())
+    precision = json.loads((tmp_path / f"{strategy}_probe" / "precision_rank0.json").read_text())
+    assert precision["logits"] == "bfloat16", precision  # the forward computes in bf16 on the GPU
+    rows = train_rows(log_dir)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert all(torch.isfinite(torch.tensor(row["train/loss"])) for row in rows), rows
