@@ -1,8 +1,9 @@
 """Strategy presets: Lightning's DeepSpeed strategy, also on CPU processes (gloo) so CI runs the real engine, with
 atomic checkpoint directories.
 
-`DeepSpeedStrategy` here is Lightning's own with two changes. Its checkpoint directories are written atomically
-(see `DeepSpeedStrategy.save_checkpoint`). With `--trainer.accelerator cpu` it skips the three CUDA-only parts of
+`DeepSpeedStrategy` here is Lightning's own with three changes. Its checkpoint directories are written atomically
+(see `DeepSpeedStrategy.save_checkpoint`). Under ZeRO-3 it moves what DeepSpeed leaves behind to the device (see
+`DeepSpeedStrategy.setup`). With `--trainer.accelerator cpu` it skips the three CUDA-only parts of
 Lightning's version: the accelerator check, the device-index validation, and a root device that must be a GPU
 (each process reports `cpu:<local_rank>`). DeepSpeed itself detects its CPU accelerator and the process group runs
 over gloo.
@@ -50,6 +51,15 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy):
             return torch.device("cpu", self.local_rank)
         return super().root_device
 
+    def setup(self, trainer: Any) -> None:
+        """Lightning's setup, then, under ZeRO-3, the module's unpartitioned state onto the root device. DeepSpeed
+        does not move a model built under `zero.Init` (its parameters are already partitioned onto the device), so
+        everything else the LightningModule holds (metric states, buffers, modules built outside `zero.Init`) would
+        stay on the CPU, and the module's `device` with it: the first metric update on a GPU fails."""
+        super().setup(trainer)
+        if self.zero_stage_3:
+            move_unpartitioned_state(self.lightning_module, self.root_device)
+
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Write the checkpoint directory `filepath` atomically: every rank writes its shards into `.<name>.tmp`
         beside it; once all have finished, one rank fsyncs it and renames it to `filepath` (replacing an existing
@@ -81,6 +91,31 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy):
         engine = self.deepspeed_engine
         decoupled = getattr(getattr(engine, "checkpoint_engine", None), "is_decoupled", lambda: False)()
         return not (decoupled or engine.use_node_local_storage())
+
+
+def move_unpartitioned_state(module: torch.nn.Module, device: torch.device) -> None:
+    """Move every parameter and buffer of `module` that ZeRO-3 does not manage (no `ds_id`), and every torchmetrics
+    metric's states, to `device`; ZeRO-3's parameters are left exactly as DeepSpeed placed them. A LightningModule's
+    `device` then reports `device`."""
+    from torchmetrics import Metric
+
+    for sub in module.modules():
+        if isinstance(sub, Metric):
+            sub.to(device)  # its states are attributes, not buffers; a metric holds no ZeRO-3 parameter
+            continue
+        for name, param in sub._parameters.items():
+            if param is None or hasattr(param, "ds_id") or param.device == device:
+                continue
+            moved = param.data.to(device)
+            if torch._has_compatible_shallow_copy_type(param, moved):  # as nn.Module._apply: keep the Parameter
+                param.data = moved
+            else:
+                sub._parameters[name] = torch.nn.Parameter(moved, requires_grad=param.requires_grad)
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and buffer.device != device:
+                sub._buffers[name] = buffer.to(device)
+    if hasattr(module, "_device"):  # Lightning's device property, which only its own `.to()` would update
+        module._device = device
 
 
 def as_project_deepspeed(strategy: Any) -> Any:

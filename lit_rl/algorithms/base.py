@@ -14,6 +14,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torchmetrics import MetricCollection
 
@@ -232,8 +233,17 @@ class PolicyModule(L.LightningModule):
     ) -> None:
         # Lightning's mixed-precision plugin refuses to clip for a fused optimizer, in case it unscales fp16
         # gradients internally. bf16-mixed has no gradient scaler, so there is nothing to unscale: clip directly
-        # (what the plugin's base class does). Only under that plugin: FSDP and DeepSpeed clip their own way, and
-        # fp16 mixed precision uses the unfused optimizer instead.
+        # (what the plugin's base class does). Only under that plugin: DeepSpeed clips its own way, and fp16 mixed
+        # precision uses the unfused optimizer instead.
+        # Lightning's FSDP plugin refuses norm clipping: the norm is over every rank's shards, which the FSDP root
+        # module's `clip_grad_norm_` computes (torch's function does for FSDP2's DTensor parameters).
+        if isinstance(self.trainer.strategy, FSDPStrategy) and gradient_clip_val and gradient_clip_algorithm != "value":
+            root = self.trainer.strategy.model
+            if hasattr(root, "clip_grad_norm_"):
+                root.clip_grad_norm_(gradient_clip_val)
+            else:
+                torch.nn.utils.clip_grad_norm_(list(root.parameters()), gradient_clip_val)
+            return
         plugin = self.trainer.precision_plugin
         if isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed" and gradient_clip_val:
             params = [p for group in optimizer.param_groups for p in group["params"]]
