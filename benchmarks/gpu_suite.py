@@ -47,6 +47,7 @@ import sys
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -163,11 +164,19 @@ def trl_ratio(model: str, work, workdir: Path, rounds: int) -> dict:
 
 
 def run_suite(
-    parts: list[str], shapes: list[str], smoke: bool, rounds: int, workdir: Path, engine: str = "vllm_colocate"
+    parts: list[str],
+    shapes: list[str],
+    smoke: bool,
+    rounds: int,
+    workdir: Path,
+    engine: str = "vllm_colocate",
+    steps: Optional[tuple[int, int]] = None,
 ) -> dict:
     from lit_rl.models import build_random_model
 
     work = workload(smoke, engine)
+    if steps:
+        work.steps, work.warmup = steps
     prefix = "vllm" if engine == "vllm_colocate" else "hf"
     models = {shape: str(build_random_model(workdir / shape, **SHAPES[shape])) for shape in shapes}
     first = shapes[0]
@@ -264,6 +273,14 @@ def main() -> None:
         default="vllm_colocate",
         help="the rollout engine of the `strategies` and `trl` parts (hf: where vLLM cannot be installed)",
     )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        nargs=2,
+        metavar=("STEPS", "WARMUP"),
+        default=None,
+        help="optimizer steps per run and how many of them to leave out (default 12 3): fewer for a short slot",
+    )
     add_allow_dirty(parser)
     args = parser.parse_args()
     if args.markdown:
@@ -281,7 +298,7 @@ def main() -> None:
     shapes = ["smoke"] if args.cpu_smoke else (args.shapes or ["qwen2.5-0.5b", "qwen2.5-1.5b"])
     rounds = 1 if args.cpu_smoke else args.rounds
     with tempfile.TemporaryDirectory(prefix="lit-rl-gpu-suite-") as tmp:
-        results = run_suite(args.parts, shapes, args.cpu_smoke, rounds, Path(tmp), args.engine)
+        results = run_suite(args.parts, shapes, args.cpu_smoke, rounds, Path(tmp), args.engine, args.steps)
     if args.append and out.exists():
         results = merge(json.loads(out.read_text())["results"], results)
     print(markdown_table(results))
