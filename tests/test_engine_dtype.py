@@ -15,7 +15,7 @@ def _grpo(precision: str, **kwargs) -> GRPO:
     model = GRPO(num_generations=4, micro_batch_size=8, **kwargs)
     model.configure_model()
     plugin = MixedPrecision(precision, "cpu") if precision.endswith("-mixed") else None
-    model._trainer = SimpleNamespace(precision=precision, precision_plugin=plugin)
+    model._trainer = SimpleNamespace(precision=precision, precision_plugin=plugin, strategy=None)  # not FSDP
     return model
 
 
