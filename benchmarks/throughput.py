@@ -4,6 +4,8 @@
         --strategies single ddp --devices 1 2 --steps 30 --warmup 5 --out benchmarks/results/throughput_cpu.json
     python benchmarks/throughput.py --quick          # the tiny model, hf + colocated vLLM, a few steps
     python benchmarks/throughput.py --markdown benchmarks/results/throughput_cpu.json   # the README's table
+    python benchmarks/throughput.py --engines vllm_server --max-staleness 0 1 --pin-cores --rounds 2 \
+        --out benchmarks/results/async_cpu.json        # asynchronous rollouts: k = 1 against k = 0
 
 Each configuration is one `lit-rl fit` process (the `vllm_server` engine also starts the documented vLLM server
 and stops it afterwards). Its `perf/` metrics, logged every optimizer step by the trainer itself, are averaged
@@ -12,6 +14,12 @@ log-probs, weight push and policy update; generated and trained tokens/s; peak m
 max allocated on GPU). Samples/s = completions per optimizer step (micro_batch_size x accumulation x ranks) /
 seconds per step. Output: a rich table, a JSON file (machine, versions, commit, the exact command) and a PNG of
 the time split. The same script runs unchanged on a GPU machine (`--accelerator gpu`).
+
+`--max-staleness 0 1 2` adds the asynchronous-rollout axis (`model.max_staleness`; k > 0 needs the `vllm_server`
+engine): each k > 0 row also reports its samples/s over the k = 0 row of the same engine, strategy and devices.
+`--pin-cores` gives the server CPU core 0 and the trainer core 1 (one thread each side), so generation and
+training do not share a core and what asynchrony overlaps shows; `--rounds N` repeats every configuration N times,
+interleaved, and reports the median step time.
 """
 
 from __future__ import annotations
@@ -19,11 +27,13 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -72,8 +82,34 @@ def fit_flags(steps: int, workdir: Path, name: Optional[str] = None, checkpoints
     return flags + (["--trainer.logger.init_args.name", name] if name else [])
 
 
-def run_one(args, engine: str, strategy: str, devices: int, workdir: Path) -> dict:
-    name = f"{engine}-{strategy}-{devices}"
+def engine_label(r: dict) -> str:
+    return r["engine"] + (f" k={r['max_staleness']}" if r.get("max_staleness") else "")
+
+
+@contextmanager
+def pinned(cores: Optional[set[int]], env: dict[str, str]):
+    """This process (and so what it starts) on `cores`, with `env` set; both restored afterwards."""
+    if cores is None:
+        yield
+        return
+    affinity, saved = os.sched_getaffinity(0), {key: os.environ.get(key) for key in env}
+    os.sched_setaffinity(0, cores)
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, affinity)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def run_one(args, engine: str, strategy: str, devices: int, workdir: Path, staleness: int = 0, round_: int = 0) -> dict:
+    name = (
+        f"{engine}-{strategy}-{devices}" + (f"-k{staleness}" if staleness else "") + (f"-r{round_}" if round_ else "")
+    )
     command = [
         sys.executable,
         "-m",
@@ -90,30 +126,31 @@ def run_one(args, engine: str, strategy: str, devices: int, workdir: Path) -> di
         "--trainer.val_check_interval",
         "1000000",
         *fit_flags(args.steps, workdir, name),
+        *(["--model.max_staleness", str(staleness)] if staleness else []),
         *args.overrides,
     ]
     server: Optional[LocalVLLMServer] = None
     if engine == "vllm_server":
         model = resolve_model_path(policy_of(args.config, args.overrides))
         log = str(workdir / f"{name}-server.log")
-        server = LocalVLLMServer(model, log, cpu=args.accelerator == "cpu")
+        with pinned({0} if args.pin_cores else None, {"VLLM_CPU_OMP_THREADS_BIND": "0"}):
+            server = LocalVLLMServer(model, log, cpu=args.accelerator == "cpu")
         command += ["--model.vllm.server_url", server.url]
     started = time.monotonic()
     try:
-        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+        with pinned({1} if args.pin_cores else None, {"OMP_NUM_THREADS": "1"}):
+            result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     finally:
         if server is not None:
             server.stop()
     wall = time.monotonic() - started
+    row = {"engine": engine, "strategy": strategy, "devices": devices}
+    if staleness:
+        row["max_staleness"] = staleness
     if result.returncode != 0:
-        return {"engine": engine, "strategy": strategy, "devices": devices, "error": result.stderr.strip()[-600:]}
+        return row | {"error": result.stderr.strip()[-600:]}
     log_dir = max((workdir / name).glob("version_*"))
-    return summarise(log_dir, args.warmup) | {
-        "engine": engine,
-        "strategy": strategy,
-        "devices": devices,
-        "wall_s": wall,
-    }
+    return summarise(log_dir, args.warmup) | row | {"wall_s": wall}
 
 
 def metric_rows(log_dir: Path) -> list[dict[str, float]]:
@@ -158,10 +195,10 @@ def print_table(results: list[dict]) -> None:
         table.add_column(column, justify="left" if column in ("engine", "strategy") else "right")
     for r in results:
         if "error" in r:
-            table.add_row(r["engine"], r["strategy"], str(r["devices"]), "error: " + r["error"][-60:])
+            table.add_row(engine_label(r), r["strategy"], str(r["devices"]), "error: " + r["error"][-60:])
             continue
         table.add_row(
-            r["engine"],
+            engine_label(r),
             r["strategy"],
             str(r["devices"]),
             f"{r['step_s']:.3f}",
@@ -185,7 +222,7 @@ def markdown_table(results: list[dict]) -> str:
             continue
         split = r["split_s"]
         lines.append(
-            f"| {r['engine']} | {r['strategy']} x {r['devices']} | {r['step_s']:.3f} | {r['samples_per_s']:.0f} "
+            f"| {engine_label(r)} | {r['strategy']} x {r['devices']} | {r['step_s']:.3f} | {r['samples_per_s']:.0f} "
             f"| {split['generation']:.3f} | {split['weight_push']:.3f} | {split['policy_update']:.3f} "
             f"| {100 * split['weight_push'] / r['step_s']:.1f}% | {r['rollout_logprob_diff_max']:.1e} "
             f"| {r['peak_memory_mib_per_rank']:.0f} MiB |"
@@ -203,6 +240,42 @@ def claims(results: list[dict]) -> list[str]:
             side = "above" if share > 5 else "within"
             out.append(f"The colocated push is {share:.1f}% of the step here, {side} the issue's 5% target.")
             out.append(f"the colocated weight push under 5% of a step ({share:.1f}% on CPU)")
+    return out + staleness_claims(results)
+
+
+def staleness_speedups(results: list[dict]) -> list[tuple[dict, float]]:
+    """Each k > 0 row with its samples/s over the k = 0 row of the same engine, strategy and devices."""
+    key = lambda r: (r["engine"], r["strategy"], r["devices"])  # noqa: E731
+    sync = {key(r): r for r in results if not r.get("max_staleness") and "error" not in r}
+    return [
+        (r, r["samples_per_s"] / sync[key(r)]["samples_per_s"])
+        for r in results
+        if r.get("max_staleness") and "error" not in r and key(r) in sync
+    ]
+
+
+def staleness_claims(results: list[dict]) -> list[str]:
+    """The README's prose of an asynchronous-rollout results file, against the issue's 1.3x target."""
+    return [
+        f"{engine_label(r)}: {ratio:.2f}x the samples/s of k=0 "
+        f"({'meets' if ratio >= 1.3 else 'misses'} the 1.3x target)"
+        for r, ratio in staleness_speedups(results)
+    ]
+
+
+def median_of_rounds(results: list[dict]) -> list[dict]:
+    """One row per configuration: the round with the median step time (all rounds when they failed)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["engine"], r["strategy"], r["devices"], r.get("max_staleness", 0)), []).append(r)
+    out = []
+    for rows in groups.values():
+        ok = sorted((r for r in rows if "error" not in r), key=lambda r: r["step_s"])
+        if not ok:
+            out.extend(rows)
+            continue
+        median = ok[(len(ok) - 1) // 2]
+        out.append(median | {"rounds_step_s": [r["step_s"] for r in rows if "error" not in r]})
     return out
 
 
@@ -213,7 +286,7 @@ def plot(results: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     ok = [r for r in results if "error" not in r]
-    labels = [f"{r['engine']}\n{r['strategy']} x{r['devices']}" for r in ok]
+    labels = [f"{engine_label(r)}\n{r['strategy']} x{r['devices']}" for r in ok]
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(ok)), 4))
     bottom = [0.0] * len(ok)
     for part in PARTS:
@@ -237,6 +310,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the means (engine start-up)")
     parser.add_argument("--quick", action="store_true", help="tiny model, hf + colocated vLLM, 8 steps")
+    parser.add_argument("--max-staleness", type=int, nargs="+", default=[0], help="model.max_staleness values")
+    parser.add_argument("--pin-cores", action="store_true", help="server on CPU core 0, trainer on core 1")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved repetitions (the median is reported)")
     parser.add_argument("--out", type=Path, default=None, help="JSON results (the PNG goes beside it)")
     parser.add_argument("--markdown", type=Path, default=None, help="print the markdown table of a results JSON")
     add_allow_dirty(parser)
@@ -254,14 +330,24 @@ def main() -> None:
     invalid = [(s, d) for s in args.strategies for d in args.devices if s == "single" and d != 1]
     if invalid:
         parser.error("strategy 'single' runs on 1 device; use ddp/fsdp/deepspeed_* for more")
+    if any(args.max_staleness) and args.engines != ["vllm_server"]:
+        parser.error("--max-staleness above 0 needs --engines vllm_server (the engine that samples beside training)")
+    if args.pin_cores and (len(os.sched_getaffinity(0)) < 2 or args.devices != [1]):
+        parser.error("--pin-cores needs two CPU cores and --devices 1")
     results = []
     with tempfile.TemporaryDirectory(prefix="lit-rl-throughput-") as tmp:
-        for strategy in args.strategies:
-            for devices in args.devices:
-                for engine in args.engines:
-                    print(f"running {engine} / {strategy} / {devices} device(s) ...", flush=True)
-                    results.append(run_one(args, engine, strategy, devices, Path(tmp)))
+        for round_ in range(args.rounds):
+            for strategy in args.strategies:
+                for devices in args.devices:
+                    for engine in args.engines:
+                        for k in args.max_staleness:
+                            print(f"running {engine} / {strategy} / {devices} device(s) / k={k} ...", flush=True)
+                            results.append(run_one(args, engine, strategy, devices, Path(tmp), k, round_))
+    if args.rounds > 1:
+        results = median_of_rounds(results)
     print_table(results)
+    for line in staleness_claims(results):
+        print(line)
     if args.out:
         write_report(args.out, results, allow_dirty=args.allow_dirty)
         plot(results, args.out.with_suffix(".png"))

@@ -122,6 +122,20 @@ class LitRLCLI(LightningCLI):
       class): its checkpoint directories are written to a temporary directory and renamed.
     """
 
+    # Where the rollout server is and how to reach it is not part of what was trained: on resume, this run's values
+    # win over the checkpoint's hyperparameters (which LightningCLI otherwise lays over the whole model config).
+    RUNTIME_VLLM_KEYS = ("server_url", "weight_sync_dir", "request_timeout_s", "max_retries", "wait_for_server_s")
+
+    def _parse_ckpt_path(self) -> None:
+        subcommand = self.config.get("subcommand")
+        vllm = f"{subcommand}.model.init_args.vllm"
+        mine = {key: self.config.get(f"{vllm}.{key}") for key in self.RUNTIME_VLLM_KEYS} if subcommand else {}
+        super()._parse_ckpt_path()
+        if subcommand and self.config.get(vllm) is not None:
+            for key, value in mine.items():
+                if value is not None:
+                    self.config[f"{vllm}.{key}"] = value
+
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> L.Trainer:
         configured = list(config.get("callbacks") or []) + callbacks
         extra: list[Callback] = []

@@ -49,8 +49,9 @@ def _on_policy_training_metrics(reward_names: Iterable[str]) -> dict:
     }
 
 
-def grpo_metrics(reward_names: Iterable[str], with_kl: bool) -> MetricCollection:
-    """Metrics of GRPO-style training: the on-policy ones, the clipping and, when beta > 0, the KL."""
+def grpo_metrics(reward_names: Iterable[str], with_kl: bool, with_is_correction: bool = False) -> MetricCollection:
+    """Metrics of GRPO-style training: the on-policy ones, the clipping, when beta > 0 the KL, and with a rollout
+    correction the fraction of completion tokens whose weight it changed (truncated, or masked)."""
     metrics = {
         **_on_policy_training_metrics(reward_names),
         "frac_reward_zero_std": MeanMetric(),
@@ -59,7 +60,14 @@ def grpo_metrics(reward_names: Iterable[str], with_kl: bool) -> MetricCollection
     }
     if with_kl:
         metrics["kl"] = MeanMetric()
+    if with_is_correction:
+        metrics["rollout_is_frac_corrected"] = MeanMetric()
     return _collection(metrics)
+
+
+def asynchronous_rollout_metrics() -> dict:
+    """What asynchronous rollouts add: the staleness of each consumed sample, `global_step - policy_version`."""
+    return {"staleness/mean": MeanMetric(), "staleness/max": MaxMetric()}
 
 
 def rloo_metrics(reward_names: Iterable[str]) -> MetricCollection:

@@ -29,6 +29,7 @@ class RolloutBatch:
     ref_logprobs: Optional[torch.Tensor] = None  # [N, T], None without a reference model
     kl: Optional[torch.Tensor] = None  # [N] RLOO: sum_t (old_logprobs - ref_logprobs), the reward penalty's KL
     advantage_std: Optional[torch.Tensor] = None  # [N] RLOO: std of the generation's advantages, on every row
+    policy_version: Optional[torch.Tensor] = None  # [N] long, the optimizer steps done by the weights that sampled it
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]

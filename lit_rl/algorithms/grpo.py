@@ -14,7 +14,7 @@ import torch
 from lit_rl.algorithms.on_policy import ZERO_STD, OnPolicyModule, check_rollout_args
 from lit_rl.errors import ConfigError
 from lit_rl.lora import LoRAConfig
-from lit_rl.losses import AGGREGATIONS, LossNormalizer, group_advantages, grpo_loss, truncated_is_weights
+from lit_rl.losses import AGGREGATIONS, IS_CORRECTIONS, LossNormalizer, group_advantages, grpo_loss, rollout_is_weights
 from lit_rl.metrics import grpo_metrics
 from lit_rl.rollout import VLLMConfig
 from lit_rl.types import RolloutBatch
@@ -55,12 +55,18 @@ class GRPO(OnPolicyModule):
             `generate` on the policy. See `lit_rl.rollout.VLLMConfig` for the keys (`--model.vllm.mode ...`).
         lora: train a LoRA adapter (`configs/peft/lora.yaml`) instead of the full weights; the reference is then
             the policy with its adapter disabled. See `lit_rl.lora.LoRAConfig` for the keys (`--model.lora.r 8`).
-        rollout_is_correction: `token_truncate` weighs each token's policy term by the truncated importance
-            ratio `min(exp(old_logprobs - rollout_logprobs), rollout_is_cap)` of the trainer's probability over
-            the rollout engine's (for engines whose numerics differ, e.g. bf16 vLLM); `none` does not; `auto`
-            (default) is `token_truncate` when a vLLM engine computes in another dtype than the trainer or in any
+        max_staleness: asynchronous rollouts: generation g is sampled in the background by the weights of
+            optimizer step max(0, g*m - k) (m = steps_per_generation x num_iterations), so each sample is at most
+            k steps older than the policy it first updates (`lit_rl.rollout.producer`); needs the vLLM server
+            engine. 0 (default): synchronous.
+        rollout_is_correction: weigh the policy term by the importance ratio of the trainer's probability of the
+            sampled tokens over the rollout engine's (`lit_rl.losses.rollout_is_weights` has the formulas):
+            `token_truncate` (per token, truncated at `rollout_is_cap`), `sequence_truncate` (the sequence's
+            ratio, truncated), `sequence_mask` (the sequence's ratio, or 0 outside [1/cap, cap]), or `none`.
+            `auto` (default) is `token_truncate` with asynchronous rollouts (`max_staleness > 0`: the engine
+            sampled with older weights) or when a vLLM engine computes in another dtype than the trainer or in any
             dtype below float32 (`OnPolicyModule.engine_numerics_differ`), else `none`.
-        rollout_is_cap: the truncation cap of `token_truncate`.
+        rollout_is_cap: the cap C of the rollout correction.
     """
 
     def __init__(
@@ -93,6 +99,7 @@ class GRPO(OnPolicyModule):
         invalid_reward: str = "zero",
         vllm: Optional[VLLMConfig] = None,
         lora: Optional[LoRAConfig] = None,
+        max_staleness: int = 0,
         rollout_is_correction: str = "auto",
         rollout_is_cap: float = 2.0,
     ) -> None:
@@ -101,9 +108,9 @@ class GRPO(OnPolicyModule):
             raise ConfigError(f"model.loss_aggregation must be one of {sorted(AGGREGATIONS)}, got {loss_aggregation!r}")
         if scale_rewards not in ("group", "batch", "none"):
             raise ConfigError(f"model.scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}")
-        if rollout_is_correction not in ("auto", "none", "token_truncate"):
+        if rollout_is_correction not in ("auto", *IS_CORRECTIONS):
             raise ConfigError(
-                f"model.rollout_is_correction must be 'auto', 'none' or 'token_truncate', got {rollout_is_correction!r}"
+                f"model.rollout_is_correction must be one of {['auto', *IS_CORRECTIONS]}, got {rollout_is_correction!r}"
             )
         if not rollout_is_cap >= 1.0:
             raise ConfigError(f"model.rollout_is_cap must be >= 1, got {rollout_is_cap}")
@@ -127,9 +134,15 @@ class GRPO(OnPolicyModule):
             max_prompt_length=max_prompt_length,
             vllm=vllm,
             lora=lora,
+            max_staleness=max_staleness,
         )
         self.save_hyperparameters()
-        self.train_metrics = grpo_metrics(self.reward_fns, with_kl=beta != 0.0).clone(prefix="train/")
+        # The fraction corrected is logged when a correction is asked for by name or made certain by asynchrony
+        # (`auto` alone keeps the columns of earlier runs).
+        with_correction = max_staleness > 0 or rollout_is_correction not in ("auto", "none")
+        self.train_metrics = self.rollout_train_metrics(
+            grpo_metrics(self.reward_fns, with_kl=beta != 0.0, with_is_correction=with_correction)
+        )
         self.val_metrics = self.rollout_val_metrics()
 
     def uses_reference(self) -> bool:
@@ -143,7 +156,7 @@ class GRPO(OnPolicyModule):
         """`model.rollout_is_correction` with `auto` resolved for this run's engine and precision."""
         mode = self.hparams.rollout_is_correction
         if mode == "auto":
-            return "token_truncate" if self.engine_numerics_differ() else "none"
+            return "token_truncate" if self.max_staleness > 0 or self.engine_numerics_differ() else "none"
         return mode
 
     def micro_batch_loss(
@@ -152,11 +165,11 @@ class GRPO(OnPolicyModule):
         hp = self.hparams
         # One on-policy pass: the old log-probs are these very log-probs (ratio 1, gradient intact).
         old_logprobs = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
-        importance_weights = None
-        if self.rollout_is_correction() == "token_truncate":
-            importance_weights = truncated_is_weights(
-                old_logprobs, mb.rollout_logprobs, mb.completion_mask, hp.rollout_is_cap
-            )
+        importance_weights, corrected = rollout_is_weights(
+            self.rollout_is_correction(), old_logprobs, mb.rollout_logprobs, mb.completion_mask, hp.rollout_is_cap
+        )
+        if corrected is not None and "rollout_is_frac_corrected" in self.train_metrics:
+            self.train_metrics["rollout_is_frac_corrected"].update(corrected[mb.completion_mask > 0].float())
         return grpo_loss(
             logprobs,
             old_logprobs,

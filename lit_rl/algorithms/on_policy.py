@@ -6,6 +6,11 @@ steps of `accumulate_grad_batches` micro-batches of `micro_batch_size` completio
 optimization does the accumulation, clipping, precision and `global_step`, so checkpoint cadence cannot drift.
 
 A subclass provides `finish_rollout` (advantages, or pairs), `micro_batch_loss` and its metric collection.
+
+With `max_staleness = k > 0` the generations are sampled ahead, in the background, by `lit_rl.rollout.producer`
+(the schedule, the staleness contract and what a checkpoint keeps are described there): the module launches them
+when the loader says so, and takes each when its first micro-step comes; the old log-probs are then the current
+policy's, and the rollout correction weighs them against the engine's.
 """
 
 from __future__ import annotations
@@ -23,15 +28,16 @@ from lit_rl.data.schedule import RolloutSchedule
 from lit_rl.errors import ConfigError, DataError, RewardFunctionError
 from lit_rl.lora import LoRAConfig
 from lit_rl.losses import LossNormalizer
-from lit_rl.metrics import rollout_eval_metrics
+from lit_rl.metrics import asynchronous_rollout_metrics, rollout_eval_metrics
 from lit_rl.models import resolve_model_path
 from lit_rl.ops import entropy_from_logits, kl_k3, token_logprobs
 from lit_rl.rewards import call_reward_function, import_reward_function, reward_name
-from lit_rl.rollout import HFGenerateEngine, RolloutEngine, SamplingParams, VLLMConfig
+from lit_rl.rollout import HFGenerateEngine, RolloutEngine, RolloutOutput, SamplingParams, VLLMConfig
 from lit_rl.rollout.base import global_batch_seeds
 from lit_rl.rollout.config import VLLM_DTYPES, check_vllm_config
 from lit_rl.rollout.hf import model_eos_token_ids
 from lit_rl.rollout.placement import EnginePlacement
+from lit_rl.rollout.producer import AsyncRolloutProducer, generation_version, generations_launched_at
 from lit_rl.rollout.weights import DEFAULT_BUCKET_MIB, policy_weight_stream
 from lit_rl.strategies import is_accumulating_micro_batch, is_fsdp_wrapped, settle_zero3_parameters
 from lit_rl.types import RolloutBatch
@@ -57,8 +63,10 @@ class OnPolicyModule(PolicyModule):
         max_prompt_length: Optional[int],
         vllm: Optional[VLLMConfig] = None,
         lora: Optional[LoRAConfig] = None,
+        max_staleness: int = 0,
     ) -> None:
         check_vllm_config(vllm)
+        check_max_staleness(max_staleness, vllm)
         super().__init__(
             model_name_or_path,
             dtype=dtype,
@@ -88,10 +96,18 @@ class OnPolicyModule(PolicyModule):
         self._micro_steps_done = 0
         self._buffer: Optional[RolloutBatch] = None
         self._normalizers: list[LossNormalizer] = []
+        self.max_staleness = max_staleness
+        self._producer = AsyncRolloutProducer() if max_staleness > 0 else None
 
     # -- what subclasses decide ------------------------------------------------------------------------------
     train_metrics: MetricCollection  # set by the subclass, with `val_metrics = self.rollout_val_metrics()`
     val_metrics: MetricCollection
+
+    def rollout_train_metrics(self, metrics: MetricCollection) -> MetricCollection:
+        """The algorithm's training collection, with the staleness metrics of asynchronous rollouts, as `train/`."""
+        if self.max_staleness > 0:
+            metrics.add_metrics(asynchronous_rollout_metrics())
+        return metrics.clone(prefix="train/")
 
     def rollout_val_metrics(self) -> MetricCollection:
         """Validation metrics of generating for held-out prompts, one per reward function."""
@@ -108,7 +124,8 @@ class OnPolicyModule(PolicyModule):
 
     def needs_old_logprobs(self) -> bool:
         """Whether the policy's log-probs at generation time are computed (else the first pass reuses its own)."""
-        return self.hparams.num_iterations > 1 or self.hparams.steps_per_generation > 1
+        hp = self.hparams
+        return hp.num_iterations > 1 or hp.steps_per_generation > 1 or self.max_staleness > 0
 
     def finish_rollout(self, batch: RolloutBatch, all_rewards: torch.Tensor) -> None:
         """Fill `batch.advantages` (and any algorithm field) from every rank's rewards `all_rewards` [world*N]."""
@@ -141,16 +158,20 @@ class OnPolicyModule(PolicyModule):
         # engine released its weights in between (sleep mode).
         stale = self._engine_weights_step != self.trainer.global_step or not getattr(engine, "holds_weights", True)
         if engine.needs_weights and stale:
-            bucket_mib = self.vllm_config.push_bucket_mib if self.vllm_config else DEFAULT_BUCKET_MIB
-            strategy = self.trainer.strategy
-            # FSDP: gather from the root (Lightning wraps this module; its flat parameter holds the embeddings).
-            wrapped = getattr(strategy, "model", None)
-            fsdp_root = wrapped if wrapped is not None and is_fsdp_wrapped(wrapped) else None
             with self.timer.phase("weight_push"):  # ZeRO-3: gathered a bucket at a time, as the engine loads
-                settle_zero3_parameters(strategy)
-                engine.update_weights(policy_weight_stream(self.policy, int(bucket_mib * 2**20), fsdp_root))
+                engine.update_weights(self.weight_stream())
             self._engine_weights_step = self.trainer.global_step
         return engine
+
+    def weight_stream(self):
+        """The policy's weights as a lazy stream of (name, tensor) buckets, for an engine to load."""
+        bucket_mib = self.vllm_config.push_bucket_mib if self.vllm_config else DEFAULT_BUCKET_MIB
+        strategy = self.trainer.strategy
+        # FSDP: gather from the root (Lightning wraps this module; its flat parameter holds the embeddings).
+        wrapped = getattr(strategy, "model", None)
+        fsdp_root = wrapped if wrapped is not None and is_fsdp_wrapped(wrapped) else None
+        settle_zero3_parameters(strategy)
+        return policy_weight_stream(self.policy, int(bucket_mib * 2**20), fsdp_root)
 
     def _build_engine(self) -> RolloutEngine:
         eos_ids = model_eos_token_ids(self.policy, self.tokenizer.eos_token_id)
@@ -215,6 +236,8 @@ class OnPolicyModule(PolicyModule):
             sleep()
 
     def teardown(self, stage: str) -> None:
+        if self._producer is not None:
+            self._producer = AsyncRolloutProducer()  # generations in flight are abandoned with the engine
         if self.rollout_engine is not None:
             self.rollout_engine.close()
             self.rollout_engine = None
@@ -288,12 +311,23 @@ class OnPolicyModule(PolicyModule):
 
     def rollout_schedule(self) -> RolloutSchedule:
         """How the training loader must feed this module (see `lit_rl.data.schedule`)."""
+        launches = None
+        if self.max_staleness > 0:
+            m, k = self.optimizer_steps_per_generation, self.max_staleness
+            launches = lambda step: generations_launched_at(step, m, k)  # noqa: E731
         return RolloutSchedule(
             completions_per_rank=self.completions_per_generation,
             group_size=self.hparams.num_generations,
             micro_steps_per_generation=self.micro_steps_per_generation,
             start_micro_step=lambda: self._micro_steps_done,
+            micro_steps_per_optimizer_step=self.accumulate,
+            launches=launches,
         )
+
+    @property
+    def optimizer_steps_per_generation(self) -> int:
+        """m = steps_per_generation x num_iterations: the optimizer steps taken on one generation."""
+        return self.hparams.steps_per_generation * self.hparams.num_iterations
 
     # -- rollout ---------------------------------------------------------------------------------------------
     def sampling_params(self, training: bool) -> SamplingParams:
@@ -341,10 +375,14 @@ class OnPolicyModule(PolicyModule):
         with self.timer.phase("generation"):
             out = engine.generate(prompt_ids, prompt_mask, params, seeds=seeds)
         self.timer.count("generated_tokens", float(out.completion_mask.sum()))
+        components, rewards = self.score_output(rows, out, repeat)
+        return prompt_ids, prompt_mask, out, components, rewards
+
+    def score_output(self, rows: list[dict[str, Any]], out: RolloutOutput, repeat: int):
+        """Reward components [N, F] and rewards [N] of an engine's completions of `rows` x `repeat`."""
         completions = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
         with self.timer.phase("reward"):
-            components, rewards = self._score_on_every_rank(rows, completions, repeat)
-        return prompt_ids, prompt_mask, out, components, rewards
+            return self._score_on_every_rank(rows, completions, repeat)
 
     def _score_on_every_rank(
         self, rows: list[dict[str, Any]], completions: list[str], repeat: int
@@ -368,14 +406,23 @@ class OnPolicyModule(PolicyModule):
         return components, rewards
 
     @torch.no_grad()
-    def make_rollout(self, rows: list[dict[str, Any]]) -> RolloutBatch:
+    def make_rollout(self, rows: list[dict[str, Any]], sampled: Optional[Any] = None) -> RolloutBatch:
         """Generate and score this rank's completions (`rows`: the prompt row of each, see
-        `lit_rl.data.schedule`), then let the algorithm finish the batch."""
+        `lit_rl.data.schedule`), then let the algorithm finish the batch. `sampled`: a generation the producer
+        made ahead (`PendingGeneration`), scored here instead of sampling."""
         G = self.hparams.num_generations
-        seeds = self.completion_seeds(len(rows))
-        prompt_ids, prompt_mask, out, components, rewards = self.sample(
-            rows, 1, self.sampling_params(training=True), seeds
-        )
+        if sampled is None:
+            seeds = self.completion_seeds(len(rows))
+            prompt_ids, prompt_mask, out, components, rewards = self.sample(
+                rows, 1, self.sampling_params(training=True), seeds
+            )
+            version = self.trainer.global_step
+        else:
+            prompt_ids, prompt_mask = sampled.prompt_ids.to(self.device), sampled.prompt_mask.to(self.device)
+            out = RolloutOutput(*(t.to(self.device) for t in vars(sampled.output).values()))
+            self.timer.count("generated_tokens", float(out.completion_mask.sum()))
+            components, rewards = self.score_output(rows, out, 1)
+            version = sampled.version
         self.release_engine()  # sleep mode: the log-prob forwards and the update get the engine's memory
         # Every rank's rewards in global slot order: a group may span ranks, so group statistics use them all.
         all_rewards = self.all_gather(rewards).reshape(-1)  # [world*N]
@@ -390,6 +437,7 @@ class OnPolicyModule(PolicyModule):
             reward_components=components,
             advantages=torch.zeros_like(rewards),
             group_reward_std=group_std,
+            policy_version=torch.full_like(rewards, version, dtype=torch.long),
         )
         if self.needs_old_logprobs():
             with self.timer.phase("old_logprobs"):
@@ -401,13 +449,14 @@ class OnPolicyModule(PolicyModule):
         self._normalizers = self._step_normalizers(batch)
         return batch
 
-    def completion_seeds(self, n: int) -> list[int]:
-        """Sampling seeds of this rank's `n` completions of the current generation: slices of one list for the
-        global batch (`global_batch_seeds`), so that a completion's sample depends on the run's seed, the
+    def completion_seeds(self, n: int, generation: Optional[int] = None) -> list[int]:
+        """Sampling seeds of this rank's `n` completions of `generation` (default: the current one): slices of one
+        list for the global batch (`global_batch_seeds`), so that a completion's sample depends on the run's seed, the
         generation and its place in the global batch, never on how the batch is split across ranks. The loader
         gives each rank a consecutive slice of the generation's prompts, so rank r holds completions r*n..r*n+n-1.
         """
-        generation = self._micro_steps_done // self.micro_steps_per_generation
+        if generation is None:
+            generation = self._micro_steps_done // self.micro_steps_per_generation
         run_seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # `seed_everything`'s seed, the same on every rank
         seeds = global_batch_seeds(run_seed, generation, n * self.trainer.world_size)
         return seeds[self.local_slice(n)]
@@ -465,9 +514,15 @@ class OnPolicyModule(PolicyModule):
                 f"rollout schedule drifted: loader gave micro-step {batch['micro_step']}, "
                 f"the module expected {self._micro_steps_done}"
             )
-        generation_micro_step = batch["micro_step"] % self.micro_steps_per_generation
+        generation, generation_micro_step = divmod(batch["micro_step"], self.micro_steps_per_generation)
+        for launched, rows in batch.get("launch", ()):
+            self.launch_generation(launched, rows)
         if generation_micro_step == 0:
-            self._buffer = self.make_rollout(batch["rows"])
+            sampled = None
+            if self._producer is not None:
+                with self.timer.phase("generation"):  # the part of the generation the training did not hide
+                    sampled = self._producer.take(self.rollout_engine, generation)
+            self._buffer = self.make_rollout(batch["rows"], sampled)
         micro_batches = self.micro_steps_per_generation // hp.num_iterations
         index = generation_micro_step % micro_batches
         if self._buffer.prompt_ids.device != self.device:  # restored from a checkpoint on CPU
@@ -492,11 +547,47 @@ class OnPolicyModule(PolicyModule):
         # The loss denominators cover the whole step on every rank.
         return loss * self.step_loss_scale()
 
+    def launch_generation(self, generation: int, rows: list[dict[str, Any]]) -> None:
+        """Start sampling `generation` in the background with the current weights (asynchronous rollouts)."""
+        version = generation_version(generation, self.optimizer_steps_per_generation, self.max_staleness)
+        if version != self.trainer.global_step:
+            raise RuntimeError(
+                f"asynchronous rollouts: generation {generation} must be sampled by policy version {version}, "
+                f"but the trainer is at step {self.trainer.global_step}"
+            )
+        prompt_ids, prompt_mask = self.encode_prompts([row["prompt"] for row in rows])
+        if self.rollout_engine is None:
+            with self.timer.phase("engine_start"):
+                self.rollout_engine = self._build_engine()
+        engine = self.rollout_engine
+        with self.timer.phase("weight_push"):  # staging the weights, when this version is new
+            self._producer.launch(
+                engine,
+                generation,
+                version,
+                prompt_ids,
+                prompt_mask,
+                self.sampling_params(training=True),
+                self.completion_seeds(len(rows), generation),
+                self.weight_stream,
+            )
+
+    def on_validation_start(self) -> None:
+        # Validation samples with the engine too (pushing the current weights): first let the generations in
+        # flight finish with the versions they were launched with.
+        if self._producer is not None and self.rollout_engine is not None:
+            self._producer.wait_all(self.rollout_engine)
+            self._producer.forget_staged()
+
     def _update_common_metrics(
         self, mb: RolloutBatch, logits: torch.Tensor, fresh_logprobs: Optional[torch.Tensor]
     ) -> None:
         m = self.train_metrics
         tokens = mb.completion_mask > 0  # [n, T]
+        if self.max_staleness > 0:
+            staleness = (self.trainer.global_step - mb.policy_version).float()  # [n] optimizer steps
+            m["staleness/mean"].update(staleness)
+            m["staleness/max"].update(staleness)
         self._update_rollout_metrics(m, mb.rewards, mb.reward_components, mb.completion_mask, mb.group_reward_std)
         m["entropy"].update(entropy_from_logits(logits.detach(), self.hparams.temperature)[tokens])
         # Compare the engine's log-probs with the trainer's at the same weights: the old log-probs when they
@@ -553,6 +644,8 @@ class OnPolicyModule(PolicyModule):
             "buffer": None if self._buffer is None else self._buffer.state_dict(),
             "normalizers": [vars(n) for n in self._normalizers],
             "rng": rng_state(self.device),
+            # Generations launched ahead, finished (waited for): their weights are not in the checkpoint.
+            "pending": None if self._producer is None else self._producer.state_dict(self.rollout_engine),
         }
         per_rank = [local]
         if self.trainer.world_size > 1:
@@ -577,6 +670,8 @@ class OnPolicyModule(PolicyModule):
         self._buffer = None if mine["buffer"] is None else RolloutBatch.from_state_dict(mine["buffer"])
         self._normalizers = [LossNormalizer(**n) for n in mine["normalizers"]]
         set_rng_state(mine["rng"])
+        if self._producer is not None:
+            self._producer.load_state_dict(mine.get("pending") or [])
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
@@ -591,6 +686,24 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"], torch.cuda.current_device())
+
+
+def check_max_staleness(max_staleness: int, vllm: Optional[VLLMConfig]) -> None:
+    """Asynchronous rollouts need an engine that samples beside the trainer: today the vLLM server."""
+    if max_staleness < 0:
+        raise ConfigError(f"model.max_staleness must be >= 0, got {max_staleness}")
+    if max_staleness == 0:
+        return
+    if vllm is None:
+        raise ConfigError(
+            "model.max_staleness > 0 needs an engine that samples in the background; HF generate samples from the "
+            "policy being trained: set model.vllm.mode: server (configs/rollout/vllm_server.yaml)"
+        )
+    if vllm.mode != "server":
+        raise ConfigError(
+            f"model.max_staleness > 0 is not supported with model.vllm.mode: {vllm.mode} yet (the engine shares "
+            "the trainer's process and device): use model.vllm.mode: server (configs/rollout/vllm_server.yaml)"
+        )
 
 
 def check_rollout_args(args: dict[str, Any]) -> None:

@@ -60,6 +60,10 @@ class OnlineDPO(OnPolicyModule):
             `generate` on the policy. See `lit_rl.rollout.VLLMConfig` for the keys (`--model.vllm.mode ...`).
         lora: train a LoRA adapter (`configs/peft/lora.yaml`) instead of the full weights; the reference is then
             the policy with its adapter disabled. See `lit_rl.lora.LoRAConfig` for the keys (`--model.lora.r 8`).
+        max_staleness: asynchronous rollouts: generation g is sampled in the background by the weights of
+            optimizer step max(0, g*m - k) (m = steps_per_generation x num_iterations), so each sample is at most
+            k steps older than the policy it first updates (`lit_rl.rollout.producer`); needs the vLLM server
+            engine. 0 (default): synchronous.
     """
 
     def __init__(
@@ -91,6 +95,7 @@ class OnlineDPO(OnPolicyModule):
         invalid_reward: str = "zero",
         vllm: Optional[VLLMConfig] = None,
         lora: Optional[LoRAConfig] = None,
+        max_staleness: int = 0,
     ) -> None:
         check_rollout_args(locals())
         if num_generations != 2:
@@ -125,12 +130,13 @@ class OnlineDPO(OnPolicyModule):
             max_prompt_length=max_prompt_length,
             vllm=vllm,
             lora=lora,
+            max_staleness=max_staleness,
         )
         self.save_hyperparameters()
         if reward_model_name_or_path is not None:
             # A plain callable, never an nn.Module attribute: the reward model is not trained or checkpointed.
             self.add_reward_function("reward_model", RewardModel(reward_model_name_or_path), judge_weight)
-        self.train_metrics = online_dpo_metrics(self.reward_fns).clone(prefix="train/")
+        self.train_metrics = self.rollout_train_metrics(online_dpo_metrics(self.reward_fns))
         self.val_metrics = self.rollout_val_metrics()
 
     def uses_reference(self) -> bool:

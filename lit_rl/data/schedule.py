@@ -9,6 +9,9 @@ prompt-major: completion slot `s` belongs to prompt `s // G`. Rank `r` takes slo
 of G completions may therefore span ranks (when n is not a multiple of G); the algorithm normalises rewards over
 the gathered global batch, so the split never changes a group.
 
+With asynchronous rollouts the schedule also says which generations to launch ahead (`launches`): the first
+micro-step of each optimizer step carries, under "launch", the rows of every generation launched at that step.
+
 Everything an item holds is a pure function of `i`, the seed and the rank, and the loader starts at the
 algorithm's own counter of micro-steps done (restored from the checkpoint with the module). So Lightning's
 prefetching cannot shift it and a resumed run continues with exactly the prompts it would have seen.
@@ -17,7 +20,7 @@ prefetching cannot shift it and a resumed run continues with exactly the prompts
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 from lit_rl.data.files import Row
 from lit_rl.data.sharding import epoch_order
@@ -28,12 +31,15 @@ from lit_rl.errors import DataError
 class RolloutSchedule:
     """What an algorithm tells the loader: completions per rank per generation (n), completions per prompt (G),
     micro-steps per generation, and a callable returning how many micro-steps the run has done (the algorithm's
-    checkpointed counter)."""
+    checkpointed counter). Asynchronous rollouts add the micro-steps of one optimizer step and which generations
+    are launched at the start of optimizer step s (`launches(s)`)."""
 
     completions_per_rank: int
     group_size: int
     micro_steps_per_generation: int
     start_micro_step: Callable[[], int]
+    micro_steps_per_optimizer_step: int = 1
+    launches: Optional[Callable[[int], list[int]]] = None
 
 
 class RolloutScheduleLoader:
@@ -43,6 +49,8 @@ class RolloutScheduleLoader:
         self.group_size = schedule.group_size
         self.micro_steps_per_generation = schedule.micro_steps_per_generation
         self.start_micro_step = schedule.start_micro_step
+        self.micro_steps_per_optimizer_step = schedule.micro_steps_per_optimizer_step
+        self.launches = schedule.launches
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
@@ -80,7 +88,12 @@ class RolloutScheduleLoader:
     def item(self, micro_step: int) -> dict[str, Any]:
         generation, within = divmod(micro_step, self.micro_steps_per_generation)
         rows = self.rows_of_generation(generation) if within == 0 else []
-        return {"micro_step": micro_step, "rows": rows}
+        item = {"micro_step": micro_step, "rows": rows}
+        if self.launches is not None:
+            step, first = divmod(micro_step, self.micro_steps_per_optimizer_step)
+            launched = self.launches(step) if first == 0 else []
+            item["launch"] = [(g, self.rows_of_generation(g)) for g in launched]
+        return item
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         start = self.start_micro_step()

@@ -6,9 +6,10 @@ Shapes: N sequences in the micro-batch, T completion tokens. The per-token loss 
     l_t      = -w_t * min(r_t * A, clip(r_t, 1 - epsilon_low, 1 + epsilon_high) * A) + beta * k3_t
     k3_t     = exp(ref_t - logprobs_t) - (ref_t - logprobs_t) - 1
 
-w_t is 1 unless a rollout-engine correction is asked for: truncated importance sampling (Yao et al. 2025) weighs
-the policy term by w_t = min(exp(old_logprobs_t - rollout_logprobs_t), cap), the trainer's probability of the
-sampled token over the engine's (a constant: no gradient flows through it; see `truncated_is_weights`).
+w_t is 1 unless a rollout correction is asked for (`rollout_is_weights`): the importance ratio of the trainer's
+probability of the sampled tokens over the engine's, which differ when the engine's numerics differ (bf16 vLLM) or
+when the engine sampled with older weights (asynchronous rollouts). Truncated (Yao et al. 2025) per token or per
+sequence, or masked per sequence; a constant: no gradient flows through it.
 
 The KL term is added per token *before* aggregation, so it is normalised exactly like the policy term.
 Aggregation turns l [N, T] and the completion mask m [N, T] into a scalar; the denominators describe the whole
@@ -175,3 +176,39 @@ def truncated_is_weights(
     """
     log_ratio = (old_logprobs - rollout_logprobs).detach().clamp(max=math.log(cap))
     return torch.exp(log_ratio) * completion_mask
+
+
+IS_CORRECTIONS = ("none", "token_truncate", "sequence_truncate", "sequence_mask")
+
+
+def rollout_is_weights(
+    mode: str, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, completion_mask: torch.Tensor, cap: float
+) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The rollout correction's weights w [N, T] (detached, 0 on padding) and which tokens it changed [N, T] bool
+    (truncated or masked), or (None, None) for `none`. With d_t = old_logprobs_t - rollout_logprobs_t (the
+    trainer's log-prob of the sampled token minus the engine's) and C = cap:
+
+        token_truncate    : w_t = min(exp(d_t), C)                                    (TIS, per token)
+        sequence_truncate : w_t = min(rho_i, C),  rho_i = exp(sum_t m_it d_it)        (per sequence, every token)
+        sequence_mask     : w_t = rho_i if 1/C <= rho_i <= C else 0                    (MIS: the sequence is dropped)
+
+    Sequence ratios multiply the token ratios, so they move away from 1 as completions grow: a cap of 2 masks far
+    more of long completions than of short ones.
+    """
+    if mode == "none":
+        return None, None
+    tokens = completion_mask > 0
+    log_ratio = ((old_logprobs - rollout_logprobs).detach() * completion_mask).nan_to_num(0.0)  # [N, T]
+    log_cap = math.log(cap)
+    if mode == "token_truncate":
+        changed = (log_ratio > log_cap) & tokens
+        return torch.exp(log_ratio.clamp(max=log_cap)) * completion_mask, changed
+    sequence_log_ratio = log_ratio.sum(dim=1, keepdim=True)  # [N, 1]
+    if mode == "sequence_truncate":
+        changed = (sequence_log_ratio > log_cap) & tokens
+        return torch.exp(sequence_log_ratio.clamp(max=log_cap)) * completion_mask, changed
+    if mode == "sequence_mask":
+        outside = sequence_log_ratio.abs() > log_cap  # [N, 1]
+        weights = torch.exp(sequence_log_ratio).masked_fill(outside, 0.0) * completion_mask
+        return weights, outside & tokens
+    raise ValueError(f"unknown rollout correction {mode!r}; expected one of {IS_CORRECTIONS}")

@@ -15,6 +15,11 @@ one file per `push_bucket_mib` (rank 0 never holds more than about one bucket of
 take part in the gathers), then asks the server to pause, reload from there (`collective_rpc("reload_weights")`),
 reset its prefix cache and resume. On GPUs an NCCL transfer would skip the file; this path works on CPU too.
 
+Asynchronous rollouts (`model.max_staleness > 0`, `lit_rl.rollout.producer`): the weights of each policy version
+are staged into their own subdirectory `v<version>/`, and rank 0 runs the submitted generations one after the
+other on a worker thread, each first reloading the version it was tagged with (so a completion never spans two
+versions), while the training thread goes on; the completions are scattered back when the trainer collects them.
+
 Every request has a timeout; failures to connect, timeouts and 5xx answers are retried with exponential
 backoff, then stop the run with one line naming the URL. 4xx answers fail at once with the server's message.
 """
@@ -225,6 +230,8 @@ class VLLMServerEngine:
         self.rank, self.world_size = _rank_and_world()
         self.client = VLLMServerClient(config.server_url, config.request_timeout_s, config.max_retries)
         self.model_name: Optional[str] = None
+        self._worker: Optional[ThreadPoolExecutor] = None  # rank 0's background generations (asynchronous mode)
+        self._loaded_version: Optional[int] = None  # the staged version the server holds; None after a plain push
         self._own_sync_dir = False
         self.sync_dir: Optional[str] = None
         # Rank 0 alone connects; every rank learns whether it worked, so none waits on a dead one.
@@ -332,26 +339,86 @@ class VLLMServerEngine:
         _on_rank0_then_share(lambda: self._push(iter(named_tensors)), self.rank, self.world_size)
 
     def _push(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self._write(named_tensors, self.sync_dir)
+        self._reload(self.sync_dir)
+        self._loaded_version = None
+
+    def _write(self, named_tensors: Iterator[tuple[str, torch.Tensor]], directory: str) -> None:
         try:
-            _write_safetensors_shards(named_tensors, self.sync_dir, int(self.config.push_bucket_mib * 2**20))
+            os.makedirs(directory, exist_ok=True)
+            _write_safetensors_shards(named_tensors, directory, int(self.config.push_bucket_mib * 2**20))
         except OSError as err:
             raise RolloutServerError(
-                f"cannot write the policy's weights to {self.sync_dir} ({err.strerror or err}); "
+                f"cannot write the policy's weights to {directory} ({err.strerror or err}); "
                 "set model.vllm.weight_sync_dir to a directory with room for them, shared with the server"
             ) from None
         finally:
             for _ in named_tensors:  # after a failure, the other ranks still gather through the rest of the stream
                 pass
+
+    def _reload(self, directory: str) -> None:
         # `mode=wait` lets any request still running finish; then nothing samples with half-loaded weights.
         self.client.request("POST", "/pause?mode=wait")
         try:
-            rpc = {"method": "reload_weights", "kwargs": {"weights_path": self.sync_dir}}
+            rpc = {"method": "reload_weights", "kwargs": {"weights_path": directory}}
             self.client.request("POST", "/collective_rpc", rpc, retries=0)  # a failed reload is not retried blindly
             self.client.request("POST", "/reset_prefix_cache")
         finally:
             self.client.request("POST", "/resume")
 
+    # -- asynchronous rollouts (lit_rl.rollout.producer.AsyncRolloutEngine) -------------------------------------
+    def _version_dir(self, version: int) -> str:
+        return os.path.join(self.sync_dir, f"v{version}")
+
+    def stage_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Write the weights of `version` into their own directory for the generations tagged with it; the server
+        loads them when the first of those starts (see the module docstring). A collective, like `update_weights`."""
+        if self.rank != 0:
+            for _ in named_tensors:
+                pass
+        _on_rank0_then_share(
+            lambda: self._write(iter(named_tensors), self._version_dir(version)), self.rank, self.world_size
+        )
+
+    def submit(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        params: SamplingParams,
+        seeds: Sequence[int],
+        version: int,
+    ) -> tuple[Any, torch.device]:
+        """Gather every rank's prompts to rank 0, which queues them on its worker thread; returns the ticket."""
+        local = (unpadded_prompts(prompt_ids, prompt_mask), list(seeds))
+        gathered = _gather_to_rank0(local, self.rank, self.world_size)
+        future = None
+        if self.rank == 0:
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lit-rl-rollout")
+            future = self._worker.submit(self._generate_with_version, gathered, params, version)
+        return future, prompt_ids.device
+
+    def collect(self, ticket: tuple[Any, torch.device]) -> RolloutOutput:
+        """Wait for a submitted generation and hand each rank its completions (or every rank the error)."""
+        future, device = ticket
+        token_ids, logprobs = _on_rank0_then_scatter(lambda: future.result(), self.rank, self.world_size)
+        return padded_output(token_ids, logprobs, self.eos_token_ids, self.pad_token_id, device)
+
+    def _generate_with_version(
+        self, per_rank: list[tuple[list[list[int]], list[int]]], params: SamplingParams, version: int
+    ) -> list[tuple[list[list[int]], list[list[float]]]]:
+        if self._loaded_version != version:
+            self._reload(self._version_dir(version))
+            self._loaded_version = version
+            for name in os.listdir(self.sync_dir):  # older versions are never asked for again (versions only grow)
+                if name.startswith("v") and name[1:].isdigit() and int(name[1:]) < version:
+                    shutil.rmtree(os.path.join(self.sync_dir, name), ignore_errors=True)
+        return self._generate_all(per_rank, params)
+
     def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=False, cancel_futures=True)
+            self._worker = None
         if self._own_sync_dir and self.sync_dir:
             self._cleanup()
             self.sync_dir = None

@@ -27,6 +27,7 @@ from tests.conftest import (
     read_metrics,
     saved_steps,
     train_rows,
+    without_engine_gap,
     write_overlay,
 )
 
@@ -235,3 +236,86 @@ def test_dead_server_stops_the_run_with_one_line_naming_the_url(tmp_path):
     assert "Traceback" not in result.stderr
     assert time.monotonic() - started < 120
     assert os.path.isdir(tmp_path / "dead")  # the run directory the trainer wrote before failing is kept
+
+
+SERVER = ("--config", str(CONFIGS / "rollout" / "vllm_server.yaml"))
+
+
+def test_asynchronous_rollouts_with_the_server_engine_one_and_two_processes_alike(tmp_path, vllm_server):
+    # Generation g is sampled by the weights of step g - 1 on rank 0's worker thread while step g - 1 trains.
+    args = (*SERVER, "--model.vllm.server_url", vllm_server, "--model.max_staleness", "1")
+    single = _fit(tmp_path, "async", *args)
+    assert saved_steps(single) == [2, 4]
+    rows = train_rows(single)
+    assert [row["train/staleness/max"] for row in rows] == [0.0, 1.0, 1.0, 1.0]
+    for row in rows:
+        assert 0.0 <= row["train/reward"] <= 1.1
+    # Stale samples: the trainer's log-probs (one step newer, lr 1e-3) differ from the engine's by far more than
+    # rounding after the first step, and the truncated correction is on.
+    assert rows[0]["train/rollout_logprob_diff/max"] < TOLERANCE
+    assert all(row["train/rollout_logprob_diff/max"] > 10 * TOLERANCE for row in rows[1:])
+    assert all(0.0 <= row["train/rollout_is_frac_corrected"] <= 1.0 for row in rows)
+    ddp = ("--config", str(CONFIGS / "strategy" / "ddp.yaml"), "--model.micro_batch_size", "4")
+    two = _fit(tmp_path, "async_ddp", *args, *ddp)
+    assert saved_steps(two) == [2, 4]
+    # Each rank's 4 completions are one whole group: the server gets the same requests in either layout.
+    assert_rows_match(without_engine_gap(train_rows(two)), without_engine_gap(rows), rel=1e-4, abs=1e-5)
+
+
+def test_a_server_dying_with_generations_in_flight_ends_the_run_in_one_line_and_the_checkpoint_resumes(
+    tmp_path, vllm_server
+):
+    model = str(REPO / "lit_rl" / "assets" / "tiny-qwen2-addition-sft")
+    doomed = LocalVLLMServer(model, str(tmp_path / "doomed.log"), extra_args=["--max-model-len", "128"])
+    overlay = write_overlay(tmp_path / "o.yaml", every_n_train_steps=2, save_dir=tmp_path / "died")
+    base = [*CLI_COMMAND, "fit", "--config", str(CONFIGS / "grpo.yaml"), "--config", str(overlay), *SERVER, *FAST_GRPO]
+    run_args = ["--model.max_staleness", "1", "--model.vllm.max_retries", "1", "--trainer.max_steps", "1000"]
+    checkpoints = tmp_path / "died" / "run" / "version_0" / "checkpoints"
+    process = subprocess.Popen(
+        [*base, "--model.vllm.server_url", doomed.url, *run_args],
+        cwd=tmp_path,
+        env=_vllm_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (checkpoints / "step=2.ckpt").exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        doomed.stop()  # the next generation is already in flight (launched before step 2's checkpoint)
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 1, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    assert doomed.url in last and "is the server running" in last, last
+    assert "Traceback" not in stderr
+    # The checkpoint of the last finished step is intact: resume it against a live server.
+    kept = sorted(p.name for p in checkpoints.glob("step=*.ckpt"))
+    assert "step=2.ckpt" in kept and not list(checkpoints.glob("*.tmp*"))
+    newest = max(checkpoints.glob("step=*.ckpt"), key=lambda p: int(p.stem.split("=")[1]))
+    steps_done = int(newest.stem.split("=")[1])
+    resumed_overlay = write_overlay(tmp_path / "r.yaml", every_n_train_steps=2, save_dir=tmp_path / "resumed")
+    resume = [*CLI_COMMAND, "fit", "--config", str(CONFIGS / "grpo.yaml"), "--config", str(resumed_overlay), *SERVER]
+    result = subprocess.run(
+        [
+            *resume,
+            *FAST_GRPO,
+            "--model.vllm.server_url",
+            vllm_server,
+            "--model.max_staleness",
+            "1",
+            "--trainer.max_steps",
+            str(steps_done + 2),
+            "--ckpt_path",
+            str(newest),
+        ],
+        cwd=tmp_path,
+        env=_vllm_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = train_rows(tmp_path / "resumed" / "run" / "version_0")
+    assert [row["step"] for row in rows] == [steps_done + 1, steps_done + 2]

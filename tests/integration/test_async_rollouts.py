@@ -1,0 +1,123 @@
+"""Asynchronous rollouts end to end on the tiny model: `max_staleness: 0` logs what the synchronous schedule
+logged before asynchrony existed; with k >= 1 every generation is sampled by the weights of the step it is tagged
+with, no consumed sample is staler than k, checkpoints land on the cadence, and a run resumed from a checkpoint
+taken with generations in flight logs the same numbers. The engine is `tests.snapshot_engine` (HF generate on a
+copy of the policy, in a worker thread); the vLLM server's own tests are in test_vllm.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+from lit_rl.algorithms import GRPO, RLOO
+from lit_rl.data import PromptDataModule
+from lit_rl.rollout import VLLMConfig
+from tests.conftest import assert_rows_match, train_rows
+from tests.golden.sync_schedule import GOLDEN, RUNS, run
+from tests.snapshot_engine import use_snapshot_engine, weights_digest
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_max_staleness_zero_logs_what_the_synchronous_schedule_logged(tmp_path, name):
+    # The golden rows were written by the code before asynchronous rollouts (tests/golden/sync_schedule.py).
+    assert_rows_match(run(name, tmp_path), json.loads(GOLDEN.read_text())[name], rel=0, abs=0)
+
+
+class PolicyDigests(Callback):
+    """The digest of the policy's weights at each optimizer step's start (version = global_step)."""
+
+    def __init__(self):
+        self.by_version: dict[int, str] = {}
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.by_version.setdefault(trainer.global_step, weights_digest(module.policy.state_dict().items()))
+
+
+def _fit(tmp_path: Path, name: str, max_steps: int, ckpt_path=None, every_n=None, algorithm=GRPO, **model_args):
+    args = dict(num_generations=4, micro_batch_size=8, max_new_tokens=4, vllm=VLLMConfig(mode="server"))
+    model = algorithm(**{**args, **model_args})
+    engines = use_snapshot_engine(model)
+    digests = PolicyDigests()
+    callbacks = [digests]
+    if every_n:
+        callbacks.append(
+            ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", every_n_train_steps=every_n, save_top_k=-1)
+        )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=CSVLogger(tmp_path, name=name, version=0),
+        log_every_n_steps=1,
+        enable_checkpointing=bool(every_n),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=callbacks,
+    )
+    L.seed_everything(0)
+    trainer.fit(model, PromptDataModule(val_data=None), ckpt_path=ckpt_path, weights_only=False)  # our own
+    return tmp_path / name / "version_0", engines, digests
+
+
+@pytest.mark.parametrize("k, steps_per_generation", [(1, 1), (2, 1), (1, 2)])
+def test_every_generation_is_sampled_by_the_weights_it_is_tagged_with_and_no_sample_is_staler_than_k(
+    tmp_path, k, steps_per_generation
+):
+    max_steps = 6
+    log_dir, engines, digests = _fit(
+        tmp_path, "run", max_steps, max_staleness=k, steps_per_generation=steps_per_generation
+    )
+    (engine,) = engines
+    # The weights staged for version v are the policy's after v optimizer steps, and the worker sampled the
+    # generations in order with non-decreasing versions.
+    for version, digest in engine.staged_digests.items():
+        assert digest == digests.by_version[version], version
+    assert engine.generated_versions == sorted(engine.generated_versions)
+    rows = train_rows(log_dir)
+    assert [row["step"] for row in rows] == list(range(1, max_steps + 1))  # logged with the step's number
+    for row in rows:
+        step = int(row["step"]) - 1  # the optimizer steps done before this one: the trained policy's version
+        # Generation g = step // m was sampled by version max(0, g*m - k); later steps of a generation add their
+        # offset within it, as in the synchronous schedule.
+        m = steps_per_generation
+        expected = step - max(0, (step // m) * m - k)
+        assert row["train/staleness/max"] == expected and row["train/staleness/mean"] == expected
+        assert row["train/staleness/max"] <= k + m - 1
+    assert max(row["train/staleness/max"] for row in rows if (int(row["step"]) - 1) % steps_per_generation == 0) == k
+    assert all(0 <= row["train/rollout_is_frac_corrected"] <= 1 for row in rows)
+
+
+def test_resume_from_a_checkpoint_taken_with_generations_in_flight_logs_the_same_numbers(tmp_path):
+    args = dict(max_staleness=2)
+    full_dir, _, _ = _fit(tmp_path / "full", "run", 6, every_n=2, **args)
+    assert saved_steps_in(tmp_path / "full" / "ckpt") == [2, 4, 6]
+    checkpoint = torch.load(tmp_path / "full" / "ckpt" / "step=2.ckpt", weights_only=False)
+    pending = checkpoint["lit_rl"]["per_rank"][0]["pending"]
+    # After 2 steps (k = 2): generations 0 and 1 were trained on; 2 (version 0) and 3 (version 1) were in flight.
+    assert [(entry["generation"], entry["version"]) for entry in pending] == [(2, 0), (3, 1)]
+    resumed_dir, engines, _ = _fit(
+        tmp_path / "resumed", "run", 6, ckpt_path=tmp_path / "full" / "ckpt" / "step=2.ckpt", every_n=2, **args
+    )
+    assert saved_steps_in(tmp_path / "resumed" / "ckpt") == [4, 6]
+    # Generations 2 and 3 came from the checkpoint: the resumed engine sampled generations 4-7 (versions 2-5).
+    assert engines[0].generated_versions == [2, 3, 4, 5]
+    assert_rows_match(train_rows(resumed_dir), train_rows(full_dir), rel=0, abs=0)
+
+
+def saved_steps_in(directory: Path) -> list[int]:
+    return sorted(int(p.stem.split("=")[1]) for p in directory.glob("step=*.ckpt"))
+
+
+def test_rloo_trains_with_asynchronous_rollouts(tmp_path):
+    log_dir, engines, _ = _fit(tmp_path, "rloo", 3, algorithm=RLOO, max_staleness=1)
+    rows = train_rows(log_dir)
+    assert [row["train/staleness/max"] for row in rows] == [0.0, 1.0, 1.0]
+    assert engines[0].generated_versions == [0, 0, 1, 2]

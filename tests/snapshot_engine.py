@@ -1,0 +1,83 @@
+"""An `AsyncRolloutEngine` for tests that need no vLLM: HF `generate` on a copy of the policy, in a worker thread,
+loading for each generation the weights staged for its version. It records what it did, so tests can check that
+every generation was sampled with the weights of the step it was tagged with."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Iterable, Sequence
+
+import torch
+
+from lit_rl.rollout import HFGenerateEngine, RolloutOutput, SamplingParams
+
+
+def weights_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """A hash of the weights' names and bytes: equal digests mean equal weights."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(named_tensors, key=lambda item: item[0]):
+        digest.update(name.encode())
+        digest.update(tensor.detach().to(torch.float32).cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+class SnapshotEngine:
+    needs_weights = True
+
+    def __init__(self, policy: torch.nn.Module, eos_token_ids: Sequence[int], pad_token_id: int) -> None:
+        self.model = copy.deepcopy(policy)
+        self.inner = HFGenerateEngine(self.model, eos_token_ids, pad_token_id)
+        self.staged: dict[int, dict[str, torch.Tensor]] = {}
+        self.staged_digests: dict[int, str] = {}
+        self.generated_versions: list[int] = []  # in the order the worker sampled them
+        self.sync_pushes = 0
+        self.worker = ThreadPoolExecutor(max_workers=1)
+
+    def _load(self, weights: dict[str, torch.Tensor]) -> None:
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+
+    def stage_weights(self, named_tensors, version: int) -> None:
+        weights = {name: tensor.detach().clone().cpu() for name, tensor in named_tensors}
+        self.staged[version] = weights
+        self.staged_digests[version] = weights_digest(weights.items())
+
+    def submit(self, prompt_ids, prompt_mask, params: SamplingParams, seeds, version: int) -> Future:
+        return self.worker.submit(self._generate, self.staged[version], prompt_ids, prompt_mask, params, seeds, version)
+
+    def _generate(self, weights, prompt_ids, prompt_mask, params, seeds, version) -> RolloutOutput:
+        self._load(weights)
+        self.generated_versions.append(version)
+        return self.inner.generate(prompt_ids, prompt_mask, params, seeds)
+
+    def collect(self, ticket: Future) -> RolloutOutput:
+        return ticket.result()
+
+    # the synchronous interface, which validation uses
+    def generate(self, prompt_ids, prompt_mask, params, seeds=None) -> RolloutOutput:
+        return self.inner.generate(prompt_ids, prompt_mask, params, seeds)
+
+    def update_weights(self, named_tensors=None) -> None:
+        self.sync_pushes += 1
+        self._load({name: tensor.detach().clone().cpu() for name, tensor in named_tensors})
+
+    def close(self) -> None:
+        self.worker.shutdown(wait=True)
+
+
+def use_snapshot_engine(module) -> list[SnapshotEngine]:
+    """Make `module` (an on-policy algorithm) build a `SnapshotEngine` instead of its configured one; the list
+    receives each engine built."""
+    from lit_rl.rollout.hf import model_eos_token_ids
+
+    built: list[SnapshotEngine] = []
+
+    def build():
+        eos = model_eos_token_ids(module.policy, module.tokenizer.eos_token_id)
+        built.append(SnapshotEngine(module.policy, eos, module.tokenizer.pad_token_id))
+        return built[-1]
+
+    module._build_engine = build
+    return built
