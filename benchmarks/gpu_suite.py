@@ -132,6 +132,7 @@ def lit_run(name: str, model: str, engine: str, strategy: str, work, smoke: bool
         accelerator="cpu" if smoke else "gpu",
         steps=work.steps,
         warmup=work.warmup,
+        pin_cores=False,
         overrides=[
             "--model.model_name_or_path",
             model,
