@@ -88,3 +88,14 @@ class RecordCompletionTokens(_Probe):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.write("tokens", trainer.global_rank, {"tokens_per_step": self.tokens})
+
+
+class UseSnapshotEngine(L.Callback):
+    """Make the on-policy module sample with `tests.snapshot_engine.SnapshotEngine` (HF generate on a copy of the
+    policy, in a worker thread: an asynchronous engine without vLLM), on every rank, through the real CLI. Run with
+    `--model.vllm.mode server` so that `max_staleness > 0` is accepted; no server is contacted."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        from tests.snapshot_engine import use_snapshot_engine
+
+        use_snapshot_engine(pl_module)

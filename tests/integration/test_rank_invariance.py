@@ -3,7 +3,9 @@ must log the same per-step loss and metrics (the loss and every metric are norma
 For GRPO that also needs the same completions in every layout (each is sampled with a seed of its place in the
 global batch, `OnPolicyModule.completion_seeds`, not from its rank's random stream) and group statistics over
 the whole group when a group spans ranks (4 x 1 below). GRPO runs with beta > 0 and each of the four loss
-aggregations, whose denominators are counts over all ranks and micro-batches."""
+aggregations, whose denominators are counts over all ranks and micro-batches, and with asynchronous rollouts
+(max_staleness 1: every rank's generations sampled ahead by a background engine, then corrected by the engine's
+log-probs)."""
 
 from __future__ import annotations
 
@@ -52,8 +54,8 @@ def test_dpo_steps_are_the_same_in_every_layout(tmp_path):
         assert_rows_match(rows, reference, rel=1e-5, abs=1e-6)
 
 
-def _grpo(tmp_path, aggregation: str, devices: int, accumulate: int):
-    name = f"grpo_{aggregation}_{devices}x{accumulate}"
+def _grpo(tmp_path, aggregation: str, devices: int, accumulate: int, *extra: str, tag: str = ""):
+    name = f"grpo{tag}_{aggregation}_{devices}x{accumulate}"
     log_dir = fit_in_subprocess(
         tmp_path,
         name,
@@ -82,6 +84,7 @@ def _grpo(tmp_path, aggregation: str, devices: int, accumulate: int):
         "--trainer.callbacks.directory",
         str(tmp_path / name / "probe"),
         *(["--trainer.strategy", "ddp"] if devices > 1 else []),
+        *extra,
         every_n_train_steps=None,
     )
     tokens = [
@@ -104,4 +107,25 @@ def test_grpo_steps_are_the_same_in_every_layout(tmp_path, aggregation):
         assert [row["step"] for row in rows] == [1, 2, 3], layout
         if layout[0] > 1:  # the ranks' completions differ in length: their token counts differ at some step
             assert any(len(set(per_rank)) > 1 for per_rank in zip(*tokens, strict=True)), (layout, tokens)
+        assert_rows_match(rows, reference, rel=1e-5, abs=1e-6)
+
+
+def test_grpo_steps_with_asynchronous_rollouts_are_the_same_in_every_layout(tmp_path):
+    """max_staleness 1: generation g is sampled on each rank's background engine with the weights of step g - 1
+    while step g - 1 trains; the old log-probs are then the current policy's and `token_truncate` weighs them
+    against the engine's. Seeds, staleness, corrections and denominators must not depend on the layout."""
+    snapshot = [
+        "--model.vllm.mode",
+        "server",  # accepted for max_staleness > 0; the probe replaces the engine, no server is contacted
+        "--model.max_staleness",
+        "1",
+        "--trainer.callbacks+",
+        "tests.integration.probes.UseSnapshotEngine",
+    ]
+    runs = {layout: _grpo(tmp_path, "token", *layout, *snapshot, tag="_async") for layout in LAYOUTS}
+    reference, _ = runs[(1, 4)]
+    assert [row["train/staleness/max"] for row in reference] == [0.0, 1.0, 1.0]
+    assert reference[-1]["train/kl"] > 0
+    for layout, (rows, _) in runs.items():
+        assert [row["step"] for row in rows] == [1, 2, 3], layout
         assert_rows_match(rows, reference, rel=1e-5, abs=1e-6)
