@@ -31,6 +31,7 @@ from lit_rl.lora import (
 )
 from lit_rl.models import load_causal_lm, load_tokenizer
 from lit_rl.ops import position_ids_from_mask, token_logprobs
+from lit_rl.packing import packed_completion_forward
 from lit_rl.perf import StepTimer
 from lit_rl.shared_prompts import shared_prompt_cache
 from lit_rl.strategies import gathered_parameters, hf_zero3_loading, shards_parameters
@@ -54,6 +55,7 @@ class PolicyModule(L.LightningModule):
         warmup_steps: int = 0,
         max_prompt_length: Optional[int] = None,
         lora: Optional[LoRAConfig] = None,
+        padding_free: bool = False,
     ) -> None:
         super().__init__()
         if learning_rate < 0:
@@ -74,6 +76,7 @@ class PolicyModule(L.LightningModule):
         self.policy: Optional[torch.nn.Module] = None
         self.ref_model: Optional[torch.nn.Module] = None  # frozen; set by `load_reference`, never checkpointed
         self.timer = StepTimer()  # perf/ metrics: where each step's time goes
+        self.padding_free = padding_free  # training forwards on packed rows (`lit_rl.packing`)
 
     # -- model -----------------------------------------------------------------------------------------------
     def load_model(self, random_init: bool = False, path: Optional[str] = None) -> torch.nn.Module:
@@ -347,6 +350,7 @@ def completion_forward(
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
     synced_ranks: bool = False,
+    padding_free: bool = False,
 ) -> torch.Tensor:
     """Logits that predict each completion token: [N, P] + [N, T] -> [N, T, V].
 
@@ -354,8 +358,11 @@ def completion_forward(
     (and the same log-probs) as when it was sampled. Rows that share a prompt share its forward
     (`lit_rl.shared_prompts`): each distinct prompt but its last token runs once, and the rows run the rest.
     `synced_ranks`: parameters are sharded across ranks (`PolicyModule.parameters_sharded`), so the ranks must
-    decide together.
+    decide together. `padding_free`: one forward of the rows' real tokens laid end to end (`lit_rl.packing`;
+    it replaces prompt sharing), with zero logits where `completion_mask` is 0.
     """
+    if padding_free:
+        return packed_completion_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
     attention_mask = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1)  # [N, P+T]
     positions = position_ids_from_mask(attention_mask)
     T = completion_ids.shape[1]
@@ -384,7 +391,10 @@ def completion_logprobs(
     completion_mask: torch.Tensor,
     temperature: float = 1.0,
     synced_ranks: bool = False,
+    padding_free: bool = False,
 ) -> torch.Tensor:
     """Per-token log-probs [N, T] of the completion tokens under `softmax(logits / temperature)`."""
-    logits = completion_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, synced_ranks)
+    logits = completion_forward(
+        model, prompt_ids, prompt_mask, completion_ids, completion_mask, synced_ranks, padding_free
+    )
     return token_logprobs(logits, completion_ids, temperature)

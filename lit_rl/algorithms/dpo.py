@@ -49,6 +49,9 @@ class DPO(PolicyModule):
         dtype: dtype the models are loaded in (`float32`, `bfloat16`, `float16`, `auto`).
         gradient_checkpointing: recompute activations in the backward pass to save memory.
         trust_remote_code: allow model code from the model repository (off by default).
+        padding_free: run the training forwards (policy, reference, old log-probs) on the rows' real tokens laid
+            end to end, without padding (`lit_rl.packing`): the same values to float rounding, less compute when
+            lengths vary. It replaces the shared-prompt forward.
         lora: train a LoRA adapter (`configs/peft/lora.yaml`) instead of the full weights, the reference being the
             policy with its adapter disabled (unless `ref_model_name_or_path` names another model). See
             `lit_rl.lora.LoRAConfig` for the keys (`--model.lora.r 8`).
@@ -71,6 +74,7 @@ class DPO(PolicyModule):
         gradient_checkpointing: bool = False,
         trust_remote_code: bool = False,
         lora: Optional[LoRAConfig] = None,
+        padding_free: bool = False,
     ) -> None:
         if loss_type not in DPO_LOSSES:
             raise ConfigError(f"model.loss_type must be one of {DPO_LOSSES}, got {loss_type!r}")
@@ -87,6 +91,7 @@ class DPO(PolicyModule):
             weight_decay=weight_decay,
             warmup_steps=warmup_steps,
             lora=lora,
+            padding_free=padding_free,
         )
         self.save_hyperparameters()
         metrics = dpo_metrics()
@@ -186,6 +191,7 @@ class DPO(PolicyModule):
             batch["completion_ids"],
             batch["completion_mask"],
             synced_ranks=self.parameters_sharded(),
+            padding_free=self.padding_free,
         )
         mask = batch["completion_mask"]
         logps = (token_logprobs(logits, batch["completion_ids"]) * mask).sum(dim=1)

@@ -53,6 +53,9 @@ class GRPO(OnPolicyModule):
             `frac_invalid_reward`), `error` stops the run naming the reward function.
         vllm: generate rollouts with vLLM (`configs/rollout/vllm_colocate.yaml`, `vllm_server.yaml`); None: HF
             `generate` on the policy. See `lit_rl.rollout.VLLMConfig` for the keys (`--model.vllm.mode ...`).
+        padding_free: run the training forwards (policy, reference, old log-probs) on the rows' real tokens laid
+            end to end, without padding (`lit_rl.packing`): the same values to float rounding, less compute when
+            lengths vary. It replaces the shared-prompt forward.
         lora: train a LoRA adapter (`configs/peft/lora.yaml`) instead of the full weights; the reference is then
             the policy with its adapter disabled. See `lit_rl.lora.LoRAConfig` for the keys (`--model.lora.r 8`).
         max_staleness: asynchronous rollouts: generation g is sampled in the background by the weights of
@@ -99,6 +102,7 @@ class GRPO(OnPolicyModule):
         invalid_reward: str = "zero",
         vllm: Optional[VLLMConfig] = None,
         lora: Optional[LoRAConfig] = None,
+        padding_free: bool = False,
         max_staleness: int = 0,
         rollout_is_correction: str = "auto",
         rollout_is_cap: float = 2.0,
@@ -134,6 +138,7 @@ class GRPO(OnPolicyModule):
             max_prompt_length=max_prompt_length,
             vllm=vllm,
             lora=lora,
+            padding_free=padding_free,
             max_staleness=max_staleness,
         )
         self.save_hyperparameters()

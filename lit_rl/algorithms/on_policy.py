@@ -64,6 +64,7 @@ class OnPolicyModule(PolicyModule):
         vllm: Optional[VLLMConfig] = None,
         lora: Optional[LoRAConfig] = None,
         max_staleness: int = 0,
+        padding_free: bool = False,
     ) -> None:
         check_vllm_config(vllm)
         check_max_staleness(max_staleness, vllm)
@@ -77,6 +78,7 @@ class OnPolicyModule(PolicyModule):
             warmup_steps=warmup_steps,
             max_prompt_length=max_prompt_length,
             lora=lora,
+            padding_free=padding_free,
         )
         # None means the built-in task's correctness reward; an empty list means none (a subclass adds its own).
         reward_funcs = ["lit_rl.rewards.arithmetic.correctness"] if reward_funcs is None else reward_funcs
@@ -478,6 +480,7 @@ class OnPolicyModule(PolicyModule):
                     mb.completion_mask,
                     self.hparams.temperature,
                     synced_ranks=self.parameters_sharded(),
+                    padding_free=self.padding_free,
                 )
             )
         return torch.cat(chunks) * batch.completion_mask
@@ -537,6 +540,7 @@ class OnPolicyModule(PolicyModule):
             mb.completion_ids,
             mb.completion_mask,
             synced_ranks=self.parameters_sharded(),
+            padding_free=self.padding_free,
         )
         logprobs = token_logprobs(logits, mb.completion_ids, hp.temperature)  # [n, T]
         loss, stats = self.micro_batch_loss(mb, logits, logprobs, self._normalizers[index // self.accumulate])

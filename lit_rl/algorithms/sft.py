@@ -34,6 +34,9 @@ class SFT(PolicyModule):
         trust_remote_code: allow model code from the model repository (off by default).
         max_prompt_length: truncate prompts to their last `max_prompt_length` tokens (None: no limit).
         max_completion_length: truncate completions to this many tokens, EOS included (None: no limit).
+        padding_free: run the training forwards (policy, reference, old log-probs) on the rows' real tokens laid
+            end to end, without padding (`lit_rl.packing`): the same values to float rounding, less compute when
+            lengths vary. It replaces the shared-prompt forward.
         lora: train a LoRA adapter (`configs/peft/lora.yaml`) instead of the full weights. See
             `lit_rl.lora.LoRAConfig` for the keys (`--model.lora.r 8`).
     """
@@ -53,6 +56,7 @@ class SFT(PolicyModule):
         max_prompt_length: Optional[int] = None,
         max_completion_length: Optional[int] = None,
         lora: Optional[LoRAConfig] = None,
+        padding_free: bool = False,
     ) -> None:
         super().__init__(
             model_name_or_path,
@@ -65,6 +69,7 @@ class SFT(PolicyModule):
             warmup_steps=warmup_steps,
             max_prompt_length=max_prompt_length,
             lora=lora,
+            padding_free=padding_free,
         )
         self.save_hyperparameters()
         metrics = sft_metrics()
@@ -89,7 +94,13 @@ class SFT(PolicyModule):
         prompt_ids, prompt_mask = self.encode_prompts([row["prompt"] for row in rows])
         completion_ids, completion_mask = self.encode_completions([row["completion"] for row in rows])
         logits = completion_forward(
-            self.policy, prompt_ids, prompt_mask, completion_ids, completion_mask, self.parameters_sharded()
+            self.policy,
+            prompt_ids,
+            prompt_mask,
+            completion_ids,
+            completion_mask,
+            synced_ranks=self.parameters_sharded(),
+            padding_free=self.padding_free,
         )
         logprobs = token_logprobs(logits, completion_ids)  # [B, T]
         tokens = completion_mask > 0

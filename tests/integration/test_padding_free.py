@@ -1,0 +1,68 @@
+"""`--model.padding_free true` through the real CLI: every algorithm logs the padded run's numbers (to float
+rounding) while every training forward (policy, reference, old log-probs, DPO's chosen and rejected) runs packed."""
+
+from __future__ import annotations
+
+import pytest
+
+import lit_rl.algorithms.base as base
+from tests.conftest import CONFIGS, FAST_GRPO, run_cli, train_rows, write_overlay
+
+pytestmark = pytest.mark.slow
+
+FAST_DPO = ["--data.batch_size", "8", "--data.val_limit", "16", "--trainer.num_sanity_val_steps", "0"]
+ALGORITHMS = {
+    # beta > 0 and two optimizer steps per generation: reference and old log-probs run packed too.
+    "grpo": [*FAST_GRPO, "--model.beta", "0.04", "--model.steps_per_generation", "2", "--model.max_new_tokens", "8"],
+    "rloo": [*FAST_GRPO, "--model.beta", "0.04"],
+    "online_dpo": [*FAST_GRPO, "--model.num_generations", "2"],
+    "dpo": FAST_DPO,
+    "sft": ["--data.batch_size", "8", "--data.val_limit", "8", "--trainer.log_every_n_steps", "1"],
+}
+
+
+def _fit(tmp_path, algorithm: str, *args: str) -> list[dict[str, float]]:
+    tmp_path.mkdir()
+    overlay = write_overlay(tmp_path / "o.yaml", save_dir=tmp_path)
+    run_cli(
+        "fit",
+        "--config",
+        str(CONFIGS / f"{algorithm}.yaml"),
+        "--config",
+        str(overlay),
+        *ALGORITHMS[algorithm],
+        "--trainer.max_steps",
+        "3",
+        "--model.learning_rate",
+        "1e-3",  # large steps: a gradient that differed would show in the later steps' numbers
+        *args,
+    )
+    rows = train_rows(tmp_path / "run" / "version_0")
+    # Timings and the engine-vs-trainer rounding gap are not the algorithm's numbers.
+    return [{k: v for k, v in row.items() if not k.startswith(("train/rollout_", "perf/"))} for row in rows]
+
+
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+def test_padding_free_training_logs_the_padded_runs_numbers(tmp_path, monkeypatch, algorithm):
+    padded = _fit(tmp_path / "padded", algorithm)
+    packed_calls = []
+    packed_forward = base.packed_completion_forward
+
+    def counting(*args, **kwargs):
+        packed_calls.append(args[3].shape[0])
+        return packed_forward(*args, **kwargs)
+
+    monkeypatch.setattr(base, "packed_completion_forward", counting)
+    # All sequences in one packed row (the flash-attention layout): the tiny task's sequences are of nearly equal
+    # length, so the CPU layout (rows of at most the longest sequence) would mostly hold one sequence per row,
+    # and a sequence attending to its neighbours would go unseen. Both layouts are checked in test_packing.py.
+    monkeypatch.setattr("lit_rl.packing.uses_flash_attention", lambda model: True)
+    packed = _fit(tmp_path / "packed", algorithm, "--model.padding_free", "true")
+    assert [row["step"] for row in packed] == [row["step"] for row in padded] and len(padded) >= 3
+    assert packed_calls, "no forward ran packed"
+    # Same keys, same values to float rounding (padded and packed batches sum in different orders); Online DPO
+    # logs NaN for pair metrics on a step whose pairs all tied, in both runs.
+    assert [sorted(row) for row in packed] == [sorted(row) for row in padded]
+    for row, reference in zip(packed, padded, strict=True):
+        for key, value in row.items():
+            assert value == pytest.approx(reference[key], rel=1e-4, abs=1e-5, nan_ok=True), (row["step"], key)
