@@ -25,6 +25,23 @@ def test_logprob_memory_quick_meets_the_memory_target_with_identical_values(tmp_
     assert report["naive"]["peak_mib"] > report["logits_mib"]  # the naive path really materialises fp32 logits
 
 
+def test_packing_quick_computes_fewer_tokens_with_the_padded_values(tmp_path):
+    out = tmp_path / "packing.json"
+    subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "packing.py"), "--quick", "--out", str(out)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    report = json.loads(out.read_text())["results"]
+    methods = {r["method"]: r for r in report["methods"]}
+    assert methods["padded"]["tokens"] == report["padded_tokens"] > report["real_tokens"]
+    assert methods["packed, one row"]["tokens"] == report["real_tokens"]  # no filler in a single row
+    assert report["real_tokens"] <= methods["packed rows"]["tokens"] < report["padded_tokens"]
+    for method in ("packed rows", "packed, one row"):
+        assert methods[method]["max_logprob_diff"] <= 1e-5 and methods[method]["max_grad_diff_of_scale"] <= 1e-5
+
+
 def test_run_report_summarises_first_and_last_steps(tmp_path):
     log_dir = tmp_path / "run"
     log_dir.mkdir()
