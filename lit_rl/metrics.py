@@ -70,6 +70,12 @@ def asynchronous_rollout_metrics() -> dict:
     return {"staleness/mean": MeanMetric(), "staleness/max": MaxMetric()}
 
 
+def token_budget_metrics() -> dict:
+    """What token-budget micro-batches add: the real tokens of the step's largest micro-batch, across ranks (more
+    than `model.micro_batch_tokens` when a step was over budget)."""
+    return {"micro_batch_tokens/max": MaxMetric()}
+
+
 def rloo_metrics(reward_names: Iterable[str]) -> MetricCollection:
     """Metrics of RLOO: `reward` is the task reward (before the KL penalty); `kl` the mean per-sequence KL."""
     return _collection(

@@ -28,7 +28,8 @@ from lit_rl.data.schedule import RolloutSchedule
 from lit_rl.errors import ConfigError, DataError, RewardFunctionError
 from lit_rl.lora import LoRAConfig
 from lit_rl.losses import LossNormalizer
-from lit_rl.metrics import asynchronous_rollout_metrics, rollout_eval_metrics
+from lit_rl.metrics import asynchronous_rollout_metrics, rollout_eval_metrics, token_budget_metrics
+from lit_rl.micro_batches import token_budget_micro_batches
 from lit_rl.models import resolve_model_path
 from lit_rl.ops import entropy_from_logits, kl_k3, token_logprobs
 from lit_rl.rewards import call_reward_function, import_reward_function, reward_name
@@ -48,6 +49,9 @@ ZERO_STD = 1e-6
 class OnPolicyModule(PolicyModule):
     """Base of algorithms that learn from their own samples. Not used directly: see GRPO, RLOO, OnlineDPO."""
 
+    # Consecutive completions the loss reads together (Online DPO: a pair); token-budget micro-batches keep them.
+    micro_batch_unit = 1
+
     def __init__(
         self,
         model_name_or_path: str,
@@ -65,9 +69,12 @@ class OnPolicyModule(PolicyModule):
         lora: Optional[LoRAConfig] = None,
         max_staleness: int = 0,
         padding_free: bool = False,
+        micro_batch_tokens: Optional[int] = None,
     ) -> None:
         check_vllm_config(vllm)
         check_max_staleness(max_staleness, vllm)
+        if micro_batch_tokens is not None and micro_batch_tokens < 1:
+            raise ConfigError(f"model.micro_batch_tokens must be >= 1 (or null), got {micro_batch_tokens}")
         super().__init__(
             model_name_or_path,
             dtype=dtype,
@@ -100,6 +107,7 @@ class OnPolicyModule(PolicyModule):
         self._normalizers: list[LossNormalizer] = []
         self.max_staleness = max_staleness
         self._producer = AsyncRolloutProducer() if max_staleness > 0 else None
+        self.micro_batch_tokens = micro_batch_tokens
 
     # -- what subclasses decide ------------------------------------------------------------------------------
     train_metrics: MetricCollection  # set by the subclass, with `val_metrics = self.rollout_val_metrics()`
@@ -109,6 +117,8 @@ class OnPolicyModule(PolicyModule):
         """The algorithm's training collection, with the staleness metrics of asynchronous rollouts, as `train/`."""
         if self.max_staleness > 0:
             metrics.add_metrics(asynchronous_rollout_metrics())
+        if self.micro_batch_tokens is not None:
+            metrics.add_metrics(token_budget_metrics())
         return metrics.clone(prefix="train/")
 
     def rollout_val_metrics(self) -> MetricCollection:
@@ -530,7 +540,7 @@ class OnPolicyModule(PolicyModule):
         index = generation_micro_step % micro_batches
         if self._buffer.prompt_ids.device != self.device:  # restored from a checkpoint on CPU
             self._buffer = self._buffer.to(self.device)
-        mb = self._buffer.select(slice(index * hp.micro_batch_size, (index + 1) * hp.micro_batch_size))
+        mb, has_completions = self.micro_batch(index)
 
         self.timer.count("trained_tokens", float(mb.completion_mask.sum()))
         logits = completion_forward(
@@ -544,12 +554,39 @@ class OnPolicyModule(PolicyModule):
         )
         logprobs = token_logprobs(logits, mb.completion_ids, hp.temperature)  # [n, T]
         loss, stats = self.micro_batch_loss(mb, logits, logprobs, self._normalizers[index // self.accumulate])
-        first_pass = generation_micro_step < micro_batches
-        self._update_common_metrics(mb, logits, logprobs if first_pass else None)
-        self.update_algorithm_metrics(mb, loss, stats)
+        if has_completions:
+            if self.micro_batch_tokens is not None:
+                self.train_metrics["micro_batch_tokens/max"].update(mb.prompt_mask.sum() + mb.completion_mask.sum())
+            first_pass = generation_micro_step < micro_batches
+            self._update_common_metrics(mb, logits, logprobs if first_pass else None)
+            self.update_algorithm_metrics(mb, loss, stats)
         self._micro_steps_done += 1
         # The loss denominators cover the whole step on every rank.
         return loss * self.step_loss_scale()
+
+    def micro_batch(self, index: int) -> tuple[RolloutBatch, bool]:
+        """Micro-batch `index` of one pass over the buffer, and whether it holds completions: `micro_batch_size`
+        consecutive rows, or with `micro_batch_tokens` the step's rows grouped by tokens (`lit_rl.micro_batches`),
+        where a micro-step past the step's last group gets one unit with its completion mask zeroed (False)."""
+        size = self.hparams.micro_batch_size
+        if self.micro_batch_tokens is None:
+            return self._buffer.select(slice(index * size, (index + 1) * size)), True
+        step, slot = divmod(index, self.accumulate)
+        first = step * size * self.accumulate  # the step's rows are first .. first + size * accumulate - 1
+        rows = slice(first, first + size * self.accumulate)
+        unit = self.micro_batch_unit
+        tokens = self._buffer.prompt_mask[rows].sum(dim=1) + self._buffer.completion_mask[rows].sum(dim=1)  # [n]
+        groups = token_budget_micro_batches(
+            tokens.view(-1, unit).sum(dim=1).long().tolist(), self.micro_batch_tokens, self.accumulate
+        )
+        if slot < len(groups):
+            units = torch.tensor(groups[slot], device=self.device)
+            index_rows = (first + units[:, None] * unit + torch.arange(unit, device=self.device)).reshape(-1)
+            return self._buffer.select(index_rows), True
+        empty = self._buffer.select(slice(first, first + unit))
+        empty.completion_mask = torch.zeros_like(empty.completion_mask)
+        empty.advantages = torch.zeros_like(empty.advantages)
+        return empty, False
 
     def launch_generation(self, generation: int, rows: list[dict[str, Any]]) -> None:
         """Start sampling `generation` in the background with the current weights (asynchronous rollouts)."""

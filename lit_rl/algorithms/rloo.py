@@ -55,6 +55,9 @@ class RLOO(OnPolicyModule):
         padding_free: run the training forwards (policy, reference, old log-probs) on the rows' real tokens laid
             end to end, without padding (`lit_rl.packing`): the same values to float rounding, less compute when
             lengths vary. It replaces the shared-prompt forward.
+        micro_batch_tokens: group each optimizer step's completions into at most `accumulate_grad_batches`
+            micro-batches of at most this many real (prompt + completion) tokens instead of `micro_batch_size`
+            each (`lit_rl.micro_batches`); the step's completions and loss stay the same. None: fixed counts.
         lora: train a LoRA adapter (`configs/peft/lora.yaml`) instead of the full weights; the reference is then
             the policy with its adapter disabled. See `lit_rl.lora.LoRAConfig` for the keys (`--model.lora.r 8`).
         max_staleness: asynchronous rollouts: generation g is sampled in the background by the weights of
@@ -92,6 +95,7 @@ class RLOO(OnPolicyModule):
         vllm: Optional[VLLMConfig] = None,
         lora: Optional[LoRAConfig] = None,
         padding_free: bool = False,
+        micro_batch_tokens: Optional[int] = None,
         max_staleness: int = 0,
     ) -> None:
         check_rollout_args(locals())
@@ -111,6 +115,7 @@ class RLOO(OnPolicyModule):
             vllm=vllm,
             lora=lora,
             padding_free=padding_free,
+            micro_batch_tokens=micro_batch_tokens,
             max_staleness=max_staleness,
         )
         self.save_hyperparameters()
