@@ -9,7 +9,7 @@ vocabulary), fp32, 64 rows; prompts of 8-24 tokens and completions of 32-128 tok
 Each method computes the completion tokens' log-probs and the gradient of their sum
 (`lit_rl.algorithms.base.completion_forward`, as a training step does):
 - `padded`: every row `[prompt, completion]` at the batch's P + T, left- and right-padded;
-- `packed rows`: `padding_free=True` as it runs on CPU (sdpa): rows of at most the longest sequence, first fit;
+- `packed rows`: `padding_free=True` as it runs on CPU (sdpa): rows of 1-2x the longest sequence, first fit;
 - `packed, one row`: every sequence in one row, the flash-attention layout, here with sdpa's dense mask.
 After one uncounted warm-up call of each, methods alternate within each of `--rounds` rounds (a slow spell of
 the shared machine hits all of them); the table reports the median seconds, the tokens each method computes, and

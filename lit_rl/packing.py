@@ -9,12 +9,13 @@ a block-diagonal causal mask, flash attention its varlen kernel (`cu_seq_lens` f
 exactly the tokens and positions it sees in the padded forward, so the logits agree to float rounding (a test checks
 logits and gradients against the padded and the shared-prompt forwards).
 
-How sequences are cut into packed rows (`row_tokens`):
+How sequences are cut into packed rows:
 - flash attention (`config._attn_implementation` starting with `flash`): one row; the kernel costs
   sum_i L_i^2, whatever the row length. transformers reads varlen packing from a single row only.
-- any other attention (sdpa, eager: the CPU paths): rows of at most the longest sequence's length, filled
-  first-fit in decreasing length. The dense block-diagonal mask costs (row length)^2 per row, so no row costs more
-  attention than one padded row, and there are at most as many rows as padded ones.
+- any other attention (sdpa, eager: the CPU paths): rows filled first-fit in decreasing length, of a width W of
+  1, 1.25, 1.5 or 2 times the longest sequence, whichever computes the fewest positions (rows x W; the first on
+  ties). The dense block-diagonal mask costs W^2 per row, so attention per position stays within 2x the padded
+  forward's, while wider rows leave less filler at their ends (`benchmarks/packing.py` times the result).
 Trailing room in a row is filled with a dummy sequence (token 0, its own positions): causal attention keeps every
 real token from seeing it, and its logits are dropped.
 
@@ -84,6 +85,24 @@ def assign_rows(lengths: list[int], capacity: Optional[int]) -> list[list[int]]:
     return rows
 
 
+ROW_WIDTH_FACTORS = (1.0, 1.25, 1.5, 2.0)
+
+
+def packed_layout(sizes: list[int], single_row: bool) -> list[list[int]]:
+    """Sequence indices per packed row (module docstring): one row, or the candidate width computing the fewest
+    positions."""
+    if single_row:
+        return assign_rows(sizes, None)
+    best: Optional[list[list[int]]] = None
+    best_positions = None
+    for factor in ROW_WIDTH_FACTORS:
+        layout = assign_rows(sizes, int(max(sizes) * factor))
+        positions = len(layout) * max(sum(sizes[i] for i in row) for row in layout)
+        if best_positions is None or positions < best_positions:
+            best, best_positions = layout, positions
+    return best
+
+
 def pack_completions(
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
@@ -92,7 +111,7 @@ def pack_completions(
     single_row: bool = False,
 ) -> PackedBatch:
     """Pack `[N, P]` left-padded prompts and `[N, T]` completions (module docstring). `single_row`: all sequences
-    in one row (flash attention), else rows of at most the longest sequence."""
+    in one row (flash attention), else `packed_layout`'s rows."""
     device = prompt_ids.device
     p = real_token_lengths(prompt_mask, left_padded=True, what="prompt_mask")  # [N]
     c = real_token_lengths(completion_mask, left_padded=False, what="completion_mask")  # [N]
@@ -100,7 +119,7 @@ def pack_completions(
         raise ValueError(f"padding-free forward: row {int((p == 0).nonzero()[0])} has an empty prompt")
     sizes = p + c  # [N] tokens of each sequence
     size_list = sizes.tolist()
-    layout = assign_rows(size_list, None if single_row else max(size_list))
+    layout = packed_layout(size_list, single_row)
     width = max(sum(size_list[i] for i in row) for row in layout)
     # Where each sequence starts in the flattened [R * W] rows.
     starts = [0] * len(size_list)

@@ -7,7 +7,7 @@ import torch
 from lit_rl.algorithms.base import completion_forward
 from lit_rl.models import load_causal_lm, load_tokenizer
 from lit_rl.ops import token_logprobs
-from lit_rl.packing import assign_rows, pack_completions, packed_completion_forward
+from lit_rl.packing import assign_rows, pack_completions, packed_completion_forward, packed_layout
 from tests.test_shared_prompts import count_input_tokens, plain_forward
 
 MODEL = "lit-rl/tiny-qwen2-addition-sft"
@@ -56,10 +56,18 @@ def test_rows_end_with_a_dummy_sequence_of_its_own_positions():
     completion_ids = torch.tensor([[1, 2, 3], [4, 0, 0], [5, 6, 0]])
     completion_mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]])
     packed = pack_completions(prompt_ids, prompt_mask, completion_ids, completion_mask)
-    # Lengths 5, 3, 4 into rows of 5: [seq 0], [seq 2 + 1 filler], [seq 1 + 2 filler].
-    assert packed.input_ids.tolist() == [[5, 6, 1, 2, 3], [9, 10, 5, 6, 0], [7, 8, 4, 0, 0]]
-    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 0], [0, 1, 2, 0, 1]]
-    assert packed.dummy_tokens == 3
+    # Lengths 5, 3, 4. Width 5 (1x the longest): [seq 0], [seq 2], [seq 1], 15 positions; width 6: the same;
+    # width 7 (1.5x): [seq 0], [seq 2, seq 1], 2 x 7 = 14 positions, the fewest (10 at 2x does not fit: 12 > 10).
+    assert packed.input_ids.tolist() == [[5, 6, 1, 2, 3, 0, 0], [9, 10, 5, 6, 7, 8, 4]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1], [0, 1, 2, 3, 0, 1, 2]]
+    assert packed.dummy_tokens == 2
+
+
+def test_the_row_width_computing_the_fewest_positions_is_chosen():
+    # Longest 5. Capacity 5: [5], [5], [3], [3] -> 4 rows x 5 = 20 positions; 6 (1.25x) and 7 (1.5x): [5], [5],
+    # [3, 3] -> 3 rows x 6 = 18, the fewest (the first such wins); 10 (2x): [5, 5], [3, 3] -> 2 x 10 = 20.
+    assert packed_layout([5, 5, 3, 3], single_row=False) == [[0], [1], [2, 3]]
+    assert packed_layout([4, 4, 2, 2], single_row=True) == [[0, 1, 2, 3]]
 
 
 @pytest.mark.parametrize(
