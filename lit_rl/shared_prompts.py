@@ -79,13 +79,14 @@ def shared_prompt_cache(
     # Only plain key/value caches can be indexed out to rows (linear-attention or quantized layers hold other
     # states), and a cache that does not hold the P-1 prompt positions was dropped (e.g. by a checkpoint wrapper
     # the model does not report). Either way: the plain forward, which every rank then runs once, as here.
-    if not _indexable(cache) or cache.get_seq_length() != ids.shape[1] - 1:
+    if not indexable_cache(cache) or cache.get_seq_length() != ids.shape[1] - 1:
         return None
     cache.batch_select_indices(row_to_distinct)  # [U, ...] -> [N, ...] in every layer
     return cache
 
 
-def _indexable(cache: Any) -> bool:
+def indexable_cache(cache: Any) -> bool:
+    """Whether every layer of `cache` is a plain key/value cache whose rows can be selected."""
     from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer
 
     plain = (DynamicLayer, DynamicSlidingWindowLayer, DynamicIndexedLayer)

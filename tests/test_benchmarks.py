@@ -42,6 +42,22 @@ def test_packing_quick_computes_fewer_tokens_with_the_padded_values(tmp_path):
         assert methods[method]["max_logprob_diff"] <= 1e-5 and methods[method]["max_grad_diff_of_scale"] <= 1e-5
 
 
+def test_generation_quick_skips_finished_rows_with_the_same_completions(tmp_path):
+    out = tmp_path / "generation.json"
+    subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "generation.py"), "--quick", "--out", str(out)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    report = json.loads(out.read_text())["results"]
+    full, skipping = report["methods"]
+    assert full["row_steps"] == report["rows"] * (report["completion_length"]["max"])  # prefill + decode steps
+    assert report["completion_length"]["min"] < report["completion_length"]["max"]
+    assert skipping["row_steps"] < full["row_steps"]
+    assert skipping["same_completions"] and skipping["max_logprob_diff"] <= 1e-5
+
+
 def test_run_report_summarises_first_and_last_steps(tmp_path):
     log_dir = tmp_path / "run"
     log_dir.mkdir()

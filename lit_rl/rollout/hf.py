@@ -1,4 +1,5 @@
-"""Rollouts with `transformers` `generate` on the policy itself: the fallback engine, always available."""
+"""Rollouts from the policy itself (a decoding loop, or `transformers` `generate`): the fallback engine, always
+available."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from lit_rl.lora import base_model
 from lit_rl.rollout.base import RolloutOutput, SamplingParams, completion_mask_from_ids, draw_seeds
+from lit_rl.rollout.compact_decode import decode_skipping_finished
 from lit_rl.shared_prompts import shared_prompt_cache
 
 
@@ -37,7 +39,9 @@ def _library_generation_defaults(model: torch.nn.Module) -> Iterator[None]:
 
 
 class HFGenerateEngine:
-    """Samples with `model.generate` on the live policy, so it never needs a weight push.
+    """Samples with the live policy, so it never needs a weight push: `lit_rl.rollout.compact_decode` (finished
+    rows leave the batch), or `model.generate` when the ranks step together (ZeRO-3, FSDP) or `skip_finished` is
+    off; both draw the same samples.
 
     Sampling is exactly `softmax(logits / temperature)` truncated by `top_k`/`top_p` when asked: the model's own
     generation settings are ignored. The model is held by reference (this is not an `nn.Module`, and it is never
@@ -53,8 +57,12 @@ class HFGenerateEngine:
         eos_token_ids: int | Sequence[int],
         pad_token_id: int,
         synced_ranks: bool = False,
+        skip_finished: bool = True,
     ) -> None:
         self.model = model
+        # Decode with `lit_rl.rollout.compact_decode` (the same samples, finished rows no longer computed) unless
+        # the ranks step together or `skip_finished` is off (then `generate`, which runs every row to the end).
+        self.skip_finished = skip_finished
         # Under ZeRO-3 every forward gathers parameters collectively: ranks must take the same number of decoding
         # steps, so each keeps stepping (on finished rows) until all ranks are done.
         self.synced_ranks = synced_ranks
@@ -69,13 +77,35 @@ class HFGenerateEngine:
         params: SamplingParams,
         seeds: Optional[Sequence[int]] = None,
     ) -> RolloutOutput:
-        from transformers import GenerationConfig, LogitsProcessorList
-
-        # `generate` only ever takes the argmax: sampling is Gumbel-max inside `SeededRowSampler`, each row from its
-        # own seed (drawn from the global RNG when none are given). The first processor sees the raw logits and
-        # keeps the sampled tokens' log-probs, one step at a time instead of every step's [N, V] logits.
+        # Each row samples from its own seed (drawn from the global RNG when none are given): Gumbel-max with
+        # counter-based noise (`SeededRowSampler`), so a row's tokens do not depend on the rows beside it.
         if seeds is None and not params.greedy:
             seeds = draw_seeds(len(prompt_ids))
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            # Completions of the same prompt share its prefill: decoding starts after the cached P-1 positions.
+            cache = shared_prompt_cache(self.model, prompt_ids, prompt_mask, self.synced_ranks)
+            if self.skip_finished and not self.synced_ranks:  # the same samples, finished rows not computed
+                completion_ids, logprobs = decode_skipping_finished(
+                    self.model, prompt_ids, prompt_mask, params, seeds, self.eos_token_ids, self.pad_token_id, cache
+                )
+            else:
+                completion_ids, logprobs = self._generate_every_row(prompt_ids, prompt_mask, params, seeds, cache)
+        finally:
+            self.model.train(was_training)
+        mask = completion_mask_from_ids(completion_ids, self.eos_token_ids)
+        completion_ids = completion_ids.masked_fill(mask == 0, self.pad_token_id)
+        return RolloutOutput(completion_ids=completion_ids, completion_mask=mask, logprobs=logprobs * mask)
+
+    def _generate_every_row(self, prompt_ids, prompt_mask, params, seeds, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """`model.generate`, every row to the end (ZeRO-3 and FSDP ranks step together): completion ids [N, T] and
+        the sampled tokens' log-probs [N, T]."""
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        # `generate` only ever takes the argmax: sampling is the `SeededRowSampler` processor. The first processor
+        # sees the raw logits and keeps the sampled tokens' log-probs, one step at a time instead of every step's
+        # [N, V] logits.
         config = GenerationConfig(
             max_new_tokens=params.max_new_tokens,
             do_sample=False,
@@ -85,27 +115,17 @@ class HFGenerateEngine:
         )
         recorder = SampledTokenLogprobs(params.logprob_temperature)
         processors = LogitsProcessorList([recorder] + ([] if params.greedy else [SeededRowSampler(seeds, params)]))
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            # Completions of the same prompt share its prefill: `generate` starts after the cached P-1 positions.
-            cache = shared_prompt_cache(self.model, prompt_ids, prompt_mask, self.synced_ranks)
-            with _library_generation_defaults(self.model):
-                out = self.model.generate(
-                    input_ids=prompt_ids,
-                    attention_mask=prompt_mask,
-                    past_key_values=cache,
-                    generation_config=config,
-                    logits_processor=processors,
-                    synced_gpus=self.synced_ranks,
-                )
-        finally:
-            self.model.train(was_training)
+        with _library_generation_defaults(self.model):
+            out = self.model.generate(
+                input_ids=prompt_ids,
+                attention_mask=prompt_mask,
+                past_key_values=cache,
+                generation_config=config,
+                logits_processor=processors,
+                synced_gpus=self.synced_ranks,
+            )
         completion_ids = out.sequences[:, prompt_ids.shape[1] :]  # [N, T]
-        logprobs = recorder.logprobs_of(completion_ids)  # [N, T]
-        mask = completion_mask_from_ids(completion_ids, self.eos_token_ids)
-        completion_ids = completion_ids.masked_fill(mask == 0, self.pad_token_id)
-        return RolloutOutput(completion_ids=completion_ids, completion_mask=mask, logprobs=logprobs * mask)
+        return completion_ids, recorder.logprobs_of(completion_ids)
 
     def update_weights(self, named_tensors: Optional[Iterable[tuple[str, torch.Tensor]]] = None) -> None:
         """Nothing to do: `generate` runs on the policy module itself."""
@@ -175,9 +195,15 @@ class SeededRowSampler:
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if len(self.seeds) != scores.shape[0]:
             raise ValueError(f"{len(self.seeds)} seeds for {scores.shape[0]} rows")
-        scores = self.warpers(input_ids, scores.float())  # [N, V]
-        uniform = counter_uniforms(self.seeds.to(scores.device), self.step, scores.shape[1])  # [N, V]
+        perturbed = self.perturb(scores, self.seeds, self.step)
         self.step += 1
+        return perturbed
+
+    def perturb(self, scores: torch.Tensor, seeds: torch.Tensor, step: int) -> torch.Tensor:
+        """The warped scores [n, V] of rows with `seeds` [n] at decoding `step`, plus their Gumbel noise: the
+        argmax is the sample."""
+        scores = self.warpers(None, scores.float())  # [n, V]; the warpers do not read input_ids
+        uniform = counter_uniforms(seeds.to(scores.device), step, scores.shape[1])  # [n, V]
         return scores + (-torch.log(-torch.log(uniform))).to(scores.dtype)
 
 

@@ -1,0 +1,103 @@
+"""Decoding that stops computing rows once they finish: HF `generate`'s sampling, without its finished rows.
+
+`generate` keeps every row of the batch until the last one stops, so with completions of very different lengths
+most decoding steps run rows that already produced their EOS (their tokens are thrown away). This loop samples
+exactly as `HFGenerateEngine` does, each row from its own seed with the counter-based Gumbel-max of
+`SeededRowSampler` (so a row's tokens depend on its seed and step only, never on which rows share the batch), and
+drops finished rows from the batch, the attention mask and the KV cache (`batch_select_indices`) as it goes: a
+decoding step costs the rows still running.
+
+Finished rows are dropped when the model's cache is a plain key/value cache that can be indexed by row
+(`shared_prompts.indexable_cache`; other caches keep every row, as `generate` does). The loop is used when the
+ranks do not step together (ZeRO-3 and FSDP step every rank until all are done: `generate` with
+`synced_gpus`). Transformers' continuous batching frees slots too, but it samples from one global seed and drops
+custom logits processors, so it cannot keep this sampling.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from lit_rl.ops import position_ids_from_mask
+from lit_rl.rollout.base import SamplingParams
+from lit_rl.shared_prompts import indexable_cache
+
+
+@torch.no_grad()
+def decode_skipping_finished(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    params: SamplingParams,
+    seeds: Optional[Sequence[int]],
+    eos_token_ids: Sequence[int],
+    pad_token_id: int,
+    cache: Optional[Any] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Completion ids [N, T'] (pad after each row's EOS, T' <= max_new_tokens: up to the longest row) and the
+    log-probs [N, T'] of the sampled tokens under `softmax(logits / params.logprob_temperature)`.
+
+    `cache`: a KV cache of every row's prompt but its last token (`shared_prompt_cache`), or None.
+    """
+    from lit_rl.rollout.hf import SeededRowSampler
+
+    N, P = prompt_ids.shape
+    T = params.max_new_tokens
+    device = prompt_ids.device
+    sampler = None if params.greedy else SeededRowSampler(seeds, params)
+    eos = torch.tensor(list(eos_token_ids), device=device)
+    tokens = torch.full((N, T), pad_token_id, dtype=prompt_ids.dtype, device=device)
+    logprobs = torch.zeros(N, T, dtype=torch.float32, device=device)
+    running = torch.arange(N, device=device)  # the original row of each row still in the batch
+
+    attention_mask = prompt_mask
+    positions = position_ids_from_mask(prompt_mask)
+    if cache is None:
+        inputs, input_positions = prompt_ids, positions
+    else:  # the cache holds positions 0..P-2: run each row's last prompt token on it
+        inputs, input_positions = prompt_ids[:, -1:], positions[:, -1:]
+    out = model(
+        input_ids=inputs,
+        attention_mask=attention_mask,
+        position_ids=input_positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    cache = out.past_key_values
+    compactable = indexable_cache(cache)  # else finished rows keep running (their tokens are masked later)
+    next_position = positions[:, -1] + 1  # [n]
+    steps = 0
+    for t in range(T):
+        scores = out.logits[:, -1, :].float()  # [n, V]
+        if sampler is None:
+            chosen = scores.argmax(dim=-1)  # [n]
+        else:
+            chosen = sampler.perturb(scores, sampler.seeds[running.cpu()], t).argmax(dim=-1)
+        logprob = torch.log_softmax(scores / params.logprob_temperature, dim=-1).gather(-1, chosen[:, None])
+        tokens[running, t] = chosen.to(tokens.dtype)
+        logprobs[running, t] = logprob.squeeze(-1)
+        steps = t + 1
+        if compactable:
+            done = torch.isin(chosen, eos)  # [n]
+        else:  # every row stays in the batch: a row is done once any of its tokens was an EOS
+            done = torch.isin(tokens[running, : t + 1], eos).any(dim=1)
+        if bool(done.all()) or t == T - 1:
+            break
+        if compactable and bool(done.any()):  # drop the finished rows from everything the next step reads
+            keep = (~done).nonzero().squeeze(-1)
+            running, chosen = running[keep], chosen[keep]
+            attention_mask, next_position = attention_mask[keep], next_position[keep]
+            cache.batch_select_indices(keep)
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(running), 1)], dim=1)
+        out = model(
+            input_ids=chosen[:, None].to(prompt_ids.dtype),
+            attention_mask=attention_mask,
+            position_ids=next_position[:, None],
+            past_key_values=cache,
+            use_cache=True,
+        )
+        next_position = next_position + 1
+    return tokens[:, :steps], logprobs[:, :steps]
