@@ -44,7 +44,8 @@ def measure(args) -> dict:
 
     torch.manual_seed(0)
     sizes = dict(hidden_size=args.hidden, num_hidden_layers=args.layers, intermediate_size=args.intermediate)
-    model = Qwen2ForCausalLM(tiny_qwen2_config(**sizes)).eval()
+    # A context that holds the longest prompt and completion (the default 128 would not).
+    model = Qwen2ForCausalLM(tiny_qwen2_config(**sizes, max_position_embeddings=256)).eval()
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     lengths = torch.randint(8, 25, (args.rows,), generator=generator)
