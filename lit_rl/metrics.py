@@ -7,8 +7,9 @@ mean of per-rank means.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
+import torch
 from torchmetrics import MaxMetric, MeanMetric, MetricCollection, MinMetric, SumMetric
 
 
@@ -124,3 +125,25 @@ def dpo_metrics() -> MetricCollection:
     vocabulary-mean logit over completion tokens."""
     names = ["loss", *DPO_PAIR_METRICS, "logits/chosen", "logits/rejected"]
     return _collection({name: MeanMetric() for name in names})
+
+
+def update_rollout_metrics(
+    m: MetricCollection,
+    reward_names: Iterable[str],
+    rewards: torch.Tensor,
+    components: torch.Tensor,
+    completion_mask: torch.Tensor,
+    group_std: torch.Tensor,
+    weight: Optional[torch.Tensor] = None,
+) -> None:
+    """Update the reward and length metrics of sampled completions (training or validation): rewards [N],
+    components [N, F] (one column per reward function, NaN where invalid), mask [N, T], group std [N], and a
+    weight [N] per completion (0 on rows that pad a rank's share)."""
+    weight = torch.ones_like(rewards) if weight is None else weight
+    m["reward"].update(rewards, weight)
+    m["frac_invalid_reward"].update((~torch.isfinite(components)).any(dim=1).float(), weight)
+    m["reward_std"].update(group_std, weight)
+    m["completion_length"].update(completion_mask.sum(dim=1), weight)
+    for column, name in enumerate(reward_names):
+        valid = torch.isfinite(components[:, column])  # each function's mean is over its valid values
+        m[f"rewards/{name}"].update(components[:, column].nan_to_num(0.0, 0.0, 0.0), weight * valid)

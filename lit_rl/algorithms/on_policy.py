@@ -15,7 +15,6 @@ policy's, and the rollout correction weighs them against the engine's.
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any, Optional
 
@@ -23,16 +22,23 @@ import torch
 from torchmetrics import MetricCollection
 
 from lit_rl.algorithms.base import PolicyModule, completion_forward, completion_logprobs
-from lit_rl.data.files import record_label
+from lit_rl.algorithms.rng import rng_state, set_rng_state
+from lit_rl.algorithms.rollout_checks import check_max_staleness, check_prompt_lengths
 from lit_rl.data.schedule import RolloutSchedule
-from lit_rl.errors import ConfigError, DataError, RewardFunctionError
+from lit_rl.errors import ConfigError, RewardFunctionError
 from lit_rl.lora import LoRAConfig
 from lit_rl.losses import LossNormalizer
-from lit_rl.metrics import asynchronous_rollout_metrics, rollout_eval_metrics, token_budget_metrics
+from lit_rl.metrics import (
+    asynchronous_rollout_metrics,
+    rollout_eval_metrics,
+    token_budget_metrics,
+    update_rollout_metrics,
+)
 from lit_rl.micro_batches import token_budget_micro_batches
 from lit_rl.models import resolve_model_path
 from lit_rl.ops import entropy_from_logits, kl_k3, token_logprobs
-from lit_rl.rewards import call_reward_function, import_reward_function, reward_name
+from lit_rl.rewards import import_reward_function, reward_name
+from lit_rl.rewards.scoring import reward_components, weighted_reward
 from lit_rl.rollout import HFGenerateEngine, RolloutEngine, RolloutOutput, SamplingParams, VLLMConfig
 from lit_rl.rollout.base import global_batch_seeds
 from lit_rl.rollout.config import VLLM_DTYPES, check_vllm_config
@@ -73,8 +79,6 @@ class OnPolicyModule(PolicyModule):
     ) -> None:
         check_vllm_config(vllm)
         check_max_staleness(max_staleness, vllm)
-        if micro_batch_tokens is not None and micro_batch_tokens < 1:
-            raise ConfigError(f"model.micro_batch_tokens must be >= 1 (or null), got {micro_batch_tokens}")
         super().__init__(
             model_name_or_path,
             dtype=dtype,
@@ -276,36 +280,7 @@ class OnPolicyModule(PolicyModule):
             )
 
     def on_fit_start(self) -> None:
-        self.check_prompt_lengths()
-
-    def check_prompt_lengths(self) -> None:
-        """Fail before training when a prompt plus `max_new_tokens` cannot fit the model's context."""
-        context = getattr(self.policy.config, "max_position_embeddings", None)
-        if context is None:
-            return
-        hp, datamodule = self.hparams, self.trainer.datamodule
-        if hp.max_prompt_length is not None:
-            if hp.max_prompt_length + hp.max_new_tokens > context:
-                raise ConfigError(
-                    f"model.max_prompt_length ({hp.max_prompt_length}) + model.max_new_tokens ({hp.max_new_tokens}) "
-                    f"exceeds the model's context of {context} tokens"
-                )
-            return
-        for source, rows in (
-            (datamodule.train_data, datamodule.train_rows),
-            (datamodule.val_data, datamodule.val_rows),
-        ):
-            for start in range(0, len(rows), 1024):
-                chunk = rows[start : start + 1024]
-                prompts = [row["prompt"] for row in chunk]
-                lengths = [len(ids) for ids in self.tokenizer([self.format_prompt(p) for p in prompts])["input_ids"]]
-                for offset, length in enumerate(lengths):
-                    if length + hp.max_new_tokens > context:
-                        raise DataError(
-                            f"{source}: {record_label(source, start + offset)} has a prompt of {length} tokens; with "
-                            f"model.max_new_tokens={hp.max_new_tokens} it exceeds the model's context of {context} "
-                            "tokens (set model.max_prompt_length to truncate prompts)"
-                        )
+        check_prompt_lengths(self)
 
     @property
     def accumulate(self) -> int:
@@ -351,30 +326,6 @@ class OnPolicyModule(PolicyModule):
             top_k=hp.top_k,
         )
 
-    def score(self, rows: list[dict[str, Any]], completions: list[str], repeat: int) -> torch.Tensor:
-        """Reward components [N, F] (one column per reward function) for rows repeated `repeat` times."""
-        prompts = [row["prompt"] for row in rows for _ in range(repeat)]
-        columns = {key: [row.get(key) for row in rows for _ in range(repeat)] for key in rows[0] if key != "prompt"}
-        values = [call_reward_function(name, fn, prompts, completions, columns) for name, fn in self.reward_fns.items()]
-        return torch.tensor(values, dtype=torch.float32, device=self.device).T.reshape(len(completions), -1)
-
-    def weighted_reward(self, components: torch.Tensor) -> torch.Tensor:
-        """[N, F] -> [N]: the weighted sum of the reward functions.
-
-        An invalid value (NaN, inf, or None from the function) counts as 0 with `invalid_reward: zero` (the
-        default; `frac_invalid_reward` counts them) and stops the run, naming the function, with `error`.
-        """
-        invalid = ~torch.isfinite(components)
-        if invalid.any() and self.hparams.get("invalid_reward", "zero") == "error":
-            row, column = (int(i) for i in invalid.nonzero()[0])
-            name = list(self.reward_fns)[column]
-            raise RewardFunctionError(
-                f"reward function {name!r} returned {components[row, column].item()} for completion {row} "
-                "(set model.invalid_reward: zero to count invalid rewards as 0)"
-            )
-        weights = self.reward_weights.to(components)
-        return (torch.where(invalid, torch.zeros_like(components), components) * weights).sum(dim=1)
-
     def sample(
         self, rows: list[dict[str, Any]], repeat: int, params: SamplingParams, seeds: Optional[list[int]] = None
     ):
@@ -399,14 +350,15 @@ class OnPolicyModule(PolicyModule):
     def _score_on_every_rank(
         self, rows: list[dict[str, Any]], completions: list[str], repeat: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reward components [N, F] and weighted rewards [N] (`score`, then the invalid-reward policy), failing on
+        """Reward components [N, F] and weighted rewards [N] (`lit_rl.rewards.scoring`), failing on
         every rank together when they fail on one: a rank that raised alone would leave the others waiting in
         the next collective until a timeout."""
         error: Optional[RewardFunctionError] = None
         components = rewards = None
         try:
-            components = self.score(rows, completions, repeat)
-            rewards = self.weighted_reward(components)
+            components = reward_components(self.reward_fns, rows, completions, repeat, self.device)
+            invalid = self.hparams.get("invalid_reward", "zero")
+            rewards = weighted_reward(components, self.reward_weights, list(self.reward_fns), invalid)
         except RewardFunctionError as err:
             error = err
         failed = float(error is not None)
@@ -629,7 +581,9 @@ class OnPolicyModule(PolicyModule):
             staleness = (self.trainer.global_step - mb.policy_version).float()  # [n] optimizer steps
             m["staleness/mean"].update(staleness)
             m["staleness/max"].update(staleness)
-        self._update_rollout_metrics(m, mb.rewards, mb.reward_components, mb.completion_mask, mb.group_reward_std)
+        update_rollout_metrics(
+            m, self.reward_fns, mb.rewards, mb.reward_components, mb.completion_mask, mb.group_reward_std
+        )
         m["entropy"].update(entropy_from_logits(logits.detach(), self.hparams.temperature)[tokens])
         # Compare the engine's log-probs with the trainer's at the same weights: the old log-probs when they
         # were computed at generation time, else this (first, on-policy) pass.
@@ -642,16 +596,6 @@ class OnPolicyModule(PolicyModule):
             ratio = torch.exp(log_ratio)
             for stat in ("min", "mean", "max"):
                 m[f"rollout_is_ratio/{stat}"].update(ratio)
-
-    def _update_rollout_metrics(self, m, rewards, components, completion_mask, group_std, weight=None) -> None:
-        weight = torch.ones_like(rewards) if weight is None else weight
-        m["reward"].update(rewards, weight)
-        m["frac_invalid_reward"].update((~torch.isfinite(components)).any(dim=1).float(), weight)
-        m["reward_std"].update(group_std, weight)
-        m["completion_length"].update(completion_mask.sum(dim=1), weight)
-        for column, name in enumerate(self.reward_fns):
-            valid = torch.isfinite(components[:, column])  # each function's mean is over its valid values
-            m[f"rewards/{name}"].update(components[:, column].nan_to_num(0.0, 0.0, 0.0), weight * valid)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Once per optimizer step, after every micro-batch of the window has run its backward.
@@ -671,7 +615,9 @@ class OnPolicyModule(PolicyModule):
             _, _, out, components, rewards = self.sample(batch["rows"], G, self.sampling_params(training=False))
         group_std = rewards.view(-1, G).std(dim=1).repeat_interleave(G) if G > 1 else torch.zeros_like(rewards)
         weight = batch["weight"].to(rewards).repeat_interleave(G)  # 0 on rows that pad this rank's share
-        self._update_rollout_metrics(self.val_metrics, rewards, components, out.completion_mask, group_std, weight)
+        update_rollout_metrics(
+            self.val_metrics, self.reward_fns, rewards, components, out.completion_mask, group_std, weight
+        )
 
     def on_validation_epoch_end(self) -> None:
         self.release_engine()  # after the last validation batch: all of them share one push
@@ -713,53 +659,3 @@ class OnPolicyModule(PolicyModule):
         set_rng_state(mine["rng"])
         if self._producer is not None:
             self._producer.load_state_dict(mine.get("pending") or [])
-
-
-def rng_state(device: torch.device) -> dict[str, Any]:
-    """CPU and (on GPU) this device's RNG state: what sampling draws from."""
-    state = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"], torch.cuda.current_device())
-
-
-def check_max_staleness(max_staleness: int, vllm: Optional[VLLMConfig]) -> None:
-    """Asynchronous rollouts need an engine that samples beside the trainer: today the vLLM server."""
-    if max_staleness < 0:
-        raise ConfigError(f"model.max_staleness must be >= 0, got {max_staleness}")
-    if max_staleness == 0:
-        return
-    if vllm is None:
-        raise ConfigError(
-            "model.max_staleness > 0 needs an engine that samples in the background; HF generate samples from the "
-            "policy being trained: set model.vllm.mode: server (configs/rollout/vllm_server.yaml)"
-        )
-    if vllm.mode != "server":
-        raise ConfigError(
-            f"model.max_staleness > 0 is not supported with model.vllm.mode: {vllm.mode} yet (the engine shares "
-            "the trainer's process and device): use model.vllm.mode: server (configs/rollout/vllm_server.yaml)"
-        )
-
-
-def check_rollout_args(args: dict[str, Any]) -> None:
-    """Reject impossible rollout settings at construction, naming the offending key."""
-    positive = ("num_generations", "micro_batch_size", "steps_per_generation", "num_iterations", "max_new_tokens")
-    for key in positive:
-        if args[key] < 1:
-            raise ConfigError(f"model.{key} must be >= 1, got {args[key]}")
-    if args["num_generations"] < 2:
-        raise ConfigError(
-            f"model.num_generations must be >= 2 (completions are compared), got {args['num_generations']}"
-        )
-    if args["temperature"] <= 0 or not math.isfinite(args["temperature"]):
-        raise ConfigError(f"model.temperature must be > 0 for training rollouts, got {args['temperature']}")
-    if args.get("invalid_reward", "zero") not in ("zero", "error"):
-        raise ConfigError(f"model.invalid_reward must be 'zero' or 'error', got {args['invalid_reward']!r}")
-    if args.get("beta", 0.0) < 0:
-        raise ConfigError(f"model.beta must be >= 0, got {args['beta']}")

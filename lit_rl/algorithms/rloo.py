@@ -11,7 +11,8 @@ from typing import Optional
 
 import torch
 
-from lit_rl.algorithms.on_policy import OnPolicyModule, check_rollout_args
+from lit_rl.algorithms.on_policy import OnPolicyModule
+from lit_rl.algorithms.rollout_checks import check_rollout_args
 from lit_rl.errors import ConfigError
 from lit_rl.lora import LoRAConfig
 from lit_rl.losses import LossNormalizer

@@ -1,0 +1,43 @@
+"""Scoring completions with several reward functions: one column per function, then their weighted sum."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lit_rl.errors import RewardFunctionError
+from lit_rl.rewards import RewardFunction, call_reward_function
+
+
+def reward_components(
+    reward_fns: dict[str, RewardFunction],
+    rows: list[dict[str, Any]],
+    completions: list[str],
+    repeat: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """Reward components [N, F] (one column per reward function) of `completions` [N] of `rows` repeated `repeat`
+    times; every column of the rows but `prompt` reaches the functions as a keyword."""
+    prompts = [row["prompt"] for row in rows for _ in range(repeat)]
+    columns = {key: [row.get(key) for row in rows for _ in range(repeat)] for key in rows[0] if key != "prompt"}
+    values = [call_reward_function(name, fn, prompts, completions, columns) for name, fn in reward_fns.items()]
+    return torch.tensor(values, dtype=torch.float32, device=device).T.reshape(len(completions), -1)
+
+
+def weighted_reward(
+    components: torch.Tensor, weights: torch.Tensor, names: list[str], invalid_reward: str = "zero"
+) -> torch.Tensor:
+    """[N, F] -> [N]: `sum_f weights[f] * components[:, f]`.
+
+    An invalid value (NaN, inf, or None from the function) counts as 0 with `invalid_reward: zero` (the default;
+    `frac_invalid_reward` counts them) and stops the run, naming the function (`names[f]`), with `error`.
+    """
+    invalid = ~torch.isfinite(components)
+    if invalid.any() and invalid_reward == "error":
+        row, column = (int(i) for i in invalid.nonzero()[0])
+        raise RewardFunctionError(
+            f"reward function {names[column]!r} returned {components[row, column].item()} for completion {row} "
+            "(set model.invalid_reward: zero to count invalid rewards as 0)"
+        )
+    return (torch.where(invalid, torch.zeros_like(components), components) * weights.to(components)).sum(dim=1)
