@@ -19,6 +19,18 @@ The workloads, the same for both libraries:
 Both without gradient checkpointing, gradient norm clipped at 1 (TRL's default `max_grad_norm`, lit-rl's configs).
 Models: the shipped tiny model (1M parameters) and a randomly initialised Qwen2 of hidden 512, 8 layers (21M),
 both with the character tokenizer.
+
+`--workloads variable` (issue 18: completions of very different lengths):
+- GRPO samples up to 128 new tokens from a randomly initialised model (tiny: hidden 128, 4 layers; 20m as above)
+  whose generation config counts 5 ids besides EOS as stops; near-uniform next-token probabilities make a
+  completion stop at random, 1 to 128 tokens (mean about 50-60). The reward is `length_reward`.
+- DPO trains on `variable_pairs`: the addition prompts with random answers of 32-128 characters (tokens).
+- lit-rl runs padding-free (`--model.padding_free true`); its HF engine skips finished rows by default.
+`--settings matched` runs both in fp32 without gradient checkpointing; `--settings defaults` runs each library
+with its documented defaults (TRL: bf16 mixed precision and gradient checkpointing; lit-rl: fp32, none).
+
+    python benchmarks/compare_trl.py --workloads variable --settings matched defaults --steps 10 --warmup 3 \
+        --rounds 1 --out benchmarks/results/compare_trl_variable_cpu.json
 """
 
 from __future__ import annotations
@@ -59,6 +71,14 @@ class Workload:
     vllm: bool = False  # colocated vLLM (lit-rl `configs/rollout/vllm_colocate.yaml`, TRL `vllm_mode="colocate"`)
     sleep_mode: bool = False
     gpu_memory_utilization: float = 0.3
+    # Variable lengths (issue 18): GRPO samples up to `max_new_tokens` from a random model that stops at random
+    # (`stop_tokens` ids end a completion), rewarded by `length_reward`; DPO trains on random pairs of 32-128
+    # tokens (`variable_pairs`). lit-rl runs padding-free (`model.padding_free`).
+    variable: bool = False
+    stop_tokens: int = 5
+    # Each library with its documented defaults (TRL: bf16 and gradient checkpointing on; lit-rl: fp32, none)
+    # instead of both in fp32 without gradient checkpointing.
+    library_defaults: bool = False
 
 
 # -- one run (a child process) ---------------------------------------------------------------------------------
@@ -79,12 +99,15 @@ def lit_run(algorithm: str, model: str, steps: int, workdir: Path, work: Workloa
         common += ["--trainer.accelerator", "gpu", "--trainer.devices", "1"]
     if work.bf16:
         common += ["--trainer.precision", "bf16-mixed"]
+    if work.variable:
+        common += ["--model.padding_free", "true"]
     if algorithm == "grpo":
+        reward = "compare_trl.length_reward" if work.variable else "lit_rl.rewards.arithmetic.correctness"
         args = [
             "--config",
             str(REPO / "configs" / "grpo.yaml"),
             "--model.reward_funcs",
-            "[lit_rl.rewards.arithmetic.correctness]",
+            f"[{reward}]",
             "--model.reward_weights",
             "null",
             "--model.num_generations",
@@ -104,6 +127,10 @@ def lit_run(algorithm: str, model: str, steps: int, workdir: Path, work: Workloa
             args += ["--model.vllm.gpu_memory_utilization", str(work.gpu_memory_utilization)]
     else:
         args = ["--config", str(REPO / "configs" / "dpo.yaml"), "--data.batch_size", str(work.pairs)]
+        if work.variable:
+            pairs = workdir / "pairs.jsonl"
+            pairs.write_text("".join(json.dumps(row) + "\n" for row in variable_pairs()))
+            args += ["--data.train_data", str(pairs), "--data.val_data", "null"]
     main(["fit", *args, *common])
     (log_dir,) = workdir.glob("*/version_*")
     return [row["perf/step_s"] for row in metric_rows(log_dir) if "perf/step_s" in row]
@@ -144,16 +171,17 @@ def trl_run(algorithm: str, model: str, steps: int, workdir: Path, work: Workloa
         disable_tqdm=True,
         dataloader_num_workers=0,
         seed=0,
+    )
+    if not work.library_defaults:
         # TRL's configs default to bf16 mixed precision and gradient checkpointing; the workload says which
         # precision, and both run without checkpointing.
-        bf16=work.bf16,
-        gradient_checkpointing=False,
-    )
+        common.update(bf16=work.bf16, gradient_checkpointing=False)
     if algorithm == "grpo":
         from trl import GRPOConfig, GRPOTrainer
 
         rows = addition_rows("train")
         dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+        reward = length_reward if work.variable else correctness
         config = GRPOConfig(
             **common,
             per_device_train_batch_size=work.group * work.prompts,
@@ -174,7 +202,7 @@ def trl_run(algorithm: str, model: str, steps: int, workdir: Path, work: Workloa
         )
         trainer = GRPOTrainer(
             model=policy,
-            reward_funcs=[correctness],
+            reward_funcs=[reward],
             args=config,
             train_dataset=dataset,
             processing_class=tokenizer,
@@ -183,7 +211,7 @@ def trl_run(algorithm: str, model: str, steps: int, workdir: Path, work: Workloa
     else:
         from trl import DPOConfig, DPOTrainer
 
-        rows = addition_preference_rows("train")
+        rows = variable_pairs() if work.variable else addition_preference_rows("train")
         dataset = Dataset.from_list([{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows])
         config = DPOConfig(**common, per_device_train_batch_size=work.pairs, beta=0.1, loss_type="sigmoid")
         ref = load_causal_lm(model, disable_dropout=True)
@@ -197,6 +225,48 @@ def trl_run(algorithm: str, model: str, steps: int, workdir: Path, work: Workloa
         )
     trainer.train()
     return [b - a for a, b in zip(marks, marks[1:])]
+
+
+# -- the variable-length workloads -------------------------------------------------------------------------------
+def length_reward(prompts, completions, **columns) -> list[float]:
+    """Longer is better, up to 128 characters: a reward that varies within a group on any model."""
+    return [min(len(text), 128) / 128 for text in completions]
+
+
+def variable_pairs(count: int = 2048, seed: int = 0) -> list[dict[str, str]]:
+    """Preference pairs with the built-in addition prompts and random answers of 32-128 characters (one token each
+    with the character tokenizer), chosen and rejected of independent lengths."""
+    import random
+
+    from lit_rl.data.arithmetic import addition_rows
+
+    rng = random.Random(seed)
+    prompts = [row["prompt"] for row in addition_rows("train")]
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789 "
+
+    def text() -> str:
+        return "".join(rng.choice(alphabet) for _ in range(rng.randint(32, 128)))
+
+    return [{"prompt": prompts[i % len(prompts)], "chosen": text(), "rejected": text()} for i in range(count)]
+
+
+def build_stopping_model(out_dir: Path, stop_tokens: int, **sizes) -> str:
+    """A random Qwen2 (the character tokenizer) whose generation config ends a completion on `stop_tokens` ids
+    besides EOS: random weights give nearly uniform next-token probabilities, so completions stop at random,
+    after about vocab / stop_tokens tokens on average. Both libraries read the generation config's EOS ids."""
+    from transformers import GenerationConfig
+
+    path = build_random_model(out_dir, max_position_embeddings=256, **sizes)
+    config = GenerationConfig.from_pretrained(path) if (path / "generation_config.json").exists() else None
+    config = config or GenerationConfig()
+    from lit_rl.models import load_tokenizer
+
+    tokenizer = load_tokenizer(str(path))
+    special = set(tokenizer.all_special_ids)
+    stops = [i for i in range(len(tokenizer)) if i not in special][10 : 10 + stop_tokens]
+    config.eos_token_id = [tokenizer.eos_token_id, *stops]
+    config.save_pretrained(path)
+    return str(path)
 
 
 # -- the comparison ----------------------------------------------------------------------------------------------
@@ -213,21 +283,24 @@ def run_child(
     return json.loads(out.read_text())
 
 
-def compare(algorithm: str, model_name: str, model: str, args, tmp: Path) -> dict:
+def compare(algorithm: str, model_name: str, model: str, args, tmp: Path, work: Workload = Workload()) -> dict:
     per_round: dict[str, list[float]] = {"lit_rl": [], "trl": []}
+    label = f"{'variable' if work.variable else 'fixed'}-{'defaults' if work.library_defaults else 'matched'}"
     for round_index in range(args.rounds):
         for library in ("lit_rl", "trl"):
-            workdir = tmp / f"{algorithm}-{model_name}-{library}-{round_index}"
+            workdir = tmp / f"{algorithm}-{model_name}-{label}-{library}-{round_index}"
             workdir.mkdir()
-            times = run_child(library, algorithm, model, args.steps, workdir)
+            times = run_child(library, algorithm, model, args.steps, workdir, work)
             if len(times) <= args.warmup:
                 raise RuntimeError(f"{library}: {len(times)} step times, not more than --warmup {args.warmup}")
             per_round[library].append(statistics.median(times[args.warmup :]))
             print(f"  {algorithm} {model_name} {library} round {round_index}: {per_round[library][-1]:.3f} s/step")
     lit, trl = (statistics.median(per_round[name]) for name in ("lit_rl", "trl"))
+    variant = {} if work == Workload() else {"workload": label.split("-")[0], "setting": label.split("-")[1]}
     return {
         "algorithm": algorithm,
         "model": model_name,
+        **variant,
         "lit_rl_s_per_step": lit,
         "trl_s_per_step": trl,
         "ratio": lit / trl,
@@ -236,11 +309,18 @@ def compare(algorithm: str, model_name: str, model: str, args, tmp: Path) -> dic
 
 
 def markdown_table(results: list[dict]) -> str:
-    """The README's table of a results file (a test checks the README carries exactly this)."""
-    lines = ["| algorithm | model | lit-rl s/step | TRL s/step | ratio |", "|---|---|---|---|---|"]
+    """The README's table of a results file (a test checks the README carries exactly this); results of the
+    variable-length workloads add their workload and setting."""
+    variants = any("setting" in r for r in results)
+    head = "| algorithm | model | " + ("workload | setting | " if variants else "")
+    lines = [
+        head + "lit-rl s/step | TRL s/step | ratio |",
+        "|---|---|" + ("---|---|" if variants else "") + "---|---|---|",
+    ]
     for r in results:
+        variant = f"{r['workload']} | {r['setting']} | " if variants else ""
         lines.append(
-            f"| {r['algorithm']} | {r['model']} | {r['lit_rl_s_per_step']:.3f} | {r['trl_s_per_step']:.3f} "
+            f"| {r['algorithm']} | {r['model']} | {variant}{r['lit_rl_s_per_step']:.3f} | {r['trl_s_per_step']:.3f} "
             f"| {r['ratio']:.2f} |"
         )
     return "\n".join(lines)
@@ -250,6 +330,12 @@ def claims(results: list[dict]) -> list[str]:
     """The README's prose numbers of a results file (a test checks the README says them): the range of the ratios,
     the tiny model's GRPO step, and how far single rounds of one configuration and library spread."""
     ratios = [r["ratio"] for r in results]
+    if any("setting" in r for r in results):
+        met = [r for r in results if r["ratio"] <= 0.5]
+        return [
+            f"Ratio = lit-rl / TRL on variable lengths, {min(ratios):.2f} to {max(ratios):.2f}",
+            f"{len(met)} of {len(results)} at or below the 0.5 target",
+        ]
     spread = max(max(t) / min(t) - 1 for r in results for t in r["rounds"].values())
     tiny = next(r for r in results if (r["algorithm"], r["model"]) == ("grpo", "tiny"))
     return [
@@ -273,26 +359,49 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--workloads", nargs="+", choices=["fixed", "variable"], default=["fixed"], help="see the module docstring"
+    )
+    parser.add_argument(
+        "--settings",
+        nargs="+",
+        choices=["matched", "defaults"],
+        default=["matched"],
+        help="matched: both fp32 without gradient checkpointing; defaults: each library's documented defaults",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny model, 6 steps, 1 round")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None, help="print the markdown table of a results JSON")
     add_allow_dirty(parser)
     args = parser.parse_args()
     if args.markdown:
-        print(markdown_table(json.loads(args.markdown.read_text())["results"]))
+        results = json.loads(args.markdown.read_text())["results"]
+        print(markdown_table(results))
+        print("\n".join(claims(results)))
         return
     check_output(args.out, args.allow_dirty)
     if args.quick:
         args.models, args.steps, args.warmup, args.rounds = ["tiny"], 6, 2, 1
     results = []
     with tempfile.TemporaryDirectory(prefix="lit-rl-vs-trl-") as tmp:
-        models = {"tiny": resolve_model_path(TINY)}
-        if "20m" in args.models:
-            sizes = dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1024)
-            models["20m"] = str(build_random_model(Path(tmp) / "model-20m", **sizes))
-        for model_name in args.models:
-            for algorithm in args.algorithms:
-                results.append(compare(algorithm, model_name, models[model_name], args, Path(tmp)))
+        sizes = {"tiny": dict(), "20m": dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1024)}
+        for workload in args.workloads:
+            variable = workload == "variable"
+            models = {}
+            for name in args.models:
+                if variable:  # random weights that stop at random, for both algorithms (DPO reads no stops)
+                    models[name] = build_stopping_model(Path(tmp) / f"model-{name}-stops", 5, **sizes[name])
+                elif name == "tiny":
+                    models[name] = resolve_model_path(TINY)
+                else:
+                    models[name] = str(build_random_model(Path(tmp) / f"model-{name}", **sizes[name]))
+            for setting in args.settings:
+                work = Workload(variable=variable, library_defaults=setting == "defaults")
+                if variable:
+                    work.max_new_tokens = 128
+                for model_name in args.models:
+                    for algorithm in args.algorithms:
+                        results.append(compare(algorithm, model_name, models[model_name], args, Path(tmp), work))
     print(markdown_table(results))
     if args.out:
         import trl

@@ -149,6 +149,43 @@ def test_trl_comparison_quick_times_both_libraries_on_both_algorithms(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_trl_comparison_runs_the_variable_length_workloads(tmp_path):
+    out = tmp_path / "variable.json"
+    command = [sys.executable, str(REPO / "benchmarks" / "compare_trl.py"), "--workloads", "variable"]
+    command += ["--models", "tiny", "--steps", "3", "--warmup", "1", "--rounds", "1", "--out", str(out)]
+    subprocess.run(command, check=True, capture_output=True, timeout=600)
+    results = json.loads(out.read_text())["results"]
+    assert [(r["algorithm"], r["workload"], r["setting"]) for r in results] == [
+        ("grpo", "variable", "matched"),
+        ("dpo", "variable", "matched"),
+    ]
+    assert all(r["lit_rl_s_per_step"] > 0 and r["trl_s_per_step"] > 0 for r in results)
+
+
+def test_the_variable_length_workloads_vary_in_length(tmp_path):
+    compare_trl = _benchmark_module("compare_trl")
+    pairs = compare_trl.variable_pairs(count=64)
+    lengths = [len(pair[key]) for pair in pairs for key in ("chosen", "rejected")]
+    assert min(lengths) >= 32 and max(lengths) <= 128 and len(set(lengths)) > 20
+    assert compare_trl.length_reward(None, ["ab", "x" * 200]) == [2 / 128, 1.0]
+    from lit_rl.models import load_causal_lm, load_tokenizer
+    from lit_rl.rollout import HFGenerateEngine, SamplingParams
+    from lit_rl.rollout.hf import model_eos_token_ids
+
+    path = compare_trl.build_stopping_model(tmp_path / "model", 5, hidden_size=64, num_hidden_layers=1)
+    tokenizer, model = load_tokenizer(path), load_causal_lm(path)
+    stops = model_eos_token_ids(model, tokenizer.eos_token_id)
+    assert len(stops) == 6  # EOS and the 5 stop ids, read from the generation config as both libraries do
+    prompts = tokenizer(["12+34="] * 32, return_tensors="pt")
+    params = SamplingParams(max_new_tokens=128, temperature=1.0)
+    out = HFGenerateEngine(model, stops, tokenizer.pad_token_id).generate(
+        prompts["input_ids"], prompts["attention_mask"], params, list(range(32))
+    )
+    lengths = out.completion_mask.sum(dim=1)
+    assert lengths.min() < 32 and lengths.max() > 64  # stops at random, far apart
+
+
 def test_weight_push_benchmark_times_and_splits_the_colocated_push(tmp_path):
     out = tmp_path / "push.json"
     subprocess.run(
