@@ -5,6 +5,9 @@ buffer of B*G completions per rank; then `num_iterations` passes over it, each `
 steps of `accumulate_grad_batches` micro-batches of `micro_batch_size` completions. Lightning's automatic
 optimization does the accumulation, clipping, precision and `global_step`, so checkpoint cadence cannot drift.
 
+With `micro_batch_tokens`, each optimizer step's completions are grouped into micro-batches by tokens instead of
+by count (`lit_rl.micro_batches`); the micro-steps per optimizer step, and so the schedule, stay the same.
+
 A subclass provides `finish_rollout` (advantages, or pairs), `micro_batch_loss` and its metric collection.
 
 With `max_staleness = k > 0` the generations are sampled ahead, in the background, by `lit_rl.rollout.producer`
