@@ -65,6 +65,10 @@ def test_help_documents_every_constructor_argument(capsys):
         ("scale_rewards", "advantage scaling"),
         ("num_iterations", "passes over each generation"),
         ("epsilon_high", "upper clip range"),
+        ("policy_loss", "`gspo_token`"),
+        ("advantage", "`reinforce_pp_baseline`"),
+        ("padding_free", "laid"),
+        ("micro_batch_tokens", "real (prompt + completion) tokens"),
     ]:
         assert f"--model.init_args.{option}" in text or f"--model.{option}" in text, option
         assert doc in text, doc

@@ -15,7 +15,9 @@ from lit_rl.algorithms.on_policy import ZERO_STD, OnPolicyModule
 from lit_rl.algorithms.rollout_checks import check_rollout_args
 from lit_rl.errors import ConfigError
 from lit_rl.lora import LoRAConfig
-from lit_rl.losses import AGGREGATIONS, IS_CORRECTIONS, LossNormalizer, group_advantages, grpo_loss, rollout_is_weights
+from lit_rl.losses import AGGREGATIONS, IS_CORRECTIONS, LossNormalizer, grpo_loss, rollout_is_weights
+from lit_rl.losses.advantages import advantage_function
+from lit_rl.losses.policy import policy_loss_function
 from lit_rl.metrics import grpo_metrics
 from lit_rl.rollout import VLLMConfig
 from lit_rl.types import RolloutBatch
@@ -41,6 +43,13 @@ class GRPO(OnPolicyModule):
         epsilon_high: upper clip range of the ratio, `1 + epsilon_high` (DAPO "clip-higher" when larger).
         loss_aggregation: `sequence` (GRPO paper), `token`, `constant` (Dr. GRPO) or `dapo`.
         scale_rewards: advantage scaling: `group` std, `batch` std, or `none` (Dr. GRPO).
+        policy_loss: the per-token objective (formulas in `lit_rl.losses.policy`): `ppo_clip` (PPO's clipped
+            surrogate: GRPO, DAPO), `gspo` or `gspo_token` (GSPO's length-normalised sequence ratio; its paper clips
+            at epsilon 3e-4 / 4e-4), `cispo` (CISPO: REINFORCE weighted by the clipped ratio, no token dropped), or
+            the import path of a function with the same signature.
+        advantage: the advantage estimator (formulas in `lit_rl.losses.advantages`): `group` (GRPO, scaled by
+            `scale_rewards`), `rloo` (leave-one-out), `reinforce_pp` (REINFORCE++: global batch normalisation),
+            `reinforce_pp_baseline` (group mean subtracted, then batch-normalised), or an import path.
         learning_rate: AdamW learning rate.
         weight_decay: AdamW weight decay.
         warmup_steps: linear learning-rate warm-up, in optimizer steps.
@@ -94,6 +103,8 @@ class GRPO(OnPolicyModule):
         epsilon_high: float = 0.2,
         loss_aggregation: str = "sequence",
         scale_rewards: str = "group",
+        policy_loss: str = "ppo_clip",
+        advantage: str = "group",
         learning_rate: float = 1e-5,
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
@@ -148,6 +159,8 @@ class GRPO(OnPolicyModule):
             max_staleness=max_staleness,
         )
         self.save_hyperparameters()
+        self.policy_loss_fn = policy_loss_function(policy_loss)  # functions, not modules: never saved as weights
+        self.advantage_fn = advantage_function(advantage)
         # The fraction corrected is logged when a correction is asked for by name or made certain by asynchrony
         # (`auto` alone keeps the columns of earlier runs).
         with_correction = max_staleness > 0 or rollout_is_correction not in ("auto", "none")
@@ -160,7 +173,7 @@ class GRPO(OnPolicyModule):
         return self.hparams.beta != 0.0
 
     def finish_rollout(self, batch: RolloutBatch, all_rewards: torch.Tensor) -> None:
-        advantages, _ = group_advantages(all_rewards, self.hparams.num_generations, self.hparams.scale_rewards)
+        advantages, _ = self.advantage_fn(all_rewards, self.hparams.num_generations, self.hparams.scale_rewards)
         batch.advantages = advantages[self.local_slice(len(batch))]
 
     def rollout_is_correction(self) -> str:
@@ -193,6 +206,7 @@ class GRPO(OnPolicyModule):
             epsilon_low=hp.epsilon_low,
             epsilon_high=hp.epsilon_high,
             importance_weights=importance_weights,
+            policy_loss=self.policy_loss_fn,
         )
 
     def update_algorithm_metrics(self, mb: RolloutBatch, loss: torch.Tensor, stats: dict[str, torch.Tensor]) -> None:

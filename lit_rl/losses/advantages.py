@@ -1,12 +1,29 @@
-"""Group-relative advantages (GRPO, Dr. GRPO)."""
+"""Advantage estimators of GRPO-style training, chosen by name (`--model.advantage`).
+
+Every estimator has the signature of `AdvantageEstimator`: the rewards of every completion of the generation
+across ranks, [B*G] in groups of `group_size` consecutive rows, the group size and `scale_rewards` in; advantages
+[B*G] and stats out. With r the rewards, mean_g / std_g over i's group and mean / std over all B*G:
+
+    group                 : group_advantages below (GRPO; `scale_rewards` group / batch / none: Dr. GRPO)
+    rloo                  : A_i = r_i - mean_{j in group(i), j != i} r_j = G/(G-1) (r_i - mean_g)   (RLOO)
+    reinforce_pp          : A_i = (r_i - mean) / (std + eps)            (REINFORCE++, global batch normalisation)
+    reinforce_pp_baseline : c_i = r_i - mean_g;  A_i = c_i / (std(c) + eps)     (REINFORCE++-baseline; mean(c) = 0)
+
+`rloo` and the REINFORCE++ forms do not read `scale_rewards`. REINFORCE++ puts its KL penalty in the reward; here
+the KL stays GRPO's `beta * k3` loss term, the same for every estimator. A user's own estimator with this
+signature is given by import path. Pure torch.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
+from lit_rl.losses.resolve import resolve_function
+
 ScaleRewards = Literal["group", "batch", "none"]
+AdvantageEstimator = Callable[[torch.Tensor, int, str], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 def group_advantages(
@@ -40,3 +57,50 @@ def group_advantages(
     else:
         raise ValueError(f"scale_rewards must be one of 'group', 'batch', 'none', got {scale_rewards!r}")
     return advantages, {"group_std": group_std, "group_mean": group_mean}
+
+
+def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    if rewards.ndim != 1 or rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"rewards must be 1-D with a multiple of group_size={group_size} rows, got {tuple(rewards.shape)}"
+        )
+    return rewards.view(-1, group_size)  # [B, G]
+
+
+def rloo_advantages(
+    rewards: torch.Tensor, group_size: int, scale_rewards: str = "none"
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Leave-one-out baseline: A_i = r_i - (sum of i's group - r_i) / (G - 1). [B*G] -> [B*G]."""
+    grouped = _grouped(rewards, group_size)
+    others = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
+    return (grouped - others).reshape(-1), {}
+
+
+def reinforce_pp_advantages(
+    rewards: torch.Tensor, group_size: int, scale_rewards: str = "none", eps: float = 1e-4
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """REINFORCE++: A_i = (r_i - mean(all r)) / (std(all r) + eps), unbiased std. [B*G] -> [B*G]."""
+    _grouped(rewards, group_size)
+    return (rewards - rewards.mean()) / (rewards.std() + eps), {}
+
+
+def reinforce_pp_baseline_advantages(
+    rewards: torch.Tensor, group_size: int, scale_rewards: str = "none", eps: float = 1e-4
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """REINFORCE++-baseline: c_i = r_i - mean(group(i)), then A_i = c_i / (std(all c) + eps). [B*G] -> [B*G]."""
+    grouped = _grouped(rewards, group_size)
+    centered = (grouped - grouped.mean(dim=1, keepdim=True)).reshape(-1)
+    return centered / (centered.std() + eps), {}
+
+
+ADVANTAGES: dict[str, AdvantageEstimator] = {
+    "group": group_advantages,
+    "rloo": rloo_advantages,
+    "reinforce_pp": reinforce_pp_advantages,
+    "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
+}
+
+
+def advantage_function(name: str) -> AdvantageEstimator:
+    """The estimator named `name` (a key of `ADVANTAGES`) or at the import path `name`."""
+    return resolve_function("model.advantage", name, ADVANTAGES)

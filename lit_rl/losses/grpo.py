@@ -6,6 +6,9 @@ Shapes: N sequences in the micro-batch, T completion tokens. The per-token loss 
     l_t      = -w_t * min(r_t * A, clip(r_t, 1 - epsilon_low, 1 + epsilon_high) * A) + beta * k3_t
     k3_t     = exp(ref_t - logprobs_t) - (ref_t - logprobs_t) - 1
 
+with the default objective, PPO's clipped surrogate; `policy_loss` swaps in another (GSPO, GSPO-token, CISPO, or
+a user's: `lit_rl.losses.policy`) for the `-min(...)` term, the rest unchanged.
+
 w_t is 1 unless a rollout correction is asked for (`rollout_is_weights`): the importance ratio of the trainer's
 probability of the sampled tokens over the engine's, which differ when the engine's numerics differ (bf16 vLLM) or
 when the engine sampled with older weights (asynchronous rollouts). Truncated (Yao et al. 2025) per token or per
@@ -31,6 +34,7 @@ from typing import Callable, Literal, Optional
 
 import torch
 
+from lit_rl.losses.policy import PolicyLoss, policy_loss_function
 from lit_rl.ops import kl_k3, masked_sum
 
 LossAggregation = Literal["sequence", "token", "constant", "dapo"]
@@ -111,26 +115,22 @@ def grpo_per_token_loss(
     epsilon_low: float = 0.2,
     epsilon_high: float = 0.2,
     importance_weights: Optional[torch.Tensor] = None,
+    policy_loss: str | PolicyLoss = "ppo_clip",
+    completion_mask: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token clipped surrogate plus `beta * k3` (see module docstring).
+    """Per-token policy objective plus `beta * k3` (see module docstring).
 
-    logprobs, old_logprobs, ref_logprobs, importance_weights (w, default 1): [N, T]; advantages: [N].
-    Returns the per-token loss [N, T] and
-    per-token stats [N, T]: `kl` (when beta > 0), `clipped_low` (r < 1 - eps_low with A < 0: the gradient is cut),
-    `clipped_high` (r > 1 + eps_high with A > 0), `ratio`.
+    logprobs, old_logprobs, ref_logprobs, importance_weights (w, default 1), completion_mask (default 1): [N, T];
+    advantages: [N]. `policy_loss`: a name in `lit_rl.losses.policy.POLICY_LOSSES` (default `ppo_clip`, the
+    clipped surrogate above), an import path, or the function itself. Returns the per-token loss [N, T] and
+    per-token stats [N, T]: `kl` (when beta > 0), `clipped_low` (the clipping changed the gradient of a token with
+    A < 0; CISPO: r < 1 - eps_low), `clipped_high` (likewise with A > 0; CISPO: r > 1 + eps_high), `ratio`.
     """
-    ratio = torch.exp(logprobs - old_logprobs)  # [N, T]
-    adv = advantages.unsqueeze(1)  # [N, 1]
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high) * adv
-    per_token = -torch.min(unclipped, clipped)
+    objective = policy_loss_function(policy_loss) if isinstance(policy_loss, str) else policy_loss
+    mask = torch.ones_like(logprobs) if completion_mask is None else completion_mask
+    per_token, stats = objective(logprobs, old_logprobs, advantages, mask, epsilon_low, epsilon_high)
     if importance_weights is not None:
         per_token = per_token * importance_weights.detach()
-    stats = {
-        "ratio": ratio.detach(),
-        "clipped_low": ((ratio < 1.0 - epsilon_low) & (adv < 0)).float(),
-        "clipped_high": ((ratio > 1.0 + epsilon_high) & (adv > 0)).float(),
-    }
     if beta != 0.0:
         if ref_logprobs is None:
             raise ValueError("beta != 0 needs ref_logprobs")
@@ -152,13 +152,23 @@ def grpo_loss(
     epsilon_low: float = 0.2,
     epsilon_high: float = 0.2,
     importance_weights: Optional[torch.Tensor] = None,
+    policy_loss: str | PolicyLoss = "ppo_clip",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss of one micro-batch: `aggregate(grpo_per_token_loss(...))`; stats as in `grpo_per_token_loss`.
 
     `normalizer` defaults to this micro-batch's own counts (`LossNormalizer.local`).
     """
     per_token, stats = grpo_per_token_loss(
-        logprobs, old_logprobs, advantages, ref_logprobs, beta, epsilon_low, epsilon_high, importance_weights
+        logprobs,
+        old_logprobs,
+        advantages,
+        ref_logprobs,
+        beta,
+        epsilon_low,
+        epsilon_high,
+        importance_weights,
+        policy_loss,
+        completion_mask,
     )
     normalizer = normalizer or LossNormalizer.local(completion_mask)
     return aggregate(per_token, completion_mask, aggregation, normalizer), stats

@@ -6,28 +6,21 @@ They are referenced from YAML by import path (`lit_rl.rewards.arithmetic.correct
 
 from __future__ import annotations
 
-import importlib
 import math
 from typing import Any, Callable, Sequence
 
 from lit_rl.errors import RewardFunctionError
+from lit_rl.importing import import_callable
 
 RewardFunction = Callable[..., Sequence[float]]
 
 
 def import_reward_function(path: str) -> RewardFunction:
     """Import `package.module.function` or `package.module:function`; a clear error names `path` otherwise."""
-    module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
-    if not sep or not module_name or not attr:
-        raise RewardFunctionError(f"reward function path {path!r} must look like 'package.module.function'")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise RewardFunctionError(f"reward function {path!r}: cannot import module {module_name!r} ({err})") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise RewardFunctionError(f"reward function {path!r}: module {module_name!r} has no callable {attr!r}")
-    return fn
+        return import_callable(path, "reward function")
+    except ValueError as err:
+        raise RewardFunctionError(str(err)) from None
 
 
 def reward_name(path: str) -> str:

@@ -1,0 +1,23 @@
+"""Functions named by import path in a config (reward functions, losses, advantage estimators): only paths the
+user wrote are imported, nothing is looked up from data."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+
+def import_callable(path: str, what: str) -> Callable[..., Any]:
+    """Import `package.module.function` or `package.module:function`; a `ValueError` whose message starts with
+    `what` and the path, naming what is wrong, otherwise."""
+    module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{what} path {path!r} must look like 'package.module.function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"{what} {path!r}: cannot import module {module_name!r} ({err})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"{what} {path!r}: module {module_name!r} has no callable {attr!r}")
+    return fn
