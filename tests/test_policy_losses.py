@@ -8,7 +8,7 @@ import torch
 
 from lit_rl.errors import ConfigError
 from lit_rl.losses import LossNormalizer, advantage_function, grpo_loss, policy_loss_function
-from lit_rl.losses.advantages import reinforce_pp_advantages, reinforce_pp_baseline_advantages, rloo_advantages
+from lit_rl.losses.advantages import loo_advantages, reinforce_pp_advantages, reinforce_pp_baseline_advantages
 from lit_rl.losses.policy import cispo, gspo, gspo_token, ppo_clip
 from lit_rl.models import load_causal_lm
 
@@ -73,7 +73,7 @@ def test_cispo_weighs_each_tokens_logprob_by_the_clipped_ratio_and_keeps_its_gra
 def test_advantage_estimators_by_hand():
     r = torch.tensor([1.0, 2.0, 3.0, 6.0])
     # RLOO: r_i - mean of the other three: 1 - 11/3, 2 - 10/3, 3 - 3, 6 - 2.
-    assert torch.allclose(rloo_advantages(r, 4)[0], torch.tensor([-8 / 3, -4 / 3, 0.0, 4.0]))
+    assert torch.allclose(loo_advantages(r, 4)[0], torch.tensor([-8 / 3, -4 / 3, 0.0, 4.0]))
     # REINFORCE++: (r - 3) / (std + 1e-4), unbiased std = sqrt((4 + 1 + 0 + 9) / 3).
     std = math.sqrt(14 / 3)
     expected = torch.tensor([-2.0, -1.0, 0.0, 3.0]) / (std + 1e-4)
@@ -81,7 +81,7 @@ def test_advantage_estimators_by_hand():
     # REINFORCE++-baseline, groups of 2: [1, 3] and [0, 4] -> c = [-1, 1, -2, 2], std(c) = sqrt(10 / 3).
     baseline, _ = reinforce_pp_baseline_advantages(torch.tensor([1.0, 3.0, 0.0, 4.0]), 2)
     assert torch.allclose(baseline, torch.tensor([-1.0, 1.0, -2.0, 2.0]) / (math.sqrt(10 / 3) + 1e-4))
-    assert advantage_function("rloo") is rloo_advantages
+    assert advantage_function("rloo") is loo_advantages
 
 
 def test_names_and_import_paths_resolve_and_mistakes_are_one_line():

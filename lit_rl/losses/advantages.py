@@ -21,6 +21,7 @@ from typing import Callable, Literal
 import torch
 
 from lit_rl.losses.resolve import resolve_function
+from lit_rl.losses.rloo import rloo_advantages
 
 ScaleRewards = Literal["group", "batch", "none"]
 AdvantageEstimator = Callable[[torch.Tensor, int, str], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -40,11 +41,7 @@ def group_advantages(
 
     `std` is the unbiased (n - 1) standard deviation, as in the GRPO reference implementations.
     """
-    if rewards.ndim != 1 or rewards.numel() % group_size != 0:
-        raise ValueError(
-            f"rewards must be 1-D with a multiple of group_size={group_size} rows, got {tuple(rewards.shape)}"
-        )
-    grouped = rewards.view(-1, group_size)  # [B, G]
+    grouped = _grouped(rewards, group_size)  # [B, G]
     group_mean = grouped.mean(dim=1, keepdim=True).expand_as(grouped).reshape(-1)
     group_std = grouped.std(dim=1, keepdim=True).expand_as(grouped).reshape(-1)
     centered = rewards - group_mean
@@ -67,13 +64,12 @@ def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return rewards.view(-1, group_size)  # [B, G]
 
 
-def rloo_advantages(
+def loo_advantages(
     rewards: torch.Tensor, group_size: int, scale_rewards: str = "none"
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Leave-one-out baseline: A_i = r_i - (sum of i's group - r_i) / (G - 1). [B*G] -> [B*G]."""
-    grouped = _grouped(rewards, group_size)
-    others = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
-    return (grouped - others).reshape(-1), {}
+    """Leave-one-out baseline (`lit_rl.losses.rloo.rloo_advantages`, unnormalised): A_i = r_i - (sum of i's group
+    - r_i) / (G - 1). [B*G] -> [B*G]."""
+    return rloo_advantages(rewards, group_size), {}
 
 
 def reinforce_pp_advantages(
@@ -95,7 +91,7 @@ def reinforce_pp_baseline_advantages(
 
 ADVANTAGES: dict[str, AdvantageEstimator] = {
     "group": group_advantages,
-    "rloo": rloo_advantages,
+    "rloo": loo_advantages,
     "reinforce_pp": reinforce_pp_advantages,
     "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
 }
