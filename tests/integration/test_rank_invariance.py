@@ -129,3 +129,16 @@ def test_grpo_steps_with_asynchronous_rollouts_are_the_same_in_every_layout(tmp_
     for layout, (rows, _) in runs.items():
         assert [row["step"] for row in rows] == [1, 2, 3], layout
         assert_rows_match(rows, reference, rel=1e-5, abs=1e-6)
+
+
+def test_token_budgeted_grpo_steps_are_the_same_in_every_layout(tmp_path):
+    """`micro_batch_tokens` (padding-free) on 1 and 2 processes: each rank groups its own completions by tokens and
+    runs empty micro-steps where they fit in fewer micro-batches; the step is the fixed layout's."""
+    budget = ["--model.micro_batch_tokens", "64", "--model.padding_free", "true"]
+    reference, _ = _grpo(tmp_path, "token", 1, 4)
+    for layout in [(1, 4), (2, 2)]:
+        rows, _ = _grpo(tmp_path, "token", *layout, *budget, tag="_budget")
+        assert [row["step"] for row in rows] == [1, 2, 3], layout
+        assert all(row["train/micro_batch_tokens/max"] <= 64 for row in rows)
+        rows = [{k: v for k, v in row.items() if k != "train/micro_batch_tokens/max"} for row in rows]
+        assert_rows_match(rows, reference, rel=1e-4, abs=1e-5)
