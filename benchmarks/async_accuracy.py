@@ -14,7 +14,6 @@ next in either run, so the comparison is of the mean over the last `--window` va
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from provenance import add_allow_dirty, check_output, write_report  # noqa: E402
+from provenance import add_allow_dirty, check_output, print_markdown, write_report  # noqa: E402
 from throughput import metric_rows  # noqa: E402
 
 from lit_rl.models import resolve_model_path  # noqa: E402
@@ -115,9 +114,7 @@ def main() -> None:
     add_allow_dirty(parser)
     args = parser.parse_args()
     if args.markdown:
-        results = json.loads(args.markdown.read_text())["results"]
-        print(markdown_table(results))
-        print("\n".join(claims(results)))
+        print_markdown(args.markdown, markdown_table, claims)
         return
     check_output(args.out, args.allow_dirty)
     with tempfile.TemporaryDirectory(prefix="lit-rl-async-accuracy-") as tmp:

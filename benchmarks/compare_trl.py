@@ -48,7 +48,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from provenance import add_allow_dirty, check_output, write_report  # noqa: E402
+from provenance import add_allow_dirty, check_output, print_markdown, write_report  # noqa: E402
 from throughput import fit_flags, metric_rows  # noqa: E402
 
 from lit_rl.models import build_random_model, resolve_model_path  # noqa: E402
@@ -375,9 +375,7 @@ def main() -> None:
     add_allow_dirty(parser)
     args = parser.parse_args()
     if args.markdown:
-        results = json.loads(args.markdown.read_text())["results"]
-        print(markdown_table(results))
-        print("\n".join(claims(results)))
+        print_markdown(args.markdown, markdown_table, claims)
         return
     check_output(args.out, args.allow_dirty)
     if args.quick:

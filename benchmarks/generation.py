@@ -21,7 +21,6 @@ completions and log-probs are the same.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -31,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from provenance import add_allow_dirty, check_output, write_report  # noqa: E402
+from provenance import add_allow_dirty, check_output, print_markdown, write_report  # noqa: E402
 
 METHODS = {"generate, every row": False, "finished rows skipped": True}
 
@@ -148,9 +147,7 @@ def main() -> None:
     add_allow_dirty(parser)
     args = parser.parse_args()
     if args.markdown:
-        results = json.loads(args.markdown.read_text())["results"]
-        print(markdown_table(results))
-        print("\n".join(claims(results)))
+        print_markdown(args.markdown, markdown_table, claims)
         return
     check_output(args.out, args.allow_dirty)
     if args.quick:

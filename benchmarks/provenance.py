@@ -156,3 +156,12 @@ def write_report(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def print_markdown(path: Path, markdown_table, claims=None) -> None:
+    """What a script's `--markdown PATH` prints: the README table of the results file at `path` and, when the script
+    has them, its prose numbers (`claims`), one a line."""
+    results = json.loads(Path(path).read_text())["results"]
+    print(markdown_table(results))
+    if claims is not None:
+        print("\n".join(claims(results)))

@@ -87,6 +87,14 @@ def run_cli(*args: str) -> None:
     main(list(args))
 
 
+def fit_config(tmp_path: Path, name: str, config: str, *args: str, every_n: Optional[int] = None) -> Path:
+    """`lit-rl fit --config configs/<config> <test overlay> *args` in this process, logging under
+    `tmp_path/name` (checkpoints every `every_n` steps, or none); its log directory."""
+    overlay = write_overlay(tmp_path / f"{name}.yaml", every_n_train_steps=every_n, save_dir=tmp_path / name)
+    run_cli("fit", "--config", str(CONFIGS / config), "--config", str(overlay), *args)
+    return tmp_path / name / "run" / "version_0"
+
+
 def read_metrics(log_dir: Path) -> list[dict[str, str]]:
     with open(log_dir / "metrics.csv") as handle:
         return list(csv.DictReader(handle))

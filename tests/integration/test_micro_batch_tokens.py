@@ -8,16 +8,7 @@ import pytest
 import torch
 
 from lit_rl.algorithms.on_policy import OnPolicyModule
-from tests.conftest import (
-    CONFIGS,
-    FAST_GRPO,
-    assert_rows_match,
-    run_cli,
-    saved_steps,
-    train_rows,
-    without_engine_gap,
-    write_overlay,
-)
+from tests.conftest import FAST_GRPO, assert_rows_match, fit_config, saved_steps, train_rows, without_engine_gap
 
 pytestmark = pytest.mark.slow
 
@@ -30,23 +21,10 @@ ALGORITHMS = {
 BUDGET = 100  # real tokens; a completion of the addition task is about 12-20 with its prompt: 16 need 2-3 groups
 
 
-def _fit(tmp_path, name: str, algorithm: str, *args: str, every_n=None) -> list[dict[str, float]]:
-    overlay = write_overlay(tmp_path / f"{name}.yaml", every_n_train_steps=every_n, save_dir=tmp_path / name)
-    run_cli(
-        "fit",
-        "--config",
-        str(CONFIGS / f"{algorithm}.yaml"),
-        "--config",
-        str(overlay),
-        *FAST_GRPO,
-        *ALGORITHMS[algorithm],
-        "--trainer.limit_val_batches",
-        "0",
-        "--model.learning_rate",
-        "1e-3",  # large steps: a gradient that differed would show in the later steps' numbers
-        *args,
-    )
-    return tmp_path / name / "run" / "version_0"
+def _fit(tmp_path, name: str, algorithm: str, *args: str, every_n=None):
+    # lr 1e-3: large steps, so a gradient that differed would show in the later steps' numbers.
+    common = [*FAST_GRPO, *ALGORITHMS[algorithm], "--trainer.limit_val_batches", "0", "--model.learning_rate", "1e-3"]
+    return fit_config(tmp_path, name, f"{algorithm}.yaml", *common, *args, every_n=every_n)
 
 
 def _layout(micro_batch_size: int, accumulate: int) -> list[str]:

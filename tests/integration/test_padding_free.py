@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import lit_rl.algorithms.base as base
-from tests.conftest import CONFIGS, FAST_GRPO, assert_rows_match, run_cli, train_rows, write_overlay
+from tests.conftest import FAST_GRPO, assert_rows_match, fit_config, train_rows
 
 pytestmark = pytest.mark.slow
 
@@ -21,30 +21,19 @@ ALGORITHMS = {
 }
 
 
-def _fit(tmp_path, algorithm: str, *args: str) -> list[dict[str, float]]:
-    tmp_path.mkdir()
-    overlay = write_overlay(tmp_path / "o.yaml", save_dir=tmp_path)
-    run_cli(
-        "fit",
-        "--config",
-        str(CONFIGS / f"{algorithm}.yaml"),
-        "--config",
-        str(overlay),
-        *ALGORITHMS[algorithm],
-        "--trainer.max_steps",
-        "3",
-        "--model.learning_rate",
-        "1e-3",  # large steps: a gradient that differed would show in the later steps' numbers
-        *args,
-    )
-    rows = train_rows(tmp_path / "run" / "version_0")
+def _fit(tmp_path, name: str, algorithm: str, *args: str) -> list[dict[str, float]]:
+    # lr 1e-3: large steps, so a gradient that differed would show in the later steps' numbers.
+    steps = ["--trainer.max_steps", "3", "--model.learning_rate", "1e-3"]
+    log_dir = fit_config(tmp_path, name, f"{algorithm}.yaml", *ALGORITHMS[algorithm], *steps, *args)
     # Timings and the engine-vs-trainer rounding gap are not the algorithm's numbers.
-    return [{k: v for k, v in row.items() if not k.startswith(("train/rollout_", "perf/"))} for row in rows]
+    return [
+        {k: v for k, v in row.items() if not k.startswith(("train/rollout_", "perf/"))} for row in train_rows(log_dir)
+    ]
 
 
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
 def test_padding_free_training_logs_the_padded_runs_numbers(tmp_path, monkeypatch, algorithm):
-    padded = _fit(tmp_path / "padded", algorithm)
+    padded = _fit(tmp_path, "padded", algorithm)
     packed_calls = []
     packed_forward = base.packed_completion_forward
 
@@ -57,7 +46,7 @@ def test_padding_free_training_logs_the_padded_runs_numbers(tmp_path, monkeypatc
     # length, so the CPU layout (rows of at most the longest sequence) would mostly hold one sequence per row,
     # and a sequence attending to its neighbours would go unseen. Both layouts are checked in test_packing.py.
     monkeypatch.setattr("lit_rl.packing.uses_flash_attention", lambda model: True)
-    packed = _fit(tmp_path / "packed", algorithm, "--model.padding_free", "true")
+    packed = _fit(tmp_path, "packed", algorithm, "--model.padding_free", "true")
     assert [row["step"] for row in packed] == [row["step"] for row in padded] and len(padded) >= 3
     assert packed_calls, "no forward ran packed"
     # Same values to float rounding (padded and packed batches sum in different orders); Online DPO logs NaN pair
