@@ -118,6 +118,8 @@ def test_a_users_objective_by_path_trains_exactly_like_the_builtin(tmp_path):
         {"advantage": "rloo"},
         {"advantage": "reinforce_pp"},
         {"advantage": "reinforce_pp_baseline", "beta": 0.04},
+        {"overlong_filter": True, "max_new_tokens": 2, "loss_aggregation": "dapo"},
+        {"overlong_buffer": 2, "overlong_penalty": 0.5},
     ],
     ids=lambda options: "-".join(str(v) for v in options.values()),
 )
@@ -139,3 +141,63 @@ def test_normalizer_is_shared_by_every_objective():
         rows = slice(i, i + 1)
         parts.append(grpo_loss(logprobs[rows], OLD[rows], ADV[rows], MASK[rows], "token", norm, policy_loss="cispo")[0])
     assert (parts[0] + parts[1]).item() == pytest.approx(whole.item(), abs=1e-6)
+
+
+def test_overlong_penalty_and_truncation_by_hand():
+    from lit_rl.losses.overlong import overlong_penalty, truncated
+
+    # Limit 10, buffer 4: the penalty starts after 6 tokens and reaches 0.5 (the scale) at 10.
+    lengths = torch.tensor([5, 6, 7, 8, 10])
+    assert overlong_penalty(lengths, 10, 4, 0.5).tolist() == [0.0, 0.0, 0.125, 0.25, 0.5]
+    assert overlong_penalty(lengths, 10, 0).tolist() == [0.0] * 5
+    ids = torch.tensor([[5, 2, 0], [5, 6, 7], [2, 0, 0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]])
+    assert truncated(ids, mask, [2]).tolist() == [False, True, False]
+
+
+@pytest.mark.parametrize("overlong_filter", [True, False])
+def test_overlong_filter_gives_truncated_completions_no_loss(overlong_filter):
+    from lit_rl.algorithms import GRPO
+    from lit_rl.types import RolloutBatch
+
+    module = GRPO(overlong_filter=overlong_filter, loss_aggregation="token")
+    module.configure_model()
+    eos = module.tokenizer.eos_token_id
+    # Row 0 ends with EOS after 2 tokens; row 1 runs to the limit (3 tokens) without one: truncated.
+    batch = RolloutBatch(
+        prompt_ids=torch.tensor([[5, 6], [5, 6]]),
+        prompt_mask=torch.ones(2, 2, dtype=torch.long),
+        completion_ids=torch.tensor([[7, eos, eos], [7, 8, 9]]),
+        completion_mask=torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]]),
+        rollout_logprobs=torch.zeros(2, 3),
+        rewards=torch.zeros(2),
+        reward_components=torch.zeros(2, 1),
+        advantages=torch.tensor([1.0, 5.0]),
+        group_reward_std=torch.ones(2),
+    )
+    mask = module.loss_mask(batch)
+    logprobs = torch.full((2, 3), -1.0, requires_grad=True)
+    loss, _ = module.micro_batch_loss(batch, None, logprobs, LossNormalizer.local(mask))
+    loss.backward()
+    # Ratio 1 (one on-policy pass): each counted token's loss is -A. Filtered: row 0's two tokens only,
+    # (-1 - 1) / 2; unfiltered: (-1 * 2 - 5 * 3) / 5.
+    assert loss.item() == pytest.approx(-1.0 if overlong_filter else -17 / 5)
+    assert (logprobs.grad[1] == 0).all() == overlong_filter
+    assert mask.tolist() == [[1.0, 1.0, 0.0], [0.0, 0.0, 0.0] if overlong_filter else [1.0, 1.0, 1.0]]
+
+
+@pytest.mark.slow
+def test_soft_overlong_punishment_is_subtracted_from_the_reward(tmp_path):
+    from tests.conftest import FAST_GRPO, fit_config, train_rows
+
+    # Buffer = the limit (4): every completion of L tokens loses 0.5 * L / 4. The functions' own values are logged
+    # apart, so train/reward = correctness - 0.5 * mean length / 4, per step.
+    overlong = ["--model.overlong_buffer", "4", "--model.overlong_penalty", "0.5", "--trainer.max_steps", "2"]
+    rewards = ["--model.reward_funcs", "[lit_rl.rewards.arithmetic.correctness]", "--model.reward_weights", "null"]
+    log_dir = fit_config(tmp_path, "run", "grpo.yaml", *FAST_GRPO, *rewards, *overlong)
+    rows = train_rows(log_dir)
+    assert len(rows) == 2
+    for row in rows:
+        expected = row["train/rewards/correctness"] - 0.5 * row["train/completion_length"] / 4
+        assert row["train/reward"] == pytest.approx(expected, abs=1e-6)
+        assert row["train/completion_length"] > 2  # the penalty is not 0

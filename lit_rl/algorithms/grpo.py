@@ -17,9 +17,11 @@ from lit_rl.errors import ConfigError
 from lit_rl.lora import LoRAConfig
 from lit_rl.losses import AGGREGATIONS, IS_CORRECTIONS, LossNormalizer, grpo_loss, rollout_is_weights
 from lit_rl.losses.advantages import advantage_function
+from lit_rl.losses.overlong import overlong_penalty, truncated
 from lit_rl.losses.policy import policy_loss_function
 from lit_rl.metrics import grpo_metrics
-from lit_rl.rollout import VLLMConfig
+from lit_rl.rollout import RolloutOutput, VLLMConfig
+from lit_rl.rollout.hf import model_eos_token_ids
 from lit_rl.types import RolloutBatch
 
 
@@ -83,6 +85,12 @@ class GRPO(OnPolicyModule):
             sampled with older weights) or when a vLLM engine computes in another dtype than the trainer or in any
             dtype below float32 (`OnPolicyModule.engine_numerics_differ`), else `none`.
         rollout_is_cap: the cap C of the rollout correction.
+        overlong_filter: truncated completions (no EOS within `max_new_tokens`) get no loss: their tokens leave the
+            policy and KL terms and the loss denominators (DAPO's overlong filtering). Metrics still count them.
+        overlong_buffer: DAPO's soft overlong punishment: completions longer than `max_new_tokens - overlong_buffer`
+            tokens lose up to `overlong_penalty` reward, linearly (`lit_rl.losses.overlong`); 0 (default): off.
+            `train/reward` includes the penalty, `train/rewards/<fn>` are the functions' own values.
+        overlong_penalty: the largest penalty, at `max_new_tokens` tokens.
     """
 
     def __init__(
@@ -122,6 +130,9 @@ class GRPO(OnPolicyModule):
         max_staleness: int = 0,
         rollout_is_correction: str = "auto",
         rollout_is_cap: float = 2.0,
+        overlong_filter: bool = False,
+        overlong_buffer: int = 0,
+        overlong_penalty: float = 1.0,
     ) -> None:
         check_rollout_args(locals())
         if loss_aggregation not in AGGREGATIONS:
@@ -131,6 +142,10 @@ class GRPO(OnPolicyModule):
         if rollout_is_correction not in ("auto", *IS_CORRECTIONS):
             raise ConfigError(
                 f"model.rollout_is_correction must be one of {['auto', *IS_CORRECTIONS]}, got {rollout_is_correction!r}"
+            )
+        if not 0 <= overlong_buffer <= max_new_tokens:
+            raise ConfigError(
+                f"model.overlong_buffer must be in [0, max_new_tokens={max_new_tokens}], got {overlong_buffer}"
             )
         if not rollout_is_cap >= 1.0:
             raise ConfigError(f"model.rollout_is_cap must be >= 1, got {rollout_is_cap}")
@@ -176,6 +191,18 @@ class GRPO(OnPolicyModule):
         advantages, _ = self.advantage_fn(all_rewards, self.hparams.num_generations, self.hparams.scale_rewards)
         batch.advantages = advantages[self.local_slice(len(batch))]
 
+    def shape_rewards(self, rewards: torch.Tensor, out: RolloutOutput) -> torch.Tensor:
+        hp = self.hparams
+        lengths = out.completion_mask.sum(dim=1)  # [N]
+        return rewards - overlong_penalty(lengths, hp.max_new_tokens, hp.overlong_buffer, hp.overlong_penalty)
+
+    def loss_mask(self, batch: RolloutBatch) -> torch.Tensor:
+        if not self.hparams.overlong_filter:
+            return batch.completion_mask
+        eos = model_eos_token_ids(self.policy, self.tokenizer.eos_token_id)
+        cut_off = truncated(batch.completion_ids, batch.completion_mask, eos)  # [N]
+        return batch.completion_mask * (~cut_off).to(batch.completion_mask.dtype)[:, None]
+
     def rollout_is_correction(self) -> str:
         """`model.rollout_is_correction` with `auto` resolved for this run's engine and precision."""
         mode = self.hparams.rollout_is_correction
@@ -198,7 +225,7 @@ class GRPO(OnPolicyModule):
             logprobs,
             old_logprobs,
             mb.advantages,
-            mb.completion_mask,
+            self.loss_mask(mb),
             aggregation=hp.loss_aggregation,
             normalizer=normalizer,
             ref_logprobs=mb.ref_logprobs,

@@ -146,6 +146,14 @@ class OnPolicyModule(PolicyModule):
         hp = self.hparams
         return hp.num_iterations > 1 or hp.steps_per_generation > 1 or self.max_staleness > 0
 
+    def shape_rewards(self, rewards: torch.Tensor, out: RolloutOutput) -> torch.Tensor:
+        """The rewards [N] advantages are computed from, given this rank's completions (default: unchanged)."""
+        return rewards
+
+    def loss_mask(self, batch: RolloutBatch) -> torch.Tensor:
+        """[N, T]: the tokens the loss and its denominators count (default: every completion token)."""
+        return batch.completion_mask
+
     def finish_rollout(self, batch: RolloutBatch, all_rewards: torch.Tensor) -> None:
         """Fill `batch.advantages` (and any algorithm field) from every rank's rewards `all_rewards` [world*N]."""
         raise NotImplementedError
@@ -390,6 +398,7 @@ class OnPolicyModule(PolicyModule):
             self.timer.count("generated_tokens", float(out.completion_mask.sum()))
             components, rewards = self.score_output(rows, out, 1)
             version = sampled.version
+        rewards = self.shape_rewards(rewards, out)
         self.release_engine()  # sleep mode: the log-prob forwards and the update get the engine's memory
         # Every rank's rewards in global slot order: a group may span ranks, so group statistics use them all.
         all_rewards = self.all_gather(rewards).reshape(-1)  # [world*N]
@@ -453,7 +462,7 @@ class OnPolicyModule(PolicyModule):
     def _step_normalizers(self, batch: RolloutBatch) -> list[LossNormalizer]:
         """Loss denominators for each optimizer step of this generation, summed over ranks."""
         per_step = self.accumulate * self.hparams.micro_batch_size
-        tokens = batch.completion_mask.sum(dim=1)  # [N]
+        tokens = self.loss_mask(batch).sum(dim=1)  # [N]
         active = (batch.advantages != 0).float()  # [N]
         counts = torch.stack(
             [chunk.sum() for chunk in tokens.split(per_step)]
