@@ -74,6 +74,19 @@ def test_zero_matches_ddp_step_for_step_with_exact_cadence(tmp_path, ddp_referen
     assert_rows_match(rows, _rows(ddp_reference), rel=1e-5, abs=1e-6)
 
 
+def test_zero3_trains_padding_free_with_token_budgets_like_ddp(tmp_path, ddp_reference):
+    """Every ZeRO-3 forward is a collective: a packed forward is exactly one per call, and a token budget that fits
+    a step's 8 completions in one micro-batch leaves the other micro-step empty, a forward all the same."""
+    budget = ["--model.padding_free", "true", "--model.micro_batch_tokens", "120"]
+    log_dir = _fit(tmp_path, "zero3_budget", "deepspeed_zero3", *budget)
+    assert saved_steps(log_dir) == [2, 4]
+    rows = _rows(log_dir)
+    # About 77 tokens for a step's 8 completions (measured): one micro-batch holds them all (fixed groups of 4
+    # would hold about 38), so the step's other micro-step runs empty.
+    assert all(60 < row.pop("train/micro_batch_tokens/max") <= 120 for row in rows)
+    assert_rows_match(rows, _rows(ddp_reference), rel=1e-4, abs=1e-5)
+
+
 def test_zero3_resumes_from_a_sharded_checkpoint_exactly(tmp_path, ddp_reference):
     half = _fit(tmp_path, "half", "deepspeed_zero3", max_steps=2)
     resumed = _fit(tmp_path, "resumed", "deepspeed_zero3", "--ckpt_path", str(half / "checkpoints" / "step=2.ckpt"))
