@@ -19,28 +19,17 @@ much. Raise `trainer.accumulate_grad_batches` or the budget when it does.
 
 The loss denominators are those of the whole optimizer step (`LossNormalizer`), so the grouping changes which
 completions share a forward, never what the step computes: a test checks 1 x 8 = 4 x 2 = token-budgeted.
-Pure Python.
+The grouping is the bin packing of packed rows (`lit_rl.packing.first_fit_decreasing`) with a cap on the bins.
 """
 
 from __future__ import annotations
+
+from lit_rl.packing import first_fit_decreasing
 
 
 def token_budget_micro_batches(unit_tokens: list[int], budget: int, max_micro_batches: int) -> list[list[int]]:
     """Unit indices of each micro-batch (at most `max_micro_batches`, each sorted), first-fit in decreasing
     size into micro-batches of at most `budget` tokens; once `max_micro_batches` are open, a unit that fits in
     none joins the one with the fewest tokens (over budget). Ties keep the units' order."""
-    batches: list[list[int]] = []
-    tokens: list[int] = []
-    for unit in sorted(range(len(unit_tokens)), key=lambda i: -unit_tokens[i]):
-        size = unit_tokens[unit]
-        target = next((b for b, used in enumerate(tokens) if used + size <= budget), None)
-        if target is None:
-            if len(batches) < max_micro_batches:
-                batches.append([])
-                tokens.append(0)
-                target = len(batches) - 1
-            else:
-                target = min(range(len(tokens)), key=lambda b: tokens[b])
-        batches[target].append(unit)
-        tokens[target] += size
-    return [sorted(batch) for batch in batches]
+    groups = first_fit_decreasing(unit_tokens, budget, max_bins=max_micro_batches)
+    return [sorted(group) for group in groups]

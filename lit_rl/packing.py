@@ -65,24 +65,34 @@ def real_token_lengths(mask: torch.Tensor, left_padded: bool, what: str) -> torc
     return lengths
 
 
+def first_fit_decreasing(sizes: list[int], capacity: int, max_bins: Optional[int] = None) -> list[list[int]]:
+    """Item indices per bin, first-fit in decreasing size into bins of at most `capacity` (an item larger than that
+    gets a bin of its own). With `max_bins`, once that many are open an item that fits nowhere joins the bin with
+    the least in it (over capacity). Deterministic: ties keep the items' order; a bin lists its items as placed.
+    Packed rows and token-budget micro-batches (`lit_rl.micro_batches`) are both cut this way."""
+    bins: list[list[int]] = []
+    used: list[int] = []
+    for item in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        size = sizes[item]
+        target = next((b for b, total in enumerate(used) if total + size <= capacity), None)
+        if target is None:
+            if max_bins is None or len(bins) < max_bins:
+                bins.append([])
+                used.append(0)
+                target = len(bins) - 1
+            else:
+                target = min(range(len(used)), key=lambda b: used[b])
+        bins[target].append(item)
+        used[target] += size
+    return bins
+
+
 def assign_rows(lengths: list[int], capacity: Optional[int]) -> list[list[int]]:
-    """Sequence indices per packed row: one row when `capacity` is None, else first-fit in decreasing length
-    into rows of at most `capacity` tokens (a longer sequence gets a row of its own). Deterministic: ties keep
-    the sequences' order."""
+    """Sequence indices per packed row: one row when `capacity` is None, else `first_fit_decreasing` into rows of
+    at most `capacity` tokens."""
     if capacity is None:
         return [list(range(len(lengths)))]
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        for r, free in enumerate(room):
-            if lengths[index] <= free:
-                rows[r].append(index)
-                room[r] -= lengths[index]
-                break
-        else:
-            rows.append([index])
-            room.append(max(capacity - lengths[index], 0))
-    return rows
+    return first_fit_decreasing(lengths, capacity)
 
 
 ROW_WIDTH_FACTORS = (1.0, 1.25, 1.5, 2.0)
