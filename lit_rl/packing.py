@@ -198,3 +198,22 @@ def packed_completion_forward(
     N, T = completion_ids.shape
     logits = kept.new_zeros(N, T, kept.shape[-1])
     return logits.index_put((packed.target_rows, packed.target_columns), kept)  # [N, T, V]
+
+
+def packed_completion_hidden(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decoder's last hidden states [K, H] at the K positions that predict completion tokens (`lit_rl.head`
+    takes them through the output head), with the (row, column) [K] of each predicted token, row by row."""
+    packed = pack_completions(
+        prompt_ids, prompt_mask, completion_ids, completion_mask, single_row=uses_flash_attention(model)
+    )
+    out = model.get_decoder()(
+        input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None, use_cache=False
+    )
+    hidden = out.last_hidden_state[packed.logit_rows, packed.logit_columns]  # [K, H]
+    return hidden, packed.target_rows, packed.target_columns

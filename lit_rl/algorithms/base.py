@@ -19,6 +19,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torchmetrics import MetricCollection
 
 from lit_rl.errors import ConfigError
+from lit_rl.head import TokenScores, check_plain_head, chunked_head_scores, scores_from_logits
 from lit_rl.lora import (
     LoRAConfig,
     adapter_layers,
@@ -31,7 +32,7 @@ from lit_rl.lora import (
 )
 from lit_rl.models import load_causal_lm, load_tokenizer
 from lit_rl.ops import position_ids_from_mask, token_logprobs
-from lit_rl.packing import packed_completion_forward
+from lit_rl.packing import packed_completion_forward, packed_completion_hidden
 from lit_rl.perf import StepTimer
 from lit_rl.shared_prompts import shared_prompt_cache
 from lit_rl.strategies import gathered_parameters, hf_zero3_loading, shards_parameters
@@ -56,6 +57,7 @@ class PolicyModule(L.LightningModule):
         max_prompt_length: Optional[int] = None,
         lora: Optional[LoRAConfig] = None,
         padding_free: bool = False,
+        head_chunk_tokens: Optional[int] = None,
     ) -> None:
         super().__init__()
         if learning_rate < 0:
@@ -77,6 +79,9 @@ class PolicyModule(L.LightningModule):
         self.ref_model: Optional[torch.nn.Module] = None  # frozen; set by `load_reference`, never checkpointed
         self.timer = StepTimer()  # perf/ metrics: where each step's time goes
         self.padding_free = padding_free  # training forwards on packed rows (`lit_rl.packing`)
+        if head_chunk_tokens is not None and head_chunk_tokens < 1:
+            raise ConfigError(f"model.head_chunk_tokens must be >= 1 (or null), got {head_chunk_tokens}")
+        self.head_chunk_tokens = head_chunk_tokens  # the output head on chunks of tokens (`lit_rl.head`)
 
     # -- model -----------------------------------------------------------------------------------------------
     def load_model(self, random_init: bool = False, path: Optional[str] = None) -> torch.nn.Module:
@@ -207,6 +212,30 @@ class PolicyModule(L.LightningModule):
         if self.trainer.strategy.handles_gradient_accumulation:  # DeepSpeed
             scale *= accumulate
         return scale
+
+    def score_completions(
+        self,
+        model: torch.nn.Module,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        completion_ids: torch.Tensor,
+        completion_mask: torch.Tensor,
+        temperature: float = 1.0,
+        extras: tuple[str, ...] = (),
+    ) -> TokenScores:
+        """`completion_scores` with this run's forward settings (sharding, padding-free, head chunks)."""
+        return completion_scores(
+            model,
+            prompt_ids,
+            prompt_mask,
+            completion_ids,
+            completion_mask,
+            temperature,
+            synced_ranks=self.parameters_sharded(),
+            padding_free=self.padding_free,
+            head_chunk_tokens=self.head_chunk_tokens,
+            extras=extras,
+        )
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
@@ -343,6 +372,35 @@ def _prompt_key(prompt: Any, row: int) -> tuple:
         return ("row", row)
 
 
+def _padded_completion_call(
+    module: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    cache: Any,
+    **kwargs: Any,
+) -> Any:
+    """`module` (the model, or its decoder) on the padded `[prompt, completion]` rows, from the shared-prompt cache
+    when there is one; its output's last T + 1 positions are the last prompt token and the completion."""
+    attention_mask = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1)  # [N, P+T]
+    positions = position_ids_from_mask(attention_mask)
+    T = completion_ids.shape[1]
+    if cache is None:
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [N, P+T]
+    else:  # the cache holds prompt positions 0..P-2; run the last prompt token and the completion on it
+        input_ids = torch.cat([prompt_ids[:, -1:], completion_ids], dim=1)  # [N, 1+T]
+        positions = positions[:, -(T + 1) :]
+    return module(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=cache is not None,
+        **kwargs,
+    )
+
+
 def completion_forward(
     model: torch.nn.Module,
     prompt_ids: torch.Tensor,
@@ -363,24 +421,73 @@ def completion_forward(
     """
     if padding_free:
         return packed_completion_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
-    attention_mask = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1)  # [N, P+T]
-    positions = position_ids_from_mask(attention_mask)
-    T = completion_ids.shape[1]
     cache = shared_prompt_cache(model, prompt_ids, prompt_mask, synced_ranks)
-    if cache is None:
-        input_ids, past = torch.cat([prompt_ids, completion_ids], dim=1), None  # [N, P+T]
-    else:  # the cache holds prompt positions 0..P-2; run the last prompt token and the completion on it
-        input_ids, past = torch.cat([prompt_ids[:, -1:], completion_ids], dim=1), cache  # [N, 1+T]
-        positions = positions[:, -(T + 1) :]
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=positions,
-        past_key_values=past,
-        logits_to_keep=T + 1,
-        use_cache=past is not None,
+    T = completion_ids.shape[1]
+    out = _padded_completion_call(
+        model, prompt_ids, prompt_mask, completion_ids, completion_mask, cache, logits_to_keep=T + 1
     )
     return out.logits[:, :-1]  # [N, T, V]: the logit at position t predicts token t + 1
+
+
+def completion_hidden(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    synced_ranks: bool = False,
+    padding_free: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`completion_forward` stopped before the output head: the decoder's last hidden states [K, H] at the K
+    positions that predict completion tokens (where `completion_mask` is 1), and each one's (row, column) [K]."""
+    if padding_free:
+        return packed_completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    cache = shared_prompt_cache(model, prompt_ids, prompt_mask, synced_ranks)
+    out = _padded_completion_call(model.get_decoder(), prompt_ids, prompt_mask, completion_ids, completion_mask, cache)
+    rows, columns = (completion_mask > 0).nonzero(as_tuple=True)  # row by row, as the packed path orders them
+    T = completion_ids.shape[1]
+    return out.last_hidden_state[:, -(T + 1) : -1][rows, columns], rows, columns
+
+
+def completion_scores(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float = 1.0,
+    synced_ranks: bool = False,
+    padding_free: bool = False,
+    head_chunk_tokens: Optional[int] = None,
+    extras: tuple[str, ...] = (),
+) -> TokenScores:
+    """Per-token log-probs [N, T] of the completion tokens under `softmax(logits / temperature)`, and the
+    statistics named in `extras` (`lit_rl.head.EXTRAS`).
+
+    `head_chunk_tokens`: the output head runs on the completion tokens' hidden states that many at a time
+    (`lit_rl.head`), never building `[N, T, V]` logits; scores are then zero where `completion_mask` is 0.
+    Otherwise from `completion_forward`'s logits.
+    """
+    args = (model, prompt_ids, prompt_mask, completion_ids, completion_mask, synced_ranks, padding_free)
+    if head_chunk_tokens is None:
+        return scores_from_logits(completion_forward(*args), completion_ids, temperature, extras)
+    check_plain_head(model, prompt_ids.device)
+    hidden, rows, columns = completion_hidden(*args)
+    num_chunks = -(-len(rows) // head_chunk_tokens)
+    if synced_ranks:  # every rank calls the sharded head equally often
+        count = torch.tensor(float(num_chunks), device=prompt_ids.device)
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+        num_chunks = int(count)
+    scores = chunked_head_scores(
+        model.get_output_embeddings(),
+        hidden,
+        completion_ids[rows, columns],
+        head_chunk_tokens,
+        temperature,
+        extras,
+        num_chunks=num_chunks,
+    )
+    return scores.scatter(rows, columns, tuple(completion_ids.shape))
 
 
 def completion_logprobs(

@@ -18,14 +18,13 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from lit_rl.algorithms.base import PolicyModule, completion_forward
+from lit_rl.algorithms.base import PolicyModule
 from lit_rl.data.preference import TokenizedPair, collate_pairs
 from lit_rl.errors import ConfigError
 from lit_rl.lora import LoRAConfig
 from lit_rl.losses.dpo import DPO_LOSSES, REFERENCE_FREE, dpo_loss
 from lit_rl.metrics import dpo_metrics
 from lit_rl.models import resolve_model_path
-from lit_rl.ops import token_logprobs
 from lit_rl.strategies import is_accumulating_micro_batch
 
 log = logging.getLogger(__name__)
@@ -52,6 +51,9 @@ class DPO(PolicyModule):
         padding_free: run the training forwards (policy, reference, old log-probs) on the rows' real tokens laid
             end to end, without padding (`lit_rl.packing`): the same values to float rounding, less compute when
             lengths vary. It replaces the shared-prompt forward.
+        head_chunk_tokens: run the output head on that many completion tokens at a time (`lit_rl.head`), so the
+            `[tokens, vocab]` logits never exist beyond one chunk: the memory of long completions at a large
+            vocabulary, for one more head forward per trained token. None: the whole micro-batch's logits at once.
         lora: train a LoRA adapter (`configs/peft/lora.yaml`) instead of the full weights, the reference being the
             policy with its adapter disabled (unless `ref_model_name_or_path` names another model). See
             `lit_rl.lora.LoRAConfig` for the keys (`--model.lora.r 8`).
@@ -75,6 +77,7 @@ class DPO(PolicyModule):
         trust_remote_code: bool = False,
         lora: Optional[LoRAConfig] = None,
         padding_free: bool = False,
+        head_chunk_tokens: Optional[int] = None,
     ) -> None:
         if loss_type not in DPO_LOSSES:
             raise ConfigError(f"model.loss_type must be one of {DPO_LOSSES}, got {loss_type!r}")
@@ -92,6 +95,7 @@ class DPO(PolicyModule):
             warmup_steps=warmup_steps,
             lora=lora,
             padding_free=padding_free,
+            head_chunk_tokens=head_chunk_tokens,
         )
         self.save_hyperparameters()
         metrics = dpo_metrics()
@@ -140,7 +144,7 @@ class DPO(PolicyModule):
                 chunk = pairs[start : start + 64]
                 batch = collate_pairs(chunk, [1.0] * len(chunk), self.tokenizer.pad_token_id)
                 batch = {k: v.to(self.device) for k, v in batch.items()}
-                logps, _, _ = self.sequence_logps(ref_model, batch)
+                logps, _, _ = self.sequence_logps(ref_model, batch, metrics=False)
                 values.append(torch.stack(logps.split(len(chunk)), dim=1))  # [n, 2]
         result = torch.cat(values)
         if self.trainer.is_global_zero:
@@ -182,20 +186,19 @@ class DPO(PolicyModule):
         return digest.hexdigest()[:16]
 
     # -- forward ---------------------------------------------------------------------------------------------
-    def sequence_logps(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]):
-        """Summed completion log-probs [2B], completion lengths [2B], and vocab-mean logits per token [2B, T]."""
-        logits = completion_forward(
+    def sequence_logps(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], metrics: bool = True):
+        """Summed completion log-probs [2B], completion lengths [2B], and (with `metrics`) vocab-mean logits per
+        token [2B, T]."""
+        scores = self.score_completions(
             model,
             batch["prompt_ids"],
             batch["prompt_mask"],
             batch["completion_ids"],
             batch["completion_mask"],
-            synced_ranks=self.parameters_sharded(),
-            padding_free=self.padding_free,
+            extras=("mean_logit",) if metrics else (),
         )
         mask = batch["completion_mask"]
-        logps = (token_logprobs(logits, batch["completion_ids"]) * mask).sum(dim=1)
-        return logps, mask.sum(dim=1), logits.detach().mean(dim=-1)
+        return (scores.logprobs * mask).sum(dim=1), mask.sum(dim=1), scores.mean_logit
 
     def _reference(self, batch: dict[str, torch.Tensor], split: str) -> tuple[Optional[torch.Tensor], ...]:
         if not self.needs_reference:
@@ -204,7 +207,7 @@ class DPO(PolicyModule):
             values = self._precomputed(split)[batch["index"]]  # [B, 2]
             return values[:, 0], values[:, 1]
         with torch.no_grad(), self.timer.phase("ref_logprobs"), self.reference_model() as ref_model:
-            logps, _, _ = self.sequence_logps(ref_model, batch)
+            logps, _, _ = self.sequence_logps(ref_model, batch, metrics=False)
         return logps.chunk(2)
 
     def _step(self, batch: dict[str, torch.Tensor], split: str, metrics) -> torch.Tensor:

@@ -68,6 +68,9 @@ class GRPO(OnPolicyModule):
         padding_free: run the training forwards (policy, reference, old log-probs) on the rows' real tokens laid
             end to end, without padding (`lit_rl.packing`): the same values to float rounding, less compute when
             lengths vary. It replaces the shared-prompt forward.
+        head_chunk_tokens: run the output head on that many completion tokens at a time (`lit_rl.head`), so the
+            `[tokens, vocab]` logits never exist beyond one chunk: the memory of long completions at a large
+            vocabulary, for one more head forward per trained token. None: the whole micro-batch's logits at once.
         micro_batch_tokens: group each optimizer step's completions into at most `accumulate_grad_batches`
             micro-batches of at most this many real (prompt + completion) tokens instead of `micro_batch_size`
             each (`lit_rl.micro_batches`); the step's completions and loss stay the same. None: fixed counts.
@@ -126,6 +129,7 @@ class GRPO(OnPolicyModule):
         vllm: Optional[VLLMConfig] = None,
         lora: Optional[LoRAConfig] = None,
         padding_free: bool = False,
+        head_chunk_tokens: Optional[int] = None,
         micro_batch_tokens: Optional[int] = None,
         max_staleness: int = 0,
         rollout_is_correction: str = "auto",
@@ -170,6 +174,7 @@ class GRPO(OnPolicyModule):
             vllm=vllm,
             lora=lora,
             padding_free=padding_free,
+            head_chunk_tokens=head_chunk_tokens,
             micro_batch_tokens=micro_batch_tokens,
             max_staleness=max_staleness,
         )
@@ -211,7 +216,7 @@ class GRPO(OnPolicyModule):
         return mode
 
     def micro_batch_loss(
-        self, mb: RolloutBatch, logits: torch.Tensor, logprobs: torch.Tensor, normalizer: LossNormalizer
+        self, mb: RolloutBatch, logprobs: torch.Tensor, normalizer: LossNormalizer
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         hp = self.hparams
         # One on-policy pass: the old log-probs are these very log-probs (ratio 1, gradient intact).

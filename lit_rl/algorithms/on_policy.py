@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 from torchmetrics import MetricCollection
 
-from lit_rl.algorithms.base import PolicyModule, completion_forward, completion_logprobs
+from lit_rl.algorithms.base import PolicyModule
 from lit_rl.algorithms.rng import rng_state, set_rng_state
 from lit_rl.algorithms.rollout_checks import check_max_staleness, check_prompt_lengths
 from lit_rl.data.schedule import RolloutSchedule
@@ -39,7 +39,7 @@ from lit_rl.metrics import (
 )
 from lit_rl.micro_batches import token_budget_micro_batches
 from lit_rl.models import resolve_model_path
-from lit_rl.ops import entropy_from_logits, kl_k3, token_logprobs
+from lit_rl.ops import kl_k3
 from lit_rl.rewards import import_reward_function, reward_name
 from lit_rl.rewards.scoring import reward_components, weighted_reward
 from lit_rl.rollout import HFGenerateEngine, RolloutEngine, RolloutOutput, SamplingParams, VLLMConfig
@@ -78,6 +78,7 @@ class OnPolicyModule(PolicyModule):
         lora: Optional[LoRAConfig] = None,
         max_staleness: int = 0,
         padding_free: bool = False,
+        head_chunk_tokens: Optional[int] = None,
         micro_batch_tokens: Optional[int] = None,
     ) -> None:
         check_vllm_config(vllm)
@@ -93,6 +94,7 @@ class OnPolicyModule(PolicyModule):
             max_prompt_length=max_prompt_length,
             lora=lora,
             padding_free=padding_free,
+            head_chunk_tokens=head_chunk_tokens,
         )
         # None means the built-in task's correctness reward; an empty list means none (a subclass adds its own).
         reward_funcs = ["lit_rl.rewards.arithmetic.correctness"] if reward_funcs is None else reward_funcs
@@ -159,7 +161,7 @@ class OnPolicyModule(PolicyModule):
         raise NotImplementedError
 
     def micro_batch_loss(
-        self, mb: RolloutBatch, logits: torch.Tensor, logprobs: torch.Tensor, normalizer: LossNormalizer
+        self, mb: RolloutBatch, logprobs: torch.Tensor, normalizer: LossNormalizer
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The micro-batch's share of the step loss (denominators from `normalizer`) and per-token stats."""
         raise NotImplementedError
@@ -442,20 +444,14 @@ class OnPolicyModule(PolicyModule):
         return slice(self.global_rank * n, (self.global_rank + 1) * n)
 
     def _logprobs_in_chunks(self, model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
+        hp = self.hparams
         chunks = []
         for start in range(0, len(batch), self.hparams.micro_batch_size):
             mb = batch.select(slice(start, start + self.hparams.micro_batch_size))
             chunks.append(
-                completion_logprobs(
-                    model,
-                    mb.prompt_ids,
-                    mb.prompt_mask,
-                    mb.completion_ids,
-                    mb.completion_mask,
-                    self.hparams.temperature,
-                    synced_ranks=self.parameters_sharded(),
-                    padding_free=self.padding_free,
-                )
+                self.score_completions(
+                    model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask, hp.temperature
+                ).logprobs
             )
         return torch.cat(chunks) * batch.completion_mask
 
@@ -507,22 +503,22 @@ class OnPolicyModule(PolicyModule):
         mb, has_completions = self.micro_batch(index)
 
         self.timer.count("trained_tokens", float(mb.completion_mask.sum()))
-        logits = completion_forward(
+        scores = self.score_completions(
             self.policy,
             mb.prompt_ids,
             mb.prompt_mask,
             mb.completion_ids,
             mb.completion_mask,
-            synced_ranks=self.parameters_sharded(),
-            padding_free=self.padding_free,
+            hp.temperature,
+            extras=("entropy",),
         )
-        logprobs = token_logprobs(logits, mb.completion_ids, hp.temperature)  # [n, T]
-        loss, stats = self.micro_batch_loss(mb, logits, logprobs, self._normalizers[index // self.accumulate])
+        logprobs = scores.logprobs  # [n, T]
+        loss, stats = self.micro_batch_loss(mb, logprobs, self._normalizers[index // self.accumulate])
         if has_completions:
             if self.micro_batch_tokens is not None:
                 self.train_metrics["micro_batch_tokens/max"].update(mb.prompt_mask.sum() + mb.completion_mask.sum())
             first_pass = generation_micro_step < micro_batches
-            self._update_common_metrics(mb, logits, logprobs if first_pass else None)
+            self._update_common_metrics(mb, scores.entropy, logprobs if first_pass else None)
             self.update_algorithm_metrics(mb, loss, stats)
         self._micro_steps_done += 1
         # The loss denominators cover the whole step on every rank.
@@ -585,7 +581,7 @@ class OnPolicyModule(PolicyModule):
             self._producer.forget_staged()
 
     def _update_common_metrics(
-        self, mb: RolloutBatch, logits: torch.Tensor, fresh_logprobs: Optional[torch.Tensor]
+        self, mb: RolloutBatch, entropy: torch.Tensor, fresh_logprobs: Optional[torch.Tensor]
     ) -> None:
         m = self.train_metrics
         tokens = mb.completion_mask > 0  # [n, T]
@@ -596,7 +592,7 @@ class OnPolicyModule(PolicyModule):
         update_rollout_metrics(
             m, self.reward_fns, mb.rewards, mb.reward_components, mb.completion_mask, mb.group_reward_std
         )
-        m["entropy"].update(entropy_from_logits(logits.detach(), self.hparams.temperature)[tokens])
+        m["entropy"].update(entropy[tokens])
         # Compare the engine's log-probs with the trainer's at the same weights: the old log-probs when they
         # were computed at generation time, else this (first, on-policy) pass.
         trainer_logprobs = mb.old_logprobs if mb.old_logprobs is not None else fresh_logprobs

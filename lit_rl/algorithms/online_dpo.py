@@ -62,6 +62,9 @@ class OnlineDPO(OnPolicyModule):
         padding_free: run the training forwards (policy, reference, old log-probs) on the rows' real tokens laid
             end to end, without padding (`lit_rl.packing`): the same values to float rounding, less compute when
             lengths vary. It replaces the shared-prompt forward.
+        head_chunk_tokens: run the output head on that many completion tokens at a time (`lit_rl.head`), so the
+            `[tokens, vocab]` logits never exist beyond one chunk: the memory of long completions at a large
+            vocabulary, for one more head forward per trained token. None: the whole micro-batch's logits at once.
         micro_batch_tokens: group each optimizer step's completions into at most `accumulate_grad_batches`
             micro-batches of at most this many real (prompt + completion) tokens instead of `micro_batch_size`
             each (`lit_rl.micro_batches`); the step's completions and loss stay the same. None: fixed counts.
@@ -105,6 +108,7 @@ class OnlineDPO(OnPolicyModule):
         vllm: Optional[VLLMConfig] = None,
         lora: Optional[LoRAConfig] = None,
         padding_free: bool = False,
+        head_chunk_tokens: Optional[int] = None,
         micro_batch_tokens: Optional[int] = None,
         max_staleness: int = 0,
     ) -> None:
@@ -142,6 +146,7 @@ class OnlineDPO(OnPolicyModule):
             vllm=vllm,
             lora=lora,
             padding_free=padding_free,
+            head_chunk_tokens=head_chunk_tokens,
             micro_batch_tokens=micro_batch_tokens,
             max_staleness=max_staleness,
         )
@@ -169,7 +174,7 @@ class OnlineDPO(OnPolicyModule):
         batch.advantages = torch.stack([first_wins - second_wins, second_wins - first_wins], dim=1).reshape(-1)
 
     def micro_batch_loss(
-        self, mb: RolloutBatch, logits: torch.Tensor, logprobs: torch.Tensor, normalizer: LossNormalizer
+        self, mb: RolloutBatch, logprobs: torch.Tensor, normalizer: LossNormalizer
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         hp = self.hparams
         mask = mb.completion_mask

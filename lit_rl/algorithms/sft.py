@@ -13,10 +13,9 @@ from typing import Any, Optional
 
 import torch
 
-from lit_rl.algorithms.base import PolicyModule, completion_forward
+from lit_rl.algorithms.base import PolicyModule
 from lit_rl.lora import LoRAConfig
 from lit_rl.metrics import sft_metrics
-from lit_rl.ops import token_logprobs
 from lit_rl.strategies import is_accumulating_micro_batch
 
 
@@ -37,6 +36,9 @@ class SFT(PolicyModule):
         padding_free: run the training forwards (policy, reference, old log-probs) on the rows' real tokens laid
             end to end, without padding (`lit_rl.packing`): the same values to float rounding, less compute when
             lengths vary. It replaces the shared-prompt forward.
+        head_chunk_tokens: run the output head on that many completion tokens at a time (`lit_rl.head`), so the
+            `[tokens, vocab]` logits never exist beyond one chunk: the memory of long completions at a large
+            vocabulary, for one more head forward per trained token. None: the whole micro-batch's logits at once.
         lora: train a LoRA adapter (`configs/peft/lora.yaml`) instead of the full weights. See
             `lit_rl.lora.LoRAConfig` for the keys (`--model.lora.r 8`).
     """
@@ -57,6 +59,7 @@ class SFT(PolicyModule):
         max_completion_length: Optional[int] = None,
         lora: Optional[LoRAConfig] = None,
         padding_free: bool = False,
+        head_chunk_tokens: Optional[int] = None,
     ) -> None:
         super().__init__(
             model_name_or_path,
@@ -70,6 +73,7 @@ class SFT(PolicyModule):
             max_prompt_length=max_prompt_length,
             lora=lora,
             padding_free=padding_free,
+            head_chunk_tokens=head_chunk_tokens,
         )
         self.save_hyperparameters()
         metrics = sft_metrics()
@@ -93,21 +97,15 @@ class SFT(PolicyModule):
     def _step(self, rows: list[dict[str, Any]], metrics) -> torch.Tensor:
         prompt_ids, prompt_mask = self.encode_prompts([row["prompt"] for row in rows])
         completion_ids, completion_mask = self.encode_completions([row["completion"] for row in rows])
-        logits = completion_forward(
-            self.policy,
-            prompt_ids,
-            prompt_mask,
-            completion_ids,
-            completion_mask,
-            synced_ranks=self.parameters_sharded(),
-            padding_free=self.padding_free,
+        scores = self.score_completions(
+            self.policy, prompt_ids, prompt_mask, completion_ids, completion_mask, extras=("argmax",)
         )
-        logprobs = token_logprobs(logits, completion_ids)  # [B, T]
+        logprobs = scores.logprobs  # [B, T]
         tokens = completion_mask > 0
         self.timer.count("trained_tokens", float(completion_mask.sum()))
         loss = -(logprobs * completion_mask).sum() / completion_mask.sum()
         with torch.no_grad():
-            correct = (logits.argmax(dim=-1) == completion_ids).float()
+            correct = (scores.argmax == completion_ids).float()
             metrics["loss"].update(-logprobs.detach()[tokens])  # token-weighted across micro-batches and ranks
             metrics["token_accuracy"].update(correct[tokens])
             metrics["num_tokens"].update(completion_mask.sum())

@@ -74,10 +74,11 @@ def test_zero_matches_ddp_step_for_step_with_exact_cadence(tmp_path, ddp_referen
     assert_rows_match(rows, _rows(ddp_reference), rel=1e-5, abs=1e-6)
 
 
-def test_zero3_trains_padding_free_with_token_budgets_like_ddp(tmp_path, ddp_reference):
-    """Every ZeRO-3 forward is a collective: a packed forward is exactly one per call, and a token budget that fits
-    a step's 8 completions in one micro-batch leaves the other micro-step empty, a forward all the same."""
-    budget = ["--model.padding_free", "true", "--model.micro_batch_tokens", "120"]
+def test_zero3_trains_padding_free_with_token_budgets_and_head_chunks_like_ddp(tmp_path, ddp_reference):
+    """Every ZeRO-3 forward is a collective: a packed forward is exactly one per call, a token budget that fits
+    a step's 8 completions in one micro-batch leaves the other micro-step empty, a forward all the same, and the
+    output head runs as many 4-token chunks on each rank (the most any rank needs; at least one when empty)."""
+    budget = ["--model.padding_free", "true", "--model.micro_batch_tokens", "120", "--model.head_chunk_tokens", "4"]
     log_dir = _fit(tmp_path, "zero3_budget", "deepspeed_zero3", *budget)
     assert saved_steps(log_dir) == [2, 4]
     rows = _rows(log_dir)

@@ -52,3 +52,25 @@ def test_padding_free_training_logs_the_padded_runs_numbers(tmp_path, monkeypatc
     # Same values to float rounding (padded and packed batches sum in different orders); Online DPO logs NaN pair
     # metrics on a step whose pairs all tied, in both runs.
     assert_rows_match(packed, padded, rel=1e-4, abs=1e-5, nan_ok=True)
+
+
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+def test_head_chunks_log_the_full_logits_runs_numbers(tmp_path, monkeypatch, algorithm):
+    """`--model.head_chunk_tokens`: every forward through the output head a few tokens at a time (alone, and with
+    padding-free rows) logs the numbers of the run that builds whole logits."""
+    full = _fit(tmp_path, "full", algorithm)
+    chunk_calls = []
+    chunked_scores = base.chunked_head_scores
+
+    def counting(head, hidden, *args, **kwargs):
+        chunk_calls.append(hidden.shape[0])
+        return chunked_scores(head, hidden, *args, **kwargs)
+
+    monkeypatch.setattr(base, "chunked_head_scores", counting)
+    chunked = _fit(tmp_path, "chunked", algorithm, "--model.head_chunk_tokens", "5")
+    assert chunk_calls and max(chunk_calls) > 5, "no forward ran its head in chunks"
+    packed = _fit(tmp_path, "packed", algorithm, "--model.head_chunk_tokens", "3", "--model.padding_free", "true")
+    assert len(full) >= 3
+    for run in (chunked, packed):
+        assert [row["step"] for row in run] == [row["step"] for row in full]
+        assert_rows_match(run, full, rel=1e-4, abs=1e-5, nan_ok=True)
