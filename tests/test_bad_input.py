@@ -101,6 +101,8 @@ CASES = [
     ),
     ("vllm-negative-retries", GRPO, ["--model.vllm.max_retries", "-1"], "model.vllm.max_retries must be >= 0", 1),
     ("is-correction-unknown", GRPO, ["--model.rollout_is_correction", "seq"], "model.rollout_is_correction", 1),
+    ("min-above-max-tokens", GRPO, ["--model.min_new_tokens", "99"], "model.min_new_tokens must be in [0, max_new_", 1),
+    ("zero-head-chunk", SFT, ["--model.head_chunk_tokens", "0"], "model.head_chunk_tokens must be >= 1", 1),
     ("is-cap-below-one", GRPO, ["--model.rollout_is_cap", "0.5"], "model.rollout_is_cap must be >= 1", 1),
     ("unknown-aggregation", GRPO, ["--model.loss_aggregation", "mean"], "model.loss_aggregation must be one of", 1),
     ("unknown-scale-rewards", GRPO, ["--model.scale_rewards", "std"], "model.scale_rewards", 1),

@@ -67,3 +67,26 @@ def test_only_the_rows_still_running_are_computed(policy):
     assert rows == [len(ids)] + [int((lengths > k).sum()) for k in range(1, steps)]
     full_rows = len(ids) * steps
     assert sum(rows) < full_rows
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0], ids=["sampled", "greedy"])
+def test_no_completion_stops_before_min_new_tokens_and_the_logprobs_stay_the_trainers(policy, temperature):
+    from lit_rl.algorithms.base import completion_logprobs
+
+    tokenizer, model = policy
+    ids, mask = batch(tokenizer, ["1+2=", "45+67=", "9+99=", "123+4567="], 2)
+    seeds = list(range(len(ids)))
+    free = SamplingParams(max_new_tokens=10, temperature=temperature)
+    held = SamplingParams(max_new_tokens=10, min_new_tokens=6, temperature=temperature)
+    skipping = HFGenerateEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    full = HFGenerateEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, skip_finished=False)
+    assert skipping.generate(ids, mask, free, seeds).completion_mask.sum(dim=1).min() < 6  # the model stops early
+    a, b = skipping.generate(ids, mask, held, seeds), full.generate(ids, mask, held, seeds)
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.completion_mask, b.completion_mask)
+    assert a.completion_mask.sum(dim=1).min() >= 6
+    # The log-probs are of the model's own distribution (stops unmasked), what the trainer computes.
+    trainer = completion_logprobs(
+        model, ids, mask, a.completion_ids, a.completion_mask, 1.0 if temperature == 0 else temperature
+    )
+    for out in (a, b):
+        torch.testing.assert_close(out.logprobs, trainer * out.completion_mask, rtol=1e-5, atol=1e-5)

@@ -37,6 +37,7 @@ class GRPO(OnPolicyModule):
         steps_per_generation: optimizer steps taken on each generation's buffer (per pass).
         num_iterations: passes over each generation's buffer (PPO epochs); > 1 computes old log-probs.
         max_new_tokens: completion budget T_max.
+        min_new_tokens: no completion stops (EOS or a stop id) before this many tokens.
         temperature: sampling temperature; log-probs are computed at this temperature.
         top_p: nucleus sampling threshold (1.0 disables).
         top_k: top-k sampling (0 disables).
@@ -106,6 +107,7 @@ class GRPO(OnPolicyModule):
         steps_per_generation: int = 1,
         num_iterations: int = 1,
         max_new_tokens: int = 16,
+        min_new_tokens: int = 0,
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = 0,

@@ -334,6 +334,7 @@ class OnPolicyModule(PolicyModule):
         hp = self.hparams
         return SamplingParams(
             max_new_tokens=hp.max_new_tokens,
+            min_new_tokens=hp.min_new_tokens,
             temperature=hp.temperature if training else hp.val_temperature,
             top_p=hp.top_p,
             top_k=hp.top_k,

@@ -40,6 +40,7 @@ class OnlineDPO(OnPolicyModule):
         steps_per_generation: optimizer steps taken on each generation's buffer (per pass).
         num_iterations: passes over each generation's buffer.
         max_new_tokens: completion budget.
+        min_new_tokens: no completion stops (EOS or a stop id) before this many tokens.
         temperature: sampling temperature; log-probs are computed at this temperature.
         top_p: nucleus sampling threshold (1.0 disables).
         top_k: top-k sampling (0 disables).
@@ -89,6 +90,7 @@ class OnlineDPO(OnPolicyModule):
         steps_per_generation: int = 1,
         num_iterations: int = 1,
         max_new_tokens: int = 16,
+        min_new_tokens: int = 0,
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = 0,

@@ -44,6 +44,11 @@ def check_rollout_args(args: dict[str, Any]) -> None:
         raise ConfigError(f"model.invalid_reward must be 'zero' or 'error', got {args['invalid_reward']!r}")
     if args.get("beta", 0.0) < 0:
         raise ConfigError(f"model.beta must be >= 0, got {args['beta']}")
+    if not 0 <= args.get("min_new_tokens", 0) <= args["max_new_tokens"]:
+        raise ConfigError(
+            f"model.min_new_tokens must be in [0, max_new_tokens={args['max_new_tokens']}], "
+            f"got {args['min_new_tokens']}"
+        )
     if args.get("micro_batch_tokens") is not None and args["micro_batch_tokens"] < 1:
         raise ConfigError(f"model.micro_batch_tokens must be >= 1 (or null), got {args['micro_batch_tokens']}")
 

@@ -13,10 +13,12 @@ class SamplingParams:
     """How completions are sampled. `temperature == 0` means greedy decoding.
 
     Log-probs reported by engines are those of the temperature-scaled distribution `softmax(logits / T)` (of the
-    plain logits when greedy), before top-p/top-k truncation, which is what the trainer recomputes.
+    plain logits when greedy), before top-p/top-k truncation, which is what the trainer recomputes. The HF
+    engine's are also before `min_new_tokens` masks the stop ids; vLLM's are after it (`lit_rl.rollout.vllm`).
     """
 
     max_new_tokens: int = 16
+    min_new_tokens: int = 0  # the stop ids cannot be sampled before this many tokens
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 disables top-k

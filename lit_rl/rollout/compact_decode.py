@@ -72,10 +72,10 @@ def decode_skipping_finished(
     steps = 0
     for t in range(T):
         scores = out.logits[:, -1, :].float()  # [n, V]
-        if sampler is None:
-            chosen = scores.argmax(dim=-1)  # [n]
-        else:
-            chosen = sampler.perturb(scores, sampler.seeds[running.cpu()], t).argmax(dim=-1)
+        ranked = scores if sampler is None else sampler.perturb(scores, sampler.seeds[running.cpu()], t)
+        if t < params.min_new_tokens:  # no stop yet; the log-prob below stays that of the unmasked distribution
+            ranked = ranked.index_fill(-1, eos, float("-inf"))
+        chosen = ranked.argmax(dim=-1)  # [n]
         logprob = torch.log_softmax(scores / params.logprob_temperature, dim=-1).gather(-1, chosen[:, None])
         tokens[running, t] = chosen.to(tokens.dtype)
         logprobs[running, t] = logprob.squeeze(-1)

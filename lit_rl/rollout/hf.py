@@ -114,7 +114,10 @@ class HFGenerateEngine:
             return_dict_in_generate=True,
         )
         recorder = SampledTokenLogprobs(params.logprob_temperature)
-        processors = LogitsProcessorList([recorder] + ([] if params.greedy else [SeededRowSampler(seeds, params)]))
+        processors = [recorder] + ([] if params.greedy else [SeededRowSampler(seeds, params)])
+        if params.min_new_tokens > 0:  # after the recorder: the recorded log-probs are of the unmasked distribution
+            processors.append(StopsSuppressed(self.eos_token_ids, params.min_new_tokens))
+        processors = LogitsProcessorList(processors)
         with _library_generation_defaults(self.model):
             out = self.model.generate(
                 input_ids=prompt_ids,
@@ -168,6 +171,21 @@ class SampledTokenLogprobs:
     def _take(self, tokens: torch.Tensor) -> None:
         self.logprobs.append(self._pending.gather(-1, tokens[:, None]).squeeze(-1))
         self._pending = None
+
+
+class StopsSuppressed:
+    """A logits processor that keeps the stop ids from being chosen for the first `min_new_tokens` steps."""
+
+    def __init__(self, stop_ids: Sequence[int], min_new_tokens: int) -> None:
+        self.stop_ids = torch.tensor(list(stop_ids))
+        self.min_new_tokens = min_new_tokens
+        self.step = 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        step, self.step = self.step, self.step + 1
+        if step >= self.min_new_tokens:
+            return scores
+        return scores.index_fill(-1, self.stop_ids.to(scores.device), float("-inf"))
 
 
 class SeededRowSampler:

@@ -301,6 +301,7 @@ class VLLMServerEngine:
             "n": n,
             "seed": seed,
             "max_tokens": params.max_new_tokens,
+            "min_tokens": params.min_new_tokens,
             "temperature": 0.0 if params.greedy else params.temperature,
             "top_p": 1.0 if params.greedy else params.top_p,
             "top_k": 0 if params.greedy else params.top_k,

@@ -21,7 +21,9 @@ must come after every sleep: `holds_weights` says so.
 
 Log-probs are vLLM's `processed_logprobs`: of the distribution it sampled from (after temperature, and after
 top-k/top-p truncation when those are on), which with `top_k=0, top_p=1` is exactly `softmax(logits / T)`, what
-the trainer recomputes.
+the trainer recomputes. With `min_new_tokens`, the first tokens' log-probs are of the distribution with the stop ids
+masked (vLLM's min-tokens processor runs before them): they differ from the trainer's by the stop ids' small mass,
+which the rollout log-prob metrics show and the importance correction handles.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def vllm_sampling_params(params: SamplingParams, seed: int, eos_token_ids: Seque
     return vllm.SamplingParams(
         n=1,
         max_tokens=params.max_new_tokens,
+        min_tokens=params.min_new_tokens,
         temperature=0.0 if params.greedy else params.temperature,
         top_p=1.0 if params.greedy else params.top_p,
         top_k=0 if params.greedy else params.top_k,
