@@ -54,6 +54,7 @@ from throughput import fit_flags, metric_rows  # noqa: E402
 from lit_rl.models import build_random_model, resolve_model_path  # noqa: E402
 
 TINY = "lit-rl/tiny-qwen2-addition-sft"
+TRL_LOG_HISTORY: list[dict] = []  # the last `trl_run`'s `trainer.state.log_history`
 
 
 @dataclass
@@ -79,6 +80,11 @@ class Workload:
     # Each library with its documented defaults (TRL: bf16 and gradient checkpointing on; lit-rl: fp32, none)
     # instead of both in fp32 without gradient checkpointing.
     library_defaults: bool = False
+    # Long completions (`benchmarks/long_completions.py`): no stop before `min_new_tokens` (lit-rl
+    # `model.min_new_tokens`, TRL `generation_kwargs`), the reward's import path, and lit-rl flags on top.
+    min_new_tokens: int = 0
+    reward: str = ""
+    lit_flags: tuple[str, ...] = ()
 
 
 # -- one run (a child process) ---------------------------------------------------------------------------------
@@ -103,6 +109,7 @@ def lit_run(algorithm: str, model: str, steps: int, workdir: Path, work: Workloa
         common += ["--model.padding_free", "true"]
     if algorithm == "grpo":
         reward = "compare_trl.length_reward" if work.variable else "lit_rl.rewards.arithmetic.correctness"
+        reward = work.reward or reward
         args = [
             "--config",
             str(REPO / "configs" / "grpo.yaml"),
@@ -120,6 +127,8 @@ def lit_run(algorithm: str, model: str, steps: int, workdir: Path, work: Workloa
             "0.0",
             "--model.loss_aggregation",
             "sequence",
+            "--model.min_new_tokens",
+            str(work.min_new_tokens),
         ]
         if work.vllm:
             args += ["--config", str(REPO / "configs" / "rollout" / "vllm_colocate.yaml")]
@@ -131,7 +140,7 @@ def lit_run(algorithm: str, model: str, steps: int, workdir: Path, work: Workloa
             pairs = workdir / "pairs.jsonl"
             pairs.write_text("".join(json.dumps(row) + "\n" for row in variable_pairs()))
             args += ["--data.train_data", str(pairs), "--data.val_data", "null"]
-    main(["fit", *args, *common])
+    main(["fit", *args, *common, *work.lit_flags])
     (log_dir,) = workdir.glob("*/version_*")
     return [row["perf/step_s"] for row in metric_rows(log_dir) if "perf/step_s" in row]
 
@@ -182,6 +191,10 @@ def trl_run(algorithm: str, model: str, steps: int, workdir: Path, work: Workloa
         rows = addition_rows("train")
         dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
         reward = length_reward if work.variable else correctness
+        if work.reward:
+            from lit_rl.importing import import_callable
+
+            reward = import_callable(work.reward, "reward")
         config = GRPOConfig(
             **common,
             per_device_train_batch_size=work.group * work.prompts,
@@ -199,6 +212,7 @@ def trl_run(algorithm: str, model: str, steps: int, workdir: Path, work: Workloa
             vllm_mode="colocate",
             vllm_enable_sleep_mode=work.sleep_mode,
             vllm_gpu_memory_utilization=work.gpu_memory_utilization,
+            generation_kwargs={"min_new_tokens": work.min_new_tokens} if work.min_new_tokens else None,
         )
         trainer = GRPOTrainer(
             model=policy,
@@ -224,6 +238,7 @@ def trl_run(algorithm: str, model: str, steps: int, workdir: Path, work: Workloa
             callbacks=[StepTimes()],
         )
     trainer.train()
+    TRL_LOG_HISTORY[:] = trainer.state.log_history  # for callers that read more than the step times
     return [b - a for a, b in zip(marks, marks[1:])]
 
 

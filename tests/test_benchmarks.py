@@ -397,3 +397,18 @@ def test_ci_time_reads_pytest_summary_and_renders_the_readme_sentence():
         "`bash .ci/run` took 22 min 35 s on 2 cores at 6c54759: about 2 min 18 s to install, 20 min 17 s of tests "
         "(340 passed, 3 skipped)."
     ]
+
+
+@pytest.mark.slow
+def test_long_completions_quick_reports_both_libraries_peak_rss_on_completions_within_bounds(tmp_path):
+    out = tmp_path / "long.json"
+    command = [sys.executable, str(REPO / "benchmarks" / "long_completions.py"), "--quick", "--out", str(out)]
+    subprocess.run(command, check=True, capture_output=True, timeout=600)
+    report = json.loads(out.read_text())
+    assert (report["vocab"], report["min_new_tokens"], report["max_new_tokens"]) == (8192, 16, 48)
+    runs = {r["run"]: r for r in report["results"]}
+    assert set(runs) == {"lit-rl, head chunks", "lit-rl, whole logits", "TRL"}
+    for run in runs.values():
+        # No completion stopped before min_new_tokens in either library (the stops are sampled otherwise).
+        assert 16 <= run["min_length"] <= run["max_length"] <= 48, run
+        assert run["peak_rss_mib"] > 100 and len(run["step_times"]) == 2
