@@ -73,8 +73,9 @@ def asynchronous_rollout_metrics() -> dict:
 
 def token_budget_metrics() -> dict:
     """What token-budget micro-batches add: the real tokens of the step's largest micro-batch, across ranks (more
-    than `model.micro_batch_tokens` when a step was over budget)."""
-    return {"micro_batch_tokens/max": MaxMetric()}
+    than `model.micro_batch_tokens` when a step was over budget), and the most and the fewest tokens any rank
+    trained on in the step (`lit_rl.rank_balance` deals them evenly)."""
+    return {"micro_batch_tokens/max": MaxMetric(), "rank_tokens/max": MaxMetric(), "rank_tokens/min": MinMetric()}
 
 
 def rloo_metrics(reward_names: Iterable[str]) -> MetricCollection:

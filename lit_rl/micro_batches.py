@@ -24,7 +24,10 @@ The grouping is the bin packing of packed rows (`lit_rl.packing.first_fit_decrea
 
 from __future__ import annotations
 
+import torch
+
 from lit_rl.packing import first_fit_decreasing
+from lit_rl.types import RolloutBatch
 
 
 def token_budget_micro_batches(unit_tokens: list[int], budget: int, max_micro_batches: int) -> list[list[int]]:
@@ -33,3 +36,30 @@ def token_budget_micro_batches(unit_tokens: list[int], budget: int, max_micro_ba
     none joins the one with the fewest tokens (over budget). Ties keep the units' order."""
     groups = first_fit_decreasing(unit_tokens, budget, max_bins=max_micro_batches)
     return [sorted(group) for group in groups]
+
+
+def budgeted_micro_batch(
+    buffer: RolloutBatch, index: int, rows_per_step: int, accumulate: int, budget: int, unit: int = 1
+) -> tuple[RolloutBatch, bool]:
+    """Micro-batch `index` of a pass over `buffer` (`rows_per_step` rows per optimizer step, `accumulate`
+    micro-steps each) grouped by tokens, and whether it holds completions: a micro-step past the step's last group
+    gets the step's first unit with its completion mask and advantages zeroed (False)."""
+    step, slot = divmod(index, accumulate)
+    first = step * rows_per_step  # the step's rows are first .. first + rows_per_step - 1
+    tokens = step_row_tokens(buffer, step, rows_per_step)  # [rows_per_step]
+    groups = token_budget_micro_batches(tokens.view(-1, unit).sum(dim=1).long().tolist(), budget, accumulate)
+    device = buffer.prompt_ids.device
+    if slot < len(groups):
+        units = torch.tensor(groups[slot], device=device)
+        rows = (first + units[:, None] * unit + torch.arange(unit, device=device)).reshape(-1)
+        return buffer.select(rows), True
+    empty = buffer.select(slice(first, first + unit))
+    empty.completion_mask = torch.zeros_like(empty.completion_mask)
+    empty.advantages = torch.zeros_like(empty.advantages)
+    return empty, False
+
+
+def step_row_tokens(buffer: RolloutBatch, step: int, rows_per_step: int) -> torch.Tensor:
+    """Real tokens (prompt and completion) of each row of optimizer `step` in `buffer`: [rows_per_step]."""
+    rows = slice(step * rows_per_step, (step + 1) * rows_per_step)
+    return buffer.prompt_mask[rows].sum(dim=1) + buffer.completion_mask[rows].sum(dim=1)

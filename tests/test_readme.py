@@ -51,6 +51,7 @@ def test_readme_main_job_is_the_grpo_config():
         ("packing", ["packing_cpu.json"]),
         ("generation", ["generation_cpu.json"]),
         ("compare_trl", ["compare_trl_variable_cpu.json"]),
+        ("long_completions", ["long_completions_cpu.json"]),
         ("lora", ["lora_cpu.json"]),
         ("compare_trl", ["compare_trl_cpu.json"]),
         ("weight_push", ["weight_push_cpu.json"]),
@@ -83,7 +84,7 @@ def test_every_results_file_is_quoted_by_the_readme_test():
     quoted = {"throughput_cpu.json", "throughput_strategies_cpu.json", "lora_cpu.json", "compare_trl_cpu.json"}
     quoted |= {"weight_push_cpu.json", "push_memory_cpu.json", "logprob_memory_cpu.json", "ci_time.json"}
     quoted |= {"soak_cpu.json", "async_cpu.json", "async_accuracy_cpu.json", "packing_cpu.json"}
-    quoted |= {"generation_cpu.json", "compare_trl_variable_cpu.json"}
+    quoted |= {"generation_cpu.json", "compare_trl_variable_cpu.json", "long_completions_cpu.json"}
     quoted |= {f"{demo}_demo.json" for demo in ("grpo", "dpo", "rloo", "online_dpo")}
     assert {path.name for path in RESULTS.glob("*.json")} == quoted
 

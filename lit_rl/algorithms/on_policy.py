@@ -6,7 +6,9 @@ steps of `accumulate_grad_batches` micro-batches of `micro_batch_size` completio
 optimization does the accumulation, clipping, precision and `global_step`, so checkpoint cadence cannot drift.
 
 With `micro_batch_tokens`, each optimizer step's completions are grouped into micro-batches by tokens instead of
-by count (`lit_rl.micro_batches`); the micro-steps per optimizer step, and so the schedule, stay the same.
+by count (`lit_rl.micro_batches`); the micro-steps per optimizer step, and so the schedule, stay the same. On more
+than one rank the step's completions are first dealt so that the ranks' token totals even out
+(`lit_rl.rank_balance`).
 
 A subclass provides `finish_rollout` (advantages, or pairs), `micro_batch_loss` and its metric collection.
 
@@ -37,9 +39,10 @@ from lit_rl.metrics import (
     token_budget_metrics,
     update_rollout_metrics,
 )
-from lit_rl.micro_batches import token_budget_micro_batches
+from lit_rl.micro_batches import budgeted_micro_batch, step_row_tokens
 from lit_rl.models import resolve_model_path
 from lit_rl.ops import kl_k3
+from lit_rl.rank_balance import balanced_rows, exchange_rows
 from lit_rl.rewards import import_reward_function, reward_name
 from lit_rl.rewards.scoring import reward_components, weighted_reward
 from lit_rl.rollout import HFGenerateEngine, RolloutEngine, RolloutOutput, SamplingParams, VLLMConfig
@@ -426,7 +429,23 @@ class OnPolicyModule(PolicyModule):
                 batch.ref_logprobs = self._logprobs_in_chunks(ref_model, batch)
         self.finish_rollout(batch, all_rewards)
         self._normalizers = self._step_normalizers(batch)
+        if self.micro_batch_tokens is not None and self.trainer.world_size > 1:
+            batch = self._balanced_across_ranks(batch)
         return batch
+
+    def _balanced_across_ranks(self, batch: RolloutBatch) -> RolloutBatch:
+        """This rank's share of the generation once each step's rows are dealt evenly by tokens (`rank_balance`);
+        every rank keeps its number of rows per step, so the normalizers computed before still hold."""
+        tokens = batch.prompt_mask.sum(dim=1) + batch.completion_mask.sum(dim=1)  # [N]
+        all_tokens = self.all_gather(tokens).reshape(self.trainer.world_size, -1)  # [world, N]
+        rows, _ = balanced_rows(
+            all_tokens.cpu(),
+            self.trainer.world_size,
+            self.global_rank,
+            self.accumulate * self.hparams.micro_batch_size,
+            self.micro_batch_unit,
+        )
+        return exchange_rows(batch, rows, self.all_gather, self.tokenizer.pad_token_id)
 
     def completion_seeds(self, n: int, generation: Optional[int] = None) -> list[int]:
         """Sampling seeds of this rank's `n` completions of `generation` (default: the current one): slices of one
@@ -521,33 +540,29 @@ class OnPolicyModule(PolicyModule):
             first_pass = generation_micro_step < micro_batches
             self._update_common_metrics(mb, scores.entropy, logprobs if first_pass else None)
             self.update_algorithm_metrics(mb, loss, stats)
+        if self.micro_batch_tokens is not None and index % self.accumulate == 0:  # the step's first micro-step
+            self._update_rank_tokens(index // self.accumulate)
         self._micro_steps_done += 1
         # The loss denominators cover the whole step on every rank.
         return loss * self.step_loss_scale()
 
+    def _update_rank_tokens(self, step: int) -> None:
+        """The tokens of this rank's rows of optimizer `step` of the buffer, into the per-step max and min (synced
+        over ranks, they are the most and the fewest any rank trained on)."""
+        total = step_row_tokens(self._buffer, step, self.accumulate * self.hparams.micro_batch_size).sum()
+        self.train_metrics["rank_tokens/max"].update(total)
+        self.train_metrics["rank_tokens/min"].update(total)
+
     def micro_batch(self, index: int) -> tuple[RolloutBatch, bool]:
         """Micro-batch `index` of one pass over the buffer, and whether it holds completions: `micro_batch_size`
-        consecutive rows, or with `micro_batch_tokens` the step's rows grouped by tokens (`lit_rl.micro_batches`),
-        where a micro-step past the step's last group gets one unit with its completion mask zeroed (False)."""
+        consecutive rows, or with `micro_batch_tokens` the step's rows grouped by tokens
+        (`lit_rl.micro_batches.budgeted_micro_batch`, which may give an empty micro-step: False)."""
         size = self.hparams.micro_batch_size
         if self.micro_batch_tokens is None:
             return self._buffer.select(slice(index * size, (index + 1) * size)), True
-        step, slot = divmod(index, self.accumulate)
-        first = step * size * self.accumulate  # the step's rows are first .. first + size * accumulate - 1
-        rows = slice(first, first + size * self.accumulate)
-        unit = self.micro_batch_unit
-        tokens = self._buffer.prompt_mask[rows].sum(dim=1) + self._buffer.completion_mask[rows].sum(dim=1)  # [n]
-        groups = token_budget_micro_batches(
-            tokens.view(-1, unit).sum(dim=1).long().tolist(), self.micro_batch_tokens, self.accumulate
+        return budgeted_micro_batch(
+            self._buffer, index, size * self.accumulate, self.accumulate, self.micro_batch_tokens, self.micro_batch_unit
         )
-        if slot < len(groups):
-            units = torch.tensor(groups[slot], device=self.device)
-            index_rows = (first + units[:, None] * unit + torch.arange(unit, device=self.device)).reshape(-1)
-            return self._buffer.select(index_rows), True
-        empty = self._buffer.select(slice(first, first + unit))
-        empty.completion_mask = torch.zeros_like(empty.completion_mask)
-        empty.advantages = torch.zeros_like(empty.advantages)
-        return empty, False
 
     def launch_generation(self, generation: int, rows: list[dict[str, Any]]) -> None:
         """Start sampling `generation` in the background with the current weights (asynchronous rollouts)."""

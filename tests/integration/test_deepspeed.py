@@ -85,6 +85,7 @@ def test_zero3_trains_padding_free_with_token_budgets_and_head_chunks_like_ddp(t
     # About 77 tokens for a step's 8 completions (measured): one micro-batch holds them all (fixed groups of 4
     # would hold about 38), so the step's other micro-step runs empty.
     assert all(60 < row.pop("train/micro_batch_tokens/max") <= 120 for row in rows)
+    assert all(row.pop("train/rank_tokens/max") >= row.pop("train/rank_tokens/min") > 30 for row in rows)
     assert_rows_match(rows, _rows(ddp_reference), rel=1e-4, abs=1e-5)
 
 
