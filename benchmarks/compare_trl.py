@@ -55,6 +55,9 @@ from lit_rl.models import build_random_model, resolve_model_path  # noqa: E402
 
 TINY = "lit-rl/tiny-qwen2-addition-sft"
 TRL_LOG_HISTORY: list[dict] = []  # the last `trl_run`'s `trainer.state.log_history`
+LIT_PHASES: list[dict] = []  # the last `lit_run`'s per-step phase times (`PHASES`)
+# Where a lit-rl step goes (its `perf/` timers): the profile reported beside the variable-length ratios.
+PHASES = ("generation_s", "reward_s", "old_logprobs_s", "ref_logprobs_s", "policy_update_s")
 
 
 @dataclass
@@ -142,7 +145,9 @@ def lit_run(algorithm: str, model: str, steps: int, workdir: Path, work: Workloa
             args += ["--data.train_data", str(pairs), "--data.val_data", "null"]
     main(["fit", *args, *common, *work.lit_flags])
     (log_dir,) = workdir.glob("*/version_*")
-    return [row["perf/step_s"] for row in metric_rows(log_dir) if "perf/step_s" in row]
+    rows = [row for row in metric_rows(log_dir) if "perf/step_s" in row]
+    LIT_PHASES[:] = [{phase: row.get(f"perf/{phase}", 0.0) for phase in PHASES} for row in rows]
+    return [row["perf/step_s"] for row in rows]
 
 
 def trl_run(algorithm: str, model: str, steps: int, workdir: Path, work: Workload = Workload()) -> list[float]:
@@ -300,6 +305,7 @@ def run_child(
 
 def compare(algorithm: str, model_name: str, model: str, args, tmp: Path, work: Workload = Workload()) -> dict:
     per_round: dict[str, list[float]] = {"lit_rl": [], "trl": []}
+    phases: list[dict] = []  # lit-rl's per-step phase times after the warm-up, over rounds
     label = f"{'variable' if work.variable else 'fixed'}-{'defaults' if work.library_defaults else 'matched'}"
     for round_index in range(args.rounds):
         for library in ("lit_rl", "trl"):
@@ -309,9 +315,13 @@ def compare(algorithm: str, model_name: str, model: str, args, tmp: Path, work: 
             if len(times) <= args.warmup:
                 raise RuntimeError(f"{library}: {len(times)} step times, not more than --warmup {args.warmup}")
             per_round[library].append(statistics.median(times[args.warmup :]))
+            if library == "lit_rl":
+                phases += json.loads((workdir / "phases.json").read_text())[args.warmup :]
             print(f"  {algorithm} {model_name} {library} round {round_index}: {per_round[library][-1]:.3f} s/step")
     lit, trl = (statistics.median(per_round[name]) for name in ("lit_rl", "trl"))
     variant = {} if work == Workload() else {"workload": label.split("-")[0], "setting": label.split("-")[1]}
+    if work.variable:  # where lit-rl's step goes: the median of each phase
+        variant["lit_rl_phases_s"] = {phase: statistics.median(step[phase] for step in phases) for phase in PHASES}
     return {
         "algorithm": algorithm,
         "model": model_name,
@@ -338,6 +348,14 @@ def markdown_table(results: list[dict]) -> str:
             f"| {r['algorithm']} | {r['model']} | {variant}{r['lit_rl_s_per_step']:.3f} | {r['trl_s_per_step']:.3f} "
             f"| {r['ratio']:.2f} |"
         )
+    profiled = [r for r in results if "lit_rl_phases_s" in r]
+    if profiled:  # where lit-rl's step goes, one row per run
+        lines += ["", "| algorithm | model | setting | lit-rl s/step | " + " | ".join(PHASES) + " |"]
+        lines.append("|---|---|---|---|" + "---|" * len(PHASES))
+        for r in profiled:
+            cells = " | ".join(f"{r['lit_rl_phases_s'][phase]:.3f}" for phase in PHASES)
+            head = f"| {r['algorithm']} | {r['model']} | {r['setting']} | {r['lit_rl_s_per_step']:.3f} |"
+            lines.append(f"{head} {cells} |")
     return "\n".join(lines)
 
 
@@ -367,6 +385,8 @@ def main() -> None:
         run = lit_run if library == "lit_rl" else trl_run
         times = run(algorithm, model, int(steps), Path(out).parent, Workload(**json.loads(work)))
         Path(out).write_text(json.dumps(times))
+        if library == "lit_rl":
+            (Path(out).parent / "phases.json").write_text(json.dumps(LIT_PHASES))
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algorithms", nargs="+", choices=["grpo", "dpo"], default=["grpo", "dpo"])

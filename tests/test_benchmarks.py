@@ -149,7 +149,6 @@ def test_trl_comparison_quick_times_both_libraries_on_both_algorithms(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_trl_comparison_runs_the_variable_length_workloads(tmp_path):
     out = tmp_path / "variable.json"
     command = [sys.executable, str(REPO / "benchmarks" / "compare_trl.py"), "--workloads", "variable"]
@@ -161,6 +160,12 @@ def test_trl_comparison_runs_the_variable_length_workloads(tmp_path):
         ("dpo", "variable", "matched"),
     ]
     assert all(r["lit_rl_s_per_step"] > 0 and r["trl_s_per_step"] > 0 for r in results)
+    # Where lit-rl's step goes: GRPO samples and updates; DPO runs its reference and updates, and samples nothing.
+    grpo, dpo = (r["lit_rl_phases_s"] for r in results)
+    assert grpo["generation_s"] > 0 and grpo["policy_update_s"] > 0 and grpo["ref_logprobs_s"] == 0
+    assert dpo["generation_s"] == 0 and dpo["policy_update_s"] > 0 and dpo["ref_logprobs_s"] > 0
+    for result in results:
+        assert sum(result["lit_rl_phases_s"].values()) <= 1.5 * result["lit_rl_s_per_step"]
 
 
 def test_the_variable_length_workloads_vary_in_length(tmp_path):
