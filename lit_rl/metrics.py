@@ -71,6 +71,12 @@ def asynchronous_rollout_metrics() -> dict:
     return {"staleness/mean": MeanMetric(), "staleness/max": MaxMetric()}
 
 
+def dynamic_sampling_metrics() -> dict:
+    """What dynamic sampling adds: the refill generations a step's generation sampled, and the fraction of all the
+    groups it sampled (its own and the refills') that were dropped for rewards that all agree."""
+    return {"refill_generations": MeanMetric(), "frac_groups_dropped": MeanMetric()}
+
+
 def token_budget_metrics() -> dict:
     """What token-budget micro-batches add: the real tokens of the step's largest micro-batch, across ranks (more
     than `model.micro_batch_tokens` when a step was over budget), and the most and the fewest tokens any rank

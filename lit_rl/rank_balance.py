@@ -79,6 +79,14 @@ def padded_fields(batch: RolloutBatch, prompt_width: int, completion_width: int,
     return out
 
 
+def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
+    """Batches one after the other (row-wise), prompts and completions padded to the widest of them."""
+    prompt_width = max(b.prompt_ids.shape[1] for b in batches)
+    completion_width = max(b.completion_ids.shape[1] for b in batches)
+    parts = [padded_fields(b, prompt_width, completion_width, pad_id) for b in batches]
+    return replace(batches[0], **{name: torch.cat([part[name] for part in parts]) for name in parts[0]})
+
+
 def rows_of(batch: RolloutBatch, gathered: dict, rows: list[int]) -> RolloutBatch:
     """`batch` with the `rows` of the gathered fields (`[world * N, ...]` each), prompts and completions trimmed to
     the widest real prompt and completion among them."""

@@ -30,6 +30,9 @@ class RolloutBatch:
     kl: Optional[torch.Tensor] = None  # [N] RLOO: sum_t (old_logprobs - ref_logprobs), the reward penalty's KL
     advantage_std: Optional[torch.Tensor] = None  # [N] RLOO: std of the generation's advantages, on every row
     policy_version: Optional[torch.Tensor] = None  # [N] long, the optimizer steps done by the weights that sampled it
+    # Dynamic sampling: the generation's refills and fraction of groups dropped, the same on each of its rows.
+    refill_generations: Optional[torch.Tensor] = None  # [N] float
+    frac_groups_dropped: Optional[torch.Tensor] = None  # [N] float
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]

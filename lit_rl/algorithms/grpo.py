@@ -7,20 +7,23 @@ objective: group-relative advantages and the clipped per-token surrogate with a 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from lit_rl.algorithms.on_policy import ZERO_STD, OnPolicyModule
 from lit_rl.algorithms.rollout_checks import check_rollout_args
+from lit_rl.data.schedule import MAX_REFILLS, refill_seed_key
 from lit_rl.errors import ConfigError
 from lit_rl.lora import LoRAConfig
 from lit_rl.losses import AGGREGATIONS, IS_CORRECTIONS, LossNormalizer, grpo_loss, rollout_is_weights
 from lit_rl.losses.advantages import advantage_function
 from lit_rl.losses.overlong import overlong_penalty, truncated
 from lit_rl.losses.policy import policy_loss_function
-from lit_rl.metrics import grpo_metrics
+from lit_rl.metrics import dynamic_sampling_metrics, grpo_metrics
+from lit_rl.rank_balance import concat_batches, exchange_rows
 from lit_rl.rollout import RolloutOutput, VLLMConfig
+from lit_rl.rollout.dynamic_sampling import rows_for_rank, select_groups
 from lit_rl.rollout.hf import model_eos_token_ids
 from lit_rl.types import RolloutBatch
 
@@ -95,6 +98,11 @@ class GRPO(OnPolicyModule):
             tokens lose up to `overlong_penalty` reward, linearly (`lit_rl.losses.overlong`); 0 (default): off.
             `train/reward` includes the penalty, `train/rewards/<fn>` are the functions' own values.
         overlong_penalty: the largest penalty, at `max_new_tokens` tokens.
+        dynamic_sampling: DAPO's dynamic sampling (`lit_rl.rollout.dynamic_sampling`): groups whose rewards all
+            agree are dropped and refill generations of as many prompts sampled until the batch is full.
+            Logged: `train/refill_generations`, `train/frac_groups_dropped`.
+        max_refill_generations: the most refill generations one generation may sample (0-63); when they run out,
+            the earliest dropped groups fill the batch (they add no gradient).
     """
 
     def __init__(
@@ -139,6 +147,8 @@ class GRPO(OnPolicyModule):
         overlong_filter: bool = False,
         overlong_buffer: int = 0,
         overlong_penalty: float = 1.0,
+        dynamic_sampling: bool = False,
+        max_refill_generations: int = 4,
     ) -> None:
         check_rollout_args(locals())
         if loss_aggregation not in AGGREGATIONS:
@@ -152,6 +162,15 @@ class GRPO(OnPolicyModule):
         if not 0 <= overlong_buffer <= max_new_tokens:
             raise ConfigError(
                 f"model.overlong_buffer must be in [0, max_new_tokens={max_new_tokens}], got {overlong_buffer}"
+            )
+        if not 0 <= max_refill_generations <= MAX_REFILLS:
+            raise ConfigError(
+                f"model.max_refill_generations must be in [0, {MAX_REFILLS}], got {max_refill_generations}"
+            )
+        if dynamic_sampling and max_staleness > 0:
+            raise ConfigError(
+                "model.dynamic_sampling with model.max_staleness > 0 is not supported yet: refills are sampled when "
+                "a generation is scored, which asynchronous rollouts do ahead of time"
             )
         if not rollout_is_cap >= 1.0:
             raise ConfigError(f"model.rollout_is_cap must be >= 1, got {rollout_is_cap}")
@@ -186,9 +205,11 @@ class GRPO(OnPolicyModule):
         # The fraction corrected is logged when a correction is asked for by name or made certain by asynchrony
         # (`auto` alone keeps the columns of earlier runs).
         with_correction = max_staleness > 0 or rollout_is_correction not in ("auto", "none")
-        self.train_metrics = self.rollout_train_metrics(
-            grpo_metrics(self.reward_fns, with_kl=beta != 0.0, with_is_correction=with_correction)
-        )
+        metrics = grpo_metrics(self.reward_fns, with_kl=beta != 0.0, with_is_correction=with_correction)
+        if dynamic_sampling:
+            metrics.add_metrics(dynamic_sampling_metrics())
+        self.train_metrics = self.rollout_train_metrics(metrics)
+        self.refill_generations = max_refill_generations if dynamic_sampling else 0
         self.val_metrics = self.rollout_val_metrics()
 
     def uses_reference(self) -> bool:
@@ -197,6 +218,44 @@ class GRPO(OnPolicyModule):
     def finish_rollout(self, batch: RolloutBatch, all_rewards: torch.Tensor) -> None:
         advantages, _ = self.advantage_fn(all_rewards, self.hparams.num_generations, self.hparams.scale_rewards)
         batch.advantages = advantages[self.local_slice(len(batch))]
+        if self.hparams.dynamic_sampling:
+            refills, dropped = self._dynamic_sampling_stats
+            batch.refill_generations = torch.full_like(batch.rewards, float(refills))
+            batch.frac_groups_dropped = torch.full_like(batch.rewards, dropped)
+
+    def sample_generation(self, rows: list[dict[str, Any]], refills: list[list[dict[str, Any]]]):
+        """With `dynamic_sampling`, the generation's informative groups (reward std > 0), topped up from refill
+        generations (`lit_rl.rollout.dynamic_sampling`); otherwise the generation as sampled."""
+        first = super().sample_generation(rows, refills)
+        if not self.hparams.dynamic_sampling:
+            return first
+        G, n, world = self.hparams.num_generations, len(rows), self.trainer.world_size
+        prompts = n * world // G
+        generation = self._micro_steps_done // self.micro_steps_per_generation
+        pieces, keep = [first], self._informative_groups(first)
+        for refill, refill_rows in enumerate(refills, start=1):
+            if sum(keep) >= prompts:
+                break
+            seeds = self.completion_seeds(n, refill_seed_key(generation, refill))
+            pieces.append(self.sample(refill_rows, 1, self.sampling_params(training=True), seeds))
+            keep += self._informative_groups(pieces[-1])
+        self._dynamic_sampling_stats = (len(pieces) - 1, 1.0 - sum(keep) / len(keep))
+        groups = select_groups(keep, prompts)
+        if groups == list(range(prompts)):  # the generation as sampled: nothing to move
+            return first
+        pad = self.tokenizer.pad_token_id
+        pool = concat_batches([_as_rollout_batch(*piece) for piece in pieces], pad)
+        rows_here = rows_for_rank(groups, G, n, world, self.global_rank, len(pieces))
+        chosen = exchange_rows(pool, rows_here, self.gather_stacked, pad)
+        output = RolloutOutput(chosen.completion_ids, chosen.completion_mask, chosen.rollout_logprobs)
+        return chosen.prompt_ids, chosen.prompt_mask, output, chosen.reward_components, chosen.rewards
+
+    def _informative_groups(self, piece) -> list[bool]:
+        """Which of a generation's groups (all ranks', in order) have rewards that differ, after reward shaping:
+        the others would get zero advantages."""
+        _, _, out, _, rewards = piece
+        all_rewards = self.all_gather(self.shape_rewards(rewards, out)).reshape(-1)  # [world * n]
+        return (all_rewards.view(-1, self.hparams.num_generations).std(dim=1) > ZERO_STD).tolist()
 
     def shape_rewards(self, rewards: torch.Tensor, out: RolloutOutput) -> torch.Tensor:
         hp = self.hparams
@@ -245,6 +304,9 @@ class GRPO(OnPolicyModule):
 
     def update_algorithm_metrics(self, mb: RolloutBatch, loss: torch.Tensor, stats: dict[str, torch.Tensor]) -> None:
         m = self.train_metrics
+        if mb.refill_generations is not None:
+            m["refill_generations"].update(mb.refill_generations)
+            m["frac_groups_dropped"].update(mb.frac_groups_dropped)
         tokens = mb.completion_mask > 0
         m["loss"].update(loss.detach())
         m["frac_reward_zero_std"].update((mb.group_reward_std < ZERO_STD).float())
@@ -252,3 +314,10 @@ class GRPO(OnPolicyModule):
         m["clip_ratio/high"].update(stats["clipped_high"][tokens])
         if "kl" in stats:
             m["kl"].update(stats["kl"][tokens])
+
+
+def _as_rollout_batch(prompt_ids, prompt_mask, out, components, rewards) -> RolloutBatch:
+    """What `sample` returns, as a RolloutBatch (advantages and statistics to come), so its rows can move."""
+    zeros = torch.zeros_like(rewards)
+    completions = (out.completion_ids, out.completion_mask, out.logprobs)
+    return RolloutBatch(prompt_ids, prompt_mask, *completions, rewards, components, zeros, zeros)

@@ -325,7 +325,10 @@ class OnPolicyModule(PolicyModule):
             start_micro_step=lambda: self._micro_steps_done,
             micro_steps_per_optimizer_step=self.accumulate,
             launches=launches,
+            refill_generations=self.refill_generations,
         )
+
+    refill_generations = 0  # the refill generations the loader offers (GRPO's dynamic sampling sets it)
 
     @property
     def optimizer_steps_per_generation(self) -> int:
@@ -386,17 +389,24 @@ class OnPolicyModule(PolicyModule):
             raise error or RewardFunctionError("a reward function failed on another rank (its error is above)")
         return components, rewards
 
+    def sample_generation(self, rows: list[dict[str, Any]], refills: list[list[dict[str, Any]]]):
+        """This rank's completions of the current generation, as `sample` returns them (`refills`: the prompt rows
+        of the refill generations the loader offers, for algorithms that sample more when a batch falls short)."""
+        return self.sample(rows, 1, self.sampling_params(training=True), self.completion_seeds(len(rows)))
+
     @torch.no_grad()
-    def make_rollout(self, rows: list[dict[str, Any]], sampled: Optional[Any] = None) -> RolloutBatch:
+    def make_rollout(
+        self,
+        rows: list[dict[str, Any]],
+        sampled: Optional[Any] = None,
+        refills: Optional[list[list[dict[str, Any]]]] = None,
+    ) -> RolloutBatch:
         """Generate and score this rank's completions (`rows`: the prompt row of each, see
         `lit_rl.data.schedule`), then let the algorithm finish the batch. `sampled`: a generation the producer
         made ahead (`PendingGeneration`), scored here instead of sampling."""
         G = self.hparams.num_generations
         if sampled is None:
-            seeds = self.completion_seeds(len(rows))
-            prompt_ids, prompt_mask, out, components, rewards = self.sample(
-                rows, 1, self.sampling_params(training=True), seeds
-            )
+            prompt_ids, prompt_mask, out, components, rewards = self.sample_generation(rows, refills or [])
             version = self.trainer.global_step
         else:
             prompt_ids, prompt_mask = sampled.prompt_ids.to(self.device), sampled.prompt_mask.to(self.device)
@@ -445,7 +455,11 @@ class OnPolicyModule(PolicyModule):
             self.accumulate * self.hparams.micro_batch_size,
             self.micro_batch_unit,
         )
-        return exchange_rows(batch, rows, self.all_gather, self.tokenizer.pad_token_id)
+        return exchange_rows(batch, rows, self.gather_stacked, self.tokenizer.pad_token_id)
+
+    def gather_stacked(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor`, stacked: [world, ...] (also with one rank)."""
+        return self.all_gather(tensor).reshape(self.trainer.world_size, *tensor.shape)
 
     def completion_seeds(self, n: int, generation: Optional[int] = None) -> list[int]:
         """Sampling seeds of this rank's `n` completions of `generation` (default: the current one): slices of one
@@ -515,7 +529,7 @@ class OnPolicyModule(PolicyModule):
             if self._producer is not None:
                 with self.timer.phase("generation"):  # the part of the generation the training did not hide
                     sampled = self._producer.take(self.rollout_engine, generation)
-            self._buffer = self.make_rollout(batch["rows"], sampled)
+            self._buffer = self.make_rollout(batch["rows"], sampled, batch.get("refill"))
         micro_batches = self.micro_steps_per_generation // hp.num_iterations
         index = generation_micro_step % micro_batches
         if self._buffer.prompt_ids.device != self.device:  # restored from a checkpoint on CPU

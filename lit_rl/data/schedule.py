@@ -9,6 +9,10 @@ prompt-major: completion slot `s` belongs to prompt `s // G`. Rank `r` takes slo
 of G completions may therefore span ranks (when n is not a multiple of G); the algorithm normalises rewards over
 the gathered global batch, so the split never changes a group.
 
+With dynamic sampling (`lit_rl.rollout.dynamic_sampling`) the first micro-step of a generation also carries, under
+"refill", the prompt rows of each refill generation it may sample: refill r of generation g takes the first P
+prompts of a permutation of its own (`refill_seed_key`), in the same slots.
+
 With asynchronous rollouts the schedule also says which generations to launch ahead (`launches`): the first
 micro-step of each optimizer step carries, under "launch", the rows of every generation launched at that step.
 
@@ -22,9 +26,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
+import torch
+
 from lit_rl.data.files import Row
 from lit_rl.data.sharding import epoch_order
 from lit_rl.errors import DataError
+
+MAX_REFILLS = 63  # refill keys of generation g are 2**31 + 64 g + r, r = 1..63: no two generations share one
+
+
+def refill_seed_key(generation: int, refill: int) -> int:
+    """The key of refill `refill` (1-based) of `generation`, for its prompt permutation and, as the `generation`
+    argument of `global_batch_seeds`, its sampling seeds: disjoint from the generations' own keys (below 2**31)
+    and from every other refill's."""
+    if not 1 <= refill <= MAX_REFILLS:
+        raise ValueError(f"refill must be in [1, {MAX_REFILLS}], got {refill}")
+    return 2**31 + 64 * generation + refill
 
 
 @dataclass(frozen=True)
@@ -40,6 +57,7 @@ class RolloutSchedule:
     start_micro_step: Callable[[], int]
     micro_steps_per_optimizer_step: int = 1
     launches: Optional[Callable[[int], list[int]]] = None
+    refill_generations: int = 0  # dynamic sampling: the refills a generation may sample at most
 
 
 class RolloutScheduleLoader:
@@ -51,6 +69,7 @@ class RolloutScheduleLoader:
         self.start_micro_step = schedule.start_micro_step
         self.micro_steps_per_optimizer_step = schedule.micro_steps_per_optimizer_step
         self.launches = schedule.launches
+        self.refill_generations = schedule.refill_generations
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
@@ -85,10 +104,20 @@ class RolloutScheduleLoader:
         slots = range(first_slot, first_slot + self.completions_per_rank)
         return [self.rows[order[first_prompt + slot // self.group_size]] for slot in slots]
 
+    def rows_of_refill(self, generation: int, refill: int) -> list[Row]:
+        """This rank's prompt rows of refill `refill` of `generation`: P prompts of a permutation of its own."""
+        key = (self.seed % 2**31) * 2**32 + refill_seed_key(generation, refill)
+        order = torch.randperm(len(self.rows), generator=torch.Generator().manual_seed(key)).tolist()
+        first_slot = self.rank * self.completions_per_rank
+        slots = range(first_slot, first_slot + self.completions_per_rank)
+        return [self.rows[order[slot // self.group_size]] for slot in slots]
+
     def item(self, micro_step: int) -> dict[str, Any]:
         generation, within = divmod(micro_step, self.micro_steps_per_generation)
         rows = self.rows_of_generation(generation) if within == 0 else []
         item = {"micro_step": micro_step, "rows": rows}
+        if self.refill_generations and within == 0:
+            item["refill"] = [self.rows_of_refill(generation, r) for r in range(1, self.refill_generations + 1)]
         if self.launches is not None:
             step, first = divmod(micro_step, self.micro_steps_per_optimizer_step)
             launched = self.launches(step) if first == 0 else []
