@@ -131,3 +131,17 @@ def test_a_model_whose_logits_are_more_than_its_head_is_refused(tokenizer):  # n
         completion_scores(SoftCapped(model), *batch, head_chunk_tokens=4)
     completion_scores(model, *batch, head_chunk_tokens=4)  # the plain model passes
     assert model._lit_rl_plain_head
+
+
+def test_head_chunks_are_refused_under_fsdp_before_the_model_is_built():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from lit_rl.algorithms import SFT
+
+    module = SFT(model_name_or_path=MODEL, head_chunk_tokens=8)
+    module._trainer = SimpleNamespace(strategy=FSDPStrategy())
+    with pytest.raises(ConfigError, match="model.head_chunk_tokens is not supported with FSDP yet"):
+        module.configure_model()
+    assert module.policy is None

@@ -139,6 +139,11 @@ class PolicyModule(L.LightningModule):
         return self._trainer.strategy if self._trainer is not None else None
 
     def configure_model(self) -> None:
+        if self.head_chunk_tokens is not None and isinstance(self._attached_strategy(), FSDPStrategy):
+            raise ConfigError(
+                "model.head_chunk_tokens is not supported with FSDP yet (the head runs outside the wrapped "
+                "model's forward, which FSDP must unshard); use DeepSpeed ZeRO-3 or drop the option"
+            )
         if self.policy is None:
             # from_pretrained returns eval mode; Lightning switches modes around validation, start in train mode.
             with hf_zero3_loading(self._attached_strategy()):

@@ -90,7 +90,7 @@ class GRPO(OnPolicyModule):
             ratio, truncated), `sequence_mask` (the sequence's ratio, or 0 outside [1/cap, cap]), or `none`.
             `auto` (default) is `token_truncate` with asynchronous rollouts (`max_staleness > 0`: the engine
             sampled with older weights) or when a vLLM engine computes in another dtype than the trainer or in any
-            dtype below float32 (`OnPolicyModule.engine_numerics_differ`), else `none`.
+            dtype below float32 (`RolloutEngineOwner.engine_numerics_differ`), else `none`.
         rollout_is_cap: the cap C of the rollout correction.
         overlong_filter: truncated completions (no EOS within `max_new_tokens`) get no loss: their tokens leave the
             policy and KL terms and the loss denominators (DAPO's overlong filtering). Metrics still count them.
