@@ -52,6 +52,9 @@ def measure(workdir: Path) -> dict:
     result = subprocess.run(["bash", ".ci/run"], cwd=clone, env=env, capture_output=True, text=True)
     total = time.monotonic() - started
     (workdir / "ci.log").write_text(result.stdout + result.stderr)
+    if result.returncode != 0:  # what failed, before the temporary directory goes
+        failed = [line for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+        print("\n".join(failed) or result.stdout[-3000:], file=sys.stderr)
     summary = parse_pytest_summary(result.stdout)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=clone, capture_output=True, text=True).stdout.strip()
     return (

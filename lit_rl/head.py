@@ -128,7 +128,8 @@ def chunked_head_scores(
         start = index * chunk_tokens
         h, ids = hidden[start : start + chunk_tokens], token_ids[start : start + chunk_tokens]
         if track:
-            pieces.append(checkpoint(chunk_logprobs, h, ids, [True], use_reentrant=False))
+            # The head draws no random numbers: no RNG state to save and restore around each chunk.
+            pieces.append(checkpoint(chunk_logprobs, h, ids, [True], use_reentrant=False, preserve_rng_state=False))
         else:
             pieces.append(chunk_logprobs(h, ids, [True]))
     joined = {name: torch.cat(values) for name, values in stats.items()}
@@ -147,9 +148,14 @@ def check_plain_head(model: torch.nn.Module, device: torch.device) -> None:
     if decoder is None or head is None:
         raise ConfigError(f"model.head_chunk_tokens: {name} exposes no decoder or output head; drop the option")
     ids = torch.arange(4, device=device)[None]
-    with torch.no_grad():
-        logits = model(input_ids=ids, use_cache=False).logits.float()
-        via_head = head(decoder(input_ids=ids, use_cache=False).last_hidden_state).float()
+    was_training = model.training
+    model.eval()  # dropout (SFT keeps it) would make the two forwards differ, and differ across ranks
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=ids, use_cache=False).logits.float()
+            via_head = head(decoder(input_ids=ids, use_cache=False).last_hidden_state).float()
+    finally:
+        model.train(was_training)
     scale = logits.abs().max().clamp(min=1.0)
     if via_head.shape != logits.shape or (via_head - logits).abs().max() > 1e-4 * scale:
         raise ConfigError(

@@ -10,7 +10,9 @@ its count of rows (Lightning's micro-steps and the loss denominators, which are 
 change). The rows move with everything the loss needs (log-probs, advantages, rewards); the step's loss and
 metrics are sums over the same rows on all ranks, so they are unchanged (`tests/integration/test_rank_invariance.py`).
 
-Pure torch; the gather is the caller's (`LightningModule.all_gather`).
+The exchange gathers every rank's buffer on every rank (an all-gather, then each rank keeps its rows): simple, and
+small next to a step's activations at today's sizes, but it grows with the ranks; an all-to-all of only the rows
+each rank takes is the next step for many ranks. Pure torch; the gather is the caller's (`LightningModule.all_gather`).
 """
 
 from __future__ import annotations

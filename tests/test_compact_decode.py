@@ -69,15 +69,17 @@ def test_only_the_rows_still_running_are_computed(policy):
     assert sum(rows) < full_rows
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.0], ids=["sampled", "greedy"])
-def test_no_completion_stops_before_min_new_tokens_and_the_logprobs_stay_the_trainers(policy, temperature):
+@pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (0.0, 0), (1.0, 1)], ids=["sampled", "greedy", "top_k_1"])
+def test_no_completion_stops_before_min_new_tokens_and_the_logprobs_stay_the_trainers(policy, temperature, top_k):
     from lit_rl.algorithms.base import completion_logprobs
 
     tokenizer, model = policy
     ids, mask = batch(tokenizer, ["1+2=", "45+67=", "9+99=", "123+4567="], 2)
     seeds = list(range(len(ids)))
-    free = SamplingParams(max_new_tokens=10, temperature=temperature)
-    held = SamplingParams(max_new_tokens=10, min_new_tokens=6, temperature=temperature)
+    free = SamplingParams(max_new_tokens=10, temperature=temperature, top_k=top_k)
+    # The stops are masked before top-k: with top_k 1 the most likely other token is chosen, never an id the
+    # truncation left at -inf everywhere.
+    held = SamplingParams(max_new_tokens=10, min_new_tokens=6, temperature=temperature, top_k=top_k)
     skipping = HFGenerateEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
     full = HFGenerateEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, skip_finished=False)
     assert skipping.generate(ids, mask, free, seeds).completion_mask.sum(dim=1).min() < 6  # the model stops early

@@ -145,3 +145,12 @@ def test_head_chunks_are_refused_under_fsdp_before_the_model_is_built():
     with pytest.raises(ConfigError, match="model.head_chunk_tokens is not supported with FSDP yet"):
         module.configure_model()
     assert module.policy is None
+
+
+def test_the_head_check_runs_without_dropout_and_leaves_the_training_mode(tokenizer):  # noqa: F811
+    model = load_causal_lm(MODEL)
+    for layer in model.get_decoder().layers:  # SFT keeps dropout: the two forwards of the check must not differ
+        layer.self_attn.attention_dropout = 0.9
+    model.train()
+    completion_scores(model, *variable_batch(tokenizer), head_chunk_tokens=4)
+    assert model.training and model._lit_rl_plain_head

@@ -44,7 +44,7 @@ def test_whitening_uses_the_steps_moments_summed_over_ranks():
     values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
     whole = masked_moments(values, mask)
-    torch.testing.assert_close(whole, torch.tensor([4.0, 10.0, 30.0]))
+    torch.testing.assert_close(whole, torch.tensor([4.0, 10.0, 30.0], dtype=torch.float64))
     split = masked_moments(values[:1], mask[:1]) + masked_moments(values[1:], mask[1:])  # two ranks
     torch.testing.assert_close(split, whole)
     mean, std = moments_to_mean_std(whole)

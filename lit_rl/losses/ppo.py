@@ -41,7 +41,7 @@ def token_rewards(
     mask = completion_mask.to(rewards.dtype)
     last = (mask.sum(dim=1).long() - 1).clamp(min=0)  # [N]
     out = torch.zeros_like(mask)
-    out[torch.arange(len(rewards), device=rewards.device), last] = rewards * (mask.sum(dim=1) > 0).to(rewards.dtype)
+    out[torch.arange(len(rewards), device=mask.device), last] = rewards * (mask.sum(dim=1) > 0).to(rewards.dtype)
     if kl is not None and beta != 0.0:
         out = out - beta * kl * mask
     return out
@@ -52,8 +52,8 @@ def gae(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages A [N, T] and returns G = A + V [N, T] from per-token `rewards` and `values` [N, T] (module
     docstring); zero where the mask is 0, and the value after a completion's last token is 0."""
-    mask = completion_mask.to(values.dtype)
-    values = values * mask
+    mask = completion_mask.float()
+    values, rewards = values.float() * mask, rewards.float()  # accumulated in float32 whatever the model's dtype
     T = rewards.shape[1]
     advantages = torch.zeros_like(values)
     running = torch.zeros_like(values[:, 0])
@@ -74,18 +74,18 @@ def whiten(
 
 
 def masked_moments(values: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
-    """[count, sum, sum of squares] of the real tokens' values: summed over ranks, they give the step's mean and
-    std (`moments_to_mean_std`)."""
-    mask = completion_mask.to(values.dtype)
+    """[count, sum, sum of squares] of the real tokens' values, in float64 (E[x^2] - mean^2 cancels when the mean is
+    large against the std): summed over ranks, they give the step's mean and std (`moments_to_mean_std`)."""
+    values, mask = values.double(), completion_mask.double()
     return torch.stack([mask.sum(), (values * mask).sum(), (values * values * mask).sum()])
 
 
 def moments_to_mean_std(moments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and (population) std from `masked_moments` [count, sum, sum of squares]."""
+    """Mean and population std (divided by the count, not count - 1) from `masked_moments`, as float32."""
     count = moments[0].clamp(min=1.0)
     mean = moments[1] / count
     variance = (moments[2] / count - mean * mean).clamp(min=0.0)
-    return mean, variance.sqrt()
+    return mean.float(), variance.sqrt().float()
 
 
 def clipped_value_loss(

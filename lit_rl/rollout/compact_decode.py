@@ -47,7 +47,7 @@ def decode_skipping_finished(
     T = params.max_new_tokens
     device = prompt_ids.device
     sampler = None if params.greedy else SeededRowSampler(seeds, params)
-    eos = torch.tensor(list(eos_token_ids), device=device)
+    eos = torch.tensor(list(eos_token_ids), dtype=torch.long, device=device)
     tokens = torch.full((N, T), pad_token_id, dtype=prompt_ids.dtype, device=device)
     logprobs = torch.zeros(N, T, dtype=torch.float32, device=device)
     running = torch.arange(N, device=device)  # the original row of each row still in the batch
@@ -72,9 +72,10 @@ def decode_skipping_finished(
     steps = 0
     for t in range(T):
         scores = out.logits[:, -1, :].float()  # [n, V]
-        ranked = scores if sampler is None else sampler.perturb(scores, sampler.seeds[running.cpu()], t)
-        if t < params.min_new_tokens:  # no stop yet; the log-prob below stays that of the unmasked distribution
-            ranked = ranked.index_fill(-1, eos, float("-inf"))
+        # No stop yet: masked before top-k/top-p (as HF and vLLM do), so the truncation keeps other tokens; the
+        # log-prob below stays that of the unmasked distribution.
+        allowed = scores.index_fill(-1, eos, float("-inf")) if t < params.min_new_tokens else scores
+        ranked = allowed if sampler is None else sampler.perturb(allowed, sampler.seeds[running.cpu()], t)
         chosen = ranked.argmax(dim=-1)  # [n]
         logprob = torch.log_softmax(scores / params.logprob_temperature, dim=-1).gather(-1, chosen[:, None])
         tokens[running, t] = chosen.to(tokens.dtype)

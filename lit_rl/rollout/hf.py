@@ -114,9 +114,11 @@ class HFGenerateEngine:
             return_dict_in_generate=True,
         )
         recorder = SampledTokenLogprobs(params.logprob_temperature)
-        processors = [recorder] + ([] if params.greedy else [SeededRowSampler(seeds, params)])
-        if params.min_new_tokens > 0:  # after the recorder: the recorded log-probs are of the unmasked distribution
+        processors = [recorder]  # first: the recorded log-probs are of the unmasked distribution
+        if params.min_new_tokens > 0:  # before top-k/top-p, as HF's own processor and vLLM mask
             processors.append(StopsSuppressed(self.eos_token_ids, params.min_new_tokens))
+        if not params.greedy:
+            processors.append(SeededRowSampler(seeds, params))
         processors = LogitsProcessorList(processors)
         with _library_generation_defaults(self.model):
             out = self.model.generate(
@@ -177,7 +179,7 @@ class StopsSuppressed:
     """A logits processor that keeps the stop ids from being chosen for the first `min_new_tokens` steps."""
 
     def __init__(self, stop_ids: Sequence[int], min_new_tokens: int) -> None:
-        self.stop_ids = torch.tensor(list(stop_ids))
+        self.stop_ids = torch.tensor(list(stop_ids), dtype=torch.long)
         self.min_new_tokens = min_new_tokens
         self.step = 0
 
