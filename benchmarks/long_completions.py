@@ -53,25 +53,14 @@ def build_long_model(out_dir: Path, vocab: int, max_positions: int, stop_ids: in
     import string
 
     import torch
-    from transformers import GenerationConfig, Qwen2ForCausalLM, Qwen2Tokenizer
+    from transformers import GenerationConfig, Qwen2ForCausalLM
 
-    from lit_rl.models import SPECIAL_TOKENS, TINY_CHAT_TEMPLATE, _byte_alphabet, tiny_qwen2_config
+    from lit_rl.models import SPECIAL_TOKENS, build_char_tokenizer, tiny_qwen2_config
 
-    base = _byte_alphabet() + SPECIAL_TOKENS
     letters = string.ascii_letters + string.digits
     words = ("".join(chars) for n in (2, 3) for chars in itertools.product(letters, repeat=n))
-    vocabulary = {symbol: index for index, symbol in enumerate(base)}
-    for index, word in zip(range(len(base), vocab), words):
-        vocabulary[word] = index
-    tokenizer = Qwen2Tokenizer(
-        vocab=vocabulary,
-        merges=[],
-        unk_token=None,
-        eos_token="<|endoftext|>",
-        pad_token="<|pad|>",
-        chat_template=TINY_CHAT_TEMPLATE,
-        model_max_length=max_positions,
-    )
+    extra = vocab - 256 - len(SPECIAL_TOKENS)  # after the bytes and the special tokens
+    tokenizer = build_char_tokenizer(itertools.islice(words, extra), model_max_length=max_positions)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(tiny_qwen2_config(vocab_size=vocab, max_position_embeddings=max_positions))
     model.save_pretrained(out_dir)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
@@ -133,15 +133,16 @@ def _byte_alphabet() -> list[str]:
     return [symbols[byte] for byte in range(256)]
 
 
-def build_char_tokenizer():
+def build_char_tokenizer(extra_tokens: Iterable[str] = (), model_max_length: int = 128):
     """A byte-level BPE with no merges (one token per byte: characters, for ASCII text), deterministic.
 
     It is a `Qwen2Tokenizer`, the class `AutoTokenizer` picks for a Qwen2 config (here and in vLLM), so every
-    loader tokenizes the same way. Token ids: the 256 bytes, then `<|endoftext|>` (EOS) and `<|pad|>`.
+    loader tokenizes the same way. Token ids: the 256 bytes, then `<|endoftext|>` (EOS) and `<|pad|>`, then
+    `extra_tokens` (never produced by encoding, without merges, but decoded: a benchmark's large vocabulary).
     """
     from transformers import Qwen2Tokenizer
 
-    vocab = {symbol: index for index, symbol in enumerate(_byte_alphabet() + SPECIAL_TOKENS)}
+    vocab = {symbol: index for index, symbol in enumerate([*_byte_alphabet(), *SPECIAL_TOKENS, *extra_tokens])}
     return Qwen2Tokenizer(
         vocab=vocab,
         merges=[],
@@ -149,7 +150,7 @@ def build_char_tokenizer():
         eos_token="<|endoftext|>",
         pad_token="<|pad|>",
         chat_template=TINY_CHAT_TEMPLATE,
-        model_max_length=128,
+        model_max_length=model_max_length,
     )
 
 

@@ -53,9 +53,9 @@ def balanced_rows(
     N = tokens.shape[1]
     take: list[int] = []
     totals: list[int] = []
+    flat = tokens.reshape(-1)
     for start in range(0, N, rows_per_step):
         step_rows = [r * N + start + i for r in range(world) for i in range(rows_per_step)]  # global, rank-major
-        flat = tokens.reshape(-1)
         unit_tokens = [int(flat[step_rows[u : u + unit]].sum()) for u in range(0, len(step_rows), unit)]
         dealt = balanced_assignment(unit_tokens, world)
         totals += [sum(unit_tokens[u] for u in units) for units in dealt]

@@ -31,7 +31,7 @@ from lit_rl.lora import (
     trainable_keys,
 )
 from lit_rl.models import load_causal_lm, load_tokenizer
-from lit_rl.ops import position_ids_from_mask, token_logprobs
+from lit_rl.ops import position_ids_from_mask
 from lit_rl.packing import packed_completion_forward, packed_completion_hidden
 from lit_rl.perf import StepTimer
 from lit_rl.shared_prompts import shared_prompt_cache
@@ -506,7 +506,6 @@ def completion_logprobs(
     padding_free: bool = False,
 ) -> torch.Tensor:
     """Per-token log-probs [N, T] of the completion tokens under `softmax(logits / temperature)`."""
-    logits = completion_forward(
-        model, prompt_ids, prompt_mask, completion_ids, completion_mask, synced_ranks, padding_free
-    )
-    return token_logprobs(logits, completion_ids, temperature)
+    return completion_scores(
+        model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, synced_ranks, padding_free
+    ).logprobs

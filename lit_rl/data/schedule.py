@@ -98,19 +98,19 @@ class RolloutScheduleLoader:
     def rows_of_generation(self, generation: int) -> list[Row]:
         """The prompt row of each of this rank's completion slots in generation `generation` (module docstring)."""
         epoch, within = divmod(generation, self.generations_per_epoch)
-        order = self._permutation(epoch)
-        first_prompt = within * self.prompts_per_generation
-        first_slot = self.rank * self.completions_per_rank
-        slots = range(first_slot, first_slot + self.completions_per_rank)
-        return [self.rows[order[first_prompt + slot // self.group_size]] for slot in slots]
+        return self._rows_of_slots(self._permutation(epoch)[within * self.prompts_per_generation :])
 
     def rows_of_refill(self, generation: int, refill: int) -> list[Row]:
         """This rank's prompt rows of refill `refill` of `generation`: P prompts of a permutation of its own."""
         key = (self.seed % 2**31) * 2**32 + refill_seed_key(generation, refill)
         order = torch.randperm(len(self.rows), generator=torch.Generator().manual_seed(key)).tolist()
+        return self._rows_of_slots(order)
+
+    def _rows_of_slots(self, prompts: list[int]) -> list[Row]:
+        """This rank's completion slots of a generation whose prompts are `prompts` (row indices, in order)."""
         first_slot = self.rank * self.completions_per_rank
         slots = range(first_slot, first_slot + self.completions_per_rank)
-        return [self.rows[order[slot // self.group_size]] for slot in slots]
+        return [self.rows[prompts[slot // self.group_size]] for slot in slots]
 
     def item(self, micro_step: int) -> dict[str, Any]:
         generation, within = divmod(micro_step, self.micro_steps_per_generation)
