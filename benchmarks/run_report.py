@@ -71,6 +71,7 @@ DEMOS = {
     ],
     "rloo": _demo("rloo"),
     "online_dpo": _demo("online_dpo"),
+    "ppo": _demo("ppo"),
 }
 
 
@@ -181,7 +182,9 @@ def _dpo_table(r: dict) -> str:
 
 def _rollout_label(r: dict) -> str:
     group = r["fit"]["model"]["num_generations"]
-    return f"k = {group}" if r["demo"] == "rloo" else f"{group} samples per prompt"
+    if r["demo"] == "rloo":
+        return f"k = {group}"
+    return f"{group} samples per prompt" + (", a critic" if r["demo"] == "ppo" else "")
 
 
 def _rollout_table(reports: list[dict]) -> str:
@@ -238,6 +241,14 @@ def claims(results: dict) -> list[str]:
         return [
             f"skipped {first['train/frac_tied_pairs']:.0%} of its pairs as ties in the first {window} steps and "
             f"{last['train/frac_tied_pairs']:.0%} in the last {window}"
+        ]
+    if results["demo"] == "ppo":
+        first, last, window = fit["train_first"], fit["train_last"], fit["window"]
+        variance = "train/critic/explained_variance"
+        return [
+            f"The critic's `{variance}` went from {first[variance]:.3f} (first {window} steps) to "
+            f"{last[variance]:.3f} (last {window})",
+            f"{fit['perf_median']['perf/step_s']:.3f} s per step (the median `perf/step_s`)",
         ]
     return []
 

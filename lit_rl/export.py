@@ -5,7 +5,8 @@
 The checkpoint is either a Lightning `.ckpt` file or a DeepSpeed checkpoint directory (ZeRO-2 or ZeRO-3 shards,
 consolidated here on CPU; no GPU and no process group needed). The model's architecture and tokenizer come from
 the checkpoint's own `model_name_or_path`; the weights are the policy's at the checkpoint's step. A LoRA
-checkpoint gives the merged model, or with `--adapter` the peft adapter alone.
+checkpoint gives the merged model, or with `--adapter` the peft adapter alone. A PPO checkpoint's critic is written
+to `out_dir/critic` (a one-label `AutoModelForTokenClassification`).
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoConfig
 
 from lit_rl.errors import DataFileNotFound, LitRLError
 from lit_rl.lora import apply_lora, as_lora_config, save_merged, trainable_keys
 from lit_rl.models import load_causal_lm, load_tokenizer, resolve_model_path
+from lit_rl.value_model import save_value_state
 
 POLICY_PREFIX = "policy."
+CRITIC_PREFIX = "critic."
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
@@ -80,12 +84,21 @@ def export_checkpoint(checkpoint_path: str | Path, out_dir: str | Path, adapter_
     else:
         model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    critic_state = {
+        key[len(CRITIC_PREFIX) :]: value
+        for key, value in checkpoint["state_dict"].items()
+        if key.startswith(CRITIC_PREFIX)
+    }
+    if critic_state:
+        critic_name = hparams.get("critic_model_name_or_path") or name
+        config = AutoConfig.from_pretrained(resolve_model_path(critic_name), trust_remote_code=trust_remote_code)
+        save_value_state(config, critic_state, out / "critic")
     return out
 
 
 def _model_from_config(name: str, trust_remote_code: bool, dtype: torch.dtype, tokenizer: Any) -> torch.nn.Module:
     """The architecture of `name` with uninitialised weights of `dtype`, sized for `tokenizer`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(resolve_model_path(name), trust_remote_code=trust_remote_code)
     config.dtype = dtype

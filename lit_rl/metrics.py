@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 import torch
-from torchmetrics import MaxMetric, MeanMetric, MetricCollection, MinMetric, SumMetric
+from torchmetrics import ExplainedVariance, MaxMetric, MeanMetric, MetricCollection, MinMetric, SumMetric
 
 
 def _collection(metrics: dict) -> MetricCollection:
@@ -94,6 +94,28 @@ def rloo_metrics(reward_names: Iterable[str]) -> MetricCollection:
             "clip_ratio": MeanMetric(),
         }
     )
+
+
+def ppo_metrics(reward_names: Iterable[str], with_kl: bool) -> MetricCollection:
+    """Metrics of PPO. `loss` = `policy_loss` + `value_loss_coef` x `critic/value_loss` (each a sum of normalised
+    micro-batch terms); `clip_ratio` and `critic/value_clip_ratio`: the fractions of tokens whose gradient the
+    clipping took away; `critic/values` and `critic/returns`: the per-token means of the critic's values when sampled
+    and of the GAE returns; `critic/explained_variance`: 1 - Var(G - V) / Var(G) over the step's tokens (1: the
+    critic predicts the returns, <= 0: no better than their mean); with beta > 0 `kl`, the mean per-sequence KL
+    penalised in the reward."""
+    metrics = {
+        **_on_policy_training_metrics(reward_names),
+        "policy_loss": SumMetric(),
+        "critic/value_loss": SumMetric(),
+        "clip_ratio": MeanMetric(),
+        "critic/value_clip_ratio": MeanMetric(),
+        "critic/values": MeanMetric(),
+        "critic/returns": MeanMetric(),
+        "critic/explained_variance": ExplainedVariance(),
+    }
+    if with_kl:
+        metrics["kl"] = MeanMetric()
+    return _collection(metrics)
 
 
 DPO_PAIR_METRICS = (

@@ -25,7 +25,16 @@ import torch
 from lit_rl.types import RolloutBatch
 
 PROMPT_FIELDS = ("prompt_ids", "prompt_mask")  # left-padded: widened on the left
-COMPLETION_FIELDS = ("completion_ids", "completion_mask", "rollout_logprobs", "old_logprobs", "ref_logprobs")
+COMPLETION_FIELDS = (
+    "completion_ids",
+    "completion_mask",
+    "rollout_logprobs",
+    "old_logprobs",
+    "ref_logprobs",
+    "old_values",
+    "token_advantages",
+    "returns",
+)
 
 
 def balanced_assignment(tokens: list[int], world: int) -> list[list[int]]:

@@ -33,6 +33,10 @@ class RolloutBatch:
     # Dynamic sampling: the generation's refills and fraction of groups dropped, the same on each of its rows.
     refill_generations: Optional[torch.Tensor] = None  # [N] float
     frac_groups_dropped: Optional[torch.Tensor] = None  # [N] float
+    # PPO (`lit_rl.losses.ppo`): the critic's values when sampled, GAE advantages (whitened) and returns, per token.
+    old_values: Optional[torch.Tensor] = None  # [N, T] float
+    token_advantages: Optional[torch.Tensor] = None  # [N, T] float
+    returns: Optional[torch.Tensor] = None  # [N, T] float
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]

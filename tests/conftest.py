@@ -170,16 +170,16 @@ def fit_in_subprocess(
     return tmp_path / name / "run" / "version_0"
 
 
-def fit_grpo(max_steps: int = 1, callbacks: Optional[list] = None, **model_args: Any):
-    """GRPO on the tiny model for `max_steps` optimizer steps with a plain Trainer (no CLI, no logger); the fitted
-    module."""
+def fit_grpo(max_steps: int = 1, callbacks: Optional[list] = None, algorithm: str = "GRPO", **model_args: Any):
+    """GRPO (or the on-policy `algorithm` named) on the tiny model for `max_steps` optimizer steps with a plain
+    Trainer (no CLI, no logger); the fitted module."""
     import lightning as L
 
-    from lit_rl.algorithms import GRPO
+    import lit_rl.algorithms
     from lit_rl.data import PromptDataModule
 
     args = dict(num_generations=4, micro_batch_size=8, max_new_tokens=4, temperature=1.0)
-    model = GRPO(**{**args, **model_args})
+    model = getattr(lit_rl.algorithms, algorithm)(**{**args, **model_args})
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=max_steps,

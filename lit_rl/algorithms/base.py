@@ -242,15 +242,21 @@ class PolicyModule(L.LightningModule):
             extras=extras,
         )
 
+    def optimizer_param_groups(self) -> list[dict[str, Any]]:
+        """AdamW's parameter groups: the policy's trainable parameters (at `learning_rate`); PPO adds its critic's
+        at their own rate. The warm-up scales every group alike."""
+        return [{"params": [p for p in self.policy.parameters() if p.requires_grad]}]
+
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
-        params = [p for p in self.policy.parameters() if p.requires_grad]
+        groups = self.optimizer_param_groups()
+        params = [p for group in groups for p in group["params"]]
         # torch's fused AdamW kernel (CPU and CUDA): one pass over the parameters instead of a loop of small ops,
         # about 10x faster on the 21M benchmark model (0.009 s vs 0.092 s per step on 2 CPU cores). Not with fp16
         # mixed precision: the gradient scaler must unscale before clipping, which a fused step does internally.
         fp16_scaled = self._trainer is not None and str(self._trainer.precision) == "16-mixed"
         fused = all(p.device.type in ("cpu", "cuda") for p in params) and not fp16_scaled
-        optimizer = torch.optim.AdamW(params, lr=hp.learning_rate, weight_decay=hp.weight_decay, fused=fused)
+        optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, weight_decay=hp.weight_decay, fused=fused)
         warmup = max(hp.warmup_steps, 0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -55,6 +55,13 @@ from lit_rl.types import RolloutBatch
 ZERO_STD = 1e-6
 
 
+def group_reward_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Each row's group's reward std [N] (groups of `group_size` consecutive rows); 0 for groups of one."""
+    if group_size == 1:
+        return torch.zeros_like(rewards)
+    return rewards.view(-1, group_size).std(dim=1).repeat_interleave(group_size)
+
+
 class OnPolicyModule(RolloutEngineOwner, PolicyModule):
     """Base of algorithms that learn from their own samples. Not used directly: see GRPO, RLOO, OnlineDPO."""
 
@@ -326,7 +333,7 @@ class OnPolicyModule(RolloutEngineOwner, PolicyModule):
         self.release_engine()  # sleep mode: the log-prob forwards and the update get the engine's memory
         # Every rank's rewards in global slot order: a group may span ranks, so group statistics use them all.
         all_rewards = self.all_gather(rewards).reshape(-1)  # [world*N]
-        group_std = all_rewards.view(-1, G).std(dim=1).repeat_interleave(G)[self.local_slice(len(rows))]
+        group_std = group_reward_std(all_rewards, G)[self.local_slice(len(rows))]
         batch = RolloutBatch(
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
@@ -559,7 +566,7 @@ class OnPolicyModule(RolloutEngineOwner, PolicyModule):
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(7919 * (batch_idx + 1))
             _, _, out, components, rewards = self.sample(batch["rows"], G, self.sampling_params(training=False))
-        group_std = rewards.view(-1, G).std(dim=1).repeat_interleave(G) if G > 1 else torch.zeros_like(rewards)
+        group_std = group_reward_std(rewards, G)
         weight = batch["weight"].to(rewards).repeat_interleave(G)  # 0 on rows that pad this rank's share
         update_rollout_metrics(
             self.val_metrics, self.reward_fns, rewards, components, out.completion_mask, group_std, weight

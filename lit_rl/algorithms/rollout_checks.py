@@ -28,15 +28,17 @@ def check_max_staleness(max_staleness: int, vllm: Optional[VLLMConfig]) -> None:
         )
 
 
-def check_rollout_args(args: dict[str, Any]) -> None:
-    """Reject impossible rollout settings at construction, naming the offending key."""
+def check_rollout_args(args: dict[str, Any], min_generations: int = 2) -> None:
+    """Reject impossible rollout settings at construction, naming the offending key (`min_generations`: 2 where
+    completions of a prompt are compared, 1 where a critic is the baseline)."""
     positive = ("num_generations", "micro_batch_size", "steps_per_generation", "num_iterations", "max_new_tokens")
     for key in positive:
         if args[key] < 1:
             raise ConfigError(f"model.{key} must be >= 1, got {args[key]}")
-    if args["num_generations"] < 2:
+    if args["num_generations"] < min_generations:
         raise ConfigError(
-            f"model.num_generations must be >= 2 (completions are compared), got {args['num_generations']}"
+            f"model.num_generations must be >= {min_generations} (completions are compared), "
+            f"got {args['num_generations']}"
         )
     if args["temperature"] <= 0 or not math.isfinite(args["temperature"]):
         raise ConfigError(f"model.temperature must be > 0 for training rollouts, got {args['temperature']}")

@@ -10,6 +10,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lit_rl.lora import is_lora_model, save_merged
 from lit_rl.strategies import gathered_parameters
+from lit_rl.value_model import save_value_model
 
 
 class SaveHFPretrained(Callback):
@@ -17,6 +18,8 @@ class SaveHFPretrained(Callback):
 
     A LoRA policy is saved twice: merged into a plain model in `dirpath` (loadable by transformers and vLLM without
     peft) and as the peft adapter alone in `dirpath/adapter` (`PeftModel.from_pretrained(base, dirpath/adapter)`).
+    A module with a critic (PPO) also writes it to `dirpath/critic`, loadable as a one-label
+    `AutoModelForTokenClassification` whose logits are the values.
 
     Args:
         dirpath: output directory (created; files with the same names are replaced). Default: `hf/` in the
@@ -39,5 +42,10 @@ class SaveHFPretrained(Callback):
                 else:
                     pl_module.policy.save_pretrained(out, safe_serialization=True)
                 pl_module.tokenizer.save_pretrained(out)
+        critic = getattr(pl_module, "critic", None)
+        if critic is not None:  # PPO: the critic next to the policy, as a token-classification model
+            with gathered_parameters(critic):
+                if trainer.is_global_zero:
+                    save_value_model(critic, out / "critic")
         trainer.strategy.barrier("save_hf_pretrained")
         self.saved_to = out

@@ -43,8 +43,8 @@ PolicyLoss = Callable[
 def _clipped_surrogate(
     ratio: torch.Tensor, advantages: torch.Tensor, epsilon_low: float, epsilon_high: float
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """-min(ratio A, clip(ratio) A) [N, T] for ratio [N, T] (or [N, 1]) and advantages [N]."""
-    adv = advantages.unsqueeze(1)  # [N, 1]
+    """-min(ratio A, clip(ratio) A) [N, T] for ratio [N, T] (or [N, 1]) and advantages [N] (or per token, [N, T])."""
+    adv = _per_token(advantages)
     clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high) * adv
     per_token = -torch.min(ratio * adv, clipped)
     stats = {
@@ -53,6 +53,11 @@ def _clipped_surrogate(
         "clipped_high": ((ratio > 1.0 + epsilon_high) & (adv > 0)).float(),
     }
     return per_token, stats
+
+
+def _per_token(advantages: torch.Tensor) -> torch.Tensor:
+    """Advantages as [N, 1] (one per sequence, [N]) or [N, T] (one per token: PPO's GAE) to broadcast over tokens."""
+    return advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
 
 
 def ppo_clip(logprobs, old_logprobs, advantages, completion_mask, epsilon_low=0.2, epsilon_high=0.2):
@@ -85,7 +90,7 @@ def cispo(logprobs, old_logprobs, advantages, completion_mask, epsilon_low=0.2, 
     """CISPO: REINFORCE weighted by the clipped, stop-gradient importance ratio (module docstring)."""
     ratio = torch.exp(logprobs - old_logprobs).detach()  # [N, T]
     weight = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
-    adv = advantages.unsqueeze(1)
+    adv = _per_token(advantages)
     per_token = -weight * adv * logprobs
     stats = {
         "ratio": ratio,

@@ -15,7 +15,7 @@ V_L = 0 after the last token:
     A_t     = delta_t + gamma * lambda * A_{t+1}          (A_L = 0)
     G_t     = A_t + V_t                                   (the critic's regression target, the "return")
 
-The advantages are then whitened over all real tokens of the step (mean 0, std 1; the statistics are the
+The advantages are then whitened over all real tokens of the generation (mean 0, std 1; the statistics are the
 caller's, summed over ranks). The critic's loss, clipped around the values at sampling time V_old as in the
 reference implementations (OpenAI baselines, TRL, OpenRLHF):
 
@@ -68,7 +68,7 @@ def gae(
 def whiten(
     advantages: torch.Tensor, completion_mask: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, eps: float = 1e-8
 ) -> torch.Tensor:
-    """(A - mean) / (std + eps) on the real tokens, 0 elsewhere; `mean` and `std` are the step's, over every real
+    """(A - mean) / (std + eps) on the real tokens, 0 elsewhere; `mean` and `std` are the generation's, over every real
     token on every rank (`masked_moments` summed over ranks)."""
     return (advantages - mean) / (std + eps) * completion_mask
 

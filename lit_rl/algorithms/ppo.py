@@ -1,0 +1,277 @@
+"""PPO with a learned critic (Schulman et al. 2017; for language models Ouyang et al. 2022).
+
+Each completion is an episode: its reward arrives at the last token, a per-token KL penalty to the reference
+(beta > 0) at every token, and a critic (`lit_rl.value_model.ValueModel`, a separate network initialised from the
+policy's weights or `critic_model_name_or_path`) gives the baseline V(s_t). At generation time the critic's values,
+GAE advantages and returns are computed once (`lit_rl.losses.ppo`), and the advantages whitened over every real
+token of the generation on every rank. Each micro-step then trains both networks with one loss:
+
+    loss = policy_loss + value_loss_coef * value_loss
+    policy_loss = aggregate_t( -min(r_t A_t, clip(r_t, 1 - epsilon, 1 + epsilon) A_t) )
+    value_loss  = aggregate_t( 0.5 * max((V_t - G_t)^2, (V_old_t + clip(V_t - V_old_t, -c, c) - G_t)^2) )
+
+with the named aggregation of `lit_rl.losses.grpo` (default `token`: the mean over the optimizer step's tokens on
+all ranks, as OpenRLHF and verl). The critic's parameters are an AdamW group of their own at
+`critic_learning_rate`; `trainer.gradient_clip_val` clips both networks' gradients together (as TRL does), which is
+what `value_loss_coef` weighs. The schedule, buffer, validation and checkpoints are `OnPolicyModule`'s, so the
+checkpoint cadence and exact resume hold as for GRPO; the critic is in every checkpoint and exported next to the
+policy (`hf/critic`, an `AutoModelForTokenClassification` with one label).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from lit_rl.algorithms.base import completion_forward
+from lit_rl.algorithms.on_policy import OnPolicyModule
+from lit_rl.algorithms.rollout_checks import check_rollout_args
+from lit_rl.errors import ConfigError
+from lit_rl.lora import LoRAConfig
+from lit_rl.losses import AGGREGATIONS, LossNormalizer
+from lit_rl.losses.grpo import aggregate
+from lit_rl.losses.policy import ppo_clip
+from lit_rl.losses.ppo import clipped_value_loss, gae, masked_moments, moments_to_mean_std, token_rewards, whiten
+from lit_rl.metrics import ppo_metrics
+from lit_rl.rollout import VLLMConfig
+from lit_rl.strategies import gathered_parameters, hf_zero3_loading
+from lit_rl.types import RolloutBatch
+from lit_rl.value_model import ValueModel, load_value_model, reset_value_head
+
+
+class PPO(OnPolicyModule):
+    """Proximal Policy Optimization with a critic, GAE and value clipping.
+
+    Args:
+        model_name_or_path: policy to train: a hub id, a local directory, or `lit-rl/<asset>` for a shipped one.
+        reward_funcs: import paths of reward functions `(prompts, completions, **columns) -> list[float]`.
+        reward_weights: one weight per reward function (default: all 1.0); the reward is the weighted sum.
+        num_generations: completions sampled per prompt (>= 1: the critic is the baseline, no group is needed).
+        micro_batch_size: completions per `training_step` on each rank.
+        steps_per_generation: optimizer steps taken on each generation's buffer (per pass).
+        num_iterations: passes over each generation's buffer (PPO epochs); > 1 uses the clipped ratio.
+        max_new_tokens: completion budget.
+        min_new_tokens: no completion stops (EOS or a stop id) before this many tokens.
+        temperature: sampling temperature; log-probs are computed at this temperature.
+        top_p: nucleus sampling threshold (1.0 disables).
+        top_k: top-k sampling (0 disables).
+        beta: per-token KL penalty in the reward, `r_t = -beta (logp_t - ref_logp_t)` (+ the reward at the last
+            token); 0 loads no reference model.
+        gamma: GAE discount.
+        lam: GAE lambda (1: Monte-Carlo returns minus the critic's value; 0: one-step TD errors).
+        epsilon: clip range of the per-token ratio, `[1 - epsilon, 1 + epsilon]`.
+        value_clip: c, how far the critic's values may move from their sampling-time values before the clipped
+            error takes over (None: the plain squared error).
+        value_loss_coef: weight of the value loss in the one loss both networks train on.
+        whiten_advantages: standardise the advantages over every real token of the generation (all ranks).
+        loss_aggregation: how per-token losses become one number (`lit_rl.losses.grpo`): `token` (default),
+            `sequence`, `constant` or `dapo`.
+        critic_model_name_or_path: the model the critic's decoder is loaded from (None: the policy's); it must
+            share the policy's tokenizer. Its value head starts at 0.
+        learning_rate: AdamW learning rate of the policy.
+        critic_learning_rate: AdamW learning rate of the critic (None: `learning_rate`).
+        weight_decay: AdamW weight decay.
+        warmup_steps: linear learning-rate warm-up, in optimizer steps (both networks).
+        dtype: dtype the policy and critic are loaded in (`float32`, `bfloat16`, `float16`, `auto`).
+        gradient_checkpointing: recompute activations in the backward pass to save memory (both networks).
+        trust_remote_code: allow model code from the model repository (off by default).
+        max_prompt_length: truncate prompts to their last `max_prompt_length` tokens (None: no limit).
+        val_temperature: sampling temperature for validation (0: greedy).
+        val_num_generations: completions per validation prompt.
+        invalid_reward: what a NaN/None/inf reward value does: `zero` counts it as 0 (and in the metric
+            `frac_invalid_reward`), `error` stops the run naming the reward function.
+        vllm: generate rollouts with vLLM (`configs/rollout/vllm_colocate.yaml`, `vllm_server.yaml`); None: HF
+            `generate` on the policy. See `lit_rl.rollout.VLLMConfig` for the keys (`--model.vllm.mode ...`).
+        lora: train a LoRA adapter on the policy (`configs/peft/lora.yaml`); the critic trains all its weights.
+        padding_free: run the training forwards (policy, critic, reference, old log-probs) on the rows' real
+            tokens laid end to end, without padding (`lit_rl.packing`).
+        head_chunk_tokens: run the policy's output head on that many completion tokens at a time (`lit_rl.head`).
+        micro_batch_tokens: group each optimizer step's completions into at most `accumulate_grad_batches`
+            micro-batches of at most this many real tokens instead of `micro_batch_size` each.
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: str = "lit-rl/tiny-qwen2-addition-sft",
+        reward_funcs: Optional[list[str]] = None,
+        reward_weights: Optional[list[float]] = None,
+        num_generations: int = 4,
+        micro_batch_size: int = 16,
+        steps_per_generation: int = 1,
+        num_iterations: int = 1,
+        max_new_tokens: int = 16,
+        min_new_tokens: int = 0,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        beta: float = 0.05,
+        gamma: float = 1.0,
+        lam: float = 0.95,
+        epsilon: float = 0.2,
+        value_clip: Optional[float] = 0.2,
+        value_loss_coef: float = 0.1,
+        whiten_advantages: bool = True,
+        loss_aggregation: str = "token",
+        critic_model_name_or_path: Optional[str] = None,
+        learning_rate: float = 1e-5,
+        critic_learning_rate: Optional[float] = None,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        dtype: str = "float32",
+        gradient_checkpointing: bool = False,
+        trust_remote_code: bool = False,
+        max_prompt_length: Optional[int] = None,
+        val_temperature: float = 0.0,
+        val_num_generations: int = 1,
+        invalid_reward: str = "zero",
+        vllm: Optional[VLLMConfig] = None,
+        lora: Optional[LoRAConfig] = None,
+        padding_free: bool = False,
+        head_chunk_tokens: Optional[int] = None,
+        micro_batch_tokens: Optional[int] = None,
+    ) -> None:
+        check_rollout_args(locals(), min_generations=1)
+        if loss_aggregation not in AGGREGATIONS:
+            raise ConfigError(f"model.loss_aggregation must be one of {sorted(AGGREGATIONS)}, got {loss_aggregation!r}")
+        for key, value in (("gamma", gamma), ("lam", lam)):
+            if not 0.0 <= value <= 1.0:
+                raise ConfigError(f"model.{key} must be in [0, 1], got {value}")
+        if epsilon < 0:
+            raise ConfigError(f"model.epsilon must be >= 0, got {epsilon}")
+        if value_clip is not None and value_clip <= 0:
+            raise ConfigError(f"model.value_clip must be > 0 (or null: no clipping), got {value_clip}")
+        if value_loss_coef < 0:
+            raise ConfigError(f"model.value_loss_coef must be >= 0, got {value_loss_coef}")
+        if critic_learning_rate is not None and critic_learning_rate < 0:
+            raise ConfigError(f"model.critic_learning_rate must be >= 0, got {critic_learning_rate}")
+        super().__init__(
+            model_name_or_path,
+            reward_funcs,
+            reward_weights,
+            dtype=dtype,
+            gradient_checkpointing=gradient_checkpointing,
+            trust_remote_code=trust_remote_code,
+            learning_rate=learning_rate,
+            weight_decay=weight_decay,
+            warmup_steps=warmup_steps,
+            max_prompt_length=max_prompt_length,
+            vllm=vllm,
+            lora=lora,
+            padding_free=padding_free,
+            head_chunk_tokens=head_chunk_tokens,
+            micro_batch_tokens=micro_batch_tokens,
+        )
+        self.save_hyperparameters()
+        self.critic: Optional[ValueModel] = None  # built in `configure_model`, like the policy
+        self.train_metrics = self.rollout_train_metrics(ppo_metrics(self.reward_fns, with_kl=beta != 0.0))
+        self.val_metrics = self.rollout_val_metrics()
+
+    # -- the critic ------------------------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        super().configure_model()
+        if self.critic is None:
+            hp = self.hparams
+            strategy = self._attached_strategy()
+            with hf_zero3_loading(strategy):
+                self.critic = load_value_model(
+                    hp.critic_model_name_or_path or hp.model_name_or_path,
+                    num_embeddings=len(self.tokenizer),
+                    dtype=hp.dtype,
+                    gradient_checkpointing=hp.gradient_checkpointing,
+                    trust_remote_code=hp.trust_remote_code,
+                ).train()
+            # Under ZeRO-3 the head was partitioned as it was created: set it to 0 whole (elsewhere a no-op).
+            with gathered_parameters(self.critic.score, modifier_rank=0):
+                reset_value_head(self.critic)
+
+    def optimizer_param_groups(self) -> list[dict]:
+        hp = self.hparams
+        critic_lr = hp.learning_rate if hp.critic_learning_rate is None else hp.critic_learning_rate
+        critic = {"params": [p for p in self.critic.parameters() if p.requires_grad], "lr": critic_lr}
+        return [*super().optimizer_param_groups(), critic]
+
+    def critic_values(self, mb: RolloutBatch) -> torch.Tensor:
+        """The critic's V(s_t) [N, T] in float32, at the positions that predict each completion token (0 where
+        the completion mask is 0), with this run's forward settings (sharding, padding-free)."""
+        values = completion_forward(
+            self.critic,
+            mb.prompt_ids,
+            mb.prompt_mask,
+            mb.completion_ids,
+            mb.completion_mask,
+            synced_ranks=self.parameters_sharded(),
+            padding_free=self.padding_free,
+        )[..., 0]
+        return values.float() * mb.completion_mask
+
+    # -- rollout ---------------------------------------------------------------------------------------------
+    def uses_reference(self) -> bool:
+        return self.hparams.beta != 0.0
+
+    def needs_old_logprobs(self) -> bool:
+        # The KL penalty is part of the reward, so it needs the sampling policy's log-probs at generation time.
+        return self.hparams.beta != 0.0 or super().needs_old_logprobs()
+
+    def finish_rollout(self, batch: RolloutBatch, all_rewards: torch.Tensor) -> None:
+        hp = self.hparams
+        mask = batch.completion_mask
+        with self.timer.phase("values"):
+            batch.old_values = torch.cat(
+                [
+                    self.critic_values(batch.select(slice(start, start + hp.micro_batch_size)))
+                    for start in range(0, len(batch), hp.micro_batch_size)
+                ]
+            )
+        kl = None
+        if batch.ref_logprobs is not None:
+            kl = (batch.old_logprobs - batch.ref_logprobs) * mask  # [N, T]
+            batch.kl = kl.sum(dim=1)
+        rewards = token_rewards(batch.rewards, mask, kl, hp.beta)
+        advantages, batch.returns = gae(rewards, batch.old_values, mask, hp.gamma, hp.lam)
+        if hp.whiten_advantages:
+            moments = masked_moments(advantages, mask)
+            if self.trainer.world_size > 1:
+                moments = self.trainer.strategy.reduce(moments, reduce_op="sum")
+            mean, std = moments_to_mean_std(moments)
+            advantages = whiten(advantages, mask, mean, std)
+        batch.token_advantages = advantages
+        # One number per sequence for what reads `advantages` (the empty micro-step zeroes it): the token mean.
+        batch.advantages = advantages.sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+
+    # -- training --------------------------------------------------------------------------------------------
+    def micro_batch_loss(
+        self, mb: RolloutBatch, logprobs: torch.Tensor, normalizer: LossNormalizer
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        hp = self.hparams
+        mask = mb.completion_mask
+        # The old log-probs exist for the KL penalty even when the policy has not moved since generation; then the
+        # ratio is 1 by definition, so use this pass's own log-probs (no numerical drift into the clipping).
+        policy_moved = OnPolicyModule.needs_old_logprobs(self)
+        old_logprobs = mb.old_logprobs if policy_moved else logprobs.detach()
+        policy_per_token, stats = ppo_clip(logprobs, old_logprobs, mb.token_advantages, mask, hp.epsilon, hp.epsilon)
+        values = self.critic_values(mb)
+        value_per_token, value_stats = clipped_value_loss(values, mb.old_values, mb.returns, hp.value_clip)
+        policy_loss = aggregate(policy_per_token, mask, hp.loss_aggregation, normalizer)
+        value_loss = aggregate(value_per_token, mask, hp.loss_aggregation, normalizer)
+        stats = {
+            "clipped": torch.maximum(stats["clipped_low"], stats["clipped_high"]),
+            "value_clipped": value_stats["clipped"],
+            "policy_loss": policy_loss.detach(),
+            "value_loss": value_loss.detach(),
+        }
+        return policy_loss + hp.value_loss_coef * value_loss, stats
+
+    def update_algorithm_metrics(self, mb: RolloutBatch, loss: torch.Tensor, stats: dict[str, torch.Tensor]) -> None:
+        m = self.train_metrics
+        tokens = mb.completion_mask > 0
+        m["loss"].update(loss.detach())
+        m["policy_loss"].update(stats["policy_loss"])
+        m["critic/value_loss"].update(stats["value_loss"])
+        m["clip_ratio"].update(stats["clipped"][tokens])
+        m["critic/value_clip_ratio"].update(stats["value_clipped"][tokens])
+        m["critic/values"].update(mb.old_values[tokens])
+        m["critic/returns"].update(mb.returns[tokens])
+        m["critic/explained_variance"].update(mb.old_values[tokens], mb.returns[tokens])
+        if mb.kl is not None:
+            m["kl"].update(mb.kl)

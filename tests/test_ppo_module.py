@@ -1,0 +1,123 @@
+"""PPO through a plain Trainer, and its critic (`lit_rl.value_model`): what the rollout buffer holds, where the
+gradient goes, the critic's forwards and its Hugging Face export."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lit_rl.algorithms.base import completion_forward
+from lit_rl.errors import ConfigError
+from lit_rl.losses.policy import ppo_clip
+from lit_rl.losses.ppo import gae, token_rewards
+from lit_rl.models import load_causal_lm, load_tokenizer
+from lit_rl.ops import position_ids_from_mask
+from lit_rl.value_model import load_value_model, save_value_model
+from tests.conftest import fit_grpo
+
+MODEL = "lit-rl/tiny-qwen2-addition-sft"
+
+
+def test_ppo_clip_takes_one_advantage_per_token_by_hand():
+    logprobs = torch.log(torch.tensor([[1.5, 0.5, 1.0]]))
+    old = torch.zeros(1, 3)
+    advantages = torch.tensor([[1.0, -1.0, 2.0]])
+    loss, stats = ppo_clip(logprobs, old, advantages, torch.ones(1, 3), 0.2, 0.2)
+    # -min(1.5 * 1, 1.2 * 1) = -1.2; -min(0.5 * -1, 0.8 * -1) = 0.8; -min(1 * 2, 1 * 2) = -2.
+    torch.testing.assert_close(loss, torch.tensor([[-1.2, 0.8, -2.0]]))
+    assert stats["clipped_high"].tolist() == [[1.0, 0.0, 0.0]] and stats["clipped_low"].tolist() == [[0.0, 1.0, 0.0]]
+    # One advantage per sequence is the same as that advantage on every token.
+    per_sequence, _ = ppo_clip(logprobs, old, torch.tensor([1.0]), torch.ones(1, 3))
+    per_token, _ = ppo_clip(logprobs, old, torch.ones(1, 3), torch.ones(1, 3))
+    torch.testing.assert_close(per_sequence, per_token)
+
+
+def test_the_critics_forwards_agree_and_its_export_gives_the_same_values(tmp_path):
+    tokenizer = load_tokenizer(MODEL)
+    critic = load_value_model(MODEL, num_embeddings=len(tokenizer))
+    prompts = tokenizer(["1+2=", "1+2=", "33+4="], padding=True, return_tensors="pt")
+    completions = tokenizer(["3<|endoftext|>", "4", "37"], padding=True, return_tensors="pt", padding_side="right")
+    args = (prompts.input_ids, prompts.attention_mask, completions.input_ids, completions.attention_mask.float())
+    mask = completions.attention_mask.float()
+    with torch.no_grad():
+        assert torch.equal(completion_forward(critic, *args)[..., 0] * mask, torch.zeros_like(mask))  # head at 0
+        torch.nn.init.normal_(critic.score.weight, std=0.1)
+        critic.score.bias.fill_(0.3)
+        critic.train()  # rows 0 and 1 share their prompt's forward
+        shared = completion_forward(critic, *args)[..., 0] * mask
+        critic.eval()
+        padded = completion_forward(critic, *args)[..., 0] * mask
+        packed = completion_forward(critic, *args, padding_free=True)[..., 0] * mask
+    assert shared[mask > 0].abs().min() > 0
+    torch.testing.assert_close(shared, padded, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-6)
+
+    from transformers import AutoModelForTokenClassification
+
+    save_value_model(critic, tmp_path / "critic")
+    exported = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic").eval()
+    ids = torch.cat([prompts.input_ids, completions.input_ids], dim=1)
+    attention = torch.cat([prompts.attention_mask, completions.attention_mask], dim=1)
+    with torch.no_grad():
+        logits = exported(input_ids=ids, attention_mask=attention, position_ids=position_ids_from_mask(attention))
+    T = completions.input_ids.shape[1]
+    torch.testing.assert_close(logits.logits[:, -(T + 1) : -1, 0] * mask, padded, rtol=1e-5, atol=1e-6)
+
+
+def test_the_buffer_holds_gae_of_the_critics_values_whitened_over_the_generation():
+    # 2 steps x 2 passes per generation: step 5 trains on the second generation, sampled after 4 updates (the
+    # critic's values and the KL to the reference are no longer 0).
+    model = fit_grpo(
+        max_steps=5,
+        algorithm="PPO",
+        beta=0.1,
+        gamma=0.99,
+        lam=0.9,
+        num_iterations=2,
+        steps_per_generation=2,
+        micro_batch_size=4,
+        learning_rate=1e-3,
+        critic_learning_rate=1e-2,
+    )
+    buffer = model._buffer
+    mask = buffer.completion_mask
+    tokens = mask > 0
+    assert buffer.old_values[tokens].abs().min() > 0
+    kl = (buffer.old_logprobs - buffer.ref_logprobs) * mask
+    assert kl.abs().max() > 0
+    torch.testing.assert_close(buffer.kl, kl.sum(dim=1))
+    advantages, returns = gae(token_rewards(buffer.rewards, mask, kl, 0.1), buffer.old_values, mask, 0.99, 0.9)
+    torch.testing.assert_close(buffer.returns, returns)
+    mean, std = advantages[tokens].mean(), advantages[tokens].std(unbiased=False)
+    torch.testing.assert_close(buffer.token_advantages, (advantages - mean) / (std + 1e-8) * mask)
+    torch.testing.assert_close(buffer.advantages, buffer.token_advantages.sum(dim=1) / mask.sum(dim=1))
+
+
+def test_one_loss_trains_both_networks_each_at_its_own_learning_rate():
+    model = fit_grpo(max_steps=1, algorithm="PPO", num_generations=1, learning_rate=1e-4, critic_learning_rate=3e-3)
+    groups = model.trainer.optimizers[0].param_groups
+    assert [group["lr"] for group in groups] == [1e-4, 3e-3]
+    assert [id(p) for p in groups[1]["params"]] == [id(p) for p in model.critic.parameters()]
+    # Adam's first step moves every parameter with a gradient by about its learning rate.
+    assert 1e-3 < model.critic.score.weight.abs().max() <= 3e-3 * 1.01
+    start = dict(load_causal_lm(MODEL).named_parameters())
+    moved = max((p.detach() - start[name]).abs().max() for name, p in model.policy.named_parameters())
+    assert 1e-5 < moved <= 1e-4 * 1.01
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("value_clip", 0.0, "model.value_clip must be > 0"),
+        ("lam", 1.5, r"model.lam must be in \[0, 1\]"),
+        ("gamma", -0.1, r"model.gamma must be in \[0, 1\]"),
+        ("loss_aggregation", "mean", "model.loss_aggregation must be one of"),
+        ("critic_learning_rate", -1.0, "model.critic_learning_rate must be >= 0"),
+        ("num_generations", 0, "model.num_generations must be >= 1"),
+    ],
+)
+def test_bad_ppo_settings_name_their_key(key, value, message):
+    from lit_rl.algorithms import PPO
+
+    with pytest.raises(ConfigError, match=message):
+        PPO(**{key: value})
