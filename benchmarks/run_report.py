@@ -248,7 +248,8 @@ def claims(results: dict) -> list[str]:
         return [
             f"The critic's `{variance}` went from {first[variance]:.3f} (first {window} steps) to "
             f"{last[variance]:.3f} (last {window})",
-            f"{fit['perf_median']['perf/step_s']:.3f} s per step (the median `perf/step_s`)",
+            f"`critic/values` {first['train/critic/values']:.2f} -> {last['train/critic/values']:.2f}",
+            f"{fit['perf_median']['perf/step_s']:.3f} s per step (median `perf/step_s`)",
         ]
     return []
 

@@ -197,3 +197,18 @@ def test_a_normal_fit_prints_no_advert_and_no_known_warning(tmp_path):
     header = next(i for i, line in enumerate(lines) if line.startswith("lit-rl: "))
     assert lines[header].startswith("lit-rl: done, 2 optimizer steps in"), lines[header]
     assert all(line.startswith("  ") for line in lines[header + 1 :]), lines  # the summary comes last, after the bar
+
+
+def test_ppo_help_documents_its_critic_options(capsys):
+    with pytest.raises(SystemExit):
+        run_cli("fit", "--model.help", "lit_rl.algorithms.PPO")
+    text = capsys.readouterr().out
+    for option, doc in [
+        ("gamma", "GAE discount"),
+        ("lam", "GAE lambda"),
+        ("value_clip", "sampling-time values"),
+        ("critic_learning_rate", "AdamW learning rate of the critic"),
+        ("critic_model_name_or_path", "the critic's decoder"),
+    ]:
+        assert f"--model.init_args.{option}" in text or f"--model.{option}" in text, option
+        assert doc in text, doc

@@ -227,3 +227,61 @@ def test_nonfinite_guard_skips_a_nan_gradient_step_under_zero(tmp_path, stage):
         assert record["after_bad_step"] == record["before_bad_step"]  # skipped: weights unchanged
         assert record["final"] != record["before_bad_step"]  # and training went on
         assert all(abs(w) < 1e6 for w in record["final"])  # finite (NaN fails every comparison)
+
+
+def _fit_ppo(tmp_path, name, strategy, *args):
+    return fit_in_subprocess(
+        tmp_path,
+        name,
+        "ppo.yaml",
+        *strategy_overlay(strategy),
+        *FAST_GRPO,
+        "--model.micro_batch_size",
+        "4",
+        "--trainer.accumulate_grad_batches",
+        "2",
+        "--model.beta",
+        "0.04",
+        "--model.num_iterations",
+        "2",
+        "--model.learning_rate",
+        "1e-3",
+        "--model.critic_learning_rate",
+        "1e-2",
+        "--trainer.max_steps",
+        "4",
+        *args,
+    )
+
+
+def test_ppo_under_zero3_matches_ddp_and_its_sharded_checkpoint_exports_the_critic(tmp_path):
+    """The critic is built inside `deepspeed.zero.Init` (its head set to 0 while gathered), trained as an optimizer
+    group of its own, saved in the sharded checkpoint, and consolidated by `lit_rl.export` to the weights the run
+    exported at its end."""
+    ddp = _fit_ppo(tmp_path, "ppo_ddp", "ddp")
+    zero3 = _fit_ppo(
+        tmp_path, "ppo_zero3", "deepspeed_zero3", "--trainer.callbacks+", "lit_rl.callbacks.SaveHFPretrained"
+    )
+    reference = _rows(ddp)
+    assert [row["step"] for row in reference] == [1, 2, 3, 4] and reference[-1]["train/critic/values"] != 0
+    assert saved_steps(zero3) == [2, 4]
+    rows = _rows(zero3)
+    # Fractions of tokens clipped are counts: ZeRO-3 sums in another order, and a value within rounding of the clip
+    # boundary may fall on its other side (one token of a step's ~56 is 0.018).
+    for clipped in ("train/clip_ratio", "train/critic/value_clip_ratio"):
+        for row, expected in zip(rows, reference, strict=True):
+            assert abs(row.pop(clipped) - expected.pop(clipped)) < 0.02, clipped
+    assert_rows_match(rows, reference, rel=1e-4, abs=1e-5)
+    out = tmp_path / "exported"
+    subprocess.run(
+        [sys.executable, "-m", "lit_rl.export", str(zero3 / "checkpoints" / "step=4.ckpt"), str(out)],
+        env=cli_env(),
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    converted = load_file(out / "critic" / "model.safetensors")
+    exported = load_file(zero3 / "hf" / "critic" / "model.safetensors")
+    assert sorted(converted) == sorted(exported) and "score.weight" in exported
+    for key, value in exported.items():
+        assert torch.equal(converted[key], value), key

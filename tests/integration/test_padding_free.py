@@ -15,6 +15,8 @@ ALGORITHMS = {
     # beta > 0 and two optimizer steps per generation: reference and old log-probs run packed too.
     "grpo": [*FAST_GRPO, "--model.beta", "0.04", "--model.steps_per_generation", "2", "--model.max_new_tokens", "8"],
     "rloo": [*FAST_GRPO, "--model.beta", "0.04"],
+    # The critic's forwards (values at sampling time, then with gradients) run packed too.
+    "ppo": [*FAST_GRPO, "--model.beta", "0.04", "--model.num_iterations", "2", "--model.critic_learning_rate", "1e-2"],
     "online_dpo": [*FAST_GRPO, "--model.num_generations", "2"],
     "dpo": FAST_DPO,
     "sft": ["--data.batch_size", "8", "--data.val_limit", "8", "--trainer.log_every_n_steps", "1"],

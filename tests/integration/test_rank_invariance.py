@@ -147,3 +147,48 @@ def test_token_budgeted_grpo_steps_are_the_same_in_every_layout(tmp_path):
         else:  # 8 completions of 9-12 tokens per rank: dealt, 0, 1 and 0 tokens apart (each rank its own: 16, 1, 8)
             assert all(0 <= gap <= 2 for gap in spread), spread
         assert_rows_match(rows, reference, rel=1e-4, abs=1e-5)
+
+
+def _ppo(tmp_path, devices: int, accumulate: int):
+    name = f"ppo_{devices}x{accumulate}"
+    log_dir = fit_in_subprocess(
+        tmp_path,
+        name,
+        "ppo.yaml",
+        *FAST_GRPO,
+        "--trainer.devices",
+        str(devices),
+        "--trainer.accumulate_grad_batches",
+        str(accumulate),
+        "--model.num_generations",
+        "2",
+        "--model.micro_batch_size",
+        "4",  # 16 completions (8 prompts x 2) per optimizer step
+        "--model.beta",
+        "0.05",
+        "--model.num_iterations",
+        "2",  # the second pass clips the ratio and the values
+        "--trainer.max_steps",
+        "3",
+        "--trainer.limit_val_batches",
+        "0",
+        "--model.learning_rate",
+        "1e-3",
+        "--model.critic_learning_rate",
+        "1e-2",
+        *(["--trainer.strategy", "ddp"] if devices > 1 else []),
+        every_n_train_steps=None,
+    )
+    return without_engine_gap(train_rows(log_dir))
+
+
+def test_ppo_steps_are_the_same_in_every_layout(tmp_path):
+    """PPO: the critic's values, GAE and the advantages whitened with moments summed over ranks, and token-mean
+    policy and value losses over the whole step, are the same however the step is split."""
+    runs = {layout: _ppo(tmp_path, *layout) for layout in LAYOUTS}
+    reference = runs[(1, 4)]
+    assert [row["step"] for row in reference] == [1, 2, 3]
+    assert reference[-1]["train/kl"] > 0 and reference[-1]["train/critic/values"] != 0  # both networks moved
+    for layout, rows in runs.items():
+        assert [row["step"] for row in rows] == [1, 2, 3], layout
+        assert_rows_match(rows, reference, rel=1e-5, abs=1e-6)
