@@ -77,6 +77,12 @@ def dynamic_sampling_metrics() -> dict:
     return {"refill_generations": MeanMetric(), "frac_groups_dropped": MeanMetric()}
 
 
+def episode_metrics() -> dict:
+    """What multi-turn episodes add (`lit_rl.rollout.multi_turn`), means per episode: model `turns`, `tool_calls`,
+    `tool_errors` (calls that raised or timed out) and `env_tokens` (observation tokens in the transcript)."""
+    return {name: MeanMetric() for name in ("turns", "tool_calls", "tool_errors", "env_tokens")}
+
+
 def token_budget_metrics() -> dict:
     """What token-budget micro-batches add: the real tokens of the step's largest micro-batch, across ranks (more
     than `model.micro_batch_tokens` when a step was over budget), and the most and the fewest tokens any rank

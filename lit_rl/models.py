@@ -76,13 +76,17 @@ def load_causal_lm(
     trust_remote_code: bool = False,
     attn_implementation: Optional[str] = None,
     disable_dropout: bool = False,
+    auto_class: Optional[Any] = None,
 ) -> torch.nn.Module:
-    """AutoModelForCausalLM from a hub id or local directory; `random_init` builds it from its config only.
+    """AutoModelForCausalLM (or `auto_class`) from a hub id or local directory; `random_init` builds it from its
+    config only.
 
     `disable_dropout` zeroes every dropout probability of the config and every `nn.Dropout`: RL losses compare
     log-probs of the same tokens under the same weights, which dropout would make differ.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    auto_class = auto_class or AutoModelForCausalLM
 
     if dtype not in _DTYPES:
         raise ConfigError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -97,9 +101,9 @@ def load_causal_lm(
             if isinstance(value, float) and ("dropout" in key or key.endswith("pdrop")):
                 setattr(config, key, 0.0)
     if random_init:
-        model = AutoModelForCausalLM.from_config(config, dtype=_DTYPES[dtype] if dtype != "auto" else None, **kwargs)
+        model = auto_class.from_config(config, dtype=_DTYPES[dtype] if dtype != "auto" else None, **kwargs)
     else:
-        model = AutoModelForCausalLM.from_pretrained(resolved, config=config, dtype=_DTYPES[dtype], **kwargs)
+        model = auto_class.from_pretrained(resolved, config=config, dtype=_DTYPES[dtype], **kwargs)
     if disable_dropout:
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):

@@ -31,6 +31,7 @@ COMPLETION_FIELDS = (
     "rollout_logprobs",
     "old_logprobs",
     "ref_logprobs",
+    "sampled_mask",
     "old_values",
     "token_advantages",
     "returns",

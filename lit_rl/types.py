@@ -33,9 +33,13 @@ class RolloutBatch:
     # Dynamic sampling: the generation's refills and fraction of groups dropped, the same on each of its rows.
     refill_generations: Optional[torch.Tensor] = None  # [N] float
     frac_groups_dropped: Optional[torch.Tensor] = None  # [N] float
-    # PPO (`lit_rl.losses.ppo`): the critic's values when sampled, GAE advantages (whitened) and returns, per token.
+    # Multi-turn episodes (`lit_rl.rollout.multi_turn`): 1 on the tokens the model sampled (observations are 0 here,
+    # 1 in completion_mask), and the episode statistics (`EPISODE_STATS`: turns, tool calls, tool errors, env tokens).
+    sampled_mask: Optional[torch.Tensor] = None  # [N, T] float
+    episode_stats: Optional[torch.Tensor] = None  # [N, 4] float
+    # PPO (`lit_rl.losses.ppo`): the critic's values when sampled, GAE advantages and returns, per token.
     old_values: Optional[torch.Tensor] = None  # [N, T] float
-    token_advantages: Optional[torch.Tensor] = None  # [N, T] float
+    token_advantages: Optional[torch.Tensor] = None  # [N, T] float, whitened with `whiten_advantages`
     returns: Optional[torch.Tensor] = None  # [N, T] float
 
     def __len__(self) -> int:

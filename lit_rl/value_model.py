@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from lit_rl.models import load_causal_lm
+from lit_rl.models import load_causal_lm, resolve_model_path
 
 
 class ValueModel(torch.nn.Module):
@@ -62,6 +62,24 @@ class ValueModel(torch.nn.Module):
         return CausalLMOutputWithPast(logits=values, past_key_values=out.past_key_values if use_cache else None)
 
 
+VALUE_HEAD_FILE = "value_head.safetensors"  # the head, beside a decoder's own directory (`save_value_state`)
+
+
+def _scorer_class(config: Any) -> Optional[Any]:
+    """The auto class of a saved one-output scorer (a critic exported as token classification, or a reward model:
+    sequence classification), or None for any other model."""
+    from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
+
+    architectures = getattr(config, "architectures", None) or []
+    if getattr(config, "num_labels", None) != 1:
+        return None
+    if any(name.endswith("ForTokenClassification") for name in architectures):
+        return AutoModelForTokenClassification
+    if any(name.endswith("ForSequenceClassification") for name in architectures):
+        return AutoModelForSequenceClassification
+    return None
+
+
 def load_value_model(
     name_or_path: str,
     num_embeddings: int,
@@ -69,20 +87,45 @@ def load_value_model(
     gradient_checkpointing: bool = False,
     trust_remote_code: bool = False,
 ) -> ValueModel:
-    """A critic from the causal LM at `name_or_path`: its decoder (dropout off, embeddings resized to
-    `num_embeddings` when the tokenizer gained a pad token) and a new head whose weights and bias are 0, so every
-    value starts at 0 whatever the seed (initialise it with `reset_value_head` where parameters are partitioned)."""
-    lm = load_causal_lm(
-        name_or_path,
-        dtype=dtype,
-        gradient_checkpointing=gradient_checkpointing,
-        trust_remote_code=trust_remote_code,
-        disable_dropout=True,
-    )
-    if num_embeddings > lm.get_input_embeddings().num_embeddings:
-        lm.resize_token_embeddings(num_embeddings)
-    critic = ValueModel(lm.get_decoder())
+    """A critic from the model at `name_or_path`, dropout off, embeddings resized to `num_embeddings` when the
+    tokenizer gained a pad token:
+
+    - a one-label token- or sequence-classification model (an exported critic, a reward model): its decoder and
+      its head;
+    - a decoder directory with `value_head.safetensors` (`save_value_state`'s layout for architectures without a
+      token-classification class): both;
+    - a causal LM: its decoder and a new head whose weights and bias are 0, so every value starts at 0 whatever
+      the seed (`reset_value_head` sets them where parameters are partitioned).
+    """
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModel
+
+    resolved = resolve_model_path(name_or_path)
+    config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+    head_file = Path(resolved) / VALUE_HEAD_FILE
+    scorer = _scorer_class(config)
+    options = dict(dtype=dtype, gradient_checkpointing=gradient_checkpointing, trust_remote_code=trust_remote_code)
+    head: Optional[dict[str, torch.Tensor]] = None
+    if scorer is not None:
+        model = load_causal_lm(name_or_path, disable_dropout=True, auto_class=scorer, **options)
+        decoder = model.base_model
+        head = {"weight": model.score.weight.detach()}
+        if getattr(model.score, "bias", None) is not None:
+            head["bias"] = model.score.bias.detach()
+    elif head_file.exists():
+        decoder = load_causal_lm(name_or_path, disable_dropout=True, auto_class=AutoModel, **options)
+        head = load_file(head_file)
+    else:
+        decoder = load_causal_lm(name_or_path, disable_dropout=True, **options).get_decoder()
+    if num_embeddings > decoder.get_input_embeddings().num_embeddings:
+        decoder.resize_token_embeddings(num_embeddings)
+    critic = ValueModel(decoder)
     reset_value_head(critic)
+    if head is not None:
+        with torch.no_grad():
+            critic.score.weight.copy_(head["weight"].reshape(1, -1))
+            if "bias" in head:
+                critic.score.bias.copy_(head["bias"].reshape(1))
     return critic
 
 
@@ -94,27 +137,50 @@ def reset_value_head(critic: ValueModel) -> None:
 
 
 def save_value_model(critic: ValueModel, out_dir: str | Path) -> Path:
-    """Write the critic as a Hugging Face `AutoModelForTokenClassification` (one label) with `save_pretrained`:
-    `AutoModelForTokenClassification.from_pretrained(out_dir)(ids).logits[..., 0]` are its values."""
+    """Write the critic with `save_pretrained` (`save_value_state`)."""
     return save_value_state(critic.config, critic.state_dict(), out_dir)
 
 
 def save_value_state(config: Any, state: dict[str, torch.Tensor], out_dir: str | Path) -> Path:
-    """`save_value_model` from a decoder config and a critic's state dict (`model.*`, `score.*`)."""
+    """Write a critic's state dict (`model.*`, `score.*`) to `out_dir`: as Hugging Face's one-label
+    `AutoModelForTokenClassification` where the architecture has one laid out as `model` + `score` (then
+    `from_pretrained(out_dir)(ids).logits[..., 0]` are its values), else as the decoder's own `save_pretrained`
+    directory (`AutoModel`) with the head in `value_head.safetensors`. `load_value_model` reads both."""
     import copy
 
-    from transformers import AutoModelForTokenClassification
+    from safetensors.torch import save_file
+    from transformers import AutoModel, AutoModelForTokenClassification
 
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     config = copy.deepcopy(config)
     config.num_labels = 1
     config.classifier_dropout = 0.0  # trained without dropout
     dtype = state["score.weight"].dtype
-    model = AutoModelForTokenClassification.from_config(config, dtype=dtype)
-    vocab = state["model.embed_tokens.weight"].shape[0] if "model.embed_tokens.weight" in state else None
-    if vocab is not None and vocab != model.get_input_embeddings().num_embeddings:
-        model.resize_token_embeddings(vocab)
-    model.load_state_dict(state, strict=True)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    decoder_state = {key[len("model.") :]: value for key, value in state.items() if key.startswith("model.")}
+    try:
+        model = AutoModelForTokenClassification.from_config(config, dtype=dtype)
+        if getattr(model, "base_model_prefix", None) != "model":
+            raise ValueError("its decoder is not named `model`")
+        _resize_like(model, state)
+        model.load_state_dict(state, strict=True)
+    except (ValueError, KeyError, RuntimeError):  # no token-classification class, or one laid out differently
+        decoder = AutoModel.from_config(config, dtype=dtype)
+        _resize_like(decoder, decoder_state)
+        decoder.load_state_dict(decoder_state, strict=True)
+        decoder.save_pretrained(out, safe_serialization=True)
+        head = {"weight": state["score.weight"].contiguous(), "bias": state["score.bias"].contiguous()}
+        save_file(head, str(out / VALUE_HEAD_FILE))
+        return out
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+def _resize_like(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Resize `model`'s input embeddings to the vocabulary of its weights in `state` (training may have added a
+    pad token)."""
+    embeddings = model.get_input_embeddings()
+    name = next(name for name, module in model.named_modules() if module is embeddings)
+    weight = state.get(f"{name}.weight")
+    if weight is not None and weight.shape[0] != embeddings.num_embeddings:
+        model.resize_token_embeddings(weight.shape[0])

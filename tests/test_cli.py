@@ -208,7 +208,7 @@ def test_ppo_help_documents_its_critic_options(capsys):
         ("lam", "GAE lambda"),
         ("value_clip", "sampling-time values"),
         ("critic_learning_rate", "AdamW learning rate of the critic"),
-        ("critic_model_name_or_path", "the critic's decoder"),
+        ("critic_model_name_or_path", "an exported critic"),
     ]:
         assert f"--model.init_args.{option}" in text or f"--model.{option}" in text, option
         assert doc in text, doc

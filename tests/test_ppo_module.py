@@ -13,7 +13,7 @@ from lit_rl.losses.ppo import gae, token_rewards
 from lit_rl.models import load_causal_lm, load_tokenizer
 from lit_rl.ops import position_ids_from_mask
 from lit_rl.value_model import load_value_model, save_value_model
-from tests.conftest import fit_grpo
+from tests.conftest import build_tiny_reward_model, fit_grpo
 
 MODEL = "lit-rl/tiny-qwen2-addition-sft"
 
@@ -62,6 +62,43 @@ def test_the_critics_forwards_agree_and_its_export_gives_the_same_values(tmp_pat
         logits = exported(input_ids=ids, attention_mask=attention, position_ids=position_ids_from_mask(attention))
     T = completions.input_ids.shape[1]
     torch.testing.assert_close(logits.logits[:, -(T + 1) : -1, 0] * mask, padded, rtol=1e-5, atol=1e-6)
+    # An exported critic starts a new run's critic, head included (`critic_model_name_or_path`).
+    reloaded = load_value_model(str(tmp_path / "critic"), num_embeddings=len(tokenizer)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(completion_forward(reloaded, *args)[..., 0] * mask, padded, rtol=1e-5, atol=1e-6)
+
+
+def test_a_critic_of_an_architecture_without_token_classification_exports_its_decoder_and_head(tmp_path):
+    """GPT-2's token-classification class names its decoder `transformer`: the critic is saved as the decoder's own
+    directory with `value_head.safetensors`, and loads back with the same values."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=300, n_positions=64)).save_pretrained(
+        tmp_path / "lm"
+    )
+    critic = load_value_model(str(tmp_path / "lm"), num_embeddings=302).eval()  # 2 tokens added by a tokenizer
+    with torch.no_grad():
+        torch.nn.init.normal_(critic.score.weight, std=0.1)
+        critic.score.bias.fill_(0.2)
+    prompts, prompt_mask = torch.tensor([[0, 5, 6], [7, 8, 9]]), torch.tensor([[0, 1, 1], [1, 1, 1]])
+    args = (prompts, prompt_mask, torch.tensor([[3, 4], [301, 2]]))  # 301: a token the tokenizer added
+    with torch.no_grad():
+        values = completion_forward(critic, *args, torch.ones(2, 2))[..., 0]
+    out = save_value_model(critic, tmp_path / "critic")
+    assert (out / "value_head.safetensors").exists()
+    reloaded = load_value_model(str(out), num_embeddings=302).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(completion_forward(reloaded, *args, torch.ones(2, 2))[..., 0], values)
+
+
+def test_a_reward_model_starts_the_critic_with_its_head(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    build_tiny_reward_model(tmp_path / "rm")
+    reward_model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm")
+    critic = load_value_model(str(tmp_path / "rm"), num_embeddings=len(load_tokenizer(str(tmp_path / "rm"))))
+    assert torch.equal(critic.score.weight, reward_model.score.weight) and critic.score.bias.item() == 0.0
+    assert torch.equal(critic.model.norm.weight, reward_model.model.norm.weight)
 
 
 def test_the_buffer_holds_gae_of_the_critics_values_whitened_over_the_generation():

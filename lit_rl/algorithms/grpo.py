@@ -103,6 +103,16 @@ class GRPO(OnPolicyModule):
             Logged: `train/refill_generations`, `train/frac_groups_dropped`.
         max_refill_generations: the most refill generations one generation may sample (0-63); when they run out,
             the earliest dropped groups fill the batch (they add no gradient).
+        environment: multi-turn episodes: the import path of an environment class (`lit_rl.envs.Environment`:
+            `reset(row)`, `step(turn_text)`), one per episode, built with `environment_args`. Each completion is then
+            the episode's transcript, token-in and token-out (`lit_rl.rollout.multi_turn`); only the model's tokens
+            are trained. None (default): single completions.
+        environment_args: keyword arguments of the environment class.
+        tools: import paths of tools (`lit_rl.envs.tools.calc`); alone they run in the built-in
+            `ToolEnvironment` (a turn's `<name>argument</name>` is answered `<result>value</result>`).
+        max_turns: the most model turns of an episode.
+        max_total_tokens: the most tokens of a transcript after the prompt, model and observation tokens (None:
+            `max_turns x max_new_tokens`).
     """
 
     def __init__(
@@ -149,6 +159,11 @@ class GRPO(OnPolicyModule):
         overlong_penalty: float = 1.0,
         dynamic_sampling: bool = False,
         max_refill_generations: int = 4,
+        environment: Optional[str] = None,
+        environment_args: Optional[dict[str, Any]] = None,
+        tools: Optional[list[str]] = None,
+        max_turns: int = 4,
+        max_total_tokens: Optional[int] = None,
     ) -> None:
         check_rollout_args(locals())
         if loss_aggregation not in AGGREGATIONS:
@@ -167,6 +182,8 @@ class GRPO(OnPolicyModule):
             raise ConfigError(
                 f"model.max_refill_generations must be in [0, {MAX_REFILLS}], got {max_refill_generations}"
             )
+        if dynamic_sampling and (environment is not None or tools):
+            raise ConfigError("model.dynamic_sampling with model.environment (or model.tools) is not supported yet")
         if dynamic_sampling and max_staleness > 0:
             raise ConfigError(
                 "model.dynamic_sampling with model.max_staleness > 0 is not supported yet: refills are sampled when "
@@ -198,6 +215,11 @@ class GRPO(OnPolicyModule):
             head_chunk_tokens=head_chunk_tokens,
             micro_batch_tokens=micro_batch_tokens,
             max_staleness=max_staleness,
+            environment=environment,
+            environment_args=environment_args,
+            tools=tools,
+            max_turns=max_turns,
+            max_total_tokens=max_total_tokens,
         )
         self.save_hyperparameters()
         self.policy_loss_fn = policy_loss_function(policy_loss)  # functions, not modules: never saved as weights
@@ -205,7 +227,7 @@ class GRPO(OnPolicyModule):
         # The fraction corrected is logged when a correction is asked for by name or made certain by asynchrony
         # (`auto` alone keeps the columns of earlier runs).
         with_correction = max_staleness > 0 or rollout_is_correction not in ("auto", "none")
-        metrics = grpo_metrics(self.reward_fns, with_kl=beta != 0.0, with_is_correction=with_correction)
+        metrics = grpo_metrics(self.reward_names, with_kl=beta != 0.0, with_is_correction=with_correction)
         if dynamic_sampling:
             metrics.add_metrics(dynamic_sampling_metrics())
         self.train_metrics = self.rollout_train_metrics(metrics)
@@ -263,11 +285,12 @@ class GRPO(OnPolicyModule):
         return rewards - overlong_penalty(lengths, hp.max_new_tokens, hp.overlong_buffer, hp.overlong_penalty)
 
     def loss_mask(self, batch: RolloutBatch) -> torch.Tensor:
+        model_tokens = self.model_token_mask(batch)
         if not self.hparams.overlong_filter:
-            return batch.completion_mask
+            return model_tokens
         eos = model_eos_token_ids(self.policy, self.tokenizer.eos_token_id)
         cut_off = truncated(batch.completion_ids, batch.completion_mask, eos)  # [N]
-        return batch.completion_mask * (~cut_off).to(batch.completion_mask.dtype)[:, None]
+        return model_tokens * (~cut_off).to(model_tokens.dtype)[:, None]
 
     def rollout_is_correction(self) -> str:
         """`model.rollout_is_correction` with `auto` resolved for this run's engine and precision."""
@@ -307,7 +330,7 @@ class GRPO(OnPolicyModule):
         if mb.refill_generations is not None:
             m["refill_generations"].update(mb.refill_generations)
             m["frac_groups_dropped"].update(mb.frac_groups_dropped)
-        tokens = mb.completion_mask > 0
+        tokens = self.model_token_mask(mb) > 0
         m["loss"].update(loss.detach())
         m["frac_reward_zero_std"].update((mb.group_reward_std < ZERO_STD).float())
         m["clip_ratio/low"].update(stats["clipped_low"][tokens])

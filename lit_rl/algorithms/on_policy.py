@@ -28,6 +28,7 @@ from torchmetrics import MetricCollection
 
 from lit_rl.algorithms.base import PolicyModule
 from lit_rl.algorithms.engines import RolloutEngineOwner
+from lit_rl.algorithms.episodes import EpisodeRunner
 from lit_rl.algorithms.rng import rng_state, set_rng_state
 from lit_rl.algorithms.rollout_checks import check_max_staleness, check_prompt_lengths
 from lit_rl.data.schedule import RolloutSchedule
@@ -36,6 +37,7 @@ from lit_rl.lora import LoRAConfig
 from lit_rl.losses import LossNormalizer
 from lit_rl.metrics import (
     asynchronous_rollout_metrics,
+    episode_metrics,
     rollout_eval_metrics,
     token_budget_metrics,
     update_rollout_metrics,
@@ -62,7 +64,7 @@ def group_reward_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return rewards.view(-1, group_size).std(dim=1).repeat_interleave(group_size)
 
 
-class OnPolicyModule(RolloutEngineOwner, PolicyModule):
+class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, PolicyModule):
     """Base of algorithms that learn from their own samples. Not used directly: see GRPO, RLOO, OnlineDPO."""
 
     # Consecutive completions the loss reads together (Online DPO: a pair); token-budget micro-batches keep them.
@@ -87,9 +89,19 @@ class OnPolicyModule(RolloutEngineOwner, PolicyModule):
         padding_free: bool = False,
         head_chunk_tokens: Optional[int] = None,
         micro_batch_tokens: Optional[int] = None,
+        environment: Optional[str] = None,
+        environment_args: Optional[dict[str, Any]] = None,
+        tools: Optional[list[str]] = None,
+        max_turns: int = 4,
+        max_total_tokens: Optional[int] = None,
     ) -> None:
         check_vllm_config(vllm)
         check_max_staleness(max_staleness, vllm)
+        if max_staleness > 0 and (environment is not None or tools):
+            raise ConfigError(
+                "model.environment (or model.tools) with model.max_staleness > 0 is not supported yet: "
+                "asynchronous rollouts sample single completions in the background"
+            )
         super().__init__(
             model_name_or_path,
             dtype=dtype,
@@ -124,6 +136,7 @@ class OnPolicyModule(RolloutEngineOwner, PolicyModule):
         self.max_staleness = max_staleness
         self._producer = AsyncRolloutProducer() if max_staleness > 0 else None
         self.micro_batch_tokens = micro_batch_tokens
+        self.setup_environment(environment, environment_args, tools, max_turns, max_total_tokens)
 
     # -- what subclasses decide ------------------------------------------------------------------------------
     train_metrics: MetricCollection  # set by the subclass, with `val_metrics = self.rollout_val_metrics()`
@@ -135,11 +148,16 @@ class OnPolicyModule(RolloutEngineOwner, PolicyModule):
             metrics.add_metrics(asynchronous_rollout_metrics())
         if self.micro_batch_tokens is not None:
             metrics.add_metrics(token_budget_metrics())
+        if self.env_factory is not None:
+            metrics.add_metrics(episode_metrics())
         return metrics.clone(prefix="train/")
 
     def rollout_val_metrics(self) -> MetricCollection:
-        """Validation metrics of generating for held-out prompts, one per reward function."""
-        return rollout_eval_metrics(self.reward_fns).clone(prefix="val/")
+        """Validation metrics of generating for held-out prompts, one per reward column (and the episodes')."""
+        metrics = rollout_eval_metrics(self.reward_names)
+        if self.env_factory is not None:
+            metrics.add_metrics(episode_metrics())
+        return metrics.clone(prefix="val/")
 
     def add_reward_function(self, name: str, fn: Any, weight: float) -> None:
         """Add a reward function that is not imported by path (a reward model); call it from `__init__`."""
@@ -160,8 +178,8 @@ class OnPolicyModule(RolloutEngineOwner, PolicyModule):
         return rewards
 
     def loss_mask(self, batch: RolloutBatch) -> torch.Tensor:
-        """[N, T]: the tokens the loss and its denominators count (default: every completion token)."""
-        return batch.completion_mask
+        """[N, T]: the tokens the loss and its denominators count (default: every token the model sampled)."""
+        return self.model_token_mask(batch)
 
     def finish_rollout(self, batch: RolloutBatch, all_rewards: torch.Tensor) -> None:
         """Fill `batch.advantages` (and any algorithm field) from every rank's rewards `all_rewards` [world*N]."""
@@ -265,7 +283,15 @@ class OnPolicyModule(RolloutEngineOwner, PolicyModule):
         self, rows: list[dict[str, Any]], repeat: int, params: SamplingParams, seeds: Optional[list[int]] = None
     ):
         """For `rows` x `repeat`: prompt ids [N, P], mask, engine output, reward components [N, F] and rewards [N]
-        (sampled with one seed per completion when `seeds` are given, else from the global RNG)."""
+        (sampled with one seed per completion when `seeds` are given, else from the global RNG). With an
+        environment each completion is an episode's transcript (`EpisodeRunner.sample_episodes`)."""
+        if self.env_factory is not None:
+            with self.timer.phase("generation"):
+                prompt_ids, prompt_mask, episodes = self.sample_episodes(rows, repeat, params, seeds)
+            out = episodes.output
+            self.timer.count("generated_tokens", float(self.model_token_mask(out).sum()))
+            components, rewards = self.score_output(rows, out, repeat, episodes.env_rewards)
+            return prompt_ids, prompt_mask, out, components, rewards
         prompt_ids, prompt_mask = self.encode_prompts([row["prompt"] for row in rows])
         prompt_ids = prompt_ids.repeat_interleave(repeat, dim=0)  # [B*G, P]
         prompt_mask = prompt_mask.repeat_interleave(repeat, dim=0)
@@ -276,14 +302,21 @@ class OnPolicyModule(RolloutEngineOwner, PolicyModule):
         components, rewards = self.score_output(rows, out, repeat)
         return prompt_ids, prompt_mask, out, components, rewards
 
-    def score_output(self, rows: list[dict[str, Any]], out: RolloutOutput, repeat: int):
-        """Reward components [N, F] and rewards [N] of an engine's completions of `rows` x `repeat`."""
+    def score_output(
+        self, rows: list[dict[str, Any]], out: RolloutOutput, repeat: int, env_rewards: Optional[torch.Tensor] = None
+    ):
+        """Reward components [N, F] and rewards [N] of an engine's completions of `rows` x `repeat`; an
+        environment's reward parts [N, E] are further columns, of weight 1."""
         completions = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
         with self.timer.phase("reward"):
-            return self._score_on_every_rank(rows, completions, repeat)
+            return self._score_on_every_rank(rows, completions, repeat, env_rewards)
 
     def _score_on_every_rank(
-        self, rows: list[dict[str, Any]], completions: list[str], repeat: int
+        self,
+        rows: list[dict[str, Any]],
+        completions: list[str],
+        repeat: int,
+        env_rewards: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Reward components [N, F] and weighted rewards [N] (`lit_rl.rewards.scoring`), failing on
         every rank together when they fail on one: a rank that raised alone would leave the others waiting in
@@ -292,8 +325,12 @@ class OnPolicyModule(RolloutEngineOwner, PolicyModule):
         components = rewards = None
         try:
             components = reward_components(self.reward_fns, rows, completions, repeat, self.device)
+            weights = self.reward_weights
+            if env_rewards is not None:
+                components = torch.cat([components, env_rewards.to(components)], dim=1)
+                weights = torch.cat([weights, torch.ones(env_rewards.shape[1])])
             invalid = self.hparams.get("invalid_reward", "zero")
-            rewards = weighted_reward(components, self.reward_weights, list(self.reward_fns), invalid)
+            rewards = weighted_reward(components, weights, self.reward_names, invalid)
         except RewardFunctionError as err:
             error = err
         failed = float(error is not None)
@@ -325,7 +362,7 @@ class OnPolicyModule(RolloutEngineOwner, PolicyModule):
             version = self.trainer.global_step
         else:
             prompt_ids, prompt_mask = sampled.prompt_ids.to(self.device), sampled.prompt_mask.to(self.device)
-            out = RolloutOutput(*(t.to(self.device) for t in vars(sampled.output).values()))
+            out = RolloutOutput(*(None if t is None else t.to(self.device) for t in vars(sampled.output).values()))
             self.timer.count("generated_tokens", float(out.completion_mask.sum()))
             components, rewards = self.score_output(rows, out, 1)
             version = sampled.version
@@ -345,6 +382,8 @@ class OnPolicyModule(RolloutEngineOwner, PolicyModule):
             advantages=torch.zeros_like(rewards),
             group_reward_std=group_std,
             policy_version=torch.full_like(rewards, version, dtype=torch.long),
+            sampled_mask=out.sampled_mask,
+            episode_stats=out.episode_stats,
         )
         if self.needs_old_logprobs():
             with self.timer.phase("old_logprobs"):
@@ -422,7 +461,7 @@ class OnPolicyModule(RolloutEngineOwner, PolicyModule):
                 num_sequences,
                 float(counts[i]),
                 float(counts[steps]),
-                self.hparams.max_new_tokens,
+                self.completion_budget,
                 num_active_sequences=float(counts[steps + 1 + i]),
             )
             for i in range(steps)
@@ -529,14 +568,15 @@ class OnPolicyModule(RolloutEngineOwner, PolicyModule):
         self, mb: RolloutBatch, entropy: torch.Tensor, fresh_logprobs: Optional[torch.Tensor]
     ) -> None:
         m = self.train_metrics
-        tokens = mb.completion_mask > 0  # [n, T]
+        model_tokens = self.model_token_mask(mb)
+        tokens = model_tokens > 0  # [n, T]: observation tokens count in no token metric
         if self.max_staleness > 0:
             staleness = (self.trainer.global_step - mb.policy_version).float()  # [n] optimizer steps
             m["staleness/mean"].update(staleness)
             m["staleness/max"].update(staleness)
-        update_rollout_metrics(
-            m, self.reward_fns, mb.rewards, mb.reward_components, mb.completion_mask, mb.group_reward_std
-        )
+        components = mb.reward_components
+        update_rollout_metrics(m, self.reward_names, mb.rewards, components, model_tokens, mb.group_reward_std)
+        self.update_episode_metrics(m, mb.episode_stats)
         m["entropy"].update(entropy[tokens])
         # Compare the engine's log-probs with the trainer's at the same weights: the old log-probs when they
         # were computed at generation time, else this (first, on-policy) pass.
@@ -568,9 +608,10 @@ class OnPolicyModule(RolloutEngineOwner, PolicyModule):
             _, _, out, components, rewards = self.sample(batch["rows"], G, self.sampling_params(training=False))
         group_std = group_reward_std(rewards, G)
         weight = batch["weight"].to(rewards).repeat_interleave(G)  # 0 on rows that pad this rank's share
-        update_rollout_metrics(
-            self.val_metrics, self.reward_fns, rewards, components, out.completion_mask, group_std, weight
-        )
+        model_tokens = self.model_token_mask(out)
+        names = self.reward_names
+        update_rollout_metrics(self.val_metrics, names, rewards, components, model_tokens, group_std, weight)
+        self.update_episode_metrics(self.val_metrics, out.episode_stats, weight)
 
     def on_validation_epoch_end(self) -> None:
         self.release_engine()  # after the last validation batch: all of them share one push

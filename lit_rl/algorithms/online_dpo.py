@@ -156,7 +156,7 @@ class OnlineDPO(OnPolicyModule):
         if reward_model_name_or_path is not None:
             # A plain callable, never an nn.Module attribute: the reward model is not trained or checkpointed.
             self.add_reward_function("reward_model", RewardModel(reward_model_name_or_path), judge_weight)
-        self.train_metrics = self.rollout_train_metrics(online_dpo_metrics(self.reward_fns))
+        self.train_metrics = self.rollout_train_metrics(online_dpo_metrics(self.reward_names))
         self.val_metrics = self.rollout_val_metrics()
 
     def uses_reference(self) -> bool:

@@ -12,10 +12,12 @@ token of the generation on every rank. Each micro-step then trains both networks
 
 with the named aggregation of `lit_rl.losses.grpo` (default `token`: the mean over the optimizer step's tokens on
 all ranks, as OpenRLHF and verl). The critic's parameters are an AdamW group of their own at
-`critic_learning_rate`; `trainer.gradient_clip_val` clips both networks' gradients together (as TRL does), which is
-what `value_loss_coef` weighs. The schedule, buffer, validation and checkpoints are `OnPolicyModule`'s, so the
+`critic_learning_rate`; `trainer.gradient_clip_val` clips both networks' gradients together (as TRL does), and that
+is all `value_loss_coef` changes: the networks share no parameter, and AdamW's step does not depend on a gradient's
+scale. `value_clip` is in reward units: with rewards far from [0, 1], scale it (or the rewards) to match. The
+schedule, buffer, validation and checkpoints are `OnPolicyModule`'s, so the
 checkpoint cadence and exact resume hold as for GRPO; the critic is in every checkpoint and exported next to the
-policy (`hf/critic`, an `AutoModelForTokenClassification` with one label).
+policy (`hf/critic`: `lit_rl.value_model.save_value_state`).
 """
 
 from __future__ import annotations
@@ -63,12 +65,14 @@ class PPO(OnPolicyModule):
         epsilon: clip range of the per-token ratio, `[1 - epsilon, 1 + epsilon]`.
         value_clip: c, how far the critic's values may move from their sampling-time values before the clipped
             error takes over (None: the plain squared error).
-        value_loss_coef: weight of the value loss in the one loss both networks train on.
+        value_loss_coef: weight of the value loss in the one loss both networks train on (it matters through
+            `gradient_clip_val` only: the learning rates set each network's step).
         whiten_advantages: standardise the advantages over every real token of the generation (all ranks).
         loss_aggregation: how per-token losses become one number (`lit_rl.losses.grpo`): `token` (default),
             `sequence`, `constant` or `dapo`.
-        critic_model_name_or_path: the model the critic's decoder is loaded from (None: the policy's); it must
-            share the policy's tokenizer. Its value head starts at 0.
+        critic_model_name_or_path: the model the critic starts from (None: the policy's): a causal LM (its decoder,
+            and a value head at 0), a one-label reward model or an exported critic (decoder and head); it must share
+            the policy's tokenizer (`lit_rl.value_model.load_value_model`).
         learning_rate: AdamW learning rate of the policy.
         critic_learning_rate: AdamW learning rate of the critic (None: `learning_rate`).
         weight_decay: AdamW weight decay.
@@ -83,7 +87,8 @@ class PPO(OnPolicyModule):
             `frac_invalid_reward`), `error` stops the run naming the reward function.
         vllm: generate rollouts with vLLM (`configs/rollout/vllm_colocate.yaml`, `vllm_server.yaml`); None: HF
             `generate` on the policy. See `lit_rl.rollout.VLLMConfig` for the keys (`--model.vllm.mode ...`).
-        lora: train a LoRA adapter on the policy (`configs/peft/lora.yaml`); the critic trains all its weights.
+        lora: train a LoRA adapter on the policy (`configs/peft/lora.yaml`); the critic still trains all its
+            weights (with their AdamW state).
         padding_free: run the training forwards (policy, critic, reference, old log-probs) on the rows' real
             tokens laid end to end, without padding (`lit_rl.packing`).
         head_chunk_tokens: run the policy's output head on that many completion tokens at a time (`lit_rl.head`).
@@ -164,7 +169,7 @@ class PPO(OnPolicyModule):
         )
         self.save_hyperparameters()
         self.critic: Optional[ValueModel] = None  # built in `configure_model`, like the policy
-        self.train_metrics = self.rollout_train_metrics(ppo_metrics(self.reward_fns, with_kl=beta != 0.0))
+        self.train_metrics = self.rollout_train_metrics(ppo_metrics(self.reward_names, with_kl=beta != 0.0))
         self.val_metrics = self.rollout_val_metrics()
 
     # -- the critic ------------------------------------------------------------------------------------------

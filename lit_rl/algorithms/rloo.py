@@ -7,7 +7,7 @@ Lightning's: the checkpoint cadence is exact for any accumulation, `num_iteratio
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -69,6 +69,16 @@ class RLOO(OnPolicyModule):
             optimizer step max(0, g*m - k) (m = steps_per_generation x num_iterations), so each sample is at most
             k steps older than the policy it first updates (`lit_rl.rollout.producer`); needs the vLLM server
             engine. 0 (default): synchronous.
+        environment: multi-turn episodes: the import path of an environment class (`lit_rl.envs.Environment`:
+            `reset(row)`, `step(turn_text)`), one per episode, built with `environment_args`. Each completion is then
+            the episode's transcript, token-in and token-out (`lit_rl.rollout.multi_turn`); only the model's tokens
+            are trained. None (default): single completions.
+        environment_args: keyword arguments of the environment class.
+        tools: import paths of tools (`lit_rl.envs.tools.calc`); alone they run in the built-in
+            `ToolEnvironment` (a turn's `<name>argument</name>` is answered `<result>value</result>`).
+        max_turns: the most model turns of an episode.
+        max_total_tokens: the most tokens of a transcript after the prompt, model and observation tokens (None:
+            `max_turns x max_new_tokens`).
     """
 
     def __init__(
@@ -104,6 +114,11 @@ class RLOO(OnPolicyModule):
         head_chunk_tokens: Optional[int] = None,
         micro_batch_tokens: Optional[int] = None,
         max_staleness: int = 0,
+        environment: Optional[str] = None,
+        environment_args: Optional[dict[str, Any]] = None,
+        tools: Optional[list[str]] = None,
+        max_turns: int = 4,
+        max_total_tokens: Optional[int] = None,
     ) -> None:
         check_rollout_args(locals())
         if epsilon < 0:
@@ -125,9 +140,14 @@ class RLOO(OnPolicyModule):
             head_chunk_tokens=head_chunk_tokens,
             micro_batch_tokens=micro_batch_tokens,
             max_staleness=max_staleness,
+            environment=environment,
+            environment_args=environment_args,
+            tools=tools,
+            max_turns=max_turns,
+            max_total_tokens=max_total_tokens,
         )
         self.save_hyperparameters()
-        self.train_metrics = self.rollout_train_metrics(rloo_metrics(self.reward_fns))
+        self.train_metrics = self.rollout_train_metrics(rloo_metrics(self.reward_names))
         self.val_metrics = self.rollout_val_metrics()
 
     def uses_reference(self) -> bool:
@@ -142,7 +162,7 @@ class RLOO(OnPolicyModule):
         rewards = batch.rewards
         if batch.ref_logprobs is not None:
             rewards, batch.kl = kl_penalized_rewards(
-                rewards, batch.old_logprobs, batch.ref_logprobs, batch.completion_mask, hp.beta
+                rewards, batch.old_logprobs, batch.ref_logprobs, self.loss_mask(batch), hp.beta
             )
         all_penalized = self.all_gather(rewards).reshape(-1) if self.trainer.world_size > 1 else rewards
         advantages = rloo_advantages(all_penalized, hp.num_generations, hp.normalize_advantages)
@@ -160,7 +180,7 @@ class RLOO(OnPolicyModule):
             logprobs,
             old_logprobs,
             mb.advantages,
-            mb.completion_mask,
+            self.loss_mask(mb),
             self.hparams.epsilon,
             num_sequences=normalizer.num_sequences,
         )

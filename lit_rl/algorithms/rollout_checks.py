@@ -37,7 +37,7 @@ def check_rollout_args(args: dict[str, Any], min_generations: int = 2) -> None:
             raise ConfigError(f"model.{key} must be >= 1, got {args[key]}")
     if args["num_generations"] < min_generations:
         raise ConfigError(
-            f"model.num_generations must be >= {min_generations} (completions are compared), "
+            f"model.num_generations must be >= {min_generations} (completions of a prompt are compared), "
             f"got {args['num_generations']}"
         )
     if args["temperature"] <= 0 or not math.isfinite(args["temperature"]):

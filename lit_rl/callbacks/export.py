@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
@@ -18,8 +18,8 @@ class SaveHFPretrained(Callback):
 
     A LoRA policy is saved twice: merged into a plain model in `dirpath` (loadable by transformers and vLLM without
     peft) and as the peft adapter alone in `dirpath/adapter` (`PeftModel.from_pretrained(base, dirpath/adapter)`).
-    A module with a critic (PPO) also writes it to `dirpath/critic`, loadable as a one-label
-    `AutoModelForTokenClassification` whose logits are the values.
+    A module with a critic (PPO) also writes it to `dirpath/critic` (`lit_rl.value_model.save_value_state`: a
+    one-label `AutoModelForTokenClassification` whose logits are the values, where the architecture has one).
 
     Args:
         dirpath: output directory (created; files with the same names are replaced). Default: `hf/` in the
@@ -33,19 +33,36 @@ class SaveHFPretrained(Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Every rank asks: `trainer.log_dir` is a broadcast, and a collective on rank 0 alone never returns.
         out = Path(self.dirpath) if self.dirpath else Path(trainer.log_dir or trainer.default_root_dir) / "hf"
+        error: Optional[BaseException] = None
         with gathered_parameters(pl_module.policy):  # ZeRO-3: every rank takes part in gathering the shards
             if trainer.is_global_zero:
-                out.mkdir(parents=True, exist_ok=True)
-                if is_lora_model(pl_module.policy):
-                    save_merged(pl_module.policy, out)
-                    pl_module.policy.save_pretrained(out / "adapter", safe_serialization=True)
-                else:
-                    pl_module.policy.save_pretrained(out, safe_serialization=True)
-                pl_module.tokenizer.save_pretrained(out)
+                error = _attempt(lambda: self._save_policy(pl_module, out))
         critic = getattr(pl_module, "critic", None)
-        if critic is not None:  # PPO: the critic next to the policy, as a token-classification model
+        if critic is not None:  # PPO: the critic next to the policy (`lit_rl.value_model.save_value_model`)
             with gathered_parameters(critic):
-                if trainer.is_global_zero:
-                    save_value_model(critic, out / "critic")
+                if trainer.is_global_zero and error is None:
+                    error = _attempt(lambda: save_value_model(critic, out / "critic"))
+        # A failure on rank 0 is raised after the barrier: raised before it, the other ranks would wait there.
         trainer.strategy.barrier("save_hf_pretrained")
+        if error is not None:
+            raise error
         self.saved_to = out
+
+    @staticmethod
+    def _save_policy(pl_module: L.LightningModule, out: Path) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        if is_lora_model(pl_module.policy):
+            save_merged(pl_module.policy, out)
+            pl_module.policy.save_pretrained(out / "adapter", safe_serialization=True)
+        else:
+            pl_module.policy.save_pretrained(out, safe_serialization=True)
+        pl_module.tokenizer.save_pretrained(out)
+
+
+def _attempt(save: Callable[[], object]) -> Optional[BaseException]:
+    """Run `save`; the exception it raised, or None."""
+    try:
+        save()
+    except Exception as err:  # re-raised by the caller once every rank has passed the barrier
+        return err
+    return None

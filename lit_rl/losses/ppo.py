@@ -75,7 +75,7 @@ def whiten(
 
 def masked_moments(values: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
     """[count, sum, sum of squares] of the real tokens' values, in float64 (E[x^2] - mean^2 cancels when the mean is
-    large against the std): summed over ranks, they give the step's mean and std (`moments_to_mean_std`)."""
+    large against the std): summed over ranks, they give the generation's mean and std (`moments_to_mean_std`)."""
     values, mask = values.double(), completion_mask.double()
     return torch.stack([mask.sum(), (values * mask).sum(), (values * values * mask).sum()])
 

@@ -1,0 +1,108 @@
+"""Multi-turn rollouts in an environment, for the on-policy algorithms (GRPO, RLOO): the settings, the episodes of
+a batch, and what their transcripts add to the rewards and the metrics.
+
+With `model.environment` (or `model.tools`) a completion is an episode's transcript after the prompt (model turns
+and observations, token-in and token-out: `lit_rl.rollout.multi_turn`); the loss and every token metric count the
+model's tokens only (`RolloutBatch.sampled_mask`), and the reward is the environment's reward parts (columns
+`env/<part>`, weight 1) plus the reward functions on the decoded transcript.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from lit_rl.envs import environment_factory
+from lit_rl.errors import ConfigError
+from lit_rl.rollout import SamplingParams
+from lit_rl.rollout.multi_turn import EPISODE_STATS, Episodes, run_episodes
+from lit_rl.types import RolloutBatch
+
+
+class EpisodeRunner:
+    """Mixin of `OnPolicyModule`: `setup_environment` in `__init__`, then `sample_episodes` instead of one
+    `generate` call when `env_factory` is set."""
+
+    env_factory = None
+    env_reward_names: tuple[str, ...] = ()
+
+    def setup_environment(
+        self,
+        environment: Optional[str],
+        environment_args: Optional[dict[str, Any]],
+        tools: Optional[list[str]],
+        max_turns: int,
+        max_total_tokens: Optional[int],
+    ) -> None:
+        if max_turns < 1:
+            raise ConfigError(f"model.max_turns must be >= 1, got {max_turns}")
+        if max_total_tokens is not None and max_total_tokens < 1:
+            raise ConfigError(f"model.max_total_tokens must be >= 1 (or null), got {max_total_tokens}")
+        self.env_factory, self.env_reward_names = environment_factory(environment, environment_args, tools)
+        self.max_turns = max_turns
+        self._max_total_tokens = max_total_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The transcript's budget: model and observation tokens after the prompt (default: every turn's budget,
+        `max_turns x max_new_tokens`)."""
+        return self._max_total_tokens or self.max_turns * self.hparams.max_new_tokens
+
+    @property
+    def reward_names(self) -> list[str]:
+        """The reward columns: one per reward function, then the environment's parts (`env/<part>`)."""
+        return [*self.reward_fns, *(f"env/{name}" for name in self.env_reward_names)]
+
+    @property
+    def completion_budget(self) -> int:
+        """The most tokens one completion can hold: `max_new_tokens`, or with an environment the transcript's."""
+        return self.max_total_tokens if self.env_factory is not None else self.hparams.max_new_tokens
+
+    def sample_episodes(
+        self, rows: list[dict[str, Any]], repeat: int, params: SamplingParams, seeds: Optional[list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, Episodes]:
+        """One episode per row x `repeat`, each with an environment of its own: the prompts (each episode's first
+        observation, or its row's prompt) as left-padded ids [N, P] and mask, and the episodes."""
+        envs = [self.env_factory() for _ in range(len(rows) * repeat)]
+        prompts = []
+        for index, env in enumerate(envs):
+            row = rows[index // repeat]
+            first = env.reset(row)
+            prompts.append(row["prompt"] if first is None else first)
+        prompt_ids, prompt_mask = self.encode_prompts(prompts)
+        tokenizer = self.tokenizer
+        episodes = run_episodes(
+            self.engine(),
+            envs,
+            [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())],
+            params,
+            seeds,
+            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            encode_observation=lambda text: tokenizer.encode(text, add_special_tokens=False),
+            reward_names=self.env_reward_names,
+            max_turns=self.max_turns,
+            max_total_tokens=self.max_total_tokens,
+            pad_id=tokenizer.pad_token_id,
+            device=self.device,
+            env_name=type(envs[0]).__name__,
+        )
+        episodes.output.episode_stats = episodes.stats
+        return prompt_ids, prompt_mask, episodes
+
+    def update_episode_metrics(
+        self, metrics: Any, stats: Optional[torch.Tensor], weight: Optional[torch.Tensor] = None
+    ):
+        """Each episode's `EPISODE_STATS` into the collection's metrics of the same names (means per episode)."""
+        if stats is None:
+            return
+        weight = torch.ones_like(stats[:, 0]) if weight is None else weight
+        for column, name in enumerate(EPISODE_STATS):
+            metrics[name].update(stats[:, column], weight)
+
+    @staticmethod
+    def model_token_mask(batch: RolloutBatch) -> torch.Tensor:
+        """[N, T]: the completion tokens the model sampled (every completion token without an environment)."""
+        if batch.sampled_mask is None:
+            return batch.completion_mask
+        return batch.completion_mask * batch.sampled_mask

@@ -1,0 +1,11 @@
+"""Environments for multi-turn rollouts: the `Environment` protocol, and tools (`lit_rl.envs.tools`).
+
+An environment is given by import path (`--model.environment my_pkg.envs.MyEnv`, built with
+`--model.environment_args`), or made from `--model.tools` (the built-in `ToolEnvironment`). The rollout runs it
+token-in, token-out (`lit_rl.rollout.multi_turn`).
+"""
+
+from lit_rl.envs.base import Environment, StepResult, as_step_result, environment_factory
+from lit_rl.envs.tools import ToolEnvironment, calc
+
+__all__ = ["Environment", "StepResult", "ToolEnvironment", "as_step_result", "calc", "environment_factory"]

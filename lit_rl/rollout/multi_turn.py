@@ -1,0 +1,135 @@
+"""Multi-turn episodes on any `RolloutEngine`, token-in and token-out.
+
+Each episode's context is a list of token ids that only grows: the prompt's ids, then each model turn exactly as
+the engine sampled it (up to and including its EOS), then each observation encoded once, on its own, and
+appended. Every turn is sampled by `engine.generate` from those ids (left-padded with the other episodes'), so the
+transcript the trainer scores is the ids the engine conditioned on and sampled, never text decoded and encoded again
+(the drift of re-tokenising a conversation cannot happen). The transcript after the prompt becomes one completion:
+`completion_mask` is 1 on all its real tokens (the forward attends to them), `sampled_mask` 1 on the model's tokens
+only (the loss and the token metrics count them); observation tokens carry log-prob 0.
+
+Turn t of an episode with sampling seed s samples with seed `turn_seed(s, t)`: a function of the episode's seed and
+the turn alone, so an episode's transcript does not depend on the other episodes, the batch or the rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from lit_rl.envs.base import Environment, as_step_result
+from lit_rl.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
+
+EPISODE_STATS = ("turns", "tool_calls", "tool_errors", "env_tokens")
+
+
+@dataclass
+class Episodes:
+    """The episodes of a batch: the transcripts as a `RolloutOutput` (with `sampled_mask`), the environment's
+    reward parts [N, E] (summed over steps) and `EPISODE_STATS` [N, 4] (model turns, tool calls, failed tool calls,
+    observation tokens)."""
+
+    output: RolloutOutput
+    env_rewards: torch.Tensor
+    stats: torch.Tensor
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """The sampling seed of `turn` (0-based) of the episode whose seed is `seed` (turn 0 keeps it)."""
+    return (seed + turn * 1_000_003) % (2**31 - 1)
+
+
+def left_padded(contexts: Sequence[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id lists -> left-padded ids [N, L] and their mask."""
+    width = max(len(ids) for ids in contexts)
+    ids = torch.full((len(contexts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(contexts), width), dtype=torch.long)
+    for row, context in enumerate(contexts):
+        ids[row, width - len(context) :] = torch.tensor(context, dtype=torch.long)
+        mask[row, width - len(context) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def run_episodes(
+    engine: RolloutEngine,
+    envs: list[Environment],
+    prompts: Sequence[list[int]],
+    params: SamplingParams,
+    seeds: Optional[Sequence[int]],
+    *,
+    decode: Callable[[list[int]], str],
+    encode_observation: Callable[[str], list[int]],
+    reward_names: Sequence[str],
+    max_turns: int,
+    max_total_tokens: int,
+    pad_id: int,
+    device: torch.device,
+    env_name: str = "environment",
+) -> Episodes:
+    """Run one episode per environment from `prompts` (token ids) until each is done (module docstring). A model
+    turn samples at most `params.max_new_tokens` tokens and at most what is left of `max_total_tokens` (model and
+    observation tokens after the prompt); an observation that would pass it is cut to fit, and ends the episode."""
+    n = len(envs)
+    contexts = [list(p) for p in prompts]
+    pieces: list[list[tuple[list[int], list[float], bool]]] = [[] for _ in range(n)]
+    used = [0] * n
+    env_rewards = torch.zeros(n, len(reward_names))
+    stats = torch.zeros(n, len(EPISODE_STATS))
+    column = {name: i for i, name in enumerate(reward_names)}
+    active = list(range(n))
+    for turn in range(max_turns):
+        if not active:
+            break
+        budgets = {i: min(params.max_new_tokens, max_total_tokens - used[i]) for i in active}
+        turn_params = replace(params, max_new_tokens=max(budgets.values()))
+        ids, mask = left_padded([contexts[i] for i in active], pad_id, device)
+        turn_seeds = None if seeds is None else [turn_seed(seeds[i], turn) for i in active]
+        out = engine.generate(ids, mask, turn_params, seeds=turn_seeds)
+        still_active = []
+        for k, i in enumerate(active):
+            length = min(int(out.completion_mask[k].sum()), budgets[i])
+            sampled = out.completion_ids[k, :length].tolist()
+            pieces[i].append((sampled, out.logprobs[k, :length].float().tolist(), True))
+            contexts[i] += sampled
+            used[i] += length
+            stats[i, 0] += 1
+            result = as_step_result(envs[i].step(decode(sampled)), env_name)
+            for name, value in result.rewards.items():
+                if name not in column:
+                    raise ValueError(f"{env_name}.step reported reward part {name!r}, not in its reward_names")
+                env_rewards[i, column[name]] += float(value)
+            stats[i, 1] += result.tool_calls
+            stats[i, 2] += result.tool_errors
+            if result.done or result.observation is None or turn == max_turns - 1 or used[i] >= max_total_tokens:
+                continue
+            observation = encode_observation(result.observation)[: max_total_tokens - used[i]]
+            pieces[i].append((observation, [0.0] * len(observation), False))
+            contexts[i] += observation
+            used[i] += len(observation)
+            stats[i, 3] += len(observation)
+            if used[i] < max_total_tokens:
+                still_active.append(i)
+        active = still_active
+    return Episodes(_transcripts(pieces, pad_id, device), env_rewards.to(device), stats.to(device))
+
+
+def _transcripts(pieces: list[list[tuple[list[int], list[float], bool]]], pad_id: int, device: Any) -> RolloutOutput:
+    """Each episode's pieces laid end to end, right-padded: ids, real-token mask, log-probs and sampled mask."""
+    width = max(1, max(sum(len(ids) for ids, _, _ in episode) for episode in pieces))
+    n = len(pieces)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    real = torch.zeros(n, width)
+    sampled = torch.zeros(n, width)
+    logprobs = torch.zeros(n, width)
+    for row, episode in enumerate(pieces):
+        start = 0
+        for piece_ids, piece_logprobs, by_model in episode:
+            end = start + len(piece_ids)
+            ids[row, start:end] = torch.tensor(piece_ids, dtype=torch.long)
+            logprobs[row, start:end] = torch.tensor(piece_logprobs)
+            real[row, start:end] = 1.0
+            sampled[row, start:end] = float(by_model)
+            start = end
+    return RolloutOutput(ids.to(device), real.to(device), logprobs.to(device), sampled_mask=sampled.to(device))

@@ -1,0 +1,28 @@
+"""Environments for tests, given by import path (`tests.integration.envs.Countdown`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lit_rl.envs import StepResult
+
+
+class Countdown:
+    """Answers every model turn with an observation until `turns` model turns have run, and pays a reward part
+    `bonus` per turn whose text holds a digit; the prompt is the row's. Observations are `turns - t` and `;` (the
+    tiny model's characters), so the transcript interleaves model turns and observation tokens."""
+
+    reward_names = ("bonus",)
+
+    def __init__(self, turns: int = 3, bonus: float = 0.25) -> None:
+        self.turns, self.bonus, self.done_turns = turns, bonus, 0
+
+    def reset(self, row: dict[str, Any]) -> None:
+        return None
+
+    def step(self, completion: str) -> StepResult:
+        self.done_turns += 1
+        rewards = {"bonus": self.bonus if any(c.isdigit() for c in completion) else 0.0}
+        if self.done_turns >= self.turns:
+            return StepResult(None, rewards, done=True)
+        return StepResult(f"{self.turns - self.done_turns};", rewards)

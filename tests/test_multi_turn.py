@@ -1,0 +1,172 @@
+"""Multi-turn episodes (`lit_rl.rollout.multi_turn`), tools (`lit_rl.envs.tools`) and the loss mask of a
+transcript, checked by hand on constructed episodes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from lit_rl.envs import StepResult, ToolEnvironment, calc
+from lit_rl.envs.base import environment_factory
+from lit_rl.envs.tools import run_tool
+from lit_rl.errors import ConfigError
+from lit_rl.rollout import RolloutOutput, SamplingParams
+from lit_rl.rollout.multi_turn import run_episodes, turn_seed
+from tests.conftest import fit_grpo
+
+EOS, PAD = 9, 0
+
+
+class ScriptedEngine:
+    """Returns, for each call, the next scripted turn of each row (ids ending in EOS, log-prob -0.5 each), and
+    records the contexts and seeds it was given."""
+
+    needs_weights = False
+
+    def __init__(self, turns: dict[int, list[list[int]]]) -> None:
+        self.turns, self.calls = turns, []
+
+    def generate(self, prompt_ids, prompt_mask, params, seeds=None):
+        contexts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
+        self.calls.append((contexts, seeds, params.max_new_tokens))
+        rows = [self.turns[context[0]].pop(0) for context in contexts]  # the first prompt id names the episode
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), PAD)
+        mask = torch.zeros(len(rows), width)
+        for i, row in enumerate(rows):
+            ids[i, : len(row)] = torch.tensor(row)
+            mask[i, : len(row)] = 1
+        return RolloutOutput(ids, mask, -0.5 * mask)
+
+
+class Echo:
+    """Observation `[7, 7]` (as text "obs") after every turn; done after `turns` turns; reward part `r` = 1 a turn."""
+
+    reward_names = ("r",)
+
+    def __init__(self, turns):
+        self.turns, self.seen = turns, []
+
+    def reset(self, row):
+        return None
+
+    def step(self, text):
+        self.seen.append(text)
+        done = len(self.seen) >= self.turns
+        return StepResult(None if done else "obs", {"r": 1.0}, done, tool_calls=1, tool_errors=int(text == "bad"))
+
+
+def _run(engine, envs, prompts, max_turns=4, max_total_tokens=100, max_new_tokens=8, seeds=(10, 20)):
+    return run_episodes(
+        engine,
+        envs,
+        prompts,
+        SamplingParams(max_new_tokens=max_new_tokens),
+        list(seeds),
+        decode=lambda ids: "bad" if ids == [3, EOS] else "ok",
+        encode_observation=lambda text: [7, 7],
+        reward_names=("r",),
+        max_turns=max_turns,
+        max_total_tokens=max_total_tokens,
+        pad_id=PAD,
+        device=torch.device("cpu"),
+    )
+
+
+def test_a_transcript_is_the_sampled_ids_and_the_observation_ids_laid_end_to_end():
+    engine = ScriptedEngine({1: [[4, 5, EOS], [3, EOS]], 2: [[6, EOS], [8, 8, EOS]]})
+    episodes = _run(engine, [Echo(2), Echo(2)], [[1, 1], [2]])
+    out = episodes.output
+    # Row 0: turn [4 5 EOS], observation [7 7], turn [3 EOS]; row 1: [6 EOS], [7 7], [8 8 EOS].
+    assert out.completion_ids.tolist() == [[4, 5, EOS, 7, 7, 3, EOS], [6, EOS, 7, 7, 8, 8, EOS]]
+    assert out.completion_mask.tolist() == [[1] * 7, [1] * 7]
+    assert out.sampled_mask.tolist() == [[1, 1, 1, 0, 0, 1, 1], [1, 1, 0, 0, 1, 1, 1]]
+    assert out.logprobs.tolist() == [[-0.5, -0.5, -0.5, 0, 0, -0.5, -0.5], [-0.5, -0.5, 0, 0, -0.5, -0.5, -0.5]]
+    # Turn 2 was sampled from the prompt's ids + turn 1's ids + the observation's ids, with the turn's own seed.
+    (first, first_seeds, _), (second, second_seeds, _) = engine.calls
+    assert first == [[1, 1], [2]] and first_seeds == [10, 20]
+    assert second == [[1, 1, 4, 5, EOS, 7, 7], [2, 6, EOS, 7, 7]]
+    assert second_seeds == [turn_seed(10, 1), turn_seed(20, 1)] and turn_seed(10, 0) == 10
+    assert episodes.env_rewards.tolist() == [[2.0], [2.0]]
+    # turns, tool calls, tool errors (row 0's second turn decodes to "bad"), observation tokens
+    assert episodes.stats.tolist() == [[2, 2, 1, 2], [2, 2, 0, 2]]
+
+
+def test_episodes_stop_at_max_turns_and_the_token_budget():
+    engine = ScriptedEngine({1: [[4, 5, EOS], [3, EOS]], 2: [[6, 6, 6, 6, 6, EOS]]})
+    episodes = _run(engine, [Echo(9), Echo(9)], [[1], [2]], max_turns=2, max_total_tokens=4, seeds=(1, 2))
+    # Row 0: 3 tokens, then an observation cut to the 1 token left: the budget is spent, no second turn.
+    # Row 1: its turn is cut to the budget of 4 tokens.
+    assert episodes.output.completion_ids.tolist() == [[4, 5, EOS, 7], [6, 6, 6, 6]]
+    assert episodes.output.sampled_mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+    assert [call[2] for call in engine.calls] == [4]  # one call, asking for at most the budget
+    engine = ScriptedEngine({1: [[4, EOS], [3, EOS], [5, EOS]]})
+    episodes = _run(engine, [Echo(9)], [[1]], max_turns=2, seeds=(1,))
+    assert episodes.output.completion_ids.tolist() == [[4, EOS, 7, 7, 3, EOS]]  # no observation after the last turn
+    assert episodes.stats[0, 0] == 2
+
+
+def test_calc_computes_arithmetic_and_evaluates_nothing_else():
+    assert calc("1234*5678") == "7006652" and calc("7/2") == "3.5" and calc("-(3+4)*2") == "-14" and calc("8/4") == "2"
+    for bad in ['__import__("os").system("true")', "2**10", "a+1", "'x'*3", "[1]", "9" * 300]:
+        with pytest.raises(ValueError):
+            calc(bad)
+
+
+def test_tool_calls_are_answered_and_failures_and_timeouts_are_observations():
+    env = ToolEnvironment([calc], timeout_s=1.0)
+    assert env.step("let me see <calc>12*34</calc>") == StepResult("<result>408</result>", tool_calls=1)
+    assert env.step("408") == StepResult(None, done=True)
+    failed = env.step("<calc>1/0</calc>")
+    assert failed.observation == "<result>error: ZeroDivisionError: division by zero</result>" and failed.tool_errors
+    assert env.step("<calc>os.system('x')</calc>").tool_errors == 1
+
+    def slow(argument):
+        time.sleep(2)
+        return "late"
+
+    start = time.monotonic()
+    assert run_tool(slow, "", timeout_s=0.1) == ("error: timed out after 0.1 s", True)
+    assert time.monotonic() - start < 1.0
+
+
+def test_environment_settings_are_checked_with_one_line_errors():
+    assert environment_factory(None, None, None) == (None, ())
+    factory, names = environment_factory("tests.integration.envs.Countdown", {"turns": 2}, None)
+    assert names == ("bonus",) and factory().turns == 2
+    with pytest.raises(ConfigError, match="model.environment: environment 'no.such.Env'"):
+        environment_factory("no.such.Env", None, None)
+    with pytest.raises(ConfigError, match="model.environment tests.integration.envs.Countdown: .*unexpected"):
+        environment_factory("tests.integration.envs.Countdown", {"steps": 2}, None)
+    with pytest.raises(ConfigError, match="model.tools: tool 'lit_rl.envs.tools.nothing'"):
+        environment_factory(None, None, ["lit_rl.envs.tools.nothing"])
+    with pytest.raises(ConfigError, match="model.environment_args is set but model.environment is not"):
+        environment_factory(None, {"turns": 2}, None)
+
+
+def test_only_the_models_tokens_carry_loss_and_token_metrics():
+    """A GRPO step on Countdown episodes (up to 3 model turns, observations between): the loss's gradient is 0 at
+    every observation token and not at the model's, whose log-probs under the trainer are the engine's."""
+    model = fit_grpo(
+        environment="tests.integration.envs.Countdown",
+        max_turns=3,
+        max_new_tokens=3,
+        beta=0.1,
+        num_iterations=2,
+    )
+    buffer = model._buffer
+    observations = (buffer.completion_mask > 0) & (buffer.sampled_mask == 0)
+    assert observations.any() and buffer.episode_stats[:, 0].min() >= 2  # several turns, observations between
+    torch.testing.assert_close(model.loss_mask(buffer), buffer.completion_mask * buffer.sampled_mask)
+    assert (buffer.rollout_logprobs[observations] == 0).all()
+    buffer.advantages = torch.linspace(-1.0, 1.0, len(buffer))  # every sequence carries a policy gradient
+    logprobs = buffer.old_logprobs.clone().requires_grad_(True)
+    loss, _ = model.micro_batch_loss(buffer, logprobs, model._normalizers[0])
+    loss.backward()
+    assert (logprobs.grad[observations] == 0).all()
+    assert (logprobs.grad[buffer.sampled_mask > 0] != 0).any()
+    # The trainer's log-probs of the sampled tokens are the engine's: the transcript is what the engine sampled.
+    model_tokens = buffer.sampled_mask > 0
+    assert (buffer.old_logprobs - buffer.rollout_logprobs)[model_tokens].abs().max() < 1e-4
