@@ -264,6 +264,42 @@ CASES = [
         "reward function 'nones' returned nan for completion 0",
         1,
     ),
+    (
+        "prompt-plus-completions-past-the-context",
+        GRPO,
+        ["--model.max_new_tokens", "125"],
+        "has a prompt of 6 tokens; with model.max_new_tokens=125 it exceeds the model's context of 128 tokens",
+        1,
+    ),
+    (
+        "transcript-budget-past-the-context",
+        GRPO,
+        [
+            "--model.tools",
+            "[lit_rl.envs.tools.calc]",
+            "--model.max_total_tokens",
+            "200",
+            "--model.max_prompt_length",
+            "8",
+        ],
+        "model.max_prompt_length (8) + model.max_total_tokens (200) exceeds the model's context of 128 tokens",
+        1,
+    ),
+    (
+        "tool-not-found",
+        GRPO,
+        ["--model.tools", "[lit_rl.envs.tools.sqrt]"],
+        "model.tools: tool 'lit_rl.envs.tools.sqrt'",
+        1,
+    ),
+    ("zero-turns", GRPO, ["--model.tools", "[lit_rl.envs.tools.calc]", "--model.max_turns", "0"], "model.max_turns", 1),
+    (
+        "environment-with-dynamic-sampling",
+        GRPO,
+        ["--model.tools", "[lit_rl.envs.tools.calc]", "--model.dynamic_sampling", "true"],
+        "model.dynamic_sampling with model.environment (or model.tools) is not supported yet",
+        1,
+    ),
 ]
 
 

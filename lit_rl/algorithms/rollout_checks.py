@@ -56,16 +56,19 @@ def check_rollout_args(args: dict[str, Any], min_generations: int = 2) -> None:
 
 
 def check_prompt_lengths(module: Any) -> None:
-    """Fail before training when a prompt plus `max_new_tokens` cannot fit the model's context (`module`: an
-    on-policy algorithm with its trainer and datamodule attached)."""
+    """Fail before training when a prompt plus the completion budget (`max_new_tokens`, or with an environment
+    `max_total_tokens`) cannot fit the model's context (`module`: an on-policy algorithm with its trainer and
+    datamodule attached)."""
     context = getattr(module.policy.config, "max_position_embeddings", None)
     if context is None:
         return
     hp, datamodule = module.hparams, module.trainer.datamodule
+    budget = module.completion_budget
+    budget_key = "max_total_tokens" if module.env_factory is not None else "max_new_tokens"
     if hp.max_prompt_length is not None:
-        if hp.max_prompt_length + hp.max_new_tokens > context:
+        if hp.max_prompt_length + budget > context:
             raise ConfigError(
-                f"model.max_prompt_length ({hp.max_prompt_length}) + model.max_new_tokens ({hp.max_new_tokens}) "
+                f"model.max_prompt_length ({hp.max_prompt_length}) + model.{budget_key} ({budget}) "
                 f"exceeds the model's context of {context} tokens"
             )
         return
@@ -78,9 +81,9 @@ def check_prompt_lengths(module: Any) -> None:
             prompts = [row["prompt"] for row in chunk]
             lengths = [len(ids) for ids in module.tokenizer([module.format_prompt(p) for p in prompts])["input_ids"]]
             for offset, length in enumerate(lengths):
-                if length + hp.max_new_tokens > context:
+                if length + budget > context:
                     raise DataError(
                         f"{source}: {record_label(source, start + offset)} has a prompt of {length} tokens; with "
-                        f"model.max_new_tokens={hp.max_new_tokens} it exceeds the model's context of {context} "
+                        f"model.{budget_key}={budget} it exceeds the model's context of {context} "
                         "tokens (set model.max_prompt_length to truncate prompts)"
                     )

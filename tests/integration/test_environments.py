@@ -1,0 +1,103 @@
+"""Multi-turn episodes through the real CLI (`--model.environment`): per-stage metrics, the trainer's log-probs of
+the transcripts equal to the engine's (token-in, token-out), the checkpoint cadence, exact resume in the middle of
+a generation, and the same steps on 1 and 2 processes; for GRPO and RLOO on HF `generate` (vLLM: `test_vllm.py`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import (
+    CONFIGS,
+    FAST_GRPO,
+    assert_rows_match,
+    fit_in_subprocess,
+    read_metrics,
+    run_cli,
+    saved_steps,
+    train_rows,
+    without_engine_gap,
+    write_overlay,
+)
+
+pytestmark = pytest.mark.slow
+
+ENVIRONMENT = ["--model.environment", "tests.integration.envs.Countdown", "--model.max_turns", "3"]
+FAST = [*FAST_GRPO, *ENVIRONMENT, "--model.beta", "0.04", "--model.learning_rate", "1e-3"]
+
+
+def _fit(tmp_path, algorithm, *args, every_n=None, name="a"):
+    overlay = write_overlay(tmp_path / f"{name}.yaml", every_n_train_steps=every_n, save_dir=tmp_path / name)
+    run_cli("fit", "--config", str(CONFIGS / f"{algorithm}.yaml"), "--config", str(overlay), *FAST, *args)
+    return tmp_path / name / "run" / "version_0"
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
+def test_episodes_train_log_their_metrics_and_score_the_engines_tokens(tmp_path, algorithm):
+    log_dir = _fit(tmp_path, algorithm, "--trainer.max_steps", "2", "--trainer.val_check_interval", "2")
+    rows = read_metrics(log_dir)
+    columns = set(rows[0])
+    for stage in ("train", "val"):
+        for name in ("turns", "tool_calls", "tool_errors", "env_tokens", "rewards/env/bonus", "rewards/correctness"):
+            assert f"{stage}/{name}" in columns, (stage, name)
+    train = train_rows(log_dir)
+    assert [row["step"] for row in train] == [1, 2]
+    for row in train:
+        assert 1 < row["train/turns"] <= 3 and row["train/env_tokens"] > 0 and row["train/tool_calls"] == 0
+        # Observations are not the model's: the completion length counts the model's tokens alone, and the
+        # trainer's log-probs of those tokens are the engine's (the transcript is what the engine sampled).
+        assert row["train/rollout_logprob_diff/max"] < 1e-4
+        assert row["train/completion_length"] <= 3 * 4  # max_turns x max_new_tokens
+    val = [row for row in rows if row.get("val/turns")]
+    assert val and float(val[0]["val/turns"]) > 1
+
+
+def test_episodes_keep_the_cadence_and_resume_mid_generation_exactly(tmp_path):
+    common = (
+        "--trainer.accumulate_grad_batches",
+        "2",
+        "--model.num_iterations",
+        "2",
+        "--model.micro_batch_size",
+        "4",
+        "--trainer.limit_val_batches",
+        "0",
+    )
+    full = _fit(tmp_path, "grpo", "--trainer.max_steps", "6", *common, every_n=3, name="full")
+    first = _fit(tmp_path, "grpo", "--trainer.max_steps", "3", *common, every_n=3, name="first")
+    checkpoint = str(first / "checkpoints" / "step=3.ckpt")
+    resumed = _fit(tmp_path, "grpo", "--trainer.max_steps", "6", *common, "--ckpt_path", checkpoint, every_n=3, name="r")
+    assert saved_steps(full) == [3, 6] and saved_steps(resumed) == [6]
+    rows = train_rows(resumed)
+    assert [row["step"] for row in rows] == [4, 5, 6]
+    assert_rows_match(rows, train_rows(full), abs=1e-6)
+
+
+def test_episodes_are_the_same_steps_on_one_and_two_processes(tmp_path):
+    """Each turn samples with a seed of its episode and turn: the transcripts, and so the steps, do not depend on
+    how the batch is split over ranks."""
+
+    def fit(devices, accumulate):
+        log_dir = fit_in_subprocess(
+            tmp_path,
+            f"env_{devices}x{accumulate}",
+            "grpo.yaml",
+            *FAST,
+            "--trainer.devices",
+            str(devices),
+            "--trainer.accumulate_grad_batches",
+            str(accumulate),
+            "--model.micro_batch_size",
+            "4",
+            "--trainer.max_steps",
+            "3",
+            "--trainer.limit_val_batches",
+            "0",
+            *(["--trainer.strategy", "ddp"] if devices > 1 else []),
+            every_n_train_steps=None,
+        )
+        return without_engine_gap(train_rows(log_dir))
+
+    reference, split = fit(1, 2), fit(2, 1)
+    assert [row["step"] for row in reference] == [1, 2, 3] and reference[-1]["train/kl"] > 0
+    # Float rounding only: each rank pads its transcripts to its own longest one.
+    assert_rows_match(split, reference, rel=1e-4, abs=1e-5)
