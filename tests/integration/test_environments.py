@@ -65,7 +65,8 @@ def test_episodes_keep_the_cadence_and_resume_mid_generation_exactly(tmp_path):
     full = _fit(tmp_path, "grpo", "--trainer.max_steps", "6", *common, every_n=3, name="full")
     first = _fit(tmp_path, "grpo", "--trainer.max_steps", "3", *common, every_n=3, name="first")
     checkpoint = str(first / "checkpoints" / "step=3.ckpt")
-    resumed = _fit(tmp_path, "grpo", "--trainer.max_steps", "6", *common, "--ckpt_path", checkpoint, every_n=3, name="r")
+    resume = ("--ckpt_path", checkpoint)
+    resumed = _fit(tmp_path, "grpo", "--trainer.max_steps", "6", *common, *resume, every_n=3, name="r")
     assert saved_steps(full) == [3, 6] and saved_steps(resumed) == [6]
     rows = train_rows(resumed)
     assert [row["step"] for row in rows] == [4, 5, 6]
