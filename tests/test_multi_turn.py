@@ -170,3 +170,29 @@ def test_only_the_models_tokens_carry_loss_and_token_metrics():
     # The trainer's log-probs of the sampled tokens are the engine's: the transcript is what the engine sampled.
     model_tokens = buffer.sampled_mask > 0
     assert (buffer.old_logprobs - buffer.rollout_logprobs)[model_tokens].abs().max() < 1e-4
+
+
+def test_the_tool_task_and_its_sft_transcripts_match_what_episodes_produce():
+    from lit_rl.data.arithmetic import tool_arithmetic_rows, tool_transcript
+    from lit_rl.models import load_tokenizer
+    from lit_rl.rewards.arithmetic import final_answer_correctness
+
+    train, val = tool_arithmetic_rows("train"), tool_arithmetic_rows("val")
+    assert len(train) == 20_000 and len(val) == 256
+    assert not {row["prompt"] for row in train} & {row["prompt"] for row in val}
+    with_tool = sum(row["completion"].startswith("<calc>") for row in train) / len(train)
+    assert 0.45 < with_tool < 0.55
+    row = val[0]
+    expression = row["prompt"][:-1]
+    assert calc(expression) == row["answer"]
+    # The SFT transcript tokenizes as an episode does: the call turn up to its EOS, the observation encoded on its
+    # own, then the answer.
+    tokenizer = load_tokenizer("lit-rl/tiny-qwen2-addition-sft")
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    observation = ToolEnvironment([calc]).step(f"<calc>{expression}</calc>").observation
+    call = encode(f"<calc>{expression}</calc>") + [tokenizer.eos_token_id]
+    episode = call + encode(observation) + encode(row["answer"])
+    assert encode(tool_transcript(expression, row["answer"])) == episode
+    answers = [row["answer"]] * 4
+    transcripts = [f"<calc>{expression}</calc><result>{row['answer']}</result>{row['answer']}", row["answer"], "7", ""]
+    assert final_answer_correctness(None, transcripts, answers) == [1.0, 1.0, 0.0, 0.0]

@@ -52,3 +52,44 @@ def addition_preference_rows(split: str) -> list[dict[str, str]]:
 
 
 BUILTIN_DATASETS["addition_preference"] = addition_preference_rows
+
+
+# -- the built-in tool task --------------------------------------------------------------------------------------
+TOOL_TRAIN_SIZE = 20_000
+TOOL_TOOL_FRACTION = 0.5  # of the SFT completions: transcripts that call the tool; the others answer directly
+_TOOL_SEED = 20261124
+EOS_TEXT = "<|endoftext|>"  # the tiny tokenizer's EOS: it ends the model's first turn in a transcript
+
+
+def tool_transcript(expression: str, answer: str) -> str:
+    """What a model that uses the calculator writes, with the tool's answer between its turns: a call that ends its
+    first turn, the observation, then the answer (`lit_rl.envs.tools` syntax)."""
+    return f"<calc>{expression}</calc>{EOS_TEXT}<result>{answer}</result>{answer}"
+
+
+def tool_arithmetic_rows(split: str) -> list[dict[str, str]]:
+    """`a+b=` and `a*b=` for 3-4 digit a and b (100-9999): the tiny model cannot compute them, and with the `calc`
+    tool it only copies. `answer` for the reward functions; `completion` (for the SFT warm start) is the tool
+    transcript on a fixed `TOOL_TOOL_FRACTION` of the rows and the bare answer on the others, so that the warm start
+    has both habits and RL must find which one pays. Drawn with a fixed seed; `val` (256 rows) and `train` share no
+    prompt."""
+    if split not in ("train", "val"):
+        raise DataError(f"builtin:tool_arithmetic has splits 'train' and 'val', not {split!r}")
+    generator = torch.Generator().manual_seed(_TOOL_SEED)
+    count = TOOL_TRAIN_SIZE + 2 * VAL_SIZE  # val draws from a margin that duplicates are dropped from
+    operands = torch.randint(100, 10_000, (count, 2), generator=generator).tolist()
+    multiply = (torch.rand(count, generator=generator) < 0.5).tolist()
+    with_tool = (torch.rand(count, generator=generator) < TOOL_TOOL_FRACTION).tolist()
+    rows, seen = [], set()
+    for (a, b), times, tool in zip(operands, multiply, with_tool):
+        expression = f"{a}*{b}" if times else f"{a}+{b}"
+        if expression in seen:
+            continue
+        seen.add(expression)
+        answer = str(a * b if times else a + b)
+        completion = tool_transcript(expression, answer) if tool else answer
+        rows.append({"prompt": f"{expression}=", "completion": completion, "answer": answer})
+    return rows[:VAL_SIZE] if split == "val" else rows[VAL_SIZE : VAL_SIZE + TOOL_TRAIN_SIZE]
+
+
+BUILTIN_DATASETS["tool_arithmetic"] = tool_arithmetic_rows

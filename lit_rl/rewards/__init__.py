@@ -1,22 +1,32 @@
 """Reward functions: plain callables `(prompts, completions, **columns) -> list[float]`.
 
 They are referenced from YAML by import path (`lit_rl.rewards.arithmetic.correctness` or
-`my_pkg.rewards:score`), and only from paths the user wrote: nothing is looked up by name elsewhere.
+`my_pkg.rewards:score`), and only from paths the user wrote: nothing is looked up by name elsewhere. A function may
+be `async def` with the same signature: the async functions of a batch are awaited together, concurrently
+(`call_reward_functions`). A URL (`http://127.0.0.1:8000/score`) is a reward served over HTTP
+(`lit_rl.rewards.http`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import inspect
 import math
 from typing import Any, Callable, Sequence
 
 from lit_rl.errors import RewardFunctionError
 from lit_rl.importing import import_callable
+from lit_rl.rewards.http import HTTPReward, is_url, url_reward_name
 
 RewardFunction = Callable[..., Sequence[float]]
 
 
 def import_reward_function(path: str) -> RewardFunction:
-    """Import `package.module.function` or `package.module:function`; a clear error names `path` otherwise."""
+    """Import `package.module.function` or `package.module:function` (or reach the reward served at a URL); a clear
+    error names `path` otherwise."""
+    if is_url(path):
+        return HTTPReward(path)
     try:
         return import_callable(path, "reward function")
     except ValueError as err:
@@ -24,7 +34,9 @@ def import_reward_function(path: str) -> RewardFunction:
 
 
 def reward_name(path: str) -> str:
-    """Short metric name of a reward function path: its last component."""
+    """Short metric name of a reward function path: its last component (a URL: its last path segment)."""
+    if is_url(path):
+        return url_reward_name(path)
     return path.replace(":", ".").rsplit(".", 1)[-1]
 
 
@@ -36,12 +48,57 @@ def call_reward_function(
     a `RewardFunctionError` naming it."""
     try:
         values = list(fn(prompts=prompts, completions=completions, **columns))
+    except RewardFunctionError:
+        raise
     except Exception as err:  # the user's code: report it by name, keep the cause for LIT_RL_TRACEBACK=1
         raise RewardFunctionError(f"reward function {name!r} raised {type(err).__name__}: {err}") from err
-    if len(values) != len(completions):
-        raise RewardFunctionError(
-            f"reward function {name!r} returned {len(values)} values for {len(completions)} completions"
-        )
+    return checked_values(name, values, len(completions))
+
+
+def call_reward_functions(
+    reward_fns: dict[str, RewardFunction], prompts: list[Any], completions: list[str], columns: dict[str, list[Any]]
+) -> list[list[float]]:
+    """Every function's values (`call_reward_function`), in order; the `async def` ones are awaited together in one
+    event loop, so that they score the batch concurrently."""
+    asynchronous = [name for name, fn in reward_fns.items() if inspect.iscoroutinefunction(fn)]
+    awaited = _await_all(
+        [reward_fns[name](prompts=prompts, completions=completions, **columns) for name in asynchronous]
+    )
+    results = dict(zip(asynchronous, awaited))
+    out = []
+    for name, fn in reward_fns.items():
+        if name not in results:
+            out.append(call_reward_function(name, fn, prompts, completions, columns))
+            continue
+        result = results[name]
+        if isinstance(result, BaseException):
+            raise RewardFunctionError(f"reward function {name!r} raised {type(result).__name__}: {result}") from result
+        out.append(checked_values(name, list(result), len(completions)))
+    return out
+
+
+def _await_all(coroutines: list[Any]) -> list[Any]:
+    """The coroutines' results (or exceptions), awaited concurrently in a new event loop (in a worker thread when
+    this thread already runs one, e.g. in a notebook)."""
+    if not coroutines:
+        return []
+
+    async def gather() -> list[Any]:
+        return await asyncio.gather(*coroutines, return_exceptions=True)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(gather())
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, gather()).result()
+
+
+def checked_values(name: str, values: list[Any], count: int) -> list[float]:
+    """A function's values as floats, one per completion (None becomes NaN); a `RewardFunctionError` naming it
+    otherwise."""
+    if len(values) != count:
+        raise RewardFunctionError(f"reward function {name!r} returned {len(values)} values for {count} completions")
     out = []
     for row, value in enumerate(values):
         if value is None:

@@ -26,3 +26,12 @@ def correctness(prompts: Sequence[Any], completions: Sequence[str], answer: Sequ
 def integer_format(prompts: Sequence[Any], completions: Sequence[str], **_: Any) -> list[float]:
     """1.0 when the completion is a bare integer (the answer format the task asks for), else 0.0."""
     return [1.0 if _final_answer(c) is not None else 0.0 for c in completions]
+
+
+def final_answer_correctness(
+    prompts: Sequence[Any], completions: Sequence[str], answer: Sequence[str], **_: Any
+) -> list[float]:
+    """1.0 when the transcript's final answer, the text after its last `</result>` (all of it when no tool was
+    called), is exactly the integer in the `answer` column, else 0.0 (the built-in tool task,
+    `builtin:tool_arithmetic`)."""
+    return correctness(prompts, [c.rsplit("</result>", 1)[-1] for c in completions], answer)

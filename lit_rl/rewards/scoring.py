@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from lit_rl.errors import RewardFunctionError
-from lit_rl.rewards import RewardFunction, call_reward_function
+from lit_rl.rewards import RewardFunction, call_reward_functions
 
 
 def reward_components(
@@ -21,7 +21,7 @@ def reward_components(
     times; every column of the rows but `prompt` reaches the functions as a keyword."""
     prompts = [row["prompt"] for row in rows for _ in range(repeat)]
     columns = {key: [row.get(key) for row in rows for _ in range(repeat)] for key in rows[0] if key != "prompt"}
-    values = [call_reward_function(name, fn, prompts, completions, columns) for name, fn in reward_fns.items()]
+    values = call_reward_functions(reward_fns, prompts, completions, columns)
     return torch.tensor(values, dtype=torch.float32, device=device).T.reshape(len(completions), -1)
 
 

@@ -1,0 +1,98 @@
+"""A reward served over HTTP: `reward_funcs: [http://127.0.0.1:8000/score]`.
+
+Each call POSTs JSON batches of at most `batch_size` completions,
+
+    {"prompts": [...], "completions": [...], "columns": {"answer": [...], ...}}
+
+and expects `{"rewards": [one number or null per completion]}` back. Batches are sent concurrently (up to
+`max_concurrency`), each with a time limit and up to `max_retries` retries (on a connection error, a timeout or a 5xx
+status, waiting 0.5 s, 1 s, ... between tries). When a batch still fails, the run stops with one line naming the URL
+(`RewardFunctionError`). Only the URLs a config names are contacted; nothing binds a port.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any, Sequence
+
+from lit_rl.errors import RewardFunctionError
+
+
+def is_url(path: str) -> bool:
+    return path.startswith(("http://", "https://"))
+
+
+def url_reward_name(url: str) -> str:
+    """A metric name for the reward at `url`: its last path segment (`/score` -> `score`), else `http_<port>`."""
+    parsed = urllib.parse.urlparse(url)
+    segment = parsed.path.rstrip("/").rsplit("/", 1)[-1]
+    return segment or f"http_{parsed.port or parsed.hostname}"
+
+
+class HTTPReward:
+    """A reward function `(prompts, completions, **columns) -> list[float]` that asks the server at `url`."""
+
+    def __init__(
+        self,
+        url: str,
+        timeout_s: float = 30.0,
+        max_retries: int = 2,
+        batch_size: int = 64,
+        max_concurrency: int = 8,
+    ) -> None:
+        self.url, self.timeout_s, self.max_retries = url, timeout_s, max_retries
+        self.batch_size, self.max_concurrency = batch_size, max_concurrency
+        self.__name__ = url_reward_name(url)
+
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[str], **columns: Any) -> list[Any]:
+        starts = range(0, len(completions), self.batch_size)
+        batches = [
+            {
+                "prompts": list(prompts[s : s + self.batch_size]),
+                "completions": list(completions[s : s + self.batch_size]),
+                "columns": {key: list(values[s : s + self.batch_size]) for key, values in columns.items()},
+            }
+            for s in starts
+        ]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=self.max_concurrency) as pool:
+            results = list(pool.map(self._post, batches))
+        return [value for batch in results for value in batch]
+
+    def _post(self, batch: dict[str, Any]) -> list[Any]:
+        body = json.dumps(batch).encode()
+        problem = ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                time.sleep(0.5 * 2 ** (attempt - 1))
+            request = urllib.request.Request(
+                self.url, data=body, headers={"Content-Type": "application/json"}, method="POST"
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                    answer = json.loads(response.read())
+            except urllib.error.HTTPError as err:
+                problem = f"HTTP {err.code}"
+                if err.code < 500:
+                    break  # the server refused the request itself: retrying would not change that
+                continue
+            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as err:
+                reason = getattr(err, "reason", err)
+                problem = "timed out" if "timed out" in str(reason) else f"unreachable ({reason})"
+                continue
+            except json.JSONDecodeError:
+                problem = "answered something that is not JSON"
+                break
+            rewards = answer.get("rewards") if isinstance(answer, dict) else None
+            if not isinstance(rewards, list) or len(rewards) != len(batch["completions"]):
+                raise RewardFunctionError(
+                    f"reward server {self.url} must answer {{'rewards': [...]}} with {len(batch['completions'])} "
+                    f"values, got {str(answer)[:200]}"
+                )
+            return rewards
+        tries = f"{self.max_retries + 1} tries" if self.max_retries else "1 try"
+        raise RewardFunctionError(f"reward server {self.url}: {problem} after {tries} (timeout {self.timeout_s:g} s)")
