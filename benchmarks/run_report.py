@@ -72,6 +72,7 @@ DEMOS = {
     "rloo": _demo("rloo"),
     "online_dpo": _demo("online_dpo"),
     "ppo": _demo("ppo"),
+    "grpo_tools": _demo("grpo_tools"),
 }
 
 
@@ -160,6 +161,21 @@ def _grpo_table(r: dict) -> str:
     )
 
 
+def _tools_table(r: dict) -> str:
+    """The tool demo: greedy accuracy and tool use on the held-out prompts at every validation."""
+    fit, start = r["fit"], r["start"]["val"]
+    rows = [{"step": 0.0, **start}, *fit["val"]]
+    accuracy, calls = "val/rewards/final_answer_correctness", "val/tool_calls"
+    return "\n".join(
+        [
+            "| step | " + " | ".join(str(int(row["step"])) for row in rows) + " |",
+            "|---|" + "---|" * len(rows),
+            "| greedy accuracy (256 held-out prompts) | " + " | ".join(f"{row[accuracy]:.3f}" for row in rows) + " |",
+            "| tool calls per episode | " + " | ".join(f"{row[calls]:.2f}" for row in rows) + " |",
+        ]
+    )
+
+
 def _dpo_table(r: dict) -> str:
     val, start = r["fit"]["val"], r["start"]["val"]
     accuracy = start["val/rewards/accuracies"]
@@ -213,6 +229,8 @@ def markdown_table(results: Union[dict, list[dict]]) -> str:
         return _grpo_table(reports[0])
     if reports[0]["demo"] == "dpo":
         return _dpo_table(reports[0])
+    if reports[0]["demo"] == "grpo_tools":
+        return _tools_table(reports[0])
     return _rollout_table(reports)
 
 
@@ -241,6 +259,13 @@ def claims(results: dict) -> list[str]:
         return [
             f"skipped {first['train/frac_tied_pairs']:.0%} of its pairs as ties in the first {window} steps and "
             f"{last['train/frac_tied_pairs']:.0%} in the last {window}"
+        ]
+    if results["demo"] == "grpo_tools":
+        accuracy = "val/rewards/final_answer_correctness"
+        start, end = results["start"]["val"][accuracy], fit["val"][-1][accuracy]
+        return [
+            f"greedy accuracy {start:.3f} -> {end:.3f} ({100 * (end - start):+.1f} points) in "
+            f"{duration(fit['wall_s'])} ({fit['steps']} steps)"
         ]
     if results["demo"] == "ppo":
         first, last, window = fit["train_first"], fit["train_last"], fit["window"]

@@ -30,5 +30,9 @@ class RewardFunctionError(LitRLError):
     """A reward function that does not import, raises, or returns the wrong values; the message names it."""
 
 
+class EnvironmentStepError(LitRLError):
+    """A user's environment raised in `reset` or `step`, or returned something the protocol does not allow."""
+
+
 class BrokenInstall(LitRLError):
     """An installed package that cannot work with this environment; the message says how to fix it."""

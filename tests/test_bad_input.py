@@ -294,6 +294,13 @@ CASES = [
     ),
     ("zero-turns", GRPO, ["--model.tools", "[lit_rl.envs.tools.calc]", "--model.max_turns", "0"], "model.max_turns", 1),
     (
+        "environment-raises",
+        GRPO,
+        ["--model.environment", "tests.integration.envs.Exploding", "--model.max_turns", "3"],
+        "Exploding.step raised RuntimeError: the environment broke",
+        1,
+    ),
+    (
         "environment-with-dynamic-sampling",
         GRPO,
         ["--model.tools", "[lit_rl.envs.tools.calc]", "--model.dynamic_sampling", "true"],

@@ -196,3 +196,54 @@ def test_the_tool_task_and_its_sft_transcripts_match_what_episodes_produce():
     answers = [row["answer"]] * 4
     transcripts = [f"<calc>{expression}</calc><result>{row['answer']}</result>{row['answer']}", row["answer"], "7", ""]
     assert final_answer_correctness(None, transcripts, answers) == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_a_rank_whose_episodes_ended_joins_the_other_ranks_turns():
+    """`any_active` says another rank still runs episodes: this rank's ended one, and it takes part in the two
+    remaining turns' collective `generate` with a one-token call on its prompt."""
+    engine = ScriptedEngine({1: [[4, EOS], [5], [6]]})
+    flags = []
+
+    def others_active(active):
+        flags.append(active)
+        return len(flags) <= 3
+
+    episodes = run_episodes(
+        engine,
+        [Echo(1)],
+        [[1, 2]],
+        SamplingParams(max_new_tokens=8, min_new_tokens=2),
+        [10],
+        decode=lambda ids: "ok",
+        encode_observation=lambda text: [7],
+        reward_names=("r",),
+        max_turns=4,
+        max_total_tokens=100,
+        pad_id=PAD,
+        device=torch.device("cpu"),
+        any_active=others_active,
+    )
+    assert episodes.output.completion_ids.tolist() == [[4, EOS]] and flags == [True, False, False, False]
+    assert [(contexts, seeds, budget) for contexts, seeds, budget in engine.calls] == [
+        ([[1, 2]], [10], 8),
+        ([[1, 2]], [turn_seed(10, 1)], 1),
+        ([[1, 2]], [turn_seed(10, 2)], 1),
+    ]
+
+
+def test_an_environment_that_raises_ends_its_episode_and_is_reported():
+    from tests.integration.envs import Exploding
+
+    engine = ScriptedEngine({1: [[4, EOS], [5, EOS]], 2: [[6, EOS], [8, EOS]]})
+    episodes = _run(engine, [Exploding(), Echo(2)], [[1], [2]])
+    assert episodes.error == "environment.step raised RuntimeError: the environment broke"
+    assert episodes.output.completion_ids.tolist()[1] == [6, EOS, 7, 7, 8, EOS]  # the other episode ran on
+
+
+def test_a_cut_off_final_turn_is_truncated_whatever_the_earlier_turns_ended_with():
+    from lit_rl.losses.overlong import truncated
+
+    ids = torch.tensor([[4, EOS, 7, 5, 5], [4, EOS, 7, 5, EOS], [4, 5, 0, 0, 0]])
+    real = torch.tensor([[1.0, 1, 1, 1, 1], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])
+    sampled = torch.tensor([[1.0, 1, 0, 1, 1], [1, 1, 0, 1, 1], [1, 1, 0, 0, 0]])
+    assert truncated(ids, real * sampled, [EOS]).tolist() == [True, False, True]

@@ -44,6 +44,17 @@ def test_async_reward_functions_score_the_batch_concurrently():
     with pytest.raises(RewardFunctionError, match="reward function 'broken' raised KeyError"):
         call_reward_functions({"broken": broken}, ["p"], ["a"], {})
 
+    async def no_columns(prompts, completions):
+        return [1.0]
+
+    async def not_a_list(prompts, completions, **_):
+        return 1.0
+
+    with pytest.raises(RewardFunctionError, match="reward function 'no_columns' raised TypeError"):
+        call_reward_functions({"first": first, "no_columns": no_columns}, ["p"], ["a"], {"answer": ["1"]})
+    with pytest.raises(RewardFunctionError, match="reward function 'not_a_list' returned 1.0, not a list of numbers"):
+        call_reward_functions({"not_a_list": not_a_list}, ["p"], ["a"], {})
+
 
 class _Server:
     """A reward server on 127.0.0.1: reward = len(completion) + len(answer column); it fails the first

@@ -65,10 +65,14 @@ class EpisodeRunner:
         """One episode per row x `repeat`, each with an environment of its own: the prompts (each episode's first
         observation, or its row's prompt) as left-padded ids [N, P] and mask, and the episodes."""
         envs = [self.env_factory() for _ in range(len(rows) * repeat)]
-        prompts = []
+        prompts, error = [], None
         for index, env in enumerate(envs):
             row = rows[index // repeat]
-            first = env.reset(row)
+            try:
+                first = env.reset(row)
+            except Exception as err:  # raised on every rank together, after the episodes' collectives
+                error = error or f"{type(env).__name__}.reset raised {type(err).__name__}: {err}"
+                first = None
             prompts.append(row["prompt"] if first is None else first)
         prompt_ids, prompt_mask = self.encode_prompts(prompts)
         tokenizer = self.tokenizer
@@ -79,16 +83,26 @@ class EpisodeRunner:
             params,
             seeds,
             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-            encode_observation=lambda text: tokenizer.encode(text, add_special_tokens=False),
+            # Special tokens' text in an observation (a tool echoing "<|endoftext|>") stays text.
+            encode_observation=lambda text: tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True),
             reward_names=self.env_reward_names,
             max_turns=self.max_turns,
             max_total_tokens=self.max_total_tokens,
             pad_id=tokenizer.pad_token_id,
             device=self.device,
             env_name=type(envs[0]).__name__,
+            any_active=self._any_rank_active,
         )
         episodes.output.episode_stats = episodes.stats
+        episodes.error = error or episodes.error
         return prompt_ids, prompt_mask, episodes
+
+    def _any_rank_active(self, active: bool) -> bool:
+        """Whether any rank still has episodes running (every rank calls it once per turn)."""
+        if self.trainer.world_size == 1:
+            return active
+        flag = torch.tensor(float(active), device=self.device)
+        return bool(self.trainer.strategy.reduce(flag, reduce_op="sum") > 0)
 
     def update_episode_metrics(
         self, metrics: Any, stats: Optional[torch.Tensor], weight: Optional[torch.Tensor] = None

@@ -281,15 +281,15 @@ class GRPO(OnPolicyModule):
 
     def shape_rewards(self, rewards: torch.Tensor, out: RolloutOutput) -> torch.Tensor:
         hp = self.hparams
-        lengths = out.completion_mask.sum(dim=1)  # [N]
-        return rewards - overlong_penalty(lengths, hp.max_new_tokens, hp.overlong_buffer, hp.overlong_penalty)
+        lengths = out.completion_mask.sum(dim=1)  # [N] (with an environment: the transcript, against its budget)
+        return rewards - overlong_penalty(lengths, self.completion_budget, hp.overlong_buffer, hp.overlong_penalty)
 
     def loss_mask(self, batch: RolloutBatch) -> torch.Tensor:
         model_tokens = self.model_token_mask(batch)
         if not self.hparams.overlong_filter:
             return model_tokens
         eos = model_eos_token_ids(self.policy, self.tokenizer.eos_token_id)
-        cut_off = truncated(batch.completion_ids, batch.completion_mask, eos)  # [N]
+        cut_off = truncated(batch.completion_ids, model_tokens, eos)  # [N]: did the model's last token end it?
         return model_tokens * (~cut_off).to(model_tokens.dtype)[:, None]
 
     def rollout_is_correction(self) -> str:
@@ -305,11 +305,12 @@ class GRPO(OnPolicyModule):
         hp = self.hparams
         # One on-policy pass: the old log-probs are these very log-probs (ratio 1, gradient intact).
         old_logprobs = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
+        model_tokens = self.model_token_mask(mb)  # observations have no engine log-prob: they take no part
         importance_weights, corrected = rollout_is_weights(
-            self.rollout_is_correction(), old_logprobs, mb.rollout_logprobs, mb.completion_mask, hp.rollout_is_cap
+            self.rollout_is_correction(), old_logprobs, mb.rollout_logprobs, model_tokens, hp.rollout_is_cap
         )
         if corrected is not None and "rollout_is_frac_corrected" in self.train_metrics:
-            self.train_metrics["rollout_is_frac_corrected"].update(corrected[mb.completion_mask > 0].float())
+            self.train_metrics["rollout_is_frac_corrected"].update(corrected[model_tokens > 0].float())
         return grpo_loss(
             logprobs,
             old_logprobs,

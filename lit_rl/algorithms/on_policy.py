@@ -32,7 +32,7 @@ from lit_rl.algorithms.episodes import EpisodeRunner
 from lit_rl.algorithms.rng import rng_state, set_rng_state
 from lit_rl.algorithms.rollout_checks import check_max_staleness, check_prompt_lengths
 from lit_rl.data.schedule import RolloutSchedule
-from lit_rl.errors import ConfigError, RewardFunctionError
+from lit_rl.errors import ConfigError, EnvironmentStepError, RewardFunctionError
 from lit_rl.lora import LoRAConfig
 from lit_rl.losses import LossNormalizer
 from lit_rl.metrics import (
@@ -288,6 +288,7 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, PolicyModule):
         if self.env_factory is not None:
             with self.timer.phase("generation"):
                 prompt_ids, prompt_mask, episodes = self.sample_episodes(rows, repeat, params, seeds)
+            self.fail_on_every_rank(episodes.error, EnvironmentStepError, "the environment failed on another rank")
             out = episodes.output
             self.timer.count("generated_tokens", float(self.model_token_mask(out).sum()))
             components, rewards = self.score_output(rows, out, repeat, episodes.env_rewards)
@@ -333,13 +334,23 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, PolicyModule):
             rewards = weighted_reward(components, weights, self.reward_names, invalid)
         except RewardFunctionError as err:
             error = err
+        elsewhere = "a reward function failed on another rank (its error is above)"
+        self.fail_on_every_rank(error, RewardFunctionError, elsewhere)
+        return components, rewards
+
+    def fail_on_every_rank(self, error: Optional[Exception | str], kind: type[Exception], elsewhere: str) -> None:
+        """Raise `error` (an exception, or a message for `kind`) here, and `kind(elsewhere)` on every other rank,
+        when any rank has one (one all-reduce): a rank that raised alone would leave the others in the next
+        collective until a timeout."""
         failed = float(error is not None)
         if self.trainer.world_size > 1:
             flag = torch.tensor(failed, device=self.device)
             failed = float(self.trainer.strategy.reduce(flag, reduce_op="sum"))
-        if failed:
-            raise error or RewardFunctionError("a reward function failed on another rank (its error is above)")
-        return components, rewards
+        if not failed:
+            return
+        if isinstance(error, Exception):
+            raise error
+        raise kind(error or elsewhere)
 
     def sample_generation(self, rows: list[dict[str, Any]], refills: list[list[dict[str, Any]]]):
         """This rank's completions of the current generation, as `sample` returns them (`refills`: the prompt rows

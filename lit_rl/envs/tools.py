@@ -6,17 +6,17 @@ runs past `timeout_s` is answered with `<result>error: ...</result>` and counted
 a call ends the episode.
 
 Nothing evaluates code by default: the built-in `calc` parses arithmetic (numbers, + - * / // %, unary
-minus, parentheses) with `ast` and computes it itself. Tools run in a worker thread so a slow one can be timed out;
-Python cannot stop a thread, so a tool that ignores its time limit keeps its thread until it returns: a tool must
-bound its own work (`calc` refuses long expressions and huge numbers).
+minus, parentheses) with `ast` and computes it itself. Each call runs in a daemon thread so a slow one can be timed
+out; Python cannot stop a thread, so a tool that ignores its time limit keeps its thread until it returns: a tool
+must bound its own work (`calc` refuses long expressions and huge numbers). Calls run one episode after another.
 """
 
 from __future__ import annotations
 
 import ast
-import concurrent.futures
 import operator
 import re
+import threading
 from typing import Any, Callable, Optional
 
 from lit_rl.envs.base import StepResult
@@ -54,13 +54,15 @@ def calc(expression: str) -> str:
 
 def _evaluate(node: ast.AST) -> int | float:
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        if not abs(node.value) <= _MAX_MAGNITUDE:
+            raise ValueError("number too large")
         return node.value
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
         value = _evaluate(node.operand)
         return -value if isinstance(node.op, ast.USub) else value
     if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
         value = _OPERATORS[type(node.op)](_evaluate(node.left), _evaluate(node.right))
-        if abs(value) > _MAX_MAGNITUDE:
+        if not abs(value) <= _MAX_MAGNITUDE:  # also NaN (inf - inf)
             raise ValueError("number too large")
         return value
     raise ValueError(f"unsupported element {type(node).__name__} (only numbers and + - * / // %)")
@@ -81,26 +83,26 @@ def import_tools(paths: list[str]) -> list[Tool]:
     return tools
 
 
-_EXECUTOR: Optional[concurrent.futures.ThreadPoolExecutor] = None
-
-
-def _executor() -> concurrent.futures.ThreadPoolExecutor:
-    global _EXECUTOR
-    if _EXECUTOR is None:
-        _EXECUTOR = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="lit-rl-tool")
-    return _EXECUTOR
-
-
 def run_tool(tool: Tool, argument: str, timeout_s: float) -> tuple[str, bool]:
     """`tool(argument)` as text, and whether it failed: an exception or a timeout is returned as
-    `error: <what happened>` (never raised), so the model sees it as its observation."""
-    future = _executor().submit(tool, argument)
-    try:
-        return str(future.result(timeout=timeout_s)), False
-    except concurrent.futures.TimeoutError:
+    `error: <what happened>` (never raised), so the model sees it as its observation. The call runs in a daemon
+    thread: one that never returns cannot keep the process from exiting."""
+    box: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            box["value"] = tool(argument)
+        except Exception as err:  # the tool's own error, shown to the model
+            box["error"] = err
+
+    worker = threading.Thread(target=call, name="lit-rl-tool", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
         return f"error: timed out after {timeout_s:g} s", True
-    except Exception as err:  # the tool's own error, shown to the model
-        return f"error: {type(err).__name__}: {err}", True
+    if "error" in box:
+        return f"error: {type(box['error']).__name__}: {box['error']}", True
+    return str(box["value"]), False
 
 
 class ToolEnvironment:

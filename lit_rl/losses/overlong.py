@@ -28,6 +28,12 @@ def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, sc
 def truncated(
     completion_ids: torch.Tensor, completion_mask: torch.Tensor, eos_token_ids: Sequence[int]
 ) -> torch.Tensor:
-    """[N] bool: the completions with no EOS among their tokens (cut off by the length limit)."""
+    """[N] bool: the completions whose last token in `completion_mask` is not an EOS (cut off by the length limit).
+    For a multi-turn transcript, pass the model's tokens (`sampled_mask`): each earlier turn ended with an EOS, and
+    only the last one says whether the episode was cut off."""
     eos = torch.tensor(list(eos_token_ids), device=completion_ids.device)
-    return ~(torch.isin(completion_ids, eos) & (completion_mask > 0)).any(dim=1)
+    mask = completion_mask > 0
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last = torch.where(mask, positions, -1).max(dim=1).values  # [N], -1 for no token
+    last_ids = completion_ids.gather(1, last.clamp(min=0)[:, None])[:, 0]
+    return ~(torch.isin(last_ids, eos) & (last >= 0))

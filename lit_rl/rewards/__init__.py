@@ -61,10 +61,15 @@ def call_reward_functions(
     """Every function's values (`call_reward_function`), in order; the `async def` ones are awaited together in one
     event loop, so that they score the batch concurrently."""
     asynchronous = [name for name, fn in reward_fns.items() if inspect.iscoroutinefunction(fn)]
-    awaited = _await_all(
-        [reward_fns[name](prompts=prompts, completions=completions, **columns) for name in asynchronous]
-    )
-    results = dict(zip(asynchronous, awaited))
+    calls = {}
+    for name in asynchronous:
+        try:  # a wrong signature raises here, when the coroutine is made
+            calls[name] = reward_fns[name](prompts=prompts, completions=completions, **columns)
+        except Exception as err:
+            for call in calls.values():
+                call.close()
+            raise RewardFunctionError(f"reward function {name!r} raised {type(err).__name__}: {err}") from err
+    results = dict(zip(calls, _await_all(list(calls.values()))))
     out = []
     for name, fn in reward_fns.items():
         if name not in results:
@@ -73,7 +78,11 @@ def call_reward_functions(
         result = results[name]
         if isinstance(result, BaseException):
             raise RewardFunctionError(f"reward function {name!r} raised {type(result).__name__}: {result}") from result
-        out.append(checked_values(name, list(result), len(completions)))
+        try:
+            values = list(result)
+        except TypeError:
+            raise RewardFunctionError(f"reward function {name!r} returned {result!r}, not a list of numbers") from None
+        out.append(checked_values(name, values, len(completions)))
     return out
 
 

@@ -7,7 +7,8 @@ Each call POSTs JSON batches of at most `batch_size` completions,
 and expects `{"rewards": [one number or null per completion]}` back. Batches are sent concurrently (up to
 `max_concurrency`), each with a time limit and up to `max_retries` retries (on a connection error, a timeout or a 5xx
 status, waiting 0.5 s, 1 s, ... between tries). When a batch still fails, the run stops with one line naming the URL
-(`RewardFunctionError`). Only the URLs a config names are contacted; nothing binds a port.
+(`RewardFunctionError`). Only the URLs a config names are contacted: no proxy from the environment, no redirects;
+nothing binds a port.
 """
 
 from __future__ import annotations
@@ -21,6 +22,15 @@ import urllib.request
 from typing import Any, Sequence
 
 from lit_rl.errors import RewardFunctionError
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kwargs):  # the completions go to the URL the config names, nowhere else
+        return None
+
+
+# No proxy from the environment (`http_proxy` would receive the completions) and no redirects.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
 
 
 def is_url(path: str) -> bool:
@@ -65,15 +75,16 @@ class HTTPReward:
 
     def _post(self, batch: dict[str, Any]) -> list[Any]:
         body = json.dumps(batch).encode()
-        problem = ""
+        problem, attempts = "", 0
         for attempt in range(self.max_retries + 1):
+            attempts += 1
             if attempt:
                 time.sleep(0.5 * 2 ** (attempt - 1))
             request = urllib.request.Request(
                 self.url, data=body, headers={"Content-Type": "application/json"}, method="POST"
             )
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                with _OPENER.open(request, timeout=self.timeout_s) as response:
                     answer = json.loads(response.read())
             except urllib.error.HTTPError as err:
                 problem = f"HTTP {err.code}"
@@ -94,5 +105,5 @@ class HTTPReward:
                     f"values, got {str(answer)[:200]}"
                 )
             return rewards
-        tries = f"{self.max_retries + 1} tries" if self.max_retries else "1 try"
+        tries = f"{attempts} tries" if attempts > 1 else "1 try"
         raise RewardFunctionError(f"reward server {self.url}: {problem} after {tries} (timeout {self.timeout_s:g} s)")

@@ -34,6 +34,7 @@ class Episodes:
     output: RolloutOutput
     env_rewards: torch.Tensor
     stats: torch.Tensor
+    error: Optional[str] = None  # the first failure of an environment (its episode ended there), to raise on every rank
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -67,10 +68,17 @@ def run_episodes(
     pad_id: int,
     device: torch.device,
     env_name: str = "environment",
+    any_active: Callable[[bool], bool] = bool,
 ) -> Episodes:
     """Run one episode per environment from `prompts` (token ids) until each is done (module docstring). A model
     turn samples at most `params.max_new_tokens` tokens and at most what is left of `max_total_tokens` (model and
-    observation tokens after the prompt); an observation that would pass it is cut to fit, and ends the episode."""
+    observation tokens after the prompt); an observation that would pass it is cut to fit, and ends the episode.
+
+    `any_active(this rank has episodes left)`: whether any rank has (an all-reduce, on several ranks). Engines whose
+    `generate` is a collective (sharded parameters, a vLLM server or tensor-parallel group fed by several ranks)
+    need every rank in every call, so a rank whose episodes have all ended joins the others' turns with a one-token
+    call on a stand-in row, until none is left. An environment that raises ends its episode; the first such error
+    is returned (`Episodes.error`) for the caller to raise on every rank at once, after the last collective."""
     n = len(envs)
     contexts = [list(p) for p in prompts]
     pieces: list[list[tuple[list[int], list[float], bool]]] = [[] for _ in range(n)]
@@ -79,11 +87,18 @@ def run_episodes(
     stats = torch.zeros(n, len(EPISODE_STATS))
     column = {name: i for i, name in enumerate(reward_names)}
     active = list(range(n))
+    error: Optional[str] = None
     for turn in range(max_turns):
-        if not active:
+        if not any_active(bool(active)):
             break
+        if not active:  # the other ranks' turn is a collective: take part with one token, and discard it
+            ids, mask = left_padded([list(prompts[0])], pad_id, device)  # a prompt and 1 token fit the context
+            stand_in = replace(params, max_new_tokens=1, min_new_tokens=0)
+            engine.generate(ids, mask, stand_in, seeds=None if seeds is None else [turn_seed(seeds[0], turn)])
+            continue
         budgets = {i: min(params.max_new_tokens, max_total_tokens - used[i]) for i in active}
-        turn_params = replace(params, max_new_tokens=max(budgets.values()))
+        budget = max(budgets.values())
+        turn_params = replace(params, max_new_tokens=budget, min_new_tokens=min(params.min_new_tokens, budget))
         ids, mask = left_padded([contexts[i] for i in active], pad_id, device)
         turn_seeds = None if seeds is None else [turn_seed(seeds[i], turn) for i in active]
         out = engine.generate(ids, mask, turn_params, seeds=turn_seeds)
@@ -95,16 +110,20 @@ def run_episodes(
             contexts[i] += sampled
             used[i] += length
             stats[i, 0] += 1
-            result = as_step_result(envs[i].step(decode(sampled)), env_name)
-            for name, value in result.rewards.items():
-                if name not in column:
-                    raise ValueError(f"{env_name}.step reported reward part {name!r}, not in its reward_names")
-                env_rewards[i, column[name]] += float(value)
+            try:
+                result = as_step_result(envs[i].step(decode(sampled)), env_name)
+                for name, value in result.rewards.items():
+                    if name not in column:
+                        raise ValueError(f"{env_name}.step reported reward part {name!r}, not in its reward_names")
+                    env_rewards[i, column[name]] += float(value)
+            except Exception as err:  # the user's environment: end this episode, report once every rank is done
+                error = error or f"{env_name}.step raised {type(err).__name__}: {err}"
+                continue
             stats[i, 1] += result.tool_calls
             stats[i, 2] += result.tool_errors
             if result.done or result.observation is None or turn == max_turns - 1 or used[i] >= max_total_tokens:
                 continue
-            observation = encode_observation(result.observation)[: max_total_tokens - used[i]]
+            observation = encode_observation(str(result.observation))[: max_total_tokens - used[i]]
             pieces[i].append((observation, [0.0] * len(observation), False))
             contexts[i] += observation
             used[i] += len(observation)
@@ -112,7 +131,7 @@ def run_episodes(
             if used[i] < max_total_tokens:
                 still_active.append(i)
         active = still_active
-    return Episodes(_transcripts(pieces, pad_id, device), env_rewards.to(device), stats.to(device))
+    return Episodes(_transcripts(pieces, pad_id, device), env_rewards.to(device), stats.to(device), error)
 
 
 def _transcripts(pieces: list[list[tuple[list[int], list[float], bool]]], pad_id: int, device: Any) -> RolloutOutput:

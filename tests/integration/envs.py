@@ -26,3 +26,21 @@ class Countdown:
         if self.done_turns >= self.turns:
             return StepResult(None, rewards, done=True)
         return StepResult(f"{self.turns - self.done_turns};", rewards)
+
+
+class Exploding:
+    """Raises in its second `step`: the run must stop with one line naming it."""
+
+    reward_names = ()
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def reset(self, row: dict[str, Any]) -> None:
+        return None
+
+    def step(self, completion: str) -> StepResult:
+        self.steps += 1
+        if self.steps > 1:
+            raise RuntimeError("the environment broke")
+        return StepResult("1;")
