@@ -102,3 +102,20 @@ def test_episodes_are_the_same_steps_on_one_and_two_processes(tmp_path):
     assert [row["step"] for row in reference] == [1, 2, 3] and reference[-1]["train/kl"] > 0
     # Float rounding only: each rank pads its transcripts to its own longest one.
     assert_rows_match(split, reference, rel=1e-4, abs=1e-5)
+
+
+def test_the_tool_demo_config_calls_the_calculator_and_scores_the_engines_tokens(tmp_path):
+    """`configs/grpo_tools.yaml` for 2 steps: the warm start calls `calc` in most episodes, every call succeeds,
+    and the trainer's log-probs of the model's tokens are the engine's."""
+    overlay = write_overlay(tmp_path / "tools.yaml", save_dir=tmp_path / "tools")
+    small = ["--model.micro_batch_size", "16", "--data.val_limit", "32", "--data.val_batch_size", "32"]
+    steps = ["--trainer.max_steps", "2", "--trainer.val_check_interval", "2"]
+    run_cli("fit", "--config", str(CONFIGS / "grpo_tools.yaml"), "--config", str(overlay), *small, *steps)
+    log_dir = tmp_path / "tools" / "run" / "version_0"
+    train = train_rows(log_dir)
+    assert [row["step"] for row in train] == [1, 2]
+    for row in train:
+        assert row["train/tool_calls"] > 0.25 and row["train/tool_errors"] == 0 and row["train/env_tokens"] > 5
+        assert row["train/rollout_logprob_diff/max"] < 1e-4
+    val = [row for row in read_metrics(log_dir) if row.get("val/tool_calls")]
+    assert float(val[0]["val/tool_calls"]) > 0.5 and float(val[0]["val/rewards/final_answer_correctness"]) > 0.5
