@@ -285,3 +285,14 @@ def test_ppo_under_zero3_matches_ddp_and_its_sharded_checkpoint_exports_the_crit
     assert sorted(converted) == sorted(exported) and "score.weight" in exported
     for key, value in exported.items():
         assert torch.equal(converted[key], value), key
+
+
+def test_episodes_that_end_at_different_turns_on_each_rank_train_under_zero3_like_ddp(tmp_path):
+    """Under ZeRO-3 every `generate` step gathers the sharded weights from all ranks: a rank whose episodes ended
+    (1-3 turns, by row) keeps joining the other rank's turns, or both would wait for ever."""
+    environment = ("--model.environment", "tests.integration.envs.RowTurns", "--model.max_turns", "3")
+    ddp = _fit(tmp_path, "env_ddp", "ddp", *environment, max_steps=2)
+    zero3 = _fit(tmp_path, "env_zero3", "deepspeed_zero3", *environment, max_steps=2)
+    reference = _rows(ddp)
+    assert [row["step"] for row in reference] == [1, 2] and 1 < reference[0]["train/turns"] < 3
+    assert_rows_match(_rows(zero3), reference, rel=1e-4, abs=1e-5)

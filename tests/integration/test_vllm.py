@@ -323,11 +323,15 @@ def test_a_server_dying_with_generations_in_flight_ends_the_run_in_one_line_and_
 
 def test_episodes_score_the_engines_tokens_with_the_colocated_and_the_server_engine(tmp_path, vllm_server):
     """Multi-turn episodes (3 model turns, observations between): every turn is sampled by vLLM from the ids of the
-    transcript so far, and the trainer's log-probs of the model's tokens are vLLM's within 1e-4."""
+    transcript so far, and the trainer's log-probs of the model's tokens are vLLM's within 1e-4 (GRPO on the
+    colocated engine, RLOO on the server)."""
     environment = ("--model.environment", "tests.integration.envs.Countdown", "--model.max_turns", "3")
-    engines = {"colocate": COLOCATE, "server": (*SERVER, "--model.vllm.server_url", vllm_server)}
-    for name, engine in engines.items():
-        log_dir = _fit(tmp_path, f"{name}_env", *engine, *environment)
+    engines = {
+        "colocate": ("grpo", COLOCATE),
+        "server": ("rloo", (*SERVER, "--model.vllm.server_url", vllm_server)),
+    }
+    for name, (algorithm, engine) in engines.items():
+        log_dir = _fit(tmp_path, f"{name}_env", *engine, *environment, algorithm=algorithm)
         _check_run(log_dir)
         for row in train_rows(log_dir):
             assert row["train/turns"] > 1 and row["train/env_tokens"] > 0, (name, row)
