@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import urllib.parse
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -50,6 +51,13 @@ class VLLMConfig:
             writes one file per bucket.
         weight_sync_dir: (server) directory, shared with the server, where rank 0 writes the policy's weights
             before asking the server to reload them; None: a fresh directory under /dev/shm (or the temp dir).
+            With `weight_transfer: http`, the local directory the files are written to before the upload.
+        weight_transfer: (server) how the weights reach the server: `file` (written into `weight_sync_dir`, which
+            the server must see: the same machine or a shared file system), `http` (uploaded to the weight
+            receiver at `weights_url`, which runs beside a server on another machine: `lit_rl.rollout.weight_receiver`),
+            or `auto` (default): `http` when `weights_url` is set, else `file`.
+        weights_url: (server) the weight receiver's URL (`python -m lit_rl.rollout.weight_receiver` on the server's
+            machine), e.g. `http://10.0.0.2:8010`.
     """
 
     mode: Literal["colocate", "server"] = "colocate"
@@ -67,6 +75,13 @@ class VLLMConfig:
     wait_for_server_s: float = 60.0
     weight_sync_dir: Optional[str] = None
     push_bucket_mib: float = 512.0
+    weight_transfer: Literal["auto", "file", "http"] = "auto"
+    weights_url: Optional[str] = None
+
+    @property
+    def uploads_weights(self) -> bool:
+        """Whether the server engine uploads the weights to a receiver (`weight_transfer`)."""
+        return self.weight_transfer == "http" or (self.weight_transfer == "auto" and self.weights_url is not None)
 
 
 def check_vllm_config(config: Optional[VLLMConfig]) -> None:
@@ -101,3 +116,20 @@ def check_vllm_config(config: Optional[VLLMConfig]) -> None:
         )
     if config.max_retries < 0:
         raise ConfigError(f"model.vllm.max_retries must be >= 0, got {config.max_retries}")
+    if config.weight_transfer not in ("auto", "file", "http"):
+        raise ConfigError(f"model.vllm.weight_transfer must be auto, file or http, got {config.weight_transfer!r}")
+    if config.weight_transfer == "http" and config.weights_url is None:
+        raise ConfigError(
+            "model.vllm.weight_transfer: http needs model.vllm.weights_url, the weight receiver beside the server "
+            "(python -m lit_rl.rollout.weight_receiver --dir DIR --port 8010 on the server's machine)"
+        )
+    if config.weights_url is not None and not config.weights_url.startswith(("http://", "https://")):
+        raise ConfigError(f"model.vllm.weights_url must start with http:// or https://, got {config.weights_url!r}")
+    if config.mode == "server" and not config.uploads_weights and config.weight_sync_dir is None:
+        host = urllib.parse.urlparse(config.server_url).hostname or ""
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            raise ConfigError(
+                f"model.vllm.server_url {config.server_url} is not on this machine: its weights cannot go through "
+                "a local /dev/shm directory. Run the weight receiver beside it and set model.vllm.weights_url, or "
+                "set model.vllm.weight_sync_dir to a file system both machines share"
+            )

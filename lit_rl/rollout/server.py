@@ -45,6 +45,7 @@ import torch
 from lit_rl.errors import LitRLError
 from lit_rl.rollout.base import RolloutOutput, SamplingParams, draw_seeds, padded_output, unpadded_prompts
 from lit_rl.rollout.config import VLLMConfig
+from lit_rl.rollout.weight_receiver import WeightTransferError, WeightUploader
 
 WEIGHT_SHARD = "model-{:05d}.safetensors"
 
@@ -234,6 +235,13 @@ class VLLMServerEngine:
         self._loaded_version: Optional[int] = None  # the staged version the server holds; None after a plain push
         self._own_sync_dir = False
         self.sync_dir: Optional[str] = None
+        # On another machine: the weights are uploaded to the receiver beside the server (`weight_receiver`).
+        self.uploader = (
+            WeightUploader(config.weights_url, config.request_timeout_s, config.max_retries)
+            if config.uploads_weights
+            else None
+        )
+        self._server_dirs: dict[int, str] = {}  # staged version -> where the server reads it
         # Rank 0 alone connects; every rank learns whether it worked, so none waits on a dead one.
         _on_rank0_then_share(self._connect, self.rank, self.world_size)
 
@@ -341,8 +349,18 @@ class VLLMServerEngine:
 
     def _push(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         self._write(named_tensors, self.sync_dir)
-        self._reload(self.sync_dir)
+        self._reload(self._server_dir(self.sync_dir, "current"))
         self._loaded_version = None
+
+    def _server_dir(self, directory: str, tag: str) -> str:
+        """Where the server reads the weights written to `directory`: that directory, or with a receiver the one it
+        stored the upload of version `tag` in (uploaded, checked and committed before the server is touched)."""
+        if self.uploader is None:
+            return directory
+        try:
+            return self.uploader.upload(directory, tag)
+        except WeightTransferError as err:
+            raise RolloutServerError(str(err)) from None
 
     def _write(self, named_tensors: Iterator[tuple[str, torch.Tensor]], directory: str) -> None:
         try:
@@ -377,9 +395,12 @@ class VLLMServerEngine:
         if self.rank != 0:
             for _ in named_tensors:
                 pass
-        _on_rank0_then_share(
-            lambda: self._write(iter(named_tensors), self._version_dir(version)), self.rank, self.world_size
-        )
+
+        def write_and_send() -> None:
+            self._write(iter(named_tensors), self._version_dir(version))
+            self._server_dirs[version] = self._server_dir(self._version_dir(version), f"v{version}")
+
+        _on_rank0_then_share(write_and_send, self.rank, self.world_size)
 
     def submit(
         self,
@@ -409,11 +430,14 @@ class VLLMServerEngine:
         self, per_rank: list[tuple[list[list[int]], list[int]]], params: SamplingParams, version: int
     ) -> list[tuple[list[list[int]], list[list[float]]]]:
         if self._loaded_version != version:
-            self._reload(self._version_dir(version))
+            self._reload(self._server_dirs.get(version, self._version_dir(version)))
             self._loaded_version = version
             for name in os.listdir(self.sync_dir):  # older versions are never asked for again (versions only grow)
                 if name.startswith("v") and name[1:].isdigit() and int(name[1:]) < version:
                     shutil.rmtree(os.path.join(self.sync_dir, name), ignore_errors=True)
+            for old in [v for v in self._server_dirs if v < version]:
+                del self._server_dirs[old]
+                self.uploader.delete(f"v{old}")
         return self._generate_all(per_rank, params)
 
     def close(self) -> None:

@@ -335,3 +335,21 @@ def test_episodes_score_the_engines_tokens_with_the_colocated_and_the_server_eng
         _check_run(log_dir)
         for row in train_rows(log_dir):
             assert row["train/turns"] > 1 and row["train/env_tokens"] > 0, (name, row)
+
+
+def test_the_server_engine_uploads_weights_to_a_receiver_beside_the_server(tmp_path, vllm_server):
+    """`model.vllm.weights_url`: the weights go over HTTP to the weight receiver (as for a server on another
+    machine), which the server reloads from; vLLM then samples from the trainer's policy (log-prob gap < 1e-4)."""
+    import threading
+
+    from lit_rl.rollout.weight_receiver import WeightReceiver
+
+    receiver = WeightReceiver(tmp_path / "received")
+    threading.Thread(target=receiver.serve_forever, daemon=True).start()
+    try:
+        server_args = (*SERVER, "--model.vllm.server_url", vllm_server, "--model.vllm.weights_url", receiver.url)
+        log_dir = _fit(tmp_path, "server_http", *server_args)
+        _check_run(log_dir)
+        assert (tmp_path / "received" / "current" / "model-00000.safetensors").exists()
+    finally:
+        receiver.stop()

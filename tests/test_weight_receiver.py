@@ -1,0 +1,117 @@
+"""Weights for a vLLM server on another machine (`lit_rl.rollout.weight_receiver`): uploads checked by SHA-256 and
+committed in one rename, nothing written outside the receiver's directory, one-line errors naming the URL, and the
+server engine reloading the committed copy (a fake vLLM server plays the server)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from lit_rl.errors import ConfigError
+from lit_rl.rollout import VLLMConfig
+from lit_rl.rollout.config import check_vllm_config
+from lit_rl.rollout.server import RolloutServerError, VLLMServerEngine
+from lit_rl.rollout.weight_receiver import WeightReceiver, WeightTransferError, WeightUploader, sha256_of
+from tests.test_rollout_server import _completions, fake_server  # noqa: F401 (the fixture)
+
+
+@pytest.fixture
+def receiver(tmp_path):
+    server = WeightReceiver(tmp_path / "received")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server
+    server.stop()
+
+
+def test_an_upload_is_checked_and_committed_as_one_directory(receiver, tmp_path):
+    local = tmp_path / "local"
+    local.mkdir()
+    (local / "model-00000.safetensors").write_bytes(b"first shard" * 1000)
+    (local / "model-00001.safetensors").write_bytes(b"second")
+    path = WeightUploader(receiver.url, timeout_s=5, max_retries=0).upload(local, "v3")
+    assert path == str((tmp_path / "received" / "v3").resolve())
+    for name in ("model-00000.safetensors", "model-00001.safetensors"):
+        assert sha256_of(f"{path}/{name}") == sha256_of(local / name)
+    assert not (tmp_path / "received" / ".incoming-v3").exists()
+    WeightUploader(receiver.url, timeout_s=5, max_retries=0).delete("v3")
+    assert not (tmp_path / "received" / "v3").exists()
+
+
+def test_damaged_incomplete_or_escaping_uploads_are_refused(receiver, tmp_path):
+    def put(path, data, digest):
+        request = urllib.request.Request(
+            receiver.url + path, data=data, method="PUT", headers={"X-Content-SHA256": digest}
+        )
+        try:
+            return urllib.request.urlopen(request, timeout=5).status
+        except urllib.error.HTTPError as err:
+            return err.code
+
+    import hashlib
+    import urllib.error
+
+    assert put("/files/v1/a.safetensors", b"bytes", hashlib.sha256(b"other").hexdigest()) == 400
+    assert put("/files/v1/..%2F..%2Fescape", b"x", hashlib.sha256(b"x").hexdigest()) == 400
+    assert put("/files/../escape", b"x", hashlib.sha256(b"x").hexdigest()) == 400
+    assert not list(tmp_path.glob("**/escape*"))
+    assert put("/files/v1/a.safetensors", b"bytes", hashlib.sha256(b"bytes").hexdigest()) == 200
+    # The commit names a file that never arrived: nothing is committed, the version does not exist.
+    uploader = WeightUploader(receiver.url, timeout_s=5, max_retries=0)
+    with pytest.raises(WeightTransferError, match="POST /commit/v1 failed: HTTP 409"):
+        uploader._request("POST", "/commit/v1", b'{"files": {"a.safetensors": "0", "b.safetensors": "0"}}', {})
+    assert not (tmp_path / "received" / "v1").exists()
+
+
+def test_a_token_is_required_when_the_receiver_has_one(tmp_path, monkeypatch):
+    server = WeightReceiver(tmp_path / "received", token="s3cret")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        (tmp_path / "f").write_bytes(b"w")
+        local = tmp_path / "local"
+        local.mkdir()
+        (local / "f").write_bytes(b"w")
+        with pytest.raises(WeightTransferError, match="HTTP 401"):
+            WeightUploader(server.url, timeout_s=5, max_retries=0).upload(local, "v1")
+        monkeypatch.setenv("LIT_RL_RECEIVER_TOKEN", "s3cret")
+        assert WeightUploader(server.url, timeout_s=5, max_retries=0).upload(local, "v1").endswith("v1")
+    finally:
+        server.stop()
+
+
+def test_the_engine_uploads_then_reloads_the_committed_copy_and_a_dead_receiver_stops_it(
+    fake_server,  # noqa: F811 (the fixture imported above)
+    receiver,
+    tmp_path,
+):
+    from safetensors.torch import load_file
+
+    server = fake_server((200, _completions, 0))
+    config = VLLMConfig(mode="server", server_url=server.url, weights_url=receiver.url)
+    engine = VLLMServerEngine(config, [2], 0)
+    weights = torch.randn(4, 3)
+    engine.update_weights([("model.embed_tokens.weight", weights)])
+    rpc = [body for _, path, body in server.requests if path == "/collective_rpc"][-1]
+    reloaded = rpc["kwargs"]["weights_path"]
+    assert reloaded == str((tmp_path / "received" / "current").resolve())
+    assert torch.equal(load_file(f"{reloaded}/model-00000.safetensors")["model.embed_tokens.weight"], weights)
+    engine.close()
+
+    receiver.stop()
+    before = len(server.requests)
+    dead = VLLMServerEngine(config, [2], 0)
+    with pytest.raises(RolloutServerError, match=rf"weight upload to {receiver.url}: PUT .* unreachable"):
+        dead.update_weights([("model.embed_tokens.weight", weights)])
+    # The upload failed before the server was paused: it keeps serving the weights it had.
+    assert "/pause?mode=wait" not in [path for _, path, _ in server.requests[before:]]
+    dead.close()
+
+
+def test_settings_name_what_is_missing():
+    with pytest.raises(ConfigError, match="weight_transfer: http needs model.vllm.weights_url"):
+        check_vllm_config(VLLMConfig(mode="server", weight_transfer="http"))
+    with pytest.raises(ConfigError, match="is not on this machine"):
+        check_vllm_config(VLLMConfig(mode="server", server_url="http://10.1.2.3:8000"))
+    check_vllm_config(VLLMConfig(mode="server", server_url="http://10.1.2.3:8000", weights_url="http://10.1.2.3:8010"))
+    check_vllm_config(VLLMConfig(mode="server", server_url="http://10.1.2.3:8000", weight_sync_dir="/shared/w"))
