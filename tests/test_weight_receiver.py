@@ -115,3 +115,23 @@ def test_settings_name_what_is_missing():
         check_vllm_config(VLLMConfig(mode="server", server_url="http://10.1.2.3:8000"))
     check_vllm_config(VLLMConfig(mode="server", server_url="http://10.1.2.3:8000", weights_url="http://10.1.2.3:8010"))
     check_vllm_config(VLLMConfig(mode="server", server_url="http://10.1.2.3:8000", weight_sync_dir="/shared/w"))
+
+
+def test_staged_versions_for_asynchronous_rollouts_go_through_the_receiver(fake_server, receiver, tmp_path):  # noqa: F811
+    """Asynchronous rollouts stage each version ahead: each is uploaded as `v<N>`, the server reloads the
+    receiver's copy when that version's first generation runs, and older copies are removed from the receiver."""
+    from lit_rl.rollout import SamplingParams
+
+    server = fake_server((200, _completions, 0))
+    engine = VLLMServerEngine(VLLMConfig(mode="server", server_url=server.url, weights_url=receiver.url), [2], 0)
+    prompt, mask = torch.tensor([[4, 5]]), torch.ones(1, 2, dtype=torch.long)
+    for version in (1, 2):
+        engine.stage_weights([("w", torch.full((2,), float(version)))], version)
+    for version in (1, 2):
+        out = engine.collect(engine.submit(prompt, mask, SamplingParams(), [version], version))
+        assert out.completion_ids.shape[0] == 1
+    reloads = [body["kwargs"]["weights_path"] for _, path, body in server.requests if path == "/collective_rpc"]
+    received = tmp_path / "received"
+    assert reloads == [str((received / "v1").resolve()), str((received / "v2").resolve())]
+    assert not (received / "v1").exists() and (received / "v2").exists()
+    engine.close()

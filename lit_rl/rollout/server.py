@@ -437,7 +437,8 @@ class VLLMServerEngine:
                     shutil.rmtree(os.path.join(self.sync_dir, name), ignore_errors=True)
             for old in [v for v in self._server_dirs if v < version]:
                 del self._server_dirs[old]
-                self.uploader.delete(f"v{old}")
+                if self.uploader is not None:  # the receiver's copy of a version no generation asks for again
+                    self.uploader.delete(f"v{old}")
         return self._generate_all(per_rank, params)
 
     def close(self) -> None:
