@@ -16,6 +16,7 @@ import torch
 from lit_rl.envs import environment_factory
 from lit_rl.errors import ConfigError
 from lit_rl.rollout import SamplingParams
+from lit_rl.rollout.base import unpadded_prompts
 from lit_rl.rollout.multi_turn import EPISODE_STATS, Episodes, run_episodes
 from lit_rl.types import RolloutBatch
 
@@ -79,7 +80,7 @@ class EpisodeRunner:
         episodes = run_episodes(
             self.engine(),
             envs,
-            [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())],
+            unpadded_prompts(prompt_ids, prompt_mask),
             params,
             seeds,
             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),

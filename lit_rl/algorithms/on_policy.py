@@ -443,15 +443,21 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, PolicyModule):
         return slice(self.global_rank * n, (self.global_rank + 1) * n)
 
     def _logprobs_in_chunks(self, model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
-        hp = self.hparams
-        chunks = []
-        for start in range(0, len(batch), self.hparams.micro_batch_size):
-            mb = batch.select(slice(start, start + self.hparams.micro_batch_size))
-            chunks.append(
+        temperature = self.hparams.temperature
+        return self.per_micro_batch(
+            batch,
+            lambda mb: (
                 self.score_completions(
-                    model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask, hp.temperature
+                    model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask, temperature
                 ).logprobs
-            )
+            ),
+        )
+
+    def per_micro_batch(self, batch: RolloutBatch, score: Any) -> torch.Tensor:
+        """`score(micro-batch)` [n, T] over `batch` in `micro_batch_size` slices, concatenated and zeroed where the
+        completion mask is 0 (the forwards at generation time: old and reference log-probs, PPO's values)."""
+        size = self.hparams.micro_batch_size
+        chunks = [score(batch.select(slice(start, start + size))) for start in range(0, len(batch), size)]
         return torch.cat(chunks) * batch.completion_mask
 
     def _step_normalizers(self, batch: RolloutBatch) -> list[LossNormalizer]:

@@ -222,12 +222,7 @@ class PPO(OnPolicyModule):
         hp = self.hparams
         mask = batch.completion_mask
         with self.timer.phase("values"):
-            batch.old_values = torch.cat(
-                [
-                    self.critic_values(batch.select(slice(start, start + hp.micro_batch_size)))
-                    for start in range(0, len(batch), hp.micro_batch_size)
-                ]
-            )
+            batch.old_values = self.per_micro_batch(batch, self.critic_values)
         kl = None
         if batch.ref_logprobs is not None:
             kl = (batch.old_logprobs - batch.ref_logprobs) * mask  # [N, T]
