@@ -124,7 +124,18 @@ class LitRLCLI(LightningCLI):
 
     # Where the rollout server is and how to reach it is not part of what was trained: on resume, this run's values
     # win over the checkpoint's hyperparameters (which LightningCLI otherwise lays over the whole model config).
-    RUNTIME_VLLM_KEYS = ("server_url", "weight_sync_dir", "request_timeout_s", "max_retries", "wait_for_server_s")
+    RUNTIME_VLLM_KEYS = (
+        "server_url",
+        "server_urls",
+        "on_server_failure",
+        "weight_sync_dir",
+        "weight_transfer",
+        "weights_url",
+        "weights_urls",
+        "request_timeout_s",
+        "max_retries",
+        "wait_for_server_s",
+    )
 
     def _parse_ckpt_path(self) -> None:
         subcommand = self.config.get("subcommand")

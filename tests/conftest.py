@@ -13,6 +13,8 @@ import pytest
 import torch
 import yaml
 
+from tests.fake_vllm import fake_server  # noqa: F401  (a fixture: a stdlib server playing vLLM)
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 

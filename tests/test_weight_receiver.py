@@ -14,7 +14,7 @@ from lit_rl.rollout import VLLMConfig
 from lit_rl.rollout.config import check_vllm_config
 from lit_rl.rollout.server import RolloutServerError, VLLMServerEngine
 from lit_rl.rollout.weight_receiver import WeightReceiver, WeightTransferError, WeightUploader, sha256_of
-from tests.test_rollout_server import _completions, fake_server  # noqa: F401 (the fixture)
+from tests.fake_vllm import completions_answer as _completions
 
 
 @pytest.fixture

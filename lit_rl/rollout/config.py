@@ -42,6 +42,13 @@ class VLLMConfig:
             saves there), False on GPU.
         cpu_kvcache_space_gib: (colocate, CPU) KV cache size in GiB (`VLLM_CPU_KVCACHE_SPACE`).
         server_url: (server) base URL of the server. Bind it to 127.0.0.1 unless it must be reached from elsewhere.
+        server_urls: (server) several servers, data-parallel (instead of `server_url`): each generation's requests
+            (one per prompt, its completions seeded from the request's seed) are dealt out across them, so which
+            server samples a completion does not change it; every weight push goes to all of them.
+        on_server_failure: (server) what a server that stops answering does to the run: `fail` (default) stops it
+            with one line naming the URL; `continue` warns in one line and deals that server's requests (and its
+            share of later generations) to the others; the run stops only when none is left. Servers are
+            health-checked before each generation.
         request_timeout_s: (server) seconds one HTTP request may take before it counts as failed.
         max_retries: (server) attempts after the first for a request that failed to connect, timed out, or got a
             5xx answer; waits 1, 2, 4, ... seconds in between. Then the run stops with an error naming the URL.
@@ -58,6 +65,8 @@ class VLLMConfig:
             or `auto` (default): `http` when `weights_url` is set, else `file`.
         weights_url: (server) the weight receiver's URL (`python -m lit_rl.rollout.weight_receiver` on the server's
             machine), e.g. `http://10.0.0.2:8010`.
+        weights_urls: (server) with `server_urls`: the receiver beside each server, in the same order. Servers on
+            one machine may share one (it is uploaded to once per push); `weights_url` alone serves them all.
     """
 
     mode: Literal["colocate", "server"] = "colocate"
@@ -70,6 +79,8 @@ class VLLMConfig:
     enforce_eager: Optional[bool] = None
     cpu_kvcache_space_gib: int = 1
     server_url: str = "http://127.0.0.1:8000"
+    server_urls: Optional[list[str]] = None
+    on_server_failure: Literal["fail", "continue"] = "fail"
     request_timeout_s: float = 300.0
     max_retries: int = 3
     wait_for_server_s: float = 60.0
@@ -77,11 +88,21 @@ class VLLMConfig:
     push_bucket_mib: float = 512.0
     weight_transfer: Literal["auto", "file", "http"] = "auto"
     weights_url: Optional[str] = None
+    weights_urls: Optional[list[str]] = None
 
     @property
     def uploads_weights(self) -> bool:
         """Whether the server engine uploads the weights to a receiver (`weight_transfer`)."""
-        return self.weight_transfer == "http" or (self.weight_transfer == "auto" and self.weights_url is not None)
+        has_url = self.weights_url is not None or self.weights_urls is not None
+        return self.weight_transfer == "http" or (self.weight_transfer == "auto" and has_url)
+
+    def server_endpoints(self) -> list[tuple[str, Optional[str]]]:
+        """(server URL, its weight receiver's URL or None) for every server, `server_urls` over `server_url`."""
+        servers = list(self.server_urls) if self.server_urls else [self.server_url]
+        if not self.uploads_weights:
+            return [(url, None) for url in servers]
+        receivers = list(self.weights_urls) if self.weights_urls else [self.weights_url] * len(servers)
+        return list(zip(servers, receivers))
 
 
 def check_vllm_config(config: Optional[VLLMConfig]) -> None:
@@ -118,7 +139,8 @@ def check_vllm_config(config: Optional[VLLMConfig]) -> None:
         raise ConfigError(f"model.vllm.max_retries must be >= 0, got {config.max_retries}")
     if config.weight_transfer not in ("auto", "file", "http"):
         raise ConfigError(f"model.vllm.weight_transfer must be auto, file or http, got {config.weight_transfer!r}")
-    if config.weight_transfer == "http" and config.weights_url is None:
+    _check_server_lists(config)
+    if config.weight_transfer == "http" and config.weights_url is None and config.weights_urls is None:
         raise ConfigError(
             "model.vllm.weight_transfer: http needs model.vllm.weights_url, the weight receiver beside the server "
             "(python -m lit_rl.rollout.weight_receiver --dir DIR --port 8010 on the server's machine)"
@@ -126,10 +148,37 @@ def check_vllm_config(config: Optional[VLLMConfig]) -> None:
     if config.weights_url is not None and not config.weights_url.startswith(("http://", "https://")):
         raise ConfigError(f"model.vllm.weights_url must start with http:// or https://, got {config.weights_url!r}")
     if config.mode == "server" and not config.uploads_weights and config.weight_sync_dir is None:
-        host = urllib.parse.urlparse(config.server_url).hostname or ""
-        if host not in ("127.0.0.1", "localhost", "::1"):
+        for url, _ in config.server_endpoints():
+            host = urllib.parse.urlparse(url).hostname or ""
+            if host not in ("127.0.0.1", "localhost", "::1"):
+                raise ConfigError(
+                    f"model.vllm.server_url {url} is not on this machine: its weights cannot go through "
+                    "a local /dev/shm directory. Run the weight receiver beside it and set model.vllm.weights_url, "
+                    "or set model.vllm.weight_sync_dir to a file system both machines share"
+                )
+
+
+def _check_server_lists(config: VLLMConfig) -> None:
+    """`server_urls`, `weights_urls` and `on_server_failure`, each named when wrong."""
+    if config.on_server_failure not in ("fail", "continue"):
+        raise ConfigError(f"model.vllm.on_server_failure must be fail or continue, got {config.on_server_failure!r}")
+    for key in ("server_urls", "weights_urls"):
+        urls = getattr(config, key)
+        if urls is None:
+            continue
+        if isinstance(urls, str) or not urls:
+            raise ConfigError(f"model.vllm.{key} must be a non-empty list of URLs, got {urls!r}")
+        for url in urls:
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise ConfigError(f"model.vllm.{key}: each URL must start with http:// or https://, got {url!r}")
+        if key == "server_urls" and len(set(urls)) != len(urls):
+            raise ConfigError(f"model.vllm.server_urls lists a server twice: {urls}")
+    if config.weights_urls is not None:
+        if config.server_urls is None or len(config.weights_urls) != len(config.server_urls):
             raise ConfigError(
-                f"model.vllm.server_url {config.server_url} is not on this machine: its weights cannot go through "
-                "a local /dev/shm directory. Run the weight receiver beside it and set model.vllm.weights_url, or "
-                "set model.vllm.weight_sync_dir to a file system both machines share"
+                "model.vllm.weights_urls needs model.vllm.server_urls with as many entries (one receiver per server, "
+                f"in the same order); got {len(config.weights_urls)} for "
+                f"{len(config.server_urls) if config.server_urls else 'no'} server_urls"
             )
+        if config.weights_url is not None:
+            raise ConfigError("set model.vllm.weights_url or model.vllm.weights_urls, not both")

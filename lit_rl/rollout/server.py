@@ -20,21 +20,19 @@ are staged into their own subdirectory `v<version>/`, and rank 0 runs the submit
 other on a worker thread, each first reloading the version it was tagged with (so a completion never spans two
 versions), while the training thread goes on; the completions are scattered back when the trainer collects them.
 
+Several servers (`model.vllm.server_urls`, `lit_rl.rollout.server_pool`): each generation's requests are dealt out
+across them after a health check, and every push reaches all of them; a server that fails either stops the run or
+is taken out of service (`model.vllm.on_server_failure`).
+
 Every request has a timeout; failures to connect, timeouts and 5xx answers are retried with exponential
 backoff, then stop the run with one line naming the URL. 4xx answers fail at once with the server's message.
 """
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
 import shutil
-import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from itertools import groupby
@@ -42,185 +40,23 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from lit_rl.errors import LitRLError
 from lit_rl.rollout.base import RolloutOutput, SamplingParams, draw_seeds, padded_output, unpadded_prompts
 from lit_rl.rollout.config import VLLMConfig
-from lit_rl.rollout.weight_receiver import WeightTransferError, WeightUploader
+from lit_rl.rollout.server_client import (  # noqa: F401  (re-exported: the names users and tests import from here)
+    LocalVLLMServer,
+    RolloutServerError,
+    ServerDownError,
+    VLLMServerClient,
+    free_port,
+    server_command,
+)
+from lit_rl.rollout.server_pool import RolloutServer, ServerPool
 
 WEIGHT_SHARD = "model-{:05d}.safetensors"
 
 
-def server_command(model: str, port: int, host: str = "127.0.0.1", cpu: bool = True) -> tuple[list[str], dict]:
-    """The documented command that starts a vLLM server lit-rl can drive: (argv, extra environment).
-
-    `--logprobs-mode processed_logprobs` reports the log-probs of the distribution sampled from (what the
-    trainer recomputes); `--generation-config vllm` ignores the repository's sampling defaults.
-    """
-    argv = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        model,
-        "--served-model-name",
-        "policy",
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--logprobs-mode",
-        "processed_logprobs",
-        "--generation-config",
-        "vllm",
-    ]
-    env = {"VLLM_SERVER_DEV_MODE": "1"}
-    if cpu:
-        argv += ["--dtype", "float32", "--enforce-eager"]
-        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    return argv, env
-
-
-class LocalVLLMServer:
-    """`server_command` started as a child process on 127.0.0.1 (a free port unless `port` is given), waited for
-    until healthy; `stop()` ends it.
-
-    For tests, benchmarks and single-machine runs; a production server is started by its own supervisor.
-    """
-
-    def __init__(
-        self,
-        model: str,
-        log_path: str,
-        port: Optional[int] = None,
-        cpu: bool = True,
-        extra_args: Sequence[str] = (),
-        timeout_s: float = 600,
-    ) -> None:
-        import subprocess
-
-        port = port or free_port()
-        argv, env = server_command(model, port, cpu=cpu)
-        self.url = f"http://127.0.0.1:{port}"
-        self._log = open(log_path, "w")
-        try:
-            self.process = subprocess.Popen(
-                [*argv, *extra_args], env={**os.environ, **env}, stdout=self._log, stderr=subprocess.STDOUT
-            )
-        except BaseException:
-            self._log.close()
-            raise
-        try:
-            client = VLLMServerClient(self.url, timeout_s=2.0, max_retries=0)
-            client.wait_until_healthy(timeout_s, gone=lambda: self.process.poll() is not None)
-        except RolloutServerError:
-            self.stop()
-            raise RolloutServerError(f"vLLM server {self.url} did not start; its log: {log_path}") from None
-        except BaseException:  # never leave a server running behind Ctrl-C
-            self.stop()
-            raise
-
-    def stop(self) -> None:
-        import subprocess
-
-        if self._log.closed:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-        self._log.close()
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class RolloutServerError(LitRLError):
-    """The vLLM server could not be reached or answered with an error."""
-
-
-class _RetryableError(Exception):
-    pass
-
-
-class VLLMServerClient:
-    """JSON over HTTP to one vLLM server, with a timeout on every request and retries with backoff."""
-
-    def __init__(self, base_url: str, timeout_s: float, max_retries: int) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.timeout_s = timeout_s
-        self.max_retries = max_retries
-
-    def request(self, method: str, path: str, body: Optional[dict] = None, retries: Optional[int] = None) -> Any:
-        """Send one request, retrying connection failures, timeouts and 5xx answers; the parsed JSON answer."""
-        url = f"{self.base_url}{path}"
-        retries = self.max_retries if retries is None else retries
-        for attempt in range(retries + 1):
-            try:
-                return self._once(method, url, body)
-            except _RetryableError as err:
-                if attempt == retries:
-                    raise RolloutServerError(
-                        f"vLLM server {url}: {err} (after {attempt + 1} attempts, timeout {self.timeout_s:g} s "
-                        "each); is the server running? (see model.vllm.server_url)"
-                    ) from None
-                time.sleep(min(2.0**attempt, 30.0))
-
-    def _once(self, method: str, url: str, body: Optional[dict], timeout_s: Optional[float] = None) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=min(timeout_s or self.timeout_s, self.timeout_s)) as response:
-                payload = response.read()
-        except urllib.error.HTTPError as err:
-            message = _error_message(err)
-            if err.code >= 500:
-                raise _RetryableError(f"HTTP {err.code}: {message}") from None
-            raise RolloutServerError(f"vLLM server {url}: HTTP {err.code}: {message}") from None
-        except (urllib.error.URLError, http.client.HTTPException, TimeoutError, ConnectionError, OSError) as err:
-            reason = getattr(err, "reason", err)
-            raise _RetryableError(f"no answer ({type(err).__name__}: {reason})") from None
-        try:
-            return json.loads(payload) if payload else None
-        except ValueError:
-            raise RolloutServerError(f"vLLM server {url}: the answer is not JSON: {payload[:200]!r}") from None
-
-    def wait_until_healthy(self, wait_s: float, gone: Callable[[], bool] = lambda: False) -> None:
-        """Poll `/health` until the server answers, for at most `wait_s` seconds (it may still be starting), or
-        until `gone()` says it never will (its process exited)."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                self._once("GET", f"{self.base_url}/health", None, timeout_s=max(1.0, deadline - time.monotonic()))
-                return
-            except (_RetryableError, RolloutServerError) as err:
-                if time.monotonic() >= deadline or gone():
-                    raise RolloutServerError(
-                        f"vLLM server {self.base_url}/health: {err} (waited {wait_s:g} s; "
-                        "model.vllm.wait_for_server_s); is the server running? (see model.vllm.server_url)"
-                    ) from None
-                time.sleep(1.0)
-
-
-def _error_message(err: urllib.error.HTTPError) -> str:
-    try:
-        body = json.loads(err.read() or b"{}")
-    except (ValueError, OSError):
-        return str(err.reason)
-    detail = body.get("error", body.get("detail", body)) if isinstance(body, dict) else body
-    if isinstance(detail, dict):
-        detail = detail.get("message", detail)
-    return " ".join(str(detail).split())[:300]
-
-
 class VLLMServerEngine:
-    """Generates on a vLLM server and pushes weights to it; see the module docstring for the protocol."""
+    """Generates on vLLM servers and pushes weights to them; see the module docstring for the protocol."""
 
     needs_weights = True
 
@@ -229,28 +65,20 @@ class VLLMServerEngine:
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.rank, self.world_size = _rank_and_world()
-        self.client = VLLMServerClient(config.server_url, config.request_timeout_s, config.max_retries)
-        self.model_name: Optional[str] = None
+        self.pool = ServerPool(config)
         self._worker: Optional[ThreadPoolExecutor] = None  # rank 0's background generations (asynchronous mode)
-        self._loaded_version: Optional[int] = None  # the staged version the server holds; None after a plain push
         self._own_sync_dir = False
         self.sync_dir: Optional[str] = None
-        # On another machine: the weights are uploaded to the receiver beside the server (`weight_receiver`).
-        self.uploader = (
-            WeightUploader(config.weights_url, config.request_timeout_s, config.max_retries)
-            if config.uploads_weights
-            else None
-        )
-        self._server_dirs: dict[int, str] = {}  # staged version -> where the server reads it
         # Rank 0 alone connects; every rank learns whether it worked, so none waits on a dead one.
         _on_rank0_then_share(self._connect, self.rank, self.world_size)
 
+    @property
+    def client(self) -> VLLMServerClient:
+        """The first server's client (the only one with `server_url`)."""
+        return self.pool.servers[0].client
+
     def _connect(self) -> None:
-        self.client.wait_until_healthy(self.config.wait_for_server_s)
-        try:
-            self.model_name = self.client.request("GET", "/v1/models")["data"][0]["id"]
-        except (KeyError, IndexError, TypeError):
-            raise RolloutServerError(f"vLLM server {self.client.base_url}/v1/models lists no model") from None
+        self.pool.connect(self.config.wait_for_server_s)
         self.sync_dir = self.config.weight_sync_dir
         if self.sync_dir is None:
             shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -280,7 +108,7 @@ class VLLMServerEngine:
         self, per_rank: list[tuple[list[list[int]], list[int]]], params: SamplingParams
     ) -> list[tuple[list[list[int]], list[list[float]]]]:
         """Every rank's completions, in rank order. Runs of identical prompts (the G completions of one prompt) go
-        out as one request for n completions; all requests share one pool, and the first failure cancels the rest."""
+        out as one request for n completions, dealt out across the servers in service (`ServerPool.deal`)."""
         requests = []  # (rank, prompt, seed, n)
         for rank, (prompts, seeds) in enumerate(per_rank):
             start = 0
@@ -288,12 +116,10 @@ class VLLMServerEngine:
                 n = len(list(run))
                 requests.append((rank, prompts[start], seeds[start], n))
                 start += n
-        pool = ThreadPoolExecutor(max_workers=max(1, min(16, len(requests))))
-        try:
-            futures = [pool.submit(self._complete, prompt, seed, n, params) for _, prompt, seed, n in requests]
-            answers = [future.result() for future in futures]
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.check_health()
+        answers = self.pool.deal(
+            requests, lambda server, request: self._complete(server, request[1], request[2], request[3], params)
+        )
         results: list[tuple[list[list[int]], list[list[float]]]] = [([], []) for _ in per_rank]
         for (rank, *_), (ids, lps) in zip(requests, answers):
             results[rank][0].extend(ids)
@@ -301,10 +127,10 @@ class VLLMServerEngine:
         return results
 
     def _complete(
-        self, prompt: list[int], seed: int, n: int, params: SamplingParams
+        self, server: RolloutServer, prompt: list[int], seed: int, n: int, params: SamplingParams
     ) -> tuple[list[list[int]], list[list[float]]]:
         body = {
-            "model": self.model_name,
+            "model": server.model_name,
             "prompt": prompt,
             "n": n,
             "seed": seed,
@@ -318,12 +144,10 @@ class VLLMServerEngine:
             "stop_token_ids": self.eos_token_ids,
             "skip_special_tokens": False,
         }
-        answer = self.client.request("POST", "/v1/completions", body)
+        answer = server.client.request("POST", "/v1/completions", body)
         choices = sorted(answer["choices"], key=lambda choice: choice["index"])
         if len(choices) != n:
-            raise RolloutServerError(
-                f"vLLM server {self.client.base_url}: asked for {n} completions, got {len(choices)}"
-            )
+            raise RolloutServerError(f"vLLM server {server.url}: asked for {n} completions, got {len(choices)}")
         try:
             return (
                 [list(choice["token_ids"]) for choice in choices],
@@ -331,13 +155,13 @@ class VLLMServerEngine:
             )
         except (KeyError, TypeError):
             raise RolloutServerError(
-                f"vLLM server {self.client.base_url}: completions come without token_ids or log-probs "
+                f"vLLM server {server.url}: completions come without token_ids or log-probs "
                 "(vLLM >= 0.32 with return_token_ids support is needed)"
             ) from None
 
     # -- weights ---------------------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Optional[Iterable[tuple[str, torch.Tensor]]] = None) -> None:
-        """Rank 0 writes the weights to `weight_sync_dir` and has the server reload them; the others wait for it.
+        """Rank 0 writes the weights to `weight_sync_dir` and has every server reload them; the others wait for it.
 
         Every rank consumes its `named_tensors` (a lazy stream gathers ZeRO-3 parameters as a collective)."""
         if self.rank == 0 and named_tensors is None:
@@ -349,18 +173,13 @@ class VLLMServerEngine:
 
     def _push(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         self._write(named_tensors, self.sync_dir)
-        self._reload(self._server_dir(self.sync_dir, "current"))
-        self._loaded_version = None
+        self.pool.upload(self.sync_dir, "current")  # uploaded, checked and committed before a server is touched
 
-    def _server_dir(self, directory: str, tag: str) -> str:
-        """Where the server reads the weights written to `directory`: that directory, or with a receiver the one it
-        stored the upload of version `tag` in (uploaded, checked and committed before the server is touched)."""
-        if self.uploader is None:
-            return directory
-        try:
-            return self.uploader.upload(directory, tag)
-        except WeightTransferError as err:
-            raise RolloutServerError(str(err)) from None
+        def reload(server: RolloutServer) -> None:
+            self._reload(server, server.directories.get("current", self.sync_dir))
+            server.loaded = None
+
+        self.pool.on_each(reload)
 
     def _write(self, named_tensors: Iterator[tuple[str, torch.Tensor]], directory: str) -> None:
         try:
@@ -375,30 +194,32 @@ class VLLMServerEngine:
             for _ in named_tensors:  # after a failure, the other ranks still gather through the rest of the stream
                 pass
 
-    def _reload(self, directory: str) -> None:
+    @staticmethod
+    def _reload(server: RolloutServer, directory: str) -> None:
         # `mode=wait` lets any request still running finish; then nothing samples with half-loaded weights.
-        self.client.request("POST", "/pause?mode=wait")
+        client = server.client
+        client.request("POST", "/pause?mode=wait")
         try:
             rpc = {"method": "reload_weights", "kwargs": {"weights_path": directory}}
-            self.client.request("POST", "/collective_rpc", rpc, retries=0)  # a failed reload is not retried blindly
-            self.client.request("POST", "/reset_prefix_cache")
+            client.request("POST", "/collective_rpc", rpc, retries=0)  # a failed reload is not retried blindly
+            client.request("POST", "/reset_prefix_cache")
         finally:
-            self.client.request("POST", "/resume")
+            client.request("POST", "/resume")
 
     # -- asynchronous rollouts (lit_rl.rollout.producer.AsyncRolloutEngine) -------------------------------------
     def _version_dir(self, version: int) -> str:
         return os.path.join(self.sync_dir, f"v{version}")
 
     def stage_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Write the weights of `version` into their own directory for the generations tagged with it; the server
-        loads them when the first of those starts (see the module docstring). A collective, like `update_weights`."""
+        """Write the weights of `version` into their own directory for the generations tagged with it; the servers
+        load them when the first of those starts (see the module docstring). A collective, like `update_weights`."""
         if self.rank != 0:
             for _ in named_tensors:
                 pass
 
         def write_and_send() -> None:
             self._write(iter(named_tensors), self._version_dir(version))
-            self._server_dirs[version] = self._server_dir(self._version_dir(version), f"v{version}")
+            self.pool.upload(self._version_dir(version), f"v{version}")
 
         _on_rank0_then_share(write_and_send, self.rank, self.world_size)
 
@@ -429,16 +250,21 @@ class VLLMServerEngine:
     def _generate_with_version(
         self, per_rank: list[tuple[list[list[int]], list[int]]], params: SamplingParams, version: int
     ) -> list[tuple[list[list[int]], list[list[float]]]]:
-        if self._loaded_version != version:
-            self._reload(self._server_dirs.get(version, self._version_dir(version)))
-            self._loaded_version = version
+        tag = f"v{version}"
+
+        def load(server: RolloutServer) -> None:
+            self._reload(server, server.directories.get(tag, self._version_dir(version)))
+            server.loaded = version
+
+        stale = [server for server in self.pool.in_service() if server.loaded != version]
+        if stale:
+            self.pool.on_each(load, stale)
             for name in os.listdir(self.sync_dir):  # older versions are never asked for again (versions only grow)
                 if name.startswith("v") and name[1:].isdigit() and int(name[1:]) < version:
                     shutil.rmtree(os.path.join(self.sync_dir, name), ignore_errors=True)
-            for old in [v for v in self._server_dirs if v < version]:
-                del self._server_dirs[old]
-                if self.uploader is not None:  # the receiver's copy of a version no generation asks for again
-                    self.uploader.delete(f"v{old}")
+            older = {t for server in self.pool.servers for t in server.directories if t[1:].isdigit()}
+            for old in sorted(t for t in older if int(t[1:]) < version):
+                self.pool.forget(old)  # the receivers' copies of versions no generation asks for again
         return self._generate_all(per_rank, params)
 
     def close(self) -> None:

@@ -104,6 +104,7 @@ def _fit(tmp_path: Path, name: str, *args: str, algorithm: str = "grpo", max_ste
 
 
 COLOCATE = ("--config", str(CONFIGS / "rollout" / "vllm_colocate.yaml"))
+SERVER = ("--config", str(CONFIGS / "rollout" / "vllm_server.yaml"))
 
 
 def _check_run(log_dir: Path) -> None:
@@ -196,10 +197,40 @@ def test_colocated_run_resumes_to_the_same_numbers(tmp_path):
     assert_rows_match(rows, train_rows(full), rel=1e-4, abs=1e-5)
 
 
-def test_grpo_trains_with_the_server_engine(tmp_path, vllm_server):
-    server_args = ("--config", str(CONFIGS / "rollout" / "vllm_server.yaml"), "--model.vllm.server_url", vllm_server)
-    log_dir = _fit(tmp_path, "server", *server_args)
-    _check_run(log_dir)
+def test_grpo_on_one_server_and_on_two_alike_even_when_one_of_them_dies(tmp_path, vllm_server):
+    """`model.vllm.server_urls`: the requests are dealt out across two real servers; a request's completions do not
+    depend on which server samples them, so the run logs what the run on one server logs. The second server is
+    stopped after step 2's checkpoint: with `on_server_failure: continue` its requests go to the first with one
+    warning, and the numbers still match."""
+    alone = _fit(tmp_path, "server", *SERVER, "--model.vllm.server_url", vllm_server)
+    _check_run(alone)
+    model = str(REPO / "lit_rl" / "assets" / "tiny-qwen2-addition-sft")
+    second = LocalVLLMServer(model, str(tmp_path / "second.log"), extra_args=["--max-model-len", "128"])
+    overlay = write_overlay(tmp_path / "two.yaml", every_n_train_steps=2, save_dir=tmp_path / "two")
+    servers = json.dumps([vllm_server, second.url])
+    command = [*CLI_COMMAND, "fit", "--config", str(CONFIGS / "grpo.yaml"), "--config", str(overlay), *SERVER]
+    command += [*FAST_GRPO, "--model.learning_rate", "1e-3", "--trainer.max_steps", "8"]
+    command += ["--model.vllm.server_urls", servers, "--model.vllm.on_server_failure", "continue"]
+    command += ["--model.vllm.max_retries", "1", "--model.vllm.request_timeout_s", "60"]
+    log_dir = tmp_path / "two" / "run" / "version_0"
+    process = subprocess.Popen(
+        command, cwd=tmp_path, env=_vllm_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (log_dir / "checkpoints" / "step=2.ckpt").exists() and process.poll() is None:
+            assert time.monotonic() < deadline, "no step-2 checkpoint in 300 s"
+            time.sleep(0.1)
+    finally:
+        second.stop()
+    _, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr[-3000:]
+    warnings = [line for line in stderr.splitlines() if "taken out of service" in line]
+    assert len(warnings) == 1 and second.url in warnings[0], stderr[-3000:]
+    assert saved_steps(log_dir) == [2, 4, 6, 8]
+    rows = train_rows(log_dir)
+    assert all(row["train/rollout_logprob_diff/max"] < TOLERANCE for row in rows)
+    assert_rows_match(without_engine_gap(rows[:4]), without_engine_gap(train_rows(alone)), rel=1e-4, abs=1e-5)
 
 
 def test_grpo_on_two_ddp_processes_shares_one_server(tmp_path, vllm_server):
@@ -236,9 +267,6 @@ def test_dead_server_stops_the_run_with_one_line_naming_the_url(tmp_path):
     assert "Traceback" not in result.stderr
     assert time.monotonic() - started < 120
     assert os.path.isdir(tmp_path / "dead")  # the run directory the trainer wrote before failing is kept
-
-
-SERVER = ("--config", str(CONFIGS / "rollout" / "vllm_server.yaml"))
 
 
 def test_asynchronous_rollouts_with_the_server_engine_one_and_two_processes_alike(tmp_path, vllm_server):

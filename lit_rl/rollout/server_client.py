@@ -1,0 +1,203 @@
+"""One vLLM server over HTTP: the command that starts one (`server_command`, `LocalVLLMServer`), and the JSON client
+(`VLLMServerClient`) with a timeout on every request and retries with backoff. Imports no vLLM.
+
+A server that does not answer (no connection, a timeout, or 5xx answers after the retries) raises `ServerDownError`,
+which the engine's server pool (`lit_rl.rollout.server_pool`) may fail over from; any other error answer (4xx: the
+request itself is wrong) raises `RolloutServerError` at once.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Callable, Optional, Sequence
+
+from lit_rl.errors import LitRLError
+
+
+def server_command(model: str, port: int, host: str = "127.0.0.1", cpu: bool = True) -> tuple[list[str], dict]:
+    """The documented command that starts a vLLM server lit-rl can drive: (argv, extra environment).
+
+    `--logprobs-mode processed_logprobs` reports the log-probs of the distribution sampled from (what the
+    trainer recomputes); `--generation-config vllm` ignores the repository's sampling defaults.
+    """
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--served-model-name",
+        "policy",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--generation-config",
+        "vllm",
+    ]
+    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if cpu:
+        argv += ["--dtype", "float32", "--enforce-eager"]
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    return argv, env
+
+
+class LocalVLLMServer:
+    """`server_command` started as a child process on 127.0.0.1 (a free port unless `port` is given), waited for
+    until healthy; `stop()` ends it.
+
+    For tests, benchmarks and single-machine runs; a production server is started by its own supervisor.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        log_path: str,
+        port: Optional[int] = None,
+        cpu: bool = True,
+        extra_args: Sequence[str] = (),
+        timeout_s: float = 600,
+    ) -> None:
+        import subprocess
+
+        port = port or free_port()
+        argv, env = server_command(model, port, cpu=cpu)
+        self.url = f"http://127.0.0.1:{port}"
+        self._log = open(log_path, "w")
+        try:
+            self.process = subprocess.Popen(
+                [*argv, *extra_args], env={**os.environ, **env}, stdout=self._log, stderr=subprocess.STDOUT
+            )
+        except BaseException:
+            self._log.close()
+            raise
+        try:
+            client = VLLMServerClient(self.url, timeout_s=2.0, max_retries=0)
+            client.wait_until_healthy(timeout_s, gone=lambda: self.process.poll() is not None)
+        except RolloutServerError:
+            self.stop()
+            raise RolloutServerError(f"vLLM server {self.url} did not start; its log: {log_path}") from None
+        except BaseException:  # never leave a server running behind Ctrl-C
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        import subprocess
+
+        if self._log.closed:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self._log.close()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RolloutServerError(LitRLError):
+    """The vLLM server could not be reached or answered with an error."""
+
+
+class ServerDownError(RolloutServerError):
+    """The server did not answer: no connection, timeouts or 5xx answers, after every retry."""
+
+
+class _RetryableError(Exception):
+    pass
+
+
+class VLLMServerClient:
+    """JSON over HTTP to one vLLM server, with a timeout on every request and retries with backoff."""
+
+    def __init__(self, base_url: str, timeout_s: float, max_retries: int) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+
+    def request(self, method: str, path: str, body: Optional[dict] = None, retries: Optional[int] = None) -> Any:
+        """Send one request, retrying connection failures, timeouts and 5xx answers; the parsed JSON answer."""
+        url = f"{self.base_url}{path}"
+        retries = self.max_retries if retries is None else retries
+        for attempt in range(retries + 1):
+            try:
+                return self._once(method, url, body)
+            except _RetryableError as err:
+                if attempt == retries:
+                    raise ServerDownError(
+                        f"vLLM server {url}: {err} (after {attempt + 1} attempts, timeout {self.timeout_s:g} s "
+                        "each); is the server running? (see model.vllm.server_url)"
+                    ) from None
+                time.sleep(min(2.0**attempt, 30.0))
+
+    def _once(self, method: str, url: str, body: Optional[dict], timeout_s: Optional[float] = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=min(timeout_s or self.timeout_s, self.timeout_s)) as response:
+                payload = response.read()
+        except urllib.error.HTTPError as err:
+            message = _error_message(err)
+            if err.code >= 500:
+                raise _RetryableError(f"HTTP {err.code}: {message}") from None
+            raise RolloutServerError(f"vLLM server {url}: HTTP {err.code}: {message}") from None
+        except (urllib.error.URLError, http.client.HTTPException, TimeoutError, ConnectionError, OSError) as err:
+            reason = getattr(err, "reason", err)
+            raise _RetryableError(f"no answer ({type(err).__name__}: {reason})") from None
+        try:
+            return json.loads(payload) if payload else None
+        except ValueError:
+            raise RolloutServerError(f"vLLM server {url}: the answer is not JSON: {payload[:200]!r}") from None
+
+    def check_health(self, timeout_s: float) -> None:
+        """One `GET /health` within `timeout_s` (no retries); `ServerDownError` naming the URL if it fails."""
+        url = f"{self.base_url}/health"
+        try:
+            self._once("GET", url, None, timeout_s=timeout_s)
+        except _RetryableError as err:
+            raise ServerDownError(f"vLLM server {url}: {err} (health check before a generation)") from None
+        except RolloutServerError as err:  # an error answer: it is up, but not healthy
+            raise ServerDownError(f"{err} (health check before a generation)") from None
+
+    def wait_until_healthy(self, wait_s: float, gone: Callable[[], bool] = lambda: False) -> None:
+        """Poll `/health` until the server answers, for at most `wait_s` seconds (it may still be starting), or
+        until `gone()` says it never will (its process exited)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self._once("GET", f"{self.base_url}/health", None, timeout_s=max(1.0, deadline - time.monotonic()))
+                return
+            except (_RetryableError, RolloutServerError) as err:
+                if time.monotonic() >= deadline or gone():
+                    raise ServerDownError(
+                        f"vLLM server {self.base_url}/health: {err} (waited {wait_s:g} s; "
+                        "model.vllm.wait_for_server_s); is the server running? (see model.vllm.server_url)"
+                    ) from None
+                time.sleep(1.0)
+
+
+def _error_message(err: urllib.error.HTTPError) -> str:
+    try:
+        body = json.loads(err.read() or b"{}")
+    except (ValueError, OSError):
+        return str(err.reason)
+    detail = body.get("error", body.get("detail", body)) if isinstance(body, dict) else body
+    if isinstance(detail, dict):
+        detail = detail.get("message", detail)
+    return " ".join(str(detail).split())[:300]

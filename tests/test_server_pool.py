@@ -1,0 +1,206 @@
+"""Several vLLM servers (`model.vllm.server_urls`) without vLLM: requests dealt out across them with completions that
+do not depend on the split, pushes to every server, health checks, and what a dead server does under
+`on_server_failure: fail | continue`. Stdlib servers in threads play vLLM (`tests/fake_vllm.py`)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+import torch
+
+from lit_rl.errors import ConfigError
+from lit_rl.rollout import SamplingParams, VLLMConfig
+from lit_rl.rollout.config import check_vllm_config
+from lit_rl.rollout.server import RolloutServerError, VLLMServerEngine
+from lit_rl.rollout.weight_receiver import WeightReceiver, WeightUploader
+from tests.fake_vllm import completions_answer
+
+# 4 prompts x 2 completions (left-padded): 4 requests of n=2.
+PROMPTS = torch.tensor([[0, 4, 5], [0, 4, 5], [6, 4, 5], [6, 4, 5], [7, 8, 9], [7, 8, 9], [0, 3, 3], [0, 3, 3]])
+MASK = (PROMPTS != 0).long()
+PARAMS = SamplingParams(max_new_tokens=3, temperature=0.7)
+RELOAD = ["/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/resume"]
+
+
+def _engine(servers, tmp_path, **config):
+    urls = [server.url for server in servers]
+    vllm = VLLMConfig(mode="server", server_urls=urls, weight_sync_dir=str(tmp_path), max_retries=0, **config)
+    check_vllm_config(vllm)
+    return VLLMServerEngine(vllm, eos_token_ids=[2], pad_token_id=0)
+
+
+def _generate(engine, seed=0):
+    torch.manual_seed(seed)
+    return engine.generate(PROMPTS, MASK, PARAMS)
+
+
+def _paths(server, path):
+    return [body for _, p, body in server.requests if p == path]
+
+
+def test_requests_are_dealt_across_the_servers_and_the_completions_do_not_depend_on_the_split(fake_server, tmp_path):
+    one = fake_server((200, completions_answer, 0))
+    a, b = fake_server((200, completions_answer, 0)), fake_server((200, completions_answer, 0))
+    alone = _generate(_engine([one], tmp_path / "1"))
+    split = _generate(_engine([a, b], tmp_path / "2"))
+    assert len(_paths(a, "/v1/completions")) == 2 and len(_paths(b, "/v1/completions")) == 2
+    assert {tuple(body["prompt"]) for body in _paths(a, "/v1/completions") + _paths(b, "/v1/completions")} == {
+        (4, 5),
+        (6, 4, 5),
+        (7, 8, 9),
+        (3, 3),
+    }
+    assert torch.equal(split.completion_ids, alone.completion_ids)
+    assert torch.equal(split.logprobs, alone.logprobs)
+    # Each server was health-checked before the generation.
+    assert len(_paths(a, "/health")) == 2 and len(_paths(b, "/health")) == 2  # connect + before the generation
+
+
+def test_a_push_reaches_every_server_between_its_pause_and_resume(fake_server, tmp_path):
+    a, b = fake_server((200, completions_answer, 0)), fake_server((200, completions_answer, 0))
+    engine = _engine([a, b], tmp_path)
+    engine.update_weights([("w", torch.ones(3))])
+    for server in (a, b):
+        calls = [path for _, path, _ in server.requests][2:]  # after /health and /v1/models
+        assert calls == RELOAD
+        assert _paths(server, "/collective_rpc")[0]["kwargs"]["weights_path"] == str(tmp_path)
+
+
+def test_a_dead_server_stops_the_run_in_one_line_naming_it_by_default(fake_server, tmp_path):
+    a, b = fake_server((200, completions_answer, 0)), fake_server((200, completions_answer, 0))
+    engine = _engine([a, b], tmp_path)
+    b.close()
+    with pytest.raises(RolloutServerError) as info:
+        _generate(engine)
+    assert f"{b.url}/health" in str(info.value) and "\n" not in str(info.value)
+    assert _paths(a, "/v1/completions") == []  # stopped at the health check, before any request went out
+
+
+def test_continue_takes_a_dead_server_out_with_one_warning_and_deals_its_requests_to_the_others(
+    fake_server, tmp_path, caplog
+):
+    one = fake_server((200, completions_answer, 0))
+    servers = [fake_server((200, completions_answer, 0)) for _ in range(3)]
+    alone = _generate(_engine([one], tmp_path / "1"))
+    engine = _engine(servers, tmp_path / "3", on_server_failure="continue")
+    servers[1].close()
+    with caplog.at_level(logging.WARNING, logger="lit_rl.rollout.server_pool"):
+        first = _generate(engine)
+        second = _generate(engine)
+    for out in (first, second):
+        assert torch.equal(out.completion_ids, alone.completion_ids)
+    warnings = [record.getMessage() for record in caplog.records]
+    assert len(warnings) == 1 and servers[1].url in warnings[0] and "taken out of service" in warnings[0]
+    assert "\n" not in warnings[0]
+    # Its share went to the other two, which were both health-checked again before the second generation.
+    assert len(_paths(servers[0], "/v1/completions")) + len(_paths(servers[2], "/v1/completions")) == 8
+    assert [len(_paths(s, "/health")) for s in (servers[0], servers[2])] == [3, 3]
+    # Later pushes skip it.
+    engine.update_weights([("w", torch.ones(3))])
+    assert all(_paths(s, "/collective_rpc") for s in (servers[0], servers[2]))
+
+
+def test_a_server_failing_mid_generation_hands_its_requests_to_the_others(fake_server, tmp_path, caplog):
+    def engine_died(path, body):  # a live HTTP front end whose engine died: healthy, but completions fail
+        return (500, {"error": "EngineCore died"}) if path == "/v1/completions" else completions_answer(path, body)
+
+    one = fake_server((200, completions_answer, 0))
+    a, b = fake_server((200, completions_answer, 0)), fake_server((200, engine_died, 0))
+    alone = _generate(_engine([one], tmp_path / "1"))
+    engine = _engine([a, b], tmp_path / "2", on_server_failure="continue")
+    with caplog.at_level(logging.WARNING, logger="lit_rl.rollout.server_pool"):
+        out = _generate(engine)
+    assert torch.equal(out.completion_ids, alone.completion_ids) and torch.equal(out.logprobs, alone.logprobs)
+    failed = len(_paths(b, "/v1/completions"))
+    assert failed >= 1  # it was dealt requests; each failed and went to `a`
+    assert len(_paths(a, "/v1/completions")) == 4
+    warnings = [record.getMessage() for record in caplog.records]
+    assert len(warnings) == 1 and b.url in warnings[0] and "EngineCore died" in warnings[0]
+
+
+def test_the_last_server_in_service_failing_stops_the_run(fake_server, tmp_path, caplog):
+    a, b = fake_server((200, completions_answer, 0)), fake_server((200, completions_answer, 0))
+    engine = _engine([a, b], tmp_path, on_server_failure="continue")
+    a.close()
+    b.close()
+    with pytest.raises(RolloutServerError, match="no other vLLM server is left in service") as info:
+        _generate(engine)
+    assert "\n" not in str(info.value)
+
+
+def test_servers_sharing_a_receiver_get_one_upload_and_each_reloads_from_it(fake_server, tmp_path, monkeypatch):
+    receiver = WeightReceiver(tmp_path / "received")
+    threading.Thread(target=receiver.serve_forever, daemon=True).start()
+    uploads = []
+    upload = WeightUploader.upload
+    monkeypatch.setattr(WeightUploader, "upload", lambda self, d, tag: uploads.append(tag) or upload(self, d, tag))
+    try:
+        a, b = fake_server((200, completions_answer, 0)), fake_server((200, completions_answer, 0))
+        engine = _engine([a, b], tmp_path / "local", weights_url=receiver.url)
+        engine.update_weights([("w", torch.ones(3))])
+    finally:
+        receiver.stop()
+    assert uploads == ["current"]
+    stored = str(tmp_path / "received" / "current")
+    for server in (a, b):
+        assert _paths(server, "/collective_rpc")[0]["kwargs"]["weights_path"] == stored
+
+
+def test_asynchronous_generations_load_each_version_once_on_every_server(fake_server, tmp_path):
+    a, b = fake_server((200, completions_answer, 0)), fake_server((200, completions_answer, 0))
+    engine = _engine([a, b], tmp_path)
+    for version in (1, 1, 2):
+        engine.stage_weights([("w", torch.full((3,), float(version)))], version)
+        ticket = engine.submit(PROMPTS, MASK, PARAMS, seeds=list(range(8)), version=version)
+        engine.collect(ticket)
+    engine.close()
+    for server in (a, b):
+        loaded = [body["kwargs"]["weights_path"] for body in _paths(server, "/collective_rpc")]
+        assert loaded == [str(tmp_path / "v1"), str(tmp_path / "v2")]
+    assert not (tmp_path / "v1").exists()  # an older version is removed once the newer one is loaded
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"server_urls": "http://127.0.0.1:8000"}, "model.vllm.server_urls must be a non-empty list"),
+        ({"server_urls": []}, "model.vllm.server_urls must be a non-empty list"),
+        ({"server_urls": ["127.0.0.1:8000"]}, "model.vllm.server_urls: each URL must start with http"),
+        ({"server_urls": ["http://127.0.0.1:1", "http://127.0.0.1:1"]}, "lists a server twice"),
+        ({"server_urls": ["http://127.0.0.1:1"], "weights_urls": ["http://a:1", "http://b:1"]}, "as many entries"),
+        ({"weights_urls": ["http://a:1"]}, "model.vllm.weights_urls needs model.vllm.server_urls"),
+        ({"on_server_failure": "retry"}, "model.vllm.on_server_failure must be fail or continue"),
+        ({"server_urls": ["http://127.0.0.1:1", "http://10.0.0.2:8000"]}, "http://10.0.0.2:8000 is not on this"),
+    ],
+)
+def test_bad_server_lists_are_refused_in_one_line_naming_the_key(settings, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        check_vllm_config(VLLMConfig(mode="server", **settings))
+    assert "\n" not in str(info.value)
+
+
+def test_one_receiver_per_server_in_order():
+    config = VLLMConfig(
+        mode="server",
+        server_urls=["http://10.0.0.2:8000", "http://10.0.0.2:8001", "http://10.0.0.3:8000"],
+        weights_urls=["http://10.0.0.2:8010", "http://10.0.0.2:8010", "http://10.0.0.3:8010"],
+    )
+    check_vllm_config(config)
+    assert config.server_endpoints() == [
+        ("http://10.0.0.2:8000", "http://10.0.0.2:8010"),
+        ("http://10.0.0.2:8001", "http://10.0.0.2:8010"),
+        ("http://10.0.0.3:8000", "http://10.0.0.3:8010"),
+    ]
+
+
+def test_the_health_check_has_its_own_short_timeout(fake_server, tmp_path):
+    a = fake_server((200, completions_answer, 0))
+    engine = _engine([a], tmp_path, request_timeout_s=1.0)
+    a.script = [(200, completions_answer, 3.0)]  # hangs: the health check gives up after request_timeout_s
+    started = time.monotonic()
+    with pytest.raises(RolloutServerError, match="health check"):
+        _generate(engine)
+    assert time.monotonic() - started < 2.5
