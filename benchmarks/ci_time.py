@@ -40,6 +40,16 @@ def parse_pytest_summary(output: str) -> dict:
     raise ValueError("no pytest summary line in the output")
 
 
+DURATION = re.compile(r"^(?P<seconds>[0-9.]+)s (?P<phase>call|setup|teardown)\s+(?P<test>.+?)\s*$")
+
+
+def slowest_tests(output: str, count: int = 25) -> list[dict]:
+    """pytest's `--durations` lines (the slowest calls, setups and teardowns), slowest first."""
+    rows = [m.groupdict() for line in output.splitlines() if (m := DURATION.match(line.strip()))]
+    rows = [{"test": r["test"], "phase": r["phase"], "seconds": float(r["seconds"])} for r in rows]
+    return sorted(rows, key=lambda r: -r["seconds"])[:count]
+
+
 def measure(workdir: Path) -> dict:
     """`bash .ci/run` in a fresh clone of HEAD with a fresh virtual environment: seconds in all, for the tests
     (pytest's), for installing (the rest), and pytest's counts."""
@@ -63,6 +73,7 @@ def measure(workdir: Path) -> dict:
         | {
             "install_s": total - summary["tests_s"],
             "cores": os.cpu_count(),
+            "slowest": slowest_tests(result.stdout),
         }
     )
 

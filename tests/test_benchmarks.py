@@ -402,6 +402,12 @@ def test_ci_time_reads_pytest_summary_and_renders_the_readme_sentence():
         "`bash .ci/run` took 22 min 35 s on 2 cores at 6c54759: about 2 min 18 s to install, 20 min 17 s of tests "
         "(340 passed, 3 skipped)."
     ]
+    durations = "=== slowest 25 durations ===\n3.01s setup    tests/a.py::test_y\n"
+    durations += "92.31s call     tests/b.py::test_x[a b]\n"
+    assert ci_time.slowest_tests(durations + output) == [
+        {"test": "tests/b.py::test_x[a b]", "phase": "call", "seconds": 92.31},
+        {"test": "tests/a.py::test_y", "phase": "setup", "seconds": 3.01},
+    ]
 
 
 @pytest.mark.slow

@@ -30,12 +30,13 @@ from lit_rl.lora import (
     reset_adapter,
     trainable_keys,
 )
+from lit_rl.metrics import compute_collection
 from lit_rl.models import load_causal_lm, load_tokenizer
 from lit_rl.ops import position_ids_from_mask
 from lit_rl.packing import packed_completion_forward, packed_completion_hidden
 from lit_rl.perf import StepTimer
 from lit_rl.shared_prompts import shared_prompt_cache
-from lit_rl.strategies import gathered_parameters, hf_zero3_loading, shards_parameters
+from lit_rl.strategies import gathered_parameters, hf_zero3_loading, reduce_across_ranks, shards_parameters
 
 
 class PolicyModule(L.LightningModule):
@@ -336,11 +337,8 @@ class PolicyModule(L.LightningModule):
 
     # -- metrics ---------------------------------------------------------------------------------------------
     def log_collection(self, collection: MetricCollection, on_step: bool, prog_bar: tuple[str, ...] = ()) -> None:
-        """Compute (synced across ranks), log and reset every metric of `collection` that received data."""
-        values = {}
-        for name, metric in collection.items(keep_base=True):
-            if metric.update_called:
-                values[f"{collection.prefix}{name}"] = metric.compute()
+        """Compute (synced across ranks), log and reset every metric of `collection` that received data on any rank."""
+        values = {f"{collection.prefix}{name}": value for name, value in compute_collection(collection).items()}
         collection.reset()
         for name, value in values.items():
             shown = any(name.endswith("/" + key) and name.count("/") == 1 for key in prog_bar)
@@ -360,7 +358,7 @@ class PolicyModule(L.LightningModule):
         timings = self.timer.summary()
         values = torch.tensor(list(timings.values()), dtype=torch.float32, device=self.device)
         if self.trainer.world_size > 1:
-            values = self.trainer.strategy.reduce(values, reduce_op="max")
+            values = reduce_across_ranks(values, "max")
         for name, value in zip(timings, values.tolist()):
             self.log(name, value, on_step=True, on_epoch=False, batch_size=1)
 

@@ -25,7 +25,7 @@ from lit_rl.lora import LoRAConfig
 from lit_rl.losses.dpo import DPO_LOSSES, REFERENCE_FREE, dpo_loss
 from lit_rl.metrics import dpo_metrics
 from lit_rl.models import resolve_model_path
-from lit_rl.strategies import is_accumulating_micro_batch
+from lit_rl.strategies import is_accumulating_micro_batch, reduce_across_ranks
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ class DPO(PolicyModule):
         # rank: padding pairs and uneven shares then weigh exactly nothing.
         num_pairs = batch.get("window_pairs", weight.sum()).to(weight)
         if self.trainer.world_size > 1:
-            num_pairs = self.trainer.strategy.reduce(num_pairs.clone(), reduce_op="sum")
+            num_pairs = reduce_across_ranks(num_pairs)
         len_c, len_r = lengths.chunk(2)
         loss, stats = dpo_loss(
             chosen,

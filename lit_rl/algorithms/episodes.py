@@ -18,6 +18,7 @@ from lit_rl.errors import ConfigError
 from lit_rl.rollout import SamplingParams
 from lit_rl.rollout.base import unpadded_prompts
 from lit_rl.rollout.multi_turn import EPISODE_STATS, Episodes, run_episodes
+from lit_rl.strategies import reduce_across_ranks
 from lit_rl.types import RolloutBatch
 
 
@@ -103,7 +104,7 @@ class EpisodeRunner:
         if self.trainer.world_size == 1:
             return active
         flag = torch.tensor(float(active), device=self.device)
-        return bool(self.trainer.strategy.reduce(flag, reduce_op="sum") > 0)
+        return bool(reduce_across_ranks(flag) > 0)
 
     def update_episode_metrics(
         self, metrics: Any, stats: Optional[torch.Tensor], weight: Optional[torch.Tensor] = None

@@ -51,7 +51,7 @@ from lit_rl.rollout import RolloutEngine, RolloutOutput, SamplingParams, VLLMCon
 from lit_rl.rollout.base import global_batch_seeds
 from lit_rl.rollout.config import check_vllm_config
 from lit_rl.rollout.producer import AsyncRolloutProducer, generation_version, generations_launched_at
-from lit_rl.strategies import is_accumulating_micro_batch
+from lit_rl.strategies import is_accumulating_micro_batch, reduce_across_ranks
 from lit_rl.types import RolloutBatch
 
 ZERO_STD = 1e-6
@@ -345,7 +345,7 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, PolicyModule):
         failed = float(error is not None)
         if self.trainer.world_size > 1:
             flag = torch.tensor(failed, device=self.device)
-            failed = float(self.trainer.strategy.reduce(flag, reduce_op="sum"))
+            failed = float(reduce_across_ranks(flag))
         if not failed:
             return
         if isinstance(error, Exception):
@@ -470,7 +470,7 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, PolicyModule):
             + [tokens.sum()]
             + [chunk.sum() for chunk in active.split(per_step)]
         )
-        counts = self.trainer.strategy.reduce(counts, reduce_op="sum") if self.trainer.world_size > 1 else counts
+        counts = reduce_across_ranks(counts) if self.trainer.world_size > 1 else counts
         steps = len(range(0, len(batch), per_step))
         num_sequences = float(per_step * self.trainer.world_size)
         return [

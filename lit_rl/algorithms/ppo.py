@@ -37,7 +37,7 @@ from lit_rl.losses.policy import ppo_clip
 from lit_rl.losses.ppo import clipped_value_loss, gae, masked_moments, moments_to_mean_std, token_rewards, whiten
 from lit_rl.metrics import ppo_metrics
 from lit_rl.rollout import VLLMConfig
-from lit_rl.strategies import gathered_parameters, hf_zero3_loading
+from lit_rl.strategies import gathered_parameters, hf_zero3_loading, reduce_across_ranks
 from lit_rl.types import RolloutBatch
 from lit_rl.value_model import ValueModel, load_value_model, reset_value_head
 
@@ -232,7 +232,7 @@ class PPO(OnPolicyModule):
         if hp.whiten_advantages:
             moments = masked_moments(advantages, mask)
             if self.trainer.world_size > 1:
-                moments = self.trainer.strategy.reduce(moments, reduce_op="sum")
+                moments = reduce_across_ranks(moments)
             mean, std = moments_to_mean_std(moments)
             advantages = whiten(advantages, mask, mean, std)
         batch.token_advantages = advantages

@@ -18,6 +18,7 @@ from lit_rl.strategies import (
     deepspeed_engine,
     deepspeed_local_gradients,
     is_accumulating_micro_batch,
+    reduce_across_ranks,
 )
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ class NonFiniteGuard(Callback):
             grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         bad = torch.tensor(float(has_non_finite(grads) or bool(bad_loss)), device=pl_module.device)
         if trainer.world_size > 1:
-            bad = trainer.strategy.reduce(bad, reduce_op="sum")
+            bad = reduce_across_ranks(bad)
         if bad.item() == 0:
             return
         step = trainer.global_step + 1
@@ -160,7 +161,7 @@ class GracefulStop(Callback):
         self._last_step = trainer.global_step
         flag = torch.tensor(float(self.received is not None), device=pl_module.device)
         if trainer.world_size > 1:
-            flag = trainer.strategy.reduce(flag, reduce_op="sum")  # any rank signalled: all ranks stop together
+            flag = reduce_across_ranks(flag)  # any rank signalled: all ranks stop together
         if flag.item() == 0:
             return
         self.received = self.received or signal.SIGTERM
