@@ -22,13 +22,14 @@ share of a device each trainer process gets: 1 on GPUs; on CPU, where `N` proces
 `s = min(1, P / N) * e(min(N, P))`, `e(k)` being how fast each of `k` busy cores computes against one alone (shared
 memory bandwidth and caches; 1 for one).
 
-**Inputs, measured** (`check`): the per-phase rates come from one 1-process run of the config (one thread),
-through `throughput.py`'s `perf/` metrics; `a(N)` and `b(N)` are fitted to timed gloo all-reduces of 1 KiB to
-16 MiB with `N` one-thread processes on this machine, `l(N)` being the 1 KiB one; `c` is counted (every
-`torch.distributed` call of a 2-process run, per step; DDP's gradient all-reduce is not one of them); `e(k)` is
-timed with the policy's forward and backward on a fixed batch in `k` processes at once; `bytes(grad)` is the
-policy's fp32 parameters. **Checked**: the same config on `N = 2, 4, 8` DDP processes (the same completions per
-process), measured step time against predicted, with the error in percent.
+**Inputs, measured** (`check`): the per-phase rates come from one 1-process DDP run of the config (one thread; DDP
+like the runs it predicts, so its per-step overhead is in the inputs), through `throughput.py`'s `perf/` metrics;
+`a(N)` and `b(N)` are fitted to timed gloo all-reduces of 1 KiB to 16 MiB with `N` one-thread processes on this
+machine, `l(N)` being the 1 KiB one; `c` is counted (every `torch.distributed` call of a 2-process run, per step;
+DDP's gradient all-reduce is not one of them); `e(k)` is timed with the policy's forward and backward on a fixed
+batch in `k` processes at once; `bytes(grad)` is the policy's fp32 parameters. **Checked**: the same config on
+`N = 2, 4, 8` DDP processes (the same completions per process), measured step time against predicted, with the
+error in percent.
 
 **The projection** (`PROJECTION_7B`) feeds the same formula with stated inputs for a 7B GRPO run on 2 nodes x 8
 H100 GPUs: none of them is measured here (no GPU); each says where it comes from.
@@ -294,7 +295,7 @@ def check(args) -> dict:
         for round_ in range(args.rounds):  # interleaved: a noisy minute hits every device count alike
             for n in args.devices:
                 print(f"round {round_ + 1}: GRPO on {n} process(es) ...", flush=True)
-                row = throughput.run_one(run_args, "hf", "single" if n == 1 else "ddp", n, Path(tmp), 0, round_)
+                row = throughput.run_one(run_args, "hf", "ddp", n, Path(tmp), 0, round_)
                 if "error" in row:
                     raise SystemExit(f"{n} process(es) failed: {row['error']}")
                 runs[n].append(row)
