@@ -456,8 +456,16 @@ def markdown_table(results: dict) -> str:
 
 
 def claims(results: dict) -> list[str]:
+    """The README's prose numbers: the check's worst error, and the projection's push times and decode rate."""
     errors = [abs(row["error_pct"]) for row in results["check"] if row["devices"] > 1]
-    return [f"within {max(errors):.0f}% of the measured step time" if errors else ""]
+    pushes = {row["push"]: row["phases_s"]["push"] for row in results["projection"]}
+    return [
+        f"within {max(errors):.0f}% of the measured step time",
+        f"({results['http_push_bytes_per_s'] / 1e6:.0f} MB/s measured on loopback here",
+        f"would take {pushes['http']:.0f} s a step",
+        f"(not built) would take {pushes['nccl']:.1f} s",
+        f"{round(decode_tokens_per_s(), -2):,.0f} tokens/s per GPU",
+    ]
 
 
 def main() -> None:

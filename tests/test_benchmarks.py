@@ -423,3 +423,58 @@ def test_long_completions_quick_reports_both_libraries_peak_rss_on_completions_w
         # No completion stopped before min_new_tokens in either library (the stops are sampled otherwise).
         assert 16 <= run["min_length"] <= run["max_length"] <= 48, run
         assert run["peak_rss_mib"] > 100 and len(run["step_times"]) == 2
+
+
+def test_scaling_model_adds_the_phases_shares_cores_and_overlaps_generation_when_stale():
+    scaling = _benchmark_module("scaling_model")
+    inputs = scaling.Inputs(
+        generated_tokens=10,
+        trained_tokens=30,
+        logprob_passes=1,
+        generation_tokens_per_s=100,
+        train_tokens_per_s=300,
+        forward_tokens_per_s=600,
+        reward_s=0.01,
+        grad_bytes=1000,
+        push_bytes=500,
+        push_bytes_per_s=1000,
+        allreduce={4: (0.1, 0.001)},
+        collectives_per_step=10,
+        collective_latency={4: 0.01},
+        cores=2,
+        core_efficiency={2: 0.5},
+    )
+    # 8 completions on 4 processes sharing 2 cores at half speed each: s = (2 / 4) * 0.5 = 0.25.
+    out = scaling.predict(inputs, completions=8, trainers=4)
+    assert out["phases_s"] == pytest.approx(
+        {
+            "generation": 2 * 10 / (100 * 0.25),
+            "reward": 2 * 0.01 / 0.25,
+            "logprobs": 2 * 30 / (600 * 0.25),
+            "update": 2 * 30 / (300 * 0.25),
+            "allreduce": 0.1 + 0.001 * 1000,
+            "sync": 10 * 0.01,
+            "push": 0.5,
+        }
+    )
+    assert out["step_s"] == pytest.approx(sum(out["phases_s"].values()))
+    assert out["generated_tokens_per_s"] == pytest.approx(8 * 10 / out["step_s"])
+    # Two servers generate all 8 completions; one step stale, generation overlaps the trainer's side.
+    gpu = scaling.Inputs(**{**vars(inputs), "cores": None})
+    stale = scaling.predict(gpu, completions=8, trainers=4, servers=2, stale=True)
+    trainer_side = sum(stale["phases_s"][k] for k in ("reward", "logprobs", "update", "allreduce", "sync"))
+    assert stale["phases_s"]["generation"] == pytest.approx(8 * 10 / (2 * 100))
+    assert stale["step_s"] == pytest.approx(max(stale["phases_s"]["generation"], trainer_side) + 0.5)
+
+
+def test_scaling_model_roofline_and_projection_rows():
+    scaling = _benchmark_module("scaling_model")
+    # One H100 decoding 256 sequences of a 7B model: weights plus KV cache per step at HBM speed, half efficient.
+    step_bytes = 2 * 7.6e9 + 256 * 500 * 57344
+    assert scaling.decode_tokens_per_s() == pytest.approx(0.5 * 256 * 3.35e12 / step_bytes)
+    rows = scaling.projection(http_bytes_per_s=1e9, collectives_per_step=9)
+    assert {(r["trainers"], r["servers"], r["stale"], r["push"]) for r in rows} >= {(16, 0, False, "in place")}
+    http = [r for r in rows if r["push"] == "http"]
+    nccl = [r for r in rows if r["push"] == "nccl"]
+    assert all(r["phases_s"]["push"] == pytest.approx(2 * 7.6e9 / 1e9) for r in http)
+    assert all(h["step_s"] > n["step_s"] for h, n in zip(http, nccl))
