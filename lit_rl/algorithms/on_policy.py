@@ -29,10 +29,12 @@ from torchmetrics import MetricCollection
 from lit_rl.algorithms.base import PolicyModule
 from lit_rl.algorithms.engines import RolloutEngineOwner
 from lit_rl.algorithms.episodes import EpisodeRunner
+from lit_rl.algorithms.micro_steps import MicroBatching
+from lit_rl.algorithms.reward_scoring import RewardScorer
 from lit_rl.algorithms.rng import rng_state, set_rng_state
 from lit_rl.algorithms.rollout_checks import check_max_staleness, check_prompt_lengths
 from lit_rl.data.schedule import RolloutSchedule
-from lit_rl.errors import ConfigError, EnvironmentStepError, RewardFunctionError
+from lit_rl.errors import ConfigError, EnvironmentStepError
 from lit_rl.lora import LoRAConfig
 from lit_rl.losses import LossNormalizer
 from lit_rl.metrics import (
@@ -42,16 +44,12 @@ from lit_rl.metrics import (
     token_budget_metrics,
     update_rollout_metrics,
 )
-from lit_rl.micro_batches import budgeted_micro_batch, step_row_tokens
 from lit_rl.ops import kl_k3
-from lit_rl.rank_balance import balanced_rows, exchange_rows
-from lit_rl.rewards import import_reward_function, reward_name
-from lit_rl.rewards.scoring import reward_components, weighted_reward
 from lit_rl.rollout import RolloutEngine, RolloutOutput, SamplingParams, VLLMConfig
 from lit_rl.rollout.base import global_batch_seeds
 from lit_rl.rollout.config import check_vllm_config
 from lit_rl.rollout.producer import AsyncRolloutProducer, generation_version, generations_launched_at
-from lit_rl.strategies import is_accumulating_micro_batch, reduce_across_ranks
+from lit_rl.strategies import is_accumulating_micro_batch
 from lit_rl.types import RolloutBatch
 
 ZERO_STD = 1e-6
@@ -64,7 +62,7 @@ def group_reward_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return rewards.view(-1, group_size).std(dim=1).repeat_interleave(group_size)
 
 
-class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, PolicyModule):
+class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, RewardScorer, MicroBatching, PolicyModule):
     """Base of algorithms that learn from their own samples. Not used directly: see GRPO, RLOO, OnlineDPO."""
 
     # Consecutive completions the loss reads together (Online DPO: a pair); token-budget micro-batches keep them.
@@ -115,18 +113,7 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, PolicyModule):
             padding_free=padding_free,
             head_chunk_tokens=head_chunk_tokens,
         )
-        # None means the built-in task's correctness reward; an empty list means none (a subclass adds its own).
-        reward_funcs = ["lit_rl.rewards.arithmetic.correctness"] if reward_funcs is None else reward_funcs
-        names = [reward_name(path) for path in reward_funcs]
-        duplicates = sorted({name for name in names if names.count(name) > 1})
-        if duplicates:
-            raise ConfigError(f"model.reward_funcs: two functions are named {duplicates[0]!r}; names must be unique")
-        self.reward_fns = {name: import_reward_function(path) for name, path in zip(names, reward_funcs)}
-        self.reward_weights = torch.tensor(reward_weights or [1.0] * len(reward_funcs), dtype=torch.float32)
-        if len(self.reward_weights) != len(reward_funcs):
-            raise ConfigError(
-                f"model.reward_weights has {len(self.reward_weights)} values for {len(reward_funcs)} reward_funcs"
-            )
+        self.setup_reward_functions(reward_funcs, reward_weights)
         self.vllm_config = vllm
         self.rollout_engine: Optional[RolloutEngine] = None  # a plain object, never an nn.Module attribute
         self._engine_weights_step: Optional[int] = None  # the global_step whose weights the engine holds
@@ -158,11 +145,6 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, PolicyModule):
         if self.env_factory is not None:
             metrics.add_metrics(episode_metrics())
         return metrics.clone(prefix="val/")
-
-    def add_reward_function(self, name: str, fn: Any, weight: float) -> None:
-        """Add a reward function that is not imported by path (a reward model); call it from `__init__`."""
-        self.reward_fns[name] = fn
-        self.reward_weights = torch.cat([self.reward_weights, torch.tensor([weight])])
 
     def uses_reference(self) -> bool:
         """Whether a frozen reference model is loaded (its log-probs land in `RolloutBatch.ref_logprobs`)."""
@@ -303,55 +285,6 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, PolicyModule):
         components, rewards = self.score_output(rows, out, repeat)
         return prompt_ids, prompt_mask, out, components, rewards
 
-    def score_output(
-        self, rows: list[dict[str, Any]], out: RolloutOutput, repeat: int, env_rewards: Optional[torch.Tensor] = None
-    ):
-        """Reward components [N, F] and rewards [N] of an engine's completions of `rows` x `repeat`; an
-        environment's reward parts [N, E] are further columns, of weight 1."""
-        completions = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
-        with self.timer.phase("reward"):
-            return self._score_on_every_rank(rows, completions, repeat, env_rewards)
-
-    def _score_on_every_rank(
-        self,
-        rows: list[dict[str, Any]],
-        completions: list[str],
-        repeat: int,
-        env_rewards: Optional[torch.Tensor] = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reward components [N, F] and weighted rewards [N] (`lit_rl.rewards.scoring`), failing on
-        every rank together when they fail on one: a rank that raised alone would leave the others waiting in
-        the next collective until a timeout."""
-        error: Optional[RewardFunctionError] = None
-        components = rewards = None
-        try:
-            components = reward_components(self.reward_fns, rows, completions, repeat, self.device)
-            weights = self.reward_weights
-            if env_rewards is not None:
-                components = torch.cat([components, env_rewards.to(components)], dim=1)
-                weights = torch.cat([weights, torch.ones(env_rewards.shape[1])])
-            invalid = self.hparams.get("invalid_reward", "zero")
-            rewards = weighted_reward(components, weights, self.reward_names, invalid)
-        except RewardFunctionError as err:
-            error = err
-        elsewhere = "a reward function failed on another rank (its error is above)"
-        self.fail_on_every_rank(error, RewardFunctionError, elsewhere)
-        return components, rewards
-
-    def fail_on_every_rank(self, error: Optional[Exception | str], kind: type[Exception], elsewhere: str) -> None:
-        """Raise `error` (an exception, or a message for `kind`) here, and `kind(elsewhere)` on every other rank,
-        when any rank has one (one all-reduce): a rank that raised alone would leave the others in the next
-        collective until a timeout."""
-        failed = float(error is not None)
-        if self.trainer.world_size > 1:
-            flag = torch.tensor(failed, device=self.device)
-            failed = float(reduce_across_ranks(flag))
-        if not failed:
-            return
-        if isinstance(error, Exception):
-            raise error
-        raise kind(error or elsewhere)
-
     def sample_generation(self, rows: list[dict[str, Any]], refills: list[list[dict[str, Any]]]):
         """This rank's completions of the current generation, as `sample` returns them (`refills`: the prompt rows
         of the refill generations the loader offers, for algorithms that sample more when a batch falls short)."""
@@ -408,24 +341,6 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, PolicyModule):
             batch = self._balanced_across_ranks(batch)
         return batch
 
-    def _balanced_across_ranks(self, batch: RolloutBatch) -> RolloutBatch:
-        """This rank's share of the generation once each step's rows are dealt evenly by tokens (`rank_balance`);
-        every rank keeps its number of rows per step, so the normalizers computed before still hold."""
-        tokens = batch.prompt_mask.sum(dim=1) + batch.completion_mask.sum(dim=1)  # [N]
-        all_tokens = self.all_gather(tokens).reshape(self.trainer.world_size, -1)  # [world, N]
-        rows, _ = balanced_rows(
-            all_tokens.cpu(),
-            self.trainer.world_size,
-            self.global_rank,
-            self.accumulate * self.hparams.micro_batch_size,
-            self.micro_batch_unit,
-        )
-        return exchange_rows(batch, rows, self.gather_stacked, self.tokenizer.pad_token_id)
-
-    def gather_stacked(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every rank's `tensor`, stacked: [world, ...] (also with one rank)."""
-        return self.all_gather(tensor).reshape(self.trainer.world_size, *tensor.shape)
-
     def completion_seeds(self, n: int, generation: Optional[int] = None) -> list[int]:
         """Sampling seeds of this rank's `n` completions of `generation` (default: the current one): slices of one
         list for the global batch (`global_batch_seeds`), so that a completion's sample depends on the run's seed, the
@@ -452,37 +367,6 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, PolicyModule):
                 ).logprobs
             ),
         )
-
-    def per_micro_batch(self, batch: RolloutBatch, score: Any) -> torch.Tensor:
-        """`score(micro-batch)` [n, T] over `batch` in `micro_batch_size` slices, concatenated and zeroed where the
-        completion mask is 0 (the forwards at generation time: old and reference log-probs, PPO's values)."""
-        size = self.hparams.micro_batch_size
-        chunks = [score(batch.select(slice(start, start + size))) for start in range(0, len(batch), size)]
-        return torch.cat(chunks) * batch.completion_mask
-
-    def _step_normalizers(self, batch: RolloutBatch) -> list[LossNormalizer]:
-        """Loss denominators for each optimizer step of this generation, summed over ranks."""
-        per_step = self.accumulate * self.hparams.micro_batch_size
-        tokens = self.loss_mask(batch).sum(dim=1)  # [N]
-        active = (batch.advantages != 0).float()  # [N]
-        counts = torch.stack(
-            [chunk.sum() for chunk in tokens.split(per_step)]
-            + [tokens.sum()]
-            + [chunk.sum() for chunk in active.split(per_step)]
-        )
-        counts = reduce_across_ranks(counts) if self.trainer.world_size > 1 else counts
-        steps = len(range(0, len(batch), per_step))
-        num_sequences = float(per_step * self.trainer.world_size)
-        return [
-            LossNormalizer(
-                num_sequences,
-                float(counts[i]),
-                float(counts[steps]),
-                self.completion_budget,
-                num_active_sequences=float(counts[steps + 1 + i]),
-            )
-            for i in range(steps)
-        ]
 
     # -- training --------------------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
@@ -530,24 +414,6 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, PolicyModule):
         self._micro_steps_done += 1
         # The loss denominators cover the whole step on every rank.
         return loss * self.step_loss_scale()
-
-    def _update_rank_tokens(self, step: int) -> None:
-        """The tokens of this rank's rows of optimizer `step` of the buffer, into the per-step max and min (synced
-        over ranks, they are the most and the fewest any rank trained on)."""
-        total = step_row_tokens(self._buffer, step, self.accumulate * self.hparams.micro_batch_size).sum()
-        self.train_metrics["rank_tokens/max"].update(total)
-        self.train_metrics["rank_tokens/min"].update(total)
-
-    def micro_batch(self, index: int) -> tuple[RolloutBatch, bool]:
-        """Micro-batch `index` of one pass over the buffer, and whether it holds completions: `micro_batch_size`
-        consecutive rows, or with `micro_batch_tokens` the step's rows grouped by tokens
-        (`lit_rl.micro_batches.budgeted_micro_batch`, which may give an empty micro-step: False)."""
-        size = self.hparams.micro_batch_size
-        if self.micro_batch_tokens is None:
-            return self._buffer.select(slice(index * size, (index + 1) * size)), True
-        return budgeted_micro_batch(
-            self._buffer, index, size * self.accumulate, self.accumulate, self.micro_batch_tokens, self.micro_batch_unit
-        )
 
     def launch_generation(self, generation: int, rows: list[dict[str, Any]]) -> None:
         """Start sampling `generation` in the background with the current weights (asynchronous rollouts)."""

@@ -72,11 +72,6 @@ class VLLMServerEngine:
         # Rank 0 alone connects; every rank learns whether it worked, so none waits on a dead one.
         _on_rank0_then_share(self._connect, self.rank, self.world_size)
 
-    @property
-    def client(self) -> VLLMServerClient:
-        """The first server's client (the only one with `server_url`)."""
-        return self.pool.servers[0].client
-
     def _connect(self) -> None:
         self.pool.connect(self.config.wait_for_server_s)
         self.sync_dir = self.config.weight_sync_dir
