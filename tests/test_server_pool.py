@@ -204,3 +204,24 @@ def test_the_health_check_has_its_own_short_timeout(fake_server, tmp_path):
     with pytest.raises(RolloutServerError, match="health check"):
         _generate(engine)
     assert time.monotonic() - started < 2.5
+
+
+def test_a_server_that_answers_again_is_taken_back_at_the_next_push_with_the_weights(fake_server, tmp_path, caplog):
+    one = fake_server((200, completions_answer, 0))
+    alone = _generate(_engine([one], tmp_path / "1"))
+    a, b = fake_server((200, completions_answer, 0)), fake_server((200, completions_answer, 0))
+    engine = _engine([a, b], tmp_path / "2", on_server_failure="continue")
+    b.script = [(503, {"error": "restarting"}, 0)]
+    with caplog.at_level(logging.WARNING, logger="lit_rl.rollout.server_pool"):
+        _generate(engine)  # b fails its health check: out
+        engine.update_weights([("w", torch.ones(3))])  # b still down: stays out, silently
+        b.script = [(200, completions_answer, 0)]  # its supervisor restarted it
+        _generate(engine)
+        assert len(_paths(b, "/v1/completions")) == 0  # not before it has the weights
+        engine.update_weights([("w", torch.ones(3))])  # answers again: loads the weights, back in service
+        out = _generate(engine)
+    assert torch.equal(out.completion_ids, alone.completion_ids)
+    assert [path for _, path, _ in b.requests if path in RELOAD] == RELOAD  # one reload: the second push's
+    assert len(_paths(b, "/v1/completions")) == 2  # its half of the last generation
+    messages = [record.getMessage() for record in caplog.records]
+    assert len(messages) == 2 and "taken out of service" in messages[0] and "back in service" in messages[1]

@@ -48,7 +48,8 @@ class VLLMConfig:
         on_server_failure: (server) what a server that stops answering does to the run: `fail` (default) stops it
             with one line naming the URL; `continue` warns in one line and deals that server's requests (and its
             share of later generations) to the others; the run stops only when none is left. Servers are
-            health-checked before each generation.
+            health-checked before each generation; one out of service that answers again is taken back at the
+            next weight push, with the weights.
         request_timeout_s: (server) seconds one HTTP request may take before it counts as failed.
         max_retries: (server) attempts after the first for a request that failed to connect, timed out, or got a
             5xx answer; waits 1, 2, 4, ... seconds in between. Then the run stops with an error naming the URL.

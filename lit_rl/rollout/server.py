@@ -171,10 +171,20 @@ class VLLMServerEngine:
         self.pool.upload(self.sync_dir, "current")  # uploaded, checked and committed before a server is touched
 
         def reload(server: RolloutServer) -> None:
-            self._reload(server, server.directories.get("current", self.sync_dir))
+            self._load_into(server, self.sync_dir, "current")
             server.loaded = None
 
         self.pool.on_each(reload)
+        self.pool.readmit(self.pool.recover(), reload)
+
+    def _load_into(self, server: RolloutServer, directory: str, tag: str) -> None:
+        """Have `server` reload the weights written to `directory` as `tag`: from there, or from its receiver's copy
+        (uploaded now if it has none yet)."""
+        target = server.directories.get(tag)
+        if target is None:
+            target = self.pool.uploaders[server.receiver].upload(directory, tag) if server.receiver else directory
+            server.directories[tag] = target
+        self._reload(server, target)
 
     def _write(self, named_tensors: Iterator[tuple[str, torch.Tensor]], directory: str) -> None:
         try:
@@ -248,12 +258,13 @@ class VLLMServerEngine:
         tag = f"v{version}"
 
         def load(server: RolloutServer) -> None:
-            self._reload(server, server.directories.get(tag, self._version_dir(version)))
+            self._load_into(server, self._version_dir(version), tag)
             server.loaded = version
 
         stale = [server for server in self.pool.in_service() if server.loaded != version]
         if stale:
             self.pool.on_each(load, stale)
+            self.pool.readmit(self.pool.recover(), load)  # here, on the only thread that deals requests
             for name in os.listdir(self.sync_dir):  # older versions are never asked for again (versions only grow)
                 if name.startswith("v") and name[1:].isdigit() and int(name[1:]) < version:
                     shutil.rmtree(os.path.join(self.sync_dir, name), ignore_errors=True)

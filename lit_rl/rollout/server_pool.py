@@ -8,7 +8,9 @@ dealing requests out across them, weights to every one, and what a failed server
   timeouts or 5xx after the retries, a failed health check, or a failed weight upload) either stops the run in one
   line naming its URL (`fail`), or (`continue`) is taken out of service for the rest of the run with a one-line
   warning, and its requests, the one that failed included, go to the next server in service. The last server in
-  service is never taken out: its failure stops the run.
+  service is never taken out: its failure stops the run. A server out of service that answers its health check
+  again (its supervisor restarted it) is taken back at the next weight push, once it has loaded the weights
+  (`recover`, `readmit`).
 - **Weights.** A push reaches every server in service at once. Servers that share a weight receiver (on one
   machine) get one upload between them.
 """
@@ -82,12 +84,36 @@ class ServerPool:
             if not others:
                 raise RolloutServerError(f"{err}; no other vLLM server is left in service (model.vllm.server_urls)")
             server.in_service = False
+            server.directories.clear()  # its receiver's copies may be older than the next push: upload again
             log.warning(
                 "%s; taken out of service: its requests go to the %d other server(s) for the rest of the run "
                 "(model.vllm.on_server_failure: continue)",
                 err,
                 len(others),
             )
+
+    def recover(self) -> list[RolloutServer]:
+        """The servers out of service that answer one health check now (no retries, no warning when they do not)."""
+        answering = []
+        for server in (s for s in self.servers if not s.in_service):
+            try:
+                server.client.check_health(self.health_timeout_s)
+            except ServerDownError:
+                continue
+            answering.append(server)
+        return answering
+
+    def readmit(self, servers: Sequence[RolloutServer], load: Callable[[RolloutServer], None]) -> None:
+        """Put each of `servers` back in service once `load(server)` gave it the current weights (a server that
+        fails to load stays out, silently: it is tried again at the next push)."""
+        for server in servers:
+            try:
+                load(server)
+            except (ServerDownError, WeightTransferError):
+                continue
+            with self._lock:
+                server.in_service = True
+            log.warning("vLLM server %s answers again: back in service with the current weights", server.url)
 
     def connect(self, wait_s: float) -> None:
         """Wait for every server to answer `/health` (each may still be starting) and learn its model's name."""
