@@ -135,3 +135,35 @@ def test_staged_versions_for_asynchronous_rollouts_go_through_the_receiver(fake_
     assert reloads == [str((received / "v1").resolve()), str((received / "v2").resolve())]
     assert not (received / "v1").exists() and (received / "v2").exists()
     engine.close()
+
+
+def test_the_commit_trusts_digests_checked_on_arrival_and_hashes_again_after_a_restart(tmp_path):
+    """Files of several shards go up at once; the commit uses the digests checked as they arrived, and a receiver
+    restarted between the uploads and the commit (no record) hashes the staged files again: damage is refused."""
+    import json
+
+    source = tmp_path / "source"
+    source.mkdir()
+    for index in range(6):
+        (source / f"model-{index:05d}.safetensors").write_bytes(bytes([index]) * 5000)
+    first = WeightReceiver(tmp_path / "received")
+    threading.Thread(target=first.serve_forever, daemon=True).start()
+    uploader = WeightUploader(first.url, timeout_s=5, max_retries=0)
+    stored = uploader.upload(source, "v1")
+    assert sorted(p.name for p in (tmp_path / "received" / "v1").iterdir()) == sorted(p.name for p in source.iterdir())
+    assert first.verified == {}  # every record was used by the commit
+    for path in source.iterdir():
+        headers = {"X-Content-SHA256": sha256_of(path), "Content-Length": str(path.stat().st_size)}
+        uploader._request("PUT", f"/files/v2/{path.name}", path, headers)
+    first.stop()
+    restarted = WeightReceiver(tmp_path / "received")
+    threading.Thread(target=restarted.serve_forever, daemon=True).start()
+    try:
+        (restarted.staging("v2") / "model-00003.safetensors").write_bytes(b"damaged on disk")
+        digests = {path.name: sha256_of(path) for path in source.iterdir()}
+        again = WeightUploader(restarted.url, timeout_s=5, max_retries=0)
+        with pytest.raises(WeightTransferError, match="HTTP 409"):
+            again._request("POST", "/commit/v2", json.dumps({"files": digests}).encode(), {})
+    finally:
+        restarted.stop()
+    assert stored.endswith("v1") and not (tmp_path / "received" / "v2").exists()

@@ -8,11 +8,13 @@ otherwise a receiver runs next to the server and the trainer uploads the files t
     python -m lit_rl.rollout.weight_receiver --dir /dev/shm/lit-rl-weights --port 8010   # on the server's machine
 
 An upload of version `tag` sends each file with `PUT /files/<tag>/<name>` and its SHA-256 (`X-Content-SHA256`),
-into a staging directory; the receiver checks every file's digest as it arrives. `POST /commit/<tag>` with the
-expected `{name: sha256}` then checks the set is complete and moves the staging directory to `<dir>/<tag>` in one
-rename, and answers that path, which the trainer hands to the server's reload. A transfer that fails (a timeout, a
-digest that does not match, a lost connection) never reaches the commit: the server keeps serving the weights it
-has, and the trainer stops with one line naming the URL. `DELETE /files/<tag>` removes an old version.
+into a staging directory (up to 4 files at once); the receiver checks every file's digest as it arrives.
+`POST /commit/<tag>` with the expected `{name: sha256}` then checks the set is complete, with the digests checked
+on arrival (it hashes again only a file it has no record of, after a restart), and moves the staging directory to
+`<dir>/<tag>` in one rename, and answers that path, which the trainer hands to the server's reload. A transfer
+that fails (a timeout, a digest that does not match, a lost connection) never reaches the commit: the server keeps
+serving the weights it has, and the trainer stops with one line naming the URL. `DELETE /files/<tag>` removes an
+old version.
 
 The receiver binds to 127.0.0.1 unless told otherwise (`--host`); set `LIT_RL_RECEIVER_TOKEN` on both sides to require
 `Authorization: Bearer <token>`. Names are checked: nothing is written outside `--dir`.
@@ -29,6 +31,7 @@ import shutil
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Optional
@@ -38,6 +41,7 @@ from lit_rl.errors import LitRLError
 TOKEN_ENV = "LIT_RL_RECEIVER_TOKEN"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _CHUNK = 1 << 20
+UPLOAD_STREAMS = 4  # files sent at once
 
 
 class WeightTransferError(LitRLError):
@@ -62,6 +66,7 @@ class WeightReceiver:
         self.token = token if token is not None else os.environ.get(TOKEN_ENV)
         self.server = ThreadingHTTPServer((host, port), _handler(self))
         self.url = f"http://{host}:{self.server.server_port}"
+        self.verified: dict[Path, str] = {}  # staged file -> the SHA-256 checked as it arrived (commit trusts it)
 
     def serve_forever(self) -> None:
         self.server.serve_forever()
@@ -126,6 +131,7 @@ def _handler(receiver: WeightReceiver) -> type[BaseHTTPRequestHandler]:
                 self._reply(400, {"error": f"{name}: the bytes received do not match their SHA-256"})
                 return
             os.replace(partial, staging / name)
+            receiver.verified[staging / name] = expected
             self._reply(200, {"sha256": expected})
 
         def do_POST(self) -> None:
@@ -139,7 +145,8 @@ def _handler(receiver: WeightReceiver) -> type[BaseHTTPRequestHandler]:
             expected = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")["files"]
             staging = receiver.staging(tag)
             present = {p.name for p in staging.iterdir()} if staging.is_dir() else set()
-            if present != set(expected) or any(sha256_of(staging / n) != h for n, h in expected.items()):
+            digests = {n: receiver.verified.pop(staging / n, None) or sha256_of(staging / n) for n in present}
+            if present != set(expected) or any(digests[n] != h for n, h in expected.items()):
                 self._reply(409, {"error": f"version {tag} is incomplete or differs: {sorted(present)}"})
                 return
             target = receiver.root / tag
@@ -153,6 +160,8 @@ def _handler(receiver: WeightReceiver) -> type[BaseHTTPRequestHandler]:
                 return
             for directory in (receiver.root / names[0], receiver.staging(names[0])):
                 shutil.rmtree(directory, ignore_errors=True)
+            for path in [p for p in receiver.verified if p.parent == receiver.staging(names[0])]:
+                receiver.verified.pop(path, None)
             self._reply(200, {"deleted": names[0]})
 
         def log_message(self, *args: Any) -> None:
@@ -173,13 +182,18 @@ class WeightUploader:
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     def upload(self, directory: str | Path, tag: str) -> str:
-        """Send every file of `directory` as version `tag`, commit it; the path the receiver stored it at."""
+        """Send every file of `directory` as version `tag` (up to `UPLOAD_STREAMS` at once: hashing and sending
+        release the GIL), commit it; the path the receiver stored it at."""
         files = {path.name: path for path in sorted(Path(directory).iterdir()) if path.is_file()}
-        digests = {}
-        for name, path in files.items():
-            digests[name] = sha256_of(path)
-            headers = {"X-Content-SHA256": digests[name], "Content-Length": str(path.stat().st_size)}
-            self._request("PUT", f"/files/{tag}/{name}", path, headers)
+
+        def send(name: str) -> str:
+            digest = sha256_of(files[name])
+            headers = {"X-Content-SHA256": digest, "Content-Length": str(files[name].stat().st_size)}
+            self._request("PUT", f"/files/{tag}/{name}", files[name], headers)
+            return digest
+
+        with ThreadPoolExecutor(max_workers=max(1, min(UPLOAD_STREAMS, len(files)))) as pool:
+            digests = dict(zip(files, pool.map(send, files)))
         body = json.dumps({"files": digests}).encode()
         return self._request("POST", f"/commit/{tag}", body, {"Content-Type": "application/json"})["path"]
 
