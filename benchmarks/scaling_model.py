@@ -401,8 +401,9 @@ def projection(http_bytes_per_s: float, collectives_per_step: float) -> list[dic
     return rows
 
 
-def measure_http_push(megabytes: int = 256) -> float:
-    """Bytes per second through the weight receiver on loopback: upload (SHA-256 on both sides) and commit."""
+def measure_http_push(megabytes: int = 256, repeats: int = 3) -> float:
+    """Bytes per second through the weight receiver on loopback, the median of `repeats` uploads of `megabytes` in
+    4 files (SHA-256 on both sides, and the commit)."""
     import threading
 
     import torch
@@ -417,14 +418,16 @@ def measure_http_push(megabytes: int = 256) -> float:
             save_file({"w": torch.zeros(megabytes * 2**20 // 16)}, str(source / f"model-{index:05d}.safetensors"))
         receiver = WeightReceiver(Path(tmp) / "received")
         threading.Thread(target=receiver.serve_forever, daemon=True).start()
+        seconds = []
         try:
             uploader = WeightUploader(receiver.url, timeout_s=300, max_retries=0)
-            started = time.perf_counter()
-            uploader.upload(source, "current")
-            seconds = time.perf_counter() - started
+            for _ in range(repeats):
+                started = time.perf_counter()
+                uploader.upload(source, "current")  # the same tag: each upload replaces the last
+                seconds.append(time.perf_counter() - started)
         finally:
             receiver.stop()
-    return megabytes * 2**20 / seconds
+    return megabytes * 2**20 / statistics.median(seconds)
 
 
 # -- the README's tables ----------------------------------------------------------------------------------------------
