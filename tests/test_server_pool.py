@@ -225,3 +225,37 @@ def test_a_server_that_answers_again_is_taken_back_at_the_next_push_with_the_wei
     assert len(_paths(b, "/v1/completions")) == 2  # its half of the last generation
     messages = [record.getMessage() for record in caplog.records]
     assert len(messages) == 2 and "taken out of service" in messages[0] and "back in service" in messages[1]
+
+
+def test_a_server_back_without_the_rl_endpoints_stays_out_and_the_run_goes_on(fake_server, tmp_path, caplog):
+    def no_dev_mode(path, body):  # restarted without VLLM_SERVER_DEV_MODE: healthy, but /pause is 404
+        return (404, {"detail": "Not Found"}) if path.startswith("/pause") else completions_answer(path, body)
+
+    a, b = fake_server((200, completions_answer, 0)), fake_server((200, completions_answer, 0))
+    engine = _engine([a, b], tmp_path, on_server_failure="continue")
+    b.script = [(503, {"error": "restarting"}, 0)]
+    _generate(engine)
+    b.script = [(200, no_dev_mode, 0)]
+    engine.update_weights([("w", torch.ones(3))])  # b answers /health but cannot reload: not taken back
+    _generate(engine)
+    assert not [body for body in _paths(b, "/v1/completions")]
+    assert [server.in_service for server in engine.pool.servers] == [True, False]
+
+
+def test_servers_on_one_receiver_share_its_copy_of_a_version(tmp_path):
+    from lit_rl.rollout.server_pool import ServerPool
+
+    config = VLLMConfig(
+        mode="server",
+        server_urls=["http://10.0.0.2:8000", "http://10.0.0.2:8001/"],
+        weights_urls=["http://10.0.0.2:8010", "http://10.0.0.2:8010/"],  # one receiver, spelled two ways
+    )
+    check_vllm_config(config)
+    pool = ServerPool(config)
+    assert len(pool.uploaders) == 1
+    first, second = pool.servers
+    first.directories["v3"] = "/received/v3"
+    # A server that needs v3 (taken back after the upload) uses the receiver's copy: no second upload.
+    assert pool.receiver_copy(second.receiver, str(tmp_path), "v3") == "/received/v3"
+    with pytest.raises(ConfigError, match="lists a server twice"):
+        check_vllm_config(VLLMConfig(mode="server", server_urls=["http://127.0.0.1:1", "http://127.0.0.1:1/"]))

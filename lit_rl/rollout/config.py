@@ -99,11 +99,11 @@ class VLLMConfig:
 
     def server_endpoints(self) -> list[tuple[str, Optional[str]]]:
         """(server URL, its weight receiver's URL or None) for every server, `server_urls` over `server_url`."""
-        servers = list(self.server_urls) if self.server_urls else [self.server_url]
+        servers = [url.rstrip("/") for url in (self.server_urls or [self.server_url])]
         if not self.uploads_weights:
             return [(url, None) for url in servers]
         receivers = list(self.weights_urls) if self.weights_urls else [self.weights_url] * len(servers)
-        return list(zip(servers, receivers))
+        return list(zip(servers, [url.rstrip("/") for url in receivers]))  # one receiver, however it is spelled
 
 
 def check_vllm_config(config: Optional[VLLMConfig]) -> None:
@@ -172,7 +172,7 @@ def _check_server_lists(config: VLLMConfig) -> None:
         for url in urls:
             if not isinstance(url, str) or not url.startswith(("http://", "https://")):
                 raise ConfigError(f"model.vllm.{key}: each URL must start with http:// or https://, got {url!r}")
-        if key == "server_urls" and len(set(urls)) != len(urls):
+        if key == "server_urls" and len({url.rstrip("/") for url in urls}) != len(urls):
             raise ConfigError(f"model.vllm.server_urls lists a server twice: {urls}")
     if config.weights_urls is not None:
         if config.server_urls is None or len(config.weights_urls) != len(config.server_urls):

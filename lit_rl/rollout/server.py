@@ -140,7 +140,10 @@ class VLLMServerEngine:
             "skip_special_tokens": False,
         }
         answer = server.client.request("POST", "/v1/completions", body)
-        choices = sorted(answer["choices"], key=lambda choice: choice["index"])
+        try:
+            choices = sorted(answer["choices"], key=lambda choice: choice["index"])
+        except (KeyError, TypeError):
+            raise RolloutServerError(f"vLLM server {server.url}: the completions answer has no choices") from None
         if len(choices) != n:
             raise RolloutServerError(f"vLLM server {server.url}: asked for {n} completions, got {len(choices)}")
         try:
@@ -181,9 +184,11 @@ class VLLMServerEngine:
         """Have `server` reload the weights written to `directory` as `tag`: from there, or from its receiver's copy
         (uploaded now if it has none yet)."""
         target = server.directories.get(tag)
-        if target is None:
-            target = self.pool.uploaders[server.receiver].upload(directory, tag) if server.receiver else directory
-            server.directories[tag] = target
+        if target is None and server.receiver is None:
+            target = directory
+        elif target is None:
+            target = self.pool.receiver_copy(server.receiver, directory, tag)
+        server.directories[tag] = target
         self._reload(server, target)
 
     def _write(self, named_tensors: Iterator[tuple[str, torch.Tensor]], directory: str) -> None:
@@ -268,7 +273,8 @@ class VLLMServerEngine:
             for name in os.listdir(self.sync_dir):  # older versions are never asked for again (versions only grow)
                 if name.startswith("v") and name[1:].isdigit() and int(name[1:]) < version:
                     shutil.rmtree(os.path.join(self.sync_dir, name), ignore_errors=True)
-            older = {t for server in self.pool.servers for t in server.directories if t[1:].isdigit()}
+            # list(): one atomic copy, while the training thread may be recording the next version's upload
+            older = {t for server in self.pool.servers for t in list(server.directories) if t[1:].isdigit()}
             for old in sorted(t for t in older if int(t[1:]) < version):
                 self.pool.forget(old)  # the receivers' copies of versions no generation asks for again
         return self._generate_all(per_rank, params)

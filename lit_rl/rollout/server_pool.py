@@ -68,6 +68,7 @@ class ServerPool:
             if receiver is not None
         }
         self._lock = threading.Lock()
+        self._upload_lock = threading.Lock()  # one upload of a (receiver, tag) at a time: see `receiver_copy`
 
     def in_service(self) -> list[RolloutServer]:
         return [server for server in self.servers if server.in_service]
@@ -109,7 +110,7 @@ class ServerPool:
         for server in servers:
             try:
                 load(server)
-            except (ServerDownError, WeightTransferError):
+            except (RolloutServerError, WeightTransferError):  # e.g. restarted without the RL endpoints: not yet
                 continue
             with self._lock:
                 server.in_service = True
@@ -196,6 +197,16 @@ class ServerPool:
             futures = [pool.submit(upload_to, receiver) for receiver in by_receiver]
         for future in futures:
             future.result()
+
+    def receiver_copy(self, receiver: str, directory: str, tag: str) -> str:
+        """Where `receiver` holds the weights of `tag`: the copy a server on it already recorded, or a new upload of
+        `directory` (one at a time, so servers sharing a receiver never upload the same tag into it at once)."""
+        with self._upload_lock:
+            for other in self.servers:
+                stored = other.directories.get(tag) if other.receiver == receiver else None
+                if stored is not None:
+                    return stored
+            return self.uploaders[receiver].upload(directory, tag)
 
     def forget(self, tag: str) -> None:
         """Drop `tag` from every server's record and have the receivers delete their copy (best effort)."""

@@ -28,6 +28,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -117,15 +118,21 @@ def _handler(receiver: WeightReceiver) -> type[BaseHTTPRequestHandler]:
             staging = receiver.staging(tag)
             staging.mkdir(parents=True, exist_ok=True)
             digest = hashlib.sha256()
-            partial = staging / f"{name}.part"
-            with open(partial, "wb") as handle:
-                while remaining > 0:
-                    chunk = self.rfile.read(min(_CHUNK, remaining))
-                    if not chunk:
-                        break
-                    digest.update(chunk)
-                    handle.write(chunk)
-                    remaining -= len(chunk)
+            # Its own partial file: a retried PUT of the same name may overlap this one.
+            handle, partial_name = tempfile.mkstemp(dir=staging, prefix=f".{name}.", suffix=".part")
+            partial = Path(partial_name)
+            try:
+                with os.fdopen(handle, "wb") as handle:
+                    while remaining > 0:
+                        chunk = self.rfile.read(min(_CHUNK, remaining))
+                        if not chunk:
+                            break
+                        digest.update(chunk)
+                        handle.write(chunk)
+                        remaining -= len(chunk)
+            except OSError:  # the connection broke: leave nothing behind
+                partial.unlink(missing_ok=True)
+                raise
             if remaining > 0 or digest.hexdigest() != expected:
                 partial.unlink(missing_ok=True)
                 self._reply(400, {"error": f"{name}: the bytes received do not match their SHA-256"})
@@ -144,7 +151,8 @@ def _handler(receiver: WeightReceiver) -> type[BaseHTTPRequestHandler]:
                 return
             expected = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")["files"]
             staging = receiver.staging(tag)
-            present = {p.name for p in staging.iterdir()} if staging.is_dir() else set()
+            files = staging.iterdir() if staging.is_dir() else ()
+            present = {p.name for p in files if not p.name.endswith(".part")}  # not a PUT still (or never) arriving
             digests = {n: receiver.verified.pop(staging / n, None) or sha256_of(staging / n) for n in present}
             if present != set(expected) or any(digests[n] != h for n, h in expected.items()):
                 self._reply(409, {"error": f"version {tag} is incomplete or differs: {sorted(present)}"})
@@ -160,7 +168,7 @@ def _handler(receiver: WeightReceiver) -> type[BaseHTTPRequestHandler]:
                 return
             for directory in (receiver.root / names[0], receiver.staging(names[0])):
                 shutil.rmtree(directory, ignore_errors=True)
-            for path in [p for p in receiver.verified if p.parent == receiver.staging(names[0])]:
+            for path in [p for p in list(receiver.verified) if p.parent == receiver.staging(names[0])]:
                 receiver.verified.pop(path, None)
             self._reply(200, {"deleted": names[0]})
 
