@@ -37,18 +37,23 @@ def _synced_values(rank: int, world: int, init_file: str, out: str) -> None:
         original = getattr(dist, name)
         setattr(dist, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
     metrics = ppo_metrics(["correctness"], with_kl=True).clone(prefix="train/")
-    for values, weights, target in _rank_data(rank):
-        metrics["entropy"].update(values, weights)
-        metrics["rollout_is_ratio/max"].update(values)
-        metrics["rollout_is_ratio/min"].update(values)
-        metrics["loss"].update(values.sum())
-        metrics["critic/explained_variance"].update(values, target)
+    _feed(metrics, rank)
     if rank == 1:  # a metric only one rank saw
         metrics["kl"].update(torch.tensor([3.0, 5.0]))
     computed = compute_collection(metrics)
     dist.destroy_process_group()
     with open(f"{out}.{rank}", "w") as handle:
         json.dump({"values": {k: v.item() for k, v in computed.items()}, "calls": calls}, handle)
+
+
+def _feed(metrics, rank: int) -> None:
+    """Rank `rank`'s updates: a weighted mean, a max, a min, a sum and an explained variance."""
+    for values, weights, target in _rank_data(rank):
+        metrics["entropy"].update(values, weights)
+        metrics["rollout_is_ratio/max"].update(values)
+        metrics["rollout_is_ratio/min"].update(values)
+        metrics["loss"].update(values.sum())
+        metrics["critic/explained_variance"].update(values, target)
 
 
 def _rank_data(rank: int):
@@ -73,12 +78,7 @@ def test_a_collection_syncs_in_two_collectives_to_the_values_of_all_ranks_data(t
     ranks = [json.loads(open(f"{out}.{rank}").read()) for rank in range(2)]
     whole = ppo_metrics(["correctness"], with_kl=True)
     for rank in range(2):
-        for values, weights, target in _rank_data(rank):
-            whole["entropy"].update(values, weights)
-            whole["rollout_is_ratio/max"].update(values)
-            whole["rollout_is_ratio/min"].update(values)
-            whole["loss"].update(values.sum())
-            whole["critic/explained_variance"].update(values, target)
+        _feed(whole, rank)
     whole["kl"].update(torch.tensor([3.0, 5.0]))
     expected = {name: whole[name].compute().item() for name in whole if whole[name].update_called}
     assert set(expected) == {"entropy", "rollout_is_ratio/max", "rollout_is_ratio/min", "loss", "kl"} | {
