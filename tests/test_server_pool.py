@@ -254,8 +254,30 @@ def test_servers_on_one_receiver_share_its_copy_of_a_version(tmp_path):
     pool = ServerPool(config)
     assert len(pool.uploaders) == 1
     first, second = pool.servers
-    first.directories["v3"] = "/received/v3"
+    pool.copies[(first.receiver, "v3")] = "/received/v3"
     # A server that needs v3 (taken back after the upload) uses the receiver's copy: no second upload.
     assert pool.receiver_copy(second.receiver, str(tmp_path), "v3") == "/received/v3"
     with pytest.raises(ConfigError, match="lists a server twice"):
         check_vllm_config(VLLMConfig(mode="server", server_urls=["http://127.0.0.1:1", "http://127.0.0.1:1/"]))
+
+
+def test_a_receiver_that_misses_an_upload_loses_its_record_of_that_tag(tmp_path, monkeypatch):
+    from lit_rl.rollout.server_pool import ServerPool
+
+    config = VLLMConfig(
+        mode="server",
+        server_urls=["http://10.0.0.2:8000", "http://10.0.0.3:8000"],
+        weights_urls=["http://10.0.0.2:8010", "http://10.0.0.3:8010"],
+    )
+    monkeypatch.setattr(WeightUploader, "upload", lambda self, directory, tag: f"{self.url}/{tag}")
+    pool = ServerPool(config)
+    pool.upload(str(tmp_path), "current")
+    assert pool.copies == {(s.receiver, "current"): f"{s.receiver}/current" for s in pool.servers}
+    pool.servers[1].in_service = False  # out while the next push goes up: its receiver keeps the older weights
+    pool.upload(str(tmp_path), "current")
+    assert list(pool.copies) == [(pool.servers[0].receiver, "current")]
+    # Taken back, it gets an upload of its own instead of the older copy.
+    uploads = []
+    monkeypatch.setattr(WeightUploader, "upload", lambda self, directory, tag: uploads.append(self.url) or "new")
+    assert pool.receiver_copy(pool.servers[1].receiver, str(tmp_path), "current") == "new"
+    assert uploads == [pool.servers[1].receiver]

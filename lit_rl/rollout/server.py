@@ -183,12 +183,7 @@ class VLLMServerEngine:
     def _load_into(self, server: RolloutServer, directory: str, tag: str) -> None:
         """Have `server` reload the weights written to `directory` as `tag`: from there, or from its receiver's copy
         (uploaded now if it has none yet)."""
-        target = server.directories.get(tag)
-        if target is None and server.receiver is None:
-            target = directory
-        elif target is None:
-            target = self.pool.receiver_copy(server.receiver, directory, tag)
-        server.directories[tag] = target
+        target = directory if server.receiver is None else self.pool.receiver_copy(server.receiver, directory, tag)
         self._reload(server, target)
 
     def _write(self, named_tensors: Iterator[tuple[str, torch.Tensor]], directory: str) -> None:
@@ -274,7 +269,7 @@ class VLLMServerEngine:
                 if name.startswith("v") and name[1:].isdigit() and int(name[1:]) < version:
                     shutil.rmtree(os.path.join(self.sync_dir, name), ignore_errors=True)
             # list(): one atomic copy, while the training thread may be recording the next version's upload
-            older = {t for server in self.pool.servers for t in list(server.directories) if t[1:].isdigit()}
+            older = {t for _, t in list(self.pool.copies) if t[1:].isdigit()}
             for old in sorted(t for t in older if int(t[1:]) < version):
                 self.pool.forget(old)  # the receivers' copies of versions no generation asks for again
         return self._generate_all(per_rank, params)

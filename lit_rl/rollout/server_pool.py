@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, TypeVar
 
 from lit_rl.rollout.config import VLLMConfig
@@ -45,7 +45,6 @@ class RolloutServer:
     model_name: Optional[str] = None
     in_service: bool = True
     loaded: Optional[int] = None  # the staged version it holds (asynchronous rollouts); None after a plain push
-    directories: dict[str, str] = field(default_factory=dict)  # upload tag -> where it reads those weights
 
     @property
     def url(self) -> str:
@@ -67,6 +66,9 @@ class ServerPool:
             for receiver in dict.fromkeys(server.receiver for server in self.servers)
             if receiver is not None
         }
+        # (receiver, tag) -> where that receiver holds the weights uploaded as `tag`; a receiver that misses an upload
+        # of a tag loses its record of it (its copy is older), so every record is the latest upload of its tag.
+        self.copies: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
         self._upload_lock = threading.Lock()  # one upload of a (receiver, tag) at a time: see `receiver_copy`
 
@@ -85,7 +87,6 @@ class ServerPool:
             if not others:
                 raise RolloutServerError(f"{err}; no other vLLM server is left in service (model.vllm.server_urls)")
             server.in_service = False
-            server.directories.clear()  # its receiver's copies may be older than the next push: upload again
             log.warning(
                 "%s; taken out of service: its requests go to the %d other server(s) for the rest of the run "
                 "(model.vllm.on_server_failure: continue)",
@@ -175,23 +176,23 @@ class ServerPool:
 
     def upload(self, directory: str, tag: str) -> None:
         """Upload the weights in `directory` as `tag` to the receiver of every server in service (once per
-        receiver) and record where each server reads them; a failed upload takes its servers out (`take_out`)."""
+        receiver) and record where it stored them (`copies`); a failed upload takes its servers out (`take_out`)."""
         by_receiver: dict[str, list[RolloutServer]] = {}
         for server in self.in_service():
             if server.receiver is not None:
                 by_receiver.setdefault(server.receiver, []).append(server)
+        for receiver in set(self.uploaders) - set(by_receiver):
+            self.copies.pop((receiver, tag), None)  # it misses this upload: what it holds of `tag` is older
         if not by_receiver:
             return
 
         def upload_to(receiver: str) -> None:
             try:
-                stored = self.uploaders[receiver].upload(directory, tag)
+                self.copies[(receiver, tag)] = self.uploaders[receiver].upload(directory, tag)
             except WeightTransferError as err:
+                self.copies.pop((receiver, tag), None)
                 for server in by_receiver[receiver]:
                     self.take_out(server, err)
-                return
-            for server in by_receiver[receiver]:
-                server.directories[tag] = stored
 
         with ThreadPoolExecutor(max_workers=len(by_receiver)) as pool:
             futures = [pool.submit(upload_to, receiver) for receiver in by_receiver]
@@ -199,19 +200,17 @@ class ServerPool:
             future.result()
 
     def receiver_copy(self, receiver: str, directory: str, tag: str) -> str:
-        """Where `receiver` holds the weights of `tag`: the copy a server on it already recorded, or a new upload of
-        `directory` (one at a time, so servers sharing a receiver never upload the same tag into it at once)."""
+        """Where `receiver` holds the weights of `tag`: its recorded copy, or a new upload of `directory` (one at a
+        time, so servers sharing a receiver never upload the same tag into it at once)."""
         with self._upload_lock:
-            for other in self.servers:
-                stored = other.directories.get(tag) if other.receiver == receiver else None
-                if stored is not None:
-                    return stored
-            return self.uploaders[receiver].upload(directory, tag)
+            if (receiver, tag) not in self.copies:
+                self.copies[(receiver, tag)] = self.uploaders[receiver].upload(directory, tag)
+            return self.copies[(receiver, tag)]
 
     def forget(self, tag: str) -> None:
-        """Drop `tag` from every server's record and have the receivers delete their copy (best effort)."""
-        for server in self.servers:
-            server.directories.pop(tag, None)
+        """Drop the records of `tag` and have the receivers delete their copies (best effort)."""
+        for receiver in self.uploaders:
+            self.copies.pop((receiver, tag), None)
         for receiver in {server.receiver for server in self.in_service() if server.receiver is not None}:
             try:
                 self.uploaders[receiver].delete(tag)
