@@ -204,6 +204,9 @@ def compute_collection(collection: MetricCollection) -> dict[str, torch.Tensor]:
     all-reduce; the maxima, the minima (negated) and whether each metric was updated, in one max all-reduce. The
     local states are left reduced: reset the collection afterwards."""
     metrics: dict[str, Metric] = dict(collection.items(keep_base=True))
+    syncing = [name for name, metric in metrics.items() if metric.sync_on_compute]
+    if syncing:  # its compute() would sum the states this function already summed: every rank's value, world times
+        raise TypeError(f"metric {syncing[0]!r} must be built with lit_rl.metrics.LOCAL (sync_on_compute=False)")
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return {name: metric.compute() for name, metric in metrics.items() if metric.update_called}
     device = next(t.device for m in metrics.values() for t in m.metric_state.values() if torch.is_tensor(t))

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from lit_rl.metrics import grpo_metrics
@@ -21,6 +22,15 @@ def test_mean_is_weighted_over_all_updates_not_a_mean_of_means():
     metrics["loss"].update(torch.tensor(0.25))
     metrics["loss"].update(torch.tensor(0.5))
     assert metrics["loss"].compute().item() == 0.75  # step loss: sum of step-normalised micro-batch terms
+
+
+def test_a_metric_that_syncs_itself_is_refused_before_it_counts_ranks_twice():
+    from torchmetrics import MeanMetric, MetricCollection
+
+    from lit_rl.metrics import compute_collection
+
+    with pytest.raises(TypeError, match="'entropy' must be built with lit_rl.metrics.LOCAL"):
+        compute_collection(MetricCollection({"entropy": MeanMetric()}))
 
 
 def _synced_values(rank: int, world: int, init_file: str, out: str) -> None:
