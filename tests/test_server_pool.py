@@ -121,6 +121,34 @@ def test_a_server_failing_mid_generation_hands_its_requests_to_the_others(fake_s
     assert len(warnings) == 1 and b.url in warnings[0] and "EngineCore died" in warnings[0]
 
 
+def _aborting(path, body):
+    """vLLM shutting down (SIGTERM) or paused with mode=abort: 200, with each completion's tokens so far."""
+    answer = completions_answer(path, body)
+    if path == "/v1/completions":
+        for choice in answer["choices"]:
+            choice["token_ids"], choice["finish_reason"] = choice["token_ids"][:1], "abort"
+            choice["logprobs"]["token_logprobs"] = choice["logprobs"]["token_logprobs"][:1]
+    return answer
+
+
+def test_completions_cut_short_by_an_abort_are_never_trained_on(fake_server, tmp_path, caplog):
+    one = fake_server((200, completions_answer, 0))
+    a, b = fake_server((200, completions_answer, 0)), fake_server((200, _aborting, 0))
+    alone = _generate(_engine([one], tmp_path / "1"))
+    engine = _engine([a, b], tmp_path / "2", on_server_failure="continue")
+    with caplog.at_level(logging.WARNING, logger="lit_rl.rollout.server_pool"):
+        out = _generate(engine)
+    # The aborted requests went to `a` whole: the completions are the one-server run's, none truncated.
+    assert torch.equal(out.completion_ids, alone.completion_ids) and torch.equal(out.logprobs, alone.logprobs)
+    assert len(_paths(b, "/v1/completions")) >= 1 and len(_paths(a, "/v1/completions")) == 4
+    warnings = [record.getMessage() for record in caplog.records]
+    assert len(warnings) == 1 and b.url in warnings[0] and "finish_reason 'abort'" in warnings[0]
+    # One server, or `fail`: the run stops in one line naming it.
+    with pytest.raises(RolloutServerError, match="finish_reason 'abort', cut short") as info:
+        _generate(_engine([fake_server((200, _aborting, 0))], tmp_path / "3"))
+    assert "\n" not in str(info.value)
+
+
 def test_the_last_server_in_service_failing_stops_the_run(fake_server, tmp_path, caplog):
     a, b = fake_server((200, completions_answer, 0)), fake_server((200, completions_answer, 0))
     engine = _engine([a, b], tmp_path, on_server_failure="continue")

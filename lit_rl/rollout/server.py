@@ -52,6 +52,8 @@ from lit_rl.rollout.server_client import (  # noqa: F401  (re-exported: the name
 )
 from lit_rl.rollout.server_pool import RolloutServer, ServerPool
 
+CUT_SHORT = {"abort", "error"}  # finish reasons of a completion the engine stopped before it ended
+
 WEIGHT_SHARD = "model-{:05d}.safetensors"
 
 
@@ -146,6 +148,14 @@ class VLLMServerEngine:
             raise RolloutServerError(f"vLLM server {server.url}: the completions answer has no choices") from None
         if len(choices) != n:
             raise RolloutServerError(f"vLLM server {server.url}: asked for {n} completions, got {len(choices)}")
+        cut_short = sorted({str(choice.get("finish_reason")) for choice in choices} & CUT_SHORT)
+        if cut_short:
+            # vLLM answers 200 with the tokens so far when it aborts a request (SIGTERM, `/pause?mode=abort`):
+            # training on them would be training on truncated completions. The server is going away: treat it so.
+            raise ServerDownError(
+                f"vLLM server {server.url}: completions ended with finish_reason {cut_short[0]!r}, cut short; is the "
+                "server running? (vLLM aborts its requests when it shuts down, or is paused with mode=abort)"
+            )
         try:
             return (
                 [list(choice["token_ids"]) for choice in choices],
