@@ -372,7 +372,7 @@ PROJECTION_7B = {
 
 
 def projection(http_bytes_per_s: float, collectives_per_step: float) -> list[dict]:
-    """The 7B layouts on 2 x 8 H100, with the push over NCCL (not built: 50 GB/s NIC-bound) and over today's HTTP
+    """The 7B layouts on 2 x 8 H100, with the push over NCCL (50 GB/s NIC-bound) and over today's HTTP
     receiver (`http_bytes_per_s`, measured on loopback here, as an upper bound); `collectives_per_step` as counted
     here, at `NCCL_LATENCY_S` each."""
     weights = 2 * PARAMS_7B
@@ -466,7 +466,7 @@ def claims(results: dict) -> list[str]:
         f"within {max(errors):.0f}% of the measured step time",
         f"({results['http_push_bytes_per_s'] / 1e6:.0f} MB/s measured on loopback here",
         f"would take {pushes['http']:.0f} s a step",
-        f"(not built) would take {pushes['nccl']:.1f} s",
+        f"(built, not yet run on a GPU) would take {pushes['nccl']:.1f} s",
         f"{round(decode_tokens_per_s(), -2):,.0f} tokens/s per GPU",
     ]
 

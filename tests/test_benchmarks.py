@@ -478,3 +478,17 @@ def test_scaling_model_roofline_and_projection_rows():
     nccl = [r for r in rows if r["push"] == "nccl"]
     assert all(r["phases_s"]["push"] == pytest.approx(2 * 7.6e9 / 1e9) for r in http)
     assert all(h["step_s"] > n["step_s"] for h, n in zip(http, nccl))
+
+
+@pytest.mark.slow
+def test_weight_transport_measures_both_ways_on_the_same_bytes(tmp_path):
+    out = tmp_path / "transport.json"
+    script = REPO / "benchmarks" / "weight_transport.py"
+    command = [sys.executable, str(script), "--megabytes", "2", "--tensors", "4", "--rounds", "2", "--out", str(out)]
+    subprocess.run(command, check=True, capture_output=True, timeout=300)
+    report = json.loads(out.read_text())["results"]
+    assert report["megabytes"] == pytest.approx(2 * 2**20 / 1e6) and report["tensors"] == 4
+    for way in ("http", "gloo"):
+        assert len(report["mb_per_s"][way]) == 2 and all(rate > 0 for rate in report["mb_per_s"][way])
+    ratio = report["median_mb_per_s"]["gloo"] / report["median_mb_per_s"]["http"]
+    assert report["gloo_over_http"] == pytest.approx(ratio)

@@ -1,6 +1,8 @@
-"""Rollout engines: who samples completions. `hf.py` wraps `generate`; `vllm.py` (the only module importing vLLM)
-runs an in-process engine, placed by `placement.py`; `server.py` talks to a vLLM server over HTTP; `weights.py`
-streams the policy's weights into them, a bucket at a time."""
+"""Rollout engines: who samples completions. `hf.py` wraps `generate`; `vllm.py` (the trainer imports vLLM nowhere
+else, but for `nccl` transfers) runs an in-process engine, placed by `placement.py`; `server.py` talks to vLLM
+servers over HTTP, with the weights as files, uploads (`weight_receiver.py`) or broadcasts
+(`collective_transfer.py`, whose gloo engine `vllm_transfer_plugin.py` runs inside the server); `weights.py`
+streams the policy's weights, a bucket at a time."""
 
 from lit_rl.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
 from lit_rl.rollout.config import VLLMConfig

@@ -20,6 +20,11 @@ VLLM_DTYPES = {
     "half": torch.float16,
 }
 
+COLLECTIVE_TRANSFERS = ("gloo", "nccl")  # `weight_transfer`s that broadcast to the servers' workers
+# The backend a server's `--weight-transfer-config` names for each of them.
+VLLM_TRANSFER_BACKENDS = {"gloo": "lit_rl_gloo", "nccl": "nccl"}
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
 
 @dataclass
 class VLLMConfig:
@@ -63,11 +68,20 @@ class VLLMConfig:
         weight_transfer: (server) how the weights reach the server: `file` (written into `weight_sync_dir`, which
             the server must see: the same machine or a shared file system), `http` (uploaded to the weight
             receiver at `weights_url`, which runs beside a server on another machine: `lit_rl.rollout.weight_receiver`),
-            or `auto` (default): `http` when `weights_url` is set, else `file`.
+            `gloo` or `nccl` (broadcast from rank 0 to the server's workers through vLLM's weight-transfer
+            endpoints: no file, no disk; `lit_rl.rollout.collective_transfer`), or `auto` (default): `http` when
+            `weights_url` is set, else `file`. `gloo` works on CPU and GPU and needs lit-rl installed beside the server
+            (it registers the engine with vLLM) and the server started with
+            `--weight-transfer-config '{"backend": "lit_rl_gloo"}'`; `nccl` is vLLM's own engine
+            (`--weight-transfer-config '{"backend": "nccl"}'`) and needs GPUs on both sides.
         weights_url: (server) the weight receiver's URL (`python -m lit_rl.rollout.weight_receiver` on the server's
             machine), e.g. `http://10.0.0.2:8010`.
         weights_urls: (server) with `server_urls`: the receiver beside each server, in the same order. Servers on
             one machine may share one (it is uploaded to once per push); `weights_url` alone serves them all.
+        transfer_address: (`gloo`, `nccl`) this machine's address as the servers reach it: rank 0 hosts the
+            rendezvous of each server's transfer group there. 127.0.0.1 serves servers on this machine only.
+        transfer_port: (`gloo`, `nccl`) the port of the first server's rendezvous, the next server's one above, and
+            so on; 0 (default): free ports.
     """
 
     mode: Literal["colocate", "server"] = "colocate"
@@ -87,15 +101,22 @@ class VLLMConfig:
     wait_for_server_s: float = 60.0
     weight_sync_dir: Optional[str] = None
     push_bucket_mib: float = 512.0
-    weight_transfer: Literal["auto", "file", "http"] = "auto"
+    weight_transfer: Literal["auto", "file", "http", "gloo", "nccl"] = "auto"
     weights_url: Optional[str] = None
     weights_urls: Optional[list[str]] = None
+    transfer_address: str = "127.0.0.1"
+    transfer_port: int = 0
 
     @property
     def uploads_weights(self) -> bool:
         """Whether the server engine uploads the weights to a receiver (`weight_transfer`)."""
         has_url = self.weights_url is not None or self.weights_urls is not None
         return self.weight_transfer == "http" or (self.weight_transfer == "auto" and has_url)
+
+    @property
+    def broadcasts_weights(self) -> bool:
+        """Whether the server engine broadcasts the weights to the servers' workers (`gloo`, `nccl`)."""
+        return self.weight_transfer in COLLECTIVE_TRANSFERS
 
     def server_endpoints(self) -> list[tuple[str, Optional[str]]]:
         """(server URL, its weight receiver's URL or None) for every server, `server_urls` over `server_url`."""
@@ -138,9 +159,14 @@ def check_vllm_config(config: Optional[VLLMConfig]) -> None:
         )
     if config.max_retries < 0:
         raise ConfigError(f"model.vllm.max_retries must be >= 0, got {config.max_retries}")
-    if config.weight_transfer not in ("auto", "file", "http"):
-        raise ConfigError(f"model.vllm.weight_transfer must be auto, file or http, got {config.weight_transfer!r}")
+    if config.weight_transfer not in ("auto", "file", "http", *COLLECTIVE_TRANSFERS):
+        raise ConfigError(
+            f"model.vllm.weight_transfer must be auto, file, http, gloo or nccl, got {config.weight_transfer!r}"
+        )
     _check_server_lists(config)
+    if config.broadcasts_weights:
+        _check_collective_transfer(config)
+        return
     if config.weight_transfer == "http" and config.weights_url is None and config.weights_urls is None:
         raise ConfigError(
             "model.vllm.weight_transfer: http needs model.vllm.weights_url, the weight receiver beside the server "
@@ -151,7 +177,7 @@ def check_vllm_config(config: Optional[VLLMConfig]) -> None:
     if config.mode == "server" and not config.uploads_weights and config.weight_sync_dir is None:
         for url, _ in config.server_endpoints():
             host = urllib.parse.urlparse(url).hostname or ""
-            if host not in ("127.0.0.1", "localhost", "::1"):
+            if host not in LOCAL_HOSTS:
                 raise ConfigError(
                     f"model.vllm.server_url {url} is not on this machine: its weights cannot go through "
                     "a local /dev/shm directory. Run the weight receiver beside it and set model.vllm.weights_url, "
@@ -183,3 +209,27 @@ def _check_server_lists(config: VLLMConfig) -> None:
             )
         if config.weights_url is not None:
             raise ConfigError("set model.vllm.weights_url or model.vllm.weights_urls, not both")
+
+
+def _check_collective_transfer(config: VLLMConfig) -> None:
+    """`weight_transfer: gloo | nccl`: no receiver to upload to, a port in range, and an address other machines
+    can reach when a server is on one."""
+    if config.weights_url is not None or config.weights_urls is not None:
+        raise ConfigError(
+            f"model.vllm.weights_url(s) is for weight_transfer: http; with {config.weight_transfer} the weights are "
+            "broadcast to the servers' workers: unset it"
+        )
+    if not 0 <= config.transfer_port <= 65535:
+        raise ConfigError(f"model.vllm.transfer_port must be in 0..65535 (0: free ports), got {config.transfer_port}")
+    if config.transfer_port and config.transfer_port + len(config.server_endpoints()) - 1 > 65535:
+        raise ConfigError(
+            f"model.vllm.transfer_port {config.transfer_port} leaves no port for each of the "
+            f"{len(config.server_endpoints())} servers (one port each, counting up)"
+        )
+    if config.transfer_address in LOCAL_HOSTS:
+        for url, _ in config.server_endpoints():
+            if (urllib.parse.urlparse(url).hostname or "") not in LOCAL_HOSTS:
+                raise ConfigError(
+                    f"model.vllm.server_url {url} is not on this machine: set model.vllm.transfer_address to this "
+                    f"machine's address that it can reach (the weights' rendezvous), not {config.transfer_address}"
+                )

@@ -13,7 +13,8 @@ request per run of identical prompts (`n` completions; vLLM gives child `i` the 
 completions are scattered back. A weight push writes the policy's weights as safetensors into `weight_sync_dir`,
 one file per `push_bucket_mib` (rank 0 never holds more than about one bucket of gathered weights; the other ranks
 take part in the gathers), then asks the server to pause, reload from there (`collective_rpc("reload_weights")`),
-reset its prefix cache and resume. On GPUs an NCCL transfer would skip the file; this path works on CPU too.
+reset its prefix cache and resume. With `weight_transfer: gloo | nccl` the weights are broadcast to the servers'
+workers instead, with no file (`lit_rl.rollout.collective_transfer`).
 
 Asynchronous rollouts (`model.max_staleness > 0`, `lit_rl.rollout.producer`): the weights of each policy version
 are staged into their own subdirectory `v<version>/`, and rank 0 runs the submitted generations one after the
@@ -41,6 +42,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 import torch
 
 from lit_rl.rollout.base import RolloutOutput, SamplingParams, draw_seeds, padded_output, unpadded_prompts
+from lit_rl.rollout.collective_transfer import CollectiveTransfer
 from lit_rl.rollout.config import VLLMConfig
 from lit_rl.rollout.server_client import (  # noqa: F401  (re-exported: the names users and tests import from here)
     LocalVLLMServer,
@@ -68,6 +70,7 @@ class VLLMServerEngine:
         self.pad_token_id = pad_token_id
         self.rank, self.world_size = _rank_and_world()
         self.pool = ServerPool(config)
+        self.transfer = CollectiveTransfer(config) if config.broadcasts_weights and self.rank == 0 else None
         self._worker: Optional[ThreadPoolExecutor] = None  # rank 0's background generations (asynchronous mode)
         self._own_sync_dir = False
         self.sync_dir: Optional[str] = None
@@ -76,6 +79,9 @@ class VLLMServerEngine:
 
     def _connect(self) -> None:
         self.pool.connect(self.config.wait_for_server_s)
+        if self.transfer is not None:  # each server's group now: a server that cannot receive fails before training
+            self.pool.on_each(self.transfer.connect)
+            return
         self.sync_dir = self.config.weight_sync_dir
         if self.sync_dir is None:
             shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -180,6 +186,9 @@ class VLLMServerEngine:
         _on_rank0_then_share(lambda: self._push(iter(named_tensors)), self.rank, self.world_size)
 
     def _push(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        if self.transfer is not None:
+            self._broadcast(named_tensors)
+            return
         self._write(named_tensors, self.sync_dir)
         self.pool.upload(self.sync_dir, "current")  # uploaded, checked and committed before a server is touched
 
@@ -189,6 +198,22 @@ class VLLMServerEngine:
 
         self.pool.on_each(reload)
         self.pool.readmit(self.pool.recover(), reload)
+
+    def _broadcast(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """`weight_transfer: gloo | nccl`: to the servers in service and any that answer again, at once; a server
+        that failed is taken out (or stops the run), one that came back and took the weights is readmitted."""
+        try:
+            recovered = self.pool.recover()
+            for server in recovered:
+                self.transfer.forget(server)  # restarted: its workers join a new group
+            failed = self.transfer.push([*self.pool.in_service(), *recovered], named_tensors)
+        finally:
+            for _ in named_tensors:  # after a failure, the other ranks still gather through the rest of the stream
+                pass
+        for server, err in failed.items():
+            if server.in_service:
+                self.pool.take_out(server, err)
+        self.pool.readmit([server for server in recovered if server not in failed], lambda server: None)
 
     def _load_into(self, server: RolloutServer, directory: str, tag: str) -> None:
         """Have `server` reload the weights written to `directory` as `tag`: from there, or from its receiver's copy

@@ -18,13 +18,18 @@ import urllib.request
 from typing import Any, Callable, Optional, Sequence
 
 from lit_rl.errors import LitRLError
+from lit_rl.rollout.config import VLLM_TRANSFER_BACKENDS
 
 
-def server_command(model: str, port: int, host: str = "127.0.0.1", cpu: bool = True) -> tuple[list[str], dict]:
+def server_command(
+    model: str, port: int, host: str = "127.0.0.1", cpu: bool = True, weight_transfer: str = "file"
+) -> tuple[list[str], dict]:
     """The documented command that starts a vLLM server lit-rl can drive: (argv, extra environment).
 
     `--logprobs-mode processed_logprobs` reports the log-probs of the distribution sampled from (what the
-    trainer recomputes); `--generation-config vllm` ignores the repository's sampling defaults.
+    trainer recomputes); `--generation-config vllm` ignores the repository's sampling defaults. With
+    `weight_transfer` gloo or nccl (`model.vllm.weight_transfer`), `--weight-transfer-config` names the engine
+    that receives the broadcast weights.
     """
     argv = [
         sys.executable,
@@ -43,6 +48,8 @@ def server_command(model: str, port: int, host: str = "127.0.0.1", cpu: bool = T
         "--generation-config",
         "vllm",
     ]
+    if weight_transfer in VLLM_TRANSFER_BACKENDS:
+        argv += ["--weight-transfer-config", json.dumps({"backend": VLLM_TRANSFER_BACKENDS[weight_transfer]})]
     env = {"VLLM_SERVER_DEV_MODE": "1"}
     if cpu:
         argv += ["--dtype", "float32", "--enforce-eager"]
@@ -65,11 +72,12 @@ class LocalVLLMServer:
         cpu: bool = True,
         extra_args: Sequence[str] = (),
         timeout_s: float = 600,
+        weight_transfer: str = "file",
     ) -> None:
         import subprocess
 
         port = port or free_port()
-        argv, env = server_command(model, port, cpu=cpu)
+        argv, env = server_command(model, port, cpu=cpu, weight_transfer=weight_transfer)
         self.url = f"http://127.0.0.1:{port}"
         self._log = open(log_path, "w")
         try:

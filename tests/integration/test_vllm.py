@@ -43,11 +43,12 @@ def _vllm_env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory):
-    """The documented server command, on 127.0.0.1 and a free port, serving the shipped SFT policy."""
+    """The documented server command, on 127.0.0.1 and a free port, serving the shipped SFT policy; it can also
+    receive weights broadcast over gloo (`model.vllm.weight_transfer: gloo`), which the file reloads ignore."""
     log = tmp_path_factory.mktemp("vllm_server") / "server.log"
     model = str(REPO / "lit_rl" / "assets" / "tiny-qwen2-addition-sft")
     try:
-        server = LocalVLLMServer(model, str(log), extra_args=["--max-model-len", "128"])
+        server = LocalVLLMServer(model, str(log), extra_args=["--max-model-len", "128"], weight_transfer="gloo")
     except RolloutServerError as err:
         pytest.fail(f"{err}:\n{log.read_text()[-3000:]}")
     yield server.url
@@ -83,9 +84,11 @@ def test_colocated_engine_samples_from_the_pushed_weights(lora):
     _check_push(_logprob_check("colocate", *lora))
 
 
-@pytest.mark.parametrize("lora", [(), ("--lora",)], ids=["full", "lora"])
-def test_server_engine_samples_from_the_pushed_weights(vllm_server, lora):
-    _check_push(_logprob_check("server", vllm_server, *lora))
+# "gloo": the weights are broadcast to the server's worker (`model.vllm.weight_transfer: gloo`) instead of read
+# from files.
+@pytest.mark.parametrize("options", [(), ("--lora",), ("--gloo",)], ids=["full", "lora", "gloo"])
+def test_server_engine_samples_from_the_pushed_weights(vllm_server, options):
+    _check_push(_logprob_check("server", vllm_server, *options))
 
 
 def _fit(tmp_path: Path, name: str, *args: str, algorithm: str = "grpo", max_steps: int = 4) -> Path:
@@ -363,6 +366,19 @@ def test_episodes_score_the_engines_tokens_with_the_colocated_and_the_server_eng
         _check_run(log_dir)
         for row in train_rows(log_dir):
             assert row["train/turns"] > 1 and row["train/env_tokens"] > 0, (name, row)
+
+
+def test_grpo_broadcasts_the_weights_to_the_server_over_gloo_without_a_file(tmp_path, vllm_server):
+    """`model.vllm.weight_transfer: gloo`: every push goes to the server's worker by broadcast through vLLM's
+    weight-transfer endpoints, and vLLM samples from the trainer's policy (log-prob gap < 1e-4 on every step, at a
+    learning rate that would show stale weights); no weight file is written anywhere."""
+    sync_dir = tmp_path / "never_written"
+    server_args = (*SERVER, "--model.vllm.server_url", vllm_server, "--model.vllm.weight_transfer", "gloo")
+    log_dir = _fit(tmp_path, "server_gloo", *server_args, "--model.vllm.weight_sync_dir", str(sync_dir))
+    _check_run(log_dir)
+    pushes = [int(float(row["step"])) for row in _rows_with(log_dir, "perf/weight_push_s")]
+    assert pushes == [1, 2, 3, 4]
+    assert not sync_dir.exists()
 
 
 def test_the_server_engine_uploads_weights_to_a_receiver_beside_the_server(tmp_path, vllm_server):

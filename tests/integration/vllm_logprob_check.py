@@ -3,13 +3,15 @@
     python tests/integration/vllm_logprob_check.py colocate
     python tests/integration/vllm_logprob_check.py server http://127.0.0.1:PORT
     python tests/integration/vllm_logprob_check.py colocate --lora
+    python tests/integration/vllm_logprob_check.py server http://127.0.0.1:PORT --gloo
 
 The engine starts from the shipped SFT policy's weights. The trainer's copy is then perturbed; completions sampled
 before the push are scored by the trainer (their log-prob difference is large), the weights are pushed, and
 completions sampled after it are scored again (the difference is rounding). With `--lora` the policy is the SFT
 model with a LoRA adapter, and only the adapter is perturbed: the engine receives the merged weights.
 Weights go through the training path (`policy_weight_stream`) in small buckets, so a push spans several buckets
-(and the server engine writes several files). Prints one JSON line.
+(and the server engine writes several files, or with `--gloo` broadcasts several chunks to a server started with
+`--weight-transfer-config '{"backend": "lit_rl_gloo"}'`). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def max_logprob_diff(engine, policy, prompt_ids, prompt_mask, params) -> tuple[f
     return diff, int(out.completion_mask.sum())
 
 
-def main(mode: str, url: str | None, lora: bool) -> None:
+def main(mode: str, url: str | None, lora: bool, gloo: bool = False) -> None:
     from lit_rl.models import load_causal_lm, load_tokenizer, resolve_model_path
     from lit_rl.rollout import SamplingParams, VLLMConfig
     from lit_rl.rollout.hf import model_eos_token_ids
@@ -63,7 +65,10 @@ def main(mode: str, url: str | None, lora: bool) -> None:
     else:
         from lit_rl.rollout.server import VLLMServerEngine
 
-        config = VLLMConfig(mode="server", server_url=url, push_bucket_mib=BUCKET_BYTES / 2**20)
+        transfer = "gloo" if gloo else "auto"
+        config = VLLMConfig(
+            mode="server", server_url=url, push_bucket_mib=BUCKET_BYTES / 2**20, weight_transfer=transfer
+        )
         engine = VLLMServerEngine(config, eos_ids, tokenizer.pad_token_id)
     engine.update_weights(policy_weight_stream(policy, BUCKET_BYTES))  # the engine holds the SFT weights
 
@@ -88,4 +93,5 @@ def main(mode: str, url: str | None, lora: bool) -> None:
 
 if __name__ == "__main__":
     positional = [arg for arg in sys.argv[1:] if not arg.startswith("--")]
-    main(positional[0], positional[1] if len(positional) > 1 else None, lora="--lora" in sys.argv)
+    url = positional[1] if len(positional) > 1 else None
+    main(positional[0], url, lora="--lora" in sys.argv, gloo="--gloo" in sys.argv)

@@ -1,0 +1,198 @@
+"""`model.vllm.weight_transfer: gloo` without a vLLM server: stdlib servers in threads play its HTTP side, and the
+receiving end is lit-rl's real vLLM engine (`lit_rl.rollout.vllm_transfer_plugin`) joining the trainer's gloo group
+as vLLM's workers do. Checked: the weights that arrive, the order of the calls (resumed only after the finish), the
+chunks, failures (left paused, taken out or the run stopped), a server without the engine, and the config checks."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lit_rl.errors import ConfigError
+from lit_rl.rollout import VLLMConfig
+from lit_rl.rollout.collective_transfer import weight_chunks
+from lit_rl.rollout.config import check_vllm_config
+from lit_rl.rollout.server import RolloutServerError, VLLMServerEngine
+from tests.fake_vllm import completions_answer
+
+pytest.importorskip("vllm")
+from lit_rl.rollout.vllm_transfer_plugin import GlooWeightTransferEngine  # noqa: E402
+
+WEIGHTS = [("model.embed_tokens.weight", torch.randn(6, 4)), ("model.norm.weight", torch.randn(4))]
+WEIGHTS += [(f"model.layers.{i}.mlp.weight", torch.randn(8, 4, dtype=torch.bfloat16)) for i in range(3)]
+
+
+class FakeWorker:
+    """One vLLM server with one worker: its HTTP answers, and lit-rl's gloo engine receiving into `loaded`.
+    `fail_update`: the `/update_weights` call (counting from 1) that fails with a 500 before receiving."""
+
+    def __init__(self, fail_update: int = 0, has_engine: bool = True) -> None:
+        self.loaded: list[tuple[str, torch.Tensor]] = []
+        self.chunks: list[list[str]] = []
+        self.fail_update = fail_update
+        self.has_engine = has_engine
+        engine = object.__new__(GlooWeightTransferEngine)  # what vLLM's worker builds, minus the model
+        engine.parallel_config = SimpleNamespace(data_parallel_index=0, world_size=1, rank=0)
+        engine.model = SimpleNamespace(load_weights=lambda pairs: self.loaded.extend(pairs))
+        engine.device = torch.device("cpu")
+        engine.group = None
+        self.engine = engine
+
+    def __call__(self, path, body):
+        if path == "/collective_rpc":
+            return {"results": [None]} if self.has_engine else (500, {"error": "Weight transfer not configured"})
+        if path == "/init_weight_transfer_engine":
+            self.engine.init_transfer_engine(self.engine.parse_init_info(body["init_info"]))
+            return {}
+        if path == "/update_weights":
+            self.chunks.append(body["update_info"]["names"])
+            if len(self.chunks) == self.fail_update:
+                return (500, {"error": "worker died"})
+            self.engine.update_weights(body["update_info"])
+            return {}
+        return completions_answer(path, body)
+
+
+def _engine(servers, **config):
+    urls = [s.url for s in servers]
+    config = {"request_timeout_s": 20.0, **config}
+    vllm = VLLMConfig(mode="server", server_urls=urls, weight_transfer="gloo", max_retries=0, **config)
+    check_vllm_config(vllm)
+    return VLLMServerEngine(vllm, eos_token_ids=[2], pad_token_id=0)
+
+
+def _calls(server):
+    return [path for _, path, _ in server.requests if path not in ("/health", "/v1/models", "/v1/completions")]
+
+
+def test_the_weights_are_broadcast_in_chunks_between_pause_and_resume(fake_server):
+    workers = [FakeWorker(), FakeWorker()]
+    servers = [fake_server((200, worker, 0)) for worker in workers]
+    engine = _engine(servers, push_bucket_mib=160 / 2**20)  # chunks of 160 bytes: 96 + 16, then 64 + 64, then 64
+    engine.update_weights(iter(WEIGHTS))
+    for worker, server in zip(workers, servers):
+        assert [name for name, _ in worker.loaded] == [name for name, _ in WEIGHTS]
+        for (_, got), (_, sent) in zip(worker.loaded, WEIGHTS):
+            assert got.dtype == sent.dtype and torch.equal(got, sent)
+        assert worker.chunks == [
+            ["model.embed_tokens.weight", "model.norm.weight"],
+            ["model.layers.0.mlp.weight", "model.layers.1.mlp.weight"],
+            ["model.layers.2.mlp.weight"],
+        ]
+        updates = ["/update_weights"] * 3
+        assert _calls(server) == [
+            "/collective_rpc",  # its workers, counted at connect
+            "/init_weight_transfer_engine",
+            "/pause?mode=wait",
+            "/start_weight_update",
+            *updates,
+            "/finish_weight_update",
+            "/reset_prefix_cache",
+            "/resume",
+        ]
+    # A second push reuses the groups.
+    engine.update_weights(iter([(name, tensor + 1) for name, tensor in WEIGHTS]))
+    assert torch.equal(workers[0].loaded[-1][1], WEIGHTS[-1][1] + 1)
+    assert _calls(servers[1]).count("/init_weight_transfer_engine") == 1
+
+
+def test_a_server_failing_mid_transfer_is_left_paused_taken_out_and_back_whole_at_the_next_push(fake_server, caplog):
+    good, bad = FakeWorker(), FakeWorker(fail_update=2)
+    servers = [fake_server((200, good, 0)), fake_server((200, bad, 0))]
+    engine = _engine(servers, on_server_failure="continue", push_bucket_mib=160 / 2**20)
+    with caplog.at_level(logging.WARNING, logger="lit_rl.rollout.server_pool"):
+        engine.update_weights(iter(WEIGHTS))
+    assert len(good.loaded) == len(WEIGHTS) and _calls(servers[0])[-1] == "/resume"
+    # Half-loaded: never resumed, never finished, and no later chunk sent.
+    assert "/resume" not in _calls(servers[1]) and "/finish_weight_update" not in _calls(servers[1])
+    assert len(bad.chunks) == 2
+    warnings = [record.getMessage() for record in caplog.records]
+    assert len(warnings) == 1 and servers[1].url in warnings[0] and "left paused" in warnings[0]
+    assert "worker died" in warnings[0] and "\n" not in warnings[0]
+    # It still answers /health: the next push forms its group again and gives it every weight, then resumes it.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lit_rl.rollout.server_pool"):
+        engine.update_weights(iter(WEIGHTS))
+    assert len(good.loaded) == 2 * len(WEIGHTS) and len(bad.chunks) == 2 + 3
+    assert [name for name, _ in bad.loaded[-len(WEIGHTS) :]] == [name for name, _ in WEIGHTS]
+    assert _calls(servers[1]).count("/init_weight_transfer_engine") == 2 and _calls(servers[1])[-1] == "/resume"
+    assert [record.getMessage() for record in caplog.records] == [
+        f"vLLM server {servers[1].url} answers again: back in service with the current weights"
+    ]
+
+
+def test_a_server_back_without_its_engine_stays_out_and_the_run_goes_on(fake_server, caplog):
+    good, bad = FakeWorker(), FakeWorker(fail_update=1)
+    servers = [fake_server((200, good, 0)), fake_server((200, bad, 0))]
+    engine = _engine(servers, on_server_failure="continue")
+    engine.update_weights(iter(WEIGHTS))  # `bad` fails and is taken out
+    bad.has_engine = False  # restarted without --weight-transfer-config
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lit_rl.rollout.server_pool"):
+        engine.update_weights(iter(WEIGHTS))
+    assert len(good.loaded) == 2 * len(WEIGHTS) and caplog.records == []
+    assert [server.url for server in engine.pool.in_service()] == [servers[0].url]
+
+
+def test_by_default_a_failed_transfer_stops_the_run_in_one_line(fake_server):
+    server = fake_server((200, FakeWorker(fail_update=1), 0))
+    engine = _engine([server])
+    with pytest.raises(RolloutServerError, match="the weight transfer failed") as info:
+        engine.update_weights(iter(WEIGHTS))
+    assert server.url in str(info.value) and "\n" not in str(info.value)
+    assert "/resume" not in _calls(server)
+
+
+def test_a_server_without_the_engine_is_refused_before_training_saying_how_to_start_it(fake_server):
+    server = fake_server((200, FakeWorker(has_engine=False), 0))
+    with pytest.raises(RolloutServerError) as info:
+        _engine([server])
+    message = str(info.value)
+    assert server.url in message and '--weight-transfer-config \'{"backend": "lit_rl_gloo"}\'' in message
+    assert "\n" not in message
+
+
+def test_chunks_are_copies_that_outlive_the_stream():
+    source = [("a", torch.ones(4)), ("b", torch.ones(2, 2).t()), ("c", torch.ones(100))]
+    chunks = list(weight_chunks(iter(source), chunk_bytes=32, device=torch.device("cpu")))
+    assert [[name for name, _ in chunk] for chunk in chunks] == [["a", "b"], ["c"]]  # a chunk at most 32 bytes...
+    for _, tensor in source:  # ...unless one tensor is larger
+        tensor.zero_()
+    assert all(bool((t == 1).all()) and t.is_contiguous() for chunk in chunks for _, t in chunk)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"weights_url": "http://10.0.0.2:8010"}, "model.vllm.weights_url(s) is for weight_transfer: http"),
+        ({"transfer_port": 70000}, "model.vllm.transfer_port must be in 0..65535"),
+        ({"transfer_port": 65535, "server_urls": ["http://127.0.0.1:1", "http://127.0.0.1:2"]}, "no port for each"),
+        ({"server_url": "http://10.0.0.2:8000"}, "set model.vllm.transfer_address to this machine's address"),
+    ],
+)
+def test_bad_transfer_settings_are_refused_in_one_line_naming_the_key(settings, message):
+    with pytest.raises(ConfigError) as info:
+        check_vllm_config(VLLMConfig(mode="server", weight_transfer="gloo", **settings))
+    assert message in str(info.value)
+
+
+def test_asynchronous_rollouts_are_refused_with_a_broadcast_transfer():
+    from lit_rl.algorithms.rollout_checks import check_max_staleness
+
+    with pytest.raises(ConfigError, match="max_staleness > 0 is not supported with model.vllm.weight_transfer: gloo"):
+        check_max_staleness(1, VLLMConfig(mode="server", weight_transfer="gloo"))
+
+
+def test_vllm_finds_the_gloo_engine_through_the_installed_plugin_entry_point():
+    from importlib.metadata import entry_points
+
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    (plugin,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "lit_rl_gloo"]
+    register = plugin.load()
+    register()
+    register()  # vLLM may load its plugins more than once in a process
+    assert WeightTransferEngineFactory._registry["lit_rl_gloo"]() is GlooWeightTransferEngine
