@@ -34,6 +34,7 @@ class FakeWorker:
         self.chunks: list[list[str]] = []
         self.fail_update = fail_update
         self.has_engine = has_engine
+        self.active = False
         engine = object.__new__(GlooWeightTransferEngine)  # what vLLM's worker builds, minus the model
         engine.parallel_config = SimpleNamespace(data_parallel_index=0, world_size=1, rank=0)
         engine.model = SimpleNamespace(load_weights=lambda pairs: self.loaded.extend(pairs))
@@ -42,16 +43,38 @@ class FakeWorker:
         self.engine = engine
 
     def __call__(self, path, body):
+        # The worker's update session as vLLM keeps it (`_weight_update_active`): begun by a start, ended by a
+        # finish or by an update that fails inside the worker.
         if path == "/collective_rpc":
             return {"results": [None]} if self.has_engine else (500, {"error": "Weight transfer not configured"})
+        if path == "/get_world_size?include_dp=true":
+            return {"world_size": 1}
         if path == "/init_weight_transfer_engine":
             self.engine.init_transfer_engine(self.engine.parse_init_info(body["init_info"]))
             return {}
+        if path == "/start_weight_update":
+            if self.active:
+                return (500, {"error": "start_weight_update called while a weight update is already active"})
+            self.active = True
+            return {}
         if path == "/update_weights":
-            self.chunks.append(body["update_info"]["names"])
+            if not self.active:
+                return (500, {"error": "start_weight_update must be called before update_weights"})
+            try:
+                info = self.engine.parse_update_info(body["update_info"])
+            except ValueError as err:
+                self.active = False
+                return (500, {"error": str(err)})
+            self.chunks.append(info.names)
             if len(self.chunks) == self.fail_update:
+                self.active = False
                 return (500, {"error": "worker died"})
-            self.engine.update_weights(body["update_info"])
+            self.engine.receive_weights(info)
+            return {}
+        if path == "/finish_weight_update":
+            if not self.active:
+                return (500, {"error": "finish_weight_update called without a matching start_weight_update"})
+            self.active = False
             return {}
         return completions_answer(path, body)
 
@@ -84,7 +107,10 @@ def test_the_weights_are_broadcast_in_chunks_between_pause_and_resume(fake_serve
         ]
         updates = ["/update_weights"] * 3
         assert _calls(server) == [
-            "/collective_rpc",  # its workers, counted at connect
+            "/collective_rpc",  # at connect: its workers have the engine...
+            "/get_world_size?include_dp=true",  # ...and this many of them
+            "/update_weights",  # malformed: ends an update an earlier trainer left unfinished (here none)
+            "/shutdown_weight_transfer_engine",
             "/init_weight_transfer_engine",
             "/pause?mode=wait",
             "/start_weight_update",
@@ -97,6 +123,14 @@ def test_the_weights_are_broadcast_in_chunks_between_pause_and_resume(fake_serve
     engine.update_weights(iter([(name, tensor + 1) for name, tensor in WEIGHTS]))
     assert torch.equal(workers[0].loaded[-1][1], WEIGHTS[-1][1] + 1)
     assert _calls(servers[1]).count("/init_weight_transfer_engine") == 1
+
+
+def test_an_update_left_unfinished_by_an_earlier_trainer_is_ended_before_the_first_push(fake_server):
+    worker = FakeWorker()
+    worker.active = True  # its last trainer died between start and finish
+    engine = _engine([fake_server((200, worker, 0))])
+    engine.update_weights(iter(WEIGHTS))
+    assert [name for name, _ in worker.loaded] == [name for name, _ in WEIGHTS] and not worker.active
 
 
 def test_a_server_failing_mid_transfer_is_left_paused_taken_out_and_back_whole_at_the_next_push(fake_server, caplog):
@@ -171,6 +205,7 @@ def test_chunks_are_copies_that_outlive_the_stream():
         ({"transfer_port": 70000}, "model.vllm.transfer_port must be in 0..65535"),
         ({"transfer_port": 65535, "server_urls": ["http://127.0.0.1:1", "http://127.0.0.1:2"]}, "no port for each"),
         ({"server_url": "http://10.0.0.2:8000"}, "set model.vllm.transfer_address to this machine's address"),
+        ({"transfer_address": "0.0.0.0"}, "model.vllm.transfer_address must be this machine's address"),
     ],
 )
 def test_bad_transfer_settings_are_refused_in_one_line_naming_the_key(settings, message):
@@ -179,11 +214,27 @@ def test_bad_transfer_settings_are_refused_in_one_line_naming_the_key(settings, 
     assert message in str(info.value)
 
 
-def test_asynchronous_rollouts_are_refused_with_a_broadcast_transfer():
-    from lit_rl.algorithms.rollout_checks import check_max_staleness
+def test_asynchronous_generations_broadcast_each_staged_version_once_to_every_server(fake_server):
+    from tests.test_server_pool import MASK, PARAMS, PROMPTS
 
-    with pytest.raises(ConfigError, match="max_staleness > 0 is not supported with model.vllm.weight_transfer: gloo"):
-        check_max_staleness(1, VLLMConfig(mode="server", weight_transfer="gloo"))
+    workers = [FakeWorker(), FakeWorker()]
+    servers = [fake_server((200, worker, 0)) for worker in workers]
+    engine = _engine(servers)
+    weights = [(name, tensor.clone()) for name, tensor in WEIGHTS]
+    for version in (1, 1, 2):
+        if version not in engine._staged:
+            engine.stage_weights(iter(weights), version)
+            staged = [tensor.clone() for _, tensor in weights]
+            for _, tensor in weights:
+                tensor.add_(1)  # the next optimizer step: the staged copy must not follow it
+        engine.collect(engine.submit(PROMPTS, MASK, PARAMS, seeds=list(range(8)), version=version))
+        for worker in workers:
+            assert all(torch.equal(got, want) for (_, got), want in zip(worker.loaded[-len(WEIGHTS) :], staged))
+    engine.close()
+    for worker, server in zip(workers, servers):
+        assert len(worker.loaded) == 2 * len(WEIGHTS)  # versions 1 and 2, once each
+        assert _calls(server).count("/resume") == 2
+    assert list(engine._staged) == []  # version 1 went once 2 was loaded; close() dropped 2
 
 
 def test_vllm_finds_the_gloo_engine_through_the_installed_plugin_entry_point():
@@ -196,3 +247,9 @@ def test_vllm_finds_the_gloo_engine_through_the_installed_plugin_entry_point():
     register()
     register()  # vLLM may load its plugins more than once in a process
     assert WeightTransferEngineFactory._registry["lit_rl_gloo"]() is GlooWeightTransferEngine
+
+
+def test_nccl_is_refused_in_one_line_on_a_trainer_without_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="weight_transfer: nccl needs a CUDA GPU beside the trainer; use gloo"):
+        check_vllm_config(VLLMConfig(mode="server", weight_transfer="nccl"))

@@ -26,11 +26,6 @@ def check_max_staleness(max_staleness: int, vllm: Optional[VLLMConfig]) -> None:
             f"model.max_staleness > 0 is not supported with model.vllm.mode: {vllm.mode} yet (the engine shares "
             "the trainer's process and device): use model.vllm.mode: server (configs/rollout/vllm_server.yaml)"
         )
-    if vllm.broadcasts_weights:
-        raise ConfigError(
-            f"model.max_staleness > 0 is not supported with model.vllm.weight_transfer: {vllm.weight_transfer} yet "
-            "(versions are staged as files for the worker thread): use weight_transfer file or http"
-        )
 
 
 def check_rollout_args(args: dict[str, Any], min_generations: int = 2) -> None:

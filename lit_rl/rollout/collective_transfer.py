@@ -25,6 +25,7 @@ chunk outlives the weight stream's gather bucket, `lit_rl.rollout.weights`): ran
 
 from __future__ import annotations
 
+import ctypes
 import socket
 import threading
 import time
@@ -43,14 +44,29 @@ class TransferGroup(Protocol):
     """Rank 0's end of one server's group."""
 
     def broadcast(self, tensor: torch.Tensor, give_up: Callable[[], bool]) -> None:
-        """Send `tensor` to the workers; return early, leaving it unsent, once `give_up()` (they will not take it)."""
+        """Send `tensor` to the workers and wait until it is sent; return early, leaving it unsent, once `give_up()`
+        (they will not take it), or raise `RuntimeError` after the group's timeout."""
         ...
 
-    def synchronize(self) -> None: ...
+    def abandon(self) -> None:
+        """The group will not be used again (it failed): release what can be released without waiting."""
+        ...
 
 
 def tcp_uri(address: str, port: int) -> str:
     return f"tcp://[{address}]:{port}" if ":" in address else f"tcp://{address}:{port}"
+
+
+def _wait_until(done: Callable[[], bool], give_up: Callable[[], bool], timeout_s: float, what: str) -> bool:
+    """Poll `done()` until it holds (True), `give_up()` does (False), or `timeout_s` passes (RuntimeError)."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if give_up():
+            return False
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not complete within {timeout_s:g} s")
+        time.sleep(0.001)
+    return True
 
 
 class GlooGroup:
@@ -58,48 +74,64 @@ class GlooGroup:
     forms the workers' end (the same store keys), with torch alone: the trainer needs no vLLM installed."""
 
     def __init__(self, address: str, port: int, world_size: int, timeout_s: float) -> None:
-        from torch.distributed import PrefixStore, rendezvous
+        from torch.distributed import PrefixStore, TCPStore
         from torch.distributed.distributed_c10d import ProcessGroupGloo
 
         uri = tcp_uri(address, port)
         timeout = timedelta(seconds=timeout_s)
-        self.store, _, _ = next(rendezvous(uri, 0, world_size, timeout=timeout))  # rank 0 hosts it
-        self.store.set_timeout(timeout)
+        # Rank 0 hosts the store itself (not through `rendezvous`, which under torchrun would only connect to the
+        # agent's store); it waits for every worker to connect.
+        self.store = TCPStore(address, port, world_size, True, timeout=timeout, multi_tenant=True)
         self.backend = ProcessGroupGloo(PrefixStore(uri, self.store), 0, world_size, timeout=timeout)
         self.backend._set_sequence_number_for_group()  # the workers wait for rank 0's sequence number
         self.options = torch.distributed.BroadcastOptions()
         self.options.rootRank = 0
+        self.timeout_s = timeout_s
+        self.pending: list[Any] = []  # sends given up on
 
     def broadcast(self, tensor: torch.Tensor, give_up: Callable[[], bool]) -> None:
         # A send completes only when the workers receive it: polled, so a worker that refused the chunk (its
         # `/update_weights` failed) is not waited for until the group's timeout.
         work = self.backend.broadcast([tensor], self.options)
-        while not work.is_completed():
-            if give_up():
-                return
-            time.sleep(0.001)
-        work.wait()  # raises the send's error, if it failed
+        if _wait_until(work.is_completed, give_up, self.timeout_s + 5.0, "a gloo broadcast"):
+            work.wait()  # raises the send's error, if it failed
+        else:
+            self.pending.append((work, tensor))
 
-    def synchronize(self) -> None:
-        pass  # a gloo broadcast has been sent when it returns
+    def abandon(self) -> None:
+        if self.pending:
+            # Destroying a gloo group with a send in flight blocks until the send times out (`request_timeout_s`):
+            # a failed server would stall the push, and the run's exit. Such a group is kept alive for good.
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(self))
 
 
 class NcclGroup:
-    """vLLM's NCCL communicator as rank 0 (needs vLLM and a GPU beside the trainer)."""
+    """vLLM's NCCL communicator as rank 0 (needs vLLM and a GPU beside the trainer), on a stream of its own, so a
+    broadcast that never completes (a worker that refused its chunk) can be given up on and the communicator
+    aborted, instead of hanging the training stream."""
 
-    def __init__(self, address: str, port: int, world_size: int, timeout_s: float) -> None:
+    def __init__(self, address: str, port: int, world_size: int, timeout_s: float, device: torch.device) -> None:
         from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
-        self.comm = trainer_init({"master_address": address, "master_port": port, "world_size": world_size})
+        with torch.cuda.device(device):
+            self.comm = trainer_init({"master_address": address, "master_port": port, "world_size": world_size})
+            self.stream = torch.cuda.Stream(device)
+        self.device = device
+        self.timeout_s = timeout_s
 
     def broadcast(self, tensor: torch.Tensor, give_up: Callable[[], bool]) -> None:
-        self.comm.broadcast(tensor, src=0, stream=torch.cuda.current_stream())  # enqueued on the stream
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the copy into `tensor` comes first
+        self.comm.broadcast(tensor, src=0, stream=self.stream)
+        tensor.record_stream(self.stream)
+        sent = torch.cuda.Event()
+        sent.record(self.stream)
+        if not _wait_until(sent.query, give_up, self.timeout_s, "an NCCL broadcast"):
+            self.abandon()
 
-    def synchronize(self) -> None:
-        torch.cuda.current_stream().synchronize()
-
-
-GROUPS = {"gloo": GlooGroup, "nccl": NcclGroup}
+    def abandon(self) -> None:
+        if self.comm is not None:
+            self.comm.destroy()  # aborts the communicator: a broadcast stuck in it ends
+            self.comm = None
 
 
 def weight_chunks(
@@ -119,6 +151,12 @@ def weight_chunks(
         size += nbytes
     if chunk:
         yield chunk
+
+
+def host_copies(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Contiguous host copies of the whole stream: a staged version (asynchronous rollouts) that outlives the
+    training step which made it, until the worker thread broadcasts it."""
+    return [pair for chunk in weight_chunks(named_tensors, 2**62, torch.device("cpu")) for pair in chunk]
 
 
 def chunk_info(chunk: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any]:
@@ -145,8 +183,10 @@ class CollectiveTransfer:
 
     # -- groups ----------------------------------------------------------------------------------------------
     def connect(self, server: RolloutServer) -> None:
-        """Form `server`'s group: learn its workers, ask them to join, and host the rendezvous meanwhile."""
+        """Form `server`'s group: learn its workers, clear what an earlier trainer may have left, ask the workers to
+        join, and host the rendezvous meanwhile."""
         workers = self._count_workers(server)
+        self._clear_stale_update(server)
         port = self.first_port + self.order[server.url] if self.first_port else _free_port(self.address)
         init_info: dict[str, Any] = {
             "master_address": self.address,
@@ -159,40 +199,62 @@ class CollectiveTransfer:
         body = {"init_info": init_info}
         joined = _Background(lambda: server.client.request("POST", "/init_weight_transfer_engine", body, retries=0))
         try:
-            group = GROUPS[self.kind](self.address, port, 1 + workers, self.timeout_s)
+            group = self._open_group(port, 1 + workers)
         except Exception as err:  # no worker came: the request's own error says why, if it has one
             joined.wait(timeout=5.0)
             raise ServerDownError(
                 f"vLLM server {server.url}: its workers did not join the weight transfer at "
-                f"{tcp_uri(self.address, port)} ({joined.error or err}); can the server reach "
+                f"{tcp_uri(self.address, port)} ({_one_line(joined.error or err)}); can the server reach "
                 "model.vllm.transfer_address?"
             ) from None
         joined.result(self.timeout_s, server.url)
         self.groups[server.url] = group
 
+    def _open_group(self, port: int, world_size: int) -> TransferGroup:
+        if self.kind == "nccl":
+            return NcclGroup(self.address, port, world_size, self.timeout_s, self.device)
+        return GlooGroup(self.address, port, world_size, self.timeout_s)
+
     def _count_workers(self, server: RolloutServer) -> int:
-        """How many workers `server` has, asking each whether it has a weight-transfer engine (it raises if not)."""
+        """How many workers `server` has (all its data-parallel replicas), after checking that each has a
+        weight-transfer engine (`_check_weight_transfer_engine` raises on a worker without one)."""
         backend = VLLM_TRANSFER_BACKENDS[self.kind]
         try:
             rpc = {"method": "_check_weight_transfer_engine"}
-            answer = server.client.request("POST", "/collective_rpc", rpc, retries=0)
+            server.client.request("POST", "/collective_rpc", rpc, retries=0)
+            answer = server.client.request("GET", "/get_world_size?include_dp=true", retries=0)
         except ServerDownError:
             server.client.check_health(self.timeout_s)  # down: raises ServerDownError; up: it has no engine
             answer = None
         except RolloutServerError:
             answer = None
-        results = answer.get("results") if isinstance(answer, dict) else None
-        if not results:
+        world_size = answer.get("world_size") if isinstance(answer, dict) else None
+        if not isinstance(world_size, int) or world_size < 1:
             raise RolloutServerError(
-                f"vLLM server {server.url} has no weight-transfer engine: start it with --weight-transfer-config "
-                f'\'{{"backend": "{backend}"}}\' (model.vllm.weight_transfer: {self.kind})'
+                f"vLLM server {server.url} has no weight-transfer engine: start it with VLLM_SERVER_DEV_MODE=1 and "
+                f'--weight-transfer-config \'{{"backend": "{backend}"}}\' (model.vllm.weight_transfer: {self.kind})'
                 + ("; lit-rl must be installed beside it, which registers the backend" if self.kind == "gloo" else "")
             )
-        return len(results)
+        return world_size
+
+    @staticmethod
+    def _clear_stale_update(server: RolloutServer) -> None:
+        """A server whose last update never finished (its trainer died, or a broadcast failed on the trainer's side)
+        refuses to start another. vLLM ends an update only when `finish` succeeds or an `update_weights` fails inside
+        the worker: a malformed one (its lists of unequal length) does, before any broadcast. Without an update in
+        progress it is refused and changes nothing. Then the old group goes (`/shutdown_weight_transfer_engine`)."""
+        malformed = {"update_info": {"names": ["-"], "dtype_names": [], "shapes": []}}
+        for path, body in (("/update_weights", malformed), ("/shutdown_weight_transfer_engine", None)):
+            try:
+                server.client.request("POST", path, body, retries=0)
+            except RolloutServerError:
+                pass  # expected for the malformed update; the next request says whether the server is up
 
     def forget(self, server: RolloutServer) -> None:
         """Drop `server`'s group (it failed): it is formed again before the server next gets weights."""
-        self.groups.pop(server.url, None)
+        group = self.groups.pop(server.url, None)
+        if group is not None:
+            group.abandon()
 
     # -- pushes ----------------------------------------------------------------------------------------------
     def push(
@@ -202,6 +264,14 @@ class CollectiveTransfer:
         it has acknowledged all of them; the servers that failed, each with its error (left paused, groups
         dropped). Consumes the whole stream whatever fails (under ZeRO-3 it is a collective)."""
         failed: dict[RolloutServer, ServerDownError] = {}
+        paused: set[RolloutServer] = set()
+
+        def begin(server: RolloutServer) -> None:
+            if server.url not in self.groups:
+                self.connect(server)
+            server.client.request("POST", "/pause?mode=wait")
+            paused.add(server)
+            server.client.request("POST", "/start_weight_update", retries=0)
 
         def each(fn, targets: Sequence[RolloutServer]) -> None:
             def run(server: RolloutServer) -> None:
@@ -213,9 +283,9 @@ class CollectiveTransfer:
                     setup = isinstance(err, RolloutServerError) and not isinstance(err, ServerDownError)
                     if setup and server.in_service and server.url not in self.groups:
                         raise
+                    left = "; it is left paused rather than serve half-loaded weights" if server in paused else ""
                     failed[server] = ServerDownError(
-                        f"vLLM server {server.url}: the weight transfer failed ({' '.join(str(err).split())[:300]}); "
-                        "it is left paused rather than serve half-loaded weights"
+                        f"vLLM server {server.url}: the weight transfer failed ({_one_line(err)[:300]}){left}"
                     )
                     self.forget(server)
 
@@ -227,17 +297,11 @@ class CollectiveTransfer:
         def live() -> list[RolloutServer]:
             return [server for server in servers if server not in failed]
 
-        each(self._begin, servers)
+        each(begin, servers)
         for chunk in weight_chunks(named_tensors, self.chunk_bytes, self.device):
             each(lambda server: self._send(server, chunk), live())
         each(self._finish, live())
         return failed
-
-    def _begin(self, server: RolloutServer) -> None:
-        if server.url not in self.groups:
-            self.connect(server)
-        server.client.request("POST", "/pause?mode=wait")
-        server.client.request("POST", "/start_weight_update", retries=0)
 
     def _send(self, server: RolloutServer, chunk: Sequence[tuple[str, torch.Tensor]]) -> None:
         group = self.groups[server.url]
@@ -249,7 +313,6 @@ class CollectiveTransfer:
                 if refused():
                     break
                 group.broadcast(tensor, give_up=refused)
-            group.synchronize()
         except RuntimeError:
             if received.wait(timeout=1.0) and received.error is not None:
                 raise received.error from None  # the worker's own error says more than the broken send
@@ -260,6 +323,10 @@ class CollectiveTransfer:
         server.client.request("POST", "/finish_weight_update", {}, retries=0)
         server.client.request("POST", "/reset_prefix_cache")
         server.client.request("POST", "/resume")
+
+
+def _one_line(err: object) -> str:
+    return " ".join(str(err).split())
 
 
 class _Background:

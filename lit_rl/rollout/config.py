@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import urllib.parse
 from dataclasses import dataclass
@@ -219,6 +220,16 @@ def _check_collective_transfer(config: VLLMConfig) -> None:
             f"model.vllm.weights_url(s) is for weight_transfer: http; with {config.weight_transfer} the weights are "
             "broadcast to the servers' workers: unset it"
         )
+    if config.transfer_address in ("0.0.0.0", "::", ""):
+        raise ConfigError(
+            f"model.vllm.transfer_address must be this machine's address as the servers reach it, not "
+            f"{config.transfer_address!r}"
+        )
+    if config.weight_transfer == "nccl" and config.mode == "server":
+        if not torch.cuda.is_available():
+            raise ConfigError("model.vllm.weight_transfer: nccl needs a CUDA GPU beside the trainer; use gloo")
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError("model.vllm.weight_transfer: nccl needs vLLM installed beside the trainer; use gloo")
     if not 0 <= config.transfer_port <= 65535:
         raise ConfigError(f"model.vllm.transfer_port must be in 0..65535 (0: free ports), got {config.transfer_port}")
     if config.transfer_port and config.transfer_port + len(config.server_endpoints()) - 1 > 65535:

@@ -17,9 +17,10 @@ reset its prefix cache and resume. With `weight_transfer: gloo | nccl` the weigh
 workers instead, with no file (`lit_rl.rollout.collective_transfer`).
 
 Asynchronous rollouts (`model.max_staleness > 0`, `lit_rl.rollout.producer`): the weights of each policy version
-are staged into their own subdirectory `v<version>/`, and rank 0 runs the submitted generations one after the
-other on a worker thread, each first reloading the version it was tagged with (so a completion never spans two
-versions), while the training thread goes on; the completions are scattered back when the trainer collects them.
+are staged into their own subdirectory `v<version>/` (with a broadcast transfer: as host copies on rank 0, one
+per version not yet loaded), and rank 0 runs the submitted generations one after the other on a worker thread, each
+first loading the version it was tagged with (so a completion never spans two versions), while the training thread
+goes on; the completions are scattered back when the trainer collects them.
 
 Several servers (`model.vllm.server_urls`, `lit_rl.rollout.server_pool`): each generation's requests are dealt out
 across them after a health check, and every push reaches all of them; a server that fails either stops the run or
@@ -42,7 +43,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 import torch
 
 from lit_rl.rollout.base import RolloutOutput, SamplingParams, draw_seeds, padded_output, unpadded_prompts
-from lit_rl.rollout.collective_transfer import CollectiveTransfer
+from lit_rl.rollout.collective_transfer import CollectiveTransfer, host_copies
 from lit_rl.rollout.config import VLLMConfig
 from lit_rl.rollout.server_client import (  # noqa: F401  (re-exported: the names users and tests import from here)
     LocalVLLMServer,
@@ -71,6 +72,7 @@ class VLLMServerEngine:
         self.rank, self.world_size = _rank_and_world()
         self.pool = ServerPool(config)
         self.transfer = CollectiveTransfer(config) if config.broadcasts_weights and self.rank == 0 else None
+        self._staged: dict[int, list[tuple[str, torch.Tensor]]] = {}  # version -> host copies (broadcast, async)
         self._worker: Optional[ThreadPoolExecutor] = None  # rank 0's background generations (asynchronous mode)
         self._own_sync_dir = False
         self.sync_dir: Optional[str] = None
@@ -199,17 +201,27 @@ class VLLMServerEngine:
         self.pool.on_each(reload)
         self.pool.readmit(self.pool.recover(), reload)
 
-    def _broadcast(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-        """`weight_transfer: gloo | nccl`: to the servers in service and any that answer again, at once; a server
-        that failed is taken out (or stops the run), one that came back and took the weights is readmitted."""
+    def _broadcast(
+        self,
+        named_tensors: Iterator[tuple[str, torch.Tensor]],
+        servers: Optional[Sequence[RolloutServer]] = None,
+        version: Optional[int] = None,
+    ) -> None:
+        """`weight_transfer: gloo | nccl`: to `servers` (default: those in service) and any that answer again, at
+        once; a server that failed is taken out (or stops the run), one that came back and took the weights is
+        readmitted. Those that took them hold `version` (None: a plain push)."""
         try:
             recovered = self.pool.recover()
             for server in recovered:
                 self.transfer.forget(server)  # restarted: its workers join a new group
-            failed = self.transfer.push([*self.pool.in_service(), *recovered], named_tensors)
+            targets = [*(self.pool.in_service() if servers is None else servers), *recovered]
+            failed = self.transfer.push(targets, named_tensors)
         finally:
             for _ in named_tensors:  # after a failure, the other ranks still gather through the rest of the stream
                 pass
+        for server in targets:
+            if server not in failed:
+                server.loaded = version
         for server, err in failed.items():
             if server.in_service:
                 self.pool.take_out(server, err)
@@ -251,11 +263,19 @@ class VLLMServerEngine:
         return os.path.join(self.sync_dir, f"v{version}")
 
     def stage_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Write the weights of `version` into their own directory for the generations tagged with it; the servers
-        load them when the first of those starts (see the module docstring). A collective, like `update_weights`."""
+        """Write the weights of `version` into their own directory for the generations tagged with it (with a
+        broadcast transfer: keep host copies of them); the servers load them when the first of those starts (see the
+        module docstring). A collective, like `update_weights`."""
         if self.rank != 0:
             for _ in named_tensors:
                 pass
+        if self.config.broadcasts_weights:  # nothing to send yet: the worker thread broadcasts them when needed
+
+            def stage() -> None:
+                self._staged[version] = host_copies(named_tensors)
+
+            _on_rank0_then_share(stage, self.rank, self.world_size)
+            return
 
         def write_and_send() -> None:
             self._write(iter(named_tensors), self._version_dir(version))
@@ -297,7 +317,11 @@ class VLLMServerEngine:
             server.loaded = version
 
         stale = [server for server in self.pool.in_service() if server.loaded != version]
-        if stale:
+        if stale and self.transfer is not None:
+            self._broadcast(iter(self._staged[version]), stale, version)
+            for old in [v for v in list(self._staged) if v < version]:  # never asked for again (versions only grow)
+                self._staged.pop(old, None)
+        elif stale:
             self.pool.on_each(load, stale)
             self.pool.readmit(self.pool.recover(), load)  # here, on the only thread that deals requests
             for name in os.listdir(self.sync_dir):  # older versions are never asked for again (versions only grow)
@@ -310,6 +334,7 @@ class VLLMServerEngine:
         return self._generate_all(per_rank, params)
 
     def close(self) -> None:
+        self._staged.clear()
         if self._worker is not None:
             self._worker.shutdown(wait=False, cancel_futures=True)
             self._worker = None

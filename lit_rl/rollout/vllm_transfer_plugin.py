@@ -79,6 +79,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.group = None
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        self.group = None  # a new trainer (or the same one, after a failure) replaces the old group
         parallel = self.parallel_config
         rank = init_info.rank_offset + parallel.data_parallel_index * parallel.world_size + parallel.rank
         self.group = stateless_init_torch_distributed_process_group(

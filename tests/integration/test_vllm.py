@@ -272,7 +272,7 @@ def test_dead_server_stops_the_run_with_one_line_naming_the_url(tmp_path):
     assert os.path.isdir(tmp_path / "dead")  # the run directory the trainer wrote before failing is kept
 
 
-def test_asynchronous_rollouts_with_the_server_engine_one_and_two_processes_alike(tmp_path, vllm_server):
+def test_asynchronous_rollouts_with_the_server_engine_one_and_two_processes_and_over_gloo_alike(tmp_path, vllm_server):
     # Generation g is sampled by the weights of step g - 1 on rank 0's worker thread while step g - 1 trains.
     args = (*SERVER, "--model.vllm.server_url", vllm_server, "--model.max_staleness", "1")
     single = _fit(tmp_path, "async", *args)
@@ -291,6 +291,9 @@ def test_asynchronous_rollouts_with_the_server_engine_one_and_two_processes_alik
     assert saved_steps(two) == [2, 4]
     # Each rank's 4 completions are one whole group: the server gets the same requests in either layout.
     assert_rows_match(without_engine_gap(train_rows(two)), without_engine_gap(rows), rel=1e-4, abs=1e-5)
+    # The staged versions broadcast over gloo instead of written as files: the same versions sample the same.
+    gloo = _fit(tmp_path, "async_gloo", *args, "--model.vllm.weight_transfer", "gloo")
+    assert_rows_match(train_rows(gloo), rows, rel=1e-4, abs=1e-5)
 
 
 def test_a_server_dying_with_generations_in_flight_ends_the_run_in_one_line_and_the_checkpoint_resumes(
