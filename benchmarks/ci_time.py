@@ -50,6 +50,17 @@ def slowest_tests(output: str, count: int = 25) -> list[dict]:
     return sorted(rows, key=lambda r: -r["seconds"])[:count]
 
 
+def failure_report(output: str, limit: int = 12000) -> str:
+    """pytest's FAILURES section (tracebacks and captured output), at most `limit` characters of its start: a
+    failure seen once in a long run can be read afterwards."""
+    start = output.find("= FAILURES =")
+    if start < 0:
+        return ""
+    end = output.find("short test summary info", start)
+    section = output[output.rfind("\n", 0, start) + 1 : end if end > 0 else None]
+    return section[:limit]
+
+
 def measure(workdir: Path) -> dict:
     """`bash .ci/run` in a fresh clone of HEAD with a fresh virtual environment: seconds in all, for the tests
     (pytest's), for installing (the rest), and pytest's counts."""
@@ -62,9 +73,10 @@ def measure(workdir: Path) -> dict:
     result = subprocess.run(["bash", ".ci/run"], cwd=clone, env=env, capture_output=True, text=True)
     total = time.monotonic() - started
     (workdir / "ci.log").write_text(result.stdout + result.stderr)
-    if result.returncode != 0:  # what failed, before the temporary directory goes
+    if result.returncode != 0:  # what failed and why, before the temporary directory goes
         failed = [line for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
         print("\n".join(failed) or result.stdout[-3000:], file=sys.stderr)
+        print(failure_report(result.stdout), file=sys.stderr)
     summary = parse_pytest_summary(result.stdout)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=clone, capture_output=True, text=True).stdout.strip()
     return (

@@ -408,6 +408,11 @@ def test_ci_time_reads_pytest_summary_and_renders_the_readme_sentence():
         {"test": "tests/b.py::test_x[a b]", "phase": "call", "seconds": 92.31},
         {"test": "tests/a.py::test_y", "phase": "setup", "seconds": 3.01},
     ]
+    # A failed run keeps pytest's tracebacks (what a flaky failure needs to be read afterwards).
+    failures = "=================== FAILURES ===================\n____ test_x ____\nE   assert 2 == 3\n"
+    failed = "..\n" + failures + "=== short test summary info ===\nFAILED tests/b.py::test_x\n" + output
+    assert ci_time.failure_report(failed).startswith(failures) and "FAILED" not in ci_time.failure_report(failed)
+    assert ci_time.failure_report(output) == ""
 
 
 @pytest.mark.slow

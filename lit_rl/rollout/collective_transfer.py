@@ -3,8 +3,9 @@ endpoints: no file, no shared disk, no copy on the server's disk.
 
 Rank 0 forms a group with each server's workers, as rank 0 of it, hosting the rendezvous at
 `transfer_address:port` (`port`: `transfer_port + i` for the i-th server, or a free one). A server's workers join
-when asked (`POST /init_weight_transfer_engine`); how many there are is learned from the server first, and a server
-started without a weight-transfer engine is refused in one line saying how to start it. `gloo` is lit-rl's engine
+when asked (`POST /init_weight_transfer_engine`); how many there are is learned from the server first
+(`/get_world_size`), an update an earlier trainer left unfinished is ended, and a server started without a
+weight-transfer engine is refused in one line saying how to start it. `gloo` is lit-rl's engine
 (`lit_rl.rollout.vllm_transfer_plugin`, any device), `nccl` vLLM's own (GPUs on both sides); the protocol is the same.
 
 A push, per server, all servers at once:

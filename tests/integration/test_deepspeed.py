@@ -197,14 +197,15 @@ def test_sigkill_in_the_middle_of_a_checkpoint_directory_save_leaves_the_previou
 
 def _nonfinite_run(tmp_path, stage, action):
     """`deepspeed_nonfinite.py`: 2 ranks, 5 steps, the bias gradient NaN at step 3 on rank 1 only; both records."""
-    subprocess.run(
+    result = subprocess.run(
         [sys.executable, str(NONFINITE), str(tmp_path), "--stage", str(stage), "--action", action, "--bad-step", "3"],
         cwd=tmp_path,
         env=cli_env(),
-        check=True,
         capture_output=True,
+        text=True,
         timeout=300,
     )
+    assert result.returncode == 0, result.stderr[-4000:]  # failed once in CI (stage 3, skip) without a trace
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
@@ -222,11 +223,11 @@ def test_nonfinite_guard_stops_before_a_nan_gradient_step_under_zero(tmp_path, s
 @pytest.mark.parametrize("stage", [2, 3])
 def test_nonfinite_guard_skips_a_nan_gradient_step_under_zero(tmp_path, stage):
     for record in _nonfinite_run(tmp_path, stage, "skip"):
-        assert record["error"] is None and record["global_step"] == 5
-        assert record["skipped_steps"] == 1 and record["logged_skipped_steps"] == 1.0
-        assert record["after_bad_step"] == record["before_bad_step"]  # skipped: weights unchanged
-        assert record["final"] != record["before_bad_step"]  # and training went on
-        assert all(abs(w) < 1e6 for w in record["final"])  # finite (NaN fails every comparison)
+        assert record["error"] is None and record["global_step"] == 5, record
+        assert record["skipped_steps"] == 1 and record["logged_skipped_steps"] == 1.0, record
+        assert record["after_bad_step"] == record["before_bad_step"], record  # skipped: weights unchanged
+        assert record["final"] != record["before_bad_step"], record  # and training went on
+        assert all(abs(w) < 1e6 for w in record["final"]), record  # finite (NaN fails every comparison)
 
 
 def _fit_ppo(tmp_path, name, strategy, *args):

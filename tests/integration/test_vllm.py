@@ -200,17 +200,25 @@ def test_colocated_run_resumes_to_the_same_numbers(tmp_path):
     assert_rows_match(rows, train_rows(full), rel=1e-4, abs=1e-5)
 
 
-def test_grpo_on_one_server_and_on_two_alike_even_when_one_of_them_dies(tmp_path, vllm_server):
+def test_grpo_on_one_server_and_on_two_alike_by_file_and_by_broadcast_even_when_one_dies(tmp_path, vllm_server):
     """`model.vllm.server_urls`: the requests are dealt out across two real servers; a request's completions do not
     depend on which server samples them, so the run logs what the run on one server logs. The second server is
     stopped after step 2's checkpoint: with `on_server_failure: continue` its requests go to the first with one
-    warning, and the numbers still match."""
+    warning, and the numbers still match. Before that, the same two servers get their weights broadcast over gloo
+    (`weight_transfer: gloo`, a group per server) and log the same numbers too."""
     alone = _fit(tmp_path, "server", *SERVER, "--model.vllm.server_url", vllm_server)
     _check_run(alone)
     model = str(REPO / "lit_rl" / "assets" / "tiny-qwen2-addition-sft")
-    second = LocalVLLMServer(model, str(tmp_path / "second.log"), extra_args=["--max-model-len", "128"])
-    overlay = write_overlay(tmp_path / "two.yaml", every_n_train_steps=2, save_dir=tmp_path / "two")
+    args = {"extra_args": ["--max-model-len", "128"], "weight_transfer": "gloo"}
+    second = LocalVLLMServer(model, str(tmp_path / "second.log"), **args)
     servers = json.dumps([vllm_server, second.url])
+    both = ("--model.vllm.server_urls", servers, "--model.vllm.weight_transfer", "gloo")
+    broadcast = _fit(tmp_path, "two_gloo", *SERVER, *both)
+    _check_run(broadcast)
+    assert_rows_match(
+        without_engine_gap(train_rows(broadcast)), without_engine_gap(train_rows(alone)), rel=1e-4, abs=1e-5
+    )
+    overlay = write_overlay(tmp_path / "two.yaml", every_n_train_steps=2, save_dir=tmp_path / "two")
     command = [*CLI_COMMAND, "fit", "--config", str(CONFIGS / "grpo.yaml"), "--config", str(overlay), *SERVER]
     command += [*FAST_GRPO, "--model.learning_rate", "1e-3", "--trainer.max_steps", "8"]
     command += ["--model.vllm.server_urls", servers, "--model.vllm.on_server_failure", "continue"]
