@@ -196,6 +196,10 @@ def test_chunks_are_copies_that_outlive_the_stream():
     for _, tensor in source:  # ...unless one tensor is larger
         tensor.zero_()
     assert all(bool((t == 1).all()) and t.is_contiguous() for chunk in chunks for _, t in chunk)
+    # Owned (a staged version's host copies): a contiguous tensor on the device goes as it is, once; others are copied.
+    owned = [("a", torch.ones(4)), ("b", torch.ones(2, 2).t())]
+    (chunk,) = weight_chunks(iter(owned), chunk_bytes=64, device=torch.device("cpu"), owned=True)
+    assert chunk[0][1] is owned[0][1] and chunk[1][1] is not owned[1][1] and chunk[1][1].is_contiguous()
 
 
 @pytest.mark.parametrize(

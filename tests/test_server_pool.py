@@ -103,22 +103,9 @@ def test_continue_takes_a_dead_server_out_with_one_warning_and_deals_its_request
     assert all(_paths(s, "/collective_rpc") for s in (servers[0], servers[2]))
 
 
-def test_a_server_failing_mid_generation_hands_its_requests_to_the_others(fake_server, tmp_path, caplog):
-    def engine_died(path, body):  # a live HTTP front end whose engine died: healthy, but completions fail
-        return (500, {"error": "EngineCore died"}) if path == "/v1/completions" else completions_answer(path, body)
-
-    one = fake_server((200, completions_answer, 0))
-    a, b = fake_server((200, completions_answer, 0)), fake_server((200, engine_died, 0))
-    alone = _generate(_engine([one], tmp_path / "1"))
-    engine = _engine([a, b], tmp_path / "2", on_server_failure="continue")
-    with caplog.at_level(logging.WARNING, logger="lit_rl.rollout.server_pool"):
-        out = _generate(engine)
-    assert torch.equal(out.completion_ids, alone.completion_ids) and torch.equal(out.logprobs, alone.logprobs)
-    failed = len(_paths(b, "/v1/completions"))
-    assert failed >= 1  # it was dealt requests; each failed and went to `a`
-    assert len(_paths(a, "/v1/completions")) == 4
-    warnings = [record.getMessage() for record in caplog.records]
-    assert len(warnings) == 1 and b.url in warnings[0] and "EngineCore died" in warnings[0]
+def _engine_died(path, body):
+    """A live HTTP front end whose engine died: healthy, but completions fail."""
+    return (500, {"error": "EngineCore died"}) if path == "/v1/completions" else completions_answer(path, body)
 
 
 def _aborting(path, body):
@@ -131,21 +118,30 @@ def _aborting(path, body):
     return answer
 
 
-def test_completions_cut_short_by_an_abort_are_never_trained_on(fake_server, tmp_path, caplog):
+@pytest.mark.parametrize(
+    ("failing", "message"), [(_engine_died, "EngineCore died"), (_aborting, "finish_reason 'abort'")]
+)
+def test_a_server_failing_mid_generation_hands_its_requests_to_the_others(
+    fake_server, tmp_path, caplog, failing, message
+):
     one = fake_server((200, completions_answer, 0))
-    a, b = fake_server((200, completions_answer, 0)), fake_server((200, _aborting, 0))
+    a, b = fake_server((200, completions_answer, 0)), fake_server((200, failing, 0))
     alone = _generate(_engine([one], tmp_path / "1"))
     engine = _engine([a, b], tmp_path / "2", on_server_failure="continue")
     with caplog.at_level(logging.WARNING, logger="lit_rl.rollout.server_pool"):
         out = _generate(engine)
-    # The aborted requests went to `a` whole: the completions are the one-server run's, none truncated.
+    # Its requests went to `a` whole: the completions are the one-server run's (none truncated by an abort).
     assert torch.equal(out.completion_ids, alone.completion_ids) and torch.equal(out.logprobs, alone.logprobs)
-    assert len(_paths(b, "/v1/completions")) >= 1 and len(_paths(a, "/v1/completions")) == 4
+    failed = len(_paths(b, "/v1/completions"))
+    assert failed >= 1  # it was dealt requests; each failed and went to `a`
+    assert len(_paths(a, "/v1/completions")) == 4
     warnings = [record.getMessage() for record in caplog.records]
-    assert len(warnings) == 1 and b.url in warnings[0] and "finish_reason 'abort'" in warnings[0]
-    # One server, or `fail`: the run stops in one line naming it.
+    assert len(warnings) == 1 and b.url in warnings[0] and message in warnings[0]
+
+
+def test_completions_cut_short_by_an_abort_stop_a_single_server_run_in_one_line(fake_server, tmp_path):
     with pytest.raises(RolloutServerError, match="finish_reason 'abort', cut short") as info:
-        _generate(_engine([fake_server((200, _aborting, 0))], tmp_path / "3"))
+        _generate(_engine([fake_server((200, _aborting, 0))], tmp_path))
     assert "\n" not in str(info.value)
 
 

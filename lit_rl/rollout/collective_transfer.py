@@ -136,14 +136,18 @@ class NcclGroup:
 
 
 def weight_chunks(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], chunk_bytes: int, device: torch.device
+    named_tensors: Iterable[tuple[str, torch.Tensor]], chunk_bytes: int, device: torch.device, owned: bool = False
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The stream cut into chunks of at most `chunk_bytes` (a larger tensor is a chunk alone), each tensor a
-    contiguous copy on `device` made as it arrives."""
+    contiguous copy on `device` made as it arrives; with `owned` (the tensors are the caller's own copies, which
+    nothing else changes) one already contiguous on `device` is taken as it is."""
     chunk: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, tensor in named_tensors:
-        copy = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device=device).copy_(tensor.detach())
+        if owned and tensor.device == device and tensor.is_contiguous():
+            copy = tensor
+        else:
+            copy = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device=device).copy_(tensor.detach())
         nbytes = copy.numel() * copy.element_size()
         if chunk and size + nbytes > chunk_bytes:
             yield chunk
@@ -179,7 +183,7 @@ class CollectiveTransfer:
         self.timeout_s = config.request_timeout_s
         self.chunk_bytes = int(config.push_bucket_mib * 2**20)
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.kind == "nccl" else torch.device("cpu")
-        self.order = {url.rstrip("/"): i for i, (url, _) in enumerate(config.server_endpoints())}
+        self.order = {url: i for i, (url, _) in enumerate(config.server_endpoints())}
         self.groups: dict[str, TransferGroup] = {}  # server URL -> its group, once formed
 
     # -- groups ----------------------------------------------------------------------------------------------
@@ -259,11 +263,15 @@ class CollectiveTransfer:
 
     # -- pushes ----------------------------------------------------------------------------------------------
     def push(
-        self, servers: Sequence[RolloutServer], named_tensors: Iterable[tuple[str, torch.Tensor]]
+        self,
+        servers: Sequence[RolloutServer],
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        owned: bool = False,
     ) -> dict[RolloutServer, ServerDownError]:
         """Broadcast the weights to every one of `servers` at once, each paused throughout and resumed only once
         it has acknowledged all of them; the servers that failed, each with its error (left paused, groups
-        dropped). Consumes the whole stream whatever fails (under ZeRO-3 it is a collective)."""
+        dropped). Consumes the whole stream whatever fails (under ZeRO-3 it is a collective). `owned`: the tensors
+        are copies of the caller's own (`host_copies`), sent without copying them again (`weight_chunks`)."""
         failed: dict[RolloutServer, ServerDownError] = {}
         paused: set[RolloutServer] = set()
 
@@ -299,7 +307,7 @@ class CollectiveTransfer:
             return [server for server in servers if server not in failed]
 
         each(begin, servers)
-        for chunk in weight_chunks(named_tensors, self.chunk_bytes, self.device):
+        for chunk in weight_chunks(named_tensors, self.chunk_bytes, self.device, owned):
             each(lambda server: self._send(server, chunk), live())
         each(self._finish, live())
         return failed

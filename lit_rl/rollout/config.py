@@ -175,15 +175,21 @@ def check_vllm_config(config: Optional[VLLMConfig]) -> None:
         )
     if config.weights_url is not None and not config.weights_url.startswith(("http://", "https://")):
         raise ConfigError(f"model.vllm.weights_url must start with http:// or https://, got {config.weights_url!r}")
-    if config.mode == "server" and not config.uploads_weights and config.weight_sync_dir is None:
-        for url, _ in config.server_endpoints():
-            host = urllib.parse.urlparse(url).hostname or ""
-            if host not in LOCAL_HOSTS:
-                raise ConfigError(
-                    f"model.vllm.server_url {url} is not on this machine: its weights cannot go through "
-                    "a local /dev/shm directory. Run the weight receiver beside it and set model.vllm.weights_url, "
-                    "or set model.vllm.weight_sync_dir to a file system both machines share"
-                )
+    remote = _server_elsewhere(config)
+    if config.mode == "server" and not config.uploads_weights and config.weight_sync_dir is None and remote:
+        raise ConfigError(
+            f"model.vllm.server_url {remote} is not on this machine: its weights cannot go through "
+            "a local /dev/shm directory. Run the weight receiver beside it and set model.vllm.weights_url, "
+            "or set model.vllm.weight_sync_dir to a file system both machines share"
+        )
+
+
+def _server_elsewhere(config: VLLMConfig) -> Optional[str]:
+    """The first server URL whose host is not this machine (127.0.0.1, localhost, ::1), or None."""
+    for url, _ in config.server_endpoints():
+        if (urllib.parse.urlparse(url).hostname or "") not in LOCAL_HOSTS:
+            return url
+    return None
 
 
 def _check_server_lists(config: VLLMConfig) -> None:
@@ -237,10 +243,9 @@ def _check_collective_transfer(config: VLLMConfig) -> None:
             f"model.vllm.transfer_port {config.transfer_port} leaves no port for each of the "
             f"{len(config.server_endpoints())} servers (one port each, counting up)"
         )
-    if config.transfer_address in LOCAL_HOSTS:
-        for url, _ in config.server_endpoints():
-            if (urllib.parse.urlparse(url).hostname or "") not in LOCAL_HOSTS:
-                raise ConfigError(
-                    f"model.vllm.server_url {url} is not on this machine: set model.vllm.transfer_address to this "
-                    f"machine's address that it can reach (the weights' rendezvous), not {config.transfer_address}"
-                )
+    remote = _server_elsewhere(config)
+    if config.transfer_address in LOCAL_HOSTS and remote:
+        raise ConfigError(
+            f"model.vllm.server_url {remote} is not on this machine: set model.vllm.transfer_address to this "
+            f"machine's address that it can reach (the weights' rendezvous), not {config.transfer_address}"
+        )

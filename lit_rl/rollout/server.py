@@ -215,7 +215,8 @@ class VLLMServerEngine:
             for server in recovered:
                 self.transfer.forget(server)  # restarted: its workers join a new group
             targets = [*(self.pool.in_service() if servers is None else servers), *recovered]
-            failed = self.transfer.push(targets, named_tensors)
+            # A version (asynchronous rollouts) is staged as host copies already: not copied again.
+            failed = self.transfer.push(targets, named_tensors, owned=version is not None)
         finally:
             for _ in named_tensors:  # after a failure, the other ranks still gather through the rest of the stream
                 pass
