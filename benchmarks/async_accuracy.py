@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from provenance import add_allow_dirty, check_output, print_markdown, write_report  # noqa: E402
+from provenance import add_report_options, check_output, print_markdown, publish  # noqa: E402
 from throughput import metric_rows  # noqa: E402
 
 from lit_rl.models import resolve_model_path  # noqa: E402
@@ -109,9 +109,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--window", type=int, default=5, help="validations averaged at the end of each run")
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--markdown", type=Path, default=None, help="print the markdown table of a results JSON")
-    add_allow_dirty(parser)
+    add_report_options(parser)
     args = parser.parse_args()
     if args.markdown:
         print_markdown(args.markdown, markdown_table, claims)
@@ -128,10 +126,7 @@ def main() -> None:
         finally:
             server.stop()
     results = {"runs": runs, "comparison": compare(runs, args.window)}
-    print(markdown_table(results))
-    print("\n".join(claims(results)))
-    if args.out:
-        write_report(args.out, results, allow_dirty=args.allow_dirty)
+    publish(args, results, markdown_table, claims)
 
 
 if __name__ == "__main__":

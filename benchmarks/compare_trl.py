@@ -48,7 +48,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from provenance import add_allow_dirty, check_output, print_markdown, write_report  # noqa: E402
+from provenance import add_report_options, check_output, print_markdown, write_report  # noqa: E402
 from throughput import fit_flags, metric_rows  # noqa: E402
 
 from lit_rl.models import build_random_model, resolve_model_path  # noqa: E402
@@ -405,9 +405,7 @@ def main() -> None:
         help="matched: both fp32 without gradient checkpointing; defaults: each library's documented defaults",
     )
     parser.add_argument("--quick", action="store_true", help="tiny model, 6 steps, 1 round")
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--markdown", type=Path, default=None, help="print the markdown table of a results JSON")
-    add_allow_dirty(parser)
+    add_report_options(parser)
     args = parser.parse_args()
     if args.markdown:
         print_markdown(args.markdown, markdown_table, claims)

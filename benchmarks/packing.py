@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from provenance import add_allow_dirty, check_output, print_markdown, write_report  # noqa: E402
+from provenance import add_report_options, check_output, print_markdown, publish  # noqa: E402
 
 METHODS = ("padded", "packed rows", "packed, one row")
 
@@ -145,9 +145,7 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="hidden 128, 2 layers, 8 rows of 4-16 tokens, 1 round")
-    parser.add_argument("--out", type=Path, default=None, help="JSON results")
-    parser.add_argument("--markdown", type=Path, default=None, help="print the markdown table of a results JSON")
-    add_allow_dirty(parser)
+    add_report_options(parser)
     args = parser.parse_args()
     if args.markdown:
         print_markdown(args.markdown, markdown_table, claims)
@@ -157,10 +155,7 @@ def main() -> None:
         args.hidden, args.layers, args.intermediate = 128, 2, 256
         args.rows, args.completion, args.rounds = 8, (4, 16), 1
     results = measure(args)
-    print(markdown_table(results))
-    print("\n".join(claims(results)))
-    if args.out:
-        write_report(args.out, results, allow_dirty=args.allow_dirty)
+    publish(args, results, markdown_table, claims)
 
 
 if __name__ == "__main__":

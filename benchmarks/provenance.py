@@ -111,6 +111,25 @@ def add_allow_dirty(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_report_options(parser: argparse.ArgumentParser) -> None:
+    """`--out`, `--markdown` and `--allow-dirty`, the options of a script whose results the README quotes (with
+    `--markdown`, the script prints them with `print_markdown` instead of measuring)."""
+    parser.add_argument("--out", type=Path, default=None, help="the results JSON")
+    parser.add_argument(
+        "--markdown", type=Path, default=None, help="print the README's table and numbers of a results JSON"
+    )
+    add_allow_dirty(parser)
+
+
+def publish(args: argparse.Namespace, results, markdown_table, claims, **report) -> None:
+    """Print what the README quotes of `results` (`markdown_table`, `claims`), and write them to `--out`, if given
+    (`write_report`, with `report`'s fields)."""
+    print(markdown_table(results))
+    print("\n".join(claims(results)))
+    if args.out:
+        write_report(args.out, results, allow_dirty=args.allow_dirty, **report)
+
+
 def command(repo: Path = REPO) -> str:
     """This process's command line, the script's path relative to the checkout (as the README quotes it)."""
     script = Path(sys.argv[0])

@@ -51,7 +51,7 @@ from typing import Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from provenance import add_allow_dirty, check_output, print_markdown, write_report  # noqa: E402
+from provenance import add_report_options, check_output, print_markdown, publish  # noqa: E402
 
 ALLREDUCE_SIZES = [2**k for k in range(10, 25, 2)]  # 1 KiB .. 16 MiB
 COUNT_MODE = "--count-collectives"  # internal: `lit-rl fit` with every collective counted (DDP relaunches argv)
@@ -481,9 +481,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2, help="interleaved repetitions; the median run is used")
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--markdown", type=Path, default=None, help="print the README's tables of a results JSON")
-    add_allow_dirty(parser)
+    add_report_options(parser)
     args = parser.parse_args()
     if args.markdown:
         print_markdown(args.markdown, markdown_table, claims)
@@ -495,10 +493,7 @@ def main() -> None:
     print("HTTP weight upload on loopback ...", flush=True)
     results["http_push_bytes_per_s"] = measure_http_push()
     results["projection"] = projection(results["http_push_bytes_per_s"], results["inputs"]["collectives_per_step"])
-    print(markdown_table(results))
-    print("\n".join(claims(results)))
-    if args.out:
-        write_report(args.out, results, allow_dirty=args.allow_dirty)
+    publish(args, results, markdown_table, claims)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from provenance import add_allow_dirty, check_output, print_markdown, write_report  # noqa: E402
+from provenance import add_report_options, check_output, print_markdown, publish  # noqa: E402
 
 
 def receive(port: int, tensors: int, numel: int, rounds: int) -> None:
@@ -127,19 +127,14 @@ def main() -> None:
     parser.add_argument("--megabytes", type=int, default=256)
     parser.add_argument("--tensors", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--markdown", type=Path, default=None, help="print the README's table of a results file")
-    add_allow_dirty(parser)
+    add_report_options(parser)
     args = parser.parse_args()
     if args.markdown:
         print_markdown(args.markdown, markdown_table, claims)
         return
     check_output(args.out, args.allow_dirty)
     results = measure(args.megabytes, args.tensors, args.rounds)
-    print(markdown_table(results))
-    print("\n".join(claims(results)))
-    if args.out:
-        write_report(args.out, results, allow_dirty=args.allow_dirty)
+    publish(args, results, markdown_table, claims)
 
 
 if __name__ == "__main__":
