@@ -62,7 +62,7 @@ def rank_main(rank: int, world: int, port: int, sizes: dict, buckets_mib: list[f
 
     from lit_rl.models import tiny_qwen2_config
     from lit_rl.rollout.weights import policy_weight_stream, policy_weights, weight_blocks
-    from lit_rl.strategies import gathered_parameters
+    from lit_rl.strategies import exit_without_finalizing, gathered_parameters
 
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
@@ -97,6 +97,7 @@ def rank_main(rank: int, world: int, port: int, sizes: dict, buckets_mib: list[f
     result["parameters"] = sum(p.ds_numel for p in model.parameters())
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     torch.distributed.destroy_process_group()
+    exit_without_finalizing()  # the last gather ended just now: see its docstring
 
 
 def run(sizes: dict, buckets_mib: list[float], pushes: int, workdir: Path, world: int = 2) -> list[dict]:

@@ -129,6 +129,8 @@ def _allreduce_worker(rank: int, world: int, init_file: str, sizes: list[int], r
     import torch
     import torch.distributed as dist
 
+    from lit_rl.strategies import exit_without_finalizing
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     timings = {}
@@ -147,6 +149,7 @@ def _allreduce_worker(rank: int, world: int, init_file: str, sizes: list[int], r
     dist.destroy_process_group()
     if rank == 0:
         Path(out).write_text(json.dumps(timings))
+    exit_without_finalizing()
 
 
 def measure_allreduce(world: int, reps: int = 15) -> dict:
@@ -175,6 +178,7 @@ def _busy_worker(rank: int, world: int, init_file: str, model: str, iterations: 
     import transformers
 
     from lit_rl.models import resolve_model_path
+    from lit_rl.strategies import exit_without_finalizing
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -191,6 +195,7 @@ def _busy_worker(rank: int, world: int, init_file: str, model: str, iterations: 
     dist.barrier()
     dist.destroy_process_group()
     Path(out).with_suffix(f".{rank}").write_text(json.dumps(statistics.median(samples[3:])))
+    exit_without_finalizing()
 
 
 def measure_core_efficiency(model: str, cores: int, iterations: int = 20) -> dict[int, float]:

@@ -20,6 +20,7 @@ import warnings
 from typing import Any, NoReturn, Optional
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
@@ -28,7 +29,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeed
 from lit_rl.callbacks import GracefulStop, NonFiniteGuard, RunSummary, StepProgressBar
 from lit_rl.checkpoint import AtomicCheckpointIO
 from lit_rl.errors import LitRLError
-from lit_rl.strategies import as_project_deepspeed
+from lit_rl.strategies import as_project_deepspeed, exit_without_finalizing
 
 CONFIG_ERROR_EXIT = 2
 INPUT_ERROR_EXIT = 1
@@ -189,6 +190,23 @@ def main(args: Optional[list[str]] = None) -> None:
         sys.exit(INPUT_ERROR_EXIT)
 
 
+def console_main(args: Optional[list[str]] = None) -> None:
+    """`main` as a program (`lit-rl`, `python -m lit_rl.cli`). A process that ran collectives ends without the
+    interpreter's finalization, which can abort a finished run under torch 2.13 (see `exit_without_finalizing`)."""
+    try:
+        main(args)
+    except SystemExit as stop:
+        if isinstance(stop.code, int) and _in_a_process_group():
+            exit_without_finalizing(stop.code)
+        raise
+    if _in_a_process_group():
+        exit_without_finalizing(0)
+
+
+def _in_a_process_group() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 def exit_if_interrupted(trainer: L.Trainer) -> None:
     """After a run that GracefulStop ended on a signal: say where the checkpoint is and exit 128 + signal."""
     for callback in trainer.callbacks:
@@ -214,4 +232,4 @@ def find_user_error(err: BaseException) -> Optional[LitRLError]:
 
 
 if __name__ == "__main__":
-    main()
+    console_main()

@@ -11,9 +11,12 @@ over gloo.
 
 from __future__ import annotations
 
+import atexit
+import os
+import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, NoReturn, Optional
 
 import torch
 from lightning.fabric.utilities.seed import reset_seed
@@ -270,3 +273,22 @@ def reduce_across_ranks(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     reduced = tensor.detach().clone()
     dist.all_reduce(reduced, op=getattr(dist.ReduceOp, _REDUCE_OPS[op]))
     return reduced
+
+
+def exit_without_finalizing(code: int = 0) -> NoReturn:
+    """End a process that ran collectives: the atexit handlers, then the streams flushed, then `os._exit(code)`,
+    skipping the interpreter's finalization, where torch 2.13 can abort a run that finished.
+
+    The abort (pytorch/pytorch#190489, open; "terminate called without an active exception", SIGABRT): a process
+    group's worker thread drops its reference to a finished collective's tensors just after the caller's `wait()`
+    returned. Dropping a tensor that has a Python object takes the GIL; once the interpreter is finalizing, a
+    thread asking for the GIL is ended by `pthread_exit`, whose unwinding through a `noexcept` destructor calls
+    `std::terminate`. ZeRO-3 on gloo hits it when a gather ends just before the process does.
+
+    The atexit handlers (Lightning destroying an NCCL group, logging, temporary directories, child processes) run
+    while the interpreter is whole, so a worker thread waiting for the GIL gets it; nothing after them needs one.
+    """
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)

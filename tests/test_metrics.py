@@ -40,6 +40,7 @@ def _synced_values(rank: int, world: int, init_file: str, out: str) -> None:
     import torch.distributed as dist
 
     from lit_rl.metrics import compute_collection, ppo_metrics
+    from lit_rl.strategies import exit_without_finalizing
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     calls = []
@@ -54,6 +55,7 @@ def _synced_values(rank: int, world: int, init_file: str, out: str) -> None:
     dist.destroy_process_group()
     with open(f"{out}.{rank}", "w") as handle:
         json.dump({"values": {k: v.item() for k, v in computed.items()}, "calls": calls}, handle)
+    exit_without_finalizing()
 
 
 def _feed(metrics, rank: int) -> None:

@@ -8,6 +8,7 @@ from lit_rl.models import load_causal_lm, load_tokenizer
 from lit_rl.ops import position_ids_from_mask, token_logprobs
 from lit_rl.rollout import HFGenerateEngine, SamplingParams
 from lit_rl.shared_prompts import distinct_prompts, shared_prompt_cache
+from lit_rl.strategies import exit_without_finalizing
 
 MODEL = "lit-rl/tiny-qwen2-addition-sft"
 
@@ -204,6 +205,7 @@ def _rank_decides(rank: int, world: int, init_file: str, synced: bool, results) 
         results[rank] = (cache is not None, len(counts))
     finally:
         torch.distributed.destroy_process_group()
+    exit_without_finalizing()
 
 
 @pytest.mark.slow

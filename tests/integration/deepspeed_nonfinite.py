@@ -18,7 +18,7 @@ import lightning as L
 import torch
 
 from lit_rl.callbacks import NonFiniteGuard
-from lit_rl.strategies import DeepSpeedStrategy, gathered_parameters, settle_zero3_parameters
+from lit_rl.strategies import DeepSpeedStrategy, exit_without_finalizing, gathered_parameters, settle_zero3_parameters
 
 BAD_RANK = 1
 
@@ -138,3 +138,4 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_finalizing()  # the records' gathers end just before: see its docstring
