@@ -14,7 +14,6 @@ CUDA max allocated on GPU) and seconds per step (means after the first step).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -26,7 +25,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from provenance import add_allow_dirty, check_output, write_report  # noqa: E402
+from provenance import add_report_options, check_output, print_markdown, write_report  # noqa: E402
 from throughput import fit_flags, metric_rows  # noqa: E402
 
 from lit_rl.lora import LoRAConfig, apply_lora, count_parameters  # noqa: E402
@@ -130,12 +129,10 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="hidden 128, 2 layers, GRPO, 2 steps")
-    parser.add_argument("--out", type=Path, default=None, help="JSON results")
-    parser.add_argument("--markdown", type=Path, default=None, help="print the markdown table of a results JSON")
-    add_allow_dirty(parser)
+    add_report_options(parser)
     args = parser.parse_args()
     if args.markdown:
-        print(markdown_table(json.loads(args.markdown.read_text())["results"]))
+        print_markdown(args.markdown, markdown_table)
         return
     check_output(args.out, args.allow_dirty)
     if args.quick:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from provenance import add_allow_dirty, check_output, write_report  # noqa: E402
+from provenance import add_report_options, check_output, print_markdown, publish  # noqa: E402
 
 MIB = 2**20
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
@@ -167,12 +167,10 @@ def main() -> None:
     parser.add_argument("--buckets-mib", type=float, nargs="+", default=[4.0, 16.0, 32.0])
     parser.add_argument("--pushes", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="the tiny model (1M parameters), buckets of 0.5 MiB")
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--markdown", type=Path, default=None, help="print the markdown table of a results JSON")
-    add_allow_dirty(parser)
+    add_report_options(parser)
     args = parser.parse_args()
     if args.markdown:
-        print(markdown_table(json.loads(args.markdown.read_text())["results"]))
+        print_markdown(args.markdown, markdown_table, claims)
         return
     check_output(args.out, args.allow_dirty)
     import tempfile
@@ -182,9 +180,7 @@ def main() -> None:
         sizes, args.buckets_mib, args.pushes = {}, [0.5], 1
     with tempfile.TemporaryDirectory(prefix="lit-rl-push-memory-") as tmp:
         results = run(sizes, args.buckets_mib, args.pushes, Path(tmp))
-    print(markdown_table(results))
-    if args.out:
-        write_report(args.out, results, allow_dirty=args.allow_dirty)
+    publish(args, results, markdown_table, claims)
 
 
 if __name__ == "__main__":

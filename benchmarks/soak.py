@@ -31,7 +31,7 @@ import lightning as L
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from provenance import add_allow_dirty, check_output, write_report  # noqa: E402
+from provenance import add_report_options, check_output, print_markdown, write_report  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -158,13 +158,11 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=100, help="sample every N optimizer steps")
     parser.add_argument("--warmup", type=int, default=500, help="growth is counted from this step on")
     parser.add_argument("--engines", nargs="+", choices=sorted(ENGINES), default=["hf", "vllm_colocate"])
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--markdown", type=Path, default=None, help="print the markdown table of a results JSON")
     parser.add_argument("overrides", nargs="*", help="extra `lit-rl fit` options, after `--`")
-    add_allow_dirty(parser)
+    add_report_options(parser)
     args = parser.parse_args()
     if args.markdown:
-        print(markdown_table(json.loads(args.markdown.read_text())["results"]))
+        print_markdown(args.markdown, markdown_table)
         return
     check_output(args.out, args.allow_dirty)
     results = []

@@ -300,13 +300,6 @@ CASES = [
         "Exploding.step raised RuntimeError: the environment broke",
         1,
     ),
-    (
-        "environment-with-dynamic-sampling",
-        GRPO,
-        ["--model.tools", "[lit_rl.envs.tools.calc]", "--model.dynamic_sampling", "true"],
-        "model.dynamic_sampling with model.environment (or model.tools) is not supported yet",
-        1,
-    ),
 ]
 
 

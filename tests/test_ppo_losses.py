@@ -40,6 +40,26 @@ def test_gae_with_gamma_and_lambda_one_is_the_reward_to_go_minus_the_value():
     torch.testing.assert_close(discounted, torch.tensor([[0.81, 0.9, 1.0]]))
 
 
+def test_a_transcripts_observations_are_skipped_as_if_the_models_tokens_were_laid_end_to_end():
+    """Multi-turn: the mask is 0 on the environment's tokens between turns. The reward lands on the last model
+    token, and GAE over the transcript equals GAE over the model's tokens alone, put back in place."""
+    torch.manual_seed(0)
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0, 1, 0, 0], [1, 0, 1, 1, 1, 0, 0, 0, 0, 0]], dtype=torch.float32)
+    rewards, values, kl = torch.tensor([1.0, -2.0]), torch.randn(2, 10), torch.randn(2, 10)
+    per_token = token_rewards(rewards, mask, kl, beta=0.3)
+    assert per_token[0, 7] == 1.0 - 0.3 * kl[0, 7] and per_token[1, 4] == -2.0 - 0.3 * kl[1, 4]
+    assert (per_token[mask == 0] == 0).all()
+    advantages, returns = gae(per_token, values, mask, gamma=0.9, lam=0.8)
+    for row in range(2):
+        real = mask[row] > 0
+        compact_mask = torch.ones(1, int(real.sum()))
+        compact_rewards = token_rewards(rewards[row : row + 1], compact_mask, kl[row : row + 1, real], beta=0.3)
+        compact = gae(compact_rewards, values[row : row + 1, real], compact_mask, gamma=0.9, lam=0.8)
+        torch.testing.assert_close(advantages[row, real], compact[0][0])
+        torch.testing.assert_close(returns[row, real], compact[1][0])
+    assert (advantages[mask == 0] == 0).all() and (returns[mask == 0] == 0).all()
+
+
 def test_whitening_uses_the_steps_moments_summed_over_ranks():
     values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])

@@ -130,6 +130,37 @@ def test_the_buffer_holds_gae_of_the_critics_values_whitened_over_the_generation
     torch.testing.assert_close(buffer.advantages, buffer.token_advantages.sum(dim=1) / mask.sum(dim=1))
 
 
+def test_with_an_environment_only_the_models_tokens_are_actions():
+    """PPO on Countdown episodes (up to 3 model turns, observations between): GAE runs over the model's tokens alone,
+    and neither the policy's loss nor the critic's has a gradient at an observation token."""
+    model = fit_grpo(
+        algorithm="PPO",
+        environment="tests.integration.envs.Countdown",
+        max_turns=3,
+        max_new_tokens=3,
+        beta=0.1,
+        num_iterations=2,
+        micro_batch_size=4,
+    )
+    buffer = model._buffer
+    model_tokens = buffer.completion_mask * buffer.sampled_mask
+    observations = (buffer.completion_mask > 0) & (buffer.sampled_mask == 0)
+    assert observations.any() and buffer.episode_stats[:, 0].min() >= 2  # several turns, observations between
+    kl = (buffer.old_logprobs - buffer.ref_logprobs) * model_tokens
+    rewards = token_rewards(buffer.rewards, model_tokens, kl, 0.1)
+    _, returns = gae(rewards, buffer.old_values, model_tokens, model.hparams.gamma, model.hparams.lam)
+    torch.testing.assert_close(buffer.returns, returns)
+    assert (buffer.token_advantages[observations] == 0).all() and (buffer.returns[observations] == 0).all()
+    logprobs = buffer.old_logprobs.clone().requires_grad_(True)
+    values = model.critic_values(buffer)
+    model.critic_values = lambda mb: values  # the critic's forward, kept to read its gradient
+    values.retain_grad()
+    loss, _ = model.micro_batch_loss(buffer, logprobs, model._normalizers[0])
+    loss.backward()
+    for grad in (logprobs.grad, values.grad):
+        assert (grad[observations] == 0).all() and (grad[model_tokens > 0] != 0).any()
+
+
 def test_one_loss_trains_both_networks_each_at_its_own_learning_rate():
     model = fit_grpo(max_steps=1, algorithm="PPO", num_generations=1, learning_rate=1e-4, critic_learning_rate=3e-3)
     groups = model.trainer.optimizers[0].param_groups

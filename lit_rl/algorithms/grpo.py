@@ -182,8 +182,6 @@ class GRPO(OnPolicyModule):
             raise ConfigError(
                 f"model.max_refill_generations must be in [0, {MAX_REFILLS}], got {max_refill_generations}"
             )
-        if dynamic_sampling and (environment is not None or tools):
-            raise ConfigError("model.dynamic_sampling with model.environment (or model.tools) is not supported yet")
         if dynamic_sampling and max_staleness > 0:
             raise ConfigError(
                 "model.dynamic_sampling with model.max_staleness > 0 is not supported yet: refills are sampled when "
@@ -269,7 +267,13 @@ class GRPO(OnPolicyModule):
         pool = concat_batches([_as_rollout_batch(*piece) for piece in pieces], pad)
         rows_here = rows_for_rank(groups, G, n, world, self.global_rank, len(pieces))
         chosen = exchange_rows(pool, rows_here, self.gather_stacked, pad)
-        output = RolloutOutput(chosen.completion_ids, chosen.completion_mask, chosen.rollout_logprobs)
+        output = RolloutOutput(
+            chosen.completion_ids,
+            chosen.completion_mask,
+            chosen.rollout_logprobs,
+            sampled_mask=chosen.sampled_mask,  # multi-turn: the episodes' model tokens and statistics move along
+            episode_stats=chosen.episode_stats,
+        )
         return chosen.prompt_ids, chosen.prompt_mask, output, chosen.reward_components, chosen.rewards
 
     def _informative_groups(self, piece) -> list[bool]:
@@ -344,4 +348,14 @@ def _as_rollout_batch(prompt_ids, prompt_mask, out, components, rewards) -> Roll
     """What `sample` returns, as a RolloutBatch (advantages and statistics to come), so its rows can move."""
     zeros = torch.zeros_like(rewards)
     completions = (out.completion_ids, out.completion_mask, out.logprobs)
-    return RolloutBatch(prompt_ids, prompt_mask, *completions, rewards, components, zeros, zeros)
+    return RolloutBatch(
+        prompt_ids,
+        prompt_mask,
+        *completions,
+        rewards,
+        components,
+        zeros,
+        zeros,
+        sampled_mask=out.sampled_mask,
+        episode_stats=out.episode_stats,
+    )

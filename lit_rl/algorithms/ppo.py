@@ -18,11 +18,15 @@ scale. `value_clip` is in reward units: with rewards far from [0, 1], scale it (
 schedule, buffer, validation and checkpoints are `OnPolicyModule`'s, so the
 checkpoint cadence and exact resume hold as for GRPO; the critic is in every checkpoint and exported next to the
 policy (`hf/critic`: `lit_rl.value_model.save_value_state`).
+
+With an environment (`model.environment` or `model.tools`) a completion is a multi-turn transcript, and only the
+model's tokens are actions: the rewards, GAE, both losses and the token metrics run over them alone, the
+environment's tokens between turns skipped as `lit_rl.losses.ppo` describes.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -94,6 +98,16 @@ class PPO(OnPolicyModule):
         head_chunk_tokens: run the policy's output head on that many completion tokens at a time (`lit_rl.head`).
         micro_batch_tokens: group each optimizer step's completions into at most `accumulate_grad_batches`
             micro-batches of at most this many real tokens instead of `micro_batch_size` each.
+        environment: multi-turn episodes: the import path of an environment class (`lit_rl.envs.Environment`:
+            `reset(row)`, `step(turn_text)`), one per episode, built with `environment_args`. Each completion is then
+            the episode's transcript, token-in and token-out (`lit_rl.rollout.multi_turn`); only the model's tokens
+            are actions (module docstring). None (default): single completions.
+        environment_args: keyword arguments of the environment class.
+        tools: import paths of tools (`lit_rl.envs.tools.calc`); alone they run in the built-in
+            `ToolEnvironment` (a turn's `<name>argument</name>` is answered `<result>value</result>`).
+        max_turns: the most model turns of an episode.
+        max_total_tokens: the most tokens of a transcript after the prompt, model and observation tokens (None:
+            `max_turns x max_new_tokens`).
     """
 
     def __init__(
@@ -135,6 +149,11 @@ class PPO(OnPolicyModule):
         padding_free: bool = False,
         head_chunk_tokens: Optional[int] = None,
         micro_batch_tokens: Optional[int] = None,
+        environment: Optional[str] = None,
+        environment_args: Optional[dict[str, Any]] = None,
+        tools: Optional[list[str]] = None,
+        max_turns: int = 4,
+        max_total_tokens: Optional[int] = None,
     ) -> None:
         check_rollout_args(locals(), min_generations=1)
         if loss_aggregation not in AGGREGATIONS:
@@ -166,6 +185,11 @@ class PPO(OnPolicyModule):
             padding_free=padding_free,
             head_chunk_tokens=head_chunk_tokens,
             micro_batch_tokens=micro_batch_tokens,
+            environment=environment,
+            environment_args=environment_args,
+            tools=tools,
+            max_turns=max_turns,
+            max_total_tokens=max_total_tokens,
         )
         self.save_hyperparameters()
         self.critic: Optional[ValueModel] = None  # built in `configure_model`, like the policy
@@ -220,7 +244,7 @@ class PPO(OnPolicyModule):
 
     def finish_rollout(self, batch: RolloutBatch, all_rewards: torch.Tensor) -> None:
         hp = self.hparams
-        mask = batch.completion_mask
+        mask = self.loss_mask(batch)  # the model's tokens: every completion token without an environment
         with self.timer.phase("values"):
             batch.old_values = self.per_micro_batch(batch, self.critic_values)
         kl = None
@@ -244,7 +268,7 @@ class PPO(OnPolicyModule):
         self, mb: RolloutBatch, logprobs: torch.Tensor, normalizer: LossNormalizer
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         hp = self.hparams
-        mask = mb.completion_mask
+        mask = self.loss_mask(mb)
         # The old log-probs exist for the KL penalty even when the policy has not moved since generation; then the
         # ratio is 1 by definition, so use this pass's own log-probs (no numerical drift into the clipping).
         policy_moved = OnPolicyModule.needs_old_logprobs(self)
@@ -264,7 +288,7 @@ class PPO(OnPolicyModule):
 
     def update_algorithm_metrics(self, mb: RolloutBatch, loss: torch.Tensor, stats: dict[str, torch.Tensor]) -> None:
         m = self.train_metrics
-        tokens = mb.completion_mask > 0
+        tokens = self.loss_mask(mb) > 0
         m["loss"].update(loss.detach())
         m["policy_loss"].update(stats["policy_loss"])
         m["critic/value_loss"].update(stats["value_loss"])

@@ -15,6 +15,12 @@ V_L = 0 after the last token:
     A_t     = delta_t + gamma * lambda * A_{t+1}          (A_L = 0)
     G_t     = A_t + V_t                                   (the critic's regression target, the "return")
 
+A multi-turn transcript (`model.environment`) is scored on the model's tokens alone: its mask is 0 on the
+environment's tokens between turns, which are not actions but part of the environment's transition. Both
+functions then read the masked-out tokens as absent, as if the model's tokens were laid end to end: the sequence
+reward lands on the last model token, V_{t+1} is the value at the next model token, and A carries across an
+observation. On a contiguous mask (one turn) this is the recursion above, token for token.
+
 The advantages are then whitened over all real tokens of the generation (mean 0, std 1; the statistics are the
 caller's, summed over ranks). The critic's loss, clipped around the values at sampling time V_old as in the
 reference implementations (OpenAI baselines, TRL, OpenRLHF):
@@ -39,7 +45,7 @@ def token_rewards(
     """Per-token rewards r [N, T] (module docstring): the sequence reward `rewards` [N] at each completion's last
     real token, minus `beta * kl` [N, T] (per-token `logp - ref_logp`) where the mask is 1."""
     mask = completion_mask.to(rewards.dtype)
-    last = (mask.sum(dim=1).long() - 1).clamp(min=0)  # [N]
+    last = mask.shape[1] - 1 - mask.flip(dims=[1]).argmax(dim=1)  # [N]: the last real token (any, on an empty row)
     out = torch.zeros_like(mask)
     out[torch.arange(len(rewards), device=mask.device), last] = rewards * (mask.sum(dim=1) > 0).to(rewards.dtype)
     if kl is not None and beta != 0.0:
@@ -51,17 +57,19 @@ def gae(
     rewards: torch.Tensor, values: torch.Tensor, completion_mask: torch.Tensor, gamma: float = 1.0, lam: float = 0.95
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages A [N, T] and returns G = A + V [N, T] from per-token `rewards` and `values` [N, T] (module
-    docstring); zero where the mask is 0, and the value after a completion's last token is 0."""
+    docstring); zero where the mask is 0, and the value after a completion's last token is 0. Masked-out tokens
+    inside a completion (a transcript's observations) are skipped: the recursion runs over the real tokens alone."""
     mask = completion_mask.float()
     values, rewards = values.float() * mask, rewards.float()  # accumulated in float32 whatever the model's dtype
-    T = rewards.shape[1]
     advantages = torch.zeros_like(values)
-    running = torch.zeros_like(values[:, 0])
-    for t in reversed(range(T)):
-        next_value = values[:, t + 1] if t + 1 < T else torch.zeros_like(running)
+    running = torch.zeros_like(values[:, 0])  # A at the next real token (0 after the last)
+    next_value = torch.zeros_like(running)  # V at the next real token (0 after the last)
+    for t in reversed(range(rewards.shape[1])):
+        real = mask[:, t] > 0
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        running = (delta + gamma * lam * running) * mask[:, t]
-        advantages[:, t] = running
+        running = torch.where(real, delta + gamma * lam * running, running)
+        next_value = torch.where(real, values[:, t], next_value)
+        advantages[:, t] = running * mask[:, t]
     return advantages, (advantages + values) * mask
 
 

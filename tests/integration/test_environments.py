@@ -1,6 +1,7 @@
 """Multi-turn episodes through the real CLI (`--model.environment`): per-stage metrics, the trainer's log-probs of
 the transcripts equal to the engine's (token-in, token-out), the checkpoint cadence, exact resume in the middle of
-a generation, and the same steps on 1 and 2 processes; for GRPO and RLOO on HF `generate` (vLLM: `test_vllm.py`)."""
+a generation, and the same steps on 1 and 2 processes; for GRPO, RLOO (and PPO, the first) on HF `generate` (vLLM:
+`test_vllm.py`)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def _fit(tmp_path, algorithm, *args, every_n=None, name="a"):
     return tmp_path / name / "run" / "version_0"
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo", "ppo"])
 def test_episodes_train_log_their_metrics_and_score_the_engines_tokens(tmp_path, algorithm):
     log_dir = _fit(tmp_path, algorithm, "--trainer.max_steps", "2", "--trainer.val_check_interval", "2")
     rows = read_metrics(log_dir)
@@ -73,35 +74,50 @@ def test_episodes_keep_the_cadence_and_resume_mid_generation_exactly(tmp_path):
     assert_rows_match(rows, train_rows(full), abs=1e-6)
 
 
+def _layout(tmp_path, devices: int, accumulate: int, *args: str) -> list[dict]:
+    """3 GRPO steps on Countdown episodes over `devices` processes x `accumulate` micro-batches of 4; the train rows
+    without the engine-gap metrics."""
+    log_dir = fit_in_subprocess(
+        tmp_path,
+        f"env_{devices}x{accumulate}_{len(args)}",
+        "grpo.yaml",
+        *FAST,
+        "--trainer.devices",
+        str(devices),
+        "--trainer.accumulate_grad_batches",
+        str(accumulate),
+        "--model.micro_batch_size",
+        "4",
+        "--trainer.max_steps",
+        "3",
+        "--trainer.limit_val_batches",
+        "0",
+        *(["--trainer.strategy", "ddp"] if devices > 1 else []),
+        *args,
+        every_n_train_steps=None,
+    )
+    return train_rows(log_dir)
+
+
 def test_episodes_are_the_same_steps_on_one_and_two_processes(tmp_path):
     """Each turn samples with a seed of its episode and turn: the transcripts, and so the steps, do not depend on
     how the batch is split over ranks."""
-
-    def fit(devices, accumulate):
-        log_dir = fit_in_subprocess(
-            tmp_path,
-            f"env_{devices}x{accumulate}",
-            "grpo.yaml",
-            *FAST,
-            "--trainer.devices",
-            str(devices),
-            "--trainer.accumulate_grad_batches",
-            str(accumulate),
-            "--model.micro_batch_size",
-            "4",
-            "--trainer.max_steps",
-            "3",
-            "--trainer.limit_val_batches",
-            "0",
-            *(["--trainer.strategy", "ddp"] if devices > 1 else []),
-            every_n_train_steps=None,
-        )
-        return without_engine_gap(train_rows(log_dir))
-
-    reference, split = fit(1, 2), fit(2, 1)
+    reference = without_engine_gap(_layout(tmp_path, 1, 2))
+    split = without_engine_gap(_layout(tmp_path, 2, 1))
     assert [row["step"] for row in reference] == [1, 2, 3] and reference[-1]["train/kl"] > 0
     # Float rounding only: each rank pads its transcripts to its own longest one.
     assert_rows_match(split, reference, rel=1e-4, abs=1e-5)
+
+
+def test_dynamic_sampling_refills_episodes_and_chooses_the_same_batch_on_one_and_two_processes(tmp_path):
+    """Refill generations are episodes too: the chosen transcripts move between ranks with their model-token masks
+    and statistics, so the trainer scores the engine's tokens alone, and the batch is the same however split."""
+    dynamic = ("--model.dynamic_sampling", "true", "--model.max_refill_generations", "2")
+    reference, split = _layout(tmp_path, 1, 2, *dynamic), _layout(tmp_path, 2, 1, *dynamic)
+    assert any(row["train/refill_generations"] > 0 for row in reference)
+    for row in reference + split:
+        assert row["train/rollout_logprob_diff/max"] < 1e-4 and row["train/env_tokens"] > 0 and row["train/turns"] > 1
+    assert_rows_match(without_engine_gap(split), without_engine_gap(reference), rel=1e-4, abs=1e-5)
 
 
 def test_the_tool_demo_config_calls_the_calculator_and_scores_the_engines_tokens(tmp_path):
