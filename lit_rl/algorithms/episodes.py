@@ -1,5 +1,5 @@
-"""Multi-turn rollouts in an environment, for the on-policy algorithms (GRPO, RLOO): the settings, the episodes of
-a batch, and what their transcripts add to the rewards and the metrics.
+"""Multi-turn rollouts in an environment, for the on-policy algorithms (GRPO, RLOO, PPO, Online DPO): the settings,
+the episodes of a batch, and what their transcripts add to the rewards and the metrics.
 
 With `model.environment` (or `model.tools`) a completion is an episode's transcript after the prompt (model turns
 and observations, token-in and token-out: `lit_rl.rollout.multi_turn`); the loss and every token metric count the

@@ -4,11 +4,15 @@ For each prompt the current policy samples 2 completions; the reward functions r
 reward) and the DPO loss of `lit_rl.losses.dpo` is applied against the frozen reference. Pairs with equal
 rewards carry no preference: they are skipped (weight 0) and counted in `frac_tied_pairs`. The step loss is
 normalised by the untied pairs of the whole optimizer step on all ranks.
+
+With an environment (`model.environment` or `model.tools`) each completion is a multi-turn transcript, and a
+sequence's log-probability is the sum over the model's tokens alone: the environment's tokens between turns are
+not the policy's to choose, and carry no loss.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -75,6 +79,16 @@ class OnlineDPO(OnPolicyModule):
             optimizer step max(0, g*m - k) (m = steps_per_generation x num_iterations), so each sample is at most
             k steps older than the policy it first updates (`lit_rl.rollout.producer`); needs the vLLM server
             engine. 0 (default): synchronous.
+        environment: multi-turn episodes: the import path of an environment class (`lit_rl.envs.Environment`:
+            `reset(row)`, `step(turn_text)`), one per episode, built with `environment_args`. Each completion is then
+            the episode's transcript, token-in and token-out (`lit_rl.rollout.multi_turn`); only the model's tokens
+            count in a sequence's log-probability (module docstring). None (default): single completions.
+        environment_args: keyword arguments of the environment class.
+        tools: import paths of tools (`lit_rl.envs.tools.calc`); alone they run in the built-in
+            `ToolEnvironment` (a turn's `<name>argument</name>` is answered `<result>value</result>`).
+        max_turns: the most model turns of an episode.
+        max_total_tokens: the most tokens of a transcript after the prompt, model and observation tokens (None:
+            `max_turns x max_new_tokens`).
     """
 
     micro_batch_unit = 2  # a pair's two completions are adjacent rows, compared within one micro-batch
@@ -113,6 +127,11 @@ class OnlineDPO(OnPolicyModule):
         head_chunk_tokens: Optional[int] = None,
         micro_batch_tokens: Optional[int] = None,
         max_staleness: int = 0,
+        environment: Optional[str] = None,
+        environment_args: Optional[dict[str, Any]] = None,
+        tools: Optional[list[str]] = None,
+        max_turns: int = 4,
+        max_total_tokens: Optional[int] = None,
     ) -> None:
         check_rollout_args(locals())
         if num_generations != 2:
@@ -151,6 +170,11 @@ class OnlineDPO(OnPolicyModule):
             head_chunk_tokens=head_chunk_tokens,
             micro_batch_tokens=micro_batch_tokens,
             max_staleness=max_staleness,
+            environment=environment,
+            environment_args=environment_args,
+            tools=tools,
+            max_turns=max_turns,
+            max_total_tokens=max_total_tokens,
         )
         self.save_hyperparameters()
         if reward_model_name_or_path is not None:
@@ -179,7 +203,7 @@ class OnlineDPO(OnPolicyModule):
         self, mb: RolloutBatch, logprobs: torch.Tensor, normalizer: LossNormalizer
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         hp = self.hparams
-        mask = mb.completion_mask
+        mask = self.loss_mask(mb)  # the model's tokens: every completion token without an environment
         labels = mb.advantages.view(-1, 2)  # [n/2, 2]
         seq_logps = (logprobs * mask).sum(dim=1).view(-1, 2)  # [n/2, 2]
         ref_logps = (mb.ref_logprobs * mask).sum(dim=1).view(-1, 2)

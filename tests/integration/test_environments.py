@@ -1,7 +1,7 @@
 """Multi-turn episodes through the real CLI (`--model.environment`): per-stage metrics, the trainer's log-probs of
 the transcripts equal to the engine's (token-in, token-out), the checkpoint cadence, exact resume in the middle of
-a generation, and the same steps on 1 and 2 processes; for GRPO, RLOO (and PPO, the first) on HF `generate` (vLLM:
-`test_vllm.py`)."""
+a generation, and the same steps on 1 and 2 processes; for GRPO, RLOO (and PPO and Online DPO, the first) on HF
+`generate` (vLLM: `test_vllm.py`)."""
 
 from __future__ import annotations
 
@@ -32,9 +32,10 @@ def _fit(tmp_path, algorithm, *args, every_n=None, name="a"):
     return tmp_path / name / "run" / "version_0"
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "rloo", "ppo"])
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo", "ppo", "online_dpo"])
 def test_episodes_train_log_their_metrics_and_score_the_engines_tokens(tmp_path, algorithm):
-    log_dir = _fit(tmp_path, algorithm, "--trainer.max_steps", "2", "--trainer.val_check_interval", "2")
+    pairs = ["--model.num_generations", "2"] if algorithm == "online_dpo" else []
+    log_dir = _fit(tmp_path, algorithm, "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", *pairs)
     rows = read_metrics(log_dir)
     columns = set(rows[0])
     for stage in ("train", "val"):
