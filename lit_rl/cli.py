@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import sys
+import traceback
 import warnings
 from typing import Any, NoReturn, Optional
 
@@ -192,13 +193,19 @@ def main(args: Optional[list[str]] = None) -> None:
 
 def console_main(args: Optional[list[str]] = None) -> None:
     """`main` as a program (`lit-rl`, `python -m lit_rl.cli`). A process that ran collectives ends without the
-    interpreter's finalization, which can abort a finished run under torch 2.13 (see `exit_without_finalizing`)."""
+    interpreter's finalization, which can abort a finished run under torch 2.13 (see `exit_without_finalizing`):
+    with the code `sys.exit` gave, or 1 after the traceback of an exception, as the interpreter would."""
     try:
         main(args)
     except SystemExit as stop:
         if isinstance(stop.code, int) and _in_a_process_group():
             exit_without_finalizing(stop.code)
         raise
+    except Exception:
+        if not _in_a_process_group():
+            raise
+        traceback.print_exc()
+        exit_without_finalizing(1)
     if _in_a_process_group():
         exit_without_finalizing(0)
 

@@ -58,6 +58,8 @@ import lit_rl.cli as cli
 def main(args):
     if {group}:
         torch.distributed.init_process_group("gloo", init_method="file://" + "{init}", rank=0, world_size=1)
+    if {code} == "raise":
+        raise RuntimeError("the run broke")
     if {code} is not None:
         sys.exit({code})
 
@@ -69,9 +71,13 @@ os.write(1, b" returned")
 
 @pytest.mark.slow
 @pytest.mark.parametrize("group", [True, False])
-@pytest.mark.parametrize("code", [None, 4])
+@pytest.mark.parametrize("code", [None, 4, "raise"])
 def test_console_main_skips_finalization_only_inside_a_process_group(tmp_path, group, code):
-    result = run_python(CONSOLE.format(group=group, init=tmp_path / "init", code=code), tmp_path)
+    result = run_python(CONSOLE.format(group=group, init=tmp_path / "init", code=repr(code)), tmp_path)
+    if code == "raise":  # the traceback, then 1, as the interpreter does
+        assert result.returncode == 1 and result.stderr.rstrip().endswith("RuntimeError: the run broke")
+        assert result.stdout == ("" if group else "finalized")
+        return
     assert result.returncode == (code or 0), result.stderr
     if group:
         assert result.stdout == "", result.stdout  # ended inside console_main, before finalization
