@@ -198,9 +198,13 @@ def console_main(args: Optional[list[str]] = None) -> None:
     try:
         main(args)
     except SystemExit as stop:
-        if isinstance(stop.code, int) and _in_a_process_group():
-            exit_without_finalizing(stop.code)
-        raise
+        if not _in_a_process_group():
+            raise
+        code = stop.code
+        if code is not None and not isinstance(code, int):  # sys.exit("message"): printed, then 1
+            sys.stderr.write(f"{code}\n")
+            code = 1
+        exit_without_finalizing(code or 0)
     except Exception:
         if not _in_a_process_group():
             raise

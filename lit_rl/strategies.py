@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, NoReturn, Optional
@@ -285,10 +286,15 @@ def exit_without_finalizing(code: int = 0) -> NoReturn:
     thread asking for the GIL is ended by `pthread_exit`, whose unwinding through a `noexcept` destructor calls
     `std::terminate`. ZeRO-3 on gloo hits it when a gather ends just before the process does.
 
-    The atexit handlers (Lightning destroying an NCCL group, logging, temporary directories, child processes) run
-    while the interpreter is whole, so a worker thread waiting for the GIL gets it; nothing after them needs one.
+    What the interpreter does before finalizing is done, in its order and while it is whole (so a worker thread
+    waiting for the GIL gets it): threads that are not daemons are joined, then the atexit handlers run (Lightning
+    destroying an NCCL group, logging, temporary directories, child processes). Nothing after them needs the GIL.
     """
+    threading._shutdown()  # what Py_FinalizeEx calls first: joins the non-daemon threads
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
-        stream.flush()
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more can be said on it
+            pass
     os._exit(code)

@@ -31,12 +31,13 @@ def run_python(code: str, tmp_path) -> subprocess.CompletedProcess:
     )
 
 
-def test_exit_without_finalizing_runs_the_atexit_handlers_flushes_and_exits_with_the_code(tmp_path):
+def test_exit_without_finalizing_joins_threads_runs_the_atexit_handlers_flushes_and_exits_with_the_code(tmp_path):
     result = run_python(
         """
-import atexit
+import atexit, threading, time
 from lit_rl.strategies import exit_without_finalizing
 atexit.register(lambda: open("atexit.txt", "w").write("ran"))
+threading.Thread(target=lambda: time.sleep(0.5) or open("thread.txt", "w").write("joined")).start()
 sys.stdout.write("buffered, no newline")
 sys.stderr.write("on stderr")
 exit_without_finalizing(3)
@@ -46,8 +47,9 @@ sys.stdout.write("after the exit")
     )
     assert result.returncode == 3, result.stderr
     assert result.stdout == "buffered, no newline"  # flushed, and neither finalization nor later code ran
-    assert result.stderr == "on stderr"
+    assert result.stderr.endswith("on stderr")  # after whatever the imports warned
     assert (tmp_path / "atexit.txt").read_text() == "ran"
+    assert (tmp_path / "thread.txt").read_text() == "joined"  # a thread that is not a daemon finished first
 
 
 # A CLI run stood in for by `main`, inside a one-process gloo group or not, ending normally or by `sys.exit`.
@@ -61,7 +63,7 @@ def main(args):
     if {code} == "raise":
         raise RuntimeError("the run broke")
     if {code} is not None:
-        sys.exit({code})
+        sys.exit({code})  # an int, or a message
 
 cli.main = main
 cli.console_main([])
@@ -71,11 +73,15 @@ os.write(1, b" returned")
 
 @pytest.mark.slow
 @pytest.mark.parametrize("group", [True, False])
-@pytest.mark.parametrize("code", [None, 4, "raise"])
+@pytest.mark.parametrize("code", [None, 4, "raise", "a message"])
 def test_console_main_skips_finalization_only_inside_a_process_group(tmp_path, group, code):
     result = run_python(CONSOLE.format(group=group, init=tmp_path / "init", code=repr(code)), tmp_path)
     if code == "raise":  # the traceback, then 1, as the interpreter does
         assert result.returncode == 1 and result.stderr.rstrip().endswith("RuntimeError: the run broke")
+        assert result.stdout == ("" if group else "finalized")
+        return
+    if code == "a message":  # sys.exit("a message"): printed, then 1, as the interpreter does
+        assert result.returncode == 1 and result.stderr.rstrip().endswith("a message")
         assert result.stdout == ("" if group else "finalized")
         return
     assert result.returncode == (code or 0), result.stderr

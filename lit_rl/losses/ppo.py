@@ -45,7 +45,7 @@ def token_rewards(
     """Per-token rewards r [N, T] (module docstring): the sequence reward `rewards` [N] at each completion's last
     real token, minus `beta * kl` [N, T] (per-token `logp - ref_logp`) where the mask is 1."""
     mask = completion_mask.to(rewards.dtype)
-    last = mask.shape[1] - 1 - mask.flip(dims=[1]).argmax(dim=1)  # [N]: the last real token (any, on an empty row)
+    last = mask.shape[1] - 1 - (mask > 0).flip(dims=[1]).int().argmax(dim=1)  # [N]: the last real token (any, if none)
     out = torch.zeros_like(mask)
     out[torch.arange(len(rewards), device=mask.device), last] = rewards * (mask.sum(dim=1) > 0).to(rewards.dtype)
     if kl is not None and beta != 0.0:
