@@ -16,12 +16,10 @@ import os
 import re
 import signal
 import sys
-import traceback
 import warnings
 from typing import Any, NoReturn, Optional
 
 import lightning as L
-import torch
 from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
@@ -30,7 +28,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeed
 from lit_rl.callbacks import GracefulStop, NonFiniteGuard, RunSummary, StepProgressBar
 from lit_rl.checkpoint import AtomicCheckpointIO
 from lit_rl.errors import LitRLError
-from lit_rl.strategies import as_project_deepspeed, exit_without_finalizing
+from lit_rl.strategies import as_project_deepspeed
 
 CONFIG_ERROR_EXIT = 2
 INPUT_ERROR_EXIT = 1
@@ -191,33 +189,6 @@ def main(args: Optional[list[str]] = None) -> None:
         sys.exit(INPUT_ERROR_EXIT)
 
 
-def console_main(args: Optional[list[str]] = None) -> None:
-    """`main` as a program (`lit-rl`, `python -m lit_rl.cli`). A process that ran collectives ends without the
-    interpreter's finalization, which can abort a finished run under torch 2.13 (see `exit_without_finalizing`):
-    with the code `sys.exit` gave, or 1 after the traceback of an exception, as the interpreter would."""
-    try:
-        main(args)
-    except SystemExit as stop:
-        if not _in_a_process_group():
-            raise
-        code = stop.code
-        if code is not None and not isinstance(code, int):  # sys.exit("message"): printed, then 1
-            sys.stderr.write(f"{code}\n")
-            code = 1
-        exit_without_finalizing(code or 0)
-    except Exception:
-        if not _in_a_process_group():
-            raise
-        traceback.print_exc()
-        exit_without_finalizing(1)
-    if _in_a_process_group():
-        exit_without_finalizing(0)
-
-
-def _in_a_process_group() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
 def exit_if_interrupted(trainer: L.Trainer) -> None:
     """After a run that GracefulStop ended on a signal: say where the checkpoint is and exit 128 + signal."""
     for callback in trainer.callbacks:
@@ -243,4 +214,4 @@ def find_user_error(err: BaseException) -> Optional[LitRLError]:
 
 
 if __name__ == "__main__":
-    console_main()
+    main()

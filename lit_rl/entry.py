@@ -1,4 +1,4 @@
-"""The `lit-rl` console script: check the installation, then run the CLI (`lit_rl.cli.console_main`).
+"""The `lit-rl` console script: check the installation, then run the CLI (`lit_rl.cli.main`).
 
 The check runs before anything imports Lightning: a broken `torchvision` fails `import lightning` itself
 (torchmetrics imports it), so the CLI module could not even load to report it.
@@ -42,6 +42,6 @@ def main(args: Optional[list[str]] = None) -> None:
     except BrokenInstall as err:
         sys.stderr.write(f"lit-rl: error: {err}\n")
         sys.exit(INSTALL_ERROR_EXIT)
-    from lit_rl.cli import console_main
+    from lit_rl.cli import main as cli_main
 
-    console_main(args)
+    cli_main(args)

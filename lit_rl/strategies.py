@@ -289,6 +289,10 @@ def exit_without_finalizing(code: int = 0) -> NoReturn:
     What the interpreter does before finalizing is done, in its order and while it is whole (so a worker thread
     waiting for the GIL gets it): threads that are not daemons are joined, then the atexit handlers run (Lightning
     destroying an NCCL group, logging, temporary directories, child processes). Nothing after them needs the GIL.
+
+    Not for the `lit-rl` CLI: `os._exit` also skips the C++ static destructors, and vLLM's CPU engine frees its
+    shared memory in one (a tensor-parallel run then leaves `/dev/shm/...-cpushm_<rank>` behind, and the next one
+    fails with errno 17). It ends the multi-process benchmark and test workers, which run no vLLM.
     """
     threading._shutdown()  # what Py_FinalizeEx calls first: joins the non-daemon threads
     atexit._run_exitfuncs()
