@@ -197,6 +197,24 @@ def fit_grpo(max_steps: int = 1, callbacks: Optional[list] = None, algorithm: st
     return model
 
 
+def fit_on_episodes(algorithm: str = "GRPO", **model_args: Any):
+    """One step of the on-policy `algorithm` on Countdown episodes (up to 3 model turns of 3 tokens, observations
+    between; 2 passes per generation, `fit_grpo`); the fitted module and its buffer's observation tokens [N, T],
+    checked to be there (several turns in every episode)."""
+    model = fit_grpo(
+        algorithm=algorithm,
+        environment="tests.integration.envs.Countdown",
+        max_turns=3,
+        max_new_tokens=3,
+        num_iterations=2,
+        **model_args,
+    )
+    buffer = model._buffer
+    observations = (buffer.completion_mask > 0) & (buffer.sampled_mask == 0)
+    assert observations.any() and buffer.episode_stats[:, 0].min() >= 2  # several turns, observations between
+    return model, observations
+
+
 def perturbed_lora_model(**config: Any) -> torch.nn.Module:
     """The shipped SFT model with a LoRA adapter (r 4, `config` on top) whose trainable weights are moved by
     N(0, 0.05) noise, so that merged weights differ from the frozen ones."""

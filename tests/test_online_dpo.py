@@ -65,19 +65,10 @@ def test_a_reward_model_given_by_path_ranks_the_pairs(tmp_path):
 def test_with_an_environment_a_sequences_log_probability_is_the_models_tokens_alone():
     """Online DPO on Countdown episodes (up to 3 model turns, observations between): the loss has no gradient at an
     observation token, and one at the model's tokens of every untied pair."""
-    from tests.conftest import fit_grpo
+    from tests.conftest import fit_on_episodes
 
-    model = fit_grpo(
-        algorithm="OnlineDPO",
-        environment="tests.integration.envs.Countdown",
-        max_turns=3,
-        max_new_tokens=3,
-        num_generations=2,
-        num_iterations=2,
-    )
+    model, observations = fit_on_episodes("OnlineDPO", num_generations=2)
     buffer = model._buffer
-    observations = (buffer.completion_mask > 0) & (buffer.sampled_mask == 0)
-    assert observations.any() and buffer.episode_stats[:, 0].min() >= 2  # several turns, observations between
     buffer.advantages = torch.tensor([1.0, -1.0]).repeat(len(buffer) // 2)  # every pair untied: first chosen
     logprobs = buffer.old_logprobs.clone().requires_grad_(True)
     loss, _ = model.micro_batch_loss(buffer, logprobs, model._normalizers[0])

@@ -13,7 +13,7 @@ from lit_rl.losses.ppo import gae, token_rewards
 from lit_rl.models import load_causal_lm, load_tokenizer
 from lit_rl.ops import position_ids_from_mask
 from lit_rl.value_model import load_value_model, save_value_model
-from tests.conftest import build_tiny_reward_model, fit_grpo
+from tests.conftest import build_tiny_reward_model, fit_grpo, fit_on_episodes
 
 MODEL = "lit-rl/tiny-qwen2-addition-sft"
 
@@ -133,19 +133,9 @@ def test_the_buffer_holds_gae_of_the_critics_values_whitened_over_the_generation
 def test_with_an_environment_only_the_models_tokens_are_actions():
     """PPO on Countdown episodes (up to 3 model turns, observations between): GAE runs over the model's tokens alone,
     and neither the policy's loss nor the critic's has a gradient at an observation token."""
-    model = fit_grpo(
-        algorithm="PPO",
-        environment="tests.integration.envs.Countdown",
-        max_turns=3,
-        max_new_tokens=3,
-        beta=0.1,
-        num_iterations=2,
-        micro_batch_size=4,
-    )
+    model, observations = fit_on_episodes("PPO", beta=0.1, micro_batch_size=4)
     buffer = model._buffer
     model_tokens = buffer.completion_mask * buffer.sampled_mask
-    observations = (buffer.completion_mask > 0) & (buffer.sampled_mask == 0)
-    assert observations.any() and buffer.episode_stats[:, 0].min() >= 2  # several turns, observations between
     kl = (buffer.old_logprobs - buffer.ref_logprobs) * model_tokens
     rewards = token_rewards(buffer.rewards, model_tokens, kl, 0.1)
     _, returns = gae(rewards, buffer.old_values, model_tokens, model.hparams.gamma, model.hparams.lam)
