@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shlex
 import signal
 import sys
 import warnings
@@ -28,6 +29,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeed
 from lit_rl.callbacks import GracefulStop, NonFiniteGuard, RunSummary, StepProgressBar
 from lit_rl.checkpoint import AtomicCheckpointIO
 from lit_rl.errors import LitRLError
+from lit_rl.resume import ResumePoint, keep_run_metrics, resolve_ckpt_path
 from lit_rl.strategies import as_project_deepspeed
 
 CONFIG_ERROR_EXIT = 2
@@ -137,8 +139,12 @@ class LitRLCLI(LightningCLI):
         "wait_for_server_s",
     )
 
+    resumed: Optional[ResumePoint] = None  # the checkpoint and run directory `--ckpt_path` resolved to
+
     def _parse_ckpt_path(self) -> None:
         subcommand = self.config.get("subcommand")
+        if subcommand:
+            self.resumed = resolve_ckpt_path(self.config[subcommand])
         vllm = f"{subcommand}.model.init_args.vllm"
         mine = {key: self.config.get(f"{vllm}.{key}") for key in self.RUNTIME_VLLM_KEYS} if subcommand else {}
         super()._parse_ckpt_path()
@@ -146,6 +152,11 @@ class LitRLCLI(LightningCLI):
             for key, value in mine.items():
                 if value is not None:
                     self.config[f"{vllm}.{key}"] = value
+
+    def before_fit(self) -> None:
+        # The CSV logger deletes the metrics file of a run directory it opens: put back the resumed run's rows.
+        if self.resumed is not None and self.resumed.run is not None:
+            keep_run_metrics(self.trainer.loggers, self.resumed)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> L.Trainer:
         configured = list(config.get("callbacks") or []) + callbacks
@@ -165,9 +176,43 @@ class LitRLCLI(LightningCLI):
         return super()._instantiate_trainer(config, [*callbacks, *extra])
 
 
+# Short names on the command line (`--model GRPO`, `--model.help GRPO`, `--data.help PromptDataModule`).
+SHORT_NAMES = {
+    **{name: f"lit_rl.algorithms.{name}" for name in ("DPO", "GRPO", "OnlineDPO", "PPO", "RLOO", "SFT")},
+    **{name: f"lit_rl.data.{name}" for name in ("PreferenceDataModule", "PromptDataModule", "SFTDataModule")},
+}
+CLASS_KEYS = ("--model", "--model.help", "--data", "--data.help")
+_NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+HELP_EPILOG = (
+    "algorithms: --model GRPO | PPO | RLOO | OnlineDPO | DPO | SFT (or a class path); the options of one: "
+    "lit-rl fit --model.help GRPO. Data: --data PromptDataModule | PreferenceDataModule | SFTDataModule. "
+    "Examples: lit-rl fit --config configs/grpo.yaml --model.learning_rate 5e-5; resume: add --ckpt_path last."
+)
+
+
+def normalize_args(args: list[str]) -> list[str]:
+    """The command line as the parser needs it: a short algorithm or data-module name after `--model`,
+    `--data` or their `.help` becomes its class path, and a negative number after an option is joined to it
+    (`--model.learning_rate=-1e-4`: argparse would read `-1e-4` as an option)."""
+    out: list[str] = []
+    for arg in args:
+        previous = out[-1] if out else ""
+        option = previous.startswith("--") and "=" not in previous
+        if option and previous in CLASS_KEYS and arg in SHORT_NAMES:
+            out.append(SHORT_NAMES[arg])
+        elif option and _NEGATIVE_NUMBER.fullmatch(arg):
+            out[-1] = f"{previous}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(args: Optional[list[str]] = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     quiet_console()
+    given = sys.argv[1:] if args is None else list(args)
+    if args is None:  # LightningCLI warns when given `args` while sys.argv holds arguments too
+        sys.argv[1:] = normalize_args(given)
     try:
         cli = LitRLCLI(
             model_class=L.LightningModule,
@@ -175,12 +220,13 @@ def main(args: Optional[list[str]] = None) -> None:
             subclass_mode_model=True,
             subclass_mode_data=True,
             save_config_kwargs={"overwrite": True},
-            args=args,
+            args=None if args is None else normalize_args(given),
             auto_configure_optimizers=False,
             parser_class=OneLineErrorParser,
+            parser_kwargs={sub: {"epilog": HELP_EPILOG} for sub in ("fit", "validate", "test", "predict")},
         )
         if cli.subcommand == "fit":
-            exit_if_interrupted(cli.trainer)
+            exit_if_interrupted(cli.trainer, given)
     except Exception as err:
         user_error = find_user_error(err)
         if user_error is None or os.environ.get("LIT_RL_TRACEBACK"):
@@ -189,16 +235,33 @@ def main(args: Optional[list[str]] = None) -> None:
         sys.exit(INPUT_ERROR_EXIT)
 
 
-def exit_if_interrupted(trainer: L.Trainer) -> None:
-    """After a run that GracefulStop ended on a signal: say where the checkpoint is and exit 128 + signal."""
+def exit_if_interrupted(trainer: L.Trainer, args: list[str]) -> None:
+    """After a run that GracefulStop ended on a signal: say where the checkpoint is, the command that continues
+    the run (`args`, this run's arguments, with `--ckpt_path last`), and exit 128 + signal."""
     for callback in trainer.callbacks:
         if isinstance(callback, GracefulStop) and callback.received is not None and callback.checkpoint_path:
             name = signal.Signals(callback.received).name
-            sys.stderr.write(
-                f"lit-rl: stopped by {name} after step {callback.stopped_at_step}; checkpoint written to "
-                f"{callback.checkpoint_path} (resume with --ckpt_path last)\n"
-            )
+            if trainer.is_global_zero:
+                sys.stderr.write(
+                    f"lit-rl: stopped by {name} after step {callback.stopped_at_step}; checkpoint written to "
+                    f"{callback.checkpoint_path}; resume with: {resume_command(args)}\n"
+                )
             sys.exit(128 + callback.received)
+
+
+def resume_command(args: list[str]) -> str:
+    """The `lit-rl` command line that continues a run started with `args`: the same arguments, `--ckpt_path last`
+    in place of any `--ckpt_path`."""
+    kept: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--ckpt_path":
+            skip = True
+        elif not arg.startswith("--ckpt_path="):
+            kept.append(arg)
+    return shlex.join(["lit-rl", *kept, "--ckpt_path", "last"])
 
 
 def find_user_error(err: BaseException) -> Optional[LitRLError]:

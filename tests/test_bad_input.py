@@ -46,6 +46,26 @@ def _file(tmp_path, name, text):
     return ["--data.train_data", str(tmp_path / name), "--data.val_data", "null"]
 
 
+def _damaged_checkpoint(tmp_path):
+    """A run directory with an intact checkpoint at step 1 and a `last.ckpt` cut short, as by a full disk."""
+    import torch
+
+    checkpoints = tmp_path / "runs" / "run" / "version_0" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    torch.save({"global_step": 1}, checkpoints / "step=1.ckpt")
+    torch.save({"global_step": 2, "pad": torch.zeros(1000)}, checkpoints / "last.ckpt")
+    (checkpoints / "last.ckpt").write_bytes((checkpoints / "last.ckpt").read_bytes()[:300])
+    return ["--ckpt_path", "last"]
+
+
+def _dataset_dict(tmp_path):
+    import datasets
+
+    rows = datasets.Dataset.from_list([{"prompt": "1+1=", "answer": "2"}])
+    datasets.DatasetDict({"train": rows, "test": rows}).save_to_disk(str(tmp_path / "dd"))
+    return ["--data.train_data", str(tmp_path / "dd"), "--data.val_data", "null"]
+
+
 def _parquet(tmp_path, name, rows):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -131,6 +151,34 @@ CASES = [
         1,
     ),
     ("missing-data-file", GRPO, ["--data.train_data", "missing.jsonl"], "data file 'missing.jsonl' does not exist", 1),
+    (
+        "damaged-checkpoint",
+        GRPO,
+        _damaged_checkpoint,
+        "runs/run/version_0/checkpoints/last.ckpt cannot be read (",  # and the intact one beside it:
+        1,
+    ),
+    (
+        "damaged-checkpoint-names-the-intact-one",
+        GRPO,
+        _damaged_checkpoint,
+        "; the newest intact checkpoint beside it is ",
+        1,
+    ),
+    (
+        "datasets-directory-without-its-split",
+        GRPO,
+        _dataset_dict,
+        "has several splits (train, test): name one, e.g. ",
+        1,
+    ),
+    (
+        "hub-dataset-not-reachable",
+        GRPO,
+        ["--data.train_data", "no-such-owner/no-such-data:train"],
+        "no local file or directory of that name, and the hub data set 'no-such-owner/no-such-data' could not be",
+        1,
+    ),
     ("unknown-builtin", GRPO, ["--data.train_data", "builtin:subtraction/train"], "unknown built-in dataset", 1),
     (
         "unsupported-extension",

@@ -74,6 +74,30 @@ def test_help_documents_every_constructor_argument(capsys):
         assert doc in text, doc
 
 
+def test_short_algorithm_names_and_negative_numbers_on_the_command_line(capsys):
+    config = _print_config(capsys, "--config", str(CONFIGS / "grpo.yaml"), "--model", "RLOO", "--model.beta", "-0.5")
+    assert config["model"]["class_path"] == "lit_rl.algorithms.RLOO" and config["model"]["init_args"]["beta"] == -0.5
+    config = _print_config(capsys, "--config", str(CONFIGS / "grpo.yaml"), "--model.learning_rate", "-1e-4")
+    assert config["model"]["init_args"]["learning_rate"] == -1e-4  # parsed (argparse took it for an option)
+    with pytest.raises(SystemExit):
+        run_cli("fit", "--model.help", "PPO")
+    assert "critic_learning_rate" in capsys.readouterr().out  # PPO's own option
+    with pytest.raises(SystemExit):
+        run_cli("fit", "--help")
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--model GRPO | PPO | RLOO | OnlineDPO | DPO | SFT" in text and "lit-rl fit --model.help GRPO" in text
+
+
+def test_normalize_args_touches_only_short_names_and_negative_values():
+    from lit_rl.cli import normalize_args
+
+    assert normalize_args(["fit", "--model", "GRPO", "--data.help", "SFTDataModule", "--x", "-3", "--y=-2"]) == [
+        "fit", "--model", "lit_rl.algorithms.GRPO", "--data.help", "lit_rl.data.SFTDataModule", "--x=-3", "--y=-2"
+    ]  # fmt: skip
+    unchanged = ["fit", "--config", "GRPO", "--model.reward_funcs", "[a.b]", "--print_config", "-c", "x.yaml"]
+    assert normalize_args(unchanged) == unchanged
+
+
 def test_console_script_lists_subcommands():
     out = subprocess.run([*CLI_COMMAND, "--help"], capture_output=True, text=True, check=True)
     for subcommand in ("fit", "validate", "test", "predict"):

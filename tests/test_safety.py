@@ -225,7 +225,8 @@ def test_sigterm_writes_a_resumable_checkpoint_and_exits_non_zero(tmp_path):
     )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     log_dir = tmp_path / "runs" / "run" / "version_0"
-    assert [r["step"] for r in train_rows(log_dir)] == [stopped + 1, stopped + 2]  # continued, not restarted
+    # Continued, not restarted, and the rows of the stopped run kept: every step once.
+    assert [r["step"] for r in train_rows(log_dir)] == list(range(1, stopped + 3))
     assert saved_steps(log_dir) == []  # cadence 1000: nothing else saved
     assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == stopped
 

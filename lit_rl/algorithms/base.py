@@ -18,6 +18,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torchmetrics import MetricCollection
 
+from lit_rl.compat import mark_step_saved
 from lit_rl.errors import ConfigError
 from lit_rl.head import TokenScores, check_plain_head, chunked_head_scores, scores_from_logits
 from lit_rl.lora import (
@@ -202,7 +203,7 @@ class PolicyModule(L.LightningModule):
         # that step again (with a data position one micro-batch later). Mark the resumed step as saved.
         for callback in self.trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint):
-                callback._last_global_step_saved = max(callback._last_global_step_saved, self.trainer.global_step)
+                mark_step_saved(callback, self.trainer.global_step)
 
     def step_loss_scale(self, accumulated: bool = True, across_ranks: bool = True) -> float:
         """What a micro-batch loss normalised over the whole optimizer step (all micro-batches and ranks) is

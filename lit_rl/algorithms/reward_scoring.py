@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 
 from lit_rl.errors import ConfigError, RewardFunctionError
-from lit_rl.rewards import import_reward_function, reward_name
+from lit_rl.rewards import TrainerState, import_reward_function, reward_name
 from lit_rl.rewards.scoring import reward_components, weighted_reward
 from lit_rl.rollout import RolloutOutput
 from lit_rl.strategies import reduce_across_ranks
@@ -47,8 +47,16 @@ class RewardScorer:
         """Reward components [N, F] and rewards [N] of an engine's completions of `rows` x `repeat`; an
         environment's reward parts [N, E] are further columns, of weight 1."""
         completions = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+        # TRL's `completion_ids`: each completion's tokens up to and including its EOS, without the padding.
+        lengths = (out.completion_mask > 0).sum(dim=1).tolist()
+        completion_ids = [ids[:n] for ids, n in zip(out.completion_ids.tolist(), lengths)]
         with self.timer.phase("reward"):
-            return self._score_on_every_rank(rows, completions, repeat, env_rewards)
+            return self._score_on_every_rank(rows, completions, repeat, env_rewards, completion_ids)
+
+    def trainer_state(self) -> TrainerState:
+        """Where training is, for reward functions that take `trainer_state` (as TRL passes it)."""
+        trainer = self.trainer
+        return TrainerState(trainer.global_step, trainer.max_steps, float(trainer.current_epoch))
 
     def _score_on_every_rank(
         self,
@@ -56,6 +64,7 @@ class RewardScorer:
         completions: list[str],
         repeat: int,
         env_rewards: Optional[torch.Tensor] = None,
+        completion_ids: Optional[list[list[int]]] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Reward components [N, F] and weighted rewards [N] (`lit_rl.rewards.scoring`), failing on
         every rank together when they fail on one: a rank that raised alone would leave the others waiting in
@@ -63,7 +72,9 @@ class RewardScorer:
         error: Optional[RewardFunctionError] = None
         components = rewards = None
         try:
-            components = reward_components(self.reward_fns, rows, completions, repeat, self.device)
+            components = reward_components(
+                self.reward_fns, rows, completions, repeat, self.device, completion_ids, self.trainer_state()
+            )
             weights = self.reward_weights
             if env_rewards is not None:
                 components = torch.cat([components, env_rewards.to(components)], dim=1)

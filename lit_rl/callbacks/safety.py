@@ -10,8 +10,9 @@ from typing import Any, Optional
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from lit_rl.compat import mark_last_written
 from lit_rl.errors import LitRLError
 from lit_rl.strategies import (
     deepspeed_discards_non_finite_steps,
@@ -169,12 +170,30 @@ class GracefulStop(Callback):
             getattr(trainer.checkpoint_callback, "dirpath", None) or Path(trainer.log_dir or ".") / "checkpoints"
         )
         self.checkpoint_path = str(directory / "last.ckpt")
+        checkpointing = trainer.checkpoint_callback
+        if isinstance(checkpointing, ModelCheckpoint):
+            # Before the save, since its state is part of the checkpoint: the resumed run updates this file, not a
+            # second `last-v1.ckpt` beside it.
+            checkpointing.last_model_path = self.checkpoint_path
         trainer.save_checkpoint(self.checkpoint_path, weights_only=False)  # full state, to resume from
         self.stopped_at_step = trainer.global_step
         trainer.should_stop = True
         # Stopping would otherwise run a full validation first (Lightning validates when asked to stop early),
         # which can outlast a pre-emption grace period.
         trainer.fit_loop.epoch_loop._skip_next_val = True
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._keep_checkpoint_callbacks_off(trainer)
+
+    def _keep_checkpoint_callbacks_off(self, trainer: L.Trainer) -> None:
+        """After a stop, the checkpoint written is the run's last one: ModelCheckpoint (whose hooks run after this
+        callback's) would otherwise write `last` again at the end of the epoch and of `fit`, with the loops' state
+        of an ended epoch, into `last.ckpt` or a second `last-v1.ckpt`."""
+        if self.stopped_at_step is None or self.stopped_at_step != trainer.global_step:
+            return
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint):
+                mark_last_written(callback, self.checkpoint_path, trainer.global_step)
 
     def _restore_handlers(self) -> None:
         for sig, previous in self._previous.items():
@@ -183,6 +202,7 @@ class GracefulStop(Callback):
 
     # Restored before Lightning restores its own handlers at teardown, so the process ends with the original ones.
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._keep_checkpoint_callbacks_off(trainer)
         self._restore_handlers()
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:

@@ -1,4 +1,5 @@
-"""Rows from local files (JSONL, JSON, parquet) or built-in tasks (`builtin:<task>/<split>`)."""
+"""Rows from local files (JSONL, JSON, parquet), Hugging Face `datasets` (a `save_to_disk` directory, an `.arrow`
+file, a hub id) or built-in tasks (`builtin:<task>/<split>`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
+from lit_rl.data import hf_datasets
 from lit_rl.data.arithmetic import BUILTIN_DATASETS
 from lit_rl.errors import DataError, DataFileNotFound
 
@@ -14,16 +16,29 @@ Row = dict[str, Any]
 
 
 def load_rows(spec: str) -> list[Row]:
-    """Load every row of `spec`: `builtin:addition/train`, or a `.jsonl`, `.json` or `.parquet` file."""
+    """Load every row of `spec`:
+    - `builtin:addition/train`;
+    - a `.jsonl`, `.json` or `.parquet` file;
+    - a Hugging Face dataset: a `save_to_disk` directory (`dir`, or `dir:split` for a `DatasetDict`), an `.arrow`
+      file, or a hub id `owner/name[:split]` / `owner/name:config:split` (`datasets.load_dataset`, cached; without
+      a split, the only split or `train`).
+    """
     if spec.startswith("builtin:"):
         name, _, split = spec[len("builtin:") :].partition("/")
         if name not in BUILTIN_DATASETS:
             raise DataError(f"unknown built-in dataset {spec!r}; known: {sorted(BUILTIN_DATASETS)}")
         return BUILTIN_DATASETS[name](split or "train")
     path = Path(spec)
+    directory, _, split = spec.rpartition(":") if ":" in spec and not path.exists() else (spec, "", "")
+    if Path(directory).is_dir():
+        return hf_datasets.rows_from_disk(Path(directory), split or None, spec)
     if not path.is_file():
+        if hf_datasets.looks_like_hub_id(spec):
+            return hf_datasets.rows_from_hub(spec)
         raise DataFileNotFound(f"data file {spec!r} does not exist")
     suffix = path.suffix.lower()
+    if suffix == ".arrow":
+        return hf_datasets.rows_from_arrow(path)
     if suffix == ".jsonl":
         return _read_jsonl(path)
     if suffix == ".json":
@@ -41,7 +56,10 @@ def load_rows(spec: str) -> list[Row]:
         import pyarrow.parquet as pq
 
         return pq.read_table(path).to_pylist()
-    raise DataError(f"data file {spec!r}: unsupported extension {suffix!r} (use .jsonl, .json or .parquet)")
+    raise DataError(
+        f"data file {spec!r}: unsupported extension {suffix!r} (use .jsonl, .json, .parquet, .arrow or a "
+        "datasets directory)"
+    )
 
 
 def _read_jsonl(path: Path) -> list[Row]:

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lit_rl.data.files import Row, load_rows, validate_rows
-from lit_rl.data.preference import ShardedPairBatches, TokenizedPair, tokenize_pairs
+from lit_rl.data.preference import ShardedPairBatches, TokenizedPair, tokenize_pairs, with_explicit_prompt
 from lit_rl.data.schedule import RolloutSchedule, RolloutScheduleLoader
 from lit_rl.data.sharding import ShardedRowBatches
 from lit_rl.errors import ConfigError
@@ -62,12 +62,16 @@ class PromptDataModule(L.LightningDataModule):
 
     def setup(self, stage: Optional[str] = None) -> None:
         if not self.train_rows:
-            self.train_rows = load_rows(self.train_data)
+            self.train_rows = self.prepare_rows(load_rows(self.train_data))
             validate_rows(self.train_rows, self.required_columns, self.train_data)
         if self.val_data is not None and not self.val_rows:
-            rows = load_rows(self.val_data)
+            rows = self.prepare_rows(load_rows(self.val_data))
             self.val_rows = rows[: self.val_limit] if self.val_limit is not None else rows
             validate_rows(self.val_rows, self.required_columns, self.val_data)
+
+    def prepare_rows(self, rows: list[Row]) -> list[Row]:
+        """The rows as loaded, before they are checked for `required_columns`; a subclass may rewrite them."""
+        return rows
 
     def train_dataloader(self) -> RolloutScheduleLoader:
         module = self.trainer.lightning_module
@@ -134,7 +138,9 @@ class SFTDataModule(PromptDataModule):
 
 
 class PreferenceDataModule(PromptDataModule):
-    """Preference pairs for DPO: `prompt`, `chosen`, `rejected` (text, or chat messages).
+    """Preference pairs for DPO: `prompt`, `chosen`, `rejected` (text, or chat messages). Rows with `chosen` and
+    `rejected` alone hold the prompt in both, as their shared start: it is taken out as TRL's `extract_prompt` does
+    (`lit_rl.data.preference.with_explicit_prompt`).
 
     Tokenized once in `setup` with the algorithm's tokenizer; batches are sharded across ranks by
     `lit_rl.data.preference.ShardedPairBatches` (uneven shares padded with weight-0 pairs).
@@ -171,6 +177,10 @@ class PreferenceDataModule(PromptDataModule):
         self.max_length = max_length
         self.train_pairs: list[TokenizedPair] = []
         self.val_pairs: list[TokenizedPair] = []
+
+    def prepare_rows(self, rows: list[Row]) -> list[Row]:
+        """Rows without a `prompt` get the one implicit in `chosen` and `rejected` (TRL's implicit prompt)."""
+        return [with_explicit_prompt(row) for row in rows]
 
     def setup(self, stage: Optional[str] = None) -> None:
         super().setup(stage)

@@ -28,6 +28,22 @@ class TokenizedPair:
     rejected_ids: list[int]
 
 
+def with_explicit_prompt(row: Row) -> Row:
+    """A preference row with its implicit prompt made explicit: a row without `prompt` whose `chosen` and `rejected`
+    (texts, or message lists) start alike gets that shared start as `prompt` and the rest as `chosen` and
+    `rejected`, as TRL's `extract_prompt` splits them (texts: the space before the split stays with the
+    completions). Rows with a `prompt`, or without both completions, are returned as they are."""
+    chosen, rejected = row.get("chosen"), row.get("rejected")
+    if row.get("prompt") is not None or chosen is None or rejected is None:
+        return row
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    if isinstance(chosen, str) and 0 < shared < min(len(chosen), len(rejected)) and chosen[shared - 1] == " ":
+        shared -= 1
+    return {**row, "prompt": chosen[:shared], "chosen": chosen[shared:], "rejected": rejected[shared:]}
+
+
 def completion_text(prompt_text: str, prompt: Any, completion: Any, tokenizer: Any) -> str:
     """A completion as text: plain text as is; chat messages rendered by the chat template after the prompt."""
     if isinstance(completion, str):

@@ -1,4 +1,18 @@
-"""Reward functions: plain callables `(prompts, completions, **columns) -> list[float]`.
+"""Reward functions: plain callables `(prompts, completions, **kwargs) -> list[float]`, called as TRL's
+`GRPOTrainer` calls them, so TRL's reward functions run unchanged:
+
+- `prompts`: the rows' `prompt` column (text, or chat messages), each repeated once per completion;
+- `completions`: text, or, when the prompts are chat messages, each completion as one assistant message
+  `[{"role": "assistant", "content": text}]` (TRL's convention: `completion[0]["content"]`);
+- `completion_ids`: each completion's token ids (up to and including its EOS), a list of int lists;
+- `trainer_state`: a `TrainerState` (`global_step`, `max_steps`, `epoch`), for rewards that change with training;
+- every other column of the rows (`answer`, `solution`, ...), by name.
+
+A function returns one float per completion; `None` marks a completion it cannot score. lit-rl counts such a
+value as 0 in the weighted sum (`model.invalid_reward: zero`, the default, as TRL's `nansum` does for a function
+that returned None) and in the metric `frac_invalid_reward`; `invalid_reward: error` stops the run naming the
+function. (TRL 1.16 also leaves a completion for which *every* function returned None out of its group's
+baseline; lit-rl scores it 0.)
 
 They are referenced from YAML by import path (`lit_rl.rewards.arithmetic.correctness` or
 `my_pkg.rewards:score`), and only from paths the user wrote: nothing is looked up by name elsewhere. A function may
@@ -13,6 +27,7 @@ import asyncio
 import concurrent.futures
 import inspect
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from lit_rl.errors import RewardFunctionError
@@ -20,6 +35,36 @@ from lit_rl.importing import import_callable
 from lit_rl.rewards.http import HTTPReward, is_url, url_reward_name
 
 RewardFunction = Callable[..., Sequence[float]]
+
+# Row columns that never reach a reward function as such: TRL drops them too (the keywords are the completions').
+NOT_PASSED_COLUMNS = ("prompt", "completion", "completion_ids", "trainer_state")
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """Where training is when a reward is computed: the optimizer steps done, the steps planned (-1: no limit),
+    the epoch. The names of transformers' `TrainerState`, which TRL passes as `trainer_state`."""
+
+    global_step: int
+    max_steps: int
+    epoch: float
+
+
+def is_conversational(prompt: Any) -> bool:
+    """Whether a prompt is chat messages (a list of `{"role": ..., "content": ...}`), as TRL decides it."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict) and "role" in prompt[0]
+
+
+def as_messages(completions: Sequence[str]) -> list[list[dict[str, str]]]:
+    """Each completion as TRL hands it to reward functions for chat prompts: one assistant message."""
+    return [[{"role": "assistant", "content": text}] for text in completions]
+
+
+def completion_text(completion: Any) -> str:
+    """The text of a completion in either form: itself, or the content of its last message."""
+    if isinstance(completion, str):
+        return completion
+    return str(completion[-1]["content"]) if completion else ""
 
 
 def import_reward_function(path: str) -> RewardFunction:
@@ -41,7 +86,7 @@ def reward_name(path: str) -> str:
 
 
 def call_reward_function(
-    name: str, fn: RewardFunction, prompts: list[Any], completions: list[str], columns: dict[str, list[Any]]
+    name: str, fn: RewardFunction, prompts: list[Any], completions: list[Any], columns: dict[str, Any]
 ) -> list[float]:
     """Call `fn` and check what it returns: one float per completion; None becomes NaN (an invalid reward, handled
     by the algorithm's `invalid_reward` policy). A function that raises or returns the wrong number of values is
@@ -56,7 +101,7 @@ def call_reward_function(
 
 
 def call_reward_functions(
-    reward_fns: dict[str, RewardFunction], prompts: list[Any], completions: list[str], columns: dict[str, list[Any]]
+    reward_fns: dict[str, RewardFunction], prompts: list[Any], completions: list[Any], columns: dict[str, Any]
 ) -> list[list[float]]:
     """Every function's values (`call_reward_function`), in order; the `async def` ones are awaited together in one
     event loop, so that they score the batch concurrently."""

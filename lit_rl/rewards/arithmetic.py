@@ -5,12 +5,15 @@ from __future__ import annotations
 import re
 from typing import Any, Sequence
 
+from lit_rl.rewards import completion_text
+
 _INTEGER = re.compile(r"-?\d+")
 
 
-def _final_answer(completion: str) -> str | None:
-    """The completion's answer: the whole stripped text when it is an integer, else None."""
-    text = completion.strip()
+def _final_answer(completion: Any) -> str | None:
+    """The completion's answer (text, or TRL's one-message form): the whole stripped text when it is an integer,
+    else None."""
+    text = completion_text(completion).strip()
     return text if _INTEGER.fullmatch(text) else None
 
 
@@ -34,4 +37,4 @@ def final_answer_correctness(
     """1.0 when the transcript's final answer, the text after its last `</result>` (all of it when no tool was
     called), is exactly the integer in the `answer` column, else 0.0 (the built-in tool task,
     `builtin:tool_arithmetic`)."""
-    return correctness(prompts, [c.rsplit("</result>", 1)[-1] for c in completions], answer)
+    return correctness(prompts, [completion_text(c).rsplit("</result>", 1)[-1] for c in completions], answer)

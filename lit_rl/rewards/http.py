@@ -2,7 +2,10 @@
 
 Each call POSTs JSON batches of at most `batch_size` completions,
 
-    {"prompts": [...], "completions": [...], "columns": {"answer": [...], ...}}
+    {"prompts": [...], "completions": [...], "columns": {"answer": [...], "completion_ids": [...], ...},
+     "trainer_state": {"global_step": 12, "max_steps": 1000, "epoch": 0.0}}
+
+(completions as text, or as one assistant message each for chat prompts: `lit_rl.rewards`)
 
 and expects `{"rewards": [one number or null per completion]}` back. Batches are sent concurrently (up to
 `max_concurrency`), each with a time limit and up to `max_retries` retries (on a connection error, a timeout or a 5xx
@@ -14,6 +17,7 @@ nothing binds a port.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import time
 import urllib.error
@@ -59,13 +63,19 @@ class HTTPReward:
         self.batch_size, self.max_concurrency = batch_size, max_concurrency
         self.__name__ = url_reward_name(url)
 
-    def __call__(self, prompts: Sequence[Any], completions: Sequence[str], **columns: Any) -> list[Any]:
+    def __call__(
+        self, prompts: Sequence[Any], completions: Sequence[Any], trainer_state: Any = None, **columns: Any
+    ) -> list[Any]:
         starts = range(0, len(completions), self.batch_size)
+        state = dataclasses.asdict(trainer_state) if dataclasses.is_dataclass(trainer_state) else None
         batches = [
             {
                 "prompts": list(prompts[s : s + self.batch_size]),
                 "completions": list(completions[s : s + self.batch_size]),
-                "columns": {key: list(values[s : s + self.batch_size]) for key, values in columns.items()},
+                "columns": {
+                    key: list(values[s : s + self.batch_size]) for key, values in columns.items() if values is not None
+                },
+                "trainer_state": state,
             }
             for s in starts
         ]

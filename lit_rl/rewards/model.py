@@ -7,6 +7,7 @@ from typing import Any, Sequence
 import torch
 
 from lit_rl.models import resolve_model_path
+from lit_rl.rewards import completion_text
 
 
 class RewardModel:
@@ -52,7 +53,8 @@ class RewardModel:
         self.device = torch.device(device)
         return self
 
-    def _text(self, prompt: Any, completion: str) -> str:
+    def _text(self, prompt: Any, completion: Any) -> str:
+        completion = completion_text(completion)
         if isinstance(prompt, str):
             return prompt + completion
         messages = list(prompt) + [{"role": "assistant", "content": completion}]

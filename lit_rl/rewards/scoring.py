@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from lit_rl.errors import RewardFunctionError
-from lit_rl.rewards import RewardFunction, call_reward_functions
+from lit_rl.rewards import (
+    NOT_PASSED_COLUMNS,
+    RewardFunction,
+    TrainerState,
+    as_messages,
+    call_reward_functions,
+    is_conversational,
+)
 
 
 def reward_components(
@@ -16,12 +23,20 @@ def reward_components(
     completions: list[str],
     repeat: int,
     device: torch.device,
+    completion_ids: Optional[list[list[int]]] = None,
+    trainer_state: Optional[TrainerState] = None,
 ) -> torch.Tensor:
     """Reward components [N, F] (one column per reward function) of `completions` [N] of `rows` repeated `repeat`
-    times; every column of the rows but `prompt` reaches the functions as a keyword."""
+    times, the functions called with TRL's keywords (`lit_rl.rewards`): message completions for chat prompts,
+    `completion_ids`, `trainer_state`, and every column of the rows but `NOT_PASSED_COLUMNS`."""
     prompts = [row["prompt"] for row in rows for _ in range(repeat)]
-    columns = {key: [row.get(key) for row in rows for _ in range(repeat)] for key in rows[0] if key != "prompt"}
-    values = call_reward_functions(reward_fns, prompts, completions, columns)
+    columns = {
+        key: [row.get(key) for row in rows for _ in range(repeat)] for key in rows[0] if key not in NOT_PASSED_COLUMNS
+    }
+    columns["completion_ids"] = completion_ids
+    columns["trainer_state"] = trainer_state
+    passed: list[Any] = as_messages(completions) if prompts and is_conversational(prompts[0]) else completions
+    values = call_reward_functions(reward_fns, prompts, passed, columns)
     return torch.tensor(values, dtype=torch.float32, device=device).T.reshape(len(completions), -1)
 
 

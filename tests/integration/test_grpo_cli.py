@@ -208,5 +208,6 @@ def test_ckpt_path_last_resumes_from_the_newest_step(tmp_path):
     checkpoints = tmp_path / "r" / "run" / "version_0" / "checkpoints"
     assert (checkpoints / "last.ckpt").resolve() == (checkpoints / "step=4.ckpt").resolve()
     run_cli(*args, "--trainer.max_steps", "6", "--ckpt_path", "last")
-    assert [r["step"] for r in train_rows(tmp_path / "r" / "run" / "version_0")] == [5, 6]
+    # The same run continued: its metrics file keeps steps 1-4 and goes on.
+    assert [r["step"] for r in train_rows(tmp_path / "r" / "run" / "version_0")] == [1, 2, 3, 4, 5, 6]
     assert saved_steps(tmp_path / "r" / "run" / "version_0") == [2, 4, 6]

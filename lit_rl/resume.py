@@ -1,0 +1,249 @@
+"""Resuming a run where it stopped: which checkpoint `--ckpt_path last` means, which run directory continues, and
+the metrics file of that directory kept whole.
+
+Lightning looks `last` up in the checkpoint directory of the *new* run; with an auto-versioned logger
+(`runs/grpo/version_N`, the shipped configs) that is a fresh, empty `version_{N+1}`, so a resume silently started
+again from step 0. lit-rl resolves `last` before the trainer exists instead:
+
+1. the logger's run directories (`<save_dir>/<name>/version_*`, or the one its `version` names) are searched for
+   checkpoints (`checkpoints/*.ckpt`, files or DeepSpeed directories);
+2. the newest checkpoint (by modification time) wins: `last.ckpt` where its run has one, else its newest file;
+3. the logger's `version` is set to that run's, so the resumed run writes into the same directory;
+4. an explicit `--ckpt_path runs/grpo/version_3/checkpoints/step=200.ckpt` continues `version_3` the same way.
+
+The CSV logger deletes `metrics.csv` when it opens an existing directory; `keep_csv_rows` puts back every row
+up to the checkpoint's step (the rows a stopped run logged after its checkpoint are dropped: the resumed run logs
+those steps again).
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from lit_rl.errors import LitRLError
+
+CHECKPOINT_DIR = "checkpoints"
+VERSION_DIR = re.compile(r"version_(\d+)$")
+
+
+class CheckpointError(LitRLError):
+    """A checkpoint that cannot be read (truncated, damaged, not a checkpoint)."""
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a run resumes from, the step it was written at, and the run directory that continues (None
+    when the checkpoint is outside the logger's run directories: the run then gets a new one)."""
+
+    checkpoint: Path
+    step: int
+    run: Optional[Path]
+
+
+def resolve_ckpt_path(config: Any) -> Optional[ResumePoint]:
+    """Resolve `config.ckpt_path` (a subcommand's parsed config) as the module docstring says, in place: `last`
+    becomes the newest checkpoint's path (None, with one line saying so, where there is none), and the versioned
+    logger's `version` becomes the resumed run's. Prints one line on rank 0 saying what resumes."""
+    requested = config.get("ckpt_path")
+    if not requested:
+        return None
+    found = versioned_logger(config.get("trainer.logger"))
+    runs = run_directories(found[1]) if found else None
+    if requested == "last":
+        dirpath = explicit_checkpoint_dir(config.get("trainer.callbacks"))
+        if dirpath is not None or runs is None:  # Lightning looks `last` up in that directory itself
+            return None
+        hit = newest_checkpoint(runs)
+        if hit is None:
+            say(f"no checkpoint under {runs.root}: starting at step 0")
+            config.ckpt_path = None
+            return None
+        run, checkpoint = hit
+        config.ckpt_path = str(checkpoint)
+    else:
+        checkpoint = Path(requested)
+        run = run_of_checkpoint(checkpoint, runs) if runs is not None else None
+    step = checkpoint_step(checkpoint)
+    if run is not None and found is not None:
+        match = VERSION_DIR.match(run.name)
+        found[1].version = int(match.group(1)) if match else run.name
+    say(f"resuming from {checkpoint} (step {step})" + (f" in {run}" if run is not None else ""))
+    return ResumePoint(checkpoint, step, run)
+
+
+def explicit_checkpoint_dir(callbacks: Any) -> Optional[str]:
+    """The `dirpath` a configured ModelCheckpoint writes to, when it names one."""
+    for callback in callbacks or []:
+        if str(getattr(callback, "class_path", "")).endswith("ModelCheckpoint"):
+            dirpath = getattr(callback.init_args, "dirpath", None)
+            if dirpath:
+                return str(dirpath)
+    return None
+
+
+def keep_run_metrics(loggers: list[Any], resumed: ResumePoint) -> None:
+    """Keep the rows up to the resumed step in the metrics file of every CSV logger that writes into the resumed
+    run's directory (`keep_csv_rows`, `restore_csv_rows`); rank 0 only."""
+    if not is_rank_zero() or resumed.run is None:
+        return
+    for logger in loggers:
+        log_dir = getattr(logger, "log_dir", None)
+        if type(logger).__name__ == "CSVLogger" and log_dir and Path(log_dir).resolve() == resumed.run.resolve():
+            header, rows = keep_csv_rows(Path(log_dir) / "metrics.csv", resumed.step)
+            with warnings.catch_warnings():  # "... will be deleted": the rows are put back at once
+                warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
+                restore_csv_rows(logger, header, rows)
+    # Lightning's warning about a checkpoint directory with files in it: here that is the run being continued.
+    warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
+
+
+def is_rank_zero() -> bool:
+    """Whether this process is global rank 0 (from the launcher's environment: the trainer is not set up yet)."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    return getattr(rank_zero_only, "rank", 0) == 0
+
+
+def say(message: str) -> None:
+    """One `lit-rl: ` line on stderr, from rank 0 only."""
+    if is_rank_zero():
+        sys.stderr.write(f"lit-rl: {message}\n")
+        sys.stderr.flush()
+
+
+@dataclass(frozen=True)
+class RunDirectories:
+    """Where a logger writes its runs: `<save_dir>/<name>/version_<version>` (`version` None: a new number)."""
+
+    save_dir: Path
+    name: str
+    version: Optional[Any]
+
+    @property
+    def root(self) -> Path:
+        return self.save_dir / self.name
+
+    def versions(self) -> list[Path]:
+        """The run directories to search: the one `version` names, or every `version_N`, oldest number first."""
+        if self.version is not None:
+            name = self.version if isinstance(self.version, str) else f"version_{self.version}"
+            return [self.root / name]
+        if not self.root.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.root.iterdir() if (m := VERSION_DIR.match(p.name)) and p.is_dir()]
+        return [path for _, path in sorted(found)]
+
+
+def versioned_logger(logger_config: Any) -> Optional[tuple[int, Any]]:
+    """The first configured logger that writes versioned run directories (CSV, TensorBoard: `save_dir`, `name`
+    and `version` arguments), as (its index in the logger list or 0, its init_args); None when there is none."""
+    loggers = logger_config if isinstance(logger_config, list) else [logger_config]
+    for index, logger in enumerate(loggers):
+        init_args = getattr(logger, "init_args", None) if logger is not None else None
+        if init_args is not None and all(key in init_args for key in ("save_dir", "name", "version")):
+            return index, init_args
+    return None
+
+
+def run_directories(init_args: Any) -> RunDirectories:
+    return RunDirectories(Path(init_args.save_dir or "."), str(init_args.name or ""), init_args.version)
+
+
+def checkpoints_in(run: Path) -> list[Path]:
+    """The checkpoints of one run directory, newest first (`last.ckpt` before a step file of the same time)."""
+    directory = run / CHECKPOINT_DIR
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.glob("*.ckpt") if not p.name.startswith(".") and p.exists()]
+    return sorted(found, key=lambda p: (p.stat().st_mtime, p.name.startswith("last")), reverse=True)
+
+
+def newest_checkpoint(runs: RunDirectories) -> Optional[tuple[Path, Path]]:
+    """(run directory, checkpoint) of the newest checkpoint under `runs`: its run's `last.ckpt` where there is one
+    (the one a stop writes and a resume updates), else that run's newest checkpoint; None when there is none."""
+    newest: Optional[tuple[float, Path, Path]] = None
+    for run in runs.versions():
+        found = checkpoints_in(run)
+        if found and (newest is None or found[0].stat().st_mtime >= newest[0]):
+            last = run / CHECKPOINT_DIR / "last.ckpt"
+            newest = (found[0].stat().st_mtime, run, last if last.exists() else found[0])
+    return None if newest is None else (newest[1], newest[2])
+
+
+def run_of_checkpoint(checkpoint: Path, runs: RunDirectories) -> Optional[Path]:
+    """The run directory under `runs` that `checkpoint` belongs to (`<root>/version_N/checkpoints/x.ckpt`)."""
+    parent = checkpoint.resolve().parent
+    if parent.name != CHECKPOINT_DIR or parent.parent.parent != runs.root.resolve():
+        return None
+    return parent.parent if VERSION_DIR.match(parent.parent.name) or runs.version is not None else None
+
+
+def checkpoint_step(path: Path) -> int:
+    """The optimizer step a checkpoint was written at (its `global_step`), read without loading its tensors; a
+    one-line `CheckpointError` naming the file (and the newest readable one beside it) when it cannot be read."""
+    try:
+        return int(_read_state(path)["global_step"])
+    except Exception as err:
+        intact = [p for p in checkpoints_in(path.parent.parent) if p.resolve() != path.resolve() and _readable(p)]
+        hint = f"; the newest intact checkpoint beside it is {intact[0]}" if intact else ""
+        raise CheckpointError(f"checkpoint {path} cannot be read ({_reason(err)}){hint}") from err
+
+
+def _read_state(path: Path) -> dict[str, Any]:
+    if path.is_dir():  # DeepSpeed: a directory with one model-states file per model-parallel rank
+        states = sorted(path.glob("**/*mp_rank_00_model_states.pt"))
+        if not states:
+            raise CheckpointError("no *mp_rank_00_model_states.pt inside")
+        path = states[0]
+    # mmap: only the metadata is read, not every tensor of a model of many GB.
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+def _readable(path: Path) -> bool:
+    try:
+        _read_state(path)["global_step"]
+    except Exception:
+        return False
+    return True
+
+
+def _reason(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+
+
+def keep_csv_rows(metrics_file: Path, up_to_step: int) -> tuple[list[str], list[dict[str, str]]]:
+    """The header and the rows of a CSV logger's `metrics.csv` with `step <= up_to_step`: what a run resumed from
+    a checkpoint of that step keeps (it logs every later step again)."""
+    if not metrics_file.is_file():
+        return [], []
+    with metrics_file.open(newline="") as handle:
+        reader = csv.DictReader(handle)
+        rows = [row for row in reader if _step_of(row) is None or _step_of(row) <= up_to_step]
+        return list(reader.fieldnames or []), rows
+
+
+def _step_of(row: dict[str, str]) -> Optional[float]:
+    try:
+        return float(row.get("step") or "")
+    except ValueError:
+        return None
+
+
+def restore_csv_rows(logger: Any, header: list[str], rows: list[dict[str, str]]) -> None:
+    """Open `logger`'s writer (a `CSVLogger`: it deletes `metrics.csv` as it opens) and write `rows` back at once,
+    so the resumed run appends after them."""
+    writer = logger.experiment
+    if not rows or not hasattr(writer, "metrics_keys"):
+        return
+    writer.metrics_keys = list(header)
+    writer.metrics = [*rows, *writer.metrics]
+    writer.save()

@@ -1,0 +1,125 @@
+"""Resume as a user meets it: the shipped config (its auto-versioned CSV logger, its checkpoint callback and HF
+export), the `lit-rl` script, a Ctrl-C, and then the command lit-rl printed, typed as printed."""
+
+from __future__ import annotations
+
+import csv
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import CONFIGS, REPO
+
+# Small settings on the command line; nothing here touches the logger, the checkpoints or the export.
+SMALL = [
+    "--model.num_generations", "4",
+    "--model.micro_batch_size", "8",
+    "--model.max_new_tokens", "4",
+    "--data.val_limit", "16",
+    "--data.val_batch_size", "16",
+    "--trainer.val_check_interval", "4",
+    "--trainer.enable_progress_bar", "false",
+]  # fmt: skip
+
+# A reward function that presses Ctrl-C on its own process (SIGINT) at its N-th call when SIGINT_AT_CALL=N: the
+# stop lands at a known step, however fast the machine. It scores as the built-in correctness reward does.
+STOPPER = """
+import os, signal
+from lit_rl.rewards.arithmetic import correctness as _correctness
+calls = 0
+def correctness(prompts, completions, **columns):
+    global calls
+    calls += 1
+    if calls == int(os.environ.get("SIGINT_AT_CALL", "0")):
+        os.kill(os.getpid(), signal.SIGINT)
+    return _correctness(prompts, completions, **columns)
+"""
+REWARDS = ["--model.reward_funcs", "[stopper.correctness, lit_rl.rewards.arithmetic.integer_format]"]
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])  # this Python's lit-rl
+    return {**os.environ, "PATH": path, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]), **extra}
+
+
+def _lit_rl(cwd: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["lit-rl", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _rows(run: Path) -> list[dict[str, str]]:
+    with open(run / "metrics.csv", newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def _by_step(rows: list[dict[str, str]]) -> dict[tuple[int, str], dict[str, float]]:
+    """Each metrics row keyed by (step, 'train' or 'val'); a row logged twice for one step fails."""
+    out: dict[tuple[int, str], dict[str, float]] = {}
+    for row in rows:
+        values = {k: float(v) for k, v in row.items() if v != "" and not k.startswith(("perf/", "train/perf/"))}
+        stage = "val" if any(k.startswith("val/") for k in values) else "train"
+        key = (int(values["step"]), stage)
+        assert key not in out, f"step {key} logged twice"
+        out[key] = values
+    return out
+
+
+@pytest.mark.slow
+def test_ctrl_c_then_the_printed_command_continues_the_same_run_exactly(tmp_path):
+    (tmp_path / "stopper.py").write_text(STOPPER)
+    reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
+    reference.mkdir(), interrupted.mkdir()
+    args = ["fit", "--config", str(CONFIGS / "grpo.yaml"), *SMALL, *REWARDS, "--trainer.max_steps", "10"]
+
+    full = _lit_rl(reference, _env(tmp_path), *args)
+    assert full.returncode == 0, full.stderr[-3000:]
+
+    # Reward calls: steps 1-4, the validation at step 4, then step 5: Ctrl-C during step 5.
+    stopped = _lit_rl(interrupted, _env(tmp_path, SIGINT_AT_CALL="6"), *args)
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    lines = [line for line in stopped.stderr.splitlines() if line.startswith("lit-rl: stopped by")]
+    assert len(lines) == 1, stopped.stderr[-3000:]
+    run = interrupted / "runs" / "grpo" / "version_0"
+    assert f"after step 5; checkpoint written to {Path('runs/grpo/version_0/checkpoints/last.ckpt')};" in lines[0]
+    printed = lines[0].split("resume with: ", 1)[1]
+    assert shlex.split(printed) == ["lit-rl", *args, "--ckpt_path", "last"]
+    # One `last` checkpoint, of the stopped step: no `last-v1.ckpt` beside it.
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt"]
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 5
+
+    resumed = subprocess.run(
+        printed, shell=True, cwd=interrupted, env=_env(tmp_path), capture_output=True, text=True, timeout=600
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"lit-rl: resuming from {Path('runs/grpo/version_0/checkpoints/last.ckpt')} (step 5)" in resumed.stderr
+    assert sorted(p.name for p in (interrupted / "runs" / "grpo").iterdir()) == ["version_0"]  # the same run
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 10
+    assert (run / "hf" / "model.safetensors").is_file()
+
+    # The whole metrics file: every step once, train and validation, the same numbers as the run never stopped.
+    expected = _by_step(_rows(reference / "runs" / "grpo" / "version_0"))
+    got = _by_step(_rows(run))
+    assert sorted(got) == sorted(expected)
+    assert [step for step, stage in sorted(got) if stage == "train"] == list(range(1, 11))
+    assert [step for step, stage in sorted(got) if stage == "val"] == [4, 8]
+    for key, values in expected.items():
+        assert sorted(got[key]) == sorted(values), key
+        for name, value in values.items():
+            assert got[key][name] == pytest.approx(value, rel=1e-5, abs=1e-6), (key, name)
+
+
+@pytest.mark.slow
+def test_ckpt_path_last_without_a_checkpoint_says_so_and_starts_at_step_0(tmp_path):
+    result = _lit_rl(
+        tmp_path,
+        _env(tmp_path),
+        *["fit", "--config", str(CONFIGS / "grpo.yaml"), *SMALL, "--trainer.max_steps", "1", "--ckpt_path", "last"],
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"lit-rl: no checkpoint under {Path('runs/grpo')}: starting at step 0\n" in result.stderr
+    assert "there is no last checkpoint available" not in result.stderr
+    assert [row["step"] for row in _rows(tmp_path / "runs" / "grpo" / "version_0") if row.get("train/loss")] == ["1"]

@@ -1,0 +1,97 @@
+"""Which checkpoint and run directory a resume takes (`lit_rl.resume`), on directories laid out as the loggers lay
+them out; the whole journey (Ctrl-C, the printed command) is in tests/integration/test_resume.py."""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from jsonargparse import Namespace
+from lightning.pytorch.loggers import CSVLogger
+
+from lit_rl.resume import CheckpointError, ResumePoint, keep_run_metrics, resolve_ckpt_path
+
+
+def _checkpoint(path: Path, step: int, mtime: float) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"global_step": step, "state_dict": {"w": torch.zeros(2)}}, path)
+    os.utime(path, (mtime, mtime))
+    return path
+
+
+def _config(save_dir: Path, ckpt_path: str, version=None) -> Namespace:
+    logger = Namespace(
+        class_path="lightning.pytorch.loggers.CSVLogger",
+        init_args=Namespace(save_dir=str(save_dir), name="grpo", version=version),
+    )
+    return Namespace(ckpt_path=ckpt_path, trainer=Namespace(logger=logger, callbacks=[]))
+
+
+def test_last_is_the_newest_checkpoint_of_any_run_and_that_run_continues(tmp_path, capsys):
+    runs = tmp_path / "runs" / "grpo"
+    _checkpoint(runs / "version_0" / "checkpoints" / "last.ckpt", 7, 1000)
+    _checkpoint(runs / "version_1" / "checkpoints" / "step=100.ckpt", 100, 3000)
+    _checkpoint(runs / "version_1" / "checkpoints" / "last.ckpt", 120, 3000)
+    _checkpoint(runs / "version_2" / "checkpoints" / "step=50.ckpt", 50, 2000)
+    (runs / "version_3").mkdir()  # a run that died before its first checkpoint
+    config = _config(tmp_path / "runs", "last")
+    resumed = resolve_ckpt_path(config)
+    assert resumed == ResumePoint(runs / "version_1" / "checkpoints" / "last.ckpt", 120, runs / "version_1")
+    assert config.ckpt_path == str(runs / "version_1" / "checkpoints" / "last.ckpt")
+    assert config.trainer.logger.init_args.version == 1
+    assert capsys.readouterr().err == f"lit-rl: resuming from {resumed.checkpoint} (step 120) in {resumed.run}\n"
+
+
+def test_an_explicit_checkpoint_of_a_run_continues_that_run(tmp_path):
+    runs = tmp_path / "runs" / "grpo"
+    checkpoint = _checkpoint(runs / "version_3" / "checkpoints" / "step=200.ckpt", 200, 1000)
+    _checkpoint(runs / "version_4" / "checkpoints" / "last.ckpt", 300, 2000)
+    config = _config(tmp_path / "runs", str(checkpoint))
+    assert resolve_ckpt_path(config) == ResumePoint(checkpoint, 200, runs / "version_3")
+    assert config.trainer.logger.init_args.version == 3
+    elsewhere = _checkpoint(tmp_path / "elsewhere" / "model.ckpt", 9, 1000)  # not in a run: a new run directory
+    config = _config(tmp_path / "runs", str(elsewhere))
+    assert resolve_ckpt_path(config) == ResumePoint(elsewhere, 9, None)
+    assert config.trainer.logger.init_args.version is None
+
+
+def test_last_without_any_checkpoint_starts_at_step_0_and_says_so(tmp_path, capsys):
+    config = _config(tmp_path / "runs", "last")
+    assert resolve_ckpt_path(config) is None and config.ckpt_path is None
+    assert capsys.readouterr().err == f"lit-rl: no checkpoint under {tmp_path / 'runs' / 'grpo'}: starting at step 0\n"
+
+
+def test_a_damaged_checkpoint_is_one_line_naming_it_and_the_newest_intact_one(tmp_path):
+    checkpoints = tmp_path / "runs" / "grpo" / "version_0" / "checkpoints"
+    intact = _checkpoint(checkpoints / "step=100.ckpt", 100, 1000)
+    damaged = _checkpoint(checkpoints / "last.ckpt", 150, 2000)
+    damaged.write_bytes(damaged.read_bytes()[:200])  # truncated, as by a full disk
+    with pytest.raises(CheckpointError) as caught:
+        resolve_ckpt_path(_config(tmp_path / "runs", "last"))
+    message = str(caught.value)
+    assert message.startswith(f"checkpoint {damaged} cannot be read (") and "\n" not in message
+    assert message.endswith(f"; the newest intact checkpoint beside it is {intact}")
+
+
+def test_the_resumed_run_keeps_its_metrics_rows_up_to_the_checkpoint_step(tmp_path):
+    run = tmp_path / "runs" / "grpo" / "version_0"
+    run.mkdir(parents=True)
+    with open(run / "metrics.csv", "w", newline="") as handle:  # the stopped run logged up to step 8
+        writer = csv.DictWriter(handle, fieldnames=["step", "train/loss", "val/reward"])
+        writer.writeheader()
+        writer.writerows({"step": step, "train/loss": step / 10, "val/reward": ""} for step in range(1, 9))
+        writer.writerow({"step": 4, "train/loss": "", "val/reward": 0.5})
+    logger = CSVLogger(tmp_path / "runs", name="grpo", version=0)
+    keep_run_metrics([logger], ResumePoint(run / "checkpoints" / "step=5.ckpt", 5, run))
+    logger.log_metrics({"train/loss": 0.6}, step=6)  # the resumed run goes on from step 6
+    logger.save()
+    with open(run / "metrics.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(row["step"], row["train/loss"], row["val/reward"]) for row in rows] == [
+        *((str(step), str(step / 10), "") for step in range(1, 6)),
+        ("4", "", "0.5"),
+        ("6", "0.6", ""),
+    ]
