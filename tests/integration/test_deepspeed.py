@@ -188,7 +188,8 @@ def test_sigkill_in_the_middle_of_a_checkpoint_directory_save_leaves_the_previou
         timeout=300,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert [row["step"] for row in train_rows(log_dir)] == [3, 4]  # continued from the step-2 checkpoint
+    # Continued from the step-2 checkpoint in the same run: its rows up to step 2 kept, each step once.
+    assert [row["step"] for row in train_rows(log_dir)] == [1, 2, 3, 4]
     assert saved_steps(log_dir) == [2, 4] and not partial.exists()  # the next save removed the stale temporary
     for link in checkpoints.glob("last*.ckpt"):  # (the resumed run links `last-v1.ckpt`: Lightning's numbering)
         assert (checkpoints / os.readlink(link) / "latest").exists()  # each points at a complete checkpoint
