@@ -95,3 +95,31 @@ def test_the_resumed_run_keeps_its_metrics_rows_up_to_the_checkpoint_step(tmp_pa
         ("4", "", "0.5"),
         ("6", "0.6", ""),
     ]
+
+
+def test_each_run_exports_into_its_own_directory_whatever_the_logger(tmp_path):
+    import lightning as L
+    from lightning.pytorch.loggers import Logger
+
+    from lit_rl.callbacks.export import run_directory
+
+    class RunIdLogger(Logger):  # as W&B: log_dir is the shared save_dir, the version is the run id
+        def __init__(self, run_id: str) -> None:
+            super().__init__()
+            self.run_id = run_id
+
+        name = property(lambda self: "project")
+        version = property(lambda self: self.run_id)
+        save_dir = property(lambda self: str(tmp_path / "wandb_runs"))
+
+        def log_hyperparams(self, *args, **kwargs) -> None: ...
+
+        def log_metrics(self, *args, **kwargs) -> None: ...
+
+    def directory(logger):
+        trainer = L.Trainer(logger=logger, accelerator="cpu", default_root_dir=tmp_path, enable_progress_bar=False)
+        return run_directory(trainer)
+
+    first, second = directory(RunIdLogger("abc123")), directory(RunIdLogger("def456"))
+    assert first == tmp_path / "wandb_runs" / "project" / "abc123" and second.name == "def456"
+    assert directory(CSVLogger(tmp_path / "runs", name="grpo", version=3)) == tmp_path / "runs" / "grpo" / "version_3"

@@ -7,6 +7,7 @@ from typing import Callable, Optional
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from lit_rl.lora import is_lora_model, save_merged
 from lit_rl.strategies import gathered_parameters
@@ -22,8 +23,9 @@ class SaveHFPretrained(Callback):
     one-label `AutoModelForTokenClassification` whose logits are the values, where the architecture has one).
 
     Args:
-        dirpath: output directory (created; files with the same names are replaced). Default: `hf/` in the
-            logger's directory of this run (`runs/<name>/version_N/hf`), so runs never overwrite each other.
+        dirpath: output directory (created; files with the same names are replaced). Default: `hf/` in this
+            run's directory (`runs/<name>/version_N/hf`; W&B: `<save_dir>/<project>/<run id>/hf`, beside its
+            `checkpoints/`), so runs never overwrite each other, whatever the logger.
     """
 
     def __init__(self, dirpath: Optional[str] = None) -> None:
@@ -31,8 +33,8 @@ class SaveHFPretrained(Callback):
         self.saved_to: Optional[Path] = None  # where the last `fit` wrote the model (the run summary shows it)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # Every rank asks: `trainer.log_dir` is a broadcast, and a collective on rank 0 alone never returns.
-        out = Path(self.dirpath) if self.dirpath else Path(trainer.log_dir or trainer.default_root_dir) / "hf"
+        # Every rank asks: the directory is a broadcast, and a collective on rank 0 alone never returns.
+        out = Path(self.dirpath) if self.dirpath else run_directory(trainer) / "hf"
         error: Optional[BaseException] = None
         with gathered_parameters(pl_module.policy):  # ZeRO-3: every rank takes part in gathering the shards
             if trainer.is_global_zero:
@@ -57,6 +59,18 @@ class SaveHFPretrained(Callback):
         else:
             pl_module.policy.save_pretrained(out, safe_serialization=True)
         pl_module.tokenizer.save_pretrained(out)
+
+
+def run_directory(trainer: L.Trainer) -> Path:
+    """This run's own directory, the parent of the `checkpoints/` Lightning makes: the CSV or TensorBoard logger's
+    `log_dir`; for other loggers (W&B, MLflow, ...), whose `log_dir` is their shared `save_dir`,
+    `<save_dir>/<name>/<version>` as Lightning lays out their checkpoints (W&B: the project and the run id)."""
+    logger = trainer.logger
+    if logger is None or isinstance(logger, (CSVLogger, TensorBoardLogger)):
+        return Path(trainer.log_dir or trainer.default_root_dir)
+    version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
+    path = Path(logger.save_dir or trainer.default_root_dir) / str(logger.name) / version
+    return Path(trainer.strategy.broadcast(str(path)))
 
 
 def _attempt(save: Callable[[], object]) -> Optional[BaseException]:
