@@ -56,7 +56,7 @@ def resolve_ckpt_path(config: Any) -> Optional[ResumePoint]:
     if not requested:
         return None
     found = versioned_logger(config.get("trainer.logger"))
-    runs = run_directories(found[1]) if found else None
+    runs = run_directories(found) if found is not None else None
     if requested == "last":
         dirpath = explicit_checkpoint_dir(config.get("trainer.callbacks"))
         if dirpath is not None or runs is None:  # Lightning looks `last` up in that directory itself
@@ -74,7 +74,7 @@ def resolve_ckpt_path(config: Any) -> Optional[ResumePoint]:
     step = checkpoint_step(checkpoint)
     if run is not None and found is not None:
         match = VERSION_DIR.match(run.name)
-        found[1].version = int(match.group(1)) if match else run.name
+        found.version = int(match.group(1)) if match else run.name
     say(f"resuming from {checkpoint} (step {step})" + (f" in {run}" if run is not None else ""))
     return ResumePoint(checkpoint, step, run)
 
@@ -142,14 +142,14 @@ class RunDirectories:
         return [path for _, path in sorted(found)]
 
 
-def versioned_logger(logger_config: Any) -> Optional[tuple[int, Any]]:
-    """The first configured logger that writes versioned run directories (CSV, TensorBoard: `save_dir`, `name`
-    and `version` arguments), as (its index in the logger list or 0, its init_args); None when there is none."""
+def versioned_logger(logger_config: Any) -> Optional[Any]:
+    """The init_args of the first configured logger that writes versioned run directories (CSV, TensorBoard:
+    `save_dir`, `name` and `version` arguments); None when there is none."""
     loggers = logger_config if isinstance(logger_config, list) else [logger_config]
-    for index, logger in enumerate(loggers):
+    for logger in loggers:
         init_args = getattr(logger, "init_args", None) if logger is not None else None
         if init_args is not None and all(key in init_args for key in ("save_dir", "name", "version")):
-            return index, init_args
+            return init_args
     return None
 
 
@@ -192,8 +192,9 @@ def checkpoint_step(path: Path) -> int:
     try:
         return int(_read_state(path)["global_step"])
     except Exception as err:
-        intact = [p for p in checkpoints_in(path.parent.parent) if p.resolve() != path.resolve() and _readable(p)]
-        hint = f"; the newest intact checkpoint beside it is {intact[0]}" if intact else ""
+        others = (p for p in checkpoints_in(path.parent.parent) if p.resolve() != path.resolve())
+        intact = next((p for p in others if _readable(p)), None)  # newest first: stop at the first readable one
+        hint = f"; the newest intact checkpoint beside it is {intact}" if intact else ""
         raise CheckpointError(f"checkpoint {path} cannot be read ({_reason(err)}){hint}") from err
 
 
