@@ -124,34 +124,16 @@ class LitRLCLI(LightningCLI):
       class): its checkpoint directories are written to a temporary directory and renamed.
     """
 
-    # Where the rollout server is and how to reach it is not part of what was trained: on resume, this run's values
-    # win over the checkpoint's hyperparameters (which LightningCLI otherwise lays over the whole model config).
-    RUNTIME_VLLM_KEYS = (
-        "server_url",
-        "server_urls",
-        "on_server_failure",
-        "weight_sync_dir",
-        "weight_transfer",
-        "weights_url",
-        "weights_urls",
-        "request_timeout_s",
-        "max_retries",
-        "wait_for_server_s",
-    )
-
     resumed: Optional[ResumePoint] = None  # the checkpoint and run directory `--ckpt_path` resolved to
 
     def _parse_ckpt_path(self) -> None:
+        # Lightning lays the checkpoint's hyperparameters over the parsed config here. lit-rl takes no value from a
+        # checkpoint (a shared one could set `trust_remote_code` or import any module): the module compares them
+        # with this run's when the checkpoint loads (`lit_rl/resume_config.py`). What is left: which checkpoint
+        # `--ckpt_path` means, and which run directory continues.
         subcommand = self.config.get("subcommand")
         if subcommand:
-            self.resumed = resolve_ckpt_path(self.config[subcommand])
-        vllm = f"{subcommand}.model.init_args.vllm"
-        mine = {key: self.config.get(f"{vllm}.{key}") for key in self.RUNTIME_VLLM_KEYS} if subcommand else {}
-        super()._parse_ckpt_path()
-        if subcommand and self.config.get(vllm) is not None:
-            for key, value in mine.items():
-                if value is not None:
-                    self.config[f"{vllm}.{key}"] = value
+            self.resumed = resolve_ckpt_path(self.config[subcommand], continue_run=subcommand == "fit")
 
     def before_fit(self) -> None:
         # The CSV logger deletes the metrics file of a run directory it opens: put back the resumed run's rows.

@@ -48,10 +48,12 @@ class ResumePoint:
     run: Optional[Path]
 
 
-def resolve_ckpt_path(config: Any) -> Optional[ResumePoint]:
+def resolve_ckpt_path(config: Any, continue_run: bool = True) -> Optional[ResumePoint]:
     """Resolve `config.ckpt_path` (a subcommand's parsed config) as the module docstring says, in place: `last`
-    becomes the newest checkpoint's path (None, with one line saying so, where there is none), and the versioned
-    logger's `version` becomes the resumed run's. Prints one line on rank 0 saying what resumes."""
+    becomes the newest checkpoint's path (None, with one line saying so, where there is none), and, with
+    `continue_run` (`fit`), the versioned logger's `version` becomes the resumed run's. `validate`, `test` and
+    `predict` read the checkpoint and write into a run directory of their own: opening the trained run's would
+    replace its metrics file and config. Prints one line on rank 0 saying what is read."""
     requested = config.get("ckpt_path")
     if not requested:
         return None
@@ -72,6 +74,9 @@ def resolve_ckpt_path(config: Any) -> Optional[ResumePoint]:
         checkpoint = Path(requested)
         run = run_of_checkpoint(checkpoint, runs) if runs is not None else None
     step = checkpoint_step(checkpoint)
+    if not continue_run:
+        say(f"reading checkpoint {checkpoint} (step {step})")
+        return ResumePoint(checkpoint, step, None)
     if run is not None and found is not None:
         match = VERSION_DIR.match(run.name)
         found.version = int(match.group(1)) if match else run.name

@@ -36,6 +36,8 @@ from lit_rl.models import load_causal_lm, load_tokenizer
 from lit_rl.ops import position_ids_from_mask
 from lit_rl.packing import packed_completion_forward, packed_completion_hidden
 from lit_rl.perf import StepTimer
+from lit_rl.resume import say
+from lit_rl.resume_config import announce, reconcile
 from lit_rl.shared_prompts import shared_prompt_cache
 from lit_rl.strategies import gathered_parameters, hf_zero3_loading, reduce_across_ranks, shards_parameters
 
@@ -195,8 +197,44 @@ class PolicyModule(L.LightningModule):
         if "state_dict" in checkpoint:
             for key, value in self._frozen_state().items():
                 checkpoint["state_dict"].setdefault(key, value)
+        self.check_resumed_hyperparameters(checkpoint)
+
+    def check_resumed_hyperparameters(self, checkpoint: dict[str, Any]) -> None:
+        """This run's configuration against the one the checkpoint was trained with (`lit_rl/resume_config.py`):
+        a key that may change says so in one line, any other difference stops the run in one line."""
+        if self._trainer is None or not checkpoint.get("hyper_parameters"):
+            return
+        subcommand = {TrainerFn.FITTING: "fit", TrainerFn.VALIDATING: "validate", TrainerFn.TESTING: "test"}
+        changed = reconcile(
+            subcommand.get(self.trainer.state.fn, "predict"),
+            type(self),
+            self.hparams,
+            checkpoint["hyper_parameters"],
+            self.trainer.ckpt_path,
+        )
+        for difference in changed:
+            say(announce(difference))
+
+    def apply_configured_rates(self) -> None:
+        """After a resume: the learning rates and weight decay this run configured, in place of those the restored
+        optimizer state holds (a resumed run may change them, `resume_config.MAY_CHANGE_ON_RESUME`). The warm-up
+        factor reached so far is kept: lr = configured rate x the scheduler's factor at its current step."""
+        configured = self.optimizer_param_groups()
+        schedulers = [config.scheduler for config in self.trainer.lr_scheduler_configs]  # one optimizer: AdamW
+        for optimizer in self.trainer.optimizers:
+            for index, (group, wanted) in enumerate(zip(optimizer.param_groups, configured)):
+                rate = wanted.get("lr", self.hparams.learning_rate)
+                for scheduler in schedulers:
+                    if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+                        scheduler.base_lrs[index] = rate
+                        rate = rate * scheduler.lr_lambdas[index](scheduler.last_epoch)
+                group["lr"] = rate
+                group["initial_lr"] = wanted.get("lr", self.hparams.learning_rate)
+                group["weight_decay"] = wanted.get("weight_decay", self.hparams.weight_decay)
 
     def on_train_start(self) -> None:
+        if self.trainer.ckpt_path:
+            self.apply_configured_rates()
         self.timer = StepTimer()  # the first step's time starts here, not at model loading
         # Lightning's ModelCheckpoint forgets, on resume, that the resumed-from step was saved; with gradient
         # accumulation the first micro-batches after resuming end with the old global_step, and it would save

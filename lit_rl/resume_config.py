@@ -1,0 +1,150 @@
+"""The command line or the checkpoint, never silently: what a run given `--ckpt_path` is configured with.
+
+Lightning lays a checkpoint's hyperparameters over the command line: `--model.learning_rate 0.5` with a checkpoint
+trained at 1e-4 trained at 1e-4 without a word, and a checkpoint someone shared could set `trust_remote_code`,
+the reward functions or the module's class path (an import of any module) for the run that resumes it. lit-rl
+never takes a value from a checkpoint. The run is configured by its own config and command line alone; the
+checkpoint's hyperparameters are only compared with them, key by key:
+
+- the same value: nothing to say;
+- a key in `MAY_CHANGE_ON_RESUME` (or, for `validate`, `test` and `predict`, any key but `MODEL_IDENTITY`): this
+  run's value takes effect, and one line says so (`lit-rl: model.learning_rate 0.5 from this run (the checkpoint
+  has 0.0001)`);
+- any other key: the run stops before it starts, with one line naming every such key, this run's value and the
+  checkpoint's. A resumed `fit` continues the training the checkpoint holds, and changing its objective halfway
+  (`beta`, `num_generations`, the reward functions...) is a new run, not a resume.
+- a different algorithm (the checkpoint's class path) stops the run the same way; the path is never imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Mapping
+
+from lit_rl.errors import ConfigError
+
+# What a resumed `fit` may change. The optimizer's rates (the configured ones replace those in the restored
+# optimizer state, see `OptimizedModule.apply_configured_rates`); how a step is cut into micro-batches and run
+# (the same loss and gradient: the accumulation and packing tests prove it); validation's sampling; and how and
+# where rollouts are produced (`model.vllm`: the engine, the server's address, its timeouts).
+MAY_CHANGE_ON_RESUME = frozenset(
+    {
+        "learning_rate",
+        "critic_learning_rate",
+        "weight_decay",
+        "warmup_steps",
+        "micro_batch_size",
+        "micro_batch_tokens",
+        "head_chunk_tokens",
+        "gradient_checkpointing",
+        "padding_free",
+        "precompute_ref_logprobs",
+        "ref_cache_dir",
+        "val_temperature",
+        "val_num_generations",
+        "vllm",
+    }
+)
+OPTIMIZER_RATES = frozenset({"learning_rate", "critic_learning_rate", "weight_decay", "warmup_steps"})
+# What the checkpoint's weights are: these must match for `validate`, `test` and `predict` too.
+MODEL_IDENTITY = frozenset({"model_name_or_path", "critic_model_name_or_path", "lora", "dtype", "random_init"})
+# Saved by Lightning's CLI beside the arguments; not arguments themselves.
+NOT_ARGUMENTS = frozenset({"_class_path", "_instantiator"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Difference:
+    key: str  # dotted, under `model.` (`model.vllm.server_url`)
+    this_run: Any
+    checkpoint: Any
+
+
+def reconcile(
+    subcommand: str, module_class: type, this_run: Mapping[str, Any], hyper_parameters: Mapping[str, Any], checkpoint: Any
+) -> list[Difference]:
+    """Compare this run's hyperparameters (the `hparams` of a `module_class` module) with those a checkpoint saved.
+    Returns the differences this run may make that change what it does (to be announced); raises a one-line
+    ConfigError naming every difference it may not make, or another algorithm. `subcommand`: fit, validate, test
+    or predict."""
+    saved_class = str(hyper_parameters.get("_class_path") or "")
+    if saved_class and not names_class(saved_class, module_class):
+        raise ConfigError(
+            f"--ckpt_path {checkpoint} was trained by {saved_class} and this run's model is "
+            f"{module_class.__name__}: resume with the algorithm that wrote it"
+        )
+    this_run = _plain(dict(this_run))
+    saved = _plain({k: v for k, v in hyper_parameters.items() if k not in NOT_ARGUMENTS})
+    allowed, refused = [], []
+    for key in sorted(saved.keys() & this_run.keys()):  # a key only one version of lit-rl has is not compared
+        if saved[key] != this_run[key]:
+            bucket = allowed if may_change(subcommand, key) else refused
+            bucket.extend(differences(f"model.{key}", this_run[key], saved[key]))
+    if refused:
+        listed = "; ".join(f"{d.key}: {_show(d.this_run)} here, {_show(d.checkpoint)} in the checkpoint" for d in refused)
+        if subcommand == "fit":
+            advice = (
+                "a resumed run keeps what it was trained with (only the rates, micro-batching, validation sampling "
+                "and model.vllm may change): give the checkpoint's values, or start a new run without --ckpt_path"
+            )
+        else:
+            advice = "the checkpoint's weights belong to that model: give the checkpoint's values"
+        raise ConfigError(f"--ckpt_path {checkpoint} was trained with other values: {listed}; {advice}")
+    return [difference for difference in allowed if worth_announcing(subcommand, difference)]
+
+
+def names_class(class_path: str, cls: type) -> bool:
+    """Whether `class_path` names `cls`, by its defining module or a package above it that exports it
+    (`lit_rl.algorithms.GRPO` names `lit_rl.algorithms.grpo.GRPO`), compared as text: never imported."""
+    module, _, name = class_path.rpartition(".")
+    return name == cls.__qualname__ and (cls.__module__ == module or cls.__module__.startswith(f"{module}."))
+
+
+def may_change(subcommand: str, key: str) -> bool:
+    """Whether `model.<key>` may differ from the checkpoint's in a `subcommand` run given `--ckpt_path`."""
+    if subcommand == "fit":
+        return key in MAY_CHANGE_ON_RESUME
+    return key not in MODEL_IDENTITY  # validate/test/predict: the checkpoint gives the weights, this run the rest
+
+
+def worth_announcing(subcommand: str, difference: Difference) -> bool:
+    """Whether a difference this run makes changes anything it does: the optimizer's rates do not in a run that
+    does not train."""
+    return subcommand == "fit" or difference.key.split(".")[1] not in OPTIMIZER_RATES
+
+
+def announce(difference: Difference) -> str:
+    return f"{difference.key} {_show(difference.this_run)} from this run (the checkpoint has {_show(difference.checkpoint)})"
+
+
+def _plain(value: Any) -> Any:
+    """A parsed config value as plain data (dicts, lists, str, numbers), as a checkpoint stores it."""
+    if hasattr(value, "as_dict"):  # jsonargparse's Namespace
+        value = value.as_dict()
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    if callable(value) and hasattr(value, "__qualname__"):  # a reward function given as an object
+        return f"{value.__module__}.{value.__qualname__}"
+    return value
+
+
+def differences(key: str, this_run: Any, checkpoint: Any) -> list[Difference]:
+    """Where two values of `key` differ: key by key inside two mappings (`model.vllm.server_url`), else whole."""
+    if not (isinstance(this_run, Mapping) and isinstance(checkpoint, Mapping)):
+        return [Difference(key, this_run, checkpoint)]
+    found = []
+    for sub in sorted(this_run.keys() | checkpoint.keys()):
+        if this_run.get(sub) != checkpoint.get(sub):
+            found.extend(differences(f"{key}.{sub}", this_run.get(sub), checkpoint.get(sub)))
+    return found
+
+
+def _show(value: Any) -> str:
+    text = "null" if value is None else repr(value) if isinstance(value, str) else str(value)
+    return text if len(text) <= 80 else text[:77] + "..."

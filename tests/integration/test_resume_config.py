@@ -1,0 +1,110 @@
+"""The command line or the checkpoint, never silently, through the `lit-rl` script and the shipped config: a
+resumed `fit` trains at the learning rate it is given and says so; a changed objective stops in one line and the
+run's files stay as they were; `validate` scores with this run's reward functions in a run directory of its own;
+a shared checkpoint's hyperparameters configure nothing."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import CONFIGS
+from tests.integration.test_resume import SMALL, _env, _lit_rl, _rows
+
+ARGS = ["--config", str(CONFIGS / "grpo.yaml"), *SMALL]
+RUN = Path("runs") / "grpo" / "version_0"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A shipped-config run of 2 steps: its directory (cwd of the commands) and the environment to run them in."""
+    cwd = tmp_path_factory.mktemp("trained")
+    env = _env(cwd)
+    result = _lit_rl(cwd, env, "fit", *ARGS, "--trainer.max_steps", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return cwd, env
+
+
+def _lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("lit-rl: ")]
+
+
+@pytest.mark.slow
+def test_a_changed_objective_stops_in_one_line_and_keeps_the_run(trained):
+    cwd, env = trained
+    before = (cwd / RUN / "metrics.csv").read_text()
+    result = _lit_rl(
+        cwd, env, "fit", *ARGS, "--trainer.max_steps", "3", "--ckpt_path", "last", "--model.beta", "0.1"
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [
+        f"lit-rl: error: --ckpt_path {RUN / 'checkpoints' / 'last.ckpt'} was trained with other values: "
+        "model.beta: 0.1 here, 0.0 in the checkpoint; a resumed run keeps what it was trained with (only the rates, "
+        "micro-batching, validation sampling and model.vllm may change): give the checkpoint's values, or start a "
+        "new run without --ckpt_path"
+    ], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert (cwd / RUN / "metrics.csv").read_text() == before  # nothing written is lost
+    assert torch.load(cwd / RUN / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
+
+
+@pytest.mark.slow
+def test_validate_scores_with_this_runs_rewards_in_its_own_run_directory(trained):
+    cwd, env = trained
+    before = (cwd / RUN / "metrics.csv").read_text()
+    rewards = ["--model.reward_funcs", "[lit_rl.rewards.arithmetic.integer_format]", "--model.reward_weights", "[1.0]"]
+    result = _lit_rl(cwd, env, "validate", *ARGS, "--ckpt_path", "last", *rewards)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _lines(result.stderr) == [
+        f"lit-rl: reading checkpoint {RUN / 'checkpoints' / 'last.ckpt'} (step 2)",
+        "lit-rl: model.reward_funcs ['lit_rl.rewards.arithmetic.integer_format'] from this run (the checkpoint has "
+        "['lit_rl.rewards.arithmetic.correctness', 'lit_rl.rewards.arithmetic.integer_...)",
+        "lit-rl: model.reward_weights [1.0] from this run (the checkpoint has [1.0, 0.1])",
+    ]
+    (row,) = _rows(cwd / "runs" / "grpo" / "version_1")  # a new run directory: the trained run is untouched
+    assert set(k for k, v in row.items() if v and k.startswith("val/rewards/")) == {"val/rewards/integer_format"}
+    assert (cwd / RUN / "metrics.csv").read_text() == before
+
+
+@pytest.mark.slow
+def test_a_shared_checkpoint_configures_nothing(trained, tmp_path):
+    """A checkpoint whose hyperparameters name another class path, remote code and a reward module that writes a
+    file when imported: the run stops naming the class, and nothing it names was imported."""
+    cwd, env = trained
+    (tmp_path / "evil.py").write_text(f"open({str(tmp_path / 'imported')!r}, 'w').close()\ndef reward(**kw): pass\n")
+    checkpoint = torch.load(cwd / RUN / "checkpoints" / "last.ckpt", weights_only=True)
+    checkpoint["hyper_parameters"].update(
+        _class_path="evil.GRPO", trust_remote_code=True, reward_funcs=["evil.reward"]
+    )
+    shared = tmp_path / "shared.ckpt"
+    torch.save(checkpoint, shared)
+    result = _lit_rl(tmp_path, _env(tmp_path), "fit", *ARGS, "--trainer.max_steps", "3", "--ckpt_path", str(shared))
+    assert result.returncode == 1
+    assert f"lit-rl: error: --ckpt_path {shared} was trained by evil.GRPO and this run's model is GRPO" in result.stderr
+    assert not (tmp_path / "imported").exists()
+    checkpoint["hyper_parameters"]["_class_path"] = "lit_rl.algorithms.GRPO"
+    torch.save(checkpoint, shared)
+    result = _lit_rl(tmp_path, _env(tmp_path), "fit", *ARGS, "--trainer.max_steps", "3", "--ckpt_path", str(shared))
+    assert result.returncode == 1
+    assert "model.trust_remote_code: False here, True in the checkpoint" in result.stderr
+    assert not (tmp_path / "imported").exists()
+
+
+@pytest.mark.slow
+def test_a_resumed_fit_trains_at_the_learning_rate_it_is_given(trained, tmp_path):
+    cwd, env = trained
+    copy = tmp_path / "copy"
+    shutil.copytree(cwd / "runs", copy / "runs")
+    result = _lit_rl(
+        copy, env, "fit", *ARGS, "--trainer.max_steps", "3", "--ckpt_path", "last", "--model.learning_rate", "0.5"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "lit-rl: model.learning_rate 0.5 from this run (the checkpoint has 0.0001)" in _lines(result.stderr)
+    saved = torch.load(copy / RUN / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 3
+    assert [group["lr"] for group in saved["optimizer_states"][0]["param_groups"]] == [0.5]
+    assert saved["lr_schedulers"][0]["base_lrs"] == [0.5]

@@ -1,0 +1,94 @@
+"""The command line or the checkpoint, never silently (`lit_rl.resume_config`): what a run given `--ckpt_path` may
+change, what stops it, and that nothing in a checkpoint configures the run. The journey through the `lit-rl` script
+is in tests/integration/test_resume_config.py."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from lit_rl.algorithms import GRPO
+from lit_rl.errors import ConfigError
+from lit_rl.resume_config import Difference, MAY_CHANGE_ON_RESUME, MODEL_IDENTITY, reconcile
+
+SAVED = {
+    "_class_path": "lit_rl.algorithms.GRPO",
+    "_instantiator": "lightning.pytorch.cli.instantiate_module",
+    "model_name_or_path": "lit-rl/tiny-qwen2-addition-sft",
+    "reward_funcs": ["lit_rl.rewards.arithmetic.correctness"],
+    "learning_rate": 1e-4,
+    "beta": 0.0,
+    "num_generations": 16,
+    "vllm": {"mode": "server", "server_url": "http://10.0.0.1:8000", "request_timeout_s": 60.0},
+    "trust_remote_code": False,
+}
+
+
+def _run(**changes):
+    return {**{k: v for k, v in SAVED.items() if not k.startswith("_")}, **changes}
+
+
+def test_the_same_values_say_nothing():
+    assert reconcile("fit", GRPO, _run(), SAVED, "last.ckpt") == []
+
+
+def test_fit_may_change_the_rates_and_where_rollouts_come_from_and_says_so():
+    vllm = {**SAVED["vllm"], "server_url": "http://10.0.0.2:8000"}
+    changed = reconcile("fit", GRPO, _run(learning_rate=0.5, vllm=vllm), SAVED, "last.ckpt")
+    assert changed == [
+        Difference("model.learning_rate", 0.5, 1e-4),
+        Difference("model.vllm.server_url", "http://10.0.0.2:8000", "http://10.0.0.1:8000"),
+    ]
+
+
+def test_fit_stops_in_one_line_naming_every_key_it_may_not_change():
+    with pytest.raises(ConfigError) as caught:
+        reconcile("fit", GRPO, _run(beta=0.04, num_generations=8, learning_rate=0.5), SAVED, "runs/last.ckpt")
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith("--ckpt_path runs/last.ckpt was trained with other values: ")
+    assert "model.beta: 0.04 here, 0.0 in the checkpoint; model.num_generations: 8 here, 16 in the checkpoint;" in message
+    assert "learning_rate" not in message  # the rate may change: not among the refused keys
+
+
+def test_a_checkpoint_never_configures_trust_or_code():
+    """A shared checkpoint that asks for remote code or other reward functions: the run stops, it does not
+    take them (this run's config is the only source of values)."""
+    shared = {**SAVED, "trust_remote_code": True, "reward_funcs": ["evil.reward"]}
+    with pytest.raises(ConfigError, match=r"model\.reward_funcs: .* here, \['evil.reward'\] in the checkpoint; "
+                       r"model\.trust_remote_code: False here, True in the checkpoint"):
+        reconcile("fit", GRPO, _run(), shared, "shared.ckpt")
+
+
+def test_another_algorithm_is_refused_by_name_without_importing_it():
+    for other in ("module_that_must_not_be_imported.GRPO", "lit_rl.algorithms.PPO", "lit_rl.algorithmsX.GRPO"):
+        with pytest.raises(ConfigError, match=f"trained by {other} and this run's model is GRPO: resume with the "
+                           "algorithm that wrote it"):
+            reconcile("fit", GRPO, _run(), {**SAVED, "_class_path": other}, "x.ckpt")
+    for same in ("lit_rl.algorithms.GRPO", "lit_rl.algorithms.grpo.GRPO", "lit_rl.GRPO"):
+        assert reconcile("fit", GRPO, _run(), {**SAVED, "_class_path": same}, "x.ckpt") == []
+    assert "module_that_must_not_be_imported" not in sys.modules
+
+
+def test_validate_takes_this_runs_values_except_the_models_identity():
+    rewards = ["lit_rl.rewards.arithmetic.integer_format"]
+    changed = reconcile("validate", GRPO, _run(reward_funcs=rewards, beta=0.1, learning_rate=3.0), SAVED, "c")
+    # The learning rate changes nothing in a run that does not train: not announced.
+    assert changed == [Difference("model.beta", 0.1, 0.0), Difference("model.reward_funcs", rewards, SAVED["reward_funcs"])]
+    with pytest.raises(ConfigError, match=r"model\.model_name_or_path: 'other' here, .*the checkpoint's weights"):
+        reconcile("validate", GRPO, _run(model_name_or_path="other"), SAVED, "c")
+
+
+def test_a_key_only_one_version_of_lit_rl_knows_is_not_compared():
+    older = {k: v for k, v in SAVED.items() if k != "beta"}
+    assert reconcile("fit", GRPO, _run(new_option=3), older, "c") == []
+
+
+def test_the_documented_sets_are_arguments_of_the_algorithms():
+    import inspect
+
+    from lit_rl.algorithms import DPO, GRPO, PPO, RLOO, SFT, OnlineDPO
+
+    arguments = set().union(*(inspect.signature(cls).parameters for cls in (DPO, GRPO, PPO, RLOO, SFT, OnlineDPO)))
+    assert MAY_CHANGE_ON_RESUME <= arguments and MODEL_IDENTITY <= arguments
