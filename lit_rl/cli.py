@@ -22,11 +22,13 @@ from typing import Any, NoReturn, Optional
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback, ProgressBar
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeedStrategy
 
 from lit_rl.callbacks import GracefulStop, NonFiniteGuard, RunSummary, StepProgressBar
+from lit_rl.callbacks.export import run_directory
 from lit_rl.checkpoint import AtomicCheckpointIO
 from lit_rl.errors import LitRLError
 from lit_rl.resume import ResumePoint, keep_run_metrics, resolve_ckpt_path
@@ -108,6 +110,32 @@ class OneLineErrorParser(LightningArgumentParser):
     def _subcommand_hint(self) -> str:
         prog = self.prog.split()
         return f"{prog[-1]} " if len(prog) > 1 else ""
+
+
+class SaveRunConfig(SaveConfigCallback):
+    """Lightning's SaveConfigCallback writes `config.yaml` into `trainer.log_dir`, which for W&B, MLflow or Trackio
+    is the `save_dir` every run shares, so each run replaced the last one's. This one writes it into the run's
+    own directory (`run_directory`: the CSV logger's `version_N`, W&B's `<project>/<run id>`), beside its
+    checkpoints and export. lit-rl always overwrites: a resumed run writes the config it runs with."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.already_saved:
+            return
+        if self.save_to_log_dir:
+            log_dir = run_directory(trainer)  # a broadcast: every rank asks
+            if trainer.is_global_zero:
+                log_dir.mkdir(parents=True, exist_ok=True)
+                self.parser.save(
+                    self.config,
+                    str(log_dir / self.config_filename),
+                    skip_none=False,
+                    overwrite=self.overwrite,
+                    multifile=self.multifile,
+                )
+        if trainer.is_global_zero:
+            self.save_config(trainer, pl_module, stage)
+            self.already_saved = True
+        self.already_saved = trainer.strategy.broadcast(self.already_saved)
 
 
 class LitRLCLI(LightningCLI):
@@ -201,6 +229,7 @@ def main(args: Optional[list[str]] = None) -> None:
             datamodule_class=L.LightningDataModule,
             subclass_mode_model=True,
             subclass_mode_data=True,
+            save_config_callback=SaveRunConfig,
             save_config_kwargs={"overwrite": True},
             args=None if args is None else normalize_args(given),
             auto_configure_optimizers=False,
@@ -210,7 +239,7 @@ def main(args: Optional[list[str]] = None) -> None:
         if cli.subcommand == "fit":
             exit_if_interrupted(cli.trainer, given)
     except Exception as err:
-        user_error = find_user_error(err)
+        user_error = user_error_message(err)
         if user_error is None or os.environ.get("LIT_RL_TRACEBACK"):
             raise
         sys.stderr.write(f"lit-rl: error: {user_error}\n")
@@ -223,17 +252,21 @@ def exit_if_interrupted(trainer: L.Trainer, args: list[str]) -> None:
     for callback in trainer.callbacks:
         if isinstance(callback, GracefulStop) and callback.received is not None and callback.checkpoint_path:
             name = signal.Signals(callback.received).name
+            # `last` finds the newest run of a versioned logger (CSV, TensorBoard); with another logger (W&B,
+            # Trackio) the command names the checkpoint itself.
+            versioned = trainer.logger is None or isinstance(trainer.logger, (CSVLogger, TensorBoardLogger))
             if trainer.is_global_zero:
+                command = resume_command(args, "last" if versioned else str(callback.checkpoint_path))
                 sys.stderr.write(
                     f"lit-rl: stopped by {name} after step {callback.stopped_at_step}; checkpoint written to "
-                    f"{callback.checkpoint_path}; resume with: {resume_command(args)}\n"
+                    f"{callback.checkpoint_path}; resume with: {command}\n"
                 )
             sys.exit(128 + callback.received)
 
 
-def resume_command(args: list[str]) -> str:
-    """The `lit-rl` command line that continues a run started with `args`: the same arguments, `--ckpt_path last`
-    in place of any `--ckpt_path`."""
+def resume_command(args: list[str], checkpoint: str = "last") -> str:
+    """The `lit-rl` command line that continues a run started with `args`: the same arguments, `--ckpt_path
+    <checkpoint>` in place of any `--ckpt_path`."""
     kept: list[str] = []
     skip = False
     for arg in args:
@@ -243,19 +276,63 @@ def resume_command(args: list[str]) -> str:
             skip = True
         elif not arg.startswith("--ckpt_path="):
             kept.append(arg)
-    return shlex.join(["lit-rl", *kept, "--ckpt_path", "last"])
+    return shlex.join(["lit-rl", *kept, "--ckpt_path", checkpoint])
 
 
-def find_user_error(err: BaseException) -> Optional[LitRLError]:
-    """The LitRLError behind `err`: itself, or one that jsonargparse or Lightning wrapped while instantiating."""
+# What a missing package is installed with: `pip install -e ".[<extra>]"` (pyproject.toml's extras).
+EXTRA_OF_PACKAGE = {
+    "wandb": "wandb",
+    "tensorboard": "tensorboard",
+    "tensorboardX": "tensorboard",
+    "trackio": "trackio",
+    "datasets": "datasets",
+}
+_REQUIREMENT = re.compile(r"Requirement '([A-Za-z0-9_.\-]+)")
+_CLASS_PATH = re.compile(r"Problem with given class_path '([^']+)'")
+# Lightning's messages whose own words do not say what to do.
+LIGHTNING_ADVICE = {
+    "No supported gpu backend found!": "trainer.accelerator gpu: torch sees no GPU on this machine; use "
+    "--trainer.accelerator cpu (or auto)",
+}
+
+
+def user_error_message(err: BaseException) -> Optional[str]:
+    """The one line that reports `err`, when it is the user's to fix: a LitRLError (itself, or one that jsonargparse
+    or Lightning wrapped while instantiating), an invalid Trainer setting (Lightning's MisconfigurationException),
+    or a class the config names whose package is not installed (a logger: the extra that installs it). None for
+    anything else: a traceback is then the useful report."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    chain = exception_chain(err)
+    for current in chain:
+        if isinstance(current, LitRLError):
+            return str(current)
+    for current in chain:
+        if isinstance(current, MisconfigurationException):
+            text = str(current).strip().splitlines()[0] if str(current).strip() else type(current).__name__
+            return LIGHTNING_ADVICE.get(text, f"trainer: {text}")
+    missing = next((c for c in chain if isinstance(c, ImportError)), None)
+    class_path = next((m.group(1) for c in chain if (m := _CLASS_PATH.search(str(c)))), None)
+    if missing is not None and class_path is not None:
+        found = _REQUIREMENT.search(str(missing))
+        package = found.group(1) if found else (getattr(missing, "name", None) or "").split(".")[0]
+        if package:
+            extra = EXTRA_OF_PACKAGE.get(package)
+            install = f'pip install -e ".[{extra}]"' if extra else f"pip install {package}"
+            return f"{class_path} needs the package {package!r}, which is not installed: {install}"
+    return None
+
+
+def exception_chain(err: BaseException) -> list[BaseException]:
+    """`err` and the exceptions it was raised from or during, innermost last."""
     seen: set[int] = set()
+    chain: list[BaseException] = []
     current: Optional[BaseException] = err
     while current is not None and id(current) not in seen:
-        if isinstance(current, LitRLError):
-            return current
+        chain.append(current)
         seen.add(id(current))
         current = current.__cause__ if current.__suppress_context__ else (current.__cause__ or current.__context__)
-    return None
+    return chain
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
@@ -50,13 +51,39 @@ def _check_exists(name_or_path: str, resolved: str) -> None:
         raise ModelNotFound(f"model path {name_or_path!r} does not exist")
 
 
+@contextmanager
+def reading_model(name_or_path: str, resolved: str) -> Iterator[None]:
+    """transformers' OSError for a model it cannot read (not in the cache offline, an unknown hub id, a directory
+    without a config) -> one-line ModelNotFound naming the model and what to do."""
+    try:
+        yield
+    except OSError as err:
+        lines = str(err).strip().splitlines()
+        reason = lines[0] if lines else type(err).__name__
+        if Path(resolved).exists():
+            raise ModelNotFound(f"model {name_or_path!r}: {reason}") from err
+        from lit_rl.data.hf_datasets import hub_offline
+
+        hint = (
+            "HF_HUB_OFFLINE is set and it is not in the local Hugging Face cache: download it on a machine with a "
+            f"network (`hf download {name_or_path}`) or give a local directory"
+            if hub_offline()
+            else "check the id and the network (a private model needs `hf auth login`), or give a local directory"
+        )
+        raise ModelNotFound(
+            f"model {name_or_path!r}: no local directory of that name, and the hub model could not be loaded "
+            f"({reason}); {hint}"
+        ) from err
+
+
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, padding_side: str = "left"):
     """AutoTokenizer with a pad token (EOS, or a new `<|pad|>`, with a warning when it had none)."""
     from transformers import AutoTokenizer
 
     resolved = resolve_model_path(name_or_path)
     _check_exists(name_or_path, resolved)
-    tokenizer = AutoTokenizer.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+    with reading_model(name_or_path, resolved):
+        tokenizer = AutoTokenizer.from_pretrained(resolved, trust_remote_code=trust_remote_code)
     tokenizer.padding_side = padding_side
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is not None:
@@ -95,7 +122,8 @@ def load_causal_lm(
     kwargs = {"trust_remote_code": trust_remote_code}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+    with reading_model(name_or_path, resolved):
+        config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
     if disable_dropout:
         for key, value in list(vars(config).items()):
             if isinstance(value, float) and ("dropout" in key or key.endswith("pdrop")):
@@ -103,7 +131,8 @@ def load_causal_lm(
     if random_init:
         model = auto_class.from_config(config, dtype=_DTYPES[dtype] if dtype != "auto" else None, **kwargs)
     else:
-        model = auto_class.from_pretrained(resolved, config=config, dtype=_DTYPES[dtype], **kwargs)
+        with reading_model(name_or_path, resolved):
+            model = auto_class.from_pretrained(resolved, config=config, dtype=_DTYPES[dtype], **kwargs)
     if disable_dropout:
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from lit_rl.models import load_causal_lm, resolve_model_path
+from lit_rl.models import load_causal_lm, reading_model, resolve_model_path
 
 
 class ValueModel(torch.nn.Module):
@@ -101,7 +101,8 @@ def load_value_model(
     from transformers import AutoConfig, AutoModel
 
     resolved = resolve_model_path(name_or_path)
-    config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+    with reading_model(name_or_path, resolved):
+        config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
     head_file = Path(resolved) / VALUE_HEAD_FILE
     scorer = _scorer_class(config)
     options = dict(dtype=dtype, gradient_checkpointing=gradient_checkpointing, trust_remote_code=trust_remote_code)

@@ -3,10 +3,12 @@ function, a non-zero exit, and no traceback."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 
 import pytest
+import torch
 
 from tests.conftest import CLI_COMMAND, CONFIGS, FAST_GRPO, REPO, run_cli, write_overlay
 
@@ -339,6 +341,42 @@ CASES = [
         ["--model.tools", "[lit_rl.envs.tools.sqrt]"],
         "model.tools: tool 'lit_rl.envs.tools.sqrt'",
         1,
+    ),
+    (
+        "hub-model-not-cached-offline",
+        GRPO,
+        ["--model.model_name_or_path", "no-such-owner/no-such-model"],
+        "model 'no-such-owner/no-such-model': no local directory of that name, and the hub model could not be "
+        "loaded (",
+        1,
+    ),
+    ("trainer-value", GRPO, ["--trainer.max_steps=-5"], "trainer: `max_steps` must be a non-negative integer", 1),
+    *(
+        [("accelerator-absent", GRPO, ["--trainer.accelerator", "gpu"], "trainer.accelerator gpu: torch sees no GPU", 1)]
+        if not torch.cuda.is_available()
+        else []
+    ),
+    *(
+        [
+            (
+                "logger-package-missing",
+                GRPO,
+                ["--trainer.logger", "lightning.pytorch.loggers.MLFlowLogger"],
+                "lightning.pytorch.loggers.MLFlowLogger needs the package 'mlflow', which is not installed: "
+                "pip install mlflow",
+                1,
+            ),
+            (
+                "logger-extra-missing",
+                GRPO,
+                ["--trainer.logger", "lightning.pytorch.loggers.WandbLogger"],
+                "lightning.pytorch.loggers.WandbLogger needs the package 'wandb', which is not installed: "
+                'pip install -e ".[wandb]"',
+                1,
+            ),
+        ]
+        if importlib.util.find_spec("mlflow") is None and importlib.util.find_spec("wandb") is None
+        else []
     ),
     ("zero-turns", GRPO, ["--model.tools", "[lit_rl.envs.tools.calc]", "--model.max_turns", "0"], "model.max_turns", 1),
     (

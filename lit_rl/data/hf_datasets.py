@@ -62,7 +62,7 @@ def rows_from_hub(spec: str) -> list[dict[str, Any]]:
     try:
         loaded = datasets.load_dataset(name, config, split=split or None)
     except Exception as err:
-        offline = _hub_offline()
+        offline = hub_offline()
         hint = (
             "HF_HUB_OFFLINE is set, and it is not in the local datasets cache"
             if offline
@@ -91,7 +91,7 @@ def _split_rows(loaded: Any, split: Optional[str], spec: str, prefix: str) -> li
     raise DataError(f"data {spec!r} {wanted} ({', '.join(splits)}): name one, e.g. {example!r}")
 
 
-def _hub_offline() -> bool:
+def hub_offline() -> bool:
     """Whether the hub client runs offline (`HF_HUB_OFFLINE`, as it read the variable when it was imported)."""
     try:
         from huggingface_hub import constants

@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 import torch
 
-from lit_rl.models import resolve_model_path
+from lit_rl.models import reading_model, resolve_model_path
 from lit_rl.rewards import completion_text
 
 
@@ -34,14 +34,15 @@ class RewardModel:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         resolved = resolve_model_path(name_or_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(resolved, trust_remote_code=trust_remote_code)
-        self.model = (
-            AutoModelForSequenceClassification.from_pretrained(
-                resolved, num_labels=1, trust_remote_code=trust_remote_code
+        with reading_model(name_or_path, resolved):
+            self.tokenizer = AutoTokenizer.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+            self.model = (
+                AutoModelForSequenceClassification.from_pretrained(
+                    resolved, num_labels=1, trust_remote_code=trust_remote_code
+                )
+                .eval()
+                .requires_grad_(False)
             )
-            .eval()
-            .requires_grad_(False)
-        )
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model.config.pad_token_id = self.tokenizer.pad_token_id

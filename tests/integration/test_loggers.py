@@ -1,0 +1,65 @@
+"""Loggers as a user switches to them, through the `lit-rl` script and the shipped config: Trackio (TRL's
+`report_to="trackio"`) receives the same numbers as the CSV file, and a logger without versioned directories
+still gets each run's config, checkpoints and export in a directory of its own."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import CONFIGS
+from tests.integration.test_resume import SMALL, _env, _lit_rl
+
+pytest.importorskip("trackio")
+
+READ_BACK = """
+import json
+from trackio.sqlite_storage import SQLiteStorage
+logs = [{k: v for k, v in row.items() if k != "timestamp"} for row in SQLiteStorage.get_logs("demo", "first-run")]
+print(json.dumps([SQLiteStorage.get_runs("demo"), logs]))
+"""
+TWO_LOGGERS = """
+trainer:
+  logger:
+    - class_path: lit_rl.loggers.TrackioLogger
+      init_args: {project: demo, name: first-run}
+    - class_path: lightning.pytorch.loggers.CSVLogger
+      init_args: {save_dir: runs, name: csv}
+"""
+
+
+@pytest.mark.slow
+def test_trackio_gets_every_logged_value_and_the_run_its_own_directory(tmp_path):
+    (tmp_path / "loggers.yaml").write_text(TWO_LOGGERS)
+    env = _env(tmp_path, TRACKIO_DIR=str(tmp_path / "trackio"))
+    args = ["fit", "--config", str(CONFIGS / "grpo.yaml"), "--config", "loggers.yaml", *SMALL]
+    result = _lit_rl(tmp_path, env, *args, "--trainer.max_steps", "4", "--trainer.val_check_interval", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    # The first logger's run directory holds the run's files (not the shared `runs/`).
+    run = tmp_path / "runs" / "demo" / "first-run"
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "hf"]
+    assert not (tmp_path / "runs" / "config.yaml").exists()
+    assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "hf" / "model.safetensors").is_file()
+
+    # Read back through Trackio's own storage, in a process of its own: it reads TRACKIO_DIR when imported.
+    read = subprocess.run(
+        [sys.executable, "-c", READ_BACK], env=env, capture_output=True, text=True, timeout=120, check=True
+    )
+    runs, logs = json.loads(read.stdout.strip().splitlines()[-1])
+    assert runs == ["first-run"]
+    tracked = [{k: v for k, v in row.items() if k.startswith(("train/", "val/"))} | {"step": row["step"]} for row in logs]
+    with open(tmp_path / "runs" / "csv" / "version_0" / "metrics.csv", newline="") as handle:
+        written = [
+            {k: float(v) for k, v in row.items() if v != "" and k.startswith(("train/", "val/"))} | {"step": int(row["step"])}
+            for row in csv.DictReader(handle)
+        ]
+    key = lambda row: (row["step"], any(k.startswith("val/") for k in row))  # noqa: E731
+    assert sorted(map(key, tracked)) == [(1, False), (2, False), (2, True), (3, False), (4, False), (4, True)]
+    for got, expected in zip(sorted(tracked, key=key), sorted(written, key=key)):
+        assert sorted(got) == sorted(expected)
+        assert got == pytest.approx(expected, rel=1e-6), expected["step"]
