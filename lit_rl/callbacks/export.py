@@ -9,13 +9,15 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
+from lit_rl.callbacks.safety import GracefulStop
 from lit_rl.lora import is_lora_model, save_merged
 from lit_rl.strategies import gathered_parameters
 from lit_rl.value_model import save_value_model
 
 
 class SaveHFPretrained(Callback):
-    """At the end of `fit`, save `pl_module.policy` and `pl_module.tokenizer` to `dirpath` (rank 0 only).
+    """At the end of `fit`, save `pl_module.policy` and `pl_module.tokenizer` to `dirpath` (rank 0 only); not
+    after a stop on SIGTERM or SIGINT (the resumed run exports when it ends).
 
     A LoRA policy is saved twice: merged into a plain model in `dirpath` (loadable by transformers and vLLM without
     peft) and as the peft adapter alone in `dirpath/adapter` (`PeftModel.from_pretrained(base, dirpath/adapter)`).
@@ -33,6 +35,10 @@ class SaveHFPretrained(Callback):
         self.saved_to: Optional[Path] = None  # where the last `fit` wrote the model (the run summary shows it)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if stopped_by_signal(trainer):
+            # A pre-empted run's grace period is for the checkpoint a resume needs; a model's export can take as
+            # long again. The resumed run exports when it ends.
+            return
         # Every rank asks: the directory is a broadcast, and a collective on rank 0 alone never returns.
         out = Path(self.dirpath) if self.dirpath else run_directory(trainer) / "hf"
         error: Optional[BaseException] = None
@@ -59,6 +65,11 @@ class SaveHFPretrained(Callback):
         else:
             pl_module.policy.save_pretrained(out, safe_serialization=True)
         pl_module.tokenizer.save_pretrained(out)
+
+
+def stopped_by_signal(trainer: L.Trainer) -> bool:
+    """Whether `GracefulStop` ended this `fit` on SIGTERM or SIGINT."""
+    return any(isinstance(c, GracefulStop) and c.stopped_at_step is not None for c in trainer.callbacks)
 
 
 def run_directory(trainer: L.Trainer) -> Path:

@@ -8,6 +8,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -41,14 +42,34 @@ def correctness(prompts, completions, **columns):
 """
 REWARDS = ["--model.reward_funcs", "[stopper.correctness, lit_rl.rewards.arithmetic.integer_format]"]
 
+# Ctrl-C in a terminal: SIGINT to the whole foreground process group, every rank of a multi-process run at once.
+# Sent by rank 0's reward function at its N-th call; the time it was sent goes to `signal_time`.
+GROUP_STOPPER = """
+import os, signal, time
+from lit_rl.rewards.arithmetic import correctness as _correctness
+calls = 0
+def correctness(prompts, completions, **columns):
+    global calls
+    calls += 1
+    if calls == int(os.environ.get("SIGINT_AT_CALL", "0")) and os.environ.get("LOCAL_RANK", "0") == "0":
+        with open("signal_time", "w") as handle:
+            handle.write(repr(time.time()))
+        os.killpg(os.getpgid(0), signal.SIGINT)
+    return _correctness(prompts, completions, **columns)
+"""
+# How long a pre-empted job has between SIGTERM and SIGKILL by default on Kubernetes (and a common Slurm setting).
+GRACE_PERIOD_S = 30
+
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])  # this Python's lit-rl
     return {**os.environ, "PATH": path, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]), **extra}
 
 
-def _lit_rl(cwd: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["lit-rl", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+def _lit_rl(cwd: Path, env: dict[str, str], *args: str, **options: object) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["lit-rl", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600, **options
+    )
 
 
 def _rows(run: Path) -> list[dict[str, str]]:
@@ -123,3 +144,47 @@ def test_ckpt_path_last_without_a_checkpoint_says_so_and_starts_at_step_0(tmp_pa
     assert f"lit-rl: no checkpoint under {Path('runs/grpo')}: starting at step 0\n" in result.stderr
     assert "there is no last checkpoint available" not in result.stderr
     assert [row["step"] for row in _rows(tmp_path / "runs" / "grpo" / "version_0") if row.get("train/loss")] == ["1"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_reaches_every_rank_of_a_two_process_run_and_the_printed_command_continues_it(tmp_path):
+    """2 DDP processes with validation and the export on: Ctrl-C (SIGINT to the process group) stops both after the
+    same step with one stop line, within a pre-emption's grace period and without exporting (the resumed run
+    does); the printed command continues the run, and its metrics equal an uninterrupted 2-process run's."""
+    (tmp_path / "stopper.py").write_text(GROUP_STOPPER)
+    reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
+    reference.mkdir(), interrupted.mkdir()
+    ddp = ["--config", str(CONFIGS / "strategy" / "ddp.yaml"), "--model.micro_batch_size", "4"]
+    args = ["fit", "--config", str(CONFIGS / "grpo.yaml"), *SMALL, *ddp, *REWARDS, "--trainer.max_steps", "8"]
+
+    full = _lit_rl(reference, _env(tmp_path), *args)
+    assert full.returncode == 0, full.stderr[-3000:]
+
+    # A session of its own: the signal to the group reaches lit-rl's processes, not pytest.
+    stopped = _lit_rl(interrupted, _env(tmp_path, SIGINT_AT_CALL="6"), *args, start_new_session=True)
+    exited = time.time()
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    lines = [line for line in stopped.stderr.splitlines() if line.startswith("lit-rl: ")]
+    assert len(lines) == 1 and lines[0].startswith("lit-rl: stopped by SIGINT after step 5; "), stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr
+    stop_s = exited - float((interrupted / "signal_time").read_text())
+    print(f"signal to exit: {stop_s:.1f} s")  # 2.1 s on 2 shared CPU cores
+    assert stop_s < GRACE_PERIOD_S
+    run = interrupted / "runs" / "grpo" / "version_0"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt"]
+    assert not (run / "hf").exists()  # the export waits for the run's end
+
+    printed = lines[0].split("resume with: ", 1)[1]
+    resumed = subprocess.run(
+        printed, shell=True, cwd=interrupted, env=_env(tmp_path), capture_output=True, text=True, timeout=600
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (run / "hf" / "model.safetensors").is_file()
+    expected = _by_step(_rows(reference / "runs" / "grpo" / "version_0"))
+    got = _by_step(_rows(run))
+    assert sorted(got) == sorted(expected)
+    assert [step for step, stage in sorted(got) if stage == "train"] == list(range(1, 9))
+    assert [step for step, stage in sorted(got) if stage == "val"] == [4, 8]
+    for key, values in expected.items():
+        for name, value in values.items():
+            assert got[key][name] == pytest.approx(value, rel=1e-5, abs=1e-6), (key, name)
