@@ -30,7 +30,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeed
 from lit_rl.callbacks import GracefulStop, NonFiniteGuard, RunSummary, StepProgressBar
 from lit_rl.callbacks.export import run_directory
 from lit_rl.checkpoint import AtomicCheckpointIO
-from lit_rl.errors import LitRLError
+from lit_rl.errors import LitRLError, ReportedOnRankZero
 from lit_rl.resume import ResumePoint, keep_run_metrics, resolve_ckpt_path
 from lit_rl.strategies import as_project_deepspeed
 
@@ -39,13 +39,17 @@ INPUT_ERROR_EXIT = 1
 # Console messages a lit-rl user cannot act on, silenced by `quiet_console` (each by its own text, nothing else):
 # Lightning's advertisements, a deprecation inside Lightning's own code, DataLoader advice that does not apply to
 # lit-rl's loaders (batches are built in the main process on purpose: tokenizing and rollouts belong to the
-# module), the frozen reference model that is in eval mode by design, and DeepSpeed saying on a CPU-only machine
-# that it found no GPU (Lightning's "GPU available: False" line says it already).
+# module), the frozen reference model that is in eval mode by design, torch 2.13 deprecating collectives that
+# Lightning's `all_gather` and DeepSpeed's ZeRO call, and DeepSpeed saying on a CPU-only machine that it found no
+# GPU (Lightning's "GPU available: False" line says it already).
 IGNORED_WARNINGS = (  # (message regex, category, module regex)
     (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning, r"lightning\."),
     (r"The '\w+' does not have many workers", UserWarning, ""),
     (r"Your `IterableDataset` has `__len__` defined", UserWarning, ""),
     (r"Found \d+ module\(s\) in eval mode at the start of training", UserWarning, ""),
+    (r"torch\.distributed\.nn\.functional\.all_gather is deprecated", FutureWarning, r"lightning\."),
+    # DeepSpeed's ZeRO collectives, which torch 2.13 deprecates (lit-rl calls neither).
+    (r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated", FutureWarning, ""),
 )
 IGNORED_LOG_MESSAGES = {  # logger name -> message prefixes
     "lightning.pytorch.utilities.rank_zero": ("💡 Tip:",),
@@ -239,6 +243,9 @@ def main(args: Optional[list[str]] = None) -> None:
         if cli.subcommand == "fit":
             exit_if_interrupted(cli.trainer, given)
     except Exception as err:
+        reported = any(isinstance(e, ReportedOnRankZero) for e in exception_chain(err))
+        if reported and not os.environ.get("LIT_RL_TRACEBACK"):
+            sys.exit(INPUT_ERROR_EXIT)  # another rank failed: rank 0 says what, in one line
         user_error = user_error_message(err)
         if user_error is None or os.environ.get("LIT_RL_TRACEBACK"):
             raise

@@ -36,3 +36,8 @@ class EnvironmentStepError(LitRLError):
 
 class BrokenInstall(LitRLError):
     """An installed package that cannot work with this environment; the message says how to fix it."""
+
+
+class ReportedOnRankZero(LitRLError):
+    """Raised on the other ranks of a multi-process run when one rank failed: rank 0 reports the failure (with the
+    rank it happened on) in one line, and these ranks exit with the same code without a line of their own."""

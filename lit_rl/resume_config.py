@@ -61,7 +61,11 @@ class Difference:
 
 
 def reconcile(
-    subcommand: str, module_class: type, this_run: Mapping[str, Any], hyper_parameters: Mapping[str, Any], checkpoint: Any
+    subcommand: str,
+    module_class: type,
+    this_run: Mapping[str, Any],
+    hyper_parameters: Mapping[str, Any],
+    checkpoint: Any,
 ) -> list[Difference]:
     """Compare this run's hyperparameters (the `hparams` of a `module_class` module) with those a checkpoint saved.
     Returns the differences this run may make that change what it does (to be announced); raises a one-line
@@ -81,7 +85,9 @@ def reconcile(
             bucket = allowed if may_change(subcommand, key) else refused
             bucket.extend(differences(f"model.{key}", this_run[key], saved[key]))
     if refused:
-        listed = "; ".join(f"{d.key}: {_show(d.this_run)} here, {_show(d.checkpoint)} in the checkpoint" for d in refused)
+        listed = "; ".join(
+            f"{d.key}: {_show(d.this_run)} here, {_show(d.checkpoint)} in the checkpoint" for d in refused
+        )
         if subcommand == "fit":
             advice = (
                 "a resumed run keeps what it was trained with (only the rates, micro-batching, validation sampling "
@@ -114,7 +120,8 @@ def worth_announcing(subcommand: str, difference: Difference) -> bool:
 
 
 def announce(difference: Difference) -> str:
-    return f"{difference.key} {_show(difference.this_run)} from this run (the checkpoint has {_show(difference.checkpoint)})"
+    this_run, checkpoint = _show(difference.this_run), _show(difference.checkpoint)
+    return f"{difference.key} {this_run} from this run (the checkpoint has {checkpoint})"
 
 
 def _plain(value: Any) -> Any:

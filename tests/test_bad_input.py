@@ -346,13 +346,20 @@ CASES = [
         "hub-model-not-cached-offline",
         GRPO,
         ["--model.model_name_or_path", "no-such-owner/no-such-model"],
-        "model 'no-such-owner/no-such-model': no local directory of that name, and the hub model could not be "
-        "loaded (",
+        "model 'no-such-owner/no-such-model': no local directory of that name, and the hub model could not be loaded (",
         1,
     ),
     ("trainer-value", GRPO, ["--trainer.max_steps=-5"], "trainer: `max_steps` must be a non-negative integer", 1),
     *(
-        [("accelerator-absent", GRPO, ["--trainer.accelerator", "gpu"], "trainer.accelerator gpu: torch sees no GPU", 1)]
+        [
+            (
+                "accelerator-absent",
+                GRPO,
+                ["--trainer.accelerator", "gpu"],
+                "trainer.accelerator gpu: torch sees no GPU",
+                1,
+            )
+        ]
         if not torch.cuda.is_available()
         else []
     ),

@@ -10,7 +10,7 @@ import pytest
 
 from lit_rl.algorithms import GRPO
 from lit_rl.errors import ConfigError
-from lit_rl.resume_config import Difference, MAY_CHANGE_ON_RESUME, MODEL_IDENTITY, reconcile
+from lit_rl.resume_config import MAY_CHANGE_ON_RESUME, MODEL_IDENTITY, Difference, reconcile
 
 SAVED = {
     "_class_path": "lit_rl.algorithms.GRPO",
@@ -48,7 +48,9 @@ def test_fit_stops_in_one_line_naming_every_key_it_may_not_change():
     message = str(caught.value)
     assert "\n" not in message
     assert message.startswith("--ckpt_path runs/last.ckpt was trained with other values: ")
-    assert "model.beta: 0.04 here, 0.0 in the checkpoint; model.num_generations: 8 here, 16 in the checkpoint;" in message
+    assert (
+        "model.beta: 0.04 here, 0.0 in the checkpoint; model.num_generations: 8 here, 16 in the checkpoint;" in message
+    )
     assert "learning_rate" not in message  # the rate may change: not among the refused keys
 
 
@@ -56,15 +58,20 @@ def test_a_checkpoint_never_configures_trust_or_code():
     """A shared checkpoint that asks for remote code or other reward functions: the run stops, it does not
     take them (this run's config is the only source of values)."""
     shared = {**SAVED, "trust_remote_code": True, "reward_funcs": ["evil.reward"]}
-    with pytest.raises(ConfigError, match=r"model\.reward_funcs: .* here, \['evil.reward'\] in the checkpoint; "
-                       r"model\.trust_remote_code: False here, True in the checkpoint"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model\.reward_funcs: .* here, \['evil.reward'\] in the checkpoint; "
+        r"model\.trust_remote_code: False here, True in the checkpoint",
+    ):
         reconcile("fit", GRPO, _run(), shared, "shared.ckpt")
 
 
 def test_another_algorithm_is_refused_by_name_without_importing_it():
     for other in ("module_that_must_not_be_imported.GRPO", "lit_rl.algorithms.PPO", "lit_rl.algorithmsX.GRPO"):
-        with pytest.raises(ConfigError, match=f"trained by {other} and this run's model is GRPO: resume with the "
-                           "algorithm that wrote it"):
+        with pytest.raises(
+            ConfigError,
+            match=f"trained by {other} and this run's model is GRPO: resume with the algorithm that wrote it",
+        ):
             reconcile("fit", GRPO, _run(), {**SAVED, "_class_path": other}, "x.ckpt")
     for same in ("lit_rl.algorithms.GRPO", "lit_rl.algorithms.grpo.GRPO", "lit_rl.GRPO"):
         assert reconcile("fit", GRPO, _run(), {**SAVED, "_class_path": same}, "x.ckpt") == []
@@ -75,7 +82,10 @@ def test_validate_takes_this_runs_values_except_the_models_identity():
     rewards = ["lit_rl.rewards.arithmetic.integer_format"]
     changed = reconcile("validate", GRPO, _run(reward_funcs=rewards, beta=0.1, learning_rate=3.0), SAVED, "c")
     # The learning rate changes nothing in a run that does not train: not announced.
-    assert changed == [Difference("model.beta", 0.1, 0.0), Difference("model.reward_funcs", rewards, SAVED["reward_funcs"])]
+    assert changed == [
+        Difference("model.beta", 0.1, 0.0),
+        Difference("model.reward_funcs", rewards, SAVED["reward_funcs"]),
+    ]
     with pytest.raises(ConfigError, match=r"model\.model_name_or_path: 'other' here, .*the checkpoint's weights"):
         reconcile("validate", GRPO, _run(model_name_or_path="other"), SAVED, "c")
 

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import torch
 
-from lit_rl.errors import ConfigError, RewardFunctionError
+from lit_rl.errors import ConfigError, ReportedOnRankZero, RewardFunctionError
 from lit_rl.rewards import TrainerState, import_reward_function, reward_name
 from lit_rl.rewards.scoring import reward_components, weighted_reward
 from lit_rl.rollout import RolloutOutput
@@ -88,15 +88,25 @@ class RewardScorer:
         return components, rewards
 
     def fail_on_every_rank(self, error: Optional[Exception | str], kind: type[Exception], elsewhere: str) -> None:
-        """Raise `error` (an exception, or a message for `kind`) here, and `kind(elsewhere)` on every other rank,
-        when any rank has one (one all-reduce): a rank that raised alone would leave the others in the next
-        collective until a timeout."""
+        """Stop every rank when any rank has an `error` (an exception, or a message for `kind`): a rank that raised
+        alone would leave the others in the next collective until a timeout. One all-reduce when none failed.
+        With several ranks, the error is reported once, by rank 0: the first failed rank's message with its rank
+        (`kind`, or `elsewhere` where the message cannot be sent); the other ranks raise `ReportedOnRankZero`,
+        which the CLI ends without a line of its own."""
         failed = float(error is not None)
         if self.trainer.world_size > 1:
             flag = torch.tensor(failed, device=self.device)
             failed = float(reduce_across_ranks(flag))
         if not failed:
             return
-        if isinstance(error, Exception):
-            raise error
-        raise kind(error or elsewhere)
+        if self.trainer.world_size == 1:
+            raise error if isinstance(error, Exception) else kind(error or elsewhere)
+        messages: list[Optional[str]] = [None] * self.trainer.world_size
+        torch.distributed.all_gather_object(messages, None if error is None else str(error))
+        rank, message = next((r, m) for r, m in enumerate(messages) if m is not None)
+        if self.trainer.global_rank != 0:
+            raise ReportedOnRankZero(f"rank {rank} failed; rank 0 reports it") from (
+                error if isinstance(error, Exception) else None
+            )
+        cause = error if isinstance(error, Exception) and rank == 0 else None
+        raise kind(f"{message} (on rank {rank})" if message else elsewhere) from cause

@@ -52,10 +52,13 @@ def test_trackio_gets_every_logged_value_and_the_run_its_own_directory(tmp_path)
     )
     runs, logs = json.loads(read.stdout.strip().splitlines()[-1])
     assert runs == ["first-run"]
-    tracked = [{k: v for k, v in row.items() if k.startswith(("train/", "val/"))} | {"step": row["step"]} for row in logs]
+    tracked = [
+        {k: v for k, v in row.items() if k.startswith(("train/", "val/"))} | {"step": row["step"]} for row in logs
+    ]
     with open(tmp_path / "runs" / "csv" / "version_0" / "metrics.csv", newline="") as handle:
         written = [
-            {k: float(v) for k, v in row.items() if v != "" and k.startswith(("train/", "val/"))} | {"step": int(row["step"])}
+            {k: float(v) for k, v in row.items() if v != "" and k.startswith(("train/", "val/"))}
+            | {"step": int(row["step"])}
             for row in csv.DictReader(handle)
         ]
     key = lambda row: (row["step"], any(k.startswith("val/") for k in row))  # noqa: E731

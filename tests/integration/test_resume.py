@@ -67,9 +67,7 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 
 def _lit_rl(cwd: Path, env: dict[str, str], *args: str, **options: object) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["lit-rl", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600, **options
-    )
+    return subprocess.run(["lit-rl", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600, **options)
 
 
 def _rows(run: Path) -> list[dict[str, str]]:

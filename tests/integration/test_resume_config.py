@@ -36,9 +36,7 @@ def _lines(stderr: str) -> list[str]:
 def test_a_changed_objective_stops_in_one_line_and_keeps_the_run(trained):
     cwd, env = trained
     before = (cwd / RUN / "metrics.csv").read_text()
-    result = _lit_rl(
-        cwd, env, "fit", *ARGS, "--trainer.max_steps", "3", "--ckpt_path", "last", "--model.beta", "0.1"
-    )
+    result = _lit_rl(cwd, env, "fit", *ARGS, "--trainer.max_steps", "3", "--ckpt_path", "last", "--model.beta", "0.1")
     assert result.returncode == 1, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
     assert errors == [
@@ -77,9 +75,7 @@ def test_a_shared_checkpoint_configures_nothing(trained, tmp_path):
     cwd, env = trained
     (tmp_path / "evil.py").write_text(f"open({str(tmp_path / 'imported')!r}, 'w').close()\ndef reward(**kw): pass\n")
     checkpoint = torch.load(cwd / RUN / "checkpoints" / "last.ckpt", weights_only=True)
-    checkpoint["hyper_parameters"].update(
-        _class_path="evil.GRPO", trust_remote_code=True, reward_funcs=["evil.reward"]
-    )
+    checkpoint["hyper_parameters"].update(_class_path="evil.GRPO", trust_remote_code=True, reward_funcs=["evil.reward"])
     shared = tmp_path / "shared.ckpt"
     torch.save(checkpoint, shared)
     result = _lit_rl(tmp_path, _env(tmp_path), "fit", *ARGS, "--trainer.max_steps", "3", "--ckpt_path", str(shared))
