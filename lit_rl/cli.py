@@ -48,13 +48,33 @@ IGNORED_WARNINGS = (  # (message regex, category, module regex)
     (r"Your `IterableDataset` has `__len__` defined", UserWarning, ""),
     (r"Found \d+ module\(s\) in eval mode at the start of training", UserWarning, ""),
     (r"torch\.distributed\.nn\.functional\.all_gather is deprecated", FutureWarning, r"lightning\."),
-    # DeepSpeed's ZeRO collectives, which torch 2.13 deprecates (lit-rl calls neither).
+    # Lightning's advice to sync epoch-level values across ranks, given whenever torch.distributed is initialised (a
+    # colocated vLLM engine initialises it in a single process too): lit-rl logs the values its torchmetrics
+    # collections computed over every rank already (`lit_rl.metrics.compute_collection`).
+    (r"It is recommended to use `self\.log\('(step|(train|val|test)/[^']*)', \.\.\., sync_dist=True\)`", Warning, ""),
+    # DeepSpeed's ZeRO collectives and vLLM's Triton dispatcher, which torch 2.13 deprecates (lit-rl calls none).
     (r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated", FutureWarning, ""),
+    (r"`torch\.distributed\.reduce_op` is deprecated", FutureWarning, r"vllm\."),
 )
 IGNORED_LOG_MESSAGES = {  # logger name -> message prefixes
     "lightning.pytorch.utilities.rank_zero": ("💡 Tip:",),
     "lightning.fabric.utilities.rank_zero": ("💡 Tip:",),
     "DeepSpeed": ("Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it",),
+    # A colocated vLLM engine, at every weight push: its own timing of the reload (lit-rl logs
+    # `perf/weight_push_s`), the prefix cache reset that must follow new weights, and the rotary embedding's cos/sin
+    # cache, which is computed from the config and in no checkpoint, so it keeps its values (tests/integration/
+    # test_vllm.py compares every engine parameter with the policy's after a push: equal, none left out).
+    "vllm.model_executor.model_loader.reload.layerwise": ("RotaryEmbedding: Failed to load weights",),
+    "vllm.model_executor.model_loader.reload.inplace": ("Reloading weights inplace", "Reloading and processing"),
+    "vllm.v1.core.block_pool": ("Successfully reset prefix cache",),
+    # At its start: consequences of what lit-rl asks for on purpose (token ids in and out, so no tokenizer and
+    # no chat template; eager mode on CPU; the RNG state around the engine kept by lit-rl) and of the CPU build
+    # (no Triton; threads bound by vLLM itself).
+    "vllm.renderers.base": ("Using None for EOS token id because tokenizer", "Chat template warmup failed"),
+    "vllm.engine.arg_utils": ("The global random seed is set to",),
+    "vllm.config.vllm": ("Model Runner V2 requires Triton", "Enforce eager set", "Inductor compilation was disabled"),
+    "vllm.platforms.cpu": ("Triton is not installed", "Reset SSM cache type"),
+    "vllm.v1.worker.cpu_worker": ("CPU backend doesn't allow to use `torch.set_num_threads`",),
 }
 _NOISE = ("Parser key", "Does not validate", "Subtypes:", "Errors:", "Given value", "- Expected a <class 'NoneType'>")
 

@@ -35,6 +35,51 @@ def max_logprob_diff(engine, policy, prompt_ids, prompt_mask, params) -> tuple[f
     return diff, int(out.completion_mask.sum())
 
 
+# vLLM's Qwen2 fuses some of the Hugging Face projections into one parameter (rows stacked in this order).
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def engine_parameters(worker) -> dict[str, torch.Tensor]:
+    """Every parameter of the model a colocated vLLM worker runs (called on the worker by `collective_rpc`). On
+    CPU, vLLM repacks each linear layer's weight for its GEMM kernel and leaves an empty parameter behind: that
+    weight is read back through the layer's own kernel, as `linear(I, W) = W^T`."""
+    model = worker.model_runner.model
+    weights = {name: p.detach().clone() for name, p in model.named_parameters() if p.numel() > 0}
+    for name, module in model.named_modules():
+        if hasattr(module, "cpu_linear") and module.weight.numel() == 0:
+            identity = torch.eye(module.input_size_per_partition, dtype=torch.float32)
+            weights[f"{name}.weight"] = module.cpu_linear(identity, module.weight, None).T.contiguous()
+    return weights
+
+
+def parameter_gap(engine, policy) -> dict[str, float]:
+    """The largest |engine - policy| over every parameter of the colocated engine, with the policy's weights laid
+    out as vLLM lays them out (fused projections, a tied head); how many engine parameters were compared (all of
+    them), and which of the policy's tensors none of them covers (none: every weight was pushed)."""
+    from lit_rl.lora import is_lora_model, merged_weights
+
+    state = dict(merged_weights(policy)) if is_lora_model(policy) else policy.state_dict()
+    (engine_state,) = engine.llm.collective_rpc(engine_parameters)
+    gap, used = 0.0, set()
+    for name, value in engine_state.items():
+        fused = next((key for key in FUSED if f".{key}." in name), None)
+        if fused:
+            names = [name.replace(fused, part) for part in FUSED[fused]]
+        elif name == "lm_head.weight" and name not in state:
+            names = ["model.embed_tokens.weight"]  # tied to the embedding
+        else:
+            names = [name]
+        expected = torch.cat([state[n] for n in names], dim=0)
+        gap = max(gap, (value.float() - expected.float()).abs().max().item())
+        used.update(names)
+    tied = {"lm_head.weight"} if getattr(policy.config, "tie_word_embeddings", False) else set()
+    return {
+        "parameter_gap": gap,
+        "parameters_compared": len(engine_state),
+        "policy_tensors_not_in_engine": len(set(state) - used - tied),
+    }
+
+
 def main(mode: str, url: str | None, lora: bool, gloo: bool = False) -> None:
     from lit_rl.models import load_causal_lm, load_tokenizer, resolve_model_path
     from lit_rl.rollout import SamplingParams, VLLMConfig
@@ -87,8 +132,11 @@ def main(mode: str, url: str | None, lora: bool, gloo: bool = False) -> None:
     before, _ = max_logprob_diff(engine, policy, prompt_ids, prompt_mask, params)
     engine.update_weights(policy_weight_stream(policy, BUCKET_BYTES))
     after, tokens = max_logprob_diff(engine, policy, prompt_ids, prompt_mask, params)
+    result = {"synced": synced, "before_push": before, "after_push": after, "tokens": tokens}
+    if mode == "colocate":  # the engine runs in this process: compare its parameters themselves
+        result.update(parameter_gap(engine, policy))
     engine.close()
-    print(json.dumps({"synced": synced, "before_push": before, "after_push": after, "tokens": tokens}))
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":
