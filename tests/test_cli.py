@@ -181,7 +181,7 @@ def test_fit_ends_with_a_summary_of_steps_metrics_and_outputs(tmp_path, capsys):
         for key, shown in zip(keys, line.split()[1::2]):
             assert float(shown) == pytest.approx(last[key], rel=1e-3, abs=1e-4), key
     assert [line.split() for line in outputs] == [
-        ["checkpoint", str(log_dir / "checkpoints" / "step=2.ckpt")],
+        ["checkpoint", str(log_dir / "checkpoints" / "step=2.ckpt"), "(step", "2)"],  # the run ended at step 3
         ["metrics", str(log_dir / "metrics.csv")],
         ["model", str(log_dir / "hf")],
     ]

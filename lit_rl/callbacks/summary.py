@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import lightning as L
@@ -96,8 +97,22 @@ class RunSummary(Callback):
             shown = [f"{key} {logged[key]:.4g}" for key in (f"{stage}/{name}" for name in names) if key in logged]
             if shown:
                 lines.append("  " + "  ".join(shown))
-        lines += [f"  {label:<10} {display_path(path)}" for label, path in outputs(trainer).items()]
+        for label, path in outputs(trainer).items():
+            # The step a checkpoint holds: `last.ckpt` links to the newest step=N.ckpt, which a run that ends
+            # between two saves is past (its `hf/` export holds the end state).
+            step = saved_step(path) if label == "checkpoint" else None
+            lines.append(f"  {label:<10} {display_path(path)}" + (f" (step {step})" if step is not None else ""))
         return lines
+
+
+def saved_step(path: str) -> Optional[int]:
+    """The optimizer step the checkpoint at `path` was written at, or None when it cannot be read."""
+    from lit_rl.resume import checkpoint_step
+
+    try:
+        return checkpoint_step(Path(path))
+    except Exception:  # a summary line is no place to fail a finished run
+        return None
 
 
 def outputs(trainer: L.Trainer) -> dict[str, str]:

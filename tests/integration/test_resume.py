@@ -186,3 +186,25 @@ def test_ctrl_c_reaches_every_rank_of_a_two_process_run_and_the_printed_command_
     for key, values in expected.items():
         for name, value in values.items():
             assert got[key][name] == pytest.approx(value, rel=1e-5, abs=1e-6), (key, name)
+
+
+@pytest.mark.slow
+def test_a_shipped_config_run_leaves_the_checkpoints_and_summary_the_readme_shows(tmp_path):
+    """The shipped GRPO config as it is (validation every 50 steps, a checkpoint every 100, `last` a link),
+    for 150 steps: one periodic checkpoint at 100 and `last.ckpt` linking to it (a validation writes none of
+    its own), validation rows at 50, 100 and 150, and a summary that names the checkpoint with its step (the run
+    ended past it; its `hf/` export holds step 150)."""
+    i = SMALL.index("--trainer.val_check_interval")
+    small = SMALL[:i] + SMALL[i + 2 :]  # the shipped validation interval
+    result = _lit_rl(tmp_path, _env(tmp_path), "fit", "--config", str(CONFIGS / "grpo.yaml"), *small,
+                     "--trainer.max_steps", "150")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    checkpoints = tmp_path / "runs" / "grpo" / "version_0" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt", "step=100.ckpt"]
+    assert (checkpoints / "last.ckpt").is_symlink() and os.readlink(checkpoints / "last.ckpt") == "step=100.ckpt"
+    steps = _by_step(_rows(tmp_path / "runs" / "grpo" / "version_0"))
+    assert [step for step, stage in sorted(steps) if stage == "val"] == [50, 100, 150]
+    summary = result.stdout + result.stderr
+    assert "lit-rl: done, 150 optimizer steps in " in summary
+    assert f"  checkpoint {Path('runs/grpo/version_0/checkpoints/last.ckpt')} (step 100)" in summary
+    assert f"  model      {Path('runs/grpo/version_0/hf')}" in summary
