@@ -82,13 +82,15 @@ _NOISE = ("Parser key", "Does not validate", "Subtypes:", "Errors:", "Given valu
 def condense_parser_error(message: str) -> str:
     """jsonargparse's nested, multi-line message -> `key.path: what is wrong` on one line."""
     keys = re.findall(r'Parser key "([^"]+)"', message)
-    wrong_type = re.search(r"Expected a <class '(?!NoneType)[^']+'>[^\n]*", message)
-    if wrong_type and keys:
-        return f"{'.'.join(dict.fromkeys(keys))}: {wrong_type.group(0)}"
+    # An option the class does not take: said before a type mismatch, which jsonargparse also reports for the
+    # other members of a union (`trainer.strategy`: "Expected a <class 'str'>").
     unknown = re.search(r"Option '([^']+)' is not accepted", message)
     if unknown:
         option = unknown.group(1)
         return ".".join(keys + ([option] if not keys or keys[-1] != option else [])) + ": unknown option"
+    wrong_type = re.search(r"Expected a <class '(?!NoneType)[^']+'>[^\n]*", message)
+    if wrong_type and keys:
+        return f"{'.'.join(dict.fromkeys(keys))}: {wrong_type.group(0)}"
     detail = ""
     for line in (raw.strip() for raw in message.splitlines()):
         if line and not line.startswith(_NOISE) and "Problem with given class_path" not in line:

@@ -349,6 +349,13 @@ CASES = [
         "model 'no-such-owner/no-such-model': no local directory of that name, and the hub model could not be loaded (",
         1,
     ),
+    (
+        "strategy-unknown-option",
+        GRPO,
+        ["--trainer.strategy", "lit_rl.strategies.DeepSpeedStrategy", "--trainer.strategy.no_such_option", "1"],
+        "trainer.strategy.no_such_option: unknown option",
+        2,
+    ),
     ("trainer-value", GRPO, ["--trainer.max_steps=-5"], "trainer: `max_steps` must be a non-negative integer", 1),
     *(
         [
