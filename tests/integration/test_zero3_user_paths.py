@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import shlex
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
