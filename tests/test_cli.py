@@ -35,6 +35,12 @@ def test_every_config_parses_and_starts_with_its_command(capsys, path):
     checkpoints = [c for c in config["trainer"]["callbacks"] if c["class_path"].endswith("ModelCheckpoint")]
     assert checkpoints and checkpoints[0]["init_args"]["every_n_train_steps"] > 0
     assert checkpoints[0]["init_args"]["save_top_k"] == -1 and "{step}" in checkpoints[0]["init_args"]["filename"]
+    # Validation lands after whole optimizer steps, and checkpoints after validations: Lightning counts
+    # `val_check_interval` in micro-batches, so it must be a multiple of the accumulation.
+    trainer = config["trainer"]
+    accumulation = trainer.get("accumulate_grad_batches") or 1
+    assert trainer["val_check_interval"] % accumulation == 0, trainer["val_check_interval"]
+    assert checkpoints[0]["init_args"]["every_n_train_steps"] % (trainer["val_check_interval"] // accumulation) == 0
 
 
 @pytest.mark.parametrize("path", OVERLAYS, ids=lambda p: str(p.relative_to(CONFIGS)))

@@ -137,8 +137,11 @@ def test_grpo_trains_with_the_colocated_engine(tmp_path):
 
 
 def test_grpo_with_lora_pushes_merged_weights_into_the_colocated_engine(tmp_path):
-    log_dir = _fit(tmp_path, "colocate_lora", *COLOCATE, "--config", str(CONFIGS / "peft" / "lora.yaml"))
+    lora = ("--config", str(CONFIGS / "peft" / "lora.yaml"), "--trainer.val_check_interval", "2")
+    log_dir = _fit(tmp_path, "colocate_lora", *COLOCATE, *lora)
     _check_run(log_dir)  # includes the engine-vs-trainer log-prob gap < 1e-4 on every step
+    # Validation through the engine with the adapter's merged weights, where asked.
+    assert [int(float(row["step"])) for row in read_metrics(log_dir) if row.get("val/reward")] == [2, 4]
 
 
 def test_no_push_when_the_policy_did_not_change(tmp_path):
@@ -302,6 +305,21 @@ def test_asynchronous_rollouts_with_the_server_engine_one_and_two_processes_and_
     assert rows[0]["train/rollout_logprob_diff/max"] < TOLERANCE
     assert all(row["train/rollout_logprob_diff/max"] > 10 * TOLERANCE for row in rows[1:])
     assert all(0.0 <= row["train/rollout_is_frac_corrected"] <= 1.0 for row in rows)
+    # Resumed from step 2 against the real server, validating through it at step 4: the generation that was in
+    # flight at the checkpoint comes from the checkpoint, the next one from the resumed step-3 weights.
+    resumed = _fit(
+        tmp_path,
+        "async_resumed",
+        *args,
+        "--trainer.val_check_interval",
+        "4",
+        "--ckpt_path",
+        str(single / "checkpoints" / "step=2.ckpt"),
+    )
+    assert [row["step"] for row in train_rows(resumed)] == [3, 4]
+    assert_rows_match(train_rows(resumed), rows, rel=1e-4, abs=1e-5)
+    (validation,) = [row for row in read_metrics(resumed) if row.get("val/reward")]
+    assert int(float(validation["step"])) == 4 and 0.0 <= float(validation["val/reward"]) <= 1.1
     ddp = ("--config", str(CONFIGS / "strategy" / "ddp.yaml"), "--model.micro_batch_size", "4")
     two = _fit(tmp_path, "async_ddp", *args, *ddp)
     assert saved_steps(two) == [2, 4]
