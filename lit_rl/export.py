@@ -12,6 +12,8 @@ to `out_dir/critic` (a one-label `AutoModelForTokenClassification`).
 from __future__ import annotations
 
 import argparse
+import pickle
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -30,7 +32,11 @@ CRITIC_PREFIX = "critic."
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """A Lightning checkpoint as a dict, consolidating DeepSpeed shards when `path` is a directory."""
+    """A Lightning checkpoint as a dict, consolidating DeepSpeed shards when `path` is a directory.
+
+    A `.ckpt` file is read with `weights_only=True`: tensors and plain containers, never code, whoever made it.
+    DeepSpeed's converter unpickles the shard files of a checkpoint directory itself: export only directories you
+    (or someone you trust) wrote."""
     if not path.exists():
         raise DataFileNotFound(f"checkpoint {path} does not exist")
     if path.is_dir():
@@ -39,23 +45,40 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         with tempfile.TemporaryDirectory() as tmp:
             consolidated = Path(tmp) / "consolidated.ckpt"
             convert_zero_checkpoint_to_fp32_state_dict(str(path), str(consolidated))
-            return torch.load(consolidated, map_location="cpu", weights_only=False)
-    return torch.load(path, map_location="cpu", weights_only=False)
+            return torch.load(consolidated, map_location="cpu", weights_only=True)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"unsupported GLOBAL (\S+)", str(err))
+        what = f" ({found.group(1)})" if found else ""
+        raise LitRLError(
+            f"checkpoint {path} holds objects other than tensors and plain containers{what}, which lit-rl does "
+            "not unpickle: it may run code"
+        ) from None
 
 
-def export_checkpoint(checkpoint_path: str | Path, out_dir: str | Path, adapter_only: bool = False) -> Path:
+def export_checkpoint(
+    checkpoint_path: str | Path, out_dir: str | Path, adapter_only: bool = False, trust_remote_code: bool = False
+) -> Path:
     """Write the policy of `checkpoint_path` to `out_dir` with `save_pretrained`, tokenizer included.
 
     A LoRA checkpoint (trained with `model.lora`) holds the adapter only: the frozen weights are loaded from its
     `model_name_or_path` (which must be unchanged since training), and `out_dir` gets the merged model, or with
     `adapter_only` the peft adapter (`PeftModel.from_pretrained(base, out_dir)`).
+
+    `trust_remote_code` is the caller's to give, never the checkpoint's: a checkpoint trained with it is refused
+    without it (its model's repository would run code).
     """
     checkpoint = load_checkpoint(Path(checkpoint_path))
     hparams = checkpoint.get("hyper_parameters") or {}
     name = hparams.get("model_name_or_path")
     if name is None:
         raise LitRLError(f"checkpoint {checkpoint_path} has no model_name_or_path in its hyper-parameters")
-    trust_remote_code = bool(hparams.get("trust_remote_code", False))
+    if hparams.get("trust_remote_code") and not trust_remote_code:
+        raise LitRLError(
+            f"checkpoint {checkpoint_path} was trained with trust_remote_code: loading its model {name!r} runs code "
+            "from the model's repository; pass --trust-remote-code if you trust it"
+        )
     policy_state = {
         key[len(POLICY_PREFIX) :]: value
         for key, value in checkpoint["state_dict"].items()
@@ -135,9 +158,16 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="for a LoRA checkpoint: write the peft adapter only (default: the model with the adapter merged in)",
     )
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow the model's own code from its repository (needed for a checkpoint trained with it)",
+    )
     args = parser.parse_args(argv)
     try:
-        out = export_checkpoint(args.checkpoint, args.out_dir, adapter_only=args.adapter)
+        out = export_checkpoint(
+            args.checkpoint, args.out_dir, adapter_only=args.adapter, trust_remote_code=args.trust_remote_code
+        )
     except LitRLError as err:
         sys.stderr.write(f"lit-rl export: error: {err}\n")
         sys.exit(1)
