@@ -1,6 +1,6 @@
 """The command line or the checkpoint, never silently (`lit_rl.resume_config`): what a run given `--ckpt_path` may
 change, what stops it, and that nothing in a checkpoint configures the run. The journey through the `lit-rl` script
-is in tests/integration/test_resume_config.py."""
+is in tests/integration/test_checkpoint_overrides.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """What lit-rl loads from files it did not make: a checkpoint given to `lit_rl.export` is read as tensors and
 plain containers only (a crafted one runs no code), and it cannot grant itself `trust_remote_code`. (A checkpoint
-given to `--ckpt_path` configures nothing: tests/integration/test_resume_config.py.)"""
+given to `--ckpt_path` configures nothing: tests/integration/test_checkpoint_overrides.py.)"""
 
 from __future__ import annotations
 
