@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,3 +55,218 @@ def test_a_checkpoint_cannot_grant_itself_remote_code(tmp_path):
         f"checkpoint {checkpoint} was trained with trust_remote_code: loading its model 'someone/model-with-code' "
         "runs code from the model's repository; pass --trust-remote-code if you trust it"
     )
+
+
+# -- the weight receiver: what the review did to it, on loopback --------------------------------------------------
+def _serve(receiver):
+    import threading
+
+    threading.Thread(target=receiver.serve_forever, daemon=True).start()
+    return receiver
+
+
+def _http(url: str, method: str, path: str, body: bytes = b"", headers: dict | None = None) -> int:
+    import http.client
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url)
+    connection = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=10)
+    try:
+        connection.putrequest(method, path)
+        for key, value in (headers or {}).items():
+            connection.putheader(key, value)
+        connection.endheaders()
+        if body:
+            connection.send(body)
+        return connection.getresponse().status
+    except (ConnectionError, OSError):
+        return -1  # the receiver closed the connection
+    finally:
+        connection.close()
+
+
+def _weights(directory):
+    directory.mkdir()
+    (directory / "model-00000.safetensors").write_bytes(b"trained weights" * 100)
+    return directory
+
+
+def test_a_committed_version_is_never_replaced_and_an_outsider_needs_the_token(tmp_path, monkeypatch):
+    """The attack: after the trainer committed `current`, a PUT and a commit of `current` by someone without the
+    token. With a token they are refused; without one (loopback) their commit gets a new name and the trainer's
+    committed files keep the trainer's bytes."""
+    import hashlib
+    import json
+
+    from lit_rl.rollout.weight_receiver import WeightReceiver, WeightUploader, sha256_of
+
+    evil = b"attacker weights"
+    digest = hashlib.sha256(evil).hexdigest()
+    commit = json.dumps({"files": {"model-00000.safetensors": digest}}).encode()
+    length = {"Content-Length": str(len(evil)), "X-Content-SHA256": digest}
+    local = _weights(tmp_path / "local")
+
+    guarded = _serve(WeightReceiver(tmp_path / "guarded", token="s3cret"))
+    monkeypatch.setenv("LIT_RL_RECEIVER_TOKEN", "s3cret")
+    trained = WeightUploader(guarded.url, timeout_s=5, max_retries=0).upload(local, "current")
+    assert _http(guarded.url, "PUT", "/files/current/model-00000.safetensors", evil, length) == 401
+    assert _http(guarded.url, "POST", "/commit/current", commit, {"Content-Length": str(len(commit))}) == 401
+    wrong = {"Authorization": "Bearer s3creT", "Content-Length": str(len(commit))}
+    assert _http(guarded.url, "POST", "/commit/current", commit, wrong) == 401
+    assert sha256_of(f"{trained}/model-00000.safetensors") == sha256_of(local / "model-00000.safetensors")
+    guarded.stop()
+
+    monkeypatch.delenv("LIT_RL_RECEIVER_TOKEN")
+    open_receiver = _serve(WeightReceiver(tmp_path / "open"))  # loopback without a token: anyone on this machine
+    trained = WeightUploader(open_receiver.url, timeout_s=5, max_retries=0).upload(local, "current")
+    assert _http(open_receiver.url, "PUT", "/files/current/model-00000.safetensors", evil, length) == 200
+    assert _http(open_receiver.url, "POST", "/commit/current", commit, {"Content-Length": str(len(commit))}) == 200
+    # The outsider's commit is a new name; the path the trainer was answered (and hands to the server's reload)
+    # never holds the outsider's bytes: at worst it is gone, and the reload fails in one line.
+    assert trained.endswith("current.1")
+    shard = Path(trained) / "model-00000.safetensors"
+    assert not shard.exists() or sha256_of(shard) == sha256_of(local / "model-00000.safetensors")
+    assert sha256_of(tmp_path / "open" / "current.2" / "model-00000.safetensors") == digest
+    open_receiver.stop()
+
+
+def test_a_receiver_on_another_interface_makes_a_token_when_given_none(tmp_path, monkeypatch):
+    from lit_rl.rollout.weight_receiver import WeightReceiver
+
+    monkeypatch.delenv("LIT_RL_RECEIVER_TOKEN", raising=False)
+    receiver = WeightReceiver(tmp_path / "w", host="0.0.0.0")
+    try:
+        assert receiver.generated_token and len(receiver.generated_token) >= 32
+        assert not receiver.authorized(None) and receiver.authorized(f"Bearer {receiver.generated_token}")
+    finally:
+        receiver.server.server_close()
+    loopback = WeightReceiver(tmp_path / "l")
+    assert loopback.generated_token is None and loopback.authorized(None)
+    loopback.server.server_close()
+
+
+def test_bad_lengths_and_bodies_are_refused_before_anything_is_read(tmp_path):
+    from lit_rl.rollout.weight_receiver import WeightReceiver
+
+    receiver = _serve(WeightReceiver(tmp_path / "w", max_file_bytes=1000, max_total_bytes=5000))
+    try:
+        put = "/files/v1/model-00000.safetensors"
+        assert _http(receiver.url, "POST", "/commit/v1", b"x" * 100, {"Content-Length": "-1"}) == 413
+        assert _http(receiver.url, "POST", "/commit/v1", b"", {"Content-Length": str(2 << 20)}) == 413
+        assert _http(receiver.url, "PUT", put, b"", {"Content-Length": "-5", "X-Content-SHA256": "0"}) == 413
+        assert _http(receiver.url, "PUT", put, b"", {"Content-Length": "1001", "X-Content-SHA256": "0"}) == 413
+        assert _http(receiver.url, "PUT", put, b"", {"X-Content-SHA256": "0"}) == 411
+        bad_commit = b'{"files": ["not", "a", "map"]}'
+        assert _http(receiver.url, "POST", "/commit/v1", bad_commit, {"Content-Length": str(len(bad_commit))}) == 400
+        (tmp_path / "w" / "filler").write_bytes(b"0" * 4500)  # the quota: 4500 of 5000 bytes used
+        assert _http(receiver.url, "PUT", put, b"", {"Content-Length": "600", "X-Content-SHA256": "0"}) == 507
+    finally:
+        receiver.stop()
+
+
+def test_stalled_connections_are_dropped_with_their_partial_files_and_capped(tmp_path, monkeypatch):
+    import socket
+    import time
+
+    import lit_rl.rollout.weight_receiver as module
+
+    monkeypatch.setattr(module, "MAX_CONNECTIONS", 3)
+    receiver = module.WeightReceiver(tmp_path / "w")
+    receiver.server.RequestHandlerClass.timeout = 1.0
+    _serve(receiver)
+    host, port = receiver.server.server_address[:2]
+    stalled = []
+    try:
+        for _ in range(3):  # each sends its headers and 10 of 1000 bytes, then nothing
+            client = socket.create_connection((host, port))
+            client.sendall(
+                b"PUT /files/v1/model-00000.safetensors HTTP/1.1\r\nContent-Length: 1000\r\n"
+                b"X-Content-SHA256: 00\r\n\r\n" + b"x" * 10
+            )
+            stalled.append(client)
+        time.sleep(0.3)
+        assert _http(receiver.url, "DELETE", "/files/v9") == 503  # a fourth connection, while 3 are held
+        deadline = time.monotonic() + 10
+        while list((tmp_path / "w").glob(".incoming-v1/*.part")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not list((tmp_path / "w").glob(".incoming-v1/*.part"))  # dropped after the timeout, files removed
+        assert _http(receiver.url, "DELETE", "/files/v9") == 200  # the slots are free again
+    finally:
+        for client in stalled:
+            client.close()
+        receiver.stop()
+
+
+def test_links_never_lead_writes_out_of_the_receivers_directory(tmp_path):
+    import hashlib
+
+    from lit_rl.errors import LitRLError
+    from lit_rl.rollout.weight_receiver import WeightReceiver
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    root = tmp_path / "w"
+    root.mkdir(mode=0o700)
+    (root / ".incoming-v1").symlink_to(outside)  # a staging folder that points elsewhere
+    receiver = _serve(WeightReceiver(root))
+    try:
+        data = b"ssh-ed25519 AAAA attacker"
+        headers = {"Content-Length": str(len(data)), "X-Content-SHA256": hashlib.sha256(data).hexdigest()}
+        assert _http(receiver.url, "PUT", "/files/v1/authorized_keys", data, headers) == 400
+        assert list(outside.iterdir()) == []
+    finally:
+        receiver.stop()
+    (tmp_path / "link").symlink_to(outside)
+    with pytest.raises(LitRLError, match="is a symbolic link"):
+        WeightReceiver(tmp_path / "link")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(LitRLError, match="writable by others"):
+        WeightReceiver(shared)
+
+
+def test_the_uploader_follows_no_redirect_so_the_token_stays_home(tmp_path, monkeypatch):
+    """A receiver address that answers 302 to another host: the upload stops there, and the other host never
+    sees a request (let alone the bearer token)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from lit_rl.rollout.weight_receiver import WeightTransferError, WeightUploader
+
+    seen = []
+
+    class Elsewhere(BaseHTTPRequestHandler):
+        def do_PUT(self):
+            seen.append(self.headers.get("Authorization"))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    elsewhere = ThreadingHTTPServer(("127.0.0.1", 0), Elsewhere)
+
+    class Redirecting(BaseHTTPRequestHandler):
+        def do_PUT(self):
+            self.send_response(307)
+            self.send_header("Location", f"http://127.0.0.1:{elsewhere.server_port}{self.path}")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    redirecting = ThreadingHTTPServer(("127.0.0.1", 0), Redirecting)
+    for server in (elsewhere, redirecting):
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("LIT_RL_RECEIVER_TOKEN", "s3cret")
+    try:
+        uploader = WeightUploader(f"http://127.0.0.1:{redirecting.server_port}", timeout_s=5, max_retries=2)
+        with pytest.raises(WeightTransferError, match="HTTP 307"):
+            uploader.upload(_weights(tmp_path / "local"), "current")
+    finally:
+        for server in (elsewhere, redirecting):
+            server.shutdown()
+            server.server_close()
+    assert seen == []

@@ -168,7 +168,7 @@ def test_servers_sharing_a_receiver_get_one_upload_and_each_reloads_from_it(fake
     finally:
         receiver.stop()
     assert uploads == ["current"]
-    stored = str(tmp_path / "received" / "current")
+    stored = str(tmp_path / "received" / "current.1")
     for server in (a, b):
         assert _paths(server, "/collective_rpc")[0]["kwargs"]["weights_path"] == stored
 

@@ -31,12 +31,12 @@ def test_an_upload_is_checked_and_committed_as_one_directory(receiver, tmp_path)
     (local / "model-00000.safetensors").write_bytes(b"first shard" * 1000)
     (local / "model-00001.safetensors").write_bytes(b"second")
     path = WeightUploader(receiver.url, timeout_s=5, max_retries=0).upload(local, "v3")
-    assert path == str((tmp_path / "received" / "v3").resolve())
+    assert path == str((tmp_path / "received" / "v3.1").resolve())  # each commit a new name
     for name in ("model-00000.safetensors", "model-00001.safetensors"):
         assert sha256_of(f"{path}/{name}") == sha256_of(local / name)
     assert not (tmp_path / "received" / ".incoming-v3").exists()
     WeightUploader(receiver.url, timeout_s=5, max_retries=0).delete("v3")
-    assert not (tmp_path / "received" / "v3").exists()
+    assert not (tmp_path / "received" / "v3.1").exists()
 
 
 def test_damaged_incomplete_or_escaping_uploads_are_refused(receiver, tmp_path):
@@ -61,7 +61,7 @@ def test_damaged_incomplete_or_escaping_uploads_are_refused(receiver, tmp_path):
     uploader = WeightUploader(receiver.url, timeout_s=5, max_retries=0)
     with pytest.raises(WeightTransferError, match="POST /commit/v1 failed: HTTP 409"):
         uploader._request("POST", "/commit/v1", b'{"files": {"a.safetensors": "0", "b.safetensors": "0"}}', {})
-    assert not (tmp_path / "received" / "v1").exists()
+    assert not list((tmp_path / "received").glob("v1*"))
 
 
 def test_a_token_is_required_when_the_receiver_has_one(tmp_path, monkeypatch):
@@ -75,7 +75,7 @@ def test_a_token_is_required_when_the_receiver_has_one(tmp_path, monkeypatch):
         with pytest.raises(WeightTransferError, match="HTTP 401"):
             WeightUploader(server.url, timeout_s=5, max_retries=0).upload(local, "v1")
         monkeypatch.setenv("LIT_RL_RECEIVER_TOKEN", "s3cret")
-        assert WeightUploader(server.url, timeout_s=5, max_retries=0).upload(local, "v1").endswith("v1")
+        assert WeightUploader(server.url, timeout_s=5, max_retries=0).upload(local, "v1").endswith("v1.1")
     finally:
         server.stop()
 
@@ -94,7 +94,7 @@ def test_the_engine_uploads_then_reloads_the_committed_copy_and_a_dead_receiver_
     engine.update_weights([("model.embed_tokens.weight", weights)])
     rpc = [body for _, path, body in server.requests if path == "/collective_rpc"][-1]
     reloaded = rpc["kwargs"]["weights_path"]
-    assert reloaded == str((tmp_path / "received" / "current").resolve())
+    assert reloaded == str((tmp_path / "received" / "current.1").resolve())
     assert torch.equal(load_file(f"{reloaded}/model-00000.safetensors")["model.embed_tokens.weight"], weights)
     engine.close()
 
@@ -132,8 +132,8 @@ def test_staged_versions_for_asynchronous_rollouts_go_through_the_receiver(fake_
         assert out.completion_ids.shape[0] == 1
     reloads = [body["kwargs"]["weights_path"] for _, path, body in server.requests if path == "/collective_rpc"]
     received = tmp_path / "received"
-    assert reloads == [str((received / "v1").resolve()), str((received / "v2").resolve())]
-    assert not (received / "v1").exists() and (received / "v2").exists()
+    assert reloads == [str((received / "v1.1").resolve()), str((received / "v2.1").resolve())]
+    assert not (received / "v1.1").exists() and (received / "v2.1").exists()
     engine.close()
 
 
@@ -150,7 +150,9 @@ def test_the_commit_trusts_digests_checked_on_arrival_and_hashes_again_after_a_r
     threading.Thread(target=first.serve_forever, daemon=True).start()
     uploader = WeightUploader(first.url, timeout_s=5, max_retries=0)
     stored = uploader.upload(source, "v1")
-    assert sorted(p.name for p in (tmp_path / "received" / "v1").iterdir()) == sorted(p.name for p in source.iterdir())
+    assert sorted(p.name for p in (tmp_path / "received" / "v1.1").iterdir()) == sorted(
+        p.name for p in source.iterdir()
+    )
     assert first.verified == {}  # every record was used by the commit
     for path in source.iterdir():
         headers = {"X-Content-SHA256": sha256_of(path), "Content-Length": str(path.stat().st_size)}
@@ -166,4 +168,4 @@ def test_the_commit_trusts_digests_checked_on_arrival_and_hashes_again_after_a_r
             again._request("POST", "/commit/v2", json.dumps({"files": digests}).encode(), {})
     finally:
         restarted.stop()
-    assert stored.endswith("v1") and not (tmp_path / "received" / "v2").exists()
+    assert stored.endswith("v1.1") and not list((tmp_path / "received").glob("v2*"))

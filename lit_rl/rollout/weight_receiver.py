@@ -11,24 +11,39 @@ An upload of version `tag` sends each file with `PUT /files/<tag>/<name>` and it
 into a staging directory (up to 4 files at once); the receiver checks every file's digest as it arrives.
 `POST /commit/<tag>` with the expected `{name: sha256}` then checks the set is complete, with the digests checked
 on arrival (it hashes again only a file it has no record of, after a restart), and moves the staging directory to
-`<dir>/<tag>` in one rename, and answers that path, which the trainer hands to the server's reload. A transfer
-that fails (a timeout, a digest that does not match, a lost connection) never reaches the commit: the server keeps
-serving the weights it has, and the trainer stops with one line naming the URL. `DELETE /files/<tag>` removes an
-old version.
+`<dir>/<tag>.<n>` in one rename (a new name for every commit: a committed version is never written again, so
+the path answered holds the trainer's bytes until the trainer's next commit of that tag replaces it), and answers
+that path, which the trainer hands to the server's reload. A transfer that fails (a timeout, a digest that does not
+match, a lost connection) never reaches the commit: the server keeps serving the weights it has, and the trainer
+stops with one line naming the URL. `DELETE /files/<tag>` removes a tag's versions.
 
-The receiver binds to 127.0.0.1 unless told otherwise (`--host`); set `LIT_RL_RECEIVER_TOKEN` on both sides to require
-`Authorization: Bearer <token>`. Names are checked: nothing is written outside `--dir`.
+Who may write: the receiver binds to 127.0.0.1 unless told otherwise (`--host`). Bound to any other address it
+requires `Authorization: Bearer <token>` (`LIT_RL_RECEIVER_TOKEN`, set on both sides; without one it makes one and
+prints it once), compared in constant time. The token travels in clear HTTP: across machines, use a private
+network or a tunnel. The uploader follows no redirect (one would carry the token elsewhere).
+
+What it bounds: a file's `Content-Length` (`--max-file-gib`), the bytes under `--dir` (`--max-total-gib`), a commit's
+body, connections at once (`MAX_CONNECTIONS`; more are answered 503) and the time a connection may stall
+(`REQUEST_TIMEOUT_S`). `--dir` is created private (0700), must belong to this user, and nothing under it may be a
+symbolic link; names are checked, so nothing is written outside it. Staging folders left by uploads that never
+committed are removed after `STALE_STAGING_S`.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import hmac
+import ipaddress
 import json
 import os
 import re
+import secrets
 import shutil
+import stat
+import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -43,6 +58,11 @@ TOKEN_ENV = "LIT_RL_RECEIVER_TOKEN"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _CHUNK = 1 << 20
 UPLOAD_STREAMS = 4  # files sent at once
+GIB = 1 << 30
+MAX_COMMIT_BYTES = 1 << 20  # a commit names files and digests: kilobytes
+MAX_CONNECTIONS = 16  # handled at once; the trainer uses UPLOAD_STREAMS
+REQUEST_TIMEOUT_S = 60.0  # a connection that sends nothing for this long is dropped, its partial file removed
+STALE_STAGING_S = 3600.0  # a staging folder untouched this long belongs to an upload that will not commit
 
 
 class WeightTransferError(LitRLError):
@@ -59,15 +79,30 @@ def sha256_of(path: str | Path) -> str:
 
 # -- the receiver, beside the server ------------------------------------------------------------------------------
 class WeightReceiver:
-    """Serves uploads into `root` on `host:port` (0: a free port) until `stop`."""
+    """Serves uploads into `root` on `host:port` (0: a free port) until `stop`; the module docstring says what it
+    checks and bounds. `token` None reads `LIT_RL_RECEIVER_TOKEN`; bound to a non-loopback address without one, it
+    makes one (`generated_token`, to be shown to the user once)."""
 
-    def __init__(self, root: str | Path, host: str = "127.0.0.1", port: int = 0, token: Optional[str] = None) -> None:
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+    def __init__(
+        self,
+        root: str | Path,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: Optional[str] = None,
+        max_file_bytes: int = 64 * GIB,
+        max_total_bytes: int = 256 * GIB,
+    ) -> None:
+        self.root = private_directory(Path(root))
         self.token = token if token is not None else os.environ.get(TOKEN_ENV)
-        self.server = ThreadingHTTPServer((host, port), _handler(self))
+        self.generated_token: Optional[str] = None
+        if not self.token and not is_loopback(host):
+            self.token = self.generated_token = secrets.token_urlsafe(32)
+        self.max_file_bytes, self.max_total_bytes = max_file_bytes, max_total_bytes
+        self.server = _BoundedServer((host, port), _handler(self))
         self.url = f"http://{host}:{self.server.server_port}"
         self.verified: dict[Path, str] = {}  # staged file -> the SHA-256 checked as it arrived (commit trusts it)
+        self.commit_lock = threading.Lock()  # commits and deletes move directories: one at a time
+        remove_stale_staging(self.root)
 
     def serve_forever(self) -> None:
         self.server.serve_forever()
@@ -79,9 +114,94 @@ class WeightReceiver:
     def staging(self, tag: str) -> Path:
         return self.root / f".incoming-{tag}"
 
+    def authorized(self, header: Optional[str]) -> bool:
+        if not self.token:
+            return True
+        return hmac.compare_digest((header or "").encode(), f"Bearer {self.token}".encode())
+
+    def bytes_stored(self) -> int:
+        return sum(p.lstat().st_size for p in self.root.rglob("*") if p.is_file() and not p.is_symlink())
+
+    def versions(self, tag: str) -> list[Path]:
+        """The committed directories of `tag`, oldest first."""
+        found = [(int(m.group(1)), p) for p in self.root.iterdir() if (m := _version_of(tag).match(p.name))]
+        return [path for _, path in sorted(found)]
+
+
+def _version_of(tag: str) -> re.Pattern[str]:
+    return re.compile(rf"^{re.escape(tag)}\.(\d+)$")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` serves this machine only (`""` binds every interface)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def private_directory(root: Path) -> Path:
+    """`root`, created 0700 if it does not exist; refused (one line) when it is a symbolic link, belongs to another
+    user, or others may write into it."""
+    if root.is_symlink():
+        raise LitRLError(f"weight receiver directory {root} is a symbolic link: give the directory itself")
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = root.lstat()
+    if info.st_uid != os.getuid():
+        raise LitRLError(f"weight receiver directory {root} belongs to another user (uid {info.st_uid})")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise LitRLError(f"weight receiver directory {root} is writable by others: chmod 700 it")
+    return root
+
+
+def remove_stale_staging(root: Path, older_than_s: float = STALE_STAGING_S) -> None:
+    now = time.time()
+    for path in root.glob(".incoming-*"):
+        if path.is_dir() and not path.is_symlink() and now - path.lstat().st_mtime > older_than_s:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _no_links_under(path: Path, root: Path) -> bool:
+    """Whether `path` and every directory between it and `root` is a real directory or file, no symbolic link."""
+    current = path
+    while current != root:
+        if current.is_symlink():
+            return False
+        current = current.parent
+    return True
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """A thread per connection, at most MAX_CONNECTIONS at once: more are answered 503 at once."""
+
+    daemon_threads = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            try:
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            finally:
+                self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
 
 def _handler(receiver: WeightReceiver) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        timeout = REQUEST_TIMEOUT_S  # the socket's: a stalled read raises, and the request's partial file goes
+
         def _reply(self, status: int, body: dict[str, Any]) -> None:
             data = json.dumps(body).encode()
             self.send_response(status)
@@ -93,7 +213,7 @@ def _handler(receiver: WeightReceiver) -> type[BaseHTTPRequestHandler]:
         def _route(self, prefix: str) -> Optional[list[str]]:
             """The path's names after `prefix` when the request may proceed (token, names checked), else None
             (and the error is sent)."""
-            if receiver.token and self.headers.get("Authorization") != f"Bearer {receiver.token}":
+            if not receiver.authorized(self.headers.get("Authorization")):
                 self._reply(401, {"error": "missing or wrong token"})
                 return None
             if not self.path.startswith(prefix):
@@ -105,6 +225,18 @@ def _handler(receiver: WeightReceiver) -> type[BaseHTTPRequestHandler]:
                 return None
             return names
 
+        def _length(self, limit: int) -> Optional[int]:
+            """The request's Content-Length when 0 <= n <= limit, else None (and the error is sent)."""
+            try:
+                length = int(self.headers.get("Content-Length", ""))
+            except ValueError:
+                self._reply(411, {"error": "a Content-Length is required"})
+                return None
+            if not 0 <= length <= limit:
+                self._reply(413, {"error": f"Content-Length {length} is outside 0..{limit}"})
+                return None
+            return length
+
         def do_PUT(self) -> None:
             names = self._route("/files/")
             if names is None:
@@ -113,10 +245,18 @@ def _handler(receiver: WeightReceiver) -> type[BaseHTTPRequestHandler]:
                 self._reply(404, {"error": "PUT /files/<tag>/<name>"})
                 return
             tag, name = names
+            remaining = self._length(receiver.max_file_bytes)
+            if remaining is None:
+                return
+            if receiver.bytes_stored() + remaining > receiver.max_total_bytes:
+                self._reply(507, {"error": f"{name}: the receiver's {receiver.max_total_bytes} bytes are used"})
+                return
             expected = self.headers.get("X-Content-SHA256", "")
-            remaining = int(self.headers.get("Content-Length", "0"))
             staging = receiver.staging(tag)
-            staging.mkdir(parents=True, exist_ok=True)
+            staging.mkdir(mode=0o700, exist_ok=True)
+            if not _no_links_under(staging, receiver.root):
+                self._reply(400, {"error": f"{staging.name} is not a directory of the receiver's own"})
+                return
             digest = hashlib.sha256()
             # Its own partial file: a retried PUT of the same name may overlap this one.
             handle, partial_name = tempfile.mkstemp(dir=staging, prefix=f".{name}.", suffix=".part")
@@ -130,12 +270,16 @@ def _handler(receiver: WeightReceiver) -> type[BaseHTTPRequestHandler]:
                         digest.update(chunk)
                         handle.write(chunk)
                         remaining -= len(chunk)
-            except OSError:  # the connection broke: leave nothing behind
+            except OSError:  # the connection broke or stalled past the timeout: leave nothing behind
                 partial.unlink(missing_ok=True)
                 raise
-            if remaining > 0 or digest.hexdigest() != expected:
+            if remaining > 0 or not hmac.compare_digest(digest.hexdigest(), expected):
                 partial.unlink(missing_ok=True)
                 self._reply(400, {"error": f"{name}: the bytes received do not match their SHA-256"})
+                return
+            if (staging / name).is_symlink():
+                partial.unlink(missing_ok=True)
+                self._reply(400, {"error": f"{name} is a symbolic link in the staging folder"})
                 return
             os.replace(partial, staging / name)
             receiver.verified[staging / name] = expected
@@ -149,27 +293,49 @@ def _handler(receiver: WeightReceiver) -> type[BaseHTTPRequestHandler]:
             if tag is None:
                 self._reply(404, {"error": "POST /commit/<tag>"})
                 return
-            expected = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")["files"]
-            staging = receiver.staging(tag)
-            files = staging.iterdir() if staging.is_dir() else ()
-            present = {p.name for p in files if not p.name.endswith(".part")}  # not a PUT still (or never) arriving
-            digests = {n: receiver.verified.pop(staging / n, None) or sha256_of(staging / n) for n in present}
-            if present != set(expected) or any(digests[n] != h for n, h in expected.items()):
-                self._reply(409, {"error": f"version {tag} is incomplete or differs: {sorted(present)}"})
+            length = self._length(MAX_COMMIT_BYTES)
+            if length is None:
                 return
-            target = receiver.root / tag
-            shutil.rmtree(target, ignore_errors=True)
-            os.rename(staging, target)
+            try:
+                expected = json.loads(self.rfile.read(length) or b"{}")["files"]
+                assert isinstance(expected, dict) and all(isinstance(v, str) for v in expected.values())
+            except (ValueError, KeyError, TypeError, AssertionError):
+                self._reply(400, {"error": 'a commit is {"files": {name: sha256}}'})
+                return
+            with receiver.commit_lock:
+                staging = receiver.staging(tag)
+                if staging.is_symlink() or not staging.is_dir():
+                    self._reply(409, {"error": f"version {tag} has no files"})
+                    return
+                files = [p for p in staging.iterdir() if not p.name.endswith(".part")]  # not a PUT still arriving
+                if any(p.is_symlink() or not p.is_file() for p in files):
+                    self._reply(409, {"error": f"version {tag} holds something other than files"})
+                    return
+                present = {p.name for p in files}
+                digests = {n: receiver.verified.pop(staging / n, None) or sha256_of(staging / n) for n in present}
+                if present != set(expected) or any(digests[n] != h for n, h in expected.items()):
+                    self._reply(409, {"error": f"version {tag} is incomplete or differs: {sorted(present)}"})
+                    return
+                earlier = receiver.versions(tag)
+                number = 1 + max([int(_version_of(tag).match(p.name).group(1)) for p in earlier], default=0)
+                target = receiver.root / f"{tag}.{number}"  # a new name: nothing committed is written again
+                os.rename(staging, target)
+                for old in earlier:  # superseded: the trainer reloads from the path answered to its last commit
+                    shutil.rmtree(old, ignore_errors=True)
             self._reply(200, {"path": str(target.resolve())})
 
         def do_DELETE(self) -> None:
             names = self._route("/files/")
             if names is None:
                 return
-            for directory in (receiver.root / names[0], receiver.staging(names[0])):
-                shutil.rmtree(directory, ignore_errors=True)
-            for path in [p for p in list(receiver.verified) if p.parent == receiver.staging(names[0])]:
-                receiver.verified.pop(path, None)
+            with receiver.commit_lock:
+                for directory in (*receiver.versions(names[0]), receiver.staging(names[0])):
+                    if directory.is_symlink():
+                        directory.unlink()
+                    else:
+                        shutil.rmtree(directory, ignore_errors=True)
+                for path in [p for p in list(receiver.verified) if p.parent == receiver.staging(names[0])]:
+                    receiver.verified.pop(path, None)
             self._reply(200, {"deleted": names[0]})
 
         def log_message(self, *args: Any) -> None:
@@ -187,7 +353,8 @@ class WeightUploader:
         self.url, self.timeout_s, self.max_retries = url.rstrip("/"), timeout_s, max_retries
         token = os.environ.get(TOKEN_ENV)
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        # No proxy from the environment, and no redirect: one would send the token to another host.
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
 
     def upload(self, directory: str | Path, tag: str) -> str:
         """Send every file of `directory` as version `tag` (up to `UPLOAD_STREAMS` at once: hashing and sending
@@ -222,8 +389,8 @@ class WeightUploader:
                     return json.loads(response.read() or b"{}")
             except urllib.error.HTTPError as err:
                 problem = f"HTTP {err.code}: {_error_text(err)}"
-                if err.code in (401, 404, 409):
-                    break  # refused as asked: retrying would not change it
+                if err.code in (401, 404, 409, 413) or 300 <= err.code < 400:
+                    break  # refused, or sent elsewhere: retrying would not change it
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as err:
                 reason = getattr(err, "reason", err)
                 problem = "timed out" if "timed out" in str(reason) else f"unreachable ({reason})"
@@ -234,6 +401,13 @@ class WeightUploader:
             f"weight upload to {self.url}: {method} {path} failed: {problem} (timeout {self.timeout_s:g} s); "
             "the server keeps the weights it had"
         )
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Refuse every redirect: the caller gets the 3xx as an HTTPError."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
 
 
 def _error_text(err: urllib.error.HTTPError) -> str:
@@ -248,9 +422,26 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--dir", required=True, help="where versions are stored (the server reloads from here)")
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine)")
     parser.add_argument("--port", type=int, default=8010)
+    parser.add_argument("--max-file-gib", type=float, default=64.0, help="the largest file accepted (GiB)")
+    parser.add_argument("--max-total-gib", type=float, default=256.0, help="the most bytes kept under --dir (GiB)")
     args = parser.parse_args(argv)
-    receiver = WeightReceiver(args.dir, args.host, args.port)
+    try:
+        receiver = WeightReceiver(
+            args.dir,
+            args.host,
+            args.port,
+            max_file_bytes=int(args.max_file_gib * GIB),
+            max_total_bytes=int(args.max_total_gib * GIB),
+        )
+    except LitRLError as err:
+        sys.stderr.write(f"lit-rl weight receiver: error: {err}\n")
+        sys.exit(1)
     print(f"lit-rl weight receiver on {receiver.url}, storing in {receiver.root}", flush=True)
+    if receiver.generated_token:
+        print(
+            f"it accepts uploads with this token only; on the trainer: export {TOKEN_ENV}={receiver.generated_token}",
+            flush=True,
+        )
     try:
         receiver.serve_forever()
     except KeyboardInterrupt:
