@@ -270,3 +270,121 @@ def test_the_uploader_follows_no_redirect_so_the_token_stays_home(tmp_path, monk
             server.shutdown()
             server.server_close()
     assert seen == []
+
+
+# -- clients: answers of bounded size and time ----------------------------------------------------------------------
+def _misbehaving_server(answer):
+    """A one-thread HTTP server on loopback that reads a request and then runs `answer(socket)`; its URL."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+
+    def serve():
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            with client:
+                client.settimeout(10)
+                request = b""
+                while b"\r\n\r\n" not in request:
+                    request += client.recv(65536)
+                head, _, body = request.partition(b"\r\n\r\n")
+                length = next(
+                    (
+                        int(line.split(b":")[1])
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length")
+                    ),
+                    0,
+                )
+                while len(body) < length:
+                    body += client.recv(65536)
+                try:
+                    answer(client)
+                except OSError:
+                    pass
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}/score", listener
+
+
+def test_a_reward_server_cannot_flood_drip_or_truncate_its_answer_past_the_limits():
+    import time
+
+    from lit_rl.errors import RewardFunctionError
+    from lit_rl.rewards.http import MAX_ANSWER_BYTES, HTTPReward
+
+    def flood(client):
+        client.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n")
+        chunk = b" " * (1 << 20)
+        for _ in range((MAX_ANSWER_BYTES >> 20) + 8):  # past the limit, without a Content-Length
+            client.sendall(chunk)
+
+    def drip(client):
+        client.sendall(b'HTTP/1.1 200 OK\r\nContent-Length: 20\r\n\r\n{"rewards"')
+        for _ in range(40):  # a byte every 0.2 s: each read within the socket timeout, the whole far past it
+            time.sleep(0.2)
+            client.sendall(b" ")
+
+    def truncate(client):
+        client.sendall(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"rewards": [1.0')
+
+    for answer, expected, most_s in (
+        (flood, "answered too much", 30),
+        (drip, "timed out", 4),
+        (truncate, r"answered less than it announced \(the connection closed\) after 2 tries", 10),
+    ):
+        url, listener = _misbehaving_server(answer)
+        reward = HTTPReward(url, timeout_s=1.0, max_retries=1)
+        started = time.monotonic()
+        with pytest.raises(RewardFunctionError, match=expected):
+            reward(["1+1="], ["2"])
+        assert time.monotonic() - started < most_s, answer.__name__
+        listener.close()
+
+
+def test_the_vllm_client_sends_the_api_key_and_follows_no_redirect(monkeypatch):
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from lit_rl.rollout.server_client import RolloutServerError, VLLMServerClient
+
+    seen = []
+
+    class Server(BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append((self.path, self.headers.get("Authorization")))
+            if self.path == "/moved":
+                self.send_response(302)
+                self.send_header("Location", "http://127.0.0.1:9/elsewhere")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            data = json.dumps({"ok": True}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Server)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("VLLM_API_KEY", "k3y")
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # ignored: the client talks to the server itself
+    try:
+        client = VLLMServerClient(f"http://127.0.0.1:{server.server_port}", timeout_s=5, max_retries=0)
+        assert client.request("GET", "/health") == {"ok": True}
+        with pytest.raises(RolloutServerError, match="HTTP 302"):
+            client.request("GET", "/moved")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert seen == [("/health", "Bearer k3y"), ("/moved", "Bearer k3y")]

@@ -10,14 +10,16 @@ Each call POSTs JSON batches of at most `batch_size` completions,
 and expects `{"rewards": [one number or null per completion]}` back. Batches are sent concurrently (up to
 `max_concurrency`), each with a time limit and up to `max_retries` retries (on a connection error, a timeout or a 5xx
 status, waiting 0.5 s, 1 s, ... between tries). When a batch still fails, the run stops with one line naming the URL
-(`RewardFunctionError`). Only the URLs a config names are contacted: no proxy from the environment, no redirects;
-nothing binds a port.
+(`RewardFunctionError`). The time limit is for the whole answer, which may be at most 64 MiB; an answer cut short
+is retried. Only the URLs a config names are contacted: no proxy from the environment, no redirects
+(`lit_rl.net`); nothing binds a port.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import http.client
 import json
 import time
 import urllib.error
@@ -26,15 +28,9 @@ import urllib.request
 from typing import Any, Sequence
 
 from lit_rl.errors import RewardFunctionError
+from lit_rl.net import DIRECT, AnswerTooLarge, read_answer
 
-
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, *args, **kwargs):  # the completions go to the URL the config names, nowhere else
-        return None
-
-
-# No proxy from the environment (`http_proxy` would receive the completions) and no redirects.
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
+MAX_ANSWER_BYTES = 64 << 20  # a number per completion: kilobytes; a server answering more is refused
 
 
 def is_url(path: str) -> bool:
@@ -93,9 +89,16 @@ class HTTPReward:
             request = urllib.request.Request(
                 self.url, data=body, headers={"Content-Type": "application/json"}, method="POST"
             )
+            deadline = time.monotonic() + self.timeout_s  # for the whole answer, however slowly it comes
             try:
-                with _OPENER.open(request, timeout=self.timeout_s) as response:
-                    answer = json.loads(response.read())
+                with DIRECT.open(request, timeout=self.timeout_s) as response:
+                    answer = json.loads(read_answer(response, MAX_ANSWER_BYTES, deadline))
+            except AnswerTooLarge as err:
+                problem = f"answered too much ({err})"
+                break
+            except http.client.IncompleteRead:
+                problem = "answered less than it announced (the connection closed)"
+                continue
             except urllib.error.HTTPError as err:
                 problem = f"HTTP {err.code}"
                 if err.code < 500:

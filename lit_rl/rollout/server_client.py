@@ -18,6 +18,7 @@ import urllib.request
 from typing import Any, Callable, Optional, Sequence
 
 from lit_rl.errors import LitRLError
+from lit_rl.net import DIRECT, AnswerTooLarge, read_answer
 from lit_rl.rollout.config import VLLM_TRANSFER_BACKENDS
 
 
@@ -123,6 +124,11 @@ class RolloutServerError(LitRLError):
     """The vLLM server could not be reached or answered with an error."""
 
 
+# vLLM's own variable for `--api-key`: set where the trainer runs, it is sent as a bearer token to every server.
+API_KEY_ENV = "VLLM_API_KEY"
+MAX_ANSWER_BYTES = 1 << 30  # completions with their log-probs: tens of MB for a large batch
+
+
 class ServerDownError(RolloutServerError):
     """The server did not answer: no connection, timeouts or 5xx answers, after every retry."""
 
@@ -156,10 +162,16 @@ class VLLMServerClient:
 
     def _once(self, method: str, url: str, body: Optional[dict], timeout_s: Optional[float] = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if os.environ.get(API_KEY_ENV):  # a server started with --api-key, or an authenticating proxy before it
+            headers["Authorization"] = f"Bearer {os.environ[API_KEY_ENV]}"
+        request = urllib.request.Request(url, data=data, method=method, headers=headers)
+        limit_s = min(timeout_s or self.timeout_s, self.timeout_s)
         try:
-            with urllib.request.urlopen(request, timeout=min(timeout_s or self.timeout_s, self.timeout_s)) as response:
-                payload = response.read()
+            with DIRECT.open(request, timeout=limit_s) as response:
+                payload = read_answer(response, MAX_ANSWER_BYTES, time.monotonic() + limit_s)
+        except AnswerTooLarge as err:
+            raise RolloutServerError(f"vLLM server {url}: {err}") from None
         except urllib.error.HTTPError as err:
             message = _error_message(err)
             if err.code >= 500:

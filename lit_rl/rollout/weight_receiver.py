@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import hmac
+import http.client
 import ipaddress
 import json
 import os
@@ -53,6 +54,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lit_rl.errors import LitRLError
+from lit_rl.net import DIRECT, AnswerTooLarge, read_answer
 
 TOKEN_ENV = "LIT_RL_RECEIVER_TOKEN"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -353,8 +355,8 @@ class WeightUploader:
         self.url, self.timeout_s, self.max_retries = url.rstrip("/"), timeout_s, max_retries
         token = os.environ.get(TOKEN_ENV)
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
-        # No proxy from the environment, and no redirect: one would send the token to another host.
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
+        # No proxy from the environment, and no redirect: one would send the token to another host (`lit_rl.net`).
+        self._opener = DIRECT
 
     def upload(self, directory: str | Path, tag: str) -> str:
         """Send every file of `directory` as version `tag` (up to `UPLOAD_STREAMS` at once: hashing and sending
@@ -386,12 +388,17 @@ class WeightUploader:
             )
             try:
                 with self._opener.open(request, timeout=self.timeout_s) as response:
-                    return json.loads(response.read() or b"{}")
+                    return json.loads(
+                        read_answer(response, MAX_COMMIT_BYTES, time.monotonic() + self.timeout_s) or b"{}"
+                    )
             except urllib.error.HTTPError as err:
                 problem = f"HTTP {err.code}: {_error_text(err)}"
                 if err.code in (401, 404, 409, 413) or 300 <= err.code < 400:
                     break  # refused, or sent elsewhere: retrying would not change it
-            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as err:
+            except AnswerTooLarge as err:
+                problem = f"answered too much ({err})"
+                break
+            except (urllib.error.URLError, http.client.HTTPException, TimeoutError, ConnectionError, OSError) as err:
                 reason = getattr(err, "reason", err)
                 problem = "timed out" if "timed out" in str(reason) else f"unreachable ({reason})"
             finally:
@@ -401,13 +408,6 @@ class WeightUploader:
             f"weight upload to {self.url}: {method} {path} failed: {problem} (timeout {self.timeout_s:g} s); "
             "the server keeps the weights it had"
         )
-
-
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    """Refuse every redirect: the caller gets the 3xx as an HTTPError."""
-
-    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
-        return None
 
 
 def _error_text(err: urllib.error.HTTPError) -> str:
