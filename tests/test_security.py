@@ -388,3 +388,53 @@ def test_the_vllm_client_sends_the_api_key_and_follows_no_redirect(monkeypatch):
         server.shutdown()
         server.server_close()
     assert seen == [("/health", "Bearer k3y"), ("/moved", "Bearer k3y")]
+
+
+# -- tools ------------------------------------------------------------------------------------------------------------
+def test_tool_calls_are_found_as_the_lazy_pattern_finds_them_without_its_quadratic_scan():
+    import random
+    import re
+
+    from lit_rl.envs.tools import ToolEnvironment
+
+    def calc(argument):
+        return argument
+
+    def calculator(argument):
+        return argument
+
+    environment = ToolEnvironment([calc, calculator])
+    pattern = re.compile(r"<(calc|calculator)>(.*?)</\1>", re.DOTALL)  # what a turn was scanned with before
+    pieces = ["<calc>", "</calc>", "<calculator>", "</calculator>", "1+2", " ", "<", ">", "/", "calc"]
+    generator = random.Random(0)
+    for _ in range(2000):
+        text = "".join(generator.choice(pieces) for _ in range(generator.randint(0, 12)))
+        expected = pattern.search(text)
+        assert environment.first_call(text) == (expected.groups() if expected else None), text
+    # 200k characters of tags never closed (before: about 20 s), then one call at the end.
+    text = "<calc>1" * 30_000 + "<calculator>7*6</calculator>"
+    assert environment.first_call(text) == ("calculator", "7*6")
+
+
+def test_tool_threads_past_their_limit_cannot_pile_up(monkeypatch):
+    import threading
+
+    import lit_rl.envs.tools as tools
+
+    monkeypatch.setattr(tools, "MAX_OVERRUNNING", 2)
+    monkeypatch.setattr(tools, "_overrunning", [])
+    release = threading.Event()
+
+    def stuck(argument):
+        release.wait(30)
+        return "late"
+
+    assert tools.run_tool(stuck, "", 0.05) == ("error: timed out after 0.05 s", True)
+    assert tools.run_tool(stuck, "", 0.05) == ("error: timed out after 0.05 s", True)
+    refused = tools.run_tool(stuck, "", 0.05)
+    assert refused == ("error: 2 tool calls are still running past their time limit; not run", True)
+    assert sum(thread.name == "lit-rl-tool" and thread.is_alive() for thread in threading.enumerate()) == 2
+    release.set()
+    for thread in list(tools._overrunning):
+        thread.join(5)
+    assert tools.run_tool(lambda argument: "ok", "", 1.0) == ("ok", False)

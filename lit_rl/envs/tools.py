@@ -8,12 +8,15 @@ a call ends the episode.
 Nothing evaluates code by default: the built-in `calc` parses arithmetic (numbers, + - * / // %, unary
 minus, parentheses) with `ast` and computes it itself. Each call runs in a daemon thread so a slow one can be timed
 out; Python cannot stop a thread, so a tool that ignores its time limit keeps its thread until it returns: a tool
-must bound its own work (`calc` refuses long expressions and huge numbers). Calls run one episode after another.
+must bound its own work (`calc` refuses long expressions and huge numbers). At most `MAX_OVERRUNNING` such threads
+live at once: past that, calls are answered `error: ...` without running, so they cannot pile up. Calls run one
+episode after another. Finding a call in a turn takes time linear in its length, whatever tags it leaves open.
 """
 
 from __future__ import annotations
 
 import ast
+import bisect
 import operator
 import re
 import threading
@@ -83,10 +86,18 @@ def import_tools(paths: list[str]) -> list[Tool]:
     return tools
 
 
+MAX_OVERRUNNING = 8  # tool threads still running past their time limit, at most
+_overrunning: list[threading.Thread] = []
+
+
 def run_tool(tool: Tool, argument: str, timeout_s: float) -> tuple[str, bool]:
     """`tool(argument)` as text, and whether it failed: an exception or a timeout is returned as
     `error: <what happened>` (never raised), so the model sees it as its observation. The call runs in a daemon
-    thread: one that never returns cannot keep the process from exiting."""
+    thread: one that never returns cannot keep the process from exiting. While `MAX_OVERRUNNING` calls are still
+    running past their limit, a new call is refused the same way instead of starting a thread."""
+    _overrunning[:] = [thread for thread in _overrunning if thread.is_alive()]
+    if len(_overrunning) >= MAX_OVERRUNNING:
+        return f"error: {len(_overrunning)} tool calls are still running past their time limit; not run", True
     box: dict[str, Any] = {}
 
     def call() -> None:
@@ -99,6 +110,7 @@ def run_tool(tool: Tool, argument: str, timeout_s: float) -> tuple[str, bool]:
     worker.start()
     worker.join(timeout_s)
     if worker.is_alive():
+        _overrunning.append(worker)
         return f"error: timed out after {timeout_s:g} s", True
     if "error" in box:
         return f"error: {type(box['error']).__name__}: {box['error']}", True
@@ -124,14 +136,26 @@ class ToolEnvironment:
         self.tools = {tool.__name__: tool for tool in tools}
         self.timeout_s = timeout_s
         names = "|".join(re.escape(name) for name in self.tools)
-        self._call = re.compile(rf"<({names})>(.*?)</\1>", re.DOTALL)
+        self._opening = re.compile(rf"<({names})>")
 
     def reset(self, row: dict[str, Any]) -> None:
         return None  # the row's prompt is the first observation
 
+    def first_call(self, text: str) -> Optional[tuple[str, str]]:
+        """(tool name, argument) of the first `<name>argument</name>` in `text`: the earliest opening tag that a
+        closing tag of the same name follows, up to the nearest one (what a lazy regex finds, without its
+        quadratic time on many unclosed tags: each closing tag is found once, then looked up by bisection)."""
+        closings = {name: [m.start() for m in re.finditer(re.escape(f"</{name}>"), text)] for name in self.tools}
+        for opening in self._opening.finditer(text):
+            name = opening.group(1)
+            after = bisect.bisect_left(closings[name], opening.end())
+            if after < len(closings[name]):
+                return name, text[opening.end() : closings[name][after]]
+        return None
+
     def step(self, completion: str) -> StepResult:
-        call = self._call.search(completion)
+        call = self.first_call(completion)
         if call is None:
             return StepResult(observation=None, done=True)
-        value, failed = run_tool(self.tools[call.group(1)], call.group(2), self.timeout_s)
+        value, failed = run_tool(self.tools[call[0]], call[1], self.timeout_s)
         return StepResult(observation=f"<result>{value}</result>", tool_calls=1, tool_errors=int(failed))
