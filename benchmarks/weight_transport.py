@@ -54,13 +54,14 @@ def measure(megabytes: int, tensors: int, rounds: int) -> dict:
     import torch
     from safetensors.torch import save_file
 
-    from lit_rl.rollout.collective_transfer import GlooGroup, _free_port
+    from lit_rl.rollout.collective_transfer import GlooGroup, listen
     from lit_rl.rollout.weight_receiver import WeightReceiver, WeightUploader
 
     numel = megabytes * 2**20 // 4 // tensors
     weights = [torch.randn(numel) for _ in range(tensors)]
     nbytes = sum(w.numel() * 4 for w in weights)
-    port = _free_port("127.0.0.1")
+    listener = listen("127.0.0.1", 0)
+    port = listener.getsockname()[1]
     child = subprocess.Popen(
         [sys.executable, __file__, "--receive", str(port), str(tensors), str(numel), str(rounds)],
         stdout=subprocess.PIPE,
@@ -77,7 +78,7 @@ def measure(megabytes: int, tensors: int, rounds: int) -> dict:
         receiver = WeightReceiver(Path(tmp) / "received")
         threading.Thread(target=receiver.serve_forever, daemon=True).start()
         try:
-            group = GlooGroup("127.0.0.1", port, 2, timeout_s=300)
+            group = GlooGroup(listener, 2, timeout_s=300)
             uploader = WeightUploader(receiver.url, timeout_s=300, max_retries=0)
             for _ in range(rounds):
                 started = time.perf_counter()

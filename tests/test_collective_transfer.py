@@ -19,7 +19,7 @@ from lit_rl.rollout.server import RolloutServerError, VLLMServerEngine
 from tests.fake_vllm import completions_answer
 
 pytest.importorskip("vllm")
-from lit_rl.rollout.vllm_transfer_plugin import GlooWeightTransferEngine  # noqa: E402
+from lit_rl.rollout.vllm_transfer_plugin import GlooWeightTransferEngine, UpdateBudget  # noqa: E402
 
 WEIGHTS = [("model.embed_tokens.weight", torch.randn(6, 4)), ("model.norm.weight", torch.randn(4))]
 WEIGHTS += [(f"model.layers.{i}.mlp.weight", torch.randn(8, 4, dtype=torch.bfloat16)) for i in range(3)]
@@ -37,7 +37,8 @@ class FakeWorker:
         self.active = False
         engine = object.__new__(GlooWeightTransferEngine)  # what vLLM's worker builds, minus the model
         engine.parallel_config = SimpleNamespace(data_parallel_index=0, world_size=1, rank=0)
-        engine.model = SimpleNamespace(load_weights=lambda pairs: self.loaded.extend(pairs))
+        engine.model = torch.nn.ParameterList([torch.nn.Parameter(tensor) for _, tensor in WEIGHTS])
+        engine.model.load_weights = lambda pairs: self.loaded.extend(pairs)
         engine.device = torch.device("cpu")
         engine.group = None
         self.engine = engine
@@ -56,6 +57,7 @@ class FakeWorker:
             if self.active:
                 return (500, {"error": "start_weight_update called while a weight update is already active"})
             self.active = True
+            self.engine.budget = UpdateBudget(self.engine.model, shards=1)  # as the engine's start_weight_update
             return {}
         if path == "/update_weights":
             if not self.active:

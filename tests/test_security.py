@@ -438,3 +438,98 @@ def test_tool_threads_past_their_limit_cannot_pile_up(monkeypatch):
     for thread in list(tools._overrunning):
         thread.join(5)
     assert tools.run_tool(lambda argument: "ok", "", 1.0) == ("ok", False)
+
+
+# -- the broadcast transfer -------------------------------------------------------------------------------------------
+def _listening_on(port: int) -> list[str]:
+    """The local addresses with a socket listening on `port`, as the kernel lists them (/proc/net/tcp, tcp6)."""
+    import ipaddress
+
+    addresses = []
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        for row in Path(table).read_text().splitlines()[1:]:
+            local, state = row.split()[1], row.split()[3]
+            hex_address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                words = bytes.fromhex(hex_address)  # host-order 32-bit words
+                raw = b"".join(words[i : i + 4][::-1] for i in range(0, width, 4))
+                addresses.append(str(ipaddress.ip_address(raw)))
+    return addresses
+
+
+def test_the_broadcast_rendezvous_listens_on_the_address_asked_and_only_until_the_group_forms():
+    import socket
+    import threading
+    from datetime import timedelta
+
+    from torch.distributed import PrefixStore, TCPStore
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+    from lit_rl.rollout.collective_transfer import GlooGroup, listen, tcp_uri
+
+    listener = listen("127.0.0.1", 0)
+    port = listener.getsockname()[1]
+    assert _listening_on(port) == ["127.0.0.1"]  # before: a store bound by torch listened on every interface
+    received = torch.zeros(3)
+
+    def worker() -> None:  # a server's worker, as vLLM's stateless_init_torch_distributed_process_group joins
+        store = TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=30))
+        group = ProcessGroupGloo(PrefixStore(tcp_uri("127.0.0.1", port), store), 1, 2, timeout=timedelta(seconds=30))
+        group._set_sequence_number_for_group()
+        options = torch.distributed.BroadcastOptions()
+        options.rootRank = 0
+        group.broadcast([received], options).wait()
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    group = GlooGroup(listener, 2, timeout_s=30)
+    assert _listening_on(port) == []  # formed: nothing listens any more, on any address
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5)
+    group.broadcast(torch.arange(3.0), give_up=lambda: False)  # the group itself still works
+    thread.join(30)
+    assert torch.equal(received, torch.arange(3.0))
+
+
+def test_a_server_worker_refuses_weights_unlike_the_models_before_allocating_them():
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from lit_rl.rollout.vllm_transfer_plugin import GlooWeightTransferEngine, UpdateBudget
+
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8))  # largest: 128 elements
+    engine = object.__new__(GlooWeightTransferEngine)
+    engine.group = SimpleNamespace()  # formed; a broadcast on it would fail: nothing may get that far
+
+    def update(names, dtypes, shapes):
+        engine.receive_weights(engine.parse_update_info({"names": names, "dtype_names": dtypes, "shapes": shapes}))
+
+    engine.budget = None
+    with pytest.raises(RuntimeError, match="without start_weight_update"):
+        update(["0.weight"], ["float32"], [[16, 8]])
+    refused = {
+        "dtype": (["0.weight"], ["int64"], [[16, 8]]),
+        "shape": (["0.weight"], ["float32"], [[-1, 8]]),
+        "dims": (["0.weight"], ["float32"], [[1] * 9]),
+        "size": (["0.weight"], ["float32"], [[2**40]]),
+        "name": ([""], ["float32"], [[4]]),
+        "lengths": (["0.weight", "1.weight"], ["float32"], [[16, 8]]),
+    }
+    for what, request in refused.items():
+        engine.budget = UpdateBudget(model, shards=2)  # the whole model: at most twice this worker's slice
+        with pytest.raises(ValueError):
+            update(*request)
+        assert engine.budget.left_numel == 2 * (128 + 64 + 8) + 256, what  # nothing counted
+    budget = engine.budget = UpdateBudget(model, shards=2)
+    budget.take(engine.parse_update_info({"names": ["a"], "dtype_names": ["bfloat16"], "shapes": [[32, 8]]}))
+    with pytest.raises(ValueError, match="a: sent twice"):
+        update(["a"], ["float32"], [[1]])
+    with pytest.raises(ValueError, match="b: 257 elements, more than the model's largest weight"):
+        update(["b"], ["float32"], [[257]])
+    # Tensors of a legitimate size, but more elements in all than the model holds (656): refused at the first over.
+    budget.take(engine.parse_update_info({"names": ["c"], "dtype_names": ["float32"], "shapes": [[256]]}))
+    assert budget.left_numel == 656 - 256 - 256
+    with pytest.raises(ValueError, match="e: the update would bring more elements than the model has"):
+        update(["d", "e"], ["float32"] * 2, [[100], [45]])
+    assert budget.left_numel == 144 and budget.names == {"a", "c"}  # a refused chunk counts for nothing
+    budget.take(engine.parse_update_info({"names": ["f"], "dtype_names": ["float16"], "shapes": [[144]]}))

@@ -27,6 +27,7 @@ chunk outlives the weight stream's gather bucket, `lit_rl.rollout.weights`): ran
 from __future__ import annotations
 
 import ctypes
+import os
 import socket
 import threading
 import time
@@ -72,19 +73,37 @@ def _wait_until(done: Callable[[], bool], give_up: Callable[[], bool], timeout_s
 
 class GlooGroup:
     """A gloo group outside torch's global state, formed as vLLM's `stateless_init_torch_distributed_process_group`
-    forms the workers' end (the same store keys), with torch alone: the trainer needs no vLLM installed."""
+    forms the workers' end (the same store keys), with torch alone: the trainer needs no vLLM installed.
 
-    def __init__(self, address: str, port: int, world_size: int, timeout_s: float) -> None:
+    The rendezvous store listens on `listener` (a socket `listen` bound to the address asked for, as vLLM's own
+    groups do; a store left to bind itself listens on every interface) and stops listening once the group has
+    formed: every worker is connected to it by then (rank 0's group needs each one's address, read through the
+    store), and what they still read goes through those connections. Nothing can connect to it afterwards."""
+
+    def __init__(self, listener: socket.socket, world_size: int, timeout_s: float) -> None:
         from torch.distributed import PrefixStore, TCPStore
         from torch.distributed.distributed_c10d import ProcessGroupGloo
 
+        address, port = listener.getsockname()[:2]
         uri = tcp_uri(address, port)
         timeout = timedelta(seconds=timeout_s)
-        # Rank 0 hosts the store itself (not through `rendezvous`, which under torchrun would only connect to the
-        # agent's store); it waits for every worker to connect.
-        self.store = TCPStore(address, port, world_size, True, timeout=timeout, multi_tenant=True)
-        self.backend = ProcessGroupGloo(PrefixStore(uri, self.store), 0, world_size, timeout=timeout)
-        self.backend._set_sequence_number_for_group()  # the workers wait for rank 0's sequence number
+        try:
+            # Rank 0 hosts the store itself (not through `rendezvous`, which under torchrun would only connect to
+            # the agent's store); it waits for every worker to connect. The store serves a duplicate of the socket,
+            # so the listener can stop it listening (libuv's server, the default, takes that in its stride).
+            self.store = TCPStore(
+                address,
+                port,
+                world_size,
+                True,
+                timeout=timeout,
+                multi_tenant=True,
+                master_listen_fd=os.dup(listener.fileno()),
+            )
+            self.backend = ProcessGroupGloo(PrefixStore(uri, self.store), 0, world_size, timeout=timeout)
+            self.backend._set_sequence_number_for_group()  # the workers wait for rank 0's sequence number
+        finally:
+            stop_listening(listener)
         self.options = torch.distributed.BroadcastOptions()
         self.options.rootRank = 0
         self.timeout_s = timeout_s
@@ -192,7 +211,11 @@ class CollectiveTransfer:
         join, and host the rendezvous meanwhile."""
         workers = self._count_workers(server)
         self._clear_stale_update(server)
-        port = self.first_port + self.order[server.url] if self.first_port else _free_port(self.address)
+        port = self.first_port + self.order[server.url] if self.first_port else 0
+        # gloo: lit-rl's own store, on a socket bound here before the workers are told its port. nccl: vLLM's
+        # `trainer_init` binds the address itself (its store stays open while the group lives).
+        listener = listen(self.address, port) if self.kind == "gloo" else None
+        port = listener.getsockname()[1] if listener else port or _free_port(self.address)
         init_info: dict[str, Any] = {
             "master_address": self.address,
             "master_port": port,
@@ -204,7 +227,7 @@ class CollectiveTransfer:
         body = {"init_info": init_info}
         joined = _Background(lambda: server.client.request("POST", "/init_weight_transfer_engine", body, retries=0))
         try:
-            group = self._open_group(port, 1 + workers)
+            group = self._open_group(listener, port, 1 + workers)
         except Exception as err:  # no worker came: the request's own error says why, if it has one
             joined.wait(timeout=5.0)
             raise ServerDownError(
@@ -215,10 +238,10 @@ class CollectiveTransfer:
         joined.result(self.timeout_s, server.url)
         self.groups[server.url] = group
 
-    def _open_group(self, port: int, world_size: int) -> TransferGroup:
-        if self.kind == "nccl":
+    def _open_group(self, listener: Optional[socket.socket], port: int, world_size: int) -> TransferGroup:
+        if listener is None:
             return NcclGroup(self.address, port, world_size, self.timeout_s, self.device)
-        return GlooGroup(self.address, port, world_size, self.timeout_s)
+        return GlooGroup(listener, world_size, self.timeout_s)
 
     def _count_workers(self, server: RolloutServer) -> int:
         """How many workers `server` has (all its data-parallel replicas), after checking that each has a
@@ -372,3 +395,26 @@ def _free_port(address: str) -> int:
     with socket.socket(family) as sock:
         sock.bind((address, 0))
         return sock.getsockname()[1]
+
+
+def listen(address: str, port: int) -> socket.socket:
+    """A TCP socket listening on `address` alone (`port` 0: a free one), for a rendezvous store to serve."""
+    sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address, port))
+        sock.listen()
+    except OSError as err:
+        sock.close()
+        raise RuntimeError(f"cannot listen on {tcp_uri(address, port)} for the weight transfer: {err}") from None
+    return sock
+
+
+def stop_listening(listener: socket.socket) -> None:
+    """No new connection to `listener` from now on (a server holding a duplicate of it included); connections
+    already accepted stay open."""
+    try:
+        listener.shutdown(socket.SHUT_RDWR)
+    except OSError:  # never listened, or already shut
+        pass
+    listener.close()

@@ -80,7 +80,8 @@ class VLLMConfig:
         weights_urls: (server) with `server_urls`: the receiver beside each server, in the same order. Servers on
             one machine may share one (it is uploaded to once per push); `weights_url` alone serves them all.
         transfer_address: (`gloo`, `nccl`) this machine's address as the servers reach it: rank 0 hosts the
-            rendezvous of each server's transfer group there. 127.0.0.1 serves servers on this machine only.
+            rendezvous of each server's transfer group there, listening on that address alone (under `gloo`
+            only until the group has formed). 127.0.0.1 serves servers on this machine only.
         transfer_port: (`gloo`, `nccl`) the port of the first server's rendezvous, the next server's one above, and
             so on; 0 (default): free ports.
     """

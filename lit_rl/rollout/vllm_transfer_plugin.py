@@ -13,9 +13,10 @@ heavy; this module is imported only by a server started with `--weight-transfer-
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from vllm.distributed.utils import stateless_init_torch_distributed_process_group
@@ -49,23 +50,68 @@ class GlooInitInfo(WeightTransferInitInfo):
     timeout_s: float = 300.0
 
 
+#: The dtypes a trained model's weights come in; a request naming any other is refused before anything is allocated.
+WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
+MAX_NAME_CHARS = 1024
+MAX_DIMS = 8
+
+
 @dataclass
 class GlooUpdateInfo(WeightTransferUpdateInfo):
-    """One chunk: the tensors that follow, one broadcast each, in this order."""
+    """One chunk: the tensors that follow, one broadcast each, in this order. Checked on arrival (anyone who
+    reaches a dev-mode server can send one): names are strings of at most `MAX_NAME_CHARS`, dtypes are weights'
+    (`WEIGHT_DTYPES`), shapes lists of at most `MAX_DIMS` sizes >= 0; against the model, by `UpdateBudget`."""
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
 
     def __post_init__(self) -> None:
+        if not all(isinstance(field, list) for field in (self.names, self.dtype_names, self.shapes)):
+            raise ValueError("names, dtype_names and shapes must be lists")
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
             raise ValueError(
                 f"names, dtype_names and shapes differ in length: {len(self.names)}, {len(self.dtype_names)}, "
                 f"{len(self.shapes)}"
             )
-        for name in self.dtype_names:
-            if not isinstance(getattr(torch, name, None), torch.dtype):
-                raise ValueError(f"not a torch dtype: {name!r}")
+        for name, dtype_name, shape in zip(self.names, self.dtype_names, self.shapes):
+            if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
+                raise ValueError(f"a tensor name must be a string of 1 to {MAX_NAME_CHARS} characters: {name!r:.80}")
+            if dtype_name not in WEIGHT_DTYPES:
+                raise ValueError(f"{name}: dtype {dtype_name!r:.40} is not one of {', '.join(WEIGHT_DTYPES)}")
+            sizes_ok = isinstance(shape, list) and len(shape) <= MAX_DIMS
+            if not sizes_ok or not all(type(size) is int and size >= 0 for size in shape):
+                raise ValueError(f"{name}: shape {shape!r:.80} is not a list of at most {MAX_DIMS} sizes >= 0")
+
+
+class UpdateBudget:
+    """What one update (a start to its finish) may still bring into this worker, from the model it loads into: no
+    tensor larger than the model's largest parameter whole, no more elements in all than the whole model has plus
+    one such tensor, no name twice. A worker may hold a slice of each parameter: the whole is at most `shards`
+    slices, `shards` being the number of workers the model is split over (tensor, pipeline and data parallel).
+    So a request cannot make a worker allocate more than a legitimate push would."""
+
+    def __init__(self, model: torch.nn.Module, shards: int) -> None:
+        sizes = [parameter.numel() for parameter in model.parameters()]
+        self.max_numel = shards * max(sizes, default=0)
+        self.left_numel = shards * sum(sizes) + self.max_numel
+        self.names: set[str] = set()
+
+    def take(self, info: GlooUpdateInfo) -> None:
+        """Count a chunk against the budget, or raise ValueError naming its first tensor over it (nothing counted)."""
+        numels = [math.prod(shape) for shape in info.shapes]
+        left, seen = self.left_numel, set()
+        for name, numel in zip(info.names, numels):
+            if name in self.names or name in seen:
+                raise ValueError(f"{name}: sent twice in one weight update")
+            if numel > self.max_numel:
+                raise ValueError(f"{name}: {numel} elements, more than the model's largest weight ({self.max_numel})")
+            if numel > left:
+                raise ValueError(f"{name}: the update would bring more elements than the model has")
+            left -= numel
+            seen.add(name)
+        self.left_numel = left
+        self.names |= seen
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
@@ -77,6 +123,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.group = None
+        self.budget: Optional[UpdateBudget] = None  # set by each start_weight_update
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         self.group = None  # a new trainer (or the same one, after a failure) replaces the old group
@@ -94,11 +141,17 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        parallel = self.parallel_config
+        shards = parallel.tensor_parallel_size * parallel.pipeline_parallel_size * parallel.data_parallel_size
         initialize_layerwise_reload(self.model)
+        # Counted after: the reload restores the parameters as they are loaded (a backend may keep them repacked
+        # elsewhere in between: vLLM's CPU one leaves empty tensors in their place).
+        self.budget = UpdateBudget(self.model, shards)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        self.budget = None
         finalize_layerwise_reload(self.model, self.model_config)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -109,6 +162,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         if self.group is None:
             raise RuntimeError("lit_rl_gloo weight transfer is not initialized: call init_weight_transfer_engine")
+        if self.budget is None:
+            raise RuntimeError("lit_rl_gloo: update_weights without start_weight_update")
+        self.budget.take(update_info)  # the whole chunk checked before anything is allocated
         options = torch.distributed.BroadcastOptions()
         options.rootRank = 0
         for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
