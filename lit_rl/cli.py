@@ -180,7 +180,7 @@ class LitRLCLI(LightningCLI):
 
     resumed: Optional[ResumePoint] = None  # the checkpoint and run directory `--ckpt_path` resolved to
 
-    def _parse_ckpt_path(self) -> None:
+    def _parse_ckpt_path(self) -> None:  # Lightning's private hook: lit_rl.compat.overridden_private_methods
         # Lightning lays the checkpoint's hyperparameters over the parsed config here. lit-rl takes no value from a
         # checkpoint (a shared one could set `trust_remote_code` or import any module): the module compares them
         # with this run's when the checkpoint loads (`lit_rl/resume_config.py`). What is left: which checkpoint
@@ -194,7 +194,7 @@ class LitRLCLI(LightningCLI):
         if self.resumed is not None and self.resumed.run is not None:
             keep_run_metrics(self.trainer.loggers, self.resumed)
 
-    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> L.Trainer:
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> L.Trainer:  # (private too)
         configured = list(config.get("callbacks") or []) + callbacks
         extra: list[Callback] = []
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in configured):

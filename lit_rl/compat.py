@@ -1,22 +1,101 @@
-"""The private state of Lightning that lit-rl must touch, in one place: each use is named here, so an upgrade that
-renames it breaks one function (and its test), not a call site deep in a callback.
+"""The private internals of Lightning, torch, torchmetrics, transformers and Python that lit-rl must touch, in one
+place: each use is a function here, so an upgrade that renames one breaks this module and its test
+(`tests/test_compat.py`, which runs each against the installed library), not a call site deep in a callback.
 
-Lightning 2.5-2.6: `ModelCheckpoint._last_global_step_saved` (the step it last saved) and
-`ModelCheckpoint._last_checkpoint_saved` (the path it last saved) decide whether it saves again.
+Lightning 2.5-2.6, torch 2.5-2.13, torchmetrics 1.7+, transformers 5.16-5.19, CPython 3.10-3.13. Imports are lazy:
+the forward path (`lit_rl.packing`) may use this module without importing Lightning.
 """
 
 from __future__ import annotations
 
-from lightning.pytorch.callbacks import ModelCheckpoint
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+if TYPE_CHECKING:
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torchmetrics import Metric
 
 
+# -- Lightning ----------------------------------------------------------------------------------------------------
 def mark_step_saved(callback: ModelCheckpoint, step: int) -> None:
-    """Tell `callback` that `step` is saved already, so that it does not save that step again."""
+    """Tell `callback` that `step` is saved already, so that it does not save that step again
+    (`ModelCheckpoint._last_global_step_saved`, the step it last saved)."""
     callback._last_global_step_saved = max(callback._last_global_step_saved, step)
 
 
 def mark_last_written(callback: ModelCheckpoint, path: str, step: int) -> None:
     """Tell `callback` that `path` is its last checkpoint, written at `step`: it writes no other one for that step
-    (at the end of the epoch or of `fit`)."""
+    (at the end of the epoch or of `fit`; `ModelCheckpoint._last_checkpoint_saved`)."""
     callback._last_checkpoint_saved = path
     mark_step_saved(callback, step)
+
+
+def accumulates_this_batch(trainer: L.Trainer) -> bool:
+    """Whether the current training batch is one before the last of its accumulation window (the fit loop's
+    `_should_accumulate`, which Lightning asks before it steps the optimizer)."""
+    return trainer.fit_loop._should_accumulate()
+
+
+def skip_next_validation(trainer: L.Trainer) -> None:
+    """Skip the validation Lightning would run next (it validates when a run is asked to stop early:
+    `_skip_next_val` of the training epoch loop)."""
+    trainer.fit_loop.epoch_loop._skip_next_val = True
+
+
+def overridden_private_methods() -> list[tuple[type, str, str]]:
+    """Lightning's private methods that lit-rl's subclasses override, each with the text of the call that runs it
+    in Lightning's own code: renamed upstream, an override would silently never run (the test checks each)."""
+    from lightning.pytorch.callbacks import RichProgressBar
+    from lightning.pytorch.cli import LightningCLI
+
+    return [
+        (LightningCLI, "_parse_ckpt_path", "self._parse_ckpt_path()"),  # lit_rl.cli: --ckpt_path last, resolved
+        (LightningCLI, "_instantiate_trainer", "self._instantiate_trainer("),  # lit_rl.cli: lit-rl's callbacks
+        (RichProgressBar, "_get_train_description", "self._get_train_description("),  # lit_rl.callbacks.progress
+    ]
+
+
+# -- torch --------------------------------------------------------------------------------------------------------
+def set_group_sequence_number(backend: Any) -> None:
+    """Rank 0's part of a process group's start: publish its sequence number, which the other ranks wait for
+    (`_set_sequence_number_for_group`, as `torch.distributed.new_group` calls it)."""
+    backend._set_sequence_number_for_group()
+
+
+def foreach_norm(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """The L2 norm of each tensor, accumulated in `dtype`, in one fused kernel per (device, dtype) group
+    (`torch._foreach_norm`, the kernel `clip_grad_norm_` uses)."""
+    return list(torch._foreach_norm(tensors, 2, dtype=dtype))
+
+
+def can_take_data_of(param: torch.Tensor, moved: torch.Tensor) -> bool:
+    """Whether `param.data = moved` keeps `param` the same Parameter object (the test `nn.Module._apply` makes:
+    `torch._has_compatible_shallow_copy_type`)."""
+    return torch._has_compatible_shallow_copy_type(param, moved)
+
+
+# -- torchmetrics -------------------------------------------------------------------------------------------------
+def state_reductions(metric: Metric) -> dict[str, Callable | None]:
+    """Each state of `metric` with its `dist_reduce_fx` (`Metric._reductions`)."""
+    return dict(metric._reductions)
+
+
+# -- transformers -------------------------------------------------------------------------------------------------
+def attention_implementation(model: torch.nn.Module) -> str:
+    """The attention kernel a Hugging Face model runs (`config._attn_implementation`: "eager", "sdpa",
+    "flash_attention_2", ...), or "" for a model without a config."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) or ""
+
+
+# -- Python -------------------------------------------------------------------------------------------------------
+def run_interpreter_exit_steps() -> None:
+    """What CPython does at exit before it finalizes: join the threads that are not daemons
+    (`threading._shutdown`, the first thing `Py_FinalizeEx` calls), then run the atexit handlers
+    (`atexit._run_exitfuncs`)."""
+    import atexit
+    import threading
+
+    threading._shutdown()
+    atexit._run_exitfuncs()

@@ -17,6 +17,8 @@ import torch
 from torchmetrics import ExplainedVariance, MaxMetric, MeanMetric, Metric, MetricCollection, MinMetric, SumMetric
 from torchmetrics.utilities.data import dim_zero_max, dim_zero_min, dim_zero_sum
 
+from lit_rl.compat import state_reductions
+
 LOCAL = {"sync_on_compute": False}  # `compute_collection` syncs; `compute()` alone must not (see the docstring)
 
 
@@ -219,7 +221,7 @@ def compute_collection(collection: MetricCollection) -> dict[str, torch.Tensor]:
     flags, places = [], []  # (name, index of its updated flag); (metric, state, kind, index, shape, dtype)
     for name, metric in metrics.items():
         flags.append((name, add("max", torch.tensor([float(metric.update_called)], device=device))))
-        for state, reduce in metric._reductions.items():  # each state's `dist_reduce_fx`
+        for state, reduce in state_reductions(metric).items():  # each state's `dist_reduce_fx`
             value = getattr(metric, state)
             kind = {dim_zero_sum: "sum", dim_zero_max: "max", dim_zero_min: "min"}.get(reduce)
             if kind is None or not torch.is_tensor(value):

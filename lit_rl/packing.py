@@ -33,6 +33,8 @@ from typing import Optional
 
 import torch
 
+from lit_rl.compat import attention_implementation
+
 
 @dataclass
 class PackedBatch:
@@ -169,8 +171,7 @@ def pack_completions(
 
 def uses_flash_attention(model: torch.nn.Module) -> bool:
     """Whether the model attends with a flash-attention kernel (varlen packing in one row)."""
-    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None) or ""
-    return implementation.startswith("flash")
+    return attention_implementation(model).startswith("flash")
 
 
 def packed_completion_forward(

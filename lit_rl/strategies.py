@@ -11,10 +11,8 @@ over gloo.
 
 from __future__ import annotations
 
-import atexit
 import os
 import sys
-import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, NoReturn, Optional
@@ -26,6 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeedStrategy
 
 from lit_rl.checkpoint import publish_directory, remove_directory, remove_stale_temporaries, temporary_directory
+from lit_rl.compat import accumulates_this_batch, can_take_data_of, run_interpreter_exit_steps
 
 
 class DeepSpeedStrategy(LightningDeepSpeedStrategy):
@@ -111,7 +110,7 @@ def move_unpartitioned_state(module: torch.nn.Module, device: torch.device) -> N
             if param is None or hasattr(param, "ds_id") or param.device == device:
                 continue
             moved = param.data.to(device)
-            if torch._has_compatible_shallow_copy_type(param, moved):  # as nn.Module._apply: keep the Parameter
+            if can_take_data_of(param, moved):  # as nn.Module._apply: keep the Parameter
                 param.data = moved
             else:
                 sub._parameters[name] = torch.nn.Parameter(moved, requires_grad=param.requires_grad)
@@ -258,7 +257,7 @@ def is_accumulating_micro_batch(trainer) -> bool:
     """True on the micro-batches before the last of an accumulation window under DeepSpeed, where Lightning calls
     the optimizer-step hooks on every micro-batch (the engine decides when to step). Hooks meant to run once per
     optimizer step return early when this is True."""
-    return trainer.strategy.handles_gradient_accumulation and trainer.fit_loop._should_accumulate()
+    return trainer.strategy.handles_gradient_accumulation and accumulates_this_batch(trainer)
 
 
 _REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
@@ -294,8 +293,7 @@ def exit_without_finalizing(code: int = 0) -> NoReturn:
     shared memory in one (a tensor-parallel run then leaves `/dev/shm/...-cpushm_<rank>` behind, and the next one
     fails with errno 17). It ends the multi-process benchmark and test workers, which run no vLLM.
     """
-    threading._shutdown()  # what Py_FinalizeEx calls first: joins the non-daemon threads
-    atexit._run_exitfuncs()
+    run_interpreter_exit_steps()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -12,7 +12,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lit_rl.compat import mark_last_written
+from lit_rl.compat import foreach_norm, mark_last_written, skip_next_validation
 from lit_rl.errors import LitRLError
 from lit_rl.strategies import (
     deepspeed_discards_non_finite_steps,
@@ -124,7 +124,7 @@ def has_non_finite(tensors: list[torch.Tensor]) -> bool:
     21M-parameter model (3.5 ms against 24 ms)."""
     if not tensors:
         return False
-    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)  # one kernel per (device, dtype) group
+    norms = foreach_norm(tensors, dtype=torch.float32)  # one kernel per (device, dtype) group
     device = norms[0].device
     return not bool(torch.stack([norm.to(device) for norm in norms]).isfinite().all())
 
@@ -180,7 +180,7 @@ class GracefulStop(Callback):
         trainer.should_stop = True
         # Stopping would otherwise run a full validation first (Lightning validates when asked to stop early),
         # which can outlast a pre-emption grace period.
-        trainer.fit_loop.epoch_loop._skip_next_val = True
+        skip_next_validation(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._keep_checkpoint_callbacks_off(trainer)

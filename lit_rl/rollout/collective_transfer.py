@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequen
 
 import torch
 
+from lit_rl.compat import set_group_sequence_number
 from lit_rl.rollout.config import VLLM_TRANSFER_BACKENDS, VLLMConfig
 from lit_rl.rollout.server_client import RolloutServerError, ServerDownError
 from lit_rl.rollout.server_pool import RolloutServer
@@ -101,7 +102,7 @@ class GlooGroup:
                 master_listen_fd=os.dup(listener.fileno()),
             )
             self.backend = ProcessGroupGloo(PrefixStore(uri, self.store), 0, world_size, timeout=timeout)
-            self.backend._set_sequence_number_for_group()  # the workers wait for rank 0's sequence number
+            set_group_sequence_number(self.backend)  # the workers wait for rank 0's sequence number
         finally:
             stop_listening(listener)
         self.options = torch.distributed.BroadcastOptions()

@@ -1,0 +1,116 @@
+"""Each private internal lit-rl touches (`lit_rl.compat`), run against the installed Lightning, torch,
+torchmetrics, transformers and Python: an upgrade that renames or changes one fails here, by name, not as a silent
+change of behaviour deep in a run."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lit_rl import compat
+
+
+def _trainer(**kwargs) -> L.Trainer:
+    kwargs = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, **kwargs}
+    return L.Trainer(accelerator="cpu", enable_model_summary=False, **kwargs)
+
+
+def test_a_checkpoint_callback_is_told_what_was_saved(tmp_path):
+    callback = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2)
+    compat.mark_step_saved(callback, 4)
+    compat.mark_step_saved(callback, 2)  # never backwards
+    assert callback._last_global_step_saved == 4
+    compat.mark_last_written(callback, str(tmp_path / "last.ckpt"), 6)
+    assert callback._last_checkpoint_saved == str(tmp_path / "last.ckpt") and callback._last_global_step_saved == 6
+    # The two states are what ModelCheckpoint reads when it decides whether to save (it would rename them with it).
+    source = inspect.getsource(ModelCheckpoint)
+    assert "self._last_global_step_saved" in source and "self._last_checkpoint_saved" in source
+
+
+def test_the_fit_loop_says_which_batches_accumulate_and_a_validation_can_be_skipped():
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+            self.seen: list[bool] = []
+
+        def training_step(self, batch, batch_idx):
+            self.seen.append(compat.accumulates_this_batch(self.trainer))
+            return self.layer(batch).sum()
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.randn(6, 2), batch_size=1)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module = Module()
+    _trainer(max_steps=3, accumulate_grad_batches=2).fit(module)
+    assert module.seen == [True, False] * 3  # the first micro-batch of each window of 2 accumulates
+    trainer = _trainer()
+    compat.skip_next_validation(trainer)
+    assert trainer.fit_loop.epoch_loop._skip_next_val is True
+    assert "self._skip_next_val" in inspect.getsource(type(trainer.fit_loop.epoch_loop))  # still read there
+
+
+@pytest.mark.parametrize("base,name,call", compat.overridden_private_methods())
+def test_the_private_methods_lit_rl_overrides_are_still_called_by_lightning(base, name, call):
+    assert callable(getattr(base, name, None)), f"{base.__name__}.{name} is gone: lit-rl's override never runs"
+    callers = "".join(inspect.getsource(cls) for cls in base.__mro__ if cls.__module__.startswith("lightning"))
+    assert call in callers, f"Lightning no longer calls {base.__name__}.{name}"
+
+
+def test_torch_internals():
+    tensors = [torch.tensor([3.0, 4.0]), torch.tensor([[1.0, float("nan")]], dtype=torch.bfloat16)]
+    norms = compat.foreach_norm(tensors, dtype=torch.float32)
+    assert norms[0].item() == 5.0 and norms[0].dtype == torch.float32 and norms[1].isnan()
+    param = torch.nn.Parameter(torch.ones(2))
+    assert compat.can_take_data_of(param, torch.zeros(2, dtype=torch.float64))
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+    assert callable(ProcessGroupGloo._set_sequence_number_for_group)  # run for real in tests/test_security.py
+
+
+def test_torchmetrics_states_and_their_reductions():
+    from torchmetrics import MaxMetric, MeanMetric
+    from torchmetrics.utilities.data import dim_zero_max, dim_zero_sum
+
+    assert compat.state_reductions(MeanMetric()) == {"mean_value": dim_zero_sum, "weight": dim_zero_sum}
+    assert compat.state_reductions(MaxMetric()) == {"max_value": dim_zero_max}
+
+
+def test_the_attention_kernel_of_a_hugging_face_model():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    for kernel in ("eager", "sdpa"):
+        config._attn_implementation = kernel
+        assert compat.attention_implementation(Qwen2ForCausalLM(config)) == kernel
+    assert compat.attention_implementation(torch.nn.Linear(1, 1)) == ""
+
+
+def test_the_interpreter_exit_steps_join_threads_then_run_the_atexit_handlers():
+    script = """
+import atexit, threading, time
+from lit_rl.compat import run_interpreter_exit_steps
+order = []
+threading.Thread(target=lambda: (time.sleep(0.2), order.append("thread"))).start()
+atexit.register(lambda: print(",".join(order + ["atexit"]), flush=True))
+run_interpreter_exit_steps()
+import os; os._exit(0)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "thread,atexit", result.stderr[-2000:]
