@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from provenance import add_report_options, check_output, print_markdown, publish  # noqa: E402
 from throughput import metric_rows  # noqa: E402
 
-from lit_rl.models import resolve_model_path  # noqa: E402
+from lit_rl.modeling.models import resolve_model_path  # noqa: E402
 from lit_rl.rollout.server import LocalVLLMServer  # noqa: E402
 
 CONFIGS = REPO / "configs"

@@ -51,7 +51,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from provenance import add_report_options, check_output, print_markdown, write_report  # noqa: E402
 from throughput import fit_flags, metric_rows  # noqa: E402
 
-from lit_rl.models import build_random_model, resolve_model_path  # noqa: E402
+from lit_rl.modeling.models import build_random_model, resolve_model_path  # noqa: E402
 
 TINY = "lit-rl/tiny-qwen2-addition-sft"
 TRL_LOG_HISTORY: list[dict] = []  # the last `trl_run`'s `trainer.state.log_history`
@@ -157,7 +157,7 @@ def trl_run(algorithm: str, model: str, steps: int, workdir: Path, work: Workloa
     from transformers import TrainerCallback
 
     from lit_rl.data.arithmetic import addition_preference_rows, addition_rows
-    from lit_rl.models import load_causal_lm, load_tokenizer
+    from lit_rl.modeling.models import load_causal_lm, load_tokenizer
     from lit_rl.rewards.arithmetic import correctness
 
     torch.manual_seed(0)
@@ -279,7 +279,7 @@ def build_stopping_model(out_dir: Path, stop_tokens: int, **sizes) -> str:
     path = build_random_model(out_dir, max_position_embeddings=256, **sizes)
     config = GenerationConfig.from_pretrained(path) if (path / "generation_config.json").exists() else None
     config = config or GenerationConfig()
-    from lit_rl.models import load_tokenizer
+    from lit_rl.modeling.models import load_tokenizer
 
     tokenizer = load_tokenizer(str(path))
     special = set(tokenizer.all_special_ids)

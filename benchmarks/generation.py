@@ -38,7 +38,7 @@ METHODS = {"generate, every row": False, "finished rows skipped": True}
 def measure(args) -> dict:
     from transformers import Qwen2ForCausalLM
 
-    from lit_rl.models import tiny_qwen2_config
+    from lit_rl.modeling.models import tiny_qwen2_config
     from lit_rl.rollout import HFGenerateEngine, SamplingParams
 
     torch.manual_seed(0)

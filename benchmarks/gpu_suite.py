@@ -173,7 +173,7 @@ def run_suite(
     engine: str = "vllm_colocate",
     steps: Optional[tuple[int, int]] = None,
 ) -> dict:
-    from lit_rl.models import build_random_model
+    from lit_rl.modeling.models import build_random_model
 
     work = workload(smoke, engine)
     if steps:

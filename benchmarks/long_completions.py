@@ -55,7 +55,7 @@ def build_long_model(out_dir: Path, vocab: int, max_positions: int, stop_ids: in
     import torch
     from transformers import GenerationConfig, Qwen2ForCausalLM
 
-    from lit_rl.models import SPECIAL_TOKENS, build_char_tokenizer, tiny_qwen2_config
+    from lit_rl.modeling.models import SPECIAL_TOKENS, build_char_tokenizer, tiny_qwen2_config
 
     letters = string.ascii_letters + string.digits
     words = ("".join(chars) for n in (2, 3) for chars in itertools.product(letters, repeat=n))
@@ -91,7 +91,7 @@ def child(library: str, model: str, steps: int, out: Path, work: Workload) -> No
             if "completions/min_length" in row:
                 lengths += [int(row["completions/min_length"]), int(row["completions/max_length"])]
     else:
-        import lit_rl.metrics as metrics
+        import lit_rl.training.metrics as metrics
 
         update = metrics.update_rollout_metrics
 

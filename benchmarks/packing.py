@@ -48,7 +48,7 @@ def workload(rows: int, prompt: tuple[int, int], completion: tuple[int, int], vo
 
 def run(model, method: str, batch) -> tuple[float, torch.Tensor, dict[str, torch.Tensor], int]:
     """Seconds of one forward + backward, the log-probs, the gradients, and the tokens the model computed."""
-    import lit_rl.packing as packing
+    import lit_rl.modeling.packing as packing
     from lit_rl.algorithms.base import completion_forward
     from lit_rl.ops import token_logprobs
 
@@ -73,7 +73,7 @@ def run(model, method: str, batch) -> tuple[float, torch.Tensor, dict[str, torch
 def measure(args) -> dict:
     from transformers import Qwen2ForCausalLM
 
-    from lit_rl.models import tiny_qwen2_config
+    from lit_rl.modeling.models import tiny_qwen2_config
 
     torch.manual_seed(0)
     sizes = dict(hidden_size=args.hidden, num_hidden_layers=args.layers, intermediate_size=args.intermediate)

@@ -60,9 +60,9 @@ def rank_main(rank: int, world: int, port: int, sizes: dict, buckets_mib: list[f
     from transformers import AutoModelForCausalLM
     from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
-    from lit_rl.models import tiny_qwen2_config
+    from lit_rl.modeling.models import tiny_qwen2_config
     from lit_rl.rollout.weights import policy_weight_stream, policy_weights, weight_blocks
-    from lit_rl.strategies import exit_without_finalizing, gathered_parameters
+    from lit_rl.training.strategies import exit_without_finalizing, gathered_parameters
 
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)

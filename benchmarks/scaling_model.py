@@ -129,7 +129,7 @@ def _allreduce_worker(rank: int, world: int, init_file: str, sizes: list[int], r
     import torch
     import torch.distributed as dist
 
-    from lit_rl.strategies import exit_without_finalizing
+    from lit_rl.training.strategies import exit_without_finalizing
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -177,8 +177,8 @@ def _busy_worker(rank: int, world: int, init_file: str, model: str, iterations: 
     import torch.distributed as dist
     import transformers
 
-    from lit_rl.models import resolve_model_path
-    from lit_rl.strategies import exit_without_finalizing
+    from lit_rl.modeling.models import resolve_model_path
+    from lit_rl.training.strategies import exit_without_finalizing
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -275,7 +275,7 @@ def parameter_bytes(model: str) -> int:
     """fp32 bytes of the policy's parameters: what DDP all-reduces as gradients every optimizer step."""
     import transformers
 
-    from lit_rl.models import resolve_model_path
+    from lit_rl.modeling.models import resolve_model_path
 
     config = transformers.AutoConfig.from_pretrained(resolve_model_path(model))
     with __import__("torch").device("meta"):

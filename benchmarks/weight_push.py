@@ -68,7 +68,7 @@ def main() -> None:
 
     import torch
 
-    from lit_rl.models import load_causal_lm, resolve_model_path
+    from lit_rl.modeling.models import load_causal_lm, resolve_model_path
     from lit_rl.rollout.config import VLLMConfig
     from lit_rl.rollout.placement import EnginePlacement
     from lit_rl.rollout.vllm import VLLMColocateEngine

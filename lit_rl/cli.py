@@ -29,10 +29,10 @@ from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeed
 
 from lit_rl.callbacks import GracefulStop, NonFiniteGuard, RunSummary, StepProgressBar
 from lit_rl.callbacks.export import run_directory
-from lit_rl.checkpoint import AtomicCheckpointIO
 from lit_rl.errors import LitRLError, ReportedOnRankZero
 from lit_rl.resume import ResumePoint, keep_run_metrics, resolve_ckpt_path
-from lit_rl.strategies import as_project_deepspeed
+from lit_rl.training.checkpoint import AtomicCheckpointIO
+from lit_rl.training.strategies import as_project_deepspeed
 
 CONFIG_ERROR_EXIT = 2
 INPUT_ERROR_EXIT = 1
@@ -50,7 +50,7 @@ IGNORED_WARNINGS = (  # (message regex, category, module regex)
     (r"torch\.distributed\.nn\.functional\.all_gather is deprecated", FutureWarning, r"lightning\."),
     # Lightning's advice to sync epoch-level values across ranks, given whenever torch.distributed is initialised (a
     # colocated vLLM engine initialises it in a single process too): lit-rl logs the values its torchmetrics
-    # collections computed over every rank already (`lit_rl.metrics.compute_collection`).
+    # collections computed over every rank already (`lit_rl.training.metrics.compute_collection`).
     (r"It is recommended to use `self\.log\('(step|(train|val|test)/[^']*)', \.\.\., sync_dist=True\)`", Warning, ""),
     # DeepSpeed's ZeRO collectives and vLLM's Triton dispatcher, which torch 2.13 deprecates (lit-rl calls none).
     (r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated", FutureWarning, ""),
@@ -174,13 +174,15 @@ class LitRLCLI(LightningCLI):
       progress bar);
     - `AtomicCheckpointIO` (checkpoints are written to a temporary file and renamed), unless `trainer.plugins`
       is set or the strategy is DeepSpeed;
-    - under DeepSpeed, `lit_rl.strategies.DeepSpeedStrategy` for Lightning's (a `deepspeed*` name or Lightning's
-      class): its checkpoint directories are written to a temporary directory and renamed.
+    - under DeepSpeed, `lit_rl.training.strategies.DeepSpeedStrategy` for Lightning's (a `deepspeed*` name or
+      Lightning's class): its checkpoint directories are written to a temporary directory and renamed.
     """
 
     resumed: Optional[ResumePoint] = None  # the checkpoint and run directory `--ckpt_path` resolved to
 
-    def _parse_ckpt_path(self) -> None:  # Lightning's private hook: lit_rl.compat.overridden_private_methods
+    # This and `_instantiate_trainer` are private methods of Lightning's: lit_rl.training.compat lists them, and its
+    # test checks that Lightning still calls them.
+    def _parse_ckpt_path(self) -> None:
         # Lightning lays the checkpoint's hyperparameters over the parsed config here. lit-rl takes no value from a
         # checkpoint (a shared one could set `trust_remote_code` or import any module): the module compares them
         # with this run's when the checkpoint loads (`lit_rl/resume_config.py`). What is left: which checkpoint
@@ -194,7 +196,7 @@ class LitRLCLI(LightningCLI):
         if self.resumed is not None and self.resumed.run is not None:
             keep_run_metrics(self.trainer.loggers, self.resumed)
 
-    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> L.Trainer:  # (private too)
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> L.Trainer:
         configured = list(config.get("callbacks") or []) + callbacks
         extra: list[Callback] = []
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in configured):

@@ -23,9 +23,9 @@ import torch
 from transformers import AutoConfig
 
 from lit_rl.errors import DataFileNotFound, LitRLError
-from lit_rl.lora import apply_lora, as_lora_config, save_merged, trainable_keys
-from lit_rl.models import load_causal_lm, load_tokenizer, resolve_model_path
-from lit_rl.value_model import save_value_state
+from lit_rl.modeling.lora import apply_lora, as_lora_config, save_merged, trainable_keys
+from lit_rl.modeling.models import load_causal_lm, load_tokenizer, resolve_model_path
+from lit_rl.modeling.value_model import save_value_state
 
 POLICY_PREFIX = "policy."
 CRITIC_PREFIX = "critic."

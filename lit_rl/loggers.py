@@ -4,7 +4,7 @@
         --trainer.logger.project my-project            # pip install -e ".[trackio]"; `trackio show` to look
 
 Like every Lightning logger it receives each optimizer step's metrics once, from rank 0 (the values are already
-global: `lit_rl/metrics.py`).
+global: `lit_rl/training/metrics.py`).
 """
 
 from __future__ import annotations

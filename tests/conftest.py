@@ -218,8 +218,8 @@ def fit_on_episodes(algorithm: str = "GRPO", **model_args: Any):
 def perturbed_lora_model(**config: Any) -> torch.nn.Module:
     """The shipped SFT model with a LoRA adapter (r 4, `config` on top) whose trainable weights are moved by
     N(0, 0.05) noise, so that merged weights differ from the frozen ones."""
-    from lit_rl.lora import LoRAConfig, apply_lora
-    from lit_rl.models import load_causal_lm
+    from lit_rl.modeling.lora import LoRAConfig, apply_lora
+    from lit_rl.modeling.models import load_causal_lm
 
     model = apply_lora(
         load_causal_lm("lit-rl/tiny-qwen2-addition-sft", disable_dropout=True), LoRAConfig(r=4, **config)
@@ -236,7 +236,7 @@ def build_tiny_reward_model(path: Path) -> Path:
     """A randomly initialised one-label Qwen2 sequence classifier with the tiny tokenizer, saved at `path`."""
     from transformers import Qwen2ForSequenceClassification
 
-    from lit_rl.models import build_char_tokenizer, tiny_qwen2_config
+    from lit_rl.modeling.models import build_char_tokenizer, tiny_qwen2_config
 
     torch.manual_seed(0)
     config = tiny_qwen2_config()

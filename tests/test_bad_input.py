@@ -352,7 +352,12 @@ CASES = [
     (
         "strategy-unknown-option",
         GRPO,
-        ["--trainer.strategy", "lit_rl.strategies.DeepSpeedStrategy", "--trainer.strategy.no_such_option", "1"],
+        [
+            "--trainer.strategy",
+            "lit_rl.training.strategies.DeepSpeedStrategy",
+            "--trainer.strategy.no_such_option",
+            "1",
+        ],
         "trainer.strategy.no_such_option: unknown option",
         2,
     ),

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from lit_rl.errors import ConfigError
-from lit_rl.perf import StepTimer
 from lit_rl.rollout import RolloutOutput, SamplingParams, VLLMConfig
 from lit_rl.rollout import vllm as vllm_module
 from lit_rl.rollout.placement import EnginePlacement, tp_slice
 from lit_rl.rollout.vllm import VLLMColocateEngine, engine_kwargs
+from lit_rl.training.perf import StepTimer
 from tests.conftest import fit_grpo
 
 
@@ -169,7 +169,7 @@ class FakeClock:
 
 def test_phases_are_measured_and_nested_ones_count_once(monkeypatch):
     clock = FakeClock()
-    monkeypatch.setattr("lit_rl.perf.time.perf_counter", clock)
+    monkeypatch.setattr("lit_rl.training.perf.time.perf_counter", clock)
     timer = StepTimer()
     clock.advance(0.5)  # before any phase: policy update
     with timer.phase("weight_push"):

@@ -1,4 +1,4 @@
-"""Each private internal lit-rl touches (`lit_rl.compat`), run against the installed Lightning, torch,
+"""Each private internal lit-rl touches (`lit_rl.training.compat`), run against the installed Lightning, torch,
 torchmetrics, transformers and Python: an upgrade that renames or changes one fails here, by name, not as a silent
 change of behaviour deep in a run."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lit_rl import compat
+from lit_rl.training import compat
 
 
 def _trainer(**kwargs) -> L.Trainer:
@@ -105,7 +105,7 @@ def test_the_attention_kernel_of_a_hugging_face_model():
 def test_the_interpreter_exit_steps_join_threads_then_run_the_atexit_handlers():
     script = """
 import atexit, threading, time
-from lit_rl.compat import run_interpreter_exit_steps
+from lit_rl.training.compat import run_interpreter_exit_steps
 order = []
 threading.Thread(target=lambda: (time.sleep(0.2), order.append("thread"))).start()
 atexit.register(lambda: print(",".join(order + ["atexit"]), flush=True))

@@ -1,6 +1,6 @@
-"""The output head in chunks of tokens (`model.head_chunk_tokens`, `lit_rl.head`): the same log-probs, statistics
-and gradients as the full logits (fp32, 1e-5 of each tensor's scale), with no saved or computed logits beyond one
-chunk, and a model whose logits are more than its head refused."""
+"""The output head in chunks of tokens (`model.head_chunk_tokens`, `lit_rl.modeling.head`): the same log-probs,
+statistics and gradients as the full logits (fp32, 1e-5 of each tensor's scale), with no saved or computed logits beyond
+one chunk, and a model whose logits are more than its head refused."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 
 from lit_rl.algorithms.base import completion_scores
 from lit_rl.errors import ConfigError
-from lit_rl.head import chunked_head_scores, scores_from_logits
-from lit_rl.models import load_causal_lm
+from lit_rl.modeling.head import chunked_head_scores, scores_from_logits
+from lit_rl.modeling.models import load_causal_lm
 from tests.test_packing import MODEL, assert_close_to_scale, tokenizer, variable_batch  # noqa: F401
 
 EXTRAS = ("entropy", "mean_logit", "argmax")

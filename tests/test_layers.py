@@ -78,3 +78,23 @@ def test_the_scan_sees_the_imports_it_checks():
     assert "lit_rl.importing" in modules or "lit_rl.errors" in modules
     late = PACKAGE / "rewards" / "model.py"
     assert ("transformers", False) in {(module, top) for _, module, top in _imports(late)}
+
+
+def test_the_class_paths_saved_configs_and_checkpoints_name_still_import():
+    import importlib
+
+    import lit_rl.training.strategies
+
+    for path in (
+        "lit_rl.algorithms.GRPO",  # a checkpoint's and a config's model class_path
+        "lit_rl.algorithms.DPO",
+        "lit_rl.data.PromptDataModule",
+        "lit_rl.callbacks.SaveHFPretrained",
+        "lit_rl.rewards.arithmetic.correctness",
+        "lit_rl.strategies.DeepSpeedStrategy",  # 0.1's, moved to lit_rl.training.strategies
+    ):
+        module, name = path.rsplit(".", 1)
+        assert callable(getattr(importlib.import_module(module), name)), path
+    assert (
+        importlib.import_module("lit_rl.strategies").DeepSpeedStrategy is lit_rl.training.strategies.DeepSpeedStrategy
+    )

@@ -8,8 +8,8 @@ import torch
 from lit_rl.algorithms import DPO, GRPO, SFT
 from lit_rl.algorithms.base import PolicyModule
 from lit_rl.errors import ConfigError
-from lit_rl.lora import LoRAConfig, merged_weights, reference_view, trainable_keys
-from lit_rl.models import load_causal_lm
+from lit_rl.modeling.lora import LoRAConfig, merged_weights, reference_view, trainable_keys
+from lit_rl.modeling.models import load_causal_lm
 from tests.conftest import fit_grpo, perturbed_lora_model
 
 SFT_MODEL = "lit-rl/tiny-qwen2-addition-sft"

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lit_rl.metrics import grpo_metrics
+from lit_rl.training.metrics import grpo_metrics
 
 
 def test_train_and_val_collections_are_distinct_objects():
@@ -27,9 +27,9 @@ def test_mean_is_weighted_over_all_updates_not_a_mean_of_means():
 def test_a_metric_that_syncs_itself_is_refused_before_it_counts_ranks_twice():
     from torchmetrics import MeanMetric, MetricCollection
 
-    from lit_rl.metrics import compute_collection
+    from lit_rl.training.metrics import compute_collection
 
-    with pytest.raises(TypeError, match="'entropy' must be built with lit_rl.metrics.LOCAL"):
+    with pytest.raises(TypeError, match="'entropy' must be built with lit_rl.training.metrics.LOCAL"):
         compute_collection(MetricCollection({"entropy": MeanMetric()}))
 
 
@@ -39,8 +39,8 @@ def _synced_values(rank: int, world: int, init_file: str, out: str) -> None:
 
     import torch.distributed as dist
 
-    from lit_rl.metrics import compute_collection, ppo_metrics
-    from lit_rl.strategies import exit_without_finalizing
+    from lit_rl.training.metrics import compute_collection, ppo_metrics
+    from lit_rl.training.strategies import exit_without_finalizing
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     calls = []
@@ -83,7 +83,7 @@ def test_a_collection_syncs_in_two_collectives_to_the_values_of_all_ranks_data(t
 
     import torch.multiprocessing as mp
 
-    from lit_rl.metrics import ppo_metrics
+    from lit_rl.training.metrics import ppo_metrics
 
     out = str(tmp_path / "values")
     mp.start_processes(_synced_values, args=(2, str(tmp_path / "init"), out), nprocs=2, start_method="spawn")

@@ -1,6 +1,6 @@
-"""Token-budget grouping by hand (`lit_rl.micro_batches`)."""
+"""Token-budget grouping by hand (`lit_rl.training.micro_batches`)."""
 
-from lit_rl.micro_batches import token_budget_micro_batches
+from lit_rl.training.micro_batches import token_budget_micro_batches
 
 
 def test_units_are_grouped_first_fit_in_decreasing_size_within_the_budget():

@@ -4,7 +4,7 @@ import logging
 import pytest
 import torch
 
-from lit_rl.models import (
+from lit_rl.modeling.models import (
     ASSETS_DIR,
     TINY_BASE,
     build_char_tokenizer,
@@ -87,7 +87,7 @@ def test_dtype_option():
 def test_disable_dropout_zeroes_config_and_modules(tmp_path):
     from transformers import Qwen2Config
 
-    from lit_rl.models import tiny_qwen2_config
+    from lit_rl.modeling.models import tiny_qwen2_config
 
     config = tiny_qwen2_config()
     config.attention_dropout = 0.3

@@ -166,7 +166,7 @@ def test_only_the_models_tokens_carry_loss_and_token_metrics():
 
 def test_the_tool_task_and_its_sft_transcripts_match_what_episodes_produce():
     from lit_rl.data.arithmetic import tool_arithmetic_rows, tool_transcript
-    from lit_rl.models import load_tokenizer
+    from lit_rl.modeling.models import load_tokenizer
     from lit_rl.rewards.arithmetic import final_answer_correctness
 
     train, val = tool_arithmetic_rows("train"), tool_arithmetic_rows("val")

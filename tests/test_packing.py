@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from lit_rl.algorithms.base import completion_forward
-from lit_rl.models import load_causal_lm, load_tokenizer
+from lit_rl.modeling.models import load_causal_lm, load_tokenizer
+from lit_rl.modeling.packing import assign_rows, pack_completions, packed_completion_forward, packed_layout
 from lit_rl.ops import token_logprobs
-from lit_rl.packing import assign_rows, pack_completions, packed_completion_forward, packed_layout
 from tests.test_shared_prompts import count_input_tokens, plain_forward
 
 MODEL = "lit-rl/tiny-qwen2-addition-sft"
@@ -143,7 +143,7 @@ def test_packed_logits_and_gradients_equal_each_row_alone_the_padded_and_the_sha
     tokenizer, monkeypatch, single_row
 ):
     model = load_causal_lm(MODEL)  # dropout off: every path sees the same function
-    monkeypatch.setattr("lit_rl.packing.uses_flash_attention", lambda model: single_row)
+    monkeypatch.setattr("lit_rl.modeling.packing.uses_flash_attention", lambda model: single_row)
     batch = variable_batch(tokenizer)
     counts = count_input_tokens(model)
     reference, reference_grads = gradients(model, each_row_alone, batch)

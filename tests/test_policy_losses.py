@@ -10,7 +10,7 @@ from lit_rl.errors import ConfigError
 from lit_rl.losses import LossNormalizer, advantage_function, grpo_loss, policy_loss_function
 from lit_rl.losses.advantages import loo_advantages, reinforce_pp_advantages, reinforce_pp_baseline_advantages
 from lit_rl.losses.policy import cispo, gspo, gspo_token, ppo_clip
-from lit_rl.models import load_causal_lm
+from lit_rl.modeling.models import load_causal_lm
 
 
 def my_objective(logprobs, old_logprobs, advantages, completion_mask, epsilon_low, epsilon_high):

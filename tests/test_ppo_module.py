@@ -1,4 +1,4 @@
-"""PPO through a plain Trainer, and its critic (`lit_rl.value_model`): what the rollout buffer holds, where the
+"""PPO through a plain Trainer, and its critic (`lit_rl.modeling.value_model`): what the rollout buffer holds, where the
 gradient goes, the critic's forwards and its Hugging Face export."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from lit_rl.algorithms.base import completion_forward
 from lit_rl.errors import ConfigError
 from lit_rl.losses.policy import ppo_clip
 from lit_rl.losses.ppo import gae, token_rewards
-from lit_rl.models import load_causal_lm, load_tokenizer
+from lit_rl.modeling.models import load_causal_lm, load_tokenizer
+from lit_rl.modeling.value_model import load_value_model, save_value_model
 from lit_rl.ops import position_ids_from_mask
-from lit_rl.value_model import load_value_model, save_value_model
 from tests.conftest import build_tiny_reward_model, fit_grpo, fit_on_episodes
 
 MODEL = "lit-rl/tiny-qwen2-addition-sft"

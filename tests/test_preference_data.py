@@ -1,7 +1,7 @@
 import logging
 
 from lit_rl.data.preference import ShardedPairBatches, TokenizedPair, collate_pairs, tokenize_pairs
-from lit_rl.models import load_tokenizer
+from lit_rl.modeling.models import load_tokenizer
 
 TOKENIZER = load_tokenizer("lit-rl/tiny-qwen2-base")
 

@@ -33,7 +33,7 @@ def test_exit_without_finalizing_joins_threads_runs_the_atexit_handlers_flushes_
     result = run_python(
         """
 import atexit, threading, time
-from lit_rl.strategies import exit_without_finalizing
+from lit_rl.training.strategies import exit_without_finalizing
 atexit.register(lambda: open("atexit.txt", "w").write("ran"))
 threading.Thread(target=lambda: time.sleep(0.5) or open("thread.txt", "w").write("joined")).start()
 sys.stdout.write("buffered, no newline")

@@ -1,4 +1,4 @@
-"""Token budgets balanced across ranks (`lit_rl.rank_balance`): the dealing by hand, and rows that move between
+"""Token budgets balanced across ranks (`lit_rl.training.rank_balance`): the dealing by hand, and rows that move between
 ranks with every field intact."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from lit_rl.rank_balance import balanced_assignment, balanced_rows, padded_fields, rows_of
+from lit_rl.training.rank_balance import balanced_assignment, balanced_rows, padded_fields, rows_of
 from lit_rl.types import RolloutBatch
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lit_rl.algorithms.base import completion_logprobs
-from lit_rl.models import load_causal_lm, load_tokenizer
+from lit_rl.modeling.models import load_causal_lm, load_tokenizer
 from lit_rl.rollout import HFGenerateEngine, SamplingParams
 
 MODEL = "lit-rl/tiny-qwen2-addition-sft"

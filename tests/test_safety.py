@@ -14,9 +14,9 @@ import lightning as L
 import pytest
 import torch
 
-from lit_rl import checkpoint as checkpoint_module
 from lit_rl.callbacks import NonFiniteError, NonFiniteGuard
-from lit_rl.checkpoint import AtomicCheckpointIO, publish_directory, remove_directory, remove_stale_temporaries
+from lit_rl.training import checkpoint as checkpoint_module
+from lit_rl.training.checkpoint import AtomicCheckpointIO, publish_directory, remove_directory, remove_stale_temporaries
 from tests.conftest import CLI_COMMAND, CONFIGS, FAST_GRPO, cli_env, saved_steps, train_rows, write_overlay
 
 
@@ -79,7 +79,7 @@ def test_skip_leaves_the_weights_unchanged_and_training_goes_on(tmp_path):
 
 SLOW_SAVE = """
 import sys, time, torch
-from lit_rl.checkpoint import AtomicCheckpointIO
+from lit_rl.training.checkpoint import AtomicCheckpointIO
 
 class Slow:
     def __reduce__(self):
@@ -151,7 +151,7 @@ def test_stale_temporaries_and_removed_checkpoints_never_look_like_checkpoints(t
 def test_deepspeed_by_name_or_as_lightnings_class_becomes_the_subclass_with_atomic_directories():
     from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeedStrategy
 
-    from lit_rl.strategies import DeepSpeedStrategy, as_project_deepspeed
+    from lit_rl.training.strategies import DeepSpeedStrategy, as_project_deepspeed
 
     by_name = as_project_deepspeed("deepspeed_stage_3_offload")
     assert type(by_name) is DeepSpeedStrategy and by_name.config["zero_optimization"]["stage"] == 3
@@ -169,7 +169,7 @@ def _engine(stage, dtype=torch.float32, check_grad_overflow=False, compute_grad_
 
 
 def test_skip_under_deepspeed_only_where_deepspeed_discards_non_finite_steps():
-    from lit_rl.strategies import deepspeed_discards_non_finite_steps as discards
+    from lit_rl.training.strategies import deepspeed_discards_non_finite_steps as discards
 
     assert discards(_engine(3, torch.bfloat16)) and discards(_engine(2)) and discards(_engine(1))
     assert discards(_engine(2, torch.bfloat16, check_grad_overflow=True))

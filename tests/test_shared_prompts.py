@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from lit_rl.algorithms.base import completion_forward
-from lit_rl.models import load_causal_lm, load_tokenizer
+from lit_rl.modeling.models import load_causal_lm, load_tokenizer
+from lit_rl.modeling.shared_prompts import distinct_prompts, shared_prompt_cache
 from lit_rl.ops import position_ids_from_mask, token_logprobs
 from lit_rl.rollout import HFGenerateEngine, SamplingParams
-from lit_rl.shared_prompts import distinct_prompts, shared_prompt_cache
-from lit_rl.strategies import exit_without_finalizing
+from lit_rl.training.strategies import exit_without_finalizing
 
 MODEL = "lit-rl/tiny-qwen2-addition-sft"
 
@@ -172,7 +172,7 @@ def test_a_cache_without_the_prompt_positions_is_not_used(model, tokenizer):
 
 
 def test_lora_policy_and_its_adapter_off_reference_share_prompts_exactly(model, tokenizer):
-    from lit_rl.lora import LoRAConfig, apply_lora, reference_view
+    from lit_rl.modeling.lora import LoRAConfig, apply_lora, reference_view
 
     batch = grouped_batch(tokenizer)
     base_logits = plain_forward(model, *batch).detach()

@@ -19,7 +19,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from torchmetrics import MeanMetric, MetricCollection
 
 from lit_rl.algorithms.base import PolicyModule
-from lit_rl.strategies import move_unpartitioned_state
+from lit_rl.training.strategies import move_unpartitioned_state
 
 
 class _Module(L.LightningModule):

@@ -10,8 +10,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from lit_rl.lora import merged_weights
-from lit_rl.models import load_causal_lm
+from lit_rl.modeling.lora import merged_weights
+from lit_rl.modeling.models import load_causal_lm
 from lit_rl.rollout import weights as weights_module
 from lit_rl.rollout.weights import buckets, plain_name, policy_weight_stream, policy_weights, weight_blocks
 from tests.conftest import REPO, perturbed_lora_model

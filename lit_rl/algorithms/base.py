@@ -18,10 +18,9 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torchmetrics import MetricCollection
 
-from lit_rl.compat import mark_step_saved
 from lit_rl.errors import ConfigError
-from lit_rl.head import TokenScores, check_plain_head, chunked_head_scores, scores_from_logits
-from lit_rl.lora import (
+from lit_rl.modeling.head import TokenScores, check_plain_head, chunked_head_scores, scores_from_logits
+from lit_rl.modeling.lora import (
     LoRAConfig,
     adapter_layers,
     apply_lora,
@@ -31,15 +30,16 @@ from lit_rl.lora import (
     reset_adapter,
     trainable_keys,
 )
-from lit_rl.metrics import compute_collection
-from lit_rl.models import load_causal_lm, load_tokenizer
+from lit_rl.modeling.models import load_causal_lm, load_tokenizer
+from lit_rl.modeling.packing import packed_completion_forward, packed_completion_hidden
+from lit_rl.modeling.shared_prompts import shared_prompt_cache
 from lit_rl.ops import position_ids_from_mask
-from lit_rl.packing import packed_completion_forward, packed_completion_hidden
-from lit_rl.perf import StepTimer
 from lit_rl.resume import say
 from lit_rl.resume_config import announce, reconcile
-from lit_rl.shared_prompts import shared_prompt_cache
-from lit_rl.strategies import gathered_parameters, hf_zero3_loading, reduce_across_ranks, shards_parameters
+from lit_rl.training.compat import mark_step_saved
+from lit_rl.training.metrics import compute_collection
+from lit_rl.training.perf import StepTimer
+from lit_rl.training.strategies import gathered_parameters, hf_zero3_loading, reduce_across_ranks, shards_parameters
 
 
 class PolicyModule(L.LightningModule):
@@ -82,10 +82,10 @@ class PolicyModule(L.LightningModule):
         self.policy: Optional[torch.nn.Module] = None
         self.ref_model: Optional[torch.nn.Module] = None  # frozen; set by `load_reference`, never checkpointed
         self.timer = StepTimer()  # perf/ metrics: where each step's time goes
-        self.padding_free = padding_free  # training forwards on packed rows (`lit_rl.packing`)
+        self.padding_free = padding_free  # training forwards on packed rows (`lit_rl.modeling.packing`)
         if head_chunk_tokens is not None and head_chunk_tokens < 1:
             raise ConfigError(f"model.head_chunk_tokens must be >= 1 (or null), got {head_chunk_tokens}")
-        self.head_chunk_tokens = head_chunk_tokens  # the output head on chunks of tokens (`lit_rl.head`)
+        self.head_chunk_tokens = head_chunk_tokens  # the output head on chunks of tokens (`lit_rl.modeling.head`)
 
     # -- model -----------------------------------------------------------------------------------------------
     def load_model(self, random_init: bool = False, path: Optional[str] = None) -> torch.nn.Module:
@@ -462,9 +462,9 @@ def completion_forward(
 
     Positions come from the attention mask, as in generation, so a left-padded prompt gets the same positions
     (and the same log-probs) as when it was sampled. Rows that share a prompt share its forward
-    (`lit_rl.shared_prompts`): each distinct prompt but its last token runs once, and the rows run the rest.
+    (`lit_rl.modeling.shared_prompts`): each distinct prompt but its last token runs once, and the rows run the rest.
     `synced_ranks`: parameters are sharded across ranks (`PolicyModule.parameters_sharded`), so the ranks must
-    decide together. `padding_free`: one forward of the rows' real tokens laid end to end (`lit_rl.packing`;
+    decide together. `padding_free`: one forward of the rows' real tokens laid end to end (`lit_rl.modeling.packing`;
     it replaces prompt sharing), with zero logits where `completion_mask` is 0.
     """
     if padding_free:
@@ -510,10 +510,10 @@ def completion_scores(
     extras: tuple[str, ...] = (),
 ) -> TokenScores:
     """Per-token log-probs [N, T] of the completion tokens under `softmax(logits / temperature)`, and the
-    statistics named in `extras` (`lit_rl.head.EXTRAS`).
+    statistics named in `extras` (`lit_rl.modeling.head.EXTRAS`).
 
     `head_chunk_tokens`: the output head runs on the completion tokens' hidden states that many at a time
-    (`lit_rl.head`), never building `[N, T, V]` logits; scores are then zero where `completion_mask` is 0.
+    (`lit_rl.modeling.head`), never building `[N, T, V]` logits; scores are then zero where `completion_mask` is 0.
     Otherwise from `completion_forward`'s logits.
     """
     args = (model, prompt_ids, prompt_mask, completion_ids, completion_mask, synced_ranks, padding_free)

@@ -21,11 +21,11 @@ import torch
 from lit_rl.algorithms.base import PolicyModule
 from lit_rl.data.preference import TokenizedPair, collate_pairs
 from lit_rl.errors import ConfigError
-from lit_rl.lora import LoRAConfig
 from lit_rl.losses.dpo import DPO_LOSSES, REFERENCE_FREE, dpo_loss
-from lit_rl.metrics import dpo_metrics
-from lit_rl.models import resolve_model_path
-from lit_rl.strategies import is_accumulating_micro_batch, reduce_across_ranks
+from lit_rl.modeling.lora import LoRAConfig
+from lit_rl.modeling.models import resolve_model_path
+from lit_rl.training.metrics import dpo_metrics
+from lit_rl.training.strategies import is_accumulating_micro_batch, reduce_across_ranks
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +49,14 @@ class DPO(PolicyModule):
         gradient_checkpointing: recompute activations in the backward pass to save memory.
         trust_remote_code: allow model code from the model repository (off by default).
         padding_free: run the training forwards (policy, reference, old log-probs) on the rows' real tokens laid
-            end to end, without padding (`lit_rl.packing`): the same values to float rounding, less compute when
-            lengths vary. It replaces the shared-prompt forward.
-        head_chunk_tokens: run the output head on that many completion tokens at a time (`lit_rl.head`), so the
+            end to end, without padding (`lit_rl.modeling.packing`): the same values to float rounding, less compute
+            when lengths vary. It replaces the shared-prompt forward.
+        head_chunk_tokens: run the output head on that many completion tokens at a time (`lit_rl.modeling.head`), so the
             `[tokens, vocab]` logits never exist beyond one chunk: the memory of long completions at a large
             vocabulary, for one more head forward per trained token. None: the whole micro-batch's logits at once.
         lora: train a LoRA adapter (`configs/peft/lora.yaml`) instead of the full weights, the reference being the
             policy with its adapter disabled (unless `ref_model_name_or_path` names another model). See
-            `lit_rl.lora.LoRAConfig` for the keys (`--model.lora.r 8`).
+            `lit_rl.modeling.lora.LoRAConfig` for the keys (`--model.lora.r 8`).
     """
 
     def __init__(

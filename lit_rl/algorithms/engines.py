@@ -12,13 +12,13 @@ from typing import Optional
 
 import torch
 
-from lit_rl.models import resolve_model_path
+from lit_rl.modeling.models import resolve_model_path
 from lit_rl.rollout import HFGenerateEngine, RolloutEngine
 from lit_rl.rollout.config import VLLM_DTYPES
 from lit_rl.rollout.hf import model_eos_token_ids
 from lit_rl.rollout.placement import EnginePlacement
 from lit_rl.rollout.weights import DEFAULT_BUCKET_MIB, policy_weight_stream
-from lit_rl.strategies import is_fsdp_wrapped, settle_zero3_parameters
+from lit_rl.training.strategies import is_fsdp_wrapped, settle_zero3_parameters
 
 
 class RolloutEngineOwner:

@@ -18,7 +18,7 @@ from lit_rl.errors import ConfigError
 from lit_rl.rollout import SamplingParams
 from lit_rl.rollout.base import unpadded_prompts
 from lit_rl.rollout.multi_turn import EPISODE_STATS, Episodes, run_episodes
-from lit_rl.strategies import reduce_across_ranks
+from lit_rl.training.strategies import reduce_across_ranks
 from lit_rl.types import RolloutBatch
 
 

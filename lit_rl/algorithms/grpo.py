@@ -15,16 +15,16 @@ from lit_rl.algorithms.on_policy import ZERO_STD, OnPolicyModule
 from lit_rl.algorithms.rollout_checks import check_rollout_args
 from lit_rl.data.schedule import MAX_REFILLS, refill_seed_key
 from lit_rl.errors import ConfigError
-from lit_rl.lora import LoRAConfig
 from lit_rl.losses import AGGREGATIONS, IS_CORRECTIONS, LossNormalizer, grpo_loss, rollout_is_weights
 from lit_rl.losses.advantages import advantage_function
 from lit_rl.losses.overlong import overlong_penalty, truncated
 from lit_rl.losses.policy import policy_loss_function
-from lit_rl.metrics import dynamic_sampling_metrics, grpo_metrics
-from lit_rl.rank_balance import concat_batches, exchange_rows
+from lit_rl.modeling.lora import LoRAConfig
 from lit_rl.rollout import RolloutOutput, VLLMConfig
 from lit_rl.rollout.dynamic_sampling import rows_for_rank, select_groups
 from lit_rl.rollout.hf import model_eos_token_ids
+from lit_rl.training.metrics import dynamic_sampling_metrics, grpo_metrics
+from lit_rl.training.rank_balance import concat_batches, exchange_rows
 from lit_rl.types import RolloutBatch
 
 
@@ -70,17 +70,17 @@ class GRPO(OnPolicyModule):
         vllm: generate rollouts with vLLM (`configs/rollout/vllm_colocate.yaml`, `vllm_server.yaml`); None: HF
             `generate` on the policy. See `lit_rl.rollout.VLLMConfig` for the keys (`--model.vllm.mode ...`).
         padding_free: run the training forwards (policy, reference, old log-probs) on the rows' real tokens laid
-            end to end, without padding (`lit_rl.packing`): the same values to float rounding, less compute when
-            lengths vary. It replaces the shared-prompt forward.
-        head_chunk_tokens: run the output head on that many completion tokens at a time (`lit_rl.head`), so the
+            end to end, without padding (`lit_rl.modeling.packing`): the same values to float rounding, less compute
+            when lengths vary. It replaces the shared-prompt forward.
+        head_chunk_tokens: run the output head on that many completion tokens at a time (`lit_rl.modeling.head`), so the
             `[tokens, vocab]` logits never exist beyond one chunk: the memory of long completions at a large
             vocabulary, for one more head forward per trained token. None: the whole micro-batch's logits at once.
         micro_batch_tokens: group each optimizer step's completions into at most `accumulate_grad_batches`
             micro-batches of at most this many real (prompt + completion) tokens instead of `micro_batch_size`
-            each (`lit_rl.micro_batches`); the step's completions and loss stay the same. None: fixed counts.
+            each (`lit_rl.training.micro_batches`); the step's completions and loss stay the same. None: fixed counts.
         lora: train a LoRA adapter (`configs/peft/lora.yaml`) instead of the full weights; the reference is then
-            the policy with its adapter disabled. See `lit_rl.lora.LoRAConfig` for the keys (`--model.lora.r 8`).
-        max_staleness: asynchronous rollouts: generation g is sampled in the background by the weights of
+            the policy with its adapter disabled. See `lit_rl.modeling.lora.LoRAConfig` for the keys (`--model.lora.r
+        8`). max_staleness: asynchronous rollouts: generation g is sampled in the background by the weights of
             optimizer step max(0, g*m - k) (m = steps_per_generation x num_iterations), so each sample is at most
             k steps older than the policy it first updates (`lit_rl.rollout.producer`); needs the vLLM server
             engine. 0 (default): synchronous.

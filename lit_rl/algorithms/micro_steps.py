@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from lit_rl.losses import LossNormalizer
-from lit_rl.micro_batches import budgeted_micro_batch, step_row_tokens
-from lit_rl.rank_balance import balanced_rows, exchange_rows
-from lit_rl.strategies import reduce_across_ranks
+from lit_rl.training.micro_batches import budgeted_micro_batch, step_row_tokens
+from lit_rl.training.rank_balance import balanced_rows, exchange_rows
+from lit_rl.training.strategies import reduce_across_ranks
 from lit_rl.types import RolloutBatch
 
 
@@ -82,7 +82,7 @@ class MicroBatching:
     def micro_batch(self, index: int) -> tuple[RolloutBatch, bool]:
         """Micro-batch `index` of one pass over the buffer, and whether it holds completions: `micro_batch_size`
         consecutive rows, or with `micro_batch_tokens` the step's rows grouped by tokens
-        (`lit_rl.micro_batches.budgeted_micro_batch`, which may give an empty micro-step: False)."""
+        (`lit_rl.training.micro_batches.budgeted_micro_batch`, which may give an empty micro-step: False)."""
         size = self.hparams.micro_batch_size
         if self.micro_batch_tokens is None:
             return self._buffer.select(slice(index * size, (index + 1) * size)), True

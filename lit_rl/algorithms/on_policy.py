@@ -6,9 +6,9 @@ steps of `accumulate_grad_batches` micro-batches of `micro_batch_size` completio
 optimization does the accumulation, clipping, precision and `global_step`, so checkpoint cadence cannot drift.
 
 With `micro_batch_tokens`, each optimizer step's completions are grouped into micro-batches by tokens instead of
-by count (`lit_rl.micro_batches`); the micro-steps per optimizer step, and so the schedule, stay the same. On more
-than one rank the step's completions are first dealt so that the ranks' token totals even out
-(`lit_rl.rank_balance`).
+by count (`lit_rl.training.micro_batches`); the micro-steps per optimizer step, and so the schedule, stay the same. On
+more than one rank the step's completions are first dealt so that the ranks' token totals even out
+(`lit_rl.training.rank_balance`).
 
 A subclass provides `finish_rollout` (advantages, or pairs), `micro_batch_loss` and its metric collection.
 
@@ -35,21 +35,21 @@ from lit_rl.algorithms.rng import rng_state, set_rng_state
 from lit_rl.algorithms.rollout_checks import check_max_staleness, check_prompt_lengths
 from lit_rl.data.schedule import RolloutSchedule
 from lit_rl.errors import ConfigError, EnvironmentStepError
-from lit_rl.lora import LoRAConfig
 from lit_rl.losses import LossNormalizer
-from lit_rl.metrics import (
+from lit_rl.modeling.lora import LoRAConfig
+from lit_rl.ops import kl_k3
+from lit_rl.rollout import RolloutEngine, RolloutOutput, SamplingParams, VLLMConfig
+from lit_rl.rollout.base import global_batch_seeds
+from lit_rl.rollout.config import check_vllm_config
+from lit_rl.rollout.producer import AsyncRolloutProducer, generation_version, generations_launched_at
+from lit_rl.training.metrics import (
     asynchronous_rollout_metrics,
     episode_metrics,
     rollout_eval_metrics,
     token_budget_metrics,
     update_rollout_metrics,
 )
-from lit_rl.ops import kl_k3
-from lit_rl.rollout import RolloutEngine, RolloutOutput, SamplingParams, VLLMConfig
-from lit_rl.rollout.base import global_batch_seeds
-from lit_rl.rollout.config import check_vllm_config
-from lit_rl.rollout.producer import AsyncRolloutProducer, generation_version, generations_launched_at
-from lit_rl.strategies import is_accumulating_micro_batch
+from lit_rl.training.strategies import is_accumulating_micro_batch
 from lit_rl.types import RolloutBatch
 
 ZERO_STD = 1e-6

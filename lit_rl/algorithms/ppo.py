@@ -1,8 +1,8 @@
 """PPO with a learned critic (Schulman et al. 2017; for language models Ouyang et al. 2022).
 
 Each completion is an episode: its reward arrives at the last token, a per-token KL penalty to the reference
-(beta > 0) at every token, and a critic (`lit_rl.value_model.ValueModel`, a separate network initialised from the
-policy's weights or `critic_model_name_or_path`) gives the baseline V(s_t). At generation time the critic's values,
+(beta > 0) at every token, and a critic (`lit_rl.modeling.value_model.ValueModel`, a separate network initialised from
+the policy's weights or `critic_model_name_or_path`) gives the baseline V(s_t). At generation time the critic's values,
 GAE advantages and returns are computed once (`lit_rl.losses.ppo`), and the advantages whitened over every real
 token of the generation on every rank. Each micro-step then trains both networks with one loss:
 
@@ -17,7 +17,7 @@ is all `value_loss_coef` changes: the networks share no parameter, and AdamW's s
 scale. `value_clip` is in reward units: with rewards far from [0, 1], scale it (or the rewards) to match. The
 schedule, buffer, validation and checkpoints are `OnPolicyModule`'s, so the
 checkpoint cadence and exact resume hold as for GRPO; the critic is in every checkpoint and exported next to the
-policy (`hf/critic`: `lit_rl.value_model.save_value_state`).
+policy (`hf/critic`: `lit_rl.modeling.value_model.save_value_state`).
 
 With an environment (`model.environment` or `model.tools`) a completion is a multi-turn transcript, and only the
 model's tokens are actions: the rewards, GAE, both losses and the token metrics run over them alone, the
@@ -34,16 +34,16 @@ from lit_rl.algorithms.base import completion_forward
 from lit_rl.algorithms.on_policy import OnPolicyModule
 from lit_rl.algorithms.rollout_checks import check_rollout_args
 from lit_rl.errors import ConfigError
-from lit_rl.lora import LoRAConfig
 from lit_rl.losses import AGGREGATIONS, LossNormalizer
 from lit_rl.losses.grpo import aggregate
 from lit_rl.losses.policy import ppo_clip
 from lit_rl.losses.ppo import clipped_value_loss, gae, masked_moments, moments_to_mean_std, token_rewards, whiten
-from lit_rl.metrics import ppo_metrics
+from lit_rl.modeling.lora import LoRAConfig
+from lit_rl.modeling.value_model import ValueModel, load_value_model, reset_value_head
 from lit_rl.rollout import VLLMConfig
-from lit_rl.strategies import gathered_parameters, hf_zero3_loading, reduce_across_ranks
+from lit_rl.training.metrics import ppo_metrics
+from lit_rl.training.strategies import gathered_parameters, hf_zero3_loading, reduce_across_ranks
 from lit_rl.types import RolloutBatch
-from lit_rl.value_model import ValueModel, load_value_model, reset_value_head
 
 
 class PPO(OnPolicyModule):
@@ -76,7 +76,7 @@ class PPO(OnPolicyModule):
             `sequence`, `constant` or `dapo`.
         critic_model_name_or_path: the model the critic starts from (None: the policy's): a causal LM (its decoder,
             and a value head at 0), a one-label reward model or an exported critic (decoder and head); it must share
-            the policy's tokenizer (`lit_rl.value_model.load_value_model`).
+            the policy's tokenizer (`lit_rl.modeling.value_model.load_value_model`).
         learning_rate: AdamW learning rate of the policy.
         critic_learning_rate: AdamW learning rate of the critic (None: `learning_rate`).
         weight_decay: AdamW weight decay.
@@ -94,10 +94,10 @@ class PPO(OnPolicyModule):
         lora: train a LoRA adapter on the policy (`configs/peft/lora.yaml`); the critic still trains all its
             weights (with their AdamW state).
         padding_free: run the training forwards (policy, critic, reference, old log-probs) on the rows' real
-            tokens laid end to end, without padding (`lit_rl.packing`).
-        head_chunk_tokens: run the policy's output head on that many completion tokens at a time (`lit_rl.head`).
-        micro_batch_tokens: group each optimizer step's completions into at most `accumulate_grad_batches`
-            micro-batches of at most this many real tokens instead of `micro_batch_size` each.
+            tokens laid end to end, without padding (`lit_rl.modeling.packing`).
+        head_chunk_tokens: run the policy's output head on that many completion tokens at a time
+        (`lit_rl.modeling.head`). micro_batch_tokens: group each optimizer step's completions into at most
+            `accumulate_grad_batches` micro-batches of at most this many real tokens instead of `micro_batch_size` each.
         environment: multi-turn episodes: the import path of an environment class (`lit_rl.envs.Environment`:
             `reset(row)`, `step(turn_text)`), one per episode, built with `environment_args`. Each completion is then
             the episode's transcript, token-in and token-out (`lit_rl.rollout.multi_turn`); only the model's tokens

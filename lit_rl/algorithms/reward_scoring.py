@@ -15,7 +15,7 @@ from lit_rl.errors import ConfigError, ReportedOnRankZero, RewardFunctionError
 from lit_rl.rewards import TrainerState, import_reward_function, reward_name
 from lit_rl.rewards.scoring import reward_components, weighted_reward
 from lit_rl.rollout import RolloutOutput
-from lit_rl.strategies import reduce_across_ranks
+from lit_rl.training.strategies import reduce_across_ranks
 
 
 class RewardScorer:

@@ -14,9 +14,9 @@ from typing import Any, Optional
 import torch
 
 from lit_rl.algorithms.base import PolicyModule
-from lit_rl.lora import LoRAConfig
-from lit_rl.metrics import sft_metrics
-from lit_rl.strategies import is_accumulating_micro_batch
+from lit_rl.modeling.lora import LoRAConfig
+from lit_rl.training.metrics import sft_metrics
+from lit_rl.training.strategies import is_accumulating_micro_batch
 
 
 class SFT(PolicyModule):
@@ -34,13 +34,13 @@ class SFT(PolicyModule):
         max_prompt_length: truncate prompts to their last `max_prompt_length` tokens (None: no limit).
         max_completion_length: truncate completions to this many tokens, EOS included (None: no limit).
         padding_free: run the training forwards (policy, reference, old log-probs) on the rows' real tokens laid
-            end to end, without padding (`lit_rl.packing`): the same values to float rounding, less compute when
-            lengths vary. It replaces the shared-prompt forward.
-        head_chunk_tokens: run the output head on that many completion tokens at a time (`lit_rl.head`), so the
+            end to end, without padding (`lit_rl.modeling.packing`): the same values to float rounding, less compute
+            when lengths vary. It replaces the shared-prompt forward.
+        head_chunk_tokens: run the output head on that many completion tokens at a time (`lit_rl.modeling.head`), so the
             `[tokens, vocab]` logits never exist beyond one chunk: the memory of long completions at a large
             vocabulary, for one more head forward per trained token. None: the whole micro-batch's logits at once.
         lora: train a LoRA adapter (`configs/peft/lora.yaml`) instead of the full weights. See
-            `lit_rl.lora.LoRAConfig` for the keys (`--model.lora.r 8`).
+            `lit_rl.modeling.lora.LoRAConfig` for the keys (`--model.lora.r 8`).
     """
 
     disable_dropout = False

@@ -10,9 +10,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from lit_rl.callbacks.safety import GracefulStop
-from lit_rl.lora import is_lora_model, save_merged
-from lit_rl.strategies import gathered_parameters
-from lit_rl.value_model import save_value_model
+from lit_rl.modeling.lora import is_lora_model, save_merged
+from lit_rl.modeling.value_model import save_value_model
+from lit_rl.training.strategies import gathered_parameters
 
 
 class SaveHFPretrained(Callback):
@@ -21,7 +21,7 @@ class SaveHFPretrained(Callback):
 
     A LoRA policy is saved twice: merged into a plain model in `dirpath` (loadable by transformers and vLLM without
     peft) and as the peft adapter alone in `dirpath/adapter` (`PeftModel.from_pretrained(base, dirpath/adapter)`).
-    A module with a critic (PPO) also writes it to `dirpath/critic` (`lit_rl.value_model.save_value_state`: a
+    A module with a critic (PPO) also writes it to `dirpath/critic` (`lit_rl.modeling.value_model.save_value_state`: a
     one-label `AutoModelForTokenClassification` whose logits are the values, where the architecture has one).
 
     Args:
@@ -46,7 +46,7 @@ class SaveHFPretrained(Callback):
             if trainer.is_global_zero:
                 error = _attempt(lambda: self._save_policy(pl_module, out))
         critic = getattr(pl_module, "critic", None)
-        if critic is not None:  # PPO: the critic next to the policy (`lit_rl.value_model.save_value_model`)
+        if critic is not None:  # PPO: the critic next to the policy (`lit_rl.modeling.value_model.save_value_model`)
             with gathered_parameters(critic):
                 if trainer.is_global_zero and error is None:
                     error = _attempt(lambda: save_value_model(critic, out / "critic"))

@@ -12,9 +12,9 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lit_rl.compat import foreach_norm, mark_last_written, skip_next_validation
 from lit_rl.errors import LitRLError
-from lit_rl.strategies import (
+from lit_rl.training.compat import foreach_norm, mark_last_written, skip_next_validation
+from lit_rl.training.strategies import (
     deepspeed_discards_non_finite_steps,
     deepspeed_engine,
     deepspeed_local_gradients,

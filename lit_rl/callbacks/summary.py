@@ -25,7 +25,7 @@ from rich.console import Console
 
 from lit_rl.callbacks.export import SaveHFPretrained
 from lit_rl.callbacks.safety import GracefulStop
-from lit_rl.metrics import DPO_PAIR_METRICS
+from lit_rl.training.metrics import DPO_PAIR_METRICS
 
 
 def headline_metrics(names: Sequence[str]) -> list[str]:

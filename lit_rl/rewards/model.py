@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 import torch
 
-from lit_rl.models import reading_model, resolve_model_path
+from lit_rl.modeling.models import reading_model, resolve_model_path
 from lit_rl.rewards import completion_text
 
 

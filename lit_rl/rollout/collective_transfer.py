@@ -37,10 +37,10 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequen
 
 import torch
 
-from lit_rl.compat import set_group_sequence_number
 from lit_rl.rollout.config import VLLM_TRANSFER_BACKENDS, VLLMConfig
 from lit_rl.rollout.server_client import RolloutServerError, ServerDownError
 from lit_rl.rollout.server_pool import RolloutServer
+from lit_rl.training.compat import set_group_sequence_number
 
 
 class TransferGroup(Protocol):

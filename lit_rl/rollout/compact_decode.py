@@ -20,9 +20,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from lit_rl.modeling.shared_prompts import indexable_cache
 from lit_rl.ops import position_ids_from_mask
 from lit_rl.rollout.base import SamplingParams
-from lit_rl.shared_prompts import indexable_cache
 
 
 @torch.no_grad()

@@ -8,10 +8,10 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from lit_rl.lora import base_model
+from lit_rl.modeling.lora import base_model
+from lit_rl.modeling.shared_prompts import shared_prompt_cache
 from lit_rl.rollout.base import RolloutOutput, SamplingParams, completion_mask_from_ids, draw_seeds
 from lit_rl.rollout.compact_decode import decode_skipping_finished
-from lit_rl.shared_prompts import shared_prompt_cache
 
 
 def model_eos_token_ids(model: torch.nn.Module, tokenizer_eos_id: Optional[int]) -> list[int]:

@@ -9,7 +9,7 @@ and releases it before the next. A consumer that finishes with each tensor as it
 loads layer by layer) then holds at most about one bucket of gathered weights. Blocks are never split across
 buckets, so a layer that vLLM fuses (q/k/v, gate/up) arrives whole within one bucket.
 
-With a LoRA policy, each adapted layer yields its merged weight `W + (alpha / r) B A` (`lit_rl.lora`), computed
+With a LoRA policy, each adapted layer yields its merged weight `W + (alpha / r) B A` (`lit_rl.modeling.lora`), computed
 from the gathered bucket; adapter tensors never leave. Tied weights are yielded once (under the first name).
 
 FSDP: the whole model is gathered once (`summon_full_params`), as before; bucketing is for ZeRO-3. The names of
@@ -26,8 +26,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from lit_rl.lora import base_model, hf_weight_name, is_lora_layer, is_lora_model, lora_delta, merged_weights
-from lit_rl.strategies import gathered_parameters, gathered_parameters_of, is_fsdp_wrapped
+from lit_rl.modeling.lora import base_model, hf_weight_name, is_lora_layer, is_lora_model, lora_delta, merged_weights
+from lit_rl.training.strategies import gathered_parameters, gathered_parameters_of, is_fsdp_wrapped
 
 DEFAULT_BUCKET_MIB = 512
 _WRAPPER_SEGMENT = re.compile(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.")
@@ -162,7 +162,7 @@ def policy_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """All of the policy's weights at once, by Hugging Face name, detached (parameters must not be sharded).
 
     Tied weights appear once per name (vLLM skips `lm_head.weight` itself when embeddings are tied). A LoRA policy
-    gives its merged weights (`lit_rl.lora.merged_weights`).
+    gives its merged weights (`lit_rl.modeling.lora.merged_weights`).
     """
     if is_lora_model(model):
         return merged_weights(model)

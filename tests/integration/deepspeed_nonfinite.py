@@ -18,7 +18,12 @@ import lightning as L
 import torch
 
 from lit_rl.callbacks import NonFiniteGuard
-from lit_rl.strategies import DeepSpeedStrategy, exit_without_finalizing, gathered_parameters, settle_zero3_parameters
+from lit_rl.training.strategies import (
+    DeepSpeedStrategy,
+    exit_without_finalizing,
+    gathered_parameters,
+    settle_zero3_parameters,
+)
 
 BAD_RANK = 1
 

@@ -149,7 +149,7 @@ def test_validate_subcommand_with_precomputed_reference(tmp_path, capsys):
 
 
 def _perturbed_reference(path):
-    from lit_rl.models import load_causal_lm
+    from lit_rl.modeling.models import load_causal_lm
 
     torch.manual_seed(123)
     model = load_causal_lm("lit-rl/tiny-qwen2-addition-sft")
@@ -162,7 +162,7 @@ def _perturbed_reference(path):
 
 
 def load_causal_lm_tokenizer_copy(path):
-    from lit_rl.models import load_tokenizer
+    from lit_rl.modeling.models import load_tokenizer
 
     load_tokenizer("lit-rl/tiny-qwen2-addition-sft").save_pretrained(path)
 

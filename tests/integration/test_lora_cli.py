@@ -103,7 +103,7 @@ def test_checkpoints_hold_the_adapter_resume_exactly_and_export_both_ways(tmp_pa
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from lit_rl.models import load_causal_lm
+    from lit_rl.modeling.models import load_causal_lm
 
     ids = torch.randint(0, 256, (2, 10))
     with torch.no_grad():

@@ -47,7 +47,7 @@ def test_padding_free_training_logs_the_padded_runs_numbers(tmp_path, monkeypatc
     # All sequences in one packed row (the flash-attention layout): the tiny task's sequences are of nearly equal
     # length, so the CPU layout (rows of at most the longest sequence) would mostly hold one sequence per row,
     # and a sequence attending to its neighbours would go unseen. Both layouts are checked in test_packing.py.
-    monkeypatch.setattr("lit_rl.packing.uses_flash_attention", lambda model: True)
+    monkeypatch.setattr("lit_rl.modeling.packing.uses_flash_attention", lambda model: True)
     packed = _fit(tmp_path, "packed", algorithm, "--model.padding_free", "true")
     assert [row["step"] for row in packed] == [row["step"] for row in padded] and len(padded) >= 3
     assert packed_calls, "no forward ran packed"

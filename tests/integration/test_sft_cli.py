@@ -2,7 +2,7 @@
 
 import pytest
 
-from lit_rl.models import load_causal_lm, load_tokenizer
+from lit_rl.modeling.models import load_causal_lm, load_tokenizer
 from tests.conftest import CONFIGS, read_metrics, run_cli, saved_steps, train_rows, write_overlay
 
 pytestmark = pytest.mark.slow

@@ -56,7 +56,7 @@ def parameter_gap(engine, policy) -> dict[str, float]:
     """The largest |engine - policy| over every parameter of the colocated engine, with the policy's weights laid
     out as vLLM lays them out (fused projections, a tied head); how many engine parameters were compared (all of
     them), and which of the policy's tensors none of them covers (none: every weight was pushed)."""
-    from lit_rl.lora import is_lora_model, merged_weights
+    from lit_rl.modeling.lora import is_lora_model, merged_weights
 
     state = dict(merged_weights(policy)) if is_lora_model(policy) else policy.state_dict()
     (engine_state,) = engine.llm.collective_rpc(engine_parameters)
@@ -81,7 +81,7 @@ def parameter_gap(engine, policy) -> dict[str, float]:
 
 
 def main(mode: str, url: str | None, lora: bool, gloo: bool = False) -> None:
-    from lit_rl.models import load_causal_lm, load_tokenizer, resolve_model_path
+    from lit_rl.modeling.models import load_causal_lm, load_tokenizer, resolve_model_path
     from lit_rl.rollout import SamplingParams, VLLMConfig
     from lit_rl.rollout.hf import model_eos_token_ids
     from lit_rl.rollout.weights import policy_weight_stream
@@ -90,7 +90,7 @@ def main(mode: str, url: str | None, lora: bool, gloo: bool = False) -> None:
     tokenizer = load_tokenizer(path)
     policy = load_causal_lm(path, dtype="float32").eval()
     if lora:
-        from lit_rl.lora import LoRAConfig, apply_lora
+        from lit_rl.modeling.lora import LoRAConfig, apply_lora
 
         policy = apply_lora(policy, LoRAConfig(r=8)).eval()
     eos_ids = model_eos_token_ids(policy, tokenizer.eos_token_id)

@@ -19,14 +19,14 @@ much. Raise `trainer.accumulate_grad_batches` or the budget when it does.
 
 The loss denominators are those of the whole optimizer step (`LossNormalizer`), so the grouping changes which
 completions share a forward, never what the step computes: a test checks 1 x 8 = 4 x 2 = token-budgeted.
-The grouping is the bin packing of packed rows (`lit_rl.packing.first_fit_decreasing`) with a cap on the bins.
+The grouping is the bin packing of packed rows (`lit_rl.modeling.packing.first_fit_decreasing`) with a cap on the bins.
 """
 
 from __future__ import annotations
 
 import torch
 
-from lit_rl.packing import first_fit_decreasing
+from lit_rl.modeling.packing import first_fit_decreasing
 from lit_rl.types import RolloutBatch
 
 

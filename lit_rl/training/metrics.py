@@ -17,7 +17,7 @@ import torch
 from torchmetrics import ExplainedVariance, MaxMetric, MeanMetric, Metric, MetricCollection, MinMetric, SumMetric
 from torchmetrics.utilities.data import dim_zero_max, dim_zero_min, dim_zero_sum
 
-from lit_rl.compat import state_reductions
+from lit_rl.training.compat import state_reductions
 
 LOCAL = {"sync_on_compute": False}  # `compute_collection` syncs; `compute()` alone must not (see the docstring)
 
@@ -95,7 +95,7 @@ def episode_metrics() -> dict:
 def token_budget_metrics() -> dict:
     """What token-budget micro-batches add: the real tokens of the step's largest micro-batch, across ranks (more
     than `model.micro_batch_tokens` when a step was over budget), and the most and the fewest tokens any rank
-    trained on in the step (`lit_rl.rank_balance` deals them evenly)."""
+    trained on in the step (`lit_rl.training.rank_balance` deals them evenly)."""
     return {
         "micro_batch_tokens/max": MaxMetric(**LOCAL),
         "rank_tokens/max": MaxMetric(**LOCAL),
@@ -208,7 +208,9 @@ def compute_collection(collection: MetricCollection) -> dict[str, torch.Tensor]:
     metrics: dict[str, Metric] = dict(collection.items(keep_base=True))
     syncing = [name for name, metric in metrics.items() if metric.sync_on_compute]
     if syncing:  # its compute() would sum the states this function already summed: every rank's value, world times
-        raise TypeError(f"metric {syncing[0]!r} must be built with lit_rl.metrics.LOCAL (sync_on_compute=False)")
+        raise TypeError(
+            f"metric {syncing[0]!r} must be built with lit_rl.training.metrics.LOCAL (sync_on_compute=False)"
+        )
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return {name: metric.compute() for name, metric in metrics.items() if metric.update_called}
     device = next(t.device for m in metrics.values() for t in m.metric_state.values() if torch.is_tensor(t))

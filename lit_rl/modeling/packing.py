@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from lit_rl.compat import attention_implementation
+from lit_rl.training.compat import attention_implementation
 
 
 @dataclass
@@ -71,7 +71,7 @@ def first_fit_decreasing(sizes: list[int], capacity: int, max_bins: Optional[int
     """Item indices per bin, first-fit in decreasing size into bins of at most `capacity` (an item larger than that
     gets a bin of its own). With `max_bins`, once that many are open an item that fits nowhere joins the bin with
     the least in it (over capacity). Deterministic: ties keep the items' order; a bin lists its items as placed.
-    Packed rows and token-budget micro-batches (`lit_rl.micro_batches`) are both cut this way."""
+    Packed rows and token-budget micro-batches (`lit_rl.training.micro_batches`) are both cut this way."""
     bins: list[list[int]] = []
     used: list[int] = []
     for item in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
@@ -208,7 +208,7 @@ def packed_completion_hidden(
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The decoder's last hidden states [K, H] at the K positions that predict completion tokens (`lit_rl.head`
+    """The decoder's last hidden states [K, H] at the K positions that predict completion tokens (`lit_rl.modeling.head`
     takes them through the output head), with the (row, column) [K] of each predicted token, row by row."""
     packed = pack_completions(
         prompt_ids, prompt_mask, completion_ids, completion_mask, single_row=uses_flash_attention(model)

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from lit_rl.models import load_causal_lm, reading_model, resolve_model_path
+from lit_rl.modeling.models import load_causal_lm, reading_model, resolve_model_path
 
 
 class ValueModel(torch.nn.Module):

@@ -19,7 +19,7 @@ from lit_rl.errors import ConfigError, ModelNotFound
 
 log = logging.getLogger(__name__)
 
-ASSETS_DIR = Path(__file__).parent / "assets"
+ASSETS_DIR = Path(__file__).parents[1] / "assets"
 BUILTIN_PREFIX = "lit-rl/"
 TINY_BASE = "tiny-qwen2-base"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
@@ -249,7 +249,7 @@ def build_random_model(out_dir: str | Path, seed: int = 0, **sizes: Any) -> Path
     return out
 
 
-if __name__ == "__main__":  # python -m lit_rl.models OUT_DIR
+if __name__ == "__main__":  # python -m lit_rl.modeling.models OUT_DIR
     import sys
 
     print(build_tiny_base(sys.argv[1] if len(sys.argv) > 1 else ASSETS_DIR / TINY_BASE))
