@@ -79,8 +79,9 @@ class GRPO(OnPolicyModule):
             micro-batches of at most this many real (prompt + completion) tokens instead of `micro_batch_size`
             each (`lit_rl.training.micro_batches`); the step's completions and loss stay the same. None: fixed counts.
         lora: train a LoRA adapter (`configs/peft/lora.yaml`) instead of the full weights; the reference is then
-            the policy with its adapter disabled. See `lit_rl.modeling.lora.LoRAConfig` for the keys (`--model.lora.r
-        8`). max_staleness: asynchronous rollouts: generation g is sampled in the background by the weights of
+            the policy with its adapter disabled. See `lit_rl.modeling.lora.LoRAConfig` for the keys
+            (`--model.lora.r 8`).
+        max_staleness: asynchronous rollouts: generation g is sampled in the background by the weights of
             optimizer step max(0, g*m - k) (m = steps_per_generation x num_iterations), so each sample is at most
             k steps older than the policy it first updates (`lit_rl.rollout.producer`); needs the vLLM server
             engine. 0 (default): synchronous.

@@ -96,8 +96,9 @@ class PPO(OnPolicyModule):
         padding_free: run the training forwards (policy, critic, reference, old log-probs) on the rows' real
             tokens laid end to end, without padding (`lit_rl.modeling.packing`).
         head_chunk_tokens: run the policy's output head on that many completion tokens at a time
-        (`lit_rl.modeling.head`). micro_batch_tokens: group each optimizer step's completions into at most
-            `accumulate_grad_batches` micro-batches of at most this many real tokens instead of `micro_batch_size` each.
+            (`lit_rl.modeling.head`).
+        micro_batch_tokens: group each optimizer step's completions into at most `accumulate_grad_batches`
+            micro-batches of at most this many real tokens instead of `micro_batch_size` each.
         environment: multi-turn episodes: the import path of an environment class (`lit_rl.envs.Environment`:
             `reset(row)`, `step(turn_text)`), one per episode, built with `environment_args`. Each completion is then
             the episode's transcript, token-in and token-out (`lit_rl.rollout.multi_turn`); only the model's tokens
