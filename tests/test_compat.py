@@ -66,10 +66,24 @@ def test_the_private_methods_lit_rl_overrides_are_still_called_by_lightning(base
     assert call in callers, f"Lightning no longer calls {base.__name__}.{name}"
 
 
+def test_a_lightning_module_reports_the_device_its_tensors_were_moved_to_by_hand():
+    module = L.LightningModule()
+    assert module.device == torch.device("cpu")
+    compat.set_module_device(module, torch.device("meta"))
+    assert module.device == torch.device("meta")
+    compat.set_module_device(torch.nn.Linear(1, 1), torch.device("meta"))  # a plain module has no such state
+
+
 def test_torch_internals():
     tensors = [torch.tensor([3.0, 4.0]), torch.tensor([[1.0, float("nan")]], dtype=torch.bfloat16)]
     norms = compat.foreach_norm(tensors, dtype=torch.float32)
     assert norms[0].item() == 5.0 and norms[0].dtype == torch.float32 and norms[1].isnan()
+    module = torch.nn.BatchNorm1d(2)
+    module.register_buffer("scratch", torch.zeros(1), persistent=False)
+    module.register_buffer("unset", None)
+    names = [name for name, _ in compat.persistent_buffers(module)]
+    assert names == ["running_mean", "running_var", "num_batches_tracked"]
+    assert set(names) == {key for key in module.state_dict() if key not in ("weight", "bias")}
     param = torch.nn.Parameter(torch.ones(2))
     assert compat.can_take_data_of(param, torch.zeros(2, dtype=torch.float64))
     from torch.distributed.distributed_c10d import ProcessGroupGloo

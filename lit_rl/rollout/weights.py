@@ -27,6 +27,7 @@ from typing import Iterator, Optional
 import torch
 
 from lit_rl.modeling.lora import base_model, hf_weight_name, is_lora_layer, is_lora_model, lora_delta, merged_weights
+from lit_rl.training.compat import persistent_buffers
 from lit_rl.training.strategies import gathered_parameters, gathered_parameters_of, is_fsdp_wrapped
 
 DEFAULT_BUCKET_MIB = 512
@@ -69,12 +70,8 @@ class WeightBlock:
                         deltas[f"{path}.base_layer.weight"] = delta
         own = {id(p) for p in self.parameters}
         for path, module in modules:
-            tensors = [(name, p) for name, p in module._parameters.items() if p is not None and id(p) in own]
-            tensors += [
-                (name, b)
-                for name, b in module._buffers.items()
-                if b is not None and name not in module._non_persistent_buffers_set
-            ]
+            tensors = [(name, p) for name, p in module.named_parameters(recurse=False) if id(p) in own]
+            tensors += persistent_buffers(module)
             for name, tensor in tensors:
                 key = f"{path}.{name}" if path else name
                 plain = plain_name(key)
@@ -97,12 +94,7 @@ def weight_blocks(model: torch.nn.Module) -> list[WeightBlock]:
         # A tied weight is in the block of every module that holds it (gathered again there): vLLM expects it
         # under each name (its loader counts the tied head's weight as loaded only when it arrives by that name).
         params = list(module.parameters(recurse=whole))
-        has_buffers = any(
-            name not in m._non_persistent_buffers_set
-            for m in (module.modules() if whole else [module])
-            for name, b in m._buffers.items()
-            if b is not None
-        )
+        has_buffers = any(persistent_buffers(m) for m in (module.modules() if whole else [module]))
         if params or has_buffers:
             blocks.append(WeightBlock(path, module, whole, params))
 

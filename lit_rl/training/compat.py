@@ -44,6 +44,13 @@ def skip_next_validation(trainer: L.Trainer) -> None:
     trainer.fit_loop.epoch_loop._skip_next_val = True
 
 
+def set_module_device(module: torch.nn.Module, device: torch.device) -> None:
+    """Make a LightningModule's `device` report `device` after its tensors were moved by hand (its `_device`,
+    which only its own `.to()` updates); a plain module has none."""
+    if hasattr(module, "_device"):
+        module._device = device
+
+
 def overridden_private_methods() -> list[tuple[type, str, str]]:
     """Lightning's private methods that lit-rl's subclasses override, each with the text of the call that runs it
     in Lightning's own code: renamed upstream, an override would silently never run (the test checks each)."""
@@ -68,6 +75,14 @@ def foreach_norm(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.
     """The L2 norm of each tensor, accumulated in `dtype`, in one fused kernel per (device, dtype) group
     (`torch._foreach_norm`, the kernel `clip_grad_norm_` uses)."""
     return list(torch._foreach_norm(tensors, 2, dtype=dtype))
+
+
+def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A module's own buffers that its state dict holds, without those registered `persistent=False` (the set
+    `nn.Module._non_persistent_buffers_set`)."""
+    return [
+        (name, b) for name, b in module.named_buffers(recurse=False) if name not in module._non_persistent_buffers_set
+    ]
 
 
 def can_take_data_of(param: torch.Tensor, moved: torch.Tensor) -> bool:

@@ -29,7 +29,12 @@ from lit_rl.training.checkpoint import (
     remove_stale_temporaries,
     temporary_directory,
 )
-from lit_rl.training.compat import accumulates_this_batch, can_take_data_of, run_interpreter_exit_steps
+from lit_rl.training.compat import (
+    accumulates_this_batch,
+    can_take_data_of,
+    run_interpreter_exit_steps,
+    set_module_device,
+)
 
 
 class DeepSpeedStrategy(LightningDeepSpeedStrategy):
@@ -111,19 +116,18 @@ def move_unpartitioned_state(module: torch.nn.Module, device: torch.device) -> N
         if isinstance(sub, Metric):
             sub.to(device)  # its states are attributes, not buffers; a metric holds no ZeRO-3 parameter
             continue
-        for name, param in sub._parameters.items():
-            if param is None or hasattr(param, "ds_id") or param.device == device:
+        for name, param in list(sub.named_parameters(recurse=False)):
+            if hasattr(param, "ds_id") or param.device == device:
                 continue
             moved = param.data.to(device)
             if can_take_data_of(param, moved):  # as nn.Module._apply: keep the Parameter
                 param.data = moved
             else:
-                sub._parameters[name] = torch.nn.Parameter(moved, requires_grad=param.requires_grad)
-        for name, buffer in sub._buffers.items():
-            if buffer is not None and buffer.device != device:
-                sub._buffers[name] = buffer.to(device)
-    if hasattr(module, "_device"):  # Lightning's device property, which only its own `.to()` would update
-        module._device = device
+                setattr(sub, name, torch.nn.Parameter(moved, requires_grad=param.requires_grad))
+        for name, buffer in list(sub.named_buffers(recurse=False)):
+            if buffer.device != device:
+                setattr(sub, name, buffer.to(device))  # stays a buffer, persistent or not
+    set_module_device(module, device)
 
 
 def as_project_deepspeed(strategy: Any) -> Any:
