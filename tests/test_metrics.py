@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lit_rl.training.metrics import grpo_metrics
+from lit_rl.algorithms.grpo import grpo_metrics
 
 
 def test_train_and_val_collections_are_distinct_objects():
@@ -39,7 +39,8 @@ def _synced_values(rank: int, world: int, init_file: str, out: str) -> None:
 
     import torch.distributed as dist
 
-    from lit_rl.training.metrics import compute_collection, ppo_metrics
+    from lit_rl.algorithms.ppo import ppo_metrics
+    from lit_rl.training.metrics import compute_collection
     from lit_rl.training.strategies import exit_without_finalizing
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -83,7 +84,7 @@ def test_a_collection_syncs_in_two_collectives_to_the_values_of_all_ranks_data(t
 
     import torch.multiprocessing as mp
 
-    from lit_rl.training.metrics import ppo_metrics
+    from lit_rl.algorithms.ppo import ppo_metrics
 
     out = str(tmp_path / "values")
     mp.start_processes(_synced_values, args=(2, str(tmp_path / "init"), out), nprocs=2, start_method="spawn")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
+from torchmetrics import MeanMetric, MetricCollection
 
 from lit_rl.algorithms.base import PolicyModule
 from lit_rl.data.preference import TokenizedPair, collate_pairs
@@ -24,7 +25,7 @@ from lit_rl.errors import ConfigError
 from lit_rl.losses.dpo import DPO_LOSSES, REFERENCE_FREE, dpo_loss
 from lit_rl.modeling.lora import LoRAConfig
 from lit_rl.modeling.models import resolve_model_path
-from lit_rl.training.metrics import dpo_metrics
+from lit_rl.training.metrics import DPO_PAIR_METRICS, LOCAL, metric_collection
 from lit_rl.training.strategies import is_accumulating_micro_batch, reduce_across_ranks
 
 log = logging.getLogger(__name__)
@@ -285,3 +286,11 @@ class DPO(PolicyModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
         self.train_batches_done = checkpoint.get("lit_rl", {}).get("train_batches_done", 0)
+
+
+# -- metrics ----------------------------------------------------------------------------------------------------------
+def dpo_metrics() -> MetricCollection:
+    """Per-pair means (weighted by pair, padding pairs weigh 0); `logits/*` are token-weighted means of the
+    vocabulary-mean logit over completion tokens."""
+    names = ["loss", *DPO_PAIR_METRICS, "logits/chosen", "logits/rejected"]
+    return metric_collection({name: MeanMetric(**LOCAL) for name in names})

@@ -7,9 +7,10 @@ objective: group-relative advantages and the clipped per-token surrogate with a 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
+from torchmetrics import MeanMetric, MetricCollection
 
 from lit_rl.algorithms.on_policy import ZERO_STD, OnPolicyModule
 from lit_rl.algorithms.rollout_checks import check_rollout_args
@@ -23,7 +24,7 @@ from lit_rl.modeling.lora import LoRAConfig
 from lit_rl.rollout import RolloutOutput, VLLMConfig
 from lit_rl.rollout.dynamic_sampling import rows_for_rank, select_groups
 from lit_rl.rollout.hf import model_eos_token_ids
-from lit_rl.training.metrics import dynamic_sampling_metrics, grpo_metrics
+from lit_rl.training.metrics import LOCAL, metric_collection, on_policy_training_metrics
 from lit_rl.training.rank_balance import concat_batches, exchange_rows
 from lit_rl.types import RolloutBatch
 
@@ -360,3 +361,26 @@ def _as_rollout_batch(prompt_ids, prompt_mask, out, components, rewards) -> Roll
         sampled_mask=out.sampled_mask,
         episode_stats=out.episode_stats,
     )
+
+
+# -- metrics ----------------------------------------------------------------------------------------------------------
+def grpo_metrics(reward_names: Iterable[str], with_kl: bool, with_is_correction: bool = False) -> MetricCollection:
+    """Metrics of GRPO-style training: the on-policy ones, the clipping, when beta > 0 the KL, and with a rollout
+    correction the fraction of completion tokens whose weight it changed (truncated, or masked)."""
+    metrics = {
+        **on_policy_training_metrics(reward_names),
+        "frac_reward_zero_std": MeanMetric(**LOCAL),
+        "clip_ratio/low": MeanMetric(**LOCAL),
+        "clip_ratio/high": MeanMetric(**LOCAL),
+    }
+    if with_kl:
+        metrics["kl"] = MeanMetric(**LOCAL)
+    if with_is_correction:
+        metrics["rollout_is_frac_corrected"] = MeanMetric(**LOCAL)
+    return metric_collection(metrics)
+
+
+def dynamic_sampling_metrics() -> dict:
+    """What dynamic sampling adds: the refill generations a step's generation sampled, and the fraction of all the
+    groups it sampled (its own and the refills') that were dropped for rewards that all agree."""
+    return {"refill_generations": MeanMetric(**LOCAL), "frac_groups_dropped": MeanMetric(**LOCAL)}

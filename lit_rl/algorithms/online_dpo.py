@@ -12,9 +12,10 @@ not the policy's to choose, and carry no loss.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
+from torchmetrics import MeanMetric, MetricCollection
 
 from lit_rl.algorithms.on_policy import OnPolicyModule
 from lit_rl.algorithms.rollout_checks import check_rollout_args
@@ -24,7 +25,7 @@ from lit_rl.losses.dpo import DPO_LOSSES, REFERENCE_FREE, dpo_loss
 from lit_rl.modeling.lora import LoRAConfig
 from lit_rl.rewards.model import RewardModel
 from lit_rl.rollout import VLLMConfig
-from lit_rl.training.metrics import online_dpo_metrics
+from lit_rl.training.metrics import DPO_PAIR_METRICS, LOCAL, metric_collection, on_policy_training_metrics
 from lit_rl.types import RolloutBatch
 
 
@@ -245,3 +246,15 @@ class OnlineDPO(OnPolicyModule):
         ]:
             # Always updated (ties weigh 0), so every rank takes part in the metric's sync.
             m[name].update(stats[key], untied)
+
+
+# -- metrics ----------------------------------------------------------------------------------------------------------
+def online_dpo_metrics(reward_names: Iterable[str]) -> MetricCollection:
+    """Metrics of Online DPO: the rollout's rewards, the DPO pair metrics over untied pairs, `frac_tied_pairs`."""
+    return metric_collection(
+        {
+            **on_policy_training_metrics(reward_names),
+            "frac_tied_pairs": MeanMetric(**LOCAL),
+            **{name: MeanMetric(**LOCAL) for name in DPO_PAIR_METRICS},
+        }
+    )

@@ -26,9 +26,10 @@ environment's tokens between turns skipped as `lit_rl.losses.ppo` describes.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
+from torchmetrics import ExplainedVariance, MeanMetric, MetricCollection, SumMetric
 
 from lit_rl.algorithms.base import completion_forward
 from lit_rl.algorithms.on_policy import OnPolicyModule
@@ -41,7 +42,7 @@ from lit_rl.losses.ppo import clipped_value_loss, gae, masked_moments, moments_t
 from lit_rl.modeling.lora import LoRAConfig
 from lit_rl.modeling.value_model import ValueModel, load_value_model, reset_value_head
 from lit_rl.rollout import VLLMConfig
-from lit_rl.training.metrics import ppo_metrics
+from lit_rl.training.metrics import LOCAL, metric_collection, on_policy_training_metrics
 from lit_rl.training.strategies import gathered_parameters, hf_zero3_loading, reduce_across_ranks
 from lit_rl.types import RolloutBatch
 
@@ -300,3 +301,26 @@ class PPO(OnPolicyModule):
         m["critic/explained_variance"].update(mb.old_values[tokens], mb.returns[tokens])
         if mb.kl is not None:
             m["kl"].update(mb.kl)
+
+
+# -- metrics ----------------------------------------------------------------------------------------------------------
+def ppo_metrics(reward_names: Iterable[str], with_kl: bool) -> MetricCollection:
+    """Metrics of PPO. `loss` = `policy_loss` + `value_loss_coef` x `critic/value_loss` (each a sum of normalised
+    micro-batch terms); `clip_ratio` and `critic/value_clip_ratio`: the fractions of tokens whose gradient the
+    clipping took away; `critic/values` and `critic/returns`: the per-token means of the critic's values when sampled
+    and of the GAE returns; `critic/explained_variance`: 1 - Var(G - V) / Var(G) over the step's tokens (1: the
+    critic predicts the returns, <= 0: no better than their mean); with beta > 0 `kl`, the mean per-sequence KL
+    penalised in the reward."""
+    metrics = {
+        **on_policy_training_metrics(reward_names),
+        "policy_loss": SumMetric(**LOCAL),
+        "critic/value_loss": SumMetric(**LOCAL),
+        "clip_ratio": MeanMetric(**LOCAL),
+        "critic/value_clip_ratio": MeanMetric(**LOCAL),
+        "critic/values": MeanMetric(**LOCAL),
+        "critic/returns": MeanMetric(**LOCAL),
+        "critic/explained_variance": ExplainedVariance(**LOCAL),
+    }
+    if with_kl:
+        metrics["kl"] = MeanMetric(**LOCAL)
+    return metric_collection(metrics)

@@ -7,9 +7,10 @@ Lightning's: the checkpoint cadence is exact for any accumulation, `num_iteratio
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
+from torchmetrics import MeanMetric, MetricCollection
 
 from lit_rl.algorithms.on_policy import OnPolicyModule
 from lit_rl.algorithms.rollout_checks import check_rollout_args
@@ -18,7 +19,7 @@ from lit_rl.losses import LossNormalizer
 from lit_rl.losses.rloo import kl_penalized_rewards, rloo_advantages, rloo_loss
 from lit_rl.modeling.lora import LoRAConfig
 from lit_rl.rollout import VLLMConfig
-from lit_rl.training.metrics import rloo_metrics
+from lit_rl.training.metrics import LOCAL, metric_collection, on_policy_training_metrics
 from lit_rl.types import RolloutBatch
 
 
@@ -193,3 +194,16 @@ class RLOO(OnPolicyModule):
         m["advantage_std"].update(mb.advantage_std)
         if mb.kl is not None:
             m["kl"].update(mb.kl)
+
+
+# -- metrics ----------------------------------------------------------------------------------------------------------
+def rloo_metrics(reward_names: Iterable[str]) -> MetricCollection:
+    """Metrics of RLOO: `reward` is the task reward (before the KL penalty); `kl` the mean per-sequence KL."""
+    return metric_collection(
+        {
+            **on_policy_training_metrics(reward_names),
+            "kl": MeanMetric(**LOCAL),
+            "advantage_std": MeanMetric(**LOCAL),
+            "clip_ratio": MeanMetric(**LOCAL),
+        }
+    )

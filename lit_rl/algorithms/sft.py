@@ -12,10 +12,11 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+from torchmetrics import MeanMetric, MetricCollection, SumMetric
 
 from lit_rl.algorithms.base import PolicyModule
 from lit_rl.modeling.lora import LoRAConfig
-from lit_rl.training.metrics import sft_metrics
+from lit_rl.training.metrics import LOCAL, metric_collection
 from lit_rl.training.strategies import is_accumulating_micro_batch
 
 
@@ -126,3 +127,11 @@ class SFT(PolicyModule):
 
     def on_validation_epoch_end(self) -> None:
         self.log_collection(self.val_metrics, on_step=False, prog_bar=("loss",))
+
+
+# -- metrics ----------------------------------------------------------------------------------------------------------
+def sft_metrics() -> MetricCollection:
+    """Token-weighted negative log-likelihood and next-token accuracy of the completion tokens."""
+    return metric_collection(
+        {"loss": MeanMetric(**LOCAL), "token_accuracy": MeanMetric(**LOCAL), "num_tokens": SumMetric(**LOCAL)}
+    )

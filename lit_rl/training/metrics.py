@@ -1,4 +1,6 @@
-"""One factory per algorithm builds its MetricCollection; modules clone it per stage (`train/`, `val/`).
+"""The metrics every algorithm shares, and their exact sync across ranks. Each algorithm's own factory lives with it
+(`grpo_metrics` in `lit_rl/algorithms/grpo.py`, ...) and builds its MetricCollection from these; modules clone it per
+stage (`train/`, `val/`).
 
 Every metric syncs across ranks by summing its states (or taking their max or min), so its value is the exact global
 one: a `MeanMetric` updated with per-token or per-sample weights gives the weighted mean over every rank and
@@ -14,7 +16,7 @@ import warnings
 from typing import Iterable, Optional
 
 import torch
-from torchmetrics import ExplainedVariance, MaxMetric, MeanMetric, Metric, MetricCollection, MinMetric, SumMetric
+from torchmetrics import MaxMetric, MeanMetric, Metric, MetricCollection, MinMetric, SumMetric
 from torchmetrics.utilities.data import dim_zero_max, dim_zero_min, dim_zero_sum
 
 from lit_rl.training.compat import state_reductions
@@ -22,7 +24,7 @@ from lit_rl.training.compat import state_reductions
 LOCAL = {"sync_on_compute": False}  # `compute_collection` syncs; `compute()` alone must not (see the docstring)
 
 
-def _collection(metrics: dict) -> MetricCollection:
+def metric_collection(metrics: dict) -> MetricCollection:
     # compute_groups=False: metrics are updated one by one with different values; grouping is only valid for
     # metrics that always receive the same inputs.
     return MetricCollection(metrics, compute_groups=False)
@@ -41,7 +43,7 @@ def _rollout_metrics(reward_names: Iterable[str]) -> dict:
     return metrics
 
 
-def _on_policy_training_metrics(reward_names: Iterable[str]) -> dict:
+def on_policy_training_metrics(reward_names: Iterable[str]) -> dict:
     """The rollout metrics plus what every on-policy training step logs. `loss` is a sum of micro-batch terms
     that are already normalised over the step."""
     return {
@@ -59,31 +61,9 @@ def _on_policy_training_metrics(reward_names: Iterable[str]) -> dict:
     }
 
 
-def grpo_metrics(reward_names: Iterable[str], with_kl: bool, with_is_correction: bool = False) -> MetricCollection:
-    """Metrics of GRPO-style training: the on-policy ones, the clipping, when beta > 0 the KL, and with a rollout
-    correction the fraction of completion tokens whose weight it changed (truncated, or masked)."""
-    metrics = {
-        **_on_policy_training_metrics(reward_names),
-        "frac_reward_zero_std": MeanMetric(**LOCAL),
-        "clip_ratio/low": MeanMetric(**LOCAL),
-        "clip_ratio/high": MeanMetric(**LOCAL),
-    }
-    if with_kl:
-        metrics["kl"] = MeanMetric(**LOCAL)
-    if with_is_correction:
-        metrics["rollout_is_frac_corrected"] = MeanMetric(**LOCAL)
-    return _collection(metrics)
-
-
 def asynchronous_rollout_metrics() -> dict:
     """What asynchronous rollouts add: the staleness of each consumed sample, `global_step - policy_version`."""
     return {"staleness/mean": MeanMetric(**LOCAL), "staleness/max": MaxMetric(**LOCAL)}
-
-
-def dynamic_sampling_metrics() -> dict:
-    """What dynamic sampling adds: the refill generations a step's generation sampled, and the fraction of all the
-    groups it sampled (its own and the refills') that were dropped for rewards that all agree."""
-    return {"refill_generations": MeanMetric(**LOCAL), "frac_groups_dropped": MeanMetric(**LOCAL)}
 
 
 def episode_metrics() -> dict:
@@ -103,40 +83,6 @@ def token_budget_metrics() -> dict:
     }
 
 
-def rloo_metrics(reward_names: Iterable[str]) -> MetricCollection:
-    """Metrics of RLOO: `reward` is the task reward (before the KL penalty); `kl` the mean per-sequence KL."""
-    return _collection(
-        {
-            **_on_policy_training_metrics(reward_names),
-            "kl": MeanMetric(**LOCAL),
-            "advantage_std": MeanMetric(**LOCAL),
-            "clip_ratio": MeanMetric(**LOCAL),
-        }
-    )
-
-
-def ppo_metrics(reward_names: Iterable[str], with_kl: bool) -> MetricCollection:
-    """Metrics of PPO. `loss` = `policy_loss` + `value_loss_coef` x `critic/value_loss` (each a sum of normalised
-    micro-batch terms); `clip_ratio` and `critic/value_clip_ratio`: the fractions of tokens whose gradient the
-    clipping took away; `critic/values` and `critic/returns`: the per-token means of the critic's values when sampled
-    and of the GAE returns; `critic/explained_variance`: 1 - Var(G - V) / Var(G) over the step's tokens (1: the
-    critic predicts the returns, <= 0: no better than their mean); with beta > 0 `kl`, the mean per-sequence KL
-    penalised in the reward."""
-    metrics = {
-        **_on_policy_training_metrics(reward_names),
-        "policy_loss": SumMetric(**LOCAL),
-        "critic/value_loss": SumMetric(**LOCAL),
-        "clip_ratio": MeanMetric(**LOCAL),
-        "critic/value_clip_ratio": MeanMetric(**LOCAL),
-        "critic/values": MeanMetric(**LOCAL),
-        "critic/returns": MeanMetric(**LOCAL),
-        "critic/explained_variance": ExplainedVariance(**LOCAL),
-    }
-    if with_kl:
-        metrics["kl"] = MeanMetric(**LOCAL)
-    return _collection(metrics)
-
-
 DPO_PAIR_METRICS = (
     "rewards/chosen",
     "rewards/rejected",
@@ -147,34 +93,9 @@ DPO_PAIR_METRICS = (
 )
 
 
-def online_dpo_metrics(reward_names: Iterable[str]) -> MetricCollection:
-    """Metrics of Online DPO: the rollout's rewards, the DPO pair metrics over untied pairs, `frac_tied_pairs`."""
-    return _collection(
-        {
-            **_on_policy_training_metrics(reward_names),
-            "frac_tied_pairs": MeanMetric(**LOCAL),
-            **{name: MeanMetric(**LOCAL) for name in DPO_PAIR_METRICS},
-        }
-    )
-
-
 def rollout_eval_metrics(reward_names: Iterable[str]) -> MetricCollection:
     """Metrics of generating for held-out prompts (validation of rollout algorithms)."""
-    return _collection(_rollout_metrics(reward_names))
-
-
-def sft_metrics() -> MetricCollection:
-    """Token-weighted negative log-likelihood and next-token accuracy of the completion tokens."""
-    return _collection(
-        {"loss": MeanMetric(**LOCAL), "token_accuracy": MeanMetric(**LOCAL), "num_tokens": SumMetric(**LOCAL)}
-    )
-
-
-def dpo_metrics() -> MetricCollection:
-    """Per-pair means (weighted by pair, padding pairs weigh 0); `logits/*` are token-weighted means of the
-    vocabulary-mean logit over completion tokens."""
-    names = ["loss", *DPO_PAIR_METRICS, "logits/chosen", "logits/rejected"]
-    return _collection({name: MeanMetric(**LOCAL) for name in names})
+    return metric_collection(_rollout_metrics(reward_names))
 
 
 def update_rollout_metrics(
