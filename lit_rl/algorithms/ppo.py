@@ -10,7 +10,7 @@ token of the generation on every rank. Each micro-step then trains both networks
     policy_loss = aggregate_t( -min(r_t A_t, clip(r_t, 1 - epsilon, 1 + epsilon) A_t) )
     value_loss  = aggregate_t( 0.5 * max((V_t - G_t)^2, (V_old_t + clip(V_t - V_old_t, -c, c) - G_t)^2) )
 
-with the named aggregation of `lit_rl.losses.grpo` (default `token`: the mean over the optimizer step's tokens on
+with the named aggregation of `lit_rl.losses.aggregation` (default `token`: the mean over the optimizer step's tokens on
 all ranks, as OpenRLHF and verl). The critic's parameters are an AdamW group of their own at
 `critic_learning_rate`; `trainer.gradient_clip_val` clips both networks' gradients together (as TRL does), and that
 is all `value_loss_coef` changes: the networks share no parameter, and AdamW's step does not depend on a gradient's
@@ -35,8 +35,7 @@ from lit_rl.algorithms.base import completion_forward
 from lit_rl.algorithms.on_policy import OnPolicyModule
 from lit_rl.algorithms.rollout_checks import check_rollout_args
 from lit_rl.errors import ConfigError
-from lit_rl.losses import AGGREGATIONS, LossNormalizer
-from lit_rl.losses.grpo import aggregate
+from lit_rl.losses import AGGREGATIONS, LossNormalizer, aggregate
 from lit_rl.losses.policy import ppo_clip
 from lit_rl.losses.ppo import clipped_value_loss, gae, masked_moments, moments_to_mean_std, token_rewards, whiten
 from lit_rl.modeling.lora import LoRAConfig
@@ -73,7 +72,7 @@ class PPO(OnPolicyModule):
         value_loss_coef: weight of the value loss in the one loss both networks train on (it matters through
             `gradient_clip_val` only: the learning rates set each network's step).
         whiten_advantages: standardise the advantages over every real token of the generation (all ranks).
-        loss_aggregation: how per-token losses become one number (`lit_rl.losses.grpo`): `token` (default),
+        loss_aggregation: how per-token losses become one number (`lit_rl.losses.aggregation`): `token` (default),
             `sequence`, `constant` or `dapo`.
         critic_model_name_or_path: the model the critic starts from (None: the policy's): a causal LM (its decoder,
             and a value head at 0), a one-label reward model or an exported critic (decoder and head); it must share

@@ -1,11 +1,9 @@
 """Loss and advantage math as pure functions: tensors in, `(loss, stats)` out. No lightning imports here."""
 
 from lit_rl.losses.advantages import ADVANTAGES, advantage_function, group_advantages
+from lit_rl.losses.aggregation import AGGREGATIONS, LossNormalizer, aggregate
 from lit_rl.losses.grpo import (
-    AGGREGATIONS,
     IS_CORRECTIONS,
-    LossNormalizer,
-    aggregate,
     grpo_loss,
     grpo_per_token_loss,
     rollout_is_weights,
