@@ -169,3 +169,31 @@ def test_the_commit_trusts_digests_checked_on_arrival_and_hashes_again_after_a_r
     finally:
         restarted.stop()
     assert stored.endswith("v1.1") and not list((tmp_path / "received").glob("v2*"))
+
+
+def test_the_bytes_stored_count_files_that_other_requests_rename_or_remove_meanwhile(tmp_path):
+    """A PUT counts the receiver's bytes while other PUTs rename their partial files and remove failed ones: a file
+    gone between the listing and its lstat is not counted (under load it ended the request, unanswered)."""
+    receiver = WeightReceiver(tmp_path / "received")
+    staging = receiver.staging("v1")
+    staging.mkdir(mode=0o700)
+    (staging / "kept.safetensors").write_bytes(b"x" * 100)
+    names = [staging / f".model-{i}.part" for i in range(50)]
+    stop = threading.Event()
+
+    def other_requests() -> None:  # partial files appear, become their names, and go
+        while not stop.is_set():
+            for partial in names:
+                partial.write_bytes(b"y")
+                partial.replace(partial.with_suffix(".safetensors"))
+                partial.with_suffix(".safetensors").unlink()
+
+    thread = threading.Thread(target=other_requests, daemon=True)
+    thread.start()
+    try:
+        counts = [receiver.bytes_stored() for _ in range(300)]
+    finally:
+        stop.set()
+        thread.join(10)
+    assert all(100 <= count <= 150 for count in counts)
+    assert receiver.bytes_stored() == 100

@@ -122,7 +122,19 @@ class WeightReceiver:
         return hmac.compare_digest((header or "").encode(), f"Bearer {self.token}".encode())
 
     def bytes_stored(self) -> int:
-        return sum(p.lstat().st_size for p in self.root.rglob("*") if p.is_file() and not p.is_symlink())
+        """The bytes of the regular files under the receiver's directory, partial ones included. Other requests add,
+        rename and remove files meanwhile (a partial file becomes its name, a staging folder a version): a file or
+        folder gone between the listing and its `lstat` is not counted, where it used to end the request."""
+        total = 0
+        for folder, _, names in os.walk(self.root):  # a folder gone mid-walk is skipped, links are not followed
+            for name in names:
+                try:
+                    status = os.lstat(os.path.join(folder, name))
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISREG(status.st_mode):
+                    total += status.st_size
+        return total
 
     def versions(self, tag: str) -> list[Path]:
         """The committed directories of `tag`, oldest first."""

@@ -18,7 +18,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lit_rl.algorithms import GRPO, RLOO
 from lit_rl.data import PromptDataModule
 from lit_rl.rollout import VLLMConfig
-from tests.conftest import assert_rows_match, train_rows
+from tests.conftest import assert_rows_match, train_rows, without_engine_gap
 from tests.golden.sync_schedule import GOLDEN, RUNS, run
 from tests.snapshot_engine import use_snapshot_engine, weights_digest
 
@@ -27,8 +27,16 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_max_staleness_zero_logs_what_the_synchronous_schedule_logged(tmp_path, name):
-    # The golden rows were written by the code before asynchronous rollouts (tests/golden/sync_schedule.py).
-    assert_rows_match(run(name, tmp_path), json.loads(GOLDEN.read_text())[name], rel=0, abs=0)
+    # The golden rows were written by the code before asynchronous rollouts (tests/golden/sync_schedule.py), on
+    # another CPU: its float32 kernels (AVX2 there, AVX-512 here) round the last bits otherwise. The sampled tokens
+    # and so the rewards agree exactly; the losses, KL and entropy within 1e-4 of themselves (1.5e-5 measured);
+    # the engine-vs-trainer gap, rounding noise of about 1e-6 in every layout, within 1e-5.
+    rows, golden = run(name, tmp_path), json.loads(GOLDEN.read_text())[name]
+    rewards = [{k: v for k, v in row.items() if k == "step" or "reward" in k} for row in rows]
+    expected = [{k: v for k, v in row.items() if k == "step" or "reward" in k} for row in golden]
+    assert_rows_match(rewards, expected, rel=0, abs=0)
+    assert_rows_match(without_engine_gap(rows), without_engine_gap(golden), rel=1e-4, abs=1e-6)
+    assert_rows_match(rows, golden, rel=0, abs=1e-5)
 
 
 class PolicyDigests(Callback):

@@ -54,9 +54,10 @@ def test_token_budgeted_micro_batches_train_like_fixed_ones(tmp_path, monkeypatc
     budget = ["--model.micro_batch_tokens", str(BUDGET), "--model.padding_free", "true"]
     budgeted = train_rows(_fit(tmp_path, "budget", algorithm, *steps, *_layout(4, 4), *budget))
     assert [row["step"] for row in one] == [1, 2, 3]
-    # Online DPO logs NaN pair metrics on a step whose pairs all tied, in every run. The budgeted run also packs
-    # (other sums, other rounding), which after two lr-1e-3 steps moves values by up to ~2e-5 of themselves.
-    assert_rows_match(comparable(four), comparable(one), rel=1e-5, abs=1e-6, nan_ok=True)
+    # Online DPO logs NaN pair metrics on a step whose pairs all tied, in every run. Other micro-batches sum in
+    # another order, and the budgeted run also packs (other sums, other rounding): after two lr-1e-3 steps that
+    # moves values by up to ~2e-5 of themselves (1.6e-5 measured for Online DPO's rewards/chosen on AVX-512).
+    assert_rows_match(comparable(four), comparable(one), rel=1e-4, abs=1e-5, nan_ok=True)
     assert_rows_match(comparable(budgeted), comparable(one), rel=1e-4, abs=1e-5, nan_ok=True)
     # The grouping is not the fixed one: groups of other sizes than 4, and empty micro-steps.
     assert len(groups) == 12
