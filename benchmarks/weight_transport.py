@@ -78,7 +78,8 @@ def measure(megabytes: int, tensors: int, rounds: int) -> dict:
         receiver = WeightReceiver(Path(tmp) / "received")
         threading.Thread(target=receiver.serve_forever, daemon=True).start()
         try:
-            group = GlooGroup(listener, 2, timeout_s=300)
+            group = GlooGroup(listener, "127.0.0.1", 2, timeout_s=300)
+            listener.close()
             uploader = WeightUploader(receiver.url, timeout_s=300, max_retries=0)
             for _ in range(rounds):
                 started = time.perf_counter()

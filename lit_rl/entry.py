@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 import sys
 from typing import Callable, Optional
 
@@ -37,17 +36,7 @@ def check_vision_packages(import_module: Callable[[str], object] = importlib.imp
         ) from err
 
 
-def import_from_working_directory() -> None:
-    """Let a config name the user's own modules in the directory `lit-rl` runs from (`my_rewards.accuracy`), as
-    `python -m` would: a console script's import path holds its own directory instead. Appended, so the working
-    directory never shadows an installed package."""
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.append(cwd)
-
-
 def main(args: Optional[list[str]] = None) -> None:
-    import_from_working_directory()
     try:
         check_vision_packages()
     except BrokenInstall as err:

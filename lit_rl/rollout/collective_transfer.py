@@ -51,6 +51,10 @@ class TransferGroup(Protocol):
         (they will not take it), or raise `RuntimeError` after the group's timeout."""
         ...
 
+    def joined(self) -> None:
+        """Every worker has joined the group: what served the rendezvous can go."""
+        ...
+
     def abandon(self) -> None:
         """The group will not be used again (it failed): release what can be released without waiting."""
         ...
@@ -72,43 +76,88 @@ def _wait_until(done: Callable[[], bool], give_up: Callable[[], bool], timeout_s
     return True
 
 
+class _StoreUntilJoined(torch.distributed.Store):
+    """The rendezvous store as the group sees it, until the workers have joined: then `release` drops the TCP store,
+    whose server stops listening (the group itself never reads the store again). A gloo group keeps its store for
+    good, so it is handed this stand-in instead."""
+
+    def __init__(self, store: torch.distributed.Store) -> None:
+        super().__init__()
+        self.store: Optional[torch.distributed.Store] = store
+
+    def release(self) -> None:
+        self.store = None
+
+    def _live(self) -> torch.distributed.Store:
+        if self.store is None:
+            raise RuntimeError("the weight transfer's rendezvous is closed: the group has formed")
+        return self.store
+
+    def set(self, key: str, value: Any) -> None:
+        self._live().set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._live().get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._live().add(key, amount)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return self._live().compare_set(key, expected, desired)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._live().check(keys)
+
+    def wait(self, keys: list[str], timeout: Optional[timedelta] = None) -> None:
+        self._live().wait(keys) if timeout is None else self._live().wait(keys, timeout)
+
+    def delete_key(self, key: str) -> bool:
+        return self._live().delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._live().num_keys()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._live().set_timeout(timeout)
+
+
 class GlooGroup:
     """A gloo group outside torch's global state, formed as vLLM's `stateless_init_torch_distributed_process_group`
     forms the workers' end (the same store keys), with torch alone: the trainer needs no vLLM installed.
 
-    The rendezvous store listens on `listener` (a socket `listen` bound to the address asked for, as vLLM's own
-    groups do; a store left to bind itself listens on every interface) and stops listening once the group has
-    formed: every worker is connected to it by then (rank 0's group needs each one's address, read through the
-    store), and what they still read goes through those connections. Nothing can connect to it afterwards."""
+    The rendezvous store serves `listener`, a socket bound to `address` alone (as vLLM's own groups bind theirs; a
+    store left to bind itself listens on every interface), and closes once the workers have joined (`joined`):
+    nothing can connect to it afterwards. (Shutting the socket while the store's server still polls it would make
+    that server spin.)"""
 
-    def __init__(self, listener: socket.socket, world_size: int, timeout_s: float) -> None:
+    def __init__(self, listener: socket.socket, address: str, world_size: int, timeout_s: float) -> None:
         from torch.distributed import PrefixStore, TCPStore
         from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-        address, port = listener.getsockname()[:2]
-        uri = tcp_uri(address, port)
+        port = listener.getsockname()[1]
+        uri = tcp_uri(address, port)  # as the workers name it (an address or a host name): the store's key prefix
         timeout = timedelta(seconds=timeout_s)
+        served = os.dup(listener.fileno())  # the store's own; the caller closes `listener`
         try:
             # Rank 0 hosts the store itself (not through `rendezvous`, which under torchrun would only connect to
-            # the agent's store); it waits for every worker to connect. The store serves a duplicate of the socket,
-            # so the listener can stop it listening (libuv's server, the default, takes that in its stride).
-            self.store = TCPStore(
-                address,
-                port,
-                world_size,
-                True,
-                timeout=timeout,
-                multi_tenant=True,
-                master_listen_fd=os.dup(listener.fileno()),
+            # the agent's store); it waits for every worker to connect.
+            store = TCPStore(
+                address, port, world_size, True, timeout=timeout, multi_tenant=True, master_listen_fd=served
             )
-            self.backend = ProcessGroupGloo(PrefixStore(uri, self.store), 0, world_size, timeout=timeout)
-            set_group_sequence_number(self.backend)  # the workers wait for rank 0's sequence number
-        finally:
-            stop_listening(listener)
+        except BaseException:
+            os.close(served)
+            raise
+        self.rendezvous = _StoreUntilJoined(store)
+        self.backend = ProcessGroupGloo(PrefixStore(uri, self.rendezvous), 0, world_size, timeout=timeout)
+        set_group_sequence_number(self.backend)  # the workers wait for rank 0's sequence number
         self.options = torch.distributed.BroadcastOptions()
         self.options.rootRank = 0
         self.timeout_s = timeout_s
         self.pending: list[Any] = []  # sends given up on
+
+    def joined(self) -> None:
+        """Every worker has joined (its end of the group is built): the rendezvous closes."""
+        self.rendezvous.release()
 
     def broadcast(self, tensor: torch.Tensor, give_up: Callable[[], bool]) -> None:
         # A send completes only when the workers receive it: polled, so a worker that refused the chunk (its
@@ -148,6 +197,9 @@ class NcclGroup:
         sent.record(self.stream)
         if not _wait_until(sent.query, give_up, self.timeout_s, "an NCCL broadcast"):
             self.abandon()
+
+    def joined(self) -> None:
+        pass  # vLLM's rendezvous: it binds the address alone, and stays open while the group lives
 
     def abandon(self) -> None:
         if self.comm is not None:
@@ -236,13 +288,17 @@ class CollectiveTransfer:
                 f"{tcp_uri(self.address, port)} ({_one_line(joined.error or err)}); can the server reach "
                 "model.vllm.transfer_address?"
             ) from None
+        finally:
+            if listener is not None:
+                listener.close()  # the store serves its own copy until the workers have joined
         joined.result(self.timeout_s, server.url)
+        group.joined()
         self.groups[server.url] = group
 
     def _open_group(self, listener: Optional[socket.socket], port: int, world_size: int) -> TransferGroup:
         if listener is None:
             return NcclGroup(self.address, port, world_size, self.timeout_s, self.device)
-        return GlooGroup(listener, world_size, self.timeout_s)
+        return GlooGroup(listener, self.address, world_size, self.timeout_s)
 
     def _count_workers(self, server: RolloutServer) -> int:
         """How many workers `server` has (all its data-parallel replicas), after checking that each has a
@@ -409,13 +465,3 @@ def listen(address: str, port: int) -> socket.socket:
         sock.close()
         raise RuntimeError(f"cannot listen on {tcp_uri(address, port)} for the weight transfer: {err}") from None
     return sock
-
-
-def stop_listening(listener: socket.socket) -> None:
-    """No new connection to `listener` from now on (a server holding a duplicate of it included); connections
-    already accepted stay open."""
-    try:
-        listener.shutdown(socket.SHUT_RDWR)
-    except OSError:  # never listened, or already shut
-        pass
-    listener.close()

@@ -81,7 +81,7 @@ class VLLMConfig:
             one machine may share one (it is uploaded to once per push); `weights_url` alone serves them all.
         transfer_address: (`gloo`, `nccl`) this machine's address as the servers reach it: rank 0 hosts the
             rendezvous of each server's transfer group there, listening on that address alone (under `gloo`
-            only until the group has formed). 127.0.0.1 serves servers on this machine only.
+            only until the workers have joined). 127.0.0.1 serves servers on this machine only.
         transfer_port: (`gloo`, `nccl`) the port of the first server's rendezvous, the next server's one above, and
             so on; 0 (default): free ports.
     """

@@ -50,8 +50,6 @@ class GlooInitInfo(WeightTransferInitInfo):
     timeout_s: float = 300.0
 
 
-#: The dtypes a trained model's weights come in; a request naming any other is refused before anything is allocated.
-WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
 MAX_NAME_CHARS = 1024
 MAX_DIMS = 8
 
@@ -59,8 +57,8 @@ MAX_DIMS = 8
 @dataclass
 class GlooUpdateInfo(WeightTransferUpdateInfo):
     """One chunk: the tensors that follow, one broadcast each, in this order. Checked on arrival (anyone who
-    reaches a dev-mode server can send one): names are strings of at most `MAX_NAME_CHARS`, dtypes are weights'
-    (`WEIGHT_DTYPES`), shapes lists of at most `MAX_DIMS` sizes >= 0; against the model, by `UpdateBudget`."""
+    reaches a dev-mode server can send one): names are strings of at most `MAX_NAME_CHARS`, dtypes torch's, shapes
+    lists of at most `MAX_DIMS` sizes >= 0; their sizes against the model, by `UpdateBudget`."""
 
     names: list[str]
     dtype_names: list[str]
@@ -77,8 +75,8 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
         for name, dtype_name, shape in zip(self.names, self.dtype_names, self.shapes):
             if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
                 raise ValueError(f"a tensor name must be a string of 1 to {MAX_NAME_CHARS} characters: {name!r:.80}")
-            if dtype_name not in WEIGHT_DTYPES:
-                raise ValueError(f"{name}: dtype {dtype_name!r:.40} is not one of {', '.join(WEIGHT_DTYPES)}")
+            if not isinstance(dtype_name, str) or not isinstance(getattr(torch, dtype_name, None), torch.dtype):
+                raise ValueError(f"{name}: not a torch dtype: {dtype_name!r:.40}")
             sizes_ok = isinstance(shape, list) and len(shape) <= MAX_DIMS
             if not sizes_ok or not all(type(size) is int and size >= 0 for size in shape):
                 raise ValueError(f"{name}: shape {shape!r:.80} is not a list of at most {MAX_DIMS} sizes >= 0")
@@ -86,15 +84,16 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
 
 class UpdateBudget:
     """What one update (a start to its finish) may still bring into this worker, from the model it loads into: no
-    tensor larger than the model's largest parameter whole, no more elements in all than the whole model has plus
-    one such tensor, no name twice. A worker may hold a slice of each parameter: the whole is at most `shards`
-    slices, `shards` being the number of workers the model is split over (tensor, pipeline and data parallel).
-    So a request cannot make a worker allocate more than a legitimate push would."""
+    tensor and no update larger than the whole model (an update: twice, for what a worker does not hold, such as the
+    embeddings of a middle pipeline stage), no name twice. A worker holds a slice of the model: the whole is at most
+    `shards` such slices, `shards` being the number of workers it is split over (tensor, pipeline and data
+    parallel). So a request cannot make a worker allocate more than about a legitimate push does, whatever shapes
+    it names; the loader itself refuses a name the model does not have."""
 
     def __init__(self, model: torch.nn.Module, shards: int) -> None:
-        sizes = [parameter.numel() for parameter in model.parameters()]
-        self.max_numel = shards * max(sizes, default=0)
-        self.left_numel = shards * sum(sizes) + self.max_numel
+        whole = shards * sum(parameter.numel() for parameter in model.parameters())
+        self.max_numel = whole
+        self.left_numel = 2 * whole
         self.names: set[str] = set()
 
     def take(self, info: GlooUpdateInfo) -> None:
@@ -105,9 +104,9 @@ class UpdateBudget:
             if name in self.names or name in seen:
                 raise ValueError(f"{name}: sent twice in one weight update")
             if numel > self.max_numel:
-                raise ValueError(f"{name}: {numel} elements, more than the model's largest weight ({self.max_numel})")
+                raise ValueError(f"{name}: {numel} elements, more than the whole model ({self.max_numel})")
             if numel > left:
-                raise ValueError(f"{name}: the update would bring more elements than the model has")
+                raise ValueError(f"{name}: the update would bring more than twice the model's elements")
             left -= numel
             seen.add(name)
         self.left_numel = left

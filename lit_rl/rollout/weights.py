@@ -70,7 +70,8 @@ class WeightBlock:
                         deltas[f"{path}.base_layer.weight"] = delta
         own = {id(p) for p in self.parameters}
         for path, module in modules:
-            tensors = [(name, p) for name, p in module.named_parameters(recurse=False) if id(p) in own]
+            own_here = module.named_parameters(recurse=False, remove_duplicate=False)  # an alias under each name
+            tensors = [(name, p) for name, p in own_here if id(p) in own]
             tensors += persistent_buffers(module)
             for name, tensor in tensors:
                 key = f"{path}.{name}" if path else name

@@ -80,9 +80,9 @@ def foreach_norm(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.
 def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """A module's own buffers that its state dict holds, without those registered `persistent=False` (the set
     `nn.Module._non_persistent_buffers_set`)."""
-    return [
-        (name, b) for name, b in module.named_buffers(recurse=False) if name not in module._non_persistent_buffers_set
-    ]
+    transient = module._non_persistent_buffers_set
+    buffers = module.named_buffers(recurse=False, remove_duplicate=False)  # an alias under each of its names
+    return [(name, b) for name, b in buffers if name not in transient]
 
 
 def can_take_data_of(param: torch.Tensor, moved: torch.Tensor) -> bool:

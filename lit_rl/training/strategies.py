@@ -116,7 +116,7 @@ def move_unpartitioned_state(module: torch.nn.Module, device: torch.device) -> N
         if isinstance(sub, Metric):
             sub.to(device)  # its states are attributes, not buffers; a metric holds no ZeRO-3 parameter
             continue
-        for name, param in list(sub.named_parameters(recurse=False)):
+        for name, param in list(sub.named_parameters(recurse=False, remove_duplicate=False)):
             if hasattr(param, "ds_id") or param.device == device:
                 continue
             moved = param.data.to(device)
@@ -124,7 +124,7 @@ def move_unpartitioned_state(module: torch.nn.Module, device: torch.device) -> N
                 param.data = moved
             else:
                 setattr(sub, name, torch.nn.Parameter(moved, requires_grad=param.requires_grad))
-        for name, buffer in list(sub.named_buffers(recurse=False)):
+        for name, buffer in list(sub.named_buffers(recurse=False, remove_duplicate=False)):
             if buffer.device != device:
                 setattr(sub, name, buffer.to(device))  # stays a buffer, persistent or not
     set_module_device(module, device)
