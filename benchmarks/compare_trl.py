@@ -25,7 +25,7 @@ both with the character tokenizer.
   whose generation config counts 5 ids besides EOS as stops; near-uniform next-token probabilities make a
   completion stop at random, 1 to 128 tokens (mean about 50-60). The reward is `length_reward`.
 - DPO trains on `variable_pairs`: the addition prompts with random answers of 32-128 characters (tokens).
-- lit-rl runs padding-free (`--model.padding_free true`); its HF engine skips finished rows by default.
+- lit-rl runs padding-free (`--model.policy.padding_free true`); its HF engine skips finished rows by default.
 `--settings matched` runs both in fp32 without gradient checkpointing; `--settings defaults` runs each library
 with its documented defaults (TRL: bf16 mixed precision and gradient checkpointing; lit-rl: fp32, none).
 
@@ -77,14 +77,14 @@ class Workload:
     gpu_memory_utilization: float = 0.3
     # Variable lengths (issue 18): GRPO samples up to `max_new_tokens` from a random model that stops at random
     # (`stop_tokens` ids end a completion), rewarded by `length_reward`; DPO trains on random pairs of 32-128
-    # tokens (`variable_pairs`). lit-rl runs padding-free (`model.padding_free`).
+    # tokens (`variable_pairs`). lit-rl runs padding-free (`model.policy.padding_free`).
     variable: bool = False
     stop_tokens: int = 5
     # Each library with its documented defaults (TRL: bf16 and gradient checkpointing on; lit-rl: fp32, none)
     # instead of both in fp32 without gradient checkpointing.
     library_defaults: bool = False
     # Long completions (`benchmarks/long_completions.py`): no stop before `min_new_tokens` (lit-rl
-    # `model.min_new_tokens`, TRL `generation_kwargs`), the reward's import path, and lit-rl flags on top.
+    # `model.sampling.min_new_tokens`, TRL `generation_kwargs`), the reward's import path, and lit-rl flags on top.
     min_new_tokens: int = 0
     reward: str = ""
     lit_flags: tuple[str, ...] = ()
@@ -96,9 +96,9 @@ def lit_run(algorithm: str, model: str, steps: int, workdir: Path, work: Workloa
     from lit_rl.cli import main
 
     common = [
-        "--model.model_name_or_path",
+        "--model.policy.model_name_or_path",
         model,
-        "--model.learning_rate",
+        "--model.optim.learning_rate",
         str(work.learning_rate),
         "--trainer.limit_val_batches",
         "0",
@@ -109,28 +109,28 @@ def lit_run(algorithm: str, model: str, steps: int, workdir: Path, work: Workloa
     if work.bf16:
         common += ["--trainer.precision", "bf16-mixed"]
     if work.variable:
-        common += ["--model.padding_free", "true"]
+        common += ["--model.policy.padding_free", "true"]
     if algorithm == "grpo":
         reward = "compare_trl.length_reward" if work.variable else "lit_rl.rewards.arithmetic.correctness"
         reward = work.reward or reward
         args = [
             "--config",
             str(REPO / "configs" / "grpo.yaml"),
-            "--model.reward_funcs",
+            "--model.rewards.funcs",
             f"[{reward}]",
-            "--model.reward_weights",
+            "--model.rewards.weights",
             "null",
-            "--model.num_generations",
+            "--model.sampling.num_generations",
             str(work.group),
-            "--model.micro_batch_size",
+            "--model.schedule.micro_batch_size",
             str(work.group * work.prompts),
-            "--model.max_new_tokens",
+            "--model.sampling.max_new_tokens",
             str(work.max_new_tokens),
             "--model.beta",
             "0.0",
             "--model.loss_aggregation",
             "sequence",
-            "--model.min_new_tokens",
+            "--model.sampling.min_new_tokens",
             str(work.min_new_tokens),
         ]
         if work.vllm:

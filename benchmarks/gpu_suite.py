@@ -92,19 +92,19 @@ def workload(smoke: bool, engine: str = "vllm_colocate") -> SimpleNamespace:
         group, prompts, accumulate, max_new_tokens, steps, warmup = 8, 8, 4, 256, 12, 3
     micro = group * prompts // accumulate
     flags = [
-        "--model.num_generations",
+        "--model.sampling.num_generations",
         str(group),
-        "--model.micro_batch_size",
+        "--model.schedule.micro_batch_size",
         str(micro),
         "--trainer.accumulate_grad_batches",
         str(accumulate),
-        "--model.max_new_tokens",
+        "--model.sampling.max_new_tokens",
         str(max_new_tokens),
         "--model.beta",
         "0.0",
         "--model.loss_aggregation",
         "token",
-        "--model.learning_rate",
+        "--model.optim.learning_rate",
         "1e-6",
         "--trainer.precision",
         "bf16-mixed",
@@ -134,7 +134,7 @@ def lit_run(name: str, model: str, engine: str, strategy: str, work, smoke: bool
         warmup=work.warmup,
         pin_cores=False,
         overrides=[
-            "--model.model_name_or_path",
+            "--model.policy.model_name_or_path",
             model,
             *work.flags,
             *(["--model.vllm.enable_sleep_mode", "true"] if sleep else []),

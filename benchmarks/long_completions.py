@@ -9,10 +9,10 @@ GRPO with 2 prompts x 4 completions per optimizer step (one micro-batch of 8), c
 sampled with the HF engine / `generate` from a randomly initialised Qwen2 of hidden 128, 4 layers and Qwen2's
 vocabulary of 151,936 (tied embeddings: 20.3M parameters), with a tokenizer of as many tokens. Its near-uniform
 next-token probabilities and 500 stop ids besides EOS end a completion at random, about 300 tokens after the
-first 256, where no stop may come (lit-rl `model.min_new_tokens`, TRL `generation_kwargs.min_new_tokens`).
+first 256, where no stop may come (lit-rl `model.sampling.min_new_tokens`, TRL `generation_kwargs.min_new_tokens`).
 Reward: the decoded text's length. fp32, no gradient checkpointing, beta 0, temperature 1, AdamW, CPU.
 
-Runs: lit-rl padding-free with the head in chunks of `--head-chunk` tokens (`model.head_chunk_tokens`, the
+Runs: lit-rl padding-free with the head in chunks of `--head-chunk` tokens (`model.policy.head_chunk_tokens`, the
 long-completion setting); lit-rl padding-free with whole logits (what the chunks save); TRL with its fp32 path.
 Each reports the process's peak RSS (`ru_maxrss` at the end: the model, the optimizer, generation and the
 training step together), its seconds per step (median after the first), and the completion lengths it trained
@@ -143,7 +143,7 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--head-chunk", type=int, default=256, help="lit-rl's model.head_chunk_tokens")
+    parser.add_argument("--head-chunk", type=int, default=256, help="lit-rl's model.policy.head_chunk_tokens")
     parser.add_argument("--quick", action="store_true", help="vocabulary 8,192, completions of 16-48, 2 steps")
     add_report_options(parser)
     args = parser.parse_args()
@@ -158,8 +158,8 @@ def main() -> None:
         model = build_long_model(Path(tmp) / "model", vocab, max_tokens + 64, STOP_IDS if not args.quick else 100)
         base = dict(group=4, prompts=2, max_new_tokens=max_tokens, min_new_tokens=min_tokens)
         base["reward"] = "long_completions.text_length"
-        packed = ("--model.padding_free", "true")
-        chunks = (*packed, "--model.head_chunk_tokens", str(args.head_chunk))
+        packed = ("--model.policy.padding_free", "true")
+        chunks = (*packed, "--model.policy.head_chunk_tokens", str(args.head_chunk))
         works = {
             RUNS[0]: ("lit_rl", Workload(**base, lit_flags=chunks)),
             RUNS[1]: ("lit_rl", Workload(**base, lit_flags=packed)),

@@ -33,7 +33,14 @@ from lit_rl.modeling.models import build_random_model, load_causal_lm  # noqa: E
 
 CONFIGS = REPO / "configs"
 ALGORITHMS = {
-    "grpo": ["--model.beta", "0.04", "--model.num_generations", "8", "--model.micro_batch_size", "32"],
+    "grpo": [
+        "--model.beta",
+        "0.04",
+        "--model.sampling.num_generations",
+        "8",
+        "--model.schedule.micro_batch_size",
+        "32",
+    ],
     "dpo": ["--data.batch_size", "16"],
 }
 
@@ -56,7 +63,7 @@ def run_one(algorithm: str, lora: bool, model_dir: Path, steps: int, workdir: Pa
         *(["--config", str(CONFIGS / "peft" / "lora.yaml")] if lora else []),
         "--config",
         str(overlay),
-        "--model.model_name_or_path",
+        "--model.policy.model_name_or_path",
         str(model_dir),
         "--trainer.val_check_interval",
         "1000000",
@@ -83,7 +90,7 @@ def run_one(algorithm: str, lora: bool, model_dir: Path, steps: int, workdir: Pa
 
 
 def _lora_settings() -> dict:
-    return yaml.safe_load((CONFIGS / "peft" / "lora.yaml").read_text())["model"]["init_args"]["lora"]
+    return yaml.safe_load((CONFIGS / "peft" / "lora.yaml").read_text())["model"]["init_args"]["policy"]["lora"]
 
 
 def markdown_table(results: list[dict]) -> str:

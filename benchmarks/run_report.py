@@ -15,7 +15,7 @@ time, log directory and summary, with the commit and dirty flag (benchmarks/prov
 
 - every demo: `lit-rl fit --config configs/NAME.yaml`, then `lit-rl validate --config configs/NAME.yaml` (step 0:
   the warm start, which the fit does not validate);
-- dpo also: `lit-rl validate --config configs/grpo.yaml`, with and without `--model.model_name_or_path
+- dpo also: `lit-rl validate --config configs/grpo.yaml`, with and without `--model.policy.model_name_or_path
   runs/dpo/version_N/hf` (the greedy task accuracy of the trained policy and of the warm start).
 """
 
@@ -53,7 +53,7 @@ class Step:
     trained: bool = False  # validate the policy the demo's fit exported (`<log dir>/hf`)
 
     def args(self, fit_dir: Optional[str]) -> list[str]:
-        model = ["--model.model_name_or_path", f"{fit_dir}/hf"] if self.trained else []
+        model = ["--model.policy.model_name_or_path", f"{fit_dir}/hf"] if self.trained else []
         return [self.subcommand, "--config", self.config, *model]
 
 

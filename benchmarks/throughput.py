@@ -64,9 +64,9 @@ ENGINES = {
 
 
 def policy_of(config_path: Path, overrides: list[str]) -> str:
-    model = yaml.safe_load(config_path.read_text())["model"]["init_args"].get("model_name_or_path")
+    model = yaml.safe_load(config_path.read_text())["model"]["init_args"].get("policy", {}).get("model_name_or_path")
     for flag, value in zip(overrides, overrides[1:]):
-        if flag == "--model.model_name_or_path":
+        if flag == "--model.policy.model_name_or_path":
             model = value
     return model
 
@@ -167,7 +167,7 @@ def summarise(log_dir: Path, warmup: int) -> dict:
     config = yaml.safe_load((log_dir / "config.yaml").read_text())
     trainer, model = config["trainer"], config["model"]["init_args"]
     devices = trainer["devices"] if isinstance(trainer["devices"], int) else 1
-    samples_per_step = model["micro_batch_size"] * (trainer.get("accumulate_grad_batches") or 1) * devices
+    samples_per_step = model["schedule"]["micro_batch_size"] * (trainer.get("accumulate_grad_batches") or 1) * devices
 
     def mean(key: str) -> float:
         return statistics.fmean(r.get(key, 0.0) for r in steps)
@@ -326,7 +326,13 @@ def main() -> None:
         args.engines = [e for e in args.engines if e != "hf"] or ["vllm_colocate"]
         args.engines = ["hf", *args.engines]
         args.steps, args.warmup = 8, 3
-        args.overrides = ["--model.num_generations", "8", "--model.micro_batch_size", "32", *args.overrides]
+        args.overrides = [
+            "--model.sampling.num_generations",
+            "8",
+            "--model.schedule.micro_batch_size",
+            "32",
+            *args.overrides,
+        ]
     invalid = [(s, d) for s in args.strategies for d in args.devices if s == "single" and d != 1]
     if invalid:
         parser.error("strategy 'single' runs on 1 device; use ddp/fsdp/deepspeed_* for more")

@@ -29,9 +29,11 @@ from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeed
 
 from lit_rl.callbacks import GracefulStop, NonFiniteGuard, RunSummary, StepProgressBar
 from lit_rl.callbacks.export import run_directory
+from lit_rl.config import moved_key_hint
 from lit_rl.errors import LitRLError, ReportedOnRankZero
 from lit_rl.resume import ResumePoint, keep_run_metrics, resolve_ckpt_path
 from lit_rl.training.checkpoint import AtomicCheckpointIO
+from lit_rl.training.compat import keep_nested_nulls
 from lit_rl.training.strategies import as_project_deepspeed
 
 CONFIG_ERROR_EXIT = 2
@@ -84,10 +86,16 @@ def condense_parser_error(message: str) -> str:
     keys = re.findall(r'Parser key "([^"]+)"', message)
     # An option the class does not take: said before a type mismatch, which jsonargparse also reports for the
     # other members of a union (`trainer.strategy`: "Expected a <class 'str'>").
-    unknown = re.search(r"Option '([^']+)' is not accepted", message)
+    unknown = re.search(r"Option '([^']+)' is not accepted", message) or re.search(
+        r"unrecognized arguments: --([\w.]+)", message
+    )
     if unknown:
         option = unknown.group(1)
-        return ".".join(keys + ([option] if not keys or keys[-1] != option else [])) + ": unknown option"
+        key = ".".join(keys + ([option] if not keys or keys[-1] != option else []))
+        moved = moved_key_hint(key)
+        if moved is not None:  # a lit-rl 0.1 key
+            return f"{key}: moved to {moved} (lit-rl 0.2 groups the options; see docs/config-reference.md)"
+        return f"{key}: unknown option"
     wrong_type = re.search(r"Expected a <class '(?!NoneType)[^']+'>[^\n]*", message)
     if wrong_type and keys:
         return f"{'.'.join(dict.fromkeys(keys))}: {wrong_type.group(0)}"
@@ -224,14 +232,14 @@ _NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 HELP_EPILOG = (
     "algorithms: --model GRPO | PPO | RLOO | OnlineDPO | DPO | SFT (or a class path); the options of one: "
     "lit-rl fit --model.help GRPO. Data: --data PromptDataModule | PreferenceDataModule | SFTDataModule. "
-    "Examples: lit-rl fit --config configs/grpo.yaml --model.learning_rate 5e-5; resume: add --ckpt_path last."
+    "Examples: lit-rl fit --config configs/grpo.yaml --model.optim.learning_rate 5e-5; resume: add --ckpt_path last."
 )
 
 
 def normalize_args(args: list[str]) -> list[str]:
     """The command line as the parser needs it: a short algorithm or data-module name after `--model`,
     `--data` or their `.help` becomes its class path, and a negative number after an option is joined to it
-    (`--model.learning_rate=-1e-4`: argparse would read `-1e-4` as an option)."""
+    (`--model.optim.learning_rate=-1e-4`: argparse would read `-1e-4` as an option)."""
     out: list[str] = []
     for arg in args:
         previous = out[-1] if out else ""
@@ -248,6 +256,7 @@ def normalize_args(args: list[str]) -> list[str]:
 def main(args: Optional[list[str]] = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     quiet_console()
+    keep_nested_nulls()  # `--model.rewards.weights null` (lit_rl.training.compat)
     given = sys.argv[1:] if args is None else list(args)
     if args is None:  # LightningCLI warns when given `args` while sys.argv holds arguments too
         sys.argv[1:] = normalize_args(given)

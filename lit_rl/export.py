@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
+from lit_rl.config import grouped_hparams
 from lit_rl.errors import DataFileNotFound, LitRLError
 from lit_rl.modeling.lora import apply_lora, as_lora_config, save_merged, trainable_keys
 from lit_rl.modeling.models import load_causal_lm, load_tokenizer, resolve_model_path
@@ -62,7 +63,7 @@ def export_checkpoint(
 ) -> Path:
     """Write the policy of `checkpoint_path` to `out_dir` with `save_pretrained`, tokenizer included.
 
-    A LoRA checkpoint (trained with `model.lora`) holds the adapter only: the frozen weights are loaded from its
+    A LoRA checkpoint (trained with `model.policy.lora`) holds the adapter only: the frozen weights are loaded from its
     `model_name_or_path` (which must be unchanged since training), and `out_dir` gets the merged model, or with
     `adapter_only` the peft adapter (`PeftModel.from_pretrained(base, out_dir)`).
 
@@ -70,11 +71,12 @@ def export_checkpoint(
     without it (its model's repository would run code).
     """
     checkpoint = load_checkpoint(Path(checkpoint_path))
-    hparams = checkpoint.get("hyper_parameters") or {}
-    name = hparams.get("model_name_or_path")
+    hparams = grouped_hparams(checkpoint.get("hyper_parameters") or {})  # a 0.1 checkpoint's flat keys too
+    policy = hparams.get("policy") or {}
+    name = policy.get("model_name_or_path")
     if name is None:
-        raise LitRLError(f"checkpoint {checkpoint_path} has no model_name_or_path in its hyper-parameters")
-    if hparams.get("trust_remote_code") and not trust_remote_code:
+        raise LitRLError(f"checkpoint {checkpoint_path} has no policy.model_name_or_path in its hyper-parameters")
+    if policy.get("trust_remote_code") and not trust_remote_code:
         raise LitRLError(
             f"checkpoint {checkpoint_path} was trained with trust_remote_code: loading its model {name!r} runs code "
             "from the model's repository; pass --trust-remote-code if you trust it"
@@ -86,15 +88,17 @@ def export_checkpoint(
     }
     if not policy_state:
         raise LitRLError(f"checkpoint {checkpoint_path} holds no policy weights (no 'policy.*' keys)")
-    lora = as_lora_config(hparams.get("lora"))
+    lora = as_lora_config(policy.get("lora"))
     if lora is None and adapter_only:
-        raise LitRLError(f"checkpoint {checkpoint_path} was not trained with model.lora: it has no adapter to export")
+        raise LitRLError(
+            f"checkpoint {checkpoint_path} was not trained with model.policy.lora: it has no adapter to export"
+        )
     tokenizer = load_tokenizer(name, trust_remote_code=trust_remote_code)
     if lora is None:
         model = _model_from_config(name, trust_remote_code, next(iter(policy_state.values())).dtype, tokenizer)
         _load_weights(model, policy_state, checkpoint_path, name, may_miss=_tied_keys(model))
     else:
-        model = load_causal_lm(name, dtype=hparams.get("dtype", "float32"), trust_remote_code=trust_remote_code)
+        model = load_causal_lm(name, dtype=policy.get("dtype", "float32"), trust_remote_code=trust_remote_code)
         if len(tokenizer) > model.get_input_embeddings().num_embeddings:
             model.resize_token_embeddings(len(tokenizer))
         model = apply_lora(model, lora)

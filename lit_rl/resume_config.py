@@ -22,33 +22,37 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Mapping
 
+from lit_rl.config import grouped_hparams
 from lit_rl.errors import ConfigError
 
 # What a resumed `fit` may change. The optimizer's rates (the configured ones replace those in the restored
 # optimizer state, see `OptimizedModule.apply_configured_rates`); how a step is cut into micro-batches and run
 # (the same loss and gradient: the accumulation and packing tests prove it); validation's sampling; and how and
 # where rollouts are produced (`model.vllm`: the engine, the server's address, its timeouts).
+# Keys under `model.`; a key names everything below it (`vllm` covers `vllm.server_url`).
 MAY_CHANGE_ON_RESUME = frozenset(
     {
-        "learning_rate",
+        "optim.learning_rate",
         "critic_learning_rate",
-        "weight_decay",
-        "warmup_steps",
-        "micro_batch_size",
-        "micro_batch_tokens",
-        "head_chunk_tokens",
-        "gradient_checkpointing",
-        "padding_free",
+        "optim.weight_decay",
+        "optim.warmup_steps",
+        "schedule.micro_batch_size",
+        "schedule.micro_batch_tokens",
+        "policy.head_chunk_tokens",
+        "policy.gradient_checkpointing",
+        "policy.padding_free",
         "precompute_ref_logprobs",
         "ref_cache_dir",
-        "val_temperature",
-        "val_num_generations",
+        "sampling.val_temperature",
+        "sampling.val_num_generations",
         "vllm",
     }
 )
-OPTIMIZER_RATES = frozenset({"learning_rate", "critic_learning_rate", "weight_decay", "warmup_steps"})
+OPTIMIZER_RATES = frozenset({"optim.learning_rate", "critic_learning_rate", "optim.weight_decay", "optim.warmup_steps"})
 # What the checkpoint's weights are: these must match for `validate`, `test` and `predict` too.
-MODEL_IDENTITY = frozenset({"model_name_or_path", "critic_model_name_or_path", "lora", "dtype", "random_init"})
+MODEL_IDENTITY = frozenset(
+    {"policy.model_name_or_path", "critic_model_name_or_path", "policy.lora", "policy.dtype", "random_init"}
+)
 # Saved by Lightning's CLI beside the arguments; not arguments themselves.
 NOT_ARGUMENTS = frozenset({"_class_path", "_instantiator"})
 
@@ -78,12 +82,12 @@ def reconcile(
             f"{module_class.__name__}: resume with the algorithm that wrote it"
         )
     this_run = _plain(dict(this_run))
-    saved = _plain({k: v for k, v in hyper_parameters.items() if k not in NOT_ARGUMENTS})
+    # A lit-rl 0.1 checkpoint's flat keys (`temperature`) compare with their groups' (`sampling.temperature`).
+    saved = _plain(grouped_hparams({k: v for k, v in hyper_parameters.items() if k not in NOT_ARGUMENTS}))
     allowed, refused = [], []
-    for key in sorted(saved.keys() & this_run.keys()):  # a key only one version of lit-rl has is not compared
-        if saved[key] != this_run[key]:
-            bucket = allowed if may_change(subcommand, key) else refused
-            bucket.extend(differences(f"model.{key}", this_run[key], saved[key]))
+    for difference in differences("model", this_run, saved):
+        bucket = allowed if may_change(subcommand, difference.key.removeprefix("model.")) else refused
+        bucket.append(difference)
     if refused:
         listed = "; ".join(
             f"{d.key}: {_show(d.this_run)} here, {_show(d.checkpoint)} in the checkpoint" for d in refused
@@ -107,16 +111,25 @@ def names_class(class_path: str, cls: type) -> bool:
 
 
 def may_change(subcommand: str, key: str) -> bool:
-    """Whether `model.<key>` may differ from the checkpoint's in a `subcommand` run given `--ckpt_path`."""
+    """Whether `model.<key>` (dotted: `sampling.temperature`) may differ from the checkpoint's in a `subcommand` run
+    given `--ckpt_path`."""
     if subcommand == "fit":
-        return key in MAY_CHANGE_ON_RESUME
-    return key not in MODEL_IDENTITY  # validate/test/predict: the checkpoint gives the weights, this run the rest
+        return _covered(key, MAY_CHANGE_ON_RESUME)
+    return not _covered(
+        key, MODEL_IDENTITY
+    )  # validate/test/predict: the checkpoint gives the weights, this run the rest
+
+
+def _covered(key: str, keys: frozenset[str]) -> bool:
+    """Whether `key` or a key above it (`vllm` above `vllm.server_url`) is in `keys`."""
+    parts = key.split(".")
+    return any(".".join(parts[:end]) in keys for end in range(1, len(parts) + 1))
 
 
 def worth_announcing(subcommand: str, difference: Difference) -> bool:
     """Whether a difference this run makes changes anything it does: the optimizer's rates do not in a run that
     does not train."""
-    return subcommand == "fit" or difference.key.split(".")[1] not in OPTIMIZER_RATES
+    return subcommand == "fit" or difference.key.removeprefix("model.") not in OPTIMIZER_RATES
 
 
 def announce(difference: Difference) -> str:
@@ -142,13 +155,16 @@ def _plain(value: Any) -> Any:
 
 
 def differences(key: str, this_run: Any, checkpoint: Any) -> list[Difference]:
-    """Where two values of `key` differ: key by key inside two mappings (`model.vllm.server_url`), else whole."""
+    """Where two values of `key` differ: key by key inside two mappings (`model.sampling.temperature`), else whole
+    (`model.policy.lora` set against null). A key only one of two mappings has is not compared: one version of
+    lit-rl has it, the other does not."""
+    if this_run == checkpoint:
+        return []
     if not (isinstance(this_run, Mapping) and isinstance(checkpoint, Mapping)):
         return [Difference(key, this_run, checkpoint)]
     found = []
-    for sub in sorted(this_run.keys() | checkpoint.keys()):
-        if this_run.get(sub) != checkpoint.get(sub):
-            found.extend(differences(f"{key}.{sub}", this_run.get(sub), checkpoint.get(sub)))
+    for sub in sorted(this_run.keys() & checkpoint.keys()):
+        found.extend(differences(f"{key}.{sub}", this_run[sub], checkpoint[sub]))
     return found
 
 

@@ -66,11 +66,11 @@ def write_overlay(
 
 # Small, fast GRPO settings for the tiny model: 2 prompts x G=4 per generation by default.
 FAST_GRPO = [
-    "--model.num_generations",
+    "--model.sampling.num_generations",
     "4",
-    "--model.micro_batch_size",
+    "--model.schedule.micro_batch_size",
     "8",
-    "--model.max_new_tokens",
+    "--model.sampling.max_new_tokens",
     "4",
     "--data.val_limit",
     "16",
@@ -178,10 +178,12 @@ def fit_grpo(max_steps: int = 1, callbacks: Optional[list] = None, algorithm: st
     import lightning as L
 
     import lit_rl.algorithms
+    from lit_rl.config import grouped_kwargs
     from lit_rl.data import PromptDataModule
 
     args = dict(num_generations=4, micro_batch_size=8, max_new_tokens=4, temperature=1.0)
-    model = getattr(lit_rl.algorithms, algorithm)(**{**args, **model_args})
+    cls = getattr(lit_rl.algorithms, algorithm)
+    model = cls(**grouped_kwargs(cls, **{**args, **model_args}))
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=max_steps,

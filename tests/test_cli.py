@@ -55,10 +55,12 @@ def test_dotted_overrides_and_repeated_configs(capsys, tmp_path):
     assert config["model"]["init_args"]["beta"] == 0.04
     assert config["trainer"]["max_steps"] == 50
     later = tmp_path / "later.yaml"
-    later.write_text("model:\n  init_args:\n    num_generations: 4\ntrainer:\n  max_steps: 7\n")
+    later.write_text("model:\n  init_args:\n    sampling:\n      num_generations: 4\ntrainer:\n  max_steps: 7\n")
     config = _print_config(capsys, "--config", str(CONFIGS / "grpo.yaml"), "--config", str(later))
-    assert config["model"]["init_args"]["num_generations"] == 4 and config["trainer"]["max_steps"] == 7
-    assert config["model"]["init_args"]["micro_batch_size"] == 128  # untouched keys keep grpo.yaml's values
+    sampling = config["model"]["init_args"]["sampling"]
+    assert sampling["num_generations"] == 4 and config["trainer"]["max_steps"] == 7
+    assert sampling["max_new_tokens"] == 8  # untouched keys of a group keep grpo.yaml's values
+    assert config["model"]["init_args"]["schedule"]["micro_batch_size"] == 128
 
 
 def test_help_documents_every_constructor_argument(capsys):
@@ -69,22 +71,26 @@ def test_help_documents_every_constructor_argument(capsys):
         ("beta", "k3 KL"),
         ("loss_aggregation", "Dr. GRPO"),
         ("scale_rewards", "advantage scaling"),
-        ("num_iterations", "passes over each generation"),
+        ("schedule.num_iterations", "passes over each generation"),
         ("epsilon_high", "upper clip range"),
         ("policy_loss", "`gspo_token`"),
         ("advantage", "`reinforce_pp_baseline`"),
-        ("padding_free", "laid"),
-        ("micro_batch_tokens", "real (prompt + completion) tokens"),
+        ("policy.padding_free", "laid"),
+        ("schedule.micro_batch_tokens", "real (prompt + completion) tokens"),
+        ("sampling.temperature", "log-probs are computed at this temperature"),
+        ("rewards.funcs", "import paths of reward functions"),
+        ("env.max_turns", "the most model turns"),
+        ("optim.learning_rate", "AdamW learning rate"),
     ]:
         assert f"--model.init_args.{option}" in text or f"--model.{option}" in text, option
-        assert doc in text, doc
+        assert doc in " ".join(text.split()), doc  # the help wraps lines
 
 
 def test_short_algorithm_names_and_negative_numbers_on_the_command_line(capsys):
     config = _print_config(capsys, "--config", str(CONFIGS / "grpo.yaml"), "--model", "RLOO", "--model.beta", "-0.5")
     assert config["model"]["class_path"] == "lit_rl.algorithms.RLOO" and config["model"]["init_args"]["beta"] == -0.5
-    config = _print_config(capsys, "--config", str(CONFIGS / "grpo.yaml"), "--model.learning_rate", "-1e-4")
-    assert config["model"]["init_args"]["learning_rate"] == -1e-4  # parsed (argparse took it for an option)
+    config = _print_config(capsys, "--config", str(CONFIGS / "grpo.yaml"), "--model.optim.learning_rate", "-1e-4")
+    assert config["model"]["init_args"]["optim"]["learning_rate"] == -1e-4  # parsed (argparse took it for an option)
     with pytest.raises(SystemExit):
         run_cli("fit", "--model.help", "PPO")
     assert "critic_learning_rate" in capsys.readouterr().out  # PPO's own option
@@ -94,13 +100,52 @@ def test_short_algorithm_names_and_negative_numbers_on_the_command_line(capsys):
     assert "--model GRPO | PPO | RLOO | OnlineDPO | DPO | SFT" in text and "lit-rl fit --model.help GRPO" in text
 
 
+def test_every_documented_group_field_is_on_the_command_line(capsys):
+    """Each group's fields are options of every algorithm that takes the group, documented once (lit_rl.config)."""
+    import dataclasses
+    import inspect
+
+    import lit_rl.algorithms
+    from lit_rl.config import GROUPS
+
+    for name in ("GRPO", "PPO", "RLOO", "OnlineDPO", "DPO", "SFT"):
+        with pytest.raises(SystemExit):
+            run_cli("fit", "--model.help", name)
+        text = capsys.readouterr().out
+        parameters = inspect.signature(getattr(lit_rl.algorithms, name).__init__).parameters
+        for group in (g for g in GROUPS if g in parameters):
+            for field in dataclasses.fields(GROUPS[group]):
+                assert f"--model.{group}.{field.name} " in text, (name, group, field.name)
+
+
+@pytest.mark.parametrize("given", ["command line", "config file"])
+def test_a_key_of_lit_rl_0_1_fails_in_one_line_naming_its_new_place(capsys, tmp_path, given):
+    old = ["--model.temperature", "0.7"]
+    if given == "config file":
+        (tmp_path / "old.yaml").write_text("model:\n  init_args:\n    temperature: 0.7\n")
+        old = ["--config", str(tmp_path / "old.yaml")]
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli("fit", "--config", str(CONFIGS / "grpo.yaml"), *old, "--print_config")
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("lit-rl: error: model.temperature: moved to model.sampling.temperature"), line
+
+
+def test_null_clears_an_option_inside_a_group(capsys):
+    config = _print_config(
+        capsys, "--config", str(CONFIGS / "grpo.yaml"), "--model.rewards.weights", "null", "--model.policy.lora", "null"
+    )
+    assert config["model"]["init_args"]["rewards"]["weights"] is None
+    assert config["model"]["init_args"]["policy"]["lora"] is None
+
+
 def test_normalize_args_touches_only_short_names_and_negative_values():
     from lit_rl.cli import normalize_args
 
     assert normalize_args(["fit", "--model", "GRPO", "--data.help", "SFTDataModule", "--x", "-3", "--y=-2"]) == [
         "fit", "--model", "lit_rl.algorithms.GRPO", "--data.help", "lit_rl.data.SFTDataModule", "--x=-3", "--y=-2"
     ]  # fmt: skip
-    unchanged = ["fit", "--config", "GRPO", "--model.reward_funcs", "[a.b]", "--print_config", "-c", "x.yaml"]
+    unchanged = ["fit", "--config", "GRPO", "--model.rewards.funcs", "[a.b]", "--print_config", "-c", "x.yaml"]
     assert normalize_args(unchanged) == unchanged
 
 
@@ -241,4 +286,4 @@ def test_ppo_help_documents_its_critic_options(capsys):
         ("critic_model_name_or_path", "an exported critic"),
     ]:
         assert f"--model.init_args.{option}" in text or f"--model.{option}" in text, option
-        assert doc in text, doc
+        assert doc in " ".join(text.split()), doc  # the help wraps lines

@@ -7,12 +7,14 @@ from __future__ import annotations
 import inspect
 import subprocess
 import sys
+from typing import Optional
 
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lit_rl.config import RewardArgs
 from lit_rl.training import compat
 
 
@@ -128,3 +130,24 @@ import os; os._exit(0)
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "thread,atexit", result.stderr[-2000:]
+
+
+def test_null_reaches_a_nested_option_of_a_class_given_by_class_path():
+    from jsonargparse import ArgumentParser
+
+    from lit_rl.training.compat import keep_nested_nulls
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_subclass_arguments(_WithRewards, "module")
+    args = ["--module", f"{__name__}._WithRewards", "--module.rewards.weights", "[2.0]"]
+    keep_nested_nulls()
+    keep_nested_nulls()  # idempotent
+    assert parser.parse_args(args).module.init_args.rewards.weights == [2.0]
+    parsed = parser.parse_args([*args, "--module.rewards.weights", "null", "--module.beta", "null"])
+    assert parsed.module.init_args.rewards.weights is None and parsed.module.init_args.beta is None
+    assert isinstance(parser.instantiate_classes(parsed).module.rewards, RewardArgs)
+
+
+class _WithRewards:
+    def __init__(self, rewards: Optional[RewardArgs] = None, beta: Optional[float] = 0.1):
+        self.rewards = rewards

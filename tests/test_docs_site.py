@@ -36,3 +36,15 @@ def test_the_readmes_links_lead_to_files_of_the_repository():
     assert len(links) >= 15  # the docs pages, the curves, ...
     for target in links:
         assert (REPO / target.split("#", 1)[0]).exists(), target
+
+
+def test_the_config_reference_is_what_the_code_says():
+    """docs/config-reference.md is generated from the signatures LightningCLI reads: it cannot drift."""
+    result = subprocess.run(
+        [sys.executable, str(REPO / "docs" / "config_reference.py"), "--check"], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    page = (REPO / "docs" / "config-reference.md").read_text()
+    for key in ("`model.sampling.temperature`", "`model.policy.lora.r`", "`model.vllm.mode`", "`data.train_data`"):
+        assert key in page, key
+    assert "| `model.temperature` | `model.sampling.temperature` |" in page

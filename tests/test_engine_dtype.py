@@ -8,11 +8,12 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lit_rl.algorithms import GRPO
+from lit_rl.config import grouped_kwargs
 from lit_rl.rollout import VLLMConfig
 
 
 def _grpo(precision: str, **kwargs) -> GRPO:
-    model = GRPO(num_generations=4, micro_batch_size=8, **kwargs)
+    model = GRPO(**grouped_kwargs(GRPO, num_generations=4, micro_batch_size=8, **kwargs))
     model.configure_model()
     plugin = MixedPrecision(precision, "cpu") if precision.endswith("-mixed") else None
     model._trainer = SimpleNamespace(precision=precision, precision_plugin=plugin, strategy=None)  # not FSDP

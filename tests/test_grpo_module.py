@@ -27,7 +27,7 @@ def test_multiple_iterations_compute_old_logprobs_that_match_the_rollout():
 
 
 def test_group_must_fit_in_a_generation_batch():
-    with pytest.raises(ValueError, match="must be a multiple of model.num_generations=3"):
+    with pytest.raises(ValueError, match="must be a multiple of model.sampling.num_generations=3"):
         fit_grpo(num_generations=3, micro_batch_size=4)
 
 

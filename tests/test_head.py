@@ -1,4 +1,4 @@
-"""The output head in chunks of tokens (`model.head_chunk_tokens`, `lit_rl.modeling.head`): the same log-probs,
+"""The output head in chunks of tokens (`model.policy.head_chunk_tokens`, `lit_rl.modeling.head`): the same log-probs,
 statistics and gradients as the full logits (fp32, 1e-5 of each tensor's scale), with no saved or computed logits beyond
 one chunk, and a model whose logits are more than its head refused."""
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lit_rl.algorithms.base import completion_scores
+from lit_rl.config import grouped_kwargs
 from lit_rl.errors import ConfigError
 from lit_rl.modeling.head import chunked_head_scores, scores_from_logits
 from lit_rl.modeling.models import load_causal_lm
@@ -127,7 +128,9 @@ class SoftCapped(torch.nn.Module):
 def test_a_model_whose_logits_are_more_than_its_head_is_refused(tokenizer):  # noqa: F811
     model = load_causal_lm(MODEL)
     batch = variable_batch(tokenizer)
-    with pytest.raises(ConfigError, match="model.head_chunk_tokens: SoftCapped's logits are not its output head"):
+    with pytest.raises(
+        ConfigError, match="model.policy.head_chunk_tokens: SoftCapped's logits are not its output head"
+    ):
         completion_scores(SoftCapped(model), *batch, head_chunk_tokens=4)
     completion_scores(model, *batch, head_chunk_tokens=4)  # the plain model passes
     assert model._lit_rl_plain_head
@@ -140,9 +143,9 @@ def test_head_chunks_are_refused_under_fsdp_before_the_model_is_built():
 
     from lit_rl.algorithms import SFT
 
-    module = SFT(model_name_or_path=MODEL, head_chunk_tokens=8)
+    module = SFT(**grouped_kwargs(SFT, model_name_or_path=MODEL, head_chunk_tokens=8))
     module._trainer = SimpleNamespace(strategy=FSDPStrategy())
-    with pytest.raises(ConfigError, match="model.head_chunk_tokens is not supported with FSDP yet"):
+    with pytest.raises(ConfigError, match="model.policy.head_chunk_tokens is not supported with FSDP yet"):
         module.configure_model()
     assert module.policy is None
 

@@ -1,4 +1,4 @@
-"""LoRA (`model.lora`): merged weights, the adapter-off reference, what trains, what a checkpoint holds."""
+"""LoRA (`model.policy.lora`): merged weights, the adapter-off reference, what trains, what a checkpoint holds."""
 
 import copy
 
@@ -7,6 +7,7 @@ import torch
 
 from lit_rl.algorithms import DPO, GRPO, SFT
 from lit_rl.algorithms.base import PolicyModule
+from lit_rl.config import grouped_kwargs
 from lit_rl.errors import ConfigError
 from lit_rl.modeling.lora import LoRAConfig, merged_weights, reference_view, trainable_keys
 from lit_rl.modeling.models import load_causal_lm
@@ -42,42 +43,42 @@ def test_adapter_off_is_exactly_the_starting_model():
 @pytest.mark.parametrize(
     "config, key",
     [
-        (dict(r=0), "model.lora.r"),
-        (dict(alpha=0.0), "model.lora.alpha"),
-        (dict(dropout=1.0), "model.lora.dropout"),
-        (dict(bias="some"), "model.lora.bias"),
-        (dict(target_modules=[]), "model.lora.target_modules"),
+        (dict(r=0), "model.policy.lora.r"),
+        (dict(alpha=0.0), "model.policy.lora.alpha"),
+        (dict(dropout=1.0), "model.policy.lora.dropout"),
+        (dict(bias="some"), "model.policy.lora.bias"),
+        (dict(target_modules=[]), "model.policy.lora.target_modules"),
     ],
 )
 def test_bad_settings_are_rejected_by_name(config, key):
     with pytest.raises(ConfigError, match=key):
-        GRPO(lora=LoRAConfig(**config))
+        GRPO(**grouped_kwargs(GRPO, lora=LoRAConfig(**config)))
 
 
 def test_settings_that_would_corrupt_the_numbers_are_rejected():
-    with pytest.raises(ConfigError, match="model.lora.dropout must be 0 for GRPO"):
-        GRPO(lora=LoRAConfig(dropout=0.1))
-    SFT(model_name_or_path=SFT_MODEL, lora=LoRAConfig(dropout=0.1))  # SFT keeps dropout: allowed
-    with pytest.raises(ConfigError, match="model.lora with model.random_init"):
-        SFT(random_init=True, lora=LoRAConfig())
-    module = GRPO(beta=0.1, lora=LoRAConfig(bias="all"))
-    with pytest.raises(ConfigError, match="model.lora.bias='all' trains biases"):
+    with pytest.raises(ConfigError, match="model.policy.lora.dropout must be 0 for GRPO"):
+        GRPO(**grouped_kwargs(GRPO, lora=LoRAConfig(dropout=0.1)))
+    SFT(**grouped_kwargs(SFT, model_name_or_path=SFT_MODEL, lora=LoRAConfig(dropout=0.1)))  # SFT keeps dropout: allowed
+    with pytest.raises(ConfigError, match="model.policy.lora with model.random_init"):
+        SFT(**grouped_kwargs(SFT, random_init=True, lora=LoRAConfig()))
+    module = GRPO(**grouped_kwargs(GRPO, beta=0.1, lora=LoRAConfig(bias="all")))
+    with pytest.raises(ConfigError, match="model.policy.lora.bias='all' trains biases"):
         module.configure_model()
     # The tiny model ties its embeddings: adapting the head alone would untie them (and vLLM would tie them back).
-    with pytest.raises(ConfigError, match=r"model.lora names \['lm_head'\].*tie_word_embeddings"):
-        GRPO(lora=LoRAConfig(modules_to_save=["lm_head"])).configure_model()
+    with pytest.raises(ConfigError, match=r"model.policy.lora names \['lm_head'\].*tie_word_embeddings"):
+        GRPO(**grouped_kwargs(GRPO, lora=LoRAConfig(modules_to_save=["lm_head"]))).configure_model()
 
 
 def test_resuming_across_lora_and_full_training_is_refused():
-    module = DPO(lora=LoRAConfig(r=4))
+    module = DPO(**grouped_kwargs(DPO, lora=LoRAConfig(r=4)))
     module.configure_model()
-    with pytest.raises(ConfigError, match="trained without model.lora"):
+    with pytest.raises(ConfigError, match="trained without model.policy.lora"):
         module.on_load_checkpoint({"hyper_parameters": {"lora": None}, "state_dict": {}})
 
 
 def test_unknown_target_module_names_the_key():
-    module = GRPO(lora=LoRAConfig(target_modules=["no_such_proj"]))
-    with pytest.raises(ConfigError, match=r"model.lora.target_modules=\['no_such_proj'\]"):
+    module = GRPO(**grouped_kwargs(GRPO, lora=LoRAConfig(target_modules=["no_such_proj"])))
+    with pytest.raises(ConfigError, match=r"model.policy.lora.target_modules=\['no_such_proj'\]"):
         module.configure_model()
 
 

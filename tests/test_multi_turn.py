@@ -136,13 +136,13 @@ def test_environment_settings_are_checked_with_one_line_errors():
     assert environment_factory(None, None, None) == (None, ())
     factory, names = environment_factory("tests.integration.envs.Countdown", {"turns": 2}, None)
     assert names == ("bonus",) and factory().turns == 2
-    with pytest.raises(ConfigError, match="model.environment: environment 'no.such.Env'"):
+    with pytest.raises(ConfigError, match="model.env.environment: environment 'no.such.Env'"):
         environment_factory("no.such.Env", None, None)
-    with pytest.raises(ConfigError, match="model.environment tests.integration.envs.Countdown: .*unexpected"):
+    with pytest.raises(ConfigError, match="model.env.environment tests.integration.envs.Countdown: .*unexpected"):
         environment_factory("tests.integration.envs.Countdown", {"steps": 2}, None)
-    with pytest.raises(ConfigError, match="model.tools: tool 'lit_rl.envs.tools.nothing'"):
+    with pytest.raises(ConfigError, match="model.env.tools: tool 'lit_rl.envs.tools.nothing'"):
         environment_factory(None, None, ["lit_rl.envs.tools.nothing"])
-    with pytest.raises(ConfigError, match="model.environment_args is set but model.environment is not"):
+    with pytest.raises(ConfigError, match="model.env.environment_args is set but model.env.environment is not"):
         environment_factory(None, {"turns": 2}, None)
 
 

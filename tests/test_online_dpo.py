@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from lit_rl.algorithms import OnlineDPO
+from lit_rl.config import grouped_kwargs
 from lit_rl.types import RolloutBatch
 from tests.conftest import build_tiny_reward_model
 
@@ -51,13 +52,16 @@ def test_a_reward_model_given_by_path_ranks_the_pairs(tmp_path):
     assert len(scores) == 3 and scores[0] != scores[1]
     assert scores[2] == pytest.approx(scores[0], abs=1e-5)  # the tiny chat template concatenates contents
 
-    module = OnlineDPO(reward_funcs=[], reward_model_name_or_path=str(tmp_path / "rm"))
+    module = OnlineDPO(**grouped_kwargs(OnlineDPO, reward_funcs=[], reward_model_name_or_path=str(tmp_path / "rm")))
     assert list(module.reward_fns) == ["reward_model"] and module.reward_weights.tolist() == [1.0]
     assert "val/rewards/reward_model" in module.val_metrics.keys()
     both = OnlineDPO(
-        reward_funcs=["lit_rl.rewards.arithmetic.correctness"],
-        reward_weights=[1.0, 0.5],
-        reward_model_name_or_path=str(tmp_path / "rm"),
+        **grouped_kwargs(
+            OnlineDPO,
+            reward_funcs=["lit_rl.rewards.arithmetic.correctness"],
+            reward_weights=[1.0, 0.5],
+            reward_model_name_or_path=str(tmp_path / "rm"),
+        )
     )
     assert list(both.reward_fns) == ["correctness", "reward_model"] and both.reward_weights.tolist() == [1.0, 0.5]
 

@@ -193,7 +193,7 @@ def test_soft_overlong_punishment_is_subtracted_from_the_reward(tmp_path):
     # Buffer = the limit (4): every completion of L tokens loses 0.5 * L / 4. The functions' own values are logged
     # apart, so train/reward = correctness - 0.5 * mean length / 4, per step.
     overlong = ["--model.overlong_buffer", "4", "--model.overlong_penalty", "0.5", "--trainer.max_steps", "2"]
-    rewards = ["--model.reward_funcs", "[lit_rl.rewards.arithmetic.correctness]", "--model.reward_weights", "null"]
+    rewards = ["--model.rewards.funcs", "[lit_rl.rewards.arithmetic.correctness]", "--model.rewards.weights", "null"]
     log_dir = fit_config(tmp_path, "run", "grpo.yaml", *FAST_GRPO, *rewards, *overlong)
     rows = train_rows(log_dir)
     assert len(rows) == 2

@@ -171,7 +171,7 @@ def test_one_loss_trains_both_networks_each_at_its_own_learning_rate():
         ("gamma", -0.1, r"model.gamma must be in \[0, 1\]"),
         ("loss_aggregation", "mean", "model.loss_aggregation must be one of"),
         ("critic_learning_rate", -1.0, "model.critic_learning_rate must be >= 0"),
-        ("num_generations", 0, "model.num_generations must be >= 1"),
+        ("num_generations", 0, "model.sampling.num_generations must be >= 1"),
     ],
 )
 def test_bad_ppo_settings_name_their_key(key, value, message):

@@ -9,24 +9,28 @@ import sys
 import pytest
 
 from lit_rl.algorithms import GRPO
+from lit_rl.config import GROUPS, grouped_hparams
 from lit_rl.errors import ConfigError
 from lit_rl.resume_config import MAY_CHANGE_ON_RESUME, MODEL_IDENTITY, Difference, reconcile
 
-SAVED = {
+SAVED = {  # as a lit-rl 0.2 checkpoint holds them
     "_class_path": "lit_rl.algorithms.GRPO",
     "_instantiator": "lightning.pytorch.cli.instantiate_module",
-    "model_name_or_path": "lit-rl/tiny-qwen2-addition-sft",
-    "reward_funcs": ["lit_rl.rewards.arithmetic.correctness"],
-    "learning_rate": 1e-4,
+    "policy": {"model_name_or_path": "lit-rl/tiny-qwen2-addition-sft", "trust_remote_code": False, "lora": None},
+    "rewards": {"funcs": ["lit_rl.rewards.arithmetic.correctness"], "weights": None},
+    "optim": {"learning_rate": 1e-4},
+    "sampling": {"num_generations": 16},
     "beta": 0.0,
-    "num_generations": 16,
     "vllm": {"mode": "server", "server_url": "http://10.0.0.1:8000", "request_timeout_s": 60.0},
-    "trust_remote_code": False,
 }
 
 
 def _run(**changes):
-    return {**{k: v for k, v in SAVED.items() if not k.startswith("_")}, **changes}
+    """This run's hyperparameters: SAVED's, with `changes` given by their 0.1 names (`learning_rate`)."""
+    run = {k: (dict(v) if isinstance(v, dict) else v) for k, v in SAVED.items() if not k.startswith("_")}
+    for key, value in grouped_hparams(changes).items():
+        run[key] = {**run[key], **value} if key in GROUPS else value
+    return run
 
 
 def test_the_same_values_say_nothing():
@@ -37,7 +41,7 @@ def test_fit_may_change_the_rates_and_where_rollouts_come_from_and_says_so():
     vllm = {**SAVED["vllm"], "server_url": "http://10.0.0.2:8000"}
     changed = reconcile("fit", GRPO, _run(learning_rate=0.5, vllm=vllm), SAVED, "last.ckpt")
     assert changed == [
-        Difference("model.learning_rate", 0.5, 1e-4),
+        Difference("model.optim.learning_rate", 0.5, 1e-4),
         Difference("model.vllm.server_url", "http://10.0.0.2:8000", "http://10.0.0.1:8000"),
     ]
 
@@ -49,7 +53,8 @@ def test_fit_stops_in_one_line_naming_every_key_it_may_not_change():
     assert "\n" not in message
     assert message.startswith("--ckpt_path runs/last.ckpt was trained with other values: ")
     assert (
-        "model.beta: 0.04 here, 0.0 in the checkpoint; model.num_generations: 8 here, 16 in the checkpoint;" in message
+        "model.beta: 0.04 here, 0.0 in the checkpoint; model.sampling.num_generations: 8 here, 16 in the checkpoint;"
+        in message
     )
     assert "learning_rate" not in message  # the rate may change: not among the refused keys
 
@@ -57,11 +62,15 @@ def test_fit_stops_in_one_line_naming_every_key_it_may_not_change():
 def test_a_checkpoint_never_configures_trust_or_code():
     """A shared checkpoint that asks for remote code or other reward functions: the run stops, it does not
     take them (this run's config is the only source of values)."""
-    shared = {**SAVED, "trust_remote_code": True, "reward_funcs": ["evil.reward"]}
+    shared = {
+        **SAVED,
+        "policy": {**SAVED["policy"], "trust_remote_code": True},
+        "rewards": {**SAVED["rewards"], "funcs": ["evil.reward"]},
+    }
     with pytest.raises(
         ConfigError,
-        match=r"model\.reward_funcs: .* here, \['evil.reward'\] in the checkpoint; "
-        r"model\.trust_remote_code: False here, True in the checkpoint",
+        match=r"model\.policy\.trust_remote_code: False here, True in the checkpoint; "
+        r"model\.rewards\.funcs: .* here, \['evil.reward'\] in the checkpoint",
     ):
         reconcile("fit", GRPO, _run(), shared, "shared.ckpt")
 
@@ -84,9 +93,11 @@ def test_validate_takes_this_runs_values_except_the_models_identity():
     # The learning rate changes nothing in a run that does not train: not announced.
     assert changed == [
         Difference("model.beta", 0.1, 0.0),
-        Difference("model.reward_funcs", rewards, SAVED["reward_funcs"]),
+        Difference("model.rewards.funcs", rewards, SAVED["rewards"]["funcs"]),
     ]
-    with pytest.raises(ConfigError, match=r"model\.model_name_or_path: 'other' here, .*the checkpoint's weights"):
+    with pytest.raises(
+        ConfigError, match=r"model\.policy\.model_name_or_path: 'other' here, .*the checkpoint's weights"
+    ):
         reconcile("validate", GRPO, _run(model_name_or_path="other"), SAVED, "c")
 
 
@@ -95,10 +106,35 @@ def test_a_key_only_one_version_of_lit_rl_knows_is_not_compared():
     assert reconcile("fit", GRPO, _run(new_option=3), older, "c") == []
 
 
+def test_a_checkpoint_of_lit_rl_0_1_compares_key_by_key_with_the_groups():
+    """0.1 saved the options flat (`learning_rate`); they are compared with their places in the groups."""
+    flat = {
+        "_class_path": "lit_rl.algorithms.GRPO",
+        "model_name_or_path": "lit-rl/tiny-qwen2-addition-sft",
+        "trust_remote_code": False,
+        "lora": None,
+        "reward_funcs": ["lit_rl.rewards.arithmetic.correctness"],
+        "reward_weights": None,
+        "learning_rate": 1e-4,
+        "num_generations": 16,
+        "beta": 0.0,
+        "vllm": SAVED["vllm"],
+    }
+    assert reconcile("fit", GRPO, _run(), flat, "old.ckpt") == []
+    assert reconcile("fit", GRPO, _run(learning_rate=0.5), flat, "old.ckpt") == [
+        Difference("model.optim.learning_rate", 0.5, 1e-4)
+    ]
+    with pytest.raises(ConfigError, match=r"model\.sampling\.num_generations: 8 here, 16 in the checkpoint"):
+        reconcile("fit", GRPO, _run(num_generations=8), flat, "old.ckpt")
+
+
 def test_the_documented_sets_are_arguments_of_the_algorithms():
+    import dataclasses
     import inspect
 
     from lit_rl.algorithms import DPO, GRPO, PPO, RLOO, SFT, OnlineDPO
 
     arguments = set().union(*(inspect.signature(cls).parameters for cls in (DPO, GRPO, PPO, RLOO, SFT, OnlineDPO)))
-    assert MAY_CHANGE_ON_RESUME <= arguments and MODEL_IDENTITY <= arguments
+    keys = {key for key in arguments if key not in GROUPS}
+    keys |= {f"{group}.{field.name}" for group, cls in GROUPS.items() for field in dataclasses.fields(cls)}
+    assert MAY_CHANGE_ON_RESUME <= keys and MODEL_IDENTITY <= keys

@@ -42,7 +42,14 @@ def test_process_resources_sees_a_new_descriptor():
 @pytest.mark.slow
 def test_a_short_soak_samples_every_n_steps(tmp_path):
     out = tmp_path / "soak.json"
-    fast = ["--model.num_generations", "4", "--model.micro_batch_size", "8", "--model.max_new_tokens", "4"]
+    fast = [
+        "--model.sampling.num_generations",
+        "4",
+        "--model.schedule.micro_batch_size",
+        "8",
+        "--model.sampling.max_new_tokens",
+        "4",
+    ]
     fast += ["--data.val_limit", "8", "--trainer.val_check_interval", "4"]
     command = [sys.executable, str(REPO / "benchmarks" / "soak.py"), "--steps", "6", "--every", "2", "--warmup", "2"]
     result = subprocess.run(

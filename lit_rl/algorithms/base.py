@@ -18,14 +18,13 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torchmetrics import MetricCollection
 
+from lit_rl.config import OptimArgs, PolicyArgs, as_args, grouped_hparams
 from lit_rl.errors import ConfigError
 from lit_rl.modeling.head import TokenScores, check_plain_head, chunked_head_scores, scores_from_logits
 from lit_rl.modeling.lora import (
     LoRAConfig,
     adapter_layers,
     apply_lora,
-    as_lora_config,
-    check_lora_config,
     reference_view,
     reset_adapter,
     trainable_keys,
@@ -50,53 +49,57 @@ class PolicyModule(L.LightningModule):
 
     def __init__(
         self,
-        model_name_or_path: str,
-        dtype: str = "float32",
-        gradient_checkpointing: bool = False,
-        trust_remote_code: bool = False,
+        policy: Optional[PolicyArgs] = None,
+        optim: Optional[OptimArgs] = None,
         random_init: bool = False,
-        learning_rate: float = 1e-5,
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
         max_prompt_length: Optional[int] = None,
-        lora: Optional[LoRAConfig] = None,
-        padding_free: bool = False,
-        head_chunk_tokens: Optional[int] = None,
     ) -> None:
+        """`policy` and `optim`: the groups of `lit_rl.config` (None: their defaults); `random_init`: a random
+        model of the checkpoint's config instead of its weights; `max_prompt_length`: prompts keep their last
+        that many tokens (None: no limit)."""
         super().__init__()
-        if learning_rate < 0:
-            raise ConfigError(f"model.learning_rate must be >= 0, got {learning_rate}")
-        lora = as_lora_config(lora)
-        check_lora_config(lora)
+        self.policy_args = policy = as_args(PolicyArgs, policy)
+        self.optim_args = optim = as_args(OptimArgs, optim)
+        policy.check()
+        optim.check()
+        lora = policy.lora
         if lora is not None and random_init:
             raise ConfigError(
-                "model.lora with model.random_init: the adapter would train on random frozen weights that no "
-                "checkpoint keeps; train the full model (drop model.lora) or start from saved weights"
+                "model.policy.lora with model.random_init: the adapter would train on random frozen weights that no "
+                "checkpoint keeps; train the full model (drop model.policy.lora) or start from saved weights"
             )
         if lora is not None and lora.dropout > 0 and self.disable_dropout:
             raise ConfigError(
-                f"model.lora.dropout must be 0 for {type(self).__name__} (got {lora.dropout}): it compares "
+                f"model.policy.lora.dropout must be 0 for {type(self).__name__} (got {lora.dropout}): it compares "
                 "log-probs of the same tokens under the same weights, which dropout would make differ"
             )
-        self.tokenizer = load_tokenizer(model_name_or_path, trust_remote_code=trust_remote_code)
+        self.random_init = random_init
+        self.max_prompt_length = max_prompt_length
+        self.tokenizer = load_tokenizer(policy.model_name_or_path, trust_remote_code=policy.trust_remote_code)
         self.policy: Optional[torch.nn.Module] = None
         self.ref_model: Optional[torch.nn.Module] = None  # frozen; set by `load_reference`, never checkpointed
         self.timer = StepTimer()  # perf/ metrics: where each step's time goes
-        self.padding_free = padding_free  # training forwards on packed rows (`lit_rl.modeling.packing`)
-        if head_chunk_tokens is not None and head_chunk_tokens < 1:
-            raise ConfigError(f"model.head_chunk_tokens must be >= 1 (or null), got {head_chunk_tokens}")
-        self.head_chunk_tokens = head_chunk_tokens  # the output head on chunks of tokens (`lit_rl.modeling.head`)
+
+    @property
+    def padding_free(self) -> bool:
+        """Training forwards on packed rows (`lit_rl.modeling.packing`)."""
+        return self.policy_args.padding_free
+
+    @property
+    def head_chunk_tokens(self) -> Optional[int]:
+        """The output head on chunks of this many tokens (`lit_rl.modeling.head`); None: all at once."""
+        return self.policy_args.head_chunk_tokens
 
     # -- model -----------------------------------------------------------------------------------------------
     def load_model(self, random_init: bool = False, path: Optional[str] = None) -> torch.nn.Module:
         """The policy's model (or the one at `path`, e.g. a reference) with this module's loading options."""
-        hp = self.hparams
+        args = self.policy_args
         model = load_causal_lm(
-            path or hp.model_name_or_path,
-            dtype=hp.dtype,
+            path or args.model_name_or_path,
+            dtype=args.dtype,
             random_init=random_init,
-            gradient_checkpointing=hp.gradient_checkpointing,
-            trust_remote_code=hp.trust_remote_code,
+            gradient_checkpointing=args.gradient_checkpointing,
+            trust_remote_code=args.trust_remote_code,
             disable_dropout=self.disable_dropout,
         )
         if len(self.tokenizer) > model.get_input_embeddings().num_embeddings:  # a pad token was added
@@ -105,18 +108,18 @@ class PolicyModule(L.LightningModule):
 
     @property
     def lora_config(self) -> Optional[LoRAConfig]:
-        """`model.lora`: train a LoRA adapter instead of the full weights (None: full fine-tuning)."""
-        return as_lora_config(self.hparams.get("lora"))
+        """`model.policy.lora`: train a LoRA adapter instead of the full weights (None: full fine-tuning)."""
+        return self.policy_args.lora
 
     def reference_is_adapter_off(self, path: Optional[str] = None) -> bool:
         """Whether the reference (the model at `path`, default the starting policy) is the policy with its LoRA
         adapter disabled, so that no second copy of the weights is loaded. Raises when training biases (which
         disabling the adapter does not undo) would make that reference differ from the starting model."""
         lora = self.lora_config
-        adapter_off = lora is not None and path in (None, self.hparams.model_name_or_path)
+        adapter_off = lora is not None and path in (None, self.policy_args.model_name_or_path)
         if adapter_off and lora.bias != "none":
             raise ConfigError(
-                f"model.lora.bias={lora.bias!r} trains biases, which disabling the adapter does not undo: the "
+                f"model.policy.lora.bias={lora.bias!r} trains biases, which disabling the adapter does not undo: the "
                 "reference model would drift from the starting policy (use bias: none)"
             )
         return adapter_off
@@ -145,13 +148,13 @@ class PolicyModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.head_chunk_tokens is not None and isinstance(self._attached_strategy(), FSDPStrategy):
             raise ConfigError(
-                "model.head_chunk_tokens is not supported with FSDP yet (the head runs outside the wrapped "
+                "model.policy.head_chunk_tokens is not supported with FSDP yet (the head runs outside the wrapped "
                 "model's forward, which FSDP must unshard); use DeepSpeed ZeRO-3 or drop the option"
             )
         if self.policy is None:
             # from_pretrained returns eval mode; Lightning switches modes around validation, start in train mode.
             with hf_zero3_loading(self._attached_strategy()):
-                self.policy = self.load_model(random_init=self.hparams.get("random_init", False)).train()
+                self.policy = self.load_model(random_init=self.random_init).train()
                 if self.lora_config is not None:
                     self._add_lora_adapter()
 
@@ -188,11 +191,12 @@ class PolicyModule(L.LightningModule):
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        saved_lora = (checkpoint.get("hyper_parameters") or {}).get("lora") is not None
+        saved_policy = grouped_hparams(checkpoint.get("hyper_parameters") or {}).get("policy") or {}
+        saved_lora = saved_policy.get("lora") is not None
         if saved_lora != (self.lora_config is not None):
             raise ConfigError(
-                f"the checkpoint was trained {'with' if saved_lora else 'without'} model.lora and this run is "
-                f"{'not' if saved_lora else 'configured with it'}: resume with the checkpoint's model.lora setting"
+                f"the checkpoint was trained {'with' if saved_lora else 'without'} model.policy.lora and this run is "
+                f"{'not' if saved_lora else 'configured with it'}: resume with the checkpoint's model.policy.lora"
             )
         if "state_dict" in checkpoint:
             for key, value in self._frozen_state().items():
@@ -223,14 +227,14 @@ class PolicyModule(L.LightningModule):
         schedulers = [config.scheduler for config in self.trainer.lr_scheduler_configs]  # one optimizer: AdamW
         for optimizer in self.trainer.optimizers:
             for index, (group, wanted) in enumerate(zip(optimizer.param_groups, configured)):
-                rate = wanted.get("lr", self.hparams.learning_rate)
+                rate = wanted.get("lr", self.optim_args.learning_rate)
                 for scheduler in schedulers:
                     if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
                         scheduler.base_lrs[index] = rate
                         rate = rate * scheduler.lr_lambdas[index](scheduler.last_epoch)
                 group["lr"] = rate
-                group["initial_lr"] = wanted.get("lr", self.hparams.learning_rate)
-                group["weight_decay"] = wanted.get("weight_decay", self.hparams.weight_decay)
+                group["initial_lr"] = wanted.get("lr", self.optim_args.learning_rate)
+                group["weight_decay"] = wanted.get("weight_decay", self.optim_args.weight_decay)
 
     def on_train_start(self) -> None:
         if self.trainer.ckpt_path:
@@ -288,7 +292,7 @@ class PolicyModule(L.LightningModule):
         return [{"params": [p for p in self.policy.parameters() if p.requires_grad]}]
 
     def configure_optimizers(self) -> dict[str, Any]:
-        hp = self.hparams
+        optim = self.optim_args
         groups = self.optimizer_param_groups()
         params = [p for group in groups for p in group["params"]]
         # torch's fused AdamW kernel (CPU and CUDA): one pass over the parameters instead of a loop of small ops,
@@ -296,8 +300,8 @@ class PolicyModule(L.LightningModule):
         # mixed precision: the gradient scaler must unscale before clipping, which a fused step does internally.
         fp16_scaled = self._trainer is not None and str(self._trainer.precision) == "16-mixed"
         fused = all(p.device.type in ("cpu", "cuda") for p in params) and not fp16_scaled
-        optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, weight_decay=hp.weight_decay, fused=fused)
-        warmup = max(hp.warmup_steps, 0)
+        optimizer = torch.optim.AdamW(groups, lr=optim.learning_rate, weight_decay=optim.weight_decay, fused=fused)
+        warmup = max(optim.warmup_steps, 0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
@@ -360,7 +364,7 @@ class PolicyModule(L.LightningModule):
             first_of.setdefault(key, prompt)
         distinct_index = {key: i for i, key in enumerate(first_of)}
         texts = [self.format_prompt(p) for p in first_of.values()]
-        max_len = self.hparams.get("max_prompt_length")
+        max_len = self.max_prompt_length
         self.tokenizer.padding_side = "left"
         self.tokenizer.truncation_side = "left"
         enc = self.tokenizer(

@@ -20,10 +20,10 @@ import torch
 from torchmetrics import MeanMetric, MetricCollection
 
 from lit_rl.algorithms.base import PolicyModule
+from lit_rl.config import OptimArgs, PolicyArgs
 from lit_rl.data.preference import TokenizedPair, collate_pairs
 from lit_rl.errors import ConfigError
 from lit_rl.losses.dpo import DPO_LOSSES, REFERENCE_FREE, dpo_loss
-from lit_rl.modeling.lora import LoRAConfig
 from lit_rl.modeling.models import resolve_model_path
 from lit_rl.training.metrics import DPO_PAIR_METRICS, LOCAL, metric_collection
 from lit_rl.training.strategies import is_accumulating_micro_batch, reduce_across_ranks
@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 class DPO(PolicyModule):
     """DPO, cDPO, robust DPO, IPO, hinge (SLiC), APO-zero and SimPO.
 
+    The option groups it takes (`policy`, `optim`, ...) are documented in `lit_rl.config`.
+
     Args:
-        model_name_or_path: policy to train: a hub id, a local directory, or `lit-rl/<asset>`.
         ref_model_name_or_path: reference model (default: the starting policy, `model_name_or_path`).
         loss_type: one of `sigmoid`, `robust`, `hinge`, `ipo`, `apo_zero`, `simpo` (reference-free).
         beta: inverse temperature of the implicit reward `beta * (logp - ref_logp)`.
@@ -43,26 +44,12 @@ class DPO(PolicyModule):
         simpo_gamma: target reward margin of SimPO.
         precompute_ref_logprobs: compute the reference log-probs once before training and keep no reference model.
         ref_cache_dir: where precomputed reference log-probs are cached (keyed to the model and the data).
-        learning_rate: AdamW learning rate.
-        weight_decay: AdamW weight decay.
-        warmup_steps: linear learning-rate warm-up, in optimizer steps.
-        dtype: dtype the models are loaded in (`float32`, `bfloat16`, `float16`, `auto`).
-        gradient_checkpointing: recompute activations in the backward pass to save memory.
-        trust_remote_code: allow model code from the model repository (off by default).
-        padding_free: run the training forwards (policy, reference, old log-probs) on the rows' real tokens laid
-            end to end, without padding (`lit_rl.modeling.packing`): the same values to float rounding, less compute
-            when lengths vary. It replaces the shared-prompt forward.
-        head_chunk_tokens: run the output head on that many completion tokens at a time (`lit_rl.modeling.head`), so the
-            `[tokens, vocab]` logits never exist beyond one chunk: the memory of long completions at a large
-            vocabulary, for one more head forward per trained token. None: the whole micro-batch's logits at once.
-        lora: train a LoRA adapter (`configs/peft/lora.yaml`) instead of the full weights, the reference being the
-            policy with its adapter disabled (unless `ref_model_name_or_path` names another model). See
-            `lit_rl.modeling.lora.LoRAConfig` for the keys (`--model.lora.r 8`).
     """
 
     def __init__(
         self,
-        model_name_or_path: str = "lit-rl/tiny-qwen2-addition-sft",
+        policy: PolicyArgs = PolicyArgs(),
+        optim: OptimArgs = OptimArgs(),
         ref_model_name_or_path: Optional[str] = None,
         loss_type: str = "sigmoid",
         beta: float = 0.1,
@@ -70,15 +57,6 @@ class DPO(PolicyModule):
         simpo_gamma: float = 0.5,
         precompute_ref_logprobs: bool = False,
         ref_cache_dir: str = "runs/cache",
-        learning_rate: float = 1e-5,
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        dtype: str = "float32",
-        gradient_checkpointing: bool = False,
-        trust_remote_code: bool = False,
-        lora: Optional[LoRAConfig] = None,
-        padding_free: bool = False,
-        head_chunk_tokens: Optional[int] = None,
     ) -> None:
         if loss_type not in DPO_LOSSES:
             raise ConfigError(f"model.loss_type must be one of {DPO_LOSSES}, got {loss_type!r}")
@@ -86,18 +64,7 @@ class DPO(PolicyModule):
             raise ConfigError(f"model.beta must be > 0, got {beta}")
         if not 0 <= label_smoothing < 0.5:
             raise ConfigError(f"model.label_smoothing must be in [0, 0.5), got {label_smoothing}")
-        super().__init__(
-            model_name_or_path,
-            dtype=dtype,
-            gradient_checkpointing=gradient_checkpointing,
-            trust_remote_code=trust_remote_code,
-            learning_rate=learning_rate,
-            weight_decay=weight_decay,
-            warmup_steps=warmup_steps,
-            lora=lora,
-            padding_free=padding_free,
-            head_chunk_tokens=head_chunk_tokens,
-        )
+        super().__init__(policy, optim)
         self.save_hyperparameters()
         metrics = dpo_metrics()
         self.train_metrics = metrics.clone(prefix="train/")
@@ -111,7 +78,7 @@ class DPO(PolicyModule):
 
     @property
     def ref_path(self) -> str:
-        return self.hparams.ref_model_name_or_path or self.hparams.model_name_or_path
+        return self.hparams.ref_model_name_or_path or self.policy_args.model_name_or_path
 
     def configure_model(self) -> None:
         super().configure_model()
@@ -172,7 +139,7 @@ class DPO(PolicyModule):
         the dtype and the token ids. A hub id is keyed by its name: clear the cache when the hub model changes."""
         digest = hashlib.sha256()
         resolved = Path(resolve_model_path(self.ref_path))
-        digest.update(json.dumps([self.ref_path, self.hparams.dtype]).encode())
+        digest.update(json.dumps([self.ref_path, self.policy_args.dtype]).encode())
         if resolved.is_dir():
             for file in sorted(resolved.iterdir()):
                 if file.suffix in (".json", ".safetensors", ".bin"):

@@ -3,7 +3,7 @@ or as a server), given the policy's weights whenever an optimizer step changed t
 rollouts (sleep mode).
 
 `RolloutEngineOwner` is a mixin of `OnPolicyModule`; it reads the module's `rollout_engine`,
-`_engine_weights_step`, `vllm_config`, `policy`, `tokenizer`, `timer`, `trainer` and `hparams`.
+`_engine_weights_step`, `vllm_config`, `policy`, `tokenizer`, `timer`, `trainer` and `policy_args`.
 """
 
 from __future__ import annotations
@@ -65,13 +65,13 @@ class RolloutEngineOwner:
 
         return VLLMColocateEngine.start(
             config,
-            resolve_model_path(self.hparams.model_name_or_path),
+            resolve_model_path(self.policy_args.model_name_or_path),
             dtype=self.compute_dtype(),
             device=self.device,
             eos_token_ids=eos_ids,
             pad_token_id=pad_id,
             placement=self.engine_placement(),
-            trust_remote_code=self.hparams.trust_remote_code,
+            trust_remote_code=self.policy_args.trust_remote_code,
             phase=lambda name: self.timer.phase(name),  # the current timer (validation swaps it)
         )
 

@@ -1,8 +1,8 @@
 """Multi-turn rollouts in an environment, for the on-policy algorithms (GRPO, RLOO, PPO, Online DPO): the settings,
 the episodes of a batch, and what their transcripts add to the rewards and the metrics.
 
-With `model.environment` (or `model.tools`) a completion is an episode's transcript after the prompt (model turns
-and observations, token-in and token-out: `lit_rl.rollout.multi_turn`); the loss and every token metric count the
+With `model.env.environment` (or `model.env.tools`) a completion is an episode's transcript after the prompt (model
+turns and observations, token-in and token-out: `lit_rl.rollout.multi_turn`); the loss and every token metric count the
 model's tokens only (`RolloutBatch.sampled_mask`), and the reward is the environment's reward parts (columns
 `env/<part>`, weight 1) plus the reward functions on the decoded transcript.
 """
@@ -13,8 +13,8 @@ from typing import Any, Optional
 
 import torch
 
+from lit_rl.config import EnvArgs
 from lit_rl.envs import environment_factory
-from lit_rl.errors import ConfigError
 from lit_rl.rollout import SamplingParams
 from lit_rl.rollout.base import unpadded_prompts
 from lit_rl.rollout.multi_turn import EPISODE_STATS, Episodes, run_episodes
@@ -29,27 +29,16 @@ class EpisodeRunner:
     env_factory = None
     env_reward_names: tuple[str, ...] = ()
 
-    def setup_environment(
-        self,
-        environment: Optional[str],
-        environment_args: Optional[dict[str, Any]],
-        tools: Optional[list[str]],
-        max_turns: int,
-        max_total_tokens: Optional[int],
-    ) -> None:
-        if max_turns < 1:
-            raise ConfigError(f"model.max_turns must be >= 1, got {max_turns}")
-        if max_total_tokens is not None and max_total_tokens < 1:
-            raise ConfigError(f"model.max_total_tokens must be >= 1 (or null), got {max_total_tokens}")
-        self.env_factory, self.env_reward_names = environment_factory(environment, environment_args, tools)
-        self.max_turns = max_turns
-        self._max_total_tokens = max_total_tokens
+    def setup_environment(self, env: EnvArgs) -> None:
+        self.env_factory, self.env_reward_names = environment_factory(env.environment, env.environment_args, env.tools)
+        self.max_turns = env.max_turns
+        self._max_total_tokens = env.max_total_tokens
 
     @property
     def max_total_tokens(self) -> int:
         """The transcript's budget: model and observation tokens after the prompt (default: every turn's budget,
         `max_turns x max_new_tokens`)."""
-        return self._max_total_tokens or self.max_turns * self.hparams.max_new_tokens
+        return self._max_total_tokens or self.max_turns * self.sampling_args.max_new_tokens
 
     @property
     def reward_names(self) -> list[str]:
@@ -59,7 +48,7 @@ class EpisodeRunner:
     @property
     def completion_budget(self) -> int:
         """The most tokens one completion can hold: `max_new_tokens`, or with an environment the transcript's."""
-        return self.max_total_tokens if self.env_factory is not None else self.hparams.max_new_tokens
+        return self.max_total_tokens if self.env_factory is not None else self.sampling_args.max_new_tokens
 
     def sample_episodes(
         self, rows: list[dict[str, Any]], repeat: int, params: SamplingParams, seeds: Optional[list[int]]

@@ -13,14 +13,14 @@ import torch
 from torchmetrics import MeanMetric, MetricCollection
 
 from lit_rl.algorithms.on_policy import ZERO_STD, OnPolicyModule
-from lit_rl.algorithms.rollout_checks import check_rollout_args
+from lit_rl.algorithms.rollout_checks import check_beta
+from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, SamplingArgs, ScheduleArgs, as_args
 from lit_rl.data.schedule import MAX_REFILLS, refill_seed_key
 from lit_rl.errors import ConfigError
 from lit_rl.losses import AGGREGATIONS, IS_CORRECTIONS, LossNormalizer, grpo_loss, rollout_is_weights
 from lit_rl.losses.advantages import advantage_function
 from lit_rl.losses.overlong import overlong_penalty, truncated
 from lit_rl.losses.policy import policy_loss_function
-from lit_rl.modeling.lora import LoRAConfig
 from lit_rl.rollout import RolloutOutput, VLLMConfig
 from lit_rl.rollout.dynamic_sampling import rows_for_rank, select_groups
 from lit_rl.rollout.hf import model_eos_token_ids
@@ -32,19 +32,9 @@ from lit_rl.types import RolloutBatch
 class GRPO(OnPolicyModule):
     """Group Relative Policy Optimization.
 
+    The option groups it takes (`policy`, `optim`, ...) are documented in `lit_rl.config`.
+
     Args:
-        model_name_or_path: policy to train: a hub id, a local directory, or `lit-rl/<asset>` for a shipped one.
-        reward_funcs: import paths of reward functions `(prompts, completions, **columns) -> list[float]`.
-        reward_weights: one weight per reward function (default: all 1.0); the reward is the weighted sum.
-        num_generations: G, completions sampled per prompt (the group).
-        micro_batch_size: completions per `training_step` on each rank.
-        steps_per_generation: optimizer steps taken on each generation's buffer (per pass).
-        num_iterations: passes over each generation's buffer (PPO epochs); > 1 computes old log-probs.
-        max_new_tokens: completion budget T_max.
-        min_new_tokens: no completion stops (EOS or a stop id) before this many tokens.
-        temperature: sampling temperature; log-probs are computed at this temperature.
-        top_p: nucleus sampling threshold (1.0 disables).
-        top_k: top-k sampling (0 disables).
         beta: weight of the per-token k3 KL to a frozen reference model; 0 loads no reference model.
         epsilon_low: lower clip range of the ratio, `1 - epsilon_low`.
         epsilon_high: upper clip range of the ratio, `1 + epsilon_high` (DAPO "clip-higher" when larger).
@@ -57,31 +47,8 @@ class GRPO(OnPolicyModule):
         advantage: the advantage estimator (formulas in `lit_rl.losses.advantages`): `group` (GRPO, scaled by
             `scale_rewards`), `rloo` (leave-one-out), `reinforce_pp` (REINFORCE++: global batch normalisation),
             `reinforce_pp_baseline` (group mean subtracted, then batch-normalised), or an import path.
-        learning_rate: AdamW learning rate.
-        weight_decay: AdamW weight decay.
-        warmup_steps: linear learning-rate warm-up, in optimizer steps.
-        dtype: dtype the policy is loaded in (`float32`, `bfloat16`, `float16`, `auto`).
-        gradient_checkpointing: recompute activations in the backward pass to save memory.
-        trust_remote_code: allow model code from the model repository (off by default).
-        max_prompt_length: truncate prompts to their last `max_prompt_length` tokens (None: no limit).
-        val_temperature: sampling temperature for validation (0: greedy).
-        val_num_generations: completions per validation prompt.
-        invalid_reward: what a NaN/None/inf reward value does: `zero` counts it as 0 (and in the metric
-            `frac_invalid_reward`), `error` stops the run naming the reward function.
         vllm: generate rollouts with vLLM (`configs/rollout/vllm_colocate.yaml`, `vllm_server.yaml`); None: HF
             `generate` on the policy. See `lit_rl.rollout.VLLMConfig` for the keys (`--model.vllm.mode ...`).
-        padding_free: run the training forwards (policy, reference, old log-probs) on the rows' real tokens laid
-            end to end, without padding (`lit_rl.modeling.packing`): the same values to float rounding, less compute
-            when lengths vary. It replaces the shared-prompt forward.
-        head_chunk_tokens: run the output head on that many completion tokens at a time (`lit_rl.modeling.head`), so the
-            `[tokens, vocab]` logits never exist beyond one chunk: the memory of long completions at a large
-            vocabulary, for one more head forward per trained token. None: the whole micro-batch's logits at once.
-        micro_batch_tokens: group each optimizer step's completions into at most `accumulate_grad_batches`
-            micro-batches of at most this many real (prompt + completion) tokens instead of `micro_batch_size`
-            each (`lit_rl.training.micro_batches`); the step's completions and loss stay the same. None: fixed counts.
-        lora: train a LoRA adapter (`configs/peft/lora.yaml`) instead of the full weights; the reference is then
-            the policy with its adapter disabled. See `lit_rl.modeling.lora.LoRAConfig` for the keys
-            (`--model.lora.r 8`).
         max_staleness: asynchronous rollouts: generation g is sampled in the background by the weights of
             optimizer step max(0, g*m - k) (m = steps_per_generation x num_iterations), so each sample is at most
             k steps older than the policy it first updates (`lit_rl.rollout.producer`); needs the vLLM server
@@ -105,32 +72,16 @@ class GRPO(OnPolicyModule):
             Logged: `train/refill_generations`, `train/frac_groups_dropped`.
         max_refill_generations: the most refill generations one generation may sample (0-63); when they run out,
             the earliest dropped groups fill the batch (they add no gradient).
-        environment: multi-turn episodes: the import path of an environment class (`lit_rl.envs.Environment`:
-            `reset(row)`, `step(turn_text)`), one per episode, built with `environment_args`. Each completion is then
-            the episode's transcript, token-in and token-out (`lit_rl.rollout.multi_turn`); only the model's tokens
-            are trained. None (default): single completions.
-        environment_args: keyword arguments of the environment class.
-        tools: import paths of tools (`lit_rl.envs.tools.calc`); alone they run in the built-in
-            `ToolEnvironment` (a turn's `<name>argument</name>` is answered `<result>value</result>`).
-        max_turns: the most model turns of an episode.
-        max_total_tokens: the most tokens of a transcript after the prompt, model and observation tokens (None:
-            `max_turns x max_new_tokens`).
     """
 
     def __init__(
         self,
-        model_name_or_path: str = "lit-rl/tiny-qwen2-addition-sft",
-        reward_funcs: Optional[list[str]] = None,
-        reward_weights: Optional[list[float]] = None,
-        num_generations: int = 8,
-        micro_batch_size: int = 16,
-        steps_per_generation: int = 1,
-        num_iterations: int = 1,
-        max_new_tokens: int = 16,
-        min_new_tokens: int = 0,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
+        policy: PolicyArgs = PolicyArgs(),
+        optim: OptimArgs = OptimArgs(),
+        schedule: ScheduleArgs = ScheduleArgs(),
+        sampling: SamplingArgs = SamplingArgs(),
+        rewards: RewardArgs = RewardArgs(),
+        env: EnvArgs = EnvArgs(),
         beta: float = 0.0,
         epsilon_low: float = 0.2,
         epsilon_high: float = 0.2,
@@ -138,21 +89,7 @@ class GRPO(OnPolicyModule):
         scale_rewards: str = "group",
         policy_loss: str = "ppo_clip",
         advantage: str = "group",
-        learning_rate: float = 1e-5,
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        dtype: str = "float32",
-        gradient_checkpointing: bool = False,
-        trust_remote_code: bool = False,
-        max_prompt_length: Optional[int] = None,
-        val_temperature: float = 0.0,
-        val_num_generations: int = 1,
-        invalid_reward: str = "zero",
         vllm: Optional[VLLMConfig] = None,
-        lora: Optional[LoRAConfig] = None,
-        padding_free: bool = False,
-        head_chunk_tokens: Optional[int] = None,
-        micro_batch_tokens: Optional[int] = None,
         max_staleness: int = 0,
         rollout_is_correction: str = "auto",
         rollout_is_cap: float = 2.0,
@@ -161,13 +98,9 @@ class GRPO(OnPolicyModule):
         overlong_penalty: float = 1.0,
         dynamic_sampling: bool = False,
         max_refill_generations: int = 4,
-        environment: Optional[str] = None,
-        environment_args: Optional[dict[str, Any]] = None,
-        tools: Optional[list[str]] = None,
-        max_turns: int = 4,
-        max_total_tokens: Optional[int] = None,
     ) -> None:
-        check_rollout_args(locals())
+        check_beta(beta)
+        max_new_tokens = as_args(SamplingArgs, sampling).max_new_tokens
         if loss_aggregation not in AGGREGATIONS:
             raise ConfigError(f"model.loss_aggregation must be one of {sorted(AGGREGATIONS)}, got {loss_aggregation!r}")
         if scale_rewards not in ("group", "batch", "none"):
@@ -178,7 +111,8 @@ class GRPO(OnPolicyModule):
             )
         if not 0 <= overlong_buffer <= max_new_tokens:
             raise ConfigError(
-                f"model.overlong_buffer must be in [0, max_new_tokens={max_new_tokens}], got {overlong_buffer}"
+                f"model.overlong_buffer must be in [0, model.sampling.max_new_tokens={max_new_tokens}], "
+                f"got {overlong_buffer}"
             )
         if not 0 <= max_refill_generations <= MAX_REFILLS:
             raise ConfigError(
@@ -198,29 +132,7 @@ class GRPO(OnPolicyModule):
                 f"model.epsilon_high ({epsilon_high}) must be >= model.epsilon_low ({epsilon_low}): "
                 "clip-higher widens the upper range, never narrows it"
             )
-        super().__init__(
-            model_name_or_path,
-            reward_funcs,
-            reward_weights,
-            dtype=dtype,
-            gradient_checkpointing=gradient_checkpointing,
-            trust_remote_code=trust_remote_code,
-            learning_rate=learning_rate,
-            weight_decay=weight_decay,
-            warmup_steps=warmup_steps,
-            max_prompt_length=max_prompt_length,
-            vllm=vllm,
-            lora=lora,
-            padding_free=padding_free,
-            head_chunk_tokens=head_chunk_tokens,
-            micro_batch_tokens=micro_batch_tokens,
-            max_staleness=max_staleness,
-            environment=environment,
-            environment_args=environment_args,
-            tools=tools,
-            max_turns=max_turns,
-            max_total_tokens=max_total_tokens,
-        )
+        super().__init__(policy, optim, schedule, sampling, rewards, env, vllm=vllm, max_staleness=max_staleness)
         self.save_hyperparameters()
         self.policy_loss_fn = policy_loss_function(policy_loss)  # functions, not modules: never saved as weights
         self.advantage_fn = advantage_function(advantage)
@@ -238,7 +150,7 @@ class GRPO(OnPolicyModule):
         return self.hparams.beta != 0.0
 
     def finish_rollout(self, batch: RolloutBatch, all_rewards: torch.Tensor) -> None:
-        advantages, _ = self.advantage_fn(all_rewards, self.hparams.num_generations, self.hparams.scale_rewards)
+        advantages, _ = self.advantage_fn(all_rewards, self.sampling_args.num_generations, self.hparams.scale_rewards)
         batch.advantages = advantages[self.local_slice(len(batch))]
         if self.hparams.dynamic_sampling:
             refills, dropped = self._dynamic_sampling_stats
@@ -251,7 +163,7 @@ class GRPO(OnPolicyModule):
         first = super().sample_generation(rows, refills)
         if not self.hparams.dynamic_sampling:
             return first
-        G, n, world = self.hparams.num_generations, len(rows), self.trainer.world_size
+        G, n, world = self.sampling_args.num_generations, len(rows), self.trainer.world_size
         prompts = n * world // G
         generation = self._micro_steps_done // self.micro_steps_per_generation
         pieces, keep = [first], self._informative_groups(first)
@@ -283,7 +195,7 @@ class GRPO(OnPolicyModule):
         the others would get zero advantages."""
         _, _, out, _, rewards = piece
         all_rewards = self.all_gather(self.shape_rewards(rewards, out)).reshape(-1)  # [world * n]
-        return (all_rewards.view(-1, self.hparams.num_generations).std(dim=1) > ZERO_STD).tolist()
+        return (all_rewards.view(-1, self.sampling_args.num_generations).std(dim=1) > ZERO_STD).tolist()
 
     def shape_rewards(self, rewards: torch.Tensor, out: RolloutOutput) -> torch.Tensor:
         hp = self.hparams

@@ -1,9 +1,9 @@
 """The micro-steps of an on-policy module's buffer: which rows each micro-batch holds (by count, or by tokens with
-`model.micro_batch_tokens`, after the ranks' rows are dealt evenly by tokens), the loss denominators of each
+`model.schedule.micro_batch_tokens`, after the ranks' rows are dealt evenly by tokens), the loss denominators of each
 optimizer step summed over ranks, and forwards over the buffer a micro-batch at a time.
 
 `MicroBatching` is a mixin of `OnPolicyModule`; it reads the module's `_buffer`, `accumulate`, `micro_batch_tokens`,
-`micro_batch_unit`, `completion_budget`, `loss_mask`, `train_metrics`, `tokenizer`, `trainer`, `hparams`, and
+`micro_batch_unit`, `completion_budget`, `loss_mask`, `train_metrics`, `tokenizer`, `trainer`, `schedule_args`, and
 Lightning's `all_gather` and `global_rank`.
 """
 
@@ -32,7 +32,7 @@ class MicroBatching:
             all_tokens.cpu(),
             self.trainer.world_size,
             self.global_rank,
-            self.accumulate * self.hparams.micro_batch_size,
+            self.accumulate * self.schedule_args.micro_batch_size,
             self.micro_batch_unit,
         )
         return exchange_rows(batch, rows, self.gather_stacked, self.tokenizer.pad_token_id)
@@ -44,13 +44,13 @@ class MicroBatching:
     def per_micro_batch(self, batch: RolloutBatch, score: Any) -> torch.Tensor:
         """`score(micro-batch)` [n, T] over `batch` in `micro_batch_size` slices, concatenated and zeroed where the
         completion mask is 0 (the forwards at generation time: old and reference log-probs, PPO's values)."""
-        size = self.hparams.micro_batch_size
+        size = self.schedule_args.micro_batch_size
         chunks = [score(batch.select(slice(start, start + size))) for start in range(0, len(batch), size)]
         return torch.cat(chunks) * batch.completion_mask
 
     def _step_normalizers(self, batch: RolloutBatch) -> list[LossNormalizer]:
         """Loss denominators for each optimizer step of this generation, summed over ranks."""
-        per_step = self.accumulate * self.hparams.micro_batch_size
+        per_step = self.accumulate * self.schedule_args.micro_batch_size
         tokens = self.loss_mask(batch).sum(dim=1)  # [N]
         active = (batch.advantages != 0).float()  # [N]
         counts = torch.stack(
@@ -75,7 +75,7 @@ class MicroBatching:
     def _update_rank_tokens(self, step: int) -> None:
         """The tokens of this rank's rows of optimizer `step` of the buffer, into the per-step max and min (synced
         over ranks, they are the most and the fewest any rank trained on)."""
-        total = step_row_tokens(self._buffer, step, self.accumulate * self.hparams.micro_batch_size).sum()
+        total = step_row_tokens(self._buffer, step, self.accumulate * self.schedule_args.micro_batch_size).sum()
         self.train_metrics["rank_tokens/max"].update(total)
         self.train_metrics["rank_tokens/min"].update(total)
 
@@ -83,7 +83,7 @@ class MicroBatching:
         """Micro-batch `index` of one pass over the buffer, and whether it holds completions: `micro_batch_size`
         consecutive rows, or with `micro_batch_tokens` the step's rows grouped by tokens
         (`lit_rl.training.micro_batches.budgeted_micro_batch`, which may give an empty micro-step: False)."""
-        size = self.hparams.micro_batch_size
+        size = self.schedule_args.micro_batch_size
         if self.micro_batch_tokens is None:
             return self._buffer.select(slice(index * size, (index + 1) * size)), True
         return budgeted_micro_batch(

@@ -33,10 +33,10 @@ from lit_rl.algorithms.micro_steps import MicroBatching
 from lit_rl.algorithms.reward_scoring import RewardScorer
 from lit_rl.algorithms.rng import rng_state, set_rng_state
 from lit_rl.algorithms.rollout_checks import check_max_staleness, check_prompt_lengths
+from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, SamplingArgs, ScheduleArgs, as_args
 from lit_rl.data.schedule import RolloutSchedule
 from lit_rl.errors import ConfigError, EnvironmentStepError
 from lit_rl.losses import LossNormalizer
-from lit_rl.modeling.lora import LoRAConfig
 from lit_rl.ops import kl_k3
 from lit_rl.rollout import RolloutEngine, RolloutOutput, SamplingParams, VLLMConfig
 from lit_rl.rollout.base import global_batch_seeds
@@ -70,50 +70,37 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, RewardScorer, MicroBatch
 
     def __init__(
         self,
-        model_name_or_path: str,
-        reward_funcs: Optional[list[str]],
-        reward_weights: Optional[list[float]],
+        policy: Optional[PolicyArgs],
+        optim: Optional[OptimArgs],
+        schedule: Optional[ScheduleArgs],
+        sampling: Optional[SamplingArgs],
+        rewards: Optional[RewardArgs],
+        env: Optional[EnvArgs],
         *,
-        dtype: str,
-        gradient_checkpointing: bool,
-        trust_remote_code: bool,
-        learning_rate: float,
-        weight_decay: float,
-        warmup_steps: int,
-        max_prompt_length: Optional[int],
         vllm: Optional[VLLMConfig] = None,
-        lora: Optional[LoRAConfig] = None,
         max_staleness: int = 0,
-        padding_free: bool = False,
-        head_chunk_tokens: Optional[int] = None,
-        micro_batch_tokens: Optional[int] = None,
-        environment: Optional[str] = None,
-        environment_args: Optional[dict[str, Any]] = None,
-        tools: Optional[list[str]] = None,
-        max_turns: int = 4,
-        max_total_tokens: Optional[int] = None,
+        min_generations: int = 2,
     ) -> None:
+        """The groups of `lit_rl.config` (None: their defaults), the rollout engine (`vllm`: None for HF
+        `generate`) and the asynchrony (`max_staleness`); `min_generations`: 2 where completions of a prompt are
+        compared, 1 where a critic is the baseline."""
+        self.schedule_args = schedule = as_args(ScheduleArgs, schedule)
+        self.sampling_args = sampling = as_args(SamplingArgs, sampling)
+        self.reward_args = rewards = as_args(RewardArgs, rewards)
+        self.env_args = env = as_args(EnvArgs, env)
+        schedule.check()
+        sampling.check(min_generations)
+        rewards.check()
+        env.check()
         check_vllm_config(vllm)
         check_max_staleness(max_staleness, vllm)
-        if max_staleness > 0 and (environment is not None or tools):
+        if max_staleness > 0 and env.enabled:
             raise ConfigError(
-                "model.environment (or model.tools) with model.max_staleness > 0 is not supported yet: "
+                "model.env.environment (or model.env.tools) with model.max_staleness > 0 is not supported yet: "
                 "asynchronous rollouts sample single completions in the background"
             )
-        super().__init__(
-            model_name_or_path,
-            dtype=dtype,
-            gradient_checkpointing=gradient_checkpointing,
-            trust_remote_code=trust_remote_code,
-            learning_rate=learning_rate,
-            weight_decay=weight_decay,
-            warmup_steps=warmup_steps,
-            max_prompt_length=max_prompt_length,
-            lora=lora,
-            padding_free=padding_free,
-            head_chunk_tokens=head_chunk_tokens,
-        )
-        self.setup_reward_functions(reward_funcs, reward_weights)
+        super().__init__(policy, optim, max_prompt_length=sampling.max_prompt_length)
+        self.setup_reward_functions(rewards.funcs, rewards.weights)
         self.vllm_config = vllm
         self.rollout_engine: Optional[RolloutEngine] = None  # a plain object, never an nn.Module attribute
         self._engine_weights_step: Optional[int] = None  # the global_step whose weights the engine holds
@@ -122,8 +109,8 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, RewardScorer, MicroBatch
         self._normalizers: list[LossNormalizer] = []
         self.max_staleness = max_staleness
         self._producer = AsyncRolloutProducer() if max_staleness > 0 else None
-        self.micro_batch_tokens = micro_batch_tokens
-        self.setup_environment(environment, environment_args, tools, max_turns, max_total_tokens)
+        self.micro_batch_tokens = schedule.micro_batch_tokens
+        self.setup_environment(env)
 
     # -- what subclasses decide ------------------------------------------------------------------------------
     train_metrics: MetricCollection  # set by the subclass, with `val_metrics = self.rollout_val_metrics()`
@@ -152,8 +139,8 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, RewardScorer, MicroBatch
 
     def needs_old_logprobs(self) -> bool:
         """Whether the policy's log-probs at generation time are computed (else the first pass reuses its own)."""
-        hp = self.hparams
-        return hp.num_iterations > 1 or hp.steps_per_generation > 1 or self.max_staleness > 0
+        schedule = self.schedule_args
+        return schedule.num_iterations > 1 or schedule.steps_per_generation > 1 or self.max_staleness > 0
 
     def shape_rewards(self, rewards: torch.Tensor, out: RolloutOutput) -> torch.Tensor:
         """The rewards [N] advantages are computed from, given this rank's completions (default: unchanged)."""
@@ -203,11 +190,12 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, RewardScorer, MicroBatch
                     f"{self.micro_steps_per_generation} micro-steps of a generation"
                 )
         completions = self.completions_per_generation * self.trainer.world_size
-        if completions % self.hparams.num_generations != 0:
+        G = self.sampling_args.num_generations
+        if completions % G != 0:
             raise ConfigError(
-                f"model.micro_batch_size x trainer.accumulate_grad_batches x model.steps_per_generation x ranks = "
-                f"{completions} completions per generation must be a multiple of model.num_generations="
-                f"{self.hparams.num_generations} (a group may span ranks, but every group must be whole)"
+                "model.schedule.micro_batch_size x trainer.accumulate_grad_batches x model.schedule."
+                f"steps_per_generation x ranks = {completions} completions per generation must be a multiple of "
+                f"model.sampling.num_generations={G} (a group may span ranks, but every group must be whole)"
             )
 
     def on_fit_start(self) -> None:
@@ -220,12 +208,12 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, RewardScorer, MicroBatch
     @property
     def completions_per_generation(self) -> int:
         """Completions one rank generates at a time: B*G = micro_batch_size x accumulation x steps_per_generation."""
-        return self.hparams.micro_batch_size * self.accumulate * self.hparams.steps_per_generation
+        return self.schedule_args.micro_batch_size * self.accumulate * self.schedule_args.steps_per_generation
 
     @property
     def micro_steps_per_generation(self) -> int:
-        micro_batches = self.completions_per_generation // self.hparams.micro_batch_size
-        return micro_batches * self.hparams.num_iterations
+        micro_batches = self.completions_per_generation // self.schedule_args.micro_batch_size
+        return micro_batches * self.schedule_args.num_iterations
 
     def rollout_schedule(self) -> RolloutSchedule:
         """How the training loader must feed this module (see `lit_rl.data.schedule`)."""
@@ -235,7 +223,7 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, RewardScorer, MicroBatch
             launches = lambda step: generations_launched_at(step, m, k)  # noqa: E731
         return RolloutSchedule(
             completions_per_rank=self.completions_per_generation,
-            group_size=self.hparams.num_generations,
+            group_size=self.sampling_args.num_generations,
             micro_steps_per_generation=self.micro_steps_per_generation,
             start_micro_step=lambda: self._micro_steps_done,
             micro_steps_per_optimizer_step=self.accumulate,
@@ -248,17 +236,17 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, RewardScorer, MicroBatch
     @property
     def optimizer_steps_per_generation(self) -> int:
         """m = steps_per_generation x num_iterations: the optimizer steps taken on one generation."""
-        return self.hparams.steps_per_generation * self.hparams.num_iterations
+        return self.schedule_args.steps_per_generation * self.schedule_args.num_iterations
 
     # -- rollout ---------------------------------------------------------------------------------------------
     def sampling_params(self, training: bool) -> SamplingParams:
-        hp = self.hparams
+        sampling = self.sampling_args
         return SamplingParams(
-            max_new_tokens=hp.max_new_tokens,
-            min_new_tokens=hp.min_new_tokens,
-            temperature=hp.temperature if training else hp.val_temperature,
-            top_p=hp.top_p,
-            top_k=hp.top_k,
+            max_new_tokens=sampling.max_new_tokens,
+            min_new_tokens=sampling.min_new_tokens,
+            temperature=sampling.temperature if training else sampling.val_temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
         )
 
     def sample(
@@ -300,7 +288,7 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, RewardScorer, MicroBatch
         """Generate and score this rank's completions (`rows`: the prompt row of each, see
         `lit_rl.data.schedule`), then let the algorithm finish the batch. `sampled`: a generation the producer
         made ahead (`PendingGeneration`), scored here instead of sampling."""
-        G = self.hparams.num_generations
+        G = self.sampling_args.num_generations
         if sampled is None:
             prompt_ids, prompt_mask, out, components, rewards = self.sample_generation(rows, refills or [])
             version = self.trainer.global_step
@@ -358,7 +346,7 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, RewardScorer, MicroBatch
         return slice(self.global_rank * n, (self.global_rank + 1) * n)
 
     def _logprobs_in_chunks(self, model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
-        temperature = self.hparams.temperature
+        temperature = self.sampling_args.temperature
         return self.per_micro_batch(
             batch,
             lambda mb: (
@@ -370,7 +358,6 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, RewardScorer, MicroBatch
 
     # -- training --------------------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        hp = self.hparams
         if batch["micro_step"] != self._micro_steps_done:
             raise RuntimeError(
                 f"rollout schedule drifted: loader gave micro-step {batch['micro_step']}, "
@@ -385,7 +372,7 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, RewardScorer, MicroBatch
                 with self.timer.phase("generation"):  # the part of the generation the training did not hide
                     sampled = self._producer.take(self.rollout_engine, generation)
             self._buffer = self.make_rollout(batch["rows"], sampled, batch.get("refill"))
-        micro_batches = self.micro_steps_per_generation // hp.num_iterations
+        micro_batches = self.micro_steps_per_generation // self.schedule_args.num_iterations
         index = generation_micro_step % micro_batches
         if self._buffer.prompt_ids.device != self.device:  # restored from a checkpoint on CPU
             self._buffer = self._buffer.to(self.device)
@@ -398,7 +385,7 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, RewardScorer, MicroBatch
             mb.prompt_mask,
             mb.completion_ids,
             mb.completion_mask,
-            hp.temperature,
+            self.sampling_args.temperature,
             extras=("entropy",),
         )
         logprobs = scores.logprobs  # [n, T]
@@ -482,7 +469,7 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, RewardScorer, MicroBatch
 
     # -- validation ------------------------------------------------------------------------------------------
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        G = self.hparams.val_num_generations
+        G = self.sampling_args.val_num_generations
         # Validation samples with its own RNG stream, so it cannot change what training samples next.
         # fork_rng saves and restores the CPU RNG and, listed here, this GPU's.
         devices = [self.device.index or 0] if self.device.type == "cuda" else []

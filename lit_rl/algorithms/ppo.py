@@ -19,26 +19,26 @@ schedule, buffer, validation and checkpoints are `OnPolicyModule`'s, so the
 checkpoint cadence and exact resume hold as for GRPO; the critic is in every checkpoint and exported next to the
 policy (`hf/critic`: `lit_rl.modeling.value_model.save_value_state`).
 
-With an environment (`model.environment` or `model.tools`) a completion is a multi-turn transcript, and only the
+With an environment (`model.env.environment` or `model.env.tools`) a completion is a multi-turn transcript, and only the
 model's tokens are actions: the rewards, GAE, both losses and the token metrics run over them alone, the
 environment's tokens between turns skipped as `lit_rl.losses.ppo` describes.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
 from torchmetrics import ExplainedVariance, MeanMetric, MetricCollection, SumMetric
 
 from lit_rl.algorithms.base import completion_forward
 from lit_rl.algorithms.on_policy import OnPolicyModule
-from lit_rl.algorithms.rollout_checks import check_rollout_args
+from lit_rl.algorithms.rollout_checks import check_beta
+from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, SamplingArgs, ScheduleArgs
 from lit_rl.errors import ConfigError
 from lit_rl.losses import AGGREGATIONS, LossNormalizer, aggregate
 from lit_rl.losses.policy import ppo_clip
 from lit_rl.losses.ppo import clipped_value_loss, gae, masked_moments, moments_to_mean_std, token_rewards, whiten
-from lit_rl.modeling.lora import LoRAConfig
 from lit_rl.modeling.value_model import ValueModel, load_value_model, reset_value_head
 from lit_rl.rollout import VLLMConfig
 from lit_rl.training.metrics import LOCAL, metric_collection, on_policy_training_metrics
@@ -49,19 +49,9 @@ from lit_rl.types import RolloutBatch
 class PPO(OnPolicyModule):
     """Proximal Policy Optimization with a critic, GAE and value clipping.
 
+    The option groups it takes (`policy`, `optim`, ...) are documented in `lit_rl.config`.
+
     Args:
-        model_name_or_path: policy to train: a hub id, a local directory, or `lit-rl/<asset>` for a shipped one.
-        reward_funcs: import paths of reward functions `(prompts, completions, **columns) -> list[float]`.
-        reward_weights: one weight per reward function (default: all 1.0); the reward is the weighted sum.
-        num_generations: completions sampled per prompt (>= 1: the critic is the baseline, no group is needed).
-        micro_batch_size: completions per `training_step` on each rank.
-        steps_per_generation: optimizer steps taken on each generation's buffer (per pass).
-        num_iterations: passes over each generation's buffer (PPO epochs); > 1 uses the clipped ratio.
-        max_new_tokens: completion budget.
-        min_new_tokens: no completion stops (EOS or a stop id) before this many tokens.
-        temperature: sampling temperature; log-probs are computed at this temperature.
-        top_p: nucleus sampling threshold (1.0 disables).
-        top_k: top-k sampling (0 disables).
         beta: per-token KL penalty in the reward, `r_t = -beta (logp_t - ref_logp_t)` (+ the reward at the last
             token); 0 loads no reference model.
         gamma: GAE discount.
@@ -77,54 +67,19 @@ class PPO(OnPolicyModule):
         critic_model_name_or_path: the model the critic starts from (None: the policy's): a causal LM (its decoder,
             and a value head at 0), a one-label reward model or an exported critic (decoder and head); it must share
             the policy's tokenizer (`lit_rl.modeling.value_model.load_value_model`).
-        learning_rate: AdamW learning rate of the policy.
-        critic_learning_rate: AdamW learning rate of the critic (None: `learning_rate`).
-        weight_decay: AdamW weight decay.
-        warmup_steps: linear learning-rate warm-up, in optimizer steps (both networks).
-        dtype: dtype the policy and critic are loaded in (`float32`, `bfloat16`, `float16`, `auto`).
-        gradient_checkpointing: recompute activations in the backward pass to save memory (both networks).
-        trust_remote_code: allow model code from the model repository (off by default).
-        max_prompt_length: truncate prompts to their last `max_prompt_length` tokens (None: no limit).
-        val_temperature: sampling temperature for validation (0: greedy).
-        val_num_generations: completions per validation prompt.
-        invalid_reward: what a NaN/None/inf reward value does: `zero` counts it as 0 (and in the metric
-            `frac_invalid_reward`), `error` stops the run naming the reward function.
+        critic_learning_rate: AdamW learning rate of the critic (None: `optim.learning_rate`).
         vllm: generate rollouts with vLLM (`configs/rollout/vllm_colocate.yaml`, `vllm_server.yaml`); None: HF
             `generate` on the policy. See `lit_rl.rollout.VLLMConfig` for the keys (`--model.vllm.mode ...`).
-        lora: train a LoRA adapter on the policy (`configs/peft/lora.yaml`); the critic still trains all its
-            weights (with their AdamW state).
-        padding_free: run the training forwards (policy, critic, reference, old log-probs) on the rows' real
-            tokens laid end to end, without padding (`lit_rl.modeling.packing`).
-        head_chunk_tokens: run the policy's output head on that many completion tokens at a time
-            (`lit_rl.modeling.head`).
-        micro_batch_tokens: group each optimizer step's completions into at most `accumulate_grad_batches`
-            micro-batches of at most this many real tokens instead of `micro_batch_size` each.
-        environment: multi-turn episodes: the import path of an environment class (`lit_rl.envs.Environment`:
-            `reset(row)`, `step(turn_text)`), one per episode, built with `environment_args`. Each completion is then
-            the episode's transcript, token-in and token-out (`lit_rl.rollout.multi_turn`); only the model's tokens
-            are actions (module docstring). None (default): single completions.
-        environment_args: keyword arguments of the environment class.
-        tools: import paths of tools (`lit_rl.envs.tools.calc`); alone they run in the built-in
-            `ToolEnvironment` (a turn's `<name>argument</name>` is answered `<result>value</result>`).
-        max_turns: the most model turns of an episode.
-        max_total_tokens: the most tokens of a transcript after the prompt, model and observation tokens (None:
-            `max_turns x max_new_tokens`).
     """
 
     def __init__(
         self,
-        model_name_or_path: str = "lit-rl/tiny-qwen2-addition-sft",
-        reward_funcs: Optional[list[str]] = None,
-        reward_weights: Optional[list[float]] = None,
-        num_generations: int = 4,
-        micro_batch_size: int = 16,
-        steps_per_generation: int = 1,
-        num_iterations: int = 1,
-        max_new_tokens: int = 16,
-        min_new_tokens: int = 0,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
+        policy: PolicyArgs = PolicyArgs(),
+        optim: OptimArgs = OptimArgs(),
+        schedule: ScheduleArgs = ScheduleArgs(),
+        sampling: SamplingArgs = SamplingArgs(num_generations=4),
+        rewards: RewardArgs = RewardArgs(),
+        env: EnvArgs = EnvArgs(),
         beta: float = 0.05,
         gamma: float = 1.0,
         lam: float = 0.95,
@@ -134,29 +89,10 @@ class PPO(OnPolicyModule):
         whiten_advantages: bool = True,
         loss_aggregation: str = "token",
         critic_model_name_or_path: Optional[str] = None,
-        learning_rate: float = 1e-5,
         critic_learning_rate: Optional[float] = None,
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        dtype: str = "float32",
-        gradient_checkpointing: bool = False,
-        trust_remote_code: bool = False,
-        max_prompt_length: Optional[int] = None,
-        val_temperature: float = 0.0,
-        val_num_generations: int = 1,
-        invalid_reward: str = "zero",
         vllm: Optional[VLLMConfig] = None,
-        lora: Optional[LoRAConfig] = None,
-        padding_free: bool = False,
-        head_chunk_tokens: Optional[int] = None,
-        micro_batch_tokens: Optional[int] = None,
-        environment: Optional[str] = None,
-        environment_args: Optional[dict[str, Any]] = None,
-        tools: Optional[list[str]] = None,
-        max_turns: int = 4,
-        max_total_tokens: Optional[int] = None,
     ) -> None:
-        check_rollout_args(locals(), min_generations=1)
+        check_beta(beta)
         if loss_aggregation not in AGGREGATIONS:
             raise ConfigError(f"model.loss_aggregation must be one of {sorted(AGGREGATIONS)}, got {loss_aggregation!r}")
         for key, value in (("gamma", gamma), ("lam", lam)):
@@ -170,28 +106,7 @@ class PPO(OnPolicyModule):
             raise ConfigError(f"model.value_loss_coef must be >= 0, got {value_loss_coef}")
         if critic_learning_rate is not None and critic_learning_rate < 0:
             raise ConfigError(f"model.critic_learning_rate must be >= 0, got {critic_learning_rate}")
-        super().__init__(
-            model_name_or_path,
-            reward_funcs,
-            reward_weights,
-            dtype=dtype,
-            gradient_checkpointing=gradient_checkpointing,
-            trust_remote_code=trust_remote_code,
-            learning_rate=learning_rate,
-            weight_decay=weight_decay,
-            warmup_steps=warmup_steps,
-            max_prompt_length=max_prompt_length,
-            vllm=vllm,
-            lora=lora,
-            padding_free=padding_free,
-            head_chunk_tokens=head_chunk_tokens,
-            micro_batch_tokens=micro_batch_tokens,
-            environment=environment,
-            environment_args=environment_args,
-            tools=tools,
-            max_turns=max_turns,
-            max_total_tokens=max_total_tokens,
-        )
+        super().__init__(policy, optim, schedule, sampling, rewards, env, vllm=vllm, min_generations=1)
         self.save_hyperparameters()
         self.critic: Optional[ValueModel] = None  # built in `configure_model`, like the policy
         self.train_metrics = self.rollout_train_metrics(ppo_metrics(self.reward_names, with_kl=beta != 0.0))
@@ -201,23 +116,23 @@ class PPO(OnPolicyModule):
     def configure_model(self) -> None:
         super().configure_model()
         if self.critic is None:
-            hp = self.hparams
+            policy = self.policy_args
             strategy = self._attached_strategy()
             with hf_zero3_loading(strategy):
                 self.critic = load_value_model(
-                    hp.critic_model_name_or_path or hp.model_name_or_path,
+                    self.hparams.critic_model_name_or_path or policy.model_name_or_path,
                     num_embeddings=len(self.tokenizer),
-                    dtype=hp.dtype,
-                    gradient_checkpointing=hp.gradient_checkpointing,
-                    trust_remote_code=hp.trust_remote_code,
+                    dtype=policy.dtype,
+                    gradient_checkpointing=policy.gradient_checkpointing,
+                    trust_remote_code=policy.trust_remote_code,
                 ).train()
             # Under ZeRO-3 the head was partitioned as it was created: set it to 0 whole (elsewhere a no-op).
             with gathered_parameters(self.critic.score, modifier_rank=0):
                 reset_value_head(self.critic)
 
     def optimizer_param_groups(self) -> list[dict]:
-        hp = self.hparams
-        critic_lr = hp.learning_rate if hp.critic_learning_rate is None else hp.critic_learning_rate
+        critic_lr = self.hparams.critic_learning_rate
+        critic_lr = self.optim_args.learning_rate if critic_lr is None else critic_lr
         critic = {"params": [p for p in self.critic.parameters() if p.requires_grad], "lr": critic_lr}
         return [*super().optimizer_param_groups(), critic]
 

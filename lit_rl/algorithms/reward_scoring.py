@@ -1,8 +1,8 @@
-"""Reward functions of an on-policy module: which ones (`model.reward_funcs`, `model.reward_weights`), scoring an
+"""Reward functions of an on-policy module: which ones (`model.rewards`), scoring an
 engine's completions with them, and failing on every rank together.
 
 `RewardScorer` is a mixin of `OnPolicyModule`; it reads the module's `tokenizer`, `timer`, `trainer`, `device`,
-`hparams` and `reward_names`.
+`reward_args` and `reward_names`.
 """
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ class RewardScorer:
         names = [reward_name(path) for path in reward_funcs]
         duplicates = sorted({name for name in names if names.count(name) > 1})
         if duplicates:
-            raise ConfigError(f"model.reward_funcs: two functions are named {duplicates[0]!r}; names must be unique")
+            raise ConfigError(f"model.rewards.funcs: two functions are named {duplicates[0]!r}; names must be unique")
         self.reward_fns = {name: import_reward_function(path) for name, path in zip(names, reward_funcs)}
         self.reward_weights = torch.tensor(reward_weights or [1.0] * len(reward_funcs), dtype=torch.float32)
         if len(self.reward_weights) != len(reward_funcs):
             raise ConfigError(
-                f"model.reward_weights has {len(self.reward_weights)} values for {len(reward_funcs)} reward_funcs: "
-                "give one weight per function (--model.reward_weights '[1.0, ...]'), or null for 1.0 each"
+                f"model.rewards.weights has {len(self.reward_weights)} values for {len(reward_funcs)} functions in "
+                "model.rewards.funcs: give one weight per function (--model.rewards.weights '[1.0, ...]'), or null "
+                "for 1.0 each"
             )
 
     def add_reward_function(self, name: str, fn: Any, weight: float) -> None:
@@ -80,7 +81,7 @@ class RewardScorer:
             if env_rewards is not None:
                 components = torch.cat([components, env_rewards.to(components)], dim=1)
                 weights = torch.cat([weights, torch.ones(env_rewards.shape[1])])
-            invalid = self.hparams.get("invalid_reward", "zero")
+            invalid = self.reward_args.on_invalid
             rewards = weighted_reward(components, weights, self.reward_names, invalid)
         except RewardFunctionError as err:
             error = err

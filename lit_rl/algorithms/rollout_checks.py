@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 from lit_rl.data.files import record_label
@@ -28,31 +27,10 @@ def check_max_staleness(max_staleness: int, vllm: Optional[VLLMConfig]) -> None:
         )
 
 
-def check_rollout_args(args: dict[str, Any], min_generations: int = 2) -> None:
-    """Reject impossible rollout settings at construction, naming the offending key (`min_generations`: 2 where
-    completions of a prompt are compared, 1 where a critic is the baseline)."""
-    positive = ("num_generations", "micro_batch_size", "steps_per_generation", "num_iterations", "max_new_tokens")
-    for key in positive:
-        if args[key] < 1:
-            raise ConfigError(f"model.{key} must be >= 1, got {args[key]}")
-    if args["num_generations"] < min_generations:
-        raise ConfigError(
-            f"model.num_generations must be >= {min_generations} (completions of a prompt are compared), "
-            f"got {args['num_generations']}"
-        )
-    if args["temperature"] <= 0 or not math.isfinite(args["temperature"]):
-        raise ConfigError(f"model.temperature must be > 0 for training rollouts, got {args['temperature']}")
-    if args.get("invalid_reward", "zero") not in ("zero", "error"):
-        raise ConfigError(f"model.invalid_reward must be 'zero' or 'error', got {args['invalid_reward']!r}")
-    if args.get("beta", 0.0) < 0:
-        raise ConfigError(f"model.beta must be >= 0, got {args['beta']}")
-    if not 0 <= args.get("min_new_tokens", 0) <= args["max_new_tokens"]:
-        raise ConfigError(
-            f"model.min_new_tokens must be in [0, max_new_tokens={args['max_new_tokens']}], "
-            f"got {args['min_new_tokens']}"
-        )
-    if args.get("micro_batch_tokens") is not None and args["micro_batch_tokens"] < 1:
-        raise ConfigError(f"model.micro_batch_tokens must be >= 1 (or null), got {args['micro_batch_tokens']}")
+def check_beta(beta: float) -> None:
+    """The weight of a KL term: 0 (no reference model) or more."""
+    if beta < 0:
+        raise ConfigError(f"model.beta must be >= 0, got {beta}")
 
 
 def check_prompt_lengths(module: Any) -> None:
@@ -62,13 +40,13 @@ def check_prompt_lengths(module: Any) -> None:
     context = getattr(module.policy.config, "max_position_embeddings", None)
     if context is None:
         return
-    hp, datamodule = module.hparams, module.trainer.datamodule
+    max_prompt_length, datamodule = module.max_prompt_length, module.trainer.datamodule
     budget = module.completion_budget
-    budget_key = "max_total_tokens" if module.env_factory is not None else "max_new_tokens"
-    if hp.max_prompt_length is not None:
-        if hp.max_prompt_length + budget > context:
+    budget_key = "env.max_total_tokens" if module.env_factory is not None else "sampling.max_new_tokens"
+    if max_prompt_length is not None:
+        if max_prompt_length + budget > context:
             raise ConfigError(
-                f"model.max_prompt_length ({hp.max_prompt_length}) + model.{budget_key} ({budget}) "
+                f"model.sampling.max_prompt_length ({max_prompt_length}) + model.{budget_key} ({budget}) "
                 f"exceeds the model's context of {context} tokens"
             )
         return
@@ -85,5 +63,5 @@ def check_prompt_lengths(module: Any) -> None:
                     raise DataError(
                         f"{source}: {record_label(source, start + offset)} has a prompt of {length} tokens; with "
                         f"model.{budget_key}={budget} it exceeds the model's context of {context} "
-                        "tokens (set model.max_prompt_length to truncate prompts)"
+                        "tokens (set model.sampling.max_prompt_length to truncate prompts)"
                     )

@@ -15,7 +15,7 @@ import torch
 from torchmetrics import MeanMetric, MetricCollection, SumMetric
 
 from lit_rl.algorithms.base import PolicyModule
-from lit_rl.modeling.lora import LoRAConfig
+from lit_rl.config import OptimArgs, PolicyArgs
 from lit_rl.training.metrics import LOCAL, metric_collection
 from lit_rl.training.strategies import is_accumulating_micro_batch
 
@@ -23,59 +23,25 @@ from lit_rl.training.strategies import is_accumulating_micro_batch
 class SFT(PolicyModule):
     """Supervised fine-tuning of a causal LM on the completions of prompt/completion pairs.
 
+    The option groups it takes (`policy`, `optim`, ...) are documented in `lit_rl.config`.
+
     Args:
-        model_name_or_path: a hub id, a local directory, or `lit-rl/<asset>` for a shipped one.
         random_init: build the model from its config with random weights instead of loading weights.
-        learning_rate: AdamW learning rate.
-        weight_decay: AdamW weight decay.
-        warmup_steps: linear learning-rate warm-up, in optimizer steps.
-        dtype: dtype the model is loaded in (`float32`, `bfloat16`, `float16`, `auto`).
-        gradient_checkpointing: recompute activations in the backward pass to save memory.
-        trust_remote_code: allow model code from the model repository (off by default).
         max_prompt_length: truncate prompts to their last `max_prompt_length` tokens (None: no limit).
         max_completion_length: truncate completions to this many tokens, EOS included (None: no limit).
-        padding_free: run the training forwards (policy, reference, old log-probs) on the rows' real tokens laid
-            end to end, without padding (`lit_rl.modeling.packing`): the same values to float rounding, less compute
-            when lengths vary. It replaces the shared-prompt forward.
-        head_chunk_tokens: run the output head on that many completion tokens at a time (`lit_rl.modeling.head`), so the
-            `[tokens, vocab]` logits never exist beyond one chunk: the memory of long completions at a large
-            vocabulary, for one more head forward per trained token. None: the whole micro-batch's logits at once.
-        lora: train a LoRA adapter (`configs/peft/lora.yaml`) instead of the full weights. See
-            `lit_rl.modeling.lora.LoRAConfig` for the keys (`--model.lora.r 8`).
     """
 
     disable_dropout = False
 
     def __init__(
         self,
-        model_name_or_path: str = "lit-rl/tiny-qwen2-base",
+        policy: PolicyArgs = PolicyArgs(model_name_or_path="lit-rl/tiny-qwen2-base"),
+        optim: OptimArgs = OptimArgs(learning_rate=1e-3),
         random_init: bool = False,
-        learning_rate: float = 1e-3,
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        dtype: str = "float32",
-        gradient_checkpointing: bool = False,
-        trust_remote_code: bool = False,
         max_prompt_length: Optional[int] = None,
         max_completion_length: Optional[int] = None,
-        lora: Optional[LoRAConfig] = None,
-        padding_free: bool = False,
-        head_chunk_tokens: Optional[int] = None,
     ) -> None:
-        super().__init__(
-            model_name_or_path,
-            dtype=dtype,
-            gradient_checkpointing=gradient_checkpointing,
-            trust_remote_code=trust_remote_code,
-            random_init=random_init,
-            learning_rate=learning_rate,
-            weight_decay=weight_decay,
-            warmup_steps=warmup_steps,
-            max_prompt_length=max_prompt_length,
-            lora=lora,
-            padding_free=padding_free,
-            head_chunk_tokens=head_chunk_tokens,
-        )
+        super().__init__(policy, optim, random_init=random_init, max_prompt_length=max_prompt_length)
         self.save_hyperparameters()
         metrics = sft_metrics()
         self.train_metrics = metrics.clone(prefix="train/")

@@ -1,7 +1,7 @@
 """Environments for multi-turn rollouts: the `Environment` protocol, and tools (`lit_rl.envs.tools`).
 
-An environment is given by import path (`--model.environment my_pkg.envs.MyEnv`, built with
-`--model.environment_args`), or made from `--model.tools` (the built-in `ToolEnvironment`). The rollout runs it
+An environment is given by import path (`--model.env.environment my_pkg.envs.MyEnv`, built with
+`--model.env.environment_args`), or made from `--model.env.tools` (the built-in `ToolEnvironment`). The rollout runs it
 token-in, token-out (`lit_rl.rollout.multi_turn`).
 """
 

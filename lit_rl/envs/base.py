@@ -62,14 +62,14 @@ def environment_factory(
     path: Optional[str], args: Optional[dict[str, Any]], tools: Optional[list[str]]
 ) -> tuple[Optional[Callable[[], Environment]], tuple[str, ...]]:
     """A function that makes one environment per episode, and the reward part names its episodes report, from the
-    settings `model.environment` (an import path), `model.environment_args` and `model.tools`; (None, ()) when
-    there is no environment. Tools alone give the built-in `ToolEnvironment`; with an environment they are passed
+    settings `model.env.environment` (an import path), `model.env.environment_args` and `model.env.tools`; (None, ())
+    when there is no environment. Tools alone give the built-in `ToolEnvironment`; with an environment they are passed
     to it as `tools=`."""
     from lit_rl.envs.tools import ToolEnvironment, import_tools
 
     if path is None and not tools:
         if args:
-            raise ConfigError("model.environment_args is set but model.environment is not")
+            raise ConfigError("model.env.environment_args is set but model.env.environment is not")
         return None, ()
     if path is None:
         cls: Callable[..., Environment] = ToolEnvironment
@@ -77,13 +77,13 @@ def environment_factory(
         try:
             cls = import_callable(path, "environment")
         except ValueError as err:
-            raise ConfigError(f"model.environment: {err}") from None
+            raise ConfigError(f"model.env.environment: {err}") from None
     kwargs = dict(args or {})
     if tools:
         kwargs["tools"] = import_tools(tools)
     try:
         probe = cls(**kwargs)  # checks the arguments now, before any rollout
     except TypeError as err:
-        raise ConfigError(f"model.environment {path or 'ToolEnvironment'}: {err}") from None
+        raise ConfigError(f"model.env.environment {path or 'ToolEnvironment'}: {err}") from None
     names = tuple(getattr(probe, "reward_names", ()))
     return (lambda: cls(**kwargs)), names

@@ -78,11 +78,11 @@ def import_tools(paths: list[str]) -> list[Tool]:
         try:
             tools.append(import_callable(path, "tool"))
         except ValueError as err:
-            raise ConfigError(f"model.tools: {err}") from None
+            raise ConfigError(f"model.env.tools: {err}") from None
     names = [tool.__name__ for tool in tools]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
-        raise ConfigError(f"model.tools: two tools are named {duplicates[0]!r}; names must be unique")
+        raise ConfigError(f"model.env.tools: two tools are named {duplicates[0]!r}; names must be unique")
     return tools
 
 
@@ -122,7 +122,7 @@ class ToolEnvironment:
     a turn without a call ends the episode. No reward parts of its own: the reward functions score the transcript.
 
     Args:
-        tools: the callables (`model.tools` import paths), each called with the text between its tags.
+        tools: the callables (`model.env.tools` import paths), each called with the text between its tags.
         timeout_s: the time limit of one call.
     """
 
@@ -130,9 +130,9 @@ class ToolEnvironment:
 
     def __init__(self, tools: Optional[list[Tool]] = None, timeout_s: float = 5.0) -> None:
         if not tools:
-            raise ConfigError("ToolEnvironment needs at least one tool (model.tools)")
+            raise ConfigError("ToolEnvironment needs at least one tool (model.env.tools)")
         if timeout_s <= 0:
-            raise ConfigError(f"model.environment_args.timeout_s must be > 0, got {timeout_s}")
+            raise ConfigError(f"model.env.environment_args.timeout_s must be > 0, got {timeout_s}")
         self.tools = {tool.__name__: tool for tool in tools}
         self.timeout_s = timeout_s
         names = "|".join(re.escape(name) for name in self.tools)

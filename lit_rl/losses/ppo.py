@@ -15,7 +15,7 @@ V_L = 0 after the last token:
     A_t     = delta_t + gamma * lambda * A_{t+1}          (A_L = 0)
     G_t     = A_t + V_t                                   (the critic's regression target, the "return")
 
-A multi-turn transcript (`model.environment`) is scored on the model's tokens alone: its mask is 0 on the
+A multi-turn transcript (`model.env.environment`) is scored on the model's tokens alone: its mask is 0 on the
 environment's tokens between turns, which are not actions but part of the environment's transition. Both
 functions then read the masked-out tokens as absent, as if the model's tokens were laid end to end: the sequence
 reward lands on the last model token, V_{t+1} is the value at the next model token, and A carries across an

@@ -2,7 +2,7 @@
 
 At a large vocabulary the logits dominate a training step's memory: 8 completions of 1024 tokens at Qwen2's
 151,936 entries are 5 GiB of float32 logits, and their log-softmax and gradient as much again each, while the
-21M-parameter model's own activations are a few MiB. With `model.head_chunk_tokens: k` the decoder's last hidden
+21M-parameter model's own activations are a few MiB. With `model.policy.head_chunk_tokens: k` the decoder's last hidden
 states of the completion tokens, `[K, H]`, go through the head `k` tokens at a time. Each chunk computes
 
     logprob_t = z_t[y_t] - logsumexp_v z_t[v],    z_t = head(h_t) / temperature
@@ -143,10 +143,12 @@ def check_plain_head(model: torch.nn.Module, device: torch.device) -> None:
         return
     name = type(model).__name__
     if not (callable(getattr(model, "get_decoder", None)) and callable(getattr(model, "get_output_embeddings", None))):
-        raise ConfigError(f"model.head_chunk_tokens: {name} has no get_decoder/get_output_embeddings; drop the option")
+        raise ConfigError(
+            f"model.policy.head_chunk_tokens: {name} has no get_decoder/get_output_embeddings; drop the option"
+        )
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     if decoder is None or head is None:
-        raise ConfigError(f"model.head_chunk_tokens: {name} exposes no decoder or output head; drop the option")
+        raise ConfigError(f"model.policy.head_chunk_tokens: {name} exposes no decoder or output head; drop the option")
     ids = torch.arange(4, device=device)[None]
     was_training = model.training
     model.eval()  # dropout (SFT keeps it) would make the two forwards differ, and differ across ranks
@@ -159,7 +161,7 @@ def check_plain_head(model: torch.nn.Module, device: torch.device) -> None:
     scale = logits.abs().max().clamp(min=1.0)
     if via_head.shape != logits.shape or (via_head - logits).abs().max() > 1e-4 * scale:
         raise ConfigError(
-            f"model.head_chunk_tokens: {name}'s logits are not its output head applied to the last hidden state "
-            "(soft-capping or scaling after the head?); drop model.head_chunk_tokens for this model"
+            f"model.policy.head_chunk_tokens: {name}'s logits are not its output head applied to the last hidden state "
+            "(soft-capping or scaling after the head?); drop model.policy.head_chunk_tokens for this model"
         )
     model._lit_rl_plain_head = True

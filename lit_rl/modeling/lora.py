@@ -1,6 +1,6 @@
 """LoRA adapters with the `peft` library: the one module that imports peft.
 
-With `model.lora` set (`--config configs/peft/lora.yaml`), the policy is the loaded model wrapped by
+With `model.policy.lora` set (`--config configs/peft/lora.yaml`), the policy is the loaded model wrapped by
 `peft.get_peft_model`: its weights are frozen and only the low-rank matrices (and `modules_to_save`) train.
 
 - The reference model of GRPO/RLOO/Online DPO/DPO is the same model with the adapter disabled
@@ -31,7 +31,7 @@ _BIASES = ("none", "all", "lora_only")
 
 @dataclass
 class LoRAConfig:
-    """LoRA settings (`model.lora`): the adapted weight is `W + (alpha / r) B A`, with A [r, in], B [out, r].
+    """LoRA settings (`model.policy.lora`): the adapted weight is `W + (alpha / r) B A`, with A [r, in], B [out, r].
 
     Args:
         r: rank of the adapter.
@@ -54,15 +54,17 @@ class LoRAConfig:
 
 
 def as_lora_config(value: Any) -> Optional[LoRAConfig]:
-    """`model.lora` as given (a LoRAConfig, a dict from an older checkpoint's hyper-parameters, or None)."""
+    """`model.policy.lora` as given (a LoRAConfig, a dict from an older checkpoint's hyper-parameters, or None)."""
     if value is None or isinstance(value, LoRAConfig):
         return value
     if isinstance(value, dict):
         unknown = sorted(set(value) - set(LoRAConfig.__dataclass_fields__))
         if unknown:
-            raise ConfigError(f"model.lora has no key {unknown[0]!r} (keys: {sorted(LoRAConfig.__dataclass_fields__)})")
+            raise ConfigError(
+                f"model.policy.lora has no key {unknown[0]!r} (keys: {sorted(LoRAConfig.__dataclass_fields__)})"
+            )
         return LoRAConfig(**value)
-    raise ConfigError(f"model.lora must be a mapping of LoRA settings, got {value!r}")
+    raise ConfigError(f"model.policy.lora must be a mapping of LoRA settings, got {value!r}")
 
 
 def check_lora_config(config: Optional[LoRAConfig]) -> None:
@@ -70,19 +72,19 @@ def check_lora_config(config: Optional[LoRAConfig]) -> None:
     if config is None:
         return
     if config.r < 1:
-        raise ConfigError(f"model.lora.r must be >= 1, got {config.r}")
+        raise ConfigError(f"model.policy.lora.r must be >= 1, got {config.r}")
     if not config.alpha > 0:
-        raise ConfigError(f"model.lora.alpha must be > 0, got {config.alpha}")
+        raise ConfigError(f"model.policy.lora.alpha must be > 0, got {config.alpha}")
     if not 0.0 <= config.dropout < 1.0:
-        raise ConfigError(f"model.lora.dropout must be in [0, 1), got {config.dropout}")
+        raise ConfigError(f"model.policy.lora.dropout must be in [0, 1), got {config.dropout}")
     if config.bias not in _BIASES:
-        raise ConfigError(f"model.lora.bias must be one of {list(_BIASES)}, got {config.bias!r}")
+        raise ConfigError(f"model.policy.lora.bias must be one of {list(_BIASES)}, got {config.bias!r}")
     if not config.target_modules:
-        raise ConfigError("model.lora.target_modules must name at least one module")
+        raise ConfigError("model.policy.lora.target_modules must name at least one module")
     try:
         import peft  # noqa: F401
     except ImportError as err:
-        raise ConfigError(f"model.lora needs the peft library ({err}): pip install -e '.[peft]'") from None
+        raise ConfigError(f"model.policy.lora needs the peft library ({err}): pip install -e '.[peft]'") from None
 
 
 def apply_lora(model: torch.nn.Module, config: LoRAConfig) -> torch.nn.Module:
@@ -105,7 +107,7 @@ def apply_lora(model: torch.nn.Module, config: LoRAConfig) -> torch.nn.Module:
     try:
         wrapped = peft.get_peft_model(model, peft_config)
     except ValueError as err:  # e.g. "Target modules {...} not found in the base model"
-        raise ConfigError(f"model.lora.target_modules={config.target_modules}: {err}") from None
+        raise ConfigError(f"model.policy.lora.target_modules={config.target_modules}: {err}") from None
     # (Gradient checkpointing needs nothing more: transformers checkpoints non-reentrantly, so adapters inside a
     # checkpointed block get gradients although the frozen embeddings' outputs need none.)
     return wrapped
@@ -123,7 +125,8 @@ def _check_tied_embeddings(model: torch.nn.Module, config: LoRAConfig) -> None:
     clash = sorted(asked & names)
     if clash:
         raise ConfigError(
-            f"model.lora names {clash}, but the model ties its input and output embeddings (tie_word_embeddings): "
+            f"model.policy.lora names {clash}, but the model ties its input and output embeddings "
+            "(tie_word_embeddings): "
             "adapting or training one of them alone would untie them; leave them out of target_modules and "
             "modules_to_save"
         )

@@ -9,7 +9,7 @@
 - every other column of the rows (`answer`, `solution`, ...), by name.
 
 A function returns one float per completion; `None` marks a completion it cannot score. lit-rl counts such a
-value as 0 in the weighted sum (`model.invalid_reward: zero`, the default, as TRL's `nansum` does for a function
+value as 0 in the weighted sum (`model.rewards.on_invalid: zero`, the default, as TRL's `nansum` does for a function
 that returned None) and in the metric `frac_invalid_reward`; `invalid_reward: error` stops the run naming the
 function. (TRL 1.16 also leaves a completion for which *every* function returned None out of its group's
 baseline; lit-rl scores it 0.)

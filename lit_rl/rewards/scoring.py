@@ -53,6 +53,6 @@ def weighted_reward(
         row, column = (int(i) for i in invalid.nonzero()[0])
         raise RewardFunctionError(
             f"reward function {names[column]!r} returned {components[row, column].item()} for completion {row} "
-            "(set model.invalid_reward: zero to count invalid rewards as 0)"
+            "(set model.rewards.on_invalid: zero to count invalid rewards as 0)"
         )
     return (torch.where(invalid, torch.zeros_like(components), components) * weights.to(components)).sum(dim=1)

@@ -114,3 +114,27 @@ def run_interpreter_exit_steps() -> None:
 
     threading._shutdown()
     atexit._run_exitfuncs()
+
+
+# -- jsonargparse ---------------------------------------------------------------------------------------------------
+def keep_nested_nulls() -> None:
+    """Let `null` reach a nested option of a class given by class path (`--model.rewards.weights null`).
+
+    jsonargparse 4.53 reads the value first (`null` -> None), then passes it to the class's own parser as the text
+    `f"--{key}={value}"`, where None became the word `None` ("Expected a list, given 'None'"). The value is kept
+    as the text `null` instead, which that parser reads as null. Idempotent."""
+    import jsonargparse._typehints as typehints
+    from jsonargparse._util import NestedArg
+
+    original = typehints.parse_value_or_config
+    if getattr(original, "keeps_nested_nulls", False):
+        return
+
+    def parse_value_or_config(value, *args, **kwargs):
+        parsed, path = original(value, *args, **kwargs)
+        if isinstance(parsed, NestedArg) and parsed.val is None:
+            parsed = NestedArg(key=parsed.key, val="null")
+        return parsed, path
+
+    parse_value_or_config.keeps_nested_nulls = True
+    typehints.parse_value_or_config = parse_value_or_config

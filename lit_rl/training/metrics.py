@@ -74,7 +74,7 @@ def episode_metrics() -> dict:
 
 def token_budget_metrics() -> dict:
     """What token-budget micro-batches add: the real tokens of the step's largest micro-batch, across ranks (more
-    than `model.micro_batch_tokens` when a step was over budget), and the most and the fewest tokens any rank
+    than `model.schedule.micro_batch_tokens` when a step was over budget), and the most and the fewest tokens any rank
     trained on in the step (`lit_rl.training.rank_balance` deals them evenly)."""
     return {
         "micro_batch_tokens/max": MaxMetric(**LOCAL),

@@ -1,7 +1,7 @@
 """Token-budget micro-batches: an optimizer step's completions grouped by tokens instead of a fixed count.
 
-With `model.micro_batch_tokens: N`, the `micro_batch_size x accumulate_grad_batches` completions one rank trains on
-in an optimizer step (the same completions as without it) are grouped into at most `accumulate_grad_batches`
+With `model.schedule.micro_batch_tokens: N`, the `micro_batch_size x accumulate_grad_batches` completions one rank
+trains on in an optimizer step (the same completions as without it) are grouped into at most `accumulate_grad_batches`
 micro-batches of at most N tokens each. A completion's tokens are its real prompt and completion tokens (what a
 padding-free forward computes). Units are placed first-fit in decreasing size (a unit is one completion, or the two
 completions of an Online DPO pair, which its loss reads together); each micro-batch keeps its rows in buffer

@@ -3,7 +3,7 @@ as many tokens as the others.
 
 Each rank samples the completions of its own prompts, so with lengths that vary one rank can hold far more
 tokens than another, and every rank waits for the slowest at the step's gradient all-reduce. With
-`model.micro_batch_tokens` on more than one rank, a generation's rows are re-dealt after scoring: for each
+`model.schedule.micro_batch_tokens` on more than one rank, a generation's rows are re-dealt after scoring: for each
 optimizer step, the step's rows of all ranks (prompt plus completion tokens each; Online DPO's pairs whole) go
 largest first to the rank with the fewest tokens so far among those with room left, so that every rank keeps
 its count of rows (Lightning's micro-steps and the loss denominators, which are the step's over all ranks, do not

@@ -22,9 +22,9 @@ RUNS = {
     "grpo_iterations": [
         "--trainer.max_steps",
         "4",
-        "--model.steps_per_generation",
+        "--model.schedule.steps_per_generation",
         "2",
-        "--model.num_iterations",
+        "--model.schedule.num_iterations",
         "2",
         "--trainer.accumulate_grad_batches",
         "2",

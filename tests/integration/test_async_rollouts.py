@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_rl.algorithms import GRPO, RLOO
+from lit_rl.config import grouped_kwargs
 from lit_rl.data import PromptDataModule
 from lit_rl.rollout import VLLMConfig
 from tests.conftest import assert_rows_match, train_rows, without_engine_gap
@@ -51,7 +52,7 @@ class PolicyDigests(Callback):
 
 def _fit(tmp_path: Path, name: str, max_steps: int, ckpt_path=None, every_n=None, algorithm=GRPO, **model_args):
     args = dict(num_generations=4, micro_batch_size=8, max_new_tokens=4, vllm=VLLMConfig(mode="server"))
-    model = algorithm(**{**args, **model_args})
+    model = algorithm(**grouped_kwargs(algorithm, **{**args, **model_args}))
     engines = use_snapshot_engine(model)
     digests = PolicyDigests()
     callbacks = [digests]

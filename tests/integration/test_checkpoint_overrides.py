@@ -54,14 +54,19 @@ def test_a_changed_objective_stops_in_one_line_and_keeps_the_run(trained):
 def test_validate_scores_with_this_runs_rewards_in_its_own_run_directory(trained):
     cwd, env = trained
     before = (cwd / RUN / "metrics.csv").read_text()
-    rewards = ["--model.reward_funcs", "[lit_rl.rewards.arithmetic.integer_format]", "--model.reward_weights", "[1.0]"]
+    rewards = [
+        "--model.rewards.funcs",
+        "[lit_rl.rewards.arithmetic.integer_format]",
+        "--model.rewards.weights",
+        "[1.0]",
+    ]
     result = _lit_rl(cwd, env, "validate", *ARGS, "--ckpt_path", "last", *rewards)
     assert result.returncode == 0, result.stderr[-3000:]
     assert _lines(result.stderr) == [
         f"lit-rl: reading checkpoint {RUN / 'checkpoints' / 'last.ckpt'} (step 2)",
-        "lit-rl: model.reward_funcs ['lit_rl.rewards.arithmetic.integer_format'] from this run (the checkpoint has "
+        "lit-rl: model.rewards.funcs ['lit_rl.rewards.arithmetic.integer_format'] from this run (the checkpoint has "
         "['lit_rl.rewards.arithmetic.correctness', 'lit_rl.rewards.arithmetic.integer_...)",
-        "lit-rl: model.reward_weights [1.0] from this run (the checkpoint has [1.0, 0.1])",
+        "lit-rl: model.rewards.weights [1.0] from this run (the checkpoint has [1.0, 0.1])",
     ]
     (row,) = _rows(cwd / "runs" / "grpo" / "version_1")  # a new run directory: the trained run is untouched
     assert set(k for k, v in row.items() if v and k.startswith("val/rewards/")) == {"val/rewards/integer_format"}
@@ -86,7 +91,7 @@ def test_a_shared_checkpoint_configures_nothing(trained, tmp_path):
     torch.save(checkpoint, shared)
     result = _lit_rl(tmp_path, _env(tmp_path), "fit", *ARGS, "--trainer.max_steps", "3", "--ckpt_path", str(shared))
     assert result.returncode == 1
-    assert "model.trust_remote_code: False here, True in the checkpoint" in result.stderr
+    assert "model.policy.trust_remote_code: False here, True in the checkpoint" in result.stderr
     assert not (tmp_path / "imported").exists()
 
 
@@ -96,10 +101,10 @@ def test_a_resumed_fit_trains_at_the_learning_rate_it_is_given(trained, tmp_path
     copy = tmp_path / "copy"
     shutil.copytree(cwd / "runs", copy / "runs")
     result = _lit_rl(
-        copy, env, "fit", *ARGS, "--trainer.max_steps", "3", "--ckpt_path", "last", "--model.learning_rate", "0.5"
+        copy, env, "fit", *ARGS, "--trainer.max_steps", "3", "--ckpt_path", "last", "--model.optim.learning_rate", "0.5"
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "lit-rl: model.learning_rate 0.5 from this run (the checkpoint has 0.0001)" in _lines(result.stderr)
+    assert "lit-rl: model.optim.learning_rate 0.5 from this run (the checkpoint has 0.0001)" in _lines(result.stderr)
     saved = torch.load(copy / RUN / "checkpoints" / "last.ckpt", weights_only=True)
     assert saved["global_step"] == 3
     assert [group["lr"] for group in saved["optimizer_states"][0]["param_groups"]] == [0.5]

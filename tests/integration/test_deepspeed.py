@@ -47,7 +47,7 @@ def _fit(tmp_path, name, strategy, *args, max_steps=4):
         "grpo.yaml",
         *strategy_overlay(strategy),
         *FAST_GRPO,
-        "--model.micro_batch_size",
+        "--model.schedule.micro_batch_size",
         "4",
         "--trainer.accumulate_grad_batches",
         "2",
@@ -78,7 +78,14 @@ def test_zero3_trains_padding_free_with_token_budgets_and_head_chunks_like_ddp(t
     """Every ZeRO-3 forward is a collective: a packed forward is exactly one per call, a token budget that fits
     a step's 8 completions in one micro-batch leaves the other micro-step empty, a forward all the same, and the
     output head runs as many 4-token chunks on each rank (the most any rank needs; at least one when empty)."""
-    budget = ["--model.padding_free", "true", "--model.micro_batch_tokens", "120", "--model.head_chunk_tokens", "4"]
+    budget = [
+        "--model.policy.padding_free",
+        "true",
+        "--model.schedule.micro_batch_tokens",
+        "120",
+        "--model.policy.head_chunk_tokens",
+        "4",
+    ]
     log_dir = _fit(tmp_path, "zero3_budget", "deepspeed_zero3", *budget)
     assert saved_steps(log_dir) == [2, 4]
     rows = _rows(log_dir)
@@ -238,15 +245,15 @@ def _fit_ppo(tmp_path, name, strategy, *args):
         "ppo.yaml",
         *strategy_overlay(strategy),
         *FAST_GRPO,
-        "--model.micro_batch_size",
+        "--model.schedule.micro_batch_size",
         "4",
         "--trainer.accumulate_grad_batches",
         "2",
         "--model.beta",
         "0.04",
-        "--model.num_iterations",
+        "--model.schedule.num_iterations",
         "2",
-        "--model.learning_rate",
+        "--model.optim.learning_rate",
         "1e-3",
         "--model.critic_learning_rate",
         "1e-2",
@@ -292,7 +299,7 @@ def test_ppo_under_zero3_matches_ddp_and_its_sharded_checkpoint_exports_the_crit
 def test_episodes_that_end_at_different_turns_on_each_rank_train_under_zero3_like_ddp(tmp_path):
     """Under ZeRO-3 every `generate` step gathers the sharded weights from all ranks: a rank whose episodes ended
     (1-3 turns, by row) keeps joining the other rank's turns, or both would wait for ever."""
-    environment = ("--model.environment", "tests.integration.envs.RowTurns", "--model.max_turns", "3")
+    environment = ("--model.env.environment", "tests.integration.envs.RowTurns", "--model.env.max_turns", "3")
     ddp = _fit(tmp_path, "env_ddp", "ddp", *environment, max_steps=2)
     zero3 = _fit(tmp_path, "env_zero3", "deepspeed_zero3", *environment, max_steps=2)
     reference = _rows(ddp)

@@ -235,7 +235,7 @@ def test_two_process_ddp_metrics_are_the_exact_global_values(tmp_path):
         "2",
         "--model.ref_model_name_or_path",
         str(ref_path),
-        "--model.learning_rate",
+        "--model.optim.learning_rate",
         "0.0",
     ]
     env = cli_env()
@@ -273,7 +273,7 @@ def test_accumulation_gives_the_same_steps_as_one_big_batch(tmp_path):
         "builtin:addition_preference/val",
         "--data.val_data",
         "null",
-        "--model.learning_rate",
+        "--model.optim.learning_rate",
         "0.001",
     )
     rows = [

@@ -19,7 +19,14 @@ from tests.conftest import (
 pytestmark = pytest.mark.slow
 
 # The shipped model answers most tiny-task prompts right, so many groups of 4 are all correct (zero std).
-DYNAMIC = ["--model.dynamic_sampling", "true", "--model.max_refill_generations", "3", "--model.learning_rate", "1e-3"]
+DYNAMIC = [
+    "--model.dynamic_sampling",
+    "true",
+    "--model.max_refill_generations",
+    "3",
+    "--model.optim.learning_rate",
+    "1e-3",
+]
 
 
 def test_dynamic_sampling_refills_and_trains_on_groups_whose_rewards_differ(tmp_path):
@@ -64,7 +71,7 @@ def _layout(tmp_path, devices: int, accumulate: int):
         "grpo.yaml",
         *FAST_GRPO,
         *DYNAMIC,
-        "--model.micro_batch_size",
+        "--model.schedule.micro_batch_size",
         str(8 // (devices * accumulate)),
         "--trainer.devices",
         str(devices),

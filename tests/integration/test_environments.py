@@ -1,4 +1,4 @@
-"""Multi-turn episodes through the real CLI (`--model.environment`): per-stage metrics, the trainer's log-probs of
+"""Multi-turn episodes through the real CLI (`--model.env.environment`): per-stage metrics, the trainer's log-probs of
 the transcripts equal to the engine's (token-in, token-out), the checkpoint cadence, exact resume in the middle of
 a generation, and the same steps on 1 and 2 processes; for GRPO, RLOO (and PPO and Online DPO, the first) on HF
 `generate` (vLLM: `test_vllm.py`)."""
@@ -22,8 +22,8 @@ from tests.conftest import (
 
 pytestmark = pytest.mark.slow
 
-ENVIRONMENT = ["--model.environment", "tests.integration.envs.Countdown", "--model.max_turns", "3"]
-FAST = [*FAST_GRPO, *ENVIRONMENT, "--model.beta", "0.04", "--model.learning_rate", "1e-3"]
+ENVIRONMENT = ["--model.env.environment", "tests.integration.envs.Countdown", "--model.env.max_turns", "3"]
+FAST = [*FAST_GRPO, *ENVIRONMENT, "--model.beta", "0.04", "--model.optim.learning_rate", "1e-3"]
 
 
 def _fit(tmp_path, algorithm, *args, every_n=None, name="a"):
@@ -34,7 +34,7 @@ def _fit(tmp_path, algorithm, *args, every_n=None, name="a"):
 
 @pytest.mark.parametrize("algorithm", ["grpo", "rloo", "ppo", "online_dpo"])
 def test_episodes_train_log_their_metrics_and_score_the_engines_tokens(tmp_path, algorithm):
-    pairs = ["--model.num_generations", "2"] if algorithm == "online_dpo" else []
+    pairs = ["--model.sampling.num_generations", "2"] if algorithm == "online_dpo" else []
     log_dir = _fit(tmp_path, algorithm, "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", *pairs)
     rows = read_metrics(log_dir)
     columns = set(rows[0])
@@ -57,9 +57,9 @@ def test_episodes_keep_the_cadence_and_resume_mid_generation_exactly(tmp_path):
     common = (
         "--trainer.accumulate_grad_batches",
         "2",
-        "--model.num_iterations",
+        "--model.schedule.num_iterations",
         "2",
-        "--model.micro_batch_size",
+        "--model.schedule.micro_batch_size",
         "4",
         "--trainer.limit_val_batches",
         "0",
@@ -87,7 +87,7 @@ def _layout(tmp_path, devices: int, accumulate: int, *args: str) -> list[dict]:
         str(devices),
         "--trainer.accumulate_grad_batches",
         str(accumulate),
-        "--model.micro_batch_size",
+        "--model.schedule.micro_batch_size",
         "4",
         "--trainer.max_steps",
         "3",
@@ -125,7 +125,7 @@ def test_the_tool_demo_config_calls_the_calculator_and_scores_the_engines_tokens
     """`configs/grpo_tools.yaml` for 2 steps: the warm start calls `calc` in most episodes, every call succeeds,
     and the trainer's log-probs of the model's tokens are the engine's."""
     overlay = write_overlay(tmp_path / "tools.yaml", save_dir=tmp_path / "tools")
-    small = ["--model.micro_batch_size", "16", "--data.val_limit", "32", "--data.val_batch_size", "32"]
+    small = ["--model.schedule.micro_batch_size", "16", "--data.val_limit", "32", "--data.val_batch_size", "32"]
     steps = ["--trainer.max_steps", "2", "--trainer.val_check_interval", "2"]
     run_cli("fit", "--config", str(CONFIGS / "grpo_tools.yaml"), "--config", str(overlay), *small, *steps)
     log_dir = tmp_path / "tools" / "run" / "version_0"

@@ -75,7 +75,7 @@ def test_sampled_validation_does_not_change_training(tmp_path):
     # Validation samples (temperature 1, 4 completions per prompt): it draws from the torch RNG, in a stream of
     # its own. The probe checks that stream's isolation directly (the global RNG state after each validation is
     # the one before it), the logs check that training is unchanged by validation.
-    sampled = ("--model.val_temperature", "1", "--model.val_num_generations", "4")
+    sampled = ("--model.sampling.val_temperature", "1", "--model.sampling.val_num_generations", "4")
     probe = ("--trainer.callbacks+", PROBES + "RecordRngAcrossValidation")
     probe += ("--trainer.callbacks.directory", str(tmp_path / "probe"))
     with_val = _fit(tmp_path, "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", *sampled, *probe)
@@ -96,16 +96,22 @@ def test_accumulation_equals_one_big_micro_batch(tmp_path, aggregation):
         "3",
         "--model.loss_aggregation",
         aggregation,
-        "--model.num_iterations",
+        "--model.schedule.num_iterations",
         "2",
-        "--model.steps_per_generation",
+        "--model.schedule.steps_per_generation",
         "1",
         "--model.beta",
         "0.04",
     )
-    one = _fit(tmp_path, *common, "--model.micro_batch_size", "8", name="one")
+    one = _fit(tmp_path, *common, "--model.schedule.micro_batch_size", "8", name="one")
     four = _fit(
-        tmp_path, *common, "--model.micro_batch_size", "2", "--trainer.accumulate_grad_batches", "4", name="four"
+        tmp_path,
+        *common,
+        "--model.schedule.micro_batch_size",
+        "2",
+        "--trainer.accumulate_grad_batches",
+        "4",
+        name="four",
     )
     a, b = train_rows(one), train_rows(four)
     assert len(a) == len(b) == 3
@@ -124,11 +130,11 @@ def test_checkpoints_land_exactly_every_n_steps(tmp_path, accumulate, num_iterat
         "9",
         "--trainer.accumulate_grad_batches",
         str(accumulate),
-        "--model.num_iterations",
+        "--model.schedule.num_iterations",
         str(num_iterations),
-        "--model.steps_per_generation",
+        "--model.schedule.steps_per_generation",
         str(steps_per_generation),
-        "--model.micro_batch_size",
+        "--model.schedule.micro_batch_size",
         "4",
         every_n=3,
     )
@@ -141,11 +147,11 @@ def test_resume_mid_generation_keeps_cadence_and_metrics(tmp_path):
     common = (
         "--trainer.accumulate_grad_batches",
         "2",
-        "--model.num_iterations",
+        "--model.schedule.num_iterations",
         "2",
-        "--model.steps_per_generation",
+        "--model.schedule.steps_per_generation",
         "2",
-        "--model.micro_batch_size",
+        "--model.schedule.micro_batch_size",
         "2",
     )
     full = _fit(tmp_path, "--trainer.max_steps", "8", *common, every_n=2, name="full")

@@ -25,11 +25,11 @@ def _ddp_fit(tmp_path, name, *args):
         "--config",
         str(CONFIGS / "strategy" / "ddp.yaml"),  # the overlay users add: 2 processes, DDP
         *FAST_GRPO,
-        "--model.num_iterations",
+        "--model.schedule.num_iterations",
         "2",
-        "--model.micro_batch_size",
+        "--model.schedule.micro_batch_size",
         "4",
-        "--model.steps_per_generation",
+        "--model.schedule.steps_per_generation",
         "2",
         *args,
     )

@@ -23,7 +23,7 @@ from tests.conftest import (
 
 pytestmark = pytest.mark.slow
 
-LORA = ("--config", str(CONFIGS / "peft" / "lora.yaml"), "--model.lora.r", "8")
+LORA = ("--config", str(CONFIGS / "peft" / "lora.yaml"), "--model.policy.lora.r", "8")
 FROZEN_COPY = "tests.integration.frozen_reference"
 FAST_DPO = ["--data.batch_size", "8", "--data.val_limit", "16", "--trainer.num_sanity_val_steps", "0"]
 
@@ -37,7 +37,15 @@ def _fit(tmp_path, name, config, *args, every_n_train_steps=None):
 
 
 def _grpo(tmp_path, name, *args, max_steps=3, **kwargs):
-    grpo = (*FAST_GRPO, "--model.beta", "0.04", "--model.learning_rate", "1e-3", "--trainer.max_steps", str(max_steps))
+    grpo = (
+        *FAST_GRPO,
+        "--model.beta",
+        "0.04",
+        "--model.optim.learning_rate",
+        "1e-3",
+        "--trainer.max_steps",
+        str(max_steps),
+    )
     return _fit(tmp_path, name, "grpo.yaml", *grpo, *args, **kwargs)
 
 
@@ -51,7 +59,7 @@ def test_grpo_reference_from_the_disabled_adapter_equals_a_frozen_copy(tmp_path)
 
 
 def test_dpo_reference_from_the_disabled_adapter_equals_a_frozen_copy(tmp_path):
-    dpo = (*FAST_DPO, "--trainer.max_steps", "3", "--model.learning_rate", "1e-3")
+    dpo = (*FAST_DPO, "--trainer.max_steps", "3", "--model.optim.learning_rate", "1e-3")
     shared = _fit(tmp_path, "adapter_off", "dpo.yaml", *dpo, *LORA)
     copy = _fit(
         tmp_path, "frozen_copy", "dpo.yaml", *dpo, *LORA, "--model.class_path", f"{FROZEN_COPY}.DPOWithFrozenCopy"
@@ -126,7 +134,9 @@ def test_exporting_an_adapter_from_a_full_checkpoint_is_one_line_error(tmp_path)
     result = subprocess.run(command, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 1
     assert (
-        result.stderr.strip().splitlines()[-1].endswith("was not trained with model.lora: it has no adapter to export")
+        result.stderr.strip()
+        .splitlines()[-1]
+        .endswith("was not trained with model.policy.lora: it has no adapter to export")
     )
     assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
 
@@ -139,13 +149,13 @@ def _distributed(tmp_path, name, strategy):
         *strategy_overlay(strategy),
         *LORA,
         *FAST_GRPO,
-        "--model.micro_batch_size",
+        "--model.schedule.micro_batch_size",
         "4",
         "--trainer.accumulate_grad_batches",
         "2",
         "--model.beta",
         "0.04",
-        "--model.learning_rate",
+        "--model.optim.learning_rate",
         "1e-3",
         "--trainer.max_steps",
         "4",

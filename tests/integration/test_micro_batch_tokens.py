@@ -1,5 +1,5 @@
-"""`--model.micro_batch_tokens` through the real CLI: a step's completions grouped by tokens train exactly like the
-same completions in fixed micro-batches (1 x 16 = 4 x 4 = token-budgeted), with micro-steps left empty when the
+"""`--model.schedule.micro_batch_tokens` through the real CLI: a step's completions grouped by tokens train exactly like
+the same completions in fixed micro-batches (1 x 16 = 4 x 4 = token-budgeted), with micro-steps left empty when the
 completions fit in fewer micro-batches, Online DPO's pairs kept whole, and a resumed run equal to the full one."""
 
 from __future__ import annotations
@@ -14,21 +14,33 @@ pytestmark = pytest.mark.slow
 
 ALGORITHMS = {
     # token aggregation and beta > 0: denominators over the step's tokens, a reference forward per micro-batch.
-    "grpo": ["--model.loss_aggregation", "token", "--model.beta", "0.04", "--model.max_new_tokens", "8"],
-    "rloo": ["--model.beta", "0.04", "--model.max_new_tokens", "8"],
-    "online_dpo": ["--model.num_generations", "2", "--model.max_new_tokens", "8"],
+    "grpo": ["--model.loss_aggregation", "token", "--model.beta", "0.04", "--model.sampling.max_new_tokens", "8"],
+    "rloo": ["--model.beta", "0.04", "--model.sampling.max_new_tokens", "8"],
+    "online_dpo": ["--model.sampling.num_generations", "2", "--model.sampling.max_new_tokens", "8"],
 }
 BUDGET = 100  # real tokens; a completion of the addition task is about 12-20 with its prompt: 16 need 2-3 groups
 
 
 def _fit(tmp_path, name: str, algorithm: str, *args: str, every_n=None):
     # lr 1e-3: large steps, so a gradient that differed would show in the later steps' numbers.
-    common = [*FAST_GRPO, *ALGORITHMS[algorithm], "--trainer.limit_val_batches", "0", "--model.learning_rate", "1e-3"]
+    common = [
+        *FAST_GRPO,
+        *ALGORITHMS[algorithm],
+        "--trainer.limit_val_batches",
+        "0",
+        "--model.optim.learning_rate",
+        "1e-3",
+    ]
     return fit_config(tmp_path, name, f"{algorithm}.yaml", *common, *args, every_n=every_n)
 
 
 def _layout(micro_batch_size: int, accumulate: int) -> list[str]:
-    return ["--model.micro_batch_size", str(micro_batch_size), "--trainer.accumulate_grad_batches", str(accumulate)]
+    return [
+        "--model.schedule.micro_batch_size",
+        str(micro_batch_size),
+        "--trainer.accumulate_grad_batches",
+        str(accumulate),
+    ]
 
 
 def comparable(rows):
@@ -51,7 +63,7 @@ def test_token_budgeted_micro_batches_train_like_fixed_ones(tmp_path, monkeypatc
         return mb, has_completions
 
     monkeypatch.setattr(OnPolicyModule, "micro_batch", recording)
-    budget = ["--model.micro_batch_tokens", str(BUDGET), "--model.padding_free", "true"]
+    budget = ["--model.schedule.micro_batch_tokens", str(BUDGET), "--model.policy.padding_free", "true"]
     budgeted = train_rows(_fit(tmp_path, "budget", algorithm, *steps, *_layout(4, 4), *budget))
     assert [row["step"] for row in one] == [1, 2, 3]
     # Online DPO logs NaN pair metrics on a step whose pairs all tied, in every run. Other micro-batches sum in
@@ -75,9 +87,9 @@ def test_a_token_budgeted_run_resumed_mid_generation_logs_the_full_runs_numbers(
     # 2 optimizer steps per generation: the checkpoint at step 1 holds the buffer the grouping is computed from.
     common = [
         *_layout(4, 4),
-        "--model.steps_per_generation",
+        "--model.schedule.steps_per_generation",
         "2",
-        "--model.micro_batch_tokens",
+        "--model.schedule.micro_batch_tokens",
         str(BUDGET),
     ]
     full = _fit(tmp_path, "full", "grpo", "--trainer.max_steps", "4", *common, every_n=1)

@@ -29,11 +29,11 @@ pytestmark = pytest.mark.slow
 
 COMMON = [
     *FAST_GRPO,
-    "--model.micro_batch_size",
+    "--model.schedule.micro_batch_size",
     "4",
     "--model.beta",
     "0.04",
-    "--model.learning_rate",
+    "--model.optim.learning_rate",
     "1e-3",
     "--trainer.accumulate_grad_batches",
     "2",

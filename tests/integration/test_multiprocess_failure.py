@@ -34,8 +34,8 @@ def test_a_reward_that_raises_on_rank_1_ends_every_rank_with_one_line(tmp_path, 
     result = _lit_rl(
         tmp_path,
         _env(tmp_path),
-        *["fit", "--config", str(CONFIGS / "grpo.yaml"), *overlays, *SMALL, "--model.micro_batch_size", "4"],
-        *["--model.reward_funcs", "[failing.correctness, lit_rl.rewards.arithmetic.integer_format]"],
+        *["fit", "--config", str(CONFIGS / "grpo.yaml"), *overlays, *SMALL, "--model.schedule.micro_batch_size", "4"],
+        *["--model.rewards.funcs", "[failing.correctness, lit_rl.rewards.arithmetic.integer_format]"],
         *["--trainer.max_steps", "8"],
     )
     assert result.returncode == 1, result.stderr[-3000:]

@@ -25,7 +25,15 @@ pytestmark = pytest.mark.slow
 PPO = str(CONFIGS / "ppo.yaml")
 PROBES = "tests.integration.probes."
 # Large steps (and beta > 0: the reference and the old log-probs run) so that any difference shows.
-FAST_PPO = [*FAST_GRPO, "--model.beta", "0.05", "--model.learning_rate", "1e-3", "--model.critic_learning_rate", "1e-2"]
+FAST_PPO = [
+    *FAST_GRPO,
+    "--model.beta",
+    "0.05",
+    "--model.optim.learning_rate",
+    "1e-3",
+    "--model.critic_learning_rate",
+    "1e-2",
+]
 
 
 def _fit(tmp_path, *args, every_n=None, name="a"):
@@ -35,7 +43,7 @@ def _fit(tmp_path, *args, every_n=None, name="a"):
 
 
 def test_ppo_logs_its_metrics_per_stage_and_validation_does_not_change_training(tmp_path):
-    sampled = ("--model.val_temperature", "1", "--model.val_num_generations", "4")
+    sampled = ("--model.sampling.val_temperature", "1", "--model.sampling.val_num_generations", "4")
     probe = ("--trainer.callbacks+", PROBES + "RecordRngAcrossValidation")
     probe += ("--trainer.callbacks.directory", str(tmp_path / "probe"))
     with_val = _fit(tmp_path, "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", *sampled, *probe)
@@ -80,11 +88,11 @@ def test_ppo_checkpoint_cadence_is_exact(tmp_path, accumulate, num_iterations, s
         "8",
         "--trainer.accumulate_grad_batches",
         str(accumulate),
-        "--model.num_iterations",
+        "--model.schedule.num_iterations",
         str(num_iterations),
-        "--model.steps_per_generation",
+        "--model.schedule.steps_per_generation",
         str(steps_per_generation),
-        "--model.micro_batch_size",
+        "--model.schedule.micro_batch_size",
         "4",
         every_n=4,
     )
@@ -96,11 +104,11 @@ def test_ppo_resumes_mid_generation_exactly_with_its_critic_and_exports_it(tmp_p
     common = (
         "--trainer.accumulate_grad_batches",
         "2",
-        "--model.num_iterations",
+        "--model.schedule.num_iterations",
         "2",
-        "--model.steps_per_generation",
+        "--model.schedule.steps_per_generation",
         "2",
-        "--model.micro_batch_size",
+        "--model.schedule.micro_batch_size",
         "2",
     )
     export = ("--trainer.callbacks+", "lit_rl.callbacks.SaveHFPretrained")

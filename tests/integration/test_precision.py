@@ -17,7 +17,7 @@ FAST_DPO = ["--data.batch_size", "8", "--data.val_limit", "16", "--trainer.num_s
 ALGORITHMS = {
     "grpo": FAST_GRPO,
     "rloo": FAST_GRPO,
-    "online_dpo": [*FAST_GRPO, "--model.num_generations", "2"],
+    "online_dpo": [*FAST_GRPO, "--model.sampling.num_generations", "2"],
     "dpo": FAST_DPO,
     "sft": ["--data.batch_size", "8", "--data.val_limit", "8", "--trainer.log_every_n_steps", "1"],
 }

@@ -37,7 +37,7 @@ def _dpo(tmp_path, devices: int, accumulate: int):
         "0",
         "--data.val_data",
         "null",
-        "--model.learning_rate",
+        "--model.optim.learning_rate",
         "1e-3",  # large steps: layouts that disagreed on a gradient would drift apart by step 3
         *(["--trainer.strategy", "ddp"] if devices > 1 else []),
         every_n_train_steps=None,
@@ -65,9 +65,9 @@ def _grpo(tmp_path, aggregation: str, devices: int, accumulate: int, *extra: str
         str(devices),
         "--trainer.accumulate_grad_batches",
         str(accumulate),
-        "--model.num_generations",
+        "--model.sampling.num_generations",
         "8",
-        "--model.micro_batch_size",
+        "--model.schedule.micro_batch_size",
         "4",  # 16 completions (2 prompts x 8) per optimizer step; in the 4 x 1 layout each group spans 2 ranks
         "--model.beta",
         "0.04",
@@ -77,7 +77,7 @@ def _grpo(tmp_path, aggregation: str, devices: int, accumulate: int, *extra: str
         "3",
         "--trainer.limit_val_batches",
         "0",
-        "--model.learning_rate",
+        "--model.optim.learning_rate",
         "1e-3",
         "--trainer.callbacks+",
         "tests.integration.probes.RecordCompletionTokens",
@@ -135,7 +135,7 @@ def test_token_budgeted_grpo_steps_are_the_same_in_every_layout(tmp_path):
     """`micro_batch_tokens` (padding-free) on 1 and 2 processes: the step's completions are dealt so the ranks'
     tokens even out, each rank groups its share by tokens and runs empty micro-steps where they fit in fewer
     micro-batches; the step is the fixed layout's."""
-    budget = ["--model.micro_batch_tokens", "64", "--model.padding_free", "true"]
+    budget = ["--model.schedule.micro_batch_tokens", "64", "--model.policy.padding_free", "true"]
     reference, _ = _grpo(tmp_path, "token", 1, 4)
     for layout in [(1, 4), (2, 2)]:
         rows, _ = _grpo(tmp_path, "token", *layout, *budget, tag="_budget")
@@ -160,19 +160,19 @@ def _ppo(tmp_path, devices: int, accumulate: int):
         str(devices),
         "--trainer.accumulate_grad_batches",
         str(accumulate),
-        "--model.num_generations",
+        "--model.sampling.num_generations",
         "2",
-        "--model.micro_batch_size",
+        "--model.schedule.micro_batch_size",
         "4",  # 16 completions (8 prompts x 2) per optimizer step
         "--model.beta",
         "0.05",
-        "--model.num_iterations",
+        "--model.schedule.num_iterations",
         "2",  # the second pass clips the ratio and the values
         "--trainer.max_steps",
         "3",
         "--trainer.limit_val_batches",
         "0",
-        "--model.learning_rate",
+        "--model.optim.learning_rate",
         "1e-3",
         "--model.critic_learning_rate",
         "1e-2",

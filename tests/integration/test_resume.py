@@ -18,9 +18,9 @@ from tests.conftest import CONFIGS, REPO
 
 # Small settings on the command line; nothing here touches the logger, the checkpoints or the export.
 SMALL = [
-    "--model.num_generations", "4",
-    "--model.micro_batch_size", "8",
-    "--model.max_new_tokens", "4",
+    "--model.sampling.num_generations", "4",
+    "--model.schedule.micro_batch_size", "8",
+    "--model.sampling.max_new_tokens", "4",
     "--data.val_limit", "16",
     "--data.val_batch_size", "16",
     "--trainer.val_check_interval", "4",
@@ -40,7 +40,7 @@ def correctness(prompts, completions, **columns):
         os.kill(os.getpid(), signal.SIGINT)
     return _correctness(prompts, completions, **columns)
 """
-REWARDS = ["--model.reward_funcs", "[stopper.correctness, lit_rl.rewards.arithmetic.integer_format]"]
+REWARDS = ["--model.rewards.funcs", "[stopper.correctness, lit_rl.rewards.arithmetic.integer_format]"]
 
 # Ctrl-C in a terminal: SIGINT to the whole foreground process group, every rank of a multi-process run at once.
 # Sent by rank 0's reward function at its N-th call; the time it was sent goes to `signal_time`.
@@ -152,7 +152,7 @@ def test_ctrl_c_reaches_every_rank_of_a_two_process_run_and_the_printed_command_
     (tmp_path / "stopper.py").write_text(GROUP_STOPPER)
     reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
     reference.mkdir(), interrupted.mkdir()
-    ddp = ["--config", str(CONFIGS / "strategy" / "ddp.yaml"), "--model.micro_batch_size", "4"]
+    ddp = ["--config", str(CONFIGS / "strategy" / "ddp.yaml"), "--model.schedule.micro_batch_size", "4"]
     args = ["fit", "--config", str(CONFIGS / "grpo.yaml"), *SMALL, *ddp, *REWARDS, "--trainer.max_steps", "8"]
 
     full = _lit_rl(reference, _env(tmp_path), *args)

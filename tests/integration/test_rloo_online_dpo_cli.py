@@ -20,11 +20,11 @@ from tests.conftest import (
 pytestmark = pytest.mark.slow
 
 ALGORITHMS = {
-    "rloo": ["--model.num_generations", "4"],
-    "online_dpo": ["--model.num_generations", "2"],
+    "rloo": ["--model.sampling.num_generations", "4"],
+    "online_dpo": ["--model.sampling.num_generations", "2"],
 }
 FAST = [arg for arg in FAST_GRPO]
-FAST[FAST.index("--model.num_generations") + 1] = "2"  # overridden per algorithm below
+FAST[FAST.index("--model.sampling.num_generations") + 1] = "2"  # overridden per algorithm below
 
 
 def _fit(tmp_path, algorithm, *args, every_n=None, name="a"):
@@ -70,7 +70,7 @@ def test_metrics_are_logged_per_stage(tmp_path, algorithm, expected):
         "3",
         "--trainer.val_check_interval",
         "3",
-        "--model.micro_batch_size",
+        "--model.schedule.micro_batch_size",
         "16",
     )
     rows = read_metrics(log_dir)
@@ -100,11 +100,11 @@ def test_checkpoint_cadence_is_exact(tmp_path, algorithm, accumulate, num_iterat
         "8",
         "--trainer.accumulate_grad_batches",
         str(accumulate),
-        "--model.num_iterations",
+        "--model.schedule.num_iterations",
         str(num_iterations),
-        "--model.steps_per_generation",
+        "--model.schedule.steps_per_generation",
         str(steps_per_generation),
-        "--model.micro_batch_size",
+        "--model.schedule.micro_batch_size",
         "4",
         every_n=4,
     )
@@ -117,11 +117,11 @@ def test_resume_mid_generation_keeps_cadence_and_global_step(tmp_path, algorithm
     common = (
         "--trainer.accumulate_grad_batches",
         "2",
-        "--model.num_iterations",
+        "--model.schedule.num_iterations",
         "2",
-        "--model.steps_per_generation",
+        "--model.schedule.steps_per_generation",
         "2",
-        "--model.micro_batch_size",
+        "--model.schedule.micro_batch_size",
         "2",
     )
     full = _fit(tmp_path, algorithm, "--trainer.max_steps", "6", *common, every_n=3, name="full")
@@ -153,9 +153,9 @@ def test_online_dpo_with_a_reward_model_judge(tmp_path):
         "2",
         "--trainer.limit_val_batches",
         "0",
-        "--model.reward_funcs",
+        "--model.rewards.funcs",
         "[]",
-        "--model.reward_weights",
+        "--model.rewards.weights",
         "null",
         "--model.reward_model_name_or_path",
         str(tmp_path / "rm"),

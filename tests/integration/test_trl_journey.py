@@ -17,9 +17,9 @@ datasets = pytest.importorskip("datasets")
 pytest.importorskip("trl")
 
 SMALL = [
-    "--model.num_generations", "4",
-    "--model.micro_batch_size", "8",
-    "--model.max_new_tokens", "4",
+    "--model.sampling.num_generations", "4",
+    "--model.schedule.micro_batch_size", "8",
+    "--model.sampling.max_new_tokens", "4",
     "--trainer.enable_progress_bar", "false",
 ]  # fmt: skip
 
@@ -57,8 +57,8 @@ def test_grpo_on_a_saved_dataset_of_chat_prompts_with_trl_rewards(tmp_path):
         *["fit", "--config", str(CONFIGS / "grpo.yaml"), *SMALL, "--trainer.max_steps", "2"],
         *["--data.train_data", "chat:train", "--data.val_data", "chat:test", "--trainer.val_check_interval", "2"],
         *["--data.val_batch_size", "2"],
-        *["--model.reward_funcs", "[trl.rewards.think_format_reward, my_rewards.recorder]"],
-        *["--model.reward_weights", "[1.0, 1.0]"],
+        *["--model.rewards.funcs", "[trl.rewards.think_format_reward, my_rewards.recorder]"],
+        *["--model.rewards.weights", "[1.0, 1.0]"],
         RECORD=str(record),
     )
     assert result.returncode == 0, result.stderr[-3000:]

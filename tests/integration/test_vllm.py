@@ -107,7 +107,7 @@ def _fit(tmp_path: Path, name: str, *args: str, algorithm: str = "grpo", max_ste
         *FAST_GRPO,
         "--trainer.max_steps",
         str(max_steps),
-        "--model.learning_rate",
+        "--model.optim.learning_rate",
         "1e-3",  # large steps: an engine left with old weights would show in the log-prob difference
         *args,
         env=_vllm_env(),
@@ -146,7 +146,7 @@ def test_grpo_with_lora_pushes_merged_weights_into_the_colocated_engine(tmp_path
 
 def test_no_push_when_the_policy_did_not_change(tmp_path):
     # Two optimizer steps per generation: generations before steps 1 and 3 only, so 2 pushes in 4 steps.
-    log_dir = _fit(tmp_path, "two_steps", *COLOCATE, "--model.steps_per_generation", "2")
+    log_dir = _fit(tmp_path, "two_steps", *COLOCATE, "--model.schedule.steps_per_generation", "2")
     _check_run(log_dir)
     pushes = [int(float(row["step"])) for row in _rows_with(log_dir, "perf/weight_push_s")]
     assert pushes == [1, 3]
@@ -167,7 +167,7 @@ def test_two_ddp_processes_place_an_engine_per_rank_or_one_tensor_parallel_engin
     """Through vLLM's external launcher, inside the trainer's process group: with tensor_parallel_size 1 each
     rank has its own engine; with 2 the two ranks serve one engine and split its completions. Each completion
     has its own seed, so both layouts sample and log the same numbers."""
-    ddp = ("--config", str(CONFIGS / "strategy" / "ddp.yaml"), "--model.micro_batch_size", "4")
+    ddp = ("--config", str(CONFIGS / "strategy" / "ddp.yaml"), "--model.schedule.micro_batch_size", "4")
     runs = {}
     for tp in (1, 2):
         probe = ("--trainer.callbacks+", "tests.integration.probes.RecordEnginePlacement")
@@ -192,7 +192,7 @@ def test_two_ddp_processes_place_an_engine_per_rank_or_one_tensor_parallel_engin
 
 @pytest.mark.parametrize("algorithm, group", [("rloo", "4"), ("online_dpo", "2")])
 def test_rloo_and_online_dpo_take_the_same_overlay(tmp_path, algorithm, group):
-    log_dir = _fit(tmp_path, algorithm, *COLOCATE, "--model.num_generations", group, algorithm=algorithm)
+    log_dir = _fit(tmp_path, algorithm, *COLOCATE, "--model.sampling.num_generations", group, algorithm=algorithm)
     _check_run(log_dir)
 
 
@@ -231,7 +231,7 @@ def test_grpo_on_one_server_and_on_two_alike_by_file_and_by_broadcast_even_when_
     )
     overlay = write_overlay(tmp_path / "two.yaml", every_n_train_steps=2, save_dir=tmp_path / "two")
     command = [*CLI_COMMAND, "fit", "--config", str(CONFIGS / "grpo.yaml"), "--config", str(overlay), *SERVER]
-    command += [*FAST_GRPO, "--model.learning_rate", "1e-3", "--trainer.max_steps", "8"]
+    command += [*FAST_GRPO, "--model.optim.learning_rate", "1e-3", "--trainer.max_steps", "8"]
     command += ["--model.vllm.server_urls", servers, "--model.vllm.on_server_failure", "continue"]
     command += ["--model.vllm.max_retries", "1", "--model.vllm.request_timeout_s", "60"]
     log_dir = tmp_path / "two" / "run" / "version_0"
@@ -258,7 +258,7 @@ def test_grpo_on_one_server_and_on_two_alike_by_file_and_by_broadcast_even_when_
 def test_grpo_on_two_ddp_processes_shares_one_server(tmp_path, vllm_server):
     # Rank 0 alone talks to the server; both ranks get their own completions back.
     server_args = ("--config", str(CONFIGS / "rollout" / "vllm_server.yaml"), "--model.vllm.server_url", vllm_server)
-    ddp = ("--config", str(CONFIGS / "strategy" / "ddp.yaml"), "--model.micro_batch_size", "4")
+    ddp = ("--config", str(CONFIGS / "strategy" / "ddp.yaml"), "--model.schedule.micro_batch_size", "4")
     log_dir = _fit(tmp_path, "server_ddp", *server_args, *ddp)
     _check_run(log_dir)
 
@@ -320,7 +320,7 @@ def test_asynchronous_rollouts_with_the_server_engine_one_and_two_processes_and_
     assert_rows_match(train_rows(resumed), rows, rel=1e-4, abs=1e-5)
     (validation,) = [row for row in read_metrics(resumed) if row.get("val/reward")]
     assert int(float(validation["step"])) == 4 and 0.0 <= float(validation["val/reward"]) <= 1.1
-    ddp = ("--config", str(CONFIGS / "strategy" / "ddp.yaml"), "--model.micro_batch_size", "4")
+    ddp = ("--config", str(CONFIGS / "strategy" / "ddp.yaml"), "--model.schedule.micro_batch_size", "4")
     two = _fit(tmp_path, "async_ddp", *args, *ddp)
     assert saved_steps(two) == [2, 4]
     # Each rank's 4 completions are one whole group: the server gets the same requests in either layout.
@@ -393,7 +393,7 @@ def test_episodes_score_the_engines_tokens_with_the_colocated_and_the_server_eng
     """Multi-turn episodes (3 model turns, observations between): every turn is sampled by vLLM from the ids of the
     transcript so far, and the trainer's log-probs of the model's tokens are vLLM's within 1e-4 (GRPO on the
     colocated engine, RLOO on the server)."""
-    environment = ("--model.environment", "tests.integration.envs.Countdown", "--model.max_turns", "3")
+    environment = ("--model.env.environment", "tests.integration.envs.Countdown", "--model.env.max_turns", "3")
     engines = {
         "colocate": ("grpo", COLOCATE),
         "server": ("rloo", (*SERVER, "--model.vllm.server_url", vllm_server)),

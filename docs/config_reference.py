@@ -1,0 +1,172 @@
+"""Write `docs/config-reference.md` from the code: every key of every algorithm, option group, data module and
+callback, with its type, default and docstring, read from the signatures and dataclasses LightningCLI reads.
+
+    python docs/config_reference.py            # rewrites docs/config-reference.md
+    python docs/config_reference.py --check    # exit 1 when the committed page differs (tests/test_docs_site.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+import docstring_parser
+
+from lit_rl.algorithms import DPO, GRPO, PPO, RLOO, SFT, OnlineDPO
+from lit_rl.callbacks import GracefulStop, NonFiniteGuard, RunSummary, SaveHFPretrained
+from lit_rl.config import GROUPS, MOVED_KEYS
+from lit_rl.data import PreferenceDataModule, PromptDataModule, SFTDataModule
+from lit_rl.modeling.lora import LoRAConfig
+from lit_rl.rollout import VLLMConfig
+
+PAGE = Path(__file__).resolve().parent / "config-reference.md"
+ALGORITHMS = (GRPO, PPO, RLOO, OnlineDPO, DPO, SFT)
+DATA_MODULES = (PromptDataModule, SFTDataModule, PreferenceDataModule)
+CALLBACKS = (SaveHFPretrained, NonFiniteGuard, GracefulStop, RunSummary)
+NESTED = (("model.policy.lora", LoRAConfig), ("model.vllm", VLLMConfig))
+
+
+def _docs(obj: Any) -> dict[str, str]:
+    """Parameter name -> its docstring text on one line (the class's `Args:` section)."""
+    parsed = docstring_parser.parse(inspect.getdoc(obj) or "")
+    return {p.arg_name: " ".join((p.description or "").split()) for p in parsed.params}
+
+
+def _summary(obj: Any) -> str:
+    """The docstring's first paragraph, on one line."""
+    return " ".join((inspect.getdoc(obj) or "").split("\n\n")[0].split())
+
+
+def _value(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if dataclasses.is_dataclass(value):
+        return f"{type(value).__name__}()"
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _table(rows: Iterable[tuple[str, str, str, str]]) -> list[str]:
+    lines = ["| key | type | default | what it does |", "|---|---|---|---|"]
+    lines += [f"| `{key}` | `{_cell(kind)}` | `{_cell(default)}` | {_cell(doc)} |" for key, kind, default, doc in rows]
+    return lines + [""]
+
+
+def _parameters(cls: type) -> list[inspect.Parameter]:
+    parameters = inspect.signature(cls.__init__).parameters.items()
+    return [p for name, p in parameters if name not in ("self", "args", "kwargs")]
+
+
+def _type(annotation: Any) -> str:
+    return annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+
+
+def _class_rows(prefix: str, cls: type, skip: Iterable[str] = ()) -> list[tuple[str, str, str, str]]:
+    docs = _docs(cls)
+    return [
+        (f"{prefix}.{p.name}", _type(p.annotation), _value(p.default), docs.get(p.name, ""))
+        for p in _parameters(cls)
+        if p.name not in skip
+    ]
+
+
+def _dataclass_rows(prefix: str, cls: type) -> list[tuple[str, str, str, str]]:
+    docs = _docs(cls)
+    defaults = cls()
+    return [
+        (f"{prefix}.{f.name}", _type(f.type), _value(getattr(defaults, f.name)), docs.get(f.name, ""))
+        for f in dataclasses.fields(cls)
+    ]
+
+
+def _anchor(title: str) -> str:
+    return title.lower().replace(" ", "-").replace(".", "")
+
+
+def render() -> str:
+    out = [
+        "# Config reference",
+        "",
+        "Every key `lit-rl fit` takes under `model`, `data` and the lit-rl callbacks, with its type, default and",
+        "documentation. Generated from the code by `python docs/config_reference.py` (a test fails when this page and",
+        "the code differ); `lit-rl fit --model.help GRPO` prints the same for one algorithm. Set a key in a config",
+        "(`model: init_args: sampling: temperature: 0.7`) or on the command line (`--model.sampling.temperature 0.7`).",
+        "",
+        "## Algorithms",
+        "",
+        "Each algorithm takes some of the [option groups](#option-groups), listed with the defaults it gives them, and",
+        "options of its own.",
+        "",
+    ]
+    for cls in ALGORITHMS:
+        params = _parameters(cls)
+        groups = [p for p in params if p.name in GROUPS]
+        out += [f"### {cls.__name__}", "", f"`--model {cls.__name__}`: {_summary(cls)}", ""]
+        group_notes = []
+        for p in groups:
+            changed = [
+                f"`{f.name}: {_value(getattr(p.default, f.name))}`"
+                for f in dataclasses.fields(GROUPS[p.name])
+                if getattr(p.default, f.name) != getattr(GROUPS[p.name](), f.name)
+            ]
+            note = f" (here {', '.join(changed)})" if changed else ""
+            group_notes.append(f"[`{p.name}`](#model{p.name}){note}")
+        out += [f"Groups: {', '.join(group_notes)}.", ""]
+        out += _table(_class_rows("model", cls, skip=GROUPS))
+    out += ["## Option groups", ""]
+    for name, cls in GROUPS.items():
+        out += [f"### model.{name}", "", _summary(cls), ""]
+        out += _table(_dataclass_rows(f"model.{name}", cls))
+    for prefix, cls in NESTED:
+        out += [f"### {prefix}", "", _summary(cls), ""]
+        out += _table(_dataclass_rows(prefix, cls))
+    out += ["## Data modules", ""]
+    for cls in DATA_MODULES:
+        out += [f"### {cls.__name__}", "", f"`--data {cls.__name__}`: {_summary(cls)}", ""]
+        out += _table(_class_rows("data", cls))
+    out += [
+        "## Callbacks",
+        "",
+        "`NonFiniteGuard`, `GracefulStop` and `RunSummary` run in every `lit-rl fit` with these defaults unless the",
+        "config lists one; `SaveHFPretrained` runs where the config lists it (every shipped config does).",
+        "",
+    ]
+    for cls in CALLBACKS:
+        out += [f"### {cls.__name__}", "", _summary(cls), ""]
+        out += _table(_class_rows(f"{cls.__name__}.init_args", cls))
+    out += [
+        "## Keys that moved in lit-rl 0.2",
+        "",
+        "lit-rl 0.1 took these keys flat under `model`; an old key stops a run in one line that names its new place,",
+        "and `python -m lit_rl.migrate --in-place my.yaml` moves them in a config (keeping its comments).",
+        "",
+        "| 0.1 | 0.2 |",
+        "|---|---|",
+    ]
+    out += [f"| `model.{old}` | `model.{new}` |" for old, new in sorted(MOVED_KEYS.items())]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 when the committed page differs")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        if PAGE.read_text() != text:
+            sys.exit(f"{PAGE} differs from the code: run `python docs/config_reference.py`")
+        return
+    PAGE.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,302 @@
+"""The option groups every algorithm shares, each field defined and documented once.
+
+An algorithm's `__init__` names the groups it uses and the few options that are its own, so the command line reads
+by concern (`--model.sampling.temperature 0.7`, `--model.optim.learning_rate 5e-5`, `--model.policy.lora.r 8`) and
+`lit-rl fit --model.help GRPO` lists every key with its documentation. An algorithm with other defaults passes its
+own instance (`sampling: SamplingArgs = SamplingArgs(num_generations=4)`); the instances are frozen, so one default
+is never changed by a run.
+
+lit-rl 0.1 took these options flat (`--model.temperature`); `MOVED_KEYS` maps each old key to its group, so an old
+key fails in one line that names its new place (`lit_rl.cli`) and a 0.1 checkpoint's hyperparameters are compared
+key by key on resume (`grouped_hparams`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, TypeVar
+
+from lit_rl.errors import ConfigError
+from lit_rl.modeling.lora import LoRAConfig, as_lora_config, check_lora_config
+
+INVALID_REWARD_ACTIONS = ("zero", "error")
+
+
+@dataclass(frozen=True)
+class PolicyArgs:
+    """The policy: which model, how it is loaded, and the forward path its training passes take.
+
+    Args:
+        model_name_or_path: policy to train: a hub id, a local directory, or `lit-rl/<asset>` for a shipped one.
+        dtype: dtype the policy is loaded in (`float32`, `bfloat16`, `float16`, `auto`).
+        gradient_checkpointing: recompute activations in the backward pass to save memory.
+        trust_remote_code: allow model code from the model repository (off by default: it runs that code).
+        lora: train a LoRA adapter (`configs/peft/lora.yaml`) instead of the full weights; the reference is then
+            the policy with its adapter disabled. Keys: `lit_rl.modeling.lora.LoRAConfig` (`--model.policy.lora.r 8`).
+        padding_free: run the training forwards (policy, reference, old log-probs) on the rows' real tokens laid
+            end to end, without padding (`lit_rl.modeling.packing`): the same values to float rounding, less
+            compute when lengths vary. It replaces the shared-prompt forward.
+        head_chunk_tokens: run the output head on that many completion tokens at a time (`lit_rl.modeling.head`),
+            so the `[tokens, vocab]` logits never exist beyond one chunk: the memory of long completions at a large
+            vocabulary, for one more head forward per trained token. None: the whole micro-batch's logits at once.
+    """
+
+    model_name_or_path: str = "lit-rl/tiny-qwen2-addition-sft"
+    dtype: str = "float32"
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+    lora: Optional[LoRAConfig] = None
+    padding_free: bool = False
+    head_chunk_tokens: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lora", as_lora_config(self.lora))  # a dict from a checkpoint or a test
+
+    def check(self) -> None:
+        check_lora_config(self.lora)
+        if self.head_chunk_tokens is not None and self.head_chunk_tokens < 1:
+            raise ConfigError(f"model.policy.head_chunk_tokens must be >= 1 (or null), got {self.head_chunk_tokens}")
+
+
+@dataclass(frozen=True)
+class OptimArgs:
+    """AdamW and its learning-rate schedule (a linear warm-up, then constant).
+
+    Args:
+        learning_rate: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        warmup_steps: linear learning-rate warm-up, in optimizer steps.
+    """
+
+    learning_rate: float = 1e-5
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+
+    def check(self) -> None:
+        if self.learning_rate < 0:
+            raise ConfigError(f"model.optim.learning_rate must be >= 0, got {self.learning_rate}")
+
+
+@dataclass(frozen=True)
+class ScheduleArgs:
+    """How each generation's completions become optimizer steps (`lit_rl.data.schedule`): a generation is
+    `micro_batch_size x trainer.accumulate_grad_batches x steps_per_generation` completions per rank, trained on
+    for `num_iterations` passes of `steps_per_generation` optimizer steps each.
+
+    Args:
+        micro_batch_size: completions per `training_step` on each rank.
+        steps_per_generation: optimizer steps taken on each generation's buffer (per pass).
+        num_iterations: passes over each generation's buffer (PPO epochs); > 1 computes old log-probs.
+        micro_batch_tokens: group each optimizer step's completions into at most `accumulate_grad_batches`
+            micro-batches of at most this many real (prompt + completion) tokens instead of `micro_batch_size`
+            each (`lit_rl.training.micro_batches`); the step's completions and loss stay the same. None: fixed
+            counts.
+    """
+
+    micro_batch_size: int = 16
+    steps_per_generation: int = 1
+    num_iterations: int = 1
+    micro_batch_tokens: Optional[int] = None
+
+    def check(self) -> None:
+        for key in ("micro_batch_size", "steps_per_generation", "num_iterations"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"model.schedule.{key} must be >= 1, got {getattr(self, key)}")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            raise ConfigError(
+                f"model.schedule.micro_batch_tokens must be >= 1 (or null), got {self.micro_batch_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class SamplingArgs:
+    """How completions are sampled, for training and for validation.
+
+    Args:
+        num_generations: G, completions sampled per prompt (the group).
+        max_new_tokens: completion budget T_max.
+        min_new_tokens: no completion stops (EOS or a stop id) before this many tokens.
+        temperature: sampling temperature; log-probs are computed at this temperature.
+        top_p: nucleus sampling threshold (1.0 disables).
+        top_k: top-k sampling (0 disables).
+        max_prompt_length: truncate prompts to their last `max_prompt_length` tokens (None: no limit).
+        val_temperature: sampling temperature for validation (0: greedy).
+        val_num_generations: completions per validation prompt.
+    """
+
+    num_generations: int = 8
+    max_new_tokens: int = 16
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_prompt_length: Optional[int] = None
+    val_temperature: float = 0.0
+    val_num_generations: int = 1
+
+    def check(self, min_generations: int = 2) -> None:
+        """`min_generations`: 2 where completions of a prompt are compared, 1 where a critic is the baseline."""
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"model.sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.num_generations < min_generations:
+            compared = " (completions of a prompt are compared)" if min_generations > 1 else ""
+            raise ConfigError(
+                f"model.sampling.num_generations must be >= {min_generations}{compared}, got {self.num_generations}"
+            )
+        if self.temperature <= 0 or not math.isfinite(self.temperature):
+            raise ConfigError(f"model.sampling.temperature must be > 0 for training rollouts, got {self.temperature}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ConfigError(
+                f"model.sampling.min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                f"got {self.min_new_tokens}"
+            )
+        if self.val_num_generations < 1:
+            raise ConfigError(f"model.sampling.val_num_generations must be >= 1, got {self.val_num_generations}")
+
+
+@dataclass(frozen=True)
+class RewardArgs:
+    """The reward functions that score completions (TRL's `reward_funcs` and `reward_weights`).
+
+    Args:
+        funcs: import paths of reward functions `(prompts, completions, **columns) -> list[float]` (None: the
+            built-in addition task's `lit_rl.rewards.arithmetic.correctness`).
+        weights: one weight per reward function (default: all 1.0); the reward is the weighted sum.
+        on_invalid: what a NaN/None/inf reward value does: `zero` counts it as 0 (and in the metric
+            `frac_invalid_reward`), `error` stops the run naming the reward function.
+    """
+
+    funcs: Optional[list[str]] = None
+    weights: Optional[list[float]] = None
+    on_invalid: str = "zero"
+
+    def check(self) -> None:
+        if self.on_invalid not in INVALID_REWARD_ACTIONS:
+            raise ConfigError(f"model.rewards.on_invalid must be 'zero' or 'error', got {self.on_invalid!r}")
+
+
+@dataclass(frozen=True)
+class EnvArgs:
+    """Multi-turn episodes in an environment (`lit_rl.rollout.multi_turn`); with neither `environment` nor `tools`
+    each completion is a single turn.
+
+    Args:
+        environment: the import path of an environment class (`lit_rl.envs.Environment`: `reset(row)`,
+            `step(turn_text)`), one per episode, built with `environment_args`. Each completion is then the
+            episode's transcript, token-in and token-out; only the model's tokens are trained.
+        environment_args: keyword arguments of the environment class.
+        tools: import paths of tools (`lit_rl.envs.tools.calc`); alone they run in the built-in `ToolEnvironment`
+            (a turn's `<name>argument</name>` is answered `<result>value</result>`).
+        max_turns: the most model turns of an episode.
+        max_total_tokens: the most tokens of a transcript after the prompt, model and observation tokens (None:
+            `max_turns x sampling.max_new_tokens`).
+    """
+
+    environment: Optional[str] = None
+    environment_args: Optional[dict[str, Any]] = None
+    tools: Optional[list[str]] = None
+    max_turns: int = 4
+    max_total_tokens: Optional[int] = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.environment is not None or bool(self.tools)
+
+    def check(self) -> None:
+        if self.max_turns < 1:
+            raise ConfigError(f"model.env.max_turns must be >= 1, got {self.max_turns}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise ConfigError(f"model.env.max_total_tokens must be >= 1 (or null), got {self.max_total_tokens}")
+
+
+# The groups, by the name an algorithm's `__init__` gives them.
+GROUPS: dict[str, type] = {
+    "policy": PolicyArgs,
+    "optim": OptimArgs,
+    "schedule": ScheduleArgs,
+    "sampling": SamplingArgs,
+    "rewards": RewardArgs,
+    "env": EnvArgs,
+}
+# Fields whose name changed when they moved into a group (lit-rl 0.1 key -> field).
+RENAMED = {"reward_funcs": "funcs", "reward_weights": "weights", "invalid_reward": "on_invalid"}
+_FIELD_OF = {new: old for old, new in RENAMED.items()}
+# lit-rl 0.1's flat key -> its place now (`temperature` -> `sampling.temperature`).
+MOVED_KEYS: dict[str, str] = {
+    _FIELD_OF.get(field.name, field.name): f"{group}.{field.name}"
+    for group, cls in GROUPS.items()
+    for field in dataclasses.fields(cls)
+}
+
+Args = TypeVar("Args")
+
+
+def as_args(cls: type[Args], value: Any) -> Args:
+    """`value` as a `cls` group: itself, a mapping of its fields (from a checkpoint or a test), or None for the
+    defaults. An unknown field is a one-line error naming it."""
+    if isinstance(value, cls):
+        return value
+    if value is None:
+        return cls()
+    if isinstance(value, Mapping):
+        names = {f.name for f in dataclasses.fields(cls)}
+        group = next((g for g, c in GROUPS.items() if c is cls), cls.__name__)
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ConfigError(f"model.{group}.{unknown[0]}: unknown option (the keys are {sorted(names)})")
+        return cls(**value)
+    raise ConfigError(f"expected {cls.__name__} or a mapping of its fields, got {type(value).__name__}")
+
+
+def grouped_hparams(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    """A module's saved hyperparameters with lit-rl 0.1's flat keys moved into their groups (`MOVED_KEYS`), so a
+    0.1 checkpoint compares with a 0.2 config key by key; 0.2 hyperparameters come back unchanged."""
+    grouped: dict[str, Any] = {}
+    for key, value in hparams.items():
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a module built in Python, not the CLI
+            value = dataclasses.asdict(value)
+        place = MOVED_KEYS.get(key)
+        if place is None or key in GROUPS:
+            grouped[key] = value
+            continue
+        group, field = place.split(".")
+        existing = grouped.get(group)
+        grouped[group] = {**(existing if isinstance(existing, Mapping) else {}), field: value}
+    return grouped
+
+
+def moved_key_hint(key: str) -> Optional[str]:
+    """For an option a module rejected (`model.temperature`, `model.init_args.temperature`): where 0.2 put it,
+    or None when it did not move."""
+    parts = key.split(".")
+    if len(parts) < 2 or parts[0] != "model":
+        return None
+    place = MOVED_KEYS.get(parts[-1])
+    return None if place is None else f"model.{place}"
+
+
+def grouped_kwargs(cls: type, **kwargs: Any) -> dict[str, Any]:
+    """Keyword arguments of algorithm `cls` written flat, as lit-rl 0.1 took them (`temperature=0.7`), grouped as
+    its `__init__` takes them now (`sampling=SamplingArgs(..., temperature=0.7)`); each group starts from `cls`'s
+    own default (PPO samples 4 completions per prompt, GRPO 8). Grouped and own arguments pass through, so
+    `cls(**grouped_kwargs(cls, ...))` builds what the 0.1 call did."""
+    import inspect
+
+    parameters = inspect.signature(cls.__init__).parameters
+    out: dict[str, Any] = {}
+    fields: dict[str, dict[str, Any]] = {}
+    for key, value in kwargs.items():
+        place = MOVED_KEYS.get(key)
+        if key in parameters or place is None:
+            out[key] = value
+            continue
+        group, field = place.split(".")
+        fields.setdefault(group, {})[field] = value
+    for group, changes in fields.items():
+        if group not in parameters:
+            raise ConfigError(f"{cls.__name__} takes no {group!r} group, so no {', '.join(changes)}")
+        base = as_args(GROUPS[group], out.get(group, parameters[group].default))
+        out[group] = dataclasses.replace(base, **changes)
+    return out

@@ -1,0 +1,134 @@
+"""Move a lit-rl 0.1 config's flat model keys into 0.2's groups, keeping its comments and layout.
+
+    python -m lit_rl.migrate my_grpo.yaml            # prints the migrated config
+    python -m lit_rl.migrate --in-place my_grpo.yaml
+
+`model.init_args.temperature: 0.7` becomes `model.init_args.sampling.temperature: 0.7` (the map is
+`lit_rl.config.MOVED_KEYS`); every other line is left as it is. Command-line keys move the same way
+(`--model.temperature` -> `--model.sampling.temperature`), which `lit-rl fit` says in one line when it meets one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+from lit_rl.config import GROUPS, MOVED_KEYS, RENAMED
+
+_ENTRY = re.compile(r"^(\s*)([A-Za-z_][\w]*):")
+# SFT keeps `max_prompt_length` as its own key (it truncates its data; it samples nothing).
+_OWN_KEYS = {"SFT": {"max_prompt_length"}}
+
+
+def migrate_text(text: str) -> str:
+    """The config `text` with `model.init_args`' flat 0.1 keys moved into their groups (unchanged when none)."""
+    lines = text.splitlines(keepends=True)
+    model = _block_start(lines, 0, len(lines), "model", 0)
+    if model is None:
+        return text
+    model_end = _block_end(lines, model, 0)
+    init = _block_start(lines, model + 1, model_end, "init_args", None)
+    if init is None:
+        return text
+    init_indent = _indent(lines[init])
+    init_end = _block_end(lines, init, init_indent)
+    class_path = next(
+        (m.group(1) for line in lines[model:model_end] if (m := re.search(r"class_path:\s*(\S+)", line))), ""
+    )
+    own = _OWN_KEYS.get(class_path.rsplit(".", 1)[-1], set())
+    entries = _entries(lines, init + 1, init_end)
+    moved: dict[str, list[str]] = {group: [] for group in GROUPS}
+    kept: list[str] = []
+    first_moved = None
+    for key, block in entries:
+        place = MOVED_KEYS.get(key) if key is not None and key not in own else None
+        if place is None:
+            kept.extend(block)
+            continue
+        group, field = place.split(".")
+        if first_moved is None:
+            first_moved = len(kept)
+        block = [_renamed(block[0], key, RENAMED.get(key, key))] + block[1:]
+        moved[group].extend("  " + line if line.strip() else line for line in block)
+    if first_moved is None:
+        return text
+    child_indent = " " * (_entry_indent(entries) or init_indent + 2)
+    grouped = [f"{child_indent}{group}:\n" + "".join(body) for group, body in moved.items() if body]
+    body = kept[:first_moved] + grouped + kept[first_moved:]
+    return "".join(lines[: init + 1] + body + lines[init_end:])
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip(" "))
+
+
+def _block_start(lines: list[str], start: int, end: int, key: str, indent) -> int | None:
+    for index in range(start, end):
+        match = _ENTRY.match(lines[index])
+        if match and match.group(2) == key and (indent is None or len(match.group(1)) == indent):
+            return index
+    return None
+
+
+def _block_end(lines: list[str], start: int, indent: int) -> int:
+    """The first line after `start` that is back at `indent` or less (comments and blank lines belong inside)."""
+    for index in range(start + 1, len(lines)):
+        line = lines[index]
+        if line.strip() and not line.lstrip().startswith("#") and _indent(line) <= indent:
+            return index
+    return len(lines)
+
+
+def _entries(lines: list[str], start: int, end: int) -> list[tuple[str | None, list[str]]]:
+    """The entries of a mapping block: (key, its lines), comments above an entry going with it."""
+    entries: list[tuple[str | None, list[str]]] = []
+    indent = _entry_indent_of(lines[start:end])
+    pending: list[str] = []
+    for line in lines[start:end]:
+        match = _ENTRY.match(line)
+        if match and len(match.group(1)) == indent:
+            entries.append((match.group(2), pending + [line]))
+            pending = []
+        elif not line.strip() or (line.lstrip().startswith("#") and _indent(line) <= indent):
+            pending.append(line)
+        elif entries:
+            entries[-1][1].append(line)
+        else:
+            pending.append(line)
+    if pending:
+        entries.append((None, pending))
+    return entries
+
+
+def _entry_indent_of(lines: list[str]) -> int:
+    return min((_indent(line) for line in lines if _ENTRY.match(line)), default=0)
+
+
+def _entry_indent(entries) -> int:
+    for key, block in entries:
+        if key is not None:
+            return next(_indent(line) for line in block if _ENTRY.match(line))
+    return 0
+
+
+def _renamed(line: str, old: str, new: str) -> str:
+    return re.sub(rf"^(\s*){old}:", rf"\g<1>{new}:", line, count=1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m lit_rl.migrate", description=__doc__.splitlines()[0])
+    parser.add_argument("configs", nargs="+", type=Path)
+    parser.add_argument("--in-place", action="store_true", help="rewrite each file instead of printing it")
+    args = parser.parse_args(argv)
+    for path in args.configs:
+        migrated = migrate_text(path.read_text())
+        if args.in_place:
+            path.write_text(migrated)
+        else:
+            sys.stdout.write(migrated)
+
+
+if __name__ == "__main__":
+    main()

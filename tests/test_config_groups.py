@@ -1,0 +1,121 @@
+"""The option groups (`lit_rl.config`): each field defined once, 0.1's flat keys mapped to their places, a 0.1
+config migrated with its comments, and Python calls written flat rebuilt as the 0.1 call did."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from lit_rl.algorithms import DPO, GRPO, PPO, RLOO, SFT, OnlineDPO
+from lit_rl.config import (
+    GROUPS,
+    MOVED_KEYS,
+    SamplingArgs,
+    as_args,
+    grouped_hparams,
+    grouped_kwargs,
+    moved_key_hint,
+)
+from lit_rl.errors import ConfigError
+from lit_rl.migrate import migrate_text
+from tests.conftest import REPO
+
+ALGORITHMS = (GRPO, PPO, RLOO, OnlineDPO, DPO, SFT)
+
+
+def test_no_algorithm_takes_more_than_a_couple_of_dozen_arguments_and_none_repeats_a_group_field():
+    fields = {field.name for cls in GROUPS.values() for field in dataclasses.fields(cls)}
+    for cls in ALGORITHMS:
+        own = set(inspect.signature(cls.__init__).parameters) - {"self"}
+        assert len(own) <= 22, (cls.__name__, len(own))
+        repeated = (own - set(GROUPS)) & fields - {"max_prompt_length"}  # SFT truncates its data: its own key
+        assert not repeated, (cls.__name__, repeated)
+
+
+def test_every_0_1_key_has_one_place_and_the_hint_names_it():
+    assert MOVED_KEYS["temperature"] == "sampling.temperature"
+    assert MOVED_KEYS["reward_funcs"] == "rewards.funcs" and MOVED_KEYS["lora"] == "policy.lora"
+    assert moved_key_hint("model.learning_rate") == "model.optim.learning_rate"
+    assert moved_key_hint("model.init_args.micro_batch_size") == "model.schedule.micro_batch_size"
+    assert moved_key_hint("model.beta") is None and moved_key_hint("trainer.temperature") is None
+
+
+def test_a_group_from_a_mapping_names_an_unknown_field():
+    assert as_args(SamplingArgs, {"temperature": 0.5}) == SamplingArgs(temperature=0.5)
+    assert as_args(SamplingArgs, None) == SamplingArgs()
+    with pytest.raises(ConfigError, match=r"model\.sampling\.tempature: unknown option"):
+        as_args(SamplingArgs, {"tempature": 0.5})
+
+
+def test_a_0_1_checkpoint_s_hyperparameters_are_grouped():
+    flat = {"learning_rate": 1e-4, "temperature": 0.7, "reward_funcs": ["a.b"], "beta": 0.1, "lora": None}
+    assert grouped_hparams(flat) == {
+        "optim": {"learning_rate": 1e-4},
+        "sampling": {"temperature": 0.7},
+        "rewards": {"funcs": ["a.b"]},
+        "beta": 0.1,
+        "policy": {"lora": None},
+    }
+    grouped = {"sampling": {"temperature": 0.7}, "beta": 0.1}
+    assert grouped_hparams(grouped) == grouped
+
+
+def test_flat_python_arguments_keep_the_algorithm_s_own_defaults():
+    kwargs = grouped_kwargs(PPO, max_new_tokens=4, learning_rate=3e-4, beta=0.0)
+    assert kwargs["sampling"] == SamplingArgs(num_generations=4, max_new_tokens=4)  # PPO samples 4, GRPO 8
+    assert kwargs["optim"].learning_rate == 3e-4 and kwargs["beta"] == 0.0
+    with pytest.raises(ConfigError, match="DPO takes no 'sampling' group"):
+        grouped_kwargs(DPO, temperature=0.5)
+
+
+OLD = """\
+# my run
+model:
+  class_path: lit_rl.algorithms.GRPO
+  init_args:
+    model_name_or_path: my/model   # the policy
+    reward_funcs:
+      - my.reward
+    # a comment about the group size
+    num_generations: 4
+    beta: 0.04
+    learning_rate: 1.0e-5
+    vllm:
+      mode: server
+data:
+  class_path: lit_rl.data.PromptDataModule
+"""
+
+
+def test_migrate_moves_the_flat_keys_and_keeps_comments_and_everything_else():
+    new = migrate_text(OLD)
+    assert "# a comment about the group size\n      num_generations: 4" in new
+    assert "model_name_or_path: my/model   # the policy" in new
+    config = yaml.safe_load(new)
+    init = config["model"]["init_args"]
+    assert init["policy"] == {"model_name_or_path": "my/model"}
+    assert init["rewards"] == {"funcs": ["my.reward"]}
+    assert init["sampling"] == {"num_generations": 4} and init["optim"] == {"learning_rate": 1e-5}
+    assert init["beta"] == 0.04 and init["vllm"] == {"mode": "server"}
+    assert config["data"] == {"class_path": "lit_rl.data.PromptDataModule"}
+    assert migrate_text(new) == new  # a 0.2 config is left as it is
+
+
+def test_migrate_leaves_sft_s_own_prompt_limit(tmp_path):
+    sft = "model:\n  class_path: lit_rl.algorithms.SFT\n  init_args:\n    max_prompt_length: 64\n    dtype: bfloat16\n"
+    init = yaml.safe_load(migrate_text(sft))["model"]["init_args"]
+    assert init == {"max_prompt_length": 64, "policy": {"dtype": "bfloat16"}}
+
+
+def test_the_shipped_configs_need_no_migration_and_the_command_rewrites_a_file(tmp_path):
+    for path in sorted((REPO / "configs").rglob("*.yaml")):
+        assert migrate_text(path.read_text()) == path.read_text(), path
+    old = tmp_path / "old.yaml"
+    old.write_text(OLD)
+    subprocess.run([sys.executable, "-m", "lit_rl.migrate", "--in-place", str(old)], check=True)
+    assert old.read_text() == migrate_text(OLD)
