@@ -92,7 +92,7 @@ def condense_parser_error(message: str) -> str:
     if unknown:
         option = unknown.group(1)
         key = ".".join(keys + ([option] if not keys or keys[-1] != option else []))
-        moved = moved_key_hint(key)
+        moved = moved_key_hint(key, _named_class(message))
         if moved is not None:  # a lit-rl 0.1 key
             return f"{key}: moved to {moved} (lit-rl 0.2 groups the options; see docs/config-reference.md)"
         return f"{key}: unknown option"
@@ -106,6 +106,15 @@ def condense_parser_error(message: str) -> str:
             break
     key = ".".join(keys)
     return f"{key}: {detail}" if key and detail else (detail or message.strip().splitlines()[0])
+
+
+def _named_class(message: str) -> Optional[type]:
+    """The class a jsonargparse message names (`Problem with given class_path 'lit_rl.algorithms.DPO'`), when it is
+    imported already (jsonargparse imported it to read its options); never imports anything."""
+    found = re.search(r"class_path '([\w.]+)\.(\w+)'", message)
+    module = sys.modules.get(found.group(1)) if found else None
+    cls = getattr(module, found.group(2), None) if module is not None else None
+    return cls if isinstance(cls, type) else None
 
 
 class DropMessages(logging.Filter):

@@ -250,15 +250,24 @@ def as_args(cls: type[Args], value: Any) -> Args:
     raise ConfigError(f"expected {cls.__name__} or a mapping of its fields, got {type(value).__name__}")
 
 
-def grouped_hparams(hparams: Mapping[str, Any]) -> dict[str, Any]:
+def plain_data(value: Any) -> Any:
+    """`value` with every option group (a dataclass, at any depth) as a dict of its fields."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, Mapping):
+        return {key: plain_data(item) for key, item in value.items()}
+    return value
+
+
+def grouped_hparams(hparams: Mapping[str, Any], own_keys: frozenset[str] = frozenset()) -> dict[str, Any]:
     """A module's saved hyperparameters with lit-rl 0.1's flat keys moved into their groups (`MOVED_KEYS`), so a
-    0.1 checkpoint compares with a 0.2 config key by key; 0.2 hyperparameters come back unchanged."""
+    0.1 checkpoint compares with a 0.2 config key by key; groups come back as dicts. `own_keys`: the algorithm's
+    own options, which stay where they are (SFT's `max_prompt_length` truncates its data: it is not sampling's)."""
     grouped: dict[str, Any] = {}
     for key, value in hparams.items():
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a module built in Python, not the CLI
-            value = dataclasses.asdict(value)
+        value = plain_data(value)
         place = MOVED_KEYS.get(key)
-        if place is None or key in GROUPS:
+        if place is None or key in GROUPS or key in own_keys:
             grouped[key] = value
             continue
         group, field = place.split(".")
@@ -267,14 +276,28 @@ def grouped_hparams(hparams: Mapping[str, Any]) -> dict[str, Any]:
     return grouped
 
 
-def moved_key_hint(key: str) -> Optional[str]:
-    """For an option a module rejected (`model.temperature`, `model.init_args.temperature`): where 0.2 put it,
-    or None when it did not move."""
+def own_options(cls: type) -> frozenset[str]:
+    """The options algorithm `cls` takes itself, outside the groups (DPO's `beta`, SFT's `max_prompt_length`)."""
+    import inspect
+
+    return frozenset(inspect.signature(cls.__init__).parameters) - set(GROUPS) - {"self"}
+
+
+def moved_key_hint(key: str, cls: Optional[type] = None) -> Optional[str]:
+    """For an option a module rejected (`model.temperature`, `model.init_args.temperature`): where 0.2 put it, or
+    None when it did not move, or when algorithm `cls` (if known) takes no such group."""
     parts = key.split(".")
-    if len(parts) < 2 or parts[0] != "model":
+    if parts[:1] != ["model"] or not (len(parts) == 2 or (len(parts) == 3 and parts[1] == "init_args")):
         return None
     place = MOVED_KEYS.get(parts[-1])
-    return None if place is None else f"model.{place}"
+    if place is None:
+        return None
+    if cls is not None:
+        import inspect
+
+        if place.split(".")[0] not in inspect.signature(cls.__init__).parameters:
+            return None
+    return f"model.{place}"
 
 
 def grouped_kwargs(cls: type, **kwargs: Any) -> dict[str, Any]:

@@ -9,6 +9,7 @@ global: `lit_rl/training/metrics.py`).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from argparse import Namespace
 from typing import Any, Mapping, Optional, Union
@@ -106,6 +107,8 @@ def _loggable(value: Any) -> Any:
     """A hyperparameter as Trackio's config can store it (numbers, strings, lists and dicts of them)."""
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # an option group of a module built in Python
+        value = dataclasses.asdict(value)
     if isinstance(value, Mapping):
         return {str(k): _loggable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

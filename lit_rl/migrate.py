@@ -14,16 +14,19 @@ import argparse
 import re
 import sys
 from pathlib import Path
+from typing import Callable
 
-from lit_rl.config import GROUPS, MOVED_KEYS, RENAMED
+from lit_rl.config import GROUPS, MOVED_KEYS
 
 _ENTRY = re.compile(r"^(\s*)([A-Za-z_][\w]*):")
 # SFT keeps `max_prompt_length` as its own key (it truncates its data; it samples nothing).
 _OWN_KEYS = {"SFT": {"max_prompt_length"}}
+_AMBIGUOUS = ("max_prompt_length",)  # where the file names no algorithm
 
 
-def migrate_text(text: str) -> str:
-    """The config `text` with `model.init_args`' flat 0.1 keys moved into their groups (unchanged when none)."""
+def migrate_text(text: str, warn: Callable[[str], None] = lambda message: None) -> str:
+    """The config `text` with `model.init_args`' flat 0.1 keys moved into their groups (unchanged when none). A
+    group the config has already takes the moved keys at its end. `warn` hears of a key left in place."""
     lines = text.splitlines(keepends=True)
     model = _block_start(lines, 0, len(lines), "model", 0)
     if model is None:
@@ -34,30 +37,34 @@ def migrate_text(text: str) -> str:
         return text
     init_indent = _indent(lines[init])
     init_end = _block_end(lines, init, init_indent)
-    class_path = next(
-        (m.group(1) for line in lines[model:model_end] if (m := re.search(r"class_path:\s*(\S+)", line))), ""
-    )
-    own = _OWN_KEYS.get(class_path.rsplit(".", 1)[-1], set())
+    found = (re.search(r"class_path:\s*['\"]?([\w.]+)", line) for line in lines[model:model_end])
+    class_path = next((m.group(1) for m in found if m), None)
+    own = _OWN_KEYS.get(class_path.rsplit(".", 1)[-1], set()) if class_path else set(_AMBIGUOUS)
     entries = _entries(lines, init + 1, init_end)
     moved: dict[str, list[str]] = {group: [] for group in GROUPS}
-    kept: list[str] = []
+    kept: list[tuple[str | None, list[str]]] = []
     first_moved = None
     for key, block in entries:
         place = MOVED_KEYS.get(key) if key is not None and key not in own else None
         if place is None:
-            kept.extend(block)
+            if key in _AMBIGUOUS and class_path is None:
+                warn(f"model.init_args.{key} left in place: SFT takes it as its own, the others as {MOVED_KEYS[key]}")
+            kept.append((key, block))
             continue
         group, field = place.split(".")
         if first_moved is None:
             first_moved = len(kept)
-        block = [_renamed(block[0], key, RENAMED.get(key, key))] + block[1:]
+        block = [_renamed(line, key, field) if _ENTRY.match(line) else line for line in block]
         moved[group].extend("  " + line if line.strip() else line for line in block)
     if first_moved is None:
         return text
+    existing = {key: block for key, block in kept if key in GROUPS}
+    for group, block in existing.items():  # a group the config has: the moved keys go at its end
+        block.extend(moved.pop(group))
     child_indent = " " * (_entry_indent(entries) or init_indent + 2)
-    grouped = [f"{child_indent}{group}:\n" + "".join(body) for group, body in moved.items() if body]
-    body = kept[:first_moved] + grouped + kept[first_moved:]
-    return "".join(lines[: init + 1] + body + lines[init_end:])
+    new_groups = [(group, [f"{child_indent}{group}:\n", *body]) for group, body in moved.items() if body]
+    body = kept[:first_moved] + new_groups + kept[first_moved:]
+    return "".join(lines[: init + 1] + [line for _, block in body for line in block] + lines[init_end:])
 
 
 def _indent(line: str) -> int:
@@ -93,8 +100,9 @@ def _entries(lines: list[str], start: int, end: int) -> list[tuple[str | None, l
             pending = []
         elif not line.strip() or (line.lstrip().startswith("#") and _indent(line) <= indent):
             pending.append(line)
-        elif entries:
-            entries[-1][1].append(line)
+        elif entries:  # a line of the last entry's value; blank lines before it were inside the value too
+            entries[-1][1].extend(pending + [line])
+            pending = []
         else:
             pending.append(line)
     if pending:
@@ -123,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--in-place", action="store_true", help="rewrite each file instead of printing it")
     args = parser.parse_args(argv)
     for path in args.configs:
-        migrated = migrate_text(path.read_text())
+        migrated = migrate_text(path.read_text(), warn=lambda message: print(f"{path}: {message}", file=sys.stderr))
         if args.in_place:
             path.write_text(migrated)
         else:

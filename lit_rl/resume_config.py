@@ -1,6 +1,6 @@
 """The command line or the checkpoint, never silently: what a run given `--ckpt_path` is configured with.
 
-Lightning lays a checkpoint's hyperparameters over the command line: `--model.learning_rate 0.5` with a checkpoint
+Lightning lays a checkpoint's hyperparameters over the command line: `--model.optim.learning_rate 0.5` with a checkpoint
 trained at 1e-4 trained at 1e-4 without a word, and a checkpoint someone shared could set `trust_remote_code`,
 the reward functions or the module's class path (an import of any module) for the run that resumes it. lit-rl
 never takes a value from a checkpoint. The run is configured by its own config and command line alone; the
@@ -8,7 +8,7 @@ checkpoint's hyperparameters are only compared with them, key by key:
 
 - the same value: nothing to say;
 - a key in `MAY_CHANGE_ON_RESUME` (or, for `validate`, `test` and `predict`, any key but `MODEL_IDENTITY`): this
-  run's value takes effect, and one line says so (`lit-rl: model.learning_rate 0.5 from this run (the checkpoint
+  run's value takes effect, and one line says so (`lit-rl: model.optim.learning_rate 0.5 from this run (the checkpoint
   has 0.0001)`);
 - any other key: the run stops before it starts, with one line naming every such key, this run's value and the
   checkpoint's. A resumed `fit` continues the training the checkpoint holds, and changing its objective halfway
@@ -22,7 +22,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Mapping
 
-from lit_rl.config import grouped_hparams
+from lit_rl.config import GROUPS, grouped_hparams, own_options
 from lit_rl.errors import ConfigError
 
 # What a resumed `fit` may change. The optimizer's rates (the configured ones replace those in the restored
@@ -83,7 +83,8 @@ def reconcile(
         )
     this_run = _plain(dict(this_run))
     # A lit-rl 0.1 checkpoint's flat keys (`temperature`) compare with their groups' (`sampling.temperature`).
-    saved = _plain(grouped_hparams({k: v for k, v in hyper_parameters.items() if k not in NOT_ARGUMENTS}))
+    given = {k: v for k, v in hyper_parameters.items() if k not in NOT_ARGUMENTS}
+    saved = _plain(grouped_hparams(given, own_options(module_class)))
     allowed, refused = [], []
     for difference in differences("model", this_run, saved):
         bucket = allowed if may_change(subcommand, difference.key.removeprefix("model.")) else refused
@@ -156,15 +157,18 @@ def _plain(value: Any) -> Any:
 
 def differences(key: str, this_run: Any, checkpoint: Any) -> list[Difference]:
     """Where two values of `key` differ: key by key inside two mappings (`model.sampling.temperature`), else whole
-    (`model.policy.lora` set against null). A key only one of two mappings has is not compared: one version of
-    lit-rl has it, the other does not."""
+    (`model.policy.lora` set against null). An option or a group field only one side has is not compared (one
+    version of lit-rl has it, the other does not); inside a value (`model.env.environment_args`, `model.vllm`)
+    a key only one side has is a difference."""
     if this_run == checkpoint:
         return []
     if not (isinstance(this_run, Mapping) and isinstance(checkpoint, Mapping)):
         return [Difference(key, this_run, checkpoint)]
+    options = key == "model" or key.removeprefix("model.") in GROUPS
+    keys = this_run.keys() & checkpoint.keys() if options else this_run.keys() | checkpoint.keys()
     found = []
-    for sub in sorted(this_run.keys() & checkpoint.keys()):
-        found.extend(differences(f"{key}.{sub}", this_run[sub], checkpoint[sub]))
+    for sub in sorted(keys):
+        found.extend(differences(f"{key}.{sub}", this_run.get(sub), checkpoint.get(sub)))
     return found
 
 

@@ -119,3 +119,68 @@ def test_the_shipped_configs_need_no_migration_and_the_command_rewrites_a_file(t
     old.write_text(OLD)
     subprocess.run([sys.executable, "-m", "lit_rl.migrate", "--in-place", str(old)], check=True)
     assert old.read_text() == migrate_text(OLD)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (  # a group the config has takes the moved keys: YAML would keep only one of two `sampling:` keys
+            "model:\n  class_path: lit_rl.algorithms.GRPO\n  init_args:\n    sampling:\n      max_new_tokens: 64\n"
+            "    temperature: 0.7\n",
+            {"sampling": {"max_new_tokens": 64, "temperature": 0.7}},
+        ),
+        (  # a renamed key below a blank line and a comment
+            "model:\n  class_path: lit_rl.algorithms.GRPO\n  init_args:\n    beta: 0.1\n\n    # judge\n"
+            "    reward_funcs: [a.b]\n",
+            {"beta": 0.1, "rewards": {"funcs": ["a.b"]}},
+        ),
+        (  # a quoted class path
+            'model:\n  class_path: "lit_rl.algorithms.SFT"\n  init_args:\n    max_prompt_length: 64\n',
+            {"max_prompt_length": 64},
+        ),
+        (  # no algorithm named: SFT's and the samplers' key is left where it is
+            "model:\n  init_args:\n    max_prompt_length: 64\n    temperature: 0.5\n",
+            {"max_prompt_length": 64, "sampling": {"temperature": 0.5}},
+        ),
+        (  # blank lines inside a block scalar stay in it
+            "model:\n  class_path: lit_rl.algorithms.GRPO\n  init_args:\n    environment_args:\n      system: |\n"
+            "        line1\n\n        line2\n    beta: 0.1\n",
+            {"env": {"environment_args": {"system": "line1\n\nline2\n"}}, "beta": 0.1},
+        ),
+    ],
+)
+def test_migrate_keeps_every_value(text, expected):
+    warnings = []
+    assert yaml.safe_load(migrate_text(text, warn=warnings.append))["model"]["init_args"] == expected
+    assert bool(warnings) == ("class_path" not in text)
+
+
+def test_a_hint_names_a_place_only_the_algorithm_has():
+    assert moved_key_hint("model.temperature", GRPO) == "model.sampling.temperature"
+    assert moved_key_hint("model.temperature", DPO) is None  # DPO samples nothing
+    assert moved_key_hint("model.policy.lora.dtype") is None and moved_key_hint("model.sampling.temperature") is None
+
+
+def test_resume_compares_sft_s_own_prompt_limit_and_the_keys_of_a_free_form_value():
+    from lit_rl.resume_config import reconcile
+
+    saved = {"_class_path": "lit_rl.algorithms.SFT", "max_prompt_length": 64, "policy": {"dtype": "float32"}}
+    with pytest.raises(ConfigError, match=r"model\.max_prompt_length: 32 here, 64 in the checkpoint"):
+        reconcile("fit", SFT, {"max_prompt_length": 32, "policy": {"dtype": "float32"}}, saved, "c")
+    env = {"environment_args": {"x": 1}}
+    saved = {"_class_path": "lit_rl.algorithms.GRPO", "env": env}
+    with pytest.raises(ConfigError, match=r"model\.env\.environment_args\.hard: True here, null in the checkpoint"):
+        reconcile("fit", GRPO, {"env": {"environment_args": {"x": 1, "hard": True}}}, saved, "c")
+
+
+def test_a_module_built_in_python_writes_plain_hyperparameters(tmp_path):
+    """Its groups are dataclasses; the checkpoint holds dicts, which `weights_only` loading (export, resume) reads."""
+    import torch
+
+    module = SFT()
+    checkpoint = {"hyper_parameters": dict(module.hparams)}
+    module.on_save_checkpoint(checkpoint)
+    torch.save(checkpoint, tmp_path / "c.ckpt")
+    loaded = torch.load(tmp_path / "c.ckpt", weights_only=True)
+    assert loaded["hyper_parameters"]["policy"]["model_name_or_path"] == "lit-rl/tiny-qwen2-base"
+    assert loaded["hyper_parameters"]["optim"] == {"learning_rate": 1e-3, "weight_decay": 0.0, "warmup_steps": 0}

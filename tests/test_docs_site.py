@@ -48,3 +48,17 @@ def test_the_config_reference_is_what_the_code_says():
     for key in ("`model.sampling.temperature`", "`model.policy.lora.r`", "`model.vllm.mode`", "`data.train_data`"):
         assert key in page, key
     assert "| `model.temperature` | `model.sampling.temperature` |" in page
+
+
+def test_the_formulas_page_is_what_the_losses_docstrings_say():
+    """docs/formulas.md is generated from the docstrings of lit_rl/losses/: every objective and estimator on it."""
+    result = subprocess.run(
+        [sys.executable, str(REPO / "docs" / "formulas.py"), "--check"], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    page = (REPO / "docs" / "formulas.md").read_text()
+    from lit_rl.losses.advantages import ADVANTAGES
+    from lit_rl.losses.policy import POLICY_LOSSES
+
+    for name in [*POLICY_LOSSES, *ADVANTAGES, "dpo_loss", "gae", "aggregate", "rloo_loss"]:
+        assert f"`{name}`" in page or f"{name} " in page, name

@@ -104,7 +104,7 @@ def test_grpo_with_lora_trains_the_adapter_only_and_loads_no_reference_copy():
 
 @pytest.mark.parametrize("module_class", [GRPO, DPO])
 def test_checkpoint_state_holds_the_adapter_only_and_loads_strictly(module_class):
-    module = module_class(lora=LoRAConfig(r=4))
+    module = module_class(**grouped_kwargs(module_class, lora=LoRAConfig(r=4)))
     module.configure_model()
     full_state = module.state_dict()
     checkpoint = {"state_dict": dict(full_state), "hyper_parameters": dict(module.hparams)}
@@ -114,7 +114,7 @@ def test_checkpoint_state_holds_the_adapter_only_and_loads_strictly(module_class
     assert sum(v.numel() for v in checkpoint["state_dict"].values()) < 0.25 * sum(
         v.numel() for k, v in full_state.items() if k.startswith("policy.")
     )
-    restored = module_class(lora=LoRAConfig(r=4))
+    restored = module_class(**grouped_kwargs(module_class, lora=LoRAConfig(r=4)))
     restored.configure_model()
     with torch.no_grad():
         for key, value in checkpoint["state_dict"].items():

@@ -40,7 +40,7 @@ def test_pairs_are_ranked_by_reward_and_ties_get_no_label():
 )
 def test_bad_settings_name_the_key(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        OnlineDPO(**kwargs)
+        OnlineDPO(**grouped_kwargs(OnlineDPO, **kwargs))
 
 
 def test_a_reward_model_given_by_path_ranks_the_pairs(tmp_path):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lit_rl.algorithms.base import completion_forward
+from lit_rl.config import grouped_kwargs
 from lit_rl.errors import ConfigError
 from lit_rl.losses.policy import ppo_clip
 from lit_rl.losses.ppo import gae, token_rewards
@@ -178,4 +179,4 @@ def test_bad_ppo_settings_name_their_key(key, value, message):
     from lit_rl.algorithms import PPO
 
     with pytest.raises(ConfigError, match=message):
-        PPO(**{key: value})
+        PPO(**grouped_kwargs(PPO, **{key: value}))

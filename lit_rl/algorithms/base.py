@@ -18,7 +18,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torchmetrics import MetricCollection
 
-from lit_rl.config import OptimArgs, PolicyArgs, as_args, grouped_hparams
+from lit_rl.config import OptimArgs, PolicyArgs, as_args, grouped_hparams, plain_data
 from lit_rl.errors import ConfigError
 from lit_rl.modeling.head import TokenScores, check_plain_head, chunked_head_scores, scores_from_logits
 from lit_rl.modeling.lora import (
@@ -186,6 +186,11 @@ class PolicyModule(L.LightningModule):
         return state
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # A module built in Python (not by the CLI) holds its option groups as dataclasses: the checkpoint keeps
+        # them as plain data, which export and resume read with `weights_only` loading.
+        hparams = checkpoint.get("hyper_parameters")
+        if hparams:
+            checkpoint["hyper_parameters"] = {key: plain_data(value) for key, value in hparams.items()}
         if "state_dict" in checkpoint:
             frozen = self._frozen_state()
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}

@@ -37,7 +37,7 @@ class DPO(PolicyModule):
     The option groups it takes (`policy`, `optim`, ...) are documented in `lit_rl.config`.
 
     Args:
-        ref_model_name_or_path: reference model (default: the starting policy, `model_name_or_path`).
+        ref_model_name_or_path: reference model (default: the starting policy, `policy.model_name_or_path`).
         loss_type: one of `sigmoid`, `robust`, `hinge`, `ipo`, `apo_zero`, `simpo` (reference-free).
         beta: inverse temperature of the implicit reward `beta * (logp - ref_logp)`.
         label_smoothing: probability that a preference label is flipped (cDPO / robust DPO).

@@ -38,7 +38,8 @@ class OnlineDPO(OnPolicyModule):
     Args:
         reward_model_name_or_path: a sequence-classification reward model (hub id or local directory) whose score
             is added to the reward functions' (weight: the last entry of `rewards.weights` when it has one more
-            entry than `rewards.funcs`, else 1.0). With `rewards.funcs: []`, it is the only judge.
+            entry than `rewards.funcs`, else 1.0). Without reward functions (`rewards.funcs` null or `[]`) it is the
+            only judge.
         loss_type: DPO loss (`sigmoid`, `robust`, `hinge`, `ipo`, `apo_zero`); see `lit_rl.losses.dpo`.
         beta: inverse temperature of the implicit reward `beta * (logp - ref_logp)`.
         label_smoothing: probability that a preference is flipped (cDPO / robust).

@@ -9,9 +9,9 @@
 - every other column of the rows (`answer`, `solution`, ...), by name.
 
 A function returns one float per completion; `None` marks a completion it cannot score. lit-rl counts such a
-value as 0 in the weighted sum (`model.rewards.on_invalid: zero`, the default, as TRL's `nansum` does for a function
-that returned None) and in the metric `frac_invalid_reward`; `invalid_reward: error` stops the run naming the
-function. (TRL 1.16 also leaves a completion for which *every* function returned None out of its group's
+value as 0 in the weighted sum (`model.rewards.on_invalid: zero`, the default, as TRL's `nansum` does for a
+function that returned None) and in the metric `frac_invalid_reward`; `model.rewards.on_invalid: error` stops the
+run naming the function. (TRL 1.16 also leaves a completion for which *every* function returned None out of its group's
 baseline; lit-rl scores it 0.)
 
 They are referenced from YAML by import path (`lit_rl.rewards.arithmetic.correctness` or
@@ -89,7 +89,7 @@ def call_reward_function(
     name: str, fn: RewardFunction, prompts: list[Any], completions: list[Any], columns: dict[str, Any]
 ) -> list[float]:
     """Call `fn` and check what it returns: one float per completion; None becomes NaN (an invalid reward, handled
-    by the algorithm's `invalid_reward` policy). A function that raises or returns the wrong number of values is
+    by `model.rewards.on_invalid`). A function that raises or returns the wrong number of values is
     a `RewardFunctionError` naming it."""
     try:
         values = list(fn(prompts=prompts, completions=completions, **columns))

@@ -1,4 +1,4 @@
-"""A reward served over HTTP: `reward_funcs: [http://127.0.0.1:8000/score]`.
+"""A reward served over HTTP: `rewards: {funcs: [http://127.0.0.1:8000/score]}`.
 
 Each call POSTs JSON batches of at most `batch_size` completions,
 

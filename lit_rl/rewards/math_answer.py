@@ -1,5 +1,5 @@
 """Math answers checked with `math-verify` (the checker TRL's `accuracy_reward` and open-r1 use): install the extra
-`pip install "lit-rl[math]"`, then `reward_funcs: [lit_rl.rewards.math_answer.accuracy]`.
+`pip install "lit-rl[math]"`, then `rewards: {funcs: [lit_rl.rewards.math_answer.accuracy]}`.
 """
 
 from __future__ import annotations

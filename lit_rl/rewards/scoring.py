@@ -45,8 +45,8 @@ def weighted_reward(
 ) -> torch.Tensor:
     """[N, F] -> [N]: `sum_f weights[f] * components[:, f]`.
 
-    An invalid value (NaN, inf, or None from the function) counts as 0 with `invalid_reward: zero` (the default;
-    `frac_invalid_reward` counts them) and stops the run, naming the function (`names[f]`), with `error`.
+    An invalid value (NaN, inf, or None from the function) counts as 0 with `model.rewards.on_invalid: zero` (the
+    default; `frac_invalid_reward` counts them) and stops the run, naming the function (`names[f]`), with `error`.
     """
     invalid = ~torch.isfinite(components)
     if invalid.any() and invalid_reward == "error":
