@@ -7,14 +7,13 @@ callback, with its type, default and docstring, read from the signatures and dat
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import inspect
-import sys
 from pathlib import Path
 from typing import Any, Iterable
 
 import docstring_parser
+from generated_page import write_or_check  # noqa: E402  (docs/ is the script's own folder)
 
 from lit_rl.algorithms import DPO, GRPO, PPO, RLOO, SFT, OnlineDPO
 from lit_rl.callbacks import GracefulStop, NonFiniteGuard, RunSummary, SaveHFPretrained
@@ -158,15 +157,7 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 when the committed page differs")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        if PAGE.read_text() != text:
-            sys.exit(f"{PAGE} differs from the code: run `python docs/config_reference.py`")
-        return
-    PAGE.write_text(text)
+    write_or_check(PAGE, render, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

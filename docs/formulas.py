@@ -7,11 +7,11 @@ aggregation with its formula, as the code documents it (each checked by a hand-c
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import inspect
-import sys
 from pathlib import Path
+
+from generated_page import write_or_check  # noqa: E402  (docs/ is the script's own folder)
 
 PAGE = Path(__file__).resolve().parent / "formulas.md"
 # In the order a reader meets them in one step: advantages, the per-token objective, the GRPO loss around it,
@@ -67,15 +67,7 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 when the committed page differs")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        if PAGE.read_text() != text:
-            sys.exit(f"{PAGE} differs from the code: run `python docs/formulas.py`")
-        return
-    PAGE.write_text(text)
+    write_or_check(PAGE, render, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":
