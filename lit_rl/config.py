@@ -14,6 +14,7 @@ key by key on resume (`grouped_hparams`).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, TypeVar
@@ -278,8 +279,6 @@ def grouped_hparams(hparams: Mapping[str, Any], own_keys: frozenset[str] = froze
 
 def own_options(cls: type) -> frozenset[str]:
     """The options algorithm `cls` takes itself, outside the groups (DPO's `beta`, SFT's `max_prompt_length`)."""
-    import inspect
-
     return frozenset(inspect.signature(cls.__init__).parameters) - set(GROUPS) - {"self"}
 
 
@@ -293,8 +292,6 @@ def moved_key_hint(key: str, cls: Optional[type] = None) -> Optional[str]:
     if place is None:
         return None
     if cls is not None:
-        import inspect
-
         if place.split(".")[0] not in inspect.signature(cls.__init__).parameters:
             return None
     return f"model.{place}"
@@ -305,8 +302,6 @@ def grouped_kwargs(cls: type, **kwargs: Any) -> dict[str, Any]:
     its `__init__` takes them now (`sampling=SamplingArgs(..., temperature=0.7)`); each group starts from `cls`'s
     own default (PPO samples 4 completions per prompt, GRPO 8). Grouped and own arguments pass through, so
     `cls(**grouped_kwargs(cls, ...))` builds what the 0.1 call did."""
-    import inspect
-
     parameters = inspect.signature(cls.__init__).parameters
     out: dict[str, Any] = {}
     fields: dict[str, dict[str, Any]] = {}

@@ -31,14 +31,13 @@ class EpisodeRunner:
 
     def setup_environment(self, env: EnvArgs) -> None:
         self.env_factory, self.env_reward_names = environment_factory(env.environment, env.environment_args, env.tools)
-        self.max_turns = env.max_turns
-        self._max_total_tokens = env.max_total_tokens
 
     @property
     def max_total_tokens(self) -> int:
         """The transcript's budget: model and observation tokens after the prompt (default: every turn's budget,
         `max_turns x max_new_tokens`)."""
-        return self._max_total_tokens or self.max_turns * self.sampling_args.max_new_tokens
+        env = self.env_args
+        return env.max_total_tokens or env.max_turns * self.sampling_args.max_new_tokens
 
     @property
     def reward_names(self) -> list[str]:
@@ -77,7 +76,7 @@ class EpisodeRunner:
             # Special tokens' text in an observation (a tool echoing "<|endoftext|>") stays text.
             encode_observation=lambda text: tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True),
             reward_names=self.env_reward_names,
-            max_turns=self.max_turns,
+            max_turns=self.env_args.max_turns,
             max_total_tokens=self.max_total_tokens,
             pad_id=tokenizer.pad_token_id,
             device=self.device,

@@ -109,8 +109,12 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, RewardScorer, MicroBatch
         self._normalizers: list[LossNormalizer] = []
         self.max_staleness = max_staleness
         self._producer = AsyncRolloutProducer() if max_staleness > 0 else None
-        self.micro_batch_tokens = schedule.micro_batch_tokens
         self.setup_environment(env)
+
+    @property
+    def micro_batch_tokens(self) -> Optional[int]:
+        """`model.schedule.micro_batch_tokens`: micro-batches cut by tokens (None: by count)."""
+        return self.schedule_args.micro_batch_tokens
 
     # -- what subclasses decide ------------------------------------------------------------------------------
     train_metrics: MetricCollection  # set by the subclass, with `val_metrics = self.rollout_val_metrics()`
