@@ -497,3 +497,19 @@ def test_weight_transport_measures_both_ways_on_the_same_bytes(tmp_path):
         assert len(report["mb_per_s"][way]) == 2 and all(rate > 0 for rate in report["mb_per_s"][way])
     ratio = report["median_mb_per_s"]["gloo"] / report["median_mb_per_s"]["http"]
     assert report["gloo_over_http"] == pytest.approx(ratio)
+
+
+@pytest.mark.slow
+def test_decode_overhead_times_lit_rls_decoding_and_plain_generate():
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "decode_overhead.py"), "--quick"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    printed = dict(line.split(": ", 1) for line in result.stdout.splitlines())
+    assert printed["device"] in {"cpu", "cuda"}
+    seconds = [float(printed[name]) for name in ("lit-rl HF engine s", "generate(do_sample=True) s")]
+    assert all(value > 0 for value in seconds)
+    assert float(printed["lit-rl / generate"]) == pytest.approx(seconds[0] / seconds[1], rel=1e-3)
