@@ -34,7 +34,7 @@ from lit_rl.modeling.models import build_random_model, load_causal_lm  # noqa: E
 CONFIGS = REPO / "configs"
 ALGORITHMS = {
     "grpo": [
-        "--model.beta",
+        "--model.loss.beta",
         "0.04",
         "--model.sampling.num_generations",
         "8",

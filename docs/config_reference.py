@@ -17,8 +17,9 @@ from generated_page import write_or_check  # noqa: E402  (docs/ is the script's 
 
 from lit_rl.algorithms import DPO, GRPO, PPO, RLOO, SFT, OnlineDPO
 from lit_rl.callbacks import GracefulStop, NonFiniteGuard, RunSummary, SaveHFPretrained
-from lit_rl.config import GROUPS, MOVED_KEYS
+from lit_rl.config import GROUP_NAMES, GROUPS, MOVED_KEYS
 from lit_rl.data import PreferenceDataModule, PromptDataModule, SFTDataModule
+from lit_rl.loss_config import LOSS_GROUPS
 from lit_rl.modeling.lora import LoRAConfig
 from lit_rl.rollout import VLLMConfig
 
@@ -108,23 +109,36 @@ def render() -> str:
     ]
     for cls in ALGORITHMS:
         params = _parameters(cls)
-        groups = [p for p in params if p.name in GROUPS]
+        groups = [p for p in params if p.name in GROUP_NAMES]
         out += [f"### {cls.__name__}", "", f"`--model {cls.__name__}`: {_summary(cls)}", ""]
         group_notes = []
         for p in groups:
+            group_cls = type(p.default)  # the algorithm's own instance: its class (the loss's) and defaults
             changed = [
                 f"`{f.name}: {_value(getattr(p.default, f.name))}`"
-                for f in dataclasses.fields(GROUPS[p.name])
-                if getattr(p.default, f.name) != getattr(GROUPS[p.name](), f.name)
+                for f in dataclasses.fields(group_cls)
+                if getattr(p.default, f.name) != getattr(group_cls(), f.name)
             ]
             note = f" (here {', '.join(changed)})" if changed else ""
-            group_notes.append(f"[`{p.name}`](#model{p.name}){note}")
+            anchor = group_cls.__name__.lower() if p.name == "loss" else f"model{p.name}"
+            group_notes.append(f"[`{p.name}`](#{anchor}){note}")
         out += [f"Groups: {', '.join(group_notes)}.", ""]
-        out += _table(_class_rows("model", cls, skip=GROUPS))
+        out += _table(_class_rows("model", cls, skip=GROUP_NAMES))
     out += ["## Option groups", ""]
     for name, cls in GROUPS.items():
         out += [f"### model.{name}", "", _summary(cls), ""]
         out += _table(_dataclass_rows(f"model.{name}", cls))
+    out += [
+        "## Loss groups",
+        "",
+        "`model.loss` holds the objective's options; its class is the algorithm's (`lit_rl.loss_config`), and names",
+        "agree across algorithms where the meaning does (`beta`, `epsilon`, `epsilon_high`, `aggregation`).",
+        "",
+    ]
+    for cls in LOSS_GROUPS:
+        users = [a.__name__ for a in ALGORITHMS if type(_parameter_default(a, "loss")) is cls]
+        out += [f"### {cls.__name__}", "", f"`model.loss` of {', '.join(users)}: {_summary(cls)}", ""]
+        out += _table(_dataclass_rows("model.loss", cls))
     for prefix, cls in NESTED:
         out += [f"### {prefix}", "", _summary(cls), ""]
         out += _table(_dataclass_rows(prefix, cls))
@@ -154,6 +168,11 @@ def render() -> str:
     ]
     out += [f"| `model.{old}` | `model.{new}` |" for old, new in sorted(MOVED_KEYS.items())]
     return "\n".join(out) + "\n"
+
+
+def _parameter_default(cls: type, name: str) -> Any:
+    parameter = inspect.signature(cls.__init__).parameters.get(name)
+    return None if parameter is None else parameter.default
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,6 @@
 """`lit-rl`: LightningCLI over the algorithms and data modules.
 
-    lit-rl fit --config configs/grpo.yaml --model.beta 0.04 --trainer.max_steps 50
+    lit-rl fit --config configs/grpo.yaml --model.loss.beta 0.04 --trainer.max_steps 50
     lit-rl fit --config configs/grpo.yaml --print_config
     lit-rl fit --model.help lit_rl.algorithms.GRPO      # every option of an algorithm, with its documentation
 

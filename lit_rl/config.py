@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, TypeVar
 
 from lit_rl.errors import ConfigError
+from lit_rl.loss_config import LOSS_GROUPS
 from lit_rl.modeling.lora import LoRAConfig, as_lora_config, check_lora_config
 
 INVALID_REWARD_ACTIONS = ("zero", "error")
@@ -221,14 +222,34 @@ GROUPS: dict[str, type] = {
     "rewards": RewardArgs,
     "env": EnvArgs,
 }
-# Fields whose name changed when they moved into a group (lit-rl 0.1 key -> field).
-RENAMED = {"reward_funcs": "funcs", "reward_weights": "weights", "invalid_reward": "on_invalid"}
-_FIELD_OF = {new: old for old, new in RENAMED.items()}
-# lit-rl 0.1's flat key -> its place now (`temperature` -> `sampling.temperature`).
+# Every group name an algorithm may take: the shared ones and `loss`, whose class is the objective's own
+# (`lit_rl.loss_config`).
+GROUP_NAMES: tuple[str, ...] = (*GROUPS, "loss")
+# Fields whose name changed when they moved into a group (lit-rl 0.1 key -> field), so that names agree across
+# algorithms (GRPO's `epsilon_low` is PPO's and RLOO's `epsilon`; PPO's `whiten_advantages` is RLOO's
+# `normalize_advantages`).
+RENAMED = {
+    "reward_funcs": "funcs",
+    "reward_weights": "weights",
+    "invalid_reward": "on_invalid",
+    "epsilon_low": "epsilon",
+    "loss_aggregation": "aggregation",
+    "policy_loss": "objective",
+    "whiten_advantages": "normalize_advantages",
+    "loss_type": "type",
+}
+# Names a field had in 0.1 in some algorithm, though other algorithms' fields were renamed to them.
+_ALSO_0_1_NAMES = frozenset({"epsilon", "normalize_advantages"})  # PPO's and RLOO's
+_GROUP_FIELDS = [(group, field.name) for group, cls in GROUPS.items() for field in dataclasses.fields(cls)]
+_GROUP_FIELDS += [("loss", field.name) for cls in LOSS_GROUPS for field in dataclasses.fields(cls)]
+# lit-rl 0.1's flat key -> its place now (`temperature` -> `sampling.temperature`, `epsilon_low` -> `loss.epsilon`).
 MOVED_KEYS: dict[str, str] = {
-    _FIELD_OF.get(field.name, field.name): f"{group}.{field.name}"
-    for group, cls in GROUPS.items()
-    for field in dataclasses.fields(cls)
+    **{
+        name: f"{group}.{name}"
+        for group, name in _GROUP_FIELDS
+        if name not in RENAMED.values() or name in _ALSO_0_1_NAMES
+    },
+    **{old: f"{group}.{name}" for group, name in _GROUP_FIELDS for old, new in RENAMED.items() if new == name},
 }
 
 Args = TypeVar("Args")
@@ -243,7 +264,7 @@ def as_args(cls: type[Args], value: Any) -> Args:
         return cls()
     if isinstance(value, Mapping):
         names = {f.name for f in dataclasses.fields(cls)}
-        group = next((g for g, c in GROUPS.items() if c is cls), cls.__name__)
+        group = "loss" if cls in LOSS_GROUPS else next((g for g, c in GROUPS.items() if c is cls), cls.__name__)
         unknown = sorted(set(value) - names)
         if unknown:
             raise ConfigError(f"model.{group}.{unknown[0]}: unknown option (the keys are {sorted(names)})")
@@ -268,7 +289,7 @@ def grouped_hparams(hparams: Mapping[str, Any], own_keys: frozenset[str] = froze
     for key, value in hparams.items():
         value = plain_data(value)
         place = MOVED_KEYS.get(key)
-        if place is None or key in GROUPS or key in own_keys:
+        if place is None or key in GROUP_NAMES or key in own_keys:
             grouped[key] = value
             continue
         group, field = place.split(".")
@@ -279,7 +300,7 @@ def grouped_hparams(hparams: Mapping[str, Any], own_keys: frozenset[str] = froze
 
 def own_options(cls: type) -> frozenset[str]:
     """The options algorithm `cls` takes itself, outside the groups (DPO's `beta`, SFT's `max_prompt_length`)."""
-    return frozenset(inspect.signature(cls.__init__).parameters) - set(GROUPS) - {"self"}
+    return frozenset(inspect.signature(cls.__init__).parameters) - {*GROUP_NAMES, "self"}
 
 
 def moved_key_hint(key: str, cls: Optional[type] = None) -> Optional[str]:
@@ -315,6 +336,7 @@ def grouped_kwargs(cls: type, **kwargs: Any) -> dict[str, Any]:
     for group, changes in fields.items():
         if group not in parameters:
             raise ConfigError(f"{cls.__name__} takes no {group!r} group, so no {', '.join(changes)}")
-        base = as_args(GROUPS[group], out.get(group, parameters[group].default))
+        default = parameters[group].default  # the algorithm's own instance: its class and its defaults
+        base = as_args(type(default), out.get(group, default))
         out[group] = dataclasses.replace(base, **changes)
     return out

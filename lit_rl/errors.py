@@ -11,7 +11,7 @@ class LitRLError(ValueError):
 
 
 class ConfigError(LitRLError):
-    """An impossible configuration value; the message starts with the key (`model.beta ...`)."""
+    """An impossible configuration value; the message starts with the key (`model.loss.beta ...`)."""
 
 
 class DataError(LitRLError):

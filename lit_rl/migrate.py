@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from lit_rl.config import GROUPS, MOVED_KEYS
+from lit_rl.config import GROUP_NAMES, MOVED_KEYS
 
 _ENTRY = re.compile(r"^(\s*)([A-Za-z_][\w]*):")
 # SFT keeps `max_prompt_length` as its own key (it truncates its data; it samples nothing).
@@ -41,7 +41,7 @@ def migrate_text(text: str, warn: Callable[[str], None] = lambda message: None) 
     class_path = next((m.group(1) for m in found if m), None)
     own = _OWN_KEYS.get(class_path.rsplit(".", 1)[-1], set()) if class_path else set(_AMBIGUOUS)
     entries = _entries(lines, init + 1, init_end)
-    moved: dict[str, list[str]] = {group: [] for group in GROUPS}
+    moved: dict[str, list[str]] = {group: [] for group in GROUP_NAMES}
     kept: list[tuple[str | None, list[str]]] = []
     first_moved = None
     for key, block in entries:
@@ -58,7 +58,7 @@ def migrate_text(text: str, warn: Callable[[str], None] = lambda message: None) 
         moved[group].extend("  " + line if line.strip() else line for line in block)
     if first_moved is None:
         return text
-    existing = {key: block for key, block in kept if key in GROUPS}
+    existing = {key: block for key, block in kept if key in GROUP_NAMES}
     for group, block in existing.items():  # a group the config has: the moved keys go at its end
         block.extend(moved.pop(group))
     child_indent = " " * (_entry_indent(entries) or init_indent + 2)

@@ -22,7 +22,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Mapping
 
-from lit_rl.config import GROUPS, grouped_hparams, own_options
+from lit_rl.config import GROUP_NAMES, grouped_hparams, own_options
 from lit_rl.errors import ConfigError
 
 # What a resumed `fit` may change. The optimizer's rates (the configured ones replace those in the restored
@@ -164,7 +164,7 @@ def differences(key: str, this_run: Any, checkpoint: Any) -> list[Difference]:
         return []
     if not (isinstance(this_run, Mapping) and isinstance(checkpoint, Mapping)):
         return [Difference(key, this_run, checkpoint)]
-    options = key == "model" or key.removeprefix("model.") in GROUPS
+    options = key == "model" or key.removeprefix("model.") in GROUP_NAMES
     keys = this_run.keys() & checkpoint.keys() if options else this_run.keys() | checkpoint.keys()
     found = []
     for sub in sorted(keys):

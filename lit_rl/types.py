@@ -39,7 +39,7 @@ class RolloutBatch:
     episode_stats: Optional[torch.Tensor] = None  # [N, 4] float
     # PPO (`lit_rl.losses.ppo`): the critic's values when sampled, GAE advantages and returns, per token.
     old_values: Optional[torch.Tensor] = None  # [N, T] float
-    token_advantages: Optional[torch.Tensor] = None  # [N, T] float, whitened with `whiten_advantages`
+    token_advantages: Optional[torch.Tensor] = None  # [N, T] float, whitened with `loss.normalize_advantages`
     returns: Optional[torch.Tensor] = None  # [N, T] float
 
     def __len__(self) -> int:

@@ -113,8 +113,8 @@ CASES = [
     (
         "epsilon-high-below-low",
         GRPO,
-        ["--model.epsilon_low", "0.3", "--model.epsilon_high", "0.2"],
-        "model.epsilon_high (0.2) must be >= model.epsilon_low (0.3)",
+        ["--model.loss.epsilon", "0.3", "--model.loss.epsilon_high", "0.2"],
+        "model.loss.epsilon_high (0.2) must be >= model.loss.epsilon (0.3)",
         1,
     ),
     ("vllm-unknown-mode", GRPO, ["--model.vllm.mode", "remote"], "model.vllm.mode", 2),
@@ -164,8 +164,8 @@ CASES = [
         1,
     ),
     ("is-cap-below-one", GRPO, ["--model.rollout_is_cap", "0.5"], "model.rollout_is_cap must be >= 1", 1),
-    ("unknown-aggregation", GRPO, ["--model.loss_aggregation", "mean"], "model.loss_aggregation must be one of", 1),
-    ("unknown-scale-rewards", GRPO, ["--model.scale_rewards", "std"], "model.scale_rewards", 1),
+    ("unknown-aggregation", GRPO, ["--model.loss.aggregation", "mean"], "model.loss.aggregation must be one of", 1),
+    ("unknown-scale-rewards", GRPO, ["--model.loss.scale_rewards", "std"], "model.loss.scale_rewards", 1),
     (
         "reward-weights-mismatch",
         GRPO,
@@ -174,7 +174,7 @@ CASES = [
         1,
     ),
     ("unknown-dtype", GRPO, ["--model.policy.dtype", "float8"], "dtype must be one of", 1),
-    ("unknown-dpo-loss", DPO, ["--model.loss_type", "kto"], "model.loss_type must be one of", 1),
+    ("unknown-dpo-loss", DPO, ["--model.loss.type", "kto"], "model.loss.type must be one of", 1),
     (
         "missing-model",
         GRPO,

@@ -50,7 +50,7 @@ def test_every_overlay_parses_on_top_of_grpo(capsys, path):
 
 def test_dotted_overrides_and_repeated_configs(capsys, tmp_path):
     config = _print_config(
-        capsys, "--config", str(CONFIGS / "grpo.yaml"), "--model.beta", "0.04", "--trainer.max_steps", "50"
+        capsys, "--config", str(CONFIGS / "grpo.yaml"), "--model.loss.beta", "0.04", "--trainer.max_steps", "50"
     )
     assert config["model"]["init_args"]["beta"] == 0.04
     assert config["trainer"]["max_steps"] == 50
@@ -68,13 +68,13 @@ def test_help_documents_every_constructor_argument(capsys):
         run_cli("fit", "--model.help", "lit_rl.algorithms.GRPO")
     text = capsys.readouterr().out
     for option, doc in [
-        ("beta", "k3 KL"),
-        ("loss_aggregation", "Dr. GRPO"),
-        ("scale_rewards", "advantage scaling"),
+        ("loss.beta", "k3 KL"),
+        ("loss.aggregation", "Dr. GRPO"),
+        ("loss.scale_rewards", "advantage scaling"),
         ("schedule.num_iterations", "passes over each generation"),
-        ("epsilon_high", "upper clip range"),
-        ("policy_loss", "`gspo_token`"),
-        ("advantage", "`reinforce_pp_baseline`"),
+        ("loss.epsilon_high", "upper clip range"),
+        ("loss.objective", "`gspo_token`"),
+        ("loss.advantage", "`reinforce_pp_baseline`"),
         ("policy.padding_free", "laid"),
         ("schedule.micro_batch_tokens", "real (prompt + completion) tokens"),
         ("sampling.temperature", "log-probs are computed at this temperature"),
@@ -87,8 +87,11 @@ def test_help_documents_every_constructor_argument(capsys):
 
 
 def test_short_algorithm_names_and_negative_numbers_on_the_command_line(capsys):
-    config = _print_config(capsys, "--config", str(CONFIGS / "grpo.yaml"), "--model", "RLOO", "--model.beta", "-0.5")
-    assert config["model"]["class_path"] == "lit_rl.algorithms.RLOO" and config["model"]["init_args"]["beta"] == -0.5
+    config = _print_config(
+        capsys, "--config", str(CONFIGS / "grpo.yaml"), "--model", "RLOO", "--model.loss.beta", "-0.5"
+    )
+    assert config["model"]["class_path"] == "lit_rl.algorithms.RLOO"
+    assert config["model"]["init_args"]["loss"]["beta"] == -0.5
     config = _print_config(capsys, "--config", str(CONFIGS / "grpo.yaml"), "--model.optim.learning_rate", "-1e-4")
     assert config["model"]["init_args"]["optim"]["learning_rate"] == -1e-4  # parsed (argparse took it for an option)
     with pytest.raises(SystemExit):
@@ -106,15 +109,15 @@ def test_every_documented_group_field_is_on_the_command_line(capsys):
     import inspect
 
     import lit_rl.algorithms
-    from lit_rl.config import GROUPS
+    from lit_rl.config import GROUP_NAMES
 
     for name in ("GRPO", "PPO", "RLOO", "OnlineDPO", "DPO", "SFT"):
         with pytest.raises(SystemExit):
             run_cli("fit", "--model.help", name)
         text = capsys.readouterr().out
         parameters = inspect.signature(getattr(lit_rl.algorithms, name).__init__).parameters
-        for group in (g for g in GROUPS if g in parameters):
-            for field in dataclasses.fields(GROUPS[group]):
+        for group in (g for g in GROUP_NAMES if g in parameters):
+            for field in dataclasses.fields(type(parameters[group].default)):  # the loss group: the algorithm's
                 assert f"--model.{group}.{field.name} " in text, (name, group, field.name)
 
 
@@ -255,7 +258,7 @@ def test_a_normal_fit_prints_no_advert_and_no_known_warning(tmp_path):
         "from lit_rl.cli import main; main()"
     )
     args = ["--config", str(CONFIGS / "grpo.yaml"), "--config", str(overlay), *FAST_GRPO]
-    args += ["--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--model.beta", "0.04"]
+    args += ["--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--model.loss.beta", "0.04"]
     result = subprocess.run(
         [sys.executable, "-c", driver, "fit", *args],
         cwd=tmp_path,

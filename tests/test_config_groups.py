@@ -13,6 +13,7 @@ import yaml
 
 from lit_rl.algorithms import DPO, GRPO, PPO, RLOO, SFT, OnlineDPO
 from lit_rl.config import (
+    GROUP_NAMES,
     GROUPS,
     MOVED_KEYS,
     SamplingArgs,
@@ -22,19 +23,42 @@ from lit_rl.config import (
     moved_key_hint,
 )
 from lit_rl.errors import ConfigError
+from lit_rl.loss_config import LOSS_GROUPS, GRPOLoss, PPOLoss, RLOOLoss
 from lit_rl.migrate import migrate_text
 from tests.conftest import REPO
 
 ALGORITHMS = (GRPO, PPO, RLOO, OnlineDPO, DPO, SFT)
 
 
-def test_no_algorithm_takes_more_than_a_couple_of_dozen_arguments_and_none_repeats_a_group_field():
-    fields = {field.name for cls in GROUPS.values() for field in dataclasses.fields(cls)}
+def test_no_algorithm_takes_more_than_about_a_dozen_arguments_and_none_repeats_a_group_field():
+    fields = {field.name for cls in (*GROUPS.values(), *LOSS_GROUPS) for field in dataclasses.fields(cls)}
     for cls in ALGORITHMS:
         own = set(inspect.signature(cls.__init__).parameters) - {"self"}
-        assert len(own) <= 22, (cls.__name__, len(own))
-        repeated = (own - set(GROUPS)) & fields - {"max_prompt_length"}  # SFT truncates its data: its own key
+        assert len(own) <= 13, (cls.__name__, len(own))
+        repeated = (own - set(GROUP_NAMES)) & fields - {"max_prompt_length"}  # SFT truncates its data: its own key
         assert not repeated, (cls.__name__, repeated)
+
+
+def test_loss_options_agree_in_name_across_algorithms():
+    """The clip range is `epsilon` (and `epsilon_high`) wherever a ratio is clipped, whitening is
+    `normalize_advantages` wherever advantages are whitened, the KL weight is `beta` everywhere (lit-rl 0.1 said
+    `epsilon_low`, `epsilon`, `whiten_advantages` and `normalize_advantages`)."""
+    for cls in (GRPOLoss, PPOLoss, RLOOLoss):
+        names = {field.name for field in dataclasses.fields(cls)}
+        assert {"beta", "epsilon", "epsilon_high"} <= names, cls
+        assert cls(epsilon=0.1).clip_high == 0.1 and cls(epsilon=0.1, epsilon_high=0.3).clip_high == 0.3
+    assert {"normalize_advantages"} <= {f.name for f in dataclasses.fields(PPOLoss)} & {
+        f.name for f in dataclasses.fields(RLOOLoss)
+    }
+    assert MOVED_KEYS["epsilon_low"] == MOVED_KEYS["epsilon"] == "loss.epsilon"
+    assert MOVED_KEYS["whiten_advantages"] == MOVED_KEYS["normalize_advantages"] == "loss.normalize_advantages"
+    assert MOVED_KEYS["loss_type"] == "loss.type" and MOVED_KEYS["policy_loss"] == "loss.objective"
+    grpo = GRPO(**grouped_kwargs(GRPO, epsilon_low=0.1, epsilon_high=0.28, loss_aggregation="token"))
+    assert (grpo.loss_args.epsilon, grpo.loss_args.clip_high, grpo.loss_args.aggregation) == (0.1, 0.28, "token")
+    ppo = PPO(**grouped_kwargs(PPO, whiten_advantages=False))
+    assert ppo.loss_args.normalize_advantages is False and ppo.loss_args.clip_high == 0.2
+    with pytest.raises(ConfigError, match=r"model.loss.epsilon_high \(0.1\) must be >= model.loss.epsilon \(0.2\)"):
+        RLOOLoss(epsilon_high=0.1).check()
 
 
 def test_every_0_1_key_has_one_place_and_the_hint_names_it():
@@ -42,7 +66,8 @@ def test_every_0_1_key_has_one_place_and_the_hint_names_it():
     assert MOVED_KEYS["reward_funcs"] == "rewards.funcs" and MOVED_KEYS["lora"] == "policy.lora"
     assert moved_key_hint("model.learning_rate") == "model.optim.learning_rate"
     assert moved_key_hint("model.init_args.micro_batch_size") == "model.schedule.micro_batch_size"
-    assert moved_key_hint("model.beta") is None and moved_key_hint("trainer.temperature") is None
+    assert moved_key_hint("model.beta") == "model.loss.beta" and moved_key_hint("model.beta", SFT) is None
+    assert moved_key_hint("model.loss.beta") is None and moved_key_hint("trainer.temperature") is None
 
 
 def test_a_group_from_a_mapping_names_an_unknown_field():
@@ -58,17 +83,18 @@ def test_a_0_1_checkpoint_s_hyperparameters_are_grouped():
         "optim": {"learning_rate": 1e-4},
         "sampling": {"temperature": 0.7},
         "rewards": {"funcs": ["a.b"]},
-        "beta": 0.1,
+        "loss": {"beta": 0.1},
         "policy": {"lora": None},
     }
-    grouped = {"sampling": {"temperature": 0.7}, "beta": 0.1}
+    grouped = {"sampling": {"temperature": 0.7}, "loss": {"beta": 0.1}, "max_staleness": 0}
     assert grouped_hparams(grouped) == grouped
 
 
 def test_flat_python_arguments_keep_the_algorithm_s_own_defaults():
     kwargs = grouped_kwargs(PPO, max_new_tokens=4, learning_rate=3e-4, beta=0.0)
     assert kwargs["sampling"] == SamplingArgs(num_generations=4, max_new_tokens=4)  # PPO samples 4, GRPO 8
-    assert kwargs["optim"].learning_rate == 3e-4 and kwargs["beta"] == 0.0
+    assert kwargs["optim"].learning_rate == 3e-4 and kwargs["loss"].beta == 0.0
+    assert kwargs["loss"].aggregation == "token"  # PPO's own loss group and its defaults
     with pytest.raises(ConfigError, match="DPO takes no 'sampling' group"):
         grouped_kwargs(DPO, temperature=0.5)
 
@@ -101,7 +127,7 @@ def test_migrate_moves_the_flat_keys_and_keeps_comments_and_everything_else():
     assert init["policy"] == {"model_name_or_path": "my/model"}
     assert init["rewards"] == {"funcs": ["my.reward"]}
     assert init["sampling"] == {"num_generations": 4} and init["optim"] == {"learning_rate": 1e-5}
-    assert init["beta"] == 0.04 and init["vllm"] == {"mode": "server"}
+    assert init["loss"] == {"beta": 0.04} and init["vllm"] == {"mode": "server"}
     assert config["data"] == {"class_path": "lit_rl.data.PromptDataModule"}
     assert migrate_text(new) == new  # a 0.2 config is left as it is
 
@@ -132,7 +158,7 @@ def test_the_shipped_configs_need_no_migration_and_the_command_rewrites_a_file(t
         (  # a renamed key below a blank line and a comment
             "model:\n  class_path: lit_rl.algorithms.GRPO\n  init_args:\n    beta: 0.1\n\n    # judge\n"
             "    reward_funcs: [a.b]\n",
-            {"beta": 0.1, "rewards": {"funcs": ["a.b"]}},
+            {"loss": {"beta": 0.1}, "rewards": {"funcs": ["a.b"]}},
         ),
         (  # a quoted class path
             'model:\n  class_path: "lit_rl.algorithms.SFT"\n  init_args:\n    max_prompt_length: 64\n',
@@ -145,7 +171,7 @@ def test_the_shipped_configs_need_no_migration_and_the_command_rewrites_a_file(t
         (  # blank lines inside a block scalar stay in it
             "model:\n  class_path: lit_rl.algorithms.GRPO\n  init_args:\n    environment_args:\n      system: |\n"
             "        line1\n\n        line2\n    beta: 0.1\n",
-            {"env": {"environment_args": {"system": "line1\n\nline2\n"}}, "beta": 0.1},
+            {"env": {"environment_args": {"system": "line1\n\nline2\n"}}, "loss": {"beta": 0.1}},
         ),
     ],
 )

@@ -86,6 +86,6 @@ def test_the_loss_types_map_to_values_lit_rl_accepts():
     for _, lit_cell in rows:
         for setting in CODE.findall(lit_cell):
             key, _, value = setting.partition(" ")
-            allowed = {"model.loss_aggregation": AGGREGATIONS, "model.policy_loss": POLICY_LOSSES}.get(key)
+            allowed = {"model.loss.aggregation": AGGREGATIONS, "model.loss.objective": POLICY_LOSSES}.get(key)
             if allowed is not None:
                 assert value in allowed, setting

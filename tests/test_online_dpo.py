@@ -35,7 +35,7 @@ def test_pairs_are_ranked_by_reward_and_ties_get_no_label():
     [
         ({"num_generations": 4}, "num_generations must be 2"),
         ({"micro_batch_size": 3}, "micro_batch_size must be even"),
-        ({"loss_type": "simpo"}, "loss_type must be one of"),
+        ({"loss_type": "simpo"}, "model.loss.type must be one of"),
     ],
 )
 def test_bad_settings_name_the_key(kwargs, message):

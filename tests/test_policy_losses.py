@@ -88,9 +88,9 @@ def test_names_and_import_paths_resolve_and_mistakes_are_one_line():
     assert policy_loss_function("gspo_token") is gspo_token
     user = policy_loss_function("tests.test_policy_losses:my_objective")
     assert user.__module__.endswith("test_policy_losses") and user.__name__ == "my_objective"
-    with pytest.raises(ConfigError, match=r"model.policy_loss must be one of \['cispo', 'gspo', 'gspo_token'"):
+    with pytest.raises(ConfigError, match=r"model.loss.objective must be one of \['cispo', 'gspo', 'gspo_token'"):
         policy_loss_function("gpso")
-    with pytest.raises(ConfigError, match="model.advantage 'no_such.module.fn': cannot import module"):
+    with pytest.raises(ConfigError, match="model.loss.advantage 'no_such.module.fn': cannot import module"):
         advantage_function("no_such.module.fn")
     with pytest.raises(ConfigError, match="has no callable 'missing'"):
         policy_loss_function("tests.test_policy_losses.missing")
@@ -192,7 +192,7 @@ def test_soft_overlong_punishment_is_subtracted_from_the_reward(tmp_path):
 
     # Buffer = the limit (4): every completion of L tokens loses 0.5 * L / 4. The functions' own values are logged
     # apart, so train/reward = correctness - 0.5 * mean length / 4, per step.
-    overlong = ["--model.overlong_buffer", "4", "--model.overlong_penalty", "0.5", "--trainer.max_steps", "2"]
+    overlong = ["--model.loss.overlong_buffer", "4", "--model.loss.overlong_penalty", "0.5", "--trainer.max_steps", "2"]
     rewards = ["--model.rewards.funcs", "[lit_rl.rewards.arithmetic.correctness]", "--model.rewards.weights", "null"]
     log_dir = fit_config(tmp_path, "run", "grpo.yaml", *FAST_GRPO, *rewards, *overlong)
     rows = train_rows(log_dir)

@@ -167,10 +167,10 @@ def test_one_loss_trains_both_networks_each_at_its_own_learning_rate():
 @pytest.mark.parametrize(
     "key, value, message",
     [
-        ("value_clip", 0.0, "model.value_clip must be > 0"),
-        ("lam", 1.5, r"model.lam must be in \[0, 1\]"),
-        ("gamma", -0.1, r"model.gamma must be in \[0, 1\]"),
-        ("loss_aggregation", "mean", "model.loss_aggregation must be one of"),
+        ("value_clip", 0.0, "model.loss.value_clip must be > 0"),
+        ("lam", 1.5, r"model.loss.lam must be in \[0, 1\]"),
+        ("gamma", -0.1, r"model.loss.gamma must be in \[0, 1\]"),
+        ("loss_aggregation", "mean", "model.loss.aggregation must be one of"),
         ("critic_learning_rate", -1.0, "model.critic_learning_rate must be >= 0"),
         ("num_generations", 0, "model.sampling.num_generations must be >= 1"),
     ],

@@ -53,8 +53,8 @@ def test_fit_stops_in_one_line_naming_every_key_it_may_not_change():
     assert "\n" not in message
     assert message.startswith("--ckpt_path runs/last.ckpt was trained with other values: ")
     assert (
-        "model.beta: 0.04 here, 0.0 in the checkpoint; model.sampling.num_generations: 8 here, 16 in the checkpoint;"
-        in message
+        "model.loss.beta: 0.04 here, 0.0 in the checkpoint; "
+        "model.sampling.num_generations: 8 here, 16 in the checkpoint;" in message
     )
     assert "learning_rate" not in message  # the rate may change: not among the refused keys
 
@@ -92,7 +92,7 @@ def test_validate_takes_this_runs_values_except_the_models_identity():
     changed = reconcile("validate", GRPO, _run(reward_funcs=rewards, beta=0.1, learning_rate=3.0), SAVED, "c")
     # The learning rate changes nothing in a run that does not train: not announced.
     assert changed == [
-        Difference("model.beta", 0.1, 0.0),
+        Difference("model.loss.beta", 0.1, 0.0),
         Difference("model.rewards.funcs", rewards, SAVED["rewards"]["funcs"]),
     ]
     with pytest.raises(

@@ -44,6 +44,16 @@ def test_sequence_level_clipped_loss_by_hand():
     assert stats["clipped"].tolist() == [1.0, 1.0]
 
 
+def test_clip_higher_widens_only_the_upper_range_of_the_sequence_ratio():
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    logp = torch.tensor([[math.log(1.5) / 2, math.log(1.5) / 2], [math.log(0.5), 5.0]])
+    adv = torch.tensor([1.0, -1.0])
+    loss, stats = rloo_loss(logp, torch.zeros(2, 2), adv, mask, epsilon=0.2, epsilon_high=0.4)
+    # seq 1: min(1.5, 1.4) = 1.4 (the upper range is 0.4 now); seq 2 still clipped at 0.8 -> losses [-1.4, 0.8]
+    assert loss.item() == pytest.approx((-1.4 + 0.8) / 2, rel=1e-6)
+    assert stats["clipped"].tolist() == [1.0, 1.0]
+
+
 def test_on_policy_loss_is_minus_mean_advantage_with_a_gradient():
     logp = torch.randn(4, 3, requires_grad=True)
     adv = torch.tensor([1.0, -1.0, 0.5, 2.0])

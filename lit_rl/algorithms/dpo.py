@@ -20,10 +20,10 @@ import torch
 from torchmetrics import MeanMetric, MetricCollection
 
 from lit_rl.algorithms.base import PolicyModule
-from lit_rl.config import OptimArgs, PolicyArgs
+from lit_rl.config import OptimArgs, PolicyArgs, as_args
 from lit_rl.data.preference import TokenizedPair, collate_pairs
-from lit_rl.errors import ConfigError
-from lit_rl.losses.dpo import DPO_LOSSES, REFERENCE_FREE, dpo_loss
+from lit_rl.loss_config import DPOLoss
+from lit_rl.losses.dpo import REFERENCE_FREE, dpo_loss
 from lit_rl.modeling.models import resolve_model_path
 from lit_rl.training.metrics import DPO_PAIR_METRICS, LOCAL, metric_collection
 from lit_rl.training.strategies import is_accumulating_micro_batch, reduce_across_ranks
@@ -34,14 +34,11 @@ log = logging.getLogger(__name__)
 class DPO(PolicyModule):
     """DPO, cDPO, robust DPO, IPO, hinge (SLiC), APO-zero and SimPO.
 
-    The option groups it takes (`policy`, `optim`, ...) are documented in `lit_rl.config`.
+    The option groups it takes (`policy`, `optim`, ...) are documented in `lit_rl.config`, its `loss` group in
+    `lit_rl.loss_config.DPOLoss`.
 
     Args:
         ref_model_name_or_path: reference model (default: the starting policy, `policy.model_name_or_path`).
-        loss_type: one of `sigmoid`, `robust`, `hinge`, `ipo`, `apo_zero`, `simpo` (reference-free).
-        beta: inverse temperature of the implicit reward `beta * (logp - ref_logp)`.
-        label_smoothing: probability that a preference label is flipped (cDPO / robust DPO).
-        simpo_gamma: target reward margin of SimPO.
         precompute_ref_logprobs: compute the reference log-probs once before training and keep no reference model.
         ref_cache_dir: where precomputed reference log-probs are cached (keyed to the model and the data).
     """
@@ -51,19 +48,12 @@ class DPO(PolicyModule):
         policy: PolicyArgs = PolicyArgs(),
         optim: OptimArgs = OptimArgs(),
         ref_model_name_or_path: Optional[str] = None,
-        loss_type: str = "sigmoid",
-        beta: float = 0.1,
-        label_smoothing: float = 0.0,
-        simpo_gamma: float = 0.5,
+        loss: DPOLoss = DPOLoss(),
         precompute_ref_logprobs: bool = False,
         ref_cache_dir: str = "runs/cache",
     ) -> None:
-        if loss_type not in DPO_LOSSES:
-            raise ConfigError(f"model.loss_type must be one of {DPO_LOSSES}, got {loss_type!r}")
-        if beta <= 0:
-            raise ConfigError(f"model.beta must be > 0, got {beta}")
-        if not 0 <= label_smoothing < 0.5:
-            raise ConfigError(f"model.label_smoothing must be in [0, 0.5), got {label_smoothing}")
+        self.loss_args = loss = as_args(DPOLoss, loss)
+        loss.check()
         super().__init__(policy, optim)
         self.save_hyperparameters()
         metrics = dpo_metrics()
@@ -74,7 +64,7 @@ class DPO(PolicyModule):
 
     @property
     def needs_reference(self) -> bool:
-        return self.hparams.loss_type not in REFERENCE_FREE
+        return self.loss_args.type not in REFERENCE_FREE
 
     @property
     def ref_path(self) -> str:
@@ -179,12 +169,12 @@ class DPO(PolicyModule):
         return logps.chunk(2)
 
     def _step(self, batch: dict[str, torch.Tensor], split: str, metrics) -> torch.Tensor:
-        hp = self.hparams
+        args = self.loss_args
         weight = batch["weight"]  # [B], 0 on padding pairs
         logps, lengths, mean_logits = self.sequence_logps(self.policy, batch)
         chosen, rejected = logps.chunk(2)
         ref_chosen, ref_rejected = self._reference(batch, split)
-        if hp.loss_type == "ipo":  # IPO compares length-averaged log-probs
+        if args.type == "ipo":  # IPO compares length-averaged log-probs
             len_c, len_r = lengths.chunk(2)
             chosen, rejected = chosen / len_c, rejected / len_r
             ref_chosen, ref_rejected = ref_chosen / len_c, ref_rejected / len_r
@@ -199,12 +189,12 @@ class DPO(PolicyModule):
             rejected,
             ref_chosen,
             ref_rejected,
-            hp.loss_type,
-            hp.beta,
-            hp.label_smoothing,
+            args.type,
+            args.beta,
+            args.label_smoothing,
             chosen_lengths=len_c,
             rejected_lengths=len_r,
-            simpo_gamma=hp.simpo_gamma,
+            simpo_gamma=args.simpo_gamma,
             num_pairs=num_pairs.clamp(min=1.0),
             weights=weight,
         )

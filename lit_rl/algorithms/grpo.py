@@ -13,11 +13,11 @@ import torch
 from torchmetrics import MeanMetric, MetricCollection
 
 from lit_rl.algorithms.on_policy import ZERO_STD, OnPolicyModule
-from lit_rl.algorithms.rollout_checks import check_beta
 from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, SamplingArgs, ScheduleArgs, as_args
 from lit_rl.data.schedule import MAX_REFILLS, refill_seed_key
 from lit_rl.errors import ConfigError
-from lit_rl.losses import AGGREGATIONS, IS_CORRECTIONS, LossNormalizer, grpo_loss, rollout_is_weights
+from lit_rl.loss_config import GRPOLoss
+from lit_rl.losses import IS_CORRECTIONS, LossNormalizer, grpo_loss, rollout_is_weights
 from lit_rl.losses.advantages import advantage_function
 from lit_rl.losses.overlong import overlong_penalty, truncated
 from lit_rl.losses.policy import policy_loss_function
@@ -32,21 +32,10 @@ from lit_rl.types import RolloutBatch
 class GRPO(OnPolicyModule):
     """Group Relative Policy Optimization.
 
-    The option groups it takes (`policy`, `optim`, ...) are documented in `lit_rl.config`.
+    The option groups it takes (`policy`, `optim`, ...) are documented in `lit_rl.config`, its `loss` group in
+    `lit_rl.loss_config.GRPOLoss`.
 
     Args:
-        beta: weight of the per-token k3 KL to a frozen reference model; 0 loads no reference model.
-        epsilon_low: lower clip range of the ratio, `1 - epsilon_low`.
-        epsilon_high: upper clip range of the ratio, `1 + epsilon_high` (DAPO "clip-higher" when larger).
-        loss_aggregation: `sequence` (GRPO paper), `token`, `constant` (Dr. GRPO) or `dapo`.
-        scale_rewards: advantage scaling: `group` std, `batch` std, or `none` (Dr. GRPO).
-        policy_loss: the per-token objective (formulas in `lit_rl.losses.policy`): `ppo_clip` (PPO's clipped
-            surrogate: GRPO, DAPO), `gspo` or `gspo_token` (GSPO's length-normalised sequence ratio; its paper clips
-            at epsilon 3e-4 / 4e-4), `cispo` (CISPO: REINFORCE weighted by the clipped ratio, no token dropped), or
-            the import path of a function with the same signature.
-        advantage: the advantage estimator (formulas in `lit_rl.losses.advantages`): `group` (GRPO, scaled by
-            `scale_rewards`), `rloo` (leave-one-out), `reinforce_pp` (REINFORCE++: global batch normalisation),
-            `reinforce_pp_baseline` (group mean subtracted, then batch-normalised), or an import path.
         vllm: generate rollouts with vLLM (`configs/rollout/vllm_colocate.yaml`, `vllm_server.yaml`); None: HF
             `generate` on the policy. See `lit_rl.rollout.VLLMConfig` for the keys (`--model.vllm.mode ...`).
         max_staleness: asynchronous rollouts: generation g is sampled in the background by the weights of
@@ -61,12 +50,6 @@ class GRPO(OnPolicyModule):
             sampled with older weights) or when a vLLM engine computes in another dtype than the trainer or in any
             dtype below float32 (`RolloutEngineOwner.engine_numerics_differ`), else `none`.
         rollout_is_cap: the cap C of the rollout correction.
-        overlong_filter: truncated completions (no EOS within `max_new_tokens`) get no loss: their tokens leave the
-            policy and KL terms and the loss denominators (DAPO's overlong filtering). Metrics still count them.
-        overlong_buffer: DAPO's soft overlong punishment: completions longer than `max_new_tokens - overlong_buffer`
-            tokens lose up to `overlong_penalty` reward, linearly (`lit_rl.losses.overlong`); 0 (default): off.
-            `train/reward` includes the penalty, `train/rewards/<fn>` are the functions' own values.
-        overlong_penalty: the largest penalty, at `max_new_tokens` tokens.
         dynamic_sampling: DAPO's dynamic sampling (`lit_rl.rollout.dynamic_sampling`): groups whose rewards all
             agree are dropped and refill generations of as many prompts sampled until the batch is full.
             Logged: `train/refill_generations`, `train/frac_groups_dropped`.
@@ -82,37 +65,19 @@ class GRPO(OnPolicyModule):
         sampling: SamplingArgs = SamplingArgs(),
         rewards: RewardArgs = RewardArgs(),
         env: EnvArgs = EnvArgs(),
-        beta: float = 0.0,
-        epsilon_low: float = 0.2,
-        epsilon_high: float = 0.2,
-        loss_aggregation: str = "sequence",
-        scale_rewards: str = "group",
-        policy_loss: str = "ppo_clip",
-        advantage: str = "group",
+        loss: GRPOLoss = GRPOLoss(),
         vllm: Optional[VLLMConfig] = None,
         max_staleness: int = 0,
         rollout_is_correction: str = "auto",
         rollout_is_cap: float = 2.0,
-        overlong_filter: bool = False,
-        overlong_buffer: int = 0,
-        overlong_penalty: float = 1.0,
         dynamic_sampling: bool = False,
         max_refill_generations: int = 4,
     ) -> None:
-        check_beta(beta)
-        max_new_tokens = as_args(SamplingArgs, sampling).max_new_tokens
-        if loss_aggregation not in AGGREGATIONS:
-            raise ConfigError(f"model.loss_aggregation must be one of {sorted(AGGREGATIONS)}, got {loss_aggregation!r}")
-        if scale_rewards not in ("group", "batch", "none"):
-            raise ConfigError(f"model.scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}")
+        self.loss_args = loss = as_args(GRPOLoss, loss)
+        loss.check(max_new_tokens=as_args(SamplingArgs, sampling).max_new_tokens)
         if rollout_is_correction not in ("auto", *IS_CORRECTIONS):
             raise ConfigError(
                 f"model.rollout_is_correction must be one of {['auto', *IS_CORRECTIONS]}, got {rollout_is_correction!r}"
-            )
-        if not 0 <= overlong_buffer <= max_new_tokens:
-            raise ConfigError(
-                f"model.overlong_buffer must be in [0, model.sampling.max_new_tokens={max_new_tokens}], "
-                f"got {overlong_buffer}"
             )
         if not 0 <= max_refill_generations <= MAX_REFILLS:
             raise ConfigError(
@@ -125,21 +90,14 @@ class GRPO(OnPolicyModule):
             )
         if not rollout_is_cap >= 1.0:
             raise ConfigError(f"model.rollout_is_cap must be >= 1, got {rollout_is_cap}")
-        if epsilon_low < 0 or epsilon_high < 0:
-            raise ConfigError("model.epsilon_low and model.epsilon_high must be >= 0")
-        if epsilon_high < epsilon_low:
-            raise ConfigError(
-                f"model.epsilon_high ({epsilon_high}) must be >= model.epsilon_low ({epsilon_low}): "
-                "clip-higher widens the upper range, never narrows it"
-            )
         super().__init__(policy, optim, schedule, sampling, rewards, env, vllm=vllm, max_staleness=max_staleness)
         self.save_hyperparameters()
-        self.policy_loss_fn = policy_loss_function(policy_loss)  # functions, not modules: never saved as weights
-        self.advantage_fn = advantage_function(advantage)
+        self.policy_loss_fn = policy_loss_function(loss.objective)  # functions, not modules: never saved as weights
+        self.advantage_fn = advantage_function(loss.advantage)
         # The fraction corrected is logged when a correction is asked for by name or made certain by asynchrony
         # (`auto` alone keeps the columns of earlier runs).
         with_correction = max_staleness > 0 or rollout_is_correction not in ("auto", "none")
-        metrics = grpo_metrics(self.reward_names, with_kl=beta != 0.0, with_is_correction=with_correction)
+        metrics = grpo_metrics(self.reward_names, with_kl=loss.beta != 0.0, with_is_correction=with_correction)
         if dynamic_sampling:
             metrics.add_metrics(dynamic_sampling_metrics())
         self.train_metrics = self.rollout_train_metrics(metrics)
@@ -147,10 +105,10 @@ class GRPO(OnPolicyModule):
         self.val_metrics = self.rollout_val_metrics()
 
     def uses_reference(self) -> bool:
-        return self.hparams.beta != 0.0
+        return self.loss_args.beta != 0.0
 
     def finish_rollout(self, batch: RolloutBatch, all_rewards: torch.Tensor) -> None:
-        advantages, _ = self.advantage_fn(all_rewards, self.sampling_args.num_generations, self.hparams.scale_rewards)
+        advantages, _ = self.advantage_fn(all_rewards, self.sampling_args.num_generations, self.loss_args.scale_rewards)
         batch.advantages = advantages[self.local_slice(len(batch))]
         if self.hparams.dynamic_sampling:
             refills, dropped = self._dynamic_sampling_stats
@@ -198,13 +156,13 @@ class GRPO(OnPolicyModule):
         return (all_rewards.view(-1, self.sampling_args.num_generations).std(dim=1) > ZERO_STD).tolist()
 
     def shape_rewards(self, rewards: torch.Tensor, out: RolloutOutput) -> torch.Tensor:
-        hp = self.hparams
+        loss = self.loss_args
         lengths = out.completion_mask.sum(dim=1)  # [N] (with an environment: the transcript, against its budget)
-        return rewards - overlong_penalty(lengths, self.completion_budget, hp.overlong_buffer, hp.overlong_penalty)
+        return rewards - overlong_penalty(lengths, self.completion_budget, loss.overlong_buffer, loss.overlong_penalty)
 
     def loss_mask(self, batch: RolloutBatch) -> torch.Tensor:
         model_tokens = self.model_token_mask(batch)
-        if not self.hparams.overlong_filter:
+        if not self.loss_args.overlong_filter:
             return model_tokens
         eos = model_eos_token_ids(self.policy, self.tokenizer.eos_token_id)
         cut_off = truncated(batch.completion_ids, model_tokens, eos)  # [N]: did the model's last token end it?
@@ -234,12 +192,12 @@ class GRPO(OnPolicyModule):
             old_logprobs,
             mb.advantages,
             self.loss_mask(mb),
-            aggregation=hp.loss_aggregation,
+            aggregation=self.loss_args.aggregation,
             normalizer=normalizer,
             ref_logprobs=mb.ref_logprobs,
-            beta=hp.beta,
-            epsilon_low=hp.epsilon_low,
-            epsilon_high=hp.epsilon_high,
+            beta=self.loss_args.beta,
+            epsilon_low=self.loss_args.epsilon,
+            epsilon_high=self.loss_args.clip_high,
             importance_weights=importance_weights,
             policy_loss=self.policy_loss_fn,
         )

@@ -19,9 +19,9 @@ import torch
 from torchmetrics import MeanMetric, MetricCollection
 
 from lit_rl.algorithms.on_policy import OnPolicyModule
-from lit_rl.algorithms.rollout_checks import check_beta
 from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, SamplingArgs, ScheduleArgs, as_args
 from lit_rl.errors import ConfigError
+from lit_rl.loss_config import DPOLoss
 from lit_rl.losses import LossNormalizer
 from lit_rl.losses.dpo import DPO_LOSSES, REFERENCE_FREE, dpo_loss
 from lit_rl.rewards.model import RewardModel
@@ -33,16 +33,14 @@ from lit_rl.types import RolloutBatch
 class OnlineDPO(OnPolicyModule):
     """Online DPO with reward functions as the judge.
 
-    The option groups it takes (`policy`, `optim`, ...) are documented in `lit_rl.config`.
+    The option groups it takes (`policy`, `optim`, ...) are documented in `lit_rl.config`, its `loss` group in
+    `lit_rl.loss_config.DPOLoss` (every type but the reference-free `simpo`).
 
     Args:
         reward_model_name_or_path: a sequence-classification reward model (hub id or local directory) whose score
             is added to the reward functions' (weight: the last entry of `rewards.weights` when it has one more
             entry than `rewards.funcs`, else 1.0). Without reward functions (`rewards.funcs` null or `[]`) it is the
             only judge.
-        loss_type: DPO loss (`sigmoid`, `robust`, `hinge`, `ipo`, `apo_zero`); see `lit_rl.losses.dpo`.
-        beta: inverse temperature of the implicit reward `beta * (logp - ref_logp)`.
-        label_smoothing: probability that a preference is flipped (cDPO / robust).
         vllm: generate rollouts with vLLM (`configs/rollout/vllm_colocate.yaml`, `vllm_server.yaml`); None: HF
             `generate` on the policy. See `lit_rl.rollout.VLLMConfig` for the keys (`--model.vllm.mode ...`).
         max_staleness: asynchronous rollouts: generation g is sampled in the background by the weights of
@@ -62,13 +60,12 @@ class OnlineDPO(OnPolicyModule):
         rewards: RewardArgs = RewardArgs(),
         env: EnvArgs = EnvArgs(),
         reward_model_name_or_path: Optional[str] = None,
-        loss_type: str = "sigmoid",
-        beta: float = 0.1,
-        label_smoothing: float = 0.0,
+        loss: DPOLoss = DPOLoss(),
         vllm: Optional[VLLMConfig] = None,
         max_staleness: int = 0,
     ) -> None:
-        check_beta(beta)
+        self.loss_args = loss = as_args(DPOLoss, loss)
+        loss.check(allowed=tuple(name for name in DPO_LOSSES if name not in REFERENCE_FREE))
         num_generations = as_args(SamplingArgs, sampling).num_generations
         micro_batch_size = as_args(ScheduleArgs, schedule).micro_batch_size
         if num_generations != 2:
@@ -79,11 +76,6 @@ class OnlineDPO(OnPolicyModule):
             raise ConfigError(
                 f"model.schedule.micro_batch_size must be even (pairs are never split), got {micro_batch_size}"
             )
-        if loss_type not in DPO_LOSSES or loss_type in REFERENCE_FREE:
-            allowed = [t for t in DPO_LOSSES if t not in REFERENCE_FREE]
-            raise ConfigError(f"model.loss_type must be one of {allowed}, got {loss_type!r}")
-        if not 0 <= label_smoothing < 0.5:
-            raise ConfigError(f"model.label_smoothing must be in [0, 0.5), got {label_smoothing}")
         # A reward model is one more judge after the reward functions: its weight is the extra last entry of
         # rewards.weights, if any. A new object, so save_hyperparameters keeps the arguments as given.
         judge_weight = 1.0
@@ -120,12 +112,12 @@ class OnlineDPO(OnPolicyModule):
     def micro_batch_loss(
         self, mb: RolloutBatch, logprobs: torch.Tensor, normalizer: LossNormalizer
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        hp = self.hparams
+        args = self.loss_args
         mask = self.loss_mask(mb)  # the model's tokens: every completion token without an environment
         labels = mb.advantages.view(-1, 2)  # [n/2, 2]
         seq_logps = (logprobs * mask).sum(dim=1).view(-1, 2)  # [n/2, 2]
         ref_logps = (mb.ref_logprobs * mask).sum(dim=1).view(-1, 2)
-        if hp.loss_type == "ipo":  # IPO compares length-averaged log-probs, as in DPO
+        if args.type == "ipo":  # IPO compares length-averaged log-probs, as in DPO
             lengths = mask.sum(dim=1).clamp(min=1).view(-1, 2)
             seq_logps, ref_logps = seq_logps / lengths, ref_logps / lengths
         chosen_col = (labels[:, 1] > 0).long()  # 0 when the first completion is chosen (or tied)
@@ -136,9 +128,9 @@ class OnlineDPO(OnPolicyModule):
             pick(seq_logps, 1 - chosen_col),
             pick(ref_logps, chosen_col),
             pick(ref_logps, 1 - chosen_col),
-            hp.loss_type,
-            hp.beta,
-            hp.label_smoothing,
+            args.type,
+            args.beta,
+            args.label_smoothing,
             num_pairs=max(normalizer.num_active_sequences / 2, 1.0),
             weights=untied,
         )

@@ -33,10 +33,10 @@ from torchmetrics import ExplainedVariance, MeanMetric, MetricCollection, SumMet
 
 from lit_rl.algorithms.base import completion_forward
 from lit_rl.algorithms.on_policy import OnPolicyModule
-from lit_rl.algorithms.rollout_checks import check_beta
-from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, SamplingArgs, ScheduleArgs
+from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, SamplingArgs, ScheduleArgs, as_args
 from lit_rl.errors import ConfigError
-from lit_rl.losses import AGGREGATIONS, LossNormalizer, aggregate
+from lit_rl.loss_config import PPOLoss
+from lit_rl.losses import LossNormalizer, aggregate
 from lit_rl.losses.policy import ppo_clip
 from lit_rl.losses.ppo import clipped_value_loss, gae, masked_moments, moments_to_mean_std, token_rewards, whiten
 from lit_rl.modeling.value_model import ValueModel, load_value_model, reset_value_head
@@ -49,21 +49,10 @@ from lit_rl.types import RolloutBatch
 class PPO(OnPolicyModule):
     """Proximal Policy Optimization with a critic, GAE and value clipping.
 
-    The option groups it takes (`policy`, `optim`, ...) are documented in `lit_rl.config`.
+    The option groups it takes (`policy`, `optim`, ...) are documented in `lit_rl.config`, its `loss` group in
+    `lit_rl.loss_config.PPOLoss`.
 
     Args:
-        beta: per-token KL penalty in the reward, `r_t = -beta (logp_t - ref_logp_t)` (+ the reward at the last
-            token); 0 loads no reference model.
-        gamma: GAE discount.
-        lam: GAE lambda (1: Monte-Carlo returns minus the critic's value; 0: one-step TD errors).
-        epsilon: clip range of the per-token ratio, `[1 - epsilon, 1 + epsilon]`.
-        value_clip: c, how far the critic's values may move from their sampling-time values before the clipped
-            error takes over (None: the plain squared error).
-        value_loss_coef: weight of the value loss in the one loss both networks train on (it matters through
-            `gradient_clip_val` only: the learning rates set each network's step).
-        whiten_advantages: standardise the advantages over every real token of the generation (all ranks).
-        loss_aggregation: how per-token losses become one number (`lit_rl.losses.aggregation`): `token` (default),
-            `sequence`, `constant` or `dapo`.
         critic_model_name_or_path: the model the critic starts from (None: the policy's): a causal LM (its decoder,
             and a value head at 0), a one-label reward model or an exported critic (decoder and head); it must share
             the policy's tokenizer (`lit_rl.modeling.value_model.load_value_model`).
@@ -80,36 +69,19 @@ class PPO(OnPolicyModule):
         sampling: SamplingArgs = SamplingArgs(num_generations=4),
         rewards: RewardArgs = RewardArgs(),
         env: EnvArgs = EnvArgs(),
-        beta: float = 0.05,
-        gamma: float = 1.0,
-        lam: float = 0.95,
-        epsilon: float = 0.2,
-        value_clip: Optional[float] = 0.2,
-        value_loss_coef: float = 0.1,
-        whiten_advantages: bool = True,
-        loss_aggregation: str = "token",
+        loss: PPOLoss = PPOLoss(),
         critic_model_name_or_path: Optional[str] = None,
         critic_learning_rate: Optional[float] = None,
         vllm: Optional[VLLMConfig] = None,
     ) -> None:
-        check_beta(beta)
-        if loss_aggregation not in AGGREGATIONS:
-            raise ConfigError(f"model.loss_aggregation must be one of {sorted(AGGREGATIONS)}, got {loss_aggregation!r}")
-        for key, value in (("gamma", gamma), ("lam", lam)):
-            if not 0.0 <= value <= 1.0:
-                raise ConfigError(f"model.{key} must be in [0, 1], got {value}")
-        if epsilon < 0:
-            raise ConfigError(f"model.epsilon must be >= 0, got {epsilon}")
-        if value_clip is not None and value_clip <= 0:
-            raise ConfigError(f"model.value_clip must be > 0 (or null: no clipping), got {value_clip}")
-        if value_loss_coef < 0:
-            raise ConfigError(f"model.value_loss_coef must be >= 0, got {value_loss_coef}")
+        self.loss_args = loss = as_args(PPOLoss, loss)
+        loss.check()
         if critic_learning_rate is not None and critic_learning_rate < 0:
             raise ConfigError(f"model.critic_learning_rate must be >= 0, got {critic_learning_rate}")
         super().__init__(policy, optim, schedule, sampling, rewards, env, vllm=vllm, min_generations=1)
         self.save_hyperparameters()
         self.critic: Optional[ValueModel] = None  # built in `configure_model`, like the policy
-        self.train_metrics = self.rollout_train_metrics(ppo_metrics(self.reward_names, with_kl=beta != 0.0))
+        self.train_metrics = self.rollout_train_metrics(ppo_metrics(self.reward_names, with_kl=loss.beta != 0.0))
         self.val_metrics = self.rollout_val_metrics()
 
     # -- the critic ------------------------------------------------------------------------------------------
@@ -152,14 +124,14 @@ class PPO(OnPolicyModule):
 
     # -- rollout ---------------------------------------------------------------------------------------------
     def uses_reference(self) -> bool:
-        return self.hparams.beta != 0.0
+        return self.loss_args.beta != 0.0
 
     def needs_old_logprobs(self) -> bool:
         # The KL penalty is part of the reward, so it needs the sampling policy's log-probs at generation time.
-        return self.hparams.beta != 0.0 or super().needs_old_logprobs()
+        return self.loss_args.beta != 0.0 or super().needs_old_logprobs()
 
     def finish_rollout(self, batch: RolloutBatch, all_rewards: torch.Tensor) -> None:
-        hp = self.hparams
+        args = self.loss_args
         mask = self.loss_mask(batch)  # the model's tokens: every completion token without an environment
         with self.timer.phase("values"):
             batch.old_values = self.per_micro_batch(batch, self.critic_values)
@@ -167,9 +139,9 @@ class PPO(OnPolicyModule):
         if batch.ref_logprobs is not None:
             kl = (batch.old_logprobs - batch.ref_logprobs) * mask  # [N, T]
             batch.kl = kl.sum(dim=1)
-        rewards = token_rewards(batch.rewards, mask, kl, hp.beta)
-        advantages, batch.returns = gae(rewards, batch.old_values, mask, hp.gamma, hp.lam)
-        if hp.whiten_advantages:
+        rewards = token_rewards(batch.rewards, mask, kl, args.beta)
+        advantages, batch.returns = gae(rewards, batch.old_values, mask, args.gamma, args.lam)
+        if args.normalize_advantages:
             moments = masked_moments(advantages, mask)
             if self.trainer.world_size > 1:
                 moments = reduce_across_ranks(moments)
@@ -183,24 +155,26 @@ class PPO(OnPolicyModule):
     def micro_batch_loss(
         self, mb: RolloutBatch, logprobs: torch.Tensor, normalizer: LossNormalizer
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        hp = self.hparams
+        args = self.loss_args
         mask = self.loss_mask(mb)
         # The old log-probs exist for the KL penalty even when the policy has not moved since generation; then the
         # ratio is 1 by definition, so use this pass's own log-probs (no numerical drift into the clipping).
         policy_moved = OnPolicyModule.needs_old_logprobs(self)
         old_logprobs = mb.old_logprobs if policy_moved else logprobs.detach()
-        policy_per_token, stats = ppo_clip(logprobs, old_logprobs, mb.token_advantages, mask, hp.epsilon, hp.epsilon)
+        policy_per_token, stats = ppo_clip(
+            logprobs, old_logprobs, mb.token_advantages, mask, args.epsilon, args.clip_high
+        )
         values = self.critic_values(mb)
-        value_per_token, value_stats = clipped_value_loss(values, mb.old_values, mb.returns, hp.value_clip)
-        policy_loss = aggregate(policy_per_token, mask, hp.loss_aggregation, normalizer)
-        value_loss = aggregate(value_per_token, mask, hp.loss_aggregation, normalizer)
+        value_per_token, value_stats = clipped_value_loss(values, mb.old_values, mb.returns, args.value_clip)
+        policy_loss = aggregate(policy_per_token, mask, args.aggregation, normalizer)
+        value_loss = aggregate(value_per_token, mask, args.aggregation, normalizer)
         stats = {
             "clipped": torch.maximum(stats["clipped_low"], stats["clipped_high"]),
             "value_clipped": value_stats["clipped"],
             "policy_loss": policy_loss.detach(),
             "value_loss": value_loss.detach(),
         }
-        return policy_loss + hp.value_loss_coef * value_loss, stats
+        return policy_loss + args.value_loss_coef * value_loss, stats
 
     def update_algorithm_metrics(self, mb: RolloutBatch, loss: torch.Tensor, stats: dict[str, torch.Tensor]) -> None:
         m = self.train_metrics

@@ -13,9 +13,8 @@ import torch
 from torchmetrics import MeanMetric, MetricCollection
 
 from lit_rl.algorithms.on_policy import OnPolicyModule
-from lit_rl.algorithms.rollout_checks import check_beta
-from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, SamplingArgs, ScheduleArgs
-from lit_rl.errors import ConfigError
+from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, SamplingArgs, ScheduleArgs, as_args
+from lit_rl.loss_config import RLOOLoss
 from lit_rl.losses import LossNormalizer
 from lit_rl.losses.rloo import kl_penalized_rewards, rloo_advantages, rloo_loss
 from lit_rl.rollout import VLLMConfig
@@ -26,12 +25,10 @@ from lit_rl.types import RolloutBatch
 class RLOO(OnPolicyModule):
     """REINFORCE Leave-One-Out.
 
-    The option groups it takes (`policy`, `optim`, ...) are documented in `lit_rl.config`.
+    The option groups it takes (`policy`, `optim`, ...) are documented in `lit_rl.config`, its `loss` group in
+    `lit_rl.loss_config.RLOOLoss`.
 
     Args:
-        beta: KL penalty in the reward, `r - beta * sum_t (logp - ref_logp)`; 0 loads no reference model.
-        epsilon: clip range of the sequence-level ratio, `[1 - epsilon, 1 + epsilon]`.
-        normalize_advantages: standardise the advantages over the whole generation batch (all ranks).
         vllm: generate rollouts with vLLM (`configs/rollout/vllm_colocate.yaml`, `vllm_server.yaml`); None: HF
             `generate` on the policy. See `lit_rl.rollout.VLLMConfig` for the keys (`--model.vllm.mode ...`).
         max_staleness: asynchronous rollouts: generation g is sampled in the background by the weights of
@@ -48,36 +45,33 @@ class RLOO(OnPolicyModule):
         sampling: SamplingArgs = SamplingArgs(num_generations=4),
         rewards: RewardArgs = RewardArgs(),
         env: EnvArgs = EnvArgs(),
-        beta: float = 0.05,
-        epsilon: float = 0.2,
-        normalize_advantages: bool = False,
+        loss: RLOOLoss = RLOOLoss(),
         vllm: Optional[VLLMConfig] = None,
         max_staleness: int = 0,
     ) -> None:
-        check_beta(beta)
-        if epsilon < 0:
-            raise ConfigError(f"model.epsilon must be >= 0, got {epsilon}")
+        self.loss_args = loss = as_args(RLOOLoss, loss)
+        loss.check()
         super().__init__(policy, optim, schedule, sampling, rewards, env, vllm=vllm, max_staleness=max_staleness)
         self.save_hyperparameters()
         self.train_metrics = self.rollout_train_metrics(rloo_metrics(self.reward_names))
         self.val_metrics = self.rollout_val_metrics()
 
     def uses_reference(self) -> bool:
-        return self.hparams.beta != 0.0
+        return self.loss_args.beta != 0.0
 
     def needs_old_logprobs(self) -> bool:
         # The KL penalty is part of the reward, so it needs the sampling policy's log-probs at generation time.
-        return self.hparams.beta != 0.0 or super().needs_old_logprobs()
+        return self.loss_args.beta != 0.0 or super().needs_old_logprobs()
 
     def finish_rollout(self, batch: RolloutBatch, all_rewards: torch.Tensor) -> None:
-        hp = self.hparams
+        args = self.loss_args
         rewards = batch.rewards
         if batch.ref_logprobs is not None:
             rewards, batch.kl = kl_penalized_rewards(
-                rewards, batch.old_logprobs, batch.ref_logprobs, self.loss_mask(batch), hp.beta
+                rewards, batch.old_logprobs, batch.ref_logprobs, self.loss_mask(batch), args.beta
             )
         all_penalized = self.all_gather(rewards).reshape(-1) if self.trainer.world_size > 1 else rewards
-        advantages = rloo_advantages(all_penalized, self.sampling_args.num_generations, hp.normalize_advantages)
+        advantages = rloo_advantages(all_penalized, self.sampling_args.num_generations, args.normalize_advantages)
         batch.advantages = advantages[self.local_slice(len(batch))]
         batch.advantage_std = advantages.std().expand(len(batch)).clone()
 
@@ -93,8 +87,9 @@ class RLOO(OnPolicyModule):
             old_logprobs,
             mb.advantages,
             self.loss_mask(mb),
-            self.hparams.epsilon,
+            self.loss_args.epsilon,
             num_sequences=normalizer.num_sequences,
+            epsilon_high=self.loss_args.clip_high,
         )
 
     def update_algorithm_metrics(self, mb: RolloutBatch, loss: torch.Tensor, stats: dict[str, torch.Tensor]) -> None:

@@ -27,12 +27,6 @@ def check_max_staleness(max_staleness: int, vllm: Optional[VLLMConfig]) -> None:
         )
 
 
-def check_beta(beta: float) -> None:
-    """The weight of a KL term: 0 (no reference model) or more."""
-    if beta < 0:
-        raise ConfigError(f"model.beta must be >= 0, got {beta}")
-
-
 def check_prompt_lengths(module: Any) -> None:
     """Fail before training when a prompt plus the completion budget (`max_new_tokens`, or with an environment
     `max_total_tokens`) cannot fit the model's context (`module`: an on-policy algorithm with its trainer and

@@ -1,4 +1,4 @@
-"""Advantage estimators of GRPO-style training, chosen by name (`--model.advantage`).
+"""Advantage estimators of GRPO-style training, chosen by name (`--model.loss.advantage`).
 
 Every estimator has the signature of `AdvantageEstimator`: the rewards of every completion of the generation
 across ranks, [B*G] in groups of `group_size` consecutive rows, the group size and `scale_rewards` in; advantages
@@ -99,4 +99,4 @@ ADVANTAGES: dict[str, AdvantageEstimator] = {
 
 def advantage_function(name: str) -> AdvantageEstimator:
     """The estimator named `name` (a key of `ADVANTAGES`) or at the import path `name`."""
-    return resolve_function("model.advantage", name, ADVANTAGES)
+    return resolve_function("model.loss.advantage", name, ADVANTAGES)

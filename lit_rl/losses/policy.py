@@ -1,4 +1,4 @@
-"""Policy objectives of GRPO-style training, per token, chosen by name (`--model.policy_loss`).
+"""Policy objectives of GRPO-style training, per token, chosen by name (`--model.loss.objective`).
 
 Every objective has the signature of `PolicyLoss`: the micro-batch's log-probs, the log-probs of the policy that
 sampled (`old_logprobs`), the advantages and the completion mask in; the per-token loss l [N, T] and per-token
@@ -110,4 +110,4 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {
 
 def policy_loss_function(name: str) -> PolicyLoss:
     """The objective named `name` (a key of `POLICY_LOSSES`) or at the import path `name`."""
-    return resolve_function("model.policy_loss", name, POLICY_LOSSES)
+    return resolve_function("model.loss.objective", name, POLICY_LOSSES)

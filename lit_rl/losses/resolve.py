@@ -1,4 +1,4 @@
-"""A built-in function by name, or a user's by import path (`--model.policy_loss`, `--model.advantage`)."""
+"""A built-in function by name, or a user's by import path (`--model.loss.objective`, `--model.loss.advantage`)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,9 @@ k completions per prompt, consecutive rows. With rewards r (KL-penalised, see `k
 Policy loss with a sequence-level importance ratio and PPO clipping:
 
     rho_i = exp(sum_t m_it (logprobs_it - old_logprobs_it))
-    L     = sum_i -min(rho_i A_i, clip(rho_i, 1 - epsilon, 1 + epsilon) A_i) / num_sequences
+    L     = sum_i -min(rho_i A_i, clip(rho_i, 1 - epsilon, 1 + epsilon_high) A_i) / num_sequences
+
+(`epsilon_high` defaults to `epsilon`: a symmetric clip.)
 """
 
 from __future__ import annotations
@@ -53,14 +55,17 @@ def rloo_loss(
     completion_mask: torch.Tensor,
     epsilon: float = 0.2,
     num_sequences: Optional[float] = None,
+    epsilon_high: Optional[float] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped sequence-level surrogate (see module), summed over these N sequences / `num_sequences`
-    (default N). Stats per sequence [N]: `ratio`, `clipped` (1 where the clipped term was the minimum)."""
+    (default N); the ratio is clipped to `[1 - epsilon, 1 + epsilon_high]` (`epsilon_high` None: `epsilon`).
+    Stats per sequence [N]: `ratio`, `clipped` (1 where the clipped term was the minimum)."""
     # Clamped so that exp() stays finite: inf * 0 (a zero advantage) would be NaN.
     log_ratio = ((logprobs - old_logprobs) * completion_mask).sum(dim=1).clamp(-20.0, 20.0)  # [N]
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * advantages
+    high = epsilon if epsilon_high is None else epsilon_high
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + high) * advantages
     losses = -torch.min(unclipped, clipped)
     stats = {"ratio": ratio.detach(), "clipped": (clipped < unclipped).float()}
     return losses.sum() / (num_sequences if num_sequences is not None else losses.shape[0]), stats

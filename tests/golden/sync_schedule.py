@@ -17,7 +17,7 @@ from tests.conftest import CONFIGS, FAST_GRPO, run_cli, train_rows, write_overla
 GOLDEN = Path(__file__).with_name("sync_schedule.json")
 RUNS = {
     # one generation per step, a reference model and its KL
-    "grpo_beta": ["--trainer.max_steps", "3", "--model.beta", "0.04"],
+    "grpo_beta": ["--trainer.max_steps", "3", "--model.loss.beta", "0.04"],
     # two steps per generation, two passes (old log-probs), accumulation, token aggregation
     "grpo_iterations": [
         "--trainer.max_steps",
@@ -28,7 +28,7 @@ RUNS = {
         "2",
         "--trainer.accumulate_grad_batches",
         "2",
-        "--model.loss_aggregation",
+        "--model.loss.aggregation",
         "token",
     ],
 }

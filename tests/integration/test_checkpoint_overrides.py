@@ -36,13 +36,16 @@ def _lines(stderr: str) -> list[str]:
 def test_a_changed_objective_stops_in_one_line_and_keeps_the_run(trained):
     cwd, env = trained
     before = (cwd / RUN / "metrics.csv").read_text()
-    result = _lit_rl(cwd, env, "fit", *ARGS, "--trainer.max_steps", "3", "--ckpt_path", "last", "--model.beta", "0.1")
+    result = _lit_rl(
+        cwd, env, "fit", *ARGS, "--trainer.max_steps", "3", "--ckpt_path", "last", "--model.loss.beta", "0.1"
+    )
     assert result.returncode == 1, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
     assert errors == [
         f"lit-rl: error: --ckpt_path {RUN / 'checkpoints' / 'last.ckpt'} was trained with other values: "
-        "model.beta: 0.1 here, 0.0 in the checkpoint; a resumed run keeps what it was trained with (only the rates, "
-        "micro-batching, validation sampling and model.vllm may change): give the checkpoint's values, or start a "
+        "model.loss.beta: 0.1 here, 0.0 in the checkpoint; a resumed run keeps what it was trained with "
+        "(only the rates, micro-batching, validation sampling and model.vllm may change): give the checkpoint's "
+        "values, or start a "
         "new run without --ckpt_path"
     ], result.stderr[-3000:]
     assert "Traceback" not in result.stderr

@@ -51,7 +51,7 @@ def _fit(tmp_path, name, strategy, *args, max_steps=4):
         "4",
         "--trainer.accumulate_grad_batches",
         "2",
-        "--model.beta",
+        "--model.loss.beta",
         "0.04",  # a frozen reference model too: partitioned under ZeRO-3, never given to the optimizer
         "--trainer.max_steps",
         str(max_steps),
@@ -249,7 +249,7 @@ def _fit_ppo(tmp_path, name, strategy, *args):
         "4",
         "--trainer.accumulate_grad_batches",
         "2",
-        "--model.beta",
+        "--model.loss.beta",
         "0.04",
         "--model.schedule.num_iterations",
         "2",

@@ -76,7 +76,7 @@ def test_validation_does_not_change_training(tmp_path):
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
 def test_precomputed_reference_trains_to_the_same_numbers(tmp_path, loss_type):
-    common = ("--trainer.max_steps", "3", "--model.loss_type", loss_type, "--trainer.limit_val_batches", "0")
+    common = ("--trainer.max_steps", "3", "--model.loss.type", loss_type, "--trainer.limit_val_batches", "0")
     live = _fit(tmp_path, *common, name="live")
     cache = tmp_path / "cache"
     pre = _fit(

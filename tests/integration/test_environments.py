@@ -23,7 +23,7 @@ from tests.conftest import (
 pytestmark = pytest.mark.slow
 
 ENVIRONMENT = ["--model.env.environment", "tests.integration.envs.Countdown", "--model.env.max_turns", "3"]
-FAST = [*FAST_GRPO, *ENVIRONMENT, "--model.beta", "0.04", "--model.optim.learning_rate", "1e-3"]
+FAST = [*FAST_GRPO, *ENVIRONMENT, "--model.loss.beta", "0.04", "--model.optim.learning_rate", "1e-3"]
 
 
 def _fit(tmp_path, algorithm, *args, every_n=None, name="a"):

@@ -32,7 +32,9 @@ def _fit(tmp_path, *args, every_n=None, name="a"):
 
 
 def test_grpo_logs_separate_train_and_val_metrics(tmp_path):
-    log_dir = _fit(tmp_path, "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--model.beta", "0.04")
+    log_dir = _fit(
+        tmp_path, "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--model.loss.beta", "0.04"
+    )
     rows = read_metrics(log_dir)
     columns = set(rows[0])
     for name in [
@@ -98,13 +100,13 @@ def test_accumulation_equals_one_big_micro_batch(tmp_path, aggregation, steps_pe
     common = (
         "--trainer.max_steps",
         "3",
-        "--model.loss_aggregation",
+        "--model.loss.aggregation",
         aggregation,
         "--model.schedule.num_iterations",
         "2",
         "--model.schedule.steps_per_generation",
         str(steps_per_generation),
-        "--model.beta",
+        "--model.loss.beta",
         "0.04",
     )
     one = _fit(tmp_path, *common, "--model.schedule.micro_batch_size", "8", name="one")
@@ -183,7 +185,7 @@ def test_resume_mid_generation_keeps_cadence_and_metrics(tmp_path):
 
 
 def test_reference_model_is_not_saved_in_checkpoints(tmp_path):
-    log_dir = _fit(tmp_path, "--trainer.max_steps", "1", "--model.beta", "0.1", every_n=1)
+    log_dir = _fit(tmp_path, "--trainer.max_steps", "1", "--model.loss.beta", "0.1", every_n=1)
     checkpoint = torch.load(log_dir / "checkpoints" / "step=1.ckpt", weights_only=True)
     assert any(k.startswith("policy.") for k in checkpoint["state_dict"])
     assert not any(k.startswith("ref_model.") for k in checkpoint["state_dict"])

@@ -39,7 +39,7 @@ def _fit(tmp_path, name, config, *args, every_n_train_steps=None):
 def _grpo(tmp_path, name, *args, max_steps=3, **kwargs):
     grpo = (
         *FAST_GRPO,
-        "--model.beta",
+        "--model.loss.beta",
         "0.04",
         "--model.optim.learning_rate",
         "1e-3",
@@ -153,7 +153,7 @@ def _distributed(tmp_path, name, strategy):
         "4",
         "--trainer.accumulate_grad_batches",
         "2",
-        "--model.beta",
+        "--model.loss.beta",
         "0.04",
         "--model.optim.learning_rate",
         "1e-3",

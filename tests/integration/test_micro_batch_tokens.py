@@ -14,8 +14,8 @@ pytestmark = pytest.mark.slow
 
 ALGORITHMS = {
     # token aggregation and beta > 0: denominators over the step's tokens, a reference forward per micro-batch.
-    "grpo": ["--model.loss_aggregation", "token", "--model.beta", "0.04", "--model.sampling.max_new_tokens", "8"],
-    "rloo": ["--model.beta", "0.04", "--model.sampling.max_new_tokens", "8"],
+    "grpo": ["--model.loss.aggregation", "token", "--model.loss.beta", "0.04", "--model.sampling.max_new_tokens", "8"],
+    "rloo": ["--model.loss.beta", "0.04", "--model.sampling.max_new_tokens", "8"],
     "online_dpo": ["--model.sampling.num_generations", "2", "--model.sampling.max_new_tokens", "8"],
 }
 BUDGET = 100  # real tokens; a completion of the addition task is about 12-20 with its prompt: 16 need 2-3 groups

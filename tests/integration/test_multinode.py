@@ -31,7 +31,7 @@ COMMON = [
     *FAST_GRPO,
     "--model.schedule.micro_batch_size",
     "4",
-    "--model.beta",
+    "--model.loss.beta",
     "0.04",
     "--model.optim.learning_rate",
     "1e-3",

@@ -15,18 +15,18 @@ ALGORITHMS = {
     # beta > 0 and two optimizer steps per generation: reference and old log-probs run packed too.
     "grpo": [
         *FAST_GRPO,
-        "--model.beta",
+        "--model.loss.beta",
         "0.04",
         "--model.schedule.steps_per_generation",
         "2",
         "--model.sampling.max_new_tokens",
         "8",
     ],
-    "rloo": [*FAST_GRPO, "--model.beta", "0.04"],
+    "rloo": [*FAST_GRPO, "--model.loss.beta", "0.04"],
     # The critic's forwards (values at sampling time, then with gradients) run packed too.
     "ppo": [
         *FAST_GRPO,
-        "--model.beta",
+        "--model.loss.beta",
         "0.04",
         "--model.schedule.num_iterations",
         "2",

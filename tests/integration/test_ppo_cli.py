@@ -27,7 +27,7 @@ PROBES = "tests.integration.probes."
 # Large steps (and beta > 0: the reference and the old log-probs run) so that any difference shows.
 FAST_PPO = [
     *FAST_GRPO,
-    "--model.beta",
+    "--model.loss.beta",
     "0.05",
     "--model.optim.learning_rate",
     "1e-3",

@@ -69,9 +69,9 @@ def _grpo(tmp_path, aggregation: str, devices: int, accumulate: int, *extra: str
         "8",
         "--model.schedule.micro_batch_size",
         "4",  # 16 completions (2 prompts x 8) per optimizer step; in the 4 x 1 layout each group spans 2 ranks
-        "--model.beta",
+        "--model.loss.beta",
         "0.04",
-        "--model.loss_aggregation",
+        "--model.loss.aggregation",
         aggregation,
         "--trainer.max_steps",
         "3",
@@ -164,7 +164,7 @@ def _ppo(tmp_path, devices: int, accumulate: int):
         "2",
         "--model.schedule.micro_batch_size",
         "4",  # 16 completions (8 prompts x 2) per optimizer step
-        "--model.beta",
+        "--model.loss.beta",
         "0.05",
         "--model.schedule.num_iterations",
         "2",  # the second pass clips the ratio and the values

@@ -31,7 +31,14 @@ def _args(layout: str, *extra: str) -> list[str]:
     configs = [arg for path in LAYOUTS[layout] for arg in ("--config", str(path))]
     return [
         *["fit", "--config", str(CONFIGS / "grpo.yaml"), *configs, *SMALL],
-        *["--model.schedule.micro_batch_size", "4", "--trainer.accumulate_grad_batches", "2", "--model.beta", "0.04"],
+        *[
+            "--model.schedule.micro_batch_size",
+            "4",
+            "--trainer.accumulate_grad_batches",
+            "2",
+            "--model.loss.beta",
+            "0.04",
+        ],
         *["--model.rewards.funcs", "[stopper.correctness, lit_rl.rewards.arithmetic.integer_format]"],
         *["--trainer.max_steps", "4", *extra],
     ]
