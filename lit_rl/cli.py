@@ -96,6 +96,12 @@ def condense_parser_error(message: str) -> str:
         if moved is not None:  # a lit-rl 0.1 key
             return f"{key}: moved to {moved} (lit-rl 0.2 groups the options; see docs/config-reference.md)"
         return f"{key}: unknown option"
+    # A group of the class given (switching `--model RLOO` over a GRPO config) without a key the config sets.
+    group_option = re.search(r"Group '([\w.]+)' does not accept option '([\w.]+)'", message)
+    if group_option:
+        named = _named_class(message)
+        owner = f"{named.__name__}'s" if named is not None else "this"
+        return f"{'.'.join([*keys, *group_option.groups()])}: unknown option of {owner} {group_option.group(1)} group"
     wrong_type = re.search(r"Expected a <class '(?!NoneType)[^']+'>[^\n]*", message)
     if wrong_type and keys:
         return f"{'.'.join(dict.fromkeys(keys))}: {wrong_type.group(0)}"

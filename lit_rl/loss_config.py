@@ -33,29 +33,25 @@ def _check_aggregation(aggregation: str) -> None:
         raise ConfigError(f"model.loss.aggregation must be one of {sorted(AGGREGATIONS)}, got {aggregation!r}")
 
 
-class _Clipped:
-    """The clip range shared by the clipped objectives."""
+# The clip range every clipped objective shares. Functions rather than a base class: jsonargparse expands a plain
+# dataclass into its keys (`--model.loss.beta`), but takes a class with a base for a choice of subclasses.
+def _clip_high(args) -> float:
+    """The upper clip range: `epsilon_high`, or `epsilon` when it is None."""
+    return args.epsilon if args.epsilon_high is None else args.epsilon_high
 
-    epsilon: float
-    epsilon_high: Optional[float]
 
-    @property
-    def clip_high(self) -> float:
-        """The upper clip range: `epsilon_high`, or `epsilon` when it is None."""
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
-
-    def _check_clip(self) -> None:
-        if self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
-            raise ConfigError("model.loss.epsilon and model.loss.epsilon_high must be >= 0")
-        if self.clip_high < self.epsilon:
-            raise ConfigError(
-                f"model.loss.epsilon_high ({self.epsilon_high}) must be >= model.loss.epsilon ({self.epsilon}): "
-                "clip-higher widens the upper range, never narrows it"
-            )
+def _check_clip(args) -> None:
+    if args.epsilon < 0 or (args.epsilon_high is not None and args.epsilon_high < 0):
+        raise ConfigError("model.loss.epsilon and model.loss.epsilon_high must be >= 0")
+    if _clip_high(args) < args.epsilon:
+        raise ConfigError(
+            f"model.loss.epsilon_high ({args.epsilon_high}) must be >= model.loss.epsilon ({args.epsilon}): "
+            "clip-higher widens the upper range, never narrows it"
+        )
 
 
 @dataclass(frozen=True)
-class GRPOLoss(_Clipped):
+class GRPOLoss:
     """GRPO's objective: group-relative advantages, a clipped per-token surrogate and a per-token KL term.
 
     Args:
@@ -90,9 +86,11 @@ class GRPOLoss(_Clipped):
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
 
+    clip_high = property(_clip_high)
+
     def check(self, max_new_tokens: int) -> None:
         _check_beta(self.beta)
-        self._check_clip()
+        _check_clip(self)
         _check_aggregation(self.aggregation)
         if self.scale_rewards not in SCALE_REWARDS:
             raise ConfigError(
@@ -106,7 +104,7 @@ class GRPOLoss(_Clipped):
 
 
 @dataclass(frozen=True)
-class PPOLoss(_Clipped):
+class PPOLoss:
     """PPO's objective: GAE advantages from a critic, the clipped per-token surrogate and a clipped value loss.
 
     Args:
@@ -136,9 +134,11 @@ class PPOLoss(_Clipped):
     value_clip: Optional[float] = 0.2
     value_loss_coef: float = 0.1
 
+    clip_high = property(_clip_high)
+
     def check(self) -> None:
         _check_beta(self.beta)
-        self._check_clip()
+        _check_clip(self)
         _check_aggregation(self.aggregation)
         for key in ("gamma", "lam"):
             if not 0.0 <= getattr(self, key) <= 1.0:
@@ -150,7 +150,7 @@ class PPOLoss(_Clipped):
 
 
 @dataclass(frozen=True)
-class RLOOLoss(_Clipped):
+class RLOOLoss:
     """RLOO's objective: leave-one-out advantages of KL-penalised rewards and a clipped sequence-level ratio.
 
     Args:
@@ -166,9 +166,11 @@ class RLOOLoss(_Clipped):
     epsilon_high: Optional[float] = None
     normalize_advantages: bool = False
 
+    clip_high = property(_clip_high)
+
     def check(self) -> None:
         _check_beta(self.beta)
-        self._check_clip()
+        _check_clip(self)
 
 
 @dataclass(frozen=True)

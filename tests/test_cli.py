@@ -52,7 +52,7 @@ def test_dotted_overrides_and_repeated_configs(capsys, tmp_path):
     config = _print_config(
         capsys, "--config", str(CONFIGS / "grpo.yaml"), "--model.loss.beta", "0.04", "--trainer.max_steps", "50"
     )
-    assert config["model"]["init_args"]["beta"] == 0.04
+    assert config["model"]["init_args"]["loss"]["beta"] == 0.04
     assert config["trainer"]["max_steps"] == 50
     later = tmp_path / "later.yaml"
     later.write_text("model:\n  init_args:\n    sampling:\n      num_generations: 4\ntrainer:\n  max_steps: 7\n")
@@ -88,10 +88,14 @@ def test_help_documents_every_constructor_argument(capsys):
 
 def test_short_algorithm_names_and_negative_numbers_on_the_command_line(capsys):
     config = _print_config(
-        capsys, "--config", str(CONFIGS / "grpo.yaml"), "--model", "RLOO", "--model.loss.beta", "-0.5"
+        capsys, "--config", str(CONFIGS / "rloo.yaml"), "--model", "RLOO", "--model.loss.beta", "-0.5"
     )
     assert config["model"]["class_path"] == "lit_rl.algorithms.RLOO"
     assert config["model"]["init_args"]["loss"]["beta"] == -0.5
+    # Over a GRPO config, whose loss group has keys RLOO's has not: one line naming the first.
+    with pytest.raises(SystemExit):
+        run_cli("fit", "--config", str(CONFIGS / "grpo.yaml"), "--model", "RLOO", "--print_config")
+    assert "model.loss.aggregation: unknown option of RLOO's loss group" in capsys.readouterr().err
     config = _print_config(capsys, "--config", str(CONFIGS / "grpo.yaml"), "--model.optim.learning_rate", "-1e-4")
     assert config["model"]["init_args"]["optim"]["learning_rate"] == -1e-4  # parsed (argparse took it for an option)
     with pytest.raises(SystemExit):
@@ -282,9 +286,9 @@ def test_ppo_help_documents_its_critic_options(capsys):
         run_cli("fit", "--model.help", "lit_rl.algorithms.PPO")
     text = capsys.readouterr().out
     for option, doc in [
-        ("gamma", "GAE discount"),
-        ("lam", "GAE lambda"),
-        ("value_clip", "sampling-time values"),
+        ("loss.gamma", "GAE discount"),
+        ("loss.lam", "GAE lambda"),
+        ("loss.value_clip", "sampling-time values"),
         ("critic_learning_rate", "AdamW learning rate of the critic"),
         ("critic_model_name_or_path", "an exported critic"),
     ]:

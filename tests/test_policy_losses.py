@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lit_rl.errors import ConfigError
+from lit_rl.loss_config import GRPOLoss
 from lit_rl.losses import LossNormalizer, advantage_function, grpo_loss, policy_loss_function
 from lit_rl.losses.advantages import loo_advantages, reinforce_pp_advantages, reinforce_pp_baseline_advantages
 from lit_rl.losses.policy import cispo, gspo, gspo_token, ppo_clip
@@ -160,7 +161,7 @@ def test_overlong_filter_gives_truncated_completions_no_loss(overlong_filter):
     from lit_rl.algorithms import GRPO
     from lit_rl.types import RolloutBatch
 
-    module = GRPO(overlong_filter=overlong_filter, loss_aggregation="token")
+    module = GRPO(loss=GRPOLoss(overlong_filter=overlong_filter, aggregation="token"))
     module.configure_model()
     eos = module.tokenizer.eos_token_id
     # Row 0 ends with EOS after 2 tokens; row 1 runs to the limit (3 tokens) without one: truncated.

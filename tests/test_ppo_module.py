@@ -139,7 +139,7 @@ def test_with_an_environment_only_the_models_tokens_are_actions():
     model_tokens = buffer.completion_mask * buffer.sampled_mask
     kl = (buffer.old_logprobs - buffer.ref_logprobs) * model_tokens
     rewards = token_rewards(buffer.rewards, model_tokens, kl, 0.1)
-    _, returns = gae(rewards, buffer.old_values, model_tokens, model.hparams.gamma, model.hparams.lam)
+    _, returns = gae(rewards, buffer.old_values, model_tokens, model.loss_args.gamma, model.loss_args.lam)
     torch.testing.assert_close(buffer.returns, returns)
     assert (buffer.token_advantages[observations] == 0).all() and (buffer.returns[observations] == 0).all()
     logprobs = buffer.old_logprobs.clone().requires_grad_(True)
