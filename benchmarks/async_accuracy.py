@@ -4,8 +4,8 @@
     python benchmarks/async_accuracy.py --markdown benchmarks/results/async_accuracy_cpu.json   # the README's table
 
 Each run is `lit-rl fit --config configs/grpo.yaml --config configs/rollout/vllm_server.yaml`, the second with
-`--model.max_staleness 1`, against one vLLM server the script starts (every run pushes its own weights before its
-first generation). Both validate greedily on the built-in held-out prompts every 50 steps (the config's
+`--model.rollout.max_staleness 1`, against one vLLM server the script starts (every run pushes its own weights before
+its first generation). Both validate greedily on the built-in held-out prompts every 50 steps (the config's
 `val_check_interval`); the accuracy is `val/rewards/correctness`. One validation moves by several points from the
 next in either run, so the comparison is of the mean over the last `--window` validations (default 5: steps 800 to
 1000 of the 1000). Target (issue: asynchronous rollouts): the asynchronous mean within 3 points of the synchronous.
@@ -45,7 +45,7 @@ def run_fit(staleness: int, server_url: str, steps: int, workdir: Path) -> dict:
         str(CONFIGS / "grpo.yaml"),
         "--config",
         str(CONFIGS / "rollout" / "vllm_server.yaml"),
-        "--model.vllm.server_url",
+        "--model.rollout.engine.server_url",
         server_url,
         "--trainer.max_steps",
         str(steps),
@@ -59,7 +59,7 @@ def run_fit(staleness: int, server_url: str, steps: int, workdir: Path) -> dict:
         str(workdir),
         "--trainer.logger.init_args.name",
         name,
-        *(["--model.max_staleness", str(staleness)] if staleness else []),
+        *(["--model.rollout.max_staleness", str(staleness)] if staleness else []),
     ]
     started = time.monotonic()
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)

@@ -135,8 +135,8 @@ def lit_run(algorithm: str, model: str, steps: int, workdir: Path, work: Workloa
         ]
         if work.vllm:
             args += ["--config", str(REPO / "configs" / "rollout" / "vllm_colocate.yaml")]
-            args += ["--model.vllm.enable_sleep_mode", str(work.sleep_mode).lower()]
-            args += ["--model.vllm.gpu_memory_utilization", str(work.gpu_memory_utilization)]
+            args += ["--model.rollout.engine.enable_sleep_mode", str(work.sleep_mode).lower()]
+            args += ["--model.rollout.engine.gpu_memory_utilization", str(work.gpu_memory_utilization)]
     else:
         args = ["--config", str(REPO / "configs" / "dpo.yaml"), "--data.batch_size", str(work.pairs)]
         if work.variable:

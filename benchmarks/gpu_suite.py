@@ -137,7 +137,7 @@ def lit_run(name: str, model: str, engine: str, strategy: str, work, smoke: bool
             "--model.policy.model_name_or_path",
             model,
             *work.flags,
-            *(["--model.vllm.enable_sleep_mode", "true"] if sleep else []),
+            *(["--model.rollout.engine.enable_sleep_mode", "true"] if sleep else []),
         ],
     )
     print(f"running {name} ...", flush=True)

@@ -15,7 +15,7 @@ max allocated on GPU). Samples/s = completions per optimizer step (micro_batch_s
 seconds per step. Output: a rich table, a JSON file (machine, versions, commit, the exact command) and a PNG of
 the time split. The same script runs unchanged on a GPU machine (`--accelerator gpu`).
 
-`--max-staleness 0 1 2` adds the asynchronous-rollout axis (`model.max_staleness`; k > 0 needs the `vllm_server`
+`--max-staleness 0 1 2` adds the asynchronous-rollout axis (`model.rollout.max_staleness`; k > 0 needs the `vllm_server`
 engine): each k > 0 row also reports its samples/s over the k = 0 row of the same engine, strategy and devices.
 `--pin-cores` gives the server CPU core 0 and the trainer core 1 (one thread each side), so generation and
 training do not share a core and what asynchrony overlaps shows; `--rounds N` repeats every configuration N times,
@@ -126,7 +126,7 @@ def run_one(args, engine: str, strategy: str, devices: int, workdir: Path, stale
         "--trainer.val_check_interval",
         "1000000",
         *fit_flags(args.steps, workdir, name),
-        *(["--model.max_staleness", str(staleness)] if staleness else []),
+        *(["--model.rollout.max_staleness", str(staleness)] if staleness else []),
         *args.overrides,
     ]
     server: Optional[LocalVLLMServer] = None
@@ -135,7 +135,7 @@ def run_one(args, engine: str, strategy: str, devices: int, workdir: Path, stale
         log = str(workdir / f"{name}-server.log")
         with pinned({0} if args.pin_cores else None, {"VLLM_CPU_OMP_THREADS_BIND": "0"}):
             server = LocalVLLMServer(model, log, cpu=args.accelerator == "cpu")
-        command += ["--model.vllm.server_url", server.url]
+        command += ["--model.rollout.engine.server_url", server.url]
     started = time.monotonic()
     try:
         with pinned({1} if args.pin_cores else None, {"OMP_NUM_THREADS": "1"}):
@@ -310,7 +310,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the means (engine start-up)")
     parser.add_argument("--quick", action="store_true", help="tiny model, hf + colocated vLLM, 8 steps")
-    parser.add_argument("--max-staleness", type=int, nargs="+", default=[0], help="model.max_staleness values")
+    parser.add_argument("--max-staleness", type=int, nargs="+", default=[0], help="model.rollout.max_staleness values")
     parser.add_argument("--pin-cores", action="store_true", help="server on CPU core 0, trainer on core 1")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved repetitions (the median is reported)")
     parser.add_argument("--out", type=Path, default=None, help="JSON results (the PNG goes beside it)")

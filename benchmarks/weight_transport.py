@@ -1,5 +1,5 @@
 """How fast the weights travel to a vLLM server that does not share the trainer's disk, on loopback: the HTTP
-weight receiver (`model.vllm.weight_transfer: http`) against the gloo broadcast (`weight_transfer: gloo`).
+weight receiver (`model.rollout.engine.transfer.method: http`) against the gloo broadcast (`weight_transfer: gloo`).
 
     python benchmarks/weight_transport.py --out benchmarks/results/weight_transport_cpu.json   # about 1 min
 

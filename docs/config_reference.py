@@ -21,13 +21,14 @@ from lit_rl.config import GROUP_NAMES, GROUPS, MOVED_KEYS
 from lit_rl.data import PreferenceDataModule, PromptDataModule, SFTDataModule
 from lit_rl.loss_config import LOSS_GROUPS
 from lit_rl.modeling.lora import LoRAConfig
-from lit_rl.rollout import VLLMConfig
+from lit_rl.rollout import HFGenerate, VLLMColocate, VLLMServer, WeightTransfer
 
 PAGE = Path(__file__).resolve().parent / "config-reference.md"
 ALGORITHMS = (GRPO, PPO, RLOO, OnlineDPO, DPO, SFT)
 DATA_MODULES = (PromptDataModule, SFTDataModule, PreferenceDataModule)
 CALLBACKS = (SaveHFPretrained, NonFiniteGuard, GracefulStop, RunSummary)
-NESTED = (("model.policy.lora", LoRAConfig), ("model.vllm", VLLMConfig))
+NESTED = (("model.policy.lora", LoRAConfig),)
+ENGINES = (HFGenerate, VLLMColocate, VLLMServer)
 
 
 def _docs(obj: Any) -> dict[str, str]:
@@ -139,6 +140,19 @@ def render() -> str:
         users = [a.__name__ for a in ALGORITHMS if type(_parameter_default(a, "loss")) is cls]
         out += [f"### {cls.__name__}", "", f"`model.loss` of {', '.join(users)}: {_summary(cls)}", ""]
         out += _table(_dataclass_rows("model.loss", cls))
+    out += [
+        "## Rollout engines",
+        "",
+        "`model.rollout.engine` is one of these classes (`--model.rollout.engine VLLMServer`), or the import path of",
+        "a subclass of `lit_rl.rollout.EngineConfig`; its options follow it (`--model.rollout.engine.server_url ...`).",
+        "",
+    ]
+    for cls in ENGINES:
+        out += [f"### {cls.__name__}", "", f"`--model.rollout.engine {cls.__name__}`: {_summary(cls)}", ""]
+        rows = _class_rows("model.rollout.engine", cls)
+        out += _table(rows) if rows else ["No options.", ""]
+    out += ["### model.rollout.engine.transfer", "", _summary(WeightTransfer), ""]
+    out += _table(_dataclass_rows("model.rollout.engine.transfer", WeightTransfer))
     for prefix, cls in NESTED:
         out += [f"### {prefix}", "", _summary(cls), ""]
         out += _table(_dataclass_rows(prefix, cls))

@@ -22,6 +22,13 @@ from typing import Any, Mapping, Optional, TypeVar
 from lit_rl.errors import ConfigError
 from lit_rl.loss_config import LOSS_GROUPS
 from lit_rl.modeling.lora import LoRAConfig, as_lora_config, check_lora_config
+from lit_rl.rollout.engine_config import (
+    EngineConfig,
+    HFGenerate,
+    engine_from_config,
+    engine_key_of_0_1,
+    engine_of_0_1,
+)
 
 INVALID_REWARD_ACTIONS = ("zero", "error")
 
@@ -213,6 +220,39 @@ class EnvArgs:
             raise ConfigError(f"model.env.max_total_tokens must be >= 1 (or null), got {self.max_total_tokens}")
 
 
+@dataclass(frozen=True)
+class RolloutArgs:
+    """Where completions come from, and how far behind the policy they may be sampled.
+
+    Args:
+        engine: the engine that samples (`lit_rl.rollout.engine_config`): `HFGenerate` (default: `generate` on the
+            policy), `VLLMColocate` (`configs/rollout/vllm_colocate.yaml`), `VLLMServer`
+            (`configs/rollout/vllm_server.yaml`), or the import path of a subclass of
+            `lit_rl.rollout.EngineConfig`. Its options follow it: `--model.rollout.engine.gpu_memory_utilization 0.5`.
+        max_staleness: asynchronous rollouts: generation g is sampled in the background by the weights of optimizer
+            step max(0, g*m - k) (m = steps_per_generation x num_iterations), so each sample is at most k steps older
+            than the policy it first updates (`lit_rl.rollout.producer`); needs an engine that samples in the
+            background (`VLLMServer`). 0 (default): synchronous.
+    """
+
+    engine: EngineConfig = HFGenerate()
+    max_staleness: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "engine", engine_from_config(self.engine))  # a checkpoint's mapping, or None
+
+    def check(self) -> None:
+        if self.max_staleness < 0:
+            raise ConfigError(f"model.rollout.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.max_staleness > 0 and not self.engine.samples_in_background:
+            raise ConfigError(
+                f"model.rollout.max_staleness > 0 needs an engine that samples in the background, not "
+                f"{type(self.engine).__name__} (it shares the trainer's process and device): use "
+                "--model.rollout.engine VLLMServer (configs/rollout/vllm_server.yaml)"
+            )
+        self.engine.check()
+
+
 # The groups, by the name an algorithm's `__init__` gives them.
 GROUPS: dict[str, type] = {
     "policy": PolicyArgs,
@@ -221,6 +261,7 @@ GROUPS: dict[str, type] = {
     "sampling": SamplingArgs,
     "rewards": RewardArgs,
     "env": EnvArgs,
+    "rollout": RolloutArgs,
 }
 # Every group name an algorithm may take: the shared ones and `loss`, whose class is the objective's own
 # (`lit_rl.loss_config`).
@@ -237,6 +278,7 @@ RENAMED = {
     "policy_loss": "objective",
     "whiten_advantages": "normalize_advantages",
     "loss_type": "type",
+    "vllm": "engine",
 }
 # Names a field had in 0.1 in some algorithm, though other algorithms' fields were renamed to them.
 _ALSO_0_1_NAMES = frozenset({"epsilon", "normalize_advantages"})  # PPO's and RLOO's
@@ -273,11 +315,23 @@ def as_args(cls: type[Args], value: Any) -> Args:
 
 
 def plain_data(value: Any) -> Any:
-    """`value` with every option group (a dataclass, at any depth) as a dict of its fields."""
+    """`value` with every option group (a dataclass, at any depth) as a dict of its fields, and an engine choice
+    as `{"class_path", "init_args"}` (what a checkpoint keeps: no object of lit-rl's is pickled)."""
+    if isinstance(value, EngineConfig):
+        return value.as_config()
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.asdict(value)
+        return {field.name: plain_data(getattr(value, field.name)) for field in dataclasses.fields(value)}
     if isinstance(value, Mapping):
         return {key: plain_data(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [plain_data(item) for item in value]
+    return value
+
+
+def _0_1_value(key: str, value: Any) -> Any:
+    """A 0.1 flat key's value as its group field takes it now: `vllm`'s mapping is an engine choice."""
+    if key == "vllm":
+        return engine_of_0_1(plain_data(value))
     return value
 
 
@@ -294,7 +348,7 @@ def grouped_hparams(hparams: Mapping[str, Any], own_keys: frozenset[str] = froze
             continue
         group, field = place.split(".")
         existing = grouped.get(group)
-        grouped[group] = {**(existing if isinstance(existing, Mapping) else {}), field: value}
+        grouped[group] = {**(existing if isinstance(existing, Mapping) else {}), field: _0_1_value(key, value)}
     return grouped
 
 
@@ -307,7 +361,11 @@ def moved_key_hint(key: str, cls: Optional[type] = None) -> Optional[str]:
     """For an option a module rejected (`model.temperature`, `model.init_args.temperature`): where 0.2 put it, or
     None when it did not move, or when algorithm `cls` (if known) takes no such group."""
     parts = key.split(".")
-    if parts[:1] != ["model"] or not (len(parts) == 2 or (len(parts) == 3 and parts[1] == "init_args")):
+    if parts[1:2] == ["init_args"]:
+        parts = [parts[0], *parts[2:]]
+    if parts[:2] == ["model", "vllm"] and (cls is None or "rollout" in inspect.signature(cls.__init__).parameters):
+        return f"model.rollout.{engine_key_of_0_1(parts[2] if len(parts) > 2 else None)}"
+    if parts[:1] != ["model"] or len(parts) != 2:
         return None
     place = MOVED_KEYS.get(parts[-1])
     if place is None:
@@ -332,7 +390,7 @@ def grouped_kwargs(cls: type, **kwargs: Any) -> dict[str, Any]:
             out[key] = value
             continue
         group, field = place.split(".")
-        fields.setdefault(group, {})[field] = value
+        fields.setdefault(group, {})[field] = _0_1_value(key, value)
     for group, changes in fields.items():
         if group not in parameters:
             raise ConfigError(f"{cls.__name__} takes no {group!r} group, so no {', '.join(changes)}")

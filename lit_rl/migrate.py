@@ -16,7 +16,10 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+import yaml
+
 from lit_rl.config import GROUP_NAMES, MOVED_KEYS
+from lit_rl.rollout.engine_config import engine_of_0_1
 
 _ENTRY = re.compile(r"^(\s*)([A-Za-z_][\w]*):")
 # SFT keeps `max_prompt_length` as its own key (it truncates its data; it samples nothing).
@@ -54,6 +57,8 @@ def migrate_text(text: str, warn: Callable[[str], None] = lambda message: None) 
         group, field = place.split(".")
         if first_moved is None:
             first_moved = len(kept)
+        if key == "vllm":  # 0.1's vLLM settings are an engine choice now: its class and its options
+            block = _engine_block(block, warn)
         block = [_renamed(line, key, field) if _ENTRY.match(line) else line for line in block]
         moved[group].extend("  " + line if line.strip() else line for line in block)
     if first_moved is None:
@@ -65,6 +70,18 @@ def migrate_text(text: str, warn: Callable[[str], None] = lambda message: None) 
     new_groups = [(group, [f"{child_indent}{group}:\n", *body]) for group, body in moved.items() if body]
     body = kept[:first_moved] + new_groups + kept[first_moved:]
     return "".join(lines[: init + 1] + [line for _, block in body for line in block] + lines[init_end:])
+
+
+def _engine_block(block: list[str], warn: Callable[[str], None]) -> list[str]:
+    """A `vllm:` entry (comments above it kept) as the `engine:` entry it means now (`engine_of_0_1`)."""
+    start = next(index for index, line in enumerate(block) if _ENTRY.match(line))
+    indent = _indent(block[start])
+    body = [line[indent:] if line.strip() else line for line in block[start:]]
+    if any(line.lstrip().startswith("#") or " #" in line for line in body):
+        warn("model.init_args.vllm: its comments are not carried into model.init_args.rollout.engine")
+    engine = engine_of_0_1(yaml.safe_load("".join(body))["vllm"])
+    text = yaml.safe_dump({"engine": engine}, sort_keys=False, default_flow_style=False)
+    return block[:start] + [" " * indent + line + "\n" for line in text.splitlines()]
 
 
 def _indent(line: str) -> int:

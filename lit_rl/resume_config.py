@@ -28,8 +28,8 @@ from lit_rl.errors import ConfigError
 # What a resumed `fit` may change. The optimizer's rates (the configured ones replace those in the restored
 # optimizer state, see `OptimizedModule.apply_configured_rates`); how a step is cut into micro-batches and run
 # (the same loss and gradient: the accumulation and packing tests prove it); validation's sampling; and how and
-# where rollouts are produced (`model.vllm`: the engine, the server's address, its timeouts).
-# Keys under `model.`; a key names everything below it (`vllm` covers `vllm.server_url`).
+# where rollouts are produced (`model.rollout.engine`: the engine, the server's address, its timeouts).
+# Keys under `model.`; a key names everything below it (`rollout.engine` covers `rollout.engine.server_url`).
 MAY_CHANGE_ON_RESUME = frozenset(
     {
         "optim.learning_rate",
@@ -45,7 +45,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "ref_cache_dir",
         "sampling.val_temperature",
         "sampling.val_num_generations",
-        "vllm",
+        "rollout.engine",
     }
 )
 OPTIMIZER_RATES = frozenset({"optim.learning_rate", "critic_learning_rate", "optim.weight_decay", "optim.warmup_steps"})
@@ -59,7 +59,7 @@ NOT_ARGUMENTS = frozenset({"_class_path", "_instantiator"})
 
 @dataclasses.dataclass(frozen=True)
 class Difference:
-    key: str  # dotted, under `model.` (`model.vllm.server_url`)
+    key: str  # dotted, under `model.` (`model.rollout.engine.server_url`)
     this_run: Any
     checkpoint: Any
 
@@ -96,7 +96,8 @@ def reconcile(
         if subcommand == "fit":
             advice = (
                 "a resumed run keeps what it was trained with (only the rates, micro-batching, validation sampling "
-                "and model.vllm may change): give the checkpoint's values, or start a new run without --ckpt_path"
+                "and model.rollout.engine may change): give the checkpoint's values, or start a new run "
+                "without --ckpt_path"
             )
         else:
             advice = "the checkpoint's weights belong to that model: give the checkpoint's values"
@@ -122,7 +123,7 @@ def may_change(subcommand: str, key: str) -> bool:
 
 
 def _covered(key: str, keys: frozenset[str]) -> bool:
-    """Whether `key` or a key above it (`vllm` above `vllm.server_url`) is in `keys`."""
+    """Whether `key` or a key above it (`rollout.engine` above `rollout.engine.server_url`) is in `keys`."""
     parts = key.split(".")
     return any(".".join(parts[:end]) in keys for end in range(1, len(parts) + 1))
 
@@ -158,7 +159,7 @@ def _plain(value: Any) -> Any:
 def differences(key: str, this_run: Any, checkpoint: Any) -> list[Difference]:
     """Where two values of `key` differ: key by key inside two mappings (`model.sampling.temperature`), else whole
     (`model.policy.lora` set against null). An option or a group field only one side has is not compared (one
-    version of lit-rl has it, the other does not); inside a value (`model.env.environment_args`, `model.vllm`)
+    version of lit-rl has it, the other does not); inside a value (`model.env.environment_args`, `model.rollout.engine`)
     a key only one side has is a difference."""
     if this_run == checkpoint:
         return []

@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from lit_rl.config import grouped_kwargs
+from lit_rl.config import RolloutArgs, grouped_kwargs
 from lit_rl.data.schedule import RolloutSchedule, RolloutScheduleLoader
 from lit_rl.errors import ConfigError
 from lit_rl.losses import rollout_is_weights
-from lit_rl.rollout import RolloutOutput, SamplingParams, VLLMConfig
+from lit_rl.rollout import HFGenerate, RolloutOutput, SamplingParams, VLLMColocate, VLLMConfig
 from lit_rl.rollout.producer import AsyncRolloutProducer, generation_version, generations_launched_at
 
 
@@ -127,19 +127,19 @@ def test_the_producer_stages_each_version_once_and_hands_generations_over_in_ord
 
 
 @pytest.mark.parametrize(
-    "vllm, message",
+    "engine, message",
     [
-        (None, "HF generate samples from the policy being trained"),
-        (VLLMConfig(mode="colocate"), "not supported with model.vllm.mode: colocate"),
+        (HFGenerate(), "needs an engine that samples in the background, not HFGenerate"),
+        (VLLMColocate(), "needs an engine that samples in the background, not VLLMColocate"),
     ],
 )
-def test_asynchronous_rollouts_refuse_engines_that_cannot_sample_beside_the_trainer(vllm, message):
+def test_asynchronous_rollouts_refuse_engines_that_cannot_sample_beside_the_trainer(engine, message):
     from lit_rl.algorithms import GRPO
 
     with pytest.raises(ConfigError, match=message):
-        GRPO(max_staleness=1, vllm=vllm)
-    with pytest.raises(ConfigError, match="model.max_staleness must be >= 0"):
-        GRPO(max_staleness=-1)
+        GRPO(rollout=RolloutArgs(engine=engine, max_staleness=1))
+    with pytest.raises(ConfigError, match="model.rollout.max_staleness must be >= 0"):
+        GRPO(rollout=RolloutArgs(max_staleness=-1))
 
 
 def test_auto_correction_is_on_with_asynchronous_rollouts():

@@ -1,7 +1,7 @@
-"""`model.vllm.weight_transfer: gloo` without a vLLM server: stdlib servers in threads play its HTTP side, and the
-receiving end is lit-rl's real vLLM engine (`lit_rl.rollout.vllm_transfer_plugin`) joining the trainer's gloo group
-as vLLM's workers do. Checked: the weights that arrive, the order of the calls (resumed only after the finish), the
-chunks, failures (left paused, taken out or the run stopped), a server without the engine, and the config checks."""
+"""`model.rollout.engine.transfer.method: gloo` without a vLLM server: stdlib servers in threads play its HTTP side,
+and the receiving end is lit-rl's real vLLM engine (`lit_rl.rollout.vllm_transfer_plugin`) joining the trainer's gloo
+group as vLLM's workers do. Checked: the weights that arrive, the order of the calls (resumed only after the finish),
+the chunks, failures (left paused, taken out or the run stopped), a server without the engine, and the config checks."""
 
 from __future__ import annotations
 
@@ -207,11 +207,14 @@ def test_chunks_are_copies_that_outlive_the_stream():
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"weights_url": "http://10.0.0.2:8010"}, "model.vllm.weights_url(s) is for weight_transfer: http"),
-        ({"transfer_port": 70000}, "model.vllm.transfer_port must be in 0..65535"),
+        (
+            {"weights_url": "http://10.0.0.2:8010"},
+            "model.rollout.engine.transfer.receiver_url(s) is for transfer.method: http",
+        ),
+        ({"transfer_port": 70000}, "model.rollout.engine.transfer.port must be in 0..65535"),
         ({"transfer_port": 65535, "server_urls": ["http://127.0.0.1:1", "http://127.0.0.1:2"]}, "no port for each"),
-        ({"server_url": "http://10.0.0.2:8000"}, "set model.vllm.transfer_address to this machine's address"),
-        ({"transfer_address": "0.0.0.0"}, "model.vllm.transfer_address must be this machine's address"),
+        ({"server_url": "http://10.0.0.2:8000"}, "set model.rollout.engine.transfer.address to this machine's address"),
+        ({"transfer_address": "0.0.0.0"}, "model.rollout.engine.transfer.address must be this machine's address"),
     ],
 )
 def test_bad_transfer_settings_are_refused_in_one_line_naming_the_key(settings, message):
@@ -257,5 +260,5 @@ def test_vllm_finds_the_gloo_engine_through_the_installed_plugin_entry_point():
 
 def test_nccl_is_refused_in_one_line_on_a_trainer_without_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ConfigError, match="weight_transfer: nccl needs a CUDA GPU beside the trainer; use gloo"):
+    with pytest.raises(ConfigError, match="transfer.method: nccl needs a CUDA GPU beside the trainer; use gloo"):
         check_vllm_config(VLLMConfig(mode="server", weight_transfer="nccl"))

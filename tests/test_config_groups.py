@@ -86,7 +86,7 @@ def test_a_0_1_checkpoint_s_hyperparameters_are_grouped():
         "loss": {"beta": 0.1},
         "policy": {"lora": None},
     }
-    grouped = {"sampling": {"temperature": 0.7}, "loss": {"beta": 0.1}, "max_staleness": 0}
+    grouped = {"sampling": {"temperature": 0.7}, "loss": {"beta": 0.1}, "rollout": {"max_staleness": 0}}
     assert grouped_hparams(grouped) == grouped
 
 
@@ -127,7 +127,8 @@ def test_migrate_moves_the_flat_keys_and_keeps_comments_and_everything_else():
     assert init["policy"] == {"model_name_or_path": "my/model"}
     assert init["rewards"] == {"funcs": ["my.reward"]}
     assert init["sampling"] == {"num_generations": 4} and init["optim"] == {"learning_rate": 1e-5}
-    assert init["loss"] == {"beta": 0.04} and init["vllm"] == {"mode": "server"}
+    assert init["loss"] == {"beta": 0.04}
+    assert init["rollout"] == {"engine": {"class_path": "lit_rl.rollout.VLLMServer", "init_args": {}}}
     assert config["data"] == {"class_path": "lit_rl.data.PromptDataModule"}
     assert migrate_text(new) == new  # a 0.2 config is left as it is
 

@@ -45,7 +45,7 @@ def test_the_config_reference_is_what_the_code_says():
     )
     assert result.returncode == 0, result.stderr
     page = (REPO / "docs" / "config-reference.md").read_text()
-    for key in ("`model.sampling.temperature`", "`model.policy.lora.r`", "`model.vllm.mode`", "`data.train_data`"):
+    for key in ("`model.sampling.temperature`", "`model.policy.lora.r`", "`model.rollout.engine`", "`data.train_data`"):
         assert key in page, key
     assert "| `model.temperature` | `model.sampling.temperature` |" in page
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from lit_rl.algorithms import GRPO
-from lit_rl.config import GROUPS, grouped_hparams
+from lit_rl.config import GROUP_NAMES, GROUPS, grouped_hparams
 from lit_rl.errors import ConfigError
 from lit_rl.resume_config import MAY_CHANGE_ON_RESUME, MODEL_IDENTITY, Difference, reconcile
 
@@ -20,8 +20,14 @@ SAVED = {  # as a lit-rl 0.2 checkpoint holds them
     "rewards": {"funcs": ["lit_rl.rewards.arithmetic.correctness"], "weights": None},
     "optim": {"learning_rate": 1e-4},
     "sampling": {"num_generations": 16},
-    "beta": 0.0,
-    "vllm": {"mode": "server", "server_url": "http://10.0.0.1:8000", "request_timeout_s": 60.0},
+    "loss": {"beta": 0.0},
+    "rollout": {
+        "engine": {
+            "class_path": "lit_rl.rollout.VLLMServer",
+            "init_args": {"server_url": "http://10.0.0.1:8000", "request_timeout_s": 60.0},
+        },
+        "max_staleness": 0,
+    },
 }
 
 
@@ -29,7 +35,7 @@ def _run(**changes):
     """This run's hyperparameters: SAVED's, with `changes` given by their 0.1 names (`learning_rate`)."""
     run = {k: (dict(v) if isinstance(v, dict) else v) for k, v in SAVED.items() if not k.startswith("_")}
     for key, value in grouped_hparams(changes).items():
-        run[key] = {**run[key], **value} if key in GROUPS else value
+        run[key] = {**run[key], **value} if key in GROUP_NAMES else value
     return run
 
 
@@ -38,11 +44,11 @@ def test_the_same_values_say_nothing():
 
 
 def test_fit_may_change_the_rates_and_where_rollouts_come_from_and_says_so():
-    vllm = {**SAVED["vllm"], "server_url": "http://10.0.0.2:8000"}
+    vllm = {"mode": "server", "server_url": "http://10.0.0.2:8000", "request_timeout_s": 60.0}  # 0.1's spelling
     changed = reconcile("fit", GRPO, _run(learning_rate=0.5, vllm=vllm), SAVED, "last.ckpt")
     assert changed == [
         Difference("model.optim.learning_rate", 0.5, 1e-4),
-        Difference("model.vllm.server_url", "http://10.0.0.2:8000", "http://10.0.0.1:8000"),
+        Difference("model.rollout.engine.init_args.server_url", "http://10.0.0.2:8000", "http://10.0.0.1:8000"),
     ]
 
 
@@ -118,7 +124,7 @@ def test_a_checkpoint_of_lit_rl_0_1_compares_key_by_key_with_the_groups():
         "learning_rate": 1e-4,
         "num_generations": 16,
         "beta": 0.0,
-        "vllm": SAVED["vllm"],
+        "vllm": {"mode": "server", "server_url": "http://10.0.0.1:8000", "request_timeout_s": 60.0},
     }
     assert reconcile("fit", GRPO, _run(), flat, "old.ckpt") == []
     assert reconcile("fit", GRPO, _run(learning_rate=0.5), flat, "old.ckpt") == [
@@ -135,6 +141,6 @@ def test_the_documented_sets_are_arguments_of_the_algorithms():
     from lit_rl.algorithms import DPO, GRPO, PPO, RLOO, SFT, OnlineDPO
 
     arguments = set().union(*(inspect.signature(cls).parameters for cls in (DPO, GRPO, PPO, RLOO, SFT, OnlineDPO)))
-    keys = {key for key in arguments if key not in GROUPS}
+    keys = {key for key in arguments if key not in GROUP_NAMES}
     keys |= {f"{group}.{field.name}" for group, cls in GROUPS.items() for field in dataclasses.fields(cls)}
     assert MAY_CHANGE_ON_RESUME <= keys and MODEL_IDENTITY <= keys

@@ -1,5 +1,5 @@
-"""Several vLLM servers (`model.vllm.server_urls`) without vLLM: requests dealt out across them with completions that
-do not depend on the split, pushes to every server, health checks, and what a dead server does under
+"""Several vLLM servers (`model.rollout.engine.server_urls`) without vLLM: requests dealt out across them with
+completions that do not depend on the split, pushes to every server, health checks, and what a dead server does under
 `on_server_failure: fail | continue`. Stdlib servers in threads play vLLM (`tests/fake_vllm.py`)."""
 
 from __future__ import annotations
@@ -190,13 +190,16 @@ def test_asynchronous_generations_load_each_version_once_on_every_server(fake_se
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"server_urls": "http://127.0.0.1:8000"}, "model.vllm.server_urls must be a non-empty list"),
-        ({"server_urls": []}, "model.vllm.server_urls must be a non-empty list"),
-        ({"server_urls": ["127.0.0.1:8000"]}, "model.vllm.server_urls: each URL must start with http"),
+        ({"server_urls": "http://127.0.0.1:8000"}, "model.rollout.engine.server_urls must be a non-empty list"),
+        ({"server_urls": []}, "model.rollout.engine.server_urls must be a non-empty list"),
+        ({"server_urls": ["127.0.0.1:8000"]}, "model.rollout.engine.server_urls: each URL must start with http"),
         ({"server_urls": ["http://127.0.0.1:1", "http://127.0.0.1:1"]}, "lists a server twice"),
         ({"server_urls": ["http://127.0.0.1:1"], "weights_urls": ["http://a:1", "http://b:1"]}, "as many entries"),
-        ({"weights_urls": ["http://a:1"]}, "model.vllm.weights_urls needs model.vllm.server_urls"),
-        ({"on_server_failure": "retry"}, "model.vllm.on_server_failure must be fail or continue"),
+        (
+            {"weights_urls": ["http://a:1"]},
+            "model.rollout.engine.transfer.receiver_urls needs model.rollout.engine.server_urls",
+        ),
+        ({"on_server_failure": "retry"}, "model.rollout.engine.on_server_failure must be fail or continue"),
         ({"server_urls": ["http://127.0.0.1:1", "http://10.0.0.2:8000"]}, "http://10.0.0.2:8000 is not on this"),
     ],
 )

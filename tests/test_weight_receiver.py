@@ -109,7 +109,7 @@ def test_the_engine_uploads_then_reloads_the_committed_copy_and_a_dead_receiver_
 
 
 def test_settings_name_what_is_missing():
-    with pytest.raises(ConfigError, match="weight_transfer: http needs model.vllm.weights_url"):
+    with pytest.raises(ConfigError, match="transfer.method: http needs model.rollout.engine.transfer.receiver_url"):
         check_vllm_config(VLLMConfig(mode="server", weight_transfer="http"))
     with pytest.raises(ConfigError, match="is not on this machine"):
         check_vllm_config(VLLMConfig(mode="server", server_url="http://10.1.2.3:8000"))

@@ -3,7 +3,8 @@ or as a server), given the policy's weights whenever an optimizer step changed t
 rollouts (sleep mode).
 
 `RolloutEngineOwner` is a mixin of `OnPolicyModule`; it reads the module's `rollout_engine`,
-`_engine_weights_step`, `vllm_config`, `policy`, `tokenizer`, `timer`, `trainer` and `policy_args`.
+`_engine_weights_step`, `engine_config` (`model.rollout.engine`, which builds the engine), `vllm_config`,
+`policy`, `trainer` and `timer`.
 """
 
 from __future__ import annotations
@@ -12,10 +13,7 @@ from typing import Optional
 
 import torch
 
-from lit_rl.modeling.models import resolve_model_path
-from lit_rl.rollout import HFGenerateEngine, RolloutEngine
-from lit_rl.rollout.config import VLLM_DTYPES
-from lit_rl.rollout.hf import model_eos_token_ids
+from lit_rl.rollout import RolloutEngine
 from lit_rl.rollout.placement import EnginePlacement
 from lit_rl.rollout.weights import DEFAULT_BUCKET_MIB, policy_weight_stream
 from lit_rl.training.strategies import is_fsdp_wrapped, settle_zero3_parameters
@@ -25,11 +23,11 @@ class RolloutEngineOwner:
     """Where an on-policy module's rollouts come from (module docstring)."""
 
     def engine(self) -> RolloutEngine:
-        """The rollout engine, created on first use: HF `generate` on the policy, or vLLM with `model.vllm`
-        (unless one was injected), holding the policy's current weights."""
+        """The rollout engine, created on first use by `model.rollout.engine` (unless one was injected), holding
+        the policy's current weights."""
         if self.rollout_engine is None:
             with self.timer.phase("engine_start"):
-                self.rollout_engine = self._build_engine()
+                self.rollout_engine = self.engine_config.build(self)
             self._engine_weights_step = None
         engine = self.rollout_engine
         # Only optimizer steps advance global_step: several generations between two steps push once, unless the
@@ -43,7 +41,7 @@ class RolloutEngineOwner:
 
     def weight_stream(self):
         """The policy's weights as a lazy stream of (name, tensor) buckets, for an engine to load."""
-        bucket_mib = self.vllm_config.push_bucket_mib if self.vllm_config else DEFAULT_BUCKET_MIB
+        bucket_mib = getattr(self.engine_config, "push_bucket_mib", DEFAULT_BUCKET_MIB)
         strategy = self.trainer.strategy
         # FSDP: gather from the root (Lightning wraps this module; its flat parameter holds the embeddings).
         wrapped = getattr(strategy, "model", None)
@@ -51,59 +49,26 @@ class RolloutEngineOwner:
         settle_zero3_parameters(strategy)
         return policy_weight_stream(self.policy, int(bucket_mib * 2**20), fsdp_root)
 
-    def _build_engine(self) -> RolloutEngine:
-        eos_ids = model_eos_token_ids(self.policy, self.tokenizer.eos_token_id)
-        pad_id = self.tokenizer.pad_token_id
-        config = self.vllm_config
-        if config is None:
-            return HFGenerateEngine(self.policy, eos_ids, pad_id, synced_ranks=self.parameters_sharded())
-        if config.mode == "server":
-            from lit_rl.rollout.server import VLLMServerEngine
-
-            return VLLMServerEngine(config, eos_ids, pad_id)
-        from lit_rl.rollout.vllm import VLLMColocateEngine
-
-        return VLLMColocateEngine.start(
-            config,
-            resolve_model_path(self.policy_args.model_name_or_path),
-            dtype=self.compute_dtype(),
-            device=self.device,
-            eos_token_ids=eos_ids,
-            pad_token_id=pad_id,
-            placement=self.engine_placement(),
-            trust_remote_code=self.policy_args.trust_remote_code,
-            phase=lambda name: self.timer.phase(name),  # the current timer (validation swaps it)
-        )
-
     def engine_dtype(self) -> Optional[torch.dtype]:
-        """The dtype the vLLM engine computes in: `model.vllm.dtype`, whose `auto` means the trainer's compute dtype
-        for a colocated engine and "not known here" for a server (started with its own `--dtype`). None for HF
-        `generate`, which samples from the policy itself, and for a server whose dtype is not given."""
-        config = self.vllm_config
-        if config is None or (config.mode == "server" and config.dtype == "auto"):
-            return None
-        if config.dtype == "auto":
-            return self.compute_dtype()
-        return VLLM_DTYPES.get(config.dtype, torch.float32)
+        """The dtype the engine computes in (None: not known here, as for a server started with its own
+        `--dtype`); HF `generate` samples from the policy itself."""
+        return self.engine_config.engine_dtype(self.compute_dtype())
 
     def engine_numerics_differ(self) -> bool:
-        """Whether the engine's log-probs of a token can differ from the trainer's by more than float32 rounding:
-        any vLLM engine but one computing in float32 next to a float32 trainer (bf16 kernels of two libraries
-        round differently even at the same dtype; a server of unknown dtype counts as differing)."""
-        if self.vllm_config is None:
-            return False
-        dtype = self.engine_dtype()
-        return dtype is None or dtype != torch.float32 or dtype != self.compute_dtype()
+        """Whether the engine's log-probs of a token can differ from the trainer's by more than float32 rounding
+        (`EngineConfig.numerics_differ`: any vLLM engine but one computing in float32 next to a float32 trainer)."""
+        return self.engine_config.numerics_differ(self.compute_dtype())
 
     def engine_placement(self) -> EnginePlacement:
-        """Where this rank's colocated engine lives and which ranks share it (`model.vllm.tensor_parallel_size`)."""
+        """Where this rank's colocated engine lives and which ranks share it
+        (`model.rollout.engine.tensor_parallel_size`; 1 for an engine that is not lit-rl's colocated vLLM)."""
         trainer = self.trainer
         return EnginePlacement(
             rank=trainer.global_rank,
             local_rank=trainer.local_rank,
             world_size=trainer.world_size,
             local_world_size=trainer.num_devices,
-            tensor_parallel_size=self.vllm_config.tensor_parallel_size,
+            tensor_parallel_size=getattr(self.engine_config, "tensor_parallel_size", 1),
         )
 
     def release_engine(self) -> None:

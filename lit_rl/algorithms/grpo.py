@@ -7,13 +7,13 @@ objective: group-relative advantages and the clipped per-token surrogate with a 
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable
 
 import torch
 from torchmetrics import MeanMetric, MetricCollection
 
 from lit_rl.algorithms.on_policy import ZERO_STD, OnPolicyModule
-from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, SamplingArgs, ScheduleArgs, as_args
+from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, RolloutArgs, SamplingArgs, ScheduleArgs, as_args
 from lit_rl.data.schedule import MAX_REFILLS, refill_seed_key
 from lit_rl.errors import ConfigError
 from lit_rl.loss_config import GRPOLoss
@@ -21,7 +21,7 @@ from lit_rl.losses import IS_CORRECTIONS, LossNormalizer, grpo_loss, rollout_is_
 from lit_rl.losses.advantages import advantage_function
 from lit_rl.losses.overlong import overlong_penalty, truncated
 from lit_rl.losses.policy import policy_loss_function
-from lit_rl.rollout import RolloutOutput, VLLMConfig
+from lit_rl.rollout import RolloutOutput
 from lit_rl.rollout.dynamic_sampling import rows_for_rank, select_groups
 from lit_rl.rollout.hf import model_eos_token_ids
 from lit_rl.training.metrics import LOCAL, metric_collection, on_policy_training_metrics
@@ -36,17 +36,11 @@ class GRPO(OnPolicyModule):
     `lit_rl.loss_config.GRPOLoss`.
 
     Args:
-        vllm: generate rollouts with vLLM (`configs/rollout/vllm_colocate.yaml`, `vllm_server.yaml`); None: HF
-            `generate` on the policy. See `lit_rl.rollout.VLLMConfig` for the keys (`--model.vllm.mode ...`).
-        max_staleness: asynchronous rollouts: generation g is sampled in the background by the weights of
-            optimizer step max(0, g*m - k) (m = steps_per_generation x num_iterations), so each sample is at most
-            k steps older than the policy it first updates (`lit_rl.rollout.producer`); needs the vLLM server
-            engine. 0 (default): synchronous.
         rollout_is_correction: weigh the policy term by the importance ratio of the trainer's probability of the
             sampled tokens over the rollout engine's (`lit_rl.losses.rollout_is_weights` has the formulas):
             `token_truncate` (per token, truncated at `rollout_is_cap`), `sequence_truncate` (the sequence's
             ratio, truncated), `sequence_mask` (the sequence's ratio, or 0 outside [1/cap, cap]), or `none`.
-            `auto` (default) is `token_truncate` with asynchronous rollouts (`max_staleness > 0`: the engine
+            `auto` (default) is `token_truncate` with asynchronous rollouts (`rollout.max_staleness > 0`: the engine
             sampled with older weights) or when a vLLM engine computes in another dtype than the trainer or in any
             dtype below float32 (`RolloutEngineOwner.engine_numerics_differ`), else `none`.
         rollout_is_cap: the cap C of the rollout correction.
@@ -66,8 +60,7 @@ class GRPO(OnPolicyModule):
         rewards: RewardArgs = RewardArgs(),
         env: EnvArgs = EnvArgs(),
         loss: GRPOLoss = GRPOLoss(),
-        vllm: Optional[VLLMConfig] = None,
-        max_staleness: int = 0,
+        rollout: RolloutArgs = RolloutArgs(),
         rollout_is_correction: str = "auto",
         rollout_is_cap: float = 2.0,
         dynamic_sampling: bool = False,
@@ -83,20 +76,22 @@ class GRPO(OnPolicyModule):
             raise ConfigError(
                 f"model.max_refill_generations must be in [0, {MAX_REFILLS}], got {max_refill_generations}"
             )
-        if dynamic_sampling and max_staleness > 0:
+        staleness = as_args(RolloutArgs, rollout).max_staleness
+        if dynamic_sampling and staleness > 0:
             raise ConfigError(
-                "model.dynamic_sampling with model.max_staleness > 0 is not supported yet: refills are sampled when "
+                "model.dynamic_sampling with model.rollout.max_staleness > 0 is not supported yet: refills "
+                "are sampled when "
                 "a generation is scored, which asynchronous rollouts do ahead of time"
             )
         if not rollout_is_cap >= 1.0:
             raise ConfigError(f"model.rollout_is_cap must be >= 1, got {rollout_is_cap}")
-        super().__init__(policy, optim, schedule, sampling, rewards, env, vllm=vllm, max_staleness=max_staleness)
+        super().__init__(policy, optim, schedule, sampling, rewards, env, rollout)
         self.save_hyperparameters()
         self.policy_loss_fn = policy_loss_function(loss.objective)  # functions, not modules: never saved as weights
         self.advantage_fn = advantage_function(loss.advantage)
         # The fraction corrected is logged when a correction is asked for by name or made certain by asynchrony
         # (`auto` alone keeps the columns of earlier runs).
-        with_correction = max_staleness > 0 or rollout_is_correction not in ("auto", "none")
+        with_correction = staleness > 0 or rollout_is_correction not in ("auto", "none")
         metrics = grpo_metrics(self.reward_names, with_kl=loss.beta != 0.0, with_is_correction=with_correction)
         if dynamic_sampling:
             metrics.add_metrics(dynamic_sampling_metrics())

@@ -32,15 +32,14 @@ from lit_rl.algorithms.episodes import EpisodeRunner
 from lit_rl.algorithms.micro_steps import MicroBatching
 from lit_rl.algorithms.reward_scoring import RewardScorer
 from lit_rl.algorithms.rng import rng_state, set_rng_state
-from lit_rl.algorithms.rollout_checks import check_max_staleness, check_prompt_lengths
-from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, SamplingArgs, ScheduleArgs, as_args
+from lit_rl.algorithms.rollout_checks import check_prompt_lengths
+from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, RolloutArgs, SamplingArgs, ScheduleArgs, as_args
 from lit_rl.data.schedule import RolloutSchedule
 from lit_rl.errors import ConfigError, EnvironmentStepError
 from lit_rl.losses import LossNormalizer
 from lit_rl.ops import kl_k3
-from lit_rl.rollout import RolloutEngine, RolloutOutput, SamplingParams, VLLMConfig
+from lit_rl.rollout import RolloutEngine, RolloutOutput, SamplingParams
 from lit_rl.rollout.base import global_batch_seeds
-from lit_rl.rollout.config import check_vllm_config
 from lit_rl.rollout.producer import AsyncRolloutProducer, generation_version, generations_launched_at
 from lit_rl.training.metrics import (
     asynchronous_rollout_metrics,
@@ -76,39 +75,39 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, RewardScorer, MicroBatch
         sampling: Optional[SamplingArgs],
         rewards: Optional[RewardArgs],
         env: Optional[EnvArgs],
+        rollout: Optional[RolloutArgs],
         *,
-        vllm: Optional[VLLMConfig] = None,
-        max_staleness: int = 0,
         min_generations: int = 2,
     ) -> None:
-        """The groups of `lit_rl.config` (None: their defaults), the rollout engine (`vllm`: None for HF
-        `generate`) and the asynchrony (`max_staleness`); `min_generations`: 2 where completions of a prompt are
-        compared, 1 where a critic is the baseline."""
+        """The groups of `lit_rl.config` (None: their defaults), the engine and the asynchrony among them
+        (`rollout`); `min_generations`: 2 where completions of a prompt are compared, 1 where a critic is the
+        baseline."""
         self.schedule_args = schedule = as_args(ScheduleArgs, schedule)
         self.sampling_args = sampling = as_args(SamplingArgs, sampling)
         self.reward_args = rewards = as_args(RewardArgs, rewards)
         self.env_args = env = as_args(EnvArgs, env)
+        self.rollout_args = rollout = as_args(RolloutArgs, rollout)
         schedule.check()
         sampling.check(min_generations)
         rewards.check()
         env.check()
-        check_vllm_config(vllm)
-        check_max_staleness(max_staleness, vllm)
-        if max_staleness > 0 and env.enabled:
+        rollout.check()
+        if rollout.max_staleness > 0 and env.enabled:
             raise ConfigError(
-                "model.env.environment (or model.env.tools) with model.max_staleness > 0 is not supported yet: "
-                "asynchronous rollouts sample single completions in the background"
+                "model.env.environment (or model.env.tools) with model.rollout.max_staleness > 0 is not supported "
+                "yet: asynchronous rollouts sample single completions in the background"
             )
         super().__init__(policy, optim, max_prompt_length=sampling.max_prompt_length)
         self.setup_reward_functions(rewards.funcs, rewards.weights)
-        self.vllm_config = vllm
+        self.engine_config = rollout.engine
+        self.vllm_config = rollout.engine.vllm  # lit-rl's vLLM engines' settings; None for any other engine
         self.rollout_engine: Optional[RolloutEngine] = None  # a plain object, never an nn.Module attribute
         self._engine_weights_step: Optional[int] = None  # the global_step whose weights the engine holds
         self._micro_steps_done = 0
         self._buffer: Optional[RolloutBatch] = None
         self._normalizers: list[LossNormalizer] = []
-        self.max_staleness = max_staleness
-        self._producer = AsyncRolloutProducer() if max_staleness > 0 else None
+        self.max_staleness = rollout.max_staleness
+        self._producer = AsyncRolloutProducer() if rollout.max_staleness > 0 else None
         self.setup_environment(env)
 
     @property
@@ -181,7 +180,7 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, RewardScorer, MicroBatch
             self.rollout_engine = None
 
     def setup(self, stage: str) -> None:
-        if self.vllm_config is not None and self.vllm_config.mode == "colocate":
+        if self.engine_config.colocated:
             self.engine_placement()  # rejects a TP size that does not fit the ranks, before anything starts
         if stage != "fit":
             return

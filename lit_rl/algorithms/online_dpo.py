@@ -19,13 +19,12 @@ import torch
 from torchmetrics import MeanMetric, MetricCollection
 
 from lit_rl.algorithms.on_policy import OnPolicyModule
-from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, SamplingArgs, ScheduleArgs, as_args
+from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, RolloutArgs, SamplingArgs, ScheduleArgs, as_args
 from lit_rl.errors import ConfigError
 from lit_rl.loss_config import DPOLoss
 from lit_rl.losses import LossNormalizer
 from lit_rl.losses.dpo import DPO_LOSSES, REFERENCE_FREE, dpo_loss
 from lit_rl.rewards.model import RewardModel
-from lit_rl.rollout import VLLMConfig
 from lit_rl.training.metrics import DPO_PAIR_METRICS, LOCAL, metric_collection, on_policy_training_metrics
 from lit_rl.types import RolloutBatch
 
@@ -41,12 +40,6 @@ class OnlineDPO(OnPolicyModule):
             is added to the reward functions' (weight: the last entry of `rewards.weights` when it has one more
             entry than `rewards.funcs`, else 1.0). Without reward functions (`rewards.funcs` null or `[]`) it is the
             only judge.
-        vllm: generate rollouts with vLLM (`configs/rollout/vllm_colocate.yaml`, `vllm_server.yaml`); None: HF
-            `generate` on the policy. See `lit_rl.rollout.VLLMConfig` for the keys (`--model.vllm.mode ...`).
-        max_staleness: asynchronous rollouts: generation g is sampled in the background by the weights of
-            optimizer step max(0, g*m - k) (m = steps_per_generation x num_iterations), so each sample is at most
-            k steps older than the policy it first updates (`lit_rl.rollout.producer`); needs the vLLM server
-            engine. 0 (default): synchronous.
     """
 
     micro_batch_unit = 2  # a pair's two completions are adjacent rows, compared within one micro-batch
@@ -61,8 +54,7 @@ class OnlineDPO(OnPolicyModule):
         env: EnvArgs = EnvArgs(),
         reward_model_name_or_path: Optional[str] = None,
         loss: DPOLoss = DPOLoss(),
-        vllm: Optional[VLLMConfig] = None,
-        max_staleness: int = 0,
+        rollout: RolloutArgs = RolloutArgs(),
     ) -> None:
         self.loss_args = loss = as_args(DPOLoss, loss)
         loss.check(allowed=tuple(name for name in DPO_LOSSES if name not in REFERENCE_FREE))
@@ -85,7 +77,7 @@ class OnlineDPO(OnPolicyModule):
             if weights is not None and len(weights) == len(funcs) + 1:
                 weights, judge_weight = list(weights[:-1]), weights[-1]
             functions = dataclasses.replace(functions, funcs=funcs, weights=weights or None)
-        super().__init__(policy, optim, schedule, sampling, functions, env, vllm=vllm, max_staleness=max_staleness)
+        super().__init__(policy, optim, schedule, sampling, functions, env, rollout)
         self.save_hyperparameters()
         if reward_model_name_or_path is not None:
             # A plain callable, never an nn.Module attribute: the reward model is not trained or checkpointed.

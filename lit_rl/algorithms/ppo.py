@@ -33,14 +33,13 @@ from torchmetrics import ExplainedVariance, MeanMetric, MetricCollection, SumMet
 
 from lit_rl.algorithms.base import completion_forward
 from lit_rl.algorithms.on_policy import OnPolicyModule
-from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, SamplingArgs, ScheduleArgs, as_args
+from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, RolloutArgs, SamplingArgs, ScheduleArgs, as_args
 from lit_rl.errors import ConfigError
 from lit_rl.loss_config import PPOLoss
 from lit_rl.losses import LossNormalizer, aggregate
 from lit_rl.losses.policy import ppo_clip
 from lit_rl.losses.ppo import clipped_value_loss, gae, masked_moments, moments_to_mean_std, token_rewards, whiten
 from lit_rl.modeling.value_model import ValueModel, load_value_model, reset_value_head
-from lit_rl.rollout import VLLMConfig
 from lit_rl.training.metrics import LOCAL, metric_collection, on_policy_training_metrics
 from lit_rl.training.strategies import gathered_parameters, hf_zero3_loading, reduce_across_ranks
 from lit_rl.types import RolloutBatch
@@ -57,8 +56,6 @@ class PPO(OnPolicyModule):
             and a value head at 0), a one-label reward model or an exported critic (decoder and head); it must share
             the policy's tokenizer (`lit_rl.modeling.value_model.load_value_model`).
         critic_learning_rate: AdamW learning rate of the critic (None: `optim.learning_rate`).
-        vllm: generate rollouts with vLLM (`configs/rollout/vllm_colocate.yaml`, `vllm_server.yaml`); None: HF
-            `generate` on the policy. See `lit_rl.rollout.VLLMConfig` for the keys (`--model.vllm.mode ...`).
     """
 
     def __init__(
@@ -72,13 +69,18 @@ class PPO(OnPolicyModule):
         loss: PPOLoss = PPOLoss(),
         critic_model_name_or_path: Optional[str] = None,
         critic_learning_rate: Optional[float] = None,
-        vllm: Optional[VLLMConfig] = None,
+        rollout: RolloutArgs = RolloutArgs(),
     ) -> None:
         self.loss_args = loss = as_args(PPOLoss, loss)
         loss.check()
         if critic_learning_rate is not None and critic_learning_rate < 0:
             raise ConfigError(f"model.critic_learning_rate must be >= 0, got {critic_learning_rate}")
-        super().__init__(policy, optim, schedule, sampling, rewards, env, vllm=vllm, min_generations=1)
+        if as_args(RolloutArgs, rollout).max_staleness > 0:
+            raise ConfigError(
+                "model.rollout.max_staleness > 0 is not supported by PPO yet: its critic's values and advantages are "
+                "computed when a generation is sampled, by the critic of that moment"
+            )
+        super().__init__(policy, optim, schedule, sampling, rewards, env, rollout, min_generations=1)
         self.save_hyperparameters()
         self.critic: Optional[ValueModel] = None  # built in `configure_model`, like the policy
         self.train_metrics = self.rollout_train_metrics(ppo_metrics(self.reward_names, with_kl=loss.beta != 0.0))

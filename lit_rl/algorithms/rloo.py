@@ -7,17 +7,16 @@ Lightning's: the checkpoint cadence is exact for any accumulation, `num_iteratio
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable
 
 import torch
 from torchmetrics import MeanMetric, MetricCollection
 
 from lit_rl.algorithms.on_policy import OnPolicyModule
-from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, SamplingArgs, ScheduleArgs, as_args
+from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, RolloutArgs, SamplingArgs, ScheduleArgs, as_args
 from lit_rl.loss_config import RLOOLoss
 from lit_rl.losses import LossNormalizer
 from lit_rl.losses.rloo import kl_penalized_rewards, rloo_advantages, rloo_loss
-from lit_rl.rollout import VLLMConfig
 from lit_rl.training.metrics import LOCAL, metric_collection, on_policy_training_metrics
 from lit_rl.types import RolloutBatch
 
@@ -29,12 +28,6 @@ class RLOO(OnPolicyModule):
     `lit_rl.loss_config.RLOOLoss`.
 
     Args:
-        vllm: generate rollouts with vLLM (`configs/rollout/vllm_colocate.yaml`, `vllm_server.yaml`); None: HF
-            `generate` on the policy. See `lit_rl.rollout.VLLMConfig` for the keys (`--model.vllm.mode ...`).
-        max_staleness: asynchronous rollouts: generation g is sampled in the background by the weights of
-            optimizer step max(0, g*m - k) (m = steps_per_generation x num_iterations), so each sample is at most
-            k steps older than the policy it first updates (`lit_rl.rollout.producer`); needs the vLLM server
-            engine. 0 (default): synchronous.
     """
 
     def __init__(
@@ -46,12 +39,11 @@ class RLOO(OnPolicyModule):
         rewards: RewardArgs = RewardArgs(),
         env: EnvArgs = EnvArgs(),
         loss: RLOOLoss = RLOOLoss(),
-        vllm: Optional[VLLMConfig] = None,
-        max_staleness: int = 0,
+        rollout: RolloutArgs = RolloutArgs(),
     ) -> None:
         self.loss_args = loss = as_args(RLOOLoss, loss)
         loss.check()
-        super().__init__(policy, optim, schedule, sampling, rewards, env, vllm=vllm, max_staleness=max_staleness)
+        super().__init__(policy, optim, schedule, sampling, rewards, env, rollout)
         self.save_hyperparameters()
         self.train_metrics = self.rollout_train_metrics(rloo_metrics(self.reward_names))
         self.val_metrics = self.rollout_val_metrics()

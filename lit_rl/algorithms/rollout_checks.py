@@ -2,29 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from lit_rl.data.files import record_label
 from lit_rl.errors import ConfigError, DataError
-from lit_rl.rollout import VLLMConfig
-
-
-def check_max_staleness(max_staleness: int, vllm: Optional[VLLMConfig]) -> None:
-    """Asynchronous rollouts need an engine that samples beside the trainer: today the vLLM server."""
-    if max_staleness < 0:
-        raise ConfigError(f"model.max_staleness must be >= 0, got {max_staleness}")
-    if max_staleness == 0:
-        return
-    if vllm is None:
-        raise ConfigError(
-            "model.max_staleness > 0 needs an engine that samples in the background; HF generate samples from the "
-            "policy being trained: set model.vllm.mode: server (configs/rollout/vllm_server.yaml)"
-        )
-    if vllm.mode != "server":
-        raise ConfigError(
-            f"model.max_staleness > 0 is not supported with model.vllm.mode: {vllm.mode} yet (the engine shares "
-            "the trainer's process and device): use model.vllm.mode: server (configs/rollout/vllm_server.yaml)"
-        )
 
 
 def check_prompt_lengths(module: Any) -> None:

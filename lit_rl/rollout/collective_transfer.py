@@ -1,5 +1,5 @@
-"""Weights to vLLM servers by broadcast (`model.vllm.weight_transfer: gloo | nccl`), through vLLM's weight-transfer
-endpoints: no file, no shared disk, no copy on the server's disk.
+"""Weights to vLLM servers by broadcast (`model.rollout.engine.transfer.method: gloo | nccl`), through vLLM's
+weight-transfer endpoints: no file, no shared disk, no copy on the server's disk.
 
 Rank 0 forms a group with each server's workers, as rank 0 of it, hosting the rendezvous at
 `transfer_address:port` (`port`: `transfer_port + i` for the i-th server, or a free one). A server's workers join
@@ -286,7 +286,7 @@ class CollectiveTransfer:
             raise ServerDownError(
                 f"vLLM server {server.url}: its workers did not join the weight transfer at "
                 f"{tcp_uri(self.address, port)} ({_one_line(joined.error or err)}); can the server reach "
-                "model.vllm.transfer_address?"
+                "model.rollout.engine.transfer.address?"
             ) from None
         finally:
             if listener is not None:
@@ -317,7 +317,8 @@ class CollectiveTransfer:
         if not isinstance(world_size, int) or world_size < 1:
             raise RolloutServerError(
                 f"vLLM server {server.url} has no weight-transfer engine: start it with VLLM_SERVER_DEV_MODE=1 and "
-                f'--weight-transfer-config \'{{"backend": "{backend}"}}\' (model.vllm.weight_transfer: {self.kind})'
+                f'--weight-transfer-config \'{{"backend": "{backend}"}}\' '
+                f"(model.rollout.engine.transfer.method: {self.kind})"
                 + ("; lit-rl must be installed beside it, which registers the backend" if self.kind == "gloo" else "")
             )
         return world_size

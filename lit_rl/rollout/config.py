@@ -1,4 +1,6 @@
-"""`model.vllm`: which vLLM rollout engine to use and how to run it. Plain data: importing it imports no vLLM."""
+"""The settings lit-rl's vLLM engines share, built by their configs (`VLLMColocate`, `VLLMServer` in
+`lit_rl.rollout.engine_config`), and their checks, which name the user's keys (`model.rollout.engine.<option>`).
+Plain data: importing it imports no vLLM."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import torch
 
 from lit_rl.errors import ConfigError
 
-# vLLM's dtype names (`model.vllm.dtype`) as torch dtypes; the first name of each dtype is the one lit-rl passes.
+# vLLM's dtype names (`model.rollout.engine.dtype`) as torch dtypes; the first name of each dtype is the one lit-rl
+# passes.
 VLLM_DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -130,40 +133,47 @@ class VLLMConfig:
 
 
 def check_vllm_config(config: Optional[VLLMConfig]) -> None:
-    """Reject impossible settings at construction, naming the offending `model.vllm.<key>`."""
+    """Reject impossible settings at construction, naming the offending `model.rollout.engine.<option>`."""
     if config is None:
         return
     if config.mode not in ("colocate", "server"):
-        raise ConfigError(f"model.vllm.mode must be 'colocate' or 'server', got {config.mode!r}")
+        raise ConfigError(f"model.rollout.engine.mode must be 'colocate' or 'server', got {config.mode!r}")
     if not 0 < config.gpu_memory_utilization <= 1:
-        raise ConfigError(f"model.vllm.gpu_memory_utilization must be in (0, 1], got {config.gpu_memory_utilization}")
+        raise ConfigError(
+            f"model.rollout.engine.gpu_memory_utilization must be in (0, 1], got {config.gpu_memory_utilization}"
+        )
     if config.tensor_parallel_size < 1:
-        raise ConfigError(f"model.vllm.tensor_parallel_size must be >= 1, got {config.tensor_parallel_size}")
+        raise ConfigError(f"model.rollout.engine.tensor_parallel_size must be >= 1, got {config.tensor_parallel_size}")
     if not (0 < config.push_bucket_mib < math.inf):
         raise ConfigError(
-            f"model.vllm.push_bucket_mib must be a finite number of MiB > 0, got {config.push_bucket_mib}"
+            f"model.rollout.engine.push_bucket_mib must be a finite number of MiB > 0, got {config.push_bucket_mib}"
         )
     if config.max_model_len is not None and config.max_model_len < 1:
-        raise ConfigError(f"model.vllm.max_model_len must be >= 1, got {config.max_model_len}")
+        raise ConfigError(f"model.rollout.engine.max_model_len must be >= 1, got {config.max_model_len}")
     if config.cpu_kvcache_space_gib < 1:
         raise ConfigError(
-            f"model.vllm.cpu_kvcache_space_gib must be >= 1 (whole GiB), got {config.cpu_kvcache_space_gib}"
+            f"model.rollout.engine.cpu_kvcache_space_gib must be >= 1 (whole GiB), got {config.cpu_kvcache_space_gib}"
         )
     if not config.server_url.startswith(("http://", "https://")):
-        raise ConfigError(f"model.vllm.server_url must start with http:// or https://, got {config.server_url!r}")
+        raise ConfigError(
+            f"model.rollout.engine.server_url must start with http:// or https://, got {config.server_url!r}"
+        )
     if not (0 < config.request_timeout_s < math.inf):
         raise ConfigError(
-            f"model.vllm.request_timeout_s must be a finite number of seconds > 0, got {config.request_timeout_s}"
+            "model.rollout.engine.request_timeout_s must be a finite number of seconds > 0, got "
+            f"{config.request_timeout_s}"
         )
     if not (0 <= config.wait_for_server_s < math.inf):
         raise ConfigError(
-            f"model.vllm.wait_for_server_s must be a finite number of seconds >= 0, got {config.wait_for_server_s}"
+            "model.rollout.engine.wait_for_server_s must be a finite number of seconds >= 0, got "
+            f"{config.wait_for_server_s}"
         )
     if config.max_retries < 0:
-        raise ConfigError(f"model.vllm.max_retries must be >= 0, got {config.max_retries}")
+        raise ConfigError(f"model.rollout.engine.max_retries must be >= 0, got {config.max_retries}")
     if config.weight_transfer not in ("auto", "file", "http", *COLLECTIVE_TRANSFERS):
         raise ConfigError(
-            f"model.vllm.weight_transfer must be auto, file, http, gloo or nccl, got {config.weight_transfer!r}"
+            "model.rollout.engine.transfer.method must be auto, file, http, gloo or nccl, got "
+            f"{config.weight_transfer!r}"
         )
     _check_server_lists(config)
     if config.broadcasts_weights:
@@ -171,17 +181,22 @@ def check_vllm_config(config: Optional[VLLMConfig]) -> None:
         return
     if config.weight_transfer == "http" and config.weights_url is None and config.weights_urls is None:
         raise ConfigError(
-            "model.vllm.weight_transfer: http needs model.vllm.weights_url, the weight receiver beside the server "
+            "model.rollout.engine.transfer.method: http needs model.rollout.engine.transfer.receiver_url, the "
+            "weight receiver beside the server "
             "(python -m lit_rl.rollout.weight_receiver --dir DIR --port 8010 on the server's machine)"
         )
     if config.weights_url is not None and not config.weights_url.startswith(("http://", "https://")):
-        raise ConfigError(f"model.vllm.weights_url must start with http:// or https://, got {config.weights_url!r}")
+        raise ConfigError(
+            "model.rollout.engine.transfer.receiver_url must start with http:// or https://, got "
+            f"{config.weights_url!r}"
+        )
     remote = _server_elsewhere(config)
     if config.mode == "server" and not config.uploads_weights and config.weight_sync_dir is None and remote:
         raise ConfigError(
-            f"model.vllm.server_url {remote} is not on this machine: its weights cannot go through "
-            "a local /dev/shm directory. Run the weight receiver beside it and set model.vllm.weights_url, "
-            "or set model.vllm.weight_sync_dir to a file system both machines share"
+            f"model.rollout.engine.server_url {remote} is not on this machine: its weights cannot go through "
+            "a local /dev/shm directory. Run the weight receiver beside it and set "
+            "model.rollout.engine.transfer.receiver_url, "
+            "or set model.rollout.engine.transfer.sync_dir to a file system both machines share"
         )
 
 
@@ -193,30 +208,42 @@ def _server_elsewhere(config: VLLMConfig) -> Optional[str]:
     return None
 
 
+_USER_KEYS = {
+    "server_urls": "model.rollout.engine.server_urls",
+    "weights_urls": "model.rollout.engine.transfer.receiver_urls",
+}
+
+
 def _check_server_lists(config: VLLMConfig) -> None:
     """`server_urls`, `weights_urls` and `on_server_failure`, each named when wrong."""
     if config.on_server_failure not in ("fail", "continue"):
-        raise ConfigError(f"model.vllm.on_server_failure must be fail or continue, got {config.on_server_failure!r}")
+        raise ConfigError(
+            f"model.rollout.engine.on_server_failure must be fail or continue, got {config.on_server_failure!r}"
+        )
     for key in ("server_urls", "weights_urls"):
         urls = getattr(config, key)
         if urls is None:
             continue
         if isinstance(urls, str) or not urls:
-            raise ConfigError(f"model.vllm.{key} must be a non-empty list of URLs, got {urls!r}")
+            raise ConfigError(f"{_USER_KEYS[key]} must be a non-empty list of URLs, got {urls!r}")
         for url in urls:
             if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-                raise ConfigError(f"model.vllm.{key}: each URL must start with http:// or https://, got {url!r}")
+                raise ConfigError(f"{_USER_KEYS[key]}: each URL must start with http:// or https://, got {url!r}")
         if key == "server_urls" and len({url.rstrip("/") for url in urls}) != len(urls):
-            raise ConfigError(f"model.vllm.server_urls lists a server twice: {urls}")
+            raise ConfigError(f"model.rollout.engine.server_urls lists a server twice: {urls}")
     if config.weights_urls is not None:
         if config.server_urls is None or len(config.weights_urls) != len(config.server_urls):
             raise ConfigError(
-                "model.vllm.weights_urls needs model.vllm.server_urls with as many entries (one receiver per server, "
+                "model.rollout.engine.transfer.receiver_urls needs model.rollout.engine.server_urls with as "
+                "many entries (one receiver per server, "
                 f"in the same order); got {len(config.weights_urls)} for "
                 f"{len(config.server_urls) if config.server_urls else 'no'} server_urls"
             )
         if config.weights_url is not None:
-            raise ConfigError("set model.vllm.weights_url or model.vllm.weights_urls, not both")
+            raise ConfigError(
+                "set model.rollout.engine.transfer.receiver_url or "
+                "model.rollout.engine.transfer.receiver_urls, not both"
+            )
 
 
 def _check_collective_transfer(config: VLLMConfig) -> None:
@@ -224,29 +251,37 @@ def _check_collective_transfer(config: VLLMConfig) -> None:
     can reach when a server is on one."""
     if config.weights_url is not None or config.weights_urls is not None:
         raise ConfigError(
-            f"model.vllm.weights_url(s) is for weight_transfer: http; with {config.weight_transfer} the weights are "
+            "model.rollout.engine.transfer.receiver_url(s) is for transfer.method: http; with "
+            f"{config.weight_transfer} the weights are "
             "broadcast to the servers' workers: unset it"
         )
     if config.transfer_address in ("0.0.0.0", "::", ""):
         raise ConfigError(
-            f"model.vllm.transfer_address must be this machine's address as the servers reach it, not "
+            f"model.rollout.engine.transfer.address must be this machine's address as the servers reach it, not "
             f"{config.transfer_address!r}"
         )
     if config.weight_transfer == "nccl" and config.mode == "server":
         if not torch.cuda.is_available():
-            raise ConfigError("model.vllm.weight_transfer: nccl needs a CUDA GPU beside the trainer; use gloo")
+            raise ConfigError(
+                "model.rollout.engine.transfer.method: nccl needs a CUDA GPU beside the trainer; use gloo"
+            )
         if importlib.util.find_spec("vllm") is None:
-            raise ConfigError("model.vllm.weight_transfer: nccl needs vLLM installed beside the trainer; use gloo")
+            raise ConfigError(
+                "model.rollout.engine.transfer.method: nccl needs vLLM installed beside the trainer; use gloo"
+            )
     if not 0 <= config.transfer_port <= 65535:
-        raise ConfigError(f"model.vllm.transfer_port must be in 0..65535 (0: free ports), got {config.transfer_port}")
+        raise ConfigError(
+            f"model.rollout.engine.transfer.port must be in 0..65535 (0: free ports), got {config.transfer_port}"
+        )
     if config.transfer_port and config.transfer_port + len(config.server_endpoints()) - 1 > 65535:
         raise ConfigError(
-            f"model.vllm.transfer_port {config.transfer_port} leaves no port for each of the "
+            f"model.rollout.engine.transfer.port {config.transfer_port} leaves no port for each of the "
             f"{len(config.server_endpoints())} servers (one port each, counting up)"
         )
     remote = _server_elsewhere(config)
     if config.transfer_address in LOCAL_HOSTS and remote:
         raise ConfigError(
-            f"model.vllm.server_url {remote} is not on this machine: set model.vllm.transfer_address to this "
+            f"model.rollout.engine.server_url {remote} is not on this machine: set "
+            "model.rollout.engine.transfer.address to this "
             f"machine's address that it can reach (the weights' rendezvous), not {config.transfer_address}"
         )

@@ -43,15 +43,16 @@ class EnginePlacement:
     def __post_init__(self) -> None:
         t = self.tensor_parallel_size
         if t < 1:
-            raise ConfigError(f"model.vllm.tensor_parallel_size must be >= 1, got {t}")
+            raise ConfigError(f"model.rollout.engine.tensor_parallel_size must be >= 1, got {t}")
         if self.world_size % t != 0:
             raise ConfigError(
-                f"model.vllm.tensor_parallel_size={t} must divide the {self.world_size} trainer ranks "
+                f"model.rollout.engine.tensor_parallel_size={t} must divide the {self.world_size} trainer ranks "
                 "(consecutive ranks form one tensor-parallel engine)"
             )
         if self.local_world_size % t != 0:
             raise ConfigError(
-                f"model.vllm.tensor_parallel_size={t} must divide the {self.local_world_size} ranks per node: "
+                f"model.rollout.engine.tensor_parallel_size={t} must divide the {self.local_world_size} ranks "
+                "per node: "
                 "a tensor-parallel engine cannot span nodes"
             )
         if not 0 <= self.rank < self.world_size or not 0 <= self.local_rank < self.local_world_size:

@@ -22,9 +22,9 @@ per version not yet loaded), and rank 0 runs the submitted generations one after
 first loading the version it was tagged with (so a completion never spans two versions), while the training thread
 goes on; the completions are scattered back when the trainer collects them.
 
-Several servers (`model.vllm.server_urls`, `lit_rl.rollout.server_pool`): each generation's requests are dealt out
-across them after a health check, and every push reaches all of them; a server that fails either stops the run or
-is taken out of service (`model.vllm.on_server_failure`).
+Several servers (`model.rollout.engine.server_urls`, `lit_rl.rollout.server_pool`): each generation's requests are
+dealt out across them after a health check, and every push reaches all of them; a server that fails either stops the
+run or is taken out of service (`model.rollout.engine.on_server_failure`).
 
 Every request has a timeout; failures to connect, timeouts and 5xx answers are retried with exponential
 backoff, then stop the run with one line naming the URL. 4xx answers fail at once with the server's message.
@@ -241,7 +241,7 @@ class VLLMServerEngine:
         except OSError as err:
             raise RolloutServerError(
                 f"cannot write the policy's weights to {directory} ({err.strerror or err}); "
-                "set model.vllm.weight_sync_dir to a directory with room for them, shared with the server"
+                "set model.rollout.engine.transfer.sync_dir to a directory with room for them, shared with the server"
             ) from None
         finally:
             for _ in named_tensors:  # after a failure, the other ranks still gather through the rest of the stream

@@ -29,7 +29,7 @@ def server_command(
 
     `--logprobs-mode processed_logprobs` reports the log-probs of the distribution sampled from (what the
     trainer recomputes); `--generation-config vllm` ignores the repository's sampling defaults. With
-    `weight_transfer` gloo or nccl (`model.vllm.weight_transfer`), `--weight-transfer-config` names the engine
+    `weight_transfer` gloo or nccl (`model.rollout.engine.transfer.method`), `--weight-transfer-config` names the engine
     that receives the broadcast weights.
     """
     argv = [
@@ -156,7 +156,7 @@ class VLLMServerClient:
                 if attempt == retries:
                     raise ServerDownError(
                         f"vLLM server {url}: {err} (after {attempt + 1} attempts, timeout {self.timeout_s:g} s "
-                        "each); is the server running? (see model.vllm.server_url)"
+                        "each); is the server running? (see model.rollout.engine.server_url)"
                     ) from None
                 time.sleep(min(2.0**attempt, 30.0))
 
@@ -207,7 +207,8 @@ class VLLMServerClient:
                 if time.monotonic() >= deadline or gone():
                     raise ServerDownError(
                         f"vLLM server {self.base_url}/health: {err} (waited {wait_s:g} s; "
-                        "model.vllm.wait_for_server_s); is the server running? (see model.vllm.server_url)"
+                        "model.rollout.engine.wait_for_server_s); is the server running? (see "
+                        "model.rollout.engine.server_url)"
                     ) from None
                 time.sleep(1.0)
 

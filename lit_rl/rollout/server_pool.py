@@ -1,13 +1,13 @@
-"""The vLLM servers of one run (`model.vllm.server_url` or `server_urls`): which are in service, health checks,
-dealing requests out across them, weights to every one, and what a failed server does to the run.
+"""The vLLM servers of one run (`model.rollout.engine.server_url` or `server_urls`): which are in service, health
+checks, dealing requests out across them, weights to every one, and what a failed server does to the run.
 
 - **Dealing.** Job `i` of a generation (one request: a prompt, its seed and `n`) goes to the `(i mod M)`-th of the
   `M` servers in service. A request's completions depend only on the request (vLLM seeds child `j` with
   `seed + j`), so the split changes which server samples them, never what is sampled.
-- **Failure** (`model.vllm.on_server_failure`). A server that does not answer (`ServerDownError`: no connection,
-  timeouts or 5xx after the retries, a failed health check, or a failed weight upload) either stops the run in one
-  line naming its URL (`fail`), or (`continue`) is taken out of service for the rest of the run with a one-line
-  warning, and its requests, the one that failed included, go to the next server in service. The last server in
+- **Failure** (`model.rollout.engine.on_server_failure`). A server that does not answer (`ServerDownError`: no
+  connection, timeouts or 5xx after the retries, a failed health check, or a failed weight upload) either stops the
+  run in one line naming its URL (`fail`), or (`continue`) is taken out of service for the rest of the run with a
+  one-line warning, and its requests, the one that failed included, go to the next server in service. The last server in
   service is never taken out: its failure stops the run. A server out of service that answers its health check
   again (its supervisor restarted it) is taken back at the next weight push, once it has loaded the weights
   (`recover`, `readmit`).
@@ -85,11 +85,13 @@ class ServerPool:
             if self.on_failure == "fail" or len(self.servers) == 1:
                 raise RolloutServerError(str(err))
             if not others:
-                raise RolloutServerError(f"{err}; no other vLLM server is left in service (model.vllm.server_urls)")
+                raise RolloutServerError(
+                    f"{err}; no other vLLM server is left in service (model.rollout.engine.server_urls)"
+                )
             server.in_service = False
             log.warning(
                 "%s; taken out of service: its requests go to the %d other server(s) for the rest of the run "
-                "(model.vllm.on_server_failure: continue)",
+                "(model.rollout.engine.on_server_failure: continue)",
                 err,
                 len(others),
             )

@@ -103,7 +103,7 @@ class VLLMColocateEngine:
     Args:
         llm: the `vllm.LLM` (or an object with its `generate`, `collective_rpc`, `reset_prefix_cache`, `sleep`,
             `wake_up` methods).
-        config: `model.vllm`.
+        config: the engine's settings (`lit_rl.rollout.engine_config.VLLMColocate`).
         eos_token_ids: ids that end a completion.
         pad_token_id: id right-padding the returned completions.
         placement: this rank's place (its TP group); None: a single engine of one rank.
@@ -156,7 +156,7 @@ class VLLMColocateEngine:
         `dtype`: the engine's dtype when `config.dtype` is `auto` (the trainer's compute dtype)."""
         on_gpu = device.type == "cuda"
         if config.enable_sleep_mode and not on_gpu:
-            raise ConfigError("model.vllm.enable_sleep_mode needs a CUDA device (it frees GPU memory)")
+            raise ConfigError("model.rollout.engine.enable_sleep_mode needs a CUDA device (it frees GPU memory)")
         tp_group = _tp_subgroup(placement)
         # The engine core must run in this process: `reload_weights` then receives the tensors themselves.
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":

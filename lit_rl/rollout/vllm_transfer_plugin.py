@@ -1,5 +1,5 @@
-"""The receiving end of `model.vllm.weight_transfer: gloo`, run inside a vLLM server's workers: a weight-transfer
-engine for vLLM's weight-transfer endpoints that works without a GPU.
+"""The receiving end of `model.rollout.engine.transfer.method: gloo`, run inside a vLLM server's workers: a
+weight-transfer engine for vLLM's weight-transfer endpoints that works without a GPU.
 
 vLLM's own engines (`nccl`, `ipc`, ...) need CUDA. This one joins a gloo group with the trainer's rank 0 (which
 hosts the rendezvous at `master_address:master_port`) and receives each chunk the trainer announces by name, dtype

@@ -1,9 +1,9 @@
 """Weights for a vLLM server on another machine, over HTTP: a receiver beside the server, and the trainer's uploader.
 
 The vLLM server engine has the server reload the policy from a directory (`reload_weights`). When the server shares
-the trainer's machine that directory is written in place (`model.vllm.weight_sync_dir`, `/dev/shm` by default);
-otherwise a receiver runs next to the server and the trainer uploads the files to it
-(`model.vllm.weight_transfer: http`, `model.vllm.weights_url`):
+the trainer's machine that directory is written in place (`model.rollout.engine.transfer.sync_dir`, `/dev/shm` by
+default); otherwise a receiver runs next to the server and the trainer uploads the files to it
+(`model.rollout.engine.transfer.method: http`, `model.rollout.engine.transfer.receiver_url`):
 
     python -m lit_rl.rollout.weight_receiver --dir /dev/shm/lit-rl-weights --port 8010   # on the server's machine
 

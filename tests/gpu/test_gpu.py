@@ -43,7 +43,7 @@ def _probes(directory, probes=("RecordPrecision", "RecordEnginePlacement")) -> l
 
 
 def _fit(tmp_path, name, *args, steps=4, engine=COLOCATE):
-    vllm = ("--model.vllm.gpu_memory_utilization", "0.2") if engine else ()
+    vllm = ("--model.rollout.engine.gpu_memory_utilization", "0.2") if engine else ()
     return fit_in_subprocess(
         tmp_path,
         name,
@@ -66,7 +66,7 @@ needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 
 @needs_vllm
 def test_colocated_engine_on_the_ranks_gpu_in_bf16_with_sleep_mode(tmp_path):
-    log_dir = _fit(tmp_path, "sleep", "--model.vllm.enable_sleep_mode", "true")
+    log_dir = _fit(tmp_path, "sleep", "--model.rollout.engine.enable_sleep_mode", "true")
     engine = json.loads((tmp_path / "sleep_probe" / "engine_rank0.json").read_text())
     precision = json.loads((tmp_path / "sleep_probe" / "precision_rank0.json").read_text())
     assert engine["executor"] == "ExecutorWithExternalLauncher"
@@ -86,7 +86,9 @@ def test_colocated_engine_on_the_ranks_gpu_in_bf16_with_sleep_mode(tmp_path):
 @pytest.mark.parametrize("strategy", ["deepspeed_zero3", "fsdp"])
 def test_sharded_policies_push_their_weights_into_the_colocated_engine(tmp_path, strategy):
     # GPU after the overlay, which names its own device count.
-    log_dir = _fit(tmp_path, strategy, *strategy_overlay(strategy), *GPU, "--model.vllm.push_bucket_mib", "0.25")
+    log_dir = _fit(
+        tmp_path, strategy, *strategy_overlay(strategy), *GPU, "--model.rollout.engine.push_bucket_mib", "0.25"
+    )
     rows = train_rows(log_dir)
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
     assert all(row["train/rollout_kl"] < BF16_GAP for row in rows), rows

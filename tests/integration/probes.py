@@ -93,7 +93,7 @@ class RecordCompletionTokens(_Probe):
 class UseSnapshotEngine(L.Callback):
     """Make the on-policy module sample with `tests.snapshot_engine.SnapshotEngine` (HF generate on a copy of the
     policy, in a worker thread: an asynchronous engine without vLLM), on every rank, through the real CLI. Run with
-    `--model.vllm.mode server` so that `max_staleness > 0` is accepted; no server is contacted."""
+    `--model.rollout.engine VLLMServer` so that `max_staleness > 0` is accepted; no server is contacted."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         from tests.snapshot_engine import use_snapshot_engine

@@ -44,7 +44,8 @@ def test_a_changed_objective_stops_in_one_line_and_keeps_the_run(trained):
     assert errors == [
         f"lit-rl: error: --ckpt_path {RUN / 'checkpoints' / 'last.ckpt'} was trained with other values: "
         "model.loss.beta: 0.1 here, 0.0 in the checkpoint; a resumed run keeps what it was trained with "
-        "(only the rates, micro-batching, validation sampling and model.vllm may change): give the checkpoint's "
+        "(only the rates, micro-batching, validation sampling and model.rollout.engine may change): give the "
+        "checkpoint's "
         "values, or start a "
         "new run without --ckpt_path"
     ], result.stderr[-3000:]

@@ -115,9 +115,9 @@ def test_grpo_steps_with_asynchronous_rollouts_are_the_same_in_every_layout(tmp_
     while step g - 1 trains; the old log-probs are then the current policy's and `token_truncate` weighs them
     against the engine's. Seeds, staleness, corrections and denominators must not depend on the layout."""
     snapshot = [
-        "--model.vllm.mode",
-        "server",  # accepted for max_staleness > 0; the probe replaces the engine, no server is contacted
-        "--model.max_staleness",
+        "--model.rollout.engine",
+        "VLLMServer",  # accepted for max_staleness > 0; the probe replaces the engine, no server is contacted
+        "--model.rollout.max_staleness",
         "1",
         "--trainer.callbacks+",
         "tests.integration.probes.UseSnapshotEngine",

@@ -44,7 +44,8 @@ def _vllm_env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory):
     """The documented server command, on 127.0.0.1 and a free port, serving the shipped SFT policy; it can also
-    receive weights broadcast over gloo (`model.vllm.weight_transfer: gloo`), which the file reloads ignore."""
+    receive weights broadcast over gloo (`model.rollout.engine.transfer.method: gloo`), which the file reloads
+    ignore."""
     log = tmp_path_factory.mktemp("vllm_server") / "server.log"
     model = str(REPO / "lit_rl" / "assets" / "tiny-qwen2-addition-sft")
     try:
@@ -92,8 +93,8 @@ def test_colocated_engine_samples_from_the_pushed_weights(lora):
     assert diffs["policy_tensors_not_in_engine"] == 0
 
 
-# "gloo": the weights are broadcast to the server's worker (`model.vllm.weight_transfer: gloo`) instead of read
-# from files.
+# "gloo": the weights are broadcast to the server's worker (`model.rollout.engine.transfer.method: gloo`) instead of
+# read from files.
 @pytest.mark.parametrize("options", [(), ("--lora",), ("--gloo",)], ids=["full", "lora", "gloo"])
 def test_server_engine_samples_from_the_pushed_weights(vllm_server, options):
     _check_push(_logprob_check("server", vllm_server, *options))
@@ -172,7 +173,9 @@ def test_two_ddp_processes_place_an_engine_per_rank_or_one_tensor_parallel_engin
     for tp in (1, 2):
         probe = ("--trainer.callbacks+", "tests.integration.probes.RecordEnginePlacement")
         probe += ("--trainer.callbacks.directory", str(tmp_path / f"engines_tp{tp}"))
-        runs[tp] = _fit(tmp_path, f"tp{tp}", *COLOCATE, *ddp, *probe, "--model.vllm.tensor_parallel_size", str(tp))
+        runs[tp] = _fit(
+            tmp_path, f"tp{tp}", *COLOCATE, *ddp, *probe, "--model.rollout.engine.tensor_parallel_size", str(tp)
+        )
         _check_run(runs[tp])
     per_rank, shared = _placements(tmp_path / "engines_tp1"), _placements(tmp_path / "engines_tp2")
     assert {p["executor"] for p in per_rank + shared} == {"ExecutorWithExternalLauncher"}
@@ -212,18 +215,18 @@ def test_colocated_run_resumes_to_the_same_numbers(tmp_path):
 
 
 def test_grpo_on_one_server_and_on_two_alike_by_file_and_by_broadcast_even_when_one_dies(tmp_path, vllm_server):
-    """`model.vllm.server_urls`: the requests are dealt out across two real servers; a request's completions do not
-    depend on which server samples them, so the run logs what the run on one server logs. The second server is
+    """`model.rollout.engine.server_urls`: the requests are dealt out across two real servers; a request's completions
+    do not depend on which server samples them, so the run logs what the run on one server logs. The second server is
     stopped after step 2's checkpoint: with `on_server_failure: continue` its requests go to the first with one
     warning, and the numbers still match. Before that, the same two servers get their weights broadcast over gloo
     (`weight_transfer: gloo`, a group per server) and log the same numbers too."""
-    alone = _fit(tmp_path, "server", *SERVER, "--model.vllm.server_url", vllm_server)
+    alone = _fit(tmp_path, "server", *SERVER, "--model.rollout.engine.server_url", vllm_server)
     _check_run(alone)
     model = str(REPO / "lit_rl" / "assets" / "tiny-qwen2-addition-sft")
     args = {"extra_args": ["--max-model-len", "128"], "weight_transfer": "gloo"}
     second = LocalVLLMServer(model, str(tmp_path / "second.log"), **args)
     servers = json.dumps([vllm_server, second.url])
-    both = ("--model.vllm.server_urls", servers, "--model.vllm.weight_transfer", "gloo")
+    both = ("--model.rollout.engine.server_urls", servers, "--model.rollout.engine.transfer.method", "gloo")
     broadcast = _fit(tmp_path, "two_gloo", *SERVER, *both)
     _check_run(broadcast)
     assert_rows_match(
@@ -232,8 +235,8 @@ def test_grpo_on_one_server_and_on_two_alike_by_file_and_by_broadcast_even_when_
     overlay = write_overlay(tmp_path / "two.yaml", every_n_train_steps=2, save_dir=tmp_path / "two")
     command = [*CLI_COMMAND, "fit", "--config", str(CONFIGS / "grpo.yaml"), "--config", str(overlay), *SERVER]
     command += [*FAST_GRPO, "--model.optim.learning_rate", "1e-3", "--trainer.max_steps", "8"]
-    command += ["--model.vllm.server_urls", servers, "--model.vllm.on_server_failure", "continue"]
-    command += ["--model.vllm.max_retries", "1", "--model.vllm.request_timeout_s", "60"]
+    command += ["--model.rollout.engine.server_urls", servers, "--model.rollout.engine.on_server_failure", "continue"]
+    command += ["--model.rollout.engine.max_retries", "1", "--model.rollout.engine.request_timeout_s", "60"]
     log_dir = tmp_path / "two" / "run" / "version_0"
     process = subprocess.Popen(
         command, cwd=tmp_path, env=_vllm_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
@@ -257,7 +260,12 @@ def test_grpo_on_one_server_and_on_two_alike_by_file_and_by_broadcast_even_when_
 
 def test_grpo_on_two_ddp_processes_shares_one_server(tmp_path, vllm_server):
     # Rank 0 alone talks to the server; both ranks get their own completions back.
-    server_args = ("--config", str(CONFIGS / "rollout" / "vllm_server.yaml"), "--model.vllm.server_url", vllm_server)
+    server_args = (
+        "--config",
+        str(CONFIGS / "rollout" / "vllm_server.yaml"),
+        "--model.rollout.engine.server_url",
+        vllm_server,
+    )
     ddp = ("--config", str(CONFIGS / "strategy" / "ddp.yaml"), "--model.schedule.micro_batch_size", "4")
     log_dir = _fit(tmp_path, "server_ddp", *server_args, *ddp)
     _check_run(log_dir)
@@ -276,9 +284,9 @@ def test_dead_server_stops_the_run_with_one_line_naming_the_url(tmp_path):
         "--config",
         str(CONFIGS / "rollout" / "vllm_server.yaml"),
         *FAST_GRPO,
-        "--model.vllm.server_url",
+        "--model.rollout.engine.server_url",
         url,
-        "--model.vllm.wait_for_server_s",
+        "--model.rollout.engine.wait_for_server_s",
         "2",
     ]
     started = time.monotonic()
@@ -293,7 +301,7 @@ def test_dead_server_stops_the_run_with_one_line_naming_the_url(tmp_path):
 
 def test_asynchronous_rollouts_with_the_server_engine_one_and_two_processes_and_over_gloo_alike(tmp_path, vllm_server):
     # Generation g is sampled by the weights of step g - 1 on rank 0's worker thread while step g - 1 trains.
-    args = (*SERVER, "--model.vllm.server_url", vllm_server, "--model.max_staleness", "1")
+    args = (*SERVER, "--model.rollout.engine.server_url", vllm_server, "--model.rollout.max_staleness", "1")
     single = _fit(tmp_path, "async", *args)
     assert saved_steps(single) == [2, 4]
     rows = train_rows(single)
@@ -326,7 +334,7 @@ def test_asynchronous_rollouts_with_the_server_engine_one_and_two_processes_and_
     # Each rank's 4 completions are one whole group: the server gets the same requests in either layout.
     assert_rows_match(without_engine_gap(train_rows(two)), without_engine_gap(rows), rel=1e-4, abs=1e-5)
     # The staged versions broadcast over gloo instead of written as files: the same versions sample the same.
-    gloo = _fit(tmp_path, "async_gloo", *args, "--model.vllm.weight_transfer", "gloo")
+    gloo = _fit(tmp_path, "async_gloo", *args, "--model.rollout.engine.transfer.method", "gloo")
     assert_rows_match(train_rows(gloo), rows, rel=1e-4, abs=1e-5)
 
 
@@ -337,10 +345,17 @@ def test_a_server_dying_with_generations_in_flight_ends_the_run_in_one_line_and_
     doomed = LocalVLLMServer(model, str(tmp_path / "doomed.log"), extra_args=["--max-model-len", "128"])
     overlay = write_overlay(tmp_path / "o.yaml", every_n_train_steps=2, save_dir=tmp_path / "died")
     base = [*CLI_COMMAND, "fit", "--config", str(CONFIGS / "grpo.yaml"), "--config", str(overlay), *SERVER, *FAST_GRPO]
-    run_args = ["--model.max_staleness", "1", "--model.vllm.max_retries", "1", "--trainer.max_steps", "1000"]
+    run_args = [
+        "--model.rollout.max_staleness",
+        "1",
+        "--model.rollout.engine.max_retries",
+        "1",
+        "--trainer.max_steps",
+        "1000",
+    ]
     checkpoints = tmp_path / "died" / "run" / "version_0" / "checkpoints"
     process = subprocess.Popen(
-        [*base, "--model.vllm.server_url", doomed.url, *run_args],
+        [*base, "--model.rollout.engine.server_url", doomed.url, *run_args],
         cwd=tmp_path,
         env=_vllm_env(),
         stdout=subprocess.DEVNULL,
@@ -369,9 +384,9 @@ def test_a_server_dying_with_generations_in_flight_ends_the_run_in_one_line_and_
         [
             *resume,
             *FAST_GRPO,
-            "--model.vllm.server_url",
+            "--model.rollout.engine.server_url",
             vllm_server,
-            "--model.max_staleness",
+            "--model.rollout.max_staleness",
             "1",
             "--trainer.max_steps",
             str(steps_done + 2),
@@ -396,7 +411,7 @@ def test_episodes_score_the_engines_tokens_with_the_colocated_and_the_server_eng
     environment = ("--model.env.environment", "tests.integration.envs.Countdown", "--model.env.max_turns", "3")
     engines = {
         "colocate": ("grpo", COLOCATE),
-        "server": ("rloo", (*SERVER, "--model.vllm.server_url", vllm_server)),
+        "server": ("rloo", (*SERVER, "--model.rollout.engine.server_url", vllm_server)),
     }
     for name, (algorithm, engine) in engines.items():
         log_dir = _fit(tmp_path, f"{name}_env", *engine, *environment, algorithm=algorithm)
@@ -406,12 +421,18 @@ def test_episodes_score_the_engines_tokens_with_the_colocated_and_the_server_eng
 
 
 def test_grpo_broadcasts_the_weights_to_the_server_over_gloo_without_a_file(tmp_path, vllm_server):
-    """`model.vllm.weight_transfer: gloo`: every push goes to the server's worker by broadcast through vLLM's
+    """`model.rollout.engine.transfer.method: gloo`: every push goes to the server's worker by broadcast through vLLM's
     weight-transfer endpoints, and vLLM samples from the trainer's policy (log-prob gap < 1e-4 on every step, at a
     learning rate that would show stale weights); no weight file is written anywhere."""
     sync_dir = tmp_path / "never_written"
-    server_args = (*SERVER, "--model.vllm.server_url", vllm_server, "--model.vllm.weight_transfer", "gloo")
-    log_dir = _fit(tmp_path, "server_gloo", *server_args, "--model.vllm.weight_sync_dir", str(sync_dir))
+    server_args = (
+        *SERVER,
+        "--model.rollout.engine.server_url",
+        vllm_server,
+        "--model.rollout.engine.transfer.method",
+        "gloo",
+    )
+    log_dir = _fit(tmp_path, "server_gloo", *server_args, "--model.rollout.engine.transfer.sync_dir", str(sync_dir))
     _check_run(log_dir)
     pushes = [int(float(row["step"])) for row in _rows_with(log_dir, "perf/weight_push_s")]
     assert pushes == [1, 2, 3, 4]
@@ -419,8 +440,9 @@ def test_grpo_broadcasts_the_weights_to_the_server_over_gloo_without_a_file(tmp_
 
 
 def test_the_server_engine_uploads_weights_to_a_receiver_beside_the_server(tmp_path, vllm_server):
-    """`model.vllm.weights_url`: the weights go over HTTP to the weight receiver (as for a server on another
-    machine), which the server reloads from; vLLM then samples from the trainer's policy (log-prob gap < 1e-4)."""
+    """`model.rollout.engine.transfer.receiver_url`: the weights go over HTTP to the weight receiver (as for a server
+    on another machine), which the server reloads from; vLLM then samples from the trainer's policy (log-prob gap <
+    1e-4)."""
     import threading
 
     from lit_rl.rollout.weight_receiver import WeightReceiver
@@ -428,7 +450,13 @@ def test_the_server_engine_uploads_weights_to_a_receiver_beside_the_server(tmp_p
     receiver = WeightReceiver(tmp_path / "received")
     threading.Thread(target=receiver.serve_forever, daemon=True).start()
     try:
-        server_args = (*SERVER, "--model.vllm.server_url", vllm_server, "--model.vllm.weights_url", receiver.url)
+        server_args = (
+            *SERVER,
+            "--model.rollout.engine.server_url",
+            vllm_server,
+            "--model.rollout.engine.transfer.receiver_url",
+            receiver.url,
+        )
         log_dir = _fit(tmp_path, "server_http", *server_args)
         _check_run(log_dir)
         # Each push committed a new `current.N`, and the one before it was removed: the newest alone is kept.

@@ -1,0 +1,373 @@
+"""`model.rollout.engine`: which engine samples the completions, as a choice of typed configs.
+
+Each config class is bound to one engine class and builds it (`build`):
+
+    --model.rollout.engine HFGenerate                        # the default: `generate` on the policy itself
+    --model.rollout.engine VLLMColocate                      # configs/rollout/vllm_colocate.yaml
+    --model.rollout.engine VLLMServer                        # configs/rollout/vllm_server.yaml
+    --model.rollout.engine my_package.engines.MyEngine       # any subclass of EngineConfig, by import path
+
+and an engine's options follow it: `--model.rollout.engine.gpu_memory_utilization 0.5`, and for the server's weight
+transport `--model.rollout.engine.transfer.method gloo`. A new engine is a config class (a subclass of
+`EngineConfig` whose `__init__` takes its options) and the engine it builds (`lit_rl.rollout.base.RolloutEngine`);
+no algorithm changes.
+
+The vLLM engines run on `lit_rl.rollout.config.VLLMConfig`, which their config classes build (`vllm`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+import torch
+
+from lit_rl.errors import ConfigError
+from lit_rl.rollout.base import RolloutEngine
+from lit_rl.rollout.config import VLLM_DTYPES, VLLMConfig, check_vllm_config
+
+ENGINE_KEY = "model.rollout.engine"
+
+
+class EngineConfig:
+    """A rollout engine's settings; `build(module)` makes the engine. Subclass it for a new engine: its `__init__`
+    takes the options (each stored as an attribute of the same name, so the run's config and checkpoint record
+    them), and `build` returns a `RolloutEngine`.
+
+    Class attributes a subclass may set:
+        samples_in_background: it can sample while the trainer trains (`model.rollout.max_staleness > 0`).
+        colocated: it runs in the trainer's process on the trainer's device (its placement is checked at setup).
+    """
+
+    samples_in_background = False
+    colocated = False
+
+    @property
+    def vllm(self) -> Optional[VLLMConfig]:
+        """The settings of lit-rl's vLLM engines, for the code they share; None for any other engine."""
+        return None
+
+    def check(self) -> None:
+        """Reject impossible settings at construction, naming the key (`model.rollout.engine.<option>`)."""
+
+    def build(self, module: Any) -> RolloutEngine:
+        """The engine, for on-policy `module` (its `policy`, `tokenizer`, `device`, `compute_dtype()`,
+        `parameters_sharded()`, `engine_placement()` and `timer`). Called once, on every rank, at the first
+        rollout."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how to build its engine (`build`)")
+
+    def engine_dtype(self, compute_dtype: torch.dtype) -> Optional[torch.dtype]:
+        """The dtype the engine computes in (None: not known here), for `rollout_is_correction: auto`."""
+        return None
+
+    def numerics_differ(self, compute_dtype: torch.dtype) -> bool:
+        """Whether the engine's log-probs of a token can differ from the trainer's by more than float32
+        rounding (then `rollout_is_correction: auto` corrects them). Any engine of its own does, unless it says
+        otherwise."""
+        return True
+
+    def options(self) -> dict[str, Any]:
+        """The options this config was made with (its `__init__` arguments), as plain data."""
+        names = [name for name in inspect.signature(type(self).__init__).parameters if name != "self"]
+        return {name: _plain(getattr(self, name)) for name in names if hasattr(self, name)}
+
+    def as_config(self) -> dict[str, Any]:
+        """`{"class_path": ..., "init_args": ...}`: how LightningCLI writes a choice of class, and how checkpoints
+        keep it."""
+        return {"class_path": class_path(type(self)), "init_args": self.options()}
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.options() == self.options()
+
+    def __hash__(self) -> int:
+        return hash(type(self))
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{key}={value!r}" for key, value in self.options().items())
+        return f"{type(self).__name__}({args})"
+
+
+def class_path(cls: type) -> str:
+    """The import path a config names an engine class by: `lit_rl.rollout.<Name>` for lit-rl's own."""
+    if cls.__module__ == __name__:
+        return f"lit_rl.rollout.{cls.__qualname__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _plain(value: Any) -> Any:
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) and not isinstance(value, type) else value
+
+
+class HFGenerate(EngineConfig):
+    """Hugging Face `generate` on the policy being trained (the default): no extra package, nothing to push;
+    finished rows leave the decoding batch (`lit_rl.rollout.compact_decode`)."""
+
+    def __init__(self) -> None:
+        pass
+
+    def build(self, module: Any) -> RolloutEngine:
+        from lit_rl.rollout.hf import HFGenerateEngine, model_eos_token_ids
+
+        eos_ids = model_eos_token_ids(module.policy, module.tokenizer.eos_token_id)
+        return HFGenerateEngine(
+            module.policy, eos_ids, module.tokenizer.pad_token_id, synced_ranks=module.parameters_sharded()
+        )
+
+    def numerics_differ(self, compute_dtype: torch.dtype) -> bool:
+        return False  # it samples from the policy itself
+
+
+class VLLMColocate(EngineConfig):
+    """An in-process `vllm.LLM` on each trainer rank's device, given the policy's weights in place before each
+    generation that follows an optimizer step (`lit_rl.rollout.vllm`).
+
+    Args:
+        gpu_memory_utilization: (GPU) share of the GPU vLLM may take for weights and KV cache.
+        tensor_parallel_size: GPUs one engine spans: consecutive trainer ranks (a divisor of the ranks per node)
+            serve one engine together and split its completions; 1: an engine per rank.
+        max_model_len: context vLLM reserves KV cache for; None: the model's context.
+        dtype: vLLM's dtype; `auto` follows the trainer's compute dtype (bf16 under `bf16-mixed`).
+        enable_prefix_caching: reuse the KV cache of shared prompt prefixes (the G completions of a prompt share
+            it). The cache is reset after every weight push.
+        enable_sleep_mode: (GPU) release vLLM's GPU memory between rollouts (weights and KV cache, sleep level 2;
+            the next push refills the weights) so the policy's update has it.
+        enforce_eager: no CUDA graphs / compilation; None: True on CPU (compiling costs more than it saves there),
+            False on GPU.
+        cpu_kvcache_space_gib: (CPU) KV cache size in GiB (`VLLM_CPU_KVCACHE_SPACE`).
+        push_bucket_mib: weights are gathered (ZeRO-3) and pushed a bucket of at most this many MiB at a time, so
+            no rank holds a second full copy of the model (`lit_rl.rollout.weights`).
+    """
+
+    colocated = True
+
+    def __init__(
+        self,
+        gpu_memory_utilization: float = 0.3,
+        tensor_parallel_size: int = 1,
+        max_model_len: Optional[int] = None,
+        dtype: str = "auto",
+        enable_prefix_caching: bool = True,
+        enable_sleep_mode: bool = False,
+        enforce_eager: Optional[bool] = None,
+        cpu_kvcache_space_gib: int = 1,
+        push_bucket_mib: float = 512.0,
+    ) -> None:
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.tensor_parallel_size = tensor_parallel_size
+        self.max_model_len = max_model_len
+        self.dtype = dtype
+        self.enable_prefix_caching = enable_prefix_caching
+        self.enable_sleep_mode = enable_sleep_mode
+        self.enforce_eager = enforce_eager
+        self.cpu_kvcache_space_gib = cpu_kvcache_space_gib
+        self.push_bucket_mib = push_bucket_mib
+
+    @property
+    def vllm(self) -> VLLMConfig:
+        return VLLMConfig(mode="colocate", **self.options())
+
+    def check(self) -> None:
+        check_vllm_config(self.vllm)
+
+    def build(self, module: Any) -> RolloutEngine:
+        from lit_rl.modeling.models import resolve_model_path
+        from lit_rl.rollout.hf import model_eos_token_ids
+        from lit_rl.rollout.vllm import VLLMColocateEngine
+
+        return VLLMColocateEngine.start(
+            self.vllm,
+            resolve_model_path(module.policy_args.model_name_or_path),
+            dtype=module.compute_dtype(),
+            device=module.device,
+            eos_token_ids=model_eos_token_ids(module.policy, module.tokenizer.eos_token_id),
+            pad_token_id=module.tokenizer.pad_token_id,
+            placement=module.engine_placement(),
+            trust_remote_code=module.policy_args.trust_remote_code,
+            phase=lambda name: module.timer.phase(name),  # the current timer (validation swaps it)
+        )
+
+    def engine_dtype(self, compute_dtype: torch.dtype) -> Optional[torch.dtype]:
+        return compute_dtype if self.dtype == "auto" else VLLM_DTYPES.get(self.dtype, torch.float32)
+
+    def numerics_differ(self, compute_dtype: torch.dtype) -> bool:
+        # bf16 kernels of two libraries round differently even at the same dtype.
+        dtype = self.engine_dtype(compute_dtype)
+        return dtype != torch.float32 or dtype != compute_dtype
+
+
+@dataclass(frozen=True)
+class WeightTransfer:
+    """How the policy's weights reach vLLM servers (`--model.rollout.engine.transfer.method gloo`).
+
+    Args:
+        method: `file` (written into `sync_dir`, which the server must see: the same machine or a shared file
+            system), `http` (uploaded to the weight receiver at `receiver_url`, which runs beside a server on another
+            machine: `lit_rl.rollout.weight_receiver`), `gloo` or `nccl` (broadcast from rank 0 to the server's
+            workers through vLLM's weight-transfer endpoints: no file, no disk; `lit_rl.rollout.collective_transfer`),
+            or `auto` (default): `http` when `receiver_url` is set, else `file`. `gloo` works on CPU and GPU and needs
+            lit-rl installed beside the server (it registers the engine with vLLM) and the server started with
+            `--weight-transfer-config '{"backend": "lit_rl_gloo"}'`; `nccl` is vLLM's own engine
+            (`--weight-transfer-config '{"backend": "nccl"}'`) and needs GPUs on both sides.
+        sync_dir: directory, shared with the server, where rank 0 writes the policy's weights before asking the
+            server to reload them; None: a fresh directory under /dev/shm (or the temp dir). With `http`, the local
+            directory the files are written to before the upload.
+        receiver_url: the weight receiver's URL (`python -m lit_rl.rollout.weight_receiver` on the server's
+            machine), e.g. `http://10.0.0.2:8010`.
+        receiver_urls: with `server_urls`: the receiver beside each server, in the same order. Servers on one
+            machine may share one (it is uploaded to once per push); `receiver_url` alone serves them all.
+        address: (`gloo`, `nccl`) this machine's address as the servers reach it: rank 0 hosts the rendezvous of
+            each server's transfer group there, listening on that address alone (under `gloo` only until the
+            workers have joined). 127.0.0.1 serves servers on this machine only.
+        port: (`gloo`, `nccl`) the port of the first server's rendezvous, the next server's one above, and so on;
+            0 (default): free ports.
+    """
+
+    method: Literal["auto", "file", "http", "gloo", "nccl"] = "auto"
+    sync_dir: Optional[str] = None
+    receiver_url: Optional[str] = None
+    receiver_urls: Optional[list[str]] = None
+    address: str = "127.0.0.1"
+    port: int = 0
+
+
+# `VLLMConfig`'s field for each `WeightTransfer` field.
+_TRANSFER_FIELDS = {
+    "method": "weight_transfer",
+    "sync_dir": "weight_sync_dir",
+    "receiver_url": "weights_url",
+    "receiver_urls": "weights_urls",
+    "address": "transfer_address",
+    "port": "transfer_port",
+}
+
+
+class VLLMServer(EngineConfig):
+    """Separately started vLLM OpenAI-compatible servers (`lit_rl.rollout.server`): rank 0 sends the requests and
+    pushes the weights (`transfer`). The only engine that samples in the background (`max_staleness > 0`).
+
+    Args:
+        server_url: base URL of the server. Bind it to 127.0.0.1 unless it must be reached from elsewhere.
+        server_urls: several servers, data-parallel (instead of `server_url`): each generation's requests (one per
+            prompt, its completions seeded from the request's seed) are dealt out across them, so which server
+            samples a completion does not change it; every weight push goes to all of them.
+        on_server_failure: what a server that stops answering does to the run: `fail` (default) stops it with one
+            line naming the URL; `continue` warns in one line and deals that server's requests (and its share of
+            later generations) to the others; the run stops only when none is left. Servers are health-checked
+            before each generation; one out of service that answers again is taken back at the next weight push,
+            with the weights.
+        request_timeout_s: seconds one HTTP request may take before it counts as failed.
+        max_retries: attempts after the first for a request that failed to connect, timed out, or got a 5xx
+            answer; waits 1, 2, 4, ... seconds in between. Then the run stops with an error naming the URL.
+        wait_for_server_s: how long the first request waits for a server that is still starting.
+        dtype: the dtype the server was started with, if known (`auto`: unknown), for `rollout_is_correction: auto`.
+        push_bucket_mib: weights are gathered (ZeRO-3) and pushed a bucket of at most this many MiB at a time
+            (one file per bucket with `transfer.method: file`).
+        transfer: how the weights reach the servers (`WeightTransfer`).
+    """
+
+    samples_in_background = True
+
+    def __init__(
+        self,
+        server_url: str = "http://127.0.0.1:8000",
+        server_urls: Optional[list[str]] = None,
+        on_server_failure: Literal["fail", "continue"] = "fail",
+        request_timeout_s: float = 300.0,
+        max_retries: int = 3,
+        wait_for_server_s: float = 60.0,
+        dtype: str = "auto",
+        push_bucket_mib: float = 512.0,
+        transfer: WeightTransfer = WeightTransfer(),
+    ) -> None:
+        self.server_url = server_url
+        self.server_urls = server_urls
+        self.on_server_failure = on_server_failure
+        self.request_timeout_s = request_timeout_s
+        self.max_retries = max_retries
+        self.wait_for_server_s = wait_for_server_s
+        self.dtype = dtype
+        self.push_bucket_mib = push_bucket_mib
+        self.transfer = _as_transfer(transfer)
+
+    @property
+    def vllm(self) -> VLLMConfig:
+        options = self.options()
+        transfer = options.pop("transfer")
+        return VLLMConfig(mode="server", **options, **{_TRANSFER_FIELDS[k]: v for k, v in transfer.items()})
+
+    def check(self) -> None:
+        check_vllm_config(self.vllm)
+
+    def build(self, module: Any) -> RolloutEngine:
+        from lit_rl.rollout.hf import model_eos_token_ids
+        from lit_rl.rollout.server import VLLMServerEngine
+
+        eos_ids = model_eos_token_ids(module.policy, module.tokenizer.eos_token_id)
+        return VLLMServerEngine(self.vllm, eos_ids, module.tokenizer.pad_token_id)
+
+    def engine_dtype(self, compute_dtype: torch.dtype) -> Optional[torch.dtype]:
+        return None if self.dtype == "auto" else VLLM_DTYPES.get(self.dtype, torch.float32)
+
+    def numerics_differ(self, compute_dtype: torch.dtype) -> bool:
+        dtype = self.engine_dtype(compute_dtype)  # a server of unknown dtype counts as differing
+        return dtype is None or dtype != torch.float32 or dtype != compute_dtype
+
+
+def _as_transfer(value: Any) -> WeightTransfer:
+    if isinstance(value, WeightTransfer):
+        return value
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - {f.name for f in dataclasses.fields(WeightTransfer)})
+        if unknown:
+            raise ConfigError(f"{ENGINE_KEY}.transfer.{unknown[0]}: unknown option")
+        return WeightTransfer(**value)
+    raise ConfigError(f"{ENGINE_KEY}.transfer must be a WeightTransfer or a mapping, got {type(value).__name__}")
+
+
+BUILT_IN_ENGINES: dict[str, type[EngineConfig]] = {cls.__name__: cls for cls in (HFGenerate, VLLMColocate, VLLMServer)}
+
+
+def engine_from_config(value: Any) -> EngineConfig:
+    """`value` as an engine config: itself, None (HF `generate`), or `{"class_path", "init_args"}` as a checkpoint
+    keeps it. From a checkpoint only lit-rl's own engines are built: a checkpoint imports no code (a run that used
+    another engine names it again on the command line or in its config)."""
+    if value is None:
+        return HFGenerate()
+    if isinstance(value, EngineConfig):
+        return value
+    if isinstance(value, dict) and "class_path" in value:
+        name = str(value["class_path"]).rsplit(".", 1)[-1]
+        cls = BUILT_IN_ENGINES.get(name)
+        if cls is None or not str(value["class_path"]).startswith("lit_rl."):
+            raise ConfigError(
+                f"{ENGINE_KEY}: {value['class_path']} is not one of lit-rl's engines; a checkpoint imports no code, "
+                "so give the engine again (--model.rollout.engine ...)"
+            )
+        return cls(**(value.get("init_args") or {}))
+    raise ConfigError(f"{ENGINE_KEY} must be an engine config (HFGenerate, VLLMColocate, VLLMServer), got {value!r}")
+
+
+def engine_of_0_1(vllm: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """lit-rl 0.1's `model.vllm` mapping (None: HF `generate`) as the `model.rollout.engine` it means now."""
+    if vllm is None:
+        return HFGenerate().as_config()
+    options = dict(vllm)
+    mode = options.pop("mode", "colocate")
+    cls = VLLMServer if mode == "server" else VLLMColocate
+    names = set(inspect.signature(cls.__init__).parameters) - {"self"}
+    transfer = {new: options.pop(old) for new, old in _TRANSFER_FIELDS.items() if old in options}
+    init_args = {key: value for key, value in options.items() if key in names}
+    if cls is VLLMServer and transfer:
+        init_args["transfer"] = transfer
+    return {"class_path": class_path(cls), "init_args": init_args}
+
+
+def engine_key_of_0_1(field: Optional[str]) -> str:
+    """Where lit-rl 0.1's `model.vllm.<field>` is now, under `model.rollout` (`engine.transfer.method` for
+    `weight_transfer`); `mode` and the whole `vllm` are the engine's class."""
+    if field is None or field == "mode":
+        return "engine (VLLMColocate or VLLMServer: --config configs/rollout/vllm_colocate.yaml or vllm_server.yaml)"
+    transfer = {old: new for new, old in _TRANSFER_FIELDS.items()}
+    return f"engine.transfer.{transfer[field]}" if field in transfer else f"engine.{field}"

@@ -1,0 +1,109 @@
+"""`model.rollout.engine` is a choice of typed configs (`lit_rl.rollout.engine_config`): lit-rl's three engines by
+name, a user's by import path (trained with here, from a module outside the package), 0.1's `model.vllm` mapped
+to its engine, and a checkpoint that keeps the choice as plain data and imports no code from it."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+
+from lit_rl.algorithms import GRPO, PPO
+from lit_rl.config import RolloutArgs, grouped_hparams, plain_data
+from lit_rl.errors import ConfigError
+from lit_rl.rollout import HFGenerate, VLLMColocate, VLLMConfig, VLLMServer, WeightTransfer
+from lit_rl.rollout.engine_config import engine_from_config, engine_of_0_1
+from tests.conftest import FAST_GRPO, fit_config, train_rows
+
+EXTERNAL_ENGINE = '''
+from pathlib import Path
+
+from lit_rl.rollout import EngineConfig, HFGenerate
+
+
+class CountingEngine(EngineConfig):
+    """HF `generate`, writing one line per rollout call to `count_file`."""
+
+    def __init__(self, count_file: str = "rollouts.txt") -> None:
+        self.count_file = count_file
+
+    def build(self, module):
+        inner, path = HFGenerate().build(module), Path(self.count_file)
+
+        class Counting:
+            needs_weights = inner.needs_weights
+
+            def generate(self, *args, **kwargs):
+                with path.open("a") as out:
+                    out.write(f"{module.training}\\n")
+                return inner.generate(*args, **kwargs)
+
+            def update_weights(self, named_tensors=None):
+                inner.update_weights(named_tensors)
+
+            def close(self):
+                inner.close()
+
+        return Counting()
+
+    def numerics_differ(self, compute_dtype):
+        return False
+'''
+
+
+def test_an_engine_from_outside_the_package_trains_by_its_import_path(tmp_path, monkeypatch):
+    (tmp_path / "my_engines.py").write_text(textwrap.dedent(EXTERNAL_ENGINE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    count = tmp_path / "rollouts.txt"
+    engine = ["--model.rollout.engine", "my_engines.CountingEngine", "--model.rollout.engine.count_file", str(count)]
+    log_dir = fit_config(tmp_path, "external", "grpo.yaml", *FAST_GRPO, "--trainer.max_steps", "2", *engine)
+    assert [row["step"] for row in train_rows(log_dir)] == [1, 2]
+    calls = count.read_text().split()
+    assert calls.count("True") == 2  # one training generation per optimizer step, sampled by this engine
+    sys.modules.pop("my_engines", None)
+
+
+def test_lit_rl_s_engines_are_chosen_by_name_and_keep_their_options():
+    assert GRPO().engine_config == HFGenerate() and GRPO().vllm_config is None
+    colocated = GRPO(rollout=RolloutArgs(engine=VLLMColocate(gpu_memory_utilization=0.5)))
+    assert colocated.vllm_config.mode == "colocate" and colocated.vllm_config.gpu_memory_utilization == 0.5
+    server = VLLMServer(server_url="http://127.0.0.1:9000", transfer=WeightTransfer(method="gloo", port=29600))
+    module = GRPO(rollout=RolloutArgs(engine=server, max_staleness=1))
+    assert module.vllm_config.mode == "server" and module.max_staleness == 1
+    assert (module.vllm_config.weight_transfer, module.vllm_config.transfer_port) == ("gloo", 29600)
+
+
+def test_a_checkpoint_keeps_the_choice_as_data_and_imports_no_code_from_it():
+    saved = plain_data(RolloutArgs(engine=VLLMServer(server_url="http://127.0.0.1:9000")))
+    assert saved["engine"]["class_path"] == "lit_rl.rollout.VLLMServer"
+    assert saved["engine"]["init_args"]["server_url"] == "http://127.0.0.1:9000"
+    assert RolloutArgs(**saved).engine == VLLMServer(server_url="http://127.0.0.1:9000")  # load_from_checkpoint
+    with pytest.raises(ConfigError, match=r"^model\.rollout\.engine: my_engines\.CountingEngine is not one of"):
+        engine_from_config({"class_path": "my_engines.CountingEngine", "init_args": {}})
+    with pytest.raises(ConfigError, match=r"model\.rollout\.engine\.transfer\.porte: unknown option"):
+        VLLMServer(transfer={"porte": 1})
+
+
+def test_0_1_vllm_settings_become_the_engine_they_meant():
+    assert engine_of_0_1(None) == {"class_path": "lit_rl.rollout.HFGenerate", "init_args": {}}
+    server = engine_of_0_1({"mode": "server", "server_url": "http://h:1", "weight_transfer": "gloo", "dtype": "auto"})
+    assert server == {
+        "class_path": "lit_rl.rollout.VLLMServer",
+        "init_args": {"server_url": "http://h:1", "dtype": "auto", "transfer": {"method": "gloo"}},
+    }
+    colocated = engine_of_0_1({"mode": "colocate", "gpu_memory_utilization": 0.4, "server_url": "http://unused:1"})
+    assert colocated == {"class_path": "lit_rl.rollout.VLLMColocate", "init_args": {"gpu_memory_utilization": 0.4}}
+    # A 0.1 checkpoint's flat keys and a 0.1 VLLMConfig in Python land in the same place.
+    grouped = grouped_hparams({"vllm": {"mode": "server"}, "max_staleness": 2})
+    assert grouped == {"rollout": {"engine": engine_of_0_1({"mode": "server"}), "max_staleness": 2}}
+    assert engine_from_config(engine_of_0_1(vars(VLLMConfig(mode="server", dtype="float32")))).dtype == "float32"
+
+
+def test_each_engine_checks_its_options_naming_the_new_key():
+    with pytest.raises(ConfigError, match=r"model\.rollout\.engine\.gpu_memory_utilization must be in \(0, 1\]"):
+        GRPO(rollout=RolloutArgs(engine=VLLMColocate(gpu_memory_utilization=0.0)))
+    with pytest.raises(ConfigError, match=r"model\.rollout\.engine\.transfer\.method: http needs"):
+        GRPO(rollout=RolloutArgs(engine=VLLMServer(transfer=WeightTransfer(method="http"))))
+    with pytest.raises(ConfigError, match="not supported by PPO yet"):
+        PPO(rollout=RolloutArgs(engine=VLLMServer(), max_staleness=1))
