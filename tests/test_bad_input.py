@@ -136,14 +136,14 @@ CASES = [
     (
         "vllm-push-bucket-zero",
         GRPO,
-        ["--model.rollout.engine.push_bucket_mib", "0"],
+        ["--model.rollout.engine", "VLLMColocate", "--model.rollout.engine.push_bucket_mib", "0"],
         "model.rollout.engine.push_bucket_mib must be a finite number of MiB > 0",
         1,
     ),
     (
         "vllm-negative-retries",
         GRPO,
-        ["--model.rollout.engine.max_retries", "-1"],
+        ["--model.rollout.engine", "VLLMServer", "--model.rollout.engine.max_retries", "-1"],
         "model.rollout.engine.max_retries must be >= 0",
         1,
     ),

@@ -13,7 +13,7 @@ import pytest
 from lit_rl.algorithms import DPO, GRPO
 from lit_rl.data import PreferenceDataModule, PromptDataModule
 from lit_rl.losses import AGGREGATIONS
-from lit_rl.rollout import VLLMConfig
+from lit_rl.rollout import VLLMColocate, VLLMServer
 from tests.conftest import REPO
 
 trl = pytest.importorskip("trl")
@@ -40,9 +40,14 @@ def _lit_rl_keys(cell: str) -> list[str]:
 def _accepts(key: str, model: type, data: tuple[type, ...]) -> bool:
     group, name, *rest = key.split(".")
     if group == "model":
-        if name == "vllm" and rest:
-            return rest[0] in {f.name for f in dataclasses.fields(VLLMConfig)}
-        return name in inspect.signature(model).parameters
+        parameters = inspect.signature(model).parameters
+        if name not in parameters or not rest:
+            return name in parameters
+        if rest[:1] == ["engine"]:  # model.rollout.engine.<option>: an option of one of the vLLM engines
+            engines = (VLLMColocate, VLLMServer)
+            return len(rest) == 1 or any(rest[1] in inspect.signature(engine).parameters for engine in engines)
+        default = parameters[name].default  # a group: its field
+        return dataclasses.is_dataclass(default) and rest[0] in {f.name for f in dataclasses.fields(default)}
     if group == "data":
         return any(name in inspect.signature(cls).parameters for cls in data)
     return name in inspect.signature(L.Trainer).parameters
