@@ -211,3 +211,28 @@ def test_a_module_built_in_python_writes_plain_hyperparameters(tmp_path):
     loaded = torch.load(tmp_path / "c.ckpt", weights_only=True)
     assert loaded["hyper_parameters"]["policy"]["model_name_or_path"] == "lit-rl/tiny-qwen2-base"
     assert loaded["hyper_parameters"]["optim"] == {"learning_rate": 1e-3, "weight_decay": 0.0, "warmup_steps": 0}
+
+
+def test_load_from_checkpoint_of_a_0_1_checkpoint_says_how_to_keep_its_values(tmp_path):
+    """Lightning passes a constructor only the keys it takes: 0.1's flat keys would be dropped silently."""
+    import lightning
+    import torch
+
+    module = GRPO(**grouped_kwargs(GRPO, temperature=0.7, beta=0.0))
+    module.configure_model()
+    flat = {"temperature": 0.7, "num_generations": 8, "beta": 0.0, "learning_rate": 1e-5}
+    path = tmp_path / "old.ckpt"
+    torch.save(
+        {
+            "state_dict": module.state_dict(),
+            "hyper_parameters": flat,
+            "pytorch-lightning_version": lightning.__version__,
+        },
+        path,
+    )
+    with pytest.raises(ConfigError, match=r"^this checkpoint holds lit-rl 0\.1.s flat options \(temperature\)"):
+        GRPO.load_from_checkpoint(path, weights_only=False)
+    saved = torch.load(path, weights_only=False)["hyper_parameters"]
+    loaded = GRPO.load_from_checkpoint(path, weights_only=False, **grouped_hparams(saved))
+    assert loaded.sampling_args.temperature == 0.7 and loaded.optim_args.learning_rate == 1e-5
+    assert torch.equal(loaded.policy.lm_head.weight, module.policy.lm_head.weight)

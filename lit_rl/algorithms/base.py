@@ -6,6 +6,7 @@ tokenizer, the optimizer, and the rule for logging a MetricCollection once per o
 
 from __future__ import annotations
 
+import inspect
 import json
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
@@ -18,7 +19,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torchmetrics import MetricCollection
 
-from lit_rl.config import OptimArgs, PolicyArgs, as_args, grouped_hparams, plain_data
+from lit_rl.config import MOVED_KEYS, OptimArgs, PolicyArgs, as_args, grouped_hparams, own_options, plain_data
 from lit_rl.errors import ConfigError
 from lit_rl.modeling.head import TokenScores, check_plain_head, chunked_head_scores, scores_from_logits
 from lit_rl.modeling.lora import (
@@ -211,7 +212,10 @@ class PolicyModule(L.LightningModule):
     def check_resumed_hyperparameters(self, checkpoint: dict[str, Any]) -> None:
         """This run's configuration against the one the checkpoint was trained with (`lit_rl/resume_config.py`):
         a key that may change says so in one line, any other difference stops the run in one line."""
-        if self._trainer is None or not checkpoint.get("hyper_parameters"):
+        saved = checkpoint.get("hyper_parameters") or {}
+        if self._trainer is None:
+            refuse_ungrouped_hyperparameters(self, saved)
+        if self._trainer is None or not saved:
             return
         subcommand = {TrainerFn.FITTING: "fit", TrainerFn.VALIDATING: "validate", TrainerFn.TESTING: "test"}
         changed = reconcile(
@@ -561,3 +565,26 @@ def completion_logprobs(
     return completion_scores(
         model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, synced_ranks, padding_free
     ).logprobs
+
+
+def refuse_ungrouped_hyperparameters(module: L.LightningModule, saved: dict[str, Any]) -> None:
+    """`load_from_checkpoint` of a lit-rl 0.1 checkpoint: Lightning passes the constructor only the keys it takes,
+    so the flat 0.1 keys (`temperature`) are dropped and `module` built with its defaults. Where that changed a
+    value, stop in one line that says how to load the checkpoint with its values."""
+    cls = type(module)
+    parameters = inspect.signature(cls.__init__).parameters
+    flat = [key for key in saved if key in MOVED_KEYS and key not in parameters]
+    theirs, mine = grouped_hparams(saved, own_options(cls)), plain_data(dict(module.hparams))
+    lost = sorted(key for key in flat if _field(theirs, MOVED_KEYS[key]) != _field(mine, MOVED_KEYS[key]))
+    if lost:
+        shown = ", ".join(lost[:4]) + (", ..." if len(lost) > 4 else "")
+        raise ConfigError(
+            f"this checkpoint holds lit-rl 0.1's flat options ({shown}), which {cls.__name__} now takes in groups: "
+            f"load it with {cls.__name__}.load_from_checkpoint(path, "
+            "**lit_rl.config.grouped_hparams(torch.load(path, weights_only=False)['hyper_parameters']))"
+        )
+
+
+def _field(hparams: dict[str, Any], place: str) -> Any:
+    group, field = place.split(".")
+    return (hparams.get(group) or {}).get(field)

@@ -27,7 +27,7 @@ class RolloutEngineOwner:
         the policy's current weights."""
         if self.rollout_engine is None:
             with self.timer.phase("engine_start"):
-                self.rollout_engine = self.engine_config.build(self)
+                self.rollout_engine = self.build_engine()
             self._engine_weights_step = None
         engine = self.rollout_engine
         # Only optimizer steps advance global_step: several generations between two steps push once, unless the
@@ -38,6 +38,10 @@ class RolloutEngineOwner:
                 engine.update_weights(self.weight_stream())
             self._engine_weights_step = self.trainer.global_step
         return engine
+
+    def build_engine(self) -> RolloutEngine:
+        """A new engine, as `model.rollout.engine` builds it (tests replace this to inject one)."""
+        return self.engine_config.build(self)
 
     def weight_stream(self):
         """The policy's weights as a lazy stream of (name, tensor) buckets, for an engine to load."""

@@ -416,7 +416,7 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, RewardScorer, MicroBatch
         prompt_ids, prompt_mask = self.encode_prompts([row["prompt"] for row in rows])
         if self.rollout_engine is None:
             with self.timer.phase("engine_start"):
-                self.rollout_engine = self._build_engine()
+                self.rollout_engine = self.build_engine()
         engine = self.rollout_engine
         with self.timer.phase("weight_push"):  # staging the weights, when this version is new
             self._producer.launch(
