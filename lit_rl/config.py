@@ -24,7 +24,6 @@ from lit_rl.loss_config import LOSS_GROUPS
 from lit_rl.modeling.lora import LoRAConfig, as_lora_config, check_lora_config
 from lit_rl.rollout.engine_config import (
     EngineConfig,
-    HFGenerate,
     engine_from_config,
     engine_key_of_0_1,
     engine_of_0_1,
@@ -225,8 +224,8 @@ class RolloutArgs:
     """Where completions come from, and how far behind the policy they may be sampled.
 
     Args:
-        engine: the engine that samples (`lit_rl.rollout.engine_config`): `HFGenerate` (default: `generate` on the
-            policy), `VLLMColocate` (`configs/rollout/vllm_colocate.yaml`), `VLLMServer`
+        engine: the engine that samples (`lit_rl.rollout.engine_config`): `HFGenerate` (null, the default:
+            `generate` on the policy), `VLLMColocate` (`configs/rollout/vllm_colocate.yaml`), `VLLMServer`
             (`configs/rollout/vllm_server.yaml`), or the import path of a subclass of
             `lit_rl.rollout.EngineConfig`. Its options follow it: `--model.rollout.engine.gpu_memory_utilization 0.5`.
         max_staleness: asynchronous rollouts: generation g is sampled in the background by the weights of optimizer
@@ -235,22 +234,31 @@ class RolloutArgs:
             background (`VLLMServer`). 0 (default): synchronous.
     """
 
-    engine: EngineConfig = HFGenerate()
+    engine: Optional[EngineConfig] = None
     max_staleness: int = 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "engine", engine_from_config(self.engine))  # a checkpoint's mapping, or None
+        # None stays None, so that LightningCLI writes the default as null (it cannot write an engine object as
+        # a default). A mapping is a checkpoint's `{class_path, init_args}`.
+        if isinstance(self.engine, Mapping):
+            object.__setattr__(self, "engine", engine_from_config(self.engine))
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        """The engine's config: `engine`, or `HFGenerate` when it is None."""
+        return engine_from_config(self.engine)
 
     def check(self) -> None:
         if self.max_staleness < 0:
             raise ConfigError(f"model.rollout.max_staleness must be >= 0, got {self.max_staleness}")
-        if self.max_staleness > 0 and not self.engine.samples_in_background:
+        engine = self.engine_config
+        if self.max_staleness > 0 and not engine.samples_in_background:
             raise ConfigError(
                 f"model.rollout.max_staleness > 0 needs an engine that samples in the background, not "
-                f"{type(self.engine).__name__} (it shares the trainer's process and device): use "
+                f"{type(engine).__name__} (it shares the trainer's process and device): use "
                 "--model.rollout.engine VLLMServer (configs/rollout/vllm_server.yaml)"
             )
-        self.engine.check()
+        engine.check()
 
 
 # The groups, by the name an algorithm's `__init__` gives them.
@@ -330,8 +338,8 @@ def plain_data(value: Any) -> Any:
 
 def _0_1_value(key: str, value: Any) -> Any:
     """A 0.1 flat key's value as its group field takes it now: `vllm`'s mapping is an engine choice."""
-    if key == "vllm":
-        return engine_of_0_1(plain_data(value))
+    if key == "vllm":  # with every option, as this version's engine records itself (None: the default)
+        return None if value is None else engine_from_config(engine_of_0_1(plain_data(value))).as_config()
     return value
 
 

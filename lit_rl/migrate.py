@@ -19,7 +19,7 @@ from typing import Callable
 import yaml
 
 from lit_rl.config import GROUP_NAMES, MOVED_KEYS
-from lit_rl.rollout.engine_config import engine_of_0_1
+from lit_rl.rollout.engine_config import dropped_0_1_options, engine_of_0_1
 
 _ENTRY = re.compile(r"^(\s*)([A-Za-z_][\w]*):")
 # SFT keeps `max_prompt_length` as its own key (it truncates its data; it samples nothing).
@@ -79,7 +79,10 @@ def _engine_block(block: list[str], warn: Callable[[str], None]) -> list[str]:
     body = [line[indent:] if line.strip() else line for line in block[start:]]
     if any(line.lstrip().startswith("#") or " #" in line for line in body):
         warn("model.init_args.vllm: its comments are not carried into model.init_args.rollout.engine")
-    engine = engine_of_0_1(yaml.safe_load("".join(body))["vllm"])
+    vllm = yaml.safe_load("".join(body))["vllm"]
+    engine = engine_of_0_1(vllm)
+    for key in dropped_0_1_options(vllm):
+        warn(f"model.init_args.vllm.{key} left out: {engine['class_path'].rsplit('.', 1)[-1]} does not take it")
     text = yaml.safe_dump({"engine": engine}, sort_keys=False, default_flow_style=False)
     return block[:start] + [" " * indent + line + "\n" for line in text.splitlines()]
 

@@ -22,8 +22,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Mapping
 
-from lit_rl.config import GROUP_NAMES, grouped_hparams, own_options
+from lit_rl.config import GROUP_NAMES, grouped_hparams, own_options, plain_data
 from lit_rl.errors import ConfigError
+from lit_rl.rollout.engine_config import EngineConfig
 
 # What a resumed `fit` may change. The optimizer's rates (the configured ones replace those in the restored
 # optimizer state, see `OptimizedModule.apply_configured_rates`); how a step is cut into micro-batches and run
@@ -143,8 +144,8 @@ def _plain(value: Any) -> Any:
     """A parsed config value as plain data (dicts, lists, str, numbers), as a checkpoint stores it."""
     if hasattr(value, "as_dict"):  # jsonargparse's Namespace
         value = value.as_dict()
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        value = dataclasses.asdict(value)
+    elif isinstance(value, EngineConfig) or (dataclasses.is_dataclass(value) and not isinstance(value, type)):
+        value = plain_data(value)  # an engine choice as {class_path, init_args}, as the checkpoint holds it
     if isinstance(value, Mapping):
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

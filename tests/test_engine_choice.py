@@ -66,6 +66,7 @@ def test_an_engine_from_outside_the_package_trains_by_its_import_path(tmp_path, 
 
 def test_lit_rl_s_engines_are_chosen_by_name_and_keep_their_options():
     assert GRPO().engine_config == HFGenerate() and GRPO().vllm_config is None
+    assert RolloutArgs().engine is None and RolloutArgs().engine_config == HFGenerate()
     colocated = GRPO(rollout=RolloutArgs(engine=VLLMColocate(gpu_memory_utilization=0.5)))
     assert colocated.vllm_config.mode == "colocate" and colocated.vllm_config.gpu_memory_utilization == 0.5
     server = VLLMServer(server_url="http://127.0.0.1:9000", transfer=WeightTransfer(method="gloo", port=29600))
@@ -96,7 +97,8 @@ def test_0_1_vllm_settings_become_the_engine_they_meant():
     assert colocated == {"class_path": "lit_rl.rollout.VLLMColocate", "init_args": {"gpu_memory_utilization": 0.4}}
     # A 0.1 checkpoint's flat keys and a 0.1 VLLMConfig in Python land in the same place.
     grouped = grouped_hparams({"vllm": {"mode": "server"}, "max_staleness": 2})
-    assert grouped == {"rollout": {"engine": engine_of_0_1({"mode": "server"}), "max_staleness": 2}}
+    assert grouped == {"rollout": {"engine": VLLMServer().as_config(), "max_staleness": 2}}
+    assert grouped_hparams({"vllm": None}) == {"rollout": {"engine": None}}  # HF generate, as 0.2 writes it
     assert engine_from_config(engine_of_0_1(vars(VLLMConfig(mode="server", dtype="float32")))).dtype == "float32"
 
 
@@ -107,3 +109,51 @@ def test_each_engine_checks_its_options_naming_the_new_key():
         GRPO(rollout=RolloutArgs(engine=VLLMServer(transfer=WeightTransfer(method="http"))))
     with pytest.raises(ConfigError, match="not supported by PPO yet"):
         PPO(rollout=RolloutArgs(engine=VLLMServer(), max_staleness=1))
+
+
+def test_a_saved_config_of_the_default_engine_parses_again(tmp_path, capsys):
+    """The config LightningCLI writes beside every run (`config.yaml`) must read back: a default engine object
+    would be written as a string jsonargparse cannot parse."""
+    from tests.conftest import CONFIGS, run_cli
+
+    for overlay in ([], ["--config", str(CONFIGS / "rollout" / "vllm_server.yaml")]):
+        with pytest.raises(SystemExit):
+            run_cli("fit", "--config", str(CONFIGS / "grpo.yaml"), *overlay, "--print_config")
+        saved = tmp_path / "config.yaml"
+        saved.write_text(capsys.readouterr().out)
+        with pytest.raises(SystemExit) as parsed:
+            run_cli("fit", "--config", str(saved), "--print_config")
+        assert parsed.value.code in (0, None), capsys.readouterr().err
+        assert capsys.readouterr().out == saved.read_text()
+
+
+def test_resume_compares_the_engine_option_by_option_and_says_nothing_when_it_is_the_same():
+    from lit_rl.resume_config import reconcile
+
+    def hparams(engine):
+        return {"rollout": RolloutArgs(engine=engine)}
+
+    checkpoint = plain_data(hparams(VLLMServer(server_url="http://127.0.0.1:8000")))
+    checkpoint["_class_path"] = "lit_rl.algorithms.GRPO"
+    assert reconcile("fit", GRPO, hparams(VLLMServer(server_url="http://127.0.0.1:8000")), checkpoint, "c") == []
+    (changed,) = reconcile("fit", GRPO, hparams(VLLMServer(server_url="http://127.0.0.1:9000")), checkpoint, "c")
+    assert changed.key == "model.rollout.engine.init_args.server_url"
+    default = plain_data(hparams(None)) | {"_class_path": "lit_rl.algorithms.GRPO"}
+    assert reconcile("fit", GRPO, hparams(None), default, "c") == []
+    # A 0.1 checkpoint's `vllm` compares as the engine it meant, every option filled in.
+    old = {"_class_path": "lit_rl.algorithms.GRPO", "vllm": {"mode": "server", "server_url": "http://127.0.0.1:8000"}}
+    assert reconcile("fit", GRPO, hparams(VLLMServer(server_url="http://127.0.0.1:8000")), old, "c") == []
+
+
+def test_a_0_1_overlay_without_a_mode_keeps_its_server_and_says_what_it_leaves_out():
+    from lit_rl.migrate import migrate_text
+    from lit_rl.rollout.engine_config import dropped_0_1_options
+
+    assert engine_of_0_1({"server_url": "http://h:1"})["class_path"] == "lit_rl.rollout.VLLMServer"
+    assert dropped_0_1_options({"mode": "colocate", "server_url": "http://h:1", "dtype": "auto"}) == ["server_url"]
+    warnings = []
+    text = "model:\n  class_path: lit_rl.algorithms.GRPO\n  init_args:\n    vllm:\n      mode: colocate\n"
+    migrate_text(text + "      server_url: http://h:1\n", warn=warnings.append)
+    assert warnings == ["model.init_args.vllm.server_url left out: VLLMColocate does not take it"]
+    with pytest.raises(ConfigError, match=r"model\.rollout\.engine\.porte: unknown option of VLLMServer"):
+        engine_from_config({"class_path": "lit_rl.rollout.VLLMServer", "init_args": {"porte": 1}})

@@ -12,6 +12,7 @@ from lit_rl.algorithms import GRPO
 from lit_rl.config import GROUP_NAMES, GROUPS, grouped_hparams
 from lit_rl.errors import ConfigError
 from lit_rl.resume_config import MAY_CHANGE_ON_RESUME, MODEL_IDENTITY, Difference, reconcile
+from lit_rl.rollout import VLLMServer
 
 SAVED = {  # as a lit-rl 0.2 checkpoint holds them
     "_class_path": "lit_rl.algorithms.GRPO",
@@ -22,10 +23,7 @@ SAVED = {  # as a lit-rl 0.2 checkpoint holds them
     "sampling": {"num_generations": 16},
     "loss": {"beta": 0.0},
     "rollout": {
-        "engine": {
-            "class_path": "lit_rl.rollout.VLLMServer",
-            "init_args": {"server_url": "http://10.0.0.1:8000", "request_timeout_s": 60.0},
-        },
+        "engine": VLLMServer(server_url="http://10.0.0.1:8000", request_timeout_s=60.0).as_config(),
         "max_staleness": 0,
     },
 }

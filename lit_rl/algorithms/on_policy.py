@@ -99,8 +99,8 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, RewardScorer, MicroBatch
             )
         super().__init__(policy, optim, max_prompt_length=sampling.max_prompt_length)
         self.setup_reward_functions(rewards.funcs, rewards.weights)
-        self.engine_config = rollout.engine
-        self.vllm_config = rollout.engine.vllm  # lit-rl's vLLM engines' settings; None for any other engine
+        self.engine_config = rollout.engine_config
+        self.vllm_config = self.engine_config.vllm  # lit-rl's vLLM engines' settings; None for any other engine
         self.rollout_engine: Optional[RolloutEngine] = None  # a plain object, never an nn.Module attribute
         self._engine_weights_step: Optional[int] = None  # the global_step whose weights the engine holds
         self._micro_steps_done = 0

@@ -137,7 +137,7 @@ def check_vllm_config(config: Optional[VLLMConfig]) -> None:
     if config is None:
         return
     if config.mode not in ("colocate", "server"):
-        raise ConfigError(f"model.rollout.engine.mode must be 'colocate' or 'server', got {config.mode!r}")
+        raise ConfigError(f"VLLMConfig.mode must be 'colocate' or 'server', got {config.mode!r}")  # built by lit-rl
     if not 0 < config.gpu_memory_utilization <= 1:
         raise ConfigError(
             f"model.rollout.engine.gpu_memory_utilization must be in (0, 1], got {config.gpu_memory_utilization}"

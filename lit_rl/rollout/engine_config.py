@@ -166,7 +166,7 @@ class VLLMColocate(EngineConfig):
 
     @property
     def vllm(self) -> VLLMConfig:
-        return VLLMConfig(mode="colocate", **self.options())
+        return VLLMConfig(mode="colocate", **_vllm_fields(self.options()))
 
     def check(self) -> None:
         check_vllm_config(self.vllm)
@@ -294,8 +294,8 @@ class VLLMServer(EngineConfig):
     @property
     def vllm(self) -> VLLMConfig:
         options = self.options()
-        transfer = options.pop("transfer")
-        return VLLMConfig(mode="server", **options, **{_TRANSFER_FIELDS[k]: v for k, v in transfer.items()})
+        transfer = {_TRANSFER_FIELDS[key]: value for key, value in options.pop("transfer").items()}
+        return VLLMConfig(mode="server", **_vllm_fields({**options, **transfer}))
 
     def check(self) -> None:
         check_vllm_config(self.vllm)
@@ -313,6 +313,12 @@ class VLLMServer(EngineConfig):
     def numerics_differ(self, compute_dtype: torch.dtype) -> bool:
         dtype = self.engine_dtype(compute_dtype)  # a server of unknown dtype counts as differing
         return dtype is None or dtype != torch.float32 or dtype != compute_dtype
+
+
+def _vllm_fields(options: dict[str, Any]) -> dict[str, Any]:
+    """The options `VLLMConfig` has (a subclass of a vLLM engine's config may add its own)."""
+    names = {field.name for field in dataclasses.fields(VLLMConfig)}
+    return {key: value for key, value in options.items() if key in names}
 
 
 def _as_transfer(value: Any) -> WeightTransfer:
@@ -345,7 +351,11 @@ def engine_from_config(value: Any) -> EngineConfig:
                 f"{ENGINE_KEY}: {value['class_path']} is not one of lit-rl's engines; a checkpoint imports no code, "
                 "so give the engine again (--model.rollout.engine ...)"
             )
-        return cls(**(value.get("init_args") or {}))
+        init_args = dict(value.get("init_args") or {})
+        unknown = sorted(set(init_args) - set(inspect.signature(cls.__init__).parameters))
+        if unknown:
+            raise ConfigError(f"{ENGINE_KEY}.{unknown[0]}: unknown option of {cls.__name__}")
+        return cls(**init_args)
     raise ConfigError(f"{ENGINE_KEY} must be an engine config (HFGenerate, VLLMColocate, VLLMServer), got {value!r}")
 
 
@@ -354,7 +364,10 @@ def engine_of_0_1(vllm: Optional[dict[str, Any]]) -> dict[str, Any]:
     if vllm is None:
         return HFGenerate().as_config()
     options = dict(vllm)
-    mode = options.pop("mode", "colocate")
+    # Without `mode` (an overlay over a file that set it), a server's or a transfer's key says which it was.
+    server_keys = {*_TRANSFER_FIELDS.values(), *inspect.signature(VLLMServer.__init__).parameters} - {"dtype"}
+    server_keys -= set(inspect.signature(VLLMColocate.__init__).parameters)
+    mode = options.pop("mode", "server" if server_keys & set(options) else "colocate")
     cls = VLLMServer if mode == "server" else VLLMColocate
     names = set(inspect.signature(cls.__init__).parameters) - {"self"}
     transfer = {new: options.pop(old) for new, old in _TRANSFER_FIELDS.items() if old in options}
@@ -362,6 +375,16 @@ def engine_of_0_1(vllm: Optional[dict[str, Any]]) -> dict[str, Any]:
     if cls is VLLMServer and transfer:
         init_args["transfer"] = transfer
     return {"class_path": class_path(cls), "init_args": init_args}
+
+
+def dropped_0_1_options(vllm: Optional[dict[str, Any]]) -> list[str]:
+    """The keys of a 0.1 `model.vllm` mapping its engine does not take (the other mode's, which it never read)."""
+    if not vllm:
+        return []
+    engine = engine_of_0_1(vllm)
+    kept = {*engine["init_args"], *engine["init_args"].get("transfer", {})}
+    kept = {_TRANSFER_FIELDS.get(key, key) for key in kept}
+    return sorted(key for key in vllm if key != "mode" and key not in kept)
 
 
 def engine_key_of_0_1(field: Optional[str]) -> str:

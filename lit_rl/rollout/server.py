@@ -16,7 +16,7 @@ take part in the gathers), then asks the server to pause, reload from there (`co
 reset its prefix cache and resume. With `weight_transfer: gloo | nccl` the weights are broadcast to the servers'
 workers instead, with no file (`lit_rl.rollout.collective_transfer`).
 
-Asynchronous rollouts (`model.max_staleness > 0`, `lit_rl.rollout.producer`): the weights of each policy version
+Asynchronous rollouts (`model.rollout.max_staleness > 0`, `lit_rl.rollout.producer`): the weights of each policy version
 are staged into their own subdirectory `v<version>/` (with a broadcast transfer: as host copies on rank 0, one
 per version not yet loaded), and rank 0 runs the submitted generations one after the other on a worker thread, each
 first loading the version it was tagged with (so a completion never spans two versions), while the training thread
