@@ -64,9 +64,10 @@ class EngineConfig:
 
     def numerics_differ(self, compute_dtype: torch.dtype) -> bool:
         """Whether the engine's log-probs of a token can differ from the trainer's by more than float32
-        rounding (then `rollout_is_correction: auto` corrects them). Any engine of its own does, unless it says
-        otherwise."""
-        return True
+        rounding (then `rollout_is_correction: auto` corrects them): unless both compute in float32. An engine of
+        unknown dtype differs; bf16 kernels of two libraries round differently even at the same dtype."""
+        dtype = self.engine_dtype(compute_dtype)
+        return dtype is None or dtype != torch.float32 or dtype != compute_dtype
 
     def options(self) -> dict[str, Any]:
         """The options this config was made with (its `__init__` arguments), as plain data."""
@@ -191,11 +192,6 @@ class VLLMColocate(EngineConfig):
     def engine_dtype(self, compute_dtype: torch.dtype) -> Optional[torch.dtype]:
         return compute_dtype if self.dtype == "auto" else VLLM_DTYPES.get(self.dtype, torch.float32)
 
-    def numerics_differ(self, compute_dtype: torch.dtype) -> bool:
-        # bf16 kernels of two libraries round differently even at the same dtype.
-        dtype = self.engine_dtype(compute_dtype)
-        return dtype != torch.float32 or dtype != compute_dtype
-
 
 @dataclass(frozen=True)
 class WeightTransfer:
@@ -309,10 +305,6 @@ class VLLMServer(EngineConfig):
 
     def engine_dtype(self, compute_dtype: torch.dtype) -> Optional[torch.dtype]:
         return None if self.dtype == "auto" else VLLM_DTYPES.get(self.dtype, torch.float32)
-
-    def numerics_differ(self, compute_dtype: torch.dtype) -> bool:
-        dtype = self.engine_dtype(compute_dtype)  # a server of unknown dtype counts as differing
-        return dtype is None or dtype != torch.float32 or dtype != compute_dtype
 
 
 def _vllm_fields(options: dict[str, Any]) -> dict[str, Any]:
