@@ -47,7 +47,7 @@ import sys
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Optional
+from typing import Callable, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -172,7 +172,10 @@ def run_suite(
     workdir: Path,
     engine: str = "vllm_colocate",
     steps: Optional[tuple[int, int]] = None,
+    save: Callable[[dict], None] = lambda results: None,
 ) -> dict:
+    """Every part asked for; `save` gets the results so far after each run, so a slot that ends early keeps the
+    runs that finished."""
     from lit_rl.modeling.models import build_random_model
 
     work = workload(smoke, engine)
@@ -181,21 +184,26 @@ def run_suite(
     prefix = "vllm" if engine == "vllm_colocate" else "hf"
     models = {shape: str(build_random_model(workdir / shape, **SHAPES[shape])) for shape in shapes}
     first = shapes[0]
-    runs, comparisons = [], []
+    results: dict = {"runs": [], "comparisons": []}
+
+    def add(key: str, result: dict) -> None:
+        results[key].append(result)
+        save(results)
+
     if "vllm" in parts:
         for shape in shapes:
-            runs.append(lit_run(f"vllm {shape}", models[shape], "vllm_colocate", "single", work, smoke, workdir))
+            add("runs", lit_run(f"vllm {shape}", models[shape], "vllm_colocate", "single", work, smoke, workdir))
     if "hf" in parts:
         for shape in shapes:
-            runs.append(lit_run(f"hf {shape}", models[shape], "hf", "single", work, smoke, workdir))
+            add("runs", lit_run(f"hf {shape}", models[shape], "hf", "single", work, smoke, workdir))
     if "strategies" in parts:
         strategies = ["deepspeed_zero2", "deepspeed_zero3"] + ([] if smoke else ["fsdp"])
         for strategy in strategies:
             name = f"{prefix} {first} {strategy}"
-            runs.append(lit_run(name, models[first], engine, strategy, work, smoke, workdir))
+            add("runs", lit_run(name, models[first], engine, strategy, work, smoke, workdir))
     if "trl" in parts:
-        comparisons.append(trl_ratio(models[first], work, workdir, rounds) | {"model": first, "engine": engine})
-    return {"runs": runs, "comparisons": comparisons}
+        add("comparisons", trl_ratio(models[first], work, workdir, rounds) | {"model": first, "engine": engine})
+    return results
 
 
 def merge(old: dict, new: dict) -> dict:
@@ -298,12 +306,15 @@ def main() -> None:
         parser.error("vLLM is not installed: install it, or run `--parts hf strategies trl --engine hf`")
     shapes = ["smoke"] if args.cpu_smoke else (args.shapes or ["qwen2.5-0.5b", "qwen2.5-1.5b"])
     rounds = 1 if args.cpu_smoke else args.rounds
+    earlier = json.loads(out.read_text())["results"] if args.append and out.exists() else {}
+
+    def save(results: dict) -> None:
+        write_report(out, merge(earlier, results), allow_dirty=args.allow_dirty, device=device_slug())
+
     with tempfile.TemporaryDirectory(prefix="lit-rl-gpu-suite-") as tmp:
-        results = run_suite(args.parts, shapes, args.cpu_smoke, rounds, Path(tmp), args.engine, args.steps)
-    if args.append and out.exists():
-        results = merge(json.loads(out.read_text())["results"], results)
+        results = run_suite(args.parts, shapes, args.cpu_smoke, rounds, Path(tmp), args.engine, args.steps, save)
+    results = merge(earlier, results)
     print(markdown_table(results))
-    write_report(out, results, allow_dirty=args.allow_dirty, device=device_slug())
     if any("error" in r for r in results["runs"]):
         sys.exit(1)
 
