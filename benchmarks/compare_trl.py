@@ -49,9 +49,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from provenance import add_report_options, check_output, print_markdown, write_report  # noqa: E402
+from support import build_random_model  # noqa: E402
 from throughput import fit_flags, metric_rows  # noqa: E402
 
-from lit_rl.modeling.models import build_random_model, resolve_model_path  # noqa: E402
+from lit_rl.modeling.models import resolve_model_path  # noqa: E402
 
 TINY = "lit-rl/tiny-qwen2-addition-sft"
 TRL_LOG_HISTORY: list[dict] = []  # the last `trl_run`'s `trainer.state.log_history`

@@ -54,6 +54,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from compare_trl import Workload, run_child  # noqa: E402
 from provenance import add_allow_dirty, check_output, write_report  # noqa: E402
+from support import build_random_model  # noqa: E402
 from throughput import run_one  # noqa: E402
 
 QWEN_VOCAB = 151_936
@@ -176,8 +177,6 @@ def run_suite(
 ) -> dict:
     """Every part asked for; `save` gets the results so far after each run, so a slot that ends early keeps the
     runs that finished."""
-    from lit_rl.modeling.models import build_random_model
-
     work = workload(smoke, engine)
     if steps:
         work.steps, work.warmup = steps

@@ -26,10 +26,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from provenance import add_report_options, check_output, print_markdown, write_report  # noqa: E402
+from support import build_random_model, count_parameters  # noqa: E402
 from throughput import fit_flags, metric_rows  # noqa: E402
 
-from lit_rl.modeling.lora import LoRAConfig, apply_lora, count_parameters  # noqa: E402
-from lit_rl.modeling.models import build_random_model, load_causal_lm  # noqa: E402
+from lit_rl.modeling.lora import LoRAConfig, apply_lora  # noqa: E402
+from lit_rl.modeling.models import load_causal_lm  # noqa: E402
 
 CONFIGS = REPO / "configs"
 ALGORITHMS = {

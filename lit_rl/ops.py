@@ -54,13 +54,6 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None)
     return (values * mask).sum() if dim is None else (values * mask).sum(dim)
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """`sum(values * mask) / sum(mask)` over `dim`; a row with an empty mask gives 0, not NaN."""
-    total = masked_sum(values, mask, dim)
-    count = mask.sum() if dim is None else mask.sum(dim)
-    return total / count.clamp(min=1)
-
-
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimator of KL(policy || reference): `exp(ref - logp) - (ref - logp) - 1` (>= 0).
 

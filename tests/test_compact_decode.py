@@ -71,7 +71,7 @@ def test_only_the_rows_still_running_are_computed(policy):
 
 @pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (0.0, 0), (1.0, 1)], ids=["sampled", "greedy", "top_k_1"])
 def test_no_completion_stops_before_min_new_tokens_and_the_logprobs_stay_the_trainers(policy, temperature, top_k):
-    from lit_rl.algorithms.base import completion_logprobs
+    from lit_rl.algorithms.base import completion_scores
 
     tokenizer, model = policy
     ids, mask = batch(tokenizer, ["1+2=", "45+67=", "9+99=", "123+4567="], 2)
@@ -87,8 +87,8 @@ def test_no_completion_stops_before_min_new_tokens_and_the_logprobs_stay_the_tra
     assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.completion_mask, b.completion_mask)
     assert a.completion_mask.sum(dim=1).min() >= 6
     # The log-probs are of the model's own distribution (stops unmasked), what the trainer computes.
-    trainer = completion_logprobs(
+    trainer = completion_scores(
         model, ids, mask, a.completion_ids, a.completion_mask, 1.0 if temperature == 0 else temperature
-    )
+    ).logprobs
     for out in (a, b):
         torch.testing.assert_close(out.logprobs, trainer * out.completion_mask, rtol=1e-5, atol=1e-5)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lit_rl.ops import entropy_from_logits, kl_k3, masked_mean, position_ids_from_mask, token_logprobs
+from lit_rl.ops import entropy_from_logits, kl_k3, masked_sum, position_ids_from_mask, token_logprobs
 from lit_rl.rollout.base import completion_mask_from_ids
 
 
@@ -31,11 +31,11 @@ def test_entropy_matches_naive():
     assert torch.allclose(entropy_from_logits(logits, 0.5, chunk_size=3), naive, atol=1e-6)
 
 
-def test_masked_mean_and_empty_rows():
+def test_masked_sum_and_empty_rows():
     values = torch.tensor([[1.0, 2.0, 3.0], [5.0, 5.0, 5.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
-    assert masked_mean(values, mask).item() == 1.5
-    assert masked_mean(values, mask, dim=1).tolist() == [1.5, 0.0]
+    assert masked_sum(values, mask).item() == 3.0
+    assert masked_sum(values, mask, dim=1).tolist() == [3.0, 0.0]
 
 
 def test_position_ids_ignore_left_padding():

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from lit_rl.algorithms.base import completion_logprobs
+from lit_rl.algorithms.base import completion_scores
 from lit_rl.modeling.models import load_causal_lm, load_tokenizer
 from lit_rl.rollout import HFGenerateEngine, SamplingParams
 
@@ -30,7 +30,9 @@ def test_trainer_logprobs_match_generate_scores_on_left_padded_prompts(policy, t
     out = engine.generate(ids, mask, SamplingParams(max_new_tokens=6, temperature=temperature))
     assert out.completion_mask.sum(1).min() >= 1
     with torch.no_grad():
-        trainer_logprobs = completion_logprobs(model, ids, mask, out.completion_ids, out.completion_mask, temperature)
+        trainer_logprobs = completion_scores(
+            model, ids, mask, out.completion_ids, out.completion_mask, temperature
+        ).logprobs
     tokens = out.completion_mask > 0
     diff = (trainer_logprobs - out.logprobs).abs()[tokens]
     assert diff.max().item() < 1e-5

@@ -13,7 +13,7 @@ import torch
 from lit_rl.modeling.lora import merged_weights
 from lit_rl.modeling.models import load_causal_lm
 from lit_rl.rollout import weights as weights_module
-from lit_rl.rollout.weights import buckets, plain_name, policy_weight_stream, policy_weights, weight_blocks
+from lit_rl.rollout.weights import buckets, plain_name, policy_weight_stream, weight_blocks
 from tests.conftest import REPO, perturbed_lora_model
 
 SFT_MODEL = "lit-rl/tiny-qwen2-addition-sft"  # 4 decoder layers of 1,051,136 bytes; embeddings tied
@@ -34,7 +34,7 @@ def lora_model():
     "bucket_bytes", [1, 300_000, 2 * LAYER_BYTES, 2**40], ids=["tiny", "sub-layer", "2-layers", "all"]
 )
 def test_the_stream_yields_the_state_dict_in_order(model, bucket_bytes):
-    whole = policy_weights(model)
+    whole = list(model.state_dict().items())
     streamed = list(policy_weight_stream(model, bucket_bytes))
     assert [name for name, _ in streamed] == [name for name, _ in whole]  # tied lm_head.weight included
     for (name, expected), (_, value) in zip(whole, streamed, strict=True):

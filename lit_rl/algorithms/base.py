@@ -551,22 +551,6 @@ def completion_scores(
     return scores.scatter(rows, columns, tuple(completion_ids.shape))
 
 
-def completion_logprobs(
-    model: torch.nn.Module,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    completion_ids: torch.Tensor,
-    completion_mask: torch.Tensor,
-    temperature: float = 1.0,
-    synced_ranks: bool = False,
-    padding_free: bool = False,
-) -> torch.Tensor:
-    """Per-token log-probs [N, T] of the completion tokens under `softmax(logits / temperature)`."""
-    return completion_scores(
-        model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, synced_ranks, padding_free
-    ).logprobs
-
-
 def refuse_ungrouped_hyperparameters(module: L.LightningModule, saved: dict[str, Any]) -> None:
     """`load_from_checkpoint` of a lit-rl 0.1 checkpoint: Lightning passes the constructor only the keys it takes,
     so the flat 0.1 keys (`temperature`) are dropped and `module` built with its defaults. Where that changed a

@@ -219,9 +219,3 @@ def save_merged(model: torch.nn.Module, out_dir: Any) -> None:
     """`save_pretrained` of the base architecture with the adapter merged in: loadable without peft (and by vLLM)."""
     merged = dict(merged_weights(model))
     base_model(model).save_pretrained(out_dir, state_dict=merged, safe_serialization=True)
-
-
-def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameter counts."""
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return trainable, sum(p.numel() for p in model.parameters())

@@ -237,18 +237,6 @@ def build_tiny_base(out_dir: str | Path) -> Path:
     return out
 
 
-def build_random_model(out_dir: str | Path, seed: int = 0, **sizes: Any) -> Path:
-    """A randomly initialised Qwen2 of `tiny_qwen2_config(**sizes)` with the tiny tokenizer, saved at `out_dir`
-    (benchmark models of other sizes, built offline)."""
-    from transformers import Qwen2ForCausalLM
-
-    out = Path(out_dir)
-    torch.manual_seed(seed)
-    Qwen2ForCausalLM(tiny_qwen2_config(**sizes)).save_pretrained(out)
-    build_char_tokenizer().save_pretrained(out)
-    return out
-
-
 if __name__ == "__main__":  # python -m lit_rl.modeling.models OUT_DIR
     import sys
 

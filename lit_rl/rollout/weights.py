@@ -26,7 +26,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from lit_rl.modeling.lora import base_model, hf_weight_name, is_lora_layer, is_lora_model, lora_delta, merged_weights
+from lit_rl.modeling.lora import base_model, hf_weight_name, is_lora_layer, is_lora_model, lora_delta
 from lit_rl.training.compat import persistent_buffers
 from lit_rl.training.strategies import gathered_parameters, gathered_parameters_of, is_fsdp_wrapped
 
@@ -149,14 +149,3 @@ def policy_weight_stream(
             with gathered_parameters_of([p for block in bucket for p in block.parameters]):
                 for block in bucket:
                     yield from block.named_tensors(merge_lora)
-
-
-def policy_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """All of the policy's weights at once, by Hugging Face name, detached (parameters must not be sharded).
-
-    Tied weights appear once per name (vLLM skips `lm_head.weight` itself when embeddings are tied). A LoRA policy
-    gives its merged weights (`lit_rl.modeling.lora.merged_weights`).
-    """
-    if is_lora_model(model):
-        return merged_weights(model)
-    return [(name, tensor.detach()) for name, tensor in model.state_dict().items()]

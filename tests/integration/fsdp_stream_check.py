@@ -25,11 +25,11 @@ def rank_main(rank: int, world: int, port: int, use_root: bool, out: str) -> Non
     from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
     from lit_rl.modeling.models import load_causal_lm
-    from lit_rl.rollout.weights import policy_weight_stream, policy_weights
+    from lit_rl.rollout.weights import policy_weight_stream
     from lit_rl.training.strategies import exit_without_finalizing
 
     model = "lit-rl/tiny-qwen2-addition-sft"
-    expected = policy_weights(load_causal_lm(model))
+    expected = list(load_causal_lm(model).state_dict().items())
     container = torch.nn.Module()
     container.policy = load_causal_lm(model)
     root = FSDP(

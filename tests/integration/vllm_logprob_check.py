@@ -25,12 +25,12 @@ BUCKET_BYTES = 256 * 2**10  # below one decoder layer of the tiny model (1 MiB):
 
 
 def max_logprob_diff(engine, policy, prompt_ids, prompt_mask, params) -> tuple[float, int]:
-    from lit_rl.algorithms.base import completion_logprobs
+    from lit_rl.algorithms.base import completion_scores
 
     out = engine.generate(prompt_ids, prompt_mask, params)
-    trainer = completion_logprobs(
+    trainer = completion_scores(
         policy, prompt_ids, prompt_mask, out.completion_ids, out.completion_mask, params.logprob_temperature
-    )
+    ).logprobs
     diff = ((trainer - out.logprobs).abs() * out.completion_mask).max().item()
     return diff, int(out.completion_mask.sum())
 
