@@ -19,8 +19,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, TypeVar
 
+from lit_rl.data.schedule import MAX_REFILLS
 from lit_rl.errors import ConfigError
 from lit_rl.loss_config import LOSS_GROUPS
+from lit_rl.losses import IS_CORRECTIONS
 from lit_rl.modeling.lora import LoRAConfig, as_lora_config, check_lora_config
 from lit_rl.rollout.engine_config import (
     EngineConfig,
@@ -232,10 +234,27 @@ class RolloutArgs:
             step max(0, g*m - k) (m = steps_per_generation x num_iterations), so each sample is at most k steps older
             than the policy it first updates (`lit_rl.rollout.producer`); needs an engine that samples in the
             background (`VLLMServer`). 0 (default): synchronous.
+        correction (GRPO): weigh the policy term by the importance ratio of the trainer's probability of the sampled
+            tokens over the engine's (`lit_rl.losses.rollout_is_weights` has the formulas): `token_truncate` (per
+            token, truncated at `correction_cap`), `sequence_truncate` (the sequence's ratio, truncated),
+            `sequence_mask` (the sequence's ratio, or 0 outside [1/cap, cap]), or `none`. `auto` (default) is
+            `token_truncate` with asynchronous rollouts (the engine sampled with older weights) or when the engine
+            computes in another dtype than the trainer or in any dtype below float32
+            (`EngineConfig.numerics_differ`), else `none`.
+        correction_cap (GRPO): the cap C of the rollout correction (>= 1).
+        dynamic_sampling (GRPO): DAPO's dynamic sampling (`lit_rl.rollout.dynamic_sampling`): groups whose rewards
+            all agree are dropped and refill generations of as many prompts sampled until the batch is full.
+            Logged: `train/refill_generations`, `train/frac_groups_dropped`. Not with `max_staleness > 0`.
+        max_refill_generations (GRPO): the most refill generations one generation may sample (0-63); when they run
+            out, the earliest dropped groups fill the batch (they add no gradient).
     """
 
     engine: Optional[EngineConfig] = None
     max_staleness: int = 0
+    correction: str = "auto"
+    correction_cap: float = 2.0
+    dynamic_sampling: bool = False
+    max_refill_generations: int = 4
 
     def __post_init__(self) -> None:
         # None stays None, so that LightningCLI writes the default as null (it cannot write an engine object as
@@ -251,6 +270,21 @@ class RolloutArgs:
     def check(self) -> None:
         if self.max_staleness < 0:
             raise ConfigError(f"model.rollout.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.correction not in ("auto", *IS_CORRECTIONS):
+            raise ConfigError(
+                f"model.rollout.correction must be one of {['auto', *IS_CORRECTIONS]}, got {self.correction!r}"
+            )
+        if not self.correction_cap >= 1.0:
+            raise ConfigError(f"model.rollout.correction_cap must be >= 1, got {self.correction_cap}")
+        if not 0 <= self.max_refill_generations <= MAX_REFILLS:
+            raise ConfigError(
+                f"model.rollout.max_refill_generations must be in [0, {MAX_REFILLS}], got {self.max_refill_generations}"
+            )
+        if self.dynamic_sampling and self.max_staleness > 0:
+            raise ConfigError(
+                "model.rollout.dynamic_sampling with model.rollout.max_staleness > 0 is not supported yet: refills "
+                "are sampled when a generation is scored, which asynchronous rollouts do ahead of time"
+            )
         engine = self.engine_config
         if self.max_staleness > 0 and not engine.samples_in_background:
             raise ConfigError(
@@ -259,6 +293,18 @@ class RolloutArgs:
                 "--model.rollout.engine VLLMServer (configs/rollout/vllm_server.yaml)"
             )
         engine.check()
+
+    def check_taken_by(self, algorithm: str, options: frozenset[str]) -> None:
+        """Refuse, in one line, a GRPO-only option (`GRPO_ROLLOUT_OPTIONS`) set away from its default for an
+        `algorithm` that does not take it (`options`: those it takes)."""
+        default = RolloutArgs()
+        for name in GRPO_ROLLOUT_OPTIONS:
+            if name not in options and getattr(self, name) != getattr(default, name):
+                raise ConfigError(f"model.rollout.{name}: {algorithm} does not take it (GRPO's only)")
+
+
+# The rollout options only GRPO's objective uses (others refuse them away from their defaults).
+GRPO_ROLLOUT_OPTIONS = ("correction", "correction_cap", "dynamic_sampling", "max_refill_generations")
 
 
 # The groups, by the name an algorithm's `__init__` gives them.
@@ -287,6 +333,8 @@ RENAMED = {
     "whiten_advantages": "normalize_advantages",
     "loss_type": "type",
     "vllm": "engine",
+    "rollout_is_correction": "correction",
+    "rollout_is_cap": "correction_cap",
 }
 # Names a field had in 0.1 in some algorithm, though other algorithms' fields were renamed to them.
 _ALSO_0_1_NAMES = frozenset({"epsilon", "normalize_advantages"})  # PPO's and RLOO's

@@ -146,6 +146,6 @@ def test_auto_correction_is_on_with_asynchronous_rollouts():
     from lit_rl.algorithms import GRPO
 
     model = GRPO(**grouped_kwargs(GRPO, max_staleness=1, vllm=VLLMConfig(mode="server", dtype="float32")))
-    assert model.rollout_is_correction() == "token_truncate"
+    assert model.rollout_correction() == "token_truncate"
     assert "rollout_is_frac_corrected" in model.train_metrics and "staleness/max" in model.train_metrics
     assert "staleness/max" not in GRPO().train_metrics

@@ -15,6 +15,7 @@ from tests.conftest import CLI_COMMAND, CONFIGS, FAST_GRPO, REPO, run_cli, write
 GRPO = ["--config", str(CONFIGS / "grpo.yaml")]
 DPO = ["--config", str(CONFIGS / "dpo.yaml")]
 SFT = ["--config", str(CONFIGS / "sft.yaml")]
+RLOO = ["--config", str(CONFIGS / "rloo.yaml")]
 
 BAD_REWARDS = """
 def raises(prompts, completions, **_):
@@ -147,7 +148,7 @@ CASES = [
         "model.rollout.engine.max_retries must be >= 0",
         1,
     ),
-    ("is-correction-unknown", GRPO, ["--model.rollout_is_correction", "seq"], "model.rollout_is_correction", 1),
+    ("is-correction-unknown", GRPO, ["--model.rollout.correction", "seq"], "model.rollout.correction", 1),
     (
         "min-above-max-tokens",
         GRPO,
@@ -155,12 +156,18 @@ CASES = [
         "model.sampling.min_new_tokens must be in [0, max_new_",
         1,
     ),
-    ("refills-out-of-range", GRPO, ["--model.max_refill_generations", "64"], "model.max_refill_generations must be", 1),
+    (
+        "refills-out-of-range",
+        GRPO,
+        ["--model.rollout.max_refill_generations", "64"],
+        "model.rollout.max_refill_generations must be",
+        1,
+    ),
     (
         "dynamic-sampling-async",
         GRPO,
-        ["--model.dynamic_sampling", "true", "--model.rollout.max_staleness", "1"],
-        "model.dynamic_sampling with model.rollout.max_staleness > 0 is not supported yet",
+        ["--model.rollout.dynamic_sampling", "true", "--model.rollout.max_staleness", "1"],
+        "model.rollout.dynamic_sampling with model.rollout.max_staleness > 0 is not supported yet",
         1,
     ),
     (
@@ -170,7 +177,14 @@ CASES = [
         "model.policy.head_chunk_tokens must be >= 1",
         1,
     ),
-    ("is-cap-below-one", GRPO, ["--model.rollout_is_cap", "0.5"], "model.rollout_is_cap must be >= 1", 1),
+    (
+        "grpo-only-option",
+        RLOO,
+        ["--model.rollout.dynamic_sampling", "true"],
+        "model.rollout.dynamic_sampling: RLOO does not take it (GRPO's only)",
+        1,
+    ),
+    ("cap-below-one", GRPO, ["--model.rollout.correction_cap", "0.5"], "model.rollout.correction_cap must be >= 1", 1),
     ("unknown-aggregation", GRPO, ["--model.loss.aggregation", "mean"], "model.loss.aggregation must be one of", 1),
     ("unknown-scale-rewards", GRPO, ["--model.loss.scale_rewards", "std"], "model.loss.scale_rewards", 1),
     (

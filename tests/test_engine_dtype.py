@@ -37,12 +37,12 @@ def _grpo(precision: str, **kwargs) -> GRPO:
 def test_auto_is_correction_follows_the_engine_and_trainer_dtypes(precision, vllm, engine_dtype, correction):
     model = _grpo(precision, vllm=vllm)
     assert model.engine_dtype() == engine_dtype
-    assert model.rollout_is_correction() == correction
+    assert model.rollout_correction() == correction
 
 
 @pytest.mark.parametrize("mode", ["none", "token_truncate"])
 def test_an_explicit_is_correction_is_kept(mode):
-    assert _grpo("bf16-mixed", vllm=VLLMConfig(), rollout_is_correction=mode).rollout_is_correction() == mode
+    assert _grpo("bf16-mixed", vllm=VLLMConfig(), rollout_is_correction=mode).rollout_correction() == mode
 
 
 @pytest.mark.parametrize("algorithm, limit", [("norm", 0.5), ("value", 0.01)])

@@ -13,11 +13,20 @@ import torch
 from torchmetrics import MeanMetric, MetricCollection
 
 from lit_rl.algorithms.on_policy import ZERO_STD, OnPolicyModule
-from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, RolloutArgs, SamplingArgs, ScheduleArgs, as_args
-from lit_rl.data.schedule import MAX_REFILLS, refill_seed_key
-from lit_rl.errors import ConfigError
+from lit_rl.config import (
+    GRPO_ROLLOUT_OPTIONS,
+    EnvArgs,
+    OptimArgs,
+    PolicyArgs,
+    RewardArgs,
+    RolloutArgs,
+    SamplingArgs,
+    ScheduleArgs,
+    as_args,
+)
+from lit_rl.data.schedule import refill_seed_key
 from lit_rl.loss_config import GRPOLoss
-from lit_rl.losses import IS_CORRECTIONS, LossNormalizer, grpo_loss, rollout_is_weights
+from lit_rl.losses import LossNormalizer, grpo_loss, rollout_is_weights
 from lit_rl.losses.advantages import advantage_function
 from lit_rl.losses.overlong import overlong_penalty, truncated
 from lit_rl.losses.policy import policy_loss_function
@@ -32,24 +41,12 @@ from lit_rl.types import RolloutBatch
 class GRPO(OnPolicyModule):
     """Group Relative Policy Optimization.
 
-    The option groups it takes (`policy`, `optim`, ...) are documented in `lit_rl.config`, its `loss` group in
-    `lit_rl.loss_config.GRPOLoss`.
-
-    Args:
-        rollout_is_correction: weigh the policy term by the importance ratio of the trainer's probability of the
-            sampled tokens over the rollout engine's (`lit_rl.losses.rollout_is_weights` has the formulas):
-            `token_truncate` (per token, truncated at `rollout_is_cap`), `sequence_truncate` (the sequence's
-            ratio, truncated), `sequence_mask` (the sequence's ratio, or 0 outside [1/cap, cap]), or `none`.
-            `auto` (default) is `token_truncate` with asynchronous rollouts (`rollout.max_staleness > 0`: the engine
-            sampled with older weights) or when a vLLM engine computes in another dtype than the trainer or in any
-            dtype below float32 (`RolloutEngineOwner.engine_numerics_differ`), else `none`.
-        rollout_is_cap: the cap C of the rollout correction.
-        dynamic_sampling: DAPO's dynamic sampling (`lit_rl.rollout.dynamic_sampling`): groups whose rewards all
-            agree are dropped and refill generations of as many prompts sampled until the batch is full.
-            Logged: `train/refill_generations`, `train/frac_groups_dropped`.
-        max_refill_generations: the most refill generations one generation may sample (0-63); when they run out,
-            the earliest dropped groups fill the batch (they add no gradient).
+    Every option is in a group (`lit_rl.config`; its `loss` group is `lit_rl.loss_config.GRPOLoss`). The rollout
+    group's correction and dynamic sampling (`model.rollout.correction`, `model.rollout.dynamic_sampling`) are
+    GRPO's alone.
     """
+
+    rollout_options = GRPO_ROLLOUT_OPTIONS
 
     def __init__(
         self,
@@ -61,42 +58,22 @@ class GRPO(OnPolicyModule):
         env: EnvArgs = EnvArgs(),
         loss: GRPOLoss = GRPOLoss(),
         rollout: RolloutArgs = RolloutArgs(),
-        rollout_is_correction: str = "auto",
-        rollout_is_cap: float = 2.0,
-        dynamic_sampling: bool = False,
-        max_refill_generations: int = 4,
     ) -> None:
         self.loss_args = loss = as_args(GRPOLoss, loss)
         loss.check(max_new_tokens=as_args(SamplingArgs, sampling).max_new_tokens)
-        if rollout_is_correction not in ("auto", *IS_CORRECTIONS):
-            raise ConfigError(
-                f"model.rollout_is_correction must be one of {['auto', *IS_CORRECTIONS]}, got {rollout_is_correction!r}"
-            )
-        if not 0 <= max_refill_generations <= MAX_REFILLS:
-            raise ConfigError(
-                f"model.max_refill_generations must be in [0, {MAX_REFILLS}], got {max_refill_generations}"
-            )
-        staleness = as_args(RolloutArgs, rollout).max_staleness
-        if dynamic_sampling and staleness > 0:
-            raise ConfigError(
-                "model.dynamic_sampling with model.rollout.max_staleness > 0 is not supported yet: refills "
-                "are sampled when "
-                "a generation is scored, which asynchronous rollouts do ahead of time"
-            )
-        if not rollout_is_cap >= 1.0:
-            raise ConfigError(f"model.rollout_is_cap must be >= 1, got {rollout_is_cap}")
         super().__init__(policy, optim, schedule, sampling, rewards, env, rollout)
         self.save_hyperparameters()
+        rollout = self.rollout_args
         self.policy_loss_fn = policy_loss_function(loss.objective)  # functions, not modules: never saved as weights
         self.advantage_fn = advantage_function(loss.advantage)
         # The fraction corrected is logged when a correction is asked for by name or made certain by asynchrony
         # (`auto` alone keeps the columns of earlier runs).
-        with_correction = staleness > 0 or rollout_is_correction not in ("auto", "none")
+        with_correction = rollout.max_staleness > 0 or rollout.correction not in ("auto", "none")
         metrics = grpo_metrics(self.reward_names, with_kl=loss.beta != 0.0, with_is_correction=with_correction)
-        if dynamic_sampling:
+        if rollout.dynamic_sampling:
             metrics.add_metrics(dynamic_sampling_metrics())
         self.train_metrics = self.rollout_train_metrics(metrics)
-        self.refill_generations = max_refill_generations if dynamic_sampling else 0
+        self.refill_generations = rollout.max_refill_generations if rollout.dynamic_sampling else 0
         self.val_metrics = self.rollout_val_metrics()
 
     def uses_reference(self) -> bool:
@@ -105,7 +82,7 @@ class GRPO(OnPolicyModule):
     def finish_rollout(self, batch: RolloutBatch, all_rewards: torch.Tensor) -> None:
         advantages, _ = self.advantage_fn(all_rewards, self.sampling_args.num_generations, self.loss_args.scale_rewards)
         batch.advantages = advantages[self.local_slice(len(batch))]
-        if self.hparams.dynamic_sampling:
+        if self.rollout_args.dynamic_sampling:
             refills, dropped = self._dynamic_sampling_stats
             batch.refill_generations = torch.full_like(batch.rewards, float(refills))
             batch.frac_groups_dropped = torch.full_like(batch.rewards, dropped)
@@ -114,7 +91,7 @@ class GRPO(OnPolicyModule):
         """With `dynamic_sampling`, the generation's informative groups (reward std > 0), topped up from refill
         generations (`lit_rl.rollout.dynamic_sampling`); otherwise the generation as sampled."""
         first = super().sample_generation(rows, refills)
-        if not self.hparams.dynamic_sampling:
+        if not self.rollout_args.dynamic_sampling:
             return first
         G, n, world = self.sampling_args.num_generations, len(rows), self.trainer.world_size
         prompts = n * world // G
@@ -163,9 +140,9 @@ class GRPO(OnPolicyModule):
         cut_off = truncated(batch.completion_ids, model_tokens, eos)  # [N]: did the model's last token end it?
         return model_tokens * (~cut_off).to(model_tokens.dtype)[:, None]
 
-    def rollout_is_correction(self) -> str:
-        """`model.rollout_is_correction` with `auto` resolved for this run's engine and precision."""
-        mode = self.hparams.rollout_is_correction
+    def rollout_correction(self) -> str:
+        """`model.rollout.correction` with `auto` resolved for this run's engine and precision."""
+        mode = self.rollout_args.correction
         if mode == "auto":
             return "token_truncate" if self.max_staleness > 0 or self.engine_numerics_differ() else "none"
         return mode
@@ -173,12 +150,11 @@ class GRPO(OnPolicyModule):
     def micro_batch_loss(
         self, mb: RolloutBatch, logprobs: torch.Tensor, normalizer: LossNormalizer
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        hp = self.hparams
         # One on-policy pass: the old log-probs are these very log-probs (ratio 1, gradient intact).
         old_logprobs = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
         model_tokens = self.model_token_mask(mb)  # observations have no engine log-prob: they take no part
         importance_weights, corrected = rollout_is_weights(
-            self.rollout_is_correction(), old_logprobs, mb.rollout_logprobs, model_tokens, hp.rollout_is_cap
+            self.rollout_correction(), old_logprobs, mb.rollout_logprobs, model_tokens, self.rollout_args.correction_cap
         )
         if corrected is not None and "rollout_is_frac_corrected" in self.train_metrics:
             self.train_metrics["rollout_is_frac_corrected"].update(corrected[model_tokens > 0].float())

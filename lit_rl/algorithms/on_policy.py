@@ -92,6 +92,7 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, RewardScorer, MicroBatch
         rewards.check()
         env.check()
         rollout.check()
+        rollout.check_taken_by(type(self).__name__, frozenset(self.rollout_options))
         if rollout.max_staleness > 0 and env.enabled:
             raise ConfigError(
                 "model.env.environment (or model.env.tools) with model.rollout.max_staleness > 0 is not supported "
@@ -235,6 +236,7 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, RewardScorer, MicroBatch
         )
 
     refill_generations = 0  # the refill generations the loader offers (GRPO's dynamic sampling sets it)
+    rollout_options: tuple[str, ...] = ()  # the GRPO-only rollout options (`GRPO_ROLLOUT_OPTIONS`) this one takes
 
     @property
     def optimizer_steps_per_generation(self) -> int:

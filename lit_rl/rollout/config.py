@@ -42,7 +42,7 @@ class VLLMConfig:
             ranks per node) serve one engine together and split its completions; 1: an engine per rank.
         max_model_len: (colocate) context vLLM reserves KV cache for; None: the model's context.
         dtype: vLLM's dtype. Colocated: `auto` follows the trainer's compute dtype (bf16 under `bf16-mixed`). Server:
-            the dtype the server was started with, if known (`auto`: unknown), for `rollout_is_correction: auto`.
+            the dtype the server was started with, if known (`auto`: unknown), for `model.rollout.correction: auto`.
         enable_prefix_caching: (colocate) reuse the KV cache of shared prompt prefixes (the G completions of a
             prompt share it). The cache is reset after every weight push.
         enable_sleep_mode: (colocate, GPU) release vLLM's GPU memory between rollouts (weights and KV cache, sleep

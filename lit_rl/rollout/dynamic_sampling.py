@@ -1,12 +1,12 @@
 """DAPO's dynamic sampling (Yu et al. 2025, "DAPO", section 3.2): groups whose rewards all agree teach nothing
 (their advantages are all zero), so they are dropped and more prompts are sampled until the step's batch is full.
 
-With `model.dynamic_sampling` (GRPO), a generation of P prompts x G completions is sampled as usual; its groups
-with zero reward std (over the group's G completions, gathered from every rank) are dropped; while fewer than P
-groups are left, a refill generation samples P more prompts (at most `max_refill_generations` of them). The
-batch is then the first P groups kept, in order (the generation's own, then each refill's); when the refills run
-out first, the earliest dropped groups fill the rest (zero advantages: no gradient) and the step trains on fewer
-informative groups, which `train/frac_groups_dropped` and `train/refill_generations` show.
+With `model.rollout.dynamic_sampling` (GRPO), a generation of P prompts x G completions is sampled as usual; its
+groups with zero reward std (over the group's G completions, gathered from every rank) are dropped; while fewer than
+P groups are left, a refill generation samples P more prompts (at most `model.rollout.max_refill_generations` of
+them). The batch is then the first P groups kept, in order (the generation's own, then each refill's); when the
+refills run out first, the earliest dropped groups fill the rest (zero advantages: no gradient) and the step trains
+on fewer informative groups, which `train/frac_groups_dropped` and `train/refill_generations` show.
 
 Everything is a pure function of the run's seed, the generation and the refill index: the refill prompts
 and their sampling seeds (`lit_rl.data.schedule.refill_seed_key`) are, so a resumed run samples the same

@@ -59,12 +59,12 @@ class EngineConfig:
         raise NotImplementedError(f"{type(self).__name__} does not say how to build its engine (`build`)")
 
     def engine_dtype(self, compute_dtype: torch.dtype) -> Optional[torch.dtype]:
-        """The dtype the engine computes in (None: not known here), for `rollout_is_correction: auto`."""
+        """The dtype the engine computes in (None: not known here), for `model.rollout.correction: auto`."""
         return None
 
     def numerics_differ(self, compute_dtype: torch.dtype) -> bool:
         """Whether the engine's log-probs of a token can differ from the trainer's by more than float32
-        rounding (then `rollout_is_correction: auto` corrects them): unless both compute in float32. An engine of
+        rounding (then `model.rollout.correction: auto` corrects them): unless both compute in float32. An engine of
         unknown dtype differs; bf16 kernels of two libraries round differently even at the same dtype."""
         dtype = self.engine_dtype(compute_dtype)
         return dtype is None or dtype != torch.float32 or dtype != compute_dtype
@@ -257,7 +257,7 @@ class VLLMServer(EngineConfig):
         max_retries: attempts after the first for a request that failed to connect, timed out, or got a 5xx
             answer; waits 1, 2, 4, ... seconds in between. Then the run stops with an error naming the URL.
         wait_for_server_s: how long the first request waits for a server that is still starting.
-        dtype: the dtype the server was started with, if known (`auto`: unknown), for `rollout_is_correction: auto`.
+        dtype: the dtype the server was started with, if known (`auto`: unknown), for `model.rollout.correction: auto`.
         push_bucket_mib: weights are gathered (ZeRO-3) and pushed a bucket of at most this many MiB at a time
             (one file per bucket with `transfer.method: file`).
         transfer: how the weights reach the servers (`WeightTransfer`).

@@ -72,7 +72,7 @@ def test_colocated_engine_on_the_ranks_gpu_in_bf16_with_sleep_mode(tmp_path):
     assert engine["executor"] == "ExecutorWithExternalLauncher"
     assert engine["device"] == "cuda:0" and engine["dtype"] == "bfloat16"
     assert engine["tp_ranks"] == [0] and engine["world_ranks"] == [0]
-    assert precision["rollout_is_correction"] == "token_truncate"
+    assert precision["rollout_correction"] == "token_truncate"
     rows = train_rows(log_dir)
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
     assert all(row["train/rollout_kl"] < BF16_GAP for row in rows), rows  # it samples from the pushed weights

@@ -26,7 +26,7 @@ class RecordEnginePlacement(_Probe):
 
 class RecordPrecision(_Probe):
     """`precision_rank<r>.json`: the policy's parameter dtype, the dtype its forward computes in under the
-    trainer's precision, and (GRPO) the resolved `rollout_is_correction`."""
+    trainer's precision, and (GRPO) the resolved `model.rollout.correction`."""
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         import torch
@@ -34,14 +34,14 @@ class RecordPrecision(_Probe):
         ids = torch.tensor([[1, 2, 3]], device=pl_module.device)
         with torch.no_grad(), trainer.precision_plugin.forward_context():
             logits = pl_module.policy(input_ids=ids).logits
-        resolve = getattr(pl_module, "rollout_is_correction", None)
+        resolve = getattr(pl_module, "rollout_correction", None)
         self.write(
             "precision",
             trainer.global_rank,
             {
                 "parameters": str(next(pl_module.policy.parameters()).dtype).removeprefix("torch."),
                 "logits": str(logits.dtype).removeprefix("torch."),
-                "rollout_is_correction": resolve() if callable(resolve) else None,
+                "rollout_correction": resolve() if callable(resolve) else None,
             },
         )
 

@@ -1,4 +1,4 @@
-"""`--model.dynamic_sampling true` (GRPO) through the real CLI: refills happen, the step trains on informative
+"""`--model.rollout.dynamic_sampling true` (GRPO) through the real CLI: refills happen, the step trains on informative
 groups, the checkpoint cadence and exact resume hold with refills, and the chosen batch is the same on 1 and 2
 ranks."""
 
@@ -20,9 +20,9 @@ pytestmark = pytest.mark.slow
 
 # The shipped model answers most tiny-task prompts right, so many groups of 4 are all correct (zero std).
 DYNAMIC = [
-    "--model.dynamic_sampling",
+    "--model.rollout.dynamic_sampling",
     "true",
-    "--model.max_refill_generations",
+    "--model.rollout.max_refill_generations",
     "3",
     "--model.optim.learning_rate",
     "1e-3",

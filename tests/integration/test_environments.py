@@ -113,7 +113,7 @@ def test_episodes_are_the_same_steps_on_one_and_two_processes(tmp_path):
 def test_dynamic_sampling_refills_episodes_and_chooses_the_same_batch_on_one_and_two_processes(tmp_path):
     """Refill generations are episodes too: the chosen transcripts move between ranks with their model-token masks
     and statistics, so the trainer scores the engine's tokens alone, and the batch is the same however split."""
-    dynamic = ("--model.dynamic_sampling", "true", "--model.max_refill_generations", "2")
+    dynamic = ("--model.rollout.dynamic_sampling", "true", "--model.rollout.max_refill_generations", "2")
     reference, split = _layout(tmp_path, 1, 2, *dynamic), _layout(tmp_path, 2, 1, *dynamic)
     assert any(row["train/refill_generations"] > 0 for row in reference)
     for row in reference + split:

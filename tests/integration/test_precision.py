@@ -63,7 +63,7 @@ def test_every_algorithm_trains_in_bf16(tmp_path, algorithm, precision, weights)
         assert math.isfinite(row["train/loss"])
     assert probe["parameters"] == weights and probe["logits"] == "bfloat16"
     if algorithm == "grpo":  # HF generate samples from the policy itself: nothing to correct
-        assert probe["rollout_is_correction"] == "none"
+        assert probe["rollout_correction"] == "none"
 
 
 def test_colocated_vllm_samples_in_bf16_and_the_is_correction_turns_on(tmp_path):
@@ -89,7 +89,7 @@ def test_colocated_vllm_samples_in_bf16_and_the_is_correction_turns_on(tmp_path)
     engine = json.loads((tmp_path / "probe" / "engine_rank0.json").read_text())
     precision = json.loads((tmp_path / "probe" / "precision_rank0.json").read_text())
     assert engine["dtype"] == "bfloat16"
-    assert precision["rollout_is_correction"] == "token_truncate"  # `auto`: the engine computes below float32
+    assert precision["rollout_correction"] == "token_truncate"  # `auto`: the engine computes below float32
     rows = train_rows(log_dir)
     assert [row["step"] for row in rows] == [1, 2]
     for row in rows:  # the engine-trainer mismatch is logged, and in bf16 it is visibly not zero
