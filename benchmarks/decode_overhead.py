@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_suite import SHAPES  # noqa: E402
 
 from lit_rl.rollout.base import SamplingParams  # noqa: E402
-from lit_rl.rollout.hf import HFGenerateEngine, counter_uniforms  # noqa: E402
+from lit_rl.rollout.engines.hf import HFGenerateEngine, counter_uniforms  # noqa: E402
 
 
 def mean_seconds(call: Callable[[], object], repeats: int, device: str) -> float:

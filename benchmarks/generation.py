@@ -12,7 +12,7 @@ with probability about 5/320 per token: lengths spread from 1 to 128 (mean about
 Both methods are `lit_rl.rollout.HFGenerateEngine` with the same per-completion seeds:
 - `generate, every row`: `skip_finished=False`, `transformers` `generate`, which keeps every row until the last
   one stops (what ZeRO-3 and FSDP ranks still use);
-- `finished rows skipped`: the default, `lit_rl.rollout.compact_decode`.
+- `finished rows skipped`: the default, `lit_rl.rollout.engines.compact_decode`.
 After one uncounted warm-up call of each, the methods alternate within each of `--rounds` rounds; the table reports
 the median seconds, the row-steps each method computes (rows x decoding steps, prefill included), and whether the
 completions and log-probs are the same.

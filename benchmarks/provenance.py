@@ -138,6 +138,28 @@ def command(repo: Path = REPO) -> str:
     return shlex.join([str(script), *sys.argv[1:]])
 
 
+def source_tree(repo: Path = REPO, commit: Optional[str] = None) -> Optional[str]:
+    """The git tree hash of the checkout's files (tracked and untracked, not ignored), or of `commit`'s, leaving
+    `benchmarks/results/` out: a content address that says which commit a dirty-looking tree really was. A lent GPU
+    machine gets the working tree with the `.git` of the session's start, so its HEAD can lag the files it runs."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
+
+        def git(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, env=env)
+
+        if commit is None:
+            filled = git("add", "-A", "--", ".", ":(exclude)benchmarks/results")
+        else:
+            filled = git("read-tree", commit)
+            if filled.returncode == 0:
+                filled = git("rm", "-r", "--cached", "-q", "--ignore-unmatch", "benchmarks/results")
+        tree = git("write-tree") if filled.returncode == 0 else filled
+        return tree.stdout.strip() if tree.returncode == 0 else None
+
+
 def environment(repo: Path = REPO) -> dict:
     """Machine, library versions, commit, and whether the tree was dirty (with the dirty files when it was)."""
     import torch
@@ -154,6 +176,7 @@ def environment(repo: Path = REPO) -> dict:
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(), "gpu": gpu},
         "versions": versions,
         "commit": commit_of(repo),
+        "tree": source_tree(repo),
         "dirty": bool(dirty),
         **({"dirty_files": dirty} if dirty else {}),
     }

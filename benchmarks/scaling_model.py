@@ -414,7 +414,7 @@ def measure_http_push(megabytes: int = 256, repeats: int = 3) -> float:
     import torch
     from safetensors.torch import save_file
 
-    from lit_rl.rollout.weight_receiver import WeightReceiver, WeightUploader
+    from lit_rl.rollout.server.weight_receiver import WeightReceiver, WeightUploader
 
     with tempfile.TemporaryDirectory(prefix="lit-rl-push-") as tmp:
         source = Path(tmp) / "source"

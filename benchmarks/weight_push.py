@@ -70,9 +70,9 @@ def main() -> None:
     from support import policy_weights
 
     from lit_rl.modeling.models import load_causal_lm, resolve_model_path
-    from lit_rl.rollout.config import VLLMConfig
-    from lit_rl.rollout.placement import EnginePlacement
-    from lit_rl.rollout.vllm import VLLMColocateEngine
+    from lit_rl.rollout.engines.placement import EnginePlacement
+    from lit_rl.rollout.engines.vllm import VLLMColocateEngine
+    from lit_rl.rollout.engines.vllm_config import VLLMConfig
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     path = str(resolve_model_path(args.model))

@@ -8,10 +8,10 @@ load hits both alike:
 
 - **http**: `WeightUploader.upload` of the tensors as safetensors files (written first, untimed) to a
   `WeightReceiver` in this process: SHA-256 on both sides, up to 4 files at once, the commit.
-- **gloo**: `lit_rl.rollout.collective_transfer.GlooGroup` as rank 0 broadcasting each tensor to a child process
+- **gloo**: `lit_rl.rollout.server.collective_transfer.GlooGroup` as rank 0 broadcasting each tensor to a child process
   that joins the group as a vLLM worker does (`vllm.distributed.utils.stateless_init_torch_distributed_process_group`,
-  what `lit_rl.rollout.vllm_transfer_plugin` runs) and receives into fresh tensors. The round ends when the child
-  says it has them all.
+  what `lit_rl.rollout.in_server.vllm_transfer_plugin` runs) and receives into fresh tensors. The round ends when the
+  child says it has them all.
 
 Neither includes vLLM loading the weights (the same for both). Reports MB/s per round, the medians, and their ratio.
 """
@@ -54,8 +54,8 @@ def measure(megabytes: int, tensors: int, rounds: int) -> dict:
     import torch
     from safetensors.torch import save_file
 
-    from lit_rl.rollout.collective_transfer import GlooGroup, listen
-    from lit_rl.rollout.weight_receiver import WeightReceiver, WeightUploader
+    from lit_rl.rollout.server.collective_transfer import GlooGroup, listen
+    from lit_rl.rollout.server.weight_receiver import WeightReceiver, WeightUploader
 
     numel = megabytes * 2**20 // 4 // tensors
     weights = [torch.randn(numel) for _ in range(tensors)]

@@ -1,7 +1,8 @@
 """`model.rollout.engine.transfer.method: gloo` without a vLLM server: stdlib servers in threads play its HTTP side,
-and the receiving end is lit-rl's real vLLM engine (`lit_rl.rollout.vllm_transfer_plugin`) joining the trainer's gloo
-group as vLLM's workers do. Checked: the weights that arrive, the order of the calls (resumed only after the finish),
-the chunks, failures (left paused, taken out or the run stopped), a server without the engine, and the config checks."""
+and the receiving end is lit-rl's real vLLM engine (`lit_rl.rollout.in_server.vllm_transfer_plugin`) joining the
+trainer's gloo group as vLLM's workers do. Checked: the weights that arrive, the order of the calls (resumed only after
+the finish), the chunks, failures (left paused, taken out or the run stopped), a server without the engine, and the
+config checks."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ import torch
 
 from lit_rl.errors import ConfigError
 from lit_rl.rollout import VLLMConfig
-from lit_rl.rollout.collective_transfer import weight_chunks
-from lit_rl.rollout.config import check_vllm_config
-from lit_rl.rollout.server import RolloutServerError, VLLMServerEngine
+from lit_rl.rollout.engines.vllm_config import check_vllm_config
+from lit_rl.rollout.engines.vllm_server import RolloutServerError, VLLMServerEngine
+from lit_rl.rollout.server.collective_transfer import weight_chunks
 from tests.fake_vllm import completions_answer
 
 pytest.importorskip("vllm")
-from lit_rl.rollout.vllm_transfer_plugin import GlooWeightTransferEngine, UpdateBudget  # noqa: E402
+from lit_rl.rollout.in_server.vllm_transfer_plugin import GlooWeightTransferEngine, UpdateBudget  # noqa: E402
 
 WEIGHTS = [("model.embed_tokens.weight", torch.randn(6, 4)), ("model.norm.weight", torch.randn(4))]
 WEIGHTS += [(f"model.layers.{i}.mlp.weight", torch.randn(8, 4, dtype=torch.bfloat16)) for i in range(3)]
@@ -139,7 +140,7 @@ def test_a_server_failing_mid_transfer_is_left_paused_taken_out_and_back_whole_a
     good, bad = FakeWorker(), FakeWorker(fail_update=2)
     servers = [fake_server((200, good, 0)), fake_server((200, bad, 0))]
     engine = _engine(servers, on_server_failure="continue", push_bucket_mib=160 / 2**20)
-    with caplog.at_level(logging.WARNING, logger="lit_rl.rollout.server_pool"):
+    with caplog.at_level(logging.WARNING, logger="lit_rl.rollout.server.pool"):
         engine.update_weights(iter(WEIGHTS))
     assert len(good.loaded) == len(WEIGHTS) and _calls(servers[0])[-1] == "/resume"
     # Half-loaded: never resumed, never finished, and no later chunk sent.
@@ -150,7 +151,7 @@ def test_a_server_failing_mid_transfer_is_left_paused_taken_out_and_back_whole_a
     assert "worker died" in warnings[0] and "\n" not in warnings[0]
     # It still answers /health: the next push forms its group again and gives it every weight, then resumes it.
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="lit_rl.rollout.server_pool"):
+    with caplog.at_level(logging.WARNING, logger="lit_rl.rollout.server.pool"):
         engine.update_weights(iter(WEIGHTS))
     assert len(good.loaded) == 2 * len(WEIGHTS) and len(bad.chunks) == 2 + 3
     assert [name for name, _ in bad.loaded[-len(WEIGHTS) :]] == [name for name, _ in WEIGHTS]
@@ -167,7 +168,7 @@ def test_a_server_back_without_its_engine_stays_out_and_the_run_goes_on(fake_ser
     engine.update_weights(iter(WEIGHTS))  # `bad` fails and is taken out
     bad.has_engine = False  # restarted without --weight-transfer-config
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="lit_rl.rollout.server_pool"):
+    with caplog.at_level(logging.WARNING, logger="lit_rl.rollout.server.pool"):
         engine.update_weights(iter(WEIGHTS))
     assert len(good.loaded) == 2 * len(WEIGHTS) and caplog.records == []
     assert [server.url for server in engine.pool.in_service()] == [servers[0].url]

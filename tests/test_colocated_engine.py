@@ -8,9 +8,9 @@ import torch
 
 from lit_rl.errors import ConfigError
 from lit_rl.rollout import RolloutOutput, SamplingParams, VLLMConfig
-from lit_rl.rollout import vllm as vllm_module
-from lit_rl.rollout.placement import EnginePlacement, tp_slice
-from lit_rl.rollout.vllm import VLLMColocateEngine, engine_kwargs
+from lit_rl.rollout.engines import vllm as vllm_module
+from lit_rl.rollout.engines.placement import EnginePlacement, tp_slice
+from lit_rl.rollout.engines.vllm import VLLMColocateEngine, engine_kwargs
 from lit_rl.training.perf import StepTimer
 from tests.conftest import fit_grpo
 

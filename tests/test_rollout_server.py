@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lit_rl.rollout import SamplingParams, VLLMConfig
-from lit_rl.rollout.server import RolloutServerError, VLLMServerClient, VLLMServerEngine
+from lit_rl.rollout.engines.vllm_server import RolloutServerError, VLLMServerClient, VLLMServerEngine
 from tests.fake_vllm import completions_answer as _completions
 
 
@@ -134,7 +134,7 @@ def test_a_failed_reload_still_resumes_the_server(fake_server, tmp_path, monkeyp
 
 
 def test_any_failure_on_rank_0_becomes_one_server_error():
-    from lit_rl.rollout.server import _on_rank0_then_scatter
+    from lit_rl.rollout.engines.vllm_server import _on_rank0_then_scatter
 
     with pytest.raises(RolloutServerError, match="vLLM server: ZeroDivisionError"):
         _on_rank0_then_scatter(lambda: [1 / 0], rank=0, world_size=1)

@@ -98,7 +98,7 @@ def test_a_committed_version_is_never_replaced_and_an_outsider_needs_the_token(t
     import hashlib
     import json
 
-    from lit_rl.rollout.weight_receiver import WeightReceiver, WeightUploader, sha256_of
+    from lit_rl.rollout.server.weight_receiver import WeightReceiver, WeightUploader, sha256_of
 
     evil = b"attacker weights"
     digest = hashlib.sha256(evil).hexdigest()
@@ -131,7 +131,7 @@ def test_a_committed_version_is_never_replaced_and_an_outsider_needs_the_token(t
 
 
 def test_a_receiver_on_another_interface_makes_a_token_when_given_none(tmp_path, monkeypatch):
-    from lit_rl.rollout.weight_receiver import WeightReceiver
+    from lit_rl.rollout.server.weight_receiver import WeightReceiver
 
     monkeypatch.delenv("LIT_RL_RECEIVER_TOKEN", raising=False)
     receiver = WeightReceiver(tmp_path / "w", host="0.0.0.0")
@@ -146,7 +146,7 @@ def test_a_receiver_on_another_interface_makes_a_token_when_given_none(tmp_path,
 
 
 def test_bad_lengths_and_bodies_are_refused_before_anything_is_read(tmp_path):
-    from lit_rl.rollout.weight_receiver import WeightReceiver
+    from lit_rl.rollout.server.weight_receiver import WeightReceiver
 
     receiver = _serve(WeightReceiver(tmp_path / "w", max_file_bytes=1000, max_total_bytes=5000))
     try:
@@ -168,7 +168,7 @@ def test_stalled_connections_are_dropped_with_their_partial_files_and_capped(tmp
     import socket
     import time
 
-    import lit_rl.rollout.weight_receiver as module
+    import lit_rl.rollout.server.weight_receiver as module
 
     monkeypatch.setattr(module, "MAX_CONNECTIONS", 3)
     receiver = module.WeightReceiver(tmp_path / "w")
@@ -201,7 +201,7 @@ def test_links_never_lead_writes_out_of_the_receivers_directory(tmp_path):
     import hashlib
 
     from lit_rl.errors import LitRLError
-    from lit_rl.rollout.weight_receiver import WeightReceiver
+    from lit_rl.rollout.server.weight_receiver import WeightReceiver
 
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -232,7 +232,7 @@ def test_the_uploader_follows_no_redirect_so_the_token_stays_home(tmp_path, monk
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from lit_rl.rollout.weight_receiver import WeightTransferError, WeightUploader
+    from lit_rl.rollout.server.weight_receiver import WeightTransferError, WeightUploader
 
     seen = []
 
@@ -353,7 +353,7 @@ def test_the_vllm_client_sends_the_api_key_and_follows_no_redirect(monkeypatch):
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from lit_rl.rollout.server_client import RolloutServerError, VLLMServerClient
+    from lit_rl.rollout.server.client import RolloutServerError, VLLMServerClient
 
     seen = []
 
@@ -465,7 +465,7 @@ def test_the_broadcast_rendezvous_listens_on_the_address_asked_and_only_until_th
     from torch.distributed import PrefixStore, TCPStore
     from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-    from lit_rl.rollout.collective_transfer import GlooGroup, listen, tcp_uri
+    from lit_rl.rollout.server.collective_transfer import GlooGroup, listen, tcp_uri
 
     listener = listen("localhost", 0)  # a host name: the workers name the store by it too
     port = listener.getsockname()[1]
@@ -500,7 +500,7 @@ def test_a_server_worker_refuses_weights_unlike_the_models_before_allocating_the
     pytest.importorskip("vllm")
     from types import SimpleNamespace
 
-    from lit_rl.rollout.vllm_transfer_plugin import GlooWeightTransferEngine, UpdateBudget
+    from lit_rl.rollout.in_server.vllm_transfer_plugin import GlooWeightTransferEngine, UpdateBudget
 
     model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8))  # 200 elements on this worker
     engine = object.__new__(GlooWeightTransferEngine)

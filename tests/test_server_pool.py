@@ -13,9 +13,9 @@ import torch
 
 from lit_rl.errors import ConfigError
 from lit_rl.rollout import SamplingParams, VLLMConfig
-from lit_rl.rollout.config import check_vllm_config
-from lit_rl.rollout.server import RolloutServerError, VLLMServerEngine
-from lit_rl.rollout.weight_receiver import WeightReceiver, WeightUploader
+from lit_rl.rollout.engines.vllm_config import check_vllm_config
+from lit_rl.rollout.engines.vllm_server import RolloutServerError, VLLMServerEngine
+from lit_rl.rollout.server.weight_receiver import WeightReceiver, WeightUploader
 from tests.fake_vllm import completions_answer
 
 # 4 prompts x 2 completions (left-padded): 4 requests of n=2.
@@ -87,7 +87,7 @@ def test_continue_takes_a_dead_server_out_with_one_warning_and_deals_its_request
     alone = _generate(_engine([one], tmp_path / "1"))
     engine = _engine(servers, tmp_path / "3", on_server_failure="continue")
     servers[1].close()
-    with caplog.at_level(logging.WARNING, logger="lit_rl.rollout.server_pool"):
+    with caplog.at_level(logging.WARNING, logger="lit_rl.rollout.server.pool"):
         first = _generate(engine)
         second = _generate(engine)
     for out in (first, second):
@@ -128,7 +128,7 @@ def test_a_server_failing_mid_generation_hands_its_requests_to_the_others(
     a, b = fake_server((200, completions_answer, 0)), fake_server((200, failing, 0))
     alone = _generate(_engine([one], tmp_path / "1"))
     engine = _engine([a, b], tmp_path / "2", on_server_failure="continue")
-    with caplog.at_level(logging.WARNING, logger="lit_rl.rollout.server_pool"):
+    with caplog.at_level(logging.WARNING, logger="lit_rl.rollout.server.pool"):
         out = _generate(engine)
     # Its requests went to `a` whole: the completions are the one-server run's (none truncated by an abort).
     assert torch.equal(out.completion_ids, alone.completion_ids) and torch.equal(out.logprobs, alone.logprobs)
@@ -239,7 +239,7 @@ def test_a_server_that_answers_again_is_taken_back_at_the_next_push_with_the_wei
     a, b = fake_server((200, completions_answer, 0)), fake_server((200, completions_answer, 0))
     engine = _engine([a, b], tmp_path / "2", on_server_failure="continue")
     b.script = [(503, {"error": "restarting"}, 0)]
-    with caplog.at_level(logging.WARNING, logger="lit_rl.rollout.server_pool"):
+    with caplog.at_level(logging.WARNING, logger="lit_rl.rollout.server.pool"):
         _generate(engine)  # b fails its health check: out
         engine.update_weights([("w", torch.ones(3))])  # b still down: stays out, silently
         b.script = [(200, completions_answer, 0)]  # its supervisor restarted it
@@ -270,7 +270,7 @@ def test_a_server_back_without_the_rl_endpoints_stays_out_and_the_run_goes_on(fa
 
 
 def test_servers_on_one_receiver_share_its_copy_of_a_version(tmp_path):
-    from lit_rl.rollout.server_pool import ServerPool
+    from lit_rl.rollout.server.pool import ServerPool
 
     config = VLLMConfig(
         mode="server",
@@ -289,7 +289,7 @@ def test_servers_on_one_receiver_share_its_copy_of_a_version(tmp_path):
 
 
 def test_a_receiver_that_misses_an_upload_loses_its_record_of_that_tag(tmp_path, monkeypatch):
-    from lit_rl.rollout.server_pool import ServerPool
+    from lit_rl.rollout.server.pool import ServerPool
 
     config = VLLMConfig(
         mode="server",

@@ -125,7 +125,7 @@ def test_generation_from_the_shared_prefill_samples_the_same_completions(model, 
     shared = sample()
     assert counts[0] == 3 * (prompt_ids.shape[1] - 1)  # the prefill of the distinct prompts
     assert counts[1] == len(prompt_ids)  # then one position per row: the last prompt token
-    monkeypatch.setattr("lit_rl.rollout.hf.shared_prompt_cache", lambda *args: None)
+    monkeypatch.setattr("lit_rl.rollout.engines.hf.shared_prompt_cache", lambda *args: None)
     plain = sample()
     assert torch.equal(shared.completion_ids, plain.completion_ids)
     assert torch.equal(shared.completion_mask, plain.completion_mask)

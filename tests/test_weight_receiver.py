@@ -1,5 +1,5 @@
-"""Weights for a vLLM server on another machine (`lit_rl.rollout.weight_receiver`): uploads checked by SHA-256 and
-committed in one rename, nothing written outside the receiver's directory, one-line errors naming the URL, and the
+"""Weights for a vLLM server on another machine (`lit_rl.rollout.server.weight_receiver`): uploads checked by SHA-256
+and committed in one rename, nothing written outside the receiver's directory, one-line errors naming the URL, and the
 server engine reloading the committed copy (a fake vLLM server plays the server)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 
 from lit_rl.errors import ConfigError
 from lit_rl.rollout import VLLMConfig
-from lit_rl.rollout.config import check_vllm_config
-from lit_rl.rollout.server import RolloutServerError, VLLMServerEngine
-from lit_rl.rollout.weight_receiver import WeightReceiver, WeightTransferError, WeightUploader, sha256_of
+from lit_rl.rollout.engines.vllm_config import check_vllm_config
+from lit_rl.rollout.engines.vllm_server import RolloutServerError, VLLMServerEngine
+from lit_rl.rollout.server.weight_receiver import WeightReceiver, WeightTransferError, WeightUploader, sha256_of
 from tests.fake_vllm import completions_answer as _completions
 
 

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from lit_rl.rollout import RolloutEngine
-from lit_rl.rollout.placement import EnginePlacement
+from lit_rl.rollout.engines.placement import EnginePlacement
 from lit_rl.rollout.weights import DEFAULT_BUCKET_MIB, policy_weight_stream
 from lit_rl.training.strategies import is_fsdp_wrapped, settle_zero3_parameters
 

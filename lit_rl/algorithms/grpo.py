@@ -32,7 +32,7 @@ from lit_rl.losses.overlong import overlong_penalty, truncated
 from lit_rl.losses.policy import policy_loss_function
 from lit_rl.rollout import RolloutOutput
 from lit_rl.rollout.dynamic_sampling import rows_for_rank, select_groups
-from lit_rl.rollout.hf import model_eos_token_ids
+from lit_rl.rollout.engines.hf import model_eos_token_ids
 from lit_rl.training.metrics import LOCAL, metric_collection, on_policy_training_metrics
 from lit_rl.training.rank_balance import concat_batches, exchange_rows
 from lit_rl.types import RolloutBatch

@@ -14,7 +14,7 @@ class SamplingParams:
 
     Log-probs reported by engines are those of the temperature-scaled distribution `softmax(logits / T)` (of the
     plain logits when greedy), before top-p/top-k truncation, which is what the trainer recomputes. The HF
-    engine's are also before `min_new_tokens` masks the stop ids; vLLM's are after it (`lit_rl.rollout.vllm`).
+    engine's are also before `min_new_tokens` masks the stop ids; vLLM's are after it (`lit_rl.rollout.engines.vllm`).
     """
 
     max_new_tokens: int = 16

@@ -12,7 +12,7 @@ transport `--model.rollout.engine.transfer.method gloo`. A new engine is a confi
 `EngineConfig` whose `__init__` takes its options) and the engine it builds (`lit_rl.rollout.base.RolloutEngine`);
 no algorithm changes.
 
-The vLLM engines run on `lit_rl.rollout.config.VLLMConfig`, which their config classes build (`vllm`).
+The vLLM engines run on `lit_rl.rollout.engines.vllm_config.VLLMConfig`, which their config classes build (`vllm`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 from lit_rl.errors import ConfigError
 from lit_rl.rollout.base import RolloutEngine
-from lit_rl.rollout.config import VLLM_DTYPES, VLLMConfig, check_vllm_config
+from lit_rl.rollout.engines.vllm_config import VLLM_DTYPES, VLLMConfig, check_vllm_config
 
 ENGINE_KEY = "model.rollout.engine"
 
@@ -103,13 +103,13 @@ def _plain(value: Any) -> Any:
 
 class HFGenerate(EngineConfig):
     """Hugging Face `generate` on the policy being trained (the default): no extra package, nothing to push;
-    finished rows leave the decoding batch (`lit_rl.rollout.compact_decode`)."""
+    finished rows leave the decoding batch (`lit_rl.rollout.engines.compact_decode`)."""
 
     def __init__(self) -> None:
         pass
 
     def build(self, module: Any) -> RolloutEngine:
-        from lit_rl.rollout.hf import HFGenerateEngine, model_eos_token_ids
+        from lit_rl.rollout.engines.hf import HFGenerateEngine, model_eos_token_ids
 
         eos_ids = model_eos_token_ids(module.policy, module.tokenizer.eos_token_id)
         return HFGenerateEngine(
@@ -122,7 +122,7 @@ class HFGenerate(EngineConfig):
 
 class VLLMColocate(EngineConfig):
     """An in-process `vllm.LLM` on each trainer rank's device, given the policy's weights in place before each
-    generation that follows an optimizer step (`lit_rl.rollout.vllm`).
+    generation that follows an optimizer step (`lit_rl.rollout.engines.vllm`).
 
     Args:
         gpu_memory_utilization: (GPU) share of the GPU vLLM may take for weights and KV cache.
@@ -174,8 +174,8 @@ class VLLMColocate(EngineConfig):
 
     def build(self, module: Any) -> RolloutEngine:
         from lit_rl.modeling.models import resolve_model_path
-        from lit_rl.rollout.hf import model_eos_token_ids
-        from lit_rl.rollout.vllm import VLLMColocateEngine
+        from lit_rl.rollout.engines.hf import model_eos_token_ids
+        from lit_rl.rollout.engines.vllm import VLLMColocateEngine
 
         return VLLMColocateEngine.start(
             self.vllm,
@@ -200,16 +200,16 @@ class WeightTransfer:
     Args:
         method: `file` (written into `sync_dir`, which the server must see: the same machine or a shared file
             system), `http` (uploaded to the weight receiver at `receiver_url`, which runs beside a server on another
-            machine: `lit_rl.rollout.weight_receiver`), `gloo` or `nccl` (broadcast from rank 0 to the server's
-            workers through vLLM's weight-transfer endpoints: no file, no disk; `lit_rl.rollout.collective_transfer`),
-            or `auto` (default): `http` when `receiver_url` is set, else `file`. `gloo` works on CPU and GPU and needs
-            lit-rl installed beside the server (it registers the engine with vLLM) and the server started with
-            `--weight-transfer-config '{"backend": "lit_rl_gloo"}'`; `nccl` is vLLM's own engine
-            (`--weight-transfer-config '{"backend": "nccl"}'`) and needs GPUs on both sides.
+            machine: `lit_rl.rollout.server.weight_receiver`), `gloo` or `nccl` (broadcast from rank 0 to the server's
+            workers through vLLM's weight-transfer endpoints: no file, no disk;
+            `lit_rl.rollout.server.collective_transfer`), or `auto` (default): `http` when `receiver_url` is set, else
+            `file`. `gloo` works on CPU and GPU and needs lit-rl installed beside the server (it registers the engine
+            with vLLM) and the server started with `--weight-transfer-config '{"backend": "lit_rl_gloo"}'`; `nccl` is
+            vLLM's own engine (`--weight-transfer-config '{"backend": "nccl"}'`) and needs GPUs on both sides.
         sync_dir: directory, shared with the server, where rank 0 writes the policy's weights before asking the
             server to reload them; None: a fresh directory under /dev/shm (or the temp dir). With `http`, the local
             directory the files are written to before the upload.
-        receiver_url: the weight receiver's URL (`python -m lit_rl.rollout.weight_receiver` on the server's
+        receiver_url: the weight receiver's URL (`python -m lit_rl.rollout.server.weight_receiver` on the server's
             machine), e.g. `http://10.0.0.2:8010`.
         receiver_urls: with `server_urls`: the receiver beside each server, in the same order. Servers on one
             machine may share one (it is uploaded to once per push); `receiver_url` alone serves them all.
@@ -240,8 +240,8 @@ _TRANSFER_FIELDS = {
 
 
 class VLLMServer(EngineConfig):
-    """Separately started vLLM OpenAI-compatible servers (`lit_rl.rollout.server`): rank 0 sends the requests and
-    pushes the weights (`transfer`). The only engine that samples in the background (`max_staleness > 0`).
+    """Separately started vLLM OpenAI-compatible servers (`lit_rl.rollout.engines.vllm_server`): rank 0 sends the
+    requests and pushes the weights (`transfer`). The only engine that samples in the background (`max_staleness > 0`).
 
     Args:
         server_url: base URL of the server. Bind it to 127.0.0.1 unless it must be reached from elsewhere.
@@ -297,8 +297,8 @@ class VLLMServer(EngineConfig):
         check_vllm_config(self.vllm)
 
     def build(self, module: Any) -> RolloutEngine:
-        from lit_rl.rollout.hf import model_eos_token_ids
-        from lit_rl.rollout.server import VLLMServerEngine
+        from lit_rl.rollout.engines.hf import model_eos_token_ids
+        from lit_rl.rollout.engines.vllm_server import VLLMServerEngine
 
         eos_ids = model_eos_token_ids(module.policy, module.tokenizer.eos_token_id)
         return VLLMServerEngine(self.vllm, eos_ids, module.tokenizer.pad_token_id)

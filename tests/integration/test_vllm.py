@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from lit_rl.rollout.server import LocalVLLMServer, RolloutServerError, free_port
+from lit_rl.rollout.engines.vllm_server import LocalVLLMServer, RolloutServerError, free_port
 from tests.conftest import (
     CLI_COMMAND,
     CONFIGS,
@@ -445,7 +445,7 @@ def test_the_server_engine_uploads_weights_to_a_receiver_beside_the_server(tmp_p
     1e-4)."""
     import threading
 
-    from lit_rl.rollout.weight_receiver import WeightReceiver
+    from lit_rl.rollout.server.weight_receiver import WeightReceiver
 
     receiver = WeightReceiver(tmp_path / "received")
     threading.Thread(target=receiver.serve_forever, daemon=True).start()

@@ -83,7 +83,7 @@ def parameter_gap(engine, policy) -> dict[str, float]:
 def main(mode: str, url: str | None, lora: bool, gloo: bool = False) -> None:
     from lit_rl.modeling.models import load_causal_lm, load_tokenizer, resolve_model_path
     from lit_rl.rollout import SamplingParams, VLLMConfig
-    from lit_rl.rollout.hf import model_eos_token_ids
+    from lit_rl.rollout.engines.hf import model_eos_token_ids
     from lit_rl.rollout.weights import policy_weight_stream
 
     path = "lit-rl/tiny-qwen2-addition-sft"
@@ -95,8 +95,8 @@ def main(mode: str, url: str | None, lora: bool, gloo: bool = False) -> None:
         policy = apply_lora(policy, LoRAConfig(r=8)).eval()
     eos_ids = model_eos_token_ids(policy, tokenizer.eos_token_id)
     if mode == "colocate":
-        from lit_rl.rollout.placement import EnginePlacement
-        from lit_rl.rollout.vllm import VLLMColocateEngine
+        from lit_rl.rollout.engines.placement import EnginePlacement
+        from lit_rl.rollout.engines.vllm import VLLMColocateEngine
 
         engine = VLLMColocateEngine.start(
             VLLMConfig(mode="colocate"),
@@ -108,7 +108,7 @@ def main(mode: str, url: str | None, lora: bool, gloo: bool = False) -> None:
             placement=EnginePlacement(rank=0, local_rank=0, world_size=1, local_world_size=1),
         )
     else:
-        from lit_rl.rollout.server import VLLMServerEngine
+        from lit_rl.rollout.engines.vllm_server import VLLMServerEngine
 
         transfer = "gloo" if gloo else "auto"
         config = VLLMConfig(

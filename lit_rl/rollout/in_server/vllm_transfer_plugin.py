@@ -8,7 +8,7 @@ and shape with one broadcast per tensor, loading them through vLLM's layerwise r
 It reaches vLLM as a plugin: lit-rl's `vllm.general_plugins` entry point (`register`) adds the backend
 `lit_rl_gloo` in every vLLM process of an environment where lit-rl is installed (registering imports nothing
 heavy; this module is imported only by a server started with `--weight-transfer-config '{"backend":
-"lit_rl_gloo"}'`). The trainer's side is `lit_rl.rollout.collective_transfer`.
+"lit_rl_gloo"}'`). The trainer's side is `lit_rl.rollout.server.collective_transfer`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ the trainer's machine that directory is written in place (`model.rollout.engine.
 default); otherwise a receiver runs next to the server and the trainer uploads the files to it
 (`model.rollout.engine.transfer.method: http`, `model.rollout.engine.transfer.receiver_url`):
 
-    python -m lit_rl.rollout.weight_receiver --dir /dev/shm/lit-rl-weights --port 8010   # on the server's machine
+    python -m lit_rl.rollout.server.weight_receiver --dir /dev/shm/lit-rl-weights --port 8010   # on the server's
+    machine
 
 An upload of version `tag` sends each file with `PUT /files/<tag>/<name>` and its SHA-256 (`X-Content-SHA256`),
 into a staging directory (up to 4 files at once); the receiver checks every file's digest as it arrives.

@@ -14,7 +14,7 @@ completions are scattered back. A weight push writes the policy's weights as saf
 one file per `push_bucket_mib` (rank 0 never holds more than about one bucket of gathered weights; the other ranks
 take part in the gathers), then asks the server to pause, reload from there (`collective_rpc("reload_weights")`),
 reset its prefix cache and resume. With `weight_transfer: gloo | nccl` the weights are broadcast to the servers'
-workers instead, with no file (`lit_rl.rollout.collective_transfer`).
+workers instead, with no file (`lit_rl.rollout.server.collective_transfer`).
 
 Asynchronous rollouts (`model.rollout.max_staleness > 0`, `lit_rl.rollout.producer`): the weights of each policy version
 are staged into their own subdirectory `v<version>/` (with a broadcast transfer: as host copies on rank 0, one
@@ -22,7 +22,7 @@ per version not yet loaded), and rank 0 runs the submitted generations one after
 first loading the version it was tagged with (so a completion never spans two versions), while the training thread
 goes on; the completions are scattered back when the trainer collects them.
 
-Several servers (`model.rollout.engine.server_urls`, `lit_rl.rollout.server_pool`): each generation's requests are
+Several servers (`model.rollout.engine.server_urls`, `lit_rl.rollout.server.pool`): each generation's requests are
 dealt out across them after a health check, and every push reaches all of them; a server that fails either stops the
 run or is taken out of service (`model.rollout.engine.on_server_failure`).
 
@@ -43,9 +43,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 import torch
 
 from lit_rl.rollout.base import RolloutOutput, SamplingParams, draw_seeds, padded_output, unpadded_prompts
-from lit_rl.rollout.collective_transfer import CollectiveTransfer, host_copies
-from lit_rl.rollout.config import VLLMConfig
-from lit_rl.rollout.server_client import (  # noqa: F401  (re-exported: the names users and tests import from here)
+from lit_rl.rollout.engines.vllm_config import VLLMConfig
+from lit_rl.rollout.server.client import (  # noqa: F401  (re-exported: the names users and tests import from here)
     LocalVLLMServer,
     RolloutServerError,
     ServerDownError,
@@ -53,7 +52,8 @@ from lit_rl.rollout.server_client import (  # noqa: F401  (re-exported: the name
     free_port,
     server_command,
 )
-from lit_rl.rollout.server_pool import RolloutServer, ServerPool
+from lit_rl.rollout.server.collective_transfer import CollectiveTransfer, host_copies
+from lit_rl.rollout.server.pool import RolloutServer, ServerPool
 
 CUT_SHORT = {"abort", "error"}  # finish reasons of a completion the engine stopped before it ended
 

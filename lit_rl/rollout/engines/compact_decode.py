@@ -41,7 +41,7 @@ def decode_skipping_finished(
 
     `cache`: a KV cache of every row's prompt but its last token (`shared_prompt_cache`), or None.
     """
-    from lit_rl.rollout.hf import SeededRowSampler
+    from lit_rl.rollout.engines.hf import SeededRowSampler
 
     N, P = prompt_ids.shape
     T = params.max_new_tokens

@@ -6,7 +6,8 @@ Rank 0 forms a group with each server's workers, as rank 0 of it, hosting the re
 when asked (`POST /init_weight_transfer_engine`); how many there are is learned from the server first
 (`/get_world_size`), an update an earlier trainer left unfinished is ended, and a server started without a
 weight-transfer engine is refused in one line saying how to start it. `gloo` is lit-rl's engine
-(`lit_rl.rollout.vllm_transfer_plugin`, any device), `nccl` vLLM's own (GPUs on both sides); the protocol is the same.
+(`lit_rl.rollout.in_server.vllm_transfer_plugin`, any device), `nccl` vLLM's own (GPUs on both sides); the protocol is
+the same.
 
 A push, per server, all servers at once:
 
@@ -37,9 +38,9 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequen
 
 import torch
 
-from lit_rl.rollout.config import VLLM_TRANSFER_BACKENDS, VLLMConfig
-from lit_rl.rollout.server_client import RolloutServerError, ServerDownError
-from lit_rl.rollout.server_pool import RolloutServer
+from lit_rl.rollout.engines.vllm_config import VLLM_TRANSFER_BACKENDS, VLLMConfig
+from lit_rl.rollout.server.client import RolloutServerError, ServerDownError
+from lit_rl.rollout.server.pool import RolloutServer
 from lit_rl.training.compat import set_group_sequence_number
 
 

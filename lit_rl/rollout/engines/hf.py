@@ -11,7 +11,7 @@ import torch
 from lit_rl.modeling.lora import base_model
 from lit_rl.modeling.shared_prompts import shared_prompt_cache
 from lit_rl.rollout.base import RolloutOutput, SamplingParams, completion_mask_from_ids, draw_seeds
-from lit_rl.rollout.compact_decode import decode_skipping_finished
+from lit_rl.rollout.engines.compact_decode import decode_skipping_finished
 
 
 def model_eos_token_ids(model: torch.nn.Module, tokenizer_eos_id: Optional[int]) -> list[int]:
@@ -39,7 +39,7 @@ def _library_generation_defaults(model: torch.nn.Module) -> Iterator[None]:
 
 
 class HFGenerateEngine:
-    """Samples with the live policy, so it never needs a weight push: `lit_rl.rollout.compact_decode` (finished
+    """Samples with the live policy, so it never needs a weight push: `lit_rl.rollout.engines.compact_decode` (finished
     rows leave the batch), or `model.generate` when the ranks step together (ZeRO-3, FSDP) or `skip_finished` is
     off; both draw the same samples.
 
@@ -60,8 +60,8 @@ class HFGenerateEngine:
         skip_finished: bool = True,
     ) -> None:
         self.model = model
-        # Decode with `lit_rl.rollout.compact_decode` (the same samples, finished rows no longer computed) unless
-        # the ranks step together or `skip_finished` is off (then `generate`, which runs every row to the end).
+        # Decode with `lit_rl.rollout.engines.compact_decode` (the same samples, finished rows no longer computed)
+        # unless the ranks step together or `skip_finished` is off (then `generate`, which runs every row to the end).
         self.skip_finished = skip_finished
         # Under ZeRO-3 every forward gathers parameters collectively: ranks must take the same number of decoding
         # steps, so each keeps stepping (on finished rows) until all ranks are done.

@@ -2,7 +2,7 @@
 (`VLLMServerClient`) with a timeout on every request and retries with backoff. Imports no vLLM.
 
 A server that does not answer (no connection, a timeout, or 5xx answers after the retries) raises `ServerDownError`,
-which the engine's server pool (`lit_rl.rollout.server_pool`) may fail over from; any other error answer (4xx: the
+which the engine's server pool (`lit_rl.rollout.server.pool`) may fail over from; any other error answer (4xx: the
 request itself is wrong) raises `RolloutServerError` at once.
 """
 
@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from lit_rl.errors import LitRLError
 from lit_rl.net import DIRECT, AnswerTooLarge, read_answer
-from lit_rl.rollout.config import VLLM_TRANSFER_BACKENDS
+from lit_rl.rollout.engines.vllm_config import VLLM_TRANSFER_BACKENDS
 
 
 def server_command(

@@ -71,15 +71,15 @@ class VLLMConfig:
             With `weight_transfer: http`, the local directory the files are written to before the upload.
         weight_transfer: (server) how the weights reach the server: `file` (written into `weight_sync_dir`, which
             the server must see: the same machine or a shared file system), `http` (uploaded to the weight
-            receiver at `weights_url`, which runs beside a server on another machine: `lit_rl.rollout.weight_receiver`),
-            `gloo` or `nccl` (broadcast from rank 0 to the server's workers through vLLM's weight-transfer
-            endpoints: no file, no disk; `lit_rl.rollout.collective_transfer`), or `auto` (default): `http` when
-            `weights_url` is set, else `file`. `gloo` works on CPU and GPU and needs lit-rl installed beside the server
-            (it registers the engine with vLLM) and the server started with
+            receiver at `weights_url`, which runs beside a server on another machine:
+            `lit_rl.rollout.server.weight_receiver`), `gloo` or `nccl` (broadcast from rank 0 to the server's workers
+            through vLLM's weight-transfer endpoints: no file, no disk; `lit_rl.rollout.server.collective_transfer`), or
+            `auto` (default): `http` when `weights_url` is set, else `file`. `gloo` works on CPU and GPU and needs
+            lit-rl installed beside the server (it registers the engine with vLLM) and the server started with
             `--weight-transfer-config '{"backend": "lit_rl_gloo"}'`; `nccl` is vLLM's own engine
             (`--weight-transfer-config '{"backend": "nccl"}'`) and needs GPUs on both sides.
-        weights_url: (server) the weight receiver's URL (`python -m lit_rl.rollout.weight_receiver` on the server's
-            machine), e.g. `http://10.0.0.2:8010`.
+        weights_url: (server) the weight receiver's URL (`python -m lit_rl.rollout.server.weight_receiver` on the
+            server's machine), e.g. `http://10.0.0.2:8010`.
         weights_urls: (server) with `server_urls`: the receiver beside each server, in the same order. Servers on
             one machine may share one (it is uploaded to once per push); `weights_url` alone serves them all.
         transfer_address: (`gloo`, `nccl`) this machine's address as the servers reach it: rank 0 hosts the
@@ -183,7 +183,7 @@ def check_vllm_config(config: Optional[VLLMConfig]) -> None:
         raise ConfigError(
             "model.rollout.engine.transfer.method: http needs model.rollout.engine.transfer.receiver_url, the "
             "weight receiver beside the server "
-            "(python -m lit_rl.rollout.weight_receiver --dir DIR --port 8010 on the server's machine)"
+            "(python -m lit_rl.rollout.server.weight_receiver --dir DIR --port 8010 on the server's machine)"
         )
     if config.weights_url is not None and not config.weights_url.startswith(("http://", "https://")):
         raise ConfigError(

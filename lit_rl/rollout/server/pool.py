@@ -23,9 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, TypeVar
 
-from lit_rl.rollout.config import VLLMConfig
-from lit_rl.rollout.server_client import RolloutServerError, ServerDownError, VLLMServerClient
-from lit_rl.rollout.weight_receiver import WeightTransferError, WeightUploader
+from lit_rl.rollout.engines.vllm_config import VLLMConfig
+from lit_rl.rollout.server.client import RolloutServerError, ServerDownError, VLLMServerClient
+from lit_rl.rollout.server.weight_receiver import WeightTransferError, WeightUploader
 
 log = logging.getLogger(__name__)
 

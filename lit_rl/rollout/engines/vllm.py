@@ -1,6 +1,6 @@
 """Colocated rollouts: an in-process `vllm.LLM` next to the policy. The only module that imports vLLM.
 
-Placement (`lit_rl.rollout.placement`): each trainer rank builds its engine with vLLM's `external_launcher`
+Placement (`lit_rl.rollout.engines.placement`): each trainer rank builds its engine with vLLM's `external_launcher`
 executor, so the engine's worker runs in the trainer's process, on the rank's own device (`cuda:LOCAL_RANK`), inside
 the trainer's process group. With `tensor_parallel_size = t`, each block of t consecutive ranks runs one engine:
 its members gather their prompts, all generate the whole set (vLLM's TP workers must see the same requests), and
@@ -37,8 +37,8 @@ import torch
 
 from lit_rl.errors import ConfigError
 from lit_rl.rollout.base import RolloutOutput, SamplingParams, draw_seeds, padded_output, unpadded_prompts
-from lit_rl.rollout.config import VLLM_DTYPES, VLLMConfig
-from lit_rl.rollout.placement import EXECUTOR, EnginePlacement, tp_slice
+from lit_rl.rollout.engines.placement import EXECUTOR, EnginePlacement, tp_slice
+from lit_rl.rollout.engines.vllm_config import VLLM_DTYPES, VLLMConfig
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +292,7 @@ def _master_address() -> tuple[str, int]:
     process group of one that vLLM creates."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "0"))
-    from lit_rl.rollout.server import free_port
+    from lit_rl.rollout.engines.vllm_server import free_port
 
     return "127.0.0.1", free_port()
 
