@@ -53,7 +53,8 @@ def test_a_reward_model_given_by_path_ranks_the_pairs(tmp_path):
     assert scores[2] == pytest.approx(scores[0], abs=1e-5)  # the tiny chat template concatenates contents
 
     module = OnlineDPO(**grouped_kwargs(OnlineDPO, reward_funcs=[], reward_model_name_or_path=str(tmp_path / "rm")))
-    assert list(module.reward_fns) == ["reward_model"] and module.reward_weights.tolist() == [1.0]
+    scorer = module.reward_scorer
+    assert scorer.names == ["reward_model"] and scorer.weights.tolist() == [1.0]
     assert "val/rewards/reward_model" in module.val_metrics.keys()
     both = OnlineDPO(
         **grouped_kwargs(
@@ -63,7 +64,8 @@ def test_a_reward_model_given_by_path_ranks_the_pairs(tmp_path):
             reward_model_name_or_path=str(tmp_path / "rm"),
         )
     )
-    assert list(both.reward_fns) == ["correctness", "reward_model"] and both.reward_weights.tolist() == [1.0, 0.5]
+    assert both.reward_scorer.names == ["correctness", "reward_model"]
+    assert both.reward_scorer.weights.tolist() == [1.0, 0.5]
 
 
 def test_with_an_environment_a_sequences_log_probability_is_the_models_tokens_alone():

@@ -42,7 +42,7 @@ class EpisodeRunner:
     @property
     def reward_names(self) -> list[str]:
         """The reward columns: one per reward function, then the environment's parts (`env/<part>`)."""
-        return [*self.reward_fns, *(f"env/{name}" for name in self.env_reward_names)]
+        return [*self.reward_scorer.names, *(f"env/{name}" for name in self.env_reward_names)]
 
     @property
     def completion_budget(self) -> int:

@@ -30,14 +30,15 @@ from lit_rl.algorithms.base import PolicyModule
 from lit_rl.algorithms.engines import RolloutEngineOwner
 from lit_rl.algorithms.episodes import EpisodeRunner
 from lit_rl.algorithms.micro_steps import MicroBatching
-from lit_rl.algorithms.reward_scoring import RewardScorer
+from lit_rl.algorithms.reward_scoring import RewardScorer, fail_on_every_rank
 from lit_rl.algorithms.rng import rng_state, set_rng_state
 from lit_rl.algorithms.rollout_checks import check_prompt_lengths
 from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, RolloutArgs, SamplingArgs, ScheduleArgs, as_args
 from lit_rl.data.schedule import RolloutSchedule
-from lit_rl.errors import ConfigError, EnvironmentStepError
+from lit_rl.errors import ConfigError, EnvironmentStepError, RewardFunctionError
 from lit_rl.losses import LossNormalizer
 from lit_rl.ops import kl_k3
+from lit_rl.rewards import TrainerState
 from lit_rl.rollout import RolloutEngine, RolloutOutput, SamplingParams
 from lit_rl.rollout.base import global_batch_seeds
 from lit_rl.rollout.producer import AsyncRolloutProducer, generation_version, generations_launched_at
@@ -61,7 +62,7 @@ def group_reward_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return rewards.view(-1, group_size).std(dim=1).repeat_interleave(group_size)
 
 
-class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, RewardScorer, MicroBatching, PolicyModule):
+class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, MicroBatching, PolicyModule):
     """Base of algorithms that learn from their own samples. Not used directly: see GRPO, RLOO, OnlineDPO."""
 
     # Consecutive completions the loss reads together (Online DPO: a pair); token-budget micro-batches keep them.
@@ -99,7 +100,7 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, RewardScorer, MicroBatch
                 "yet: asynchronous rollouts sample single completions in the background"
             )
         super().__init__(policy, optim, max_prompt_length=sampling.max_prompt_length)
-        self.setup_reward_functions(rewards.funcs, rewards.weights)
+        self.reward_scorer = RewardScorer(rewards)  # a plain object: the reward functions and their weights
         self.engine_config = rollout.engine_config
         self.vllm_config = self.engine_config.vllm  # lit-rl's vLLM engines' settings; None for any other engine
         self.rollout_engine: Optional[RolloutEngine] = None  # a plain object, never an nn.Module attribute
@@ -253,6 +254,34 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, RewardScorer, MicroBatch
             top_p=sampling.top_p,
             top_k=sampling.top_k,
         )
+
+    def score_output(
+        self, rows: list[dict[str, Any]], out: RolloutOutput, repeat: int, env_rewards: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reward components [N, F] and rewards [N] of an engine's completions of `rows` x `repeat`
+        (`RewardScorer.score`), failing on every rank together when they fail on one."""
+        completions = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+        # TRL's `completion_ids`: each completion's tokens up to and including its EOS, without the padding.
+        lengths = (out.completion_mask > 0).sum(dim=1).tolist()
+        completion_ids = [ids[:n] for ids, n in zip(out.completion_ids.tolist(), lengths)]
+        trainer = self.trainer
+        state = TrainerState(trainer.global_step, trainer.max_steps, float(trainer.current_epoch))
+        error: Optional[RewardFunctionError] = None
+        components = rewards = None
+        with self.timer.phase("reward"):
+            try:
+                components, rewards = self.reward_scorer.score(
+                    rows, completions, completion_ids, repeat, self.device, state, self.reward_names, env_rewards
+                )
+            except RewardFunctionError as err:
+                error = err
+            elsewhere = "a reward function failed on another rank (its error is above)"
+            self.fail_on_every_rank(error, RewardFunctionError, elsewhere)
+        return components, rewards
+
+    def fail_on_every_rank(self, error: Optional[Exception | str], kind: type[Exception], elsewhere: str) -> None:
+        """`lit_rl.algorithms.reward_scoring.fail_on_every_rank` over this module's ranks."""
+        fail_on_every_rank(error, kind, elsewhere, self.trainer.world_size, self.trainer.global_rank, self.device)
 
     def sample(
         self, rows: list[dict[str, Any]], repeat: int, params: SamplingParams, seeds: Optional[list[int]] = None

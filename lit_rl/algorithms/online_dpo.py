@@ -81,7 +81,7 @@ class OnlineDPO(OnPolicyModule):
         self.save_hyperparameters()
         if reward_model_name_or_path is not None:
             # A plain callable, never an nn.Module attribute: the reward model is not trained or checkpointed.
-            self.add_reward_function("reward_model", RewardModel(reward_model_name_or_path), judge_weight)
+            self.reward_scorer.add("reward_model", RewardModel(reward_model_name_or_path), judge_weight)
         self.train_metrics = self.rollout_train_metrics(online_dpo_metrics(self.reward_names))
         self.val_metrics = self.rollout_val_metrics()
 
@@ -90,7 +90,7 @@ class OnlineDPO(OnPolicyModule):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        judge = self.reward_fns.get("reward_model")
+        judge = self.reward_scorer.functions.get("reward_model")
         if isinstance(judge, RewardModel):
             judge.to(self.device)
 
