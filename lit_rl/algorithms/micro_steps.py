@@ -2,14 +2,14 @@
 `model.schedule.micro_batch_tokens`, after the ranks' rows are dealt evenly by tokens), the loss denominators of each
 optimizer step summed over ranks, and forwards over the buffer a micro-batch at a time.
 
-`MicroBatching` is a mixin of `OnPolicyModule`; it reads the module's `_buffer`, `accumulate`, `micro_batch_tokens`,
-`micro_batch_unit`, `completion_budget`, `loss_mask`, `train_metrics`, `tokenizer`, `trainer`, `schedule_args`, and
-Lightning's `all_gather` and `global_rank`.
+`MicroBatcher` is a part the module holds (`OnPolicyModule.micro_batcher`): plain settings and functions of the
+batches it is given; what it needs of the run (the ranks, the loss mask's tokens, a gather) comes as arguments.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -20,72 +20,87 @@ from lit_rl.training.strategies import reduce_across_ranks
 from lit_rl.types import RolloutBatch
 
 
-class MicroBatching:
-    """How an on-policy module cuts its buffer into micro-steps (module docstring)."""
+@dataclass(frozen=True)
+class MicroBatcher:
+    """How a generation's buffer is cut into micro-steps.
 
-    def _balanced_across_ranks(self, batch: RolloutBatch) -> RolloutBatch:
-        """This rank's share of the generation once each step's rows are dealt evenly by tokens (`rank_balance`);
-        every rank keeps its number of rows per step, so the normalizers computed before still hold."""
-        tokens = batch.prompt_mask.sum(dim=1) + batch.completion_mask.sum(dim=1)  # [N]
-        all_tokens = self.all_gather(tokens).reshape(self.trainer.world_size, -1)  # [world, N]
-        rows, _ = balanced_rows(
-            all_tokens.cpu(),
-            self.trainer.world_size,
-            self.global_rank,
-            self.accumulate * self.schedule_args.micro_batch_size,
-            self.micro_batch_unit,
+    Args:
+        micro_batch_size: rows per micro-batch (`model.schedule.micro_batch_size`).
+        accumulate: micro-batches per optimizer step (`trainer.accumulate_grad_batches`).
+        micro_batch_tokens: cut each step's rows by tokens instead of by count (None: by count).
+        unit: consecutive rows that stay together (Online DPO: a pair's two completions).
+    """
+
+    micro_batch_size: int
+    accumulate: int
+    micro_batch_tokens: Optional[int] = None
+    unit: int = 1
+
+    @property
+    def rows_per_step(self) -> int:
+        """Rows one rank trains on per optimizer step."""
+        return self.accumulate * self.micro_batch_size
+
+    def micro_batch(self, buffer: RolloutBatch, index: int) -> tuple[RolloutBatch, bool]:
+        """Micro-batch `index` of one pass over `buffer`, and whether it holds completions: `micro_batch_size`
+        consecutive rows, or with `micro_batch_tokens` the step's rows grouped by tokens
+        (`lit_rl.training.micro_batches.budgeted_micro_batch`, which may give an empty micro-step: False)."""
+        size = self.micro_batch_size
+        if self.micro_batch_tokens is None:
+            return buffer.select(slice(index * size, (index + 1) * size)), True
+        return budgeted_micro_batch(
+            buffer, index, self.rows_per_step, self.accumulate, self.micro_batch_tokens, self.unit
         )
-        return exchange_rows(batch, rows, self.gather_stacked, self.tokenizer.pad_token_id)
 
-    def gather_stacked(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every rank's `tensor`, stacked: [world, ...] (also with one rank)."""
-        return self.all_gather(tensor).reshape(self.trainer.world_size, *tensor.shape)
-
-    def per_micro_batch(self, batch: RolloutBatch, score: Any) -> torch.Tensor:
+    def per_micro_batch(self, batch: RolloutBatch, score: Callable[[RolloutBatch], torch.Tensor]) -> torch.Tensor:
         """`score(micro-batch)` [n, T] over `batch` in `micro_batch_size` slices, concatenated and zeroed where the
         completion mask is 0 (the forwards at generation time: old and reference log-probs, PPO's values)."""
-        size = self.schedule_args.micro_batch_size
+        size = self.micro_batch_size
         chunks = [score(batch.select(slice(start, start + size))) for start in range(0, len(batch), size)]
         return torch.cat(chunks) * batch.completion_mask
 
-    def _step_normalizers(self, batch: RolloutBatch) -> list[LossNormalizer]:
-        """Loss denominators for each optimizer step of this generation, summed over ranks."""
-        per_step = self.accumulate * self.schedule_args.micro_batch_size
-        tokens = self.loss_mask(batch).sum(dim=1)  # [N]
+    def step_normalizers(
+        self, batch: RolloutBatch, loss_tokens: torch.Tensor, completion_budget: int, world_size: int
+    ) -> list[LossNormalizer]:
+        """Loss denominators for each optimizer step of `batch` (a generation), summed over ranks. `loss_tokens`
+        [N]: each row's tokens in the loss (its loss mask's sum)."""
+        per_step = self.rows_per_step
         active = (batch.advantages != 0).float()  # [N]
         counts = torch.stack(
-            [chunk.sum() for chunk in tokens.split(per_step)]
-            + [tokens.sum()]
+            [chunk.sum() for chunk in loss_tokens.split(per_step)]
+            + [loss_tokens.sum()]
             + [chunk.sum() for chunk in active.split(per_step)]
         )
-        counts = reduce_across_ranks(counts) if self.trainer.world_size > 1 else counts
+        counts = reduce_across_ranks(counts) if world_size > 1 else counts
         steps = len(range(0, len(batch), per_step))
-        num_sequences = float(per_step * self.trainer.world_size)
+        num_sequences = float(per_step * world_size)
         return [
             LossNormalizer(
                 num_sequences,
                 float(counts[i]),
                 float(counts[steps]),
-                self.completion_budget,
+                completion_budget,
                 num_active_sequences=float(counts[steps + 1 + i]),
             )
             for i in range(steps)
         ]
 
-    def _update_rank_tokens(self, step: int) -> None:
-        """The tokens of this rank's rows of optimizer `step` of the buffer, into the per-step max and min (synced
-        over ranks, they are the most and the fewest any rank trained on)."""
-        total = step_row_tokens(self._buffer, step, self.accumulate * self.schedule_args.micro_batch_size).sum()
-        self.train_metrics["rank_tokens/max"].update(total)
-        self.train_metrics["rank_tokens/min"].update(total)
+    def balanced_across_ranks(
+        self,
+        batch: RolloutBatch,
+        gather_stacked: Callable[[torch.Tensor], torch.Tensor],
+        world_size: int,
+        rank: int,
+        pad_token_id: int,
+    ) -> RolloutBatch:
+        """This rank's share of the generation once each step's rows are dealt evenly by tokens (`rank_balance`);
+        every rank keeps its number of rows per step, so the normalizers computed before still hold.
+        `gather_stacked(tensor)`: every rank's tensor, stacked [world, ...]."""
+        tokens = batch.prompt_mask.sum(dim=1) + batch.completion_mask.sum(dim=1)  # [N]
+        all_tokens = gather_stacked(tokens)  # [world, N]
+        rows, _ = balanced_rows(all_tokens.cpu(), world_size, rank, self.rows_per_step, self.unit)
+        return exchange_rows(batch, rows, gather_stacked, pad_token_id)
 
-    def micro_batch(self, index: int) -> tuple[RolloutBatch, bool]:
-        """Micro-batch `index` of one pass over the buffer, and whether it holds completions: `micro_batch_size`
-        consecutive rows, or with `micro_batch_tokens` the step's rows grouped by tokens
-        (`lit_rl.training.micro_batches.budgeted_micro_batch`, which may give an empty micro-step: False)."""
-        size = self.schedule_args.micro_batch_size
-        if self.micro_batch_tokens is None:
-            return self._buffer.select(slice(index * size, (index + 1) * size)), True
-        return budgeted_micro_batch(
-            self._buffer, index, size * self.accumulate, self.accumulate, self.micro_batch_tokens, self.micro_batch_unit
-        )
+    def step_tokens(self, buffer: RolloutBatch, step: int) -> torch.Tensor:
+        """The tokens of this rank's rows of optimizer `step` of `buffer`."""
+        return step_row_tokens(buffer, step, self.rows_per_step).sum()

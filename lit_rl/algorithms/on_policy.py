@@ -29,7 +29,7 @@ from torchmetrics import MetricCollection
 from lit_rl.algorithms.base import PolicyModule
 from lit_rl.algorithms.engines import RolloutEngineOwner
 from lit_rl.algorithms.episodes import EpisodeRunner
-from lit_rl.algorithms.micro_steps import MicroBatching
+from lit_rl.algorithms.micro_steps import MicroBatcher
 from lit_rl.algorithms.reward_scoring import RewardScorer, fail_on_every_rank
 from lit_rl.algorithms.rng import rng_state, set_rng_state
 from lit_rl.algorithms.rollout_checks import check_prompt_lengths
@@ -62,7 +62,7 @@ def group_reward_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return rewards.view(-1, group_size).std(dim=1).repeat_interleave(group_size)
 
 
-class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, MicroBatching, PolicyModule):
+class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, PolicyModule):
     """Base of algorithms that learn from their own samples. Not used directly: see GRPO, RLOO, OnlineDPO."""
 
     # Consecutive completions the loss reads together (Online DPO: a pair); token-budget micro-batches keep them.
@@ -116,6 +116,18 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, MicroBatching, PolicyMod
     def micro_batch_tokens(self) -> Optional[int]:
         """`model.schedule.micro_batch_tokens`: micro-batches cut by tokens (None: by count)."""
         return self.schedule_args.micro_batch_tokens
+
+    @property
+    def micro_batcher(self) -> MicroBatcher:
+        """How the buffer is cut into micro-steps (built on use: the accumulation is the trainer's)."""
+        schedule = self.schedule_args
+        return MicroBatcher(
+            schedule.micro_batch_size, self.accumulate, schedule.micro_batch_tokens, self.micro_batch_unit
+        )
+
+    def gather_stacked(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor`, stacked: [world, ...] (also with one rank)."""
+        return self.all_gather(tensor).reshape(self.trainer.world_size, *tensor.shape)
 
     # -- what subclasses decide ------------------------------------------------------------------------------
     train_metrics: MetricCollection  # set by the subclass, with `val_metrics = self.rollout_val_metrics()`
@@ -358,9 +370,12 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, MicroBatching, PolicyMod
             with self.timer.phase("ref_logprobs"), self.reference_model() as ref_model:
                 batch.ref_logprobs = self._logprobs_in_chunks(ref_model, batch)
         self.finish_rollout(batch, all_rewards)
-        self._normalizers = self._step_normalizers(batch)
-        if self.micro_batch_tokens is not None and self.trainer.world_size > 1:
-            batch = self._balanced_across_ranks(batch)
+        world_size, batcher = self.trainer.world_size, self.micro_batcher
+        loss_tokens = self.loss_mask(batch).sum(dim=1)  # [N]
+        self._normalizers = batcher.step_normalizers(batch, loss_tokens, self.completion_budget, world_size)
+        if self.micro_batch_tokens is not None and world_size > 1:
+            pad = self.tokenizer.pad_token_id
+            batch = batcher.balanced_across_ranks(batch, self.gather_stacked, world_size, self.global_rank, pad)
         return batch
 
     def completion_seeds(self, n: int, generation: Optional[int] = None) -> list[int]:
@@ -381,7 +396,7 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, MicroBatching, PolicyMod
 
     def _logprobs_in_chunks(self, model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
         temperature = self.sampling_args.temperature
-        return self.per_micro_batch(
+        return self.micro_batcher.per_micro_batch(
             batch,
             lambda mb: (
                 self.score_completions(
@@ -410,7 +425,7 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, MicroBatching, PolicyMod
         index = generation_micro_step % micro_batches
         if self._buffer.prompt_ids.device != self.device:  # restored from a checkpoint on CPU
             self._buffer = self._buffer.to(self.device)
-        mb, has_completions = self.micro_batch(index)
+        mb, has_completions = self.micro_batcher.micro_batch(self._buffer, index)
 
         self.timer.count("trained_tokens", float(mb.completion_mask.sum()))
         scores = self.score_completions(
@@ -431,7 +446,11 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, MicroBatching, PolicyMod
             self._update_common_metrics(mb, scores.entropy, logprobs if first_pass else None)
             self.update_algorithm_metrics(mb, loss, stats)
         if self.micro_batch_tokens is not None and index % self.accumulate == 0:  # the step's first micro-step
-            self._update_rank_tokens(index // self.accumulate)
+            # The tokens of this rank's rows of the step, into the per-step max and min (synced over ranks: the
+            # most and the fewest any rank trained on).
+            tokens = self.micro_batcher.step_tokens(self._buffer, index // self.accumulate)
+            self.train_metrics["rank_tokens/max"].update(tokens)
+            self.train_metrics["rank_tokens/min"].update(tokens)
         self._micro_steps_done += 1
         # The loss denominators cover the whole step on every rank.
         return loss * self.step_loss_scale()
