@@ -7,9 +7,12 @@ T completion tokens (right-padded).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from lit_rl.rollout.base import RolloutOutput
 
 
 @dataclass
@@ -64,3 +67,11 @@ class RolloutBatch:
     @classmethod
     def from_state_dict(cls, state: dict[str, Optional[torch.Tensor]]) -> "RolloutBatch":
         return cls(**state)
+
+
+def model_token_mask(batch: RolloutBatch | RolloutOutput) -> torch.Tensor:
+    """[N, T]: the completion tokens the model sampled, of a batch or an engine's output: every completion token,
+    or with an environment the transcript's model turns (`sampled_mask`), never its observations."""
+    if batch.sampled_mask is None:
+        return batch.completion_mask
+    return batch.completion_mask * batch.sampled_mask

@@ -19,7 +19,6 @@ from lit_rl.rollout import SamplingParams
 from lit_rl.rollout.base import unpadded_prompts
 from lit_rl.rollout.multi_turn import EPISODE_STATS, Episodes, run_episodes
 from lit_rl.training.strategies import reduce_across_ranks
-from lit_rl.types import RolloutBatch
 
 
 class EpisodeRunner:
@@ -103,10 +102,3 @@ class EpisodeRunner:
         weight = torch.ones_like(stats[:, 0]) if weight is None else weight
         for column, name in enumerate(EPISODE_STATS):
             metrics[name].update(stats[:, column], weight)
-
-    @staticmethod
-    def model_token_mask(batch: RolloutBatch) -> torch.Tensor:
-        """[N, T]: the completion tokens the model sampled (every completion token without an environment)."""
-        if batch.sampled_mask is None:
-            return batch.completion_mask
-        return batch.completion_mask * batch.sampled_mask

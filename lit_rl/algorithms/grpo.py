@@ -35,7 +35,7 @@ from lit_rl.rollout.dynamic_sampling import rows_for_rank, select_groups
 from lit_rl.rollout.engines.hf import model_eos_token_ids
 from lit_rl.training.metrics import LOCAL, metric_collection, on_policy_training_metrics
 from lit_rl.training.rank_balance import concat_batches, exchange_rows
-from lit_rl.types import RolloutBatch
+from lit_rl.types import RolloutBatch, model_token_mask
 
 
 class GRPO(OnPolicyModule):
@@ -133,7 +133,7 @@ class GRPO(OnPolicyModule):
         return rewards - overlong_penalty(lengths, self.completion_budget, loss.overlong_buffer, loss.overlong_penalty)
 
     def loss_mask(self, batch: RolloutBatch) -> torch.Tensor:
-        model_tokens = self.model_token_mask(batch)
+        model_tokens = model_token_mask(batch)
         if not self.loss_args.overlong_filter:
             return model_tokens
         eos = model_eos_token_ids(self.policy, self.tokenizer.eos_token_id)
@@ -152,7 +152,7 @@ class GRPO(OnPolicyModule):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         # One on-policy pass: the old log-probs are these very log-probs (ratio 1, gradient intact).
         old_logprobs = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
-        model_tokens = self.model_token_mask(mb)  # observations have no engine log-prob: they take no part
+        model_tokens = model_token_mask(mb)  # observations have no engine log-prob: they take no part
         importance_weights, corrected = rollout_is_weights(
             self.rollout_correction(), old_logprobs, mb.rollout_logprobs, model_tokens, self.rollout_args.correction_cap
         )
@@ -178,7 +178,7 @@ class GRPO(OnPolicyModule):
         if mb.refill_generations is not None:
             m["refill_generations"].update(mb.refill_generations)
             m["frac_groups_dropped"].update(mb.frac_groups_dropped)
-        tokens = self.model_token_mask(mb) > 0
+        tokens = model_token_mask(mb) > 0
         m["loss"].update(loss.detach())
         m["frac_reward_zero_std"].update((mb.group_reward_std < ZERO_STD).float())
         m["clip_ratio/low"].update(stats["clipped_low"][tokens])

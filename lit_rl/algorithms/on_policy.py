@@ -50,7 +50,7 @@ from lit_rl.training.metrics import (
     update_rollout_metrics,
 )
 from lit_rl.training.strategies import is_accumulating_micro_batch
-from lit_rl.types import RolloutBatch
+from lit_rl.types import RolloutBatch, model_token_mask
 
 ZERO_STD = 1e-6
 
@@ -165,7 +165,7 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, PolicyModule):
 
     def loss_mask(self, batch: RolloutBatch) -> torch.Tensor:
         """[N, T]: the tokens the loss and its denominators count (default: every token the model sampled)."""
-        return self.model_token_mask(batch)
+        return model_token_mask(batch)
 
     def finish_rollout(self, batch: RolloutBatch, all_rewards: torch.Tensor) -> None:
         """Fill `batch.advantages` (and any algorithm field) from every rank's rewards `all_rewards` [world*N]."""
@@ -306,7 +306,7 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, PolicyModule):
                 prompt_ids, prompt_mask, episodes = self.sample_episodes(rows, repeat, params, seeds)
             self.fail_on_every_rank(episodes.error, EnvironmentStepError, "the environment failed on another rank")
             out = episodes.output
-            self.timer.count("generated_tokens", float(self.model_token_mask(out).sum()))
+            self.timer.count("generated_tokens", float(model_token_mask(out).sum()))
             components, rewards = self.score_output(rows, out, repeat, episodes.env_rewards)
             return prompt_ids, prompt_mask, out, components, rewards
         prompt_ids, prompt_mask = self.encode_prompts([row["prompt"] for row in rows])
@@ -491,7 +491,7 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, PolicyModule):
         self, mb: RolloutBatch, entropy: torch.Tensor, fresh_logprobs: Optional[torch.Tensor]
     ) -> None:
         m = self.train_metrics
-        model_tokens = self.model_token_mask(mb)
+        model_tokens = model_token_mask(mb)
         tokens = model_tokens > 0  # [n, T]: observation tokens count in no token metric
         if self.max_staleness > 0:
             staleness = (self.trainer.global_step - mb.policy_version).float()  # [n] optimizer steps
@@ -531,7 +531,7 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, PolicyModule):
             _, _, out, components, rewards = self.sample(batch["rows"], G, self.sampling_params(training=False))
         group_std = group_reward_std(rewards, G)
         weight = batch["weight"].to(rewards).repeat_interleave(G)  # 0 on rows that pad this rank's share
-        model_tokens = self.model_token_mask(out)
+        model_tokens = model_token_mask(out)
         names = self.reward_names
         update_rollout_metrics(self.val_metrics, names, rewards, components, model_tokens, group_std, weight)
         self.update_episode_metrics(self.val_metrics, out.episode_stats, weight)
