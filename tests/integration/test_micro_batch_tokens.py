@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_rl.algorithms.on_policy import OnPolicyModule
+from lit_rl.algorithms.micro_steps import MicroBatcher
 from tests.conftest import FAST_GRPO, assert_rows_match, fit_config, saved_steps, train_rows, without_engine_gap
 
 pytestmark = pytest.mark.slow
@@ -55,14 +55,14 @@ def test_token_budgeted_micro_batches_train_like_fixed_ones(tmp_path, monkeypatc
     one = train_rows(_fit(tmp_path, "one", algorithm, *steps, *_layout(16, 1)))
     four = train_rows(_fit(tmp_path, "four", algorithm, *steps, *_layout(4, 4)))
     groups = []  # (rows, holds completions) of every micro-step of the budgeted run
-    select = OnPolicyModule.micro_batch
+    select = MicroBatcher.micro_batch
 
-    def recording(self, index):
-        mb, has_completions = select(self, index)
-        groups.append((len(mb), has_completions, mb.advantages.view(-1, self.micro_batch_unit)))
+    def recording(self, buffer, index):
+        mb, has_completions = select(self, buffer, index)
+        groups.append((len(mb), has_completions, mb.advantages.view(-1, self.unit)))
         return mb, has_completions
 
-    monkeypatch.setattr(OnPolicyModule, "micro_batch", recording)
+    monkeypatch.setattr(MicroBatcher, "micro_batch", recording)
     budget = ["--model.schedule.micro_batch_tokens", str(BUDGET), "--model.policy.padding_free", "true"]
     budgeted = train_rows(_fit(tmp_path, "budget", algorithm, *steps, *_layout(4, 4), *budget))
     assert [row["step"] for row in one] == [1, 2, 3]
