@@ -30,7 +30,7 @@ from lit_rl.algorithms.base import PolicyModule
 from lit_rl.algorithms.engines import RolloutEngineOwner
 from lit_rl.algorithms.episodes import EpisodeRunner
 from lit_rl.algorithms.micro_steps import MicroBatcher
-from lit_rl.algorithms.reward_scoring import RewardScorer, fail_on_every_rank
+from lit_rl.algorithms.reward_scoring import RewardScorer
 from lit_rl.algorithms.rng import rng_state, set_rng_state
 from lit_rl.algorithms.rollout_checks import check_prompt_lengths
 from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, RolloutArgs, SamplingArgs, ScheduleArgs, as_args
@@ -49,7 +49,7 @@ from lit_rl.training.metrics import (
     token_budget_metrics,
     update_rollout_metrics,
 )
-from lit_rl.training.strategies import is_accumulating_micro_batch
+from lit_rl.training.strategies import fail_on_every_rank, is_accumulating_micro_batch
 from lit_rl.types import RolloutBatch, model_token_mask
 
 ZERO_STD = 1e-6
@@ -292,7 +292,7 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, PolicyModule):
         return components, rewards
 
     def fail_on_every_rank(self, error: Optional[Exception | str], kind: type[Exception], elsewhere: str) -> None:
-        """`lit_rl.algorithms.reward_scoring.fail_on_every_rank` over this module's ranks."""
+        """`lit_rl.training.strategies.fail_on_every_rank` over this module's ranks."""
         fail_on_every_rank(error, kind, elsewhere, self.trainer.world_size, self.trainer.global_rank, self.device)
 
     def sample(

@@ -1,7 +1,7 @@
 """The reward functions of an on-policy run (`model.rewards`) as one part the module holds: which functions, their
 weights, and the scores of a batch of completions. It reads nothing of the module: the module passes what a score
 needs (the decoded completions, the device, where training is) and stops every rank together when one fails
-(`fail_on_every_rank`).
+(`lit_rl.training.strategies.fail_on_every_rank`).
 """
 
 from __future__ import annotations
@@ -11,10 +11,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from lit_rl.config import RewardArgs
-from lit_rl.errors import ConfigError, ReportedOnRankZero
+from lit_rl.errors import ConfigError
 from lit_rl.rewards import TrainerState, import_reward_function, reward_name
 from lit_rl.rewards.scoring import reward_components, weighted_reward
-from lit_rl.training.strategies import reduce_across_ranks
 
 DEFAULT_REWARD = "lit_rl.rewards.arithmetic.correctness"  # the built-in task's
 
@@ -74,34 +73,3 @@ class RewardScorer:
             components = torch.cat([components, env_rewards.to(components)], dim=1)
             weights = torch.cat([weights, torch.ones(env_rewards.shape[1])])
         return components, weighted_reward(components, weights, list(names), self.on_invalid)
-
-
-def fail_on_every_rank(
-    error: Optional[Exception | str],
-    kind: type[Exception],
-    elsewhere: str,
-    world_size: int,
-    global_rank: int,
-    device: torch.device,
-) -> None:
-    """Stop every rank when any rank has an `error` (an exception, or a message for `kind`): a rank that raised
-    alone would leave the others in the next collective until a timeout. One all-reduce when none failed.
-    With several ranks, the error is reported once, by rank 0: the first failed rank's message with its rank
-    (`kind`, or `elsewhere` where the message cannot be sent); the other ranks raise `ReportedOnRankZero`,
-    which the CLI ends without a line of its own."""
-    failed = float(error is not None)
-    if world_size > 1:
-        failed = float(reduce_across_ranks(torch.tensor(failed, device=device)))
-    if not failed:
-        return
-    if world_size == 1:
-        raise error if isinstance(error, Exception) else kind(error or elsewhere)
-    messages: list[Optional[str]] = [None] * world_size
-    torch.distributed.all_gather_object(messages, None if error is None else str(error))
-    rank, message = next((r, m) for r, m in enumerate(messages) if m is not None)
-    if global_rank != 0:
-        raise ReportedOnRankZero(f"rank {rank} failed; rank 0 reports it") from (
-            error if isinstance(error, Exception) else None
-        )
-    cause = error if isinstance(error, Exception) and rank == 0 else None
-    raise kind(f"{message} (on rank {rank})" if message else elsewhere) from cause

@@ -23,6 +23,7 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeedStrategy
 
+from lit_rl.errors import ReportedOnRankZero
 from lit_rl.training.checkpoint import (
     publish_directory,
     remove_directory,
@@ -282,6 +283,37 @@ def reduce_across_ranks(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     reduced = tensor.detach().clone()
     dist.all_reduce(reduced, op=getattr(dist.ReduceOp, _REDUCE_OPS[op]))
     return reduced
+
+
+def fail_on_every_rank(
+    error: Optional[Exception | str],
+    kind: type[Exception],
+    elsewhere: str,
+    world_size: int,
+    global_rank: int,
+    device: torch.device,
+) -> None:
+    """Stop every rank when any rank has an `error` (an exception, or a message for `kind`): a rank that raised
+    alone would leave the others in the next collective until a timeout. One all-reduce when none failed.
+    With several ranks, the error is reported once, by rank 0: the first failed rank's message with its rank
+    (`kind`, or `elsewhere` where the message cannot be sent); the other ranks raise `ReportedOnRankZero`,
+    which the CLI ends without a line of its own."""
+    failed = float(error is not None)
+    if world_size > 1:
+        failed = float(reduce_across_ranks(torch.tensor(failed, device=device)))
+    if not failed:
+        return
+    if world_size == 1:
+        raise error if isinstance(error, Exception) else kind(error or elsewhere)
+    messages: list[Optional[str]] = [None] * world_size
+    torch.distributed.all_gather_object(messages, None if error is None else str(error))
+    rank, message = next((r, m) for r, m in enumerate(messages) if m is not None)
+    if global_rank != 0:
+        raise ReportedOnRankZero(f"rank {rank} failed; rank 0 reports it") from (
+            error if isinstance(error, Exception) else None
+        )
+    cause = error if isinstance(error, Exception) and rank == 0 else None
+    raise kind(f"{message} (on rank {rank})" if message else elsewhere) from cause
 
 
 def exit_without_finalizing(code: int = 0) -> NoReturn:
