@@ -155,7 +155,7 @@ def source_tree(repo: Path = REPO, commit: Optional[str] = None) -> Optional[str
         else:
             filled = git("read-tree", commit)
             if filled.returncode == 0:
-                filled = git("rm", "-r", "--cached", "-q", "--ignore-unmatch", "benchmarks/results")
+                filled = git("rm", "-r", "--cached", "-q", "-f", "--ignore-unmatch", "benchmarks/results")
         tree = git("write-tree") if filled.returncode == 0 else filled
         return tree.stdout.strip() if tree.returncode == 0 else None
 

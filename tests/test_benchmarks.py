@@ -316,6 +316,21 @@ def test_results_path_is_refused_from_a_dirty_tree_unless_allowed_and_then_marke
     assert json.loads(elsewhere.read_text())["dirty"] is True
 
 
+def test_source_tree_names_an_earlier_commit_after_later_commits_changed_its_results(tmp_path):
+    """A lent GPU machine's dirty-looking tree is matched to the commit whose files it ran, even when a results file
+    changed after that commit (the CI of stop 39 failed there: `git rm --cached` refused without `-f`)."""
+    provenance = _benchmark_module("provenance")
+    repo, first = _git_checkout(tmp_path, {"tracked.txt": "one\n", "benchmarks/results/old.json": "{}"})
+    ran = provenance.source_tree(repo)  # the working tree as the GPU machine would have run it
+    git = ["git", "-C", str(repo), "-c", "user.name=test", "-c", "user.email=test@example.com"]
+    (repo / "benchmarks" / "results" / "old.json").write_text('{"x": 1}')
+    (repo / "tracked.txt").write_text("two\n")
+    subprocess.run([*git, "commit", "-q", "-am", "later"], check=True, capture_output=True)
+    (repo / "benchmarks" / "results" / "old.json").write_text('{"x": 2}')  # and an uncommitted result beside it
+    assert provenance.source_tree(repo, first) == ran
+    assert provenance.source_tree(repo, "HEAD") not in (None, ran)
+
+
 def test_lit_rl_imported_from_another_checkout_counts_as_dirty(tmp_path):
     provenance = _benchmark_module("provenance")
     repo, _ = _git_checkout(tmp_path, {"lit_rl/__init__.py": ""})
