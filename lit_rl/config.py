@@ -232,7 +232,7 @@ class RolloutArgs:
             `lit_rl.rollout.EngineConfig`. Its options follow it: `--model.rollout.engine.gpu_memory_utilization 0.5`.
         max_staleness: asynchronous rollouts: generation g is sampled in the background by the weights of optimizer
             step max(0, g*m - k) (m = steps_per_generation x num_iterations), so each sample is at most k steps older
-            than the policy it first updates (`lit_rl.rollout.producer`); needs an engine that samples in the
+            than the policy it first updates (`lit_rl.rollout.asynchronous`); needs an engine that samples in the
             background (`VLLMServer`). 0 (default): synchronous.
         correction (GRPO): weigh the policy term by the importance ratio of the trainer's probability of the sampled
             tokens over the engine's (`lit_rl.losses.rollout_is_weights` has the formulas): `token_truncate` (per

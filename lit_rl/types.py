@@ -15,6 +15,10 @@ if TYPE_CHECKING:
     from lit_rl.rollout.base import RolloutOutput
 
 
+# The columns of `RolloutBatch.episode_stats` (multi-turn episodes, `lit_rl.rollout.multi_turn`), each a metric.
+EPISODE_STATS = ("turns", "tool_calls", "tool_errors", "env_tokens")
+
+
 @dataclass
 class RolloutBatch:
     """One rank's share of a generation: sampled completions, their scores and everything the loss needs."""

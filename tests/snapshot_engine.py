@@ -79,5 +79,5 @@ def use_snapshot_engine(module) -> list[SnapshotEngine]:
         built.append(SnapshotEngine(module.policy, eos, module.tokenizer.pad_token_id))
         return built[-1]
 
-    module.build_engine = build
+    module.engines.build = build
     return built

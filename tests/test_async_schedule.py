@@ -13,7 +13,7 @@ from lit_rl.data.schedule import RolloutSchedule, RolloutScheduleLoader
 from lit_rl.errors import ConfigError
 from lit_rl.losses import rollout_is_weights
 from lit_rl.rollout import HFGenerate, RolloutOutput, SamplingParams, VLLMColocate, VLLMConfig
-from lit_rl.rollout.producer import AsyncRolloutProducer, generation_version, generations_launched_at
+from lit_rl.rollout.asynchronous import AsyncGenerations, generation_version, generations_launched_at
 
 
 @pytest.mark.parametrize(
@@ -101,7 +101,7 @@ class _RecordingEngine:
 
 
 def test_the_producer_stages_each_version_once_and_hands_generations_over_in_order():
-    engine, producer = _RecordingEngine(), AsyncRolloutProducer()
+    engine, producer = _RecordingEngine(), AsyncGenerations()
     prompts, mask, params = torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long), SamplingParams()
 
     def launch(generation, version):
@@ -118,7 +118,7 @@ def test_the_producer_stages_each_version_once_and_hands_generations_over_in_ord
     # A checkpoint waits for every generation in flight and keeps them finished.
     state = producer.state_dict(engine)
     assert [(entry["generation"], entry["version"]) for entry in state] == [(1, 0), (2, 1)]
-    restored = AsyncRolloutProducer()
+    restored = AsyncGenerations()
     restored.load_state_dict(state)
     item = restored.take(None, 2)  # finished before the checkpoint: no engine needed
     assert item.version == 1 and item.output.completion_ids.unique().tolist() == [1]

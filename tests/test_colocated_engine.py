@@ -223,12 +223,12 @@ class SleepingFakeEngine:
 def test_the_module_sleeps_the_engine_after_a_rollout_and_pushes_again_after():
     model = fit_grpo()
     fake = SleepingFakeEngine()
-    model.rollout_engine, model._engine_weights_step = fake, None
-    model.engine()
-    model.engine()
+    model.engines.built, model.engines.weights_step = fake, None
+    model.engines.engine()
+    model.engines.engine()
     assert fake.calls == ["push"]  # same global_step, weights still held: one push
     rows = [{"prompt": "1+2=", "answer": "3"}] * 8
-    model.make_rollout(rows)
+    model.make_rollout(model.producer.generation(0, rows))
     assert fake.calls == ["push", "generate", "sleep"]  # asleep before the log-prob forwards and the update
-    model.make_rollout(rows)
+    model.make_rollout(model.producer.generation(1, rows))
     assert fake.calls == ["push", "generate", "sleep", "push", "generate", "sleep"]  # woken by a push

@@ -7,7 +7,7 @@ objective: group-relative advantages and the clipped per-token surrogate with a 
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 from torchmetrics import MeanMetric, MetricCollection
@@ -24,17 +24,14 @@ from lit_rl.config import (
     ScheduleArgs,
     as_args,
 )
-from lit_rl.data.schedule import refill_seed_key
 from lit_rl.loss_config import GRPOLoss
 from lit_rl.losses import LossNormalizer, grpo_loss, rollout_is_weights
 from lit_rl.losses.advantages import advantage_function
 from lit_rl.losses.overlong import overlong_penalty, truncated
 from lit_rl.losses.policy import policy_loss_function
 from lit_rl.rollout import RolloutOutput
-from lit_rl.rollout.dynamic_sampling import rows_for_rank, select_groups
 from lit_rl.rollout.engines.hf import model_eos_token_ids
 from lit_rl.training.metrics import LOCAL, metric_collection, on_policy_training_metrics
-from lit_rl.training.rank_balance import concat_batches, exchange_rows
 from lit_rl.types import RolloutBatch, model_token_mask
 
 
@@ -73,7 +70,9 @@ class GRPO(OnPolicyModule):
         if rollout.dynamic_sampling:
             metrics.add_metrics(dynamic_sampling_metrics())
         self.train_metrics = self.rollout_train_metrics(metrics)
-        self.refill_generations = rollout.max_refill_generations if rollout.dynamic_sampling else 0
+        if rollout.dynamic_sampling:
+            self.dynamic_sampling()
+            self.refill_generations = rollout.max_refill_generations  # the refill generations the loader offers
         self.val_metrics = self.rollout_val_metrics()
 
     def uses_reference(self) -> bool:
@@ -82,50 +81,6 @@ class GRPO(OnPolicyModule):
     def finish_rollout(self, batch: RolloutBatch, all_rewards: torch.Tensor) -> None:
         advantages, _ = self.advantage_fn(all_rewards, self.sampling_args.num_generations, self.loss_args.scale_rewards)
         batch.advantages = advantages[self.local_slice(len(batch))]
-        if self.rollout_args.dynamic_sampling:
-            refills, dropped = self._dynamic_sampling_stats
-            batch.refill_generations = torch.full_like(batch.rewards, float(refills))
-            batch.frac_groups_dropped = torch.full_like(batch.rewards, dropped)
-
-    def sample_generation(self, rows: list[dict[str, Any]], refills: list[list[dict[str, Any]]]):
-        """With `dynamic_sampling`, the generation's informative groups (reward std > 0), topped up from refill
-        generations (`lit_rl.rollout.dynamic_sampling`); otherwise the generation as sampled."""
-        first = super().sample_generation(rows, refills)
-        if not self.rollout_args.dynamic_sampling:
-            return first
-        G, n, world = self.sampling_args.num_generations, len(rows), self.trainer.world_size
-        prompts = n * world // G
-        generation = self._micro_steps_done // self.micro_steps_per_generation
-        pieces, keep = [first], self._informative_groups(first)
-        for refill, refill_rows in enumerate(refills, start=1):
-            if sum(keep) >= prompts:
-                break
-            seeds = self.completion_seeds(n, refill_seed_key(generation, refill))
-            pieces.append(self.sample(refill_rows, 1, self.sampling_params(training=True), seeds))
-            keep += self._informative_groups(pieces[-1])
-        self._dynamic_sampling_stats = (len(pieces) - 1, 1.0 - sum(keep) / len(keep))
-        groups = select_groups(keep, prompts)
-        if groups == list(range(prompts)):  # the generation as sampled: nothing to move
-            return first
-        pad = self.tokenizer.pad_token_id
-        pool = concat_batches([_as_rollout_batch(*piece) for piece in pieces], pad)
-        rows_here = rows_for_rank(groups, G, n, world, self.global_rank, len(pieces))
-        chosen = exchange_rows(pool, rows_here, self.gather_stacked, pad)
-        output = RolloutOutput(
-            chosen.completion_ids,
-            chosen.completion_mask,
-            chosen.rollout_logprobs,
-            sampled_mask=chosen.sampled_mask,  # multi-turn: the episodes' model tokens and statistics move along
-            episode_stats=chosen.episode_stats,
-        )
-        return chosen.prompt_ids, chosen.prompt_mask, output, chosen.reward_components, chosen.rewards
-
-    def _informative_groups(self, piece) -> list[bool]:
-        """Which of a generation's groups (all ranks', in order) have rewards that differ, after reward shaping:
-        the others would get zero advantages."""
-        _, _, out, _, rewards = piece
-        all_rewards = self.all_gather(self.shape_rewards(rewards, out)).reshape(-1)  # [world * n]
-        return (all_rewards.view(-1, self.sampling_args.num_generations).std(dim=1) > ZERO_STD).tolist()
 
     def shape_rewards(self, rewards: torch.Tensor, out: RolloutOutput) -> torch.Tensor:
         loss = self.loss_args
@@ -144,7 +99,7 @@ class GRPO(OnPolicyModule):
         """`model.rollout.correction` with `auto` resolved for this run's engine and precision."""
         mode = self.rollout_args.correction
         if mode == "auto":
-            return "token_truncate" if self.max_staleness > 0 or self.engine_numerics_differ() else "none"
+            return "token_truncate" if self.max_staleness > 0 or self.engines.numerics_differ() else "none"
         return mode
 
     def micro_batch_loss(
@@ -185,23 +140,6 @@ class GRPO(OnPolicyModule):
         m["clip_ratio/high"].update(stats["clipped_high"][tokens])
         if "kl" in stats:
             m["kl"].update(stats["kl"][tokens])
-
-
-def _as_rollout_batch(prompt_ids, prompt_mask, out, components, rewards) -> RolloutBatch:
-    """What `sample` returns, as a RolloutBatch (advantages and statistics to come), so its rows can move."""
-    zeros = torch.zeros_like(rewards)
-    completions = (out.completion_ids, out.completion_mask, out.logprobs)
-    return RolloutBatch(
-        prompt_ids,
-        prompt_mask,
-        *completions,
-        rewards,
-        components,
-        zeros,
-        zeros,
-        sampled_mask=out.sampled_mask,
-        episode_stats=out.episode_stats,
-    )
 
 
 # -- metrics ----------------------------------------------------------------------------------------------------------

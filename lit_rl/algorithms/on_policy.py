@@ -12,47 +12,55 @@ more than one rank the step's completions are first dealt so that the ranks' tok
 
 A subclass provides `finish_rollout` (advantages, or pairs), `micro_batch_loss` and its metric collection.
 
-With `max_staleness = k > 0` the generations are sampled ahead, in the background, by `lit_rl.rollout.producer`
-(the schedule, the staleness contract and what a checkpoint keeps are described there): the module launches them
-when the loader says so, and takes each when its first micro-step comes; the old log-probs are then the current
-policy's, and the rollout correction weighs them against the engine's.
+The completions come from the module's producer (`lit_rl.rollout.producer`), which owns the engine, the reward
+scoring and the environments: the module asks it for generation g at the generation's first micro-step. With
+`max_staleness = k > 0` the producer samples generations ahead, in the background (`lit_rl.rollout.asynchronous`:
+the schedule, the staleness contract and what a checkpoint keeps): the module launches them when the loader says
+so; the old log-probs are then the current policy's, and the rollout correction weighs them against the engine's.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 import torch
 from torchmetrics import MetricCollection
 
 from lit_rl.algorithms.base import PolicyModule
-from lit_rl.algorithms.engines import RolloutEngineOwner
-from lit_rl.algorithms.episodes import EpisodeRunner
 from lit_rl.algorithms.micro_steps import MicroBatcher
-from lit_rl.algorithms.reward_scoring import RewardScorer
 from lit_rl.algorithms.rng import rng_state, set_rng_state
 from lit_rl.algorithms.rollout_checks import check_prompt_lengths
 from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, RolloutArgs, SamplingArgs, ScheduleArgs, as_args
 from lit_rl.data.schedule import RolloutSchedule
-from lit_rl.errors import ConfigError, EnvironmentStepError, RewardFunctionError
+from lit_rl.envs import environment_factory
+from lit_rl.errors import ConfigError
 from lit_rl.losses import LossNormalizer
 from lit_rl.ops import kl_k3
-from lit_rl.rewards import TrainerState
-from lit_rl.rollout import RolloutEngine, RolloutOutput, SamplingParams
-from lit_rl.rollout.base import global_batch_seeds
-from lit_rl.rollout.producer import AsyncRolloutProducer, generation_version, generations_launched_at
+from lit_rl.rewards.scorer import RewardScorer
+from lit_rl.rollout import RolloutOutput, SamplingParams
+from lit_rl.rollout.asynchronous import generations_launched_at
+from lit_rl.rollout.dynamic_sampling import ZERO_STD, DynamicSampling
+from lit_rl.rollout.engine_owner import EngineOwner
+from lit_rl.rollout.producer import (
+    AsyncProducer,
+    EpisodeProducer,
+    ProducerParts,
+    RolloutProducer,
+    ScoredCompletions,
+    rank_slice,
+)
 from lit_rl.training.metrics import (
     asynchronous_rollout_metrics,
     episode_metrics,
     rollout_eval_metrics,
     token_budget_metrics,
+    update_episode_metrics,
     update_rollout_metrics,
 )
-from lit_rl.training.strategies import fail_on_every_rank, is_accumulating_micro_batch
+from lit_rl.training.strategies import is_accumulating_micro_batch
 from lit_rl.types import RolloutBatch, model_token_mask
 
-ZERO_STD = 1e-6
+__all__ = ["ZERO_STD", "OnPolicyModule", "group_reward_std"]
 
 
 def group_reward_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -62,7 +70,7 @@ def group_reward_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return rewards.view(-1, group_size).std(dim=1).repeat_interleave(group_size)
 
 
-class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, PolicyModule):
+class OnPolicyModule(PolicyModule):
     """Base of algorithms that learn from their own samples. Not used directly: see GRPO, RLOO, OnlineDPO."""
 
     # Consecutive completions the loss reads together (Online DPO: a pair); token-budget micro-batches keep them.
@@ -100,17 +108,52 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, PolicyModule):
                 "yet: asynchronous rollouts sample single completions in the background"
             )
         super().__init__(policy, optim, max_prompt_length=sampling.max_prompt_length)
-        self.reward_scorer = RewardScorer(rewards)  # a plain object: the reward functions and their weights
         self.engine_config = rollout.engine_config
         self.vllm_config = self.engine_config.vllm  # lit-rl's vLLM engines' settings; None for any other engine
-        self.rollout_engine: Optional[RolloutEngine] = None  # a plain object, never an nn.Module attribute
-        self._engine_weights_step: Optional[int] = None  # the global_step whose weights the engine holds
+        self.max_staleness = rollout.max_staleness
+        # The parts: plain objects, never nn.Module attributes nor hyperparameters.
+        self.reward_scorer = RewardScorer(rewards)  # the reward functions and their weights
+        self.engines = EngineOwner(self.engine_config, self)
+        self.producer = self.build_producer()
         self._micro_steps_done = 0
         self._buffer: Optional[RolloutBatch] = None
         self._normalizers: list[LossNormalizer] = []
-        self.max_staleness = rollout.max_staleness
-        self._producer = AsyncRolloutProducer() if rollout.max_staleness > 0 else None
-        self.setup_environment(env)
+
+    def build_producer(self) -> RolloutProducer:
+        """Where this run's rollouts come from (`lit_rl.rollout.producer`): episodes with `model.env`, generations
+        sampled ahead with `model.rollout.max_staleness > 0`, else each generation when its first micro-step comes.
+        """
+        env, params = self.env_args, self.sampling_params(training=True)
+        parts = ProducerParts(self, self.engines, self.reward_scorer, params, self.sampling_args.max_new_tokens)
+        if env.enabled:
+            factory, env_reward_names = environment_factory(env.environment, env.environment_args, env.tools)
+            return EpisodeProducer(
+                parts,
+                env_factory=factory,
+                env_reward_names=env_reward_names,
+                max_turns=env.max_turns,
+                max_total_tokens=env.max_total_tokens,
+            )
+        if self.max_staleness > 0:
+            steps = self.optimizer_steps_per_generation
+            return AsyncProducer(parts, steps_per_generation=steps, max_staleness=self.max_staleness)
+        return RolloutProducer(parts)
+
+    def dynamic_sampling(self) -> None:
+        """Wrap the producer in DAPO's dynamic sampling (`lit_rl.rollout.dynamic_sampling`), judging groups on the
+        rewards after `shape_rewards`."""
+        self.producer = DynamicSampling(self.producer, self.sampling_args.num_generations, self.shape_rewards)
+
+    @property
+    def reward_names(self) -> list[str]:
+        """The reward columns: one per reward function, then an environment's parts (`env/<part>`)."""
+        return self.producer.reward_names
+
+    @property
+    def completion_budget(self) -> int:
+        """The most tokens one completion can hold: `max_new_tokens`, or with an environment the transcript's
+        (`model.env.max_total_tokens`)."""
+        return self.producer.completion_budget
 
     @property
     def micro_batch_tokens(self) -> Optional[int]:
@@ -139,14 +182,14 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, PolicyModule):
             metrics.add_metrics(asynchronous_rollout_metrics())
         if self.micro_batch_tokens is not None:
             metrics.add_metrics(token_budget_metrics())
-        if self.env_factory is not None:
+        if self.env_args.enabled:
             metrics.add_metrics(episode_metrics())
         return metrics.clone(prefix="train/")
 
     def rollout_val_metrics(self) -> MetricCollection:
         """Validation metrics of generating for held-out prompts, one per reward column (and the episodes')."""
         metrics = rollout_eval_metrics(self.reward_names)
-        if self.env_factory is not None:
+        if self.env_args.enabled:
             metrics.add_metrics(episode_metrics())
         return metrics.clone(prefix="val/")
 
@@ -154,10 +197,15 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, PolicyModule):
         """Whether a frozen reference model is loaded (its log-probs land in `RolloutBatch.ref_logprobs`)."""
         return False
 
-    def needs_old_logprobs(self) -> bool:
-        """Whether the policy's log-probs at generation time are computed (else the first pass reuses its own)."""
+    def policy_moves_after_sampling(self) -> bool:
+        """Whether an update can meet completions sampled by an older policy: several passes or optimizer steps per
+        generation, or generations sampled ahead."""
         schedule = self.schedule_args
         return schedule.num_iterations > 1 or schedule.steps_per_generation > 1 or self.max_staleness > 0
+
+    def needs_old_logprobs(self) -> bool:
+        """Whether the policy's log-probs at generation time are computed (else the first pass reuses its own)."""
+        return self.policy_moves_after_sampling()
 
     def shape_rewards(self, rewards: torch.Tensor, out: RolloutOutput) -> torch.Tensor:
         """The rewards [N] advantages are computed from, given this rank's completions (default: unchanged)."""
@@ -187,15 +235,11 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, PolicyModule):
             self.ref_model = self.load_reference()
 
     def teardown(self, stage: str) -> None:
-        if self._producer is not None:
-            self._producer = AsyncRolloutProducer()  # generations in flight are abandoned with the engine
-        if self.rollout_engine is not None:
-            self.rollout_engine.close()
-            self.rollout_engine = None
+        self.producer.close()
 
     def setup(self, stage: str) -> None:
         if self.engine_config.colocated:
-            self.engine_placement()  # rejects a TP size that does not fit the ranks, before anything starts
+            self.engines.placement()  # rejects a TP size that does not fit the ranks, before anything starts
         if stage != "fit":
             return
         limit = self.trainer.limit_train_batches
@@ -267,102 +311,34 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, PolicyModule):
             top_k=sampling.top_k,
         )
 
-    def score_output(
-        self, rows: list[dict[str, Any]], out: RolloutOutput, repeat: int, env_rewards: Optional[torch.Tensor] = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reward components [N, F] and rewards [N] of an engine's completions of `rows` x `repeat`
-        (`RewardScorer.score`), failing on every rank together when they fail on one."""
-        completions = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
-        # TRL's `completion_ids`: each completion's tokens up to and including its EOS, without the padding.
-        lengths = (out.completion_mask > 0).sum(dim=1).tolist()
-        completion_ids = [ids[:n] for ids, n in zip(out.completion_ids.tolist(), lengths)]
-        trainer = self.trainer
-        state = TrainerState(trainer.global_step, trainer.max_steps, float(trainer.current_epoch))
-        error: Optional[RewardFunctionError] = None
-        components = rewards = None
-        with self.timer.phase("reward"):
-            try:
-                components, rewards = self.reward_scorer.score(
-                    rows, completions, completion_ids, repeat, self.device, state, self.reward_names, env_rewards
-                )
-            except RewardFunctionError as err:
-                error = err
-            elsewhere = "a reward function failed on another rank (its error is above)"
-            self.fail_on_every_rank(error, RewardFunctionError, elsewhere)
-        return components, rewards
-
-    def fail_on_every_rank(self, error: Optional[Exception | str], kind: type[Exception], elsewhere: str) -> None:
-        """`lit_rl.training.strategies.fail_on_every_rank` over this module's ranks."""
-        fail_on_every_rank(error, kind, elsewhere, self.trainer.world_size, self.trainer.global_rank, self.device)
-
-    def sample(
-        self, rows: list[dict[str, Any]], repeat: int, params: SamplingParams, seeds: Optional[list[int]] = None
-    ):
-        """For `rows` x `repeat`: prompt ids [N, P], mask, engine output, reward components [N, F] and rewards [N]
-        (sampled with one seed per completion when `seeds` are given, else from the global RNG). With an
-        environment each completion is an episode's transcript (`EpisodeRunner.sample_episodes`)."""
-        if self.env_factory is not None:
-            with self.timer.phase("generation"):
-                prompt_ids, prompt_mask, episodes = self.sample_episodes(rows, repeat, params, seeds)
-            self.fail_on_every_rank(episodes.error, EnvironmentStepError, "the environment failed on another rank")
-            out = episodes.output
-            self.timer.count("generated_tokens", float(model_token_mask(out).sum()))
-            components, rewards = self.score_output(rows, out, repeat, episodes.env_rewards)
-            return prompt_ids, prompt_mask, out, components, rewards
-        prompt_ids, prompt_mask = self.encode_prompts([row["prompt"] for row in rows])
-        prompt_ids = prompt_ids.repeat_interleave(repeat, dim=0)  # [B*G, P]
-        prompt_mask = prompt_mask.repeat_interleave(repeat, dim=0)
-        engine = self.engine()  # pushes the policy's weights first when the engine needs them (its own phase)
-        with self.timer.phase("generation"):
-            out = engine.generate(prompt_ids, prompt_mask, params, seeds=seeds)
-        self.timer.count("generated_tokens", float(out.completion_mask.sum()))
-        components, rewards = self.score_output(rows, out, repeat)
-        return prompt_ids, prompt_mask, out, components, rewards
-
-    def sample_generation(self, rows: list[dict[str, Any]], refills: list[list[dict[str, Any]]]):
-        """This rank's completions of the current generation, as `sample` returns them (`refills`: the prompt rows
-        of the refill generations the loader offers, for algorithms that sample more when a batch falls short)."""
-        return self.sample(rows, 1, self.sampling_params(training=True), self.completion_seeds(len(rows)))
-
     @torch.no_grad()
-    def make_rollout(
-        self,
-        rows: list[dict[str, Any]],
-        sampled: Optional[Any] = None,
-        refills: Optional[list[list[dict[str, Any]]]] = None,
-    ) -> RolloutBatch:
-        """Generate and score this rank's completions (`rows`: the prompt row of each, see
-        `lit_rl.data.schedule`), then let the algorithm finish the batch. `sampled`: a generation the producer
-        made ahead (`PendingGeneration`), scored here instead of sampling."""
-        G = self.sampling_args.num_generations
-        if sampled is None:
-            prompt_ids, prompt_mask, out, components, rewards = self.sample_generation(rows, refills or [])
-            version = self.trainer.global_step
-        else:
-            prompt_ids, prompt_mask = sampled.prompt_ids.to(self.device), sampled.prompt_mask.to(self.device)
-            out = RolloutOutput(*(None if t is None else t.to(self.device) for t in vars(sampled.output).values()))
-            self.timer.count("generated_tokens", float(out.completion_mask.sum()))
-            components, rewards = self.score_output(rows, out, 1)
-            version = sampled.version
-        rewards = self.shape_rewards(rewards, out)
-        self.release_engine()  # sleep mode: the log-prob forwards and the update get the engine's memory
+    def make_rollout(self, scored: ScoredCompletions) -> RolloutBatch:
+        """The rollout batch of this rank's scored completions of a generation (from the producer): shaped
+        rewards, their groups' statistics, the old and reference log-probs, and what the algorithm adds
+        (`finish_rollout`: advantages, or pairs)."""
+        G, out = self.sampling_args.num_generations, scored.output
+        rewards = self.shape_rewards(scored.rewards, out)
+        self.producer.release()  # sleep mode: the log-prob forwards and the update get the engine's memory
         # Every rank's rewards in global slot order: a group may span ranks, so group statistics use them all.
         all_rewards = self.all_gather(rewards).reshape(-1)  # [world*N]
-        group_std = group_reward_std(all_rewards, G)[self.local_slice(len(rows))]
+        group_std = group_reward_std(all_rewards, G)[self.local_slice(len(rewards))]
         batch = RolloutBatch(
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
+            prompt_ids=scored.prompt_ids,
+            prompt_mask=scored.prompt_mask,
             completion_ids=out.completion_ids,
             completion_mask=out.completion_mask,
             rollout_logprobs=out.logprobs,
             rewards=rewards,
-            reward_components=components,
+            reward_components=scored.reward_components,
             advantages=torch.zeros_like(rewards),
             group_reward_std=group_std,
-            policy_version=torch.full_like(rewards, version, dtype=torch.long),
+            policy_version=torch.full_like(rewards, scored.version, dtype=torch.long),
             sampled_mask=out.sampled_mask,
             episode_stats=out.episode_stats,
         )
+        if scored.refill_generations is not None:  # dynamic sampling's, on every row for the metrics
+            batch.refill_generations = torch.full_like(rewards, float(scored.refill_generations))
+            batch.frac_groups_dropped = torch.full_like(rewards, scored.frac_groups_dropped)
         if self.needs_old_logprobs():
             with self.timer.phase("old_logprobs"):
                 batch.old_logprobs = self._logprobs_in_chunks(self.policy, batch)
@@ -378,21 +354,9 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, PolicyModule):
             batch = batcher.balanced_across_ranks(batch, self.gather_stacked, world_size, self.global_rank, pad)
         return batch
 
-    def completion_seeds(self, n: int, generation: Optional[int] = None) -> list[int]:
-        """Sampling seeds of this rank's `n` completions of `generation` (default: the current one): slices of one
-        list for the global batch (`global_batch_seeds`), so that a completion's sample depends on the run's seed, the
-        generation and its place in the global batch, never on how the batch is split across ranks. The loader
-        gives each rank a consecutive slice of the generation's prompts, so rank r holds completions r*n..r*n+n-1.
-        """
-        if generation is None:
-            generation = self._micro_steps_done // self.micro_steps_per_generation
-        run_seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # `seed_everything`'s seed, the same on every rank
-        seeds = global_batch_seeds(run_seed, generation, n * self.trainer.world_size)
-        return seeds[self.local_slice(n)]
-
     def local_slice(self, n: int) -> slice:
         """This rank's rows in a tensor gathered from all ranks with `n` rows each."""
-        return slice(self.global_rank * n, (self.global_rank + 1) * n)
+        return rank_slice(self.global_rank, n)
 
     def _logprobs_in_chunks(self, model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
         temperature = self.sampling_args.temperature
@@ -413,14 +377,11 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, PolicyModule):
                 f"the module expected {self._micro_steps_done}"
             )
         generation, generation_micro_step = divmod(batch["micro_step"], self.micro_steps_per_generation)
-        for launched, rows in batch.get("launch", ()):
-            self.launch_generation(launched, rows)
+        for launched, rows in batch.get("launch", ()):  # asynchronous rollouts: sampled ahead, in the background
+            self.producer.launch(launched, rows)
         if generation_micro_step == 0:
-            sampled = None
-            if self._producer is not None:
-                with self.timer.phase("generation"):  # the part of the generation the training did not hide
-                    sampled = self._producer.take(self.rollout_engine, generation)
-            self._buffer = self.make_rollout(batch["rows"], sampled, batch.get("refill"))
+            scored = self.producer.generation(generation, batch["rows"], batch.get("refill"))
+            self._buffer = self.make_rollout(scored)
         micro_batches = self.micro_steps_per_generation // self.schedule_args.num_iterations
         index = generation_micro_step % micro_batches
         if self._buffer.prompt_ids.device != self.device:  # restored from a checkpoint on CPU
@@ -455,37 +416,9 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, PolicyModule):
         # The loss denominators cover the whole step on every rank.
         return loss * self.step_loss_scale()
 
-    def launch_generation(self, generation: int, rows: list[dict[str, Any]]) -> None:
-        """Start sampling `generation` in the background with the current weights (asynchronous rollouts)."""
-        version = generation_version(generation, self.optimizer_steps_per_generation, self.max_staleness)
-        if version != self.trainer.global_step:
-            raise RuntimeError(
-                f"asynchronous rollouts: generation {generation} must be sampled by policy version {version}, "
-                f"but the trainer is at step {self.trainer.global_step}"
-            )
-        prompt_ids, prompt_mask = self.encode_prompts([row["prompt"] for row in rows])
-        if self.rollout_engine is None:
-            with self.timer.phase("engine_start"):
-                self.rollout_engine = self.build_engine()
-        engine = self.rollout_engine
-        with self.timer.phase("weight_push"):  # staging the weights, when this version is new
-            self._producer.launch(
-                engine,
-                generation,
-                version,
-                prompt_ids,
-                prompt_mask,
-                self.sampling_params(training=True),
-                self.completion_seeds(len(rows), generation),
-                self.weight_stream,
-            )
-
     def on_validation_start(self) -> None:
-        # Validation samples with the engine too (pushing the current weights): first let the generations in
-        # flight finish with the versions they were launched with.
-        if self._producer is not None and self.rollout_engine is not None:
-            self._producer.wait_all(self.rollout_engine)
-            self._producer.forget_staged()
+        super().on_validation_start()
+        self.producer.before_validation()  # asynchronous: the generations in flight finish first
 
     def _update_common_metrics(
         self, mb: RolloutBatch, entropy: torch.Tensor, fresh_logprobs: Optional[torch.Tensor]
@@ -499,7 +432,7 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, PolicyModule):
             m["staleness/max"].update(staleness)
         components = mb.reward_components
         update_rollout_metrics(m, self.reward_names, mb.rewards, components, model_tokens, mb.group_reward_std)
-        self.update_episode_metrics(m, mb.episode_stats)
+        update_episode_metrics(m, mb.episode_stats)
         m["entropy"].update(entropy[tokens])
         # Compare the engine's log-probs with the trainer's at the same weights: the old log-probs when they
         # were computed at generation time, else this (first, on-policy) pass.
@@ -528,16 +461,19 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, PolicyModule):
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(7919 * (batch_idx + 1))
-            _, _, out, components, rewards = self.sample(batch["rows"], G, self.sampling_params(training=False))
+            scored = self.producer.sample(batch["rows"], G, self.sampling_params(training=False))
+        out, rewards = scored.output, scored.rewards
         group_std = group_reward_std(rewards, G)
         weight = batch["weight"].to(rewards).repeat_interleave(G)  # 0 on rows that pad this rank's share
         model_tokens = model_token_mask(out)
         names = self.reward_names
-        update_rollout_metrics(self.val_metrics, names, rewards, components, model_tokens, group_std, weight)
-        self.update_episode_metrics(self.val_metrics, out.episode_stats, weight)
+        update_rollout_metrics(
+            self.val_metrics, names, rewards, scored.reward_components, model_tokens, group_std, weight
+        )
+        update_episode_metrics(self.val_metrics, out.episode_stats, weight)
 
     def on_validation_epoch_end(self) -> None:
-        self.release_engine()  # after the last validation batch: all of them share one push
+        self.producer.release()  # after the last validation batch: all of them share one push
         self.log_collection(self.val_metrics, on_step=False, prog_bar=("reward",))
 
     # -- checkpoints -----------------------------------------------------------------------------------------
@@ -549,7 +485,7 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, PolicyModule):
             "normalizers": [vars(n) for n in self._normalizers],
             "rng": rng_state(self.device),
             # Generations launched ahead, finished (waited for): their weights are not in the checkpoint.
-            "pending": None if self._producer is None else self._producer.state_dict(self.rollout_engine),
+            "pending": self.producer.state_dict(),
         }
         per_rank = [local]
         if self.trainer.world_size > 1:
@@ -574,5 +510,4 @@ class OnPolicyModule(RolloutEngineOwner, EpisodeRunner, PolicyModule):
         self._buffer = None if mine["buffer"] is None else RolloutBatch.from_state_dict(mine["buffer"])
         self._normalizers = [LossNormalizer(**n) for n in mine["normalizers"]]
         set_rng_state(mine["rng"])
-        if self._producer is not None:
-            self._producer.load_state_dict(mine.get("pending") or [])
+        self.producer.load_state_dict(mine.get("pending"))

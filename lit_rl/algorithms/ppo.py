@@ -130,7 +130,7 @@ class PPO(OnPolicyModule):
 
     def needs_old_logprobs(self) -> bool:
         # The KL penalty is part of the reward, so it needs the sampling policy's log-probs at generation time.
-        return self.loss_args.beta != 0.0 or super().needs_old_logprobs()
+        return self.loss_args.beta != 0.0 or self.policy_moves_after_sampling()
 
     def finish_rollout(self, batch: RolloutBatch, all_rewards: torch.Tensor) -> None:
         args = self.loss_args
@@ -161,8 +161,7 @@ class PPO(OnPolicyModule):
         mask = self.loss_mask(mb)
         # The old log-probs exist for the KL penalty even when the policy has not moved since generation; then the
         # ratio is 1 by definition, so use this pass's own log-probs (no numerical drift into the clipping).
-        policy_moved = OnPolicyModule.needs_old_logprobs(self)
-        old_logprobs = mb.old_logprobs if policy_moved else logprobs.detach()
+        old_logprobs = mb.old_logprobs if self.policy_moves_after_sampling() else logprobs.detach()
         policy_per_token, stats = ppo_clip(
             logprobs, old_logprobs, mb.token_advantages, mask, args.epsilon, args.clip_high
         )

@@ -26,8 +26,6 @@ class RLOO(OnPolicyModule):
 
     The option groups it takes (`policy`, `optim`, ...) are documented in `lit_rl.config`, its `loss` group in
     `lit_rl.loss_config.RLOOLoss`.
-
-    Args:
     """
 
     def __init__(

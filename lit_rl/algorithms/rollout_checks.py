@@ -17,7 +17,7 @@ def check_prompt_lengths(module: Any) -> None:
         return
     max_prompt_length, datamodule = module.max_prompt_length, module.trainer.datamodule
     budget = module.completion_budget
-    budget_key = "env.max_total_tokens" if module.env_factory is not None else "sampling.max_new_tokens"
+    budget_key = "env.max_total_tokens" if module.env_args.enabled else "sampling.max_new_tokens"
     if max_prompt_length is not None:
         if max_prompt_length + budget > context:
             raise ConfigError(

@@ -11,10 +11,24 @@ on fewer informative groups, which `train/frac_groups_dropped` and `train/refill
 Everything is a pure function of the run's seed, the generation and the refill index: the refill prompts
 and their sampling seeds (`lit_rl.data.schedule.refill_seed_key`) are, so a resumed run samples the same
 refills, the schedule of micro-steps and the checkpoint cadence do not change, and the chosen batch is the same
-whatever the number of ranks. Pure python.
+whatever the number of ranks. `select_groups` and `rows_for_rank` are pure python; `DynamicSampling` is the
+producer that does it, around a synchronous one (`lit_rl.rollout.producer`).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable, Optional
+
+import torch
+
+from lit_rl.data.schedule import refill_seed_key
+from lit_rl.rollout.base import RolloutOutput, SamplingParams
+from lit_rl.rollout.producer import RolloutProducer, ScoredCompletions
+from lit_rl.training.rank_balance import concat_batches, exchange_rows
+from lit_rl.types import RolloutBatch
+
+ZERO_STD = 1e-6  # a group's rewards whose std is below this all agree
 
 
 def select_groups(keep: list[bool], needed: int) -> list[int]:
@@ -47,3 +61,129 @@ def rows_for_rank(
         owner, local = divmod(slot, per_rank)
         rows.append(owner * generations * per_rank + generation * per_rank + local)
     return rows
+
+
+class DynamicSampling:
+    """A synchronous producer's generations, with the groups whose rewards all agree replaced by refills (module
+    docstring). Everything but `generation` is the wrapped producer's.
+
+    Args:
+        inner: the producer that samples (a `RolloutProducer` or an `EpisodeProducer`).
+        group_size: `model.sampling.num_generations`.
+        shape_rewards: the algorithm's reward shaping, (rewards [N], completions) -> rewards [N]: groups are
+            judged on the rewards their advantages will be computed from.
+    """
+
+    def __init__(
+        self,
+        inner: RolloutProducer,
+        group_size: int,
+        shape_rewards: Callable[[torch.Tensor, RolloutOutput], torch.Tensor],
+    ) -> None:
+        self.inner = inner
+        self.group_size = group_size
+        self.shape_rewards = shape_rewards
+
+    def generation(
+        self, generation: int, rows: list[dict[str, Any]], refills: Optional[list[list[dict[str, Any]]]] = None
+    ) -> ScoredCompletions:
+        """The generation's informative groups (reward std > 0), topped up from the refill generations the loader
+        offers (`refills`: their prompt rows, one list per refill), with how many refills it took and the fraction
+        of the groups sampled that were dropped."""
+        inner, host = self.inner, self.inner.host
+        G, n, world = self.group_size, len(rows), host.trainer.world_size
+        prompts = n * world // G
+        first = inner.generation(generation, rows)
+        pieces, keep = [first], self._informative_groups(first)
+        for refill, refill_rows in enumerate(refills or [], start=1):
+            if sum(keep) >= prompts:
+                break
+            seeds = inner.completion_seeds(n, refill_seed_key(generation, refill))
+            pieces.append(inner.sample(refill_rows, 1, inner.params, seeds))
+            keep += self._informative_groups(pieces[-1])
+        stats = {"refill_generations": len(pieces) - 1, "frac_groups_dropped": 1.0 - sum(keep) / len(keep)}
+        groups = select_groups(keep, prompts)
+        if groups == list(range(prompts)):  # the generation as sampled: nothing to move
+            return replace(first, **stats)
+        pad = host.tokenizer.pad_token_id
+        pool = concat_batches([_as_rollout_batch(piece) for piece in pieces], pad)
+        rows_here = rows_for_rank(groups, G, n, world, host.trainer.global_rank, len(pieces))
+        chosen = exchange_rows(pool, rows_here, self._gather_stacked, pad)
+        output = RolloutOutput(
+            chosen.completion_ids,
+            chosen.completion_mask,
+            chosen.rollout_logprobs,
+            sampled_mask=chosen.sampled_mask,  # multi-turn: the episodes' model tokens and statistics move along
+            episode_stats=chosen.episode_stats,
+        )
+        return ScoredCompletions(
+            chosen.prompt_ids,
+            chosen.prompt_mask,
+            output,
+            chosen.reward_components,
+            chosen.rewards,
+            first.version,
+            **stats,
+        )
+
+    def _informative_groups(self, piece: ScoredCompletions) -> list[bool]:
+        """Which of a generation's groups (all ranks', in order) have rewards that differ, after reward shaping:
+        the others would get zero advantages."""
+        rewards = self.shape_rewards(piece.rewards, piece.output)
+        all_rewards = self.inner.host.all_gather(rewards).reshape(-1)  # [world * n]
+        return (all_rewards.view(-1, self.group_size).std(dim=1) > ZERO_STD).tolist()
+
+    def _gather_stacked(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor`, stacked: [world, ...]."""
+        host = self.inner.host
+        return host.all_gather(tensor).reshape(host.trainer.world_size, *tensor.shape)
+
+    # -- the rest is the wrapped producer's --------------------------------------------------------------------
+    @property
+    def reward_names(self) -> list[str]:
+        return self.inner.reward_names
+
+    @property
+    def completion_budget(self) -> int:
+        return self.inner.completion_budget
+
+    def launch(self, generation: int, rows: list[dict[str, Any]]) -> None:
+        self.inner.launch(generation, rows)
+
+    def sample(
+        self, rows: list[dict[str, Any]], repeat: int, params: SamplingParams, seeds: Optional[list[int]] = None
+    ) -> ScoredCompletions:
+        return self.inner.sample(rows, repeat, params, seeds)
+
+    def release(self) -> None:
+        self.inner.release()
+
+    def before_validation(self) -> None:
+        self.inner.before_validation()
+
+    def state_dict(self) -> Optional[list[dict[str, Any]]]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: Optional[list[dict[str, Any]]]) -> None:
+        self.inner.load_state_dict(state)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _as_rollout_batch(piece: ScoredCompletions) -> RolloutBatch:
+    """Scored completions as a RolloutBatch (advantages and statistics to come), so that their rows can move."""
+    out, zeros = piece.output, torch.zeros_like(piece.rewards)
+    return RolloutBatch(
+        piece.prompt_ids,
+        piece.prompt_mask,
+        out.completion_ids,
+        out.completion_mask,
+        out.logprobs,
+        piece.rewards,
+        piece.reward_components,
+        zeros,
+        zeros,
+        sampled_mask=out.sampled_mask,
+        episode_stats=out.episode_stats,
+    )

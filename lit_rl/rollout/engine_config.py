@@ -53,9 +53,8 @@ class EngineConfig:
         """Reject impossible settings at construction, naming the key (`model.rollout.engine.<option>`)."""
 
     def build(self, module: Any) -> RolloutEngine:
-        """The engine, for on-policy `module` (its `policy`, `tokenizer`, `device`, `compute_dtype()`,
-        `parameters_sharded()`, `engine_placement()` and `timer`). Called once, on every rank, at the first
-        rollout."""
+        """The engine, for the on-policy `module` that trains the policy (what it offers:
+        `lit_rl.rollout.host.RolloutHost`). Called once, on every rank, at the first rollout."""
         raise NotImplementedError(f"{type(self).__name__} does not say how to build its engine (`build`)")
 
     def engine_dtype(self, compute_dtype: torch.dtype) -> Optional[torch.dtype]:
@@ -175,6 +174,7 @@ class VLLMColocate(EngineConfig):
     def build(self, module: Any) -> RolloutEngine:
         from lit_rl.modeling.models import resolve_model_path
         from lit_rl.rollout.engines.hf import model_eos_token_ids
+        from lit_rl.rollout.engines.placement import EnginePlacement
         from lit_rl.rollout.engines.vllm import VLLMColocateEngine
 
         return VLLMColocateEngine.start(
@@ -184,7 +184,7 @@ class VLLMColocate(EngineConfig):
             device=module.device,
             eos_token_ids=model_eos_token_ids(module.policy, module.tokenizer.eos_token_id),
             pad_token_id=module.tokenizer.pad_token_id,
-            placement=module.engine_placement(),
+            placement=EnginePlacement.of(module.trainer, self.tensor_parallel_size),
             trust_remote_code=module.policy_args.trust_remote_code,
             phase=lambda name: module.timer.phase(name),  # the current timer (validation swaps it)
         )

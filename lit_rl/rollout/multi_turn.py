@@ -21,8 +21,7 @@ import torch
 
 from lit_rl.envs.base import Environment, as_step_result
 from lit_rl.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
-
-EPISODE_STATS = ("turns", "tool_calls", "tool_errors", "env_tokens")
+from lit_rl.types import EPISODE_STATS
 
 
 @dataclass

@@ -1,160 +1,355 @@
-"""Asynchronous rollouts with bounded staleness: generations made ahead of the trainer, each with its policy version.
+"""The one interface an on-policy module asks for its rollouts: `generation(g, rows, refills)` returns this rank's
+scored completions of generation g (`ScoredCompletions`), with the policy version that sampled them.
 
-With `max_staleness = k` and `m` optimizer steps per generation (`steps_per_generation x num_iterations`),
-generation `g` (trained on at optimizer steps g*m .. g*m + m - 1) is sampled with the weights of version
+- `RolloutProducer`: synchronous; generation g is sampled when asked, by the current weights.
+- `EpisodeProducer`: synchronous, each completion an episode's transcript in an environment
+  (`model.env`, `lit_rl.rollout.multi_turn`).
+- `AsyncProducer`: generations launched ahead (`launch`) and sampled in the background with a fixed lag
+  (`model.rollout.max_staleness`, `lit_rl.rollout.asynchronous`); `generation` takes the finished one.
+- `DynamicSampling` (`lit_rl.rollout.dynamic_sampling`) wraps a synchronous producer: refill generations replace
+  the groups whose rewards all agree.
 
-    v(g) = max(0, g*m - k)          (version s = the weights after s optimizer steps)
-
-and launched as soon as those weights exist, at the start of optimizer step v(g). So it is sampled while the
-trainer runs steps v(g) .. g*m - 1, and its first update is exactly k steps newer than the policy that sampled it
-(fewer in the first generations). The lag is fixed, not "whatever the engine managed": every sample is a function
-of the run's seed, the generation and the weights of version v(g), so the numbers do not depend on timing, a
-resumed run equals the uninterrupted one, and `k = 0` is the synchronous schedule. `v(g)` travels with every sample
-(`RolloutBatch.policy_version`); `train/staleness/{mean,max}` log `global_step - v(g)` per consumed sample.
-
-Engines that can generate in the background implement `AsyncRolloutEngine`: the trainer stages the weights of a
-version (a collective: ZeRO-3 gathers them), submits a generation tagged with the version it must be sampled with
-(a collective: the prompts go to whoever talks to the engine), and later collects it (a collective: failures reach
-every rank). The engine samples each generation with exactly the version it was tagged with, one after the other.
-
-A checkpoint waits for the generations in flight and keeps their finished completions: the weights they were
-sampled with are not in the checkpoint (only the newest are), so regenerating them on resume is impossible; the
-finished samples are small next to the weights.
+A producer owns what makes a rollout: the engine (`EngineOwner`), the reward scoring (`RewardScorer`) and the
+environments. The module keeps the loss, its metrics and the checkpoint, into which it saves the producer's state
+(`state_dict`: the generations launched ahead). Every call is made on every rank, in the same order.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 
-from lit_rl.rollout.base import RolloutOutput, SamplingParams
-
-
-def generation_version(generation: int, steps_per_generation: int, max_staleness: int) -> int:
-    """v(g) = max(0, g*m - k): the policy version (optimizer steps done) generation g is sampled with."""
-    return max(0, generation * steps_per_generation - max_staleness)
-
-
-def generations_launched_at(step: int, steps_per_generation: int, max_staleness: int) -> list[int]:
-    """The generations launched at the start of optimizer step `step` (those with v(g) == step), in order."""
-    m, k = steps_per_generation, max_staleness
-    if step == 0:
-        return list(range(k // m + 1))  # every g with g*m <= k is sampled by the initial weights
-    generation, remainder = divmod(step + k, m)
-    return [generation] if remainder == 0 else []
-
-
-class AsyncRolloutEngine(Protocol):
-    """An engine that samples in the background (see the module docstring). All three calls are collectives: every
-    rank makes them, in the same order, from the training thread."""
-
-    def stage_weights(self, named_tensors: Any, version: int) -> None:
-        """Take the policy's weights of `version` (every rank consumes the lazy stream) for later generations."""
-
-    def submit(
-        self,
-        prompt_ids: torch.Tensor,
-        prompt_mask: torch.Tensor,
-        params: SamplingParams,
-        seeds: Sequence[int],
-        version: int,
-    ) -> Any:
-        """Start sampling this rank's prompts with the staged weights of `version`; returns a ticket."""
-
-    def collect(self, ticket: Any) -> RolloutOutput:
-        """Wait for a submitted generation; raises (on every rank) when it failed."""
+from lit_rl.errors import EnvironmentStepError, RewardFunctionError
+from lit_rl.rewards import TrainerState
+from lit_rl.rewards.scorer import RewardScorer
+from lit_rl.rollout.asynchronous import AsyncGenerations, generation_version
+from lit_rl.rollout.base import RolloutOutput, SamplingParams, global_batch_seeds, unpadded_prompts
+from lit_rl.rollout.engine_owner import EngineOwner
+from lit_rl.rollout.host import RolloutHost
+from lit_rl.rollout.multi_turn import run_episodes
+from lit_rl.training.strategies import fail_on_every_rank, reduce_across_ranks
+from lit_rl.types import model_token_mask
 
 
 @dataclass
-class PendingGeneration:
-    """A launched generation: its prompts, the version it is sampled with, and its ticket or finished output."""
+class ScoredCompletions:
+    """This rank's completions of a generation, scored: what a producer hands the module."""
 
-    version: int
-    prompt_ids: torch.Tensor  # [N, P]
+    prompt_ids: torch.Tensor  # [N, P] left-padded
     prompt_mask: torch.Tensor  # [N, P]
-    ticket: Any = None
-    output: Optional[RolloutOutput] = None
+    output: RolloutOutput  # completions [N, T] (with an environment: transcripts, and `sampled_mask`)
+    reward_components: torch.Tensor  # [N, F], one column per reward (`RolloutProducer.reward_names`)
+    rewards: torch.Tensor  # [N] weighted sum
+    version: int  # the policy version (optimizer steps done) that sampled them
+    # Dynamic sampling: the refill generations sampled, and the fraction of all sampled groups dropped.
+    refill_generations: Optional[int] = None
+    frac_groups_dropped: Optional[float] = None
 
 
-class AsyncRolloutProducer:
-    """Launches generations on an `AsyncRolloutEngine` ahead of the trainer and hands them over in order."""
+@dataclass(frozen=True)
+class ProducerParts:
+    """What every producer is made of.
 
-    def __init__(self) -> None:
-        self.pending: dict[int, PendingGeneration] = {}
-        self.staged_version: Optional[int] = None
+    Args:
+        host: the module that trains the policy (`RolloutHost`).
+        engines: the run's engine (`EngineOwner`), shared with the module.
+        scorer: the reward functions (`model.rewards`).
+        params: how training samples (`SamplingParams` of `model.sampling`).
+        max_new_tokens: `model.sampling.max_new_tokens`, the budget of one completion (of one turn, in episodes).
+    """
 
-    def launch(
+    host: RolloutHost
+    engines: EngineOwner
+    scorer: RewardScorer
+    params: SamplingParams
+    max_new_tokens: int
+
+
+def rank_slice(rank: int, n: int) -> slice:
+    """Rank `rank`'s rows of a tensor gathered from every rank with `n` rows each."""
+    return slice(rank * n, (rank + 1) * n)
+
+
+class RolloutProducer:
+    """Samples and scores a generation when asked (module docstring), from its `ProducerParts`."""
+
+    def __init__(self, parts: ProducerParts) -> None:
+        self.host = parts.host
+        self.engines = parts.engines
+        self.scorer = parts.scorer
+        self.params = parts.params
+        self.max_new_tokens = parts.max_new_tokens
+
+    # -- what the module reads -------------------------------------------------------------------------------
+    @property
+    def reward_names(self) -> list[str]:
+        """The reward columns, in order: one per reward function."""
+        return self.scorer.names
+
+    @property
+    def completion_budget(self) -> int:
+        """The most tokens one completion can hold."""
+        return self.max_new_tokens
+
+    # -- generations -----------------------------------------------------------------------------------------
+    def generation(
+        self, generation: int, rows: list[dict[str, Any]], refills: Optional[list[list[dict[str, Any]]]] = None
+    ) -> ScoredCompletions:
+        """This rank's completions of `generation`, one per row of `rows` (the loader repeats each prompt for its
+        group), sampled now with seeds of the generation (`completion_seeds`). `refills`: the prompt rows the
+        loader offers for refill generations (used by `DynamicSampling` alone)."""
+        return self.sample(rows, 1, self.params, self.completion_seeds(len(rows), generation))
+
+    def launch(self, generation: int, rows: list[dict[str, Any]]) -> None:
+        """Start sampling `generation` ahead: only asynchronous producers do."""
+        raise RuntimeError(f"{type(self).__name__} samples each generation when asked; it launches none ahead")
+
+    def sample(
+        self, rows: list[dict[str, Any]], repeat: int, params: SamplingParams, seeds: Optional[list[int]] = None
+    ) -> ScoredCompletions:
+        """`rows` x `repeat` completions, scored (one seed per completion when `seeds` are given, else drawn from
+        the global RNG, as validation samples). The engine gets the current weights first."""
+        prompt_ids, prompt_mask = self.host.encode_prompts([row["prompt"] for row in rows])
+        prompt_ids = prompt_ids.repeat_interleave(repeat, dim=0)  # [N*repeat, P]
+        prompt_mask = prompt_mask.repeat_interleave(repeat, dim=0)
+        engine = self.engines.engine()  # pushes the policy's weights first when the engine needs them
+        timer = self.host.timer
+        with timer.phase("generation"):
+            out = engine.generate(prompt_ids, prompt_mask, params, seeds=seeds)
+        timer.count("generated_tokens", float(out.completion_mask.sum()))
+        return self.scored(rows, repeat, prompt_ids, prompt_mask, out)
+
+    def completion_seeds(self, n: int, generation: int) -> list[int]:
+        """Sampling seeds of this rank's `n` completions of `generation`: slices of one list for the global batch
+        (`global_batch_seeds`), so that a completion's sample depends on the run's seed, the generation and its
+        place in the global batch, never on how the batch is split across ranks. The loader gives each rank a
+        consecutive slice of the generation's prompts, so rank r holds completions r*n..r*n+n-1."""
+        trainer = self.host.trainer
+        run_seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # `seed_everything`'s seed, the same on every rank
+        seeds = global_batch_seeds(run_seed, generation, n * trainer.world_size)
+        return seeds[rank_slice(trainer.global_rank, n)]
+
+    # -- scoring ---------------------------------------------------------------------------------------------
+    def scored(
         self,
-        engine: AsyncRolloutEngine,
-        generation: int,
-        version: int,
+        rows: list[dict[str, Any]],
+        repeat: int,
         prompt_ids: torch.Tensor,
         prompt_mask: torch.Tensor,
-        params: SamplingParams,
-        seeds: Sequence[int],
-        weights: Any,
+        out: RolloutOutput,
+        env_rewards: Optional[torch.Tensor] = None,
+        version: Optional[int] = None,
+    ) -> ScoredCompletions:
+        """The engine's completions of `rows` x `repeat` with their rewards (`RewardScorer.score`); `version`:
+        the policy version that sampled them (default: the current one). Fails on every rank together when a
+        reward function fails on one."""
+        host, trainer = self.host, self.host.trainer
+        completions = host.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+        # TRL's `completion_ids`: each completion's tokens up to and including its EOS, without the padding.
+        lengths = (out.completion_mask > 0).sum(dim=1).tolist()
+        completion_ids = [ids[:n] for ids, n in zip(out.completion_ids.tolist(), lengths)]
+        state = TrainerState(trainer.global_step, trainer.max_steps, float(trainer.current_epoch))
+        error: Optional[RewardFunctionError] = None
+        components = rewards = None
+        with host.timer.phase("reward"):
+            try:
+                components, rewards = self.scorer.score(
+                    rows, completions, completion_ids, repeat, host.device, state, self.reward_names, env_rewards
+                )
+            except RewardFunctionError as err:
+                error = err
+            elsewhere = "a reward function failed on another rank (its error is above)"
+            self.fail_on_every_rank(error, RewardFunctionError, elsewhere)
+        version = trainer.global_step if version is None else version
+        return ScoredCompletions(prompt_ids, prompt_mask, out, components, rewards, version)
+
+    def fail_on_every_rank(self, error: Optional[Exception | str], kind: type[Exception], elsewhere: str) -> None:
+        """`lit_rl.training.strategies.fail_on_every_rank` over the trainer's ranks."""
+        trainer = self.host.trainer
+        fail_on_every_rank(error, kind, elsewhere, trainer.world_size, trainer.global_rank, self.host.device)
+
+    # -- around training -------------------------------------------------------------------------------------
+    def release(self) -> None:
+        """After a rollout: the engine may release its device memory (sleep mode) for the update."""
+        self.engines.release()
+
+    def before_validation(self) -> None:
+        """Validation is about to sample with the engine (and push the current weights)."""
+
+    def state_dict(self) -> Optional[list[dict[str, Any]]]:
+        """What a checkpoint keeps of this rank's production (None: nothing; it samples when asked)."""
+        return None
+
+    def load_state_dict(self, state: Optional[list[dict[str, Any]]]) -> None:
+        """Restore `state_dict`'s."""
+
+    def close(self) -> None:
+        """End of fit or validation: the engine is closed, anything in flight abandoned."""
+        self.engines.close()
+
+
+class EpisodeProducer(RolloutProducer):
+    """Each completion is an episode's transcript in an environment of its own (`lit_rl.rollout.multi_turn`): the
+    loss and every token metric count the model's tokens only (`RolloutOutput.sampled_mask`), and the reward is the
+    environment's reward parts (columns `env/<part>`, weight 1) plus the reward functions on the decoded transcript.
+
+    Args:
+        env_factory: makes one environment per episode (`lit_rl.envs.environment_factory`).
+        env_reward_names: the reward parts its episodes report.
+        max_turns: `model.env.max_turns`.
+        max_total_tokens: `model.env.max_total_tokens` (None: `max_turns x max_new_tokens`).
+        parts: `ProducerParts`.
+    """
+
+    def __init__(
+        self,
+        parts: ProducerParts,
+        *,
+        env_factory: Callable[[], Any],
+        env_reward_names: tuple[str, ...],
+        max_turns: int,
+        max_total_tokens: Optional[int],
     ) -> None:
-        """Submit `generation`, staging the current weights (`weights()`: a lazy stream) first when the engine does
-        not hold `version` yet."""
-        if generation in self.pending:  # resumed: it finished before the checkpoint
-            return
-        if self.staged_version != version:
-            engine.stage_weights(weights(), version)
-            self.staged_version = version
-        ticket = engine.submit(prompt_ids, prompt_mask, params, seeds, version)
-        self.pending[generation] = PendingGeneration(version, prompt_ids, prompt_mask, ticket=ticket)
+        super().__init__(parts)
+        self.env_factory = env_factory
+        self.env_reward_names = env_reward_names
+        self.max_turns = max_turns
+        self.max_total_tokens = max_total_tokens or max_turns * parts.max_new_tokens
 
-    def take(self, engine: AsyncRolloutEngine, generation: int) -> PendingGeneration:
-        """The finished `generation` (waiting for it), removed from the pending ones."""
-        if generation not in self.pending:
-            raise RuntimeError(f"asynchronous rollouts: generation {generation} was never launched")
-        item = self._finish(engine, generation)
-        del self.pending[generation]
-        return item
+    @property
+    def reward_names(self) -> list[str]:
+        """One column per reward function, then the environment's parts (`env/<part>`)."""
+        return [*self.scorer.names, *(f"env/{name}" for name in self.env_reward_names)]
 
-    def wait_all(self, engine: Optional[AsyncRolloutEngine]) -> None:
-        """Wait for every generation in flight (before a checkpoint, or before validation uses the engine)."""
-        for generation in sorted(self.pending):
-            self._finish(engine, generation)
+    @property
+    def completion_budget(self) -> int:
+        """A transcript's budget: model and observation tokens after the prompt."""
+        return self.max_total_tokens
 
-    def forget_staged(self) -> None:
-        """The engine's weights were replaced outside the producer (validation's push): stage again next time."""
-        self.staged_version = None
-
-    def _finish(self, engine: Optional[AsyncRolloutEngine], generation: int) -> PendingGeneration:
-        item = self.pending[generation]
-        if item.output is None:
-            item.output = engine.collect(item.ticket)
-            item.ticket = None
-        return item
-
-    # -- checkpoints -----------------------------------------------------------------------------------------
-    def state_dict(self, engine: Optional[AsyncRolloutEngine]) -> list[dict[str, Any]]:
-        """This rank's launched generations, finished (waits for those in flight), as CPU tensors."""
-        self.wait_all(engine)
-        return [
-            {
-                "generation": generation,
-                "version": item.version,
-                "prompt_ids": item.prompt_ids.cpu(),
-                "prompt_mask": item.prompt_mask.cpu(),
-                "completion_ids": item.output.completion_ids.cpu(),
-                "completion_mask": item.output.completion_mask.cpu(),
-                "logprobs": item.output.logprobs.cpu(),
-            }
-            for generation, item in sorted(self.pending.items())
-        ]
-
-    def load_state_dict(self, state: list[dict[str, Any]]) -> None:
-        self.pending = {
-            entry["generation"]: PendingGeneration(
-                entry["version"],
-                entry["prompt_ids"],
-                entry["prompt_mask"],
-                output=RolloutOutput(entry["completion_ids"], entry["completion_mask"], entry["logprobs"]),
+    def sample(
+        self, rows: list[dict[str, Any]], repeat: int, params: SamplingParams, seeds: Optional[list[int]] = None
+    ) -> ScoredCompletions:
+        """One episode per row x `repeat`, each with an environment of its own, from its first observation (or
+        its row's prompt), scored."""
+        host = self.host
+        with host.timer.phase("generation"):
+            envs = [self.env_factory() for _ in range(len(rows) * repeat)]
+            prompts, error = [], None
+            for index, env in enumerate(envs):
+                row = rows[index // repeat]
+                try:
+                    first = env.reset(row)
+                except Exception as err:  # raised on every rank together, after the episodes' collectives
+                    error = error or f"{type(env).__name__}.reset raised {type(err).__name__}: {err}"
+                    first = None
+                prompts.append(row["prompt"] if first is None else first)
+            prompt_ids, prompt_mask = host.encode_prompts(prompts)
+            tokenizer = host.tokenizer
+            episodes = run_episodes(
+                self.engines.engine(),
+                envs,
+                unpadded_prompts(prompt_ids, prompt_mask),
+                params,
+                seeds,
+                decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                # Special tokens' text in an observation (a tool echoing "<|endoftext|>") stays text.
+                encode_observation=lambda text: tokenizer.encode(
+                    text, add_special_tokens=False, split_special_tokens=True
+                ),
+                reward_names=self.env_reward_names,
+                max_turns=self.max_turns,
+                max_total_tokens=self.max_total_tokens,
+                pad_id=tokenizer.pad_token_id,
+                device=host.device,
+                env_name=type(envs[0]).__name__,
+                any_active=self._any_rank_active,
             )
-            for entry in state
-        }
-        self.staged_version = None
+        episodes.output.episode_stats = episodes.stats
+        self.fail_on_every_rank(error or episodes.error, EnvironmentStepError, "the environment failed on another rank")
+        out = episodes.output
+        host.timer.count("generated_tokens", float(model_token_mask(out).sum()))
+        return self.scored(rows, repeat, prompt_ids, prompt_mask, out, episodes.env_rewards)
+
+    def _any_rank_active(self, active: bool) -> bool:
+        """Whether any rank still has episodes running (every rank calls it once per turn)."""
+        if self.host.trainer.world_size == 1:
+            return active
+        flag = torch.tensor(float(active), device=self.host.device)
+        return bool(reduce_across_ranks(flag) > 0)
+
+
+class AsyncProducer(RolloutProducer):
+    """Generations launched ahead of the trainer and sampled in the background with a fixed lag
+    (`lit_rl.rollout.asynchronous`): `launch(g, rows)` when the loader says so, `generation(g)` takes g finished.
+
+    Args:
+        steps_per_generation: m = `steps_per_generation x num_iterations`, the optimizer steps taken on one
+            generation.
+        max_staleness: k = `model.rollout.max_staleness`.
+        parts: `ProducerParts`.
+    """
+
+    def __init__(self, parts: ProducerParts, *, steps_per_generation: int, max_staleness: int) -> None:
+        super().__init__(parts)
+        self.steps_per_generation = steps_per_generation
+        self.max_staleness = max_staleness
+        self.in_flight = AsyncGenerations()
+
+    def launch(self, generation: int, rows: list[dict[str, Any]]) -> None:
+        """Start sampling `generation` in the background with the current weights, which must be those of its
+        version v(g)."""
+        host = self.host
+        version = generation_version(generation, self.steps_per_generation, self.max_staleness)
+        if version != host.trainer.global_step:
+            raise RuntimeError(
+                f"asynchronous rollouts: generation {generation} must be sampled by policy version {version}, "
+                f"but the trainer is at step {host.trainer.global_step}"
+            )
+        prompt_ids, prompt_mask = host.encode_prompts([row["prompt"] for row in rows])
+        engine = self.engines.started()
+        with host.timer.phase("weight_push"):  # staging the weights, when this version is new
+            self.in_flight.launch(
+                engine,
+                generation,
+                version,
+                prompt_ids,
+                prompt_mask,
+                self.params,
+                self.completion_seeds(len(rows), generation),
+                self.engines.weight_stream,
+            )
+
+    def generation(
+        self, generation: int, rows: list[dict[str, Any]], refills: Optional[list[list[dict[str, Any]]]] = None
+    ) -> ScoredCompletions:
+        """The launched `generation`, finished (waiting for it: the part of its sampling the training did not
+        hide), scored now."""
+        host = self.host
+        with host.timer.phase("generation"):
+            sampled = self.in_flight.take(self.engines.built, generation)
+        device = host.device
+        prompt_ids, prompt_mask = sampled.prompt_ids.to(device), sampled.prompt_mask.to(device)
+        out = RolloutOutput(*(None if t is None else t.to(device) for t in vars(sampled.output).values()))
+        host.timer.count("generated_tokens", float(out.completion_mask.sum()))
+        return self.scored(rows, 1, prompt_ids, prompt_mask, out, version=sampled.version)
+
+    def before_validation(self) -> None:
+        # Validation pushes the current weights: first let the generations in flight finish with their versions.
+        if self.engines.built is not None:
+            self.in_flight.wait_all(self.engines.built)
+            self.in_flight.forget_staged()
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        """This rank's launched generations, finished (waiting for those in flight): the weights they were
+        sampled with are not in the checkpoint, so they could not be sampled again."""
+        return self.in_flight.state_dict(self.engines.built)
+
+    def load_state_dict(self, state: Optional[list[dict[str, Any]]]) -> None:
+        self.in_flight.load_state_dict(state or [])
+
+    def close(self) -> None:
+        self.in_flight = AsyncGenerations()  # generations in flight are abandoned with the engine
+        super().close()

@@ -13,13 +13,14 @@ cost more than the update itself once processes share cores or machines. The met
 from __future__ import annotations
 
 import warnings
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 from torchmetrics import MaxMetric, MeanMetric, Metric, MetricCollection, MinMetric, SumMetric
 from torchmetrics.utilities.data import dim_zero_max, dim_zero_min, dim_zero_sum
 
 from lit_rl.training.compat import state_reductions
+from lit_rl.types import EPISODE_STATS
 
 LOCAL = {"sync_on_compute": False}  # `compute_collection` syncs; `compute()` alone must not (see the docstring)
 
@@ -69,7 +70,7 @@ def asynchronous_rollout_metrics() -> dict:
 def episode_metrics() -> dict:
     """What multi-turn episodes add (`lit_rl.rollout.multi_turn`), means per episode: model `turns`, `tool_calls`,
     `tool_errors` (calls that raised or timed out) and `env_tokens` (observation tokens in the transcript)."""
-    return {name: MeanMetric(**LOCAL) for name in ("turns", "tool_calls", "tool_errors", "env_tokens")}
+    return {name: MeanMetric(**LOCAL) for name in EPISODE_STATS}
 
 
 def token_budget_metrics() -> dict:
@@ -164,3 +165,13 @@ def compute_collection(collection: MetricCollection) -> dict[str, torch.Tensor]:
     with warnings.catch_warnings():  # updated on another rank only: torchmetrics warns of compute before update
         warnings.filterwarnings("ignore", message=".*was called before the ``update`` method.*")
         return {name: metrics[name].compute() for name in updated}
+
+
+def update_episode_metrics(metrics: Any, stats: Optional[torch.Tensor], weight: Optional[torch.Tensor] = None) -> None:
+    """Each episode's `EPISODE_STATS` [N, 4] into the collection's metrics of the same names (means per episode;
+    `weight` [N]: 0 on rows that pad a rank's share). Nothing without episodes (`stats` None)."""
+    if stats is None:
+        return
+    weight = torch.ones_like(stats[:, 0]) if weight is None else weight
+    for column, name in enumerate(EPISODE_STATS):
+        metrics[name].update(stats[:, column], weight)

@@ -21,7 +21,7 @@ class RecordEnginePlacement(_Probe):
     """`engine_rank<r>.json`: the colocated engine's `describe()` (read from vLLM's own state)."""
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.write("engine", trainer.global_rank, pl_module.rollout_engine.describe())
+        self.write("engine", trainer.global_rank, pl_module.engines.built.describe())
 
 
 class RecordPrecision(_Probe):

@@ -201,7 +201,7 @@ def test_rloo_and_online_dpo_take_the_same_overlay(tmp_path, algorithm, group):
 
 def test_colocated_run_resumes_to_the_same_numbers(tmp_path):
     # Each completion's seed is a function of the run's seed, the generation number (which the checkpoint
-    # restores) and its place in the global batch (`OnPolicyModule.completion_seeds`), and the resumed engine
+    # restores) and its place in the global batch (`RolloutProducer.completion_seeds`), and the resumed engine
     # gets the checkpoint's weights before its first generation: the resumed steps sample and train the same.
     full = _fit(tmp_path, "full", *COLOCATE)
     _fit(tmp_path, "half", *COLOCATE, max_steps=2)

@@ -16,6 +16,7 @@ Plain data and arithmetic: importing it imports no vLLM, so tests check the plac
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from lit_rl.errors import ConfigError
 
@@ -39,6 +40,17 @@ class EnginePlacement:
     world_size: int
     local_world_size: int
     tensor_parallel_size: int = 1
+
+    @classmethod
+    def of(cls, trainer: Any, tensor_parallel_size: int = 1) -> "EnginePlacement":
+        """The placement of `trainer`'s rank (a Lightning Trainer: its ranks and devices per node)."""
+        return cls(
+            rank=trainer.global_rank,
+            local_rank=trainer.local_rank,
+            world_size=trainer.world_size,
+            local_world_size=trainer.num_devices,
+            tensor_parallel_size=tensor_parallel_size,
+        )
 
     def __post_init__(self) -> None:
         t = self.tensor_parallel_size

@@ -16,8 +16,8 @@ take part in the gathers), then asks the server to pause, reload from there (`co
 reset its prefix cache and resume. With `weight_transfer: gloo | nccl` the weights are broadcast to the servers'
 workers instead, with no file (`lit_rl.rollout.server.collective_transfer`).
 
-Asynchronous rollouts (`model.rollout.max_staleness > 0`, `lit_rl.rollout.producer`): the weights of each policy version
-are staged into their own subdirectory `v<version>/` (with a broadcast transfer: as host copies on rank 0, one
+Asynchronous rollouts (`model.rollout.max_staleness > 0`, `lit_rl.rollout.asynchronous`): the weights of each policy
+version are staged into their own subdirectory `v<version>/` (with a broadcast transfer: as host copies on rank 0, one
 per version not yet loaded), and rank 0 runs the submitted generations one after the other on a worker thread, each
 first loading the version it was tagged with (so a completion never spans two versions), while the training thread
 goes on; the completions are scattered back when the trainer collects them.
@@ -259,7 +259,7 @@ class VLLMServerEngine:
         finally:
             client.request("POST", "/resume")
 
-    # -- asynchronous rollouts (lit_rl.rollout.producer.AsyncRolloutEngine) -------------------------------------
+    # -- asynchronous rollouts (lit_rl.rollout.asynchronous.AsyncRolloutEngine) -------------------------------------
     def _version_dir(self, version: int) -> str:
         return os.path.join(self.sync_dir, f"v{version}")
 

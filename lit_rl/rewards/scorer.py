@@ -1,19 +1,21 @@
-"""The reward functions of an on-policy run (`model.rewards`) as one part the module holds: which functions, their
-weights, and the scores of a batch of completions. It reads nothing of the module: the module passes what a score
-needs (the decoded completions, the device, where training is) and stops every rank together when one fails
-(`lit_rl.training.strategies.fail_on_every_rank`).
+"""The reward functions of an on-policy run (`model.rewards`) as one part: which functions, their weights, and the
+scores of a batch of completions. It reads nothing of its holder (the rollout producer, `lit_rl.rollout.producer`):
+the producer passes what a score needs (the decoded completions, the device, where training is) and stops every
+rank together when one fails.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
-from lit_rl.config import RewardArgs
 from lit_rl.errors import ConfigError
 from lit_rl.rewards import TrainerState, import_reward_function, reward_name
 from lit_rl.rewards.scoring import reward_components, weighted_reward
+
+if TYPE_CHECKING:  # the config imports Lightning; reward scoring does not need it
+    from lit_rl.config import RewardArgs
 
 DEFAULT_REWARD = "lit_rl.rewards.arithmetic.correctness"  # the built-in task's
 

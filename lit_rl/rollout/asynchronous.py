@@ -1,0 +1,161 @@
+"""Asynchronous rollouts with bounded staleness: generations made ahead of the trainer, each with its policy version.
+
+With `max_staleness = k` and `m` optimizer steps per generation (`steps_per_generation x num_iterations`),
+generation `g` (trained on at optimizer steps g*m .. g*m + m - 1) is sampled with the weights of version
+
+    v(g) = max(0, g*m - k)          (version s = the weights after s optimizer steps)
+
+and launched as soon as those weights exist, at the start of optimizer step v(g). So it is sampled while the
+trainer runs steps v(g) .. g*m - 1, and its first update is exactly k steps newer than the policy that sampled it
+(fewer in the first generations). The lag is fixed, not "whatever the engine managed": every sample is a function
+of the run's seed, the generation and the weights of version v(g), so the numbers do not depend on timing, a
+resumed run equals the uninterrupted one, and `k = 0` is the synchronous schedule. `v(g)` travels with every sample
+(`RolloutBatch.policy_version`); `train/staleness/{mean,max}` log `global_step - v(g)` per consumed sample.
+
+Engines that can generate in the background implement `AsyncRolloutEngine`: the trainer stages the weights of a
+version (a collective: ZeRO-3 gathers them), submits a generation tagged with the version it must be sampled with
+(a collective: the prompts go to whoever talks to the engine), and later collects it (a collective: failures reach
+every rank). The engine samples each generation with exactly the version it was tagged with, one after the other.
+
+A checkpoint waits for the generations in flight and keeps their finished completions: the weights they were
+sampled with are not in the checkpoint (only the newest are), so regenerating them on resume is impossible; the
+finished samples are small next to the weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol, Sequence
+
+import torch
+
+from lit_rl.rollout.base import RolloutOutput, SamplingParams
+
+
+def generation_version(generation: int, steps_per_generation: int, max_staleness: int) -> int:
+    """v(g) = max(0, g*m - k): the policy version (optimizer steps done) generation g is sampled with."""
+    return max(0, generation * steps_per_generation - max_staleness)
+
+
+def generations_launched_at(step: int, steps_per_generation: int, max_staleness: int) -> list[int]:
+    """The generations launched at the start of optimizer step `step` (those with v(g) == step), in order."""
+    m, k = steps_per_generation, max_staleness
+    if step == 0:
+        return list(range(k // m + 1))  # every g with g*m <= k is sampled by the initial weights
+    generation, remainder = divmod(step + k, m)
+    return [generation] if remainder == 0 else []
+
+
+class AsyncRolloutEngine(Protocol):
+    """An engine that samples in the background (see the module docstring). All three calls are collectives: every
+    rank makes them, in the same order, from the training thread."""
+
+    def stage_weights(self, named_tensors: Any, version: int) -> None:
+        """Take the policy's weights of `version` (every rank consumes the lazy stream) for later generations."""
+
+    def submit(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        params: SamplingParams,
+        seeds: Sequence[int],
+        version: int,
+    ) -> Any:
+        """Start sampling this rank's prompts with the staged weights of `version`; returns a ticket."""
+
+    def collect(self, ticket: Any) -> RolloutOutput:
+        """Wait for a submitted generation; raises (on every rank) when it failed."""
+
+
+@dataclass
+class PendingGeneration:
+    """A launched generation: its prompts, the version it is sampled with, and its ticket or finished output."""
+
+    version: int
+    prompt_ids: torch.Tensor  # [N, P]
+    prompt_mask: torch.Tensor  # [N, P]
+    ticket: Any = None
+    output: Optional[RolloutOutput] = None
+
+
+class AsyncGenerations:
+    """The generations launched on an `AsyncRolloutEngine` ahead of the trainer, handed over in order
+    (`lit_rl.rollout.producer.AsyncProducer` holds them)."""
+
+    def __init__(self) -> None:
+        self.pending: dict[int, PendingGeneration] = {}
+        self.staged_version: Optional[int] = None
+
+    def launch(
+        self,
+        engine: AsyncRolloutEngine,
+        generation: int,
+        version: int,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        params: SamplingParams,
+        seeds: Sequence[int],
+        weights: Any,
+    ) -> None:
+        """Submit `generation`, staging the current weights (`weights()`: a lazy stream) first when the engine does
+        not hold `version` yet."""
+        if generation in self.pending:  # resumed: it finished before the checkpoint
+            return
+        if self.staged_version != version:
+            engine.stage_weights(weights(), version)
+            self.staged_version = version
+        ticket = engine.submit(prompt_ids, prompt_mask, params, seeds, version)
+        self.pending[generation] = PendingGeneration(version, prompt_ids, prompt_mask, ticket=ticket)
+
+    def take(self, engine: AsyncRolloutEngine, generation: int) -> PendingGeneration:
+        """The finished `generation` (waiting for it), removed from the pending ones."""
+        if generation not in self.pending:
+            raise RuntimeError(f"asynchronous rollouts: generation {generation} was never launched")
+        item = self._finish(engine, generation)
+        del self.pending[generation]
+        return item
+
+    def wait_all(self, engine: Optional[AsyncRolloutEngine]) -> None:
+        """Wait for every generation in flight (before a checkpoint, or before validation uses the engine)."""
+        for generation in sorted(self.pending):
+            self._finish(engine, generation)
+
+    def forget_staged(self) -> None:
+        """The engine's weights were replaced outside the producer (validation's push): stage again next time."""
+        self.staged_version = None
+
+    def _finish(self, engine: Optional[AsyncRolloutEngine], generation: int) -> PendingGeneration:
+        item = self.pending[generation]
+        if item.output is None:
+            item.output = engine.collect(item.ticket)
+            item.ticket = None
+        return item
+
+    # -- checkpoints -----------------------------------------------------------------------------------------
+    def state_dict(self, engine: Optional[AsyncRolloutEngine]) -> list[dict[str, Any]]:
+        """This rank's launched generations, finished (waits for those in flight), as CPU tensors."""
+        self.wait_all(engine)
+        return [
+            {
+                "generation": generation,
+                "version": item.version,
+                "prompt_ids": item.prompt_ids.cpu(),
+                "prompt_mask": item.prompt_mask.cpu(),
+                "completion_ids": item.output.completion_ids.cpu(),
+                "completion_mask": item.output.completion_mask.cpu(),
+                "logprobs": item.output.logprobs.cpu(),
+            }
+            for generation, item in sorted(self.pending.items())
+        ]
+
+    def load_state_dict(self, state: list[dict[str, Any]]) -> None:
+        self.pending = {
+            entry["generation"]: PendingGeneration(
+                entry["version"],
+                entry["prompt_ids"],
+                entry["prompt_mask"],
+                output=RolloutOutput(entry["completion_ids"], entry["completion_mask"], entry["logprobs"]),
+            )
+            for entry in state
+        }
+        self.staged_version = None

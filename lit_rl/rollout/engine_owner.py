@@ -1,0 +1,98 @@
+"""The rollout engine of an on-policy run, as one part: built on first use by `model.rollout.engine` (HF decoding
+on the policy, vLLM colocated or as a server, or a user's engine), given the policy's weights whenever an optimizer
+step changed them, released between rollouts (sleep mode) and closed at the end.
+
+The producer (`lit_rl.rollout.producer`) samples with it; the module asks it where a colocated engine lives and
+whether its numerics differ from the trainer's (`model.rollout.correction: auto`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from lit_rl.rollout.base import RolloutEngine
+from lit_rl.rollout.engine_config import EngineConfig
+from lit_rl.rollout.engines.placement import EnginePlacement
+from lit_rl.rollout.host import RolloutHost
+from lit_rl.rollout.weights import DEFAULT_BUCKET_MIB, policy_weight_stream
+from lit_rl.training.strategies import is_fsdp_wrapped, settle_zero3_parameters
+
+
+class EngineOwner:
+    """Holds the run's engine (module docstring).
+
+    Args:
+        config: `model.rollout.engine`, which builds the engine (`EngineConfig.build(host)`).
+        host: the module that trains the policy (`RolloutHost`).
+    """
+
+    def __init__(self, config: EngineConfig, host: RolloutHost) -> None:
+        self.config = config
+        self.host = host
+        self.built: Optional[RolloutEngine] = None  # a plain object, never an nn.Module attribute
+        self.weights_step: Optional[int] = None  # the global_step whose weights the engine holds
+
+    def build(self) -> RolloutEngine:
+        """A new engine, as `model.rollout.engine` builds it (a test replaces this to inject one)."""
+        return self.config.build(self.host)
+
+    def started(self) -> RolloutEngine:
+        """The engine, built now when it was not (its weights are not pushed: see `engine`)."""
+        if self.built is None:
+            with self.host.timer.phase("engine_start"):
+                self.built = self.build()
+            self.weights_step = None
+        return self.built
+
+    def engine(self) -> RolloutEngine:
+        """The engine, holding the policy's current weights."""
+        engine = self.started()
+        global_step = self.host.trainer.global_step
+        # Only optimizer steps advance global_step: several generations between two steps push once, unless the
+        # engine released its weights in between (sleep mode).
+        stale = self.weights_step != global_step or not getattr(engine, "holds_weights", True)
+        if engine.needs_weights and stale:
+            with self.host.timer.phase("weight_push"):  # ZeRO-3: gathered a bucket at a time, as the engine loads
+                engine.update_weights(self.weight_stream())
+            self.weights_step = global_step
+        return engine
+
+    def weight_stream(self):
+        """The policy's weights as a lazy stream of (name, tensor) buckets, for an engine to load."""
+        bucket_mib = getattr(self.config, "push_bucket_mib", DEFAULT_BUCKET_MIB)
+        strategy = self.host.trainer.strategy
+        # FSDP: gather from the root (Lightning wraps the module; its flat parameter holds the embeddings).
+        wrapped = getattr(strategy, "model", None)
+        fsdp_root = wrapped if wrapped is not None and is_fsdp_wrapped(wrapped) else None
+        settle_zero3_parameters(strategy)
+        return policy_weight_stream(self.host.policy, int(bucket_mib * 2**20), fsdp_root)
+
+    def dtype(self) -> Optional[torch.dtype]:
+        """The dtype the engine computes in (None: not known here, as for a server started with its own
+        `--dtype`); HF `generate` samples from the policy itself."""
+        return self.config.engine_dtype(self.host.compute_dtype())
+
+    def numerics_differ(self) -> bool:
+        """Whether the engine's log-probs of a token can differ from the trainer's by more than float32 rounding
+        (`EngineConfig.numerics_differ`: any vLLM engine but one computing in float32 next to a float32 trainer)."""
+        return self.config.numerics_differ(self.host.compute_dtype())
+
+    def placement(self) -> EnginePlacement:
+        """Where this rank's colocated engine lives and which ranks share it
+        (`model.rollout.engine.tensor_parallel_size`; 1 for an engine that is not lit-rl's colocated vLLM)."""
+        return EnginePlacement.of(self.host.trainer, getattr(self.config, "tensor_parallel_size", 1))
+
+    def release(self) -> None:
+        """Let the engine release its device memory until it is needed again (vLLM's sleep mode; a no-op for
+        engines without one)."""
+        sleep = getattr(self.built, "sleep", None)
+        if callable(sleep):
+            sleep()
+
+    def close(self) -> None:
+        """Close the engine (processes, memory, files); the next use builds a new one."""
+        if self.built is not None:
+            self.built.close()
+            self.built = None

@@ -1,0 +1,31 @@
+"""What the rollout parts (the engine owner, the producers, an engine config's `build`) use of the module that
+holds them: the whole interface, so that no part reads its host's attributes by convention."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+
+class RolloutHost(Protocol):
+    """The on-policy `LightningModule` that trains the policy (`lit_rl.algorithms.on_policy.OnPolicyModule`)."""
+
+    trainer: Any  # the Lightning Trainer: ranks, devices, global_step, max_steps, current_epoch, strategy
+    device: torch.device
+    policy: torch.nn.Module
+    tokenizer: Any
+    policy_args: Any  # `model.policy` (`lit_rl.config.PolicyArgs`): the model's path, `trust_remote_code`
+    timer: Any  # `lit_rl.training.perf.StepTimer`: read at each use (validation swaps it)
+
+    def encode_prompts(self, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chat-formatted, tokenised prompts, left-padded: ids [N, P] and mask."""
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor` (Lightning's `all_gather`)."""
+
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the trainer computes in."""
+
+    def parameters_sharded(self) -> bool:
+        """Whether the policy's parameters are sharded over ranks (ZeRO-3, FSDP)."""
