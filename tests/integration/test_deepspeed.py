@@ -64,9 +64,18 @@ def ddp_reference(tmp_path_factory):
     return _fit(tmp_path_factory.mktemp("ddp"), "ddp", "ddp")
 
 
+@pytest.fixture(scope="module")
+def zero3_run(tmp_path_factory):
+    """The 4-step ZeRO-3 run, exporting the policy at its end: three tests read it (its rows against DDP's, its
+    sharded step-2 checkpoint to resume from, its step-4 checkpoint to convert). The export runs in `on_train_end`,
+    after the last row is logged and the last checkpoint saved: it changes neither."""
+    export = ("--trainer.callbacks+", "lit_rl.callbacks.SaveHFPretrained")
+    return _fit(tmp_path_factory.mktemp("zero3"), "deepspeed_zero3", "deepspeed_zero3", *export)
+
+
 @pytest.mark.parametrize("stage", ["deepspeed_zero2", "deepspeed_zero3"])
-def test_zero_matches_ddp_step_for_step_with_exact_cadence(tmp_path, ddp_reference, stage):
-    log_dir = _fit(tmp_path, stage, stage)
+def test_zero_matches_ddp_step_for_step_with_exact_cadence(tmp_path, ddp_reference, stage, request):
+    log_dir = request.getfixturevalue("zero3_run") if stage == "deepspeed_zero3" else _fit(tmp_path, stage, stage)
     assert saved_steps(log_dir) == [2, 4]  # every_n_train_steps=2 under accumulation 2: micro-batches 4 and 8
     assert (log_dir / "checkpoints" / "step=2.ckpt").is_dir()  # DeepSpeed writes sharded checkpoint directories
     rows = _rows(log_dir)
@@ -96,9 +105,11 @@ def test_zero3_trains_padding_free_with_token_budgets_and_head_chunks_like_ddp(t
     assert_rows_match(rows, _rows(ddp_reference), rel=1e-4, abs=1e-5)
 
 
-def test_zero3_resumes_from_a_sharded_checkpoint_exactly(tmp_path, ddp_reference):
-    half = _fit(tmp_path, "half", "deepspeed_zero3", max_steps=2)
-    resumed = _fit(tmp_path, "resumed", "deepspeed_zero3", "--ckpt_path", str(half / "checkpoints" / "step=2.ckpt"))
+def test_zero3_resumes_from_a_sharded_checkpoint_exactly(tmp_path, ddp_reference, zero3_run):
+    # The step-2 checkpoint of the 4-step run: a fresh process resumes from it (with nothing of the first run but
+    # its checkpoint directory) and must give that run's steps 3 and 4, which are DDP's.
+    checkpoint = zero3_run / "checkpoints" / "step=2.ckpt"
+    resumed = _fit(tmp_path, "resumed", "deepspeed_zero3", "--ckpt_path", str(checkpoint))
     assert saved_steps(resumed) == [4]  # its own directory: the next multiple of 2 after the resumed step
     rows = [row for row in _rows(resumed) if row["step"] > 2]
     assert [row["step"] for row in rows] == [3, 4]
@@ -117,8 +128,8 @@ def test_zero3_policy_pushes_gathered_weights_into_vllm(tmp_path, devices):
         assert row["train/rollout_logprob_diff/max"] < 1e-4, row  # vLLM sampled from the whole, current policy
 
 
-def test_zero3_checkpoint_converts_to_a_loadable_hf_directory(tmp_path):
-    log_dir = _fit(tmp_path, "export", "deepspeed_zero3", "--trainer.callbacks+", "lit_rl.callbacks.SaveHFPretrained")
+def test_zero3_checkpoint_converts_to_a_loadable_hf_directory(tmp_path, zero3_run):
+    log_dir = zero3_run
     out = tmp_path / "hf-step4"
     subprocess.run(
         [sys.executable, "-m", "lit_rl.export", str(log_dir / "checkpoints" / "step=4.ckpt"), str(out)],

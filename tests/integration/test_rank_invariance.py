@@ -94,12 +94,28 @@ def _grpo(tmp_path, aggregation: str, devices: int, accumulate: int, *extra: str
     return without_engine_gap(train_rows(log_dir)), tokens
 
 
+@pytest.fixture(scope="module")
+def grpo_layout(tmp_path_factory):
+    """`_grpo(aggregation, processes, micro-batches)` without extra flags, run once per module: the 1 x 4 `token`
+    run is both a layout of `test_grpo_steps_are_the_same_in_every_layout[token]` and the reference of
+    `test_token_budgeted_grpo_steps_are_the_same_in_every_layout`."""
+    runs: dict = {}
+
+    def run(aggregation: str, devices: int, accumulate: int):
+        key = (aggregation, devices, accumulate)
+        if key not in runs:
+            runs[key] = _grpo(tmp_path_factory.mktemp("grpo"), *key)
+        return runs[key]
+
+    return run
+
+
 @pytest.mark.parametrize("aggregation", ["sequence", "token", "constant", "dapo"])
-def test_grpo_steps_are_the_same_in_every_layout(tmp_path, aggregation):
+def test_grpo_steps_are_the_same_in_every_layout(grpo_layout, aggregation):
     """`token`, `constant` and `dapo` divide by counts summed over ranks (tokens, sequences); a rank that used
     its own counts would weigh its tokens differently from the 1-process run, which the unequal completion
     lengths across ranks (checked) make visible."""
-    runs = {layout: _grpo(tmp_path, aggregation, *layout) for layout in LAYOUTS}
+    runs = {layout: grpo_layout(aggregation, *layout) for layout in LAYOUTS}
     reference, _ = runs[(1, 4)]
     assert [row["step"] for row in reference] == [1, 2, 3]
     assert reference[-1]["train/kl"] > 0  # the policy moved: later steps sample from updated weights
@@ -131,12 +147,12 @@ def test_grpo_steps_with_asynchronous_rollouts_are_the_same_in_every_layout(tmp_
         assert_rows_match(rows, reference, rel=1e-5, abs=1e-6)
 
 
-def test_token_budgeted_grpo_steps_are_the_same_in_every_layout(tmp_path):
+def test_token_budgeted_grpo_steps_are_the_same_in_every_layout(tmp_path, grpo_layout):
     """`micro_batch_tokens` (padding-free) on 1 and 2 processes: the step's completions are dealt so the ranks'
     tokens even out, each rank groups its share by tokens and runs empty micro-steps where they fit in fewer
     micro-batches; the step is the fixed layout's."""
     budget = ["--model.schedule.micro_batch_tokens", "64", "--model.policy.padding_free", "true"]
-    reference, _ = _grpo(tmp_path, "token", 1, 4)
+    reference, _ = grpo_layout("token", 1, 4)
     for layout in [(1, 4), (2, 2)]:
         rows, _ = _grpo(tmp_path, "token", *layout, *budget, tag="_budget")
         assert [row["step"] for row in rows] == [1, 2, 3], layout
