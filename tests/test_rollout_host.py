@@ -96,6 +96,7 @@ def _host(world_size: int = 1) -> SimpleNamespace:
         timer=StepTimer(),
         encode_prompts=lambda prompts: (torch.ones(len(prompts), 2, dtype=torch.long), torch.ones(len(prompts), 2)),
         all_gather=lambda tensor: tensor,
+        gather_stacked=lambda tensor: tensor[None],
         compute_dtype=lambda: torch.float32,
         parameters_sharded=lambda: False,
     )

@@ -12,7 +12,7 @@ from typing import Iterable
 import torch
 from torchmetrics import MeanMetric, MetricCollection
 
-from lit_rl.algorithms.on_policy import ZERO_STD, OnPolicyModule
+from lit_rl.algorithms.on_policy import OnPolicyModule
 from lit_rl.config import (
     GRPO_ROLLOUT_OPTIONS,
     EnvArgs,
@@ -30,6 +30,7 @@ from lit_rl.losses.advantages import advantage_function
 from lit_rl.losses.overlong import overlong_penalty, truncated
 from lit_rl.losses.policy import policy_loss_function
 from lit_rl.rollout import RolloutOutput
+from lit_rl.rollout.dynamic_sampling import ZERO_STD
 from lit_rl.rollout.engines.hf import model_eos_token_ids
 from lit_rl.training.metrics import LOCAL, metric_collection, on_policy_training_metrics
 from lit_rl.types import RolloutBatch, model_token_mask

@@ -39,7 +39,7 @@ from lit_rl.ops import kl_k3
 from lit_rl.rewards.scorer import RewardScorer
 from lit_rl.rollout import RolloutOutput, SamplingParams
 from lit_rl.rollout.asynchronous import generations_launched_at
-from lit_rl.rollout.dynamic_sampling import ZERO_STD, DynamicSampling
+from lit_rl.rollout.dynamic_sampling import DynamicSampling
 from lit_rl.rollout.engine_owner import EngineOwner
 from lit_rl.rollout.producer import (
     AsyncProducer,
@@ -59,8 +59,6 @@ from lit_rl.training.metrics import (
 )
 from lit_rl.training.strategies import is_accumulating_micro_batch
 from lit_rl.types import RolloutBatch, model_token_mask
-
-__all__ = ["ZERO_STD", "OnPolicyModule", "group_reward_std"]
 
 
 def group_reward_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

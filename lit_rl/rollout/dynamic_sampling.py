@@ -108,7 +108,7 @@ class DynamicSampling:
         pad = host.tokenizer.pad_token_id
         pool = concat_batches([_as_rollout_batch(piece) for piece in pieces], pad)
         rows_here = rows_for_rank(groups, G, n, world, host.trainer.global_rank, len(pieces))
-        chosen = exchange_rows(pool, rows_here, self._gather_stacked, pad)
+        chosen = exchange_rows(pool, rows_here, host.gather_stacked, pad)
         output = RolloutOutput(
             chosen.completion_ids,
             chosen.completion_mask,
@@ -132,11 +132,6 @@ class DynamicSampling:
         rewards = self.shape_rewards(piece.rewards, piece.output)
         all_rewards = self.inner.host.all_gather(rewards).reshape(-1)  # [world * n]
         return (all_rewards.view(-1, self.group_size).std(dim=1) > ZERO_STD).tolist()
-
-    def _gather_stacked(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every rank's `tensor`, stacked: [world, ...]."""
-        host = self.inner.host
-        return host.all_gather(tensor).reshape(host.trainer.world_size, *tensor.shape)
 
     # -- the rest is the wrapped producer's --------------------------------------------------------------------
     @property

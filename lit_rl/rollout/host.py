@@ -24,6 +24,9 @@ class RolloutHost(Protocol):
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's `tensor` (Lightning's `all_gather`)."""
 
+    def gather_stacked(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor`, stacked: [world, ...] (also with one rank)."""
+
     def compute_dtype(self) -> torch.dtype:
         """The dtype the trainer computes in."""
 
