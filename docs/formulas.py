@@ -16,7 +16,7 @@ from generated_page import write_or_check  # noqa: E402  (docs/ is the script's 
 PAGE = Path(__file__).resolve().parent / "formulas.md"
 # In the order a reader meets them in one step: advantages, the per-token objective, the GRPO loss around it,
 # its aggregation, then the other algorithms' losses.
-MODULES = ("advantages", "policy", "grpo", "aggregation", "overlong", "rloo", "ppo", "dpo")
+MODULES = ("advantages", "policy", "grpo", "aggregation", "overlong", "rloo", "ppo", "dpo", "sft")
 
 
 def _functions(module) -> list:

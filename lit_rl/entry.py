@@ -42,6 +42,12 @@ def main(args: Optional[list[str]] = None) -> None:
     except BrokenInstall as err:
         sys.stderr.write(f"lit-rl: error: {err}\n")
         sys.exit(INSTALL_ERROR_EXIT)
+    given = sys.argv[1:] if args is None else args
+    if given[:1] == ["check"]:  # `lit-rl check`: not a LightningCLI subcommand (lit_rl/check)
+        from lit_rl.check.command import main as check_main
+
+        check_main(given[1:])
+        return
     from lit_rl.cli import main as cli_main
 
     cli_main(args)

@@ -183,3 +183,16 @@ def test_invariant_holds_to_rounding_for_arbitrary_rewards():
     assert abs(loss.item()) < 1e-6
     loss.backward()
     assert logp.grad.abs().sum() > 0
+
+
+def test_sft_loss_is_the_token_mean_of_the_whole_step_in_any_split():
+    """Two micro-batches of 3 and 1 tokens: their parts sum to the step's token mean, (1 + 2 + 3 + 4) / 4."""
+    from lit_rl.losses.sft import sft_loss
+
+    first = torch.tensor([[-1.0, -2.0], [-3.0, 0.0]]), torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    second = torch.tensor([[-4.0, -9.0]]), torch.tensor([[1.0, 0.0]])
+    step_tokens = torch.tensor(4.0)
+    total = sft_loss(*first, step_tokens) + sft_loss(*second, step_tokens)
+    assert total.item() == pytest.approx(10.0 / 4)
+    # A mean per micro-batch, averaged, would give (6/3 + 4/1) / 2 = 3.0: the split would change the loss.
+    assert total.item() != pytest.approx((6.0 / 3 + 4.0) / 2)

@@ -14,24 +14,24 @@ import logging
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 from torchmetrics import MeanMetric, MetricCollection
 
-from lit_rl.algorithms.base import PolicyModule
+from lit_rl.algorithms.offline import OfflineModule
 from lit_rl.config import OptimArgs, PolicyArgs, as_args
 from lit_rl.data.preference import TokenizedPair, collate_pairs
 from lit_rl.loss_config import DPOLoss
 from lit_rl.losses.dpo import REFERENCE_FREE, dpo_loss
 from lit_rl.modeling.models import resolve_model_path
 from lit_rl.training.metrics import DPO_PAIR_METRICS, LOCAL, metric_collection
-from lit_rl.training.strategies import is_accumulating_micro_batch, reduce_across_ranks
+from lit_rl.training.strategies import reduce_across_ranks
 
 log = logging.getLogger(__name__)
 
 
-class DPO(PolicyModule):
+class DPO(OfflineModule):
     """DPO, cDPO, robust DPO, IPO, hinge (SLiC), APO-zero and SimPO.
 
     The option groups it takes (`policy`, `optim`, ...) are documented in `lit_rl.config`, its `loss` group in
@@ -60,7 +60,6 @@ class DPO(PolicyModule):
         self.train_metrics = metrics.clone(prefix="train/")
         self.val_metrics = metrics.clone(prefix="val/")
         self._ref_cache: dict[str, torch.Tensor] = {}  # split -> [N, 2] (chosen, rejected) reference log-probs
-        self.train_batches_done = 0  # position in the training data, checkpointed (see ShardedPairBatches)
 
     @property
     def needs_reference(self) -> bool:
@@ -218,31 +217,12 @@ class DPO(PolicyModule):
         m["logits/rejected"].update(rejected_l[rejected_w > 0], rejected_w[rejected_w > 0])
 
     # -- Lightning hooks -------------------------------------------------------------------------------------
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         self.timer.count("trained_tokens", float(batch["completion_mask"].sum()))
-        loss = self._step(batch, "train", self.train_metrics)
-        self.train_batches_done += 1
-        return loss
-
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if is_accumulating_micro_batch(self.trainer):
-            return
-        self.log_collection(self.train_metrics, on_step=True, prog_bar=("loss",))
-        self.log_timings()
+        return self._step(batch, "train", self.train_metrics)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self._step(batch, "val", self.val_metrics)
-
-    def on_validation_epoch_end(self) -> None:
-        self.log_collection(self.val_metrics, on_step=False, prog_bar=("loss",))
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_save_checkpoint(checkpoint)
-        checkpoint["lit_rl"] = {"train_batches_done": self.train_batches_done}
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_load_checkpoint(checkpoint)
-        self.train_batches_done = checkpoint.get("lit_rl", {}).get("train_batches_done", 0)
 
 
 # -- metrics ----------------------------------------------------------------------------------------------------------

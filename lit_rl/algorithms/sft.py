@@ -14,13 +14,14 @@ from typing import Any, Optional
 import torch
 from torchmetrics import MeanMetric, MetricCollection, SumMetric
 
-from lit_rl.algorithms.base import PolicyModule
+from lit_rl.algorithms.offline import OfflineModule
 from lit_rl.config import OptimArgs, PolicyArgs
+from lit_rl.losses.sft import sft_loss
 from lit_rl.training.metrics import LOCAL, metric_collection
-from lit_rl.training.strategies import is_accumulating_micro_batch
+from lit_rl.training.strategies import reduce_across_ranks
 
 
-class SFT(PolicyModule):
+class SFT(OfflineModule):
     """Supervised fine-tuning of a causal LM on the completions of prompt/completion pairs.
 
     The option groups it takes (`policy`, `optim`, ...) are documented in `lit_rl.config`.
@@ -49,10 +50,8 @@ class SFT(PolicyModule):
 
     def encode_completions(self, completions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-padded completion ids followed by EOS, and their mask [B, T]."""
-        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-        limit = self.hparams.max_completion_length
-        ids = [self.tokenizer(c, add_special_tokens=False)["input_ids"] + [eos] for c in completions]
-        ids = [seq[:limit] if limit else seq for seq in ids]
+        ids = self.completion_token_ids(completions)
+        pad = self.tokenizer.pad_token_id
         T = max(len(seq) for seq in ids)
         out = torch.full((len(ids), T), pad, dtype=torch.long)
         mask = torch.zeros((len(ids), T), dtype=torch.float32)
@@ -61,16 +60,31 @@ class SFT(PolicyModule):
             mask[row, : len(seq)] = 1.0
         return out.to(self.device), mask.to(self.device)
 
-    def _step(self, rows: list[dict[str, Any]], metrics) -> torch.Tensor:
+    def completion_token_ids(self, completions: list[str]) -> list[list[int]]:
+        """Each completion's token ids and EOS, cut to `max_completion_length`."""
+        eos, limit = self.tokenizer.eos_token_id, self.hparams.max_completion_length
+        ids = [self.tokenizer(c, add_special_tokens=False)["input_ids"] + [eos] for c in completions]
+        return [seq[:limit] if limit else seq for seq in ids]
+
+    def step_tokens(self, window_rows: list[dict[str, Any]]) -> torch.Tensor:
+        """The completion tokens of the whole optimizer step: this rank's window, summed over ranks."""
+        count = sum(len(seq) for seq in self.completion_token_ids([row["completion"] for row in window_rows]))
+        tokens = torch.tensor(float(count), device=self.device)
+        return reduce_across_ranks(tokens) if self.trainer.world_size > 1 else tokens
+
+    def _step(self, batch: dict[str, Any], metrics, denominator: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The micro-batch's part of the loss, - sum m log p / `denominator` (its own tokens when None)."""
+        rows = batch["rows"]
         prompt_ids, prompt_mask = self.encode_prompts([row["prompt"] for row in rows])
         completion_ids, completion_mask = self.encode_completions([row["completion"] for row in rows])
+        completion_mask = completion_mask * batch["weight"].to(completion_mask)[:, None]  # padding rows weigh 0
         scores = self.score_completions(
             self.policy, prompt_ids, prompt_mask, completion_ids, completion_mask, extras=("argmax",)
         )
         logprobs = scores.logprobs  # [B, T]
         tokens = completion_mask > 0
         self.timer.count("trained_tokens", float(completion_mask.sum()))
-        loss = -(logprobs * completion_mask).sum() / completion_mask.sum()
+        loss = sft_loss(logprobs, completion_mask, completion_mask.sum() if denominator is None else denominator)
         with torch.no_grad():
             correct = (scores.argmax == completion_ids).float()
             metrics["loss"].update(-logprobs.detach()[tokens])  # token-weighted across micro-batches and ranks
@@ -78,21 +92,13 @@ class SFT(PolicyModule):
             metrics["num_tokens"].update(completion_mask.sum())
         return loss
 
-    def training_step(self, batch: list[dict[str, Any]], batch_idx: int) -> torch.Tensor:
-        # A per-micro-batch token mean (Lightning's usual mean of means): only DeepSpeed's extra division is undone.
-        return self._step(batch, self.train_metrics) * self.step_loss_scale(accumulated=False, across_ranks=False)
+    def training_loss(self, batch: dict[str, Any]) -> torch.Tensor:
+        loss = self._step(batch, self.train_metrics, self.step_tokens(batch["window_rows"]))
+        # Normalised over the whole step: undo Lightning's division by the accumulation and the ranks' averaging.
+        return loss * self.step_loss_scale()
 
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if is_accumulating_micro_batch(self.trainer):
-            return
-        self.log_collection(self.train_metrics, on_step=True, prog_bar=("loss",))
-        self.log_timings()
-
-    def validation_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         self._step(batch, self.val_metrics)
-
-    def on_validation_epoch_end(self) -> None:
-        self.log_collection(self.val_metrics, on_step=False, prog_bar=("loss",))
 
 
 # -- metrics ----------------------------------------------------------------------------------------------------------

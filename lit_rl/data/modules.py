@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from lit_rl.data.files import Row, load_rows, validate_rows
 from lit_rl.data.preference import ShardedPairBatches, TokenizedPair, tokenize_pairs, with_explicit_prompt
 from lit_rl.data.schedule import RolloutSchedule, RolloutScheduleLoader
-from lit_rl.data.sharding import ShardedRowBatches
+from lit_rl.data.sharding import ShardedRowBatches, ShardedTrainBatches
 from lit_rl.errors import ConfigError
 
 
@@ -100,8 +100,9 @@ class SFTDataModule(PromptDataModule):
         train_data: `builtin:addition/train` or a local file with `prompt` and `completion` columns.
         val_data: same format, for validation; None disables validation.
         val_limit: use at most this many validation rows.
-        batch_size: rows per micro-batch on each rank.
-        num_workers: DataLoader worker processes.
+        batch_size: rows per micro-batch on each rank (the loader shuffles each epoch with `seed`, shards the rows
+            across ranks and resumes where the checkpoint says: `lit_rl.data.sharding.ShardedTrainBatches`).
+        seed: seed of the training order (a new permutation each epoch).
     """
 
     required_columns = ("prompt", "completion")
@@ -112,29 +113,33 @@ class SFTDataModule(PromptDataModule):
         val_data: Optional[str] = "builtin:addition/val",
         val_limit: Optional[int] = None,
         batch_size: int = 64,
-        num_workers: int = 0,
+        seed: int = 0,
     ) -> None:
         if batch_size < 1:
             raise ConfigError(f"data.batch_size must be >= 1, got {batch_size}")
-        super().__init__(train_data=train_data, val_data=val_data, val_limit=val_limit, val_batch_size=batch_size)
-        self.batch_size = batch_size
-        self.num_workers = num_workers
-
-    def _loader(self, rows: list[Row], shuffle: bool) -> DataLoader[Any]:
-        return DataLoader(
-            rows,  # type: ignore[arg-type]
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            drop_last=shuffle,
-            collate_fn=collate_rows,
-            num_workers=self.num_workers,
+        super().__init__(
+            train_data=train_data, val_data=val_data, val_limit=val_limit, val_batch_size=batch_size, seed=seed
         )
+        self.batch_size = batch_size
 
     def train_dataloader(self) -> DataLoader[Any]:
-        return self._loader(self.train_rows, shuffle=True)
+        trainer = self.trainer
+        module = trainer.lightning_module
+        batches = ShardedTrainBatches(
+            self.train_rows,
+            self.batch_size,
+            self.seed,
+            trainer.global_rank,
+            trainer.world_size,
+            start_batch=lambda: getattr(module, "train_batches_done", 0),  # checkpointed by the algorithm
+            accumulate=trainer.accumulate_grad_batches,
+        )
+        return DataLoader(batches, batch_size=None)
 
     def val_dataloader(self) -> DataLoader[Any]:
-        return self._loader(self.val_rows, shuffle=False)
+        trainer = self.trainer
+        batches = ShardedRowBatches(self.val_rows, self.batch_size, trainer.global_rank, trainer.world_size)
+        return DataLoader(batches, batch_size=None)
 
 
 class PreferenceDataModule(PromptDataModule):

@@ -9,7 +9,7 @@ shard twice, with or without its distributed sampler.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.data import IterableDataset
@@ -53,3 +53,44 @@ class ShardedRowBatches(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for indices, weights in shard_batches(list(range(len(self.rows))), self.batch_size, self.rank, self.world_size):
             yield {"rows": [self.rows[i] for i in indices], "weight": torch.tensor(weights)}
+
+
+class ShardedTrainBatches(IterableDataset):
+    """Shuffled training batches of raw rows (`{"rows": [...], "weight": [B], "window_rows": [...]}`), sharded like
+    `shard_batches` and resumable like `lit_rl.data.preference.ShardedPairBatches`: iteration starts at
+    `start_batch()` (the algorithm's checkpointed count of consumed batches) in the permutation of its epoch.
+
+    `window_rows` are the real rows of this rank in the accumulation window (the `accumulate` batches of one
+    optimizer step) that holds the batch: a loss normalised by the whole step's tokens needs them before the
+    window's other batches arrive (`lit_rl.algorithms.sft`).
+    """
+
+    def __init__(
+        self,
+        rows: list[Row],
+        batch_size: int,
+        seed: int,
+        rank: int,
+        world_size: int,
+        start_batch: Callable[[], int] = lambda: 0,
+        accumulate: int = 1,
+    ) -> None:
+        self.rows, self.batch_size, self.seed, self.rank, self.world_size = rows, batch_size, seed, rank, world_size
+        self.start_batch, self.accumulate = start_batch, accumulate
+
+    def __len__(self) -> int:
+        return num_shard_batches(len(self.rows), self.batch_size, self.world_size)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        epoch, skip = divmod(self.start_batch(), len(self))
+        order = epoch_order(len(self.rows), self.seed, epoch)
+        batches = list(shard_batches(order, self.batch_size, self.rank, self.world_size))
+        for index, (indices, weights) in enumerate(batches[skip:], start=skip):
+            window = index // self.accumulate * self.accumulate
+            window_rows = [
+                self.rows[i]
+                for window_indices, window_weights in batches[window : window + self.accumulate]
+                for i, weight in zip(window_indices, window_weights)
+                if weight > 0
+            ]
+            yield {"rows": [self.rows[i] for i in indices], "weight": torch.tensor(weights), "window_rows": window_rows}

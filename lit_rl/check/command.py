@@ -1,0 +1,233 @@
+"""`lit-rl check --config my.yaml [overrides]`: run a user's own config in pairs of layouts that must agree, and
+print one table (pair, what was compared, the largest difference, the tolerance, PASS/FAIL/SKIP); exit 1 on any
+FAIL.
+
+The pairs and their layouts are in `lit_rl.check.layouts`, the comparison and tolerances in
+`lit_rl.check.compare`. Every run goes through `lit-rl fit` with the user's model, data, rewards and options; only
+the keys a pair is about change, plus what keeps the runs apart from the user's own (their logger and checkpoints
+go to a scratch directory; no HF export, no validation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import yaml
+
+from lit_rl.check.compare import PairResult, judge, tolerance_for
+from lit_rl.check.layouts import (
+    CannotRunHere,
+    Layout,
+    accumulation_layout,
+    check_runs_here,
+    get,
+    packing_layout,
+    processes,
+    ranks_layouts,
+    run_config,
+)
+from lit_rl.check.runner import RunFailed, RunResult, fit, last_line, read_run, resume
+
+PAIRS = ("accumulation", "packing", "ranks", "resume", "cadence")
+EXIT_FAIL = 1
+EXIT_NOTHING_CHECKED = 2
+HELP = """Run your config in pairs of layouts that must train to the same numbers, and say whether they do.
+
+  lit-rl check --config my.yaml [fit overrides] [--quick] [--steps K] [--pairs accumulation,resume]
+
+Pairs: accumulation (your micro-batches against one per step), ranks (1 process against 2), packing (padded
+against padding-free), resume (K steps against K/2, a stop and `--ckpt_path last`), cadence (checkpoints every
+K/2 steps, straight and resumed). Exit 1 when a pair fails, 2 when none could run here.
+"""
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(
+        prog="lit-rl check", description=HELP, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="2 steps per run (checkpoints every step)")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (even, >= 2; default 4)")
+    parser.add_argument("--pairs", default=",".join(PAIRS), help=f"a comma-separated subset of {','.join(PAIRS)}")
+    parser.add_argument("--workdir", default=None, help="keep the runs here (default: a temporary directory)")
+    options, fit_args = parser.parse_known_args(argv)
+    steps = options.steps if options.steps is not None else (2 if options.quick else 4)
+    if steps < 2 or steps % 2:
+        parser.error(f"--steps must be even and at least 2, got {steps}")
+    options.steps = steps
+    options.pairs = [p.strip() for p in options.pairs.split(",") if p.strip()]
+    unknown = [p for p in options.pairs if p not in PAIRS]
+    if unknown:
+        parser.error(f"--pairs: unknown {unknown}; choose from {list(PAIRS)}")
+    if "--config" not in fit_args and not any(a.startswith("--config=") for a in fit_args):
+        parser.error("give the config to check: lit-rl check --config my.yaml")
+    return options, fit_args
+
+
+def resolved_config(fit_args: list[str]) -> dict:
+    """The config `lit-rl fit *fit_args` would run, every default filled in (`--print_config`)."""
+    from lit_rl.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(["fit", *fit_args, "--print_config"])
+        except SystemExit as stop:
+            if stop.code not in (0, None):
+                lines = [line for line in err.getvalue().splitlines() if line.strip()]
+                raise CannotRunHere(lines[-1] if lines else f"lit-rl fit exited with {stop.code}") from None
+    return yaml.safe_load(out.getvalue())
+
+
+class Check:
+    """The runs of one check, each run once and shared by the pairs that need it."""
+
+    def __init__(self, config: dict, workdir: Path, steps: int, say: Callable[[str], None]) -> None:
+        self.config, self.workdir, self.steps, self.say = config, workdir, steps, say
+        self.every_n = steps // 2
+        self.results: dict[str, RunResult] = {}
+
+    def run(self, layout: Layout) -> RunResult:
+        if layout.name in self.results:
+            return self.results[layout.name]
+        directory = self.workdir / layout.name
+        config = run_config(self.config, layout, str(directory), self.steps, self.every_n, str(directory))
+        count = processes(config)
+        started = time.monotonic()
+        self.say(f"  run {layout.name} ({layout.describe()}, {count} process{'es' * (count > 1)})")
+        code = fit(config, directory, count)
+        if layout.stop_at is not None:
+            result = read_run(directory, directory)
+            if code != 143 or result.resume_command is None:
+                raise RunFailed(f"{layout.name} did not stop at step {layout.stop_at}: {last_line(directory)}")
+            self.say(f"  resume {layout.name} with the printed command: {result.resume_command}")
+            code = resume(directory, result.resume_command)
+        if code != 0:
+            raise RunFailed(f"{layout.name} failed (exit {code}): {last_line(directory)} (log: {directory}/output.log)")
+        result = read_run(directory, directory)
+        self.say(f"    {time.monotonic() - started:.0f} s")
+        self.results[layout.name] = result
+        return result
+
+    def straight(self) -> RunResult:
+        return self.run(Layout("straight"))
+
+
+def check_pair(check: Check, pair: str, gpus: int) -> PairResult:
+    tol = tolerance_for(get(check.config, "trainer.precision"), get(check.config, "model.init_args.policy.dtype"))
+    if pair == "accumulation":
+        layout = accumulation_layout(check.config)
+        result = judge(pair, check.run(layout), check.straight(), tol)
+        result.compared = f"{layout.describe()} vs as configured, {result.compared}"
+        return result
+    if pair == "packing":
+        layout = packing_layout(check.config)
+        result = judge(pair, check.run(layout), check.straight(), tol)
+        result.compared = f"{layout.describe()} vs as configured, {result.compared}"
+        return result
+    if pair == "ranks":
+        one, two = ranks_layouts(check.config, gpus)
+        reference = check.straight() if one.name == "straight" else check.run(one)
+        result = judge(pair, check.run(two), reference, tol)
+        result.compared = f"2 processes vs 1 ({'GPUs' if gpus >= 2 else 'CPU, gloo'}), {result.compared}"
+        return result
+    half = check.steps // 2
+    if pair == "resume":
+        resumed = check.run(Layout("resumed", stop_at=half))
+        result = judge(pair, resumed, check.straight(), tol, steps=set(range(half + 1, check.steps + 1)))
+        result.compared = f"stopped at {half} and resumed vs straight, {result.compared}"
+        return result
+    if pair == "cadence":
+        expected = list(range(check.every_n, check.steps + 1, check.every_n))
+        straight, resumed = (
+            check.straight().checkpoint_steps,
+            check.run(Layout("resumed", stop_at=half)).checkpoint_steps,
+        )
+        ok = straight == expected and resumed == expected
+        detail = "" if ok else f"straight {straight}, resumed {resumed}"
+        return PairResult(
+            pair, f"checkpoints at {expected}, straight and resumed", "PASS" if ok else "FAIL", detail=detail
+        )
+    raise ValueError(pair)
+
+
+def print_table(results: list[PairResult], write: Callable[[str], None]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="lit-rl check", show_lines=False)
+    for column in ("pair", "compared", "largest difference", "tolerance", "result"):
+        table.add_column(column)
+    for r in results:
+        style = {"PASS": "green", "FAIL": "bold red", "SKIP": "yellow"}[r.status]
+        table.add_row(
+            r.pair, r.compared, r.largest(), r.tolerance.name if r.tolerance else "", f"[{style}]{r.status}[/{style}]"
+        )
+    buffer = io.StringIO()
+    Console(file=buffer, width=130, force_terminal=False).print(table)
+    tolerances = sorted({r.tolerance for r in results if r.tolerance}, key=str)
+    notes = [
+        "Compared: every train/ metric at the steps shown, and the final weights as ||a - b|| / ||b - start||.",
+        "Not compared: perf/ (timings), train/rollout_* (engine-trainer rounding, different in every layout).",
+        *(
+            f"Tolerance {t.name}: |a - b| <= {t.atol:g} + {t.rtol:g} |b| per metric; weights <= {t.parameters:g}."
+            for t in tolerances
+        ),
+    ]
+    write(buffer.getvalue() + "\n".join(notes) + "\n")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    options, fit_args = parse(sys.argv[2:] if argv is None else argv)
+
+    def say(line: str) -> None:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    try:
+        config = resolved_config(fit_args)
+    except CannotRunHere as err:
+        say(f"lit-rl check: error: {err}")
+        sys.exit(EXIT_NOTHING_CHECKED)
+    import torch
+
+    gpus = torch.cuda.device_count()
+    scratch = options.workdir is None
+    workdir = Path(options.workdir or tempfile.mkdtemp(prefix="lit-rl-check-"))
+    check = Check(config, workdir, options.steps, say)
+    results: list[PairResult] = []
+    try:
+        check_runs_here(config, gpus)
+    except CannotRunHere as err:
+        results = [PairResult(pair, "", "SKIP", detail=f"cannot run here: {err}") for pair in options.pairs]
+    for pair in options.pairs if not results else ():
+        say(f"lit-rl check: {pair}")
+        try:
+            results.append(check_pair(check, pair, gpus))
+        except CannotRunHere as err:
+            results.append(PairResult(pair, "", "SKIP", detail=f"cannot run here: {err}"))
+        except RunFailed as err:
+            results.append(PairResult(pair, "", "FAIL", detail=str(err)))
+        except Exception as err:  # noqa: BLE001  (one pair's error must not lose the others' results)
+            results.append(PairResult(pair, "", "FAIL", detail=f"{type(err).__name__}: {err}"))
+    print_table(results, sys.stdout.write)
+    failed = [r.pair for r in results if r.status == "FAIL"]
+    passed = [r.pair for r in results if r.status == "PASS"]
+    if scratch and not failed:
+        shutil.rmtree(workdir, ignore_errors=True)
+    else:
+        say(f"lit-rl check: the runs are in {workdir}")
+    if failed:
+        say(f"lit-rl check: FAIL: {', '.join(failed)}")
+        sys.exit(EXIT_FAIL)
+    if not passed:
+        say("lit-rl check: no pair could run here (see SKIP above)")
+        sys.exit(EXIT_NOTHING_CHECKED)
+    say(f"lit-rl check: PASS: {', '.join(passed)}")

@@ -1,0 +1,195 @@
+"""How `lit-rl check` compares the two runs of a pair, and the tolerance each precision gets.
+
+Compared:
+- every logged `train/` value at every step both runs logged: it passes when |a - b| <= atol + rtol |b| (b: the
+  reference side);
+- the module's floating-point state after the last step, as one number: ||theta_a - theta_b|| / ||theta_b -
+  theta_0||, the distance between the two runs' final weights relative to how far training moved them (theta_0:
+  the weights at step 0). Element by element would not do: Adam divides each gradient by its own running
+  magnitude, so an element whose gradient is rounding noise (a key projection's bias, whose exact gradient is 0)
+  takes a full-size step in a noise-given direction in either run.
+Not compared: `perf/` (timings) and the engine-trainer mismatch (`train/rollout_logprob_diff/*`, `train/rollout_kl`,
+`train/rollout_is_ratio/*`): rounding noise around 1e-6 that differs in every layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from lit_rl.check.runner import RunResult
+
+WEIGHTS = "final weights, relative to the update"
+IGNORED_PREFIXES = (
+    "train/perf/",
+    "perf/",
+    "train/rollout_logprob_diff/",
+    "train/rollout_kl",
+    "train/rollout_is_ratio/",
+)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    name: str
+    rtol: float
+    atol: float
+    parameters: float  # the largest relative distance of the final weights (module docstring)
+
+    def __str__(self) -> str:
+        return f"{self.name}: rtol {self.rtol:g}, atol {self.atol:g}; weights {self.parameters:g}"
+
+
+# fp32: the shipped configs differ by ~1e-7 relative in their metrics and ~3e-5 in their weights across layouts.
+FP32 = Tolerance("fp32", 1e-5, 1e-6, 1e-3)
+# bf16 keeps 8 bits of mantissa (relative rounding 2**-9 ~ 2e-3); sums over different micro-batch splits round
+# differently at each step, and a few steps compound it.
+BF16 = Tolerance("bf16", 2e-2, 2e-3, 5e-2)
+FP16 = Tolerance("fp16", 5e-3, 5e-4, 2e-2)
+
+
+def tolerance_for(precision: Optional[str], dtype: Optional[str]) -> Tolerance:
+    """From `trainer.precision` and `model.policy.dtype`: the lowest precision either computes in."""
+    text = f"{precision or ''} {dtype or ''}".lower()
+    if "bf16" in text or "bfloat16" in text:
+        return BF16
+    if "16" in text:
+        return FP16
+    return FP32
+
+
+@dataclass(frozen=True)
+class Difference:
+    """The value that differs most, relative to what the tolerance allows: where, both values, and whether it
+    passes."""
+
+    where: str
+    value: float
+    reference: float
+    passed: bool
+
+    @property
+    def abs_diff(self) -> float:
+        return abs(self.value - self.reference)
+
+
+def _allowed(reference: float, tol: Tolerance) -> float:
+    return tol.atol + tol.rtol * abs(reference)
+
+
+def compare_rows(
+    rows: list[dict[str, float]], reference: list[dict[str, float]], tol: Tolerance, steps: Optional[set[int]] = None
+) -> tuple[Optional[Difference], list[str]]:
+    """The worst difference over the logged values of `steps` (all of the reference's by default), and what is
+    wrong besides: a metric one run logs and the other does not, and the first value over the tolerance (the
+    earliest step, where the cause shows before its consequences do)."""
+    by_step = {int(row["step"]): row for row in reference}
+    mine = {int(row["step"]): row for row in rows}
+    wanted = sorted(steps if steps is not None else by_step)
+    problems = [f"step {s} not logged" for s in wanted if s not in mine or s not in by_step]
+    worst: Optional[Difference] = None
+    first: Optional[Difference] = None
+    for step in wanted:
+        if step not in mine or step not in by_step:
+            continue
+        a = {k: v for k, v in mine[step].items() if not k.startswith(IGNORED_PREFIXES)}
+        b = {k: v for k, v in by_step[step].items() if not k.startswith(IGNORED_PREFIXES)}
+        for key in sorted(set(a) ^ set(b)):
+            problems.append(f"step {step}: {key} logged by one run only")
+        for key in sorted(set(a) & set(b)):
+            if key == "step":
+                continue
+            value, ref = a[key], b[key]
+            nan_equal = math.isnan(value) and math.isnan(ref)
+            excess = 0.0 if nan_equal else abs(value - ref) / _allowed(ref, tol)
+            diff = Difference(f"step {step} {key}", value, ref, nan_equal or excess <= 1.0)
+            if worst is None or _excess(diff, tol) > _excess(worst, tol):
+                worst = diff
+            if first is None and not diff.passed:
+                first = diff
+    if first is not None and first is not worst:
+        problems.append(f"first over tolerance: {first.where} ({first.value:.6g} vs {first.reference:.6g})")
+    return worst, problems
+
+
+def _excess(diff: Difference, tol: Tolerance) -> float:
+    """How many times the tolerance the difference is (above 1 fails)."""
+    if math.isnan(diff.value) and math.isnan(diff.reference):
+        return 0.0
+    if math.isnan(diff.value) or math.isnan(diff.reference):
+        return math.inf
+    if diff.where == WEIGHTS:
+        return diff.value / tol.parameters
+    return diff.abs_diff / _allowed(diff.reference, tol)
+
+
+def compare_parameters(
+    parameters: dict[str, torch.Tensor],
+    reference: dict[str, torch.Tensor],
+    initial: Optional[dict[str, torch.Tensor]],
+    tol: Tolerance,
+) -> tuple[Optional[Difference], list[str]]:
+    """||parameters - reference|| / ||reference - initial|| over every floating-point tensor (module docstring)."""
+    problems = [f"{name} in one run only" for name in sorted(set(parameters) ^ set(reference))]
+    if initial is None:
+        return None, [*problems, "no step-0 weights to measure the update by"]
+    apart = moved = 0.0
+    for name in sorted(set(parameters) & set(reference)):
+        a, b = parameters[name], reference[name]
+        if a.shape != b.shape:
+            problems.append(f"{name}: shape {tuple(a.shape)} against {tuple(b.shape)}")
+            continue
+        apart += float(((a - b).double() ** 2).sum())
+        if name in initial:
+            moved += float(((b - initial[name]).double() ** 2).sum())
+    if moved == 0.0:
+        return None, [*problems, "training did not move the weights"]
+    relative = math.sqrt(apart / moved)
+    return Difference(WEIGHTS, relative, 0.0, relative <= tol.parameters), problems
+
+
+@dataclass
+class PairResult:
+    """One row of the table."""
+
+    pair: str
+    compared: str
+    status: str  # PASS, FAIL or SKIP
+    differences: tuple[Difference, ...] = ()  # the largest of the metrics, and the weights'
+    tolerance: Optional[Tolerance] = None
+    detail: str = ""
+
+    def largest(self) -> str:
+        """The metric that differs most (with both values where it fails), and the weights' distance."""
+        parts = []
+        for d in self.differences:
+            if d.where == WEIGHTS:
+                parts.append(f"weights {d.value:.2g}")
+            elif d.abs_diff == 0:
+                parts.append("metrics equal")
+            else:
+                values = "" if d.passed else f" ({d.value:.6g} vs {d.reference:.6g})"
+                parts.append(f"{d.abs_diff:.2g} at {d.where}{values}")
+        return "; ".join([*parts, *([self.detail] if self.detail else [])])
+
+
+def judge(pair: str, left: RunResult, right: RunResult, tol: Tolerance, steps: Optional[set[int]] = None) -> PairResult:
+    """PASS when every compared value of `left` is within `tol` of `right`'s and nothing is missing."""
+    rows_worst, row_problems = compare_rows(left.rows, right.rows, tol, steps)
+    params_worst, param_problems = compare_parameters(left.parameters, right.parameters, right.initial_parameters, tol)
+    problems = row_problems + param_problems
+    found = tuple(d for d in (rows_worst, params_worst) if d is not None)
+    failed = bool(problems) or rows_worst is None or any(not d.passed for d in found)
+    shown = sorted({int(r["step"]) for r in right.rows} if steps is None else steps)
+    compared = f"steps {_span(shown)}"
+    detail = "; ".join(problems[:3]) if problems else ("nothing logged" if rows_worst is None else "")
+    return PairResult(pair, compared, "FAIL" if failed else "PASS", found, tol, detail)
+
+
+def _span(steps: list[int]) -> str:
+    if not steps:
+        return "none"
+    return f"{steps[0]}-{steps[-1]}" if len(steps) > 1 else str(steps[0])

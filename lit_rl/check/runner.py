@@ -1,0 +1,150 @@
+"""Running one layout of `lit-rl check` through the real `lit-rl fit`, and reading back what it wrote.
+
+One-process layouts run in this process (as the test suite runs the CLI); multi-process layouts as a `lit-rl fit`
+process, since Lightning starts the other ranks by running the same command again. Each run's output goes to
+`output.log` in its directory, so a failed run can be read afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import logging
+import os
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import yaml
+
+from lit_rl.check.probe import INITIAL_PARAMETERS_FILE, PARAMETERS_FILE
+
+RESUME_HINT = "resume with: "
+
+
+class RunFailed(Exception):
+    """A layout's run ended with an error; the message is its last line of output and where the rest is."""
+
+
+@dataclass
+class RunResult:
+    rows: list[dict[str, float]]  # each `train/` row of metrics.csv, with its step
+    parameters: dict[str, torch.Tensor]  # the module's floating-point state after the last step
+    initial_parameters: Optional[dict[str, torch.Tensor]]  # ... before the first, where the run started at step 0
+    checkpoint_steps: list[int] = field(default_factory=list)  # global_step of every checkpoint but `last`
+    resume_command: Optional[str] = None  # what a stopped run printed
+
+
+def fit(config: dict, directory: Path, processes: int = 1, args: tuple[str, ...] = ()) -> int:
+    """`lit-rl fit --config <directory>/config.yaml *args`; its exit code. Output goes to `output.log`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    command = ["fit", "--config", str(path), *args]
+    with open(directory / "output.log", "a") as log:
+        if processes > 1:
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # this process's imports
+            return subprocess.run(
+                [sys.executable, "-m", "lit_rl.cli", *command], stdout=log, stderr=log, env=env
+            ).returncode
+        from lit_rl.cli import main
+
+        with (
+            contextlib.redirect_stdout(log),
+            contextlib.redirect_stderr(log),
+            lightning_info_quiet(),
+            command_line(["lit-rl", *command]),
+        ):
+            try:
+                main(command)
+            except SystemExit as stop:
+                return stop.code if isinstance(stop.code, int) else 1
+            except Exception as err:  # noqa: BLE001  (reported as the run's failure, with its log)
+                log.write(f"{type(err).__name__}: {err}\n")
+                return 1
+    return 0
+
+
+@contextlib.contextmanager
+def lightning_info_quiet():
+    """Lightning's info lines ("Seed set to 0", "GPU available") go through `logging` handlers that hold the
+    terminal's stream, past the redirection into the run's log: hold them back while a run goes."""
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def command_line(argv: list[str]):
+    """`sys.argv` as if the user had typed the run's command: LightningCLI warns when it is given arguments while
+    `sys.argv` holds others (`lit-rl check ...`)."""
+    saved = sys.argv
+    sys.argv = argv
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
+def last_line(directory: Path) -> str:
+    lines = [line for line in (directory / "output.log").read_text().splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("lit-rl: error:") or "Error" in line.split(":", 1)[0]]
+    return (errors or lines or ["no output"])[-1].strip()
+
+
+def read_run(directory: Path, save_dir: Path) -> RunResult:
+    """What a finished (or stopped) run left: its train rows, final parameters, checkpoints and resume hint."""
+    runs = sorted((save_dir / "run").glob("version_*"))
+    if not runs:
+        raise RunFailed(f"no run directory under {save_dir}: {last_line(directory)}")
+    run = runs[-1]
+    if not (run / "metrics.csv").exists() or not (directory / PARAMETERS_FILE).exists():
+        raise RunFailed(f"{directory.name} wrote no metrics or no weights: {last_line(directory)}")
+    rows = []
+    with open(run / "metrics.csv", newline="") as handle:
+        for row in csv.DictReader(handle):
+            values = {k: float(v) for k, v in row.items() if v != "" and (k.startswith("train/") or k == "step")}
+            if any(k.startswith("train/") for k in values):
+                rows.append(values)
+    probe = torch.load(directory / PARAMETERS_FILE, weights_only=True)
+    initial_file = directory / INITIAL_PARAMETERS_FILE
+    initial = torch.load(initial_file, weights_only=True)["parameters"] if initial_file.exists() else None
+    steps = []
+    for checkpoint in sorted((run / "checkpoints").glob("*.ckpt")):
+        if checkpoint.is_symlink() or checkpoint.name.startswith("last"):
+            continue
+        steps.append(torch.load(checkpoint, map_location="cpu", weights_only=False, mmap=True)["global_step"])
+    hints = [line for line in (directory / "output.log").read_text().splitlines() if RESUME_HINT in line]
+    hint = hints[-1].split(RESUME_HINT, 1)[1].strip() if hints else None
+    return RunResult(rows, probe["parameters"], initial, sorted(steps), hint)
+
+
+def resume(directory: Path, command: str) -> int:
+    """Run the command a stopped run printed, as a user would type it (in this process)."""
+    args = shlex.split(command)
+    if args[:1] != ["lit-rl"]:
+        raise RunFailed(f"the stopped run printed an unexpected resume command: {command}")
+    from lit_rl.cli import main
+
+    with (
+        open(directory / "output.log", "a") as log,
+        contextlib.redirect_stdout(log),
+        contextlib.redirect_stderr(log),
+        lightning_info_quiet(),
+        command_line(args),
+    ):
+        try:
+            main(args[1:])
+        except SystemExit as stop:
+            return stop.code if isinstance(stop.code, int) else 1
+    return 0

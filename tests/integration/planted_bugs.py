@@ -1,0 +1,40 @@
+"""Bugs users met in other RL trainers, planted through lit-rl's extension points (an objective, an advantage
+estimator, a callback given by import path): `lit-rl check` must fail each, naming the pair that shows it."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+
+from lit_rl.losses.policy import ppo_clip
+from lit_rl.training.strategies import is_accumulating_micro_batch
+
+
+def loss_over_the_micro_batch_tokens(
+    logprobs, old_logprobs, advantages, completion_mask, epsilon_low=0.2, epsilon_high=0.2
+):
+    """PPO's clipped objective with each token weighted by 1 / (its micro-batch's token count): a loss normalised
+    per micro-batch instead of per optimizer step (TRL #6024: DAPO and CISPO mis-scaled by accumulation)."""
+    per_token, stats = ppo_clip(logprobs, old_logprobs, advantages, completion_mask, epsilon_low, epsilon_high)
+    return per_token * 100.0 / completion_mask.sum().clamp(min=1.0), stats
+
+
+def advantages_normalised_per_rank(rewards, group_size, scale_rewards="group", eps=1e-4):
+    """(r - mean) / std over this rank's share of the generation's rewards, as a trainer that never gathered the
+    rewards across ranks computes it. `rewards` is the whole generation [B*G]; rank r's share is the r-th of
+    `world_size` consecutive slices (`lit_rl.data.schedule`)."""
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    shares = rewards.view(world, -1)
+    advantages = (shares - shares.mean(dim=1, keepdim=True)) / (shares.std(dim=1, keepdim=True) + eps)
+    return advantages.reshape(-1), {}
+
+
+class EntropyAsMeanOfRankMeans(L.Callback):
+    """Logs `train/entropy_of_ranks`: each rank's own per-token entropy mean, averaged over ranks by Lightning's
+    `sync_dist`: a mean of rank means, where a rank with more tokens should weigh more."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        entropy = pl_module.train_metrics["entropy"]  # a MeanMetric: its states are this rank's, before the sync
+        if is_accumulating_micro_batch(trainer) or entropy.weight == 0:
+            return
+        pl_module.log("train/entropy_of_ranks", entropy.mean_value / entropy.weight, sync_dist=True)

@@ -1,0 +1,81 @@
+"""`lit-rl check` as a user runs it: every shipped config passes it in quick mode (or says why it cannot run on
+this machine), and the bugs users met elsewhere, planted through an objective, an estimator or a callback given by
+import path, fail it, naming the pair that shows them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import CONFIGS, REPO
+
+pytestmark = pytest.mark.slow
+
+RUNS_HERE = ["grpo", "grpo_tools", "ppo", "rloo", "online_dpo", "dpo", "sft", "sft_tools"]
+NEEDS_GPUS = ["grpo_8gpu", "dpo_8gpu"]
+PAIRS = ("accumulation", "packing", "ranks", "resume", "cadence")
+
+
+def _check(tmp_path, config: str, *args: str) -> subprocess.CompletedProcess:
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])  # this Python's lit-rl
+    env = {**os.environ, "PATH": path, "PYTHONPATH": str(REPO)}
+    command = ["lit-rl", "check", "--config", str(CONFIGS / f"{config}.yaml"), "--quick", *args]
+    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+
+
+def _results(stdout: str) -> dict[str, str]:
+    """pair -> PASS / FAIL / SKIP, from the table's rows."""
+    out = {}
+    for line in stdout.splitlines():
+        cells = [cell.strip() for cell in line.strip("│ ").split("│")]
+        if len(cells) == 5 and cells[0] in PAIRS:
+            out[cells[0]] = cells[4]
+    return out
+
+
+@pytest.mark.parametrize("config", RUNS_HERE)
+def test_a_shipped_config_passes_every_pair(tmp_path, config):
+    result = _check(tmp_path, config)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert _results(result.stdout) == {pair: "PASS" for pair in PAIRS}, result.stdout
+    assert f"lit-rl check: PASS: {', '.join(PAIRS)}" in result.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written beside the user's files (runs go to a temporary dir)
+
+
+@pytest.mark.parametrize("config", NEEDS_GPUS)
+def test_a_config_for_gpus_this_machine_lacks_is_skipped_saying_why(tmp_path, config):
+    result = _check(tmp_path, config)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert _results(result.stdout) == {pair: "SKIP" for pair in PAIRS}, result.stdout
+    assert "cannot run here: the config trains on 8 GPU(s)" in result.stdout
+    assert "no pair could run here" in result.stderr
+
+
+PLANTED = {
+    "loss normalised per micro-batch": (
+        ["--model.loss.objective", "tests.integration.planted_bugs.loss_over_the_micro_batch_tokens"],
+        "accumulation",
+    ),
+    "advantages normalised per rank": (
+        ["--model.loss.advantage", "tests.integration.planted_bugs.advantages_normalised_per_rank"],
+        "ranks",
+    ),
+    "metric averaged as a mean of rank means": (
+        ["--trainer.callbacks+=tests.integration.planted_bugs.EntropyAsMeanOfRankMeans"],
+        "ranks",
+    ),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(PLANTED))
+def test_a_planted_bug_fails_the_pair_that_shows_it(tmp_path, bug):
+    args, pair = PLANTED[bug]
+    result = _check(tmp_path, "grpo", *args, "--pairs", pair)
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    assert _results(result.stdout) == {pair: "FAIL"}, result.stdout
+    assert f"lit-rl check: FAIL: {pair}" in result.stderr
+    if bug.startswith("metric"):
+        assert "train/entropy_of_ranks" in result.stdout  # the table names the metric that differs

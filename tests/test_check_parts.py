@@ -1,0 +1,149 @@
+"""The parts of `lit-rl check` that decide: the layouts a config is run in, and how two runs are compared."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lit_rl.check.compare import BF16, FP32, WEIGHTS, compare_parameters, compare_rows, judge, tolerance_for
+from lit_rl.check.layouts import (
+    CannotRunHere,
+    Layout,
+    accumulation_layout,
+    check_runs_here,
+    packing_layout,
+    ranks_layouts,
+    run_config,
+)
+from lit_rl.check.runner import RunResult
+
+
+def _config(**trainer):
+    return {
+        "trainer": {"devices": 1, "accelerator": "cpu", "accumulate_grad_batches": 1, "callbacks": [], **trainer},
+        "model": {
+            "class_path": "lit_rl.algorithms.GRPO",
+            "init_args": {
+                "schedule": {"micro_batch_size": 8, "micro_batch_tokens": None},
+                "policy": {"padding_free": False},
+            },
+        },
+        "data": {"init_args": {}},
+    }
+
+
+def test_accumulation_compares_with_one_micro_batch_or_splits_a_single_one():
+    assert accumulation_layout(_config(accumulate_grad_batches=4)).changes == {
+        "model.init_args.schedule.micro_batch_size": 32,
+        "trainer.accumulate_grad_batches": 1,
+    }
+    assert accumulation_layout(_config()).changes == {
+        "model.init_args.schedule.micro_batch_size": 4,
+        "trainer.accumulate_grad_batches": 2,
+    }
+    odd = _config()
+    odd["model"]["init_args"]["schedule"]["micro_batch_size"] = 3
+    with pytest.raises(CannotRunHere, match="micro_batch_size=3 cannot be split"):
+        accumulation_layout(odd)
+
+
+def test_online_dpo_keeps_whole_pairs_and_dpo_sizes_by_its_data_module():
+    online = _config()
+    online["model"]["class_path"] = "lit_rl.algorithms.OnlineDPO"
+    online["model"]["init_args"]["schedule"]["micro_batch_size"] = 2  # one pair: cannot be split
+    with pytest.raises(CannotRunHere):
+        accumulation_layout(online)
+    dpo = _config(accumulate_grad_batches=2)
+    dpo["model"] = {"class_path": "lit_rl.algorithms.DPO", "init_args": {"policy": {}}}
+    dpo["data"]["init_args"]["batch_size"] = 16
+    assert accumulation_layout(dpo).changes == {"data.init_args.batch_size": 32, "trainer.accumulate_grad_batches": 1}
+
+
+def test_ranks_keep_the_global_batch_and_reuse_the_users_one_process_run():
+    one, two = ranks_layouts(_config(accumulate_grad_batches=2), gpus=0)
+    assert one.name == "straight" and one.changes == {}
+    assert two.changes["trainer.devices"] == 2 and two.changes["trainer.accumulate_grad_batches"] == 1
+    _, two = ranks_layouts(_config(), gpus=0)
+    assert two.changes["model.init_args.schedule.micro_batch_size"] == 4
+    one, _ = ranks_layouts(_config(accelerator="gpu"), gpus=0)  # a GPU config on a CPU machine: both sides on CPU
+    assert one.name == "one_process" and one.changes["trainer.accelerator"] == "cpu"
+
+
+def test_a_config_that_needs_missing_gpus_is_refused_in_one_line():
+    with pytest.raises(CannotRunHere, match="trains on 8 GPU"):
+        check_runs_here(_config(accelerator="gpu", devices=8), gpus=1)
+    check_runs_here(_config(), gpus=0)
+
+
+def test_packing_flips_padding_free():
+    assert packing_layout(_config()).changes == {"model.init_args.policy.padding_free": True}
+
+
+def test_a_run_writes_only_under_its_directory_and_keeps_the_users_checkpoint_callback():
+    config = _config()
+    config["trainer"]["callbacks"] = [
+        {
+            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {"dirpath": "/users/ckpts", "every_n_train_steps": 100, "filename": "{step}"},
+        },
+        {"class_path": "lit_rl.callbacks.SaveHFPretrained", "init_args": {"dirpath": None}},
+    ]
+    config["trainer"]["logger"] = {"class_path": "lightning.pytorch.loggers.WandbLogger", "init_args": {}}
+    out = run_config(config, Layout("x", stop_at=1), "/scratch/x", steps=2, every_n=1, probe_dir="/scratch/x")
+    callbacks = out["trainer"]["callbacks"]
+    assert [c["class_path"] for c in callbacks] == [
+        "lightning.pytorch.callbacks.ModelCheckpoint",
+        "lit_rl.check.probe.CheckProbe",
+    ]
+    assert callbacks[0]["init_args"]["dirpath"] is None and callbacks[0]["init_args"]["every_n_train_steps"] == 1
+    assert callbacks[0]["init_args"]["filename"] == "{step}"
+    assert callbacks[1]["init_args"] == {"directory": "/scratch/x", "stop_at_step": 1}
+    assert out["trainer"]["logger"]["init_args"]["save_dir"] == "/scratch/x"
+    assert out["trainer"]["max_steps"] == 2 and out["trainer"]["log_every_n_steps"] == 1
+    assert config["trainer"]["logger"]["class_path"].endswith("WandbLogger")  # the user's config is untouched
+
+
+def test_tolerance_follows_the_lowest_precision():
+    assert tolerance_for(None, "float32") is FP32
+    assert tolerance_for("bf16-mixed", "float32") is BF16
+    assert tolerance_for("32-true", "bfloat16") is BF16
+
+
+def test_rows_compare_every_shared_metric_and_report_the_worst():
+    reference = [{"step": 1.0, "train/loss": 1.0, "train/kl": 0.5}, {"step": 2.0, "train/loss": 2.0, "train/kl": 0.5}]
+    close = [
+        {"step": 1.0, "train/loss": 1.0 + 5e-6, "train/kl": 0.5},
+        {"step": 2.0, "train/loss": 2.0, "train/kl": 0.5},
+    ]
+    worst, problems = compare_rows(close, reference, FP32)
+    assert problems == [] and worst.passed and worst.where == "step 1 train/loss"
+    far = [{"step": 1.0, "train/loss": 1.0, "train/kl": 0.5}, {"step": 2.0, "train/loss": 2.1, "train/kl": 0.5}]
+    worst, _ = compare_rows(far, reference, FP32)
+    assert not worst.passed and worst.where == "step 2 train/loss" and worst.abs_diff == pytest.approx(0.1)
+    missing = [{"step": 1.0, "train/loss": 1.0}]
+    _, problems = compare_rows(missing, reference, FP32)
+    assert problems == ["step 2 not logged", "step 1: train/kl logged by one run only"]
+    timings = [{**row, "train/perf/step_s": 9.0} for row in reference]  # timings are not compared
+    assert compare_rows(timings, reference, FP32)[1] == []
+
+
+def test_weights_compare_by_their_distance_relative_to_the_update():
+    initial = {"w": torch.zeros(4)}
+    reference = {"w": torch.tensor([1.0, 0.0, 0.0, 0.0])}
+    near = {"w": torch.tensor([1.0, 5e-4, 0.0, 0.0])}  # 5e-4 of an update of norm 1
+    worst, problems = compare_parameters(near, reference, initial, FP32)
+    assert problems == [] and worst.where == WEIGHTS and worst.value == pytest.approx(5e-4, rel=1e-6) and worst.passed
+    worst, _ = compare_parameters({"w": torch.tensor([1.0, 2e-3, 0.0, 0.0])}, reference, initial, FP32)
+    assert not worst.passed
+    _, problems = compare_parameters(reference, reference, reference, FP32)
+    assert problems == ["training did not move the weights"]
+
+
+def test_a_pair_fails_on_any_difference_over_tolerance_and_passes_otherwise():
+    rows = [{"step": 1.0, "train/loss": 1.0}]
+    initial, final = {"w": torch.zeros(2)}, {"w": torch.ones(2)}
+    same = RunResult(rows, final, initial)
+    assert judge("accumulation", same, same, FP32).status == "PASS"
+    moved = RunResult([{"step": 1.0, "train/loss": 1.1}], final, initial)
+    result = judge("accumulation", moved, same, FP32)
+    assert result.status == "FAIL" and "train/loss" in result.largest()
