@@ -147,3 +147,29 @@ def test_a_pair_fails_on_any_difference_over_tolerance_and_passes_otherwise():
     moved = RunResult([{"step": 1.0, "train/loss": 1.1}], final, initial)
     result = judge("accumulation", moved, same, FP32)
     assert result.status == "FAIL" and "train/loss" in result.largest()
+
+
+def test_mismatch_varies_each_factor_the_config_allows_and_names_the_largest_move():
+    from lit_rl.check.mismatch import FactorResult, factor_layouts, moved_most
+
+    config = _config()
+    config["model"]["init_args"]["rollout"] = {"engine": {"class_path": "lit_rl.rollout.VLLMColocate"}}
+    config["model"]["init_args"]["policy"].update(dtype="bfloat16", lora=None)
+    factors = {factor: (layout.changes if layout else why) for factor, layout, why in factor_layouts(config)}
+    assert factors == {
+        "engine": {"model.init_args.rollout.engine": None},
+        "dtype": {"model.init_args.policy.dtype": "float32"},
+        "packing": {"model.init_args.policy.padding_free": True},
+        "lora": "the config trains no LoRA adapter",
+    }
+    baseline = {"train/rollout_kl": 1e-6}
+    results = [
+        FactorResult("engine", "", {"train/rollout_kl": 1e-9}),  # 3 decades away
+        FactorResult("dtype", "", {"train/rollout_kl": 2e-6}),
+        FactorResult("lora", "", {}, skipped="no LoRA"),
+    ]
+    assert moved_most(baseline, results) == "engine"
+    without_rollouts = _config()
+    without_rollouts["model"]["init_args"].pop("schedule")
+    with pytest.raises(CannotRunHere, match="samples no rollouts"):
+        factor_layouts(without_rollouts)

@@ -34,6 +34,7 @@ from lit_rl.check.layouts import (
     ranks_layouts,
     run_config,
 )
+from lit_rl.check.mismatch import MISMATCH_METRICS, moved_most, run_mismatch
 from lit_rl.check.runner import RunFailed, RunResult, fit, last_line, read_run, resume
 
 PAIRS = ("accumulation", "packing", "ranks", "resume", "cadence")
@@ -46,6 +47,11 @@ HELP = """Run your config in pairs of layouts that must train to the same number
 Pairs: accumulation (your micro-batches against one per step), ranks (1 process against 2), packing (padded
 against padding-free), resume (K steps against K/2, a stop and `--ckpt_path last`), cadence (checkpoints every
 K/2 steps, straight and resumed). Exit 1 when a pair fails, 2 when none could run here.
+
+  lit-rl check --config my.yaml --mismatch
+
+One step as configured and one per factor changed (engine, dtype, packing): which factor moves the engine-trainer
+log-prob mismatch (train/rollout_kl) most.
 """
 
 
@@ -57,6 +63,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (even, >= 2; default 4)")
     parser.add_argument("--pairs", default=",".join(PAIRS), help=f"a comma-separated subset of {','.join(PAIRS)}")
     parser.add_argument("--workdir", default=None, help="keep the runs here (default: a temporary directory)")
+    parser.add_argument(
+        "--mismatch", action="store_true", help="instead: which factor moves the engine-trainer log-prob mismatch"
+    )
     options, fit_args = parser.parse_known_args(argv)
     steps = options.steps if options.steps is not None else (2 if options.quick else 4)
     if steps < 2 or steps % 2:
@@ -118,6 +127,11 @@ class Check:
 
     def straight(self) -> RunResult:
         return self.run(Layout("straight"))
+
+    def first_step(self, layout: Layout) -> dict[str, float]:
+        """The `train/` values of the first step of `layout` (the runs of `--mismatch`)."""
+        result = self.run(layout)
+        return next((row for row in result.rows if int(row["step"]) == 1), {})
 
 
 def check_pair(check: Check, pair: str, gpus: int) -> PairResult:
@@ -201,6 +215,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     gpus = torch.cuda.device_count()
     scratch = options.workdir is None
     workdir = Path(options.workdir or tempfile.mkdtemp(prefix="lit-rl-check-"))
+    if options.mismatch:
+        mismatch(Check(config, workdir, 1, say), gpus, say)
+        if scratch:
+            shutil.rmtree(workdir, ignore_errors=True)
+        return
     check = Check(config, workdir, options.steps, say)
     results: list[PairResult] = []
     try:
@@ -231,3 +250,35 @@ def main(argv: Optional[list[str]] = None) -> None:
         say("lit-rl check: no pair could run here (see SKIP above)")
         sys.exit(EXIT_NOTHING_CHECKED)
     say(f"lit-rl check: PASS: {', '.join(passed)}")
+
+
+def mismatch(check: Check, gpus: int, say: Callable[[str], None]) -> None:
+    """`--mismatch`: one step as configured and one per factor changed; a table of their mismatch metrics."""
+    from rich.console import Console
+    from rich.table import Table
+
+    try:
+        check_runs_here(check.config, gpus)
+        baseline, results = run_mismatch(check.config, check.first_step)
+    except (CannotRunHere, RunFailed) as err:
+        say(f"lit-rl check: error: {err}")
+        sys.exit(EXIT_NOTHING_CHECKED)
+    table = Table(title="lit-rl check --mismatch: step 1, engine against trainer")
+    for column in ("factor", "changed", "rollout_kl", "is_ratio min / max", "logprob diff max"):
+        table.add_column(column)
+
+    def cells(values: dict[str, float]) -> list[str]:
+        got = [values.get(key) for key in MISMATCH_METRICS]
+        if got[0] is None:
+            return ["not logged", "", ""]
+        return [f"{got[0]:.3g}", f"{got[1]:.6g} / {got[2]:.6g}", f"{got[3]:.3g}"]
+
+    table.add_row("as configured", "", *cells(baseline))
+    for r in results:
+        table.add_row(r.factor, r.change or r.skipped, *([""] * 3 if r.skipped else cells(r.values)))
+    buffer = io.StringIO()
+    Console(file=buffer, width=130, force_terminal=False).print(table)
+    sys.stdout.write(buffer.getvalue())
+    most = moved_most(baseline, results)
+    if most is not None:
+        sys.stdout.write(f"The factor that moves rollout_kl most: {most}.\n")

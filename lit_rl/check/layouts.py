@@ -36,8 +36,11 @@ class Layout:
     name: str
     changes: dict[str, Any] = field(default_factory=dict)
     stop_at: Optional[int] = None
+    description: Optional[str] = None  # what the changes mean, where their values alone do not say it
 
     def describe(self) -> str:
+        if self.description:
+            return self.description
         parts = [f"{key.rsplit('.', 1)[-1]}={value}" for key, value in self.changes.items()]
         return ", ".join(parts) or "as configured"
 

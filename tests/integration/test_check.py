@@ -19,9 +19,9 @@ NEEDS_GPUS = ["grpo_8gpu", "dpo_8gpu"]
 PAIRS = ("accumulation", "packing", "ranks", "resume", "cadence")
 
 
-def _check(tmp_path, config: str, *args: str) -> subprocess.CompletedProcess:
+def _check(tmp_path, config: str, *args: str, **env_vars: str) -> subprocess.CompletedProcess:
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])  # this Python's lit-rl
-    env = {**os.environ, "PATH": path, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PATH": path, "PYTHONPATH": str(REPO), **env_vars}
     command = ["lit-rl", "check", "--config", str(CONFIGS / f"{config}.yaml"), "--quick", *args]
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
 
@@ -30,7 +30,7 @@ def _results(stdout: str) -> dict[str, str]:
     """pair -> PASS / FAIL / SKIP, from the table's rows."""
     out = {}
     for line in stdout.splitlines():
-        cells = [cell.strip() for cell in line.strip("│ ").split("│")]
+        cells = [cell.strip() for cell in line.strip()[1:-1].split("│")]
         if len(cells) == 5 and cells[0] in PAIRS:
             out[cells[0]] = cells[4]
     return out
@@ -79,3 +79,46 @@ def test_a_planted_bug_fails_the_pair_that_shows_it(tmp_path, bug):
     assert f"lit-rl check: FAIL: {pair}" in result.stderr
     if bug.startswith("metric"):
         assert "train/entropy_of_ranks" in result.stdout  # the table names the metric that differs
+
+
+def _mismatch_rows(stdout: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in stdout.splitlines():
+        cells = [cell.strip() for cell in line.strip()[1:-1].split("│")]
+        if len(cells) == 5 and cells[0] in ("as configured", "engine", "dtype", "packing", "lora"):
+            rows[cells[0]] = cells
+    assert sorted(rows) == ["as configured", "dtype", "engine", "lora", "packing"], stdout
+    return rows
+
+
+def test_mismatch_reports_each_factor_and_names_the_one_that_moves_the_kl_most(tmp_path):
+    result = _check(tmp_path, "grpo", "--mismatch")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = _mismatch_rows(result.stdout)
+    for factor in ("as configured", "dtype", "packing"):  # measured: a KL and a ratio range
+        kl, ratios = float(rows[factor][2]), rows[factor][3].split(" / ")
+        assert 0 <= kl < 1e-3 and float(ratios[0]) <= 1.0 <= float(ratios[1]) + 1e-6, rows[factor]
+    assert rows["dtype"][1] == "dtype=bfloat16" and rows["packing"][1] == "padding_free=True"
+    assert rows["engine"][1] == "the config samples with HF generate already"  # said, not measured
+    assert "The factor that moves rollout_kl most: " in result.stdout
+
+
+def test_mismatch_of_an_algorithm_without_rollouts_says_so(tmp_path):
+    result = _check(tmp_path, "sft", "--mismatch")
+    assert result.returncode == 2
+    assert "lit-rl check: error: the algorithm samples no rollouts" in result.stderr
+
+
+def test_mismatch_on_the_colocated_vllm_engine_shows_bf16_as_the_largest_factor(tmp_path):
+    """The CPU vLLM engine against the fp32 trainer agrees to rounding (KL ~1e-13); in bf16 the engine's kernels
+    and the trainer's round differently (KL ~5e-5, ratios 0.95-1.03 measured): the factor named."""
+    pytest.importorskip("vllm")
+    overlay = str(CONFIGS / "rollout" / "vllm_colocate.yaml")
+    result = _check(tmp_path, "grpo", "--config", overlay, "--mismatch", VLLM_CPU_KVCACHE_SPACE="1")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = _mismatch_rows(result.stdout)
+    assert rows["engine"][1] == "HF generate instead of VLLMColocate"
+    kl = {factor: float(rows[factor][2]) for factor in ("as configured", "engine", "dtype", "packing")}
+    assert kl["as configured"] < 1e-8 and kl["engine"] < 1e-8
+    assert kl["dtype"] > 1e3 * kl["as configured"]
+    assert "The factor that moves rollout_kl most: dtype." in result.stdout

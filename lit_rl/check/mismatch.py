@@ -1,0 +1,92 @@
+"""`lit-rl check --mismatch`: where a rollout/trainer mismatch comes from.
+
+A rollout algorithm logs, every step, how far the engine's log-probs of the tokens it sampled are from the
+trainer's (`train/rollout_kl`: the k3 estimate of KL(engine || trainer) per sampled token; `train/rollout_is_ratio/*`:
+r = exp(trainer - engine log-prob); `train/rollout_logprob_diff/max`). When those are large, the question is
+which factor causes it. This runs one optimizer step of the user's config as configured and once per factor
+changed, and reports the numbers of each, naming the factor whose change moves the KL most:
+
+    engine      : the configured engine against HF `generate` on the same weights
+    dtype       : the policy's dtype (bfloat16 against float32, whichever the config does not use)
+    packing     : the trainer's forward padding-free against padded
+    lora        : the adapter merged into the weights against kept apart (only with `model.policy.lora`)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from lit_rl.check.layouts import CannotRunHere, Layout, get
+
+MISMATCH_METRICS = (
+    "train/rollout_kl",
+    "train/rollout_is_ratio/min",
+    "train/rollout_is_ratio/max",
+    "train/rollout_logprob_diff/max",
+)
+
+
+@dataclass
+class FactorResult:
+    factor: str
+    change: str
+    values: dict[str, float]
+    skipped: str = ""
+
+
+def factor_layouts(config: dict) -> list[tuple[str, Optional[Layout], str]]:
+    """(factor, layout or None, why it is skipped) for each factor this config can vary."""
+    init = "model.init_args"
+    if get(config, f"{init}.rollout") is None:
+        raise CannotRunHere("the algorithm samples no rollouts (DPO and SFT train on fixed data)")
+    out: list[tuple[str, Optional[Layout], str]] = []
+    engine = get(config, f"{init}.rollout.engine")
+    if engine is None:
+        out.append(("engine", None, "the config samples with HF generate already"))
+    else:
+        name = str(engine.get("class_path", engine) if isinstance(engine, dict) else engine).rsplit(".", 1)[-1]
+        layout = Layout("engine_hf", {f"{init}.rollout.engine": None}, description=f"HF generate instead of {name}")
+        out.append(("engine", layout, ""))
+    dtype = str(get(config, f"{init}.policy.dtype") or "float32")
+    other = "float32" if "bfloat16" in dtype else "bfloat16"
+    out.append(("dtype", Layout(f"dtype_{other}", {f"{init}.policy.dtype": other}), ""))
+    padding_free = bool(get(config, f"{init}.policy.padding_free"))
+    out.append(("packing", Layout("packing", {f"{init}.policy.padding_free": not padding_free}), ""))
+    if get(config, f"{init}.policy.lora") is None:
+        out.append(("lora", None, "the config trains no LoRA adapter"))
+    else:
+        out.append(("lora", None, "merging is the engine's own choice; compare with --pairs instead"))
+    return out
+
+
+def moved_most(baseline: dict[str, float], results: list[FactorResult]) -> Optional[str]:
+    """The factor whose change moved `train/rollout_kl` furthest from the baseline's (in log scale: KL spans
+    orders of magnitude)."""
+    key = "train/rollout_kl"
+    if key not in baseline:
+        return None
+    floor = 1e-12
+
+    def distance(result: FactorResult) -> float:
+        if key not in result.values:
+            return -1.0
+        return abs(math.log10(max(result.values[key], floor)) - math.log10(max(baseline[key], floor)))
+
+    ran = [r for r in results if not r.skipped and r.values]
+    return max(ran, key=distance).factor if ran else None
+
+
+def run_mismatch(
+    config: dict, run_one: Callable[[Layout], dict[str, float]]
+) -> tuple[dict[str, float], list[FactorResult]]:
+    """The mismatch metrics of one step as configured, and of one step per factor changed."""
+    baseline = run_one(Layout("as_configured"))
+    results = []
+    for factor, layout, why in factor_layouts(config):
+        if layout is None:
+            results.append(FactorResult(factor, "", {}, skipped=why))
+            continue
+        results.append(FactorResult(factor, layout.describe(), run_one(layout)))
+    return baseline, results
