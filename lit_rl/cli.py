@@ -244,6 +244,10 @@ SHORT_NAMES = {
 }
 CLASS_KEYS = ("--model", "--model.help", "--data", "--data.help")
 _NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+CHECK_EPILOG = (
+    "Also: lit-rl check --config my.yaml [--quick] runs your config in layouts that must agree (accumulation, "
+    "ranks, padding-free, resume, cadence); --mismatch names what moves the engine-trainer gap (docs/check.md)."
+)
 HELP_EPILOG = (
     "algorithms: --model GRPO | PPO | RLOO | OnlineDPO | DPO | SFT (or a class path); the options of one: "
     "lit-rl fit --model.help GRPO. Data: --data PromptDataModule | PreferenceDataModule | SFTDataModule. "
@@ -286,7 +290,11 @@ def main(args: Optional[list[str]] = None) -> None:
             args=None if args is None else normalize_args(given),
             auto_configure_optimizers=False,
             parser_class=OneLineErrorParser,
-            parser_kwargs={sub: {"epilog": HELP_EPILOG} for sub in ("fit", "validate", "test", "predict")},
+            parser_kwargs={
+                "description": "lit-rl: reinforcement-learning fine-tuning of language models, on Lightning.",
+                "epilog": CHECK_EPILOG,
+                **{sub: {"epilog": HELP_EPILOG} for sub in ("fit", "validate", "test", "predict")},
+            },
         )
         if cli.subcommand == "fit":
             exit_if_interrupted(cli.trainer, given)

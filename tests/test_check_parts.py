@@ -173,3 +173,14 @@ def test_mismatch_varies_each_factor_the_config_allows_and_names_the_largest_mov
     without_rollouts["model"]["init_args"].pop("schedule")
     with pytest.raises(CannotRunHere, match="samples no rollouts"):
         factor_layouts(without_rollouts)
+
+
+def test_a_config_that_does_not_parse_stops_the_check_in_one_line(tmp_path, capsys):
+    from lit_rl.check.command import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--config", str(tmp_path / "missing.yaml"), "--quick"])
+    assert stop.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lit-rl check: error: ") and "missing.yaml" in lines[0], lines
+    assert "lit-rl: error:" not in lines[0]

@@ -91,7 +91,8 @@ def resolved_config(fit_args: list[str]) -> dict:
         except SystemExit as stop:
             if stop.code not in (0, None):
                 lines = [line for line in err.getvalue().splitlines() if line.strip()]
-                raise CannotRunHere(lines[-1] if lines else f"lit-rl fit exited with {stop.code}") from None
+                line = lines[-1] if lines else f"lit-rl fit exited with {stop.code}"
+                raise CannotRunHere(line.removeprefix("lit-rl: error: ")) from None
     return yaml.safe_load(out.getvalue())
 
 
