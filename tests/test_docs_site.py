@@ -50,6 +50,22 @@ def test_the_config_reference_is_what_the_code_says():
     assert "| `model.temperature` | `model.sampling.temperature` |" in page
 
 
+def test_the_metric_reference_is_what_the_metric_factories_declare():
+    """docs/metric-reference.md is generated from the reductions the metric factories declare: it cannot drift."""
+    result = subprocess.run(
+        [sys.executable, str(REPO / "docs" / "metric_reference.py"), "--check"], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    page = (REPO / "docs" / "metric-reference.md").read_text()
+    for row in (
+        "| `train/entropy` | mean per token, over ranks and micro-batches | always |",
+        "| `train/rewards/chosen` | mean per pair, over ranks and micro-batches | always |",
+        "| `val/loss` | mean per token, over ranks and validation batches | always |",
+    ):
+        assert row in page, row
+    assert "not declared" not in page
+
+
 def test_the_formulas_page_is_what_the_losses_docstrings_say():
     """docs/formulas.md is generated from the docstrings of lit_rl/losses/: every objective and estimator on it."""
     result = subprocess.run(

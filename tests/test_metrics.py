@@ -102,3 +102,75 @@ def test_a_collection_syncs_in_two_collectives_to_the_values_of_all_ranks_data(t
         for name, value in expected.items():
             assert abs(rank["values"][name] - value) <= 1e-5 * max(1.0, abs(value)), name
         assert rank["calls"] == ["all_reduce", "all_reduce"]
+
+
+def _every_collection() -> dict[str, list]:
+    """Algorithm -> its training and validation collections, as the modules build them, with every optional metric
+    on (the KL, the rollout correction, dynamic sampling, the token budget, an environment; asynchronous rollouts,
+    which need a background engine to build a module, from their factory)."""
+    from lit_rl.algorithms import DPO, GRPO, PPO, RLOO, SFT, OnlineDPO
+    from lit_rl.config import EnvArgs, RolloutArgs, ScheduleArgs
+    from lit_rl.loss_config import GRPOLoss, PPOLoss
+    from lit_rl.training.metrics import asynchronous_rollout_metrics, metric_collection
+
+    on_policy = {"schedule": ScheduleArgs(micro_batch_tokens=256), "env": EnvArgs(tools=["lit_rl.envs.tools.calc"])}
+    modules = {
+        "GRPO": GRPO(
+            loss=GRPOLoss(beta=0.04),
+            rollout=RolloutArgs(dynamic_sampling=True, correction="token_truncate"),
+            **on_policy,
+        ),
+        "PPO": PPO(loss=PPOLoss(beta=0.05), **on_policy),
+        "RLOO": RLOO(**on_policy),
+        "OnlineDPO": OnlineDPO(**on_policy),
+        "DPO": DPO(),
+        "SFT": SFT(),
+    }
+    collections = {name: [module.train_metrics, module.val_metrics] for name, module in modules.items()}
+    collections["asynchronous"] = [metric_collection(asynchronous_rollout_metrics()).clone(prefix="train/")]
+    return collections
+
+
+def test_every_logged_metric_declares_how_it_is_reduced():
+    """Each metric of every algorithm is built with its reduction (`lit_rl.training.metrics.mean`, `total`, ...), and
+    `reductions` names it with the logged name: the unit each update weighs, over ranks and micro-batches."""
+    from lit_rl.training.metrics import reductions
+
+    described = {}
+    for name, collections in _every_collection().items():
+        for collection in collections:
+            table = reductions(collection)
+            assert set(table) == set(collection.keys(keep_base=False)) and table, name
+            undeclared = [metric for metric, text in table.items() if "not declared" in text]
+            assert not undeclared, (name, undeclared)
+            described[name] = {**described.get(name, {}), **table}
+    grpo, dpo, sft = described["GRPO"], described["DPO"], described["SFT"]
+    assert grpo["train/entropy"] == "mean per token, over ranks and micro-batches"
+    assert grpo["train/reward"] == "mean per completion, over ranks and micro-batches"
+    assert grpo["val/reward"] == "mean per completion, over ranks and validation batches"
+    assert grpo["train/loss"].startswith("sum of ")
+    assert grpo["train/kl"].startswith("mean per token")
+    assert grpo["train/rollout_is_ratio/max"].startswith("max of any token")
+    assert grpo["train/turns"].startswith("mean per episode")
+    assert grpo["train/frac_reward_zero_std"].startswith("mean per completion")
+    assert described["PPO"]["train/kl"].startswith("mean per completion")  # the per-sequence KL in the reward
+    assert described["PPO"]["train/critic/explained_variance"].startswith("explained variance, one sample per token")
+    assert described["RLOO"]["train/clip_ratio"].startswith("mean per completion")  # a sequence-level ratio
+    assert described["OnlineDPO"]["train/rewards/chosen"].startswith("mean per untied pair")
+    assert dpo["train/rewards/chosen"] == "mean per pair, over ranks and micro-batches"
+    assert dpo["train/logits/chosen"].startswith("mean per token")
+    assert sft["train/loss"] == "mean per token, over ranks and micro-batches"
+    assert sft["train/num_tokens"].startswith("sum of ")
+    assert described["asynchronous"]["train/staleness/max"].startswith("max of any completion")
+
+
+def test_a_metric_built_without_a_reduction_is_named_undeclared():
+    from torchmetrics import MeanMetric
+
+    from lit_rl.training.metrics import LOCAL, mean, metric_collection, reductions
+
+    collection = metric_collection({"entropy": mean("token"), "custom": MeanMetric(**LOCAL)}).clone(prefix="train/")
+    assert reductions(collection) == {
+        "train/custom": "MeanMetric: reduction not declared",
+        "train/entropy": "mean per token, over ranks and micro-batches",
+    }

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
-from torchmetrics import MeanMetric, MetricCollection
+from torchmetrics import MetricCollection
 
 from lit_rl.algorithms.offline import OfflineModule
 from lit_rl.config import OptimArgs, PolicyArgs, as_args
@@ -25,7 +25,7 @@ from lit_rl.data.preference import TokenizedPair, collate_pairs
 from lit_rl.loss_config import DPOLoss
 from lit_rl.losses.dpo import REFERENCE_FREE, dpo_loss
 from lit_rl.modeling.models import resolve_model_path
-from lit_rl.training.metrics import DPO_PAIR_METRICS, LOCAL, metric_collection
+from lit_rl.training.metrics import DPO_PAIR_METRICS, mean, metric_collection
 from lit_rl.training.strategies import reduce_across_ranks
 
 log = logging.getLogger(__name__)
@@ -229,5 +229,5 @@ class DPO(OfflineModule):
 def dpo_metrics() -> MetricCollection:
     """Per-pair means (weighted by pair, padding pairs weigh 0); `logits/*` are token-weighted means of the
     vocabulary-mean logit over completion tokens."""
-    names = ["loss", *DPO_PAIR_METRICS, "logits/chosen", "logits/rejected"]
-    return metric_collection({name: MeanMetric(**LOCAL) for name in names})
+    per_pair = {name: mean("pair") for name in ["loss", *DPO_PAIR_METRICS]}
+    return metric_collection({**per_pair, "logits/chosen": mean("token"), "logits/rejected": mean("token")})

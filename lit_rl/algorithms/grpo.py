@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-from torchmetrics import MeanMetric, MetricCollection
+from torchmetrics import MetricCollection
 
 from lit_rl.algorithms.on_policy import OnPolicyModule
 from lit_rl.config import (
@@ -32,7 +32,7 @@ from lit_rl.losses.policy import policy_loss_function
 from lit_rl.rollout import RolloutOutput
 from lit_rl.rollout.dynamic_sampling import ZERO_STD
 from lit_rl.rollout.engines.hf import model_eos_token_ids
-from lit_rl.training.metrics import LOCAL, metric_collection, on_policy_training_metrics
+from lit_rl.training.metrics import mean, metric_collection, on_policy_training_metrics
 from lit_rl.types import RolloutBatch, model_token_mask
 
 
@@ -149,18 +149,19 @@ def grpo_metrics(reward_names: Iterable[str], with_kl: bool, with_is_correction:
     correction the fraction of completion tokens whose weight it changed (truncated, or masked)."""
     metrics = {
         **on_policy_training_metrics(reward_names),
-        "frac_reward_zero_std": MeanMetric(**LOCAL),
-        "clip_ratio/low": MeanMetric(**LOCAL),
-        "clip_ratio/high": MeanMetric(**LOCAL),
+        "frac_reward_zero_std": mean("completion"),
+        "clip_ratio/low": mean("token"),
+        "clip_ratio/high": mean("token"),
     }
     if with_kl:
-        metrics["kl"] = MeanMetric(**LOCAL)
+        metrics["kl"] = mean("token")
     if with_is_correction:
-        metrics["rollout_is_frac_corrected"] = MeanMetric(**LOCAL)
+        metrics["rollout_is_frac_corrected"] = mean("token")
     return metric_collection(metrics)
 
 
 def dynamic_sampling_metrics() -> dict:
     """What dynamic sampling adds: the refill generations a step's generation sampled, and the fraction of all the
-    groups it sampled (its own and the refills') that were dropped for rewards that all agree."""
-    return {"refill_generations": MeanMetric(**LOCAL), "frac_groups_dropped": MeanMetric(**LOCAL)}
+    groups it sampled (its own and the refills') that were dropped for rewards that all agree. Both are one number
+    per generation, on each of its completions."""
+    return {"refill_generations": mean("completion"), "frac_groups_dropped": mean("completion")}

@@ -16,7 +16,7 @@ import dataclasses
 from typing import Iterable, Optional
 
 import torch
-from torchmetrics import MeanMetric, MetricCollection
+from torchmetrics import MetricCollection
 
 from lit_rl.algorithms.on_policy import OnPolicyModule
 from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, RolloutArgs, SamplingArgs, ScheduleArgs, as_args
@@ -25,7 +25,7 @@ from lit_rl.loss_config import DPOLoss
 from lit_rl.losses import LossNormalizer
 from lit_rl.losses.dpo import DPO_LOSSES, REFERENCE_FREE, dpo_loss
 from lit_rl.rewards.model import RewardModel
-from lit_rl.training.metrics import DPO_PAIR_METRICS, LOCAL, metric_collection, on_policy_training_metrics
+from lit_rl.training.metrics import DPO_PAIR_METRICS, mean, metric_collection, on_policy_training_metrics
 from lit_rl.types import RolloutBatch
 
 
@@ -154,7 +154,7 @@ def online_dpo_metrics(reward_names: Iterable[str]) -> MetricCollection:
     return metric_collection(
         {
             **on_policy_training_metrics(reward_names),
-            "frac_tied_pairs": MeanMetric(**LOCAL),
-            **{name: MeanMetric(**LOCAL) for name in DPO_PAIR_METRICS},
+            "frac_tied_pairs": mean("pair"),
+            **{name: mean("untied pair") for name in DPO_PAIR_METRICS},
         }
     )

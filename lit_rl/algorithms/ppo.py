@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 import torch
-from torchmetrics import ExplainedVariance, MeanMetric, MetricCollection, SumMetric
+from torchmetrics import MetricCollection
 
 from lit_rl.algorithms.base import completion_forward
 from lit_rl.algorithms.on_policy import OnPolicyModule
@@ -40,7 +40,7 @@ from lit_rl.losses import LossNormalizer, aggregate
 from lit_rl.losses.policy import ppo_clip
 from lit_rl.losses.ppo import clipped_value_loss, gae, masked_moments, moments_to_mean_std, token_rewards, whiten
 from lit_rl.modeling.value_model import ValueModel, load_value_model, reset_value_head
-from lit_rl.training.metrics import LOCAL, metric_collection, on_policy_training_metrics
+from lit_rl.training.metrics import explained_variance, mean, metric_collection, on_policy_training_metrics, total
 from lit_rl.training.strategies import gathered_parameters, hf_zero3_loading, reduce_across_ranks
 from lit_rl.types import RolloutBatch
 
@@ -147,8 +147,8 @@ class PPO(OnPolicyModule):
             moments = masked_moments(advantages, mask)
             if self.trainer.world_size > 1:
                 moments = reduce_across_ranks(moments)
-            mean, std = moments_to_mean_std(moments)
-            advantages = whiten(advantages, mask, mean, std)
+            centre, scale = moments_to_mean_std(moments)
+            advantages = whiten(advantages, mask, centre, scale)
         batch.token_advantages = advantages
         # One number per sequence for what reads `advantages` (the empty micro-step zeroes it): the token mean.
         batch.advantages = advantages.sum(dim=1) / mask.sum(dim=1).clamp(min=1)
@@ -202,14 +202,14 @@ def ppo_metrics(reward_names: Iterable[str], with_kl: bool) -> MetricCollection:
     penalised in the reward."""
     metrics = {
         **on_policy_training_metrics(reward_names),
-        "policy_loss": SumMetric(**LOCAL),
-        "critic/value_loss": SumMetric(**LOCAL),
-        "clip_ratio": MeanMetric(**LOCAL),
-        "critic/value_clip_ratio": MeanMetric(**LOCAL),
-        "critic/values": MeanMetric(**LOCAL),
-        "critic/returns": MeanMetric(**LOCAL),
-        "critic/explained_variance": ExplainedVariance(**LOCAL),
+        "policy_loss": total("step-normalised micro-batch losses"),
+        "critic/value_loss": total("step-normalised micro-batch losses"),
+        "clip_ratio": mean("token"),
+        "critic/value_clip_ratio": mean("token"),
+        "critic/values": mean("token"),
+        "critic/returns": mean("token"),
+        "critic/explained_variance": explained_variance("token"),
     }
     if with_kl:
-        metrics["kl"] = MeanMetric(**LOCAL)
+        metrics["kl"] = mean("completion")
     return metric_collection(metrics)

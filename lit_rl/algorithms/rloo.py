@@ -10,14 +10,14 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-from torchmetrics import MeanMetric, MetricCollection
+from torchmetrics import MetricCollection
 
 from lit_rl.algorithms.on_policy import OnPolicyModule
 from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, RolloutArgs, SamplingArgs, ScheduleArgs, as_args
 from lit_rl.loss_config import RLOOLoss
 from lit_rl.losses import LossNormalizer
 from lit_rl.losses.rloo import kl_penalized_rewards, rloo_advantages, rloo_loss
-from lit_rl.training.metrics import LOCAL, metric_collection, on_policy_training_metrics
+from lit_rl.training.metrics import mean, metric_collection, on_policy_training_metrics
 from lit_rl.types import RolloutBatch
 
 
@@ -93,12 +93,14 @@ class RLOO(OnPolicyModule):
 
 # -- metrics ----------------------------------------------------------------------------------------------------------
 def rloo_metrics(reward_names: Iterable[str]) -> MetricCollection:
-    """Metrics of RLOO: `reward` is the task reward (before the KL penalty); `kl` the mean per-sequence KL."""
+    """Metrics of RLOO: `reward` is the task reward (before the KL penalty); `kl` the mean per-sequence KL;
+    `advantage_std` the std of the generation's advantages (on each of its completions); `clip_ratio` the fraction of
+    completions whose sequence-level ratio was clipped."""
     return metric_collection(
         {
             **on_policy_training_metrics(reward_names),
-            "kl": MeanMetric(**LOCAL),
-            "advantage_std": MeanMetric(**LOCAL),
-            "clip_ratio": MeanMetric(**LOCAL),
+            "kl": mean("completion"),
+            "advantage_std": mean("completion"),
+            "clip_ratio": mean("completion"),
         }
     )

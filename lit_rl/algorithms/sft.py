@@ -12,12 +12,12 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-from torchmetrics import MeanMetric, MetricCollection, SumMetric
+from torchmetrics import MetricCollection
 
 from lit_rl.algorithms.offline import OfflineModule
 from lit_rl.config import OptimArgs, PolicyArgs
 from lit_rl.losses.sft import sft_loss
-from lit_rl.training.metrics import LOCAL, metric_collection
+from lit_rl.training.metrics import mean, metric_collection, total
 from lit_rl.training.strategies import reduce_across_ranks
 
 
@@ -103,7 +103,7 @@ class SFT(OfflineModule):
 
 # -- metrics ----------------------------------------------------------------------------------------------------------
 def sft_metrics() -> MetricCollection:
-    """Token-weighted negative log-likelihood and next-token accuracy of the completion tokens."""
+    """Token-weighted negative log-likelihood and next-token accuracy of the completion tokens, and their count."""
     return metric_collection(
-        {"loss": MeanMetric(**LOCAL), "token_accuracy": MeanMetric(**LOCAL), "num_tokens": SumMetric(**LOCAL)}
+        {"loss": mean("token"), "token_accuracy": mean("token"), "num_tokens": total("completion tokens")}
     )

@@ -8,6 +8,10 @@ micro-batch, never a mean of per-rank means. `compute_collection` does that sync
 collectives (one sum, one max), where torchmetrics would run a barrier and a gather per state: dozens a step, which
 cost more than the update itself once processes share cores or machines. The metrics are built with
 `sync_on_compute=False` so that `compute()` itself never syncs.
+
+What differs from one metric to another is the weight each update gives: every metric is built by a constructor that
+declares it (`mean("token")`, `total(...)`, `largest(...)`, `smallest(...)`, `explained_variance(...)`), and
+`reductions` names, for each logged metric, how it is reduced (`docs/metric-reference.md` lists them all).
 """
 
 from __future__ import annotations
@@ -16,13 +20,59 @@ import warnings
 from typing import Any, Iterable, Optional
 
 import torch
-from torchmetrics import MaxMetric, MeanMetric, Metric, MetricCollection, MinMetric, SumMetric
+from torchmetrics import ExplainedVariance, MaxMetric, MeanMetric, Metric, MetricCollection, MinMetric, SumMetric
 from torchmetrics.utilities.data import dim_zero_max, dim_zero_min, dim_zero_sum
 
 from lit_rl.training.compat import state_reductions
 from lit_rl.types import EPISODE_STATS
 
 LOCAL = {"sync_on_compute": False}  # `compute_collection` syncs; `compute()` alone must not (see the docstring)
+
+
+# -- metrics that declare how they are reduced -----------------------------------------------------------------------
+# Each sets `reduced_as` on the metric: the unit one update's weight counts (a token, a completion, a pair, ...). The
+# metric itself is the plain torchmetrics one, built with LOCAL: the attribute changes no value.
+def _declared(metric: Metric, reduced_as: str) -> Metric:
+    metric.reduced_as = reduced_as
+    return metric
+
+
+def mean(unit: str) -> MeanMetric:
+    """A mean in which each `unit` (token, completion, pair, episode, ...) weighs the same: what its updates pass,
+    one value per unit (or that unit's weight)."""
+    return _declared(MeanMetric(**LOCAL), f"mean per {unit}")
+
+
+def total(what: str) -> SumMetric:
+    """A sum of `what` (the step's micro-batch losses, its tokens, ...)."""
+    return _declared(SumMetric(**LOCAL), f"sum of {what}")
+
+
+def largest(unit: str) -> MaxMetric:
+    """The largest value of any `unit` (token, completion, micro-batch, rank)."""
+    return _declared(MaxMetric(**LOCAL), f"max of any {unit}")
+
+
+def smallest(unit: str) -> MinMetric:
+    """The smallest value of any `unit`."""
+    return _declared(MinMetric(**LOCAL), f"min of any {unit}")
+
+
+def explained_variance(unit: str) -> ExplainedVariance:
+    """1 - Var(target - prediction) / Var(target), one sample per `unit`."""
+    return _declared(ExplainedVariance(**LOCAL), f"explained variance, one sample per {unit}")
+
+
+def reductions(collection: MetricCollection) -> dict[str, str]:
+    """Each metric's logged name (with the collection's prefix: `train/entropy`) -> how its value is reduced, on one
+    line: "mean per token, over ranks and micro-batches". A metric built without a declaration says so."""
+    validation = (collection.prefix or "").startswith("val")
+    scope = "over ranks and validation batches" if validation else "over ranks and micro-batches"
+    described = {}
+    for name, metric in collection.items(keep_base=False):
+        declared = getattr(metric, "reduced_as", None)
+        described[name] = f"{declared}, {scope}" if declared else f"{type(metric).__name__}: reduction not declared"
+    return described
 
 
 def metric_collection(metrics: dict) -> MetricCollection:
@@ -32,15 +82,16 @@ def metric_collection(metrics: dict) -> MetricCollection:
 
 
 def _rollout_metrics(reward_names: Iterable[str]) -> dict:
-    """What every rollout is scored on, in training and validation: one sample each, weighted per completion."""
+    """What every rollout is scored on, in training and validation: one sample each, weighted per completion
+    (`reward_std`: the std of the completion's group; `rewards/<fn>`: over the completions the function scored)."""
     metrics = {
-        "reward": MeanMetric(**LOCAL),
-        "reward_std": MeanMetric(**LOCAL),
-        "frac_invalid_reward": MeanMetric(**LOCAL),
-        "completion_length": MeanMetric(**LOCAL),
+        "reward": mean("completion"),
+        "reward_std": mean("completion"),
+        "frac_invalid_reward": mean("completion"),
+        "completion_length": mean("completion"),
     }
     for name in reward_names:
-        metrics[f"rewards/{name}"] = MeanMetric(**LOCAL)
+        metrics[f"rewards/{name}"] = mean("completion")
     return metrics
 
 
@@ -49,28 +100,28 @@ def on_policy_training_metrics(reward_names: Iterable[str]) -> dict:
     that are already normalised over the step."""
     return {
         **_rollout_metrics(reward_names),
-        "loss": SumMetric(**LOCAL),
-        "entropy": MeanMetric(**LOCAL),
-        "rollout_logprob_diff/mean": MeanMetric(**LOCAL),
-        "rollout_logprob_diff/max": MaxMetric(**LOCAL),
+        "loss": total("step-normalised micro-batch losses"),
+        "entropy": mean("token"),
+        "rollout_logprob_diff/mean": mean("token"),
+        "rollout_logprob_diff/max": largest("token"),
         # Engine-trainer mismatch per sampled token: the importance ratio r = exp(trainer - engine log-prob)
         # and the k3 estimate of KL(engine || trainer), (r - 1) - log r.
-        "rollout_kl": MeanMetric(**LOCAL),
-        "rollout_is_ratio/min": MinMetric(**LOCAL),
-        "rollout_is_ratio/mean": MeanMetric(**LOCAL),
-        "rollout_is_ratio/max": MaxMetric(**LOCAL),
+        "rollout_kl": mean("token"),
+        "rollout_is_ratio/min": smallest("token"),
+        "rollout_is_ratio/mean": mean("token"),
+        "rollout_is_ratio/max": largest("token"),
     }
 
 
 def asynchronous_rollout_metrics() -> dict:
     """What asynchronous rollouts add: the staleness of each consumed sample, `global_step - policy_version`."""
-    return {"staleness/mean": MeanMetric(**LOCAL), "staleness/max": MaxMetric(**LOCAL)}
+    return {"staleness/mean": mean("completion"), "staleness/max": largest("completion")}
 
 
 def episode_metrics() -> dict:
     """What multi-turn episodes add (`lit_rl.rollout.multi_turn`), means per episode: model `turns`, `tool_calls`,
     `tool_errors` (calls that raised or timed out) and `env_tokens` (observation tokens in the transcript)."""
-    return {name: MeanMetric(**LOCAL) for name in EPISODE_STATS}
+    return {name: mean("episode") for name in EPISODE_STATS}
 
 
 def token_budget_metrics() -> dict:
@@ -78,9 +129,9 @@ def token_budget_metrics() -> dict:
     than `model.schedule.micro_batch_tokens` when a step was over budget), and the most and the fewest tokens any rank
     trained on in the step (`lit_rl.training.rank_balance` deals them evenly)."""
     return {
-        "micro_batch_tokens/max": MaxMetric(**LOCAL),
-        "rank_tokens/max": MaxMetric(**LOCAL),
-        "rank_tokens/min": MinMetric(**LOCAL),
+        "micro_batch_tokens/max": largest("micro-batch"),
+        "rank_tokens/max": largest("rank"),
+        "rank_tokens/min": smallest("rank"),
     }
 
 
