@@ -175,6 +175,7 @@ def check_pair(check: Check, pair: str, gpus: int) -> PairResult:
 
 def print_table(results: list[PairResult], write: Callable[[str], None]) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title="lit-rl check", show_lines=False)
@@ -182,9 +183,8 @@ def print_table(results: list[PairResult], write: Callable[[str], None]) -> None
         table.add_column(column)
     for r in results:
         style = {"PASS": "green", "FAIL": "bold red", "SKIP": "yellow"}[r.status]
-        table.add_row(
-            r.pair, r.compared, r.largest(), r.tolerance.name if r.tolerance else "", f"[{style}]{r.status}[/{style}]"
-        )
+        cells = [escape(text) for text in (r.pair, r.compared, r.largest(), r.tolerance.name if r.tolerance else "")]
+        table.add_row(*cells, f"[{style}]{r.status}[/{style}]")
     buffer = io.StringIO()
     Console(file=buffer, width=130, force_terminal=False).print(table)
     tolerances = sorted({r.tolerance for r in results if r.tolerance}, key=str)

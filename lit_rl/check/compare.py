@@ -15,7 +15,7 @@ Not compared: `perf/` (timings) and the engine-trainer mismatch (`train/rollout_
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -70,6 +70,7 @@ class Difference:
     value: float
     reference: float
     passed: bool
+    metric: str = ""  # the logged name, for a metric's difference
 
     @property
     def abs_diff(self) -> float:
@@ -105,7 +106,7 @@ def compare_rows(
             value, ref = a[key], b[key]
             nan_equal = math.isnan(value) and math.isnan(ref)
             excess = 0.0 if nan_equal else abs(value - ref) / _allowed(ref, tol)
-            diff = Difference(f"step {step} {key}", value, ref, nan_equal or excess <= 1.0)
+            diff = Difference(f"step {step} {key}", value, ref, nan_equal or excess <= 1.0, metric=key)
             if worst is None or _excess(diff, tol) > _excess(worst, tol):
                 worst = diff
             if first is None and not diff.passed:
@@ -161,6 +162,7 @@ class PairResult:
     differences: tuple[Difference, ...] = ()  # the largest of the metrics, and the weights'
     tolerance: Optional[Tolerance] = None
     detail: str = ""
+    reductions: dict[str, str] = field(default_factory=dict)  # logged name -> how it is reduced (provenance)
 
     def largest(self) -> str:
         """The metric that differs most (with both values where it fails), and the weights' distance."""
@@ -172,7 +174,9 @@ class PairResult:
                 parts.append("metrics equal")
             else:
                 values = "" if d.passed else f" ({d.value:.6g} vs {d.reference:.6g})"
-                parts.append(f"{d.abs_diff:.2g} at {d.where}{values}")
+                reduced = self.reductions.get(d.metric)
+                provenance = f" [{reduced}]" if reduced else ""
+                parts.append(f"{d.abs_diff:.2g} at {d.where}{values}{provenance}")
         return "; ".join([*parts, *([self.detail] if self.detail else [])])
 
 
@@ -186,7 +190,9 @@ def judge(pair: str, left: RunResult, right: RunResult, tol: Tolerance, steps: O
     shown = sorted({int(r["step"]) for r in right.rows} if steps is None else steps)
     compared = f"steps {_span(shown)}"
     detail = "; ".join(problems[:3]) if problems else ("nothing logged" if rows_worst is None else "")
-    return PairResult(pair, compared, "FAIL" if failed else "PASS", found, tol, detail)
+    return PairResult(
+        pair, compared, "FAIL" if failed else "PASS", found, tol, detail, {**right.reductions, **left.reductions}
+    )
 
 
 def _span(steps: list[int]) -> str:

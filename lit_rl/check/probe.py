@@ -4,6 +4,7 @@ ended with, for the pair's comparison."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -11,8 +12,12 @@ from typing import Any, Optional
 
 import lightning as L
 import torch
+from torchmetrics import MetricCollection
+
+from lit_rl.training.metrics import reductions
 
 PARAMETERS_FILE = "parameters.pt"
+REDUCTIONS_FILE = "reductions.json"  # how each logged train/ metric is reduced (lit_rl.training.metrics.reductions)
 INITIAL_PARAMETERS_FILE = "initial_parameters.pt"  # written by a run that starts at step 0
 
 
@@ -35,6 +40,9 @@ class CheckProbe(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._save(trainer, PARAMETERS_FILE)
+        metrics = getattr(pl_module, "train_metrics", None)
+        if trainer.is_global_zero and isinstance(metrics, MetricCollection):
+            (self.directory / REDUCTIONS_FILE).write_text(json.dumps(reductions(metrics), indent=1))
 
     def _save(self, trainer: L.Trainer, name: str) -> None:
         state = trainer.strategy.lightning_module_state_dict()  # whole on every strategy that can gather it

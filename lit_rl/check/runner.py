@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import json
 import logging
 import os
 import shlex
@@ -21,7 +22,7 @@ from typing import Optional
 import torch
 import yaml
 
-from lit_rl.check.probe import INITIAL_PARAMETERS_FILE, PARAMETERS_FILE
+from lit_rl.check.probe import INITIAL_PARAMETERS_FILE, PARAMETERS_FILE, REDUCTIONS_FILE
 
 RESUME_HINT = "resume with: "
 
@@ -37,6 +38,7 @@ class RunResult:
     initial_parameters: Optional[dict[str, torch.Tensor]]  # ... before the first, where the run started at step 0
     checkpoint_steps: list[int] = field(default_factory=list)  # global_step of every checkpoint but `last`
     resume_command: Optional[str] = None  # what a stopped run printed
+    reductions: dict[str, str] = field(default_factory=dict)  # logged name -> how it is reduced
 
 
 def fit(config: dict, directory: Path, processes: int = 1, args: tuple[str, ...] = ()) -> int:
@@ -126,7 +128,9 @@ def read_run(directory: Path, save_dir: Path) -> RunResult:
         steps.append(torch.load(checkpoint, map_location="cpu", weights_only=False, mmap=True)["global_step"])
     hints = [line for line in (directory / "output.log").read_text().splitlines() if RESUME_HINT in line]
     hint = hints[-1].split(RESUME_HINT, 1)[1].strip() if hints else None
-    return RunResult(rows, probe["parameters"], initial, sorted(steps), hint)
+    reductions_file = directory / REDUCTIONS_FILE
+    reduced = json.loads(reductions_file.read_text()) if reductions_file.exists() else {}
+    return RunResult(rows, probe["parameters"], initial, sorted(steps), hint, reduced)
 
 
 def resume(directory: Path, command: str) -> int:
