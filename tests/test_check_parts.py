@@ -184,3 +184,46 @@ def test_a_config_that_does_not_parse_stops_the_check_in_one_line(tmp_path, caps
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("lit-rl check: error: ") and "missing.yaml" in lines[0], lines
     assert "lit-rl: error:" not in lines[0]
+
+
+def test_the_users_checkpoint_callbacks_in_any_form_become_one_that_writes_under_the_run():
+    """Any import path of ModelCheckpoint (or a subclass) is redirected; a second one is dropped (two alike would
+    share Lightning's state key); a single callback given without a list is read as one."""
+    config = _config()
+    config["trainer"]["callbacks"] = [
+        {"class_path": "lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint", "init_args": {"dirpath": "/u"}},
+        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"monitor": "val/loss"}},
+    ]
+    out = run_config(config, Layout("x"), "/scratch/x", steps=2, every_n=2, probe_dir="/scratch/x")
+    paths = [c["class_path"] for c in out["trainer"]["callbacks"]]
+    assert paths == ["lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint", "lit_rl.check.probe.CheckProbe"]
+    assert out["trainer"]["callbacks"][0]["init_args"]["dirpath"] is None
+    single = _config()
+    single["trainer"]["callbacks"] = {"class_path": "lightning.pytorch.callbacks.LearningRateMonitor", "init_args": {}}
+    out = run_config(single, Layout("x"), "/scratch/x", steps=2, every_n=2, probe_dir="/scratch/x")
+    assert [c["class_path"] for c in out["trainer"]["callbacks"]] == [
+        "lightning.pytorch.callbacks.LearningRateMonitor",
+        "lightning.pytorch.callbacks.ModelCheckpoint",
+        "lit_rl.check.probe.CheckProbe",
+    ]
+    dpo = _config()
+    dpo["model"]["init_args"]["ref_cache_dir"] = "runs/cache"  # DPO's cache goes under the run too
+    assert run_config(dpo, Layout("x"), "/scratch/x", 2, 2, "/scratch/x")["model"]["init_args"]["ref_cache_dir"] == (
+        "/scratch/x/ref_cache"
+    )
+
+
+def test_processes_read_every_form_of_trainer_devices():
+    from lit_rl.check.layouts import processes
+
+    assert processes(_config(devices=[0, 1])) == 2
+    assert processes(_config(devices="0,1")) == 2
+    assert processes(_config(devices=3)) == 3
+    assert processes(_config(devices="auto", accelerator="cpu")) == 1
+
+
+def test_layout_metrics_of_token_budgets_are_not_compared():
+    reference = [{"step": 1.0, "train/loss": 1.0, "train/micro_batch_tokens/max": 64.0, "train/rank_tokens/min": 9.0}]
+    other = [{"step": 1.0, "train/loss": 1.0, "train/micro_batch_tokens/max": 128.0}]
+    worst, problems = compare_rows(other, reference, FP32)
+    assert problems == [] and worst.passed

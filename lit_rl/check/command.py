@@ -45,8 +45,8 @@ HELP = """Run your config in pairs of layouts that must train to the same number
   lit-rl check --config my.yaml [fit overrides] [--quick] [--steps K] [--pairs accumulation,resume]
 
 Pairs: accumulation (your micro-batches against one per step), ranks (1 process against 2), packing (padded
-against padding-free), resume (K steps against K/2, a stop and `--ckpt_path last`), cadence (checkpoints every
-K/2 steps, straight and resumed). Exit 1 when a pair fails, 2 when none could run here.
+against padding-free), resume (K steps against a stop after about K/2 and the printed resume command), cadence
+(checkpoints every 2 steps, straight and resumed). Exit 1 when a pair fails, 2 when none could run here.
 
   lit-rl check --config my.yaml --mismatch
 
@@ -59,7 +59,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         prog="lit-rl check", description=HELP, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="2 steps per run (checkpoints every step)")
+    parser.add_argument("--quick", action="store_true", help="2 steps per run (the resume pair stops after step 1)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (even, >= 2; default 4)")
     parser.add_argument("--pairs", default=",".join(PAIRS), help=f"a comma-separated subset of {','.join(PAIRS)}")
     parser.add_argument("--workdir", default=None, help="keep the runs here (default: a temporary directory)")
@@ -101,7 +101,10 @@ class Check:
 
     def __init__(self, config: dict, workdir: Path, steps: int, say: Callable[[str], None]) -> None:
         self.config, self.workdir, self.steps, self.say = config, workdir, steps, say
-        self.every_n = steps // 2
+        # Checkpoints every 2 steps, and the resume pair stops between two of them (step K/2, or K/2 + 1 where
+        # K/2 is even): a resumed run that counted its cadence from the stop would then miss a step.
+        self.every_n = 2
+        self.stop_at = steps // 2 if (steps // 2) % 2 else steps // 2 + 1
         self.results: dict[str, RunResult] = {}
 
     def run(self, layout: Layout) -> RunResult:
@@ -115,10 +118,13 @@ class Check:
         code = fit(config, directory, count)
         if layout.stop_at is not None:
             result = read_run(directory, directory)
-            if code != 143 or result.resume_command is None:
-                raise RunFailed(f"{layout.name} did not stop at step {layout.stop_at}: {last_line(directory)}")
+            if code != 143 or result.resume_command is None or result.stopped_at != layout.stop_at:
+                raise RunFailed(
+                    f"{layout.name} did not stop at step {layout.stop_at} (exit {code}, stopped after step "
+                    f"{result.stopped_at}): {last_line(directory)}"
+                )
             self.say(f"  resume {layout.name} with the printed command: {result.resume_command}")
-            code = resume(directory, result.resume_command)
+            code = resume(directory, result.resume_command, count)
         if code != 0:
             raise RunFailed(f"{layout.name} failed (exit {code}): {last_line(directory)} (log: {directory}/output.log)")
         result = read_run(directory, directory)
@@ -153,17 +159,17 @@ def check_pair(check: Check, pair: str, gpus: int) -> PairResult:
         result = judge(pair, check.run(two), reference, tol)
         result.compared = f"2 processes vs 1 ({'GPUs' if gpus >= 2 else 'CPU, gloo'}), {result.compared}"
         return result
-    half = check.steps // 2
+    stop = check.stop_at
     if pair == "resume":
-        resumed = check.run(Layout("resumed", stop_at=half))
-        result = judge(pair, resumed, check.straight(), tol, steps=set(range(half + 1, check.steps + 1)))
-        result.compared = f"stopped at {half} and resumed vs straight, {result.compared}"
+        resumed = check.run(Layout("resumed", stop_at=stop))
+        result = judge(pair, resumed, check.straight(), tol, steps=set(range(stop + 1, check.steps + 1)))
+        result.compared = f"stopped at {stop} and resumed vs straight, {result.compared}"
         return result
     if pair == "cadence":
         expected = list(range(check.every_n, check.steps + 1, check.every_n))
         straight, resumed = (
             check.straight().checkpoint_steps,
-            check.run(Layout("resumed", stop_at=half)).checkpoint_steps,
+            check.run(Layout("resumed", stop_at=stop)).checkpoint_steps,
         )
         ok = straight == expected and resumed == expected
         detail = "" if ok else f"straight {straight}, resumed {resumed}"

@@ -9,7 +9,8 @@ Compared:
   magnitude, so an element whose gradient is rounding noise (a key projection's bias, whose exact gradient is 0)
   takes a full-size step in a noise-given direction in either run.
 Not compared: `perf/` (timings) and the engine-trainer mismatch (`train/rollout_logprob_diff/*`, `train/rollout_kl`,
-`train/rollout_is_ratio/*`): rounding noise around 1e-6 that differs in every layout.
+`train/rollout_is_ratio/*`): rounding noise around 1e-6 that differs in every layout; `train/micro_batch_tokens/max`
+and `train/rank_tokens/*` (token-budget micro-batches): they describe the layout itself.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ IGNORED_PREFIXES = (
     "train/rollout_logprob_diff/",
     "train/rollout_kl",
     "train/rollout_is_ratio/",
+    # Token-budget micro-batches describe the layout itself: the largest micro-batch, each rank's tokens.
+    "train/micro_batch_tokens/",
+    "train/rank_tokens/",
 )
 
 

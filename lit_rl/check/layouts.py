@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from lit_rl.importing import import_callable
@@ -131,11 +132,21 @@ def ranks_layouts(config: dict, gpus: int) -> tuple[Layout, Layout]:
 
 
 def processes(config: dict) -> int:
-    """How many processes a resolved config trains in (`trainer.devices` x `trainer.num_nodes`; "auto" is 1 on
-    CPU)."""
+    """How many processes a resolved config trains in: `trainer.devices` (a count, a list or "0,1" of device
+    ids, or "auto" / -1: every GPU where the accelerator may use them, else 1) x `trainer.num_nodes`."""
     devices = get(config, "trainer.devices")
-    count = len(devices) if isinstance(devices, list) else int(devices) if str(devices).isdigit() else 1
-    return count * int(get(config, "trainer.num_nodes") or 1)
+    accelerator = str(get(config, "trainer.accelerator") or "auto")
+    if isinstance(devices, list):
+        count = len(devices)
+    elif isinstance(devices, str) and "," in devices:
+        count = len([d for d in devices.split(",") if d.strip()])
+    elif str(devices) in ("auto", "-1"):
+        import torch
+
+        count = torch.cuda.device_count() if accelerator in ("auto", "gpu", "cuda") else 1
+    else:
+        count = int(devices) if str(devices).lstrip("-").isdigit() else 1
+    return max(count, 1) * int(get(config, "trainer.num_nodes") or 1)
 
 
 def check_runs_here(config: dict, gpus: int) -> None:
@@ -158,24 +169,45 @@ def packing_layout(config: dict) -> Layout:
     return Layout("padding_free" if not current else "padded", {key: not current})
 
 
+def is_checkpoint_callback(callback: Any) -> bool:
+    """A `ModelCheckpoint` (or a subclass) under any of its import paths."""
+    path = callback.get("class_path") if isinstance(callback, dict) else None
+    if not isinstance(path, str):
+        return False
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    try:
+        found = import_callable(path, "trainer.callbacks")
+    except Exception:  # noqa: BLE001  (a class that does not import fails the run itself, in one line)
+        return False
+    return isinstance(found, type) and issubclass(found, ModelCheckpoint)
+
+
 def run_config(config: dict, layout: Layout, save_dir: str, steps: int, every_n: int, probe_dir: str) -> dict:
     """The config a layout runs: the user's with the layout's changes, `steps` optimizer steps, no validation, a
-    CSV logger under `save_dir`, the user's checkpoint callbacks every `every_n` steps into the run's directory, no
+    CSV logger under `save_dir`, the user's first checkpoint callback every `every_n` steps into the run's
+    directory (others dropped: the check needs one cadence, and two alike would share Lightning's state key), no
     HF export, and the probe that records the parameters (and stops the run where the layout says)."""
     out = with_changes(config, layout.changes)
     trainer = out["trainer"]
-    callbacks = []
-    for callback in trainer.get("callbacks") or []:
+    configured = trainer.get("callbacks") or []
+    configured = [configured] if isinstance(configured, dict) else list(configured)  # one callback, not a list
+    callbacks: list[Any] = []
+    checkpointing = False
+    for callback in configured:
         path = callback.get("class_path") if isinstance(callback, dict) else None
         if path in EXPORT_CALLBACKS:
             continue
-        if path == CHECKPOINT_CALLBACK:
+        if is_checkpoint_callback(callback):
+            if checkpointing:
+                continue
+            checkpointing = True
             init = dict(callback.get("init_args") or {})
             init.update(dirpath=None, every_n_train_steps=every_n, save_top_k=-1, every_n_epochs=None)
             init.update(train_time_interval=None, monitor=None, save_last=init.get("save_last") or True)
             callback = {"class_path": path, "init_args": init}
         callbacks.append(callback)
-    if not any(isinstance(c, dict) and c.get("class_path") == CHECKPOINT_CALLBACK for c in callbacks):
+    if not checkpointing:
         callbacks.append(
             {
                 "class_path": CHECKPOINT_CALLBACK,
@@ -197,6 +229,8 @@ def run_config(config: dict, layout: Layout, save_dir: str, steps: int, every_n:
         max_steps=steps,
         max_epochs=None,
         max_time=None,
+        min_steps=None,  # a minimum would defer the stop of the resume pair
+        min_epochs=None,
         limit_val_batches=0,
         num_sanity_val_steps=0,
         enable_progress_bar=False,
@@ -205,5 +239,7 @@ def run_config(config: dict, layout: Layout, save_dir: str, steps: int, every_n:
         default_root_dir=save_dir,
         fast_dev_run=False,
     )
+    if get(out, "model.init_args.ref_cache_dir") is not None:  # DPO's precomputed reference log-probs
+        out["model"]["init_args"]["ref_cache_dir"] = str(Path(save_dir) / "ref_cache")
     out["ckpt_path"] = None
     return out

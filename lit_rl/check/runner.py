@@ -12,6 +12,7 @@ import csv
 import json
 import logging
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -23,8 +24,10 @@ import torch
 import yaml
 
 from lit_rl.check.probe import INITIAL_PARAMETERS_FILE, PARAMETERS_FILE, REDUCTIONS_FILE
+from lit_rl.resume import checkpoint_step
 
 RESUME_HINT = "resume with: "
+STOPPED_AFTER = re.compile(r"stopped by \w+ after step (\d+)")  # lit_rl.cli.exit_if_interrupted's line
 
 
 class RunFailed(Exception):
@@ -39,6 +42,7 @@ class RunResult:
     checkpoint_steps: list[int] = field(default_factory=list)  # global_step of every checkpoint but `last`
     resume_command: Optional[str] = None  # what a stopped run printed
     reductions: dict[str, str] = field(default_factory=dict)  # logged name -> how it is reduced
+    stopped_at: Optional[int] = None  # the step a stopped run said it stopped after
 
 
 def fit(config: dict, directory: Path, processes: int = 1, args: tuple[str, ...] = ()) -> int:
@@ -122,33 +126,41 @@ def read_run(directory: Path, save_dir: Path) -> RunResult:
     initial_file = directory / INITIAL_PARAMETERS_FILE
     initial = torch.load(initial_file, weights_only=True)["parameters"] if initial_file.exists() else None
     steps = []
-    for checkpoint in sorted((run / "checkpoints").glob("*.ckpt")):
+    for checkpoint in sorted((run / "checkpoints").glob("*.ckpt")):  # files, or DeepSpeed's directories
         if checkpoint.is_symlink() or checkpoint.name.startswith("last"):
             continue
-        steps.append(torch.load(checkpoint, map_location="cpu", weights_only=False, mmap=True)["global_step"])
+        steps.append(checkpoint_step(checkpoint))
     hints = [line for line in (directory / "output.log").read_text().splitlines() if RESUME_HINT in line]
     hint = hints[-1].split(RESUME_HINT, 1)[1].strip() if hints else None
+    stopped = STOPPED_AFTER.search(hints[-1]) if hints else None
     reductions_file = directory / REDUCTIONS_FILE
     reduced = json.loads(reductions_file.read_text()) if reductions_file.exists() else {}
-    return RunResult(rows, probe["parameters"], initial, sorted(steps), hint, reduced)
+    stopped_at = int(stopped.group(1)) if stopped else None
+    return RunResult(rows, probe["parameters"], initial, sorted(steps), hint, reduced, stopped_at)
 
 
-def resume(directory: Path, command: str) -> int:
-    """Run the command a stopped run printed, as a user would type it (in this process)."""
+def resume(directory: Path, command: str, processes: int = 1) -> int:
+    """Run the command a stopped run printed, as a user would type it (a process of its own where the run has
+    several: Lightning starts the other ranks by running the command again)."""
     args = shlex.split(command)
     if args[:1] != ["lit-rl"]:
         raise RunFailed(f"the stopped run printed an unexpected resume command: {command}")
-    from lit_rl.cli import main
+    with open(directory / "output.log", "a") as log:
+        if processes > 1:
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+            return subprocess.run(
+                [sys.executable, "-m", "lit_rl.cli", *args[1:]], stdout=log, stderr=log, env=env
+            ).returncode
+        from lit_rl.cli import main
 
-    with (
-        open(directory / "output.log", "a") as log,
-        contextlib.redirect_stdout(log),
-        contextlib.redirect_stderr(log),
-        lightning_info_quiet(),
-        command_line(args),
-    ):
-        try:
-            main(args[1:])
-        except SystemExit as stop:
-            return stop.code if isinstance(stop.code, int) else 1
+        with (
+            contextlib.redirect_stdout(log),
+            contextlib.redirect_stderr(log),
+            lightning_info_quiet(),
+            command_line(args),
+        ):
+            try:
+                main(args[1:])
+            except SystemExit as stop:
+                return stop.code if isinstance(stop.code, int) else 1
     return 0
