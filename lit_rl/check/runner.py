@@ -45,17 +45,22 @@ class RunResult:
     stopped_at: Optional[int] = None  # the step a stopped run said it stopped after
 
 
-def fit(config: dict, directory: Path, processes: int = 1, args: tuple[str, ...] = ()) -> int:
-    """`lit-rl fit --config <directory>/config.yaml *args`; its exit code. Output goes to `output.log`."""
+def fit(config: dict, directory: Path, processes: int = 1) -> int:
+    """`lit-rl fit --config <directory>/config.yaml`; its exit code. Output goes to `output.log`."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    command = ["fit", "--config", str(path), *args]
+    return run_cli(directory, ["fit", "--config", str(path)], processes)
+
+
+def run_cli(directory: Path, args: list[str], processes: int = 1) -> int:
+    """`lit-rl *args`, its output appended to `<directory>/output.log`; its exit code. In this process, or in a
+    process of its own where the run has several (Lightning starts the other ranks by running the command again)."""
     with open(directory / "output.log", "a") as log:
         if processes > 1:
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # this process's imports
             return subprocess.run(
-                [sys.executable, "-m", "lit_rl.cli", *command], stdout=log, stderr=log, env=env
+                [sys.executable, "-m", "lit_rl.cli", *args], stdout=log, stderr=log, env=env
             ).returncode
         from lit_rl.cli import main
 
@@ -63,10 +68,10 @@ def fit(config: dict, directory: Path, processes: int = 1, args: tuple[str, ...]
             contextlib.redirect_stdout(log),
             contextlib.redirect_stderr(log),
             lightning_info_quiet(),
-            command_line(["lit-rl", *command]),
+            command_line(["lit-rl", *args]),
         ):
             try:
-                main(command)
+                main(args)
             except SystemExit as stop:
                 return stop.code if isinstance(stop.code, int) else 1
             except Exception as err:  # noqa: BLE001  (reported as the run's failure, with its log)
@@ -140,27 +145,8 @@ def read_run(directory: Path, save_dir: Path) -> RunResult:
 
 
 def resume(directory: Path, command: str, processes: int = 1) -> int:
-    """Run the command a stopped run printed, as a user would type it (a process of its own where the run has
-    several: Lightning starts the other ranks by running the command again)."""
+    """Run the command a stopped run printed, as a user would type it."""
     args = shlex.split(command)
     if args[:1] != ["lit-rl"]:
         raise RunFailed(f"the stopped run printed an unexpected resume command: {command}")
-    with open(directory / "output.log", "a") as log:
-        if processes > 1:
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-            return subprocess.run(
-                [sys.executable, "-m", "lit_rl.cli", *args[1:]], stdout=log, stderr=log, env=env
-            ).returncode
-        from lit_rl.cli import main
-
-        with (
-            contextlib.redirect_stdout(log),
-            contextlib.redirect_stderr(log),
-            lightning_info_quiet(),
-            command_line(args),
-        ):
-            try:
-                main(args[1:])
-            except SystemExit as stop:
-                return stop.code if isinstance(stop.code, int) else 1
-    return 0
+    return run_cli(directory, args[1:], processes)
