@@ -179,8 +179,16 @@ def check_pair(check: Check, pair: str, gpus: int) -> PairResult:
     raise ValueError(pair)
 
 
-def print_table(results: list[PairResult], write: Callable[[str], None]) -> None:
+def rendered(table) -> str:
+    """A rich table as plain text, 130 columns wide, whatever the terminal."""
     from rich.console import Console
+
+    buffer = io.StringIO()
+    Console(file=buffer, width=130, force_terminal=False).print(table)
+    return buffer.getvalue()
+
+
+def print_table(results: list[PairResult], write: Callable[[str], None]) -> None:
     from rich.markup import escape
     from rich.table import Table
 
@@ -191,18 +199,17 @@ def print_table(results: list[PairResult], write: Callable[[str], None]) -> None
         style = {"PASS": "green", "FAIL": "bold red", "SKIP": "yellow"}[r.status]
         cells = [escape(text) for text in (r.pair, r.compared, r.largest(), r.tolerance.name if r.tolerance else "")]
         table.add_row(*cells, f"[{style}]{r.status}[/{style}]")
-    buffer = io.StringIO()
-    Console(file=buffer, width=130, force_terminal=False).print(table)
     tolerances = sorted({r.tolerance for r in results if r.tolerance}, key=str)
     notes = [
         "Compared: every train/ metric at the steps shown, and the final weights as ||a - b|| / ||b - start||.",
-        "Not compared: perf/ (timings), train/rollout_* (engine-trainer rounding, different in every layout).",
+        "Not compared: perf/ (timings), train/rollout_* (engine-trainer rounding, different in every layout),",
+        "train/micro_batch_tokens/max and train/rank_tokens/* (token budgets: they describe the layout).",
         *(
             f"Tolerance {t.name}: |a - b| <= {t.atol:g} + {t.rtol:g} |b| per metric; weights <= {t.parameters:g}."
             for t in tolerances
         ),
     ]
-    write(buffer.getvalue() + "\n".join(notes) + "\n")
+    write(rendered(table) + "\n".join(notes) + "\n")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -261,7 +268,6 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 def mismatch(check: Check, gpus: int, say: Callable[[str], None]) -> None:
     """`--mismatch`: one step as configured and one per factor changed; a table of their mismatch metrics."""
-    from rich.console import Console
     from rich.table import Table
 
     try:
@@ -283,9 +289,7 @@ def mismatch(check: Check, gpus: int, say: Callable[[str], None]) -> None:
     table.add_row("as configured", "", *cells(baseline))
     for r in results:
         table.add_row(r.factor, r.change or r.skipped, *([""] * 3 if r.skipped else cells(r.values)))
-    buffer = io.StringIO()
-    Console(file=buffer, width=130, force_terminal=False).print(table)
-    sys.stdout.write(buffer.getvalue())
+    sys.stdout.write(rendered(table))
     most = moved_most(baseline, results)
     if most is not None:
         sys.stdout.write(f"The factor that moves rollout_kl most: {most}.\n")
