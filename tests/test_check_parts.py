@@ -150,7 +150,7 @@ def test_a_pair_fails_on_any_difference_over_tolerance_and_passes_otherwise():
 
 
 def test_mismatch_varies_each_factor_the_config_allows_and_names_the_largest_move():
-    from lit_rl.check.mismatch import FactorResult, factor_layouts, moved_most
+    from lit_rl.check.mismatch import FactorResult, factor_layouts, moved_most, steps_needed
 
     config = _config()
     config["model"]["init_args"]["rollout"] = {"engine": {"class_path": "lit_rl.rollout.VLLMColocate"}}
@@ -169,6 +169,12 @@ def test_mismatch_varies_each_factor_the_config_allows_and_names_the_largest_mov
         FactorResult("lora", "", {}, skipped="no LoRA"),
     ]
     assert moved_most(baseline, results) == "engine"
+    assert steps_needed(config) == 1
+    config["model"]["init_args"]["policy"]["lora"] = {"r": 8}
+    lora = {factor: layout for factor, layout, _ in factor_layouts(config)}["lora"]
+    merged = {"class_path": "lit_rl.rollout.HFGenerate", "init_args": {"lora_weights": "merged"}}
+    assert lora.changes == {"model.init_args.rollout.engine": merged}
+    assert steps_needed(config) == 2  # at step 1 the adapter is zero: merged or not, the same weights
     without_rollouts = _config()
     without_rollouts["model"]["init_args"].pop("schedule")
     with pytest.raises(CannotRunHere, match="samples no rollouts"):

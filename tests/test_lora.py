@@ -9,7 +9,7 @@ from lit_rl.algorithms import DPO, GRPO, SFT
 from lit_rl.algorithms.base import PolicyModule
 from lit_rl.config import grouped_kwargs
 from lit_rl.errors import ConfigError
-from lit_rl.modeling.lora import LoRAConfig, merged_weights, reference_view, trainable_keys
+from lit_rl.modeling.lora import LoRAConfig, merged_view, merged_weights, reference_view, trainable_keys
 from lit_rl.modeling.models import load_causal_lm
 from tests.conftest import fit_grpo, perturbed_lora_model
 
@@ -38,6 +38,45 @@ def test_adapter_off_is_exactly_the_starting_model():
     with torch.no_grad(), reference_view(model):
         assert torch.equal(model(ids).logits, expected)
     assert (model(ids).logits - expected).abs().max() > 0.1  # the adapter is back on after the block
+
+
+def test_merged_view_computes_as_the_plain_model_with_merged_weights_and_restores_every_weight():
+    """What an engine holding merged weights (vLLM) computes, inside the trainer's own model: the merged weights of
+    `merged_weights`, bit for bit; on exit the frozen weights and the adapter path are exactly as before."""
+    model = perturbed_lora_model(modules_to_save=["norm"])
+    plain = load_causal_lm(SFT_MODEL, disable_dropout=True)
+    plain.load_state_dict(dict(merged_weights(model)))
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    ids = torch.randint(0, 256, (3, 9))
+    with torch.no_grad():
+        adapter_logits = model(ids).logits
+        with merged_view(model):
+            merged_logits = model(ids).logits
+        assert torch.equal(merged_logits, plain(ids).logits)
+        assert not torch.equal(merged_logits, adapter_logits)  # float32 rounds the two paths differently
+        torch.testing.assert_close(merged_logits, adapter_logits, rtol=1e-4, atol=1e-4)
+        assert torch.equal(model(ids).logits, adapter_logits)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
+def test_hf_engine_samples_from_merged_weights_when_asked():
+    from lit_rl.rollout import HFGenerate
+    from lit_rl.rollout.base import SamplingParams
+    from lit_rl.rollout.engines.hf import HFGenerateEngine
+
+    model = perturbed_lora_model().to(torch.bfloat16)  # bf16: merging rounds the adapter's delta into W
+    prompts = torch.randint(3, 256, (4, 6))
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+    adapter = HFGenerateEngine(model, eos_token_ids=[0], pad_token_id=0)
+    merged = HFGenerateEngine(model, eos_token_ids=[0], pad_token_id=0, merged_lora=True)
+    a = adapter.generate(prompts, torch.ones_like(prompts), params, seeds=[1, 2, 3, 4])
+    b = merged.generate(prompts, torch.ones_like(prompts), params, seeds=[1, 2, 3, 4])
+    c = adapter.generate(prompts, torch.ones_like(prompts), params, seeds=[1, 2, 3, 4])
+    assert not torch.equal(a.logprobs, b.logprobs)
+    assert torch.equal(a.completion_ids, c.completion_ids) and torch.equal(a.logprobs, c.logprobs)  # restored
+    with pytest.raises(ConfigError, match=r"model\.rollout\.engine\.lora_weights must be one of"):
+        HFGenerate(lora_weights="fused")
 
 
 @pytest.mark.parametrize(

@@ -34,7 +34,7 @@ from lit_rl.check.layouts import (
     ranks_layouts,
     run_config,
 )
-from lit_rl.check.mismatch import MISMATCH_METRICS, moved_most, run_mismatch
+from lit_rl.check.mismatch import MISMATCH_METRICS, moved_most, run_mismatch, steps_needed
 from lit_rl.check.runner import RunFailed, RunResult, fit, last_line, read_run, resume
 
 PAIRS = ("accumulation", "packing", "ranks", "resume", "cadence")
@@ -135,10 +135,10 @@ class Check:
     def straight(self) -> RunResult:
         return self.run(Layout("straight"))
 
-    def first_step(self, layout: Layout) -> dict[str, float]:
-        """The `train/` values of the first step of `layout` (the runs of `--mismatch`)."""
+    def last_step(self, layout: Layout) -> dict[str, float]:
+        """The `train/` values of the last step of `layout` (the runs of `--mismatch`)."""
         result = self.run(layout)
-        return next((row for row in result.rows if int(row["step"]) == 1), {})
+        return next((row for row in result.rows if int(row["step"]) == self.steps), {})
 
 
 def check_pair(check: Check, pair: str, gpus: int) -> PairResult:
@@ -230,7 +230,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     scratch = options.workdir is None
     workdir = Path(options.workdir or tempfile.mkdtemp(prefix="lit-rl-check-"))
     if options.mismatch:
-        mismatch(Check(config, workdir, 1, say), gpus, say)
+        mismatch(Check(config, workdir, steps_needed(config), say), gpus, say)
         if scratch:
             shutil.rmtree(workdir, ignore_errors=True)
         return
@@ -272,11 +272,11 @@ def mismatch(check: Check, gpus: int, say: Callable[[str], None]) -> None:
 
     try:
         check_runs_here(check.config, gpus)
-        baseline, results = run_mismatch(check.config, check.first_step)
+        baseline, results = run_mismatch(check.config, check.last_step)
     except (CannotRunHere, RunFailed) as err:
         say(f"lit-rl check: error: {err}")
         sys.exit(EXIT_NOTHING_CHECKED)
-    table = Table(title="lit-rl check --mismatch: step 1, engine against trainer")
+    table = Table(title=f"lit-rl check --mismatch: step {check.steps}, engine against trainer")
     for column in ("factor", "changed", "rollout_kl", "is_ratio min / max", "logprob diff max"):
         table.add_column(column)
 

@@ -9,7 +9,12 @@ changed, and reports the numbers of each, naming the factor whose change moves t
     engine      : the configured engine against HF `generate` on the same weights
     dtype       : the policy's dtype (bfloat16 against float32, whichever the config does not use)
     packing     : the trainer's forward padding-free against padded
-    lora        : the adapter merged into the weights against kept apart (only with `model.policy.lora`)
+    lora        : HF `generate` from the weights with the adapter merged in (as vLLM computes) against the
+                  adapter kept apart (as the trainer computes); only with `model.policy.lora`. Its runs take 2
+                  steps: at step 1 the adapter is still zero.
+
+With an engine that holds its own weights (vLLM), the `engine` row samples with HF through the adapter and the
+`lora` row with HF from merged weights: the two rows together split the engine's kernels from the merge.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from lit_rl.check.layouts import CannotRunHere, Layout, get
+from lit_rl.rollout.engine_config import HFGenerate, class_path
 
 MISMATCH_METRICS = (
     "train/rollout_kl",
@@ -57,8 +63,16 @@ def factor_layouts(config: dict) -> list[tuple[str, Optional[Layout], str]]:
     if get(config, f"{init}.policy.lora") is None:
         out.append(("lora", None, "the config trains no LoRA adapter"))
     else:
-        out.append(("lora", None, "merging is the engine's own choice; compare with --pairs instead"))
+        merged = {"class_path": class_path(HFGenerate), "init_args": {"lora_weights": "merged"}}
+        layout = Layout("lora_merged", {f"{init}.rollout.engine": merged}, description="HF generate, adapter merged")
+        out.append(("lora", layout, ""))
     return out
+
+
+def steps_needed(config: dict) -> int:
+    """Optimizer steps each run takes; its last step is reported. A LoRA adapter starts at B = 0 (merged or not,
+    the same weights), so with one the runs take 2 steps and the second samples from a trained adapter."""
+    return 1 if get(config, "model.init_args.policy.lora") is None else 2
 
 
 def moved_most(baseline: dict[str, float], results: list[FactorResult]) -> Optional[str]:

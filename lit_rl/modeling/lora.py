@@ -16,9 +16,9 @@ With `model.policy.lora` set (`--config configs/peft/lora.yaml`), the policy is 
 from __future__ import annotations
 
 import re
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Optional
+from typing import Any, ContextManager, Iterator, Optional
 
 import torch
 
@@ -184,6 +184,34 @@ def _merged_weights(base: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
             delta = deltas.get(key)
             weights.append((name, tensor.detach() if delta is None else tensor.detach() + delta.to(tensor.dtype)))
     return weights
+
+
+@contextmanager
+def merged_view(model: torch.nn.Module) -> Iterator[None]:
+    """Inside it, `model` computes with its adapters merged into its weights, as an engine holding its own
+    weights does (vLLM): each adapted layer's weight is `W + delta` rounded to W's dtype (the tensors
+    `merged_weights` gives), and peft's adapter branch is off. On exit every `W` is restored bit for bit (from a
+    copy, not by subtracting `delta` again, which would round). Nothing happens to a model without adapters."""
+    if not is_lora_model(model):
+        yield
+        return
+    saved = []  # (layer, its weight, the weight's original values)
+    try:
+        with torch.no_grad():
+            for module in base_model(model).modules():
+                delta = lora_delta(module)
+                if delta is None:
+                    continue
+                weight = module.get_base_layer().weight
+                saved.append((module, weight, weight.detach().clone()))
+                weight.add_(delta.to(weight.dtype))
+                module.merged_adapters = list(module.active_adapters)  # peft then runs the base layer alone
+        yield
+    finally:
+        with torch.no_grad():
+            for module, weight, original in saved:
+                weight.copy_(original)
+                module.merged_adapters = []
 
 
 def lora_delta(module: torch.nn.Module) -> Optional[torch.Tensor]:

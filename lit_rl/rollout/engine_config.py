@@ -100,23 +100,51 @@ def _plain(value: Any) -> Any:
     return dataclasses.asdict(value) if dataclasses.is_dataclass(value) and not isinstance(value, type) else value
 
 
+LORA_WEIGHTS = ("adapter", "merged")
+
+
 class HFGenerate(EngineConfig):
     """Hugging Face `generate` on the policy being trained (the default): no extra package, nothing to push;
-    finished rows leave the decoding batch (`lit_rl.rollout.engines.compact_decode`)."""
+    finished rows leave the decoding batch (`lit_rl.rollout.engines.compact_decode`).
 
-    def __init__(self) -> None:
-        pass
+    Args:
+        lora_weights: with a LoRA policy, what it samples from: `adapter` (the default: the adapter beside the
+            frozen weights, as the trainer computes) or `merged` (the adapter merged into the weights in the weights'
+            dtype, as an engine holding its own weights computes: vLLM). `merged` is a diagnostic, used by
+            `lit-rl check --mismatch` to measure what merging alone does to the log-probs; not with sharded
+            parameters (ZeRO-3, FSDP).
+    """
+
+    def __init__(self, lora_weights: Literal["adapter", "merged"] = "adapter") -> None:
+        self.lora_weights = lora_weights
+        self.check()
+
+    def check(self) -> None:
+        if self.lora_weights not in LORA_WEIGHTS:
+            raise ConfigError(
+                f"{ENGINE_KEY}.lora_weights must be one of {list(LORA_WEIGHTS)}, got {self.lora_weights!r}"
+            )
 
     def build(self, module: Any) -> RolloutEngine:
         from lit_rl.rollout.engines.hf import HFGenerateEngine, model_eos_token_ids
 
+        sharded = module.parameters_sharded()
+        if self.lora_weights == "merged" and sharded:
+            raise ConfigError(
+                f"{ENGINE_KEY}.lora_weights=merged needs each rank to hold whole weights; this strategy shards them "
+                "(ZeRO-3, FSDP): use DDP or ZeRO-2 to measure merging"
+            )
         eos_ids = model_eos_token_ids(module.policy, module.tokenizer.eos_token_id)
         return HFGenerateEngine(
-            module.policy, eos_ids, module.tokenizer.pad_token_id, synced_ranks=module.parameters_sharded()
+            module.policy,
+            eos_ids,
+            module.tokenizer.pad_token_id,
+            synced_ranks=sharded,
+            merged_lora=self.lora_weights == "merged",
         )
 
     def numerics_differ(self, compute_dtype: torch.dtype) -> bool:
-        return False  # it samples from the policy itself
+        return self.lora_weights == "merged"  # otherwise it samples from the policy itself
 
 
 class VLLMColocate(EngineConfig):

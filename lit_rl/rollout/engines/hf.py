@@ -3,12 +3,12 @@ available."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from lit_rl.modeling.lora import base_model
+from lit_rl.modeling.lora import base_model, merged_view
 from lit_rl.modeling.shared_prompts import shared_prompt_cache
 from lit_rl.rollout.base import RolloutOutput, SamplingParams, completion_mask_from_ids, draw_seeds
 from lit_rl.rollout.engines.compact_decode import decode_skipping_finished
@@ -58,8 +58,12 @@ class HFGenerateEngine:
         pad_token_id: int,
         synced_ranks: bool = False,
         skip_finished: bool = True,
+        merged_lora: bool = False,
     ) -> None:
         self.model = model
+        # A LoRA policy samples with its adapter merged into the weights (`merged_view`), as vLLM does: the
+        # diagnostic of `lit-rl check --mismatch`.
+        self.merged_lora = merged_lora
         # Decode with `lit_rl.rollout.engines.compact_decode` (the same samples, finished rows no longer computed)
         # unless the ranks step together or `skip_finished` is off (then `generate`, which runs every row to the end).
         self.skip_finished = skip_finished
@@ -84,19 +88,23 @@ class HFGenerateEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            # Completions of the same prompt share its prefill: decoding starts after the cached P-1 positions.
-            cache = shared_prompt_cache(self.model, prompt_ids, prompt_mask, self.synced_ranks)
-            if self.skip_finished and not self.synced_ranks:  # the same samples, finished rows not computed
-                completion_ids, logprobs = decode_skipping_finished(
-                    self.model, prompt_ids, prompt_mask, params, seeds, self.eos_token_ids, self.pad_token_id, cache
-                )
-            else:
-                completion_ids, logprobs = self._generate_every_row(prompt_ids, prompt_mask, params, seeds, cache)
+            with merged_view(self.model) if self.merged_lora else nullcontext():
+                completion_ids, logprobs = self._decode(prompt_ids, prompt_mask, params, seeds)
         finally:
             self.model.train(was_training)
         mask = completion_mask_from_ids(completion_ids, self.eos_token_ids)
         completion_ids = completion_ids.masked_fill(mask == 0, self.pad_token_id)
         return RolloutOutput(completion_ids=completion_ids, completion_mask=mask, logprobs=logprobs * mask)
+
+    def _decode(self, prompt_ids, prompt_mask, params, seeds) -> tuple[torch.Tensor, torch.Tensor]:
+        """Completion ids [N, T] and the sampled tokens' log-probs [N, T], in eval mode."""
+        # Completions of the same prompt share its prefill: decoding starts after the cached P-1 positions.
+        cache = shared_prompt_cache(self.model, prompt_ids, prompt_mask, self.synced_ranks)
+        if self.skip_finished and not self.synced_ranks:  # the same samples, finished rows not computed
+            return decode_skipping_finished(
+                self.model, prompt_ids, prompt_mask, params, seeds, self.eos_token_ids, self.pad_token_id, cache
+            )
+        return self._generate_every_row(prompt_ids, prompt_mask, params, seeds, cache)
 
     def _generate_every_row(self, prompt_ids, prompt_mask, params, seeds, cache) -> tuple[torch.Tensor, torch.Tensor]:
         """`model.generate`, every row to the end (ZeRO-3 and FSDP ranks step together): completion ids [N, T] and
