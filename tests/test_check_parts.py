@@ -233,3 +233,20 @@ def test_layout_metrics_of_token_budgets_are_not_compared():
     other = [{"step": 1.0, "train/loss": 1.0, "train/micro_batch_tokens/max": 128.0}]
     worst, problems = compare_rows(other, reference, FP32)
     assert problems == [] and worst.passed
+
+
+def test_dtype_auto_gets_the_tolerance_of_the_dtype_the_checkpoint_loads_in(tmp_path):
+    from transformers import Qwen2ForCausalLM
+
+    from lit_rl.check.command import policy_dtype
+    from lit_rl.modeling.models import tiny_qwen2_config
+
+    Qwen2ForCausalLM(tiny_qwen2_config()).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    config = _config()
+    config["model"]["init_args"]["policy"].update(dtype="auto", model_name_or_path=str(tmp_path / "bf16"))
+    assert policy_dtype(config) == "bfloat16" and tolerance_for("32-true", policy_dtype(config)) == BF16
+    config["model"]["init_args"]["random_init"] = True  # built from the config alone: float32
+    assert tolerance_for("32-true", policy_dtype(config)) == FP32
+    config["model"]["init_args"].pop("random_init")
+    config["model"]["init_args"]["policy"]["model_name_or_path"] = "lit-rl/tiny-qwen2-addition-sft"  # saved in fp32
+    assert policy_dtype(config) == "float32"

@@ -141,8 +141,22 @@ class Check:
         return next((row for row in result.rows if int(row["step"]) == self.steps), {})
 
 
+def policy_dtype(config: dict) -> Optional[str]:
+    """`model.policy.dtype`, with `auto` resolved as the loader resolves it: the checkpoint's own dtype (float32
+    for a randomly initialised model or a config that names none)."""
+    policy = get(config, "model.init_args.policy") or {}
+    dtype = policy.get("dtype")
+    if dtype != "auto":
+        return dtype
+    if get(config, "model.init_args.random_init"):  # SFT from a config alone
+        return "float32"
+    from lit_rl.modeling.models import checkpoint_dtype
+
+    return checkpoint_dtype(policy["model_name_or_path"], bool(policy.get("trust_remote_code"))) or "float32"
+
+
 def check_pair(check: Check, pair: str, gpus: int) -> PairResult:
-    tol = tolerance_for(get(check.config, "trainer.precision"), get(check.config, "model.init_args.policy.dtype"))
+    tol = tolerance_for(get(check.config, "trainer.precision"), policy_dtype(check.config))
     if pair == "accumulation":
         layout = accumulation_layout(check.config)
         result = judge(pair, check.run(layout), check.straight(), tol)

@@ -95,6 +95,19 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, padding_s
     return tokenizer
 
 
+def checkpoint_dtype(name_or_path: str, trust_remote_code: bool = False) -> Optional[str]:
+    """The dtype `dtype: auto` loads `name_or_path` in (its config's `dtype`, e.g. "bfloat16"); None when the config
+    names none (transformers then loads float32)."""
+    from transformers import AutoConfig
+
+    resolved = resolve_model_path(name_or_path)
+    _check_exists(name_or_path, resolved)
+    with reading_model(name_or_path, resolved):
+        config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
 def load_causal_lm(
     name_or_path: str,
     dtype: str = "float32",
