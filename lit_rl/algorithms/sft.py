@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MetricCollection
 
 from lit_rl.algorithms.offline import OfflineModule
@@ -47,6 +48,7 @@ class SFT(OfflineModule):
         metrics = sft_metrics()
         self.train_metrics = metrics.clone(prefix="train/")
         self.val_metrics = metrics.clone(prefix="val/")
+        self._warned_no_window = False
 
     def encode_completions(self, completions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-padded completion ids followed by EOS, and their mask [B, T]."""
@@ -93,9 +95,26 @@ class SFT(OfflineModule):
         return loss
 
     def training_loss(self, batch: dict[str, Any]) -> torch.Tensor:
+        if "window_rows" not in batch:  # a data module of the user's that does not say the step's rows
+            return self._step_without_window(batch)
         loss = self._step(batch, self.train_metrics, self.step_tokens(batch["window_rows"]))
         # Normalised over the whole step: undo Lightning's division by the accumulation and the ranks' averaging.
         return loss * self.step_loss_scale()
+
+    def _step_without_window(self, batch: dict[str, Any]) -> torch.Tensor:
+        """The loss normalised by the micro-batch's tokens on all ranks; Lightning then averages the micro-batches
+        of the step: exact without accumulation, a mean of micro-batch means with it (said once)."""
+        if self.trainer.accumulate_grad_batches > 1 and not self._warned_no_window:
+            self._warned_no_window = True
+            rank_zero_warn(
+                "SFT: the training batches carry no `window_rows` (the rows of this rank's optimizer step), so with "
+                "trainer.accumulate_grad_batches > 1 the loss is a mean of micro-batch token means, not the step's "
+                "token mean: yield batches as lit_rl.data.sharding.ShardedTrainBatches does to make it exact"
+            )
+        weight = batch["weight"].to(self.device)
+        rows = [row for row, w in zip(batch["rows"], weight.tolist()) if w > 0]
+        loss = self._step(batch, self.train_metrics, self.step_tokens(rows))
+        return loss * self.step_loss_scale(accumulated=False)
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         self._step(batch, self.val_metrics)

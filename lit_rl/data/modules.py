@@ -10,12 +10,13 @@ from typing import Any, Optional
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lit_rl.data.files import Row, load_rows, validate_rows
 from lit_rl.data.preference import ShardedPairBatches, TokenizedPair, tokenize_pairs, with_explicit_prompt
 from lit_rl.data.schedule import RolloutSchedule, RolloutScheduleLoader
-from lit_rl.data.sharding import ShardedRowBatches, ShardedTrainBatches
+from lit_rl.data.sharding import ShardedRowBatches, ShardedTrainBatches, lightning_windows
 from lit_rl.errors import ConfigError
 
 
@@ -103,6 +104,8 @@ class SFTDataModule(PromptDataModule):
         batch_size: rows per micro-batch on each rank (the loader shuffles each epoch with `seed`, shards the rows
             across ranks and resumes where the checkpoint says: `lit_rl.data.sharding.ShardedTrainBatches`).
         seed: seed of the training order (a new permutation each epoch).
+        num_workers: ignored since 0.2, kept so that 0.1 configs load: the batches are raw rows, built in the
+            trainer's process (the module tokenizes them).
     """
 
     required_columns = ("prompt", "completion")
@@ -114,9 +117,15 @@ class SFTDataModule(PromptDataModule):
         val_limit: Optional[int] = None,
         batch_size: int = 64,
         seed: int = 0,
+        num_workers: Optional[int] = None,
     ) -> None:
         if batch_size < 1:
             raise ConfigError(f"data.batch_size must be >= 1, got {batch_size}")
+        if num_workers:
+            rank_zero_warn(
+                f"data.num_workers={num_workers} is ignored since lit-rl 0.2: batches are built in the "
+                "trainer's process; remove the key"
+            )
         super().__init__(
             train_data=train_data, val_data=val_data, val_limit=val_limit, val_batch_size=batch_size, seed=seed
         )
@@ -132,7 +141,7 @@ class SFTDataModule(PromptDataModule):
             trainer.global_rank,
             trainer.world_size,
             start_batch=lambda: getattr(module, "train_batches_done", 0),  # checkpointed by the algorithm
-            accumulate=trainer.accumulate_grad_batches,
+            windows=lambda: lightning_windows(trainer, len(batches)),
         )
         return DataLoader(batches, batch_size=None)
 
@@ -211,7 +220,7 @@ class PreferenceDataModule(PromptDataModule):
             pad_id=module.tokenizer.pad_token_id,
             # Training resumes from the algorithm's checkpointed count of consumed batches.
             start_batch=(lambda: getattr(module, "train_batches_done", 0)) if shuffle else (lambda: 0),
-            accumulate=trainer.accumulate_grad_batches if shuffle else 1,
+            windows=(lambda: lightning_windows(trainer, len(batches))) if shuffle else None,
         )
         return DataLoader(batches, batch_size=None)
 

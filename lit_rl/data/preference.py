@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-from torch.utils.data import IterableDataset
 
 from lit_rl.data.files import Row
-from lit_rl.data.sharding import epoch_order, num_shard_batches, shard_batches
+from lit_rl.data.sharding import ResumableShardBatches
 
 log = logging.getLogger(__name__)
 
@@ -124,13 +123,10 @@ def collate_pairs(pairs: list[TokenizedPair], weights: list[float], pad_id: int)
     }
 
 
-class ShardedPairBatches(IterableDataset):
-    """Batches of this rank's share of the pairs (`order[rank::world_size]`), all ranks with the same count.
-
-    `start_batch()` is how many batches the run has consumed (the algorithm's checkpointed counter): iteration
-    resumes there, in the permutation of epoch `start_batch() // len(self)`, so a resumed run sees exactly the
-    batches an uninterrupted one would have. Each batch also carries `window_pairs`, the real pairs of this rank in
-    its window of `accumulate` batches (one optimizer step).
+class ShardedPairBatches(ResumableShardBatches):
+    """Batches of this rank's share of the pairs (`order[rank::world_size]`), all ranks with the same count,
+    resumable (`lit_rl.data.sharding.ResumableShardBatches`). Each batch also carries `window_pairs`, the real pairs
+    of this rank in its optimizer step.
     """
 
     def __init__(
@@ -142,26 +138,16 @@ class ShardedPairBatches(IterableDataset):
         rank: int,
         world_size: int,
         pad_id: int,
-        start_batch: Callable[[], int] = lambda: 0,
-        accumulate: int = 1,
+        **resume: Any,
     ) -> None:
-        self.pairs, self.batch_size, self.shuffle, self.seed = pairs, batch_size, shuffle, seed
-        self.rank, self.world_size, self.pad_id, self.start_batch = rank, world_size, pad_id, start_batch
-        self.accumulate = accumulate
-
-    def __len__(self) -> int:
-        return num_shard_batches(len(self.pairs), self.batch_size, self.world_size)
+        super().__init__(len(pairs), batch_size, shuffle, seed, rank, world_size, **resume)
+        self.pairs, self.pad_id = pairs, pad_id
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        epoch, skip = divmod(self.start_batch(), len(self))
-        order = epoch_order(len(self.pairs), self.seed, epoch) if self.shuffle else list(range(len(self.pairs)))
-        batches = list(shard_batches(order, self.batch_size, self.rank, self.world_size))
-        for index, (indices, weights) in enumerate(batches):
-            if index < skip:
-                continue
+        for position, windows in self.positions():
+            indices, weights = self.batch_at(position)
             batch = collate_pairs([self.pairs[i] for i in indices], weights, self.pad_id)
-            # Real pairs of this rank in the accumulation window (optimizer step) holding this batch: the loss is
-            # normalised by the window's pairs on all ranks, so a half-empty last batch does not weigh more.
-            window = index // self.accumulate * self.accumulate
-            batch["window_pairs"] = torch.tensor(sum(sum(w) for _, w in batches[window : window + self.accumulate]))
+            # Real pairs of this rank in the optimizer step holding this batch: the loss is normalised by the
+            # step's pairs on all ranks, so a half-empty last batch does not weigh more.
+            batch["window_pairs"] = torch.tensor(sum(sum(w) for _, w in self.window_batches(position, windows)))
             yield batch

@@ -9,12 +9,14 @@ shard twice, with or without its distributed sampler.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.utils.data import IterableDataset
 
 from lit_rl.data.files import Row
+from lit_rl.errors import ConfigError
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
@@ -55,41 +57,114 @@ class ShardedRowBatches(IterableDataset):
             yield {"rows": [self.rows[i] for i in indices], "weight": torch.tensor(weights)}
 
 
-class ShardedTrainBatches(IterableDataset):
-    """Shuffled training batches of raw rows (`{"rows": [...], "weight": [B], "window_rows": [...]}`), sharded like
-    `shard_batches` and resumable like `lit_rl.data.preference.ShardedPairBatches`: iteration starts at
-    `start_batch()` (the algorithm's checkpointed count of consumed batches) in the permutation of its epoch.
+@dataclass(frozen=True)
+class StepWindows:
+    """How Lightning groups a run's training batches into optimizer steps: epochs of `epoch_batches` batches
+    (`trainer.num_training_batches`: the loader's length, or `limit_train_batches`), each cut into windows of
+    `accumulate` batches (`trainer.accumulate_grad_batches`, read at the epoch's start, so that a
+    `GradientAccumulationScheduler` is followed), the last window ending with the epoch.
 
-    `window_rows` are the real rows of this rank in the accumulation window (the `accumulate` batches of one
-    optimizer step) that holds the batch: a loss normalised by the whole step's tokens needs them before the
-    window's other batches arrive (`lit_rl.algorithms.sft`).
+    A batch is named by its position in the run (the count of batches consumed before it), so windows stay where
+    Lightning puts them across epochs and resumes.
+    """
+
+    epoch_batches: int
+    accumulate: int = 1
+
+    def epoch_end(self, position: int) -> int:
+        """The position after the last batch of the epoch that holds `position`."""
+        return (position // self.epoch_batches + 1) * self.epoch_batches
+
+    def window(self, position: int) -> range:
+        """The positions of the optimizer step that holds `position`."""
+        epoch_start = position - position % self.epoch_batches
+        start = epoch_start + (position - epoch_start) // self.accumulate * self.accumulate
+        return range(start, min(start + self.accumulate, self.epoch_end(position)))
+
+
+def lightning_windows(trainer: Any, num_batches: int) -> StepWindows:
+    """The `StepWindows` of `trainer`'s fit now. DeepSpeed counts its accumulation over the whole run, not per
+    epoch: an epoch that is not a whole number of optimizer steps would carry a step across epochs there, while
+    Lightning counts one per epoch, so it is refused."""
+    limit = trainer.num_training_batches
+    epoch_batches = num_batches if not math.isfinite(limit) else max(1, min(int(limit), num_batches))
+    accumulate = trainer.accumulate_grad_batches
+    if trainer.strategy.handles_gradient_accumulation and epoch_batches % accumulate:
+        raise ConfigError(
+            f"trainer.accumulate_grad_batches={accumulate} does not divide the {epoch_batches} training batches of an "
+            "epoch: under DeepSpeed a partial optimizer step would run into the next epoch while Lightning counts "
+            "it in this one. Set trainer.limit_train_batches (or data.batch_size) so that it does"
+        )
+    return StepWindows(epoch_batches, accumulate)
+
+
+class ResumableShardBatches(IterableDataset):
+    """Batches of this rank's share of `num_items` items (indices and weights, as `shard_batches`), shuffled anew
+    each pass over the data with `seed` (or in order), that resume where the run is.
+
+    `start_batch()` is the run's position: how many training batches it has consumed (the algorithm's checkpointed
+    counter). Iteration starts there, in the permutation of pass `start_batch() // len(self)`, and ends with
+    Lightning's epoch (`windows()`), so a resumed run sees exactly the batches an uninterrupted one would have.
+    Each batch comes with its optimizer step's batches (`StepWindows.window`): a loss normalised by the whole
+    step's items needs to count them before the step's later batches arrive.
     """
 
     def __init__(
         self,
-        rows: list[Row],
+        num_items: int,
         batch_size: int,
+        shuffle: bool,
         seed: int,
         rank: int,
         world_size: int,
         start_batch: Callable[[], int] = lambda: 0,
-        accumulate: int = 1,
+        windows: Optional[Callable[[], StepWindows]] = None,
     ) -> None:
-        self.rows, self.batch_size, self.seed, self.rank, self.world_size = rows, batch_size, seed, rank, world_size
-        self.start_batch, self.accumulate = start_batch, accumulate
+        self.num_items, self.batch_size, self.shuffle, self.seed = num_items, batch_size, shuffle, seed
+        self.rank, self.world_size, self.start_batch = rank, world_size, start_batch
+        self.windows = windows or (lambda: StepWindows(len(self)))
+        self._passes: dict[int, list[tuple[list[int], list[float]]]] = {}
 
     def __len__(self) -> int:
-        return num_shard_batches(len(self.rows), self.batch_size, self.world_size)
+        return num_shard_batches(self.num_items, self.batch_size, self.world_size)
+
+    def batch_at(self, position: int) -> tuple[list[int], list[float]]:
+        """(indices, weights) of the run's batch at `position`."""
+        data_pass, index = divmod(position, len(self))
+        if data_pass not in self._passes:
+            order = epoch_order(self.num_items, self.seed, data_pass) if self.shuffle else list(range(self.num_items))
+            # Keep this pass and the one before: a step's window can span the boundary of two passes.
+            self._passes = {p: b for p, b in self._passes.items() if p == data_pass - 1}
+            self._passes[data_pass] = list(shard_batches(order, self.batch_size, self.rank, self.world_size))
+        return self._passes[data_pass][index]
+
+    def positions(self) -> Iterator[tuple[int, StepWindows]]:
+        """The positions of this epoch's batches from the run's position on, with the epoch's windows."""
+        start, windows = self.start_batch(), self.windows()
+        for position in range(start, windows.epoch_end(start)):
+            yield position, windows
+
+    def window_batches(self, position: int, windows: StepWindows) -> list[tuple[list[int], list[float]]]:
+        """(indices, weights) of every batch of the optimizer step that holds `position`."""
+        return [self.batch_at(p) for p in windows.window(position)]
+
+
+class ShardedTrainBatches(ResumableShardBatches):
+    """Shuffled training batches of raw rows (`{"rows": [...], "weight": [B], "window_rows": [...]}`), sharded like
+    `shard_batches` and resumable (`ResumableShardBatches`). `window_rows` are the real rows of this rank in the
+    optimizer step that holds the batch, for SFT's loss, normalised by the step's tokens (`lit_rl.algorithms.sft`).
+    """
+
+    def __init__(self, rows: list[Row], batch_size: int, seed: int, rank: int, world_size: int, **resume: Any) -> None:
+        super().__init__(len(rows), batch_size, True, seed, rank, world_size, **resume)
+        self.rows = rows
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        epoch, skip = divmod(self.start_batch(), len(self))
-        order = epoch_order(len(self.rows), self.seed, epoch)
-        batches = list(shard_batches(order, self.batch_size, self.rank, self.world_size))
-        for index, (indices, weights) in enumerate(batches[skip:], start=skip):
-            window = index // self.accumulate * self.accumulate
+        for position, windows in self.positions():
+            indices, weights = self.batch_at(position)
             window_rows = [
                 self.rows[i]
-                for window_indices, window_weights in batches[window : window + self.accumulate]
+                for window_indices, window_weights in self.window_batches(position, windows)
                 for i, weight in zip(window_indices, window_weights)
                 if weight > 0
             ]

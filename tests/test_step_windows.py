@@ -1,0 +1,142 @@
+"""The offline loaders (SFT, DPO) tell each batch which rows share its optimizer step, for losses normalised by the
+whole step. These tests hold them to what Lightning actually groups: across epochs, `limit_train_batches` that
+the accumulation does not divide, a `GradientAccumulationScheduler`, and resumes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
+from torch.utils.data import DataLoader, IterableDataset
+
+from lit_rl.algorithms import SFT
+from lit_rl.config import grouped_kwargs
+from lit_rl.data.modules import SFTDataModule
+from lit_rl.data.sharding import ShardedTrainBatches, StepWindows, lightning_windows
+from lit_rl.errors import ConfigError
+
+
+def test_windows_end_with_each_epoch():
+    windows = StepWindows(epoch_batches=5, accumulate=2)
+    assert [list(windows.window(p)) for p in range(10)] == [
+        [0, 1], [0, 1], [2, 3], [2, 3], [4],  # the epoch's last step is one batch
+        [5, 6], [5, 6], [7, 8], [7, 8], [9],
+    ]  # fmt: skip
+    assert windows.epoch_end(7) == 10
+
+
+def test_a_resumed_loader_gives_the_same_batches_and_windows_as_an_uninterrupted_one():
+    rows = [{"prompt": str(i), "completion": str(i)} for i in range(11)]
+    windows = lambda: StepWindows(4, 3)  # noqa: E731  (limit 4 of the 6 batches, accumulate 3)
+    position = {"n": 0}
+    loader = ShardedTrainBatches(rows, 2, 7, 0, 1, start_batch=lambda: position["n"], windows=windows)
+    straight = []
+    for _ in range(3):  # three epochs of 4 batches: the data's passes (6 batches) carry over epoch ends
+        for batch in loader:
+            straight.append(batch)
+            position["n"] += 1
+    assert len(straight) == 12
+    position["n"] = 5  # resumed inside the second epoch
+    resumed = list(loader)
+    plain = lambda batches: [(b["rows"], b["weight"].tolist(), b["window_rows"]) for b in batches]  # noqa: E731
+    assert plain(resumed) == plain(straight[5:8])
+    # The window of positions 4-6 spans two passes over the data (batch 5 holds the 11th row alone), then 1 batch.
+    assert [len(b["window_rows"]) for b in straight[4:8]] == [5, 5, 5, 2]
+
+
+def test_deepspeed_refuses_an_epoch_that_is_not_whole_optimizer_steps():
+    trainer = SimpleNamespace(
+        num_training_batches=5, accumulate_grad_batches=2, strategy=SimpleNamespace(handles_gradient_accumulation=True)
+    )
+    with pytest.raises(ConfigError, match=r"trainer\.accumulate_grad_batches=2 does not divide the 5 training"):
+        lightning_windows(trainer, 10)
+    trainer.num_training_batches = 4
+    assert lightning_windows(trainer, 10) == StepWindows(4, 2)
+    trainer.num_training_batches = float("inf")  # a loader without a length: the data's batches
+    assert lightning_windows(trainer, 10) == StepWindows(10, 2)
+
+
+class StepRows(Callback):
+    """Per batch: the optimizer step it trains in (Lightning's count), its rows, and the rows it says its step has."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[int, list[str], list[str]]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        real = [row["prompt"] for row, weight in zip(batch["rows"], batch["weight"].tolist()) if weight > 0]
+        self.batches.append((trainer.global_step, real, sorted(row["prompt"] for row in batch["window_rows"])))
+
+
+def _fit(callbacks, **trainer_args) -> StepRows:
+    torch.manual_seed(0)
+    module = SFT(**grouped_kwargs(SFT, model_name_or_path="lit-rl/tiny-qwen2-base", random_init=True))
+    data = SFTDataModule(val_data=None, batch_size=3)
+    recorder = StepRows()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder, *callbacks],
+        **trainer_args,
+    )
+    trainer.fit(module, data)
+    return recorder
+
+
+def test_each_batch_carries_the_rows_of_the_optimizer_step_lightning_trains_it_in():
+    """limit 5 batches an epoch; accumulation 2 in epochs 0-1 (steps of 2, 2, 1 batches), 3 from epoch 2 (3, 2)."""
+    recorder = _fit([GradientAccumulationScheduler({0: 2, 2: 3})], limit_train_batches=5, max_steps=8)
+    steps: dict[int, list[str]] = {}
+    for step, rows, _ in recorder.batches:
+        steps.setdefault(step, []).extend(rows)
+    assert [sum(1 for s, _, _ in recorder.batches if s == step) for step in sorted(steps)] == [2, 2, 1] * 2 + [3, 2]
+    for step, _, window in recorder.batches:
+        assert window == sorted(steps[step]), step
+
+
+class WithoutWindowRows(IterableDataset):
+    def __init__(self, batches) -> None:
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        return ({k: v for k, v in batch.items() if k != "window_rows"} for batch in self.batches)
+
+
+class RowsOnly(SFTDataModule):
+    """A user's data module whose batches do not say their step's rows."""
+
+    def train_dataloader(self):
+        return DataLoader(WithoutWindowRows(super().train_dataloader().dataset), batch_size=None)
+
+
+def _trained(data: SFTDataModule, **trainer_args) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    module = SFT(**grouped_kwargs(SFT, model_name_or_path="lit-rl/tiny-qwen2-base", random_init=True))
+    trainer = L.Trainer(
+        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, max_steps=2,
+        enable_model_summary=False, **trainer_args,
+    )  # fmt: skip
+    trainer.fit(module, data)
+    return {name: value.clone() for name, value in module.policy.state_dict().items()}
+
+
+def test_sft_trains_on_batches_without_window_rows_exactly_without_accumulation_and_says_so_with_it():
+    expected = _trained(SFTDataModule(val_data=None, batch_size=3))
+    got = _trained(RowsOnly(val_data=None, batch_size=3))
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-7, msg=name)
+    with pytest.warns(UserWarning, match="SFT: the training batches carry no `window_rows`"):
+        _trained(RowsOnly(val_data=None, batch_size=3), accumulate_grad_batches=2)
+
+
+def test_a_0_1_config_with_data_num_workers_still_loads_and_is_told_the_key_is_ignored():
+    with pytest.warns(UserWarning, match=r"data\.num_workers=2 is ignored since lit-rl 0\.2"):
+        SFTDataModule(num_workers=2)
