@@ -37,9 +37,10 @@ from lit_rl.ops import position_ids_from_mask
 from lit_rl.resume import say
 from lit_rl.resume_config import announce, reconcile
 from lit_rl.training.compat import mark_step_saved
+from lit_rl.training.flops import ModelShape, RunThroughput, device_peak, row_tokens_and_keys
 from lit_rl.training.metrics import compute_collection
 from lit_rl.training.perf import StepTimer
-from lit_rl.training.strategies import gathered_parameters, hf_zero3_loading, reduce_across_ranks, shards_parameters
+from lit_rl.training.strategies import gathered_parameters, hf_zero3_loading, shards_parameters
 
 
 class PolicyModule(L.LightningModule):
@@ -80,6 +81,9 @@ class PolicyModule(L.LightningModule):
         self.policy: Optional[torch.nn.Module] = None
         self.ref_model: Optional[torch.nn.Module] = None  # frozen; set by `load_reference`, never checkpointed
         self.timer = StepTimer()  # perf/ metrics: where each step's time goes
+        # Model FLOPs (`lit_rl.training.flops`): the policy's shape, taken whole before a strategy shards it.
+        self.policy_shape: Optional[ModelShape] = None
+        self.throughput = RunThroughput()  # the run's totals, for the end-of-run summary
 
     @property
     def padding_free(self) -> bool:
@@ -158,6 +162,8 @@ class PolicyModule(L.LightningModule):
                 self.policy = self.load_model(random_init=self.random_init).train()
                 if self.lora_config is not None:
                     self._add_lora_adapter()
+        if self.policy_shape is None:
+            self.policy_shape = ModelShape.of(self.policy)
 
     def _add_lora_adapter(self) -> None:
         """Wrap the policy with a new LoRA adapter, initialised from the run's seed alone: the same under every
@@ -249,6 +255,9 @@ class PolicyModule(L.LightningModule):
         if self.trainer.ckpt_path:
             self.apply_configured_rates()
         self.timer = StepTimer()  # the first step's time starts here, not at model loading
+        self.throughput = RunThroughput(
+            peak=device_peak(self.device, self.compute_dtype()), devices=self.trainer.world_size
+        )
         # Lightning's ModelCheckpoint forgets, on resume, that the resumed-from step was saved; with gradient
         # accumulation the first micro-batches after resuming end with the old global_step, and it would save
         # that step again (with a data position one micro-batch later). Mark the resumed step as saved.
@@ -281,7 +290,12 @@ class PolicyModule(L.LightningModule):
         temperature: float = 1.0,
         extras: tuple[str, ...] = (),
     ) -> TokenScores:
-        """`completion_scores` with this run's forward settings (sharding, padding-free, head chunks)."""
+        """`completion_scores` with this run's forward settings (sharding, padding-free, head chunks). Its model
+        FLOPs count into the step's (`lit_rl.training.flops`), the backward's too when the policy's gradient is
+        recorded."""
+        self.count_flops(
+            prompt_ids, prompt_mask, completion_mask, backward=model is self.policy and torch.is_grad_enabled()
+        )
         return completion_scores(
             model,
             prompt_ids,
@@ -404,22 +418,51 @@ class PolicyModule(L.LightningModule):
             self.log("step", float(self.trainer.global_step + 1), on_step=True, on_epoch=False, batch_size=1)
 
     # -- timings ---------------------------------------------------------------------------------------------
+    def count_flops(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        completion_mask: torch.Tensor,
+        backward: bool = False,
+        shape: Optional[ModelShape] = None,
+    ) -> None:
+        """Add a forward (and `backward`) of these rows by the policy's architecture (or `shape`'s) to the step's
+        model FLOPs."""
+        shape = shape or self.policy_shape
+        if shape is None:  # a module used outside `fit` (tests, export)
+            return
+        tokens, keys = row_tokens_and_keys(prompt_ids, prompt_mask, completion_mask)
+        flops = shape.forward_flops(tokens, keys) + (shape.backward_flops(tokens, keys) if backward else 0.0)
+        self.timer.count("model_flops", flops)
+
     def log_timings(self) -> None:
         """Log the step's `perf/` timings and peak memory (call once per optimizer step): the slowest rank's, since
-        the step waits for it; one collective for all of them (every rank times the same phases)."""
+        the step waits for it; and its model FLOP rate over all ranks, `perf/tflops`, and `perf/mfu`, that rate
+        over the peak of the ranks' devices (`lit_rl.training.flops`). One collective for all of them."""
         timings = self.timer.summary()
-        values = torch.tensor(list(timings.values()), dtype=torch.float32, device=self.device)
+        flops = timings.pop("perf/model_flops")
+        values = torch.tensor([*timings.values(), flops], dtype=torch.float64, device=self.device)
         if self.trainer.world_size > 1:
-            values = reduce_across_ranks(values, "max")
-        for name, value in zip(timings, values.tolist()):
+            values = self.all_gather(values)  # [world, K]: the slowest rank's timings, every rank's FLOPs
+            values = torch.cat([values[:, :-1].max(dim=0).values, values[:, -1:].sum(dim=0)])
+        *slowest, flops = values.tolist()
+        timings = dict(zip(timings, slowest))
+        self.throughput.add(timings["perf/step_s"], flops)
+        timings["perf/tflops"] = flops / timings["perf/step_s"] / 1e12 if timings["perf/step_s"] > 0 else 0.0
+        peak = self.throughput.peak
+        if peak is not None:
+            timings["perf/mfu"] = timings["perf/tflops"] * 1e12 / (peak.flops * self.trainer.world_size)
+        for name, value in timings.items():
             self.log(name, value, on_step=True, on_epoch=False, batch_size=1)
 
     def on_validation_start(self) -> None:
         self._timer_during_training = self.timer
-        self.timer = StepTimer()  # validation's work is not part of any training step
+        self._timer_during_training.pause()  # validation's time and work are not part of any training step
+        self.timer = StepTimer()
 
     def on_validation_end(self) -> None:
         self.timer = getattr(self, "_timer_during_training", self.timer)
+        self.timer.resume()
 
 
 def _prompt_key(prompt: Any, row: int) -> tuple:

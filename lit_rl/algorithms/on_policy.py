@@ -315,6 +315,8 @@ class OnPolicyModule(PolicyModule):
         rewards, their groups' statistics, the old and reference log-probs, and what the algorithm adds
         (`finish_rollout`: advantages, or pairs)."""
         G, out = self.sampling_args.num_generations, scored.output
+        if self.engine_config.samples_on_trainer_devices:
+            self.count_flops(scored.prompt_ids, scored.prompt_mask, out.completion_mask)  # the generation's
         rewards = self.shape_rewards(scored.rewards, out)
         self.producer.release()  # sleep mode: the log-prob forwards and the update get the engine's memory
         # Every rank's rewards in global slot order: a group may span ranks, so group statistics use them all.

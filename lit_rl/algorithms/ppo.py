@@ -40,6 +40,7 @@ from lit_rl.losses import LossNormalizer, aggregate
 from lit_rl.losses.policy import ppo_clip
 from lit_rl.losses.ppo import clipped_value_loss, gae, masked_moments, moments_to_mean_std, token_rewards, whiten
 from lit_rl.modeling.value_model import ValueModel, load_value_model, reset_value_head
+from lit_rl.training.flops import ModelShape
 from lit_rl.training.metrics import explained_variance, mean, metric_collection, on_policy_training_metrics, total
 from lit_rl.training.strategies import gathered_parameters, hf_zero3_loading, reduce_across_ranks
 from lit_rl.types import RolloutBatch
@@ -83,6 +84,7 @@ class PPO(OnPolicyModule):
         super().__init__(policy, optim, schedule, sampling, rewards, env, rollout, min_generations=1)
         self.save_hyperparameters()
         self.critic: Optional[ValueModel] = None  # built in `configure_model`, like the policy
+        self.critic_shape: Optional[ModelShape] = None  # its model FLOPs (`lit_rl.training.flops`)
         self.train_metrics = self.rollout_train_metrics(ppo_metrics(self.reward_names, with_kl=loss.beta != 0.0))
         self.val_metrics = self.rollout_val_metrics()
 
@@ -103,6 +105,8 @@ class PPO(OnPolicyModule):
             # Under ZeRO-3 the head was partitioned as it was created: set it to 0 whole (elsewhere a no-op).
             with gathered_parameters(self.critic.score, modifier_rank=0):
                 reset_value_head(self.critic)
+        if self.critic_shape is None:
+            self.critic_shape = ModelShape.of(self.critic)
 
     def optimizer_param_groups(self) -> list[dict]:
         critic_lr = self.hparams.critic_learning_rate
@@ -113,6 +117,8 @@ class PPO(OnPolicyModule):
     def critic_values(self, mb: RolloutBatch) -> torch.Tensor:
         """The critic's V(s_t) [N, T] in float32, at the positions that predict each completion token (0 where
         the completion mask is 0), with this run's forward settings (sharding, padding-free)."""
+        backward = torch.is_grad_enabled()  # training the critic
+        self.count_flops(mb.prompt_ids, mb.prompt_mask, mb.completion_mask, backward, shape=self.critic_shape)
         values = completion_forward(
             self.critic,
             mb.prompt_ids,

@@ -3,6 +3,7 @@
     lit-rl: done, 1000 optimizer steps in 0:09:57
       train/reward 0.9734  train/rewards/correctness 0.875  train/rewards/integer_format 0.9844
       val/reward 0.9789  val/rewards/correctness 0.8789  val/rewards/integer_format 1
+      speed      0.141 s/step, 0.0311 TFLOP/s, MFU 8.67% (of measured cpu matmul, float32 peak 0.358 TFLOP/s)
       checkpoint runs/grpo/version_0/checkpoints/last.ckpt
       metrics    runs/grpo/version_0/metrics.csv
       model      runs/grpo/version_0/hf
@@ -97,6 +98,9 @@ class RunSummary(Callback):
             shown = [f"{key} {logged[key]:.4g}" for key in (f"{stage}/{name}" for name in names) if key in logged]
             if shown:
                 lines.append("  " + "  ".join(shown))
+        throughput = getattr(trainer.lightning_module, "throughput", None)  # `lit_rl.training.flops.RunThroughput`
+        if throughput is not None and throughput.steps:
+            lines.append(f"  speed      {throughput.summary()}")
         for label, path in outputs(trainer).items():
             # The step a checkpoint holds: `last.ckpt` links to the newest step=N.ckpt, which a run that ends
             # between two saves is past (its `hf/` export holds the end state).

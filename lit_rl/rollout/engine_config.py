@@ -39,10 +39,13 @@ class EngineConfig:
     Class attributes a subclass may set:
         samples_in_background: it can sample while the trainer trains (`model.rollout.max_staleness > 0`).
         colocated: it runs in the trainer's process on the trainer's device (its placement is checked at setup).
+        samples_on_trainer_devices: its generation runs on the trainer's devices (HF `generate`, colocated vLLM),
+            so its model FLOPs count in the trainer's utilisation (`perf/mfu`).
     """
 
     samples_in_background = False
     colocated = False
+    samples_on_trainer_devices = False
 
     @property
     def vllm(self) -> Optional[VLLMConfig]:
@@ -115,6 +118,8 @@ class HFGenerate(EngineConfig):
             parameters (ZeRO-3, FSDP).
     """
 
+    samples_on_trainer_devices = True
+
     def __init__(self, lora_weights: Literal["adapter", "merged"] = "adapter") -> None:
         self.lora_weights = lora_weights
         self.check()
@@ -169,6 +174,7 @@ class VLLMColocate(EngineConfig):
     """
 
     colocated = True
+    samples_on_trainer_devices = True
 
     def __init__(
         self,

@@ -30,7 +30,8 @@ class StepTimer:
     phases add up to at most the step.
 
     `summary()` returns `perf/<phase>_s` for every phase, `perf/step_s` (wall time since the previous step) and
-    `perf/policy_update_s` (the rest: forward/backward/optimizer of the policy), then starts the next step.
+    `perf/policy_update_s` (the rest: forward/backward/optimizer of the policy), the tokens' rates, peak memory
+    and this rank's `perf/model_flops` (the counter `model_flops`), then starts the next step.
     """
 
     def __init__(self) -> None:
@@ -38,6 +39,7 @@ class StepTimer:
         self.counters: dict[str, float] = defaultdict(float)
         self._step_start = time.perf_counter()
         self._open: list[str] = []  # phases entered and not yet left, innermost last
+        self._paused_at: Optional[float] = None
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -51,6 +53,15 @@ class StepTimer:
             self.phases[name] += elapsed
             if self._open:  # the enclosing phase adds its whole duration when it ends: take this part back
                 self.phases[self._open[-1]] -= elapsed
+
+    def pause(self) -> None:
+        """Stop the step's clock (validation runs between two steps and is not part of either)."""
+        self._paused_at = time.perf_counter()
+
+    def resume(self) -> None:
+        if self._paused_at is not None:
+            self._step_start += time.perf_counter() - self._paused_at
+            self._paused_at = None
 
     def count(self, name: str, value: float) -> None:
         self.counters[name] += value
@@ -67,6 +78,7 @@ class StepTimer:
         out["perf/generated_tokens_per_s"] = self.counters["generated_tokens"] / generation if generation else 0.0
         out["perf/trained_tokens_per_s"] = self.counters["trained_tokens"] / step if step > 0 else 0.0
         out["perf/peak_memory_mib"] = peak_memory_mib()
+        out["perf/model_flops"] = self.counters["model_flops"]  # this rank's (`lit_rl.training.flops`)
         self.phases.clear()
         self.counters.clear()
         self._step_start = now

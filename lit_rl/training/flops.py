@@ -1,0 +1,214 @@
+"""Model FLOPs of a training step and the device's peak: `perf/tflops` and `perf/mfu`, every step.
+
+Model FLOPs count the arithmetic the model's math needs, whatever the implementation does (PaLM, appendix B): work
+an implementation repeats (a prompt recomputed per completion, padding, activation recomputation) is not counted,
+so a faster implementation of the same math shows as a higher utilisation. A token at position p (it attends to
+p + 1 keys, itself included) costs in its forward pass
+
+    2 N_mm + 4 L d_attn (p + 1)
+
+- N_mm: the weights of the matrix multiplications it goes through: every linear layer and the output head (an
+  embedding lookup multiplies nothing). With LoRA, the frozen weights and the adapters.
+- L layers, d_attn = attention heads x head dimension: the scores Q K^T and the weighted sum of V, 2 FLOPs per
+  multiply-add each. (Sliding-window attention is counted as full causal attention.)
+
+Its backward pass costs 2 N_mm (the gradients of the inputs) + 2 N_trained (of the weights that train: all of them
+in full fine-tuning, the adapters with LoRA) + 8 L d_attn (p + 1). Full fine-tuning then costs the usual
+6 N_mm per token, LoRA about 4 N_mm.
+
+What a step counts (`PolicyModule.score_completions` and the algorithms):
+- each forward of the policy or the reference model over (prompt, completion) rows, and the backward of the
+  policy's training forward: the completion tokens, and each distinct prompt of the rows once;
+- generation on the trainer's own devices (HF `generate`, colocated vLLM): the same forward count, for the
+  sampled tokens and their prompts (a vLLM server's generation runs elsewhere and is not counted);
+- PPO's critic: its value forward, and its forward and backward when it trains.
+
+The peak is the device's dense matmul rate in the compute dtype: from `GPU_PEAKS` by device name, or measured by a
+short matmul probe (a CPU, or a GPU missing from the table), once per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the FLOP count of a causal LM needs (module docstring)."""
+
+    matmul_params: int  # N_mm
+    trained_matmul_params: int  # N_trained: the matmul weights that get gradients
+    layers: int  # L
+    attention_width: int  # d_attn = heads x head_dim
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "ModelShape":
+        """The shape of a `transformers` causal LM (peft-wrapped or not; its weights may be ZeRO-3-partitioned:
+        `ds_numel` is their whole size)."""
+        matmul = trained = 0
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if not _is_matmul(module) or weight is None:
+                continue
+            size = int(getattr(weight, "ds_numel", weight.numel()))
+            matmul += size
+            trained += size if weight.requires_grad else 0
+        config = _text_config(model)
+        heads = int(config.num_attention_heads)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(matmul, trained, int(config.num_hidden_layers), heads * int(head_dim))
+
+    def forward_flops(self, tokens: float, keys: float) -> float:
+        """Forward FLOPs of `tokens` tokens that attend to `keys` keys in all (the sum of p + 1 over them)."""
+        return 2.0 * self.matmul_params * tokens + 4.0 * self.layers * self.attention_width * keys
+
+    def backward_flops(self, tokens: float, keys: float) -> float:
+        """Backward FLOPs of the same tokens: the inputs' gradients, the trained weights' gradients, attention."""
+        matmuls = 2.0 * (self.matmul_params + self.trained_matmul_params) * tokens
+        return matmuls + 8.0 * self.layers * self.attention_width * keys
+
+
+def _is_matmul(module: torch.nn.Module) -> bool:
+    # transformers' Conv1D (GPT-2 style) is a linear layer with its weight transposed.
+    return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def _text_config(model: torch.nn.Module):
+    config = model.config
+    return getattr(config, "text_config", None) or config
+
+
+def row_tokens_and_keys(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor
+) -> tuple[float, float]:
+    """(tokens, keys) a forward of these rows needs: each distinct prompt once (its P tokens attend to
+    P (P + 1) / 2 keys), and each row's completion tokens after its prompt (token t of a completion after a prompt
+    of P tokens attends to P + t + 1 keys).
+
+    prompt_ids, prompt_mask: [N, P], left-padded; completion_mask: [N, T], 1 on the completion's tokens (from its
+    start, so a row's count is its length).
+    """
+    prompt_lengths = prompt_mask.sum(dim=1).double()  # [N]
+    completion_lengths = completion_mask.gt(0).sum(dim=1).double()  # [N]
+    _, first = _distinct_rows(prompt_ids.masked_fill(prompt_mask == 0, -1))
+    distinct = prompt_lengths[first]
+    tokens = distinct.sum() + completion_lengths.sum()
+    keys = (distinct * (distinct + 1) / 2).sum()
+    keys = keys + (completion_lengths * (prompt_lengths + 1) + completion_lengths * (completion_lengths - 1) / 2).sum()
+    return float(tokens), float(keys)
+
+
+def _distinct_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct rows of `rows` [N, P] and the index of each one's first occurrence."""
+    unique, inverse = torch.unique(rows, dim=0, return_inverse=True)
+    positions = torch.arange(len(rows), device=rows.device)
+    first = torch.full((len(unique),), len(rows), dtype=torch.long, device=rows.device)
+    first = first.scatter_reduce(0, inverse, positions, reduce="amin")
+    return unique, first
+
+
+# Dense (no sparsity) peak matmul FLOP/s by device name, as the vendors' data sheets give them: bfloat16/float16
+# on tensor cores, float32 with TF32 tensor cores (used when `torch.get_float32_matmul_precision()` is not
+# "highest"), and plain float32. Checked in order: the first name contained in the device's name wins.
+GPU_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("H100 PCIe", {"bf16": 756e12, "tf32": 378e12, "fp32": 51.2e12}),
+    ("H100 NVL", {"bf16": 835e12, "tf32": 418e12, "fp32": 60e12}),
+    ("H100", {"bf16": 989e12, "tf32": 495e12, "fp32": 67e12}),  # SXM
+    ("H200", {"bf16": 989e12, "tf32": 495e12, "fp32": 67e12}),
+    ("GH200", {"bf16": 989e12, "tf32": 495e12, "fp32": 67e12}),
+    ("A100", {"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
+    ("L40S", {"bf16": 362e12, "tf32": 183e12, "fp32": 91.6e12}),
+    ("L4", {"bf16": 121e12, "tf32": 60e12, "fp32": 30.3e12}),
+)
+
+
+@dataclass(frozen=True)
+class Peak:
+    flops: float  # per device, FLOP/s
+    source: str  # where the number comes from, for the summary: "H100 table, bf16" or "measured, float32"
+
+
+def dtype_key(dtype: torch.dtype) -> str:
+    if dtype in (torch.bfloat16, torch.float16):
+        return "bf16"
+    return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def device_peak(device: torch.device, dtype: torch.dtype) -> Peak:
+    """The peak dense matmul rate of `device` in `dtype`: the table's for a known GPU, else measured."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for known, peaks in GPU_PEAKS:
+            if known in name:
+                key = dtype_key(dtype)
+                return Peak(peaks[key], f"{known} data sheet, {key}")
+    return Peak(measured_matmul_flops(device.type, dtype), f"measured {device.type} matmul, {_name(dtype)}")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@functools.cache
+def measured_matmul_flops(device_type: str, dtype: torch.dtype, size: int = 2048, seconds: float = 0.15) -> float:
+    """The best rate of `size` x `size` matmuls in `dtype` on this device over about `seconds` (after one warm-up):
+    what a large, well-shaped matmul reaches here, with the threads torch uses. Measured once per process."""
+    device = torch.device(device_type)
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    best, spent = 0.0, 0.0
+    _synchronize(device)
+    torch.mm(a, b)  # warm-up: kernels chosen, memory touched
+    while spent < seconds:
+        _synchronize(device)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        _synchronize(device)
+        elapsed = time.perf_counter() - start
+        spent += elapsed
+        best = max(best, 2.0 * size**3 / elapsed)
+    return best
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class RunThroughput:
+    """The run's totals for the end-of-run summary: optimizer steps, their seconds (the slowest rank's) and model
+    FLOPs (all ranks'), and the peak they are measured against."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    flops: float = 0.0
+    peak: Optional[Peak] = None
+    devices: int = 1
+
+    def add(self, seconds: float, flops: float) -> None:
+        self.steps, self.seconds, self.flops = self.steps + 1, self.seconds + seconds, self.flops + flops
+
+    def tflops(self) -> float:
+        return self.flops / self.seconds / 1e12 if self.seconds > 0 else 0.0
+
+    def mfu(self) -> Optional[float]:
+        if self.peak is None or self.seconds <= 0:
+            return None
+        return self.flops / self.seconds / (self.peak.flops * self.devices)
+
+    def summary(self) -> str:
+        """`2.15 s/step, 0.46 TFLOP/s, MFU 52% (of measured cpu matmul, float32 x 1 device)`."""
+        if not self.steps:
+            return ""
+        line = f"{self.seconds / self.steps:.3g} s/step, {self.tflops():.3g} TFLOP/s"
+        mfu = self.mfu()
+        if mfu is not None and self.peak is not None:
+            devices = f" x {self.devices} devices" if self.devices > 1 else ""
+            line += f", MFU {100 * mfu:.3g}% (of {self.peak.source} peak {self.peak.flops / 1e12:.3g} TFLOP/s{devices})"
+        return line

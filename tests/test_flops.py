@@ -1,0 +1,124 @@
+"""Model FLOPs (`lit_rl.training.flops`): the count against a hand count and against torch's own FLOP counter, the
+rows' tokens and keys by hand, and `perf/tflops`, `perf/mfu` and the summary line of a real run."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import Qwen2ForCausalLM
+
+from lit_rl.modeling.lora import LoRAConfig, apply_lora
+from lit_rl.modeling.models import tiny_qwen2_config
+from lit_rl.training.flops import ModelShape, Peak, RunThroughput, device_peak, row_tokens_and_keys
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _model(**config) -> torch.nn.Module:
+    torch.manual_seed(0)
+    # GQA (2 key/value heads for 4 query heads) and an MLP wider than the hidden size: every term differs.
+    shape = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=384)
+    config = tiny_qwen2_config(**{**shape, **config})
+    config._attn_implementation = "eager"  # attention as matmuls, which torch's FLOP counter counts
+    return Qwen2ForCausalLM(config)
+
+
+def test_the_shape_is_the_hand_count():
+    h, heads, kv, d, inner, vocab, layers = 256, 4, 2, 64, 384, 320, 4
+    per_layer = h * heads * d + 2 * h * kv * d + heads * d * h + 3 * h * inner  # q, k and v, o, gate/up/down
+    shape = ModelShape.of(_model())
+    assert shape == ModelShape(layers * per_layer + h * vocab, layers * per_layer + h * vocab, layers, heads * d)
+    # One sequence of 10 tokens: 2 N per token, and 4 L d_attn per key of the 1 + 2 + ... + 10 = 55.
+    assert shape.forward_flops(10, 55) == 2 * shape.matmul_params * 10 + 4 * layers * heads * d * 55
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_forward_and_backward_agree_with_torch_flop_counter(lora):
+    """torch counts every matmul it runs, and attention over the full T x T scores (it does not know the mask is
+    causal): the matmul terms must agree exactly, attention by the causal share (T + 1) / 2T."""
+    model = _model()
+    if lora:
+        model = apply_lora(model, LoRAConfig(r=8))
+    shape = ModelShape.of(model)
+    T = 12
+    ids = torch.randint(0, 256, (1, T))
+    attention_full = 4 * shape.layers * shape.attention_width * T * T  # forward, as torch counts it
+    with FlopCounterMode(display=False) as forward:
+        logits = model(ids).logits
+    assert forward.get_total_flops() - attention_full == shape.forward_flops(T, 0)
+    with FlopCounterMode(display=False) as backward:
+        logits.float().logsumexp(-1).sum().backward()
+    counted = backward.get_total_flops() - 2 * attention_full
+    if lora:
+        # Nothing before the first layer needs a gradient with frozen embeddings: autograd skips the gradient of
+        # layer 0's inputs (its q/k/v and the adapters on them), which the count includes.
+        assert 0.9 * shape.backward_flops(T, 0) < counted < shape.backward_flops(T, 0)
+        assert shape.trained_matmul_params < 0.1 * shape.matmul_params
+    else:
+        assert counted == shape.backward_flops(T, 0) == 2 * shape.forward_flops(T, 0)
+    causal_keys = T * (T + 1) / 2
+    assert shape.forward_flops(0, causal_keys) == attention_full * (T + 1) / (2 * T)
+
+
+def test_rows_count_each_distinct_prompt_once_and_each_completion_token_at_its_position():
+    # Prompts A A B (left-padded to 3), completions of 2, 1 and 3 tokens.
+    prompt_ids = torch.tensor([[5, 6, 7], [5, 6, 7], [0, 8, 9]])
+    prompt_mask = torch.tensor([[1, 1, 1], [1, 1, 1], [0, 1, 1]])
+    completion_mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.float32)
+    tokens, keys = row_tokens_and_keys(prompt_ids, prompt_mask, completion_mask)
+    assert tokens == 3 + 2 + (2 + 1 + 3)  # A, B, then the completions
+    # A: 1+2+3, B: 1+2; row 0: positions 3, 4 -> 4+5; row 1: 4; row 2: positions 2, 3, 4 -> 3+4+5
+    assert keys == 6 + 3 + 9 + 4 + 12
+
+
+def test_a_gpu_missing_from_the_table_and_a_cpu_are_measured():
+    peak = device_peak(torch.device("cpu"), torch.float32)
+    assert peak.source == "measured cpu matmul, float32" and peak.flops > 1e9
+    run = RunThroughput(peak=Peak(1e12, "test"), devices=2)
+    run.add(2.0, 1e12)
+    run.add(2.0, 3e12)
+    assert run.tflops() == 1.0 and run.mfu() == 0.5
+    assert run.summary() == "2 s/step, 1 TFLOP/s, MFU 50% (of test peak 1 TFLOP/s x 2 devices)"
+
+
+def test_a_run_logs_tflops_and_mfu_every_step_and_the_summary_says_them(tmp_path):
+    command = [sys.executable, "-m", "lit_rl.cli", "fit", "--config", str(REPO / "configs" / "grpo.yaml")]
+    overrides = ["--trainer.max_steps", "3", "--trainer.val_check_interval", "null", "--trainer.default_root_dir", "."]
+    result = subprocess.run(
+        [*command, *overrides], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=_env()
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (metrics,) = tmp_path.glob("runs/**/metrics.csv")
+    rows = [row for row in csv.DictReader(metrics.open()) if row.get("perf/tflops")]
+    assert len(rows) == 3
+    for row in rows:
+        assert float(row["perf/tflops"]) > 0 and 0 < float(row["perf/mfu"]) < 1
+        assert float(row["perf/mfu"]) == pytest.approx(
+            float(row["perf/tflops"]) / float(rows[0]["perf/tflops"]) * float(rows[0]["perf/mfu"]), rel=1e-6
+        )
+    speed = next(line for line in result.stdout.splitlines() if line.strip().startswith("speed"))
+    assert "TFLOP/s, MFU" in speed and "of measured cpu matmul, float32 peak" in speed, speed
+
+
+def _env() -> dict:
+    import os
+
+    return {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def test_the_step_clock_stops_while_validation_runs():
+    import time
+
+    from lit_rl.training.perf import StepTimer
+
+    timer = StepTimer()
+    timer.pause()
+    time.sleep(0.2)  # validation between two steps
+    timer.resume()
+    assert timer.summary()["perf/step_s"] < 0.1
