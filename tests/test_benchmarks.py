@@ -138,6 +138,17 @@ def test_lora_quick_reports_fewer_trainable_parameters_and_a_smaller_checkpoint(
 
 
 @pytest.mark.slow
+def test_precision_quick_runs_the_demo_in_fp32_and_bf16_and_compares_their_accuracy(tmp_path):
+    report, stdout = _quick_report("precision", tmp_path)
+    fp32, bf16 = report["results"]
+    assert (fp32["precision"], bf16["precision"]) == ("32-true", "bf16-mixed")
+    for row in (fp32, bf16):
+        assert 0 <= row["accuracy"] <= 1 and row["accuracy_step"] == 2 and row["step_s"] > 0 and 0 < row["mfu"] < 1
+    assert "| trainer.precision | greedy held-out accuracy | vs fp32 |" in stdout
+    assert "bf16-mixed: " in stdout and " points from fp32 (" in stdout
+
+
+@pytest.mark.slow
 def test_trl_comparison_quick_times_both_libraries_on_both_algorithms(tmp_path):
     report, stdout = _quick_report("compare_trl", tmp_path)
     assert report["versions"]["trl"] and "--quick" in report["command"]

@@ -122,3 +122,37 @@ def test_the_step_clock_stops_while_validation_runs():
     time.sleep(0.2)  # validation between two steps
     timer.resume()
     assert timer.summary()["perf/step_s"] < 0.1
+
+
+def test_a_slow_precision_for_the_device_is_said_in_one_line(monkeypatch):
+    from lit_rl.training import flops
+
+    rates = {torch.float32: 2e11, torch.bfloat16: 5e10}  # a CPU without bf16 instructions
+    monkeypatch.setattr(flops, "measured_matmul_flops", lambda device_type, dtype: rates[dtype])
+    advice = flops.precision_advice(torch.device("cpu"), torch.bfloat16)
+    assert advice == (
+        "trainer.precision: bfloat16 matmuls run at 50 GFLOP/s on this CPU against 200 in float32 (it has no "
+        "bfloat16 instructions): 32-true is faster here"
+    )
+    rates[torch.bfloat16] = 9e11  # one with them
+    assert flops.precision_advice(torch.device("cpu"), torch.bfloat16) is None
+    assert flops.precision_advice(torch.device("cpu"), torch.float32) is None
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    advice = flops.precision_advice(torch.device("cuda"), torch.float32)
+    assert advice == (
+        "trainer.precision: float32 on NVIDIA H100 80GB HBM3, which computes in bfloat16 (its matmul peak is 14.8x "
+        "float32's): --config configs/precision/bf16.yaml (bf16-mixed) is faster"
+    )
+    assert flops.device_peak(torch.device("cuda"), torch.bfloat16) == Peak(989e12, "H100 data sheet, bf16")
+
+
+def test_the_peak_probe_leaves_the_runs_random_stream_alone():
+    """It runs after `seed_everything`: a first run in a process must draw the same samples as a later one."""
+    from lit_rl.training.flops import measured_matmul_flops
+
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    measured_matmul_flops("cpu", torch.float16, 64, 0.001)
+    assert torch.equal(torch.rand(4), expected)

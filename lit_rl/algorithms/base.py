@@ -37,7 +37,7 @@ from lit_rl.ops import position_ids_from_mask
 from lit_rl.resume import say
 from lit_rl.resume_config import announce, reconcile
 from lit_rl.training.compat import mark_step_saved
-from lit_rl.training.flops import ModelShape, RunThroughput, device_peak, row_tokens_and_keys
+from lit_rl.training.flops import ModelShape, RunThroughput, device_peak, precision_advice, row_tokens_and_keys
 from lit_rl.training.metrics import compute_collection
 from lit_rl.training.perf import StepTimer
 from lit_rl.training.strategies import gathered_parameters, hf_zero3_loading, shards_parameters
@@ -255,9 +255,11 @@ class PolicyModule(L.LightningModule):
         if self.trainer.ckpt_path:
             self.apply_configured_rates()
         self.timer = StepTimer()  # the first step's time starts here, not at model loading
-        self.throughput = RunThroughput(
-            peak=device_peak(self.device, self.compute_dtype()), devices=self.trainer.world_size
-        )
+        dtype = self.compute_dtype()
+        self.throughput = RunThroughput(peak=device_peak(self.device, dtype), devices=self.trainer.world_size)
+        advice = precision_advice(self.device, dtype) if self.trainer.is_global_zero else None
+        if advice:
+            say(advice)
         # Lightning's ModelCheckpoint forgets, on resume, that the resumed-from step was saved; with gradient
         # accumulation the first micro-batches after resuming end with the old global_step, and it would save
         # that step again (with a data position one micro-batch later). Mark the resumed step as saved.

@@ -159,8 +159,10 @@ def measured_matmul_flops(device_type: str, dtype: torch.dtype, size: int = 2048
     """The best rate of `size` x `size` matmuls in `dtype` on this device over about `seconds` (after one warm-up):
     what a large, well-shaped matmul reaches here, with the threads torch uses. Measured once per process."""
     device = torch.device(device_type)
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
+    # Its own generator: the probe runs after `seed_everything`, and must leave the run's random stream alone.
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, generator=generator).to(dtype)
+    b = torch.randn(size, size, device=device, generator=generator).to(dtype)
     best, spent = 0.0, 0.0
     _synchronize(device)
     torch.mm(a, b)  # warm-up: kernels chosen, memory touched
@@ -178,6 +180,27 @@ def measured_matmul_flops(device_type: str, dtype: torch.dtype, size: int = 2048
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def precision_advice(device: torch.device, dtype: torch.dtype) -> Optional[str]:
+    """One line when the compute dtype is a slow choice on this device (None otherwise): bf16 or fp16 on a CPU whose
+    measured bf16 matmuls are slower than its fp32 ones (no bf16 instructions), or fp32 on a GPU with bf16."""
+    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        low, full = measured_matmul_flops("cpu", dtype), measured_matmul_flops("cpu", torch.float32)
+        if low < full:
+            return (
+                f"trainer.precision: {_name(dtype)} matmuls run at {low / 1e9:.3g} GFLOP/s on this CPU against "
+                f"{full / 1e9:.3g} in float32 (it has no {_name(dtype)} instructions): 32-true is faster here"
+            )
+    if device.type == "cuda" and dtype == torch.float32 and torch.cuda.is_bf16_supported():
+        name = torch.cuda.get_device_name(device)
+        known = next((peaks for known, peaks in GPU_PEAKS if known in name), None)
+        gain = f" (its matmul peak is {known['bf16'] / known[dtype_key(dtype)]:.3g}x float32's)" if known else ""
+        return (
+            f"trainer.precision: float32 on {name}, which computes in bfloat16{gain}: "
+            "--config configs/precision/bf16.yaml (bf16-mixed) is faster"
+        )
+    return None
 
 
 @dataclass
