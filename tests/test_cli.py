@@ -1,5 +1,6 @@
 """The `lit-rl` CLI: every config parses, overrides apply, --help documents the constructor arguments."""
 
+import re
 import subprocess
 import sys
 
@@ -228,8 +229,9 @@ def test_fit_ends_with_a_summary_of_steps_metrics_and_outputs(tmp_path, capsys):
     log_dir = tmp_path / "runs" / "run" / "version_0"
     lines = capsys.readouterr().out.strip().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("lit-rl: "))
-    header, train, val, *outputs = lines[start:]
+    header, train, val, speed, *outputs = lines[start:]
     assert header.startswith("lit-rl: done, 3 optimizer steps in 0:00:"), header
+    assert re.fullmatch(r"  speed +[\d.]+ s/step, [\d.e-]+ TFLOP/s, MFU [\d.e-]+% \(of measured cpu matmul.*\)", speed)
     last = _last_values(log_dir)
     for line, keys in (
         (train, ["train/reward", "train/rewards/correctness", "train/rewards/integer_format"]),

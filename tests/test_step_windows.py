@@ -5,6 +5,7 @@ the accumulation does not divide, a `GradientAccumulationScheduler`, and resumes
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Optional
 
 import lightning as L
 import pytest
@@ -117,9 +118,13 @@ class RowsOnly(SFTDataModule):
         return DataLoader(WithoutWindowRows(super().train_dataloader().dataset), batch_size=None)
 
 
-def _trained(data: SFTDataModule, **trainer_args) -> dict[str, torch.Tensor]:
+def _trained(data: SFTDataModule, start: Optional[dict] = None, **trainer_args) -> dict[str, torch.Tensor]:
+    """The weights after 2 steps (and the ones before, into `start` when given)."""
     torch.manual_seed(0)
     module = SFT(**grouped_kwargs(SFT, model_name_or_path="lit-rl/tiny-qwen2-base", random_init=True))
+    if start is not None:
+        module.configure_model()
+        start.update({name: value.clone() for name, value in module.policy.state_dict().items()})
     trainer = L.Trainer(
         accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, max_steps=2,
         enable_model_summary=False, **trainer_args,
@@ -140,3 +145,65 @@ def test_sft_trains_on_batches_without_window_rows_exactly_without_accumulation_
 def test_a_0_1_config_with_data_num_workers_still_loads_and_is_told_the_key_is_ignored():
     with pytest.warns(UserWarning, match=r"data\.num_workers=2 is ignored since lit-rl 0\.2"):
         SFTDataModule(num_workers=2)
+
+
+def test_a_token_budget_regroups_each_steps_items_and_keeps_them():
+    rows = [{"prompt": str(i), "completion": str(i)} for i in range(40)]
+    tokens = [(7 * i) % 23 + 3 for i in range(40)]  # 3 to 25 tokens
+    windows = lambda: StepWindows(10, 4)  # noqa: E731  (10 batches of 4 items, steps of 4, 4 and 2 batches)
+    plain = ShardedTrainBatches(rows, 4, 1, 0, 1, windows=windows)
+    budget = ShardedTrainBatches(rows, 4, 1, 0, 1, windows=windows, micro_batch_tokens=80, item_tokens=tokens)
+    for start, size in ((0, 4), (4, 4), (8, 2)):
+        steps = range(start, start + size)
+        want = sorted(i for p in steps for i in plain.batch_at(p)[0])
+        got = [budget.micro_batch_at(p, windows()) for p in steps]
+        real = [[i for i, w in zip(indices, weights) if w > 0] for indices, weights in got]
+        assert sorted(i for group in real for i in group) == want  # the step's items, each once
+        loads = [sum(tokens[i] for i in group) for group in real]
+        assert max(loads) <= 80 and len(got) == size, loads
+    # A step whose items fit in fewer micro-batches runs the rest on one item of weight 0.
+    assert any(weights == [0.0] for p in range(10) for _, weights in [budget.micro_batch_at(p, windows())])
+
+
+def _dpo_weights(**data_args) -> tuple[list[float], dict[str, torch.Tensor]]:
+    from lit_rl.algorithms import DPO
+    from lit_rl.data.modules import PreferenceDataModule
+
+    torch.manual_seed(0)
+    module = DPO(**grouped_kwargs(DPO, learning_rate=1e-3))
+    module.configure_model()
+    start = {name: value.clone() for name, value in module.policy.state_dict().items()}
+    losses = []
+
+    class Losses(Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            losses.append(float(pl_module.train_metrics["loss"].compute()))
+
+    trainer = L.Trainer(
+        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, max_steps=3,
+        enable_model_summary=False, accumulate_grad_batches=4, callbacks=[Losses()],
+    )  # fmt: skip
+    trainer.fit(module, PreferenceDataModule(val_data=None, batch_size=4, **data_args))
+    return losses, start, {name: value.clone() for name, value in module.policy.state_dict().items()}
+
+
+def test_dpo_with_a_token_budget_trains_the_same_steps():
+    """The same pairs per step, grouped by tokens: the same losses, and weights as `lit-rl check` compares them
+    (relative to the update; Adam gives rounding-noise gradients full-size steps)."""
+    from lit_rl.check.compare import FP32, compare_parameters
+
+    losses, start, weights = _dpo_weights()
+    budget_losses, _, budget_weights = _dpo_weights(micro_batch_tokens=150)
+    assert budget_losses == pytest.approx(losses, rel=1e-5)
+    difference, problems = compare_parameters(budget_weights, weights, start, FP32)
+    assert difference.passed and not problems, difference
+
+
+def test_sft_with_a_token_budget_trains_the_same_steps():
+    from lit_rl.check.compare import FP32, compare_parameters
+
+    start: dict = {}
+    plain = _trained(SFTDataModule(val_data=None, batch_size=4), start, accumulate_grad_batches=3)
+    budget = _trained(SFTDataModule(val_data=None, batch_size=4, micro_batch_tokens=120), accumulate_grad_batches=3)
+    difference, problems = compare_parameters(budget, plain, start, FP32)
+    assert difference.passed and not problems, difference

@@ -68,6 +68,16 @@ class SFT(OfflineModule):
         ids = [self.tokenizer(c, add_special_tokens=False)["input_ids"] + [eos] for c in completions]
         return [seq[:limit] if limit else seq for seq in ids]
 
+    def row_tokens(self, rows: list[dict[str, Any]], chunk: int = 1024) -> list[int]:
+        """Each row's prompt and completion tokens as `_step` tokenizes them (for token-budget micro-batches)."""
+        counts = []
+        for start in range(0, len(rows), chunk):
+            part = rows[start : start + chunk]
+            _, prompt_mask = self.encode_prompts([row["prompt"] for row in part])
+            completions = self.completion_token_ids([row["completion"] for row in part])
+            counts += [int(p) + len(c) for p, c in zip(prompt_mask.sum(dim=1).tolist(), completions)]
+        return counts
+
     def step_tokens(self, window_rows: list[dict[str, Any]]) -> torch.Tensor:
         """The completion tokens of the whole optimizer step: this rank's window, summed over ranks."""
         count = sum(len(seq) for seq in self.completion_token_ids([row["completion"] for row in window_rows]))

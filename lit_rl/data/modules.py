@@ -106,6 +106,9 @@ class SFTDataModule(PromptDataModule):
         seed: seed of the training order (a new permutation each epoch).
         num_workers: ignored since 0.2, kept so that 0.1 configs load: the batches are raw rows, built in the
             trainer's process (the module tokenizes them).
+        micro_batch_tokens: regroup each optimizer step's rows into its micro-batches by tokens, at most this
+            many prompt and completion tokens each (`lit_rl.data.sharding.ResumableShardBatches`); None: batches
+            of `batch_size` rows.
     """
 
     required_columns = ("prompt", "completion")
@@ -118,9 +121,11 @@ class SFTDataModule(PromptDataModule):
         batch_size: int = 64,
         seed: int = 0,
         num_workers: Optional[int] = None,
+        micro_batch_tokens: Optional[int] = None,
     ) -> None:
         if batch_size < 1:
             raise ConfigError(f"data.batch_size must be >= 1, got {batch_size}")
+        check_micro_batch_tokens(micro_batch_tokens)
         if num_workers:
             rank_zero_warn(
                 f"data.num_workers={num_workers} is ignored since lit-rl 0.2: batches are built in the "
@@ -130,10 +135,14 @@ class SFTDataModule(PromptDataModule):
             train_data=train_data, val_data=val_data, val_limit=val_limit, val_batch_size=batch_size, seed=seed
         )
         self.batch_size = batch_size
+        self.micro_batch_tokens = micro_batch_tokens
+        self._row_tokens: Optional[list[int]] = None
 
     def train_dataloader(self) -> DataLoader[Any]:
         trainer = self.trainer
         module = trainer.lightning_module
+        if self.micro_batch_tokens is not None and self._row_tokens is None:
+            self._row_tokens = module.row_tokens(self.train_rows)  # as the module will tokenize them
         batches = ShardedTrainBatches(
             self.train_rows,
             self.batch_size,
@@ -142,6 +151,8 @@ class SFTDataModule(PromptDataModule):
             trainer.world_size,
             start_batch=lambda: getattr(module, "train_batches_done", 0),  # checkpointed by the algorithm
             windows=lambda: lightning_windows(trainer, len(batches)),
+            micro_batch_tokens=self.micro_batch_tokens,
+            item_tokens=self._row_tokens,
         )
         return DataLoader(batches, batch_size=None)
 
@@ -167,6 +178,9 @@ class PreferenceDataModule(PromptDataModule):
         max_prompt_length: keep the last `max_prompt_length` prompt tokens (None: no limit).
         max_length: cut completions so that prompt + completion fits (None: no limit).
         seed: seed of the training order (a new permutation each epoch).
+        micro_batch_tokens: regroup each optimizer step's pairs into its micro-batches by tokens, at most this
+            many tokens each (a pair's two sequences; `lit_rl.data.sharding.ResumableShardBatches`); None: batches
+            of `batch_size` pairs.
     """
 
     required_columns = ("prompt", "chosen", "rejected")
@@ -180,9 +194,12 @@ class PreferenceDataModule(PromptDataModule):
         max_prompt_length: Optional[int] = None,
         max_length: Optional[int] = None,
         seed: int = 0,
+        micro_batch_tokens: Optional[int] = None,
     ) -> None:
         if batch_size < 1:
             raise ConfigError(f"data.batch_size must be >= 1, got {batch_size}")
+        check_micro_batch_tokens(micro_batch_tokens)
+        self.micro_batch_tokens = micro_batch_tokens
         super().__init__(
             train_data=train_data, val_data=val_data, val_limit=val_limit, val_batch_size=batch_size, seed=seed
         )
@@ -221,6 +238,8 @@ class PreferenceDataModule(PromptDataModule):
             # Training resumes from the algorithm's checkpointed count of consumed batches.
             start_batch=(lambda: getattr(module, "train_batches_done", 0)) if shuffle else (lambda: 0),
             windows=(lambda: lightning_windows(trainer, len(batches))) if shuffle else None,
+            micro_batch_tokens=self.micro_batch_tokens if shuffle else None,
+            item_tokens=[pair.num_tokens for pair in pairs],
         )
         return DataLoader(batches, batch_size=None)
 
@@ -229,3 +248,8 @@ class PreferenceDataModule(PromptDataModule):
 
     def val_dataloader(self) -> Any:
         return self._batches(self.val_pairs, shuffle=False) if self.val_pairs else []
+
+
+def check_micro_batch_tokens(value: Optional[int]) -> None:
+    if value is not None and value < 1:
+        raise ConfigError(f"data.micro_batch_tokens must be >= 1 (or null), got {value}")

@@ -26,6 +26,11 @@ class TokenizedPair:
     chosen_ids: list[int]  # completion tokens, EOS appended
     rejected_ids: list[int]
 
+    @property
+    def num_tokens(self) -> int:
+        """The tokens of its two sequences (what a padding-free forward computes)."""
+        return 2 * len(self.prompt_ids) + len(self.chosen_ids) + len(self.rejected_ids)
+
 
 def with_explicit_prompt(row: Row) -> Row:
     """A preference row with its implicit prompt made explicit: a row without `prompt` whose `chosen` and `rejected`
@@ -145,7 +150,7 @@ class ShardedPairBatches(ResumableShardBatches):
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         for position, windows in self.positions():
-            indices, weights = self.batch_at(position)
+            indices, weights = self.micro_batch_at(position, windows)
             batch = collate_pairs([self.pairs[i] for i in indices], weights, self.pad_id)
             # Real pairs of this rank in the optimizer step holding this batch: the loss is normalised by the
             # step's pairs on all ranks, so a half-empty last batch does not weigh more.

@@ -17,6 +17,7 @@ from torch.utils.data import IterableDataset
 
 from lit_rl.data.files import Row
 from lit_rl.errors import ConfigError
+from lit_rl.training.micro_batches import token_budget_micro_batches
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
@@ -107,6 +108,12 @@ class ResumableShardBatches(IterableDataset):
     Lightning's epoch (`windows()`), so a resumed run sees exactly the batches an uninterrupted one would have.
     Each batch comes with its optimizer step's batches (`StepWindows.window`): a loss normalised by the whole
     step's items needs to count them before the step's later batches arrive.
+
+    With `micro_batch_tokens` (and each item's `item_tokens`), the real items of an optimizer step are grouped
+    anew into its micro-batches by tokens (`lit_rl.training.micro_batches.token_budget_micro_batches`: at most as
+    many as the step has, of at most that many tokens each, first-fit in decreasing size): the same items per step,
+    fewer padded tokens and a bounded forward. A micro-batch left without items holds one item of weight 0, which
+    adds nothing to the loss or the metrics.
     """
 
     def __init__(
@@ -119,10 +126,15 @@ class ResumableShardBatches(IterableDataset):
         world_size: int,
         start_batch: Callable[[], int] = lambda: 0,
         windows: Optional[Callable[[], StepWindows]] = None,
+        micro_batch_tokens: Optional[int] = None,
+        item_tokens: Optional[list[int]] = None,
     ) -> None:
         self.num_items, self.batch_size, self.shuffle, self.seed = num_items, batch_size, shuffle, seed
         self.rank, self.world_size, self.start_batch = rank, world_size, start_batch
         self.windows = windows or (lambda: StepWindows(len(self)))
+        if micro_batch_tokens is not None and item_tokens is None:
+            raise ValueError("micro_batch_tokens needs the items' token counts (item_tokens)")
+        self.micro_batch_tokens, self.item_tokens = micro_batch_tokens, item_tokens
         self._passes: dict[int, list[tuple[list[int], list[float]]]] = {}
 
     def __len__(self) -> int:
@@ -148,6 +160,22 @@ class ResumableShardBatches(IterableDataset):
         """(indices, weights) of every batch of the optimizer step that holds `position`."""
         return [self.batch_at(p) for p in windows.window(position)]
 
+    def micro_batch_at(self, position: int, windows: StepWindows) -> tuple[list[int], list[float]]:
+        """(indices, weights) the run trains on at `position`: the batch, or with a token budget this place's share
+        of its optimizer step's real items."""
+        if self.micro_batch_tokens is None:
+            return self.batch_at(position)
+        window = windows.window(position)
+        items = [
+            i for indices, weights in self.window_batches(position, windows) for i, w in zip(indices, weights) if w > 0
+        ]
+        tokens = [self.item_tokens[i] for i in items]
+        groups = token_budget_micro_batches(tokens, self.micro_batch_tokens, len(window))
+        place = position - window.start
+        if place < len(groups):
+            return [items[j] for j in groups[place]], [1.0] * len(groups[place])
+        return [self.batch_at(window.start)[0][0]], [0.0]  # nothing left for this micro-batch
+
 
 class ShardedTrainBatches(ResumableShardBatches):
     """Shuffled training batches of raw rows (`{"rows": [...], "weight": [B], "window_rows": [...]}`), sharded like
@@ -161,7 +189,7 @@ class ShardedTrainBatches(ResumableShardBatches):
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for position, windows in self.positions():
-            indices, weights = self.batch_at(position)
+            indices, weights = self.micro_batch_at(position, windows)
             window_rows = [
                 self.rows[i]
                 for window_indices, window_weights in self.window_batches(position, windows)
