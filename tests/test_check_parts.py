@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -250,3 +252,15 @@ def test_dtype_auto_gets_the_tolerance_of_the_dtype_the_checkpoint_loads_in(tmp_
     config["model"]["init_args"].pop("random_init")
     config["model"]["init_args"]["policy"]["model_name_or_path"] = "lit-rl/tiny-qwen2-addition-sft"  # saved in fp32
     assert policy_dtype(config) == "float32"
+
+
+def test_the_check_asks_the_blas_for_reproducible_results_before_it_computes(tmp_path, monkeypatch):
+    """MKL otherwise picks code paths by memory alignment and thread counts by load: float rounding that moves
+    between two runs of one layout, which Adam amplifies in weights whose exact gradient is 0."""
+    from lit_rl.check.command import main
+
+    monkeypatch.delenv("MKL_CBWR", raising=False)
+    monkeypatch.delenv("MKL_DYNAMIC", raising=False)
+    with pytest.raises(SystemExit):
+        main(["--config", str(tmp_path / "missing.yaml"), "--quick"])
+    assert os.environ["MKL_CBWR"] == "AUTO,STRICT" and os.environ["MKL_DYNAMIC"] == "FALSE"
