@@ -49,6 +49,7 @@ class SFT(OfflineModule):
         self.train_metrics = metrics.clone(prefix="train/")
         self.val_metrics = metrics.clone(prefix="val/")
         self._warned_no_window = False
+        self._step_tokens: Optional[tuple[int, torch.Tensor]] = None  # (global_step, its tokens on all ranks)
 
     def encode_completions(self, completions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-padded completion ids followed by EOS, and their mask [B, T]."""
@@ -79,8 +80,17 @@ class SFT(OfflineModule):
         return counts
 
     def step_tokens(self, window_rows: list[dict[str, Any]]) -> torch.Tensor:
-        """The completion tokens of the whole optimizer step: this rank's window, summed over ranks."""
-        count = sum(len(seq) for seq in self.completion_token_ids([row["completion"] for row in window_rows]))
+        """The completion tokens of the whole optimizer step: this rank's window, summed over ranks. Counted on the
+        step's first micro-batch and kept for the others (every rank starts a step at the same micro-batch, so the
+        collective stays in step)."""
+        step = self.trainer.global_step
+        if self._step_tokens is None or self._step_tokens[0] != step:
+            self._step_tokens = (step, self.tokens_on_all_ranks(window_rows))
+        return self._step_tokens[1]
+
+    def tokens_on_all_ranks(self, rows: list[dict[str, Any]]) -> torch.Tensor:
+        """The completion tokens (EOS included) of `rows`, summed over ranks."""
+        count = sum(len(seq) for seq in self.completion_token_ids([row["completion"] for row in rows]))
         tokens = torch.tensor(float(count), device=self.device)
         return reduce_across_ranks(tokens) if self.trainer.world_size > 1 else tokens
 
@@ -123,7 +133,7 @@ class SFT(OfflineModule):
             )
         weight = batch["weight"].to(self.device)
         rows = [row for row, w in zip(batch["rows"], weight.tolist()) if w > 0]
-        loss = self._step(batch, self.train_metrics, self.step_tokens(rows))
+        loss = self._step(batch, self.train_metrics, self.tokens_on_all_ranks(rows))
         return loss * self.step_loss_scale(accumulated=False)
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
