@@ -155,7 +155,7 @@ def _name(dtype: torch.dtype) -> str:
 
 
 @functools.cache
-def measured_matmul_flops(device_type: str, dtype: torch.dtype, size: int = 2048, seconds: float = 0.15) -> float:
+def measured_matmul_flops(device_type: str, dtype: torch.dtype, size: int = 1536, seconds: float = 0.05) -> float:
     """The best rate of `size` x `size` matmuls in `dtype` on this device over about `seconds` (after one warm-up):
     what a large, well-shaped matmul reaches here, with the threads torch uses. Measured once per process."""
     device = torch.device(device_type)
