@@ -172,6 +172,14 @@ def fit_in_subprocess(
     return tmp_path / name / "run" / "version_0"
 
 
+def quiet_trainer(**trainer_args: Any):
+    """A CPU Lightning Trainer without logger, checkpoints, progress bar or model summary; `trainer_args` on top."""
+    import lightning as L
+
+    quiet = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    return L.Trainer(accelerator="cpu", **{**quiet, **trainer_args})
+
+
 def fit_grpo(max_steps: int = 1, callbacks: Optional[list] = None, algorithm: str = "GRPO", **model_args: Any):
     """GRPO (or the on-policy `algorithm` named) on the tiny model for `max_steps` optimizer steps with a plain
     Trainer (no CLI, no logger); the fitted module."""
@@ -184,16 +192,7 @@ def fit_grpo(max_steps: int = 1, callbacks: Optional[list] = None, algorithm: st
     args = dict(num_generations=4, micro_batch_size=8, max_new_tokens=4, temperature=1.0)
     cls = getattr(lit_rl.algorithms, algorithm)
     model = cls(**grouped_kwargs(cls, **{**args, **model_args}))
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        callbacks=callbacks,
-    )
+    trainer = quiet_trainer(max_steps=max_steps, limit_val_batches=0, callbacks=callbacks)
     L.seed_everything(0)
     trainer.fit(model, PromptDataModule(val_data=None))
     return model

@@ -7,7 +7,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Optional
 
-import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
@@ -18,6 +17,7 @@ from lit_rl.config import grouped_kwargs
 from lit_rl.data.modules import SFTDataModule
 from lit_rl.data.sharding import ShardedTrainBatches, StepWindows, lightning_windows
 from lit_rl.errors import ConfigError
+from tests.conftest import quiet_trainer
 
 
 def test_windows_end_with_each_epoch():
@@ -76,15 +76,7 @@ def _fit(callbacks, **trainer_args) -> StepRows:
     module = SFT(**grouped_kwargs(SFT, model_name_or_path="lit-rl/tiny-qwen2-base", random_init=True))
     data = SFTDataModule(val_data=None, batch_size=3)
     recorder = StepRows()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[recorder, *callbacks],
-        **trainer_args,
-    )
+    trainer = quiet_trainer(callbacks=[recorder, *callbacks], **trainer_args)
     trainer.fit(module, data)
     return recorder
 
@@ -125,10 +117,7 @@ def _trained(data: SFTDataModule, start: Optional[dict] = None, **trainer_args) 
     if start is not None:
         module.configure_model()
         start.update({name: value.clone() for name, value in module.policy.state_dict().items()})
-    trainer = L.Trainer(
-        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, max_steps=2,
-        enable_model_summary=False, **trainer_args,
-    )  # fmt: skip
+    trainer = quiet_trainer(max_steps=2, **trainer_args)
     trainer.fit(module, data)
     return {name: value.clone() for name, value in module.policy.state_dict().items()}
 
@@ -179,10 +168,7 @@ def _dpo_weights(**data_args) -> tuple[list[float], dict[str, torch.Tensor]]:
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
             losses.append(float(pl_module.train_metrics["loss"].compute()))
 
-    trainer = L.Trainer(
-        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, max_steps=3,
-        enable_model_summary=False, accumulate_grad_batches=4, callbacks=[Losses()],
-    )  # fmt: skip
+    trainer = quiet_trainer(max_steps=3, accumulate_grad_batches=4, callbacks=[Losses()])
     trainer.fit(module, PreferenceDataModule(val_data=None, batch_size=4, **data_args))
     return losses, start, {name: value.clone() for name, value in module.policy.state_dict().items()}
 
