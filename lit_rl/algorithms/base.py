@@ -441,8 +441,8 @@ class PolicyModule(L.LightningModule):
         """Log the step's `perf/` timings and peak memory (call once per optimizer step): the slowest rank's, since
         the step waits for it; and its model FLOP rate over all ranks, `perf/tflops`, and `perf/mfu`, that rate
         over the peak of the ranks' devices (`lit_rl.training.flops`). One collective for all of them."""
+        flops = self.timer.counters["model_flops"]  # this rank's; `summary` starts the next step's count
         timings = self.timer.summary()
-        flops = timings.pop("perf/model_flops")
         values = torch.tensor([*timings.values(), flops], dtype=torch.float64, device=self.device)
         if self.trainer.world_size > 1:
             values = self.all_gather(values)  # [world, K]: the slowest rank's timings, every rank's FLOPs
@@ -450,10 +450,9 @@ class PolicyModule(L.LightningModule):
         *slowest, flops = values.tolist()
         timings = dict(zip(timings, slowest))
         self.throughput.add(timings["perf/step_s"], flops)
-        timings["perf/tflops"] = flops / timings["perf/step_s"] / 1e12 if timings["perf/step_s"] > 0 else 0.0
-        peak = self.throughput.peak
-        if peak is not None:
-            timings["perf/mfu"] = timings["perf/tflops"] * 1e12 / (peak.flops * self.trainer.world_size)
+        timings["perf/tflops"], mfu = self.throughput.rates(timings["perf/step_s"], flops)
+        if mfu is not None:
+            timings["perf/mfu"] = mfu
         for name, value in timings.items():
             self.log(name, value, on_step=True, on_epoch=False, batch_size=1)
 

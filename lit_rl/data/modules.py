@@ -227,6 +227,7 @@ class PreferenceDataModule(PromptDataModule):
     def _batches(self, pairs: list[TokenizedPair], shuffle: bool) -> DataLoader[Any]:
         trainer = self.trainer
         module = trainer.lightning_module
+        budget = self.micro_batch_tokens if shuffle else None  # training only
         batches = ShardedPairBatches(
             pairs,
             self.batch_size,
@@ -238,8 +239,8 @@ class PreferenceDataModule(PromptDataModule):
             # Training resumes from the algorithm's checkpointed count of consumed batches.
             start_batch=(lambda: getattr(module, "train_batches_done", 0)) if shuffle else (lambda: 0),
             windows=(lambda: lightning_windows(trainer, len(batches))) if shuffle else None,
-            micro_batch_tokens=self.micro_batch_tokens if shuffle else None,
-            item_tokens=[pair.num_tokens for pair in pairs],
+            micro_batch_tokens=budget,
+            item_tokens=None if budget is None else [pair.num_tokens for pair in pairs],
         )
         return DataLoader(batches, batch_size=None)
 

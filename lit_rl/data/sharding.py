@@ -135,6 +135,7 @@ class ResumableShardBatches(IterableDataset):
         if micro_batch_tokens is not None and item_tokens is None:
             raise ValueError("micro_batch_tokens needs the items' token counts (item_tokens)")
         self.micro_batch_tokens, self.item_tokens = micro_batch_tokens, item_tokens
+        self._grouped: Optional[tuple[int, list[list[int]]]] = None  # (a step's first position, its micro-batches)
         self._passes: dict[int, list[tuple[list[int], list[float]]]] = {}
 
     def __len__(self) -> int:
@@ -166,14 +167,18 @@ class ResumableShardBatches(IterableDataset):
         if self.micro_batch_tokens is None:
             return self.batch_at(position)
         window = windows.window(position)
-        items = [
-            i for indices, weights in self.window_batches(position, windows) for i, w in zip(indices, weights) if w > 0
-        ]
-        tokens = [self.item_tokens[i] for i in items]
-        groups = token_budget_micro_batches(tokens, self.micro_batch_tokens, len(window))
+        if self._grouped is None or self._grouped[0] != window.start:  # grouped once per step
+            items = [
+                i for indices, weights in self.window_batches(position, windows) for i, w in zip(indices, weights) if w
+            ]
+            groups = token_budget_micro_batches(
+                [self.item_tokens[i] for i in items], self.micro_batch_tokens, len(window)
+            )
+            self._grouped = (window.start, [[items[j] for j in group] for group in groups])
+        groups = self._grouped[1]
         place = position - window.start
         if place < len(groups):
-            return [items[j] for j in groups[place]], [1.0] * len(groups[place])
+            return groups[place], [1.0] * len(groups[place])
         return [self.batch_at(window.start)[0][0]], [0.0]  # nothing left for this micro-batch
 
 

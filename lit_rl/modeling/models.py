@@ -95,15 +95,20 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, padding_s
     return tokenizer
 
 
-def checkpoint_dtype(name_or_path: str, trust_remote_code: bool = False) -> Optional[str]:
-    """The dtype `dtype: auto` loads `name_or_path` in (its config's `dtype`, e.g. "bfloat16"); None when the config
-    names none (transformers then loads float32)."""
+def load_model_config(name_or_path: str, trust_remote_code: bool = False) -> tuple[str, Any]:
+    """The resolved path of a hub id, local directory or `lit-rl/<asset>`, and its `transformers` config."""
     from transformers import AutoConfig
 
     resolved = resolve_model_path(name_or_path)
     _check_exists(name_or_path, resolved)
     with reading_model(name_or_path, resolved):
-        config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+        return resolved, AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+
+
+def checkpoint_dtype(name_or_path: str, trust_remote_code: bool = False) -> Optional[str]:
+    """The dtype `dtype: auto` loads `name_or_path` in (its config's `dtype`, e.g. "bfloat16"); None when the config
+    names none (transformers then loads float32)."""
+    _, config = load_model_config(name_or_path, trust_remote_code)
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     return None if dtype is None else str(dtype).removeprefix("torch.")
 
@@ -124,19 +129,16 @@ def load_causal_lm(
     `disable_dropout` zeroes every dropout probability of the config and every `nn.Dropout`: RL losses compare
     log-probs of the same tokens under the same weights, which dropout would make differ.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     auto_class = auto_class or AutoModelForCausalLM
 
     if dtype not in _DTYPES:
         raise ConfigError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    resolved = resolve_model_path(name_or_path)
-    _check_exists(name_or_path, resolved)
+    resolved, config = load_model_config(name_or_path, trust_remote_code)
     kwargs = {"trust_remote_code": trust_remote_code}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    with reading_model(name_or_path, resolved):
-        config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
     if disable_dropout:
         for key, value in list(vars(config).items()):
             if isinstance(value, float) and ("dropout" in key or key.endswith("pdrop")):

@@ -95,21 +95,19 @@ def row_tokens_and_keys(
     """
     prompt_lengths = prompt_mask.sum(dim=1).double()  # [N]
     completion_lengths = completion_mask.gt(0).sum(dim=1).double()  # [N]
-    _, first = _distinct_rows(prompt_ids.masked_fill(prompt_mask == 0, -1))
-    distinct = prompt_lengths[first]
+    distinct = prompt_lengths[_first_of_each_distinct_row(prompt_ids.masked_fill(prompt_mask == 0, -1))]
     tokens = distinct.sum() + completion_lengths.sum()
     keys = (distinct * (distinct + 1) / 2).sum()
     keys = keys + (completion_lengths * (prompt_lengths + 1) + completion_lengths * (completion_lengths - 1) / 2).sum()
     return float(tokens), float(keys)
 
 
-def _distinct_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The distinct rows of `rows` [N, P] and the index of each one's first occurrence."""
+def _first_of_each_distinct_row(rows: torch.Tensor) -> torch.Tensor:
+    """The index of the first occurrence of each distinct row of `rows` [N, P]."""
     unique, inverse = torch.unique(rows, dim=0, return_inverse=True)
     positions = torch.arange(len(rows), device=rows.device)
     first = torch.full((len(unique),), len(rows), dtype=torch.long, device=rows.device)
-    first = first.scatter_reduce(0, inverse, positions, reduce="amin")
-    return unique, first
+    return first.scatter_reduce(0, inverse, positions, reduce="amin")
 
 
 # Dense (no sparsity) peak matmul FLOP/s by device name, as the vendors' data sheets give them: bfloat16/float16
@@ -130,7 +128,7 @@ GPU_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
 @dataclass(frozen=True)
 class Peak:
     flops: float  # per device, FLOP/s
-    source: str  # where the number comes from, for the summary: "H100 table, bf16" or "measured, float32"
+    source: str  # where the number comes from, for the summary: "H100 data sheet, bf16", "measured cpu matmul, float32"
 
 
 def dtype_key(dtype: torch.dtype) -> str:
@@ -139,14 +137,17 @@ def dtype_key(dtype: torch.dtype) -> str:
     return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
+def gpu_peaks(device_name: str) -> Optional[tuple[str, dict[str, float]]]:
+    """The `GPU_PEAKS` entry (its name, its peaks) of a GPU by its device name; None for one not in the table."""
+    return next(((known, peaks) for known, peaks in GPU_PEAKS if known in device_name), None)
+
+
 def device_peak(device: torch.device, dtype: torch.dtype) -> Peak:
     """The peak dense matmul rate of `device` in `dtype`: the table's for a known GPU, else measured."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for known, peaks in GPU_PEAKS:
-            if known in name:
-                key = dtype_key(dtype)
-                return Peak(peaks[key], f"{known} data sheet, {key}")
+    known = gpu_peaks(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    if known is not None:
+        name, peaks = known
+        return Peak(peaks[dtype_key(dtype)], f"{name} data sheet, {dtype_key(dtype)}")
     return Peak(measured_matmul_flops(device.type, dtype), f"measured {device.type} matmul, {_name(dtype)}")
 
 
@@ -194,8 +195,8 @@ def precision_advice(device: torch.device, dtype: torch.dtype) -> Optional[str]:
             )
     if device.type == "cuda" and dtype == torch.float32 and torch.cuda.is_bf16_supported():
         name = torch.cuda.get_device_name(device)
-        known = next((peaks for known, peaks in GPU_PEAKS if known in name), None)
-        gain = f" (its matmul peak is {known['bf16'] / known[dtype_key(dtype)]:.3g}x float32's)" if known else ""
+        known = gpu_peaks(name)
+        gain = f" (its matmul peak is {known[1]['bf16'] / known[1][dtype_key(dtype)]:.3g}x float32's)" if known else ""
         return (
             f"trainer.precision: float32 on {name}, which computes in bfloat16{gain}: "
             "--config configs/precision/bf16.yaml (bf16-mixed) is faster"
@@ -217,16 +218,20 @@ class RunThroughput:
     def add(self, seconds: float, flops: float) -> None:
         self.steps, self.seconds, self.flops = self.steps + 1, self.seconds + seconds, self.flops + flops
 
+    def rates(self, seconds: float, flops: float) -> tuple[float, Optional[float]]:
+        """TFLOP/s of `flops` model FLOPs in `seconds`, and that rate's share of the devices' peak (None without
+        a peak): a step's, or the run's (`tflops`, `mfu`)."""
+        tflops = flops / seconds / 1e12 if seconds > 0 else 0.0
+        return tflops, None if self.peak is None else tflops * 1e12 / (self.peak.flops * self.devices)
+
     def tflops(self) -> float:
-        return self.flops / self.seconds / 1e12 if self.seconds > 0 else 0.0
+        return self.rates(self.seconds, self.flops)[0]
 
     def mfu(self) -> Optional[float]:
-        if self.peak is None or self.seconds <= 0:
-            return None
-        return self.flops / self.seconds / (self.peak.flops * self.devices)
+        return self.rates(self.seconds, self.flops)[1]
 
     def summary(self) -> str:
-        """`2.15 s/step, 0.46 TFLOP/s, MFU 52% (of measured cpu matmul, float32 x 1 device)`."""
+        """`0.141 s/step, 0.0311 TFLOP/s, MFU 8.67% (of measured cpu matmul, float32 peak 0.358 TFLOP/s)`."""
         if not self.steps:
             return ""
         line = f"{self.seconds / self.steps:.3g} s/step, {self.tflops():.3g} TFLOP/s"

@@ -30,8 +30,8 @@ class StepTimer:
     phases add up to at most the step.
 
     `summary()` returns `perf/<phase>_s` for every phase, `perf/step_s` (wall time since the previous step) and
-    `perf/policy_update_s` (the rest: forward/backward/optimizer of the policy), the tokens' rates, peak memory
-    and this rank's `perf/model_flops` (the counter `model_flops`), then starts the next step.
+    `perf/policy_update_s` (the rest: forward/backward/optimizer of the policy), the tokens' rates and peak memory,
+    then starts the next step (its phases and counters, `model_flops` among them, back to 0).
     """
 
     def __init__(self) -> None:
@@ -78,7 +78,6 @@ class StepTimer:
         out["perf/generated_tokens_per_s"] = self.counters["generated_tokens"] / generation if generation else 0.0
         out["perf/trained_tokens_per_s"] = self.counters["trained_tokens"] / step if step > 0 else 0.0
         out["perf/peak_memory_mib"] = peak_memory_mib()
-        out["perf/model_flops"] = self.counters["model_flops"]  # this rank's (`lit_rl.training.flops`)
         self.phases.clear()
         self.counters.clear()
         self._step_start = now
