@@ -149,6 +149,18 @@ def test_precision_quick_runs_the_demo_in_fp32_and_bf16_and_compares_their_accur
 
 
 @pytest.mark.slow
+def test_compiled_decoding_quick_reports_speed_compile_time_and_the_same_tokens(tmp_path):
+    report, stdout = _quick_report("compiled_decoding", tmp_path)
+    (row,) = report["results"]
+    assert row["dtype"] == "float32" and row["eager_s"] > 0 and row["compiled_s"] > 0
+    assert row["speedup"] == pytest.approx(row["eager_s"] / row["compiled_s"])
+    assert row["compile_s"] > 0 and len(row["warm_generations_s"]) == 3
+    assert row["tokens_equal"] == 1.0  # float32: the eager tokens exactly
+    assert row["max_logprob_gap_compiled"] <= row["max_logprob_gap_eager"] + 1e-5
+    assert "| weights | eager s/generation | compiled |" in stdout and "float32: compiled decoding " in stdout
+
+
+@pytest.mark.slow
 def test_trl_comparison_quick_times_both_libraries_on_both_algorithms(tmp_path):
     report, stdout = _quick_report("compare_trl", tmp_path)
     assert report["versions"]["trl"] and "--quick" in report["command"]

@@ -116,18 +116,29 @@ class HFGenerate(EngineConfig):
             dtype, as an engine holding its own weights computes: vLLM). `merged` is a diagnostic, used by
             `lit-rl check --mismatch` to measure what merging alone does to the log-probs; not with sharded
             parameters (ZeRO-3, FSDP).
+        compile: decode with a static KV cache and a `torch.compile`d one-token step
+            (`lit_rl.rollout.engines.static_decode`; CUDA graphs on GPU). The same samples (float32: the same tokens,
+            log-probs to float rounding); compiling costs seconds to tens of seconds at the first generation, repaid
+            after a few hundred steps on a small model (`benchmarks/compiled_decoding.py`). Finished rows keep
+            running. Not with sharded parameters (ZeRO-3, FSDP) nor `lora_weights: merged`.
     """
 
     samples_on_trainer_devices = True
 
-    def __init__(self, lora_weights: Literal["adapter", "merged"] = "adapter") -> None:
+    def __init__(self, lora_weights: Literal["adapter", "merged"] = "adapter", compile: bool = False) -> None:
         self.lora_weights = lora_weights
+        self.compile = compile
         self.check()
 
     def check(self) -> None:
         if self.lora_weights not in LORA_WEIGHTS:
             raise ConfigError(
                 f"{ENGINE_KEY}.lora_weights must be one of {list(LORA_WEIGHTS)}, got {self.lora_weights!r}"
+            )
+        if self.compile and self.lora_weights == "merged":
+            raise ConfigError(
+                f"{ENGINE_KEY}.compile=true decodes through the adapter; {ENGINE_KEY}.lora_weights=merged is a "
+                "diagnostic of the eager path: set one of them"
             )
 
     def build(self, module: Any) -> RolloutEngine:
@@ -139,6 +150,11 @@ class HFGenerate(EngineConfig):
                 f"{ENGINE_KEY}.lora_weights=merged needs each rank to hold whole weights; this strategy shards them "
                 "(ZeRO-3, FSDP): use DDP or ZeRO-2 to measure merging"
             )
+        if self.compile and sharded:
+            raise ConfigError(
+                f"{ENGINE_KEY}.compile=true needs each rank to hold whole weights; this strategy shards them "
+                "(ZeRO-3, FSDP): use DDP or ZeRO-2, or leave compile off"
+            )
         eos_ids = model_eos_token_ids(module.policy, module.tokenizer.eos_token_id)
         return HFGenerateEngine(
             module.policy,
@@ -146,10 +162,13 @@ class HFGenerate(EngineConfig):
             module.tokenizer.pad_token_id,
             synced_ranks=sharded,
             merged_lora=self.lora_weights == "merged",
+            compiled=self.compile,
         )
 
     def numerics_differ(self, compute_dtype: torch.dtype) -> bool:
-        return self.lora_weights == "merged"  # otherwise it samples from the policy itself
+        # Otherwise it samples from the policy itself. Compiled kernels fuse and reorder: float32 rounding only, but
+        # in bf16 their log-probs differ from the eager training forward's as another library's would.
+        return self.lora_weights == "merged" or (self.compile and compute_dtype != torch.float32)
 
 
 class VLLMColocate(EngineConfig):

@@ -25,6 +25,26 @@ from lit_rl.ops import position_ids_from_mask
 from lit_rl.rollout.base import SamplingParams
 
 
+def sample_next(
+    logits: torch.Tensor,
+    step: int,
+    params: SamplingParams,
+    sampler: Optional[Any],
+    seeds: Optional[torch.Tensor],
+    eos: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens [n] chosen from decoding `step`'s logits [n, V] (greedy without a `SeededRowSampler`, else each row
+    from its seed in `seeds` [n]) and their log-probs [n] under `softmax(logits / params.logprob_temperature)`."""
+    scores = logits.float()  # [n, V]
+    # No stop yet: masked before top-k/top-p (as HF and vLLM do), so the truncation keeps other tokens; the
+    # log-prob below stays that of the unmasked distribution.
+    allowed = scores.index_fill(-1, eos, float("-inf")) if step < params.min_new_tokens else scores
+    ranked = allowed if sampler is None else sampler.perturb(allowed, seeds, step)
+    chosen = ranked.argmax(dim=-1)  # [n]
+    logprob = torch.log_softmax(scores / params.logprob_temperature, dim=-1).gather(-1, chosen[:, None])
+    return chosen, logprob.squeeze(-1)
+
+
 @torch.no_grad()
 def decode_skipping_finished(
     model: torch.nn.Module,
@@ -71,15 +91,10 @@ def decode_skipping_finished(
     next_position = positions[:, -1] + 1  # [n]
     steps = 0
     for t in range(T):
-        scores = out.logits[:, -1, :].float()  # [n, V]
-        # No stop yet: masked before top-k/top-p (as HF and vLLM do), so the truncation keeps other tokens; the
-        # log-prob below stays that of the unmasked distribution.
-        allowed = scores.index_fill(-1, eos, float("-inf")) if t < params.min_new_tokens else scores
-        ranked = allowed if sampler is None else sampler.perturb(allowed, sampler.seeds[running.cpu()], t)
-        chosen = ranked.argmax(dim=-1)  # [n]
-        logprob = torch.log_softmax(scores / params.logprob_temperature, dim=-1).gather(-1, chosen[:, None])
+        row_seeds = None if sampler is None else sampler.seeds[running.cpu()]
+        chosen, logprob = sample_next(out.logits[:, -1, :], t, params, sampler, row_seeds, eos)
         tokens[running, t] = chosen.to(tokens.dtype)
-        logprobs[running, t] = logprob.squeeze(-1)
+        logprobs[running, t] = logprob
         steps = t + 1
         if compactable:
             done = torch.isin(chosen, eos)  # [n]

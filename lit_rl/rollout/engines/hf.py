@@ -40,8 +40,8 @@ def _library_generation_defaults(model: torch.nn.Module) -> Iterator[None]:
 
 class HFGenerateEngine:
     """Samples with the live policy, so it never needs a weight push: `lit_rl.rollout.engines.compact_decode` (finished
-    rows leave the batch), or `model.generate` when the ranks step together (ZeRO-3, FSDP) or `skip_finished` is
-    off; both draw the same samples.
+    rows leave the batch), `static_decode` (`compiled`: a static cache and a compiled one-token step), or
+    `model.generate` when the ranks step together (ZeRO-3, FSDP) or `skip_finished` is off; all draw the same samples.
 
     Sampling is exactly `softmax(logits / temperature)` truncated by `top_k`/`top_p` when asked: the model's own
     generation settings are ignored. The model is held by reference (this is not an `nn.Module`, and it is never
@@ -59,8 +59,16 @@ class HFGenerateEngine:
         synced_ranks: bool = False,
         skip_finished: bool = True,
         merged_lora: bool = False,
+        compiled: bool = False,
     ) -> None:
         self.model = model
+        if compiled and (synced_ranks or merged_lora):
+            raise ValueError("compiled decoding needs whole, unmerged weights on each rank")
+        self.decoder = None
+        if compiled:
+            from lit_rl.rollout.engines.static_decode import CompiledDecoder
+
+            self.decoder = CompiledDecoder(model)
         # A LoRA policy samples with its adapter merged into the weights (`merged_view`), as vLLM does: the
         # diagnostic of `lit-rl check --mismatch`.
         self.merged_lora = merged_lora
@@ -100,6 +108,8 @@ class HFGenerateEngine:
         """Completion ids [N, T] and the sampled tokens' log-probs [N, T], in eval mode."""
         # Completions of the same prompt share its prefill: decoding starts after the cached P-1 positions.
         cache = shared_prompt_cache(self.model, prompt_ids, prompt_mask, self.synced_ranks)
+        if self.decoder is not None:
+            return self.decoder.decode(prompt_ids, prompt_mask, params, seeds, self.eos_token_ids, cache)
         if self.skip_finished and not self.synced_ranks:  # the same samples, finished rows not computed
             return decode_skipping_finished(
                 self.model, prompt_ids, prompt_mask, params, seeds, self.eos_token_ids, self.pad_token_id, cache

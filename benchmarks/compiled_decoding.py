@@ -1,0 +1,179 @@
+"""Compiled decoding (`configs/rollout/hf_compiled.yaml`) against the default eager loop: seconds per generation,
+compile time, the break-even generation count, and how far the compiled log-probs are from the eager ones.
+
+    python benchmarks/compiled_decoding.py --out benchmarks/results/compiled_decoding_cpu.json
+    python benchmarks/compiled_decoding.py --quick        # the tiny model, fp32 only, few generations
+    python benchmarks/compiled_decoding.py --markdown benchmarks/results/compiled_decoding_cpu.json
+
+The workload is GRPO's rollout from issue 34: a randomly initialised Qwen2 of hidden 512, 8 layers (21M
+parameters, the character tokenizer), 2 addition prompts x G = 8 completions of exactly 32 tokens
+(`min_new_tokens = max_new_tokens`), temperature 1, each row from its own seed. Each dtype (the weights in float32
+or bfloat16, as `trainer.precision` 32-true and bf16-true hold them) runs in its own process with an empty
+inductor cache, so the first generations pay a cold compile, as a user's first run does.
+
+Per dtype: the wall time of the first `--warm` compiled generations (prompt lengths change between batches, so
+torch.compile compiles the step, then once more with the cache length symbolic), then `--rounds` rounds that
+alternate eager and compiled over the same batches. Reported: the median seconds per generation of each, their
+ratio, the compile time (the warm generations' time beyond as many steady compiled ones) and the break-even
+(compile time / seconds saved per generation). Exactness, over the steady generations: the share of tokens
+equal to the eager ones, and the largest log-prob difference from the trainer's forward of the same tokens
+(`completion_scores`), for the compiled and the eager engine, beside each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from provenance import add_report_options, check_output, print_markdown, publish  # noqa: E402
+
+SIZES = {"20m": dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1024), "tiny": dict()}
+
+
+def child(dtype_name: str, size: str, rows: int, group: int, tokens: int, warm: int, rounds: int) -> dict:
+    """One dtype's measurements (run in a fresh process)."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    from lit_rl.algorithms.base import completion_scores
+    from lit_rl.data.arithmetic import addition_rows
+    from lit_rl.modeling.models import build_char_tokenizer, tiny_qwen2_config
+    from lit_rl.rollout import HFGenerateEngine, SamplingParams
+
+    torch.manual_seed(0)
+    dtype = getattr(torch, dtype_name)
+    model = Qwen2ForCausalLM(tiny_qwen2_config(**SIZES[size])).to(dtype).eval()
+    tokenizer = build_char_tokenizer()
+    tokenizer.padding_side = "left"
+    prompts = [row["prompt"] for row in addition_rows("train")]
+    per_batch = rows // group
+    batches = []
+    for i in range(warm + 4):  # distinct prompts of varying lengths
+        enc = tokenizer(prompts[i * per_batch : (i + 1) * per_batch], padding=True, return_tensors="pt")
+        batches.append(
+            (enc["input_ids"].repeat_interleave(group, 0), enc["attention_mask"].repeat_interleave(group, 0))
+        )
+    params = SamplingParams(max_new_tokens=tokens, min_new_tokens=tokens, temperature=1.0)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    eager = HFGenerateEngine(model, eos, pad)
+    compiled = HFGenerateEngine(model, eos, pad, compiled=True)
+
+    def timed(engine, batch, seed):
+        began = time.perf_counter()
+        out = engine.generate(*batch, params, list(range(seed, seed + rows)))
+        return time.perf_counter() - began, out
+
+    warm_s = [timed(compiled, batches[i], i)[0] for i in range(warm)]
+    eager_s, compiled_s, equal, total, gap_compiled, gap_eager = [], [], 0, 0, 0.0, 0.0
+    for r in range(rounds):
+        for j, batch in enumerate(batches[warm:]):
+            seed = 1000 * (r + 1) + j
+            te, a = timed(eager, batch, seed)
+            tc, b = timed(compiled, batch, seed)
+            eager_s.append(te)
+            compiled_s.append(tc)
+            equal += int((a.completion_ids == b.completion_ids).sum())
+            total += a.completion_ids.numel()
+            for out, gaps in ((b, "compiled"), (a, "eager")):
+                with torch.no_grad():
+                    trainer = completion_scores(model, *batch, out.completion_ids, out.completion_mask, 1.0).logprobs
+                gap = float((out.logprobs - trainer * out.completion_mask).abs().max())
+                if gaps == "compiled":
+                    gap_compiled = max(gap_compiled, gap)
+                else:
+                    gap_eager = max(gap_eager, gap)
+    eager_med, compiled_med = statistics.median(eager_s), statistics.median(compiled_s)
+    compile_s = sum(warm_s) - warm * compiled_med
+    saved = eager_med - compiled_med
+    return {
+        "dtype": dtype_name,
+        "model": size,
+        "rows": rows,
+        "tokens": tokens,
+        "eager_s": eager_med,
+        "compiled_s": compiled_med,
+        "speedup": eager_med / compiled_med,
+        "warm_generations_s": warm_s,
+        "compile_s": compile_s,
+        "break_even_generations": compile_s / saved if saved > 0 else None,
+        "tokens_equal": equal / total,
+        "max_logprob_gap_compiled": gap_compiled,
+        "max_logprob_gap_eager": gap_eager,
+    }
+
+
+def run_child(dtype: str, args: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory(prefix="lit-rl-inductor-") as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}  # a cold compile, as a first run's
+        command = [sys.executable, __file__, "--child", dtype, "--model", args.model, "--rows", str(args.rows)]
+        command += ["--group", str(args.group), "--tokens", str(args.tokens), "--warm", str(args.warm)]
+        command += ["--rounds", str(args.rounds)]
+        out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def markdown_table(results: list[dict]) -> str:
+    lines = [
+        "| weights | eager s/generation | compiled | speed-up | compile s | break-even (generations) "
+        "| tokens equal | max log-prob gap to the trainer: compiled / eager |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        even = "never" if r["break_even_generations"] is None else f"{r['break_even_generations']:.0f}"
+        lines.append(
+            f"| {r['dtype']} | {r['eager_s']:.3f} | {r['compiled_s']:.3f} | {r['speedup']:.2f}x | {r['compile_s']:.1f} "
+            f"| {even} | {100 * r['tokens_equal']:.1f}% | {r['max_logprob_gap_compiled']:.2g} / "
+            f"{r['max_logprob_gap_eager']:.2g} |"
+        )
+    return "\n".join(lines)
+
+
+def claims(results: list[dict]) -> list[str]:
+    return [
+        f"{r['dtype']}: compiled decoding {r['speedup']:.2f}x the eager loop's speed, {r['compile_s']:.0f} s to "
+        f"compile, repaid after {r['break_even_generations'] or float('inf'):.0f} generations"
+        for r in results
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser.add_argument("--model", default="20m", choices=list(SIZES))
+    parser.add_argument("--rows", type=int, default=16, help="completions per generation")
+    parser.add_argument("--group", type=int, default=8, help="completions per prompt (G)")
+    parser.add_argument("--tokens", type=int, default=32, help="tokens per completion")
+    parser.add_argument("--warm", type=int, default=3, help="compiled generations counted as compiling")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="the tiny model, fp32, 8 tokens, 1 round")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    add_report_options(parser)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.model, args.rows, args.group, args.tokens, args.warm, args.rounds)))
+        return
+    if args.markdown:
+        print_markdown(args.markdown, markdown_table, claims)
+        return
+    check_output(args.out, args.allow_dirty)
+    if args.quick:
+        args.dtypes, args.model, args.tokens, args.rounds = ["float32"], "tiny", 8, 1
+    results = []
+    for dtype in args.dtypes:
+        print(f"decoding in {dtype} ...", flush=True)
+        results.append(run_child(dtype, args))
+    publish(args, results, markdown_table, claims, workload=vars(args) | {"out": None, "markdown": None})
+
+
+if __name__ == "__main__":
+    main()

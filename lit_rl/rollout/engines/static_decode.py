@@ -1,0 +1,126 @@
+"""Decoding with a static KV cache and a compiled one-token step (`HFGenerate(compile: true)`).
+
+A decoding step of a small batch is mostly per-operator overhead: the eager forward of one token launches a few
+hundred small kernels, and a growing cache is re-concatenated every step. Here the cache is allocated once at its
+final length (`transformers.StaticCache`, [N, heads, P + T, head_dim]) and written in place, and the one-token
+forward is `torch.compile`d (inductor's fused C++ kernels on CPU; CUDA graphs on GPU). The prompt's prefill stays
+eager, as it runs once per generation at a new shape.
+
+Sampling is `compact_decode.sample_next`, the same function the eager loop uses: each row from its own seed with
+the counter-based Gumbel-max, so in float32 the tokens are the eager path's and their log-probs agree to float
+rounding. Finished rows keep running (a compiled step has fixed shapes; their tokens are masked afterwards) and
+decoding stops when every row has finished. Shapes: `torch.compile`'s automatic dynamic shapes compile the step
+for the first shape, once more with the changing dimension (cache length, rows) symbolic, then reuse it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from lit_rl.ops import position_ids_from_mask
+from lit_rl.rollout.base import SamplingParams
+from lit_rl.rollout.engines.compact_decode import sample_next
+
+
+class CompiledDecoder:
+    """The compiled one-token step of `model`, and the static cache it writes, kept across generations (the cache
+    is reused while the batch shape stays; CUDA graphs need its address fixed). Compiling takes seconds to tens of
+    seconds at the first generation (`benchmarks/compiled_decoding.py` measures it and the break-even).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        mode = "reduce-overhead" if _on_cuda(model) else None  # CUDA graphs replay the whole step on GPU
+        self.step = torch.compile(model.__call__, mode=mode)
+        self._cache: Optional[Any] = None
+        self._cache_shape: Optional[tuple] = None
+
+    @torch.no_grad()
+    def decode(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        params: SamplingParams,
+        seeds: Optional[Sequence[int]],
+        eos_token_ids: Sequence[int],
+        prefix_cache: Optional[Any] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Completion ids [N, T'] (anything after a row's EOS: the caller masks it; T' <= max_new_tokens, up to the
+        longest row) and the sampled tokens' log-probs [N, T'] under `softmax(logits / logprob_temperature)`.
+
+        `prefix_cache`: a KV cache of every row's prompt but its last token (`shared_prompt_cache`), or None.
+        """
+        from lit_rl.rollout.engines.hf import SeededRowSampler
+
+        N, P = prompt_ids.shape
+        T = params.max_new_tokens
+        device = prompt_ids.device
+        sampler = None if params.greedy else SeededRowSampler(seeds, params)
+        row_seeds = None if sampler is None else sampler.seeds
+        eos = torch.tensor(list(eos_token_ids), dtype=torch.long, device=device)
+        tokens = torch.zeros(N, T, dtype=prompt_ids.dtype, device=device)
+        logprobs = torch.zeros(N, T, dtype=torch.float32, device=device)
+        finished = torch.zeros(N, dtype=torch.bool, device=device)
+
+        cache = self._static_cache(N, P + T, device)
+        # Every position after the prompt is a token: the causal mask (by cache position) hides those not yet
+        # written, so the same [N, P + T] mask serves every step and the compiled step sees one tensor shape.
+        attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(N, T)], dim=1)
+        positions = position_ids_from_mask(prompt_mask)  # [N, P]
+        start = 0
+        if prefix_cache is not None:  # positions 0..P-2 were computed once per distinct prompt
+            for layer, (keys, values) in enumerate(_layer_states(prefix_cache)):
+                cache.update(keys, values, layer, {"cache_position": torch.arange(P - 1, device=device)})
+            start = P - 1
+        out = self.model(
+            input_ids=prompt_ids[:, start:],
+            attention_mask=attention_mask,
+            position_ids=positions[:, start:],
+            past_key_values=cache,
+            cache_position=torch.arange(start, P, device=device),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        next_position = positions[:, -1:] + 1  # [N, 1]
+        steps = 0
+        for t in range(T):
+            chosen, logprob = sample_next(out.logits[:, -1, :], t, params, sampler, row_seeds, eos)
+            tokens[:, t] = chosen.to(tokens.dtype)
+            logprobs[:, t] = logprob
+            steps = t + 1
+            finished |= torch.isin(chosen, eos)
+            if t == T - 1 or bool(finished.all()):
+                break
+            out = self.step(
+                input_ids=chosen[:, None].to(prompt_ids.dtype),
+                attention_mask=attention_mask,
+                position_ids=next_position,
+                past_key_values=cache,
+                cache_position=torch.tensor([P + t], device=device),
+                use_cache=True,
+            )
+            next_position = next_position + 1
+        return tokens[:, :steps], logprobs[:, :steps]
+
+    def _static_cache(self, rows: int, length: int, device: torch.device) -> Any:
+        """A `StaticCache` of `rows` x `length` positions: the last one emptied when the shape is the same."""
+        from transformers import StaticCache
+
+        shape = (rows, length, device)
+        if self._cache is not None and self._cache_shape == shape:
+            self._cache.reset()
+            return self._cache
+        self._cache = StaticCache(config=self.model.config, max_cache_len=length)
+        self._cache_shape = shape
+        return self._cache
+
+
+def _layer_states(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) [N, heads, P-1, head_dim] of each layer of a plain key/value cache."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _on_cuda(model: torch.nn.Module) -> bool:
+    return next(model.parameters()).device.type == "cuda"
