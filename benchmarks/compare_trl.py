@@ -31,6 +31,20 @@ with its documented defaults (TRL: bf16 mixed precision and gradient checkpointi
 
     python benchmarks/compare_trl.py --workloads variable --settings matched defaults --steps 10 --warmup 3 \
         --rounds 1 --out benchmarks/results/compare_trl_variable_cpu.json
+
+`--workloads fixed32` (issue 34): GRPO with 2 prompts x G = 8 completions of exactly 32 tokens per step (no stop
+before the budget: lit-rl `min_new_tokens`, TRL `generation_kwargs`), and DPO as above, on the 20m model. Settings:
+- `matched`: both in fp32; `bf16`: lit-rl `bf16-mixed` (`configs/precision/bf16.yaml`), TRL `bf16=True` (autocast);
+- `fastest`: each library at its fastest documented setting on this CPU. lit-rl: `bf16-true`, compiled decoding
+  (`configs/rollout/hf_compiled.yaml`), DPO with its reference log-probs precomputed. TRL: the model loaded in
+  bfloat16 with `bf16=True` (TRL has no compiled decoding on CPU: `generate` compiles only on GPUs), DPO with
+  `precompute_ref_log_probs`.
+- `compiled`: `fastest`, and lit-rl's policy compiled too (`model.policy.compile`; TRL as in `fastest`).
+Each cell also reports MFU: the step's model FLOPs (lit-rl's count, `perf/tflops` x `perf/step_s`; the same math
+for TRL, which runs the same workload) over the measured peak of the compute dtype (`lit_rl/training/flops.py`).
+
+    python benchmarks/compare_trl.py --workloads fixed32 --models 20m --settings matched bf16 fastest compiled \
+        --steps 16 --warmup 6 --rounds 1 --out benchmarks/results/compare_trl_fixed32_cpu.json
 """
 
 from __future__ import annotations
@@ -56,9 +70,10 @@ from lit_rl.modeling.models import resolve_model_path  # noqa: E402
 
 TINY = "lit-rl/tiny-qwen2-addition-sft"
 TRL_LOG_HISTORY: list[dict] = []  # the last `trl_run`'s `trainer.state.log_history`
-LIT_PHASES: list[dict] = []  # the last `lit_run`'s per-step phase times (`PHASES`)
+LIT_PHASES: list[dict] = []  # the last `lit_run`'s per-step phase times (`PHASES`), and `perf/tflops`, `perf/mfu`
 # Where a lit-rl step goes (its `perf/` timers): the profile reported beside the variable-length ratios.
 PHASES = ("generation_s", "reward_s", "old_logprobs_s", "ref_logprobs_s", "policy_update_s")
+RATES = ("step_s", "tflops", "mfu")  # also kept per lit-rl step, for the MFU columns
 
 
 @dataclass
@@ -84,6 +99,10 @@ class Workload:
     # Each library with its documented defaults (TRL: bf16 and gradient checkpointing on; lit-rl: fp32, none)
     # instead of both in fp32 without gradient checkpointing.
     library_defaults: bool = False
+    # Each library at its fastest documented setting on the device (`--settings fastest`: the module docstring),
+    # and lit-rl's policy compiled on top (`--settings compiled`).
+    fastest: bool = False
+    compiled_policy: bool = False
     # Long completions (`benchmarks/long_completions.py`): no stop before `min_new_tokens` (lit-rl
     # `model.sampling.min_new_tokens`, TRL `generation_kwargs`), the reward's import path, and lit-rl flags on top.
     min_new_tokens: int = 0
@@ -109,6 +128,10 @@ def lit_run(algorithm: str, model: str, steps: int, workdir: Path, work: Workloa
         common += ["--trainer.accelerator", "gpu", "--trainer.devices", "1"]
     if work.bf16:
         common += ["--trainer.precision", "bf16-mixed"]
+    if work.fastest:
+        common += ["--trainer.precision", "bf16-true"]
+    if work.compiled_policy:
+        common += ["--model.policy.compile", "true"]
     if work.variable:
         common += ["--model.policy.padding_free", "true"]
     if algorithm == "grpo":
@@ -134,12 +157,16 @@ def lit_run(algorithm: str, model: str, steps: int, workdir: Path, work: Workloa
             "--model.sampling.min_new_tokens",
             str(work.min_new_tokens),
         ]
+        if work.fastest:
+            args += ["--config", str(REPO / "configs" / "rollout" / "hf_compiled.yaml")]
         if work.vllm:
             args += ["--config", str(REPO / "configs" / "rollout" / "vllm_colocate.yaml")]
             args += ["--model.rollout.engine.enable_sleep_mode", str(work.sleep_mode).lower()]
             args += ["--model.rollout.engine.gpu_memory_utilization", str(work.gpu_memory_utilization)]
     else:
         args = ["--config", str(REPO / "configs" / "dpo.yaml"), "--data.batch_size", str(work.pairs)]
+        if work.fastest:
+            args += ["--model.precompute_ref_logprobs", "true", "--model.ref_cache_dir", str(workdir / "ref")]
         if work.variable:
             pairs = workdir / "pairs.jsonl"
             pairs.write_text("".join(json.dumps(row) + "\n" for row in variable_pairs()))
@@ -147,7 +174,7 @@ def lit_run(algorithm: str, model: str, steps: int, workdir: Path, work: Workloa
     main(["fit", *args, *common, *work.lit_flags])
     (log_dir,) = workdir.glob("*/version_*")
     rows = [row for row in metric_rows(log_dir) if "perf/step_s" in row]
-    LIT_PHASES[:] = [{phase: row.get(f"perf/{phase}", 0.0) for phase in PHASES} for row in rows]
+    LIT_PHASES[:] = [{key: row.get(f"perf/{key}", 0.0) for key in (*PHASES, *RATES)} for row in rows]
     return [row["perf/step_s"] for row in rows]
 
 
@@ -173,7 +200,8 @@ def trl_run(algorithm: str, model: str, steps: int, workdir: Path, work: Workloa
             marks.append(time.perf_counter())
 
     tokenizer = load_tokenizer(model)
-    policy = load_causal_lm(model, disable_dropout=True)
+    dtype = "bfloat16" if work.fastest else "float32"  # TRL's `model_init_kwargs` dtype, for a model we load
+    policy = load_causal_lm(model, dtype=dtype, disable_dropout=True)
     common = dict(
         output_dir=str(workdir),
         max_steps=steps,
@@ -190,7 +218,7 @@ def trl_run(algorithm: str, model: str, steps: int, workdir: Path, work: Workloa
     if not work.library_defaults:
         # TRL's configs default to bf16 mixed precision and gradient checkpointing; the workload says which
         # precision, and both run without checkpointing.
-        common.update(bf16=work.bf16, gradient_checkpointing=False)
+        common.update(bf16=work.bf16 or work.fastest, gradient_checkpointing=False)
     if algorithm == "grpo":
         from trl import GRPOConfig, GRPOTrainer
 
@@ -233,8 +261,14 @@ def trl_run(algorithm: str, model: str, steps: int, workdir: Path, work: Workloa
 
         rows = variable_pairs() if work.variable else addition_preference_rows("train")
         dataset = Dataset.from_list([{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows])
-        config = DPOConfig(**common, per_device_train_batch_size=work.pairs, beta=0.1, loss_type="sigmoid")
-        ref = load_causal_lm(model, disable_dropout=True)
+        config = DPOConfig(
+            **common,
+            per_device_train_batch_size=work.pairs,
+            beta=0.1,
+            loss_type="sigmoid",
+            precompute_ref_log_probs=work.fastest,
+        )
+        ref = None if work.fastest else load_causal_lm(model, disable_dropout=True)
         trainer = DPOTrainer(
             model=policy,
             ref_model=ref,
@@ -304,10 +338,19 @@ def run_child(
     return json.loads(out.read_text())
 
 
-def compare(algorithm: str, model_name: str, model: str, args, tmp: Path, work: Workload = Workload()) -> dict:
+def compare(
+    algorithm: str,
+    model_name: str,
+    model: str,
+    args,
+    tmp: Path,
+    work: Workload = Workload(),
+    workload: str = "fixed",
+    setting: str = "matched",
+) -> dict:
     per_round: dict[str, list[float]] = {"lit_rl": [], "trl": []}
-    phases: list[dict] = []  # lit-rl's per-step phase times after the warm-up, over rounds
-    label = f"{'variable' if work.variable else 'fixed'}-{'defaults' if work.library_defaults else 'matched'}"
+    steps: list[dict] = []  # lit-rl's per-step phase times and rates after the warm-up, over rounds
+    label = f"{workload}-{setting}"
     for round_index in range(args.rounds):
         for library in ("lit_rl", "trl"):
             workdir = tmp / f"{algorithm}-{model_name}-{label}-{library}-{round_index}"
@@ -317,12 +360,19 @@ def compare(algorithm: str, model_name: str, model: str, args, tmp: Path, work: 
                 raise RuntimeError(f"{library}: {len(times)} step times, not more than --warmup {args.warmup}")
             per_round[library].append(statistics.median(times[args.warmup :]))
             if library == "lit_rl":
-                phases += json.loads((workdir / "phases.json").read_text())[args.warmup :]
-            print(f"  {algorithm} {model_name} {library} round {round_index}: {per_round[library][-1]:.3f} s/step")
+                steps += json.loads((workdir / "phases.json").read_text())[args.warmup :]
+            print(
+                f"  {algorithm} {model_name} {label} {library} round {round_index}: {per_round[library][-1]:.3f} s/step"
+            )
     lit, trl = (statistics.median(per_round[name]) for name in ("lit_rl", "trl"))
-    variant = {} if work == Workload() else {"workload": label.split("-")[0], "setting": label.split("-")[1]}
+    variant = {} if label == "fixed-matched" else {"workload": workload, "setting": setting}
     if work.variable:  # where lit-rl's step goes: the median of each phase
-        variant["lit_rl_phases_s"] = {phase: statistics.median(step[phase] for step in phases) for phase in PHASES}
+        variant["lit_rl_phases_s"] = {phase: statistics.median(step[phase] for step in steps) for phase in PHASES}
+    if workload == "fixed32":  # both libraries' model-FLOP utilisation (the module docstring)
+        flops = statistics.median(step["tflops"] * step["step_s"] for step in steps)  # TFLOP per step
+        peak = statistics.median(step["tflops"] / step["mfu"] for step in steps)  # TFLOP/s
+        variant |= {"tflop_per_step": flops, "peak_tflops": peak, "lit_rl_mfu": flops / lit / peak}
+        variant["trl_mfu"] = flops / trl / peak
     return {
         "algorithm": algorithm,
         "model": model_name,
@@ -338,16 +388,18 @@ def markdown_table(results: list[dict]) -> str:
     """The README's table of a results file (a test checks the README carries exactly this); results of the
     variable-length workloads add their workload and setting."""
     variants = any("setting" in r for r in results)
+    mfu = any("lit_rl_mfu" in r for r in results)
     head = "| algorithm | model | " + ("workload | setting | " if variants else "")
     lines = [
-        head + "lit-rl s/step | TRL s/step | ratio |",
-        "|---|---|" + ("---|---|" if variants else "") + "---|---|---|",
+        head + "lit-rl s/step | TRL s/step | ratio |" + (" lit-rl MFU | TRL MFU |" if mfu else ""),
+        "|---|---|" + ("---|---|" if variants else "") + "---|---|---|" + ("---|---|" if mfu else ""),
     ]
     for r in results:
         variant = f"{r['workload']} | {r['setting']} | " if variants else ""
+        rates = f" {100 * r['lit_rl_mfu']:.2g}% | {100 * r['trl_mfu']:.2g}% |" if mfu else ""
         lines.append(
             f"| {r['algorithm']} | {r['model']} | {variant}{r['lit_rl_s_per_step']:.3f} | {r['trl_s_per_step']:.3f} "
-            f"| {r['ratio']:.2f} |"
+            f"| {r['ratio']:.2f} |{rates}"
         )
     profiled = [r for r in results if "lit_rl_phases_s" in r]
     if profiled:  # where lit-rl's step goes, one row per run
@@ -364,6 +416,12 @@ def claims(results: list[dict]) -> list[str]:
     """The README's prose numbers of a results file (a test checks the README says them): the range of the ratios,
     the tiny model's GRPO step, and how far single rounds of one configuration and library spread."""
     ratios = [r["ratio"] for r in results]
+    if any("lit_rl_mfu" in r for r in results):
+        fastest = [r for r in results if r["setting"] in ("fastest", "compiled")]
+        return [
+            f"Ratio = lit-rl / TRL on fixed 32-token completions, {min(ratios):.2f} to {max(ratios):.2f}",
+            *(f"{r['algorithm']} {r['setting']}: ratio {r['ratio']:.2f} (target 0.5)" for r in fastest),
+        ]
     if any("setting" in r for r in results):
         met = [r for r in results if r["ratio"] <= 0.5]
         return [
@@ -396,14 +454,19 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
-        "--workloads", nargs="+", choices=["fixed", "variable"], default=["fixed"], help="see the module docstring"
+        "--workloads",
+        nargs="+",
+        choices=["fixed", "variable", "fixed32"],
+        default=["fixed"],
+        help="see the module docstring",
     )
     parser.add_argument(
         "--settings",
         nargs="+",
-        choices=["matched", "defaults"],
+        choices=["matched", "defaults", "bf16", "fastest", "compiled"],
         default=["matched"],
-        help="matched: both fp32 without gradient checkpointing; defaults: each library's documented defaults",
+        help="matched: both fp32 without gradient checkpointing; defaults: each library's documented defaults; "
+        "bf16: both under bf16 autocast; fastest: each at its fastest documented setting (the module docstring)",
     )
     parser.add_argument("--quick", action="store_true", help="tiny model, 6 steps, 1 round")
     add_report_options(parser)
@@ -419,6 +482,7 @@ def main() -> None:
         sizes = {"tiny": dict(), "20m": dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1024)}
         for workload in args.workloads:
             variable = workload == "variable"
+            fixed32 = workload == "fixed32"
             models = {}
             for name in args.models:
                 if variable:  # random weights that stop at random, for both algorithms (DPO reads no stops)
@@ -428,12 +492,21 @@ def main() -> None:
                 else:
                     models[name] = str(build_random_model(Path(tmp) / f"model-{name}", **sizes[name]))
             for setting in args.settings:
-                work = Workload(variable=variable, library_defaults=setting == "defaults")
+                work = Workload(
+                    variable=variable,
+                    library_defaults=setting == "defaults",
+                    bf16=setting == "bf16",
+                    fastest=setting in ("fastest", "compiled"),
+                    compiled_policy=setting == "compiled",
+                )
                 if variable:
                     work.max_new_tokens = 128
+                if fixed32:  # issue 34's rollout: 16 completions of exactly 32 tokens
+                    work.prompts, work.max_new_tokens, work.min_new_tokens = 2, 32, 32
                 for model_name in args.models:
                     for algorithm in args.algorithms:
-                        results.append(compare(algorithm, model_name, models[model_name], args, Path(tmp), work))
+                        place = (algorithm, model_name, models[model_name], args, Path(tmp), work, workload, setting)
+                        results.append(compare(*place))
     print(markdown_table(results))
     if args.out:
         import trl

@@ -51,6 +51,10 @@ class PolicyArgs:
         head_chunk_tokens: run the output head on that many completion tokens at a time (`lit_rl.modeling.head`),
             so the `[tokens, vocab]` logits never exist beyond one chunk: the memory of long completions at a large
             vocabulary, for one more head forward per trained token. None: the whole micro-batch's logits at once.
+        compile: `torch.compile` the policy (`nn.Module.compile`: its state dict and checkpoints are unchanged), so
+            its training forwards and backward run fused kernels: the same values to float rounding, after a compile
+            of tens of seconds at the first step and once more when shapes change. Decoding stays eager (for a
+            compiled decoder: `configs/rollout/hf_compiled.yaml`). Not with sharded parameters (ZeRO-3, FSDP).
     """
 
     model_name_or_path: str = "lit-rl/tiny-qwen2-addition-sft"
@@ -60,6 +64,7 @@ class PolicyArgs:
     lora: Optional[LoRAConfig] = None
     padding_free: bool = False
     head_chunk_tokens: Optional[int] = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lora", as_lora_config(self.lora))  # a dict from a checkpoint or a test

@@ -164,6 +164,18 @@ class PolicyModule(L.LightningModule):
                     self._add_lora_adapter()
         if self.policy_shape is None:
             self.policy_shape = ModelShape.of(self.policy)
+        if self.policy_args.compile:
+            self._compile_policy()
+
+    def _compile_policy(self) -> None:
+        """`model.policy.compile`: every call of the policy runs through `torch.compile` (in place, so parameter
+        names, checkpoints and the weights engines are given stay the same)."""
+        if self.parameters_sharded():
+            raise ConfigError(
+                "model.policy.compile=true needs each rank to hold whole weights; this strategy shards them "
+                "(ZeRO-3, FSDP): use DDP or ZeRO-2, or leave compile off"
+            )
+        self.policy.compile()
 
     def _add_lora_adapter(self) -> None:
         """Wrap the policy with a new LoRA adapter, initialised from the run's seed alone: the same under every

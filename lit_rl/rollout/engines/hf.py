@@ -4,7 +4,7 @@ available."""
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import ContextManager, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -36,6 +36,14 @@ def _library_generation_defaults(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         model.generation_config = saved
+
+
+def eager_calls() -> ContextManager:
+    """Inside, a policy compiled for training (`model.policy.compile`) runs eagerly: decoding's cache grows every
+    step, which would recompile the training graph at each new length. The compiled decoder's own step is compiled
+    apart and stays so (`static_decode.CompiledDecoder` lifts this). torch < 2.6 has no stances: calls stay compiled."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return nullcontext() if set_stance is None else set_stance("force_eager")
 
 
 class HFGenerateEngine:
@@ -96,7 +104,7 @@ class HFGenerateEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            with merged_view(self.model) if self.merged_lora else nullcontext():
+            with merged_view(self.model) if self.merged_lora else nullcontext(), eager_calls():
                 completion_ids, logprobs = self._decode(prompt_ids, prompt_mask, params, seeds)
         finally:
             self.model.train(was_training)

@@ -15,7 +15,8 @@ for the first shape, once more with the changing dimension (cache length, rows) 
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from contextlib import nullcontext
+from typing import Any, ContextManager, Optional, Sequence
 
 import torch
 
@@ -93,14 +94,15 @@ class CompiledDecoder:
             finished |= torch.isin(chosen, eos)
             if t == T - 1 or bool(finished.all()):
                 break
-            out = self.step(
-                input_ids=chosen[:, None].to(prompt_ids.dtype),
-                attention_mask=attention_mask,
-                position_ids=next_position,
-                past_key_values=cache,
-                cache_position=torch.tensor([P + t], device=device),
-                use_cache=True,
-            )
+            with _compiled_calls():
+                out = self.step(
+                    input_ids=chosen[:, None].to(prompt_ids.dtype),
+                    attention_mask=attention_mask,
+                    position_ids=next_position,
+                    past_key_values=cache,
+                    cache_position=torch.tensor([P + t], device=device),
+                    use_cache=True,
+                )
             next_position = next_position + 1
         return tokens[:, :steps], logprobs[:, :steps]
 
@@ -124,3 +126,9 @@ def _layer_states(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _on_cuda(model: torch.nn.Module) -> bool:
     return next(model.parameters()).device.type == "cuda"
+
+
+def _compiled_calls() -> ContextManager:
+    """Lifts `hf.eager_calls` (which the engine enters around all decoding) for the compiled step."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return nullcontext() if set_stance is None else set_stance("default")
