@@ -555,3 +555,30 @@ def test_decode_overhead_times_lit_rls_decoding_and_plain_generate():
     seconds = [float(printed[name]) for name in ("lit-rl HF engine s", "generate(do_sample=True) s")]
     assert all(value > 0 for value in seconds)
     assert float(printed["lit-rl / generate"]) == pytest.approx(seconds[0] / seconds[1], rel=1e-3)
+
+
+def test_fixed32_cells_report_both_libraries_mfu_from_one_flop_count():
+    """`--workloads fixed32`: a cell's MFU columns are the step's model FLOPs (lit-rl's count) over each library's
+    step time and the measured peak; the table gains them only where a results file has them."""
+    compare_trl = _benchmark_module("compare_trl")
+    cell = {
+        "algorithm": "grpo",
+        "model": "20m",
+        "workload": "fixed32",
+        "setting": "fastest",
+        "tflop_per_step": 0.1,
+        "peak_tflops": 1.0,
+        "lit_rl_mfu": 0.1 / 0.5 / 1.0,
+        "trl_mfu": 0.1 / 1.0 / 1.0,
+        "lit_rl_s_per_step": 0.5,
+        "trl_s_per_step": 1.0,
+        "ratio": 0.5,
+    }
+    table = compare_trl.markdown_table([cell])
+    assert (
+        "| lit-rl MFU | TRL MFU |" in table
+        and "| grpo | 20m | fixed32 | fastest | 0.500 | 1.000 | 0.50 | 20% | 10% |" in table
+    )
+    assert compare_trl.claims([cell])[-1] == "grpo fastest: ratio 0.50 (target 0.5)"
+    plain = {k: cell[k] for k in ("algorithm", "model", "lit_rl_s_per_step", "trl_s_per_step", "ratio")}
+    assert "MFU" not in compare_trl.markdown_table([plain | {"rounds": {"lit_rl": [0.5], "trl": [1.0]}}])

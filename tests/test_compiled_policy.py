@@ -7,18 +7,18 @@ from tests.conftest import fit_config, train_rows
 
 
 def test_grpo_with_a_compiled_policy_trains_to_the_eager_numbers_and_saves_the_same_keys(tmp_path):
-    common = ["--trainer.max_steps", "3", "--trainer.limit_val_batches", "0"]
+    common = ["--trainer.max_steps", "2", "--trainer.limit_val_batches", "0"]
     common += ["--model.schedule.micro_batch_size", "32", "--model.sampling.num_generations", "8"]
-    eager = fit_config(tmp_path, "eager", "grpo.yaml", *common, every_n=3)
-    compiled = fit_config(tmp_path, "compiled", "grpo.yaml", *common, "--model.policy.compile", "true", every_n=3)
+    eager = fit_config(tmp_path, "eager", "grpo.yaml", *common, every_n=2)
+    compiled = fit_config(tmp_path, "compiled", "grpo.yaml", *common, "--model.policy.compile", "true", every_n=2)
     a, b = train_rows(eager), train_rows(compiled)
-    assert len(a) == len(b) == 3
+    assert len(a) == len(b) == 2
     for row_a, row_b in zip(a, b):
         assert row_a["train/reward"] == row_b["train/reward"]  # generation runs eagerly: the same samples
         assert abs(row_a["train/loss"] - row_b["train/loss"]) <= 1e-6
         assert abs(row_a["train/entropy"] - row_b["train/entropy"]) <= 1e-5
     states = [
-        torch.load(run / "checkpoints" / "step=3.ckpt", weights_only=True)["state_dict"] for run in (eager, compiled)
+        torch.load(run / "checkpoints" / "step=2.ckpt", weights_only=True)["state_dict"] for run in (eager, compiled)
     ]
     assert list(states[0]) == list(states[1])  # no `_orig_mod.` prefix: the checkpoint loads anywhere
     for key, value in states[0].items():
