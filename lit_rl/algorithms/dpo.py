@@ -2,8 +2,8 @@
 
 Chosen and rejected completions go through the policy in one forward pass of the concatenated batch; sequence
 log-probs are sums over completion tokens. The reference is a frozen copy of the starting policy, or, with
-`precompute_ref_logprobs`, its log-probs computed once before training (cached on disk) so no reference model
-stays in memory.
+`precompute_ref_logprobs`, its log-probs computed once before training (cached on disk, and kept in the
+checkpoint so a resumed run reads them back) so no reference model stays in memory.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import logging
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torchmetrics import MetricCollection
@@ -25,6 +25,7 @@ from lit_rl.data.preference import TokenizedPair, collate_pairs
 from lit_rl.loss_config import DPOLoss
 from lit_rl.losses.dpo import REFERENCE_FREE, dpo_loss
 from lit_rl.modeling.models import resolve_model_path
+from lit_rl.resume import say
 from lit_rl.training.metrics import DPO_PAIR_METRICS, mean, metric_collection
 from lit_rl.training.strategies import reduce_across_ranks
 
@@ -60,6 +61,8 @@ class DPO(OfflineModule):
         self.train_metrics = metrics.clone(prefix="train/")
         self.val_metrics = metrics.clone(prefix="val/")
         self._ref_cache: dict[str, torch.Tensor] = {}  # split -> [N, 2] (chosen, rejected) reference log-probs
+        self._ref_fingerprints: dict[str, str] = {}  # split -> `pairs_fingerprint` of the pairs they belong to
+        self._ref_from_checkpoint: dict[str, dict[str, Any]] = {}  # split -> {"fingerprint", "values"}, until used
 
     @property
     def needs_reference(self) -> bool:
@@ -76,17 +79,37 @@ class DPO(OfflineModule):
             self.ref_model = self.load_reference(self.ref_path)
 
     # -- reference log-probs ---------------------------------------------------------------------------------
-    def on_fit_start(self) -> None:
+    def on_train_start(self) -> None:
+        # Not in on_fit_start: DeepSpeed and FSDP restore a checkpoint, and with it the stored reference log-probs,
+        # after on_fit_start. Before super(): the first step's timer starts once this one-off pass is done.
         if self.needs_reference and self.hparams.precompute_ref_logprobs:
             self._precomputed("train")
             if self.trainer.datamodule.val_pairs:
                 self._precomputed("val")
+        super().on_train_start()
 
     def _precomputed(self, split: str) -> torch.Tensor:
-        """[N, 2] reference log-probs of the split's pairs, computed (or loaded) on first use."""
+        """[N, 2] reference log-probs of the split's pairs, on first use: from the checkpoint resumed from, else
+        from the cache file, else computed."""
         if split not in self._ref_cache:
             pairs = getattr(self.trainer.datamodule, f"{split}_pairs")
-            self._ref_cache[split] = self._cached_ref_logprobs(pairs, split)
+            fingerprint = pairs_fingerprint(pairs)
+            stored = self._ref_from_checkpoint.pop(split, None)
+            if stored is not None and stored["fingerprint"] == fingerprint:
+                log.info("reference log-probs of the %s pairs restored from the checkpoint", split)
+                values = stored["values"].to(self.device)
+            else:
+                # Other pairs than the checkpoint's (a resume may change the data: `resume_config` compares only
+                # `model.`; `validate --ckpt_path` on new pairs is a use, not a mistake). Computed for these
+                # pairs, not refused: stored values never describe other pairs, and what replaces them is what a
+                # fresh run on this data would compute, as a resume with a live reference does.
+                if stored is not None:
+                    say(
+                        f"the checkpoint's reference log-probs are of other {split} pairs (data fingerprint "
+                        f"{stored['fingerprint']}; this run's: {fingerprint}): computing them for this run's pairs"
+                    )
+                values = self._cached_ref_logprobs(pairs, split)
+            self._ref_cache[split], self._ref_fingerprints[split] = values, fingerprint
         return self._ref_cache[split]
 
     def _cached_ref_logprobs(self, pairs: list[TokenizedPair], split: str) -> torch.Tensor:
@@ -95,10 +118,15 @@ class DPO(OfflineModule):
         if path.exists():
             log.info("reference log-probs of the %s pairs loaded from %s", split, path)
             return torch.load(path, weights_only=True).to(self.device)
+        # In batches of the training micro-batch's size, as TRL does: no more memory than a live reference's
+        # forward (64 long pairs could exceed it), and the live forward's batch shape, on which a pair's log-probs
+        # depend in their last bits (kernels are chosen by shape): in chunks of 64 they differed from a live
+        # reference's by up to 2e-5 at batch size 1 on CPU (`test_precomputed_reference_trains_to_the_same_numbers`).
+        size = getattr(self.trainer.datamodule, "batch_size", None) or 64
         values = []
         with torch.no_grad(), self._reference_for_precompute() as ref_model:
-            for start in range(0, len(pairs), 64):
-                chunk = pairs[start : start + 64]
+            for start in range(0, len(pairs), size):
+                chunk = pairs[start : start + size]
                 batch = collate_pairs(chunk, [1.0] * len(chunk), self.tokenizer.pad_token_id)
                 batch = {k: v.to(self.device) for k, v in batch.items()}
                 logps, _, _ = self.sequence_logps(ref_model, batch, metrics=False)
@@ -138,9 +166,28 @@ class DPO(OfflineModule):
                         digest.update(handle.read(1 << 20))
                         handle.seek(max(file.stat().st_size - (1 << 20), 0))
                         digest.update(handle.read())
-        for pair in pairs:
-            digest.update(json.dumps([pair.prompt_ids, pair.chosen_ids, pair.rejected_ids]).encode())
+        hash_pairs(digest, pairs)
         return digest.hexdigest()[:16]
+
+    # -- checkpoint ------------------------------------------------------------------------------------------
+    # With `precompute_ref_logprobs` the reference log-probs travel in the checkpoint ([N, 2] float32 per split,
+    # 78 KB for the 9744 built-in pairs): a resumed run reads them back without the cache directory and without
+    # building the reference model. Keyed to the pairs only; the reference model's path and dtype cannot change
+    # on resume (`resume_config`), and the stored values are the reference this run trained against even if
+    # the model's files were touched since.
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        if self._ref_cache:
+            checkpoint["lit_rl"]["ref_logprobs"] = {
+                split: {"fingerprint": self._ref_fingerprints[split], "values": values.detach().cpu().clone()}
+                for split, values in self._ref_cache.items()
+            }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        if self.needs_reference and self.hparams.precompute_ref_logprobs:
+            self._ref_cache.clear()  # a module loaded twice reads the newer checkpoint's
+            self._ref_from_checkpoint = dict(checkpoint.get("lit_rl", {}).get("ref_logprobs", {}))
 
     # -- forward ---------------------------------------------------------------------------------------------
     def sequence_logps(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], metrics: bool = True):
@@ -223,6 +270,20 @@ class DPO(OfflineModule):
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self._step(batch, "val", self.val_metrics)
+
+
+def hash_pairs(digest: Any, pairs: list[TokenizedPair]) -> None:
+    """Feed every pair's token ids, in order, to a hashlib `digest`."""
+    for pair in pairs:
+        digest.update(json.dumps([pair.prompt_ids, pair.chosen_ids, pair.rejected_ids]).encode())
+
+
+def pairs_fingerprint(pairs: list[TokenizedPair]) -> str:
+    """16 hex digits of a hash of the pairs' token ids: what the reference log-probs stored in a checkpoint are
+    keyed to (row order and tokenization included)."""
+    digest = hashlib.sha256()
+    hash_pairs(digest, pairs)
+    return digest.hexdigest()[:16]
 
 
 # -- metrics ----------------------------------------------------------------------------------------------------------
