@@ -38,12 +38,13 @@ def _library_generation_defaults(model: torch.nn.Module) -> Iterator[None]:
         model.generation_config = saved
 
 
-def eager_calls() -> ContextManager:
-    """Inside, a policy compiled for training (`model.policy.compile`) runs eagerly: decoding's cache grows every
-    step, which would recompile the training graph at each new length. The compiled decoder's own step is compiled
-    apart and stays so (`static_decode.CompiledDecoder` lifts this). torch < 2.6 has no stances: calls stay compiled."""
+def compile_stance(stance: str) -> ContextManager:
+    """`torch.compiler.set_stance(stance)`: with "force_eager", a policy compiled for training
+    (`model.policy.compile`) runs eagerly, since decoding's cache grows every step and would recompile the training
+    graph at each new length; the compiled decoder sets "default" back around its own step. torch < 2.6 has no
+    stances: calls stay compiled."""
     set_stance = getattr(torch.compiler, "set_stance", None)
-    return nullcontext() if set_stance is None else set_stance("force_eager")
+    return nullcontext() if set_stance is None else set_stance(stance)
 
 
 class HFGenerateEngine:
@@ -104,7 +105,7 @@ class HFGenerateEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            with merged_view(self.model) if self.merged_lora else nullcontext(), eager_calls():
+            with merged_view(self.model) if self.merged_lora else nullcontext(), compile_stance("force_eager"):
                 completion_ids, logprobs = self._decode(prompt_ids, prompt_mask, params, seeds)
         finally:
             self.model.train(was_training)

@@ -15,8 +15,7 @@ for the first shape, once more with the changing dimension (cache length, rows) 
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import Any, ContextManager, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -53,7 +52,7 @@ class CompiledDecoder:
 
         `prefix_cache`: a KV cache of every row's prompt but its last token (`shared_prompt_cache`), or None.
         """
-        from lit_rl.rollout.engines.hf import SeededRowSampler
+        from lit_rl.rollout.engines.hf import SeededRowSampler, compile_stance
 
         N, P = prompt_ids.shape
         T = params.max_new_tokens
@@ -94,7 +93,7 @@ class CompiledDecoder:
             finished |= torch.isin(chosen, eos)
             if t == T - 1 or bool(finished.all()):
                 break
-            with _compiled_calls():
+            with compile_stance("default"):  # the engine decodes under "force_eager"
                 out = self.step(
                     input_ids=chosen[:, None].to(prompt_ids.dtype),
                     attention_mask=attention_mask,
@@ -126,9 +125,3 @@ def _layer_states(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _on_cuda(model: torch.nn.Module) -> bool:
     return next(model.parameters()).device.type == "cuda"
-
-
-def _compiled_calls() -> ContextManager:
-    """Lifts `hf.eager_calls` (which the engine enters around all decoding) for the compiled step."""
-    set_stance = getattr(torch.compiler, "set_stance", None)
-    return nullcontext() if set_stance is None else set_stance("default")
