@@ -108,6 +108,8 @@ class Workload:
     min_new_tokens: int = 0
     reward: str = ""
     lit_flags: tuple[str, ...] = ()
+    # TRL's `cache_implementation` for HF `generate` ("static": compiled decoding on a GPU); empty: its default.
+    trl_cache_implementation: str = ""
 
 
 # -- one run (a child process) ---------------------------------------------------------------------------------
@@ -247,6 +249,7 @@ def trl_run(algorithm: str, model: str, steps: int, workdir: Path, work: Workloa
             vllm_enable_sleep_mode=work.sleep_mode,
             vllm_gpu_memory_utilization=work.gpu_memory_utilization,
             generation_kwargs={"min_new_tokens": work.min_new_tokens} if work.min_new_tokens else None,
+            cache_implementation=work.trl_cache_implementation or None,
         )
         trainer = GRPOTrainer(
             model=policy,

@@ -4,6 +4,8 @@ compile time, the break-even generation count, and how far the compiled log-prob
     python benchmarks/compiled_decoding.py --out benchmarks/results/compiled_decoding_cpu.json
     python benchmarks/compiled_decoding.py --quick        # the tiny model, fp32 only, few generations
     python benchmarks/compiled_decoding.py --markdown benchmarks/results/compiled_decoding_cpu.json
+    python benchmarks/compiled_decoding.py --device cuda --model qwen2.5-0.5b --dtypes bfloat16 --rows 64 \
+        --tokens 256 --out benchmarks/results/compiled_decoding_<gpu>.json     # on a GPU: CUDA graphs
 
 The workload is GRPO's rollout from issue 34: a randomly initialised Qwen2 of hidden 512, 8 layers (21M
 parameters, the character tokenizer), 2 addition prompts x G = 8 completions of exactly 32 tokens
@@ -18,6 +20,10 @@ ratio, the compile time (the warm generations' time beyond as many steady compil
 (compile time / seconds saved per generation). Exactness, over the steady generations: the share of tokens
 equal to the eager ones, and the largest log-prob difference from the trainer's forward of the same tokens
 (`completion_scores`), for the compiled and the eager engine, beside each other.
+
+On a GPU (`--device cuda`) the compiled step runs as CUDA graphs (`reduce-overhead`); `--model qwen2.5-0.5b` is
+`benchmarks/gpu_suite.py`'s randomly initialised Qwen2.5-0.5B shape (vocabulary 151,936), its workload 8 prompts x
+G = 8 completions of 256 tokens (`--rows 64 --tokens 256`).
 """
 
 from __future__ import annotations
@@ -40,19 +46,31 @@ from provenance import add_report_options, check_output, print_markdown, publish
 SIZES = {"20m": dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1024), "tiny": dict()}
 
 
-def child(dtype_name: str, size: str, rows: int, group: int, tokens: int, warm: int, rounds: int) -> dict:
+def model_config(size: str):
+    from lit_rl.modeling.models import tiny_qwen2_config
+
+    if size in SIZES:
+        return tiny_qwen2_config(**SIZES[size])
+    from gpu_suite import SHAPES
+
+    return tiny_qwen2_config(**SHAPES[size])
+
+
+def child(
+    dtype_name: str, size: str, rows: int, group: int, tokens: int, warm: int, rounds: int, device: str = "cpu"
+) -> dict:
     """One dtype's measurements (run in a fresh process)."""
     import torch
     from transformers import Qwen2ForCausalLM
 
     from lit_rl.algorithms.base import completion_scores
     from lit_rl.data.arithmetic import addition_rows
-    from lit_rl.modeling.models import build_char_tokenizer, tiny_qwen2_config
+    from lit_rl.modeling.models import build_char_tokenizer
     from lit_rl.rollout import HFGenerateEngine, SamplingParams
 
     torch.manual_seed(0)
     dtype = getattr(torch, dtype_name)
-    model = Qwen2ForCausalLM(tiny_qwen2_config(**SIZES[size])).to(dtype).eval()
+    model = Qwen2ForCausalLM(model_config(size)).to(device=device, dtype=dtype).eval()
     tokenizer = build_char_tokenizer()
     tokenizer.padding_side = "left"
     prompts = [row["prompt"] for row in addition_rows("train")]
@@ -61,7 +79,7 @@ def child(dtype_name: str, size: str, rows: int, group: int, tokens: int, warm: 
     for i in range(warm + 4):  # distinct prompts of varying lengths
         enc = tokenizer(prompts[i * per_batch : (i + 1) * per_batch], padding=True, return_tensors="pt")
         batches.append(
-            (enc["input_ids"].repeat_interleave(group, 0), enc["attention_mask"].repeat_interleave(group, 0))
+            tuple(enc[key].repeat_interleave(group, 0).to(device) for key in ("input_ids", "attention_mask"))
         )
     params = SamplingParams(max_new_tokens=tokens, min_new_tokens=tokens, temperature=1.0)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -71,6 +89,8 @@ def child(dtype_name: str, size: str, rows: int, group: int, tokens: int, warm: 
     def timed(engine, batch, seed):
         began = time.perf_counter()
         out = engine.generate(*batch, params, list(range(seed, seed + rows)))
+        if device == "cuda":
+            torch.cuda.synchronize()  # kernels are queued: the wall time is the GPU's once they finish
         return time.perf_counter() - began, out
 
     warm_s = [timed(compiled, batches[i], i)[0] for i in range(warm)]
@@ -98,6 +118,7 @@ def child(dtype_name: str, size: str, rows: int, group: int, tokens: int, warm: 
     return {
         "dtype": dtype_name,
         "model": size,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "rows": rows,
         "tokens": tokens,
         "eager_s": eager_med,
@@ -117,9 +138,11 @@ def run_child(dtype: str, args: argparse.Namespace) -> dict:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}  # a cold compile, as a first run's
         command = [sys.executable, __file__, "--child", dtype, "--model", args.model, "--rows", str(args.rows)]
         command += ["--group", str(args.group), "--tokens", str(args.tokens), "--warm", str(args.warm)]
-        command += ["--rounds", str(args.rounds)]
-        out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+        command += ["--rounds", str(args.rounds), "--device", args.device]
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"decoding in {dtype} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def markdown_table(results: list[dict]) -> str:
@@ -149,7 +172,8 @@ def claims(results: list[dict]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
-    parser.add_argument("--model", default="20m", choices=list(SIZES))
+    parser.add_argument("--model", default="20m", choices=[*SIZES, "qwen2.5-0.5b", "qwen2.5-1.5b"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--rows", type=int, default=16, help="completions per generation")
     parser.add_argument("--group", type=int, default=8, help="completions per prompt (G)")
     parser.add_argument("--tokens", type=int, default=32, help="tokens per completion")
@@ -160,7 +184,10 @@ def main() -> None:
     add_report_options(parser)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.model, args.rows, args.group, args.tokens, args.warm, args.rounds)))
+        measured = child(
+            args.child, args.model, args.rows, args.group, args.tokens, args.warm, args.rounds, args.device
+        )
+        print(json.dumps(measured))
         return
     if args.markdown:
         print_markdown(args.markdown, markdown_table, claims)

@@ -18,6 +18,8 @@ Parts (`--parts`, default all):
 - `vllm`: colocated vLLM (external launcher, bf16, sleep mode) for each shape: the engine-trainer log-prob gap
   (max |diff| and the k3 KL), push seconds and their share of the step, generated tokens/s.
 - `hf`: the same with HF `generate`, for the generated-tokens/s ratio vLLM / HF.
+- `hf_compiled`: the same with compiled HF decoding (`configs/rollout/hf_compiled.yaml`: a static KV cache and the
+  one-token step as CUDA graphs), its compile included in the first (warm-up) steps.
 - `strategies`: DeepSpeed ZeRO-2, ZeRO-3 and FSDP on the one GPU with colocated vLLM (0.5B shape): s/step and
   peak memory.
 - `trl`: TRL's GRPOTrainer (`use_vllm`, `vllm_mode="colocate"`, bf16, sleep mode) against lit-rl, interleaved,
@@ -30,6 +32,8 @@ shape; vLLM at least 5x HF `generate` in generated tokens/s; lit-rl at most 0.67
 
 `--engine hf` runs the `strategies` and `trl` parts with HF `generate` on both sides, for a machine where vLLM
 cannot be installed; their runs are named `hf ...`, and the push-share target (a vLLM measure) is not reported.
+`--engine hf_compiled` runs them with each library's compiled HF decoding: lit-rl's `hf_compiled.yaml`, TRL's
+`cache_implementation="static"` (which `generate` compiles on a GPU).
 
 `--cpu-smoke` runs every part but FSDP and sleep mode on the CPU with a two-layer model of the same vocabulary,
 a few steps and 16 new tokens, and compares with TRL on HF `generate` (TRL's colocated push does not run on
@@ -81,7 +85,7 @@ SHAPES = {
     ),
     "smoke": dict(vocab_size=QWEN_VOCAB, hidden_size=128, num_hidden_layers=2, intermediate_size=256),
 }
-PARTS = ("vllm", "hf", "strategies", "trl")
+PARTS = ("vllm", "hf", "hf_compiled", "strategies", "trl")
 TARGETS = {"push_share_max": 0.02, "vllm_over_hf_min": 5.0, "lit_over_trl_max": 0.67}
 
 
@@ -121,6 +125,12 @@ def workload(smoke: bool, engine: str = "vllm_colocate") -> SimpleNamespace:
         bf16=True,
         vllm=not smoke and engine == "vllm_colocate",
         sleep_mode=not smoke and engine == "vllm_colocate",
+        # Each library's compiled HF decoding: lit-rl's compiled engine, TRL's static cache (`generate` compiles
+        # the decoding step for a static cache on a GPU).
+        lit_flags=("--config", str(REPO / "configs" / "rollout" / "hf_compiled.yaml"))
+        if engine == "hf_compiled"
+        else (),
+        trl_cache_implementation="static" if engine == "hf_compiled" and not smoke else "",
     )
     return SimpleNamespace(flags=flags, steps=steps, warmup=warmup, trl=trl)
 
@@ -180,7 +190,7 @@ def run_suite(
     work = workload(smoke, engine)
     if steps:
         work.steps, work.warmup = steps
-    prefix = "vllm" if engine == "vllm_colocate" else "hf"
+    prefix = "vllm" if engine == "vllm_colocate" else engine
     models = {shape: str(build_random_model(workdir / shape, **SHAPES[shape])) for shape in shapes}
     first = shapes[0]
     results: dict = {"runs": [], "comparisons": []}
@@ -195,6 +205,9 @@ def run_suite(
     if "hf" in parts:
         for shape in shapes:
             add("runs", lit_run(f"hf {shape}", models[shape], "hf", "single", work, smoke, workdir))
+    if "hf_compiled" in parts:
+        for shape in shapes:
+            add("runs", lit_run(f"hf_compiled {shape}", models[shape], "hf_compiled", "single", work, smoke, workdir))
     if "strategies" in parts:
         strategies = ["deepspeed_zero2", "deepspeed_zero3"] + ([] if smoke else ["fsdp"])
         for strategy in strategies:
@@ -279,9 +292,10 @@ def main() -> None:
     parser.add_argument("--markdown", type=Path, default=None, help="print the markdown tables of a results JSON")
     parser.add_argument(
         "--engine",
-        choices=["vllm_colocate", "hf"],
+        choices=["vllm_colocate", "hf", "hf_compiled"],
         default="vllm_colocate",
-        help="the rollout engine of the `strategies` and `trl` parts (hf: where vLLM cannot be installed)",
+        help="the rollout engine of the `strategies` and `trl` parts (hf: where vLLM cannot be installed; "
+        "hf_compiled: compiled decoding for lit-rl, TRL's static-cache `generate` that transformers compiles)",
     )
     parser.add_argument(
         "--steps",

@@ -58,6 +58,7 @@ STRATEGIES = {
 }
 ENGINES = {
     "hf": None,
+    "hf_compiled": CONFIGS / "rollout" / "hf_compiled.yaml",
     "vllm_colocate": CONFIGS / "rollout" / "vllm_colocate.yaml",
     "vllm_server": CONFIGS / "rollout" / "vllm_server.yaml",
 }

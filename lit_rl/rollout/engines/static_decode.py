@@ -109,13 +109,31 @@ class CompiledDecoder:
         """A `StaticCache` of `rows` x `length` positions: the last one emptied when the shape is the same."""
         from transformers import StaticCache
 
-        shape = (rows, length, device)
+        # The dtypes the layers write depend on autocast (`bf16-mixed`), so a cache made under it serves only there.
+        autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+        shape = (rows, length, device, autocast)
         if self._cache is not None and self._cache_shape == shape:
             self._cache.reset()
             return self._cache
         self._cache = StaticCache(config=self.model.config, max_cache_len=length)
+        for layer in self._cache.layers:
+            _store_in_the_keys_dtype(layer)
         self._cache_shape = shape
         return self._cache
+
+
+def _store_in_the_keys_dtype(layer: Any) -> None:
+    """Make a `StaticLayer` store its values in the dtype it allocated, its first keys': `index_copy_` refuses
+    another. Under bf16 autocast (`bf16-mixed`) the keys leave the rotary embedding in float32 (float32 cos/sin
+    times bfloat16) while the values come out of their projection in bfloat16; the eager loop's dynamic cache
+    concatenates them onto float32 too, so both hold the same (exactly widened) numbers."""
+    update = layer.update
+
+    def update_in_one_dtype(key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        dtype = layer.keys.dtype if layer.is_initialized else key_states.dtype
+        return update(key_states.to(dtype), value_states.to(dtype), *args, **kwargs)
+
+    layer.update = update_in_one_dtype
 
 
 def _layer_states(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
