@@ -271,7 +271,14 @@ def test_gpu_suite_pipeline_runs_on_cpu_and_refuses_to_measure_without_a_gpu(tmp
     subprocess.run(smoke, check=True, capture_output=True, timeout=900)
     report = json.loads(out.read_text())
     runs = {r["name"]: r for r in report["results"]["runs"]}
-    assert set(runs) == {"vllm smoke", "hf smoke", "vllm smoke deepspeed_zero2", "vllm smoke deepspeed_zero3"}
+    expected = {
+        "vllm smoke",
+        "hf smoke",
+        "hf_compiled smoke",
+        "vllm smoke deepspeed_zero2",
+        "vllm smoke deepspeed_zero3",
+    }
+    assert set(runs) == expected
     assert not any("error" in r for r in runs.values()), runs
     assert runs["vllm smoke"]["split_s"]["weight_push"] > 0 and runs["hf smoke"]["split_s"]["weight_push"] == 0
     assert all(r["rollout_kl_mean"] > 0 for r in runs.values())  # bf16 on both sides of every run
