@@ -83,6 +83,9 @@ class RecordingLLM:
 
     def reset_prefix_cache(self):
         self.calls.append(("reset_prefix_cache",))
+        return self.reset_succeeds
+
+    reset_succeeds = True  # vLLM: False while KV blocks are still held
 
     def generate(self, requests, sampling, use_tqdm=False):
         assert [s[1] for s in sampling] == [1, 2] and all("prompt_token_ids" in r for r in requests)
@@ -152,6 +155,15 @@ def test_without_sleep_mode_the_engine_never_sleeps_or_wakes():
         engine.generate(*PROMPTS, SamplingParams(max_new_tokens=2), seeds=[1, 2])
         engine.sleep()
     assert [call[0] for call in llm.calls] == ["reload_weights", "reset_prefix_cache", "generate"] * 2
+
+
+def test_a_refused_prefix_cache_reset_stops_the_push_instead_of_reusing_the_old_weights_cache():
+    llm = RecordingLLM()
+    llm.reset_succeeds = False
+    engine = VLLMColocateEngine(llm, VLLMConfig(), [2], 0)
+    with pytest.raises(RuntimeError, match="refused to reset its prefix cache"):
+        engine.update_weights([("a", torch.zeros(2))])
+    assert [call[0] for call in llm.calls] == ["reload_weights", "reset_prefix_cache"]
 
 
 class FakeClock:

@@ -105,6 +105,31 @@ def test_weight_push_writes_safetensors_then_reloads_between_pause_and_resume(fa
     assert [p.name for p in tmp_path.iterdir()] == ["model-00000.safetensors"]  # no temporary file left behind
 
 
+def test_a_refused_prefix_cache_reset_is_asked_again_and_never_passed_over(fake_server, tmp_path):
+    """vLLM answers `{"success": false}` while KV blocks are held: the push asks again until it succeeds (a kept
+    cache would serve the old weights' keys and values for matching prompt prefixes); one that keeps refusing is
+    an error naming the server, and the server is resumed either way."""
+    refusals = iter([True, True])
+
+    def answer(path, body):
+        if path == "/reset_prefix_cache":
+            return {"success": not next(refusals, False)}
+        return _completions(path, body)
+
+    server = fake_server((200, answer, 0))
+    engine = VLLMServerEngine(VLLMConfig(mode="server", server_url=server.url, weight_sync_dir=str(tmp_path)), [2], 0)
+    engine.update_weights([("w", torch.ones(2))])
+    calls = [path for _, path, _ in server.requests][2:]
+    assert calls == ["/pause?mode=wait", "/collective_rpc", *["/reset_prefix_cache"] * 3, "/resume"]
+
+    stuck = fake_server((200, lambda path, body: {"success": False}, 0))
+    client = VLLMServerClient(stuck.url, timeout_s=5, max_retries=0)
+    with pytest.raises(RolloutServerError) as info:
+        client.reset_prefix_cache(wait_s=0.3)
+    assert f"{stuck.url}/reset_prefix_cache: still refused" in str(info.value) and "\n" not in str(info.value)
+    assert len(stuck.requests) > 1
+
+
 def test_weight_push_writes_one_file_per_bucket_and_removes_the_last_push_files(fake_server, tmp_path):
     from safetensors.torch import load_file
 

@@ -231,7 +231,8 @@ class VLLMColocateEngine:
             self._weights_awake = True
         with self._own_precision():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
-        self.llm.reset_prefix_cache()
+        if self.llm.reset_prefix_cache() is False:  # blocks still held: the old weights' cache would be reused
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight push: KV blocks are still held")
         self.holds_weights = True
 
     def sleep(self) -> None:

@@ -255,7 +255,7 @@ class VLLMServerEngine:
         try:
             rpc = {"method": "reload_weights", "kwargs": {"weights_path": directory}}
             client.request("POST", "/collective_rpc", rpc, retries=0)  # a failed reload is not retried blindly
-            client.request("POST", "/reset_prefix_cache")
+            client.reset_prefix_cache()
         finally:
             client.request("POST", "/resume")
 

@@ -185,6 +185,26 @@ class VLLMServerClient:
         except ValueError:
             raise RolloutServerError(f"vLLM server {url}: the answer is not JSON: {payload[:200]!r}") from None
 
+    def reset_prefix_cache(self, wait_s: float = 10.0) -> None:
+        """Drop the server's prefix cache, computed with the weights just replaced.
+
+        vLLM refuses while KV blocks are still held (a request finishing, an asynchronous KV transfer) and says so
+        only in its answer, `{"success": false}`: a cache kept would serve keys and values of the old weights for
+        every prompt prefix it matches, a small, silent gap between the engine's log-probs and the trainer's. Asked
+        again for up to `wait_s` seconds, then an error naming the server."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            answer = self.request("POST", "/reset_prefix_cache")
+            if not isinstance(answer, dict) or answer.get("success", True):  # older servers answer nothing
+                return
+            if time.monotonic() >= deadline:
+                raise RolloutServerError(
+                    f"vLLM server {self.base_url}/reset_prefix_cache: still refused after {wait_s:g} s (KV blocks "
+                    "held by requests that did not finish); its prefix cache would reuse keys and values computed "
+                    "with the old weights. Is another client sending it requests?"
+                )
+            time.sleep(0.1)
+
     def check_health(self, timeout_s: float) -> None:
         """One `GET /health` within `timeout_s` (no retries); `ServerDownError` naming the URL if it fails."""
         url = f"{self.base_url}/health"

@@ -412,7 +412,7 @@ class CollectiveTransfer:
 
     def _finish(self, server: RolloutServer) -> None:
         server.client.request("POST", "/finish_weight_update", {}, retries=0)
-        server.client.request("POST", "/reset_prefix_cache")
+        server.client.reset_prefix_cache()
         server.client.request("POST", "/resume")
 
 
