@@ -124,7 +124,7 @@ def _check_run(log_dir: Path) -> None:
     rows = train_rows(log_dir)
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
     for row in rows:
-        assert row["train/rollout_logprob_diff/max"] < TOLERANCE, row
+        assert row["train/rollout_logprob_diff/max"] < TOLERANCE, (str(log_dir), row)  # which run, if it fails
         assert 0.0 <= row["train/reward"] <= 1.1
 
 
