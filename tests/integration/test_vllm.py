@@ -204,6 +204,7 @@ def test_colocated_run_resumes_to_the_same_numbers(tmp_path):
     # restores) and its place in the global batch (`RolloutProducer.completion_seeds`), and the resumed engine
     # gets the checkpoint's weights before its first generation: the resumed steps sample and train the same.
     full = _fit(tmp_path, "full", *COLOCATE)
+    _check_run(full)  # the engine samples from the trainer's weights (a gap here says so, before any comparison)
     _fit(tmp_path, "half", *COLOCATE, max_steps=2)
     resumed = _fit(
         tmp_path, "half", *COLOCATE, "--ckpt_path", str(tmp_path / "half/run/version_0/checkpoints/step=2.ckpt")
