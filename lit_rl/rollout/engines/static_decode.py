@@ -109,9 +109,7 @@ class CompiledDecoder:
         """A `StaticCache` of `rows` x `length` positions: the last one emptied when the shape is the same."""
         from transformers import StaticCache
 
-        # The dtypes the layers write depend on autocast (`bf16-mixed`), so a cache made under it serves only there.
-        autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
-        shape = (rows, length, device, autocast)
+        shape = (rows, length, device)
         if self._cache is not None and self._cache_shape == shape:
             self._cache.reset()
             return self._cache
