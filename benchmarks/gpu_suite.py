@@ -60,7 +60,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from compare_trl import Workload, run_child  # noqa: E402
 from provenance import add_allow_dirty, check_output, write_report  # noqa: E402
 from support import build_random_model  # noqa: E402
-from throughput import run_one  # noqa: E402
+from throughput import ENGINES, run_one  # noqa: E402
 
 QWEN_VOCAB = 151_936
 SHAPES = {
@@ -127,9 +127,7 @@ def workload(smoke: bool, engine: str = "vllm_colocate") -> SimpleNamespace:
         vllm=not smoke and engine == "vllm_colocate",
         sleep_mode=not smoke and engine == "vllm_colocate",
         # lit-rl's compiled HF decoding (TRL's static cache: `trl_ratio`).
-        lit_flags=("--config", str(REPO / "configs" / "rollout" / "hf_compiled.yaml"))
-        if engine == "hf_compiled"
-        else (),
+        lit_flags=("--config", str(ENGINES["hf_compiled"])) if engine == "hf_compiled" else (),
     )
     return SimpleNamespace(flags=flags, steps=steps, warmup=warmup, trl=trl)
 
@@ -167,13 +165,12 @@ def trl_ratio(model: str, work, workdir: Path, rounds: int, engine: str = "vllm_
     weights in bfloat16 with `cache_implementation="static"` (with float32 weights under `bf16=True` autocast, its
     static cache fails at the prefill: float32 keys out of the rotary embedding, bfloat16 values). The ratio is
     against the faster of the two."""
-    trl_variants = {"trl_generate": work.trl}
+    runs = {"lit_rl": ("lit_rl", work.trl), "trl_generate": ("trl", work.trl)}  # name: (library, workload)
     if engine == "hf_compiled":
-        trl_variants["trl_static_bf16"] = replace(work.trl, fastest=True, trl_cache_implementation="static")
-    per_round: dict[str, list[float]] = {"lit_rl": [], **{name: [] for name in trl_variants}}
+        runs["trl_static_bf16"] = ("trl", replace(work.trl, fastest=True, trl_cache_implementation="static"))
+    per_round: dict[str, list[float]] = {name: [] for name in runs}
     for index in range(rounds):
-        for name in per_round:
-            library, run_work = ("lit_rl", work.trl) if name == "lit_rl" else ("trl", trl_variants[name])
+        for name, (library, run_work) in runs.items():
             run_dir = workdir / f"trl-compare-{name}-{index}"
             run_dir.mkdir()
             times = run_child(library, "grpo", model, work.steps, run_dir, run_work)
@@ -213,12 +210,10 @@ def run_suite(
     if "vllm" in parts:
         for shape in shapes:
             add("runs", lit_run(f"vllm {shape}", models[shape], "vllm_colocate", "single", work, smoke, workdir))
-    if "hf" in parts:
-        for shape in shapes:
-            add("runs", lit_run(f"hf {shape}", models[shape], "hf", "single", work, smoke, workdir))
-    if "hf_compiled" in parts:
-        for shape in shapes:
-            add("runs", lit_run(f"hf_compiled {shape}", models[shape], "hf_compiled", "single", work, smoke, workdir))
+    for hf_engine in ("hf", "hf_compiled"):  # each its own part
+        if hf_engine in parts:
+            for shape in shapes:
+                add("runs", lit_run(f"{hf_engine} {shape}", models[shape], hf_engine, "single", work, smoke, workdir))
     if "strategies" in parts:
         strategies = ["deepspeed_zero2", "deepspeed_zero3"] + ([] if smoke else ["fsdp"])
         for strategy in strategies:
