@@ -1,0 +1,52 @@
+"""MKL's math kernels chosen before any threaded use, so CPU float math is as accurate as PyTorch asks.
+
+On CPU, PyTorch computes contiguous float32 and float64 `cos`, `sin`, `exp`, `sqrt`, ... with MKL's vector math
+library (VML), each intra-op thread on its own chunk, and asks for the high-accuracy kernels. oneMKL chooses a
+function's kernel on that function's first call; when the first call runs on several threads at once, one thread
+can run a low-accuracy kernel for its whole chunk of that call (pytorch/pytorch#188792: errors of about 1e-4 on
+values of about 1, in float32). Later calls are exact again, so the damage looks random.
+
+It reached lit-rl through vLLM's rotary table: built by the process's first `cos` (128 x 32 values, two chunks on
+two threads), half its rows came out wrong in about one `lit-rl fit` in ten, and the colocated engine's
+log-probs then differed from the trainer's by up to 7e-4 instead of 2e-6. Calling every such function once, on
+one element and so on one thread, settles each choice before anything runs threaded: `import lit_rl` does it,
+and so does every vLLM process of an environment where lit-rl is installed (its plugin imports `lit_rl`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+# The functions ATen hands to MKL VML for float32 and float64 (aten/src/ATen/cpu/vml.h, `IMPLEMENT_VML_MKL`).
+VML_FUNCTIONS = (
+    "acos",
+    "asin",
+    "atan",
+    "cos",
+    "erf",
+    "erfc",
+    "erfinv",
+    "exp",
+    "log",
+    "log10",
+    "log2",
+    "sin",
+    "sqrt",
+    "tan",
+    "tanh",
+    "trunc",
+)
+
+
+@functools.cache
+def settle_cpu_math_kernels() -> None:
+    """Call each VML function once per dtype on one element (a single-threaded first call); once per process."""
+    import torch
+
+    if not torch.backends.mkl.is_available():
+        return
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.float64):
+            x = torch.full((1,), 0.5, dtype=dtype)  # inside every function's domain
+            for name in VML_FUNCTIONS:
+                getattr(torch, name)(x)
