@@ -31,6 +31,7 @@ from lit_rl.callbacks import GracefulStop, NonFiniteGuard, RunSummary, StepProgr
 from lit_rl.callbacks.export import run_directory
 from lit_rl.config import moved_key_hint
 from lit_rl.errors import LitRLError, ReportedOnRankZero
+from lit_rl.numerics import settle_cpu_math_kernels
 from lit_rl.resume import ResumePoint, keep_run_metrics, resolve_ckpt_path
 from lit_rl.training.checkpoint import AtomicCheckpointIO
 from lit_rl.training.compat import keep_nested_nulls
@@ -273,6 +274,7 @@ def normalize_args(args: list[str]) -> list[str]:
 
 
 def main(args: Optional[list[str]] = None) -> None:
+    settle_cpu_math_kernels()  # before anything runs threaded float math (lit_rl/numerics.py)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     quiet_console()
     keep_nested_nulls()  # `--model.rewards.weights null` (lit_rl.training.compat)

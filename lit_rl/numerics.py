@@ -9,8 +9,12 @@ values of about 1, in float32). Later calls are exact again, so the damage looks
 It reached lit-rl through vLLM's rotary table: built by the process's first `cos` (128 x 32 values, two chunks on
 two threads), half its rows came out wrong in about one `lit-rl fit` in ten, and the colocated engine's
 log-probs then differed from the trainer's by up to 7e-4 instead of 2e-6. Calling every such function once, on
-one element and so on one thread, settles each choice before anything runs threaded: `import lit_rl` does it,
-and so does every vLLM process of an environment where lit-rl is installed (its plugin imports `lit_rl`).
+one element and so on one thread, settles each choice before anything runs threaded. Where it is called:
+- `lit_rl.cli.main`, first: every `lit-rl` process, the ranks Lightning starts and `lit-rl check`'s runs, after
+  `lit-rl check` has set MKL's reproducibility variables (MKL reads them at its first call);
+- `PolicyModule.__init__`: a module built in Python, outside the CLI;
+- lit-rl's vLLM plugin (`vllm.general_plugins`), which vLLM loads in each of its processes before building the
+  model: a server started where lit-rl is installed, unless `VLLM_PLUGINS` leaves `lit_rl_gloo` out.
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ VML_FUNCTIONS = (
 )
 
 
+# ATen calls MKL's `vsLn`/`vdLn` outside vml.h too, in `logit`, with a grain that threads even small tensors.
+OTHER_MKL_CALLERS = ("logit",)
+
+
 @functools.cache
 def settle_cpu_math_kernels() -> None:
     """Call each VML function once per dtype on one element (a single-threaded first call); once per process."""
@@ -48,5 +56,5 @@ def settle_cpu_math_kernels() -> None:
     with torch.no_grad():
         for dtype in (torch.float32, torch.float64):
             x = torch.full((1,), 0.5, dtype=dtype)  # inside every function's domain
-            for name in VML_FUNCTIONS:
+            for name in (*VML_FUNCTIONS, *OTHER_MKL_CALLERS):
                 getattr(torch, name)(x)

@@ -33,6 +33,7 @@ from lit_rl.modeling.lora import (
 from lit_rl.modeling.models import load_causal_lm, load_tokenizer
 from lit_rl.modeling.packing import packed_completion_forward, packed_completion_hidden
 from lit_rl.modeling.shared_prompts import shared_prompt_cache
+from lit_rl.numerics import settle_cpu_math_kernels
 from lit_rl.ops import position_ids_from_mask
 from lit_rl.resume import say
 from lit_rl.resume_config import announce, reconcile
@@ -75,6 +76,7 @@ class PolicyModule(L.LightningModule):
                 f"model.policy.lora.dropout must be 0 for {type(self).__name__} (got {lora.dropout}): it compares "
                 "log-probs of the same tokens under the same weights, which dropout would make differ"
             )
+        settle_cpu_math_kernels()  # a module built outside the CLI: before its math runs threaded (lit_rl/numerics.py)
         self.random_init = random_init
         self.max_prompt_length = max_prompt_length
         self.tokenizer = load_tokenizer(policy.model_name_or_path, trust_remote_code=policy.trust_remote_code)

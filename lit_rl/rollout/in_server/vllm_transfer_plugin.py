@@ -30,8 +30,13 @@ BACKEND = "lit_rl_gloo"
 
 
 def register() -> None:
-    """vLLM's plugin hook (entry point `vllm.general_plugins`): add the `lit_rl_gloo` backend, lazily, once."""
+    """vLLM's plugin hook (entry point `vllm.general_plugins`): add the `lit_rl_gloo` backend, lazily, once; and,
+    before the process builds its model, settle MKL's math kernels (`lit_rl/numerics.py`: vLLM's rotary table)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from lit_rl.numerics import settle_cpu_math_kernels
+
+    settle_cpu_math_kernels()
 
     try:
         WeightTransferEngineFactory.register_engine(BACKEND, __name__, "GlooWeightTransferEngine")
