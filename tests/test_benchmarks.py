@@ -161,6 +161,22 @@ def test_compiled_decoding_quick_reports_speed_compile_time_and_the_same_tokens(
 
 
 @pytest.mark.slow
+def test_train_mfu_quick_reports_each_precision_against_its_peak_and_profiles_fp32(tmp_path):
+    report, stdout = _quick_report("train_mfu", tmp_path)
+    results = report["results"]
+    assert [r["setting"] for r in results["passes"]] == ["fp32", "bf16-mixed", "bf16-true"]
+    for r in results["passes"]:
+        assert r["pass_s"] > 0 and r["passes"] == 3
+        assert r["mfu"] == pytest.approx(results["model_flops"] / r["pass_s"] / (r["peak_tflops"] * 1e12))
+        assert 0 < r["mfu"] < 1
+    profile = results["fp32_profile"]
+    assert 0 < profile["matmul_share"] < 1 and 0 <= profile["attention_share"] < 1 - profile["matmul_share"]
+    assert len(profile["largest_others"]) == 5
+    assert all(not other["op"].startswith(("aten::mm", "aten::addmm")) for other in profile["largest_others"])
+    assert "| precision | s/pass (forward + backward) |" in stdout and "fp32: the training pass reaches" in stdout
+
+
+@pytest.mark.slow
 def test_trl_comparison_quick_times_both_libraries_on_both_algorithms(tmp_path):
     report, stdout = _quick_report("compare_trl", tmp_path)
     assert report["versions"]["trl"] and "--quick" in report["command"]

@@ -1,5 +1,5 @@
 """Model FLOPs (`lit_rl.training.flops`): the count against a hand count and against torch's own FLOP counter, the
-rows' tokens and keys by hand, and `perf/tflops`, `perf/mfu` and the summary line of a real run."""
+rows' tokens and keys by hand, and `perf/tflops`, `perf/mfu`, `perf/update_mfu` and the summary line of a real run."""
 
 from __future__ import annotations
 
@@ -77,6 +77,26 @@ def test_rows_count_each_distinct_prompt_once_and_each_completion_token_at_its_p
     assert keys == 6 + 3 + 9 + 4 + 12
 
 
+def test_the_update_counts_the_training_passes_alone():
+    """`perf/update_mfu` divides the FLOPs of the passes that train (forward and backward) by the update's time:
+    a generation's or an old log-prob pass's forward counts in the step's FLOPs only."""
+    from types import SimpleNamespace
+
+    from lit_rl.algorithms.base import PolicyModule
+    from lit_rl.training.perf import StepTimer
+
+    shape = ModelShape.of(_model())
+    module = SimpleNamespace(timer=StepTimer(), policy_shape=shape)
+    prompt_ids, prompt_mask = torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long)
+    completion_mask = torch.ones(1, 4)
+    tokens, keys = row_tokens_and_keys(prompt_ids, prompt_mask, completion_mask)
+    PolicyModule.count_flops(module, prompt_ids, prompt_mask, completion_mask)  # e.g. the old log-probs
+    PolicyModule.count_flops(module, prompt_ids, prompt_mask, completion_mask, backward=True)  # the training pass
+    forward, backward = shape.forward_flops(tokens, keys), shape.backward_flops(tokens, keys)
+    assert module.timer.counters["model_flops"] == 2 * forward + backward
+    assert module.timer.counters["update_flops"] == forward + backward
+
+
 def test_a_gpu_missing_from_the_table_and_a_cpu_are_measured():
     peak = device_peak(torch.device("cpu"), torch.float32)
     assert peak.source == "measured cpu matmul, float32" and peak.flops > 1e9
@@ -99,6 +119,7 @@ def test_a_run_logs_tflops_and_mfu_every_step_and_the_summary_says_them(tmp_path
     assert len(rows) == 3
     for row in rows:
         assert float(row["perf/tflops"]) > 0 and 0 < float(row["perf/mfu"]) < 1
+        assert 0 < float(row["perf/update_mfu"]) < 1
         assert float(row["perf/mfu"]) == pytest.approx(
             float(row["perf/tflops"]) / float(rows[0]["perf/tflops"]) * float(rows[0]["perf/mfu"]), rel=1e-6
         )

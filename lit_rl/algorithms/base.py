@@ -268,12 +268,12 @@ class PolicyModule(L.LightningModule):
     def on_train_start(self) -> None:
         if self.trainer.ckpt_path:
             self.apply_configured_rates()
-        self.timer = StepTimer()  # the first step's time starts here, not at model loading
         dtype = self.compute_dtype()
         self.throughput = RunThroughput(peak=device_peak(self.device, dtype), devices=self.trainer.world_size)
         advice = precision_advice(self.device, dtype) if self.trainer.is_global_zero else None
         if advice:
             say(advice)
+        self.timer = StepTimer()  # the first step's time starts here: not at model loading, nor the peak's probe
         # Lightning's ModelCheckpoint forgets, on resume, that the resumed-from step was saved; with gradient
         # accumulation the first micro-batches after resuming end with the old global_step, and it would save
         # that step again (with a data position one micro-batch later). Mark the resumed step as saved.
@@ -450,23 +450,29 @@ class PolicyModule(L.LightningModule):
         tokens, keys = row_tokens_and_keys(prompt_ids, prompt_mask, completion_mask)
         flops = shape.forward_flops(tokens, keys) + (shape.backward_flops(tokens, keys) if backward else 0.0)
         self.timer.count("model_flops", flops)
+        if backward:  # a training pass: its forward and backward are the policy update's work
+            self.timer.count("update_flops", flops)
 
     def log_timings(self) -> None:
         """Log the step's `perf/` timings and peak memory (call once per optimizer step): the slowest rank's, since
         the step waits for it; and its model FLOP rate over all ranks, `perf/tflops`, and `perf/mfu`, that rate
-        over the peak of the ranks' devices (`lit_rl.training.flops`). One collective for all of them."""
-        flops = self.timer.counters["model_flops"]  # this rank's; `summary` starts the next step's count
+        over the peak of the ranks' devices (`lit_rl.training.flops`); `perf/update_mfu`, the same for the update
+        alone: the forward and backward FLOPs of the passes that train (the policy's; PPO's critic's too) over
+        `perf/policy_update_s`. One collective for all of them."""
+        # This rank's; `summary` starts the next step's counts.
+        flops, update_flops = self.timer.counters["model_flops"], self.timer.counters["update_flops"]
         timings = self.timer.summary()
-        values = torch.tensor([*timings.values(), flops], dtype=torch.float64, device=self.device)
+        values = torch.tensor([*timings.values(), flops, update_flops], dtype=torch.float64, device=self.device)
         if self.trainer.world_size > 1:
             values = self.all_gather(values)  # [world, K]: the slowest rank's timings, every rank's FLOPs
-            values = torch.cat([values[:, :-1].max(dim=0).values, values[:, -1:].sum(dim=0)])
-        *slowest, flops = values.tolist()
+            values = torch.cat([values[:, :-2].max(dim=0).values, values[:, -2:].sum(dim=0)])
+        *slowest, flops, update_flops = values.tolist()
         timings = dict(zip(timings, slowest))
         self.throughput.add(timings["perf/step_s"], flops)
         timings["perf/tflops"], mfu = self.throughput.rates(timings["perf/step_s"], flops)
         if mfu is not None:
             timings["perf/mfu"] = mfu
+            timings["perf/update_mfu"] = self.throughput.rates(timings["perf/policy_update_s"], update_flops)[1]
         for name, value in timings.items():
             self.log(name, value, on_step=True, on_epoch=False, batch_size=1)
 
