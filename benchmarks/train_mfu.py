@@ -89,7 +89,7 @@ def measure(args: argparse.Namespace) -> dict:
     times: dict[str, list[float]] = {setting: [] for setting in args.settings}
     first: dict[str, float] = {}
     for setting in args.settings:
-        for warm_up in range(2):
+        for _ in range(2):
             start = time.perf_counter()
             training_pass(models[setting], data, setting)
             first.setdefault(setting, time.perf_counter() - start)

@@ -7,7 +7,7 @@ can run a low-accuracy kernel for its whole chunk of that call (pytorch/pytorch#
 values of about 1, in float32). Later calls are exact again, so the damage looks random.
 
 It reached lit-rl through vLLM's rotary table: built by the process's first `cos` (128 x 32 values, two chunks on
-two threads), half its rows came out wrong in about one `lit-rl fit` in ten, and the colocated engine's
+two threads), half its rows came out wrong in 6 of 102 colocated `lit-rl fit` runs measured, and the engine's
 log-probs then differed from the trainer's by up to 7e-4 instead of 2e-6. Calling every such function once, on
 one element and so on one thread, settles each choice before anything runs threaded. Where it is called:
 - `lit_rl.cli.main`, first: every `lit-rl` process, the ranks Lightning starts and `lit-rl check`'s runs, after
