@@ -13,6 +13,8 @@ Every row has its own prompt, so every token the model computes is one the FLOP 
 
 - Settings: fp32; `bf16-mixed` (fp32 weights, bf16 autocast); `bf16-true` (bf16 weights); `fp32-compiled`, the
   policy compiled as `--model.policy.compile true` compiles it (its first pass, which compiles, is reported apart).
+  Each with the model's default attention (sdpa); `-attn-eager`: the same with eager attention
+  (`--model.policy.attn_implementation eager`: matmuls and a softmax instead of sdpa's CPU flash kernel).
 - Timing: the median of every timed pass, after 2 warm-up passes per precision. Rounds alternate the precisions, so
   a slow spell of a shared machine hits each of them.
 - MFU: the pass's model FLOPs over its median time, over the matmul peak of its compute dtype, measured with the
@@ -46,7 +48,15 @@ from lit_rl.training.flops import ModelShape, measured_matmul_flops, row_tokens_
 
 SIZES = {"20m": dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1024), "tiny": dict()}
 # fp32 on a policy compiled as `model.policy.compile` compiles it (`nn.Module.compile`): fused elementwise kernels.
-SETTINGS = ("fp32", "bf16-mixed", "bf16-true", "fp32-compiled")
+# `-attn-eager`: eager attention (`model.policy.attn_implementation: eager`) instead of the model's sdpa.
+SETTINGS = (
+    "fp32",
+    "fp32-attn-eager",
+    "bf16-mixed",
+    "bf16-true",
+    "bf16-true-attn-eager",
+    "fp32-compiled",
+)
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 
 
@@ -62,8 +72,20 @@ def batch(vocab: int, rows: int, prompt: int, completion: int) -> tuple[torch.Te
     return prompt_ids, torch.ones_like(prompt_ids), completion_ids, torch.ones(rows, completion)
 
 
+def setting_model(path: Path, setting: str) -> torch.nn.Module:
+    """The model a setting trains: bf16 weights for `bf16-true*`, eager attention for `*-attn-eager`, compiled
+    for `*-compiled`; float32 weights and the model's default attention otherwise."""
+    dtype = "bfloat16" if setting.startswith("bf16-true") else "float32"
+    attention = "eager" if setting.endswith("-attn-eager") else None
+    model = load_causal_lm(str(path), dtype=dtype, attn_implementation=attention).train()
+    if setting.endswith("-compiled"):
+        model.compile()
+    return model
+
+
 def training_pass(model: torch.nn.Module, data: tuple[torch.Tensor, ...], setting: str) -> None:
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if setting == "bf16-mixed" else contextlib.nullcontext()
+    mixed = setting.startswith("bf16-mixed")
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
     with autocast:
         scores = completion_scores(model, *data)
     scores.logprobs.float().sum().backward()
@@ -73,14 +95,7 @@ def training_pass(model: torch.nn.Module, data: tuple[torch.Tensor, ...], settin
 def measure(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = build_random_model(Path(tmp) / args.model, **SIZES[args.model])
-        models = {
-            "fp32": load_causal_lm(str(path), dtype="float32").train(),
-            "bf16-true": load_causal_lm(str(path), dtype="bfloat16").train(),
-        }
-        if "fp32-compiled" in args.settings:
-            models["fp32-compiled"] = load_causal_lm(str(path), dtype="float32").train()
-            models["fp32-compiled"].compile()
-    models["bf16-mixed"] = models["fp32"]
+        models = {setting: setting_model(path, setting) for setting in {"fp32", *args.settings}}
     data = batch(models["fp32"].config.vocab_size, args.rows, args.prompt_tokens, args.completion_tokens)
     shape = ModelShape.of(models["fp32"])
     tokens, keys = row_tokens_and_keys(data[0], data[1], data[3])
@@ -160,6 +175,13 @@ def claims(results: dict) -> list[str]:
             f"({'meets' if r['mfu'] >= 0.7 else 'misses'} the 70% target)"
             for r in results["passes"]
             if r["setting"].startswith("fp32")
+        ),
+        *(
+            f"{r['setting']}: {base['pass_s'] / r['pass_s']:.2f}x the speed of {base['setting']}'s sdpa attention"
+            for r in results["passes"]
+            if r["setting"].endswith("-attn-eager")
+            for base in results["passes"]
+            if base["setting"] == r["setting"].removesuffix("-attn-eager")
         ),
         f"matrix multiplications take {100 * prof['matmul_share']:.0f}% of the eager fp32 pass's operator time, fused "
         f"attention {100 * prof['attention_share']:.0f}%; the largest others: {others}",

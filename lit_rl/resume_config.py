@@ -28,8 +28,8 @@ from lit_rl.rollout.engine_config import EngineConfig
 
 # What a resumed `fit` may change. The optimizer's rates (the configured ones replace those in the restored
 # optimizer state, see `OptimizedModule.apply_configured_rates`); how a step is cut into micro-batches and run
-# (the same loss and gradient: the accumulation and packing tests prove it); validation's sampling; and how and
-# where rollouts are produced (`model.rollout.engine`: the engine, the server's address, its timeouts).
+# (the same loss and gradient: the accumulation, packing and attention tests prove it); validation's sampling; and
+# how and where rollouts are produced (`model.rollout.engine`: the engine, the server's address, its timeouts).
 # Keys under `model.`; a key names everything below it (`rollout.engine` covers `rollout.engine.server_url`).
 MAY_CHANGE_ON_RESUME = frozenset(
     {
@@ -42,6 +42,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "policy.head_chunk_tokens",
         "policy.gradient_checkpointing",
         "policy.padding_free",
+        "policy.attn_implementation",
         "precompute_ref_logprobs",
         "ref_cache_dir",
         "sampling.val_temperature",

@@ -178,6 +178,13 @@ CASES = [
         1,
     ),
     (
+        "hub-attention-kernel",  # transformers would download and run its code
+        DPO,
+        ["--model.policy.attn_implementation", "kernels-community/flash-attn"],
+        "model.policy.attn_implementation must be one of eager, sdpa,",
+        1,
+    ),
+    (
         "grpo-only-option",
         RLOO,
         ["--model.rollout.dynamic_sampling", "true"],

@@ -164,7 +164,13 @@ def test_compiled_decoding_quick_reports_speed_compile_time_and_the_same_tokens(
 def test_train_mfu_quick_reports_each_precision_against_its_peak_and_profiles_fp32(tmp_path):
     report, stdout = _quick_report("train_mfu", tmp_path)
     results = report["results"]
-    assert [r["setting"] for r in results["passes"]] == ["fp32", "bf16-mixed", "bf16-true"]
+    assert [r["setting"] for r in results["passes"]] == [
+        "fp32",
+        "fp32-attn-eager",
+        "bf16-mixed",
+        "bf16-true",
+        "bf16-true-attn-eager",
+    ]
     for r in results["passes"]:
         assert r["pass_s"] > 0 and r["passes"] == 3
         assert r["mfu"] == pytest.approx(results["model_flops"] / r["pass_s"] / (r["peak_tflops"] * 1e12))
@@ -175,6 +181,7 @@ def test_train_mfu_quick_reports_each_precision_against_its_peak_and_profiles_fp
     assert all(not other["op"].startswith(("aten::mm", "aten::addmm")) for other in profile["largest_others"])
     assert all(r["first_pass_s"] > 0 for r in results["passes"])
     assert "| setting | s/pass (forward + backward) |" in stdout and "fp32: the training pass reaches" in stdout
+    assert "bf16-true-attn-eager: " in stdout and "x the speed of bf16-true's sdpa attention" in stdout
 
 
 @pytest.mark.slow

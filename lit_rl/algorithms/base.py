@@ -107,6 +107,7 @@ class PolicyModule(L.LightningModule):
             random_init=random_init,
             gradient_checkpointing=args.gradient_checkpointing,
             trust_remote_code=args.trust_remote_code,
+            attn_implementation=args.attn_implementation,
             disable_dropout=self.disable_dropout,
         )
         if len(self.tokenizer) > model.get_input_embeddings().num_embeddings:  # a pad token was added

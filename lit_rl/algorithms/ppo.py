@@ -101,6 +101,7 @@ class PPO(OnPolicyModule):
                     dtype=policy.dtype,
                     gradient_checkpointing=policy.gradient_checkpointing,
                     trust_remote_code=policy.trust_remote_code,
+                    attn_implementation=policy.attn_implementation,
                 ).train()
             # Under ZeRO-3 the head was partitioned as it was created: set it to 0 whole (elsewhere a no-op).
             with gathered_parameters(self.critic.score, modifier_rank=0):

@@ -117,14 +117,17 @@ class NonFiniteGuard(Callback):
 
 
 def has_non_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether any element of `tensors` is NaN or infinite, from one fused L2 norm per tensor accumulated in float32
-    (`_foreach_norm`, the kernel `clip_grad_norm_` uses): a NaN or inf element makes its tensor's norm NaN or inf.
-    Float32 accumulation keeps fp16/bf16 gradients from overflowing; a float32 norm overflows only past ~1e19 per
-    element, a gradient clipping could not use either. 7x faster than an `isfinite` pass per tensor on a
-    21M-parameter model (3.5 ms against 24 ms)."""
+    """Whether any element of `tensors` is NaN or infinite, from one fused L2 norm per tensor (`_foreach_norm`, the
+    kernel `clip_grad_norm_` uses): a NaN or inf element makes its tensor's norm NaN or inf. The squares are summed
+    in float32 (torch's accumulation type for float32, bfloat16 and float16 alike), so a norm overflows only past
+    ~1e19 per element, where clipping could not use it either. float16 norms are returned in float32 (float16's
+    65504 would overflow on finite gradients); float32 and bfloat16 ones in their own dtype, which has float32's
+    range, so no float32 copy of every gradient is made (in bf16-true DPO on the 21M model that copy was about
+    12 ms of a 190 ms step). 7x faster than an `isfinite` pass per tensor (3.5 ms against 24 ms)."""
     if not tensors:
         return False
-    norms = foreach_norm(tensors, dtype=torch.float32)  # one kernel per (device, dtype) group
+    dtype = torch.float32 if any(t.dtype == torch.float16 for t in tensors) else None
+    norms = foreach_norm(tensors, dtype=dtype)  # one kernel per (device, dtype) group
     device = norms[0].device
     return not bool(torch.stack([norm.to(device) for norm in norms]).isfinite().all())
 

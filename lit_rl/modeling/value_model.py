@@ -86,6 +86,7 @@ def load_value_model(
     dtype: str = "float32",
     gradient_checkpointing: bool = False,
     trust_remote_code: bool = False,
+    attn_implementation: Optional[str] = None,
 ) -> ValueModel:
     """A critic from the model at `name_or_path`, dropout off, embeddings resized to `num_embeddings` when the
     tokenizer gained a pad token:
@@ -105,7 +106,12 @@ def load_value_model(
         config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
     head_file = Path(resolved) / VALUE_HEAD_FILE
     scorer = _scorer_class(config)
-    options = dict(dtype=dtype, gradient_checkpointing=gradient_checkpointing, trust_remote_code=trust_remote_code)
+    options = dict(
+        dtype=dtype,
+        gradient_checkpointing=gradient_checkpointing,
+        trust_remote_code=trust_remote_code,
+        attn_implementation=attn_implementation,
+    )
     head: Optional[dict[str, torch.Tensor]] = None
     if scorer is not None:
         model = load_causal_lm(name_or_path, disable_dropout=True, auto_class=scorer, **options)

@@ -8,7 +8,7 @@ the forward path (`lit_rl.modeling.packing`) may use this module without importi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -71,9 +71,9 @@ def set_group_sequence_number(backend: Any) -> None:
     backend._set_sequence_number_for_group()
 
 
-def foreach_norm(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-    """The L2 norm of each tensor, accumulated in `dtype`, in one fused kernel per (device, dtype) group
-    (`torch._foreach_norm`, the kernel `clip_grad_norm_` uses)."""
+def foreach_norm(tensors: list[torch.Tensor], dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:
+    """The L2 norm of each tensor, in `dtype` (None: the tensor's own), in one fused kernel per (device, dtype)
+    group (`torch._foreach_norm`, the kernel `clip_grad_norm_` uses)."""
     return list(torch._foreach_norm(tensors, 2, dtype=dtype))
 
 
