@@ -42,7 +42,8 @@ before the budget: lit-rl `min_new_tokens`, TRL `generation_kwargs`), and DPO as
   the model loaded so), which trains short bf16 sequences faster than sdpa's CPU flash kernel.
 - `compiled`: `fastest`, and lit-rl's policy compiled too (`model.policy.compile`; TRL as in `fastest`).
 Each cell also reports MFU: the step's model FLOPs (lit-rl's count, `perf/tflops` x `perf/step_s`; the same math
-for TRL, which runs the same workload) over the measured peak of the compute dtype (`lit_rl/training/flops.py`).
+for TRL, which runs the same workload) over the measured peak of the compute dtype (`lit_rl/training/flops.py`),
+and where lit-rl's step goes (the median of each `perf/` phase timer, as for the variable-length workloads).
 
     python benchmarks/compare_trl.py --workloads fixed32 --models 20m --settings matched bf16 fastest compiled \
         --steps 16 --warmup 6 --rounds 1 --out benchmarks/results/compare_trl_fixed32_cpu.json
@@ -376,7 +377,7 @@ def compare(
             )
     lit, trl = (statistics.median(per_round[name]) for name in ("lit_rl", "trl"))
     variant = {} if label == "fixed-matched" else {"workload": workload, "setting": setting}
-    if work.variable:  # where lit-rl's step goes: the median of each phase
+    if work.variable or workload == "fixed32":  # where lit-rl's step goes: the median of each phase
         variant["lit_rl_phases_s"] = {phase: statistics.median(step[phase] for step in steps) for phase in PHASES}
     if workload == "fixed32":  # both libraries' model-FLOP utilisation (the module docstring)
         flops = statistics.median(step["tflops"] * step["step_s"] for step in steps)  # TFLOP per step
