@@ -30,10 +30,18 @@ from lit_rl.rollout.engine_config import (
     engine_key_of_0_1,
     engine_of_0_1,
 )
+from lit_rl.training.compat import flash_attention_installed
 
 INVALID_REWARD_ACTIONS = ("zero", "error")
 # transformers' built-in attention kernels (`model.policy.attn_implementation`); its hub kernels are left out.
-ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+ATTENTION_IMPLEMENTATIONS = (
+    "eager",
+    "sdpa",
+    "flash_attention_2",
+    "flash_attention_3",
+    "flash_attention_4",
+    "flex_attention",
+)
 
 
 @dataclass(frozen=True)
@@ -58,9 +66,10 @@ class PolicyArgs:
             of tens of seconds at the first step and once more when shapes change. Decoding stays eager (for a
             compiled decoder: `configs/rollout/hf_compiled.yaml`). Not with sharded parameters (ZeRO-3, FSDP).
         attn_implementation: the attention kernel of the policy, its reference and PPO's critic, one of
-            transformers' built-in ones (`ATTENTION_IMPLEMENTATIONS`); None: the model's default (`sdpa`). On CPUs
-            in bf16, `eager` (matmul and softmax) trains short sequences 25-40% faster than `sdpa`'s flash kernel
-            (`benchmarks/train_mfu.py`, docs/speed-and-memory.md); on GPUs keep `sdpa` or a flash kernel.
+            transformers' built-in ones (`ATTENTION_IMPLEMENTATIONS`; a flash kernel only with its package
+            installed); None: the model's default (`sdpa`). On CPUs in bf16-true, `eager` (matmuls and a softmax)
+            trains 40-token rows 1.4x as fast as `sdpa`'s kernel (`benchmarks/train_mfu.py`,
+            docs/speed-and-memory.md); on GPUs keep `sdpa` or a flash kernel.
     """
 
     model_name_or_path: str = "lit-rl/tiny-qwen2-addition-sft"
@@ -80,12 +89,25 @@ class PolicyArgs:
         check_lora_config(self.lora)
         if self.head_chunk_tokens is not None and self.head_chunk_tokens < 1:
             raise ConfigError(f"model.policy.head_chunk_tokens must be >= 1 (or null), got {self.head_chunk_tokens}")
-        if self.attn_implementation is not None and self.attn_implementation not in ATTENTION_IMPLEMENTATIONS:
-            # Not transformers' hub kernels ("org/repo"): those download and run code.
-            raise ConfigError(
-                f"model.policy.attn_implementation must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)} (or null), "
-                f"got {self.attn_implementation!r}"
-            )
+        check_attention_implementation(self.attn_implementation)
+
+
+def check_attention_implementation(name: Optional[str]) -> None:
+    """Only transformers' built-in attention kernels, and a flash kernel only where its package is installed: a hub
+    kernel ("org/repo"), or the one transformers fetches for `flash_attention_N` when the package is missing, would
+    download and run code."""
+    if name is None:
+        return
+    if name not in ATTENTION_IMPLEMENTATIONS:
+        raise ConfigError(
+            f"model.policy.attn_implementation must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)} (or null), "
+            f"got {name!r}"
+        )
+    if name.startswith("flash_attention_") and not flash_attention_installed(name):
+        raise ConfigError(
+            f"model.policy.attn_implementation={name} needs its flash-attn package installed here (without it, "
+            "transformers would download a kernel from the hub and run it)"
+        )
 
 
 @dataclass(frozen=True)

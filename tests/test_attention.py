@@ -1,4 +1,4 @@
-"""`model.policy.attn_implementation`: the attention kernel of every model lit-rl trains or scores with, the same
+"""`model.policy.attn_implementation`: the attention kernel of the policy, its reference and PPO's critic, the same
 numbers as the model's default kernel to float rounding, and only transformers' built-in kernels."""
 
 import pytest
@@ -7,6 +7,7 @@ import torch
 from lit_rl.algorithms import DPO, PPO
 from lit_rl.config import ATTENTION_IMPLEMENTATIONS, PolicyArgs, grouped_kwargs
 from lit_rl.errors import ConfigError
+from lit_rl.training.compat import flash_attention_installed
 from tests.conftest import fit_config, train_rows
 
 
@@ -28,7 +29,18 @@ def test_only_built_in_kernels_are_taken(kernel):
     with pytest.raises(ConfigError, match="model.policy.attn_implementation must be one of"):
         PolicyArgs(attn_implementation=kernel).check()
     for name in ATTENTION_IMPLEMENTATIONS:
-        PolicyArgs(attn_implementation=name).check()
+        if not name.startswith("flash_attention_"):
+            PolicyArgs(attn_implementation=name).check()
+
+
+@pytest.mark.parametrize("kernel", ["flash_attention_2", "flash_attention_3", "flash_attention_4"])
+def test_a_flash_kernel_needs_its_package_not_a_download(kernel):
+    # Without the package, transformers would fetch `kernels-community/...` from the hub in its place.
+    if flash_attention_installed(kernel):
+        PolicyArgs(attn_implementation=kernel).check()
+        return
+    with pytest.raises(ConfigError, match=f"attn_implementation={kernel} needs its flash-attn package installed"):
+        PolicyArgs(attn_implementation=kernel).check()
 
 
 def test_dpo_with_eager_attention_trains_to_the_sdpa_numbers(tmp_path):
@@ -42,6 +54,8 @@ def test_dpo_with_eager_attention_trains_to_the_sdpa_numbers(tmp_path):
         for key in row_a:
             if key.startswith("train/"):
                 assert abs(row_a[key] - row_b[key]) <= 1e-5 * max(1.0, abs(row_a[key])), key
-    states = [torch.load(run / "checkpoints" / "step=2.ckpt", weights_only=True)["state_dict"] for run in (sdpa, eager)]
+    saved = [torch.load(run / "checkpoints" / "step=2.ckpt", weights_only=False) for run in (sdpa, eager)]
+    assert [c["hyper_parameters"]["policy"]["attn_implementation"] for c in saved] == [None, "eager"]
+    states = [checkpoint["state_dict"] for checkpoint in saved]
     for key, value in states[0].items():
         torch.testing.assert_close(states[1][key], value, rtol=0, atol=1e-5)

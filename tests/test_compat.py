@@ -118,6 +118,13 @@ def test_the_attention_kernel_of_a_hugging_face_model():
     assert compat.attention_implementation(torch.nn.Linear(1, 1)) == ""
 
 
+def test_a_flash_kernel_counts_as_installed_only_with_its_package():
+    import importlib.util
+
+    assert compat.flash_attention_installed("flash_attention_2") == (importlib.util.find_spec("flash_attn") is not None)
+    assert not compat.flash_attention_installed("flash_attention_9")  # a version transformers does not know
+
+
 def test_the_interpreter_exit_steps_join_threads_then_run_the_atexit_handlers():
     script = """
 import atexit, threading, time

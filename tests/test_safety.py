@@ -233,6 +233,7 @@ def test_sigterm_writes_a_resumable_checkpoint_and_exits_non_zero(tmp_path):
 
 def test_has_non_finite_finds_one_bad_element_in_any_dtype():
     from lit_rl.callbacks.safety import has_non_finite
+    from lit_rl.training.compat import foreach_norm
 
     tensors = [torch.randn(64, 32), torch.randn(7, dtype=torch.bfloat16), torch.randn(3, 3, 3)]
     assert not has_non_finite(tensors)
@@ -242,6 +243,7 @@ def test_has_non_finite_finds_one_bad_element_in_any_dtype():
     # million ones would stall at 256; large finite values stay finite)
     large, many = torch.full((1000,), 1e17, dtype=torch.bfloat16), torch.ones(10**6, dtype=torch.bfloat16)
     assert not has_non_finite([large, many])
+    assert foreach_norm([many])[0].item() == 1000.0  # float32 accumulation: a bf16 sum of squares stops at 256
     for bad in (float("nan"), float("inf"), float("-inf")):
         for index in range(len(tensors)):
             broken = [t.clone() for t in tensors]

@@ -104,6 +104,17 @@ def attention_implementation(model: torch.nn.Module) -> str:
     return getattr(getattr(model, "config", None), "_attn_implementation", None) or ""
 
 
+def flash_attention_installed(implementation: str) -> bool:
+    """Whether the package behind `flash_attention_N` is installed (transformers'
+    `FLASH_ATTENTION_COMPATIBILITY_MATRIX` availability check). Without it, transformers downloads a hub kernel in
+    its place when the `kernels` package is installed (`FLASH_ATTN_KERNEL_FALLBACK`)."""
+    from transformers.modeling_flash_attention_utils import FLASH_ATTENTION_COMPATIBILITY_MATRIX
+
+    version = int(implementation.removeprefix("flash_attention_"))
+    entry = FLASH_ATTENTION_COMPATIBILITY_MATRIX.get(version)
+    return entry is not None and bool(entry["general_availability_check"]())
+
+
 # -- Python -------------------------------------------------------------------------------------------------------
 def run_interpreter_exit_steps() -> None:
     """What CPython does at exit before it finalizes: join the threads that are not daemons
