@@ -503,14 +503,15 @@ def main() -> None:
                 else:
                     models[name] = str(build_random_model(Path(tmp) / f"model-{name}", **sizes[name]))
             for setting in args.settings:
+                fastest = setting in ("fastest", "compiled")
                 work = Workload(
                     variable=variable,
                     library_defaults=setting == "defaults",
                     bf16=setting == "bf16",
-                    fastest=setting in ("fastest", "compiled"),
+                    fastest=fastest,
                     compiled_policy=setting == "compiled",
                     # eager attention: faster than sdpa's CPU flash kernel on short bf16 sequences
-                    attn_implementation="eager" if setting in ("fastest", "compiled") else "",
+                    attn_implementation="eager" if fastest else "",
                 )
                 if variable:
                     work.max_new_tokens = 128

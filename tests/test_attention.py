@@ -28,6 +28,9 @@ def test_only_built_in_kernels_are_taken(kernel):
     # A hub kernel ("org/repo") would be downloaded and run: the same trust as remote model code.
     with pytest.raises(ConfigError, match="model.policy.attn_implementation must be one of"):
         PolicyArgs(attn_implementation=kernel).check()
+
+
+def test_the_built_in_kernels_that_need_no_package_are_taken():
     for name in ATTENTION_IMPLEMENTATIONS:
         if not name.startswith("flash_attention_"):
             PolicyArgs(attn_implementation=name).check()

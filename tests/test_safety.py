@@ -239,8 +239,8 @@ def test_has_non_finite_finds_one_bad_element_in_any_dtype():
     assert not has_non_finite(tensors)
     assert not has_non_finite([])
     assert not has_non_finite([torch.full((100,), 60000.0, dtype=torch.float16)])  # an fp16 L2 norm would overflow
-    # bfloat16 norms keep their dtype: float32's range, and the squares summed in float32 (a bf16 sum of a
-    # million ones would stall at 256; large finite values stay finite)
+    # bfloat16 norms keep their dtype (float32's range) and sum their squares in float32: large finite values stay
+    # finite
     large, many = torch.full((1000,), 1e17, dtype=torch.bfloat16), torch.ones(10**6, dtype=torch.bfloat16)
     assert not has_non_finite([large, many])
     assert foreach_norm([many])[0].item() == 1000.0  # float32 accumulation: a bf16 sum of squares stops at 256
