@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from provenance import add_report_options, check_output, print_markdown, publish  # noqa: E402
+from provenance import parse_report_args, publish  # noqa: E402
 from throughput import metric_rows  # noqa: E402
 
 from lit_rl.modeling.models import resolve_model_path  # noqa: E402
@@ -109,12 +109,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--window", type=int, default=5, help="validations averaged at the end of each run")
-    add_report_options(parser)
-    args = parser.parse_args()
-    if args.markdown:
-        print_markdown(args.markdown, markdown_table, claims)
-        return
-    check_output(args.out, args.allow_dirty)
+    args = parse_report_args(parser, markdown_table, claims)
     with tempfile.TemporaryDirectory(prefix="lit-rl-async-accuracy-") as tmp:
         model = resolve_model_path("lit-rl/tiny-qwen2-addition-sft")
         server = LocalVLLMServer(model, str(Path(tmp) / "server.log"))

@@ -64,7 +64,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from provenance import add_report_options, check_output, print_markdown, write_report  # noqa: E402
+from provenance import parse_report_args, write_report  # noqa: E402
 from support import build_random_model  # noqa: E402
 from throughput import fit_flags, metric_rows  # noqa: E402
 
@@ -480,12 +480,7 @@ def main() -> None:
         "bf16: both under bf16 autocast; fastest: each at its fastest documented setting (the module docstring)",
     )
     parser.add_argument("--quick", action="store_true", help="tiny model, 6 steps, 1 round")
-    add_report_options(parser)
-    args = parser.parse_args()
-    if args.markdown:
-        print_markdown(args.markdown, markdown_table, claims)
-        return
-    check_output(args.out, args.allow_dirty)
+    args = parse_report_args(parser, markdown_table, claims)
     if args.quick:
         args.models, args.steps, args.warmup, args.rounds = ["tiny"], 6, 2, 1
     results = []

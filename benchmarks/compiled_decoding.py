@@ -41,7 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from provenance import add_report_options, check_output, print_markdown, publish  # noqa: E402
+from provenance import parse_report_args, publish  # noqa: E402
 
 SIZES = {"20m": dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1024), "tiny": dict()}
 
@@ -181,18 +181,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="the tiny model, fp32, 8 tokens, 1 round")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    add_report_options(parser)
-    args = parser.parse_args()
+    args = parse_report_args(parser, markdown_table, claims)
     if args.child:
         measured = child(
             args.child, args.model, args.rows, args.group, args.tokens, args.warm, args.rounds, args.device
         )
         print(json.dumps(measured))
         return
-    if args.markdown:
-        print_markdown(args.markdown, markdown_table, claims)
-        return
-    check_output(args.out, args.allow_dirty)
     if args.quick:
         args.dtypes, args.model, args.tokens, args.rounds = ["float32"], "tiny", 8, 1
     results = []

@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from compare_trl import Workload, lit_run, trl_run  # noqa: E402
-from provenance import add_report_options, check_output, print_markdown, write_report  # noqa: E402
+from provenance import parse_report_args, write_report  # noqa: E402
 
 STOP_IDS = 500  # besides EOS
 
@@ -145,12 +145,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--head-chunk", type=int, default=256, help="lit-rl's model.policy.head_chunk_tokens")
     parser.add_argument("--quick", action="store_true", help="vocabulary 8,192, completions of 16-48, 2 steps")
-    add_report_options(parser)
-    args = parser.parse_args()
-    if args.markdown:
-        print_markdown(args.markdown, markdown_table, claims)
-        return
-    check_output(args.out, args.allow_dirty)
+    args = parse_report_args(parser, markdown_table, claims)
     vocab, min_tokens, max_tokens = (8192, 16, 48) if args.quick else (151936, 256, 1024)
     steps = 2 if args.quick else args.steps
     results = []

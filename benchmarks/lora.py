@@ -25,7 +25,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from provenance import add_report_options, check_output, print_markdown, write_report  # noqa: E402
+from provenance import parse_report_args, write_report  # noqa: E402
 from support import build_random_model, count_parameters  # noqa: E402
 from throughput import fit_flags, metric_rows  # noqa: E402
 
@@ -137,12 +137,7 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="hidden 128, 2 layers, GRPO, 2 steps")
-    add_report_options(parser)
-    args = parser.parse_args()
-    if args.markdown:
-        print_markdown(args.markdown, markdown_table)
-        return
-    check_output(args.out, args.allow_dirty)
+    args = parse_report_args(parser, markdown_table)
     if args.quick:
         args.algorithms, args.hidden, args.layers, args.intermediate, args.steps = ["grpo"], 128, 2, 256, 2
     results = []

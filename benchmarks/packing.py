@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from provenance import add_report_options, check_output, print_markdown, publish  # noqa: E402
+from provenance import parse_report_args, publish  # noqa: E402
 
 METHODS = ("padded", "packed rows", "packed, one row")
 
@@ -145,12 +145,7 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="hidden 128, 2 layers, 8 rows of 4-16 tokens, 1 round")
-    add_report_options(parser)
-    args = parser.parse_args()
-    if args.markdown:
-        print_markdown(args.markdown, markdown_table, claims)
-        return
-    check_output(args.out, args.allow_dirty)
+    args = parse_report_args(parser, markdown_table, claims)
     if args.quick:
         args.hidden, args.layers, args.intermediate = 128, 2, 256
         args.rows, args.completion, args.rounds = 8, (4, 16), 1

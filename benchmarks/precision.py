@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from provenance import add_report_options, check_output, print_markdown, publish  # noqa: E402
+from provenance import parse_report_args, publish  # noqa: E402
 from throughput import fit_flags, metric_rows  # noqa: E402
 
 CONFIGS = REPO / "configs"
@@ -86,12 +86,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000, help="optimizer steps per run (the demo's 1000)")
     parser.add_argument("--precisions", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     parser.add_argument("--quick", action="store_true", help="fp32 and bf16-mixed, 2 steps each")
-    add_report_options(parser)
-    args = parser.parse_args()
-    if args.markdown:
-        print_markdown(args.markdown, markdown_table, claims)
-        return
-    check_output(args.out, args.allow_dirty)
+    args = parse_report_args(parser, markdown_table, claims)
     if args.quick:
         args.steps, args.precisions = 2, ["32-true", "bf16-mixed"]
     if "32-true" not in args.precisions:

@@ -207,3 +207,19 @@ def print_markdown(path: Path, markdown_table, claims=None) -> None:
     print(markdown_table(results))
     if claims is not None:
         print("\n".join(claims(results)))
+
+
+def parse_report_args(
+    parser: argparse.ArgumentParser, markdown_table, claims=None, repo: Path = REPO
+) -> argparse.Namespace:
+    """The command line of a script whose results the README quotes: `add_report_options`, then what every such
+    script does before measuring. `--markdown PATH` prints that results file's tables (`print_markdown`) and exits;
+    an `--out` into benchmarks/results/ from a dirty tree exits with the one-line refusal (`check_output`) before any
+    time is spent measuring."""
+    add_report_options(parser)
+    args = parser.parse_args()
+    if args.markdown:
+        print_markdown(args.markdown, markdown_table, claims)
+        raise SystemExit(0)
+    check_output(args.out, args.allow_dirty, repo)
+    return args

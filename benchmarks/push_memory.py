@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from provenance import add_report_options, check_output, print_markdown, publish  # noqa: E402
+from provenance import parse_report_args, publish  # noqa: E402
 
 MIB = 2**20
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
@@ -168,12 +168,7 @@ def main() -> None:
     parser.add_argument("--buckets-mib", type=float, nargs="+", default=[4.0, 16.0, 32.0])
     parser.add_argument("--pushes", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="the tiny model (1M parameters), buckets of 0.5 MiB")
-    add_report_options(parser)
-    args = parser.parse_args()
-    if args.markdown:
-        print_markdown(args.markdown, markdown_table, claims)
-        return
-    check_output(args.out, args.allow_dirty)
+    args = parse_report_args(parser, markdown_table, claims)
     import tempfile
 
     sizes = dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1024)  # the 21M benchmark model

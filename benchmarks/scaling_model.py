@@ -51,7 +51,7 @@ from typing import Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from provenance import add_report_options, check_output, print_markdown, publish  # noqa: E402
+from provenance import parse_report_args, publish  # noqa: E402
 
 ALLREDUCE_SIZES = [2**k for k in range(10, 25, 2)]  # 1 KiB .. 16 MiB
 COUNT_MODE = "--count-collectives"  # internal: `lit-rl fit` with every collective counted (DDP relaunches argv)
@@ -486,14 +486,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2, help="interleaved repetitions; the median run is used")
-    add_report_options(parser)
-    args = parser.parse_args()
-    if args.markdown:
-        print_markdown(args.markdown, markdown_table, claims)
-        return
+    args = parse_report_args(parser, markdown_table, claims)
     if args.devices[0] != 1:
         parser.error("--devices must start with 1: the 1-process run gives the model its inputs")
-    check_output(args.out, args.allow_dirty)
     results = check(args)
     print("HTTP weight upload on loopback ...", flush=True)
     results["http_push_bytes_per_s"] = measure_http_push()

@@ -31,7 +31,7 @@ import lightning as L
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from provenance import add_report_options, check_output, print_markdown, write_report  # noqa: E402
+from provenance import parse_report_args, write_report  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -159,12 +159,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=500, help="growth is counted from this step on")
     parser.add_argument("--engines", nargs="+", choices=sorted(ENGINES), default=["hf", "vllm_colocate"])
     parser.add_argument("overrides", nargs="*", help="extra `lit-rl fit` options, after `--`")
-    add_report_options(parser)
-    args = parser.parse_args()
-    if args.markdown:
-        print_markdown(args.markdown, markdown_table)
-        return
-    check_output(args.out, args.allow_dirty)
+    args = parse_report_args(parser, markdown_table)
     results = []
     with tempfile.TemporaryDirectory(prefix="lit_rl_soak_") as workdir:
         for engine in args.engines:

@@ -39,7 +39,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from provenance import add_report_options, check_output, print_markdown, publish  # noqa: E402
+from provenance import parse_report_args, publish  # noqa: E402
 from support import build_random_model  # noqa: E402
 
 from lit_rl.algorithms.base import completion_scores  # noqa: E402
@@ -198,12 +198,7 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=3, help="timed passes per setting per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="the tiny model, 1 round, nothing compiled")
-    add_report_options(parser)
-    args = parser.parse_args()
-    if args.markdown:
-        print_markdown(args.markdown, markdown_table, claims)
-        return
-    check_output(args.out, args.allow_dirty)
+    args = parse_report_args(parser, markdown_table, claims)
     if args.quick:
         args.model, args.rounds = "tiny", 1
         args.settings = [setting for setting in args.settings if setting != "fp32-compiled"]

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from provenance import add_report_options, check_output, print_markdown, publish  # noqa: E402
+from provenance import parse_report_args, publish  # noqa: E402
 
 
 def receive(port: int, tensors: int, numel: int, rounds: int) -> None:
@@ -129,12 +129,7 @@ def main() -> None:
     parser.add_argument("--megabytes", type=int, default=256)
     parser.add_argument("--tensors", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=5)
-    add_report_options(parser)
-    args = parser.parse_args()
-    if args.markdown:
-        print_markdown(args.markdown, markdown_table, claims)
-        return
-    check_output(args.out, args.allow_dirty)
+    args = parse_report_args(parser, markdown_table, claims)
     results = measure(args.megabytes, args.tensors, args.rounds)
     publish(args, results, markdown_table, claims)
 

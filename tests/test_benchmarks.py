@@ -415,6 +415,34 @@ def test_a_script_refuses_results_from_a_dirty_tree_in_one_line_and_allow_dirty_
     assert report["results"]["train_last"]["train/reward"] == pytest.approx(0.6)
 
 
+def test_parse_report_args_prints_a_results_file_or_refuses_a_dirty_results_path_before_measuring(
+    tmp_path, monkeypatch, capsys
+):
+    """The command line every quoted benchmark shares: `--markdown` prints the file's table and claims and exits 0;
+    `--out` into a dirty checkout's benchmarks/results/ exits with the one-line refusal; otherwise the options come
+    back to measure with."""
+    import argparse
+
+    provenance = _benchmark_module("provenance")
+    results = tmp_path / "bench.json"
+    results.write_text(json.dumps({"results": [{"x": 1}]}))
+    table, claims = (lambda r: f"| x | {r[0]['x']} |"), (lambda r: [f"x is {r[0]['x']}"])
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--markdown", str(results)])
+    with pytest.raises(SystemExit) as printed:
+        provenance.parse_report_args(argparse.ArgumentParser(), table, claims)
+    assert printed.value.code == 0 and capsys.readouterr().out == "| x | 1 |\nx is 1\n"
+    repo, _ = _git_checkout(tmp_path, {"tracked.txt": "clean\n"})
+    (repo / "tracked.txt").write_text("edited\n")
+    out = repo / "benchmarks" / "results" / "bench.json"
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--out", str(out)])
+    with pytest.raises(SystemExit) as refused:
+        provenance.parse_report_args(argparse.ArgumentParser(), table, claims, repo=repo)
+    assert "refusing to write" in str(refused.value) and "tracked.txt" in str(refused.value)
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--out", str(out), "--allow-dirty"])
+    args = provenance.parse_report_args(argparse.ArgumentParser(), table, claims, repo=repo)
+    assert args.out == out and args.allow_dirty and args.markdown is None
+
+
 def _fit_summary(run_report, rewards: list[float], val: list[tuple[int, dict]], **model) -> dict:
     """A demo's `fit` entry from made-up per-step values (perf/step_s 0.1 every step)."""
     train = [{"step": s + 1, "train/rewards/correctness": r, "train/reward": r + 0.1} for s, r in enumerate(rewards)]
