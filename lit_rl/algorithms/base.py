@@ -14,7 +14,7 @@ from typing import Any, Iterator, Optional
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torchmetrics import MetricCollection
@@ -39,6 +39,7 @@ from lit_rl.resume import say
 from lit_rl.resume_config import announce, reconcile
 from lit_rl.training.compat import mark_step_saved
 from lit_rl.training.flops import ModelShape, RunThroughput, device_peak, precision_advice, row_tokens_and_keys
+from lit_rl.training.gradients import clip_grad_norm_
 from lit_rl.training.metrics import compute_collection
 from lit_rl.training.perf import StepTimer
 from lit_rl.training.strategies import gathered_parameters, hf_zero3_loading, shards_parameters
@@ -358,10 +359,11 @@ class PolicyModule(L.LightningModule):
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
     ) -> None:
-        # Lightning's mixed-precision plugin refuses to clip for a fused optimizer, in case it unscales fp16
-        # gradients internally. bf16-mixed has no gradient scaler, so there is nothing to unscale: clip directly
-        # (what the plugin's base class does). Only under that plugin: DeepSpeed clips its own way, and fp16 mixed
-        # precision uses the unfused optimizer instead.
+        # Without a loss scaler (fp32, bf16-true, bf16-mixed) the gradients are clipped here: by norm with
+        # `lit_rl.training.gradients.clip_grad_norm_`, torch's without the multiply on steps under the cap. Under
+        # bf16-mixed that also sidesteps Lightning's refusal to clip for a fused optimizer (which it makes in case
+        # the optimizer unscales fp16 gradients itself; bf16 has nothing to unscale). fp16 (a scaler to unscale
+        # first) and DeepSpeed (which clips inside its engine) keep Lightning's path.
         # Lightning's FSDP plugin refuses norm clipping: the norm is over every rank's shards, which the FSDP root
         # module's `clip_grad_norm_` computes (torch's function does for FSDP2's DTensor parameters).
         if isinstance(self.trainer.strategy, FSDPStrategy) and gradient_clip_val and gradient_clip_algorithm != "value":
@@ -372,14 +374,17 @@ class PolicyModule(L.LightningModule):
                 torch.nn.utils.clip_grad_norm_(list(root.parameters()), gradient_clip_val)
             return
         plugin = self.trainer.precision_plugin
-        if isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed" and gradient_clip_val:
+        unscaled = type(plugin) in (Precision, HalfPrecision) or (
+            isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed"
+        )
+        if unscaled and gradient_clip_val:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             if gradient_clip_algorithm == "value":
                 torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
             else:
-                torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
+                clip_grad_norm_(params, gradient_clip_val)  # torch's, without the multiply when under the cap
             return
-        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)  # fp16's scaler; DeepSpeed's own
 
     def parameters_sharded(self) -> bool:
         """Whether every forward gathers the parameters from all ranks (ZeRO-3, FSDP on several ranks): then all

@@ -2,7 +2,7 @@
 place: each use is a function here, so an upgrade that renames one breaks this module and its test
 (`tests/test_compat.py`, which runs each against the installed library), not a call site deep in a callback.
 
-Lightning 2.5-2.6, torch 2.5-2.13, torchmetrics 1.7+, transformers 5.16-5.19, CPython 3.10-3.13. Imports are lazy:
+Lightning 2.5-2.6, torch 2.6-2.13, torchmetrics 1.7+, transformers 5.16-5.19, CPython 3.10-3.13. Imports are lazy:
 the forward path (`lit_rl.modeling.packing`) may use this module without importing Lightning.
 """
 

@@ -1,0 +1,87 @@
+"""Clipping by the global gradient norm: torch's result bit for bit, without the multiply on steps under the cap,
+and the path every unscaled precision of the training module takes."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+
+from lit_rl.algorithms import GRPO
+from lit_rl.config import grouped_kwargs
+from lit_rl.training.gradients import clip_grad_norm_
+
+
+def _params(dtype: torch.dtype, norm: float) -> list[torch.nn.Parameter]:
+    """Three parameters (one without a gradient) whose gradients have global L2 norm `norm`."""
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape in [(64, 32), (32,), (8, 8)]]
+    grads = [torch.randn(p.shape, generator=generator, dtype=torch.float64) for p in params[:2]]
+    scale = norm / torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))
+    for p, g in zip(params, grads):
+        p.grad = (g * scale).to(dtype)
+    return params
+
+
+def _copy(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for copy, p in zip(copies, params):
+        copy.grad = None if p.grad is None else p.grad.clone()
+    return copies
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", [0.25, 0.9999995, 3.0])  # under; under, yet torch's +1e-6 scales it; over
+def test_clipping_gives_torchs_gradients_bit_for_bit(dtype, norm):
+    ours = _params(dtype, norm)
+    theirs = _copy(ours)
+    clip_grad_norm_(ours, 1.0)
+    torch.nn.utils.clip_grad_norm_(theirs, 1.0)
+    for mine, torchs in zip(ours, theirs):
+        assert (mine.grad is None) == (torchs.grad is None)
+        if mine.grad is not None:
+            assert torch.equal(mine.grad, torchs.grad)
+    total = torch.linalg.vector_norm(torch.cat([p.grad.double().flatten() for p in ours if p.grad is not None]))
+    assert total == pytest.approx(min(norm, 1.0), rel=1e-2)
+
+
+def test_gradients_under_the_cap_are_not_multiplied(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", lambda *args: calls.append(args))
+    clip_grad_norm_(_params(torch.float32, 0.5), 1.0)
+    assert calls == []
+    clip_grad_norm_(_params(torch.float32, 2.0), 1.0)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize(
+    "precision, plugin",
+    [
+        ("32-true", Precision()),
+        ("bf16-true", HalfPrecision("bf16-true")),
+        ("bf16-mixed", MixedPrecision("bf16-mixed", "cpu")),
+    ],
+)
+def test_every_unscaled_precision_clips_the_policy_with_it(precision, plugin, monkeypatch):
+    """fp32, bf16-true and bf16-mixed clip through `clip_grad_norm_` (Lightning's own path multiplies every step),
+    to torch's gradients bit for bit."""
+    model = GRPO(**grouped_kwargs(GRPO, num_generations=4, micro_batch_size=8))
+    model.configure_model()
+    model._trainer = SimpleNamespace(precision=precision, precision_plugin=plugin, strategy=None)  # not FSDP
+    optimizer = model.configure_optimizers()["optimizer"]
+    generator = torch.Generator().manual_seed(0)
+    for p in model.policy.parameters():
+        p.grad = torch.randn(p.shape, generator=generator).to(p.dtype)
+    expected = [p.grad.clone() for p in model.policy.parameters()]
+    torch.nn.utils.clip_grad_norm_(_with_grads(expected), 0.5)  # clips `expected` in place
+    monkeypatch.setattr(model, "clip_gradients", lambda *args: pytest.fail("Lightning's clipping path was taken"))
+    model.configure_gradient_clipping(optimizer, 0.5, "norm")
+    assert all(torch.equal(p.grad, e) for p, e in zip(model.policy.parameters(), expected))
+
+
+def _with_grads(grads: list[torch.Tensor]) -> list[torch.nn.Parameter]:
+    """Stand-in parameters holding `grads` (the same tensors: clipping them in place clips `grads`)."""
+    params = [torch.nn.Parameter(torch.empty_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g
+    return params
