@@ -85,3 +85,35 @@ def _with_grads(grads: list[torch.Tensor]) -> list[torch.nn.Parameter]:
     for p, g in zip(params, grads):
         p.grad = g
     return params
+
+
+def test_the_guards_norm_is_taken_by_clipping_once_and_only_for_the_same_values(monkeypatch):
+    """The non-finite guard hands its norm over: the clipping that follows reads no gradient again; a gradient
+    written in place in between (its version counter moves), other tensors, or a second clipping compute anew."""
+    from lit_rl.callbacks.safety import has_non_finite
+
+    computed = []
+    get_total_norm = torch.nn.utils.get_total_norm
+    monkeypatch.setattr(torch.nn.utils, "get_total_norm", lambda *a, **k: computed.append(1) or get_total_norm(*a, **k))
+    params = _params(torch.float32, 2.0)
+    expected = _copy(params)
+    torch.nn.utils.clip_grad_norm_(expected, 1.0)
+    assert not has_non_finite([p.grad for p in params if p.grad is not None])
+    clip_grad_norm_(params, 1.0)
+    assert len(computed) == 1  # the guard's, taken by clipping
+    assert all(torch.equal(p.grad, e.grad) for p, e in zip(params[:2], expected[:2]))
+    clip_grad_norm_(params, 1.0)  # nothing handed over now: computed again
+    assert len(computed) == 2
+
+    params = _params(torch.float32, 2.0)
+    assert not has_non_finite([p.grad for p in params if p.grad is not None])
+    params[0].grad.mul_(3.0)  # written in place after the guard: the handed-over norm is stale
+    expected = _copy(params)
+    torch.nn.utils.clip_grad_norm_(expected, 1.0)
+    clip_grad_norm_(params, 1.0)
+    assert all(torch.equal(p.grad, e.grad) for p, e in zip(params[:2], expected[:2]))
+
+    assert not has_non_finite([p.grad for p in _params(torch.float32, 0.5) if p.grad is not None])
+    before = len(computed)
+    clip_grad_norm_(params, 1.0)  # other tensors than the guard's
+    assert len(computed) == before + 1

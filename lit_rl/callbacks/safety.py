@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lit_rl.errors import LitRLError
 from lit_rl.training.compat import foreach_norm, mark_last_written, skip_next_validation
+from lit_rl.training.gradients import total_norm
 from lit_rl.training.strategies import (
     deepspeed_discards_non_finite_steps,
     deepspeed_engine,
@@ -117,19 +118,19 @@ class NonFiniteGuard(Callback):
 
 
 def has_non_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether any element of `tensors` is NaN or infinite, from one fused L2 norm per tensor (`_foreach_norm`, the
-    kernel `clip_grad_norm_` uses): a NaN or inf element makes its tensor's norm NaN or inf. The squares are summed
-    in float32 (torch's accumulation type for float32, bfloat16 and float16 alike), so a norm overflows only past
-    ~1e19 per element, where clipping could not use it either. float16 norms are returned in float32 (float16's
-    65504 would overflow on finite gradients); float32 and bfloat16 ones in their own dtype, which has float32's
-    range, so no float32 copy of every gradient is made (in bf16-true DPO on the 21M model that copy was about
-    12 ms of a 190 ms step). 7x faster than an `isfinite` pass per tensor (3.5 ms against 24 ms)."""
+    """Whether any element of `tensors` is NaN or infinite, from their global L2 norm (`gradients.total_norm`, handed
+    over to clipping): a NaN or inf element makes its tensor's norm, and so the total, NaN or inf. The squares are
+    summed in float32 (torch's accumulation type for float32, bfloat16 and float16 alike), so a norm overflows only
+    past ~1e19, where clipping could not use it either. float16 tensors take their norms in float32 instead
+    (float16's 65504 would overflow on finite gradients): one fused norm per tensor (`_foreach_norm`), 7x faster
+    than an `isfinite` pass per tensor (3.5 ms against 24 ms)."""
     if not tensors:
         return False
-    dtype = torch.float32 if any(t.dtype == torch.float16 for t in tensors) else None
-    norms = foreach_norm(tensors, dtype=dtype)  # one kernel per (device, dtype) group
-    device = norms[0].device
-    return not bool(torch.stack([norm.to(device) for norm in norms]).isfinite().all())
+    if any(t.dtype == torch.float16 for t in tensors):
+        norms = foreach_norm(tensors, dtype=torch.float32)  # one kernel per (device, dtype) group
+        device = norms[0].device
+        return not bool(torch.stack([norm.to(device) for norm in norms]).isfinite().all())
+    return not bool(total_norm(tensors, hand_over=True).isfinite())  # clipping takes the norm next
 
 
 class GracefulStop(Callback):

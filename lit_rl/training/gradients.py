@@ -1,17 +1,45 @@
-"""Gradient clipping by the global L2 norm that leaves the gradients alone when they are already within the cap."""
+"""The global gradient norm, computed once per step for the non-finite guard and for clipping, and clipping by it
+that leaves the gradients alone when they are already within the cap."""
 
 from __future__ import annotations
 
-from typing import Iterable
+import weakref
+from typing import Iterable, Optional
 
 import torch
+
+# A norm the non-finite guard computed for clipping to take: weak references to its tensors, their version
+# counters, and the norm.
+_handed_over: Optional[tuple[tuple[weakref.ref, ...], tuple[int, ...], torch.Tensor]] = None
+
+
+def total_norm(grads: list[torch.Tensor], hand_over: bool = False) -> torch.Tensor:
+    """The L2 norm of all of `grads` together, ||g||_2 = sqrt(sum_i ||g_i||_2^2), exactly as
+    `torch.nn.utils.clip_grad_norm_` computes it (its `get_total_norm`: each tensor's norm in its own dtype, float32
+    accumulation).
+
+    Before each optimizer step the non-finite guard and then clipping both need it; reading every gradient twice
+    cost about 6 ms of a 0.24 s bf16 DPO step on the 21M model. So the guard computes it with `hand_over=True`,
+    which keeps it, and the next call takes it instead of computing it again, once, and only for the same live
+    tensors at the same version counters (every in-place write bumps a tensor's counter): the same values."""
+    global _handed_over
+    versions = tuple(g._version for g in grads)
+    kept, _handed_over = _handed_over, None
+    if kept is not None and not hand_over:
+        refs, kept_versions, norm = kept
+        if kept_versions == versions and len(refs) == len(grads) and all(r() is g for r, g in zip(refs, grads)):
+            return norm
+    norm = torch.nn.utils.get_total_norm(grads, 2.0)  # torch >= 2.6
+    if hand_over:
+        _handed_over = (tuple(weakref.ref(g) for g in grads), versions, norm)
+    return norm
 
 
 def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> None:
     """Scale the gradients of `params` in place so that their global L2 norm is at most `max_norm`, exactly as
     `torch.nn.utils.clip_grad_norm_` does:
 
-        g <- g * min(1, max_norm / (||g||_2 + 1e-6)),   ||g||_2 taken over every gradient together,
+        g <- g * min(1, max_norm / (||g||_2 + 1e-6)),   ||g||_2 = `total_norm` of every gradient together,
 
     except that the multiply is skipped when that factor is 1. torch multiplies by the clamped factor regardless,
     to spare a host-device sync; a skipped multiply gives the same bits (x * 1.0 == x) and saves a read and a write
@@ -19,6 +47,6 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> None:
     params = [p for p in params if p.grad is not None]
     if not params:
         return
-    total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)  # clip_grad_norm_'s own (torch >= 2.6)
-    if max_norm / (total + 1e-6) < 1:  # torch's clip coefficient, before its clamp at 1
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    norm = total_norm([p.grad for p in params])
+    if max_norm / (norm + 1e-6) < 1:  # torch's clip coefficient, before its clamp at 1
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
