@@ -54,29 +54,57 @@ def test_gradients_under_the_cap_are_not_multiplied(monkeypatch):
     assert len(calls) == 1
 
 
+@pytest.mark.parametrize("cap", [0.5, 1e6])  # every gradient scaled; none
 @pytest.mark.parametrize(
-    "precision, plugin",
+    "precision, plugin, dtype",
     [
-        ("32-true", Precision()),
-        ("bf16-true", HalfPrecision("bf16-true")),
-        ("bf16-mixed", MixedPrecision("bf16-mixed", "cpu")),
+        ("32-true", Precision(), torch.float32),
+        ("bf16-true", HalfPrecision("bf16-true"), torch.bfloat16),
+        ("16-true", HalfPrecision("16-true"), torch.float16),
+        ("bf16-mixed", MixedPrecision("bf16-mixed", "cpu"), torch.float32),
     ],
 )
-def test_every_unscaled_precision_clips_the_policy_with_it(precision, plugin, monkeypatch):
-    """fp32, bf16-true and bf16-mixed clip through `clip_grad_norm_` (Lightning's own path multiplies every step),
-    to torch's gradients bit for bit."""
+def test_every_unscaled_precision_clips_the_policy_with_it(precision, plugin, dtype, cap, monkeypatch):
+    """fp32, bf16-true, 16-true and bf16-mixed clip through `clip_grad_norm_` (Lightning's own path multiplies every
+    step), to torch's gradients bit for bit, over the cap and under it."""
+    model = _module(precision, plugin, dtype)
+    optimizer = model.configure_optimizers()["optimizer"]
+    expected = [p.grad.clone() for p in model.policy.parameters()]
+    torch.nn.utils.clip_grad_norm_(_with_grads(expected), cap)  # clips `expected` in place
+    monkeypatch.setattr(model, "clip_gradients", lambda *args: pytest.fail("Lightning's clipping path was taken"))
+    model.configure_gradient_clipping(optimizer, cap, "norm")
+    assert all(p.grad.dtype == dtype for p in model.policy.parameters())
+    assert all(torch.equal(p.grad, e) for p, e in zip(model.policy.parameters(), expected))
+
+
+@pytest.mark.parametrize("cap", [0.0, -1.0])
+def test_a_cap_of_zero_or_less_clips_nothing_as_in_lightning(cap):
+    model = _module("32-true", Precision(), torch.float32)
+    optimizer = model.configure_optimizers()["optimizer"]
+    before = [p.grad.clone() for p in model.policy.parameters()]
+    model.configure_gradient_clipping(optimizer, cap, "norm")
+    assert all(torch.equal(p.grad, b) for p, b in zip(model.policy.parameters(), before))
+
+
+def test_a_nan_norm_makes_every_gradient_nan_as_in_torch():
+    ours = _params(torch.float32, 2.0)
+    ours[0].grad[0, 0] = float("nan")
+    theirs = _copy(ours)
+    clip_grad_norm_(ours, 1.0)
+    torch.nn.utils.clip_grad_norm_(theirs, 1.0)
+    assert all(p.grad.isnan().all() and q.grad.isnan().all() for p, q in zip(ours[:2], theirs[:2]))
+
+
+def _module(precision: str, plugin, dtype: torch.dtype) -> GRPO:
+    """A GRPO module in `dtype` under `plugin` (no FSDP), every parameter with a seeded random gradient."""
     model = GRPO(**grouped_kwargs(GRPO, num_generations=4, micro_batch_size=8))
     model.configure_model()
-    model._trainer = SimpleNamespace(precision=precision, precision_plugin=plugin, strategy=None)  # not FSDP
-    optimizer = model.configure_optimizers()["optimizer"]
+    model.policy.to(dtype)
+    model._trainer = SimpleNamespace(precision=precision, precision_plugin=plugin, strategy=None)
     generator = torch.Generator().manual_seed(0)
     for p in model.policy.parameters():
-        p.grad = torch.randn(p.shape, generator=generator).to(p.dtype)
-    expected = [p.grad.clone() for p in model.policy.parameters()]
-    torch.nn.utils.clip_grad_norm_(_with_grads(expected), 0.5)  # clips `expected` in place
-    monkeypatch.setattr(model, "clip_gradients", lambda *args: pytest.fail("Lightning's clipping path was taken"))
-    model.configure_gradient_clipping(optimizer, 0.5, "norm")
-    assert all(torch.equal(p.grad, e) for p, e in zip(model.policy.parameters(), expected))
+        p.grad = torch.randn(p.shape, generator=generator).to(dtype)
+    return model
 
 
 def _with_grads(grads: list[torch.Tensor]) -> list[torch.nn.Parameter]:

@@ -359,14 +359,17 @@ class PolicyModule(L.LightningModule):
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
     ) -> None:
-        # Without a loss scaler (fp32, bf16-true, bf16-mixed) the gradients are clipped here: by norm with
+        # Without a loss scaler (fp32, bf16-true, 16-true, bf16-mixed) the gradients are clipped here: by norm with
         # `lit_rl.training.gradients.clip_grad_norm_`, torch's without the multiply on steps under the cap. Under
         # bf16-mixed that also sidesteps Lightning's refusal to clip for a fused optimizer (which it makes in case
-        # the optimizer unscales fp16 gradients itself; bf16 has nothing to unscale). fp16 (a scaler to unscale
-        # first) and DeepSpeed (which clips inside its engine) keep Lightning's path.
+        # the optimizer unscales fp16 gradients itself; bf16 has nothing to unscale). fp16 mixed precision (a
+        # scaler to unscale first) and DeepSpeed (which clips inside its engine) keep Lightning's path. A value
+        # <= 0 clips nothing, as in Lightning.
         # Lightning's FSDP plugin refuses norm clipping: the norm is over every rank's shards, which the FSDP root
         # module's `clip_grad_norm_` computes (torch's function does for FSDP2's DTensor parameters).
-        if isinstance(self.trainer.strategy, FSDPStrategy) and gradient_clip_val and gradient_clip_algorithm != "value":
+        if gradient_clip_val is None or gradient_clip_val <= 0:
+            return
+        if isinstance(self.trainer.strategy, FSDPStrategy) and gradient_clip_algorithm != "value":
             root = self.trainer.strategy.model
             if hasattr(root, "clip_grad_norm_"):
                 root.clip_grad_norm_(gradient_clip_val)
@@ -377,7 +380,7 @@ class PolicyModule(L.LightningModule):
         unscaled = type(plugin) in (Precision, HalfPrecision) or (
             isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed"
         )
-        if unscaled and gradient_clip_val:
+        if unscaled:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             if gradient_clip_algorithm == "value":
                 torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
