@@ -86,6 +86,10 @@ def test_torch_internals():
     names = [name for name, _ in compat.persistent_buffers(module)]
     assert names == ["running_mean", "running_var", "num_batches_tracked"]
     assert set(names) == {key for key in module.state_dict() if key not in ("weight", "bias")}
+    counted = torch.zeros(3)
+    before = compat.version_counter(counted)
+    counted[1:].add_(1.0)  # through a view: the storage's counter moves
+    assert compat.version_counter(counted) > before
     param = torch.nn.Parameter(torch.ones(2))
     assert compat.can_take_data_of(param, torch.zeros(2, dtype=torch.float64))
     from torch.distributed.distributed_c10d import ProcessGroupGloo

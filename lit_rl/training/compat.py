@@ -77,6 +77,12 @@ def foreach_norm(tensors: list[torch.Tensor], dtype: Optional[torch.dtype] = Non
     return list(torch._foreach_norm(tensors, 2, dtype=dtype))
 
 
+def version_counter(tensor: torch.Tensor) -> int:
+    """How many times `tensor` (or a view sharing its storage) was written in place by a tensor operation
+    (`Tensor._version`, autograd's check that saved tensors did not change)."""
+    return tensor._version
+
+
 def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """A module's own buffers that its state dict holds, without those registered `persistent=False` (the set
     `nn.Module._non_persistent_buffers_set`)."""

@@ -8,6 +8,8 @@ from typing import Iterable, Optional
 
 import torch
 
+from lit_rl.training.compat import version_counter
+
 # A norm the non-finite guard computed for clipping to take: weak references to its tensors, their version
 # counters, and the norm.
 _handed_over: Optional[tuple[tuple[weakref.ref, ...], tuple[int, ...], torch.Tensor]] = None
@@ -23,11 +25,11 @@ def total_norm(grads: list[torch.Tensor], hand_over: bool = False) -> torch.Tens
     which keeps it, and the next call takes it instead of computing it again, once, and only for the same live
     tensors at the same version counters. Tensor operations that write in place bump a tensor's counter; writes
     that bypass it (through `.data`, or a `torch.distributed` collective) would go unseen, so the norm is handed
-    over only across the gap where Lightning runs nothing else: from the guard's `on_before_optimizer_step`, the
-    last callback hook, to `configure_gradient_clipping` (a module's own `on_before_optimizer_step` runs between
-    them; lit-rl's only logs)."""
+    over only across a short gap: from the guard's `on_before_optimizer_step` to `configure_gradient_clipping`,
+    between which Lightning runs only the later callbacks' and the module's own `on_before_optimizer_step` (lit-rl's
+    callbacks after the guard and its modules' hooks only log)."""
     global _handed_over
-    versions = tuple(g._version for g in grads)
+    versions = tuple(version_counter(g) for g in grads)
     kept, _handed_over = _handed_over, None
     if kept is not None and not hand_over:
         refs, kept_versions, norm = kept
