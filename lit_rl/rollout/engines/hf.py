@@ -41,10 +41,8 @@ def _library_generation_defaults(model: torch.nn.Module) -> Iterator[None]:
 def compile_stance(stance: str) -> ContextManager:
     """`torch.compiler.set_stance(stance)`: with "force_eager", a policy compiled for training
     (`model.policy.compile`) runs eagerly, since decoding's cache grows every step and would recompile the training
-    graph at each new length; the compiled decoder sets "default" back around its own step. torch < 2.6 has no
-    stances: calls stay compiled."""
-    set_stance = getattr(torch.compiler, "set_stance", None)
-    return nullcontext() if set_stance is None else set_stance(stance)
+    graph at each new length; the compiled decoder sets "default" back around its own step."""
+    return torch.compiler.set_stance(stance)
 
 
 class HFGenerateEngine:
