@@ -33,7 +33,7 @@ def total_norm(grads: list[torch.Tensor], hand_over: bool = False) -> torch.Tens
     kept, _handed_over = _handed_over, None
     if kept is not None and not hand_over:
         refs, kept_versions, norm = kept
-        if kept_versions == versions and len(refs) == len(grads) and all(r() is g for r, g in zip(refs, grads)):
+        if kept_versions == versions and all(r() is g for r, g in zip(refs, grads)):  # equal versions: equal lengths
             return norm
     norm = torch.nn.utils.get_total_norm(grads, 2.0)  # torch >= 2.6
     if hand_over:
