@@ -253,9 +253,16 @@ def main(argv: Optional[list[str]] = None) -> None:
     scratch = options.workdir is None
     workdir = Path(options.workdir or tempfile.mkdtemp(prefix="lit-rl-check-"))
     if options.mismatch:
-        mismatch(Check(config, workdir, steps_needed(config), say), gpus, say)
-        if scratch:
-            shutil.rmtree(workdir, ignore_errors=True)
+        keep = False
+        try:
+            mismatch(Check(config, workdir, steps_needed(config), say), gpus, say)
+        except RunFailed as err:  # its message names the run's log: keep it
+            keep = True
+            say(f"lit-rl check: error: {err}")
+            sys.exit(EXIT_NOTHING_CHECKED)
+        finally:
+            if scratch and not keep:
+                shutil.rmtree(workdir, ignore_errors=True)
         return
     check = Check(config, workdir, options.steps, say)
     results: list[PairResult] = []
@@ -290,13 +297,14 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 def mismatch(check: Check, gpus: int, say: Callable[[str], None]) -> None:
-    """`--mismatch`: one step as configured and one per factor changed; a table of their mismatch metrics."""
+    """`--mismatch`: one step as configured and one per factor changed; a table of their mismatch metrics. A run
+    that fails raises `RunFailed` (its message names the run's log, which the caller keeps)."""
     from rich.table import Table
 
     try:
         check_runs_here(check.config, gpus)
         baseline, results = run_mismatch(check.config, check.last_step)
-    except (CannotRunHere, RunFailed) as err:
+    except CannotRunHere as err:
         say(f"lit-rl check: error: {err}")
         sys.exit(EXIT_NOTHING_CHECKED)
     table = Table(title=f"lit-rl check --mismatch: step {check.steps}, engine against trainer")

@@ -96,9 +96,10 @@ def run_mismatch(
     config: dict, run_one: Callable[[Layout], dict[str, float]]
 ) -> tuple[dict[str, float], list[FactorResult]]:
     """The mismatch metrics of one step as configured, and of one step per factor changed."""
+    factors = factor_layouts(config)  # before any run: a config without rollouts is refused at once
     baseline = run_one(Layout("as_configured"))
     results = []
-    for factor, layout, why in factor_layouts(config):
+    for factor, layout, why in factors:
         if layout is None:
             results.append(FactorResult(factor, "", {}, skipped=why))
             continue

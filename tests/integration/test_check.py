@@ -74,10 +74,16 @@ PLANTED = {
 @pytest.mark.parametrize("bug", sorted(PLANTED))
 def test_a_planted_bug_fails_the_pair_that_shows_it(tmp_path, bug):
     args, pair = PLANTED[bug]
-    result = _check(tmp_path, "grpo", *args, "--pairs", pair)
+    scratch = tmp_path / "tmp"  # the system's temporary directory, as the check sees it
+    scratch.mkdir()
+    result = _check(tmp_path, "grpo", *args, "--pairs", pair, TMPDIR=str(scratch))
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     assert _results(result.stdout) == {pair: "FAIL"}, result.stdout
     assert f"lit-rl check: FAIL: {pair}" in result.stderr
+    # A failed pair keeps its runs, where the check says they are.
+    (kept,) = scratch.glob("lit-rl-check-*")
+    assert f"lit-rl check: the runs are in {kept}" in result.stderr
+    assert (kept / "straight" / "output.log").is_file()
     if bug.startswith("metric"):
         assert "train/entropy_of_ranks" in result.stdout  # the table names the metric that differs
 
@@ -123,9 +129,13 @@ def test_mismatch_with_lora_in_bf16_names_merging_the_adapter(tmp_path):
 
 
 def test_mismatch_of_an_algorithm_without_rollouts_says_so(tmp_path):
-    result = _check(tmp_path, "sft", "--mismatch")
+    scratch = tmp_path / "tmp"  # the system's temporary directory, as the check sees it
+    scratch.mkdir()
+    result = _check(tmp_path, "sft", "--mismatch", TMPDIR=str(scratch))
     assert result.returncode == 2
     assert "lit-rl check: error: the algorithm samples no rollouts" in result.stderr
+    assert "  run " not in result.stderr  # said before training anything
+    assert list(scratch.glob("lit-rl-check-*")) == []  # and no run left behind
 
 
 def test_mismatch_on_the_colocated_vllm_engine_shows_bf16_as_the_largest_factor(tmp_path):
