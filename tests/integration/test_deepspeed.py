@@ -150,20 +150,19 @@ def test_zero3_checkpoint_converts_to_a_loadable_hf_directory(tmp_path, zero3_ru
 
 
 @pytest.mark.eight_processes
-def test_eight_processes_ddp_and_zero3_log_the_global_values_with_exact_cadence(tmp_path):
+def test_eight_zero3_processes_log_the_global_values_with_exact_cadence(tmp_path):
     # 8 ranks x 4 completions x accumulation 2 = 64 completions per step; one process with accumulation 16 takes
-    # the same global batch, so its values are the global values the 8-process runs must log.
-    eight = ("--trainer.devices", "8")
+    # the same global batch, so its values are the global values the 8-process run must log. (DDP logs through the
+    # same metric reduction, checked on 2 and 4 processes in test_rank_invariance.py; 8 ranks of ZeRO-3 also shard
+    # every parameter 8 ways.)
     single = _rows(
         _fit(
             tmp_path, "single", "ddp", "--trainer.devices", "1", "--trainer.accumulate_grad_batches", "16", max_steps=2
         )
     )
-    ddp = _rows(_fit(tmp_path, "ddp8", "ddp", *eight, max_steps=2))
-    zero3_dir = _fit(tmp_path, "zero3_8", "deepspeed_zero3", *eight, max_steps=2)
+    zero3_dir = _fit(tmp_path, "zero3_8", "deepspeed_zero3", "--trainer.devices", "8", max_steps=2)
     assert saved_steps(zero3_dir) == [2]
-    assert [row["step"] for row in ddp] == [row["step"] for row in single] == [1, 2]
-    assert_rows_match(ddp, single, rel=1e-5, abs=1e-6)
+    assert [row["step"] for row in single] == [1, 2]
     assert_rows_match(_rows(zero3_dir), single, rel=1e-5, abs=1e-6)
 
 
