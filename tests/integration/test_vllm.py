@@ -128,9 +128,16 @@ def _check_run(log_dir: Path) -> None:
         assert 0.0 <= row["train/reward"] <= 1.1
 
 
-def test_grpo_trains_with_the_colocated_engine(tmp_path):
-    log_dir = _fit(tmp_path, "colocate", *COLOCATE)
-    _check_run(log_dir)
+@pytest.fixture(scope="module")
+def colocated_run(tmp_path_factory) -> Path:
+    """4 GRPO steps with the colocated engine, checked by `_check_run`; shared by the tests that read it."""
+    log_dir = _fit(tmp_path_factory.mktemp("colocated"), "full", *COLOCATE)
+    _check_run(log_dir)  # the engine samples from the trainer's weights (a gap here says so, before any comparison)
+    return log_dir
+
+
+def test_grpo_trains_with_the_colocated_engine(colocated_run):
+    log_dir = colocated_run
     pushes = [int(float(row["step"])) for row in _rows_with(log_dir, "perf/weight_push_s")]
     assert pushes == [1, 2, 3, 4]  # before every generation: the first, then after each optimizer step
     generations = [int(float(row["step"])) for row in _rows_with(log_dir, "perf/generation_s")]
@@ -199,12 +206,11 @@ def test_rloo_and_online_dpo_take_the_same_overlay(tmp_path, algorithm, group):
     _check_run(log_dir)
 
 
-def test_colocated_run_resumes_to_the_same_numbers(tmp_path):
+def test_colocated_run_resumes_to_the_same_numbers(tmp_path, colocated_run):
     # Each completion's seed is a function of the run's seed, the generation number (which the checkpoint
     # restores) and its place in the global batch (`RolloutProducer.completion_seeds`), and the resumed engine
     # gets the checkpoint's weights before its first generation: the resumed steps sample and train the same.
-    full = _fit(tmp_path, "full", *COLOCATE)
-    _check_run(full)  # the engine samples from the trainer's weights (a gap here says so, before any comparison)
+    full = colocated_run
     _fit(tmp_path, "half", *COLOCATE, max_steps=2)
     resumed = _fit(
         tmp_path, "half", *COLOCATE, "--ckpt_path", str(tmp_path / "half/run/version_0/checkpoints/step=2.ckpt")
