@@ -2,10 +2,10 @@
 must log the same per-step loss and metrics (the loss and every metric are normalised over the whole step).
 For GRPO that also needs the same completions in every layout (each is sampled with a seed of its place in the
 global batch, `RolloutProducer.completion_seeds`, not from its rank's random stream) and group statistics over
-the whole group when a group spans ranks (4 x 1 below, run where a group can span ranks). GRPO runs with beta > 0 and each of the four loss
-aggregations, whose denominators are counts over all ranks and micro-batches, and with asynchronous rollouts
-(max_staleness 1: every rank's generations sampled ahead by a background engine, then corrected by the engine's
-log-probs)."""
+the whole group when a group spans ranks (4 x 1 below, run where a group can span ranks). GRPO runs with beta > 0
+and each of the four loss aggregations, whose denominators are counts over all ranks and micro-batches, and with
+asynchronous rollouts (max_staleness 1: every rank's generations sampled ahead by a background engine, then
+corrected by the engine's log-probs)."""
 
 from __future__ import annotations
 
