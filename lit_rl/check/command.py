@@ -256,9 +256,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         keep = False
         try:
             mismatch(Check(config, workdir, steps_needed(config), say), gpus, say)
-        except RunFailed as err:  # its message names the run's log: keep it
+        except RunFailed as err:  # a run crashed or wrote nothing: keep the runs, and say where they are
             keep = True
             say(f"lit-rl check: error: {err}")
+            say(f"lit-rl check: the runs are in {workdir}")
             sys.exit(EXIT_NOTHING_CHECKED)
         finally:
             if scratch and not keep:
@@ -298,7 +299,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 def mismatch(check: Check, gpus: int, say: Callable[[str], None]) -> None:
     """`--mismatch`: one step as configured and one per factor changed; a table of their mismatch metrics. A run
-    that fails raises `RunFailed` (its message names the run's log, which the caller keeps)."""
+    that fails raises `RunFailed` (the caller keeps the runs and says where)."""
     from rich.table import Table
 
     try:

@@ -99,8 +99,11 @@ def _mismatch_rows(stdout: str) -> dict[str, list[str]]:
 
 
 def test_mismatch_reports_each_factor_and_names_the_one_that_moves_the_kl_most(tmp_path):
-    result = _check(tmp_path, "grpo", "--mismatch")
+    scratch = tmp_path / "tmp"  # the system's temporary directory, as the check sees it
+    scratch.mkdir()
+    result = _check(tmp_path, "grpo", "--mismatch", TMPDIR=str(scratch))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert list(scratch.glob("lit-rl-check-*")) == []  # its runs removed at the end
     rows = _mismatch_rows(result.stdout)
     for factor in ("as configured", "dtype", "packing"):  # measured: a KL and a ratio range
         kl, ratios = float(rows[factor][2]), rows[factor][3].split(" / ")
