@@ -41,13 +41,15 @@ from lit_rl.check.runner import RunFailed, RunResult, fit, last_line, read_run, 
 PAIRS = ("accumulation", "packing", "ranks", "resume", "cadence")
 EXIT_FAIL = 1
 EXIT_NOTHING_CHECKED = 2
+EXIT_INTERRUPTED = 130  # stopped by Ctrl-C (128 + SIGINT, as `lit-rl fit`)
 HELP = """Run your config in pairs of layouts that must train to the same numbers, and say whether they do.
 
   lit-rl check --config my.yaml [fit overrides] [--quick] [--steps K] [--pairs accumulation,resume]
 
 Pairs: accumulation (your micro-batches against one per step), ranks (1 process against 2), packing (padded
 against padding-free), resume (K steps against a stop after about K/2 and the printed resume command), cadence
-(checkpoints every 2 steps, straight and resumed). Exit 1 when a pair fails, 2 when none could run here.
+(checkpoints every 2 steps, straight and resumed). Exit 1 when a pair fails, 2 when none could run here,
+130 when stopped by Ctrl-C (the pairs finished so far are shown; the one running is neither PASS nor FAIL).
 
   lit-rl check --config my.yaml --mismatch
 
@@ -234,6 +236,14 @@ REPRODUCIBLE_BLAS = {"MKL_CBWR": "AUTO,STRICT", "MKL_DYNAMIC": "FALSE"}
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    try:
+        _check(argv)
+    except KeyboardInterrupt:  # the pairs print what they finished first (`_check`)
+        sys.stderr.write("lit-rl check: stopped by Ctrl-C\n")
+        sys.exit(EXIT_INTERRUPTED)
+
+
+def _check(argv: Optional[list[str]]) -> None:
     for name, value in REPRODUCIBLE_BLAS.items():
         os.environ.setdefault(name, value)
     options, fit_args = parse(sys.argv[2:] if argv is None else argv)
@@ -271,23 +281,32 @@ def main(argv: Optional[list[str]] = None) -> None:
         check_runs_here(config, gpus)
     except CannotRunHere as err:
         results = [PairResult(pair, "", "SKIP", detail=f"cannot run here: {err}") for pair in options.pairs]
-    for pair in options.pairs if not results else ():
-        say(f"lit-rl check: {pair}")
-        try:
-            results.append(check_pair(check, pair, gpus))
-        except CannotRunHere as err:
-            results.append(PairResult(pair, "", "SKIP", detail=f"cannot run here: {err}"))
-        except RunFailed as err:
-            results.append(PairResult(pair, "", "FAIL", detail=str(err)))
-        except Exception as err:  # noqa: BLE001  (one pair's error must not lose the others' results)
-            results.append(PairResult(pair, "", "FAIL", detail=f"{type(err).__name__}: {err}"))
-    print_table(results, sys.stdout.write)
+    interrupted = False
+    try:
+        for pair in options.pairs if not results else ():
+            say(f"lit-rl check: {pair}")
+            try:
+                results.append(check_pair(check, pair, gpus))
+            except CannotRunHere as err:
+                results.append(PairResult(pair, "", "SKIP", detail=f"cannot run here: {err}"))
+            except RunFailed as err:
+                results.append(PairResult(pair, "", "FAIL", detail=str(err)))
+            except Exception as err:  # noqa: BLE001  (one pair's error must not lose the others' results)
+                results.append(PairResult(pair, "", "FAIL", detail=f"{type(err).__name__}: {err}"))
+    except KeyboardInterrupt:  # the pair that was running is not a result: neither a PASS nor a FAIL
+        interrupted = True
+    if results:
+        print_table(results, sys.stdout.write)
     failed = [r.pair for r in results if r.status == "FAIL"]
     passed = [r.pair for r in results if r.status == "PASS"]
     if scratch and not failed:
         shutil.rmtree(workdir, ignore_errors=True)
     else:
         say(f"lit-rl check: the runs are in {workdir}")
+    if interrupted:
+        unchecked = [pair for pair in options.pairs if pair not in {r.pair for r in results}]
+        say(f"lit-rl check: stopped by Ctrl-C; not checked: {', '.join(unchecked)}")
+        sys.exit(EXIT_INTERRUPTED)
     if failed:
         say(f"lit-rl check: FAIL: {', '.join(failed)}")
         sys.exit(EXIT_FAIL)

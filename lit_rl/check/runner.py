@@ -14,11 +14,12 @@ import logging
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import yaml
@@ -27,6 +28,9 @@ from lit_rl.check.probe import INITIAL_PARAMETERS_FILE, PARAMETERS_FILE, REDUCTI
 from lit_rl.resume import checkpoint_step
 
 RESUME_HINT = "resume with: "
+# `lit-rl fit`'s exit code after a Ctrl-C (`GracefulStop`: the step finished, `last.ckpt` written). The check's own
+# stop of the resume pair sends SIGTERM (143): 130 is always the user's.
+EXIT_AFTER_CTRL_C = 128 + signal.SIGINT
 STOPPED_AFTER = re.compile(r"stopped by \w+ after step (\d+)")  # lit_rl.cli.exit_if_interrupted's line
 
 
@@ -55,29 +59,66 @@ def fit(config: dict, directory: Path, processes: int = 1) -> int:
 
 def run_cli(directory: Path, args: list[str], processes: int = 1) -> int:
     """`lit-rl *args`, its output appended to `<directory>/output.log`; its exit code. In this process, or in a
-    process of its own where the run has several (Lightning starts the other ranks by running the command again)."""
+    process of its own where the run has several (Lightning starts the other ranks by running the command again).
+
+    A Ctrl-C that stopped the run raises `KeyboardInterrupt`: the user stopped the check, and the run's exit must
+    not read as a pair that failed."""
     with open(directory / "output.log", "a") as log:
         if processes > 1:
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # this process's imports
-            return subprocess.run(
-                [sys.executable, "-m", "lit_rl.cli", *args], stdout=log, stderr=log, env=env
-            ).returncode
-        from lit_rl.cli import main
+            run = subprocess.Popen([sys.executable, "-m", "lit_rl.cli", *args], stdout=log, stderr=log, env=env)
+            code = _wait_or_stop(run)
+        else:
+            code = _run_in_this_process(args, log)
+    if code == EXIT_AFTER_CTRL_C:
+        raise KeyboardInterrupt
+    return code
 
-        with (
-            contextlib.redirect_stdout(log),
-            contextlib.redirect_stderr(log),
-            lightning_info_quiet(),
-            command_line(["lit-rl", *args]),
-        ):
-            try:
-                main(args)
-            except SystemExit as stop:
-                return stop.code if isinstance(stop.code, int) else 1
-            except Exception as err:  # noqa: BLE001  (reported as the run's failure, with its log)
-                log.write(f"{type(err).__name__}: {err}\n")
-                return 1
-    return 0
+
+def _wait_or_stop(run: subprocess.Popen, grace_s: float = 120.0) -> int:
+    """The exit code of a multi-process run. On a Ctrl-C (KeyboardInterrupt here) the run is ended before the
+    check: a SIGINT to its rank 0 (after the one a terminal sends every process of the job, a second Ctrl-C:
+    `lit-rl fit` then stops at once and ends its other ranks; alone, all ranks stop after the current step), and
+    SIGKILL to rank 0 if it has not ended after `grace_s`."""
+    try:
+        return run.wait()
+    except KeyboardInterrupt:
+        run.send_signal(signal.SIGINT)
+        try:
+            run.wait(timeout=grace_s)
+        except BaseException:  # not ended in time, or another Ctrl-C: end it now
+            run.kill()
+            run.wait()
+        raise
+
+
+def _run_in_this_process(args: list[str], log: Any) -> int:
+    from lit_rl.cli import main
+
+    handler = signal.getsignal(signal.SIGINT)
+    with (
+        contextlib.redirect_stdout(log),
+        contextlib.redirect_stderr(log),
+        lightning_info_quiet(),
+        command_line(["lit-rl", *args]),
+    ):
+        try:
+            main(args)
+            code = 0
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else 1
+        except Exception as err:  # noqa: BLE001  (reported as the run's failure, with its log)
+            log.write(f"{type(err).__name__}: {err}\n")
+            code = 1
+        finally:
+            # Lightning answers a KeyboardInterrupt inside `fit` (a second Ctrl-C) by ignoring SIGINT for good and
+            # exiting 1: in this process the next Ctrl-C would then do nothing. Put the handler back, and stop.
+            interrupted = signal.getsignal(signal.SIGINT) is signal.SIG_IGN and handler is not signal.SIG_IGN
+            if handler is not None:
+                signal.signal(signal.SIGINT, handler)
+    if interrupted:
+        raise KeyboardInterrupt
+    return code
 
 
 @contextlib.contextmanager

@@ -1,12 +1,14 @@
 """`lit-rl check` as a user runs it: every shipped config passes it in quick mode (or says why it cannot run on
 this machine), and the bugs users met elsewhere, planted through an objective, an estimator or a callback given by
-import path, fail it, naming the pair that shows them."""
+import path, fail it, naming the pair that shows them; a Ctrl-C stops it without a false verdict."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -53,6 +55,60 @@ def test_a_config_for_gpus_this_machine_lacks_is_skipped_saying_why(tmp_path, co
     assert _results(result.stdout) == {pair: "SKIP" for pair in PAIRS}, result.stdout
     assert "cannot run here: the config trains on 8 GPU(s)" in result.stdout
     assert "no pair could run here" in result.stderr
+
+
+# The run each layout writes first: the accumulation pair's second run (in this process), and the ranks pair's
+# two-process run (a `lit-rl fit` process of its own).
+CTRL_C_DURING = {"accumulation": "two_micro_batches", "ranks": "two_processes"}
+
+
+@pytest.mark.parametrize("pair", sorted(CTRL_C_DURING))
+def test_ctrl_c_stops_the_check_with_no_pair_failed_and_nothing_left_running(tmp_path, pair):
+    """A Ctrl-C while a run trains stops the check (exit 130), not just that run: the pair it interrupted is neither
+    PASS nor FAIL, the pairs after it do not start, no rank keeps running and the temporary runs are removed."""
+    scratch = tmp_path / "tmp"  # the system's temporary directory, as the check sees it
+    scratch.mkdir()
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    env = {**os.environ, "PATH": path, "PYTHONPATH": str(REPO), "TMPDIR": str(scratch)}
+    # 20 steps a run: the run is still training when the Ctrl-C comes (about 0.1 s a step on 2 cores).
+    command = ["lit-rl", "check", "--config", str(CONFIGS / "grpo.yaml"), "--steps", "20", "--pairs", f"{pair},cadence"]
+    check = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group: the Ctrl-C a terminal sends to every process of the job
+    )
+    try:
+        deadline = time.monotonic() + 300
+        running = f"lit-rl-check-*/{CTRL_C_DURING[pair]}/initial_parameters.pt"  # written as training starts
+        while not list(scratch.glob(running)) and check.poll() is None:
+            assert time.monotonic() < deadline, f"no {running} in 300 s"
+            time.sleep(0.05)
+        os.killpg(check.pid, signal.SIGINT)
+        stdout, stderr = check.communicate(timeout=300)
+    finally:
+        if check.poll() is None:
+            os.killpg(check.pid, signal.SIGKILL)
+    assert check.returncode == 130, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == f"lit-rl check: stopped by Ctrl-C; not checked: {pair}, cadence", stderr
+    assert "FAIL" not in stdout + stderr and "Traceback" not in stderr
+    assert "lit-rl check: cadence" not in stderr  # the next pair never started
+    deadline = time.monotonic() + 30
+    while _group_alive(check.pid):  # the run's ranks end with the check (they may take a moment to exit)
+        assert time.monotonic() < deadline, "processes of the check still running 30 s after it ended"
+        time.sleep(0.1)
+    assert list(scratch.glob("lit-rl-check-*")) == []  # no pair failed: the runs are removed
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 PLANTED = {
