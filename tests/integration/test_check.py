@@ -57,8 +57,8 @@ def test_a_config_for_gpus_this_machine_lacks_is_skipped_saying_why(tmp_path, co
     assert "no pair could run here" in result.stderr
 
 
-# The run each layout writes first: the accumulation pair's second run (in this process), and the ranks pair's
-# two-process run (a `lit-rl fit` process of its own).
+# The run the Ctrl-C interrupts, by pair: the accumulation pair's second run (in the check's process), and the ranks
+# pair's two-process run (a `lit-rl fit` process of its own, which starts the second rank).
 CTRL_C_DURING = {"accumulation": "two_micro_batches", "ranks": "two_processes"}
 
 
@@ -98,7 +98,9 @@ def test_ctrl_c_stops_the_check_with_no_pair_failed_and_nothing_left_running(tmp
     assert "lit-rl check: cadence" not in stderr  # the next pair never started
     deadline = time.monotonic() + 30
     while _group_alive(check.pid):  # the run's ranks end with the check (they may take a moment to exit)
-        assert time.monotonic() < deadline, "processes of the check still running 30 s after it ended"
+        if time.monotonic() > deadline:
+            os.killpg(check.pid, signal.SIGKILL)  # none left behind for the tests after this one
+            pytest.fail("processes of the check still running 30 s after it ended")
         time.sleep(0.1)
     assert list(scratch.glob("lit-rl-check-*")) == []  # no pair failed: the runs are removed
 
