@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
+import sys
+import time
 
 import pytest
 import torch
@@ -17,7 +20,7 @@ from lit_rl.check.layouts import (
     ranks_layouts,
     run_config,
 )
-from lit_rl.check.runner import RunResult
+from lit_rl.check.runner import RunResult, run_cli
 
 
 def _config(**trainer):
@@ -264,3 +267,23 @@ def test_the_check_asks_the_blas_for_reproducible_results_before_it_computes(tmp
     with pytest.raises(SystemExit):
         main(["--config", str(tmp_path / "missing.yaml"), "--quick"])
     assert os.environ["MKL_CBWR"] == "AUTO,STRICT" and os.environ["MKL_DYNAMIC"] == "FALSE"
+
+
+def test_a_ctrl_c_that_ended_a_run_stops_the_check_and_an_exit_1_alone_is_a_failed_run(monkeypatch, tmp_path):
+    """Lightning ends `fit` with its own exit 1 after a KeyboardInterrupt (a second Ctrl-C, or one before lit-rl's
+    graceful stop took SIGINT over): the runner must tell that from a run that failed."""
+    import lit_rl.cli
+
+    def ended_by_ctrl_c(args):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the KeyboardInterrupt arrives here
+        except KeyboardInterrupt:
+            sys.exit(1)  # as Lightning's `_call_and_handle_interrupt`
+
+    monkeypatch.setattr(lit_rl.cli, "main", ended_by_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        run_cli(tmp_path, ["fit"])
+    monkeypatch.setattr(lit_rl.cli, "main", lambda args: sys.exit(1))
+    assert run_cli(tmp_path, ["fit"]) == 1
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -17,6 +17,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -101,6 +102,7 @@ def _run_in_this_process(args: list[str], log: Any) -> int:
         contextlib.redirect_stderr(log),
         lightning_info_quiet(),
         command_line(["lit-rl", *args]),
+        signals_received() as received,
     ):
         try:
             main(args)
@@ -111,14 +113,37 @@ def _run_in_this_process(args: list[str], log: Any) -> int:
             log.write(f"{type(err).__name__}: {err}\n")
             code = 1
         finally:
-            # Lightning answers a KeyboardInterrupt inside `fit` (a second Ctrl-C) by ignoring SIGINT for good and
-            # exiting 1: in this process the next Ctrl-C would then do nothing. Put the handler back, and stop.
-            interrupted = signal.getsignal(signal.SIGINT) is signal.SIG_IGN and handler is not signal.SIG_IGN
-            if handler is not None:
+            if handler is not None:  # Lightning ignores SIGINT while it shuts down after a KeyboardInterrupt
                 signal.signal(signal.SIGINT, handler)
-    if interrupted:
+    # A Ctrl-C that Lightning turned into its exit 1 (a KeyboardInterrupt inside `fit`: a second Ctrl-C, or one
+    # before lit-rl's graceful stop took SIGINT over) is the user's too, not a failed run.
+    if signal.SIGINT in received:
         raise KeyboardInterrupt
     return code
+
+
+@contextlib.contextmanager
+def signals_received():
+    """The numbers of the signals that reached this process while the block ran, whichever Python handler took them
+    (Python writes each to the wake-up fd). Empty outside the main thread, where no wake-up fd can be set."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    os.set_blocking(write, False)
+    previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    try:
+        yield received
+    finally:
+        signal.set_wakeup_fd(previous)
+        try:
+            received.extend(os.read(read, 4096))
+        except BlockingIOError:  # nothing written
+            pass
+        os.close(read)
+        os.close(write)
 
 
 @contextlib.contextmanager
