@@ -21,9 +21,20 @@ NEEDS_GPUS = ["grpo_8gpu", "dpo_8gpu"]
 PAIRS = ("accumulation", "packing", "ranks", "resume", "cadence")
 
 
-def _check(tmp_path, config: str, *args: str, **env_vars: str) -> subprocess.CompletedProcess:
+def _env(**env_vars: str) -> dict[str, str]:
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])  # this Python's lit-rl
-    env = {**os.environ, "PATH": path, "PYTHONPATH": str(REPO), **env_vars}
+    return {**os.environ, "PATH": path, "PYTHONPATH": str(REPO), **env_vars}
+
+
+def _scratch(tmp_path):
+    """A directory for the check's `TMPDIR`: the system's temporary directory, as the check sees it."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    return scratch
+
+
+def _check(tmp_path, config: str, *args: str, **env_vars: str) -> subprocess.CompletedProcess:
+    env = _env(**env_vars)
     command = ["lit-rl", "check", "--config", str(CONFIGS / f"{config}.yaml"), "--quick", *args]
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
 
@@ -66,10 +77,8 @@ CTRL_C_DURING = {"accumulation": "two_micro_batches", "ranks": "two_processes"}
 def test_ctrl_c_stops_the_check_with_no_pair_failed_and_nothing_left_running(tmp_path, pair):
     """A Ctrl-C while a run trains stops the check (exit 130), not just that run: the pair it interrupted is neither
     PASS nor FAIL, the pairs after it do not start, no rank keeps running and the temporary runs are removed."""
-    scratch = tmp_path / "tmp"  # the system's temporary directory, as the check sees it
-    scratch.mkdir()
-    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-    env = {**os.environ, "PATH": path, "PYTHONPATH": str(REPO), "TMPDIR": str(scratch)}
+    scratch = _scratch(tmp_path)
+    env = _env(TMPDIR=str(scratch))
     # 20 steps a run: the run is still training when the Ctrl-C comes (about 0.1 s a step on 2 cores).
     command = ["lit-rl", "check", "--config", str(CONFIGS / "grpo.yaml"), "--steps", "20", "--pairs", f"{pair},cadence"]
     check = subprocess.Popen(
@@ -132,8 +141,7 @@ PLANTED = {
 @pytest.mark.parametrize("bug", sorted(PLANTED))
 def test_a_planted_bug_fails_the_pair_that_shows_it(tmp_path, bug):
     args, pair = PLANTED[bug]
-    scratch = tmp_path / "tmp"  # the system's temporary directory, as the check sees it
-    scratch.mkdir()
+    scratch = _scratch(tmp_path)
     result = _check(tmp_path, "grpo", *args, "--pairs", pair, TMPDIR=str(scratch))
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     assert _results(result.stdout) == {pair: "FAIL"}, result.stdout
@@ -157,8 +165,7 @@ def _mismatch_rows(stdout: str) -> dict[str, list[str]]:
 
 
 def test_mismatch_reports_each_factor_and_names_the_one_that_moves_the_kl_most(tmp_path):
-    scratch = tmp_path / "tmp"  # the system's temporary directory, as the check sees it
-    scratch.mkdir()
+    scratch = _scratch(tmp_path)
     result = _check(tmp_path, "grpo", "--mismatch", TMPDIR=str(scratch))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert list(scratch.glob("lit-rl-check-*")) == []  # its runs removed at the end
@@ -190,8 +197,7 @@ def test_mismatch_with_lora_in_bf16_names_merging_the_adapter(tmp_path):
 
 
 def test_mismatch_of_an_algorithm_without_rollouts_says_so(tmp_path):
-    scratch = tmp_path / "tmp"  # the system's temporary directory, as the check sees it
-    scratch.mkdir()
+    scratch = _scratch(tmp_path)
     result = _check(tmp_path, "sft", "--mismatch", TMPDIR=str(scratch))
     assert result.returncode == 2
     assert "lit-rl check: error: the algorithm samples no rollouts" in result.stderr
