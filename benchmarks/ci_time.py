@@ -2,6 +2,7 @@
 
     python benchmarks/ci_time.py --out benchmarks/results/ci_time.json     # clone HEAD, new venv, bash .ci/run
     python benchmarks/ci_time.py --markdown benchmarks/results/ci_time.json  # the README's sentence
+    python benchmarks/ci_time.py --log /tmp/ci.log        # also keep pytest's whole output (its warnings)
 
 Clones this checkout's HEAD into a temporary directory, creates a virtual environment there (`python -m venv`),
 and runs `bash .ci/run` inside it with the environment's `bin/` first on PATH, timed from start to exit. The test
@@ -61,7 +62,7 @@ def failure_report(output: str, limit: int = 12000) -> str:
     return section[:limit]
 
 
-def measure(workdir: Path) -> dict:
+def measure(workdir: Path, log: Path | None = None) -> dict:
     """`bash .ci/run` in a fresh clone of HEAD with a fresh virtual environment: seconds in all, for the tests
     (pytest's), for installing (the rest), and pytest's counts."""
     clone, venv = workdir / "clone", workdir / "venv"
@@ -72,7 +73,7 @@ def measure(workdir: Path) -> dict:
     started = time.monotonic()
     result = subprocess.run(["bash", ".ci/run"], cwd=clone, env=env, capture_output=True, text=True)
     total = time.monotonic() - started
-    (workdir / "ci.log").write_text(result.stdout + result.stderr)
+    (log or workdir / "ci.log").write_text(result.stdout + result.stderr)  # the whole output: warnings included
     if result.returncode != 0:  # what failed and why, before the temporary directory goes
         failed = [line for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
         print("\n".join(failed) or result.stdout[-3000:], file=sys.stderr)
@@ -105,12 +106,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None, help="JSON results")
     parser.add_argument("--markdown", type=Path, default=None, help="print the README's sentence of a results JSON")
+    parser.add_argument("--log", type=Path, default=None, help="keep the run's whole output (pytest's) in this file")
     args = parser.parse_args()
     if args.markdown:
         print("\n".join(claims(json.loads(args.markdown.read_text())["results"])))
         return
     with tempfile.TemporaryDirectory(prefix="lit-rl-ci-time-") as tmp:
-        results = measure(Path(tmp))
+        results = measure(Path(tmp), args.log)
     print("\n".join(claims(results)))
     if args.out:
         # What ran is the clone of a commit, clean by construction: its commit is recorded, not this tree's state.
