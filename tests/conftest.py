@@ -32,10 +32,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(autouse=True)
 def sigint_left_as_found(request):
     """Each test leaves SIGINT as it found it: Python's handler, the signal mask, and the handler the C library
-    holds (a native library can take SIGINT over without Python knowing: `signal.getsignal` still answers
-    `default_int_handler`, yet no Ctrl-C reaches Python). Twice a full local run failed the in-process Ctrl-C test
-    of `lit-rl check` that way, after some earlier test; alone it passes. The state is put back, and a warning
-    names the test that changed it."""
+    holds (native code can take SIGINT over without Python knowing: `signal.getsignal` still answers
+    `default_int_handler`). Twice a full local run failed the in-process Ctrl-C test of `lit-rl check` after some
+    earlier test, with Python's handler and the mask unchanged and no Ctrl-C reaching Python; alone it passes. The
+    suspected cause is the third; what changed is put back, and a warning names the test that changed it."""
     before = _sigint_state()
     yield
     after = _sigint_state()
