@@ -87,6 +87,7 @@ SHAPES = {
     "smoke": dict(vocab_size=QWEN_VOCAB, hidden_size=128, num_hidden_layers=2, intermediate_size=256),
 }
 PARTS = ("vllm", "hf", "hf_compiled", "strategies", "trl")
+STRATEGIES = ("deepspeed_zero2", "deepspeed_zero3", "fsdp")
 TARGETS = {"push_share_max": 0.02, "vllm_over_hf_min": 5.0, "lit_over_trl_max": 0.67}
 
 
@@ -192,6 +193,7 @@ def run_suite(
     engine: str = "vllm_colocate",
     steps: Optional[tuple[int, int]] = None,
     save: Callable[[dict], None] = lambda results: None,
+    strategies: tuple[str, ...] = STRATEGIES,
 ) -> dict:
     """Every part asked for; `save` gets the results so far after each run, so a slot that ends early keeps the
     runs that finished."""
@@ -215,8 +217,7 @@ def run_suite(
             for shape in shapes:
                 add("runs", lit_run(f"{hf_engine} {shape}", models[shape], hf_engine, "single", work, smoke, workdir))
     if "strategies" in parts:
-        strategies = ["deepspeed_zero2", "deepspeed_zero3"] + ([] if smoke else ["fsdp"])
-        for strategy in strategies:
+        for strategy in [s for s in strategies if not (smoke and s == "fsdp")]:
             name = f"{prefix} {first} {strategy}"
             add("runs", lit_run(name, models[first], engine, strategy, work, smoke, workdir))
     if "trl" in parts:
@@ -317,6 +318,13 @@ def main() -> None:
         default=None,
         help="optimizer steps per run and how many of them to leave out (default 12 3): fewer for a short slot",
     )
+    parser.add_argument(
+        "--strategies",
+        nargs="+",
+        choices=STRATEGIES,
+        default=list(STRATEGIES),
+        help="the `strategies` part's strategies (FSDP is left out of --cpu-smoke)",
+    )
     add_allow_dirty(parser)
     args = parser.parse_args()
     if args.markdown:
@@ -339,7 +347,9 @@ def main() -> None:
         write_report(out, merge(earlier, results), allow_dirty=args.allow_dirty, device=device_slug())
 
     with tempfile.TemporaryDirectory(prefix="lit-rl-gpu-suite-") as tmp:
-        results = run_suite(args.parts, shapes, args.cpu_smoke, rounds, Path(tmp), args.engine, args.steps, save)
+        results = run_suite(
+            args.parts, shapes, args.cpu_smoke, rounds, Path(tmp), args.engine, args.steps, save, args.strategies
+        )
     results = merge(earlier, results)
     print(markdown_table(results))
     if any("error" in r for r in results["runs"]):

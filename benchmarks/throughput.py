@@ -184,7 +184,14 @@ def summarise(log_dir: Path, warmup: int) -> dict:
         "split_s": {part: mean(f"perf/{part}_s") for part in PARTS},
         "rollout_logprob_diff_max": max(r.get("train/rollout_logprob_diff/max", 0.0) for r in steps),
         "rollout_kl_mean": mean("train/rollout_kl"),
-    }
+    } | _utilisation(steps)
+
+
+def _utilisation(steps: list[dict[str, float]]) -> dict:
+    """The run's mean `perf/tflops`, `perf/mfu` and `perf/update_mfu` after warm-up, where it logged them (`perf/mfu`
+    needs a known peak: a GPU in `lit_rl.training.flops.GPU_PEAKS` or the CPU's measured one)."""
+    keys = {"tflops": "perf/tflops", "mfu": "perf/mfu", "update_mfu": "perf/update_mfu"}
+    return {name: statistics.fmean(r[key] for r in steps) for name, key in keys.items() if all(key in r for r in steps)}
 
 
 def print_table(results: list[dict]) -> None:

@@ -21,6 +21,7 @@ import json
 import pytest
 import torch
 
+from lit_rl.training.flops import gpu_peaks
 from tests.conftest import CONFIGS, FAST_GRPO, fit_in_subprocess, read_metrics, strategy_overlay, train_rows
 
 pytestmark = [
@@ -103,3 +104,7 @@ def test_grpo_trains_on_the_gpu_in_bf16_with_hf_generate(tmp_path, strategy):
     rows = train_rows(log_dir)
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
     assert all(torch.isfinite(torch.tensor(row["train/loss"])) for row in rows), rows
+    # Utilisation over the data sheet's bf16 peak of a known GPU (one not in `GPU_PEAKS` logs no `perf/mfu`).
+    if gpu_peaks(torch.cuda.get_device_name()) is not None:
+        mfu = [float(row["perf/mfu"]) for row in read_metrics(log_dir) if row.get("perf/mfu")]
+        assert len(mfu) == 4 and all(0 < value < 1 for value in mfu), mfu
