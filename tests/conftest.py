@@ -175,7 +175,8 @@ CLI_COMMAND = [sys.executable, "-m", "lit_rl.cli"]
 
 
 def cli_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO)}
+    # The repository first, then whatever the caller's PYTHONPATH holds (a GPU machine's carried wheels).
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
 def fit_in_subprocess(
