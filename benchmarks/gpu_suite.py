@@ -263,13 +263,16 @@ def targets(results: dict) -> list[dict]:
 def markdown_table(results: dict) -> str:
     """The README's tables of a results file (a test checks the README carries exactly this)."""
     lines = [
-        "| run | s/step | generated tok/s | weight push s (share) | max logprob diff | rollout KL | peak memory |",
-        "|---|---|---|---|---|---|---|",
+        "| run | s/step | generated tok/s | weight push s (share) | max logprob diff | rollout KL | peak memory "
+        "| MFU (update's) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results["runs"]:
         if "error" in r:
-            lines.append(f"| {r['name']} | failed | | | | | |")
+            lines.append(f"| {r['name']} | failed | | | | | | |")
             continue
+        # Runs saved before the suite kept `perf/mfu` have none.
+        mfu = f"{100 * r['mfu']:.1f}% ({100 * r['update_mfu']:.1f}%)" if "mfu" in r else ""
         if "push_share" in r:  # a vLLM run: its push and the engine-trainer gap
             push = f"{r['split_s']['weight_push']:.3f} ({100 * r['push_share']:.1f}%)"
             gap = f"{r['rollout_logprob_diff_max']:.2e} | {r['rollout_kl_mean']:.1e}"
@@ -277,7 +280,7 @@ def markdown_table(results: dict) -> str:
             push, gap = "", " | "
         lines.append(
             f"| {r['name']} | {r['step_s']:.3f} | {r['generated_tokens_per_s']:.0f} | {push} | {gap} "
-            f"| {r['peak_memory_mib_per_rank']:.0f} MiB |"
+            f"| {r['peak_memory_mib_per_rank']:.0f} MiB | {mfu} |"
         )
     measured = targets(results)
     if measured:  # a run of some parts may measure none of the targets
