@@ -335,10 +335,10 @@ def main() -> None:
         return
     import torch
 
+    if not args.cpu_smoke and not torch.cuda.is_available():  # first: nothing else matters without a GPU
+        parser.error("no CUDA device: run on a GPU machine, or --cpu-smoke to check the pipeline on CPU")
     out = args.out or REPO / "benchmarks" / "results" / f"gpu_{device_slug()}.json"
     check_output(out, args.allow_dirty)
-    if not args.cpu_smoke and not torch.cuda.is_available():
-        parser.error("no CUDA device: run on a GPU machine, or --cpu-smoke to check the pipeline on CPU")
     wants_vllm = "vllm" in args.parts or (args.engine == "vllm_colocate" and {"strategies", "trl"} & set(args.parts))
     if wants_vllm and importlib.util.find_spec("vllm") is None:
         parser.error("vLLM is not installed: install it, or run `--parts hf strategies trl --engine hf`")
