@@ -21,6 +21,12 @@ ratio, the compile time (the warm generations' time beyond as many steady compil
 equal to the eager ones, and the largest log-prob difference from the trainer's forward of the same tokens
 (`completion_scores`), for the compiled and the eager engine, beside each other.
 
+The floor: the same rounds also time `--tokens` passes of a [rows, in] input through the model's weight matrices
+alone (every `nn.Linear`, the LM head included, each once per token; no attention, norms or sampling). At a
+decoding batch this small every weight is read from memory once per token for a few rows of arithmetic, so this
+is what one-token decoding cannot go below on this machine without batching more rows or holding smaller weights;
+`compiled / floor` says how much of a compiled generation is anything else.
+
 On a GPU (`--device cuda`) the compiled step runs as CUDA graphs (`reduce-overhead`); `--model qwen2.5-0.5b` is
 `benchmarks/gpu_suite.py`'s randomly initialised Qwen2.5-0.5B shape (vocabulary 151,936), its workload 8 prompts x
 G = 8 completions of 256 tokens (`--rows 64 --tokens 256`).
@@ -93,8 +99,21 @@ def child(
             torch.cuda.synchronize()  # kernels are queued: the wall time is the GPU's once they finish
         return time.perf_counter() - began, out
 
+    linears = [module for module in model.modules() if isinstance(module, torch.nn.Linear)]
+    inputs = [torch.randn(rows, m.in_features, dtype=dtype, device=device) for m in linears]
+
+    @torch.no_grad()
+    def weight_matmuls_s() -> float:
+        began = time.perf_counter()
+        for _ in range(tokens):
+            for module, x in zip(linears, inputs):
+                module(x)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - began
+
     warm_s = [timed(compiled, batches[i], i)[0] for i in range(warm)]
-    eager_s, compiled_s, equal, total, gap_compiled, gap_eager = [], [], 0, 0, 0.0, 0.0
+    eager_s, compiled_s, floor_s, equal, total, gap_compiled, gap_eager = [], [], [], 0, 0, 0.0, 0.0
     for r in range(rounds):
         for j, batch in enumerate(batches[warm:]):
             seed = 1000 * (r + 1) + j
@@ -102,6 +121,7 @@ def child(
             tc, b = timed(compiled, batch, seed)
             eager_s.append(te)
             compiled_s.append(tc)
+            floor_s.append(weight_matmuls_s())
             equal += int((a.completion_ids == b.completion_ids).sum())
             total += a.completion_ids.numel()
             for out, gaps in ((b, "compiled"), (a, "eager")):
@@ -124,6 +144,8 @@ def child(
         "eager_s": eager_med,
         "compiled_s": compiled_med,
         "speedup": eager_med / compiled_med,
+        "weight_matmuls_s": statistics.median(floor_s),
+        "weight_bytes": sum(m.weight.numel() * m.weight.element_size() for m in linears),
         "warm_generations_s": warm_s,
         "compile_s": compile_s,
         "break_even_generations": compile_s / saved if saved > 0 else None,
@@ -148,15 +170,17 @@ def run_child(dtype: str, args: argparse.Namespace) -> dict:
 def markdown_table(results: list[dict]) -> str:
     lines = [
         "| weights | eager s/generation | compiled | speed-up | compile s | break-even (generations) "
-        "| tokens equal | max log-prob gap to the trainer: compiled / eager |",
-        "|---|---|---|---|---|---|---|---|",
+        "| tokens equal | max log-prob gap to the trainer: compiled / eager "
+        "| weight-matmul floor s | compiled / floor |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         even = "never" if r["break_even_generations"] is None else f"{r['break_even_generations']:.0f}"
         lines.append(
             f"| {r['dtype']} | {r['eager_s']:.3f} | {r['compiled_s']:.3f} | {r['speedup']:.2f}x | {r['compile_s']:.1f} "
             f"| {even} | {100 * r['tokens_equal']:.1f}% | {r['max_logprob_gap_compiled']:.2g} / "
-            f"{r['max_logprob_gap_eager']:.2g} |"
+            f"{r['max_logprob_gap_eager']:.2g} | {r['weight_matmuls_s']:.3f} "
+            f"| {r['compiled_s'] / r['weight_matmuls_s']:.1f}x |"
         )
     return "\n".join(lines)
 

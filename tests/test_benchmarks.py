@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.conftest import REPO
 
@@ -158,6 +159,13 @@ def test_compiled_decoding_quick_reports_speed_compile_time_and_the_same_tokens(
     assert row["tokens_equal"] == 1.0  # float32: the eager tokens exactly
     assert row["max_logprob_gap_compiled"] <= row["max_logprob_gap_eager"] + 1e-5
     assert "| weights | eager s/generation | compiled |" in stdout and "float32: compiled decoding " in stdout
+    # The floor: the weight matmuls alone, a part of what a generation computes; every Linear's weight once.
+    assert 0 < row["weight_matmuls_s"] < row["compiled_s"]
+    from transformers import Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM(_benchmark_module("compiled_decoding").model_config("tiny"))
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert row["weight_bytes"] == sum(4 * m.weight.numel() for m in linears)  # float32
 
 
 @pytest.mark.slow
