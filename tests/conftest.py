@@ -34,8 +34,11 @@ def sigint_left_as_found(request):
     """Each test leaves SIGINT as it found it: Python's handler, the signal mask, and the handler the C library
     holds (native code can take SIGINT over without Python knowing: `signal.getsignal` still answers
     `default_int_handler`). Twice a full local run failed the in-process Ctrl-C test of `lit-rl check` after some
-    earlier test, with Python's handler and the mask unchanged and no Ctrl-C reaching Python; alone it passes. The
-    suspected cause is the third; what changed is put back, and a warning names the test that changed it."""
+    earlier test, with Python's handler and the mask unchanged and no Ctrl-C reaching Python; alone it passes. What
+    changed is put back, and a warning names the test that changed it. The first two-worker run (xdist) warned once:
+    the Ctrl-C test found SIGINT ignored (SIG_IGN, in Python and in the C library) and installed Python's handler.
+    No test before it had changed it, so it was set outside a test's own fixtures: by a module-scoped fixture, or
+    between tests (Lightning ignores SIGINT when a `fit` ends in a KeyboardInterrupt, `trainer/call.py`)."""
     before = _sigint_state()
     yield
     after = _sigint_state()

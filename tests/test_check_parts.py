@@ -282,11 +282,14 @@ def test_a_ctrl_c_that_ended_a_run_stops_the_check_and_an_exit_1_alone_is_a_fail
             sys.exit(1)  # as Lightning's `_call_and_handle_interrupt`
 
     monkeypatch.setattr(lit_rl.cli, "main", ended_by_ctrl_c)
-    # Python's handler in the C library too: after the full suite's earlier tests, a Ctrl-C once did not reach
-    # Python although `signal.getsignal` answered `default_int_handler` (see conftest's `sigint_left_as_found`).
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    with pytest.raises(KeyboardInterrupt):
-        run_cli(tmp_path, ["fit"])
-    monkeypatch.setattr(lit_rl.cli, "main", lambda args: sys.exit(1))
-    assert run_cli(tmp_path, ["fit"]) == 1
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # Python's own handler, whatever the process holds: a full run's earlier tests have left SIGINT ignored here
+    # (see conftest's `sigint_left_as_found`); the previous handler is put back after.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_cli(tmp_path, ["fit"])
+        monkeypatch.setattr(lit_rl.cli, "main", lambda args: sys.exit(1))
+        assert run_cli(tmp_path, ["fit"]) == 1
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
