@@ -177,9 +177,14 @@ def strategy_overlay(name: str) -> list[str]:
 CLI_COMMAND = [sys.executable, "-m", "lit_rl.cli"]
 
 
+def python_path(*first: Path) -> str:
+    """PYTHONPATH for a process a test starts: `first`, then the repository, then what the caller's PYTHONPATH
+    holds (kept: a GPU machine's carried wheels are found through it)."""
+    return os.pathsep.join([*map(str, first), str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 def cli_env() -> dict[str, str]:
-    # The repository first, then whatever the caller's PYTHONPATH holds (a GPU machine's carried wheels).
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    return {**os.environ, "PYTHONPATH": python_path()}
 
 
 def fit_in_subprocess(

@@ -282,8 +282,8 @@ def test_a_ctrl_c_that_ended_a_run_stops_the_check_and_an_exit_1_alone_is_a_fail
             sys.exit(1)  # as Lightning's `_call_and_handle_interrupt`
 
     monkeypatch.setattr(lit_rl.cli, "main", ended_by_ctrl_c)
-    # Python's own handler, whatever the process holds: a full run's earlier tests have left SIGINT ignored here
-    # (see conftest's `sigint_left_as_found`); the previous handler is put back after.
+    # Python's own handler, whatever the process holds: in a full run this process has been found with SIGINT
+    # ignored (see conftest's `sigint_left_as_found`); the previous handler is put back after.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):

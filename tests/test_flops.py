@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +15,7 @@ from transformers import Qwen2ForCausalLM
 from lit_rl.modeling.lora import LoRAConfig, apply_lora
 from lit_rl.modeling.models import tiny_qwen2_config
 from lit_rl.training.flops import ModelShape, Peak, RunThroughput, device_peak, row_tokens_and_keys
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.conftest import REPO, cli_env
 
 
 def _model(**config) -> torch.nn.Module:
@@ -111,7 +109,7 @@ def test_a_run_logs_tflops_and_mfu_every_step_and_the_summary_says_them(tmp_path
     command = [sys.executable, "-m", "lit_rl.cli", "fit", "--config", str(REPO / "configs" / "grpo.yaml")]
     overrides = ["--trainer.max_steps", "3", "--trainer.val_check_interval", "null", "--trainer.default_root_dir", "."]
     result = subprocess.run(
-        [*command, *overrides], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=_env()
+        [*command, *overrides], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=cli_env()
     )
     assert result.returncode == 0, result.stderr[-3000:]
     (metrics,) = tmp_path.glob("runs/**/metrics.csv")
@@ -125,12 +123,6 @@ def test_a_run_logs_tflops_and_mfu_every_step_and_the_summary_says_them(tmp_path
         )
     speed = next(line for line in result.stdout.splitlines() if line.strip().startswith("speed"))
     assert "TFLOP/s, MFU" in speed and "of measured cpu matmul, float32 peak" in speed, speed
-
-
-def _env() -> dict:
-    import os
-
-    return {**os.environ, "PYTHONPATH": str(REPO)}
 
 
 def test_the_step_clock_stops_while_validation_runs():

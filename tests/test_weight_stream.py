@@ -2,7 +2,6 @@
 never split a layer, gathered one bucket at a time."""
 
 import json
-import os
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -14,7 +13,7 @@ from lit_rl.modeling.lora import merged_weights
 from lit_rl.modeling.models import load_causal_lm
 from lit_rl.rollout import weights as weights_module
 from lit_rl.rollout.weights import buckets, plain_name, policy_weight_stream, weight_blocks
-from tests.conftest import REPO, perturbed_lora_model
+from tests.conftest import REPO, cli_env, perturbed_lora_model
 
 SFT_MODEL = "lit-rl/tiny-qwen2-addition-sft"  # 4 decoder layers of 1,051,136 bytes; embeddings tied
 LAYER_BYTES = 1_051_136
@@ -114,8 +113,7 @@ def test_an_fsdp_sharded_policy_streams_the_plain_names_and_whole_weights():
     stream carries the plain model's names and weights; gathered from the policy alone, the weights the root's
     flat parameter holds (embeddings, final norm) would stay sharded."""
     script = REPO / "tests" / "integration" / "fsdp_stream_check.py"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, str(script)], env=cli_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     by_root = {r["root"]: r for r in map(json.loads, result.stdout.strip().splitlines())}
     assert by_root[True] == {"root": True, "names": True, "values": True}

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.conftest import CONFIGS, REPO
+from tests.conftest import CONFIGS, python_path
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ PAIRS = ("accumulation", "packing", "ranks", "resume", "cadence")
 
 def _env(**env_vars: str) -> dict[str, str]:
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])  # this Python's lit-rl
-    return {**os.environ, "PATH": path, "PYTHONPATH": str(REPO), **env_vars}
+    return {**os.environ, "PATH": path, "PYTHONPATH": python_path(), **env_vars}
 
 
 def _scratch(tmp_path):

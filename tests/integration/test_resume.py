@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import CONFIGS, REPO
+from tests.conftest import CONFIGS, python_path
 
 # Small settings on the command line; nothing here touches the logger, the checkpoints or the export.
 SMALL = [
@@ -63,7 +63,7 @@ GRACE_PERIOD_S = 30
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])  # this Python's lit-rl
-    return {**os.environ, "PATH": path, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]), **extra}
+    return {**os.environ, "PATH": path, "PYTHONPATH": python_path(tmp_path), **extra}
 
 
 def _lit_rl(cwd: Path, env: dict[str, str], *args: str, **options: object) -> subprocess.CompletedProcess:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CONFIGS, REPO
+from tests.conftest import CONFIGS, python_path
 
 datasets = pytest.importorskip("datasets")
 pytest.importorskip("trl")
@@ -39,7 +39,7 @@ def recorder(prompts, completions, completion_ids, trainer_state, answer, **kwar
 
 def _lit_rl(cwd: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-    environ = {**os.environ, "PATH": path, "PYTHONPATH": os.pathsep.join([str(cwd), str(REPO)]), **env}
+    environ = {**os.environ, "PATH": path, "PYTHONPATH": python_path(cwd), **env}
     return subprocess.run(["lit-rl", *args], cwd=cwd, env=environ, capture_output=True, text=True, timeout=600)
 
 
