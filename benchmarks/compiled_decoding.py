@@ -4,14 +4,15 @@ compile time, the break-even generation count, and how far the compiled log-prob
     python benchmarks/compiled_decoding.py --out benchmarks/results/compiled_decoding_cpu.json
     python benchmarks/compiled_decoding.py --quick        # the tiny model, fp32 only, few generations
     python benchmarks/compiled_decoding.py --markdown benchmarks/results/compiled_decoding_cpu.json
-    python benchmarks/compiled_decoding.py --device cuda --model qwen2.5-0.5b --dtypes bfloat16 --rows 64 \
-        --tokens 256 --out benchmarks/results/compiled_decoding_<gpu>.json     # on a GPU: CUDA graphs
+    python benchmarks/compiled_decoding.py --device cuda --model qwen2.5-0.5b --dtypes bfloat16 --attention sdpa \
+        --rows 64 --tokens 256 --out benchmarks/results/compiled_decoding_<gpu>.json     # on a GPU: CUDA graphs
 
 The workload is GRPO's rollout from issue 34: a randomly initialised Qwen2 of hidden 512, 8 layers (21M
 parameters, the character tokenizer), 2 addition prompts x G = 8 completions of exactly 32 tokens
-(`min_new_tokens = max_new_tokens`), temperature 1, each row from its own seed. Each dtype (the weights in float32
-or bfloat16, as `trainer.precision` 32-true and bf16-true hold them) runs in its own process with an empty
-inductor cache, so the first generations pay a cold compile, as a user's first run does.
+(`min_new_tokens = max_new_tokens`), temperature 1, each row from its own seed, eager attention as in the TRL
+comparison's fastest settings (`--attention sdpa`: torch's fused kernel, the model's default). Each dtype (the
+weights in float32 or bfloat16, as `trainer.precision` 32-true and bf16-true hold them) runs in its own process
+with an empty inductor cache, so the first generations pay a cold compile, as a user's first run does.
 
 Per dtype: the wall time of the first `--warm` compiled generations (prompt lengths change between batches, so
 torch.compile compiles the step, then once more with the cache length symbolic), then `--rounds` rounds that
@@ -21,8 +22,13 @@ ratio, the compile time (the warm generations' time beyond as many steady compil
 equal to the eager ones, and the largest log-prob difference from the trainer's forward of the same tokens
 (`completion_scores`), for the compiled and the eager engine, beside each other.
 
+On CPU the compiled step multiplies weights packed once per generation into oneDNN's and MKL's own layout and
+compiles with inductor options of its own (`lit_rl/rollout/engines/static_decode.py`); `untuned` is the compiled
+step without either, timed in the same rounds, so `compiled / untuned` is what the two bring.
+
 The floor: the same rounds also time `--tokens` passes of a [rows, in] input through the model's weight matrices
-alone (every `nn.Linear`, the LM head included, each once per token; no attention, norms or sampling). At a
+alone (every `nn.Linear`, the LM head included, each once per token, packed on CPU as the compiled step runs them;
+no attention, norms or sampling). At a
 decoding batch this small every weight is read from memory once per token for a few rows of arithmetic, so this
 is what one-token decoding cannot go below on this machine without batching more rows or holding smaller weights;
 `compiled / floor` says how much of a compiled generation is anything else.
@@ -63,7 +69,15 @@ def model_config(size: str):
 
 
 def child(
-    dtype_name: str, size: str, rows: int, group: int, tokens: int, warm: int, rounds: int, device: str = "cpu"
+    dtype_name: str,
+    size: str,
+    rows: int,
+    group: int,
+    tokens: int,
+    warm: int,
+    rounds: int,
+    device: str = "cpu",
+    attention: str = "eager",
 ) -> dict:
     """One dtype's measurements (run in a fresh process)."""
     import torch
@@ -73,10 +87,14 @@ def child(
     from lit_rl.data.arithmetic import addition_rows
     from lit_rl.modeling.models import build_char_tokenizer
     from lit_rl.rollout import HFGenerateEngine, SamplingParams
+    from lit_rl.rollout.engines.packed_linear import PackedLinearMode, packed_weights
+    from lit_rl.rollout.engines.static_decode import CompiledDecoder
 
     torch.manual_seed(0)
     dtype = getattr(torch, dtype_name)
-    model = Qwen2ForCausalLM(model_config(size)).to(device=device, dtype=dtype).eval()
+    config = model_config(size)
+    config._attn_implementation = attention  # `model.policy.attn_implementation`
+    model = Qwen2ForCausalLM(config).to(device=device, dtype=dtype).eval()
     tokenizer = build_char_tokenizer()
     tokenizer.padding_side = "left"
     prompts = [row["prompt"] for row in addition_rows("train")]
@@ -89,8 +107,10 @@ def child(
         )
     params = SamplingParams(max_new_tokens=tokens, min_new_tokens=tokens, temperature=1.0)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    eager = HFGenerateEngine(model, eos, pad)
-    compiled = HFGenerateEngine(model, eos, pad, compiled=True)
+    engines = {"eager": HFGenerateEngine(model, eos, pad), "compiled": HFGenerateEngine(model, eos, pad, compiled=True)}
+    if device == "cpu":  # the compiled step without packed weights or inductor options, as it was before them
+        engines["untuned"] = HFGenerateEngine(model, eos, pad, compiled=True)
+        engines["untuned"].decoder = CompiledDecoder(model, cpu_tuned=False)
 
     def timed(engine, batch, seed):
         began = time.perf_counter()
@@ -104,24 +124,29 @@ def child(
 
     @torch.no_grad()
     def weight_matmuls_s() -> float:
+        """Every weight matrix once per token, as the compiled step multiplies it (packed, on CPU)."""
         began = time.perf_counter()
-        for _ in range(tokens):
-            for module, x in zip(linears, inputs):
-                module(x)
+        with packed_weights(), PackedLinearMode():
+            for _ in range(tokens):
+                for module, x in zip(linears, inputs):
+                    module(x)
         if device == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - began
 
-    warm_s = [timed(compiled, batches[i], i)[0] for i in range(warm)]
-    eager_s, compiled_s, floor_s, equal, total, gap_compiled, gap_eager = [], [], [], 0, 0, 0.0, 0.0
+    compiling = [name for name in engines if name != "eager"]
+    warm_s = {name: [timed(engines[name], batches[i], i)[0] for i in range(warm)] for name in compiling}
+    seconds = {name: [] for name in engines}
+    floor_s, equal, total, gap_compiled, gap_eager = [], 0, 0, 0.0, 0.0
     for r in range(rounds):
         for j, batch in enumerate(batches[warm:]):
             seed = 1000 * (r + 1) + j
-            te, a = timed(eager, batch, seed)
-            tc, b = timed(compiled, batch, seed)
-            eager_s.append(te)
-            compiled_s.append(tc)
+            outs = {}
+            for name, engine in engines.items():  # interleaved, on the same batch and seeds
+                took, outs[name] = timed(engine, batch, seed)
+                seconds[name].append(took)
             floor_s.append(weight_matmuls_s())
+            a, b = outs["eager"], outs["compiled"]
             equal += int((a.completion_ids == b.completion_ids).sum())
             total += a.completion_ids.numel()
             for out, gaps in ((b, "compiled"), (a, "eager")):
@@ -132,8 +157,9 @@ def child(
                     gap_compiled = max(gap_compiled, gap)
                 else:
                     gap_eager = max(gap_eager, gap)
-    eager_med, compiled_med = statistics.median(eager_s), statistics.median(compiled_s)
-    compile_s = sum(warm_s) - warm * compiled_med
+    medians = {name: statistics.median(values) for name, values in seconds.items()}
+    eager_med, compiled_med = medians["eager"], medians["compiled"]
+    compile_s = sum(warm_s["compiled"]) - warm * compiled_med
     saved = eager_med - compiled_med
     return {
         "dtype": dtype_name,
@@ -141,12 +167,14 @@ def child(
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "rows": rows,
         "tokens": tokens,
+        "attention": attention,
         "eager_s": eager_med,
         "compiled_s": compiled_med,
         "speedup": eager_med / compiled_med,
+        "untuned_compiled_s": medians.get("untuned"),
         "weight_matmuls_s": statistics.median(floor_s),
         "weight_bytes": sum(m.weight.numel() * m.weight.element_size() for m in linears),
-        "warm_generations_s": warm_s,
+        "warm_generations_s": warm_s["compiled"],
         "compile_s": compile_s,
         "break_even_generations": compile_s / saved if saved > 0 else None,
         "tokens_equal": equal / total,
@@ -160,7 +188,7 @@ def run_child(dtype: str, args: argparse.Namespace) -> dict:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}  # a cold compile, as a first run's
         command = [sys.executable, __file__, "--child", dtype, "--model", args.model, "--rows", str(args.rows)]
         command += ["--group", str(args.group), "--tokens", str(args.tokens), "--warm", str(args.warm)]
-        command += ["--rounds", str(args.rounds), "--device", args.device]
+        command += ["--rounds", str(args.rounds), "--device", args.device, "--attention", args.attention]
         done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"decoding in {dtype} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
@@ -171,25 +199,33 @@ def markdown_table(results: list[dict]) -> str:
     lines = [
         "| weights | eager s/generation | compiled | speed-up | compile s | break-even (generations) "
         "| tokens equal | max log-prob gap to the trainer: compiled / eager "
-        "| weight-matmul floor s | compiled / floor |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| weight-matmul floor s | compiled / floor | untuned compiled s | compiled / untuned |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         even = "never" if r["break_even_generations"] is None else f"{r['break_even_generations']:.0f}"
+        untuned = r.get("untuned_compiled_s")
+        tuning = "| - | - |" if untuned is None else f"| {untuned:.3f} | {r['compiled_s'] / untuned:.2f}x |"
         lines.append(
             f"| {r['dtype']} | {r['eager_s']:.3f} | {r['compiled_s']:.3f} | {r['speedup']:.2f}x | {r['compile_s']:.1f} "
             f"| {even} | {100 * r['tokens_equal']:.1f}% | {r['max_logprob_gap_compiled']:.2g} / "
             f"{r['max_logprob_gap_eager']:.2g} | {r['weight_matmuls_s']:.3f} "
-            f"| {r['compiled_s'] / r['weight_matmuls_s']:.1f}x |"
+            f"| {r['compiled_s'] / r['weight_matmuls_s']:.1f}x {tuning}"
         )
     return "\n".join(lines)
 
 
 def claims(results: list[dict]) -> list[str]:
-    return [
+    lines = [
         f"{r['dtype']}: compiled decoding {r['speedup']:.2f}x the eager loop's speed, {r['compile_s']:.0f} s to "
         f"compile, repaid after {r['break_even_generations'] or float('inf'):.0f} generations"
         for r in results
+    ]
+    return lines + [
+        f"{r['dtype']}: packed weights and inductor's options take a compiled generation to "
+        f"{r['compiled_s'] / r['untuned_compiled_s']:.2f}x the untuned step's time"
+        for r in results
+        if r.get("untuned_compiled_s")
     ]
 
 
@@ -197,6 +233,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--model", default="20m", choices=[*SIZES, "qwen2.5-0.5b", "qwen2.5-1.5b"])
+    parser.add_argument("--attention", default="eager", choices=["eager", "sdpa"], help="the attention kernel")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--rows", type=int, default=16, help="completions per generation")
     parser.add_argument("--group", type=int, default=8, help="completions per prompt (G)")
@@ -208,7 +245,15 @@ def main() -> None:
     args = parse_report_args(parser, markdown_table, claims)
     if args.child:
         measured = child(
-            args.child, args.model, args.rows, args.group, args.tokens, args.warm, args.rounds, args.device
+            args.child,
+            args.model,
+            args.rows,
+            args.group,
+            args.tokens,
+            args.warm,
+            args.rounds,
+            args.device,
+            args.attention,
         )
         print(json.dumps(measured))
         return

@@ -11,10 +11,16 @@ the counter-based Gumbel-max, so in float32 the tokens are the eager path's and 
 rounding. Finished rows keep running (a compiled step has fixed shapes; their tokens are masked afterwards) and
 decoding stops when every row has finished. Shapes: `torch.compile`'s automatic dynamic shapes compile the step
 for the first shape, once more with the changing dimension (cache length, rows) symbolic, then reuse it.
+
+On CPU two more things make the step faster (`benchmarks/compiled_decoding.py`): the weight matmuls run on weights
+packed once per generation (`packed_linear`), and inductor materialises any value used twice rather than
+recomputing it where it is used (`realize_opcount_threshold`): otherwise the query's rotary embedding, sines and
+cosines included, is recomputed inside attention's reduction once for every cached position.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Optional, Sequence
 
 import torch
@@ -22,6 +28,10 @@ import torch
 from lit_rl.ops import position_ids_from_mask
 from lit_rl.rollout.base import SamplingParams
 from lit_rl.rollout.engines.compact_decode import sample_next
+from lit_rl.rollout.engines.packed_linear import PackedLinearMode, packed_weights
+
+# Inductor's options for the step on CPU: materialise every value read twice (see the module's docstring).
+CPU_INDUCTOR_OPTIONS = {"realize_opcount_threshold": 1}
 
 
 class CompiledDecoder:
@@ -30,10 +40,18 @@ class CompiledDecoder:
     seconds at the first generation (`benchmarks/compiled_decoding.py` measures it and the break-even).
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, cpu_tuned: bool = True) -> None:
+        """`cpu_tuned=False`: on CPU too, the plain compiled step without packed weights or inductor options (what
+        `benchmarks/compiled_decoding.py` compares against)."""
         self.model = model
-        mode = "reduce-overhead" if _on_cuda(model) else None  # CUDA graphs replay the whole step on GPU
-        self.step = torch.compile(model.__call__, mode=mode)
+        self.on_cuda = _on_cuda(model)
+        self.packs_weights = cpu_tuned and not self.on_cuda
+        if self.on_cuda:  # CUDA graphs replay the whole step
+            self.step = torch.compile(model.__call__, mode="reduce-overhead")
+        elif cpu_tuned:
+            self.step = torch.compile(_step_on_packed_weights(model), options=CPU_INDUCTOR_OPTIONS)
+        else:
+            self.step = torch.compile(model.__call__)
         self._cache: Optional[Any] = None
         self._cache_shape: Optional[tuple] = None
 
@@ -51,7 +69,12 @@ class CompiledDecoder:
         longest row) and the sampled tokens' log-probs [N, T'] under `softmax(logits / logprob_temperature)`.
 
         `prefix_cache`: a KV cache of every row's prompt but its last token (`shared_prompt_cache`), or None.
+        On CPU the weights are packed for this generation and freed after it.
         """
+        with packed_weights() if self.packs_weights else nullcontext():
+            return self._decode(prompt_ids, prompt_mask, params, seeds, eos_token_ids, prefix_cache)
+
+    def _decode(self, prompt_ids, prompt_mask, params, seeds, eos_token_ids, prefix_cache):
         from lit_rl.rollout.engines.hf import SeededRowSampler, compile_stance
 
         N, P = prompt_ids.shape
@@ -118,6 +141,16 @@ class CompiledDecoder:
             _store_in_the_keys_dtype(layer)
         self._cache_shape = shape
         return self._cache
+
+
+def _step_on_packed_weights(model: torch.nn.Module):
+    """`model(**inputs)` with its weight matmuls on packed weights (`PackedLinearMode`), as one function to compile."""
+
+    def step(**inputs):
+        with PackedLinearMode():
+            return model(**inputs)
+
+    return step
 
 
 def _store_in_the_keys_dtype(layer: Any) -> None:
