@@ -119,8 +119,8 @@ class HFGenerate(EngineConfig):
         compile: decode with a static KV cache and a `torch.compile`d one-token step
             (`lit_rl.rollout.engines.static_decode`; CUDA graphs on GPU). The same samples (float32: the same tokens,
             log-probs to float rounding); compiling costs seconds to tens of seconds at the first generation, repaid
-            after a few hundred steps on a small model (`benchmarks/compiled_decoding.py`). Finished rows keep
-            running. Not with sharded parameters (ZeRO-3, FSDP) nor `lora_weights: merged`.
+            after about a hundred generations of a small model on CPU (`benchmarks/compiled_decoding.py`). Finished
+            rows keep running. Not with sharded parameters (ZeRO-3, FSDP) nor `lora_weights: merged`.
     """
 
     samples_on_trainer_devices = True
