@@ -12,10 +12,11 @@ rounding. Finished rows keep running (a compiled step has fixed shapes; their to
 decoding stops when every row has finished. Shapes: `torch.compile`'s automatic dynamic shapes compile the step
 for the first shape, once more with the changing dimension (cache length, rows) symbolic, then reuse it.
 
-On CPU two more things make the step faster (`benchmarks/compiled_decoding.py`): the weight matmuls run on weights
-packed once per generation (`packed_linear`), and inductor materialises any value used twice rather than
-recomputing it where it is used (`realize_opcount_threshold`): otherwise the query's rotary embedding, sines and
-cosines included, is recomputed inside attention's reduction once for every cached position.
+On CPU two more things make the step faster (`benchmarks/compiled_decoding.py`): float32 weight matmuls run on
+weights packed once per generation (`packed_linear`), and inductor stores any value of more than one operation that
+has several users instead of recomputing it inside each (`realize_opcount_threshold: 1`; on CPU it recomputes up to
+50 operations by default): otherwise the query's rotary embedding, sines and cosines included, is recomputed
+inside attention's reduction once for every cached position.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from lit_rl.rollout.base import SamplingParams
 from lit_rl.rollout.engines.compact_decode import sample_next
 from lit_rl.rollout.engines.packed_linear import PackedLinearMode, packed_weights
 
-# Inductor's options for the step on CPU: materialise every value read twice (see the module's docstring).
+# Inductor's options for the step on CPU: store values of more than one operation that are read twice (see above).
 CPU_INDUCTOR_OPTIONS = {"realize_opcount_threshold": 1}
 
 
@@ -44,11 +45,11 @@ class CompiledDecoder:
         """`cpu_tuned=False`: on CPU too, the plain compiled step without packed weights or inductor options (what
         `benchmarks/compiled_decoding.py` compares against)."""
         self.model = model
-        self.on_cuda = _on_cuda(model)
-        self.packs_weights = cpu_tuned and not self.on_cuda
-        if self.on_cuda:  # CUDA graphs replay the whole step
+        device = _device_type(model)
+        self.packs_weights = cpu_tuned and device == "cpu"
+        if device == "cuda":  # CUDA graphs replay the whole step
             self.step = torch.compile(model.__call__, mode="reduce-overhead")
-        elif cpu_tuned:
+        elif self.packs_weights:
             self.step = torch.compile(_step_on_packed_weights(model), options=CPU_INDUCTOR_OPTIONS)
         else:
             self.step = torch.compile(model.__call__)
@@ -74,7 +75,15 @@ class CompiledDecoder:
         with packed_weights() if self.packs_weights else nullcontext():
             return self._decode(prompt_ids, prompt_mask, params, seeds, eos_token_ids, prefix_cache)
 
-    def _decode(self, prompt_ids, prompt_mask, params, seeds, eos_token_ids, prefix_cache):
+    def _decode(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        params: SamplingParams,
+        seeds: Optional[Sequence[int]],
+        eos_token_ids: Sequence[int],
+        prefix_cache: Optional[Any],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         from lit_rl.rollout.engines.hf import SeededRowSampler, compile_stance
 
         N, P = prompt_ids.shape
@@ -172,5 +181,5 @@ def _layer_states(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
-def _on_cuda(model: torch.nn.Module) -> bool:
-    return next(model.parameters()).device.type == "cuda"
+def _device_type(model: torch.nn.Module) -> str:
+    return next(model.parameters()).device.type
