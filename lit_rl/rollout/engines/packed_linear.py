@@ -15,7 +15,7 @@ share an address), and each pack holds its parameter, so no other tensor can tak
 generation. The products are MKL's on the same numbers, equal to `F.linear`'s to float rounding
 (`tests/test_packed_linear.py`). Memory: during a generation the packs are a second copy of the packed weights.
 
-bfloat16 weights are not packed: oneDNN's bfloat16 packs save less and cost more to make (repaid after 6 to 23
+bfloat16 weights are not packed: oneDNN's bfloat16 packs save less and cost more to make (repaid after 6 to 25
 one-token steps in `benchmarks/packed_linear.py`, before this op's own overhead), and training changes the weights
 before every generation, so a pack would serve one generation of a few dozen tokens.
 """
@@ -34,7 +34,7 @@ _library = torch.library.Library("lit_rl", "FRAGMENT")
 _library.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 
 # Smaller weights are read fast enough as they are: a packed 256 KiB weight multiplied no faster than `F.linear`
-# once the op's own overhead is counted, 1 MiB ones in about 0.7x its time (`benchmarks/packed_linear.py`).
+# once the op's own overhead is counted, 1 MiB ones in about 0.75x its time (`benchmarks/packed_linear.py`).
 MIN_PACKED_BYTES = 512 << 10
 
 
