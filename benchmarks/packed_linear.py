@@ -4,6 +4,7 @@ decoding packs on CPU, and why bfloat16 ones are not packed.
 
     python benchmarks/packed_linear.py --out benchmarks/results/packed_linear_cpu.json
     python benchmarks/packed_linear.py --markdown benchmarks/results/packed_linear_cpu.json
+    python benchmarks/packed_linear.py --quick          # two shapes, 8 MiB of weights, one round
 
 For float32 and bfloat16 and each weight shape (the 21M-parameter model's [512, 512], [1024, 512] and [512, 1024],
 smaller and larger ones): the median time of `F.linear` on a [rows, 1, in] input; of `torch.ops.lit_rl.packed_linear`
@@ -42,12 +43,12 @@ def timed_us(call, calls: int) -> float:
     return (time.perf_counter() - began) / calls * 1e6
 
 
-def measure(rows: int, rounds: int, cycle_mib: int) -> list[dict]:
+def measure(rows: int, rounds: int, cycle_mib: int, shapes: list[tuple[int, int]] = SHAPES) -> list[dict]:
     from lit_rl.rollout.engines.packed_linear import packed_weights
 
     results = []
     for dtype in (torch.float32, torch.bfloat16):
-        for out_features, in_features in SHAPES:
+        for out_features, in_features in shapes:
             torch.manual_seed(0)
             size = out_features * in_features * torch.tensor([], dtype=dtype).element_size()
             copies = max(1, (cycle_mib << 20) // size)
@@ -123,9 +124,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=16, help="rows of a decoding step (completions)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--cycle-mib", type=int, default=128, help="MiB of distinct weights a round cycles through")
+    parser.add_argument("--quick", action="store_true", help="two shapes, 8 MiB of weights, one round")
     args = parse_report_args(parser, markdown_table, claims)
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    results = measure(args.rows, args.rounds, args.cycle_mib)
+    shapes = SHAPES
+    if args.quick:
+        args.rounds, args.cycle_mib, shapes = 1, 8, [(128, 128), (512, 512)]
+    results = measure(args.rows, args.rounds, args.cycle_mib, shapes)
     publish(args, results, markdown_table, claims, workload=vars(args) | {"out": None, "markdown": None})
 
 

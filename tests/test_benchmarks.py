@@ -166,6 +166,24 @@ def test_compiled_decoding_quick_reports_speed_compile_time_and_the_same_tokens(
     model = Qwen2ForCausalLM(_benchmark_module("compiled_decoding").model_config("tiny"))
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert row["weight_bytes"] == sum(4 * m.weight.numel() for m in linears)  # float32
+    # On CPU: the compiled step without packed weights or inductor's option, in the same rounds.
+    assert row["untuned_compiled_s"] > 0 and row["untuned_compile_s"] is not None
+    assert "| untuned compiled s | compiled / untuned |" in stdout and "takes " in stdout
+
+
+def test_packed_linear_quick_times_each_product_both_ways_with_its_packing(tmp_path):
+    report, stdout = _quick_report("packed_linear", tmp_path)
+    rows = report["results"]
+    assert [(r["dtype"], r["shape"]) for r in rows] == [
+        (dtype, shape) for dtype in ("float32", "bfloat16") for shape in ([128, 128], [512, 512])
+    ]
+    for r in rows:
+        assert r["f_linear_us"] > 0 and r["packed_us"] > 0 and r["pack_us"] > 0 and r["rows"] == 16
+        assert r["packed_over_f_linear"] == pytest.approx(r["packed_us"] / r["f_linear_us"])
+        saved = r["f_linear_us"] - r["packed_us"]
+        assert r["break_even_tokens"] == (pytest.approx(r["pack_us"] / saved) if saved > 0 else None)
+        assert r["copies"] * r["weight_kib"] >= 8 * 1024 - r["weight_kib"]  # each call reads its weight from memory
+    assert "| weights | shape | KiB | F.linear us | packed us |" in stdout
 
 
 @pytest.mark.slow
