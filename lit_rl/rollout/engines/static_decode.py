@@ -70,20 +70,8 @@ class CompiledDecoder:
         longest row) and the sampled tokens' log-probs [N, T'] under `softmax(logits / logprob_temperature)`.
 
         `prefix_cache`: a KV cache of every row's prompt but its last token (`shared_prompt_cache`), or None.
-        On CPU the weights are packed for this generation and freed after it.
+        On CPU the weights are packed for this generation's steps and freed after them.
         """
-        with packed_weights() if self.packs_weights else nullcontext():
-            return self._decode(prompt_ids, prompt_mask, params, seeds, eos_token_ids, prefix_cache)
-
-    def _decode(
-        self,
-        prompt_ids: torch.Tensor,
-        prompt_mask: torch.Tensor,
-        params: SamplingParams,
-        seeds: Optional[Sequence[int]],
-        eos_token_ids: Sequence[int],
-        prefix_cache: Optional[Any],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
         from lit_rl.rollout.engines.hf import SeededRowSampler, compile_stance
 
         N, P = prompt_ids.shape
@@ -117,24 +105,25 @@ class CompiledDecoder:
         )
         next_position = positions[:, -1:] + 1  # [N, 1]
         steps = 0
-        for t in range(T):
-            chosen, logprob = sample_next(out.logits[:, -1, :], t, params, sampler, row_seeds, eos)
-            tokens[:, t] = chosen.to(tokens.dtype)
-            logprobs[:, t] = logprob
-            steps = t + 1
-            finished |= torch.isin(chosen, eos)
-            if t == T - 1 or bool(finished.all()):
-                break
-            with compile_stance("default"):  # the engine decodes under "force_eager"
-                out = self.step(
-                    input_ids=chosen[:, None].to(prompt_ids.dtype),
-                    attention_mask=attention_mask,
-                    position_ids=next_position,
-                    past_key_values=cache,
-                    cache_position=torch.tensor([P + t], device=device),
-                    use_cache=True,
-                )
-            next_position = next_position + 1
+        with packed_weights() if self.packs_weights else nullcontext():
+            for t in range(T):
+                chosen, logprob = sample_next(out.logits[:, -1, :], t, params, sampler, row_seeds, eos)
+                tokens[:, t] = chosen.to(tokens.dtype)
+                logprobs[:, t] = logprob
+                steps = t + 1
+                finished |= torch.isin(chosen, eos)
+                if t == T - 1 or bool(finished.all()):
+                    break
+                with compile_stance("default"):  # the engine decodes under "force_eager"
+                    out = self.step(
+                        input_ids=chosen[:, None].to(prompt_ids.dtype),
+                        attention_mask=attention_mask,
+                        position_ids=next_position,
+                        past_key_values=cache,
+                        cache_position=torch.tensor([P + t], device=device),
+                        use_cache=True,
+                    )
+                next_position = next_position + 1
         return tokens[:, :steps], logprobs[:, :steps]
 
     def _static_cache(self, rows: int, length: int, device: torch.device) -> Any:
