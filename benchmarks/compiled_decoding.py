@@ -30,10 +30,9 @@ same process (so it may find some kernels in inductor's cache).
 
 The floor: the same rounds also time `--tokens` passes of a [rows, in] input through the model's weight matrices
 alone (every `nn.Linear`, the LM head included, each once per token, packed on CPU as the compiled step runs them;
-no attention, norms or sampling). At a
-decoding batch this small every weight is read from memory once per token for a few rows of arithmetic, so this
-is what one-token decoding cannot go below on this machine without batching more rows or holding smaller weights;
-`compiled / floor` says how much of a compiled generation is anything else.
+no attention, norms or sampling). At a decoding batch this small every weight is read from memory once per token
+for a few rows of arithmetic, so this is what one-token decoding cannot go below on this machine without batching
+more rows or holding smaller weights; `compiled / floor` says how much of a compiled generation is anything else.
 
 On a GPU (`--device cuda`) the compiled step runs as CUDA graphs (`reduce-overhead`); `--model qwen2.5-0.5b` is
 `benchmarks/gpu_suite.py`'s randomly initialised Qwen2.5-0.5B shape (vocabulary 151,936), its workload 8 prompts x
@@ -111,7 +110,7 @@ def child(
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     engines = {"eager": HFGenerateEngine(model, eos, pad), "compiled": HFGenerateEngine(model, eos, pad, compiled=True)}
     if device == "cpu":  # the compiled step without packed weights or inductor options, as it was before them
-        engines["untuned"] = HFGenerateEngine(model, eos, pad, compiled=True)
+        engines["untuned"] = HFGenerateEngine(model, eos, pad)
         engines["untuned"].decoder = CompiledDecoder(model, cpu_tuned=False)
 
     def timed(engine, batch, seed):

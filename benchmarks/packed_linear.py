@@ -36,11 +36,10 @@ from provenance import parse_report_args, publish  # noqa: E402
 SHAPES = [(128, 128), (512, 128), (512, 512), (1024, 512), (512, 1024), (2048, 512), (4864, 896)]
 
 
-def timed_us(call, calls: int) -> float:
+def timed_us(call) -> float:
     began = time.perf_counter()
-    for _ in range(calls):
-        call()
-    return (time.perf_counter() - began) / calls * 1e6
+    call()
+    return (time.perf_counter() - began) * 1e6
 
 
 def measure(rows: int, rounds: int, cycle_mib: int, shapes: list[tuple[int, int]] = SHAPES) -> list[dict]:
@@ -74,7 +73,7 @@ def measure(rows: int, rounds: int, cycle_mib: int, shapes: list[tuple[int, int]
                     call()  # warm-up (the float32 op packs its weights here)
                 for _ in range(rounds):
                     for name, call in (("f_linear_us", plain), ("packed_us", packed), ("pack_us", pack)):
-                        times[name].append(timed_us(call, 1) / copies)
+                        times[name].append(timed_us(call) / copies)
             row = {name: statistics.median(values) for name, values in times.items()}
             saved = row["f_linear_us"] - row["packed_us"]
             row |= {
