@@ -8,7 +8,9 @@ CLI. Skipped where no GPU is visible, so CI (CPU) collects and skips them. The n
   engine still samples from the pushed weights;
 - under ZeRO-3 (bucketed, every parameter partitioned) and FSDP the pushed weights are the policy's;
 - without vLLM (HF `generate`), GRPO trains on the GPU in `bf16-mixed` alone, under ZeRO-2/3 and under FSDP, and
-  the policy computes in bf16 on the GPU.
+  the policy computes in bf16 on the GPU;
+- compiled decoding (`configs/rollout/hf_compiled.yaml`: a static cache and the one-token step as CUDA graphs)
+  samples the eager loop's tokens with their log-probs in float32, and GRPO trains with it in `bf16-mixed`.
 
 The vLLM tests are skipped, with the reason, where vLLM is not installed (a GPU machine without a registry).
 """
@@ -32,6 +34,7 @@ pytestmark = [
 
 GPU = ("--trainer.accelerator", "gpu", "--trainer.devices", "1")
 COLOCATE = ("--config", str(CONFIGS / "rollout" / "vllm_colocate.yaml"))
+TINY = "lit-rl/tiny-qwen2-addition-sft"
 BF16_GAP = 0.05  # mean k3 KL between a bf16 engine's and the bf16-mixed trainer's log-probs, per token
 
 
@@ -44,7 +47,9 @@ def _probes(directory, probes=("RecordPrecision", "RecordEnginePlacement")) -> l
 
 
 def _fit(tmp_path, name, *args, steps=4, engine=COLOCATE):
-    vllm = ("--model.rollout.engine.gpu_memory_utilization", "0.2") if engine else ()
+    colocated = engine == COLOCATE
+    vllm = ("--model.rollout.engine.gpu_memory_utilization", "0.2") if colocated else ()
+    probes = ("RecordPrecision", "RecordEnginePlacement") if colocated else ("RecordPrecision",)
     return fit_in_subprocess(
         tmp_path,
         name,
@@ -58,7 +63,7 @@ def _fit(tmp_path, name, *args, steps=4, engine=COLOCATE):
         str(steps),
         *vllm,
         *args,
-        *_probes(tmp_path / f"{name}_probe", probes=("RecordPrecision", "RecordEnginePlacement")[: 2 if engine else 1]),
+        *_probes(tmp_path / f"{name}_probe", probes),
     )
 
 
@@ -108,3 +113,32 @@ def test_grpo_trains_on_the_gpu_in_bf16_with_hf_generate(tmp_path, strategy):
     if gpu_peaks(torch.cuda.get_device_name()) is not None:
         mfu = [float(row["perf/mfu"]) for row in read_metrics(log_dir) if row.get("perf/mfu")]
         assert len(mfu) == 4 and all(0 < value < 1 for value in mfu), mfu
+
+
+def test_compiled_decoding_on_the_gpu_samples_the_eager_tokens_with_their_logprobs():
+    """The CUDA-graph step (`mode="reduce-overhead"`) against the eager loop, float32, on the GPU: the same tokens,
+    log-probs within the 1e-5 that the CPU tests hold (`tests/test_static_decode.py`), shared prompts included."""
+    from lit_rl.modeling.models import load_causal_lm, load_tokenizer
+    from lit_rl.rollout import HFGenerateEngine, SamplingParams
+
+    tokenizer, model = load_tokenizer(TINY), load_causal_lm(TINY).to("cuda")
+    eager = HFGenerateEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    compiled = HFGenerateEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, compiled=True)
+    enc = tokenizer(["1+2=", "45+67=", "9+99=", "123+4567="], padding=True, return_tensors="pt")
+    ids, mask = (enc[key].repeat_interleave(4, 0).to("cuda") for key in ("input_ids", "attention_mask"))
+    params = SamplingParams(max_new_tokens=12, temperature=1.0)
+    seeds = list(range(3, 3 + len(ids)))
+    a = eager.generate(ids, mask, params, seeds)
+    for _ in range(2):  # the second call replays the recorded graphs
+        b = compiled.generate(ids, mask, params, seeds)
+        assert torch.equal(a.completion_ids, b.completion_ids)
+        gap = (a.logprobs - b.logprobs).abs().max().item()
+        assert gap <= 1e-5, f"max |log-prob gap| {gap:.2e}"
+
+
+def test_grpo_trains_on_the_gpu_in_bf16_with_compiled_decoding(tmp_path):
+    overlay = ("--config", str(CONFIGS / "rollout" / "hf_compiled.yaml"))
+    log_dir = _fit(tmp_path, "compiled", engine=overlay)
+    rows = train_rows(log_dir)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert all(torch.isfinite(torch.tensor(row["train/loss"])) for row in rows), rows
