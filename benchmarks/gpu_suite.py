@@ -128,7 +128,7 @@ def workload(smoke: bool, engine: str = "vllm_colocate") -> SimpleNamespace:
         vllm=not smoke and engine == "vllm_colocate",
         sleep_mode=not smoke and engine == "vllm_colocate",
         # lit-rl's compiled HF decoding (TRL's static cache: `trl_ratio`).
-        lit_flags=("--config", str(ENGINES["hf_compiled"])) if engine == "hf_compiled" else (),
+        lit_flags=tuple(ENGINES["hf_compiled"]) if engine == "hf_compiled" else (),
     )
     return SimpleNamespace(flags=flags, steps=steps, warmup=warmup, trl=trl)
 

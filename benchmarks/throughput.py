@@ -56,11 +56,14 @@ STRATEGIES = {
     "deepspeed_zero2": CONFIGS / "strategy" / "deepspeed_zero2.yaml",
     "deepspeed_zero3": CONFIGS / "strategy" / "deepspeed_zero3.yaml",
 }
-ENGINES = {
-    "hf": None,
-    "hf_compiled": CONFIGS / "rollout" / "hf_compiled.yaml",
-    "vllm_colocate": CONFIGS / "rollout" / "vllm_colocate.yaml",
-    "vllm_server": CONFIGS / "rollout" / "vllm_server.yaml",
+ENGINES = {  # each engine's `lit-rl fit` flags
+    "hf": [],
+    # ZeRO-3 decoding through its partitions (every forward gathers layer by layer), against the default's whole
+    # weights gathered once per generation; the same as `hf` under any other strategy.
+    "hf_partitioned": ["--model.rollout.engine", "HFGenerate", "--model.rollout.engine.gather_weights", "false"],
+    "hf_compiled": ["--config", str(CONFIGS / "rollout" / "hf_compiled.yaml")],
+    "vllm_colocate": ["--config", str(CONFIGS / "rollout" / "vllm_colocate.yaml")],
+    "vllm_server": ["--config", str(CONFIGS / "rollout" / "vllm_server.yaml")],
 }
 
 
@@ -119,7 +122,7 @@ def run_one(args, engine: str, strategy: str, devices: int, workdir: Path, stale
         "--config",
         str(args.config),
         *(["--config", str(STRATEGIES[strategy])] if STRATEGIES[strategy] else []),
-        *(["--config", str(ENGINES[engine])] if ENGINES[engine] else []),
+        *ENGINES[engine],
         "--trainer.accelerator",
         args.accelerator,
         "--trainer.devices",

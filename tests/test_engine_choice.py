@@ -89,7 +89,7 @@ def test_a_checkpoint_keeps_the_choice_as_data_and_imports_no_code_from_it():
 def test_0_1_vllm_settings_become_the_engine_they_meant():
     assert engine_of_0_1(None) == {
         "class_path": "lit_rl.rollout.HFGenerate",
-        "init_args": {"lora_weights": "adapter", "compile": False},
+        "init_args": {"lora_weights": "adapter", "compile": False, "gather_weights": True},
     }
     server = engine_of_0_1({"mode": "server", "server_url": "http://h:1", "weight_transfer": "gloo", "dtype": "auto"})
     assert server == {

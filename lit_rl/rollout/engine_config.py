@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal, Optional
 
 import torch
@@ -121,13 +122,21 @@ class HFGenerate(EngineConfig):
             log-probs to float rounding); compiling costs seconds to tens of seconds at the first generation, repaid
             after about a hundred generations of a small model on CPU (`benchmarks/compiled_decoding.py`). Finished
             rows keep running. Not with sharded parameters (ZeRO-3, FSDP) nor `lora_weights: merged`.
+        gather_weights: under ZeRO-3, gather the policy's weights whole on each rank once per generation and decode
+            without DeepSpeed's per-module hooks, as TRL does by default (`ds3_gather_for_generation`): decoding
+            then costs what it costs unsharded, for one whole copy of the policy per rank while it samples. false:
+            every decoding step gathers each layer again and the ranks step together, for a policy too large to hold
+            whole on one device. No effect under other strategies (FSDP decodes through its shards).
     """
 
     samples_on_trainer_devices = True
 
-    def __init__(self, lora_weights: Literal["adapter", "merged"] = "adapter", compile: bool = False) -> None:
+    def __init__(
+        self, lora_weights: Literal["adapter", "merged"] = "adapter", compile: bool = False, gather_weights: bool = True
+    ) -> None:
         self.lora_weights = lora_weights
         self.compile = compile
+        self.gather_weights = gather_weights
         self.check()
 
     def check(self) -> None:
@@ -143,6 +152,7 @@ class HFGenerate(EngineConfig):
 
     def build(self, module: Any) -> RolloutEngine:
         from lit_rl.rollout.engines.hf import HFGenerateEngine, model_eos_token_ids
+        from lit_rl.training.strategies import is_zero3, zero3_whole_weights
 
         sharded = module.parameters_sharded()
         if self.lora_weights == "merged" and sharded:
@@ -156,6 +166,11 @@ class HFGenerate(EngineConfig):
                 "(ZeRO-3, FSDP): use DDP or ZeRO-2, or leave compile off"
             )
         eos_ids = model_eos_token_ids(module.policy, module.tokenizer.eos_token_id)
+        strategy = getattr(getattr(module, "_trainer", None), "strategy", None)
+        whole_weights = None
+        if self.gather_weights and is_zero3(strategy):  # then no forward of decoding is a collective
+            whole_weights = partial(zero3_whole_weights, strategy, module.policy)
+            sharded = False
         return HFGenerateEngine(
             module.policy,
             eos_ids,
@@ -163,6 +178,7 @@ class HFGenerate(EngineConfig):
             synced_ranks=sharded,
             merged_lora=self.lora_weights == "merged",
             compiled=self.compile,
+            whole_weights=whole_weights,
         )
 
     def numerics_differ(self, compute_dtype: torch.dtype) -> bool:

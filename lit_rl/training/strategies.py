@@ -247,6 +247,42 @@ def gathered_parameters_of(params: list[torch.nn.Parameter], modifier_rank: Opti
         yield
 
 
+@contextmanager
+def zero3_whole_weights(strategy: object, module: torch.nn.Module) -> Iterator[None]:
+    """Under ZeRO-3, inside: `module`'s parameters whole on every rank and DeepSpeed's per-module hooks lifted, so
+    its forwards run as an unsharded model's (a no-op under any other strategy). A collective: every rank enters it.
+
+    For decoding: through the hooks, every one-token forward gathers each layer's parameters and releases them again
+    (on one H200, a tiny model's generation took 3.1x as long as without ZeRO-3), and the ranks must step
+    together. Gathered once, decoding costs what it costs unsharded, for one whole copy of `module` per rank
+    while it lasts. The hooks are registered again on the way out, as DeepSpeed's own
+    `deepspeed.runtime.zero.stage3.unwrap_model_for_generation` and TRL's `unwrap_model_for_generation` do."""
+    if not is_zero3(strategy):
+        yield
+        return
+    import deepspeed
+
+    offload = _zero3_parameter_offload(strategy)
+    # Nothing prefetched, in flight or held for a module before gathering: what `settle_zero3_parameters` does,
+    # without the engine's `gc.collect()` and cache release (0.36 s per generation of the tiny model on CPU).
+    offload.empty_partition_cache()
+    with deepspeed.zero.GatheredParameters(list(module.parameters())):
+        # Lifted, the hooks neither gather nor release (re-partition) a layer around its forward.
+        for hook in [*offload.forward_hooks, *offload.backward_hooks]:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield
+        finally:
+            offload._register_deepspeed_module(offload.module)  # the hooks back; the prefetch trace re-recorded
+
+
+def _zero3_parameter_offload(strategy: object) -> Any:
+    """The DeepSpeed object that holds the ZeRO-3 module hooks (`forward_hooks`, `backward_hooks`)."""
+    optimizer = strategy.deepspeed_engine.optimizer
+    return getattr(optimizer, "parameter_offload", optimizer)
+
+
 def settle_zero3_parameters(strategy: object) -> None:
     """Under ZeRO-3, wait for the parameters DeepSpeed is prefetching and release every gathered one (a no-op
     otherwise). A training step runs inside the DeepSpeed engine's forward, whose hooks prefetch the parameters

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -99,3 +100,44 @@ class UseSnapshotEngine(L.Callback):
         from tests.snapshot_engine import use_snapshot_engine
 
         use_snapshot_engine(pl_module)
+
+
+class RecordDecodingWeights(_Probe):
+    """`decoding_rank<r>.json`: over the policy's forwards in eval mode (decoding), how many there were, whether
+    every parameter was whole at each (ZeRO-3's `ds_status` AVAILABLE; a parameter without one is whole) and the
+    most forward hooks its modules carried then; and the hooks they carry after training."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        policy = pl_module.policy
+        self.seen: list[dict] = []
+        forward = policy.forward
+
+        @functools.wraps(forward)  # `generate` reads the forward's signature (`logits_to_keep`, ...)
+        def recording_forward(*args, **kwargs):
+            if not policy.training:
+                whole = all(_is_whole(p) for p in policy.parameters())
+                self.seen.append({"whole": whole, "hooks": _forward_hooks(policy)})
+            return forward(*args, **kwargs)
+
+        policy.forward = recording_forward
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.write(
+            "decoding",
+            trainer.global_rank,
+            {
+                "forwards": len(self.seen),
+                "whole": all(seen["whole"] for seen in self.seen),
+                "hooks_while_decoding": max((seen["hooks"] for seen in self.seen), default=0),
+                "hooks_after": _forward_hooks(pl_module.policy),
+            },
+        )
+
+
+def _forward_hooks(module) -> int:
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in module.modules())
+
+
+def _is_whole(param) -> bool:
+    status = getattr(param, "ds_status", None)  # ZeRO-3's; other parameters are always whole
+    return status is None or status.name == "AVAILABLE"

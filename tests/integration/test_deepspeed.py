@@ -70,7 +70,20 @@ def zero3_run(tmp_path_factory):
     sharded step-2 checkpoint to resume from, its step-4 checkpoint to convert). The export runs in `on_train_end`,
     after the last row is logged and the last checkpoint saved: it changes neither."""
     export = ("--trainer.callbacks+", "lit_rl.callbacks.SaveHFPretrained")
-    return _fit(tmp_path_factory.mktemp("zero3"), "deepspeed_zero3", "deepspeed_zero3", *export)
+    directory = tmp_path_factory.mktemp("zero3")
+    return _fit(directory, "deepspeed_zero3", "deepspeed_zero3", *export, *_decoding_probe(directory))
+
+
+def _decoding_probe(directory: Path) -> tuple[str, ...]:
+    return ("--trainer.callbacks+", "tests.integration.probes.RecordDecodingWeights") + (
+        "--trainer.callbacks.directory",
+        str(directory / "decoding_probe"),
+    )
+
+
+def _decoding(log_dir: Path) -> list[dict]:
+    probe = log_dir.parents[2] / "decoding_probe"  # <tmp>/<name>/run/version_0 -> <tmp>/decoding_probe
+    return [json.loads((probe / f"decoding_rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
 @pytest.mark.parametrize("stage", ["deepspeed_zero2", "deepspeed_zero3"])
@@ -81,6 +94,26 @@ def test_zero_matches_ddp_step_for_step_with_exact_cadence(tmp_path, ddp_referen
     rows = _rows(log_dir)
     assert [row["step"] for row in rows] == [1, 2, 3, 4]  # one row per optimizer step, not per micro-batch
     assert_rows_match(rows, _rows(ddp_reference), rel=1e-5, abs=1e-6)
+
+
+def test_zero3_decodes_from_whole_weights_without_its_hooks(zero3_run):
+    """`HFGenerate(gather_weights=true)`, the default: each rank gathers the policy once per generation and decodes
+    with DeepSpeed's per-module hooks lifted (they would gather and release every layer at every token); the hooks
+    are back for training. Its rows match DDP's (above)."""
+    for rank in _decoding(zero3_run):
+        assert rank["forwards"] > 0 and rank["whole"], rank
+        assert rank["hooks_while_decoding"] == 0 < rank["hooks_after"], rank
+
+
+def test_zero3_decoding_through_its_partitions_matches_ddp(tmp_path, ddp_reference):
+    """`gather_weights: false`, for a policy too large to hold whole: every decoding forward gathers layer by layer
+    (the hooks stay), the ranks step together, and the run still matches DDP step for step."""
+    engine = ("--model.rollout.engine", "HFGenerate", "--model.rollout.engine.gather_weights", "false")
+    log_dir = _fit(tmp_path, "partitions", "deepspeed_zero3", *engine, *_decoding_probe(tmp_path))
+    for rank in _decoding(log_dir):
+        assert rank["forwards"] > 0 and not rank["whole"], rank
+        assert rank["hooks_while_decoding"] > 0, rank
+    assert_rows_match(_rows(log_dir), _rows(ddp_reference), rel=1e-5, abs=1e-6)
 
 
 def test_zero3_trains_padding_free_with_token_budgets_and_head_chunks_like_ddp(tmp_path, ddp_reference):

@@ -4,7 +4,7 @@ available."""
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from typing import ContextManager, Iterable, Iterator, Optional, Sequence
+from typing import Callable, ContextManager, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -48,7 +48,8 @@ def compile_stance(stance: str) -> ContextManager:
 class HFGenerateEngine:
     """Samples with the live policy, so it never needs a weight push: `lit_rl.rollout.engines.compact_decode` (finished
     rows leave the batch), `static_decode` (`compiled`: a static cache and a compiled one-token step), or
-    `model.generate` when the ranks step together (ZeRO-3, FSDP) or `skip_finished` is off; all draw the same samples.
+    `model.generate` when the ranks step together (ZeRO-3 decoding through its partitions, FSDP) or `skip_finished`
+    is off; all draw the same samples.
 
     Sampling is exactly `softmax(logits / temperature)` truncated by `top_k`/`top_p` when asked: the model's own
     generation settings are ignored. The model is held by reference (this is not an `nn.Module`, and it is never
@@ -67,8 +68,12 @@ class HFGenerateEngine:
         skip_finished: bool = True,
         merged_lora: bool = False,
         compiled: bool = False,
+        whole_weights: Optional[Callable[[], ContextManager]] = None,
     ) -> None:
         self.model = model
+        # ZeRO-3 with `gather_weights`: a context inside which each rank holds the whole policy without DeepSpeed's
+        # per-module hooks (`zero3_whole_weights`), entered once per generation.
+        self.whole_weights = whole_weights
         if compiled and (synced_ranks or merged_lora):
             raise ValueError("compiled decoding needs whole, unmerged weights on each rank")
         self.decoder = None
@@ -103,7 +108,9 @@ class HFGenerateEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            with merged_view(self.model) if self.merged_lora else nullcontext(), compile_stance("force_eager"):
+            whole = self.whole_weights() if self.whole_weights is not None else nullcontext()
+            merged = merged_view(self.model) if self.merged_lora else nullcontext()
+            with whole, merged, compile_stance("force_eager"):
                 completion_ids, logprobs = self._decode(prompt_ids, prompt_mask, params, seeds)
         finally:
             self.model.train(was_training)
