@@ -13,7 +13,7 @@ import pytest
 from lit_rl.algorithms import DPO, GRPO
 from lit_rl.data import PreferenceDataModule, PromptDataModule
 from lit_rl.losses import AGGREGATIONS
-from lit_rl.rollout import VLLMColocate, VLLMServer
+from lit_rl.rollout import HFGenerate, VLLMColocate, VLLMServer
 from tests.conftest import REPO
 
 trl = pytest.importorskip("trl")
@@ -43,8 +43,8 @@ def _accepts(key: str, model: type, data: tuple[type, ...]) -> bool:
         parameters = inspect.signature(model).parameters
         if name not in parameters or not rest:
             return name in parameters
-        if rest[:1] == ["engine"]:  # model.rollout.engine.<option>: an option of one of the vLLM engines
-            engines = (VLLMColocate, VLLMServer)
+        if rest[:1] == ["engine"]:  # model.rollout.engine.<option>: an option of one of the engines
+            engines = (HFGenerate, VLLMColocate, VLLMServer)
             return len(rest) == 1 or any(rest[1] in inspect.signature(engine).parameters for engine in engines)
         default = parameters[name].default  # a group: its field
         return dataclasses.is_dataclass(default) and rest[0] in {f.name for f in dataclasses.fields(default)}
