@@ -121,12 +121,14 @@ class HFGenerate(EngineConfig):
             (`lit_rl.rollout.engines.static_decode`; CUDA graphs on GPU). The same samples (float32: the same tokens,
             log-probs to float rounding); compiling costs seconds to tens of seconds at the first generation, repaid
             after about a hundred generations of a small model on CPU (`benchmarks/compiled_decoding.py`). Finished
-            rows keep running. Not with sharded parameters (ZeRO-3, FSDP) nor `lora_weights: merged`.
-        gather_weights: under ZeRO-3, gather the policy's weights whole on each rank once per generation and decode
-            without DeepSpeed's per-module hooks, as TRL does by default (`ds3_gather_for_generation`): decoding
-            then costs what it costs unsharded, for one whole copy of the policy per rank while it samples. false:
-            every decoding step gathers each layer again and the ranks step together, for a policy too large to hold
-            whole on one device. No effect under other strategies (FSDP decodes through its shards).
+            rows keep running. Not with ZeRO-3 or FSDP, nor with `lora_weights: merged`.
+        gather_weights: under ZeRO-3, gather the policy's weights whole on each rank once per `generate` call and
+            decode without DeepSpeed's per-module hooks, as TRL does by default (`ds3_gather_for_generation`): no
+            decoding step gathers anything, for one whole copy of the policy per rank while it samples (0.29x the
+            generation time on 2 CPU processes: `benchmarks/throughput.py`'s `hf_partitioned` rows). false: every
+            decoding step gathers each layer again and the ranks step together, for a policy that does not fit
+            whole on one device beside training's state. No effect under other strategies (FSDP decodes through its
+            shards).
     """
 
     samples_on_trainer_devices = True
@@ -160,13 +162,14 @@ class HFGenerate(EngineConfig):
                 f"{ENGINE_KEY}.lora_weights=merged needs each rank to hold whole weights; this strategy shards them "
                 "(ZeRO-3, FSDP): use DDP or ZeRO-2 to measure merging"
             )
-        if self.compile and sharded:
+        strategy = getattr(getattr(module, "_trainer", None), "strategy", None)
+        if self.compile and (sharded or is_zero3(strategy)):
             raise ConfigError(
-                f"{ENGINE_KEY}.compile=true needs each rank to hold whole weights; this strategy shards them "
-                "(ZeRO-3, FSDP): use DDP or ZeRO-2, or leave compile off"
+                f"{ENGINE_KEY}.compile=true needs each rank to hold the same whole weights from one generation to the "
+                "next; this strategy shards them (ZeRO-3, FSDP), and ZeRO-3 gathers them anew for every generation: "
+                "use DDP or ZeRO-2, or leave compile off"
             )
         eos_ids = model_eos_token_ids(module.policy, module.tokenizer.eos_token_id)
-        strategy = getattr(getattr(module, "_trainer", None), "strategy", None)
         whole_weights = None
         if self.gather_weights and is_zero3(strategy):  # then no forward of decoding is a collective
             whole_weights = partial(zero3_whole_weights, strategy, module.policy)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, NoReturn, Optional
@@ -249,14 +250,16 @@ def gathered_parameters_of(params: list[torch.nn.Parameter], modifier_rank: Opti
 
 @contextmanager
 def zero3_whole_weights(strategy: object, module: torch.nn.Module) -> Iterator[None]:
-    """Under ZeRO-3, inside: `module`'s parameters whole on every rank and DeepSpeed's per-module hooks lifted, so
-    its forwards run as an unsharded model's (a no-op under any other strategy). A collective: every rank enters it.
+    """Under ZeRO-3, inside: `module`'s parameters whole on every rank and DeepSpeed's hooks on its modules hidden, so
+    its forwards gather nothing (a no-op under any other strategy). A collective: every rank enters it.
 
-    For decoding: through the hooks, every one-token forward gathers each layer's parameters and releases them again
-    (on one H200, a tiny model's generation took 3.1x as long as without ZeRO-3), and the ranks must step
-    together. Gathered once, decoding costs what it costs unsharded, for one whole copy of `module` per rank
-    while it lasts. The hooks are registered again on the way out, as DeepSpeed's own
-    `deepspeed.runtime.zero.stage3.unwrap_model_for_generation` and TRL's `unwrap_model_for_generation` do."""
+    For decoding (TRL's `ds3_gather_for_generation`): through the hooks, every one-token forward gathers each layer's
+    parameters and releases them again, and the ranks must step together. Gathered once per `generate` call (each
+    turn of a tool episode), it holds one whole copy of `module` per rank while it lasts. TRL and DeepSpeed's own
+    `unwrap_model_for_generation` remove the hooks and register them anew, which gives every module a new id and
+    throws DeepSpeed's prefetch trace away at every generation; here the forwards inside do not see them, and
+    DeepSpeed's state is left as it was.
+    """
     if not is_zero3(strategy):
         yield
         return
@@ -266,15 +269,24 @@ def zero3_whole_weights(strategy: object, module: torch.nn.Module) -> Iterator[N
     # Nothing prefetched, in flight or held for a module before gathering: what `settle_zero3_parameters` does,
     # without the engine's `gc.collect()` and cache release (0.36 s per generation of the tiny model on CPU).
     offload.empty_partition_cache()
-    with deepspeed.zero.GatheredParameters(list(module.parameters())):
-        # Lifted, the hooks neither gather nor release (re-partition) a layer around its forward.
-        for hook in [*offload.forward_hooks, *offload.backward_hooks]:
-            hook.remove()
-        offload.forward_hooks, offload.backward_hooks = [], []
-        try:
-            yield
-        finally:
-            offload._register_deepspeed_module(offload.module)  # the hooks back; the prefetch trace re-recorded
+    deepspeed_hooks = {handle.id for handle in [*offload.forward_hooks, *offload.backward_hooks]}
+    with deepspeed.zero.GatheredParameters(list(module.parameters())), _hooks_hidden(module, deepspeed_hooks):
+        yield
+
+
+@contextmanager
+def _hooks_hidden(module: torch.nn.Module, hook_ids: set[int]) -> Iterator[None]:
+    """Inside, the forward (pre-)hooks of `module` and its submodules whose ids are in `hook_ids` do not run; on the
+    way out each module gets back its own hook dicts, unchanged (their handles still remove them)."""
+    saved = [(m, m._forward_pre_hooks, m._forward_hooks) for m in module.modules()]
+    for m, pre_hooks, hooks in saved:
+        m._forward_pre_hooks = OrderedDict((i, h) for i, h in pre_hooks.items() if i not in hook_ids)
+        m._forward_hooks = OrderedDict((i, h) for i, h in hooks.items() if i not in hook_ids)
+    try:
+        yield
+    finally:
+        for m, pre_hooks, hooks in saved:
+            m._forward_pre_hooks, m._forward_hooks = pre_hooks, hooks
 
 
 def _zero3_parameter_offload(strategy: object) -> Any:

@@ -105,12 +105,17 @@ class UseSnapshotEngine(L.Callback):
 class RecordDecodingWeights(_Probe):
     """`decoding_rank<r>.json`: over the policy's forwards in eval mode (decoding), how many there were, whether
     every parameter was whole at each (ZeRO-3's `ds_status` AVAILABLE; a parameter without one is whole) and the
-    most forward hooks its modules carried then; and the hooks they carry after training."""
+    most forward hooks its modules carried then; whether every parameter was partitioned again after each
+    `generate`; and the hooks its modules carry when training starts and when it ends."""
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from lit_rl.rollout.engines.hf import HFGenerateEngine
+
         policy = pl_module.policy
         self.seen: list[dict] = []
-        forward = policy.forward
+        self.released: list[bool] = []
+        self.hooks_before = _forward_hooks(policy)
+        forward, self.generate = policy.forward, HFGenerateEngine.generate
 
         @functools.wraps(forward)  # `generate` reads the forward's signature (`logits_to_keep`, ...)
         def recording_forward(*args, **kwargs):
@@ -119,9 +124,18 @@ class RecordDecodingWeights(_Probe):
                 self.seen.append({"whole": whole, "hooks": _forward_hooks(policy)})
             return forward(*args, **kwargs)
 
+        def recording_generate(engine, *args, **kwargs):
+            out = self.generate(engine, *args, **kwargs)
+            self.released.append(not any(_is_whole(p) for p in policy.parameters()))
+            return out
+
         policy.forward = recording_forward
+        HFGenerateEngine.generate = recording_generate
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from lit_rl.rollout.engines.hf import HFGenerateEngine
+
+        HFGenerateEngine.generate = self.generate
         self.write(
             "decoding",
             trainer.global_rank,
@@ -129,6 +143,9 @@ class RecordDecodingWeights(_Probe):
                 "forwards": len(self.seen),
                 "whole": all(seen["whole"] for seen in self.seen),
                 "hooks_while_decoding": max((seen["hooks"] for seen in self.seen), default=0),
+                "generations": len(self.released),
+                "released_after_each": all(self.released),
+                "hooks_before": self.hooks_before,
                 "hooks_after": _forward_hooks(pl_module.policy),
             },
         )

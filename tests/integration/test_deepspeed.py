@@ -98,11 +98,12 @@ def test_zero_matches_ddp_step_for_step_with_exact_cadence(tmp_path, ddp_referen
 
 def test_zero3_decodes_from_whole_weights_without_its_hooks(zero3_run):
     """`HFGenerate(gather_weights=true)`, the default: each rank gathers the policy once per generation and decodes
-    with DeepSpeed's per-module hooks lifted (they would gather and release every layer at every token); the hooks
-    are back for training. Its rows match DDP's (above)."""
+    with DeepSpeed's per-module hooks hidden (they would gather and release every layer at every token); the same
+    hooks are back for training, and the policy is partitioned again. Its rows match DDP's (above)."""
     for rank in _decoding(zero3_run):
         assert rank["forwards"] > 0 and rank["whole"], rank
-        assert rank["hooks_while_decoding"] == 0 < rank["hooks_after"], rank
+        assert rank["hooks_while_decoding"] == 0 < rank["hooks_before"] == rank["hooks_after"], rank
+        assert rank["generations"] > 0 and rank["released_after_each"], rank  # partitioned again: no copy kept
 
 
 def test_zero3_decoding_through_its_partitions_matches_ddp(tmp_path, ddp_reference):

@@ -48,8 +48,8 @@ def compile_stance(stance: str) -> ContextManager:
 class HFGenerateEngine:
     """Samples with the live policy, so it never needs a weight push: `lit_rl.rollout.engines.compact_decode` (finished
     rows leave the batch), `static_decode` (`compiled`: a static cache and a compiled one-token step), or
-    `model.generate` when the ranks step together (ZeRO-3 decoding through its partitions, FSDP) or `skip_finished`
-    is off; all draw the same samples.
+    `model.generate` when the ranks step together (several ranks of FSDP, or of ZeRO-3 decoding through its
+    partitions) or `skip_finished` is off; all draw the same samples.
 
     Sampling is exactly `softmax(logits / temperature)` truncated by `top_k`/`top_p` when asked: the model's own
     generation settings are ignored. The model is held by reference (this is not an `nn.Module`, and it is never
