@@ -124,7 +124,7 @@ class HFGenerate(EngineConfig):
             rows keep running. Not with ZeRO-3 or FSDP, nor with `lora_weights: merged`.
         gather_weights: under ZeRO-3, gather the policy's weights whole on each rank once per `generate` call and
             decode without DeepSpeed's per-module hooks, as TRL does by default (`ds3_gather_for_generation`): no
-            decoding step gathers anything, for one whole copy of the policy per rank while it samples (0.29x the
+            decoding step gathers anything, for one whole copy of the policy per rank while it samples (0.27x the
             generation time on 2 CPU processes: `benchmarks/throughput.py`'s `hf_partitioned` rows). false: every
             decoding step gathers each layer again and the ranks step together, for a policy that does not fit
             whole on one device beside training's state. No effect under other strategies (FSDP decodes through its
