@@ -25,6 +25,7 @@ import torch
 
 from lit_rl.training.flops import gpu_peaks
 from tests.conftest import CONFIGS, FAST_GRPO, fit_in_subprocess, read_metrics, strategy_overlay, train_rows
+from tests.integration.probes import probe_flags
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,11 +40,7 @@ BF16_GAP = 0.05  # mean k3 KL between a bf16 engine's and the bf16-mixed trainer
 
 
 def _probes(directory, probes=("RecordPrecision", "RecordEnginePlacement")) -> list[str]:
-    flags = []
-    for probe in probes:
-        flags += ["--trainer.callbacks+", f"tests.integration.probes.{probe}"]
-        flags += ["--trainer.callbacks.directory", str(directory)]
-    return flags
+    return [flag for probe in probes for flag in probe_flags(probe, directory)]
 
 
 def _fit(tmp_path, name, *args, steps=4, engine=COLOCATE):

@@ -9,6 +9,11 @@ from pathlib import Path
 import lightning as L
 
 
+def probe_flags(name: str, directory: Path) -> tuple[str, ...]:
+    """`lit-rl fit` flags that add the probe `name` (a class below), writing its JSON into `directory`."""
+    return ("--trainer.callbacks+", f"tests.integration.probes.{name}", "--trainer.callbacks.directory", str(directory))
+
+
 class _Probe(L.Callback):
     def __init__(self, directory: str) -> None:
         self.directory = Path(directory)

@@ -30,6 +30,7 @@ from tests.conftest import (
     without_engine_gap,
     write_overlay,
 )
+from tests.integration.probes import probe_flags
 
 pytestmark = pytest.mark.slow
 
@@ -75,10 +76,7 @@ def zero3_run(tmp_path_factory):
 
 
 def _decoding_probe(directory: Path) -> tuple[str, ...]:
-    return ("--trainer.callbacks+", "tests.integration.probes.RecordDecodingWeights") + (
-        "--trainer.callbacks.directory",
-        str(directory / "decoding_probe"),
-    )
+    return probe_flags("RecordDecodingWeights", directory / "decoding_probe")
 
 
 def _decoding(log_dir: Path) -> list[dict]:
