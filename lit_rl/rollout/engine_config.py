@@ -127,8 +127,8 @@ class HFGenerate(EngineConfig):
             decoding step gathers anything, for one whole copy of the policy per rank while it samples (0.27x the
             generation time on 2 CPU processes: `benchmarks/throughput.py`'s `hf_partitioned` rows). false: every
             decoding step gathers each layer again and the ranks step together, for a policy that does not fit
-            whole on one device beside training's state. No effect under other strategies (FSDP decodes through its
-            shards).
+            whole on one device beside training's state (with true, its first generation ends the run in one line
+            that says so). No effect under other strategies (FSDP decodes through its shards).
     """
 
     samples_on_trainer_devices = True
