@@ -18,6 +18,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 
 from lit_rl.cli import user_error_message
 from lit_rl.errors import ConfigError
+from lit_rl.rollout.engine_config import whole_weights_for_decoding
 from lit_rl.training import strategies
 
 
@@ -50,7 +51,7 @@ def test_running_out_of_memory_gathering_the_policy_says_so_in_one_line(zero3, m
 
     monkeypatch.setattr(deepspeed.zero, "GatheredParameters", gather_out_of_memory)
     with pytest.raises(ConfigError) as raised:
-        with strategies.zero3_whole_weights(strategy, policy):
+        with whole_weights_for_decoding(strategy, policy):
             pytest.fail("decoded without the whole policy")
     line = user_error_message(raised.value)
     assert line == str(raised.value) and "\n" not in line
@@ -73,7 +74,7 @@ def test_running_out_of_memory_while_decoding_whole_names_the_option_and_gives_t
     monkeypatch.setattr(deepspeed.zero, "GatheredParameters", gathered)
     hooks = policy.layer._forward_pre_hooks
     with pytest.raises(ConfigError, match=r"^model\.rollout\.engine\.gather_weights: out of memory decoding with it"):
-        with strategies.zero3_whole_weights(strategy, policy):
+        with whole_weights_for_decoding(strategy, policy):
             assert policy.layer._forward_pre_hooks == {}  # DeepSpeed's hook hidden while decoding
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
     assert released == [1]  # the whole copy was partitioned again

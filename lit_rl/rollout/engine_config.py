@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Literal, Optional
+from typing import Any, Iterator, Literal, Optional
 
 import torch
 
@@ -154,7 +155,7 @@ class HFGenerate(EngineConfig):
 
     def build(self, module: Any) -> RolloutEngine:
         from lit_rl.rollout.engines.hf import HFGenerateEngine, model_eos_token_ids
-        from lit_rl.training.strategies import is_zero3, zero3_whole_weights
+        from lit_rl.training.strategies import is_zero3
 
         sharded = module.parameters_sharded()
         if self.lora_weights == "merged" and sharded:
@@ -172,7 +173,7 @@ class HFGenerate(EngineConfig):
         eos_ids = model_eos_token_ids(module.policy, module.tokenizer.eos_token_id)
         whole_weights = None
         if self.gather_weights and is_zero3(strategy):  # then no forward of decoding is a collective
-            whole_weights = partial(zero3_whole_weights, strategy, module.policy)
+            whole_weights = partial(whole_weights_for_decoding, strategy, module.policy)
             sharded = False
         return HFGenerateEngine(
             module.policy,
@@ -188,6 +189,33 @@ class HFGenerate(EngineConfig):
         # Otherwise it samples from the policy itself. Compiled kernels fuse and reorder: float32 rounding only, but
         # in bf16 their log-probs differ from the eager training forward's as another library's would.
         return self.lora_weights == "merged" or (self.compile and compute_dtype != torch.float32)
+
+
+@contextmanager
+def whole_weights_for_decoding(strategy: Any, policy: torch.nn.Module) -> Iterator[None]:
+    """`zero3_whole_weights` for one `generate` call (`HFGenerate(gather_weights=True)` under ZeRO-3), with running
+    out of memory, gathering the policy or decoding with it whole, reported as this option's one line."""
+    from lit_rl.training.strategies import zero3_whole_weights
+
+    gathered = False
+    try:
+        with zero3_whole_weights(strategy, policy):
+            gathered = True
+            yield
+    except torch.OutOfMemoryError as err:  # when decoding: the whole copy is what its cache and activations lacked
+        when = "decoding with it" if gathered else "gathering it"
+        raise ConfigError(_whole_weights_out_of_memory(policy, when)) from err
+
+
+def _whole_weights_out_of_memory(policy: torch.nn.Module, when: str) -> str:
+    # A partitioned parameter holds a shard (or nothing): `ds_numel` is its whole size.
+    whole_bytes = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in policy.parameters())
+    return (
+        f"{ENGINE_KEY}.gather_weights: out of memory {when}: decoding under ZeRO-3 holds the whole policy "
+        f"({whole_bytes / 2**30:.2f} GiB) on every rank; set --{ENGINE_KEY}.gather_weights false to decode through "
+        "the partitions (slower), or make room (a smaller model.schedule.micro_batch_size or "
+        "model.sampling.max_new_tokens, offloading)"
+    )
 
 
 class VLLMColocate(EngineConfig):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 from collections import OrderedDict
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, NoReturn, Optional
 
@@ -24,7 +24,7 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeedStrategy
 
-from lit_rl.errors import ConfigError, ReportedOnRankZero
+from lit_rl.errors import ReportedOnRankZero
 from lit_rl.training.checkpoint import (
     publish_directory,
     remove_directory,
@@ -270,30 +270,8 @@ def zero3_whole_weights(strategy: object, module: torch.nn.Module) -> Iterator[N
     # without the engine's `gc.collect()` and cache release (0.36 s per generation of the tiny model on CPU).
     offload.empty_partition_cache()
     deepspeed_hooks = {handle.id for handle in [*offload.forward_hooks, *offload.backward_hooks]}
-    parameters = list(module.parameters())
-    with ExitStack() as whole:
-        try:
-            whole.enter_context(deepspeed.zero.GatheredParameters(parameters))
-        except torch.OutOfMemoryError as err:
-            raise ConfigError(_whole_weights_out_of_memory(parameters, "gathering it")) from err
-        whole.enter_context(_hooks_hidden(module, deepspeed_hooks))
-        try:
-            yield
-        except torch.OutOfMemoryError as err:  # the whole copy is what decoding's cache and activations lacked
-            raise ConfigError(_whole_weights_out_of_memory(parameters, "decoding with it")) from err
-
-
-def _whole_weights_out_of_memory(parameters: list[torch.nn.Parameter], when: str) -> str:
-    """The one line for running out of memory with the policy gathered whole for decoding: its size, and the
-    option that decodes through the partitions instead."""
-    # A partitioned parameter holds a shard (or nothing): `ds_numel` is its whole size.
-    whole_bytes = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in parameters)
-    return (
-        f"model.rollout.engine.gather_weights: out of memory {when}: decoding under ZeRO-3 holds the whole "
-        f"policy ({whole_bytes / 2**30:.2f} GiB) on every rank; set --model.rollout.engine.gather_weights false to "
-        "decode through the partitions (slower), or make room (a smaller model.schedule.micro_batch_size or "
-        "model.sampling.max_new_tokens, offloading)"
-    )
+    with deepspeed.zero.GatheredParameters(list(module.parameters())), _hooks_hidden(module, deepspeed_hooks):
+        yield
 
 
 @contextmanager
