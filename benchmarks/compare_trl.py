@@ -41,7 +41,7 @@ before the budget: lit-rl `min_new_tokens`, TRL `generation_kwargs`), and DPO as
   `precompute_ref_log_probs`. Both with eager attention (lit-rl `model.policy.attn_implementation: eager`, TRL
   the model loaded so), which trains short bf16 sequences faster than sdpa's CPU flash kernel.
 - `compiled`: `fastest`, and each library's training model compiled too: lit-rl `model.policy.compile`, TRL the
-  Trainer's `torch_compile=True` (accelerate compiles the model it trains; TRL's GRPO generates with it eager).
+  Trainer's `torch_compile=True` (accelerate compiles the model it trains; TRL's GRPO still generates eager).
 Each cell also reports MFU: the step's model FLOPs (lit-rl's count, `perf/tflops` x `perf/step_s`; the same math
 for TRL, which runs the same workload) over the measured peak of the compute dtype (`lit_rl/training/flops.py`),
 and where lit-rl's step goes (the median of each `perf/` phase timer, as for the variable-length workloads).
@@ -232,7 +232,8 @@ def trl_run(algorithm: str, model: str, steps: int, workdir: Path, work: Workloa
         common.update(bf16=work.bf16 or work.fastest, gradient_checkpointing=False)
     if work.compiled_policy:
         # The Trainer's documented `torch_compile`: accelerate compiles the model it trains (inductor), as lit-rl's
-        # `model.policy.compile` does; TRL's GRPO still generates with the model unwrapped (eager).
+        # `model.policy.compile` does; TRL's GRPO still generates eager (`generate` is the underlying model's method,
+        # which runs its uncompiled forward).
         common["torch_compile"] = True
     if algorithm == "grpo":
         from trl import GRPOConfig, GRPOTrainer
