@@ -43,7 +43,8 @@ before the budget: lit-rl `min_new_tokens`, TRL `generation_kwargs`), and DPO as
 - `compiled`: `fastest`, and each library's training model compiled too: lit-rl `model.policy.compile`, TRL the
   Trainer's `torch_compile=True` (accelerate compiles the model it trains; TRL's GRPO still generates eager).
 Each cell also reports MFU: the step's model FLOPs (lit-rl's count, `perf/tflops` x `perf/step_s`; the same math
-for TRL, which runs the same workload) over the measured peak of the compute dtype (`lit_rl/training/flops.py`),
+for TRL, which runs the same workload) over the matmul peak of the compute dtype, measured once at the start of the
+script for 1 s and the same for every cell (`matmul_peaks`),
 and where lit-rl's step goes (the median of each `perf/` phase timer, as for the variable-length workloads).
 
     python benchmarks/compare_trl.py --workloads fixed32 --models 20m --settings matched bf16 fastest compiled \
@@ -61,6 +62,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -76,7 +78,7 @@ TRL_LOG_HISTORY: list[dict] = []  # the last `trl_run`'s `trainer.state.log_hist
 LIT_PHASES: list[dict] = []  # the last `lit_run`'s per-step phase times (`PHASES`), and `perf/tflops`, `perf/mfu`
 # Where a lit-rl step goes (its `perf/` timers): the profile reported beside the variable-length ratios.
 PHASES = ("generation_s", "reward_s", "old_logprobs_s", "ref_logprobs_s", "policy_update_s")
-RATES = ("step_s", "tflops", "mfu")  # also kept per lit-rl step, for the MFU columns
+RATES = ("step_s", "tflops", "mfu")  # also kept per lit-rl step: its FLOPs (tflops x step_s) make the MFU columns
 
 
 @dataclass
@@ -364,7 +366,10 @@ def compare(
     work: Workload = Workload(),
     workload: str = "fixed",
     setting: str = "matched",
+    peak_tflops: Optional[float] = None,
 ) -> dict:
+    """The cell's s/step of both libraries over `args.rounds` interleaved rounds; with `peak_tflops` (the compute
+    dtype's matmul peak, `matmul_peaks`), both libraries' MFU on lit-rl's FLOP count."""
     per_round: dict[str, list[float]] = {"lit_rl": [], "trl": []}
     steps: list[dict] = []  # lit-rl's per-step phase times and rates after the warm-up, over rounds
     label = f"{workload}-{setting}"
@@ -385,11 +390,10 @@ def compare(
     variant = {} if label == "fixed-matched" else {"workload": workload, "setting": setting}
     if work.variable or workload == "fixed32":  # where lit-rl's step goes: the median of each phase
         variant["lit_rl_phases_s"] = {phase: statistics.median(step[phase] for step in steps) for phase in PHASES}
-    if workload == "fixed32":  # both libraries' model-FLOP utilisation (the module docstring)
+    if peak_tflops is not None:  # both libraries' model-FLOP utilisation (the module docstring)
         flops = statistics.median(step["tflops"] * step["step_s"] for step in steps)  # TFLOP per step
-        peak = statistics.median(step["tflops"] / step["mfu"] for step in steps)  # TFLOP/s
-        variant |= {"tflop_per_step": flops, "peak_tflops": peak, "lit_rl_mfu": flops / lit / peak}
-        variant["trl_mfu"] = flops / trl / peak
+        variant |= {"tflop_per_step": flops, "peak_tflops": peak_tflops, "lit_rl_mfu": flops / lit / peak_tflops}
+        variant["trl_mfu"] = flops / trl / peak_tflops
     return {
         "algorithm": algorithm,
         "model": model_name,
@@ -399,6 +403,28 @@ def compare(
         "ratio": lit / trl,
         "rounds": per_round,
     }
+
+
+def matmul_peaks(seconds: float = 1.0) -> dict[str, float]:
+    """TFLOP/s of this machine's matmul peak per compute dtype, measured once for every cell of a run: the probe
+    `perf/mfu` uses, for `seconds` instead of its 0.05 s (a run's own short probe, taken while the run starts up,
+    gave bf16 peaks from 0.68 to 2.47 TFLOP/s across the cells of one run). On a GPU, the data sheet's."""
+    import torch
+
+    from lit_rl.training.flops import device_peak, measured_matmul_flops
+
+    peaks = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        if torch.cuda.is_available():
+            peaks[str(dtype)] = device_peak(torch.device("cuda"), dtype).flops / 1e12
+        else:
+            peaks[str(dtype)] = measured_matmul_flops("cpu", dtype, seconds=seconds) / 1e12
+    return peaks
+
+
+def compute_dtype(setting: str) -> str:
+    """The dtype a setting's matmuls run in: fp32 when matched, bfloat16 otherwise (autocast or bf16 weights)."""
+    return "torch.float32" if setting in ("matched", "defaults") else "torch.bfloat16"
 
 
 def markdown_table(results: list[dict]) -> str:
@@ -490,6 +516,7 @@ def main() -> None:
     if args.quick:
         args.models, args.steps, args.warmup, args.rounds = ["tiny"], 6, 2, 1
     results = []
+    peaks = matmul_peaks() if "fixed32" in args.workloads else {}  # before any run, on an idle machine
     with tempfile.TemporaryDirectory(prefix="lit-rl-vs-trl-") as tmp:
         sizes = {"tiny": dict(), "20m": dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1024)}
         for workload in args.workloads:
@@ -521,7 +548,7 @@ def main() -> None:
                 for model_name in args.models:
                     for algorithm in args.algorithms:
                         place = (algorithm, model_name, models[model_name], args, Path(tmp), work, workload, setting)
-                        results.append(compare(*place))
+                        results.append(compare(*place, peak_tflops=peaks.get(compute_dtype(setting))))
     print(markdown_table(results))
     if args.out:
         import trl

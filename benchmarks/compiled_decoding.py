@@ -56,6 +56,10 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from provenance import parse_report_args, publish  # noqa: E402
 
+from lit_rl.numerics import settle_cpu_math_kernels  # noqa: E402
+
+settle_cpu_math_kernels()  # as every lit-rl process does, before any threaded float math (lit_rl/numerics.py)
+
 SIZES = {"20m": dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1024), "tiny": dict()}
 
 

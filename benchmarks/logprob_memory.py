@@ -27,6 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from provenance import add_allow_dirty, check_output, write_report  # noqa: E402
 
+from lit_rl.numerics import settle_cpu_math_kernels  # noqa: E402
+
+settle_cpu_math_kernels()  # as every lit-rl process does, before any threaded float math (lit_rl/numerics.py)
+
 METHODS = ("naive", "lit_rl")
 LABELS = {
     "naive": "naive `log_softmax(logits.float()).gather(...)`",

@@ -33,6 +33,10 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from provenance import parse_report_args, publish  # noqa: E402
 
+from lit_rl.numerics import settle_cpu_math_kernels  # noqa: E402
+
+settle_cpu_math_kernels()  # as every lit-rl process does, before any threaded float math (lit_rl/numerics.py)
+
 SHAPES = [(128, 128), (512, 128), (512, 512), (1024, 512), (512, 1024), (2048, 512), (4864, 896)]
 
 

@@ -30,6 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from provenance import parse_report_args, publish  # noqa: E402
 
+from lit_rl.numerics import settle_cpu_math_kernels  # noqa: E402
+
+settle_cpu_math_kernels()  # as every lit-rl process does, before any threaded float math (lit_rl/numerics.py)
+
 METHODS = ("padded", "packed rows", "packed, one row")
 
 

@@ -160,6 +160,23 @@ def source_tree(repo: Path = REPO, commit: Optional[str] = None) -> Optional[str
         return tree.stdout.strip() if tree.returncode == 0 else None
 
 
+# The instruction sets that decide CPU matmul speed: AMX and AVX-512's bfloat16 make bf16 several times fp32's peak.
+MATMUL_FEATURES = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
+
+
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
+    """The CPU's model name and which of `MATMUL_FEATURES` it has, from Linux's /proc/cpuinfo (nothing elsewhere):
+    the same script gives other numbers on another CPU of the same architecture, and a result file says which."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return {}
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    return {"cpu": fields.get("model name", ""), "cpu_features": [f for f in MATMUL_FEATURES if f in flags]}
+
+
 def environment(repo: Path = REPO) -> dict:
     """Machine, library versions, commit, and whether the tree was dirty (with the dirty files when it was)."""
     import torch
@@ -173,7 +190,12 @@ def environment(repo: Path = REPO) -> dict:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     dirty = dirty_files(repo)
     return {
-        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(), "gpu": gpu},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "processor": platform.processor() or platform.machine(),
+            **cpu_model(),
+            "gpu": gpu,
+        },
         "versions": versions,
         "commit": commit_of(repo),
         "tree": source_tree(repo),

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -316,18 +317,16 @@ def test_gpu_suite_pipeline_runs_on_cpu_and_refuses_to_measure_without_a_gpu(tmp
     suite = [sys.executable, str(REPO / "benchmarks" / "gpu_suite.py")]
     out = tmp_path / "smoke.json"
     # Two steps, the first left out as warm-up, are all the assertions need: the measured step pushes the weights
-    # the first step trained (`--steps 2 1`; the smoke's default is 4 steps, 1 left out).
-    smoke = [*suite, "--cpu-smoke", "--steps", "2", "1", "--out", str(out)]
+    # the first step trained (`--steps 2 1`; the smoke's default is 4 steps, 1 left out). One run per code path of
+    # the suite: `hf_compiled` is the `hf` part's loop with another engine name, ZeRO-2 the `strategies` part's
+    # loop with another strategy (each a process of 20-30 s on two cores; `tests/gpu/test_gpu.py` trains with
+    # both on a GPU).
+    parts = ["--parts", "vllm", "hf", "strategies", "trl", "--strategies", "deepspeed_zero3"]
+    smoke = [*suite, "--cpu-smoke", *parts, "--steps", "2", "1", "--out", str(out)]
     subprocess.run(smoke, check=True, capture_output=True, timeout=900)
     report = json.loads(out.read_text())
     runs = {r["name"]: r for r in report["results"]["runs"]}
-    expected = {
-        "vllm smoke",
-        "hf smoke",
-        "hf_compiled smoke",
-        "vllm smoke deepspeed_zero2",
-        "vllm smoke deepspeed_zero3",
-    }
+    expected = {"vllm smoke", "hf smoke", "vllm smoke deepspeed_zero3"}
     assert set(runs) == expected
     assert not any("error" in r for r in runs.values()), runs
     assert runs["vllm smoke"]["split_s"]["weight_push"] > 0 and runs["hf smoke"]["split_s"]["weight_push"] == 0
@@ -402,6 +401,23 @@ def test_results_path_is_refused_from_a_dirty_tree_unless_allowed_and_then_marke
     elsewhere = tmp_path / "elsewhere.json"  # outside benchmarks/results/: written, and recorded as dirty
     provenance.write_report(elsewhere, [{"x": 1}], repo=repo)
     assert json.loads(elsewhere.read_text())["dirty"] is True
+
+
+def test_a_results_file_names_the_cpu_model_and_its_matmul_instruction_sets(tmp_path):
+    """Two machines of the same architecture give other numbers (an EPYC without AMX and a Xeon with it, both
+    `x86_64`): the machine record says which CPU ran."""
+    provenance = _benchmark_module("provenance")
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        "processor\t: 0\nmodel name\t: Example CPU 9000\nflags\t\t: fpu sse avx2 avx512f avx512_bf16\n\n"
+        "processor\t: 1\nmodel name\t: Example CPU 9000\nflags\t\t: fpu sse avx2 avx512f avx512_bf16\n"
+    )
+    assert provenance.cpu_model(cpuinfo) == {
+        "cpu": "Example CPU 9000",
+        "cpu_features": ["avx512_bf16", "avx512f", "avx2"],
+    }
+    assert provenance.cpu_model(tmp_path / "absent") == {}  # not Linux: nothing, and no error
+    assert set(provenance.cpu_model()) <= set(provenance.environment()["machine"])
 
 
 def test_source_tree_names_an_earlier_commit_after_later_commits_changed_its_results(tmp_path):
@@ -671,3 +687,24 @@ def test_fixed32_cells_report_both_libraries_mfu_from_one_flop_count():
     assert compare_trl.claims([cell])[-1] == "grpo fastest: ratio 0.50 (target 0.5)"
     plain = {k: cell[k] for k in ("algorithm", "model", "lit_rl_s_per_step", "trl_s_per_step", "ratio")}
     assert "MFU" not in compare_trl.markdown_table([plain | {"rounds": {"lit_rl": [0.5], "trl": [1.0]}}])
+
+
+def test_every_fixed32_cell_divides_by_the_one_peak_measured_for_the_whole_run(tmp_path, monkeypatch):
+    """A run's own 0.05 s probe, taken while it starts up, gave bf16 peaks from 0.68 to 2.47 TFLOP/s across the
+    cells of one comparison: the cells use the peak the script measures once, whatever each run's `perf/mfu` said."""
+    compare_trl = _benchmark_module("compare_trl")
+    assert [compare_trl.compute_dtype(s) for s in ("matched", "bf16", "fastest", "compiled")] == [
+        "torch.float32",
+        *["torch.bfloat16"] * 3,
+    ]
+
+    def run_child(library, algorithm, model, steps, workdir, work):  # 3 steps of 0.5 s (lit-rl) and 1 s (TRL)
+        own_mfu = {"step_s": 0.5, "tflops": 0.2, "mfu": 0.9}  # this run's probe: a peak of 0.22 TFLOP/s
+        (workdir / "phases.json").write_text(json.dumps([{**dict.fromkeys(compare_trl.PHASES, 0.1), **own_mfu}] * 3))
+        return [0.5] * 3 if library == "lit_rl" else [1.0] * 3
+
+    monkeypatch.setattr(compare_trl, "run_child", run_child)
+    args = SimpleNamespace(rounds=1, steps=3, warmup=1)
+    cell = compare_trl.compare("grpo", "20m", "model", args, tmp_path, workload="fixed32", peak_tflops=2.0)
+    assert cell["peak_tflops"] == 2.0 and cell["tflop_per_step"] == pytest.approx(0.1)
+    assert cell["lit_rl_mfu"] == pytest.approx(0.1 / 0.5 / 2.0) and cell["trl_mfu"] == pytest.approx(0.1 / 1.0 / 2.0)
