@@ -68,7 +68,7 @@ class PolicyArgs:
         attn_implementation: the attention kernel of the policy, its reference and PPO's critic, one of
             transformers' built-in ones (`ATTENTION_IMPLEMENTATIONS`; a flash kernel only with its package
             installed); None: the model's default (`sdpa`). On CPUs in bf16-true, `eager` (matmuls and a softmax)
-            trains 40-token rows 1.4x as fast as `sdpa`'s kernel (`benchmarks/train_mfu.py`,
+            trains 40-token rows 1.3-1.4x as fast as `sdpa`'s kernel (`benchmarks/train_mfu.py`,
             docs/speed-and-memory.md); on GPUs keep `sdpa` or a flash kernel.
     """
 
