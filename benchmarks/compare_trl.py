@@ -422,9 +422,10 @@ def matmul_peaks(seconds: float = 1.0) -> dict[str, float]:
     return peaks
 
 
-def compute_dtype(setting: str) -> str:
-    """The dtype a setting's matmuls run in: fp32 when matched, bfloat16 otherwise (autocast or bf16 weights)."""
-    return "torch.float32" if setting in ("matched", "defaults") else "torch.bfloat16"
+def compute_dtype(setting: str) -> Optional[str]:
+    """The dtype a setting's matmuls run in: fp32 when matched, bfloat16 otherwise (autocast or bf16 weights); None
+    for `defaults`, where the libraries differ (lit-rl fp32, TRL bf16) and no one peak fits both."""
+    return {"matched": "torch.float32", "defaults": None}.get(setting, "torch.bfloat16")
 
 
 def markdown_table(results: list[dict]) -> str:
@@ -548,7 +549,8 @@ def main() -> None:
                 for model_name in args.models:
                     for algorithm in args.algorithms:
                         place = (algorithm, model_name, models[model_name], args, Path(tmp), work, workload, setting)
-                        results.append(compare(*place, peak_tflops=peaks.get(compute_dtype(setting))))
+                        peak = peaks.get(compute_dtype(setting)) if fixed32 else None  # MFU: fixed32 cells
+                        results.append(compare(*place, peak_tflops=peak))
     print(markdown_table(results))
     if args.out:
         import trl

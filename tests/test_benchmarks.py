@@ -693,9 +693,10 @@ def test_every_fixed32_cell_divides_by_the_one_peak_measured_for_the_whole_run(t
     """A run's own 0.05 s probe, taken while it starts up, gave bf16 peaks from 0.68 to 2.47 TFLOP/s across the
     cells of one comparison: the cells use the peak the script measures once, whatever each run's `perf/mfu` said."""
     compare_trl = _benchmark_module("compare_trl")
-    assert [compare_trl.compute_dtype(s) for s in ("matched", "bf16", "fastest", "compiled")] == [
+    assert [compare_trl.compute_dtype(s) for s in ("matched", "bf16", "fastest", "compiled", "defaults")] == [
         "torch.float32",
         *["torch.bfloat16"] * 3,
+        None,  # lit-rl fp32, TRL bf16: no one peak
     ]
 
     def run_child(library, algorithm, model, steps, workdir, work):  # 3 steps of 0.5 s (lit-rl) and 1 s (TRL)
