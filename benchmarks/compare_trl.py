@@ -75,10 +75,10 @@ from lit_rl.modeling.models import resolve_model_path  # noqa: E402
 
 TINY = "lit-rl/tiny-qwen2-addition-sft"
 TRL_LOG_HISTORY: list[dict] = []  # the last `trl_run`'s `trainer.state.log_history`
-LIT_PHASES: list[dict] = []  # the last `lit_run`'s per-step phase times (`PHASES`), and `perf/tflops`, `perf/mfu`
+LIT_PHASES: list[dict] = []  # the last `lit_run`'s per-step phase times (`PHASES`), and `perf/step_s`, `perf/tflops`
 # Where a lit-rl step goes (its `perf/` timers): the profile reported beside the variable-length ratios.
 PHASES = ("generation_s", "reward_s", "old_logprobs_s", "ref_logprobs_s", "policy_update_s")
-RATES = ("step_s", "tflops", "mfu")  # also kept per lit-rl step: its FLOPs (tflops x step_s) make the MFU columns
+RATES = ("step_s", "tflops")  # also kept per lit-rl step: its FLOPs (tflops x step_s) make the MFU columns
 
 
 @dataclass
