@@ -45,7 +45,8 @@ before the budget: lit-rl `min_new_tokens`, TRL `generation_kwargs`), and DPO as
 Each cell also reports MFU: the step's model FLOPs (lit-rl's count, `perf/tflops` x `perf/step_s`; the same math
 for TRL, which runs the same workload) over the matmul peak of the compute dtype, measured once at the start of the
 script for 1 s and the same for every cell (`matmul_peaks`),
-and where lit-rl's step goes (the median of each `perf/` phase timer, as for the variable-length workloads).
+and where each library's step goes: lit-rl's the median of each `perf/` phase timer (as for the variable-length
+workloads), TRL's GRPO the median time of its `generate` calls (`time_generation`) and the rest of its step.
 
     python benchmarks/compare_trl.py --workloads fixed32 --models 20m --settings matched bf16 fastest compiled \
         --steps 16 --warmup 6 --rounds 1 --out benchmarks/results/compare_trl_fixed32_cpu.json
@@ -75,6 +76,7 @@ from lit_rl.modeling.models import resolve_model_path  # noqa: E402
 
 TINY = "lit-rl/tiny-qwen2-addition-sft"
 TRL_LOG_HISTORY: list[dict] = []  # the last `trl_run`'s `trainer.state.log_history`
+TRL_GENERATION_S: list[float] = []  # the last GRPO `trl_run`'s seconds in `generate`, one call per optimizer step
 LIT_PHASES: list[dict] = []  # the last `lit_run`'s per-step phase times (`PHASES`), and `perf/step_s`, `perf/tflops`
 # Where a lit-rl step goes (its `perf/` timers): the profile reported beside the variable-length ratios.
 PHASES = ("generation_s", "reward_s", "old_logprobs_s", "ref_logprobs_s", "policy_update_s")
@@ -267,6 +269,7 @@ def trl_run(algorithm: str, model: str, steps: int, workdir: Path, work: Workloa
             generation_kwargs={"min_new_tokens": work.min_new_tokens} if work.min_new_tokens else None,
             cache_implementation=work.trl_cache_implementation or None,
         )
+        time_generation(policy)
         trainer = GRPOTrainer(
             model=policy,
             reward_funcs=[reward],
@@ -299,6 +302,23 @@ def trl_run(algorithm: str, model: str, steps: int, workdir: Path, work: Workloa
     trainer.train()
     TRL_LOG_HISTORY[:] = trainer.state.log_history  # for callers that read more than the step times
     return [b - a for a, b in zip(marks, marks[1:])]
+
+
+def time_generation(policy) -> None:
+    """Record the seconds of each of `policy.generate`'s calls in `TRL_GENERATION_S`: TRL's GRPO samples through
+    the model's own `generate` (eager, also when the Trainer compiles the model it trains), once per optimizer step
+    here, so TRL's step splits into generation and the rest as lit-rl's `perf/` timers split its own."""
+    generate = policy.generate
+    TRL_GENERATION_S.clear()
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            TRL_GENERATION_S.append(time.perf_counter() - start)
+
+    policy.generate = timed
 
 
 # -- the variable-length workloads -------------------------------------------------------------------------------
@@ -372,6 +392,7 @@ def compare(
     dtype's matmul peak, `matmul_peaks`), both libraries' MFU on lit-rl's FLOP count."""
     per_round: dict[str, list[float]] = {"lit_rl": [], "trl": []}
     steps: list[dict] = []  # lit-rl's per-step phase times and rates after the warm-up, over rounds
+    trl_generation: list[float] = []  # TRL's seconds in `generate` per step after the warm-up (GRPO), over rounds
     label = f"{workload}-{setting}"
     for round_index in range(args.rounds):
         for library in ("lit_rl", "trl"):
@@ -381,8 +402,11 @@ def compare(
             if len(times) <= args.warmup:
                 raise RuntimeError(f"{library}: {len(times)} step times, not more than --warmup {args.warmup}")
             per_round[library].append(statistics.median(times[args.warmup :]))
+            phases = workdir / "phases.json"
             if library == "lit_rl":
-                steps += json.loads((workdir / "phases.json").read_text())[args.warmup :]
+                steps += json.loads(phases.read_text())[args.warmup :]
+            elif phases.exists():
+                trl_generation += [step["generation_s"] for step in json.loads(phases.read_text())[args.warmup :]]
             print(
                 f"  {algorithm} {model_name} {label} {library} round {round_index}: {per_round[library][-1]:.3f} s/step"
             )
@@ -390,6 +414,8 @@ def compare(
     variant = {} if label == "fixed-matched" else {"workload": workload, "setting": setting}
     if work.variable or workload == "fixed32":  # where lit-rl's step goes: the median of each phase
         variant["lit_rl_phases_s"] = {phase: statistics.median(step[phase] for step in steps) for phase in PHASES}
+        if trl_generation:  # TRL's own generation, timed around its `generate` calls (`time_generation`)
+            variant["trl_generation_s"] = statistics.median(trl_generation)
     if peak_tflops is not None:  # both libraries' model-FLOP utilisation (the module docstring)
         flops = statistics.median(step["tflops"] * step["step_s"] for step in steps)  # TFLOP per step
         variant |= {"tflop_per_step": flops, "peak_tflops": peak_tflops, "lit_rl_mfu": flops / lit / peak_tflops}
@@ -446,13 +472,17 @@ def markdown_table(results: list[dict]) -> str:
             f"| {r['ratio']:.2f} |{rates}"
         )
     profiled = [r for r in results if "lit_rl_phases_s" in r]
-    if profiled:  # where lit-rl's step goes, one row per run
-        lines += ["", "| algorithm | model | setting | lit-rl s/step | " + " | ".join(PHASES) + " |"]
-        lines.append("|---|---|---|---|" + "---|" * len(PHASES))
+    if profiled:  # where lit-rl's step goes, one row per run; and TRL's generation where it was timed
+        trl = any("trl_generation_s" in r for r in profiled)
+        extra = " TRL s/step | TRL generation_s |" if trl else ""
+        lines += ["", "| algorithm | model | setting | lit-rl s/step | " + " | ".join(PHASES) + " |" + extra]
+        lines.append("|---|---|---|---|" + "---|" * len(PHASES) + ("---|---|" if trl else ""))
         for r in profiled:
             cells = " | ".join(f"{r['lit_rl_phases_s'][phase]:.3f}" for phase in PHASES)
             head = f"| {r['algorithm']} | {r['model']} | {r['setting']} | {r['lit_rl_s_per_step']:.3f} |"
-            lines.append(f"{head} {cells} |")
+            generation = f"{r['trl_generation_s']:.3f}" if "trl_generation_s" in r else ""
+            tail = f" {r['trl_s_per_step']:.3f} | {generation} |" if trl else ""
+            lines.append(f"{head} {cells} |{tail}")
     return "\n".join(lines)
 
 
@@ -490,6 +520,9 @@ def main() -> None:
         Path(out).write_text(json.dumps(times))
         if library == "lit_rl":
             (Path(out).parent / "phases.json").write_text(json.dumps(LIT_PHASES))
+        elif TRL_GENERATION_S and len(TRL_GENERATION_S) == len(times):  # GRPO: one `generate` in each step's time
+            phases = [{"generation_s": seconds} for seconds in TRL_GENERATION_S]
+            (Path(out).parent / "phases.json").write_text(json.dumps(phases))
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algorithms", nargs="+", choices=["grpo", "dpo"], default=["grpo", "dpo"])

@@ -709,3 +709,14 @@ def test_every_fixed32_cell_divides_by_the_one_peak_measured_for_the_whole_run(t
     cell = compare_trl.compare("grpo", "20m", "model", args, tmp_path, workload="fixed32", peak_tflops=2.0)
     assert cell["peak_tflops"] == 2.0 and cell["tflop_per_step"] == pytest.approx(0.1)
     assert cell["lit_rl_mfu"] == pytest.approx(0.1 / 0.5 / 2.0) and cell["trl_mfu"] == pytest.approx(0.1 / 1.0 / 2.0)
+    # Where TRL's step goes: its `generate` calls, timed by the child (here 0.1 s each), beside lit-rl's phases.
+    assert cell["trl_generation_s"] == pytest.approx(0.1)
+    assert "| TRL s/step | TRL generation_s |" in compare_trl.markdown_table([cell | {"setting": "matched"}])
+
+
+def test_trl_generation_is_timed_around_the_models_own_generate():
+    compare_trl = _benchmark_module("compare_trl")
+    model = SimpleNamespace(generate=lambda *args, **kwargs: sum(args) + kwargs["extra"])
+    compare_trl.time_generation(model)
+    assert model.generate(1, 2, extra=3) == 6 and model.generate(4, extra=0) == 4
+    assert len(compare_trl.TRL_GENERATION_S) == 2 and all(s >= 0 for s in compare_trl.TRL_GENERATION_S)
