@@ -21,6 +21,7 @@ from lit_rl.algorithms.rloo import rloo_metrics
 from lit_rl.algorithms.sft import sft_metrics
 from lit_rl.training.metrics import (
     asynchronous_rollout_metrics,
+    data_token_budget_metrics,
     episode_metrics,
     metric_collection,
     reductions,
@@ -38,6 +39,8 @@ ON_POLICY_EXTRAS: list[tuple[str, Callable[[], dict]]] = [
     ("`model.schedule.micro_batch_tokens` set", token_budget_metrics),
     (ENVIRONMENT, episode_metrics),
 ]
+# What DPO and SFT add with token-budget micro-batches (`OfflineModule.setup`).
+DATA_TOKEN_BUDGET = ("`data.micro_batch_tokens` set", metric_collection(data_token_budget_metrics()))
 # Algorithm -> its training collection with no option on, and what each option adds: (when, the collection with it).
 ALGORITHMS: dict[str, tuple[MetricCollection, list[tuple[str, MetricCollection]]]] = {
     "GRPO": (
@@ -54,8 +57,8 @@ ALGORITHMS: dict[str, tuple[MetricCollection, list[tuple[str, MetricCollection]]
     "PPO": (ppo_metrics(FN, with_kl=False), [("`model.loss.beta` != 0", ppo_metrics(FN, with_kl=True))]),
     "RLOO": (rloo_metrics(FN), []),
     "OnlineDPO": (online_dpo_metrics(FN), []),
-    "DPO": (dpo_metrics(), []),
-    "SFT": (sft_metrics(), []),
+    "DPO": (dpo_metrics(), [DATA_TOKEN_BUDGET]),
+    "SFT": (sft_metrics(), [DATA_TOKEN_BUDGET]),
 }
 ON_POLICY = ("GRPO", "PPO", "RLOO", "OnlineDPO")
 

@@ -154,7 +154,37 @@ def test_a_token_budget_regroups_each_steps_items_and_keeps_them():
     assert any(weights == [0.0] for p in range(10) for _, weights in [budget.micro_batch_at(p, windows())])
 
 
-def _dpo_weights(**data_args) -> tuple[list[float], dict[str, torch.Tensor]]:
+class LargestMicroBatch(Callback):
+    """Each optimizer step's logged `train/micro_batch_tokens/max` (None when not logged) and, counted here from the
+    data as the token budget counts it (`item_tokens`), the real tokens of the step's largest micro-batch."""
+
+    def __init__(self, item_tokens) -> None:
+        self.item_tokens = item_tokens  # (module, batch) -> the micro-batch's real tokens
+        self.logged: list[Optional[float]] = []
+        self.counted: list[int] = []
+        self._step: list[int] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._step.append(self.item_tokens(trainer, pl_module, batch))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        metrics = pl_module.train_metrics
+        logged = metrics["micro_batch_tokens/max"].compute() if "micro_batch_tokens/max" in metrics else None
+        self.logged.append(None if logged is None else float(logged))
+        self.counted.append(max(self._step))
+        self._step = []
+
+
+def dpo_pair_tokens(trainer, module, batch) -> int:
+    pairs = trainer.datamodule.train_pairs
+    return sum(pairs[i].num_tokens for i, w in zip(batch["index"].tolist(), batch["weight"].tolist()) if w)
+
+
+def sft_row_tokens(trainer, module, batch) -> int:
+    return sum(module.row_tokens([row for row, w in zip(batch["rows"], batch["weight"].tolist()) if w]))
+
+
+def _dpo_weights(**data_args) -> tuple[list[float], dict[str, torch.Tensor], dict, LargestMicroBatch]:
     from lit_rl.algorithms import DPO
     from lit_rl.data.modules import PreferenceDataModule
 
@@ -168,28 +198,35 @@ def _dpo_weights(**data_args) -> tuple[list[float], dict[str, torch.Tensor]]:
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
             losses.append(float(pl_module.train_metrics["loss"].compute()))
 
-    trainer = quiet_trainer(max_steps=3, accumulate_grad_batches=4, callbacks=[Losses()])
+    largest = LargestMicroBatch(dpo_pair_tokens)
+    trainer = quiet_trainer(max_steps=3, accumulate_grad_batches=4, callbacks=[Losses(), largest])
     trainer.fit(module, PreferenceDataModule(val_data=None, batch_size=4, **data_args))
-    return losses, start, {name: value.clone() for name, value in module.policy.state_dict().items()}
+    return losses, start, {name: value.clone() for name, value in module.policy.state_dict().items()}, largest
 
 
-def test_dpo_with_a_token_budget_trains_the_same_steps():
+def test_dpo_with_a_token_budget_trains_the_same_steps_and_logs_its_largest_micro_batch():
     """The same pairs per step, grouped by tokens: the same losses, and weights as `lit-rl check` compares them
-    (relative to the update; Adam gives rounding-noise gradients full-size steps)."""
+    (relative to the update; Adam gives rounding-noise gradients full-size steps). With the budget,
+    `train/micro_batch_tokens/max` is the step's largest micro-batch, within the budget."""
     from lit_rl.check.compare import FP32, compare_parameters
 
-    losses, start, weights = _dpo_weights()
-    budget_losses, _, budget_weights = _dpo_weights(micro_batch_tokens=150)
+    losses, start, weights, plain = _dpo_weights()
+    budget_losses, _, budget_weights, budget = _dpo_weights(micro_batch_tokens=150)
     assert budget_losses == pytest.approx(losses, rel=1e-5)
     difference, problems = compare_parameters(budget_weights, weights, start, FP32)
     assert difference.passed and not problems, difference
+    assert plain.logged == [None] * 3  # no budget, no metric
+    assert budget.logged == budget.counted and all(0 < tokens <= 150 for tokens in budget.counted), budget.counted
 
 
-def test_sft_with_a_token_budget_trains_the_same_steps():
+def test_sft_with_a_token_budget_trains_the_same_steps_and_logs_its_largest_micro_batch():
     from lit_rl.check.compare import FP32, compare_parameters
 
     start: dict = {}
     plain = _trained(SFTDataModule(val_data=None, batch_size=4), start, accumulate_grad_batches=3)
-    budget = _trained(SFTDataModule(val_data=None, batch_size=4, micro_batch_tokens=120), accumulate_grad_batches=3)
+    largest = LargestMicroBatch(sft_row_tokens)
+    data = SFTDataModule(val_data=None, batch_size=4, micro_batch_tokens=120)
+    budget = _trained(data, accumulate_grad_batches=3, callbacks=[largest])
     difference, problems = compare_parameters(budget, plain, start, FP32)
     assert difference.passed and not problems, difference
+    assert largest.logged == largest.counted and all(0 < tokens <= 120 for tokens in largest.counted), largest.counted

@@ -266,6 +266,8 @@ class DPO(OfflineModule):
     # -- Lightning hooks -------------------------------------------------------------------------------------
     def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         self.timer.count("trained_tokens", float(batch["completion_mask"].sum()))
+        sequences = batch["prompt_mask"].sum(dim=1) + batch["completion_mask"].sum(dim=1)  # [2B]
+        self.count_micro_batch_tokens((sequences * batch["weight"].repeat(2)).sum())  # a pair's two sequences
         return self._step(batch, "train", self.train_metrics)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:

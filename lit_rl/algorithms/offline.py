@@ -10,6 +10,7 @@ import torch
 from torchmetrics import MetricCollection
 
 from lit_rl.algorithms.base import PolicyModule
+from lit_rl.training.metrics import data_token_budget_metrics
 from lit_rl.training.strategies import is_accumulating_micro_batch
 
 
@@ -22,6 +23,19 @@ class OfflineModule(PolicyModule):
 
     def training_loss(self, batch: Any) -> torch.Tensor:
         raise NotImplementedError
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        # Token-budget micro-batches are the data module's choice (`data.micro_batch_tokens`), known only once the
+        # trainer holds it: their size is then logged as the on-policy algorithms log theirs.
+        budget = getattr(getattr(self.trainer, "datamodule", None), "micro_batch_tokens", None)
+        if budget is not None and "micro_batch_tokens/max" not in self.train_metrics:
+            self.train_metrics.add_metrics(data_token_budget_metrics())
+
+    def count_micro_batch_tokens(self, tokens: torch.Tensor) -> None:
+        """Record a training micro-batch's real prompt and completion tokens (with a token budget)."""
+        if "micro_batch_tokens/max" in self.train_metrics:
+            self.train_metrics["micro_batch_tokens/max"].update(tokens)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = self.training_loss(batch)

@@ -106,6 +106,9 @@ class SFT(OfflineModule):
         logprobs = scores.logprobs  # [B, T]
         tokens = completion_mask > 0
         self.timer.count("trained_tokens", float(completion_mask.sum()))
+        if metrics is self.train_metrics:  # padding rows weigh 0 in both masks' counts
+            prompt_tokens = (prompt_mask.sum(dim=1) * batch["weight"].to(prompt_mask)).sum()
+            self.count_micro_batch_tokens(prompt_tokens + tokens.sum())
         loss = sft_loss(logprobs, completion_mask, completion_mask.sum() if denominator is None else denominator)
         with torch.no_grad():
             correct = (scores.argmax == completion_ids).float()

@@ -135,6 +135,13 @@ def token_budget_metrics() -> dict:
     }
 
 
+def data_token_budget_metrics() -> dict:
+    """What DPO's and SFT's token-budget micro-batches (`data.micro_batch_tokens`) add: the real (prompt and
+    completion) tokens of the step's largest micro-batch, across ranks; more than the budget when a step's items did
+    not fit in its micro-batches (`lit_rl.training.micro_batches`)."""
+    return {"micro_batch_tokens/max": largest("micro-batch")}
+
+
 DPO_PAIR_METRICS = (
     "rewards/chosen",
     "rewards/rejected",
