@@ -523,6 +523,8 @@ def main() -> None:
         elif TRL_GENERATION_S and len(TRL_GENERATION_S) == len(times):  # GRPO: one `generate` in each step's time
             phases = [{"generation_s": seconds} for seconds in TRL_GENERATION_S]
             (Path(out).parent / "phases.json").write_text(json.dumps(phases))
+        elif TRL_GENERATION_S:  # e.g. several generations per step: no per-step split to report
+            print(f"TRL: {len(TRL_GENERATION_S)} generate calls in {len(times)} steps, not timed", file=sys.stderr)
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algorithms", nargs="+", choices=["grpo", "dpo"], default=["grpo", "dpo"])

@@ -1,6 +1,6 @@
 import logging
 
-from lit_rl.data.preference import ShardedPairBatches, TokenizedPair, collate_pairs, tokenize_pairs
+from lit_rl.data.preference import ShardedPairBatches, TokenizedPair, batch_tokens, collate_pairs, tokenize_pairs
 from lit_rl.modeling.models import load_tokenizer
 
 TOKENIZER = load_tokenizer("lit-rl/tiny-qwen2-base")
@@ -41,6 +41,13 @@ def test_collate_concatenates_chosen_then_rejected():
     assert batch["completion_ids"].tolist() == [[7, 1, 0], [7, 1, 0], [8, 9, 1], [1, 0, 0]]
     assert batch["completion_mask"].sum(1).tolist() == [2, 2, 3, 1]
     assert batch["weight"].tolist() == [1.0, 0.0] and batch["index"].tolist() == [0, 1]
+
+
+def test_a_batch_counts_the_tokens_of_its_real_pairs_as_the_token_budget_does():
+    real = TokenizedPair(0, [5], [7, 1], [1])
+    padding = TokenizedPair(1, [5, 6, 7, 8], [7, 7, 7, 1], [8, 8, 8, 8, 1])  # the longest, but of weight 0
+    batch = collate_pairs([real, padding], [1.0, 0.0], pad_id=0)
+    assert int(batch_tokens(batch)) == real.num_tokens == 5
 
 
 def test_uneven_shards_get_equal_batch_counts_with_weight_zero_padding():

@@ -100,6 +100,13 @@ def tokenize_pairs(
     return pairs
 
 
+def batch_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The real tokens of a collated batch (`collate_pairs`): each pair of weight > 0 counts its two sequences, as
+    `TokenizedPair.num_tokens` (and so `data.micro_batch_tokens`) counts them; padding pairs count nothing."""
+    sequences = batch["prompt_mask"].sum(dim=1) + batch["completion_mask"].sum(dim=1)  # [2B]
+    return (sequences * (batch["weight"] > 0).repeat(2)).sum()
+
+
 def collate_pairs(pairs: list[TokenizedPair], weights: list[float], pad_id: int) -> dict[str, torch.Tensor]:
     """One batch of B pairs as 2B sequences, chosen first then rejected, for a single forward pass.
 
