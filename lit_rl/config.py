@@ -242,6 +242,11 @@ class EnvArgs:
         max_turns: the most model turns of an episode.
         max_total_tokens: the most tokens of a transcript after the prompt, model and observation tokens (None:
             `max_turns x sampling.max_new_tokens`).
+        concurrency: the most environment calls (`reset`, `step`) running at once, off the training thread
+            (`lit_rl.envs.runner`); 1 runs them one after another. Environments of different episodes then run
+            at the same time: they must not share mutable state without a lock.
+        step_timeout_s: the time limit of one `reset` or `step`. A step that overruns ends its episode and is
+            counted in `env_timeouts`; a `reset` that overruns stops the run in one line.
     """
 
     environment: Optional[str] = None
@@ -249,6 +254,8 @@ class EnvArgs:
     tools: Optional[list[str]] = None
     max_turns: int = 4
     max_total_tokens: Optional[int] = None
+    concurrency: int = 64
+    step_timeout_s: float = 60.0
 
     @property
     def enabled(self) -> bool:
@@ -259,6 +266,10 @@ class EnvArgs:
             raise ConfigError(f"model.env.max_turns must be >= 1, got {self.max_turns}")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ConfigError(f"model.env.max_total_tokens must be >= 1 (or null), got {self.max_total_tokens}")
+        if self.concurrency < 1:
+            raise ConfigError(f"model.env.concurrency must be >= 1, got {self.concurrency}")
+        if not self.step_timeout_s > 0:
+            raise ConfigError(f"model.env.step_timeout_s must be > 0, got {self.step_timeout_s}")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 # The columns of `RolloutBatch.episode_stats` (multi-turn episodes, `lit_rl.rollout.multi_turn`), each a metric.
-EPISODE_STATS = ("turns", "tool_calls", "tool_errors", "env_tokens")
+EPISODE_STATS = ("turns", "tool_calls", "tool_errors", "env_tokens", "env_timeouts")
 
 
 @dataclass
@@ -41,9 +41,10 @@ class RolloutBatch:
     refill_generations: Optional[torch.Tensor] = None  # [N] float
     frac_groups_dropped: Optional[torch.Tensor] = None  # [N] float
     # Multi-turn episodes (`lit_rl.rollout.multi_turn`): 1 on the tokens the model sampled (observations are 0 here,
-    # 1 in completion_mask), and the episode statistics (`EPISODE_STATS`: turns, tool calls, tool errors, env tokens).
+    # 1 in completion_mask), and the episode statistics (`EPISODE_STATS`: turns, tool calls, tool errors, env tokens,
+    # environment steps timed out).
     sampled_mask: Optional[torch.Tensor] = None  # [N, T] float
-    episode_stats: Optional[torch.Tensor] = None  # [N, 4] float
+    episode_stats: Optional[torch.Tensor] = None  # [N, 5] float
     # PPO (`lit_rl.losses.ppo`): the critic's values when sampled, GAE advantages and returns, per token.
     old_values: Optional[torch.Tensor] = None  # [N, T] float
     token_advantages: Optional[torch.Tensor] = None  # [N, T] float, whitened with `loss.normalize_advantages`

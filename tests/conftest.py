@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import logging
 import os
@@ -54,6 +55,27 @@ def sigint_left_as_found(request):
         signal.signal(signal.SIGINT, before[0])  # installs Python's C handler again, whoever replaced it
         signal.pthread_sigmask(signal.SIG_SETMASK, before[1])
         warnings.warn(f"{request.node.nodeid} changed SIGINT (handler, mask, C handler): {before} -> {after}")
+
+
+@contextlib.contextmanager
+def environment_restored():
+    """`os.environ` as it was on entry, put back on exit: what the block set, changed or removed is undone."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        if dict(os.environ) != saved:
+            os.environ.clear()
+            os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def environment_left_as_found():
+    """Each test leaves the worker's environment variables as it found them. Code run in the worker's own process
+    sets some (`lit-rl check` sets MKL's reproducible mode, `seed_everything` PL_GLOBAL_SEED), and every later CLI
+    process of that worker would inherit them, which a user's `lit-rl fit` does not."""
+    with environment_restored():
+        yield
 
 
 def _sigint_state() -> tuple:

@@ -261,12 +261,16 @@ def test_the_check_asks_the_blas_for_reproducible_results_before_it_computes(tmp
     """MKL otherwise picks code paths by memory alignment and thread counts by load: float rounding that moves
     between two runs of one layout, which Adam amplifies in weights whose exact gradient is 0."""
     from lit_rl.check.command import main
+    from tests.conftest import environment_restored
 
     monkeypatch.delenv("MKL_CBWR", raising=False)
     monkeypatch.delenv("MKL_DYNAMIC", raising=False)
-    with pytest.raises(SystemExit):
-        main(["--config", str(tmp_path / "missing.yaml"), "--quick"])
-    assert os.environ["MKL_CBWR"] == "AUTO,STRICT" and os.environ["MKL_DYNAMIC"] == "FALSE"
+    with environment_restored():
+        with pytest.raises(SystemExit):
+            main(["--config", str(tmp_path / "missing.yaml"), "--quick"])
+        assert os.environ["MKL_CBWR"] == "AUTO,STRICT" and os.environ["MKL_DYNAMIC"] == "FALSE"
+    # Undone for the rest of this worker's tests (monkeypatch's delenv of an absent name records nothing to undo).
+    assert "MKL_CBWR" not in os.environ and "MKL_DYNAMIC" not in os.environ
 
 
 def test_a_ctrl_c_that_ended_a_run_stops_the_check_and_an_exit_1_alone_is_a_failed_run(monkeypatch, tmp_path):

@@ -3,6 +3,8 @@ transcript, checked by hand on constructed episodes."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 
 import pytest
@@ -10,10 +12,12 @@ import torch
 
 from lit_rl.envs import StepResult, ToolEnvironment, calc
 from lit_rl.envs.base import environment_factory
+from lit_rl.envs.runner import EnvironmentRunner
 from lit_rl.envs.tools import run_tool
 from lit_rl.errors import ConfigError
 from lit_rl.rollout import RolloutOutput, SamplingParams
 from lit_rl.rollout.multi_turn import run_episodes, turn_seed
+from lit_rl.types import EPISODE_STATS
 from tests.conftest import fit_on_episodes
 
 EOS, PAD = 9, 0
@@ -58,7 +62,7 @@ class Echo:
         return StepResult(None if done else "obs", {"r": 1.0}, done, tool_calls=1, tool_errors=int(text == "bad"))
 
 
-def _run(engine, envs, prompts, max_turns=4, max_total_tokens=100, max_new_tokens=8, seeds=(10, 20)):
+def _run(engine, envs, prompts, max_turns=4, max_total_tokens=100, max_new_tokens=8, seeds=(10, 20), runner=None):
     return run_episodes(
         engine,
         envs,
@@ -72,6 +76,7 @@ def _run(engine, envs, prompts, max_turns=4, max_total_tokens=100, max_new_token
         max_total_tokens=max_total_tokens,
         pad_id=PAD,
         device=torch.device("cpu"),
+        runner=runner or EnvironmentRunner(concurrency=4, timeout_s=10.0),
     )
 
 
@@ -90,8 +95,8 @@ def test_a_transcript_is_the_sampled_ids_and_the_observation_ids_laid_end_to_end
     assert second == [[1, 1, 4, 5, EOS, 7, 7], [2, 6, EOS, 7, 7]]
     assert second_seeds == [turn_seed(10, 1), turn_seed(20, 1)] and turn_seed(10, 0) == 10
     assert episodes.env_rewards.tolist() == [[2.0], [2.0]]
-    # turns, tool calls, tool errors (row 0's second turn decodes to "bad"), observation tokens
-    assert episodes.stats.tolist() == [[2, 2, 1, 2], [2, 2, 0, 2]]
+    # turns, tool calls, tool errors (row 0's second turn decodes to "bad"), observation tokens, steps timed out
+    assert episodes.stats.tolist() == [[2, 2, 1, 2, 0], [2, 2, 0, 2, 0]]
 
 
 def test_episodes_stop_at_max_turns_and_the_token_budget():
@@ -213,6 +218,7 @@ def test_a_rank_whose_episodes_ended_joins_the_other_ranks_turns():
         max_total_tokens=100,
         pad_id=PAD,
         device=torch.device("cpu"),
+        runner=EnvironmentRunner(concurrency=4, timeout_s=10.0),
         any_active=others_active,
     )
     assert episodes.output.completion_ids.tolist() == [[4, EOS]] and flags == [True, False, False, False]
@@ -239,3 +245,118 @@ def test_a_cut_off_final_turn_is_truncated_whatever_the_earlier_turns_ended_with
     real = torch.tensor([[1.0, 1, 1, 1, 1], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])
     sampled = torch.tensor([[1.0, 1, 0, 1, 1], [1, 1, 0, 1, 1], [1, 1, 0, 0, 0]])
     assert truncated(ids, real * sampled, [EOS]).tolist() == [True, False, True]
+
+
+class Gathering(Echo):
+    """Echo whose steps wait (up to 5 s) until `expected` steps are running at once, recording how many ran at
+    once and on which thread: with enough concurrency every episode's step of a turn meets the others."""
+
+    def __init__(self, turns, shared):
+        super().__init__(turns)
+        self.shared = shared
+
+    def step(self, text):
+        shared = self.shared
+        with shared["lock"]:
+            shared["running"] += 1
+            shared["most"] = max(shared["most"], shared["running"])
+            shared["threads"].add(threading.current_thread().name)
+        shared["barrier_hits"].append(shared["all_in"].wait(5) if shared["expected"] > 1 else True)
+        result = super().step(text)
+        with shared["lock"]:
+            shared["running"] -= 1
+        return result
+
+
+def _gathering(expected):
+    shared = {"lock": threading.Lock(), "running": 0, "most": 0, "threads": set(), "barrier_hits": []}
+    shared["expected"] = expected
+    shared["all_in"] = _CountDown(shared, expected)
+    return shared
+
+
+class _CountDown:
+    """wait() returns True once `expected` steps are running at the same time (False after the timeout)."""
+
+    def __init__(self, shared, expected):
+        self.shared, self.expected = shared, expected
+
+    def wait(self, timeout):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.shared["most"] >= self.expected:
+                return True
+            time.sleep(0.002)
+        return False
+
+
+def _three_episodes():
+    return ScriptedEngine({1: [[4, EOS], [3, EOS]], 2: [[6, EOS], [8, 8, EOS]], 5: [[6, 6, EOS], [4, EOS]]})
+
+
+def test_a_turns_environment_steps_run_together_off_the_training_thread_and_give_the_same_transcripts():
+    concurrent = _gathering(expected=3)
+    together = _run(_three_episodes(), [Gathering(2, concurrent) for _ in range(3)], [[1], [2], [5]], seeds=(1, 2, 3))
+    assert concurrent["most"] == 3 and all(concurrent["barrier_hits"])  # all three steps of a turn at once
+    assert threading.current_thread().name not in concurrent["threads"]
+
+    one_by_one = _gathering(expected=1)
+    alone = _run(
+        _three_episodes(),
+        [Gathering(2, one_by_one) for _ in range(3)],
+        [[1], [2], [5]],
+        seeds=(1, 2, 3),
+        runner=EnvironmentRunner(concurrency=1, timeout_s=10.0),
+    )
+    assert one_by_one["most"] == 1
+    for field in ("completion_ids", "completion_mask", "logprobs", "sampled_mask"):
+        assert torch.equal(getattr(together.output, field), getattr(alone.output, field)), field
+    assert torch.equal(together.env_rewards, alone.env_rewards) and torch.equal(together.stats, alone.stats)
+    assert together.output.completion_ids.tolist()[2] == [6, 6, EOS, 7, 7, 4, EOS]
+
+
+def test_async_environment_steps_are_awaited():
+    class AsyncEcho(Echo):
+        async def step(self, text):
+            await asyncio.sleep(0.01)
+            return super().step(text)
+
+    episodes = _run(_three_episodes(), [AsyncEcho(2) for _ in range(3)], [[1], [2], [5]], seeds=(1, 2, 3))
+    assert episodes.output.completion_ids.tolist()[0] == [4, EOS, 7, 7, 3, EOS, PAD]
+    assert episodes.env_rewards.tolist() == [[2.0], [2.0], [2.0]] and episodes.error is None
+
+
+def test_a_step_past_its_time_limit_ends_its_episode_and_is_counted_without_waiting_for_it():
+    release = threading.Event()
+
+    class Stuck(Echo):
+        def step(self, text):
+            release.wait(30)
+            return super().step(text)
+
+    start = time.monotonic()
+    try:
+        episodes = _run(
+            _three_episodes(),
+            [Echo(2), Stuck(2), Echo(2)],
+            [[1], [2], [5]],
+            seeds=(1, 2, 3),
+            runner=EnvironmentRunner(concurrency=4, timeout_s=0.2),
+        )
+    finally:
+        release.set()
+    assert time.monotonic() - start < 20  # answered at its limit, not when the step returned (30 s)
+    ids = episodes.output.completion_ids.tolist()
+    assert ids[1][:2] == [6, EOS] and set(ids[1][2:]) <= {PAD}  # ended after its first turn
+    assert ids[0] == [4, EOS, 7, 7, 3, EOS, PAD] and episodes.error is None  # the others ran on
+    timeouts = episodes.stats[:, EPISODE_STATS.index("env_timeouts")].tolist()
+    assert timeouts == [0.0, 1.0, 0.0] and episodes.env_rewards[1].tolist() == [0.0]
+
+
+def test_environment_concurrency_and_time_limit_are_checked_with_one_line_errors():
+    from lit_rl.config import EnvArgs
+
+    with pytest.raises(ConfigError, match=r"model.env.concurrency must be >= 1, got 0"):
+        EnvArgs(tools=["lit_rl.envs.tools.calc"], concurrency=0).check()
+    with pytest.raises(ConfigError, match=r"model.env.step_timeout_s must be > 0, got 0"):
+        EnvArgs(tools=["lit_rl.envs.tools.calc"], step_timeout_s=0).check()

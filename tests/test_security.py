@@ -419,10 +419,11 @@ def test_tool_calls_are_found_as_the_lazy_pattern_finds_them_without_its_quadrat
 def test_tool_threads_past_their_limit_cannot_pile_up(monkeypatch):
     import threading
 
+    import lit_rl.envs.runner as runner
     import lit_rl.envs.tools as tools
 
-    monkeypatch.setattr(tools, "MAX_OVERRUNNING", 2)
-    monkeypatch.setattr(tools, "_overrunning", [])
+    monkeypatch.setattr(runner, "MAX_OVERRUNNING", 2)
+    monkeypatch.setattr(runner, "overrunning", runner._Overrunning())
     release = threading.Event()
 
     def stuck(argument):
@@ -432,12 +433,46 @@ def test_tool_threads_past_their_limit_cannot_pile_up(monkeypatch):
     assert tools.run_tool(stuck, "", 0.05) == ("error: timed out after 0.05 s", True)
     assert tools.run_tool(stuck, "", 0.05) == ("error: timed out after 0.05 s", True)
     refused = tools.run_tool(stuck, "", 0.05)
-    assert refused == ("error: 2 tool calls are still running past their time limit; not run", True)
+    assert refused == ("error: 2 calls are still running past their time limit; not run", True)
     assert sum(thread.name == "lit-rl-tool" and thread.is_alive() for thread in threading.enumerate()) == 2
     release.set()
-    for thread in list(tools._overrunning):
+    for thread in list(runner.overrunning._threads):
         thread.join(5)
     assert tools.run_tool(lambda argument: "ok", "", 1.0) == ("ok", False)
+
+
+def test_environment_steps_past_their_limit_cannot_pile_up_either(monkeypatch):
+    """The runner's plain calls share the tools' cap: past `MAX_OVERRUNNING` stuck steps, a step is refused without
+    starting a thread, and a stuck `async` step is cancelled, holding no thread."""
+    import asyncio
+    import threading
+
+    import lit_rl.envs.runner as runner
+
+    monkeypatch.setattr(runner, "MAX_OVERRUNNING", 2)
+    monkeypatch.setattr(runner, "overrunning", runner._Overrunning())
+    release = threading.Event()
+    envs = runner.EnvironmentRunner(concurrency=8, timeout_s=0.05)
+
+    def stuck(text):
+        release.wait(30)
+
+    async def stuck_async(text):
+        await asyncio.sleep(30)
+
+    try:
+        outcomes = envs.run([(stuck, ("a",)), (stuck, ("b",))])
+        assert [str(o) for o in outcomes] == ["timed out after 0.05 s"] * 2
+        refused, cancelled = envs.run([(stuck, ("c",)), (stuck_async, ("d",))])
+        assert str(refused) == "2 calls are still running past their time limit; not run"
+        assert str(cancelled) == "timed out after 0.05 s"
+        assert sum(t.name == "lit-rl-env-call" and t.is_alive() for t in threading.enumerate()) == 2
+    finally:
+        release.set()
+        envs.close()
+    for thread in list(runner.overrunning._threads):
+        thread.join(5)
+    assert runner.overrunning.count() == 0
 
 
 # -- the broadcast transfer -------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from lit_rl.algorithms.rollout_checks import check_prompt_lengths
 from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, RolloutArgs, SamplingArgs, ScheduleArgs, as_args
 from lit_rl.data.schedule import RolloutSchedule
 from lit_rl.envs import environment_factory
+from lit_rl.envs.runner import EnvironmentRunner
 from lit_rl.errors import ConfigError
 from lit_rl.losses import LossNormalizer
 from lit_rl.ops import kl_k3
@@ -131,6 +132,7 @@ class OnPolicyModule(PolicyModule):
                 env_reward_names=env_reward_names,
                 max_turns=env.max_turns,
                 max_total_tokens=env.max_total_tokens,
+                runner=EnvironmentRunner(env.concurrency, env.step_timeout_s),
             )
         if self.max_staleness > 0:
             steps = self.optimizer_steps_per_generation

@@ -8,9 +8,10 @@ a call ends the episode.
 Nothing evaluates code by default: the built-in `calc` parses arithmetic (numbers, + - * / // %, unary
 minus, parentheses) with `ast` and computes it itself. Each call runs in a daemon thread so a slow one can be timed
 out; Python cannot stop a thread, so a tool that ignores its time limit keeps its thread until it returns: a tool
-must bound its own work (`calc` refuses long expressions and huge numbers). At most `MAX_OVERRUNNING` such threads
-live at once: past that, calls are answered `error: ...` without running, so they cannot pile up. Calls run one
-episode after another. Finding a call in a turn takes time linear in its length, whatever tags it leaves open.
+must bound its own work (`calc` refuses long expressions and huge numbers). At most
+`lit_rl.envs.runner.MAX_OVERRUNNING` such threads live at once: past that, calls are answered `error: ...` without
+running, so they cannot pile up. Episodes' calls run concurrently (`model.env.concurrency`). Finding a call in a
+turn takes time linear in its length, whatever tags it leaves open.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ import ast
 import bisect
 import operator
 import re
-import threading
 from typing import Any, Callable, Optional
 
 from lit_rl.envs.base import StepResult
+from lit_rl.envs.runner import EnvCallTimeout, call_in_thread
 from lit_rl.errors import ConfigError
 from lit_rl.importing import import_callable
 
@@ -86,35 +87,18 @@ def import_tools(paths: list[str]) -> list[Tool]:
     return tools
 
 
-MAX_OVERRUNNING = 8  # tool threads still running past their time limit, at most
-_overrunning: list[threading.Thread] = []
-
-
 def run_tool(tool: Tool, argument: str, timeout_s: float) -> tuple[str, bool]:
     """`tool(argument)` as text, and whether it failed: an exception or a timeout is returned as
     `error: <what happened>` (never raised), so the model sees it as its observation. The call runs in a daemon
-    thread: one that never returns cannot keep the process from exiting. While `MAX_OVERRUNNING` calls are still
-    running past their limit, a new call is refused the same way instead of starting a thread."""
-    _overrunning[:] = [thread for thread in _overrunning if thread.is_alive()]
-    if len(_overrunning) >= MAX_OVERRUNNING:
-        return f"error: {len(_overrunning)} tool calls are still running past their time limit; not run", True
-    box: dict[str, Any] = {}
-
-    def call() -> None:
-        try:
-            box["value"] = tool(argument)
-        except Exception as err:  # the tool's own error, shown to the model
-            box["error"] = err
-
-    worker = threading.Thread(target=call, name="lit-rl-tool", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
-        _overrunning.append(worker)
-        return f"error: timed out after {timeout_s:g} s", True
-    if "error" in box:
-        return f"error: {type(box['error']).__name__}: {box['error']}", True
-    return str(box["value"]), False
+    thread (`lit_rl.envs.runner.call_in_thread`): one that never returns cannot keep the process from exiting, and
+    while `MAX_OVERRUNNING` calls are still running past their limit a new call is refused the same way instead of
+    starting a thread."""
+    try:
+        return str(call_in_thread(tool, (argument,), timeout_s, name="lit-rl-tool")), False
+    except EnvCallTimeout as err:
+        return f"error: {err}", True
+    except Exception as err:  # the tool's own error, shown to the model
+        return f"error: {type(err).__name__}: {err}", True
 
 
 class ToolEnvironment:

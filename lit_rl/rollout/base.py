@@ -40,7 +40,7 @@ class RolloutOutput:
     completion_mask: torch.Tensor  # [N, T] float, 1 up to and including the first EOS
     logprobs: torch.Tensor  # [N, T] float, the engine's log-probs of the sampled tokens (0 on padding)
     # Multi-turn episodes (`lit_rl.rollout.multi_turn`): 1 on the model's tokens of the transcript (observations 0),
-    # and each episode's EPISODE_STATS [N, 4]. None for single-turn completions.
+    # and each episode's EPISODE_STATS [N, 5]. None for single-turn completions.
     sampled_mask: Optional[torch.Tensor] = None
     episode_stats: Optional[torch.Tensor] = None
 

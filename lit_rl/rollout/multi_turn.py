@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from lit_rl.envs.base import Environment, as_step_result
+from lit_rl.envs.runner import EnvCallTimeout, EnvironmentRunner
 from lit_rl.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
 from lit_rl.types import EPISODE_STATS
 
@@ -27,8 +28,8 @@ from lit_rl.types import EPISODE_STATS
 @dataclass
 class Episodes:
     """The episodes of a batch: the transcripts as a `RolloutOutput` (with `sampled_mask`), the environment's
-    reward parts [N, E] (summed over steps) and `EPISODE_STATS` [N, 4] (model turns, tool calls, failed tool calls,
-    observation tokens)."""
+    reward parts [N, E] (summed over steps) and `EPISODE_STATS` [N, 5] (model turns, tool calls, failed tool calls,
+    observation tokens, steps timed out)."""
 
     output: RolloutOutput
     env_rewards: torch.Tensor
@@ -66,6 +67,7 @@ def run_episodes(
     max_total_tokens: int,
     pad_id: int,
     device: torch.device,
+    runner: EnvironmentRunner,
     env_name: str = "environment",
     any_active: Callable[[bool], bool] = bool,
 ) -> Episodes:
@@ -77,7 +79,12 @@ def run_episodes(
     `generate` is a collective (sharded parameters, a vLLM server or tensor-parallel group fed by several ranks)
     need every rank in every call, so a rank whose episodes have all ended joins the others' turns with a one-token
     call on a stand-in row, until none is left. An environment that raises ends its episode; the first such error
-    is returned (`Episodes.error`) for the caller to raise on every rank at once, after the last collective."""
+    is returned (`Episodes.error`) for the caller to raise on every rank at once, after the last collective.
+
+    The environments' steps of a turn run together on `runner` (`lit_rl.envs.runner`: concurrently, off this
+    thread, each with a time limit), and their outcomes are taken in episode order, so the transcripts do not depend
+    on which step finished first. A step that overruns its time limit ends its episode (its environment is still
+    busy, so it cannot be stepped again) and counts in `env_timeouts`."""
     n = len(envs)
     contexts = [list(p) for p in prompts]
     pieces: list[list[tuple[list[int], list[float], bool]]] = [[] for _ in range(n)]
@@ -101,7 +108,7 @@ def run_episodes(
         ids, mask = left_padded([contexts[i] for i in active], pad_id, device)
         turn_seeds = None if seeds is None else [turn_seed(seeds[i], turn) for i in active]
         out = engine.generate(ids, mask, turn_params, seeds=turn_seeds)
-        still_active = []
+        texts = {}
         for k, i in enumerate(active):
             length = min(int(out.completion_mask[k].sum()), budgets[i])
             sampled = out.completion_ids[k, :length].tolist()
@@ -109,8 +116,18 @@ def run_episodes(
             contexts[i] += sampled
             used[i] += length
             stats[i, 0] += 1
+            texts[i] = decode(sampled)
+        # Every episode's step at once, off this thread; their outcomes are taken in episode order.
+        outcomes = runner.run([(envs[i].step, (texts[i],)) for i in active])
+        still_active = []
+        for i, outcome in zip(active, outcomes):
+            if isinstance(outcome, EnvCallTimeout):  # its environment is still busy: the episode ends here
+                stats[i, 4] += 1
+                continue
             try:
-                result = as_step_result(envs[i].step(decode(sampled)), env_name)
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                result = as_step_result(outcome, env_name)
                 for name, value in result.rewards.items():
                     if name not in column:
                         raise ValueError(f"{env_name}.step reported reward part {name!r}, not in its reward_names")

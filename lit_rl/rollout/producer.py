@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from lit_rl.envs.runner import EnvCallTimeout, EnvironmentRunner
 from lit_rl.errors import EnvironmentStepError, RewardFunctionError
 from lit_rl.rewards import TrainerState
 from lit_rl.rewards.scorer import RewardScorer
@@ -201,6 +202,7 @@ class EpisodeProducer(RolloutProducer):
         env_reward_names: the reward parts its episodes report.
         max_turns: `model.env.max_turns`.
         max_total_tokens: `model.env.max_total_tokens` (None: `max_turns x max_new_tokens`).
+        runner: runs the environments' `reset` and `step` calls (`model.env.concurrency`, `step_timeout_s`).
         parts: `ProducerParts`.
     """
 
@@ -212,8 +214,10 @@ class EpisodeProducer(RolloutProducer):
         env_reward_names: tuple[str, ...],
         max_turns: int,
         max_total_tokens: Optional[int],
+        runner: EnvironmentRunner,
     ) -> None:
         super().__init__(parts)
+        self.runner = runner
         self.env_factory = env_factory
         self.env_reward_names = env_reward_names
         self.max_turns = max_turns
@@ -237,13 +241,15 @@ class EpisodeProducer(RolloutProducer):
         host = self.host
         with host.timer.phase("generation"):
             envs = [self.env_factory() for _ in range(len(rows) * repeat)]
+            rows_of = [rows[index // repeat] for index in range(len(envs))]
+            firsts = self.runner.run([(env.reset, (row,)) for env, row in zip(envs, rows_of)])
             prompts, error = [], None
-            for index, env in enumerate(envs):
-                row = rows[index // repeat]
-                try:
-                    first = env.reset(row)
-                except Exception as err:  # raised on every rank together, after the episodes' collectives
-                    error = error or f"{type(env).__name__}.reset raised {type(err).__name__}: {err}"
+            for env, row, first in zip(envs, rows_of, firsts):
+                if isinstance(first, BaseException):  # raised on every rank together, after the episodes' collectives
+                    failure = f"raised {type(first).__name__}: {first}"
+                    if isinstance(first, EnvCallTimeout):
+                        failure = f"{first} (model.env.step_timeout_s)"
+                    error = error or f"{type(env).__name__}.reset {failure}"
                     first = None
                 prompts.append(row["prompt"] if first is None else first)
             prompt_ids, prompt_mask = host.encode_prompts(prompts)
@@ -264,6 +270,7 @@ class EpisodeProducer(RolloutProducer):
                 max_total_tokens=self.max_total_tokens,
                 pad_id=tokenizer.pad_token_id,
                 device=host.device,
+                runner=self.runner,
                 env_name=type(envs[0]).__name__,
                 any_active=self._any_rank_active,
             )
@@ -272,6 +279,10 @@ class EpisodeProducer(RolloutProducer):
         out = episodes.output
         host.timer.count("generated_tokens", float(model_token_mask(out).sum()))
         return self.scored(rows, repeat, prompt_ids, prompt_mask, out, episodes.env_rewards)
+
+    def close(self) -> None:
+        self.runner.close()
+        super().close()
 
     def _any_rank_active(self, active: bool) -> bool:
         """Whether any rank still has episodes running (every rank calls it once per turn)."""

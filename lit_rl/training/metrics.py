@@ -120,7 +120,8 @@ def asynchronous_rollout_metrics() -> dict:
 
 def episode_metrics() -> dict:
     """What multi-turn episodes add (`lit_rl.rollout.multi_turn`), means per episode: model `turns`, `tool_calls`,
-    `tool_errors` (calls that raised or timed out) and `env_tokens` (observation tokens in the transcript)."""
+    `tool_errors` (calls that raised or timed out), `env_tokens` (observation tokens in the transcript) and
+    `env_timeouts` (environment steps past `model.env.step_timeout_s`, each ending its episode)."""
     return {name: mean("episode") for name in EPISODE_STATS}
 
 
@@ -226,7 +227,7 @@ def compute_collection(collection: MetricCollection) -> dict[str, torch.Tensor]:
 
 
 def update_episode_metrics(metrics: Any, stats: Optional[torch.Tensor], weight: Optional[torch.Tensor] = None) -> None:
-    """Each episode's `EPISODE_STATS` [N, 4] into the collection's metrics of the same names (means per episode;
+    """Each episode's `EPISODE_STATS` [N, 5] into the collection's metrics of the same names (means per episode;
     `weight` [N]: 0 on rows that pad a rank's share). Nothing without episodes (`stats` None)."""
     if stats is None:
         return

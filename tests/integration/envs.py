@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import time
 from typing import Any
 
 from lit_rl.envs import StepResult
@@ -53,3 +55,19 @@ class RowTurns(Countdown):
     def reset(self, row: dict[str, Any]) -> None:
         self.turns = 1 + int(row["answer"]) % 3
         return None
+
+
+class Stalling(Countdown):
+    """Countdown whose every fourth episode (in the order this process makes them) stalls `stall_s` in its first
+    `step`: past `model.env.step_timeout_s`, that episode must end and count in `env_timeouts`, and the run go on."""
+
+    _episodes = itertools.count()
+
+    def __init__(self, turns: int = 3, bonus: float = 0.25, stall_s: float = 2.0) -> None:
+        super().__init__(turns, bonus)
+        self.stall_s = stall_s if next(Stalling._episodes) % 4 == 0 else 0.0
+
+    def step(self, completion: str) -> StepResult:
+        if self.done_turns == 0 and self.stall_s:
+            time.sleep(self.stall_s)
+        return super().step(completion)

@@ -53,6 +53,19 @@ def test_episodes_train_log_their_metrics_and_score_the_engines_tokens(tmp_path,
     assert val and float(val[0]["val/turns"]) > 1
 
 
+def test_a_stalled_environment_step_ends_its_episode_is_counted_and_the_run_goes_on(tmp_path):
+    """Every fourth episode's first step stalls 2 s against a 0.2 s limit: each step's 8 episodes hold two of them,
+    so `train/env_timeouts` is 0.25 a step exactly; the stalled episodes end after one turn, the others run up to 3
+    (fewer when the 12-token transcript budget runs out first)."""
+    stalling = ["--model.env.environment", "tests.integration.envs.Stalling", "--model.env.step_timeout_s", "0.2"]
+    log_dir = _fit(tmp_path, "grpo", "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0", *stalling)
+    train = train_rows(log_dir)
+    assert [row["step"] for row in train] == [1, 2]
+    for row in train:
+        assert row["train/env_timeouts"] == 0.25
+        assert 0.25 * 1 + 0.75 * 1 < row["train/turns"] <= 0.25 * 1 + 0.75 * 3
+
+
 def test_episodes_keep_the_cadence_and_resume_mid_generation_exactly(tmp_path):
     common = (
         "--trainer.accumulate_grad_batches",

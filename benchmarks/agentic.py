@@ -1,0 +1,191 @@
+"""Multi-turn episodes against a slow environment: where a GRPO step's time goes, lock-step against concurrent.
+
+    python benchmarks/agentic.py --out benchmarks/results/agentic_cpu.json   # 6 steps a run, 2 interleaved rounds
+    python benchmarks/agentic.py --quick --out /tmp/agentic.json              # a quick look (CI's test)
+    python benchmarks/agentic.py --markdown benchmarks/results/agentic_cpu.json
+
+The workload is `configs/grpo_tools.yaml` (64 episodes a step: 8 prompts x 8 completions, the tools warm start)
+with the environment `LongTail` below instead of the calculator: episode e of the run lasts `TURNS[e % 16]` model
+turns (most 1-2, a few 3, 4 and 6: 2.06 on average), and each `step` sleeps `latency_s` before it answers, as a
+sandbox or a remote tool does. Each run is `lit-rl fit` in its own process with `--model.env.concurrency` set:
+
+- `lock-step, one call at a time` (`concurrency 1`): every environment step of a turn runs after the previous
+  one, as lit-rl did before 0.3 (on the training thread then; here on the runner's, one at a time);
+- `concurrent steps` (`concurrency 64`, the default): a turn's steps run together, off the training thread.
+
+Each with `latency_s` 0.1 and 0 (the same episodes answered at once). Reported per row: seconds per optimizer step
+(`perf/step_s`, the median of the steps after the first), the share of it spent rolling out (`perf/generation_s`:
+the engine's turns and the environment's steps; the trainer waits through all of it), and completions per second.
+Rows run interleaved, round by round, so that a noisy machine affects them alike; each round's values are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+REPO = Path(__file__).resolve().parents[1]
+TURNS = (1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 3, 3, 4, 6)  # model turns of episode e: TURNS[e % 16]
+EPISODES_PER_STEP = 64
+MODES = {"lock-step, one call at a time": 1, "concurrent steps": 64}
+
+
+class LongTail:
+    """An episode of `TURNS[e % 16]` model turns (e counts the episodes this process made), each answered after
+    `latency_s` with the observation `n;` (n: turns left, characters the tiny model knows)."""
+
+    reward_names: tuple[str, ...] = ()
+    _episodes = itertools.count()
+
+    def __init__(self, latency_s: float = 0.1) -> None:
+        self.latency_s = latency_s
+        self.turns = TURNS[next(LongTail._episodes) % len(TURNS)]
+        self.done_turns = 0
+
+    def reset(self, row: dict[str, Any]) -> None:
+        return None
+
+    def step(self, completion: str) -> tuple[Optional[str], dict[str, float], bool]:
+        time.sleep(self.latency_s)
+        self.done_turns += 1
+        left = self.turns - self.done_turns
+        return (None, {}, True) if left <= 0 else (f"{left};", {}, False)
+
+
+def fit_command(concurrency: int, latency_s: float, steps: int, workdir: Path, name: str) -> list[str]:
+    """`lit-rl fit` of the tools config with `LongTail` (no calculator), no validation, `steps` steps."""
+    return [
+        sys.executable,
+        "-m",
+        "lit_rl.cli",
+        "fit",
+        "--config",
+        str(REPO / "configs" / "grpo_tools.yaml"),
+        "--model.env.tools",
+        "null",
+        "--model.env.environment",
+        "agentic.LongTail",
+        "--model.env.environment_args",
+        f"{{latency_s: {latency_s}}}",
+        "--model.env.max_turns",
+        str(max(TURNS)),
+        "--model.sampling.max_new_tokens",
+        "8",
+        "--model.env.max_total_tokens",
+        "80",
+        "--model.env.concurrency",
+        str(concurrency),
+        "--trainer.max_steps",
+        str(steps),
+        "--trainer.limit_val_batches",
+        "0",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.logger.init_args.save_dir",
+        str(workdir / "runs"),
+        "--trainer.logger.init_args.name",
+        name,
+    ]
+
+
+def per_step(metrics_csv: Path, key: str) -> list[float]:
+    """The values of `key` in a CSVLogger file, one per step that logged it, in order."""
+    with open(metrics_csv) as handle:
+        return [float(row[key]) for row in csv.DictReader(handle) if row.get(key)]
+
+
+def one_run(mode: str, latency_s: float, steps: int, workdir: Path) -> dict:
+    """One `lit-rl fit` of `mode` at `latency_s`: its per-step times, the first step (start-up) left out."""
+    name = f"{MODES[mode]}_{latency_s}_{len(list(workdir.glob('runs/*')))}"
+    command = fit_command(MODES[mode], latency_s, steps, workdir, name)
+    # The environment class is imported from benchmarks/ (`agentic.LongTail`), lit_rl from this checkout.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "benchmarks"), str(REPO)])}
+    result = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"agentic.py: the {mode} run at {latency_s} s failed:\n{result.stderr[-3000:]}")
+    metrics = next((workdir / "runs" / name).glob("version_*/metrics.csv"))
+    step_s, generation_s = per_step(metrics, "perf/step_s")[1:], per_step(metrics, "perf/generation_s")[1:]
+    return {"step_s": statistics.median(step_s), "generation_s": statistics.median(generation_s)}
+
+
+def summarise(mode: str, latency_s: float, rounds: list[dict]) -> dict:
+    step_s = statistics.median(r["step_s"] for r in rounds)
+    generation_s = statistics.median(r["generation_s"] for r in rounds)
+    return {
+        "mode": mode,
+        "concurrency": MODES[mode],
+        "latency_s": latency_s,
+        "step_s": step_s,
+        "generation_s": generation_s,
+        "rollout_share": generation_s / step_s,
+        "samples_per_s": EPISODES_PER_STEP / step_s,
+        "rounds": rounds,
+    }
+
+
+def markdown_table(results: list[dict]) -> str:
+    """The docs' table of a results file (a test checks the docs carry exactly this)."""
+    lines = [
+        "| environment step | episodes' steps | s/step | rollout share of the step | completions/s | vs lock-step |",
+        "|---|---|---|---|---|---|",
+    ]
+    lock_step = {r["latency_s"]: r["step_s"] for r in results if r["concurrency"] == 1}
+    for r in results:
+        lines.append(
+            f"| {1000 * r['latency_s']:.0f} ms | {r['mode']} | {r['step_s']:.2f} | {100 * r['rollout_share']:.0f}% | "
+            f"{r['samples_per_s']:.1f} | {lock_step[r['latency_s']] / r['step_s']:.1f}x |"
+        )
+    return "\n".join(lines)
+
+
+def claims(results: list[dict]) -> list[str]:
+    """The prose numbers the docs quote."""
+    by = {(r["concurrency"], r["latency_s"]): r for r in results}
+    slow = [latency for concurrency, latency in by if concurrency == 1 and latency > 0]
+    out = []
+    for latency in slow:
+        lock_step, concurrent = by[(1, latency)], by[(MODES["concurrent steps"], latency)]
+        out.append(
+            f"{lock_step['step_s']:.1f} s -> {concurrent['step_s']:.2f} s a step "
+            f"({lock_step['step_s'] / concurrent['step_s']:.1f}x)"
+        )
+    return out
+
+
+def main() -> None:
+    from provenance import parse_report_args, write_report
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=6, help="optimizer steps a run (the first is left out)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--latencies", type=float, nargs="+", default=[0.1, 0.0])
+    parser.add_argument("--quick", action="store_true", help="2 steps, 1 round, 50 ms only")
+    args = parse_report_args(parser, markdown_table, claims)
+    if args.quick:
+        args.steps, args.rounds, args.latencies = 2, 1, [0.05]
+    rounds: dict[tuple[str, float], list[dict]] = {(m, lat): [] for lat in args.latencies for m in MODES}
+    with tempfile.TemporaryDirectory(prefix="lit_rl_agentic_") as workdir:
+        for round_index in range(args.rounds):
+            for (mode, latency), runs in rounds.items():
+                runs.append(one_run(mode, latency, args.steps, Path(workdir)))
+                print(f"round {round_index + 1}: {mode} at {latency} s: {runs[-1]}", flush=True)
+    results = [summarise(mode, latency, runs) for (mode, latency), runs in rounds.items()]
+    if args.out:
+        write_report(args.out, results, allow_dirty=args.allow_dirty, steps=args.steps, episode_turns=list(TURNS))
+    print(markdown_table(results))
+    print("\n".join(claims(results)))
+
+
+if __name__ == "__main__":
+    main()
