@@ -29,7 +29,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeed
 
 from lit_rl.callbacks import GracefulStop, NonFiniteGuard, RunSummary, StepProgressBar
 from lit_rl.callbacks.export import run_directory
-from lit_rl.config import moved_key_hint
+from lit_rl.config import misplaced_key_hint, moved_key_hint
 from lit_rl.errors import LitRLError, ReportedOnRankZero
 from lit_rl.numerics import settle_cpu_math_kernels
 from lit_rl.resume import ResumePoint, keep_run_metrics, resolve_ckpt_path
@@ -96,7 +96,8 @@ def condense_parser_error(message: str) -> str:
         moved = moved_key_hint(key, _named_class(message))
         if moved is not None:  # a lit-rl 0.1 key
             return f"{key}: moved to {moved} (lit-rl 0.2 groups the options; see docs/config-reference.md)"
-        return f"{key}: unknown option"
+        place = misplaced_key_hint(key, _named_class(message), _data_classes())
+        return f"{key}: unknown option" + (f"; this is {place}" if place else "")
     # A group of the class given (switching `--model RLOO` over a GRPO config) without a key the config sets.
     group_option = re.search(r"Group '([\w.]+)' does not accept option '([\w.]+)'", message)
     if group_option:
@@ -113,6 +114,13 @@ def condense_parser_error(message: str) -> str:
             break
     key = ".".join(keys)
     return f"{key}: {detail}" if key and detail else (detail or message.strip().splitlines()[0])
+
+
+def _data_classes() -> tuple[type, ...]:
+    """lit-rl's data modules, whose options a user may put under `model.` by mistake."""
+    from lit_rl.data import PreferenceDataModule, PromptDataModule, SFTDataModule
+
+    return (PromptDataModule, PreferenceDataModule, SFTDataModule)
 
 
 def _named_class(message: str) -> Optional[type]:
@@ -247,7 +255,8 @@ CLASS_KEYS = ("--model", "--model.help", "--data", "--data.help")
 _NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 CHECK_EPILOG = (
     "Also: lit-rl check --config my.yaml [--quick] runs your config in layouts that must agree (accumulation, "
-    "ranks, padding-free, resume, cadence); --mismatch names what moves the engine-trainer gap (docs/check.md)."
+    "ranks, padding-free, resume, cadence); --mismatch names what moves the engine-trainer gap (docs/check.md). "
+    "lit-rl export CKPT OUT_DIR [--adapter] writes a checkpoint as a save_pretrained folder."
 )
 HELP_EPILOG = (
     "algorithms: --model GRPO | PPO | RLOO | OnlineDPO | DPO | SFT (or a class path); the options of one: "

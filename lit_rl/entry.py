@@ -1,4 +1,5 @@
-"""The `lit-rl` console script: check the installation, then run the CLI (`lit_rl.cli.main`).
+"""The `lit-rl` console script: check the installation, then run the CLI (`lit_rl.cli.main`), or `lit-rl check`
+(`lit_rl.check`) or `lit-rl export` (`lit_rl.export`).
 
 The check runs before anything imports Lightning: a broken `torchvision` fails `import lightning` itself
 (torchmetrics imports it), so the CLI module could not even load to report it.
@@ -47,6 +48,11 @@ def main(args: Optional[list[str]] = None) -> None:
         from lit_rl.check.command import main as check_main
 
         check_main(given[1:])
+        return
+    if given[:1] == ["export"]:  # `lit-rl export CKPT OUT`: a checkpoint as a save_pretrained folder (lit_rl/export.py)
+        from lit_rl.export import main as export_main
+
+        export_main(given[1:])
         return
     from lit_rl.cli import main as cli_main
 

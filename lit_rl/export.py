@@ -1,6 +1,6 @@
 """Turn a training checkpoint into a Hugging Face `save_pretrained` directory (loadable by transformers and vLLM).
 
-    python -m lit_rl.export runs/grpo/version_0/checkpoints/step=500.ckpt out/grpo-step500
+    lit-rl export runs/grpo/version_0/checkpoints/step=500.ckpt out/grpo-step500   # or python -m lit_rl.export
 
 The checkpoint is either a Lightning `.ckpt` file or a DeepSpeed checkpoint directory (ZeRO-2 or ZeRO-3 shards,
 consolidated here on CPU; no GPU and no process group needed). The model's architecture and tokenizer come from
@@ -154,7 +154,9 @@ def _tied_keys(model: torch.nn.Module) -> set[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="lit-rl export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("checkpoint", help="a .ckpt file or a DeepSpeed checkpoint directory")
     parser.add_argument("out_dir", help="where to write the save_pretrained directory")
     parser.add_argument(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -93,8 +94,8 @@ def _weights(directory):
 
 def test_a_committed_version_is_never_replaced_and_an_outsider_needs_the_token(tmp_path, monkeypatch):
     """The attack: after the trainer committed `current`, a PUT and a commit of `current` by someone without the
-    token. With a token they are refused; without one (loopback) their commit gets a new name and the trainer's
-    committed files keep the trainer's bytes."""
+    token. With a token they are refused; without one (loopback) their commit gets a new name, and the path the
+    trainer was answered never holds their bytes (the superseded version is removed)."""
     import hashlib
     import json
 
@@ -122,10 +123,10 @@ def test_a_committed_version_is_never_replaced_and_an_outsider_needs_the_token(t
     assert _http(open_receiver.url, "PUT", "/files/current/model-00000.safetensors", evil, length) == 200
     assert _http(open_receiver.url, "POST", "/commit/current", commit, {"Content-Length": str(len(commit))}) == 200
     # The outsider's commit is a new name; the path the trainer was answered (and hands to the server's reload)
-    # never holds the outsider's bytes: at worst it is gone, and the reload fails in one line.
+    # never holds the outsider's bytes: the new commit superseded it, so it is gone (a reload of it finds no files).
     assert trained.endswith("current.1")
-    shard = Path(trained) / "model-00000.safetensors"
-    assert not shard.exists() or sha256_of(shard) == sha256_of(local / "model-00000.safetensors")
+    assert not Path(trained).exists()
+    assert [p.name for p in (tmp_path / "open").iterdir() if p.name.startswith("current")] == ["current.2"]
     assert sha256_of(tmp_path / "open" / "current.2" / "model-00000.safetensors") == digest
     open_receiver.stop()
 
@@ -425,25 +426,29 @@ def test_tool_threads_past_their_limit_cannot_pile_up(monkeypatch):
     monkeypatch.setattr(runner, "MAX_OVERRUNNING", 2)
     monkeypatch.setattr(runner, "overrunning", runner._Overrunning())
     release = threading.Event()
+    ran = []
 
     def stuck(argument):
+        ran.append(argument)
         release.wait(30)
         return "late"
 
-    assert tools.run_tool(stuck, "", 0.05) == ("error: timed out after 0.05 s", True)
-    assert tools.run_tool(stuck, "", 0.05) == ("error: timed out after 0.05 s", True)
-    refused = tools.run_tool(stuck, "", 0.05)
+    assert tools.run_tool(stuck, "a", 0.05) == ("error: timed out after 0.05 s", True)
+    assert tools.run_tool(stuck, "b", 0.05) == ("error: timed out after 0.05 s", True)
+    refused = tools.run_tool(stuck, "c", 0.05)
     assert refused == ("error: 2 calls are still running past their time limit; not run", True)
-    assert sum(thread.name == "lit-rl-tool" and thread.is_alive() for thread in threading.enumerate()) == 2
+    assert ran == ["a", "b"] and runner.overrunning.count() == 2  # the refused call never ran
     release.set()
-    for thread in list(runner.overrunning._threads):
-        thread.join(5)
+    deadline = time.monotonic() + 5
+    while runner.overrunning.count() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert runner.overrunning.count() == 0
     assert tools.run_tool(lambda argument: "ok", "", 1.0) == ("ok", False)
 
 
 def test_environment_steps_past_their_limit_cannot_pile_up_either(monkeypatch):
     """The runner's plain calls share the tools' cap: past `MAX_OVERRUNNING` stuck steps, a step is refused without
-    starting a thread, and a stuck `async` step is cancelled, holding no thread."""
+    running, and a stuck `async` step is cancelled, holding no thread."""
     import asyncio
     import threading
 
@@ -453,8 +458,10 @@ def test_environment_steps_past_their_limit_cannot_pile_up_either(monkeypatch):
     monkeypatch.setattr(runner, "overrunning", runner._Overrunning())
     release = threading.Event()
     envs = runner.EnvironmentRunner(concurrency=8, timeout_s=0.05)
+    ran = []
 
     def stuck(text):
+        ran.append(text)
         release.wait(30)
 
     async def stuck_async(text):
@@ -466,12 +473,13 @@ def test_environment_steps_past_their_limit_cannot_pile_up_either(monkeypatch):
         refused, cancelled = envs.run([(stuck, ("c",)), (stuck_async, ("d",))])
         assert str(refused) == "2 calls are still running past their time limit; not run"
         assert str(cancelled) == "timed out after 0.05 s"
-        assert sum(t.name == "lit-rl-env-call" and t.is_alive() for t in threading.enumerate()) == 2
+        assert sorted(ran) == ["a", "b"] and runner.overrunning.count() == 2  # "c" never ran
     finally:
         release.set()
         envs.close()
-    for thread in list(runner.overrunning._threads):
-        thread.join(5)
+    deadline = time.monotonic() + 5
+    while runner.overrunning.count() and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert runner.overrunning.count() == 0
 
 

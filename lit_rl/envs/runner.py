@@ -5,12 +5,14 @@ on the training thread, a batch of 64 episodes whose steps take 100 ms each wait
 waits about 100 ms. `EnvironmentRunner.run(calls)` makes a batch of calls and returns their outcomes in order:
 
 - a method defined `async def` is awaited on the runner's event loop (one daemon thread, started on first use);
-- a plain method runs in a daemon thread of its own;
+- a plain method runs on a daemon worker thread, kept for the next call (starting a thread took about 0.2 ms
+  here, as long as a fast environment step);
 - at most `concurrency` calls run at once (1: one after another, in order);
 - each call has `timeout_s` from the moment it starts. One that overruns is answered `EnvCallTimeout`, never
-  waited for: a coroutine is cancelled; a thread cannot be stopped in Python, so it keeps running (it is a
-  daemon: it cannot keep the process from exiting) and at most `MAX_OVERRUNNING` such threads live at once; past
-  that, plain calls are answered `EnvCallTimeout` without running, so they cannot pile up.
+  waited for: a coroutine is cancelled; a thread cannot be stopped in Python, so its worker keeps running the call
+  (a daemon: it cannot keep the process from exiting) and leaves the pool until it returns. At most
+  `MAX_OVERRUNNING` such calls run at once; past that, plain calls are answered `EnvCallTimeout` without running,
+  so they cannot pile up.
 
 Calls of different episodes run at the same time, so environments must not share mutable state without a lock
 (set `model.env.concurrency` to 1 for one call at a time). `async` methods run on one event loop: one that blocks
@@ -20,8 +22,11 @@ Calls of different episodes run at the same time, so environments must not share
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
+import queue
 import threading
+import time
 from typing import Any, Callable, Optional, Sequence
 
 from lit_rl.errors import ConfigError
@@ -37,23 +42,69 @@ class EnvCallTimeout(Exception):
 
 
 class _Overrunning:
-    """The threads of plain calls that ran past their time limit and have not returned yet (process-wide)."""
+    """The plain calls that ran past their time limit and have not returned yet (process-wide), each by the event
+    its worker sets when the call returns."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
+        self._calls: list[threading.Event] = []
 
-    def add(self, thread: threading.Thread) -> None:
+    def add(self, returned: threading.Event) -> None:
         with self._lock:
-            self._threads.append(thread)
+            self._calls.append(returned)
 
     def count(self) -> int:
         with self._lock:
-            self._threads[:] = [thread for thread in self._threads if thread.is_alive()]
-            return len(self._threads)
+            self._calls[:] = [returned for returned in self._calls if not returned.is_set()]
+            return len(self._calls)
 
 
 overrunning = _Overrunning()
+WORKER_IDLE_EXIT_S = 300.0  # a worker with no call for this long ends its thread
+
+
+class _Workers:
+    """Daemon threads that run plain calls one at a time and wait for the next; a call that finds none idle starts
+    one. A worker whose call overruns is away until the call returns, then idles again."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[queue.SimpleQueue] = []  # each idle worker's inbox
+
+    def start(self, function: Callable[..., Any], args: tuple[Any, ...], deliver: Callable[[Outcome], None]):
+        """Run `function(*args)` on a worker, which hands `deliver` (value, exception or None) when it returns;
+        the event that is set then."""
+        returned = threading.Event()
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._work, args=(inbox,), name="lit-rl-env-call", daemon=True).start()
+        inbox.put((function, args, deliver, returned))
+        return returned
+
+    def _work(self, inbox: queue.SimpleQueue) -> None:
+        while True:
+            try:
+                function, args, deliver, returned = inbox.get(timeout=WORKER_IDLE_EXIT_S)
+            except queue.Empty:
+                with self._lock:
+                    if inbox in self._idle:  # nobody took it meanwhile: end
+                        self._idle.remove(inbox)
+                        return
+                continue  # a call was handed to it as it timed out
+            try:
+                outcome: Outcome = (function(*args), None)
+            except BaseException as err:  # the waiting side re-raises it
+                outcome = (None, err)
+            deliver(outcome)
+            returned.set()
+            del function, args, deliver, outcome  # hold nothing of the call while idle
+            with self._lock:
+                self._idle.append(inbox)
+
+
+workers = _Workers()
 
 
 def _refuse_while_overrunning() -> None:
@@ -61,27 +112,10 @@ def _refuse_while_overrunning() -> None:
         raise EnvCallTimeout(f"{running} calls are still running past their time limit; not run")
 
 
-def _start_call(
-    function: Callable[..., Any], args: tuple[Any, ...], name: str, deliver: Callable[[Outcome], None]
-) -> threading.Thread:
-    """`function(*args)` started in a daemon thread of its own, which hands `deliver` (value, exception or None)."""
-
-    def call() -> None:
-        try:
-            outcome: Outcome = (function(*args), None)
-        except BaseException as err:  # the waiting side re-raises it
-            outcome = (None, err)
-        deliver(outcome)
-
-    worker = threading.Thread(target=call, name=name, daemon=True)
-    worker.start()
-    return worker
-
-
-def _outcome(worker: threading.Thread, outcome: Optional[Outcome], timeout_s: float) -> Any:
+def _outcome(returned: threading.Event, outcome: Optional[Outcome], timeout_s: float) -> Any:
     """The value of a call that ended (its exception re-raised), or `EnvCallTimeout` for one still running."""
     if outcome is None:
-        overrunning.add(worker)
+        overrunning.add(returned)
         raise EnvCallTimeout(f"timed out after {timeout_s:g} s")
     value, error = outcome
     if error is not None:
@@ -89,17 +123,23 @@ def _outcome(worker: threading.Thread, outcome: Optional[Outcome], timeout_s: fl
     return value
 
 
-def call_in_thread(
-    function: Callable[..., Any], args: tuple[Any, ...], timeout_s: float, name: str = "lit-rl-env-call"
-) -> Any:
-    """`function(*args)` in a daemon thread of its own, waited for at most `timeout_s`: its value, its exception
-    re-raised, or `EnvCallTimeout` (the thread then keeps running, `overrunning`). Refused with `EnvCallTimeout`
+def _as_outcome(returned: threading.Event, outcome: Optional[Outcome], timeout_s: float) -> Any:
+    """`_outcome` as `EnvironmentRunner.run` returns it: the value, or the exception instead of raising it."""
+    try:
+        return _outcome(returned, outcome, timeout_s)
+    except BaseException as err:
+        return err
+
+
+def call_in_thread(function: Callable[..., Any], args: tuple[Any, ...], timeout_s: float) -> Any:
+    """`function(*args)` on a daemon worker (`workers`), waited for at most `timeout_s`: its value, its exception
+    re-raised, or `EnvCallTimeout` (the call then goes on, counted in `overrunning`). Refused with `EnvCallTimeout`
     while `MAX_OVERRUNNING` calls still overrun."""
     _refuse_while_overrunning()
     box: list[Outcome] = []
-    worker = _start_call(function, args, name, box.append)
-    worker.join(timeout_s)
-    return _outcome(worker, box[0] if box else None, timeout_s)
+    returned = workers.start(function, args, box.append)
+    returned.wait(timeout_s)
+    return _outcome(returned, box[0] if box else None, timeout_s)
 
 
 class EnvironmentRunner:
@@ -123,41 +163,68 @@ class EnvironmentRunner:
         """Each call `(function, args)` made (module docstring); their outcomes in the order of `calls`: the value
         returned, or the exception raised (`EnvCallTimeout` for one that overran). Returns once every call has
         returned, raised or timed out."""
-        if not calls:
-            return []
-        return asyncio.run_coroutine_threadsafe(self._run_all(calls), self._started_loop()).result()
+        outcomes: list[Any] = [None] * len(calls)
+        awaited = [i for i, (function, _) in enumerate(calls) if inspect.iscoroutinefunction(function)]
+        coroutines = None
+        if awaited:  # on the event loop, while this thread runs the plain ones
+            batch = [calls[i] for i in awaited]
+            coroutines = asyncio.run_coroutine_threadsafe(self._await_all(batch), self._started_loop())
+        self._run_plain(calls, [i for i in range(len(calls)) if i not in set(awaited)], outcomes)
+        if coroutines is not None:
+            for i, outcome in zip(awaited, coroutines.result()):
+                outcomes[i] = outcome
+        return outcomes
 
-    async def _run_all(self, calls: Sequence[Call]) -> list[Any]:
+    def _run_plain(self, calls: Sequence[Call], indices: list[int], outcomes: list[Any]) -> None:
+        """Calls `indices` of `calls` on the workers, at most `concurrency` at once, their outcomes into
+        `outcomes`. This thread hands them out and waits; an overrunning call is answered at its deadline."""
+        returned_now: queue.SimpleQueue = queue.SimpleQueue()  # the index of each call as it returns
+        running: dict[int, tuple[float, threading.Event, list[Outcome]]] = {}  # index: deadline, event, outcome
+        waiting = collections.deque(indices)
+        while waiting or running:
+            while waiting and len(running) < self.concurrency:
+                i = waiting.popleft()
+                try:
+                    _refuse_while_overrunning()
+                except EnvCallTimeout as refused:
+                    outcomes[i] = refused
+                    continue
+                box: list[Outcome] = []
+
+                def deliver(outcome: Outcome, i: int = i, box: list[Outcome] = box) -> None:
+                    box.append(outcome)
+                    returned_now.put(i)
+
+                function, args = calls[i]
+                returned = workers.start(function, args, deliver)
+                running[i] = (time.monotonic() + self.timeout_s, returned, box)
+            if not running:
+                continue
+            first_deadline = min(deadline for deadline, _, _ in running.values())
+            try:
+                i = returned_now.get(timeout=max(0.0, first_deadline - time.monotonic()))
+            except queue.Empty:  # past a deadline: those calls are answered now, and go on without a slot
+                now = time.monotonic()
+                for i, (deadline, returned, box) in list(running.items()):
+                    if deadline <= now and not box:
+                        del running[i]
+                        outcomes[i] = _as_outcome(returned, None, self.timeout_s)
+                continue
+            if i in running:  # (a call answered at its deadline may still return later)
+                _, returned, box = running.pop(i)
+                outcomes[i] = _as_outcome(returned, box[0], self.timeout_s)
+
+    async def _await_all(self, calls: Sequence[Call]) -> list[Any]:
         slots = asyncio.Semaphore(self.concurrency)
 
         async def bounded(function: Callable[..., Any], args: tuple[Any, ...]) -> Any:
             async with slots:
-                return await self._call(function, args)
+                try:
+                    return await asyncio.wait_for(function(*args), self.timeout_s)
+                except asyncio.TimeoutError:
+                    raise EnvCallTimeout(f"timed out after {self.timeout_s:g} s") from None
 
         return await asyncio.gather(*(bounded(f, a) for f, a in calls), return_exceptions=True)
-
-    async def _call(self, function: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-        if inspect.iscoroutinefunction(function):
-            try:
-                return await asyncio.wait_for(function(*args), self.timeout_s)
-            except asyncio.TimeoutError:
-                raise EnvCallTimeout(f"timed out after {self.timeout_s:g} s") from None
-        _refuse_while_overrunning()
-        loop = asyncio.get_running_loop()
-        finished: asyncio.Future = loop.create_future()
-
-        def deliver(outcome: Outcome) -> None:
-            try:
-                loop.call_soon_threadsafe(lambda: finished.done() or finished.set_result(outcome))
-            except RuntimeError:  # the runner was closed while this call overran: nobody waits for it
-                pass
-
-        worker = _start_call(function, args, "lit-rl-env-call", deliver)
-        try:
-            outcome = await asyncio.wait_for(asyncio.shield(finished), self.timeout_s)
-        except asyncio.TimeoutError:
-            outcome = None
-        return _outcome(worker, outcome, self.timeout_s)
 
     def _started_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
@@ -168,7 +235,8 @@ class EnvironmentRunner:
         return self._loop
 
     def close(self) -> None:
-        """Stop the event loop and its thread (calls still overrunning keep their daemon threads)."""
+        """Stop the event loop and its thread (the workers stay for the next runner; calls still overrunning go
+        on in theirs)."""
         if self._loop is None:
             return
         loop, thread = self._loop, self._thread

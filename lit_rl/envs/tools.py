@@ -89,12 +89,12 @@ def import_tools(paths: list[str]) -> list[Tool]:
 
 def run_tool(tool: Tool, argument: str, timeout_s: float) -> tuple[str, bool]:
     """`tool(argument)` as text, and whether it failed: an exception or a timeout is returned as
-    `error: <what happened>` (never raised), so the model sees it as its observation. The call runs in a daemon
+    `error: <what happened>` (never raised), so the model sees it as its observation. The call runs on a daemon
     thread (`lit_rl.envs.runner.call_in_thread`): one that never returns cannot keep the process from exiting, and
     while `MAX_OVERRUNNING` calls are still running past their limit a new call is refused the same way instead of
-    starting a thread."""
+    running."""
     try:
-        return str(call_in_thread(tool, (argument,), timeout_s, name="lit-rl-tool")), False
+        return str(call_in_thread(tool, (argument,), timeout_s)), False
     except EnvCallTimeout as err:
         return f"error: {err}", True
     except Exception as err:  # the tool's own error, shown to the model

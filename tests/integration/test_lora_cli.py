@@ -125,12 +125,11 @@ def test_checkpoints_hold_the_adapter_resume_exactly_and_export_both_ways(tmp_pa
 
 def test_exporting_an_adapter_from_a_full_checkpoint_is_one_line_error(tmp_path):
     import subprocess
-    import sys
 
     from tests.conftest import cli_env
 
     run = _grpo(tmp_path, "full", max_steps=2, every_n_train_steps=2)
-    command = [sys.executable, "-m", "lit_rl.export", str(run / "checkpoints" / "step=2.ckpt"), "out", "--adapter"]
+    command = ["lit-rl", "export", str(run / "checkpoints" / "step=2.ckpt"), "out", "--adapter"]  # as the docs print
     result = subprocess.run(command, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 1
     assert (
