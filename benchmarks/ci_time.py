@@ -5,9 +5,10 @@
     python benchmarks/ci_time.py --log /tmp/ci.log        # also keep pytest's whole output (its warnings)
 
 Clones this checkout's HEAD into a temporary directory, creates a virtual environment there (`python -m venv`),
-and runs `bash .ci/run` inside it with the environment's `bin/` first on PATH, timed from start to exit. The test
-time is pytest's own (its last summary line, which also gives the counts); installing is the rest. The clone is
-of a commit, so the result is clean whatever the state of this tree; its commit is the one recorded.
+and runs `bash .ci/run` inside it with the environment's `bin/` first on PATH and `CI=true` (as CI runs it), timed
+from start to exit. The test time is pytest's own (its last summary line, which also gives the counts); installing
+is the rest. The clone is of a commit, so the result is clean whatever the state of this tree; its commit is the one
+recorded.
 """
 
 from __future__ import annotations
@@ -68,7 +69,12 @@ def measure(workdir: Path, log: Path | None = None) -> dict:
     clone, venv = workdir / "clone", workdir / "venv"
     subprocess.run(["git", "clone", "--quiet", str(REPO), str(clone)], check=True)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    env = os.environ | {"VIRTUAL_ENV": str(venv), "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    # CI=true as CI sets it (tests/skip_guard.py then fails the run on a skip for any reason but no GPU).
+    env = os.environ | {
+        "CI": "true",
+        "VIRTUAL_ENV": str(venv),
+        "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}",
+    }
     env.pop("PYTHONPATH", None)
     started = time.monotonic()
     result = subprocess.run(["bash", ".ci/run"], cwd=clone, env=env, capture_output=True, text=True)

@@ -29,7 +29,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeed
 
 from lit_rl.callbacks import GracefulStop, NonFiniteGuard, RunSummary, StepProgressBar
 from lit_rl.callbacks.export import run_directory
-from lit_rl.config import misplaced_key_hint, moved_key_hint
+from lit_rl.config import data_key_hint, moved_key_hint
 from lit_rl.errors import LitRLError, ReportedOnRankZero
 from lit_rl.numerics import settle_cpu_math_kernels
 from lit_rl.resume import ResumePoint, keep_run_metrics, resolve_ckpt_path
@@ -96,14 +96,18 @@ def condense_parser_error(message: str) -> str:
         moved = moved_key_hint(key, _named_class(message))
         if moved is not None:  # a lit-rl 0.1 key
             return f"{key}: moved to {moved} (lit-rl 0.2 groups the options; see docs/config-reference.md)"
-        place = misplaced_key_hint(key, _named_class(message), _data_classes())
+        place = data_key_hint(key, _data_classes())
         return f"{key}: unknown option" + (f"; this is {place}" if place else "")
     # A group of the class given (switching `--model RLOO` over a GRPO config) without a key the config sets.
     group_option = re.search(r"Group '([\w.]+)' does not accept option '([\w.]+)'", message)
     if group_option:
         named = _named_class(message)
         owner = f"{named.__name__}'s" if named is not None else "this"
-        return f"{'.'.join([*keys, *group_option.groups()])}: unknown option of {owner} {group_option.group(1)} group"
+        line = f"{'.'.join([*keys, *group_option.groups()])}: unknown option of {owner} {group_option.group(1)} group"
+        config = SHIPPED_CONFIGS.get(named.__name__) if named is not None else None
+        if config is not None:  # most often `--model X` over another algorithm's config
+            line += f" (a key of another algorithm's config? start from {config})"
+        return line
     wrong_type = re.search(r"Expected a <class '(?!NoneType)[^']+'>[^\n]*", message)
     if wrong_type and keys:
         return f"{'.'.join(dict.fromkeys(keys))}: {wrong_type.group(0)}"
@@ -252,6 +256,15 @@ SHORT_NAMES = {
     **{name: f"lit_rl.data.{name}" for name in ("PreferenceDataModule", "PromptDataModule", "SFTDataModule")},
 }
 CLASS_KEYS = ("--model", "--model.help", "--data", "--data.help")
+# Each algorithm's shipped config: where a user switching algorithms with `--model X` should start from.
+SHIPPED_CONFIGS = {
+    "GRPO": "configs/grpo.yaml",
+    "PPO": "configs/ppo.yaml",
+    "RLOO": "configs/rloo.yaml",
+    "OnlineDPO": "configs/online_dpo.yaml",
+    "DPO": "configs/dpo.yaml",
+    "SFT": "configs/sft.yaml",
+}
 _NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 CHECK_EPILOG = (
     "Also: lit-rl check --config my.yaml [--quick] runs your config in layouts that must agree (accumulation, "

@@ -483,23 +483,16 @@ def moved_key_hint(key: str, cls: Optional[type] = None) -> Optional[str]:
     return f"model.{place}"
 
 
-def misplaced_key_hint(key: str, cls: Optional[type], data_classes: tuple[type, ...] = ()) -> Optional[str]:
-    """For a `model.<name>` option algorithm `cls` rejected: where that name is an option, a group of `cls`
-    (`model.schedule.micro_batch_tokens`) or, failing that, the data module (`data.micro_batch_tokens`, as DPO and
-    SFT take it); None when it is neither."""
+def data_key_hint(key: str, data_classes: tuple[type, ...]) -> Optional[str]:
+    """For a `model.<name>` option the algorithm rejected that is an option of one of `data_classes`:
+    `data.<name>` (DPO and SFT take `micro_batch_tokens` there); None otherwise."""
     parts = key.split(".")
     if parts[1:2] == ["init_args"]:
         parts = [parts[0], *parts[2:]]
     if parts[:1] != ["model"] or len(parts) != 2:
         return None
-    name = parts[1]
-    if cls is not None:
-        for group in inspect.signature(cls.__init__).parameters:
-            if group in GROUPS and name in GROUPS[group].__dataclass_fields__:
-                return f"model.{group}.{name}"
-    for data_class in data_classes:
-        if name in inspect.signature(data_class.__init__).parameters:
-            return f"data.{name}"
+    if any(parts[1] in inspect.signature(cls.__init__).parameters for cls in data_classes):
+        return f"data.{parts[1]}"
     return None
 
 

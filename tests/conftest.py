@@ -25,6 +25,11 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from tests.fake_vllm import fake_server  # noqa: F401  (a fixture: a stdlib server playing vLLM)
+from tests.skip_guard import (  # noqa: F401  (hooks: under CI, a skip for any reason but no GPU fails the run)
+    pytest_runtest_logreport,
+    pytest_sessionfinish,
+    pytest_terminal_summary,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"

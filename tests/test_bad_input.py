@@ -88,20 +88,6 @@ CASES = [
         2,
     ),
     (
-        "group-key-under-model",
-        GRPO,
-        ["--model.micro_batch_tokens", "400"],
-        "model.micro_batch_tokens: unknown option; this is model.schedule.micro_batch_tokens",
-        2,
-    ),
-    (
-        "env-key-under-model",
-        RLOO,
-        ["--model.step_timeout_s", "5"],
-        "model.step_timeout_s: unknown option; this is model.env.step_timeout_s",
-        2,
-    ),
-    (
         "wrong-type",
         GRPO,
         ["--model.sampling.num_generations", "many"],

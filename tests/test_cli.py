@@ -7,7 +7,7 @@ import sys
 import pytest
 import yaml
 
-from tests.conftest import CLI_COMMAND, CONFIGS, run_cli
+from tests.conftest import CLI_COMMAND, CONFIGS, run_cli, write_overlay
 
 TOP_LEVEL = sorted(CONFIGS.glob("*.yaml"))
 OVERLAYS = sorted(p for p in CONFIGS.rglob("*.yaml") if p.parent != CONFIGS)
@@ -296,3 +296,32 @@ def test_ppo_help_documents_its_critic_options(capsys):
     ]:
         assert f"--model.init_args.{option}" in text or f"--model.{option}" in text, option
         assert doc in " ".join(text.split()), doc  # the help wraps lines
+
+
+@pytest.mark.parametrize("algorithm", ["RLOO", "PPO", "OnlineDPO", "DPO", "SFT"])
+def test_switching_algorithms_over_the_grpo_config_stops_in_one_line_naming_the_config_to_start_from(
+    tmp_path, capsys, algorithm
+):
+    """`--model X` over `configs/grpo.yaml` (what a reader tries after the getting-started page): one line naming
+    what X does not take and X's own config, never a traceback. SFT takes every key of grpo.yaml's groups, so its
+    line comes when the run starts, from the data module (exit 1, not the parser's 2)."""
+    from lit_rl.cli import SHIPPED_CONFIGS
+
+    overlay = write_overlay(tmp_path / "overlay.yaml", save_dir=tmp_path / "runs")
+    with pytest.raises(SystemExit) as stop:
+        run_cli(
+            "fit",
+            "--config",
+            str(CONFIGS / "grpo.yaml"),
+            "--config",
+            str(overlay),
+            "--model",
+            algorithm,
+            "--trainer.max_steps",
+            "1",
+        )
+    assert stop.value.code == (1 if algorithm == "SFT" else 2)
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if line.startswith("lit-rl")]
+    assert len(lines) == 1 and lines[0].startswith("lit-rl: error: "), lines
+    assert f"start from {SHIPPED_CONFIGS[algorithm]}" in lines[0] and "Traceback" not in err

@@ -77,7 +77,12 @@ class PromptDataModule(L.LightningDataModule):
     def train_dataloader(self) -> RolloutScheduleLoader:
         module = self.trainer.lightning_module
         if not hasattr(module, "rollout_schedule"):
-            raise TypeError(f"{type(module).__name__} has no rollout_schedule(): use a prompt/completion DataModule")
+            name = type(module).__name__
+            data, config = OFFLINE_DATA.get(name, ("its own data module", "its config"))
+            raise ConfigError(
+                f"data: {type(self).__name__} feeds the algorithms that sample (GRPO, PPO, RLOO, OnlineDPO); "
+                f"{name} takes {data}: start from {config}"
+            )
         schedule: RolloutSchedule = module.rollout_schedule()
         return RolloutScheduleLoader(
             self.train_rows, schedule, seed=self.seed, rank=self.trainer.global_rank, world_size=self.trainer.world_size
@@ -92,6 +97,13 @@ class PromptDataModule(L.LightningDataModule):
         # Its own generator: creating a DataLoader iterator draws a seed from the generator, and drawing it from
         # the global RNG would move that stream (dropout, the engines' fallback seeds) in a run with validation.
         return DataLoader(batches, batch_size=None, generator=torch.Generator().manual_seed(self.seed))
+
+
+# The algorithms that train on fixed data: the data module each takes, and the shipped config that sets it.
+OFFLINE_DATA = {
+    "SFT": ("SFTDataModule", "configs/sft.yaml"),
+    "DPO": ("PreferenceDataModule", "configs/dpo.yaml"),
+}
 
 
 class SFTDataModule(PromptDataModule):

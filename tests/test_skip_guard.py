@@ -1,0 +1,39 @@
+"""`tests/skip_guard.py`: under CI, a test skipped for any reason but the absence of a GPU fails the run."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import REPO
+
+pytest_plugins = ["pytester"]
+
+SKIPS = """
+import pytest
+
+def test_runs():
+    assert True
+
+@pytest.mark.skipif(True, reason="needs a CUDA GPU")
+def test_on_a_gpu():
+    pass
+
+def test_with_an_extra():
+    pytest.importorskip("no_such_package_lit_rl")
+"""
+
+
+@pytest.mark.parametrize("ci", [True, False], ids=["ci", "local"])
+def test_a_skip_other_than_no_gpu_fails_under_ci_and_is_named(pytester, monkeypatch, ci):
+    if ci:
+        monkeypatch.setenv("CI", "true")
+    else:
+        monkeypatch.delenv("CI", raising=False)
+    monkeypatch.setenv("PYTHONPATH", str(REPO))  # the plugin is tests/skip_guard.py of this checkout
+    pytester.makepyfile(test_skips=SKIPS)
+    result = pytester.runpytest_subprocess("-p", "tests.skip_guard", "-p", "no:cacheprovider", "-n", "0")
+    assert result.ret == (pytest.ExitCode.TESTS_FAILED if ci else pytest.ExitCode.OK)
+    result.stdout.fnmatch_lines(
+        ["1 tests skipped for another reason than no GPU*", "*test_with_an_extra: Skipped: could not import*"]
+    )
+    assert "test_on_a_gpu:" not in result.stdout.str()  # the GPU test's skip is expected
