@@ -268,8 +268,8 @@ class EnvArgs:
             raise ConfigError(f"model.env.max_total_tokens must be >= 1 (or null), got {self.max_total_tokens}")
         if self.concurrency < 1:
             raise ConfigError(f"model.env.concurrency must be >= 1, got {self.concurrency}")
-        if not self.step_timeout_s > 0:
-            raise ConfigError(f"model.env.step_timeout_s must be > 0, got {self.step_timeout_s}")
+        if not 0 < self.step_timeout_s < 1e6:
+            raise ConfigError(f"model.env.step_timeout_s must be > 0 and < 1e6 s, got {self.step_timeout_s}")
 
 
 @dataclass(frozen=True)

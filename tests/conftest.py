@@ -26,6 +26,7 @@ import yaml  # noqa: E402
 
 from tests.fake_vllm import fake_server  # noqa: F401  (a fixture: a stdlib server playing vLLM)
 from tests.skip_guard import (  # noqa: F401  (hooks: under CI, a skip for any reason but no GPU fails the run)
+    pytest_collectreport,
     pytest_runtest_logreport,
     pytest_sessionfinish,
     pytest_terminal_summary,
@@ -68,10 +69,12 @@ def environment_restored():
     saved = dict(os.environ)
     try:
         yield
-    finally:
-        if dict(os.environ) != saved:
-            os.environ.clear()
-            os.environ.update(saved)
+    finally:  # by difference: other threads may read the environment meanwhile
+        for name in set(os.environ) - set(saved):
+            del os.environ[name]
+        for name, value in saved.items():
+            if os.environ.get(name) != value:
+                os.environ[name] = value
 
 
 @pytest.fixture(autouse=True)

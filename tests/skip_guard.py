@@ -17,23 +17,37 @@ EXPECTED_SKIP_REASONS = ("needs a CUDA GPU",)  # the reasons a test may be skipp
 unexpected_skips: list[str] = []
 
 
-def skip_reason(report: pytest.TestReport) -> str:
+def skip_reason(report) -> str:
     """The reason a skipped report gives (`Skipped: ...`)."""
     longrepr = report.longrepr
     return str(longrepr[2]) if isinstance(longrepr, tuple) else str(longrepr)
 
 
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    # With xdist this runs in the controller for every worker's report too: the controller sees them all.
+def _record(report) -> None:
     if report.skipped and not hasattr(report, "wasxfail"):
         reason = skip_reason(report)
         if not any(expected in reason for expected in EXPECTED_SKIP_REASONS):
             unexpected_skips.append(f"{report.nodeid}: {reason}")
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # With xdist this runs in the controller for every worker's report too: the controller sees them all.
+    _record(report)
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    # A module-level `pytest.importorskip` skips the whole module at collection (xdist forwards these too).
+    _record(report)
+
+
+def under_ci() -> bool:
+    """Whether this is a CI run: `CI` set to anything but empty, 0 or false."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     if unexpected_skips and not hasattr(config, "workerinput"):
-        verdict = "fail the run under CI" if os.environ.get("CI") else "would fail the run under CI"
+        verdict = "fail the run under CI" if under_ci() else "would fail the run under CI"
         terminalreporter.write_line(
             f"{len(unexpected_skips)} tests skipped for another reason than no GPU ({verdict}):"
         )
@@ -44,5 +58,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if hasattr(session.config, "workerinput"):  # an xdist worker: the controller decides
         return
-    if unexpected_skips and os.environ.get("CI") and exitstatus == pytest.ExitCode.OK:
+    if unexpected_skips and under_ci() and exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

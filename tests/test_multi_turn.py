@@ -12,7 +12,7 @@ import torch
 
 from lit_rl.envs import StepResult, ToolEnvironment, calc
 from lit_rl.envs.base import environment_factory
-from lit_rl.envs.runner import EnvironmentRunner
+from lit_rl.envs.runner import EnvCallTimeout, EnvironmentRunner
 from lit_rl.envs.tools import run_tool
 from lit_rl.errors import ConfigError
 from lit_rl.rollout import RolloutOutput, SamplingParams
@@ -248,12 +248,12 @@ def test_a_cut_off_final_turn_is_truncated_whatever_the_earlier_turns_ended_with
 
 
 class Gathering(Echo):
-    """Echo whose steps wait (up to 5 s) until `expected` steps are running at once, recording how many ran at
-    once and on which thread: with enough concurrency every episode's step of a turn meets the others."""
+    """Echo of `turns` turns whose steps wait (up to 5 s) until `expected` steps run at once, then sleep `delay_s`
+    (so that they return in another order than they started), recording how many ran at once and on which thread."""
 
-    def __init__(self, turns, shared):
+    def __init__(self, turns, shared, delay_s=0.0):
         super().__init__(turns)
-        self.shared = shared
+        self.shared, self.delay_s = shared, delay_s
 
     def step(self, text):
         shared = self.shared
@@ -261,7 +261,10 @@ class Gathering(Echo):
             shared["running"] += 1
             shared["most"] = max(shared["most"], shared["running"])
             shared["threads"].add(threading.current_thread().name)
-        shared["barrier_hits"].append(shared["all_in"].wait(5) if shared["expected"] > 1 else True)
+        deadline = time.monotonic() + 5
+        while shared["most"] < shared["expected"] and time.monotonic() < deadline:
+            time.sleep(0.002)
+        time.sleep(self.delay_s)
         result = super().step(text)
         with shared["lock"]:
             shared["running"] -= 1
@@ -269,25 +272,7 @@ class Gathering(Echo):
 
 
 def _gathering(expected):
-    shared = {"lock": threading.Lock(), "running": 0, "most": 0, "threads": set(), "barrier_hits": []}
-    shared["expected"] = expected
-    shared["all_in"] = _CountDown(shared, expected)
-    return shared
-
-
-class _CountDown:
-    """wait() returns True once `expected` steps are running at the same time (False after the timeout)."""
-
-    def __init__(self, shared, expected):
-        self.shared, self.expected = shared, expected
-
-    def wait(self, timeout):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.shared["most"] >= self.expected:
-                return True
-            time.sleep(0.002)
-        return False
+    return {"lock": threading.Lock(), "running": 0, "most": 0, "threads": set(), "expected": expected}
 
 
 def _three_episodes():
@@ -295,24 +280,76 @@ def _three_episodes():
 
 
 def test_a_turns_environment_steps_run_together_off_the_training_thread_and_give_the_same_transcripts():
+    """Three episodes of 2, 1 and 2 turns whose first steps return last-started first: each outcome still lands on
+    its own episode (a mix-up would give episode 2 a second turn or cut episode 1 short), as one at a time does."""
+
+    def episodes(shared, runner):
+        envs = [Gathering(2, shared, 0.06), Gathering(1, shared, 0.03), Gathering(2, shared, 0.0)]
+        return _run(_three_episodes(), envs, [[1], [2], [5]], seeds=(1, 2, 3), runner=runner)
+
     concurrent = _gathering(expected=3)
-    together = _run(_three_episodes(), [Gathering(2, concurrent) for _ in range(3)], [[1], [2], [5]], seeds=(1, 2, 3))
-    assert concurrent["most"] == 3 and all(concurrent["barrier_hits"])  # all three steps of a turn at once
+    together = episodes(concurrent, EnvironmentRunner(concurrency=4, timeout_s=10.0))
+    assert concurrent["most"] == 3  # all three steps of the first turn at once
     assert threading.current_thread().name not in concurrent["threads"]
+    assert together.output.completion_ids.tolist() == [
+        [4, EOS, 7, 7, 3, EOS, PAD],
+        [6, EOS, PAD, PAD, PAD, PAD, PAD],  # one turn: its step said done
+        [6, 6, EOS, 7, 7, 4, EOS],
+    ]
+    assert together.env_rewards.tolist() == [[2.0], [1.0], [2.0]]
 
     one_by_one = _gathering(expected=1)
-    alone = _run(
-        _three_episodes(),
-        [Gathering(2, one_by_one) for _ in range(3)],
-        [[1], [2], [5]],
-        seeds=(1, 2, 3),
-        runner=EnvironmentRunner(concurrency=1, timeout_s=10.0),
-    )
+    alone = episodes(one_by_one, EnvironmentRunner(concurrency=1, timeout_s=10.0))
     assert one_by_one["most"] == 1
     for field in ("completion_ids", "completion_mask", "logprobs", "sampled_mask"):
         assert torch.equal(getattr(together.output, field), getattr(alone.output, field)), field
     assert torch.equal(together.env_rewards, alone.env_rewards) and torch.equal(together.stats, alone.stats)
-    assert together.output.completion_ids.tolist()[2] == [6, 6, EOS, 7, 7, 4, EOS]
+
+
+def test_episodes_whose_reset_failed_take_no_turn_and_are_never_stepped():
+    envs = [Echo(2), Echo(2), Echo(2)]
+    engine = _three_episodes()
+    episodes = run_episodes(
+        engine,
+        envs,
+        [[1], [2], [5]],
+        SamplingParams(max_new_tokens=8),
+        [1, 2, 3],
+        decode=lambda ids: "ok",
+        encode_observation=lambda text: [7, 7],
+        reward_names=("r",),
+        max_turns=4,
+        max_total_tokens=100,
+        pad_id=PAD,
+        device=torch.device("cpu"),
+        runner=EnvironmentRunner(concurrency=4, timeout_s=10.0),
+        ended=frozenset({1}),
+    )
+    assert envs[1].seen == [] and envs[0].seen == ["ok", "ok"]
+    assert episodes.output.completion_mask[1].sum() == 0 and episodes.stats[1, 0] == 0
+    assert [contexts[0][0] for contexts, _, _ in engine.calls] == [1, 1]  # episode 2 was never sampled
+
+
+def test_an_async_step_that_exits_or_blocks_is_an_outcome_never_a_hang():
+    """asyncio re-raises SystemExit out of its loop (its thread would die, the trainer wait forever); an `async`
+    method that blocks holds the loop where no time limit reaches it: both come back as outcomes."""
+
+    class Exits(Echo):
+        async def step(self, text):
+            raise SystemExit(3)
+
+    class Blocks(Echo):
+        async def step(self, text):
+            time.sleep(2.0)  # blocking the event loop instead of awaiting
+
+    runner = EnvironmentRunner(concurrency=4, timeout_s=0.1)
+    (exited,) = runner.run([(Exits(1).step, ("x",))])
+    assert isinstance(exited, SystemExit) and exited.code == 3
+    runner.loop_margin_s = 0.4  # the loop answers nothing for 2 s: given up after 0.1 + 0.4 s
+    (blocked,) = runner.run([(Blocks(1).step, ("x",))])
+    assert isinstance(blocked, EnvCallTimeout)  # (waiting for the step would have given its value, None)
+    assert runner.run([(Exits(1).step, ("y",))])[0].code == 3  # a new loop serves the next batch
+    runner.close()
 
 
 def test_async_environment_steps_are_awaited():
@@ -358,5 +395,6 @@ def test_environment_concurrency_and_time_limit_are_checked_with_one_line_errors
 
     with pytest.raises(ConfigError, match=r"model.env.concurrency must be >= 1, got 0"):
         EnvArgs(tools=["lit_rl.envs.tools.calc"], concurrency=0).check()
-    with pytest.raises(ConfigError, match=r"model.env.step_timeout_s must be > 0, got 0"):
-        EnvArgs(tools=["lit_rl.envs.tools.calc"], step_timeout_s=0).check()
+    for bad in (0, float("inf"), float("nan")):
+        with pytest.raises(ConfigError, match=r"model.env.step_timeout_s must be > 0 and < 1e6 s, got"):
+            EnvArgs(tools=["lit_rl.envs.tools.calc"], step_timeout_s=bad).check()

@@ -424,6 +424,7 @@ def test_tool_threads_past_their_limit_cannot_pile_up(monkeypatch):
     import lit_rl.envs.tools as tools
 
     monkeypatch.setattr(runner, "MAX_OVERRUNNING", 2)
+    monkeypatch.setattr(runner, "tool_overrunning", runner._Overrunning())
     monkeypatch.setattr(runner, "overrunning", runner._Overrunning())
     release = threading.Event()
     ran = []
@@ -437,12 +438,13 @@ def test_tool_threads_past_their_limit_cannot_pile_up(monkeypatch):
     assert tools.run_tool(stuck, "b", 0.05) == ("error: timed out after 0.05 s", True)
     refused = tools.run_tool(stuck, "c", 0.05)
     assert refused == ("error: 2 calls are still running past their time limit; not run", True)
-    assert ran == ["a", "b"] and runner.overrunning.count() == 2  # the refused call never ran
+    assert ran == ["a", "b"] and runner.tool_overrunning.count() == 2  # the refused call never ran
+    assert runner.overrunning.count() == 0  # environments' own calls are not refused for the tools' overruns
     release.set()
     deadline = time.monotonic() + 5
-    while runner.overrunning.count() and time.monotonic() < deadline:
+    while runner.tool_overrunning.count() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert runner.overrunning.count() == 0
+    assert runner.tool_overrunning.count() == 0
     assert tools.run_tool(lambda argument: "ok", "", 1.0) == ("ok", False)
 
 

@@ -10,19 +10,23 @@ waits about 100 ms. `EnvironmentRunner.run(calls)` makes a batch of calls and re
 - at most `concurrency` calls run at once (1: one after another, in order);
 - each call has `timeout_s` from the moment it starts. One that overruns is answered `EnvCallTimeout`, never
   waited for: a coroutine is cancelled; a thread cannot be stopped in Python, so its worker keeps running the call
-  (a daemon: it cannot keep the process from exiting) and leaves the pool until it returns. At most
-  `MAX_OVERRUNNING` such calls run at once; past that, plain calls are answered `EnvCallTimeout` without running,
-  so they cannot pile up.
+  (a daemon: it cannot keep the process from exiting) and leaves the pool until it returns. While
+  `MAX_OVERRUNNING` such calls run, new plain calls are answered `EnvCallTimeout` without running, so they cannot
+  pile up (the calls already running when that count is reached can still overrun: the bound is
+  `MAX_OVERRUNNING + concurrency`). Tools' calls (`lit_rl.envs.tools`), which run inside steps, are counted apart
+  (`tool_overrunning`), so that stuck tools cannot refuse the environments' own calls.
 
 Calls of different episodes run at the same time, so environments must not share mutable state without a lock
 (set `model.env.concurrency` to 1 for one call at a time). `async` methods run on one event loop: one that blocks
-(a `time.sleep` instead of `await asyncio.sleep`) holds up the others.
+(a `time.sleep` instead of `await asyncio.sleep`) holds up the others and no time limit reaches it; its batch is
+answered `EnvCallTimeout` once it could have finished (`loop_margin_s` past), and the loop is left to its thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import inspect
 import queue
 import threading
@@ -59,7 +63,8 @@ class _Overrunning:
             return len(self._calls)
 
 
-overrunning = _Overrunning()
+overrunning = _Overrunning()  # environments' reset and step calls
+tool_overrunning = _Overrunning()  # tool calls (`lit_rl.envs.tools`), which run inside steps: counted apart
 WORKER_IDLE_EXIT_S = 300.0  # a worker with no call for this long ends its thread
 
 
@@ -107,15 +112,18 @@ class _Workers:
 workers = _Workers()
 
 
-def _refuse_while_overrunning() -> None:
-    if (running := overrunning.count()) >= MAX_OVERRUNNING:
+def _refuse_while_overrunning(tracker: _Overrunning) -> None:
+    if (running := tracker.count()) >= MAX_OVERRUNNING:
         raise EnvCallTimeout(f"{running} calls are still running past their time limit; not run")
 
 
-def _outcome(returned: threading.Event, outcome: Optional[Outcome], timeout_s: float) -> Any:
-    """The value of a call that ended (its exception re-raised), or `EnvCallTimeout` for one still running."""
+def _outcome(
+    returned: threading.Event, outcome: Optional[Outcome], timeout_s: float, tracker: Optional[_Overrunning] = None
+) -> Any:
+    """The value of a call that ended (its exception re-raised), or `EnvCallTimeout` for one still running
+    (counted in `tracker`, `overrunning` by default)."""
     if outcome is None:
-        overrunning.add(returned)
+        (overrunning if tracker is None else tracker).add(returned)
         raise EnvCallTimeout(f"timed out after {timeout_s:g} s")
     value, error = outcome
     if error is not None:
@@ -131,15 +139,15 @@ def _as_outcome(returned: threading.Event, outcome: Optional[Outcome], timeout_s
         return err
 
 
-def call_in_thread(function: Callable[..., Any], args: tuple[Any, ...], timeout_s: float) -> Any:
+def call_in_thread(function: Callable[..., Any], args: tuple[Any, ...], timeout_s: float, tracker: _Overrunning) -> Any:
     """`function(*args)` on a daemon worker (`workers`), waited for at most `timeout_s`: its value, its exception
-    re-raised, or `EnvCallTimeout` (the call then goes on, counted in `overrunning`). Refused with `EnvCallTimeout`
-    while `MAX_OVERRUNNING` calls still overrun."""
-    _refuse_while_overrunning()
+    re-raised, or `EnvCallTimeout` (the call then goes on, counted in `tracker`). Refused with `EnvCallTimeout`
+    while `MAX_OVERRUNNING` calls of `tracker` still overrun."""
+    _refuse_while_overrunning(tracker)
     box: list[Outcome] = []
     returned = workers.start(function, args, box.append)
-    returned.wait(timeout_s)
-    return _outcome(returned, box[0] if box else None, timeout_s)
+    returned.wait(min(timeout_s, threading.TIMEOUT_MAX))
+    return _outcome(returned, box[0] if box else None, timeout_s, tracker)
 
 
 class EnvironmentRunner:
@@ -153,9 +161,11 @@ class EnvironmentRunner:
     def __init__(self, concurrency: int, timeout_s: float) -> None:
         if concurrency < 1:
             raise ConfigError(f"model.env.concurrency must be >= 1, got {concurrency}")
-        if not timeout_s > 0:
-            raise ConfigError(f"model.env.step_timeout_s must be > 0, got {timeout_s}")
+        if not 0 < timeout_s < 1e6:
+            raise ConfigError(f"model.env.step_timeout_s must be > 0 and < 1e6 s, got {timeout_s}")
         self.concurrency, self.timeout_s = concurrency, timeout_s
+        self.loop_margin_s = 5.0  # the event loop's own delay allowed past the calls' limits
+        self._lock = threading.Lock()  # around the event loop's start, abandonment and close
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
 
@@ -169,11 +179,37 @@ class EnvironmentRunner:
         if awaited:  # on the event loop, while this thread runs the plain ones
             batch = [calls[i] for i in awaited]
             coroutines = asyncio.run_coroutine_threadsafe(self._await_all(batch), self._started_loop())
-        self._run_plain(calls, [i for i in range(len(calls)) if i not in set(awaited)], outcomes)
-        if coroutines is not None:
-            for i, outcome in zip(awaited, coroutines.result()):
-                outcomes[i] = outcome
+        try:
+            self._run_plain(calls, [i for i in range(len(calls)) if i not in set(awaited)], outcomes)
+            if coroutines is not None:
+                for i, outcome in zip(awaited, self._awaited_outcomes(coroutines, len(awaited))):
+                    outcomes[i] = outcome
+        except BaseException:  # Ctrl-C: the coroutines are cancelled, not left running
+            if coroutines is not None:
+                coroutines.cancel()
+            raise
         return outcomes
+
+    def _awaited_outcomes(self, coroutines: Any, count: int) -> list[Any]:
+        """The outcomes of a batch of coroutines, waited for as long as `count` calls at `concurrency` at once can
+        take (and a little more). An `async` method that blocks instead of awaiting holds the whole event loop,
+        where no time limit can reach it: then every call of the batch is answered `EnvCallTimeout`, and the loop
+        is left to its thread (a new one serves the next batch)."""
+        rounds = -(-count // self.concurrency)
+        try:
+            bound = rounds * self.timeout_s + self.loop_margin_s
+            outcomes = coroutines.result(timeout=min(bound, threading.TIMEOUT_MAX))
+            return [outcome.error if isinstance(outcome, _Raised) else outcome for outcome in outcomes]
+        except concurrent.futures.TimeoutError:
+            coroutines.cancel()
+            with self._lock:
+                self._loop = self._thread = None  # blocked: abandoned, not joined
+            return [
+                EnvCallTimeout(
+                    f"the event loop did not answer in {rounds * self.timeout_s:g} s (an async method "
+                    "that blocks instead of awaiting?)"
+                )
+            ] * count
 
     def _run_plain(self, calls: Sequence[Call], indices: list[int], outcomes: list[Any]) -> None:
         """Calls `indices` of `calls` on the workers, at most `concurrency` at once, their outcomes into
@@ -185,7 +221,7 @@ class EnvironmentRunner:
             while waiting and len(running) < self.concurrency:
                 i = waiting.popleft()
                 try:
-                    _refuse_while_overrunning()
+                    _refuse_while_overrunning(overrunning)
                 except EnvCallTimeout as refused:
                     outcomes[i] = refused
                     continue
@@ -202,7 +238,7 @@ class EnvironmentRunner:
                 continue
             first_deadline = min(deadline for deadline, _, _ in running.values())
             try:
-                i = returned_now.get(timeout=max(0.0, first_deadline - time.monotonic()))
+                i = returned_now.get(timeout=min(max(0.0, first_deadline - time.monotonic()), threading.TIMEOUT_MAX))
             except queue.Empty:  # past a deadline: those calls are answered now, and go on without a slot
                 now = time.monotonic()
                 for i, (deadline, returned, box) in list(running.items()):
@@ -220,27 +256,53 @@ class EnvironmentRunner:
         async def bounded(function: Callable[..., Any], args: tuple[Any, ...]) -> Any:
             async with slots:
                 try:
-                    return await asyncio.wait_for(function(*args), self.timeout_s)
+                    return await asyncio.wait_for(_kept(function(*args)), self.timeout_s)
                 except asyncio.TimeoutError:
                     raise EnvCallTimeout(f"timed out after {self.timeout_s:g} s") from None
 
         return await asyncio.gather(*(bounded(f, a) for f, a in calls), return_exceptions=True)
 
     def _started_loop(self) -> asyncio.AbstractEventLoop:
-        if self._loop is None:
-            loop = asyncio.new_event_loop()
-            thread = threading.Thread(target=loop.run_forever, name="lit-rl-env-loop", daemon=True)
-            thread.start()
-            self._loop, self._thread = loop, thread
-        return self._loop
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                thread = threading.Thread(target=loop.run_forever, name="lit-rl-env-loop", daemon=True)
+                thread.start()
+                self._loop, self._thread = loop, thread
+            return self._loop
 
     def close(self) -> None:
-        """Stop the event loop and its thread (the workers stay for the next runner; calls still overrunning go
-        on in theirs)."""
-        if self._loop is None:
+        """Cancel what the event loop still runs, stop it and its thread (the workers stay for the next runner;
+        calls still overrunning go on in theirs). A loop held by a blocking `async` method is left to its thread."""
+        with self._lock:
+            loop, thread = self._loop, self._thread
+            self._loop = self._thread = None
+        if loop is None or thread is None:
             return
-        loop, thread = self._loop, self._thread
-        self._loop = self._thread = None
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join()
-        loop.close()
+
+        def cancel_and_stop() -> None:
+            for task in asyncio.all_tasks(loop):
+                task.cancel()
+            loop.call_soon(loop.stop)  # after the cancelled tasks have run their cleanup once
+
+        loop.call_soon_threadsafe(cancel_and_stop)
+        thread.join(timeout=5.0)
+        if not thread.is_alive():
+            loop.close()
+
+
+async def _kept(coroutine: Any) -> Any:
+    """`coroutine`'s value; a SystemExit or KeyboardInterrupt it raises is returned as its outcome instead of
+    escaping: asyncio re-raises those out of the event loop, which would end the loop's thread and leave the
+    trainer waiting."""
+    try:
+        return await coroutine
+    except (SystemExit, KeyboardInterrupt) as err:
+        return _Raised(err)
+
+
+class _Raised:
+    """A SystemExit or KeyboardInterrupt that an `async` method raised, kept as a value (`_kept`)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error

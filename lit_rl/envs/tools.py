@@ -22,6 +22,7 @@ import operator
 import re
 from typing import Any, Callable, Optional
 
+from lit_rl.envs import runner
 from lit_rl.envs.base import StepResult
 from lit_rl.envs.runner import EnvCallTimeout, call_in_thread
 from lit_rl.errors import ConfigError
@@ -94,7 +95,7 @@ def run_tool(tool: Tool, argument: str, timeout_s: float) -> tuple[str, bool]:
     while `MAX_OVERRUNNING` calls are still running past their limit a new call is refused the same way instead of
     running."""
     try:
-        return str(call_in_thread(tool, (argument,), timeout_s)), False
+        return str(call_in_thread(tool, (argument,), timeout_s, runner.tool_overrunning)), False
     except EnvCallTimeout as err:
         return f"error: {err}", True
     except Exception as err:  # the tool's own error, shown to the model

@@ -70,6 +70,7 @@ def run_episodes(
     runner: EnvironmentRunner,
     env_name: str = "environment",
     any_active: Callable[[bool], bool] = bool,
+    ended: frozenset[int] = frozenset(),
 ) -> Episodes:
     """Run one episode per environment from `prompts` (token ids) until each is done (module docstring). A model
     turn samples at most `params.max_new_tokens` tokens and at most what is left of `max_total_tokens` (model and
@@ -92,7 +93,7 @@ def run_episodes(
     env_rewards = torch.zeros(n, len(reward_names))
     stats = torch.zeros(n, len(EPISODE_STATS))
     column = {name: i for i, name in enumerate(reward_names)}
-    active = list(range(n))
+    active = [i for i in range(n) if i not in ended]  # `ended`: their reset failed; they take no turn
     error: Optional[str] = None
     for turn in range(max_turns):
         if not any_active(bool(active)):

@@ -243,14 +243,15 @@ class EpisodeProducer(RolloutProducer):
             envs = [self.env_factory() for _ in range(len(rows) * repeat)]
             rows_of = [rows[index // repeat] for index in range(len(envs))]
             firsts = self.runner.run([(env.reset, (row,)) for env, row in zip(envs, rows_of)])
-            prompts, error = [], None
-            for env, row, first in zip(envs, rows_of, firsts):
+            prompts, error, ended = [], None, set()
+            for index, (env, row, first) in enumerate(zip(envs, rows_of, firsts)):
                 if isinstance(first, BaseException):  # raised on every rank together, after the episodes' collectives
                     failure = f"raised {type(first).__name__}: {first}"
                     if isinstance(first, EnvCallTimeout):
                         failure = f"{first} (model.env.step_timeout_s)"
                     error = error or f"{type(env).__name__}.reset {failure}"
                     first = None
+                    ended.add(index)  # never stepped: its environment may still be busy in that reset
                 prompts.append(row["prompt"] if first is None else first)
             prompt_ids, prompt_mask = host.encode_prompts(prompts)
             tokenizer = host.tokenizer
@@ -273,6 +274,7 @@ class EpisodeProducer(RolloutProducer):
                 runner=self.runner,
                 env_name=type(envs[0]).__name__,
                 any_active=self._any_rank_active,
+                ended=frozenset(ended),
             )
         episodes.output.episode_stats = episodes.stats
         self.fail_on_every_rank(error or episodes.error, EnvironmentStepError, "the environment failed on another rank")

@@ -63,7 +63,7 @@ class Stalling(Countdown):
 
     _episodes = itertools.count()
 
-    def __init__(self, turns: int = 3, bonus: float = 0.25, stall_s: float = 2.0) -> None:
+    def __init__(self, turns: int = 3, bonus: float = 0.25, stall_s: float = 4.0) -> None:
         super().__init__(turns, bonus)
         self.stall_s = stall_s if next(Stalling._episodes) % 4 == 0 else 0.0
 

@@ -54,10 +54,10 @@ def test_episodes_train_log_their_metrics_and_score_the_engines_tokens(tmp_path,
 
 
 def test_a_stalled_environment_step_ends_its_episode_is_counted_and_the_run_goes_on(tmp_path):
-    """Every fourth episode's first step stalls 2 s against a 0.2 s limit: each step's 8 episodes hold two of them,
+    """Every fourth episode's first step stalls 4 s against a 1 s limit: each step's 8 episodes hold two of them,
     so `train/env_timeouts` is 0.25 a step exactly; the stalled episodes end after one turn, the others run up to 3
     (fewer when the 12-token transcript budget runs out first)."""
-    stalling = ["--model.env.environment", "tests.integration.envs.Stalling", "--model.env.step_timeout_s", "0.2"]
+    stalling = ["--model.env.environment", "tests.integration.envs.Stalling", "--model.env.step_timeout_s", "1"]
     log_dir = _fit(tmp_path, "grpo", "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0", *stalling)
     train = train_rows(log_dir)
     assert [row["step"] for row in train] == [1, 2]
