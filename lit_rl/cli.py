@@ -58,6 +58,8 @@ IGNORED_WARNINGS = (  # (message regex, category, module regex)
     # DeepSpeed's ZeRO collectives and vLLM's Triton dispatcher, which torch 2.13 deprecates (lit-rl calls none).
     (r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated", FutureWarning, ""),
     (r"`torch\.distributed\.reduce_op` is deprecated", FutureWarning, r"vllm\."),
+    # `data.val_data: null` validates nothing on purpose: its empty validation loader is not a mistake to warn about.
+    (r"Total length of `list` across ranks is zero", UserWarning, ""),
 )
 IGNORED_LOG_MESSAGES = {  # logger name -> message prefixes
     "lightning.pytorch.utilities.rank_zero": ("💡 Tip:",),

@@ -383,7 +383,16 @@ CASES = [
         "prompt-plus-completions-past-the-context",
         GRPO,
         ["--model.sampling.max_new_tokens", "125"],
-        "has a prompt of 6 tokens; with model.sampling.max_new_tokens=125 it exceeds the model's context of 128 tokens",
+        "has a prompt of 6 tokens; with model.sampling.max_new_tokens=125 it exceeds the model's context of 128 tokens "
+        "(lower model.sampling.max_new_tokens to at most 122)",
+        1,
+    ),
+    (
+        "completion-budget-fills-the-context",
+        GRPO,
+        ["--model.sampling.max_new_tokens", "256"],
+        "model.sampling.max_new_tokens (256) leaves no room for a prompt in the model's context of 128 tokens: lower "
+        "it below 128",
         1,
     ),
     (

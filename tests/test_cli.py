@@ -325,3 +325,23 @@ def test_switching_algorithms_over_the_grpo_config_stops_in_one_line_naming_the_
     lines = [line for line in err.strip().splitlines() if line.startswith("lit-rl")]
     assert len(lines) == 1 and lines[0].startswith("lit-rl: error: "), lines
     assert f"start from {SHIPPED_CONFIGS[algorithm]}" in lines[0] and "Traceback" not in err
+
+
+def test_a_fit_without_validation_data_warns_nothing_about_its_empty_validation(tmp_path):
+    """`--data.val_data null` (the README's and "Coming from TRL"'s command) validates nothing on purpose: Lightning's
+    "Total length of `list` across ranks is zero" is not shown."""
+    from tests.conftest import FAST_GRPO, cli_env, write_overlay
+
+    overlay = write_overlay(tmp_path / "o.yaml", save_dir=tmp_path / "runs")
+    args = ["--config", str(CONFIGS / "grpo.yaml"), "--config", str(overlay), *FAST_GRPO, "--data.val_data", "null"]
+    result = subprocess.run(
+        ["lit-rl", "fit", *args, "--trainer.max_steps", "1", "--trainer.val_check_interval", "1"],
+        cwd=tmp_path,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "lit-rl: done, 1 optimizer step" in result.stdout
+    assert "across ranks is zero" not in result.stdout + result.stderr

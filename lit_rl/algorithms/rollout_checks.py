@@ -25,6 +25,11 @@ def check_prompt_lengths(module: Any) -> None:
                 f"exceeds the model's context of {context} tokens"
             )
         return
+    if budget >= context:  # no prompt can fit: only the budget can help
+        raise ConfigError(
+            f"model.{budget_key} ({budget}) leaves no room for a prompt in the model's context of {context} "
+            f"tokens: lower it below {context}"
+        )
     for source, rows in (
         (datamodule.train_data, datamodule.train_rows),
         (datamodule.val_data, datamodule.val_rows),
@@ -37,6 +42,17 @@ def check_prompt_lengths(module: Any) -> None:
                 if length + budget > context:
                     raise DataError(
                         f"{source}: {record_label(source, start + offset)} has a prompt of {length} tokens; with "
-                        f"model.{budget_key}={budget} it exceeds the model's context of {context} "
-                        "tokens (set model.sampling.max_prompt_length to truncate prompts)"
+                        f"model.{budget_key}={budget} it exceeds the model's context of {context} tokens "
+                        f"({_what_would_fit(length, budget, budget_key, context)})"
                     )
+
+
+def _what_would_fit(length: int, budget: int, budget_key: str, context: int) -> str:
+    """The settings that would make a prompt of `length` tokens and a completion budget of `budget` fit `context`:
+    the budget, and truncating prompts when that leaves a prompt room to keep."""
+    smaller_budget = f"lower model.{budget_key} to at most {context - length}"
+    if budget > context // 2:  # the budget takes most of the context: truncating the prompt would keep little
+        return smaller_budget
+    return (
+        f"{smaller_budget}, or set model.sampling.max_prompt_length to at most {context - budget} to truncate prompts"
+    )
