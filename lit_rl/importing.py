@@ -4,8 +4,10 @@ user wrote are imported, nothing is looked up from data."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 
@@ -28,12 +30,37 @@ def import_callable(path: str, what: str) -> Callable[..., Any]:
 def _import_module(name: str) -> Any:
     """`importlib.import_module(name)`; a top-level module found nowhere is looked for in the working directory too
     (`my_rewards.accuracy` beside the run), as `python -m` finds it: the `lit-rl` script's import path holds the
-    script's own directory instead. Only a module a config names, and only when nothing installed has its name."""
+    script's own directory instead. Only a module a config names, and only when nothing installed has its name.
+
+    The module is loaded from its file alone: the working directory is never added to `sys.path`, so a file there
+    that shares an installed package's name (a `datasets.py` beside the run) cannot replace that package for the
+    rest of the run. A package's own submodules resolve (`my_pkg.rewards.accuracy`); a plain module that imports
+    a sibling file needs `PYTHONPATH=.`."""
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as err:
-        cwd = os.getcwd()
-        if err.name != name.split(".")[0] or cwd in sys.path or "" in sys.path:
+        top = name.split(".")[0]
+        if err.name != top or os.getcwd() in sys.path or "" in sys.path:
             raise
-        sys.path.append(cwd)  # for the rest of the run: the module's own imports of its siblings resolve alike
+        _load_from_working_directory(top, err)
         return importlib.import_module(name)
+
+
+def _load_from_working_directory(top: str, not_found: ModuleNotFoundError) -> None:
+    """Load module or package `top` from the working directory's `top.py` or `top/__init__.py` into `sys.modules`;
+    `not_found` re-raised when neither exists."""
+    cwd = Path.cwd()
+    package = cwd / top / "__init__.py"
+    location = package if package.is_file() else cwd / f"{top}.py"
+    if not location.is_file():
+        raise not_found
+    spec = importlib.util.spec_from_file_location(
+        top, location, submodule_search_locations=[str(location.parent)] if location == package else None
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[top] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[top]
+        raise

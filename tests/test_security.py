@@ -485,6 +485,61 @@ def test_environment_steps_past_their_limit_cannot_pile_up_either(monkeypatch):
     assert runner.overrunning.count() == 0
 
 
+# -- imports from the working directory ----------------------------------------------------------------------------
+def test_a_module_beside_the_run_is_loaded_without_putting_the_working_directory_on_the_import_path(
+    tmp_path, monkeypatch
+):
+    """A config naming `my_rewards.accuracy` beside the run loads that file, and a package's submodule, without
+    adding the working directory to `sys.path`: a `datasets.py` there must not replace the installed package for
+    the rest of the run (a later `import datasets` reads the real one)."""
+    import subprocess
+
+    (tmp_path / "beside_rewards.py").write_text("def accuracy(**kwargs):\n    return 'beside'\n")
+    (tmp_path / "beside_pkg").mkdir()
+    (tmp_path / "beside_pkg" / "__init__.py").write_text("")
+    (tmp_path / "beside_pkg" / "rules.py").write_text("def score(**kwargs):\n    return 'package'\n")
+    (tmp_path / "datasets.py").write_text("raise SystemExit('the working directory shadowed datasets')\n")
+    program = (
+        "import sys\n"
+        "from lit_rl.importing import import_callable\n"
+        "before = list(sys.path)\n"
+        "print(import_callable('beside_rewards.accuracy', 'reward')())\n"
+        "print(import_callable('beside_pkg.rules.score', 'reward')())\n"
+        "assert sys.path == before, sys.path\n"
+        "import datasets\n"
+        "print(datasets.__file__)\n"
+    )
+    env = {**cli_env(), "PYTHONSAFEPATH": "1"}  # as the `lit-rl` script: the working directory not on the path
+    result = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.split()
+    assert lines[:2] == ["beside", "package"] and str(tmp_path) not in lines[2]
+
+
+def test_the_checks_processes_do_not_put_the_working_directory_first(tmp_path, monkeypatch):
+    """`lit-rl check` starts a multi-process run with `python -m lit_rl.cli`, which would put the working directory
+    first on the import path: it sets PYTHONSAFEPATH for it."""
+    import lit_rl.check.runner as runner
+
+    started = {}
+
+    class Stopped:
+        def wait(self, timeout=None):
+            return 0
+
+        def poll(self):
+            return 0
+
+    def popen(argv, stdout, stderr, env):
+        started.update(argv=argv, env=env)
+        return Stopped()
+
+    monkeypatch.setattr(runner.subprocess, "Popen", popen)
+    monkeypatch.setattr(runner, "_wait_or_stop", lambda run: 0)
+    assert runner.run_cli(tmp_path, ["fit"], processes=2) == 0
+    assert started["argv"][1:3] == ["-m", "lit_rl.cli"] and started["env"]["PYTHONSAFEPATH"] == "1"
+
+
 # -- the broadcast transfer -------------------------------------------------------------------------------------------
 def _listening_on(port: int) -> list[str]:
     """The local addresses with a socket listening on `port`, as the kernel lists them (/proc/net/tcp, tcp6)."""

@@ -67,6 +67,7 @@ def run_cli(directory: Path, args: list[str], processes: int = 1) -> int:
     with open(directory / "output.log", "a") as log:
         if processes > 1:
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # this process's imports
+            env["PYTHONSAFEPATH"] = "1"  # `-m` would put the working directory first (Python 3.11+ honours this)
             run = subprocess.Popen([sys.executable, "-m", "lit_rl.cli", *args], stdout=log, stderr=log, env=env)
             code = _wait_or_stop(run)
         else:

@@ -51,7 +51,8 @@ def server_command(
     ]
     if weight_transfer in VLLM_TRANSFER_BACKENDS:
         argv += ["--weight-transfer-config", json.dumps({"backend": VLLM_TRANSFER_BACKENDS[weight_transfer]})]
-    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    # PYTHONSAFEPATH: `-m` would put the working directory first on the server's import path (Python 3.11+).
+    env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONSAFEPATH": "1"}
     if cpu:
         argv += ["--dtype", "float32", "--enforce-eager"]
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
