@@ -62,7 +62,9 @@ class Echo:
         return StepResult(None if done else "obs", {"r": 1.0}, done, tool_calls=1, tool_errors=int(text == "bad"))
 
 
-def _run(engine, envs, prompts, max_turns=4, max_total_tokens=100, max_new_tokens=8, seeds=(10, 20), runner=None):
+def _run(
+    engine, envs, prompts, max_turns=4, max_total_tokens=100, max_new_tokens=8, seeds=(10, 20), runner=None, ended=()
+):
     return run_episodes(
         engine,
         envs,
@@ -77,6 +79,7 @@ def _run(engine, envs, prompts, max_turns=4, max_total_tokens=100, max_new_token
         pad_id=PAD,
         device=torch.device("cpu"),
         runner=runner or EnvironmentRunner(concurrency=4, timeout_s=10.0),
+        ended=frozenset(ended),
     )
 
 
@@ -309,23 +312,8 @@ def test_a_turns_environment_steps_run_together_off_the_training_thread_and_give
 def test_episodes_whose_reset_failed_take_no_turn_and_are_never_stepped():
     envs = [Echo(2), Echo(2), Echo(2)]
     engine = _three_episodes()
-    episodes = run_episodes(
-        engine,
-        envs,
-        [[1], [2], [5]],
-        SamplingParams(max_new_tokens=8),
-        [1, 2, 3],
-        decode=lambda ids: "ok",
-        encode_observation=lambda text: [7, 7],
-        reward_names=("r",),
-        max_turns=4,
-        max_total_tokens=100,
-        pad_id=PAD,
-        device=torch.device("cpu"),
-        runner=EnvironmentRunner(concurrency=4, timeout_s=10.0),
-        ended=frozenset({1}),
-    )
-    assert envs[1].seen == [] and envs[0].seen == ["ok", "ok"]
+    episodes = _run(engine, envs, [[1], [2], [5]], seeds=(1, 2, 3), ended={1})
+    assert envs[1].seen == [] and len(envs[0].seen) == 2
     assert episodes.output.completion_mask[1].sum() == 0 and episodes.stats[1, 0] == 0
     assert [contexts[0][0] for contexts, _, _ in engine.calls] == [1, 1]  # episode 2 was never sampled
 
