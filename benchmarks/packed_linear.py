@@ -46,11 +46,20 @@ def timed_us(call) -> float:
     return (time.perf_counter() - began) * 1e6
 
 
+def measured_dtypes() -> list[torch.dtype]:
+    """float32, and bfloat16 where the CPU has bf16 instructions: oneDNN packs bf16 weights only there (on an AVX2
+    CPU its reorder refuses them: "bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and
+    avx512dq")."""
+    from lit_rl.training.flops import native_reduced_precision
+
+    return [torch.float32] + ([torch.bfloat16] if native_reduced_precision(torch.bfloat16) else [])
+
+
 def measure(rows: int, rounds: int, cycle_mib: int, shapes: list[tuple[int, int]] = SHAPES) -> list[dict]:
     from lit_rl.rollout.engines.packed_linear import packed_weights
 
     results = []
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in measured_dtypes():
         for out_features, in_features in shapes:
             torch.manual_seed(0)
             size = out_features * in_features * torch.tensor([], dtype=dtype).element_size()

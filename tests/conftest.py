@@ -35,6 +35,13 @@ from tests.skip_guard import (  # noqa: F401  (hooks: under CI, a skip for any r
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 
+# A CPU without bf16 instructions (AVX-512 BF16, AMX; an AVX2 AMD EPYC here) emulates bf16 matmuls, rounding
+# otherwise than the kernels a test compares: properties of bf16 kernels are checked where the CPU has them.
+needs_native_bf16 = pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+    reason="this CPU has no bfloat16 unit: its bf16 matmuls are emulated, with rounding unlike the kernels compared",
+)
+
 # Library loggers keep the stream of the first test that configured them; pytest closes captured streams between
 # tests, and logging would then print "--- Logging error ---" tracebacks into the next test's output.
 logging.raiseExceptions = False

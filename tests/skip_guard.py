@@ -1,10 +1,11 @@
-"""A pytest plugin: under CI (`CI` set, as the CI runner sets it), a test skipped for any reason but the absence of
-a GPU fails the run, and every such skip is named in the summary.
+"""A pytest plugin: under CI (`CI` set, as the CI runner sets it), a test skipped for any reason but missing hardware
+(no GPU; a CPU without the instructions a test is about) fails the run, and every such skip is named in the summary.
 
 `pytest.importorskip` turns a broken or missing install (an extra that did not install, a package that no longer
 imports) into a skip, and a skip passes: the suite would go green with the test never run. On CI every extra is
-installed, so the only expected skips are the GPU tests' (`tests/gpu`, "needs a CUDA GPU"). Locally (no `CI`), skips
-are listed and pass, as pytest's own `-ra` does.
+installed, so the only expected skips are for hardware: the GPU tests' (`tests/gpu`, "needs a CUDA GPU") and the
+tests of CPU instructions this machine lacks ("this CPU ..."). Locally (no `CI`), skips are listed and pass, as
+pytest's own `-ra` does.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 
 import pytest
 
-EXPECTED_SKIP_REASONS = ("needs a CUDA GPU",)  # the reasons a test may be skipped in CI
+EXPECTED_SKIP_REASONS = ("needs a CUDA GPU", "this CPU ")  # the reasons a test may be skipped in CI: hardware
 unexpected_skips: list[str] = []
 
 
@@ -49,7 +50,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     if unexpected_skips and not hasattr(config, "workerinput"):
         verdict = "fail the run under CI" if under_ci() else "would fail the run under CI"
         terminalreporter.write_line(
-            f"{len(unexpected_skips)} tests skipped for another reason than no GPU ({verdict}):"
+            f"{len(unexpected_skips)} tests skipped for another reason than missing hardware ({verdict}):"
         )
         for line in unexpected_skips:
             terminalreporter.write_line(f"  {line}")

@@ -22,7 +22,8 @@ def test_logprob_memory_quick_meets_the_memory_target_with_identical_values(tmp_
     )
     report = json.loads(out.read_text())["results"]
     assert report["vocab"] == 151_936
-    assert report["max_abs_diff"] <= 1e-5
+    # float32 sums over 151,936 logits in another order: 6.7e-6 on an Intel Xeon (AVX-512), 1.3e-5 on an AVX2 AMD EPYC.
+    assert report["max_abs_diff"] <= 3e-5
     assert report["peak_memory_ratio"] <= 0.25, report  # the target, measured in one run
     assert report["naive"]["peak_mib"] > report["logits_mib"]  # the naive path really materialises fp32 logits
 
@@ -175,8 +176,10 @@ def test_compiled_decoding_quick_reports_speed_compile_time_and_the_same_tokens(
 def test_packed_linear_quick_times_each_product_both_ways_with_its_packing(tmp_path):
     report, stdout = _quick_report("packed_linear", tmp_path)
     rows = report["results"]
+    dtypes = [str(dtype).removeprefix("torch.") for dtype in _benchmark_module("packed_linear").measured_dtypes()]
+    assert dtypes[0] == "float32"  # bfloat16 too where the CPU has bf16 instructions
     assert [(r["dtype"], r["shape"]) for r in rows] == [
-        (dtype, shape) for dtype in ("float32", "bfloat16") for shape in ([128, 128], [512, 512])
+        (dtype, shape) for dtype in dtypes for shape in ([128, 128], [512, 512])
     ]
     for r in rows:
         assert r["f_linear_us"] > 0 and r["packed_us"] > 0 and r["pack_us"] > 0 and r["rows"] == 16

@@ -1,4 +1,4 @@
-"""`tests/skip_guard.py`: under CI, a test skipped for any reason but the absence of a GPU fails the run."""
+"""`tests/skip_guard.py`: under CI, a test skipped for any reason but missing hardware fails the run."""
 
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ def test_runs():
 
 @pytest.mark.skipif(True, reason="needs a CUDA GPU")
 def test_on_a_gpu():
+    pass
+
+@pytest.mark.skipif(True, reason="this CPU has no bfloat16 unit")
+def test_of_an_instruction_set():
     pass
 
 def test_with_an_extra():
@@ -45,9 +49,10 @@ def test_a_skip_other_than_no_gpu_fails_under_ci_and_is_named(pytester, monkeypa
     assert result.ret == (pytest.ExitCode.TESTS_FAILED if ci else pytest.ExitCode.OK)
     result.stdout.fnmatch_lines(
         [
-            "2 tests skipped for another reason than no GPU*",
+            "2 tests skipped for another reason than missing hardware*",
             "*test_module_skip.py: Skipped: could not import*",
             "*test_with_an_extra: Skipped: could not import*",
         ]
     )
-    assert "test_on_a_gpu:" not in result.stdout.str()  # the GPU test's skip is expected
+    assert "test_on_a_gpu:" not in result.stdout.str()  # the GPU test's skip is expected, and the CPU's
+    assert "test_of_an_instruction_set:" not in result.stdout.str()

@@ -8,6 +8,7 @@ from lit_rl.algorithms.base import completion_scores
 from lit_rl.errors import ConfigError
 from lit_rl.modeling.models import load_causal_lm, load_tokenizer
 from lit_rl.rollout import HFGenerateEngine, SamplingParams
+from tests.conftest import needs_native_bf16
 
 MODEL = "lit-rl/tiny-qwen2-addition-sft"
 PROMPTS = ["1+2=", "45+67=", "9+99=", "123+4567=", "5+5=", "80+9="]
@@ -63,6 +64,7 @@ def test_compiled_decoding_samples_the_eager_tokens_with_their_logprobs(engines,
     assert (b.logprobs - trainer).abs().max() <= (a.logprobs - trainer).abs().max() + 1e-5
 
 
+@needs_native_bf16
 @pytest.mark.parametrize("repeat", [1, 4], ids=["distinct_prompts", "shared_prompts"])
 def test_compiled_decoding_under_bf16_autocast_samples_what_the_eager_loop_does(engines, repeat):
     """`trainer.precision: bf16-mixed` decodes float32 weights under bf16 autocast: the keys leave the rotary

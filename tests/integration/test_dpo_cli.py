@@ -77,7 +77,8 @@ def test_validation_does_not_change_training(tmp_path):
 
 @pytest.mark.parametrize(("loss_type", "batch_size"), [("sigmoid", "8"), ("ipo", "2")])
 def test_precomputed_reference_trains_to_the_same_numbers(tmp_path, loss_type, batch_size):
-    """The precomputed and the live reference give the same train/ values to 1e-6 (fp32, CPU); measured: 0.0.
+    """The precomputed and the live reference give the same train/ values to 1e-6 + 1e-6 relative (fp32, CPU);
+    measured: 0.0 on an Intel Xeon, 3.8e-6 on a loss of 25 on an AVX2 AMD EPYC.
 
     A pair's log-probs round differently with the shape of the batch it is in (CPU kernels are picked by shape),
     so the precompute pass runs in batches of `data.batch_size` like the live forward. In chunks of 64 pairs it
@@ -96,7 +97,9 @@ def test_precomputed_reference_trains_to_the_same_numbers(tmp_path, loss_type, b
         tmp_path, *common, "--model.precompute_ref_logprobs", "true", "--model.ref_cache_dir", str(cache), name="again"
     )  # served from the cache
     assert [r["step"] for r in train_rows(pre)] == [r["step"] for r in train_rows(live)] == [1, 2, 3]
-    assert_rows_match(train_rows(pre), train_rows(live), abs=1e-6, rel=0)
+    # 1e-6 plus float32's own resolution: IPO's loss is about 25 here, where one rounding step is 2e-6 (an AVX2
+    # AMD EPYC gave 25.0000038 against 25.0 at batch size 2).
+    assert_rows_match(train_rows(pre), train_rows(live), abs=1e-6, rel=1e-6)
     assert train_rows(again) == train_rows(pre)  # exactly: the same cached values
 
 
