@@ -336,6 +336,7 @@ def test_an_async_step_that_exits_or_blocks_is_an_outcome_never_a_hang():
     runner.loop_margin_s = 0.4  # the loop answers nothing for 2 s: given up after 0.1 + 0.4 s
     (blocked,) = runner.run([(Blocks(1).step, ("x",))])
     assert isinstance(blocked, EnvCallTimeout)  # (waiting for the step would have given its value, None)
+    runner.loop_margin_s = 5.0
     assert runner.run([(Exits(1).step, ("y",))])[0].code == 3  # a new loop serves the next batch
     runner.close()
 
@@ -366,7 +367,7 @@ def test_a_step_past_its_time_limit_ends_its_episode_and_is_counted_without_wait
             [Echo(2), Stuck(2), Echo(2)],
             [[1], [2], [5]],
             seeds=(1, 2, 3),
-            runner=EnvironmentRunner(concurrency=4, timeout_s=0.2),
+            runner=EnvironmentRunner(concurrency=4, timeout_s=2.0),  # the others' steps, even on a busy machine
         )
     finally:
         release.set()
