@@ -44,7 +44,7 @@ from support import build_random_model  # noqa: E402
 
 from lit_rl.algorithms.base import completion_scores  # noqa: E402
 from lit_rl.modeling.models import load_causal_lm  # noqa: E402
-from lit_rl.training.flops import ModelShape, max_cpu_matmul_flops, row_tokens_and_keys  # noqa: E402
+from lit_rl.training.flops import ModelShape, cpu_matmul_peak, row_tokens_and_keys  # noqa: E402
 
 SIZES = {"20m": dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1024), "tiny": dict()}
 # fp32 on a policy compiled as `model.policy.compile` compiles it (`nn.Module.compile`): fused elementwise kernels.
@@ -100,7 +100,7 @@ def measure(args: argparse.Namespace) -> dict:
     shape = ModelShape.of(models["fp32"])
     tokens, keys = row_tokens_and_keys(data[0], data[1], data[3])
     flops = shape.forward_flops(tokens, keys) + shape.backward_flops(tokens, keys)
-    peaks = {dtype: max_cpu_matmul_flops(dtype, seconds=1.0) for dtype in (torch.float32, torch.bfloat16)}
+    peaks = {dtype: cpu_matmul_peak(dtype, seconds=1.0).flops for dtype in (torch.float32, torch.bfloat16)}
     times: dict[str, list[float]] = {setting: [] for setting in args.settings}
     first: dict[str, float] = {}
     for setting in args.settings:

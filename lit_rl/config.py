@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, TypeVar
 
 from lit_rl.data.schedule import MAX_REFILLS
+from lit_rl.envs.runner import check_runner_settings
 from lit_rl.errors import ConfigError
 from lit_rl.loss_config import LOSS_GROUPS
 from lit_rl.losses import IS_CORRECTIONS
@@ -266,10 +267,7 @@ class EnvArgs:
             raise ConfigError(f"model.env.max_turns must be >= 1, got {self.max_turns}")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ConfigError(f"model.env.max_total_tokens must be >= 1 (or null), got {self.max_total_tokens}")
-        if self.concurrency < 1:
-            raise ConfigError(f"model.env.concurrency must be >= 1, got {self.concurrency}")
-        if not 0 < self.step_timeout_s < 1e6:
-            raise ConfigError(f"model.env.step_timeout_s must be > 0 and < 1e6 s, got {self.step_timeout_s}")
+        check_runner_settings(self.concurrency, self.step_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -464,12 +462,16 @@ def own_options(cls: type) -> frozenset[str]:
     return frozenset(inspect.signature(cls.__init__).parameters) - {*GROUP_NAMES, "self"}
 
 
+def _option_parts(key: str) -> list[str]:
+    """A dotted option's parts, without the `init_args` a class group's key may carry (`model.init_args.x`)."""
+    parts = key.split(".")
+    return [parts[0], *parts[2:]] if parts[1:2] == ["init_args"] else parts
+
+
 def moved_key_hint(key: str, cls: Optional[type] = None) -> Optional[str]:
     """For an option a module rejected (`model.temperature`, `model.init_args.temperature`): where 0.2 put it, or
     None when it did not move, or when algorithm `cls` (if known) takes no such group."""
-    parts = key.split(".")
-    if parts[1:2] == ["init_args"]:
-        parts = [parts[0], *parts[2:]]
+    parts = _option_parts(key)
     if parts[:2] == ["model", "vllm"] and (cls is None or "rollout" in inspect.signature(cls.__init__).parameters):
         return f"model.rollout.{engine_key_of_0_1(parts[2] if len(parts) > 2 else None)}"
     if parts[:1] != ["model"] or len(parts) != 2:
@@ -486,9 +488,7 @@ def moved_key_hint(key: str, cls: Optional[type] = None) -> Optional[str]:
 def data_key_hint(key: str, data_classes: tuple[type, ...]) -> Optional[str]:
     """For a `model.<name>` option the algorithm rejected that is an option of one of `data_classes`:
     `data.<name>` (DPO and SFT take `micro_batch_tokens` there); None otherwise."""
-    parts = key.split(".")
-    if parts[1:2] == ["init_args"]:
-        parts = [parts[0], *parts[2:]]
+    parts = _option_parts(key)
     if parts[:1] != ["model"] or len(parts) != 2:
         return None
     if any(parts[1] in inspect.signature(cls.__init__).parameters for cls in data_classes):

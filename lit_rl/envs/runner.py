@@ -45,6 +45,11 @@ class EnvCallTimeout(Exception):
     """An environment call that ran past its time limit, or was not run because too many calls still overrun."""
 
 
+def timed_out(timeout_s: float) -> EnvCallTimeout:
+    """The outcome of a call that ran past `timeout_s`."""
+    return EnvCallTimeout(f"timed out after {timeout_s:g} s")
+
+
 class _Overrunning:
     """The plain calls that ran past their time limit and have not returned yet (process-wide), each by the event
     its worker sets when the call returns."""
@@ -124,7 +129,7 @@ def _outcome(
     (counted in `tracker`, `overrunning` by default)."""
     if outcome is None:
         (overrunning if tracker is None else tracker).add(returned)
-        raise EnvCallTimeout(f"timed out after {timeout_s:g} s")
+        raise timed_out(timeout_s)
     value, error = outcome
     if error is not None:
         raise error
@@ -150,6 +155,15 @@ def call_in_thread(function: Callable[..., Any], args: tuple[Any, ...], timeout_
     return _outcome(returned, box[0] if box else None, timeout_s, tracker)
 
 
+def check_runner_settings(concurrency: int, timeout_s: float) -> None:
+    """One-line errors for `model.env.concurrency` and `model.env.step_timeout_s` (finite: a deadline must be one
+    the thread primitives take)."""
+    if concurrency < 1:
+        raise ConfigError(f"model.env.concurrency must be >= 1, got {concurrency}")
+    if not 0 < timeout_s < 1e6:
+        raise ConfigError(f"model.env.step_timeout_s must be > 0 and < 1e6 s, got {timeout_s}")
+
+
 class EnvironmentRunner:
     """Runs environment calls concurrently off the caller's thread (module docstring).
 
@@ -159,10 +173,7 @@ class EnvironmentRunner:
     """
 
     def __init__(self, concurrency: int, timeout_s: float) -> None:
-        if concurrency < 1:
-            raise ConfigError(f"model.env.concurrency must be >= 1, got {concurrency}")
-        if not 0 < timeout_s < 1e6:
-            raise ConfigError(f"model.env.step_timeout_s must be > 0 and < 1e6 s, got {timeout_s}")
+        check_runner_settings(concurrency, timeout_s)
         self.concurrency, self.timeout_s = concurrency, timeout_s
         self.loop_margin_s = 5.0  # the event loop's own delay allowed past the calls' limits
         self._lock = threading.Lock()  # around the event loop's start, abandonment and close
@@ -258,7 +269,7 @@ class EnvironmentRunner:
                 try:
                     return await asyncio.wait_for(_kept(function(*args)), self.timeout_s)
                 except asyncio.TimeoutError:
-                    raise EnvCallTimeout(f"timed out after {self.timeout_s:g} s") from None
+                    raise timed_out(self.timeout_s) from None
 
         return await asyncio.gather(*(bounded(f, a) for f, a in calls), return_exceptions=True)
 

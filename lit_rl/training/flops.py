@@ -148,8 +148,8 @@ def device_peak(device: torch.device, dtype: torch.dtype) -> Peak:
     if known is not None:
         name, peaks = known
         return Peak(peaks[dtype_key(dtype)], f"{name} data sheet, {dtype_key(dtype)}")
-    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not native_reduced_precision(dtype):
-        return Peak(max_cpu_matmul_flops(dtype), f"measured cpu matmul, float32: no {_name(dtype)} unit")
+    if device.type == "cpu":
+        return cpu_matmul_peak(dtype)
     return Peak(measured_matmul_flops(device.type, dtype), f"measured {device.type} matmul, {_name(dtype)}")
 
 
@@ -161,15 +161,18 @@ def native_reduced_precision(dtype: torch.dtype) -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
 
 
-def max_cpu_matmul_flops(dtype: torch.dtype, seconds: float = 0.05) -> float:
-    """The peak of a CPU matmul in `dtype` that utilisation divides by: the measured rate, and on a CPU without
-    instructions for `dtype` (bf16 or fp16) the float32 rate when that is higher. Such a CPU converts: a large
-    `torch.mm` in bf16 ran at 0.0007 TFLOP/s on an AVX2 AMD EPYC against 0.07 in float32, while a model's bf16
-    linear layers reached 0.003, four times the bf16 probe; no bf16 work outruns the float32 units there."""
-    measured = measured_matmul_flops("cpu", dtype, seconds=seconds)
-    if dtype in (torch.bfloat16, torch.float16) and not native_reduced_precision(dtype):
-        return max(measured, measured_matmul_flops("cpu", torch.float32, seconds=seconds))
-    return measured
+def cpu_matmul_peak(dtype: torch.dtype, seconds: float = 0.05) -> Peak:
+    """The peak of a CPU matmul in `dtype` that utilisation divides by, and what was measured: the rate in `dtype`,
+    or on a CPU without instructions for `dtype` (bf16 or fp16) the float32 rate when that is higher. Such a CPU
+    converts: a large `torch.mm` in bf16 ran at 0.0007 TFLOP/s on an AVX2 AMD EPYC against 0.07 in float32, while a
+    model's bf16 linear layers reached 0.003, four times the bf16 probe; no bf16 work outruns the float32 units."""
+    measured = Peak(measured_matmul_flops("cpu", dtype, seconds=seconds), f"measured cpu matmul, {_name(dtype)}")
+    if dtype not in (torch.bfloat16, torch.float16) or native_reduced_precision(dtype):
+        return measured
+    float32 = measured_matmul_flops("cpu", torch.float32, seconds=seconds)
+    if float32 <= measured.flops:
+        return measured
+    return Peak(float32, f"measured cpu matmul, float32: no {_name(dtype)} unit")
 
 
 def _name(dtype: torch.dtype) -> str:
