@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, TypeVar
 
 from lit_rl.data.schedule import MAX_REFILLS
+from lit_rl.envs.chat_tools import check_tool_format
 from lit_rl.envs.runner import check_runner_settings
 from lit_rl.errors import ConfigError
 from lit_rl.loss_config import LOSS_GROUPS
@@ -238,8 +239,13 @@ class EnvArgs:
             `step(turn_text)`), one per episode, built with `environment_args`. Each completion is then the
             episode's transcript, token-in and token-out; only the model's tokens are trained.
         environment_args: keyword arguments of the environment class.
-        tools: import paths of tools (`lit_rl.envs.tools.calc`); alone they run in the built-in `ToolEnvironment`
-            (a turn's `<name>argument</name>` is answered `<result>value</result>`).
+        tools: import paths of tools (`lit_rl.envs.tools.calc`, or functions with type hints and docstrings);
+            alone they run in the built-in `ToolEnvironment` or `ChatToolEnvironment` (`tool_format`).
+        tool_format: how the model calls tools. `chat`: in its chat template's format (`lit_rl.envs.chat_tools`:
+            the tools' schemas go into the prompt through the template, calls are `<tool_call>{json}</tool_call>`,
+            results come back as `tool` messages); `tags`: the built-in `<name>argument</name>` answered
+            `<result>value</result>` (the tiny model's); `auto`: `chat` when the tokenizer's chat template renders
+            tools, else `tags`.
         max_turns: the most model turns of an episode.
         max_total_tokens: the most tokens of a transcript after the prompt, model and observation tokens (None:
             `max_turns x sampling.max_new_tokens`).
@@ -253,6 +259,7 @@ class EnvArgs:
     environment: Optional[str] = None
     environment_args: Optional[dict[str, Any]] = None
     tools: Optional[list[str]] = None
+    tool_format: str = "auto"
     max_turns: int = 4
     max_total_tokens: Optional[int] = None
     concurrency: int = 64
@@ -268,6 +275,7 @@ class EnvArgs:
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ConfigError(f"model.env.max_total_tokens must be >= 1 (or null), got {self.max_total_tokens}")
         check_runner_settings(self.concurrency, self.step_timeout_s)
+        check_tool_format(self.tool_format)
 
 
 @dataclass(frozen=True)

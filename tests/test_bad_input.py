@@ -410,6 +410,20 @@ CASES = [
         1,
     ),
     (
+        "chat-tools-on-a-template-without-tools",
+        GRPO,
+        ["--model.env.tools", "[lit_rl.envs.tools.calc]", "--model.env.tool_format", "chat"],
+        "model.env.tool_format is chat but the tokenizer's chat template does not render tools",
+        1,
+    ),
+    (
+        "tool-format-unknown",
+        GRPO,
+        ["--model.env.tools", "[lit_rl.envs.tools.calc]", "--model.env.tool_format", "json"],
+        "model.env.tool_format must be one of auto, tags, chat, got 'json'",
+        1,
+    ),
+    (
         "tool-not-found",
         GRPO,
         ["--model.env.tools", "[lit_rl.envs.tools.sqrt]"],

@@ -396,14 +396,18 @@ class PolicyModule(L.LightningModule):
         return trainer is not None and trainer.world_size > 1 and shards_parameters(trainer.strategy)
 
     # -- text ------------------------------------------------------------------------------------------------
-    def format_prompt(self, prompt: Any) -> str:
-        """Text prompts pass through; chat messages go through the tokenizer's chat template."""
+    def format_prompt(self, prompt: Any, tools: Optional[list[dict]] = None) -> str:
+        """Text prompts pass through; chat messages go through the tokenizer's chat template (with `tools`' JSON
+        schemas, for a model that calls tools in its chat format)."""
         if isinstance(prompt, str):
             return prompt
-        return self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True)
 
-    def encode_prompts(self, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Left-padded prompt ids and mask [B, P] on the module's device (long prompts keep their end).
+    def encode_prompts(
+        self, prompts: list[Any], tools: Optional[list[dict]] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded prompt ids and mask [B, P] on the module's device (long prompts keep their end); chat
+        prompts are rendered with `tools` (`format_prompt`).
 
         Each distinct prompt is rendered and tokenized once (a rollout batch holds every prompt G times)."""
         keys = [_prompt_key(p, row) for row, p in enumerate(prompts)]
@@ -411,7 +415,7 @@ class PolicyModule(L.LightningModule):
         for key, prompt in zip(keys, prompts):
             first_of.setdefault(key, prompt)
         distinct_index = {key: i for i, key in enumerate(first_of)}
-        texts = [self.format_prompt(p) for p in first_of.values()]
+        texts = [self.format_prompt(p, tools) for p in first_of.values()]
         max_len = self.max_prompt_length
         self.tokenizer.padding_side = "left"
         self.tokenizer.truncation_side = "left"

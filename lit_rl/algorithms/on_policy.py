@@ -33,7 +33,9 @@ from lit_rl.algorithms.rollout_checks import check_prompt_lengths
 from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, RolloutArgs, SamplingArgs, ScheduleArgs, as_args
 from lit_rl.data.schedule import RolloutSchedule
 from lit_rl.envs import environment_factory
+from lit_rl.envs.chat_tools import tool_schema, uses_chat_tools
 from lit_rl.envs.runner import EnvironmentRunner
+from lit_rl.envs.tools import import_tools
 from lit_rl.errors import ConfigError
 from lit_rl.losses import LossNormalizer
 from lit_rl.ops import kl_k3
@@ -125,7 +127,10 @@ class OnPolicyModule(PolicyModule):
         env, params = self.env_args, self.sampling_params(training=True)
         parts = ProducerParts(self, self.engines, self.reward_scorer, params, self.sampling_args.max_new_tokens)
         if env.enabled:
-            factory, env_reward_names = environment_factory(env.environment, env.environment_args, env.tools)
+            chat_tools = bool(env.tools) and uses_chat_tools(env.tool_format, self.tokenizer)
+            factory, env_reward_names = environment_factory(
+                env.environment, env.environment_args, env.tools, chat_tools
+            )
             return EpisodeProducer(
                 parts,
                 env_factory=factory,
@@ -133,6 +138,7 @@ class OnPolicyModule(PolicyModule):
                 max_turns=env.max_turns,
                 max_total_tokens=env.max_total_tokens,
                 runner=EnvironmentRunner(env.concurrency, env.step_timeout_s),
+                tool_schemas=[tool_schema(tool) for tool in import_tools(env.tools)] if chat_tools else None,
             )
         if self.max_staleness > 0:
             steps = self.optimizer_steps_per_generation

@@ -1,11 +1,21 @@
 """Environments for multi-turn rollouts: the `Environment` protocol, and tools (`lit_rl.envs.tools`).
 
 An environment is given by import path (`--model.env.environment my_pkg.envs.MyEnv`, built with
-`--model.env.environment_args`), or made from `--model.env.tools` (the built-in `ToolEnvironment`). The rollout runs it
-token-in, token-out (`lit_rl.rollout.multi_turn`).
+`--model.env.environment_args`), or made from `--model.env.tools` (the built-in `ToolEnvironment`, or with calls in
+the model's chat format `ChatToolEnvironment`, `lit_rl.envs.chat_tools`). The rollout runs it token-in, token-out
+(`lit_rl.rollout.multi_turn`).
 """
 
 from lit_rl.envs.base import Environment, StepResult, as_step_result, environment_factory
+from lit_rl.envs.chat_tools import ChatToolEnvironment
 from lit_rl.envs.tools import ToolEnvironment, calc
 
-__all__ = ["Environment", "StepResult", "ToolEnvironment", "as_step_result", "calc", "environment_factory"]
+__all__ = [
+    "ChatToolEnvironment",
+    "Environment",
+    "StepResult",
+    "ToolEnvironment",
+    "as_step_result",
+    "calc",
+    "environment_factory",
+]

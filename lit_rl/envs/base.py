@@ -29,9 +29,11 @@ Observation = Union[str, list[dict[str, Any]]]
 @dataclass
 class StepResult:
     """What one `step` returns: the next observation (None: the episode ends), reward parts, whether it is done,
-    and the tool calls it ran and how many of them failed (an exception or a timeout)."""
+    and the tool calls it ran and how many of them failed (an exception or a timeout). An observation is text
+    (encoded as is) or chat messages (`[{"role": "tool", "content": ...}]`, rendered by the tokenizer's chat template:
+    `lit_rl.envs.chat_tools.ChatRenderer`)."""
 
-    observation: Optional[str]
+    observation: Optional[Observation]
     rewards: dict[str, float] = field(default_factory=dict)
     done: bool = False
     tool_calls: int = 0
@@ -59,12 +61,13 @@ def as_step_result(value: Any, where: str) -> StepResult:
 
 
 def environment_factory(
-    path: Optional[str], args: Optional[dict[str, Any]], tools: Optional[list[str]]
+    path: Optional[str], args: Optional[dict[str, Any]], tools: Optional[list[str]], chat_tools: bool = False
 ) -> tuple[Optional[Callable[[], Environment]], tuple[str, ...]]:
     """A function that makes one environment per episode, and the reward part names its episodes report, from the
     settings `model.env.environment` (an import path), `model.env.environment_args` and `model.env.tools`; (None, ())
-    when there is no environment. Tools alone give the built-in `ToolEnvironment`; with an environment they are passed
-    to it as `tools=`."""
+    when there is no environment. Tools alone give the built-in `ToolEnvironment`, or with `chat_tools` (calls in
+    the chat template's format) `ChatToolEnvironment`; with an environment they are passed to it as `tools=`."""
+    from lit_rl.envs.chat_tools import ChatToolEnvironment
     from lit_rl.envs.tools import ToolEnvironment, import_tools
 
     if path is None and not tools:
@@ -72,7 +75,7 @@ def environment_factory(
             raise ConfigError("model.env.environment_args is set but model.env.environment is not")
         return None, ()
     if path is None:
-        cls: Callable[..., Environment] = ToolEnvironment
+        cls: Callable[..., Environment] = ChatToolEnvironment if chat_tools else ToolEnvironment
     else:
         try:
             cls = import_callable(path, "environment")
@@ -84,6 +87,6 @@ def environment_factory(
     try:
         probe = cls(**kwargs)  # checks the arguments now, before any rollout
     except TypeError as err:
-        raise ConfigError(f"model.env.environment {path or 'ToolEnvironment'}: {err}") from None
+        raise ConfigError(f"model.env.environment {path or cls.__name__}: {err}") from None
     names = tuple(getattr(probe, "reward_names", ()))
     return (lambda: cls(**kwargs)), names

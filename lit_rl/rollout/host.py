@@ -3,7 +3,7 @@ holds them: the whole interface, so that no part reads its host's attributes by 
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -18,8 +18,10 @@ class RolloutHost(Protocol):
     policy_args: Any  # `model.policy` (`lit_rl.config.PolicyArgs`): the model's path, `trust_remote_code`
     timer: Any  # `lit_rl.training.perf.StepTimer`: read at each use (validation swaps it)
 
-    def encode_prompts(self, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Chat-formatted, tokenised prompts, left-padded: ids [N, P] and mask."""
+    def encode_prompts(
+        self, prompts: list[Any], tools: Optional[list[dict]] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chat-formatted (with the `tools`' schemas), tokenised prompts, left-padded: ids [N, P] and mask."""
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's `tensor` (Lightning's `all_gather`)."""

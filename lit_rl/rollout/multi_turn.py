@@ -2,7 +2,8 @@
 
 Each episode's context is a list of token ids that only grows: the prompt's ids, then each model turn exactly as
 the engine sampled it (up to and including its EOS), then each observation encoded once, on its own, and
-appended. Every turn is sampled by `engine.generate` from those ids (left-padded with the other episodes'), so the
+appended (chat messages rendered by the chat template after the turn: `lit_rl.envs.chat_tools.ChatRenderer`). Every
+turn is sampled by `engine.generate` from those ids (left-padded with the other episodes'), so the
 transcript the trainer scores is the ids the engine conditioned on and sampled, never text decoded and encoded again
 (the drift of re-tokenising a conversation cannot happen). The transcript after the prompt becomes one completion:
 `completion_mask` is 1 on all its real tokens (the forward attends to them), `sampled_mask` 1 on the model's tokens
@@ -19,7 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from lit_rl.envs.base import Environment, as_step_result
+from lit_rl.envs.base import Environment, Observation, as_step_result
 from lit_rl.envs.runner import EnvCallTimeout, EnvironmentRunner
 from lit_rl.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
 from lit_rl.types import EPISODE_STATS
@@ -61,7 +62,7 @@ def run_episodes(
     seeds: Optional[Sequence[int]],
     *,
     decode: Callable[[list[int]], str],
-    encode_observation: Callable[[str], list[int]],
+    encode_observation: Callable[[Observation, list[int]], list[int]],
     reward_names: Sequence[str],
     max_turns: int,
     max_total_tokens: int,
@@ -140,7 +141,12 @@ def run_episodes(
             stats[i, 2] += result.tool_errors
             if result.done or result.observation is None or turn == max_turns - 1 or used[i] >= max_total_tokens:
                 continue
-            observation = encode_observation(str(result.observation))[: max_total_tokens - used[i]]
+            try:  # text, or chat messages rendered after the turn just sampled
+                observation = encode_observation(result.observation, pieces[i][-1][0])
+            except Exception as err:
+                error = error or f"{env_name}.step's observation cannot be encoded: {type(err).__name__}: {err}"
+                continue
+            observation = observation[: max_total_tokens - used[i]]
             pieces[i].append((observation, [0.0] * len(observation), False))
             contexts[i] += observation
             used[i] += len(observation)

@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from lit_rl.envs.chat_tools import ChatRenderer
 from lit_rl.envs.runner import EnvCallTimeout, EnvironmentRunner
 from lit_rl.errors import EnvironmentStepError, RewardFunctionError
 from lit_rl.rewards import TrainerState
@@ -203,6 +204,8 @@ class EpisodeProducer(RolloutProducer):
         max_turns: `model.env.max_turns`.
         max_total_tokens: `model.env.max_total_tokens` (None: `max_turns x max_new_tokens`).
         runner: runs the environments' `reset` and `step` calls (`model.env.concurrency`, `step_timeout_s`).
+        tool_schemas: the JSON schemas of tools the model calls in its chat format (`lit_rl.envs.chat_tools`): the
+            prompts are rendered with them, and a text prompt becomes a user message. None: no such tools.
         parts: `ProducerParts`.
     """
 
@@ -215,9 +218,12 @@ class EpisodeProducer(RolloutProducer):
         max_turns: int,
         max_total_tokens: Optional[int],
         runner: EnvironmentRunner,
+        tool_schemas: Optional[list[dict[str, Any]]] = None,
     ) -> None:
         super().__init__(parts)
         self.runner = runner
+        self.tool_schemas = tool_schemas
+        self._renderer: Optional[ChatRenderer] = None
         self.env_factory = env_factory
         self.env_reward_names = env_reward_names
         self.max_turns = max_turns
@@ -253,7 +259,9 @@ class EpisodeProducer(RolloutProducer):
                     first = None
                     ended.add(index)  # never stepped: its environment may still be busy in that reset
                 prompts.append(row["prompt"] if first is None else first)
-            prompt_ids, prompt_mask = host.encode_prompts(prompts)
+            if self.tool_schemas is not None:  # the tools' schemas reach the model through its chat template
+                prompts = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
+            prompt_ids, prompt_mask = host.encode_prompts(prompts, self.tool_schemas)
             tokenizer = host.tokenizer
             episodes = run_episodes(
                 self.engines.engine(),
@@ -262,10 +270,7 @@ class EpisodeProducer(RolloutProducer):
                 params,
                 seeds,
                 decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                # Special tokens' text in an observation (a tool echoing "<|endoftext|>") stays text.
-                encode_observation=lambda text: tokenizer.encode(
-                    text, add_special_tokens=False, split_special_tokens=True
-                ),
+                encode_observation=self.encode_observation,
                 reward_names=self.env_reward_names,
                 max_turns=self.max_turns,
                 max_total_tokens=self.max_total_tokens,
@@ -281,6 +286,16 @@ class EpisodeProducer(RolloutProducer):
         out = episodes.output
         host.timer.count("generated_tokens", float(model_token_mask(out).sum()))
         return self.scored(rows, repeat, prompt_ids, prompt_mask, out, episodes.env_rewards)
+
+    def encode_observation(self, observation: Any, turn_ids: list[int]) -> list[int]:
+        """An observation's ids: chat messages rendered by the chat template after the turn (`ChatRenderer`), text
+        encoded as it is. Special tokens' text in either (a tool echoing "<|endoftext|>") stays text."""
+        tokenizer = self.host.tokenizer
+        if isinstance(observation, list):
+            if self._renderer is None:
+                self._renderer = ChatRenderer(tokenizer, self.tool_schemas)
+            return self._renderer.observation_ids(observation, turn_ids)
+        return tokenizer.encode(str(observation), add_special_tokens=False, split_special_tokens=True)
 
     def close(self) -> None:
         self.runner.close()

@@ -71,3 +71,35 @@ class Stalling(Countdown):
         if self.done_turns == 0 and self.stall_s:
             time.sleep(self.stall_s)
         return super().step(completion)
+
+
+def add_numbers(a: int, b: int) -> int:
+    """Adds two integers (a tool the model calls in its chat format).
+
+    Args:
+        a: the first integer
+        b: the second integer
+    """
+    return a + b
+
+
+async def slow_echo(text: str) -> str:
+    """Returns `text` after a short wait (an `async` tool).
+
+    Args:
+        text: what to return
+    """
+    import asyncio
+
+    await asyncio.sleep(0.01)
+    return text
+
+
+class ChatCountdown(Countdown):
+    """Countdown whose observations are chat messages (a `tool` message), which the chat template renders."""
+
+    def step(self, completion: str) -> StepResult:
+        result = super().step(completion)
+        if result.observation is not None:
+            result.observation = [{"role": "tool", "name": "countdown", "content": result.observation}]
+        return result

@@ -1,0 +1,255 @@
+"""Tool calls in the model's own chat format: what an instruct model (Qwen2.5/3, Hermes) already knows.
+
+- **The tools** are plain Python functions with type hints and a Google-style docstring, sync or `async def`. Their
+  JSON schemas (`tool_schema`: what `transformers.utils.get_json_schema` makes) reach the prompt through the
+  tokenizer's chat template (`apply_chat_template(..., tools=schemas)`), as the model saw them in its training.
+- **The calls** come out of a model turn in the template's markup: Qwen's and Hermes' `<tool_call>{"name": ...,
+  "arguments": {...}}</tool_call>`, one or more in a turn (`parse_tool_calls`). A turn without a call ends the
+  episode.
+- **The results** go back as `tool` messages (`{"role": "tool", "name": ..., "content": ...}`), one per call, which
+  `ChatRenderer` renders through the same template and appends token-in, token-out: only the new messages' tokens
+  are appended to the episode's ids, the history is never re-tokenised.
+- **Failures are observations**: a call that is not JSON, names no tool or an unknown one, has arguments the function
+  does not take, raises, or runs past `timeout_s`, is answered with a tool message `error: ...` and counted in
+  `tool_errors`; the model sees what went wrong, the run goes on.
+
+`lit_rl.envs.tools` keeps the built-in tags (`<calc>1+2</calc>` -> `<result>3</result>`) that the shipped tiny
+model was trained on; `model.env.tool_format` picks one or the other (`auto`: the chat format when the tokenizer's
+chat template renders tools).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from lit_rl.envs import runner
+from lit_rl.envs.base import StepResult
+from lit_rl.envs.runner import EnvCallTimeout, call_in_thread
+from lit_rl.errors import ConfigError
+
+TOOL_FORMATS = ("auto", "tags", "chat")
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+# Stand-in turns the observation renderer builds its history from (their text never reaches an episode).
+_STAND_IN_QUESTION = "lit-rl stand-in question"
+_STAND_IN_ANSWER = "lit-rl stand-in answer"
+
+
+def tool_schema(tool: Callable[..., Any]) -> dict[str, Any]:
+    """`tool`'s JSON schema as transformers' `get_json_schema` makes it (name, description, typed parameters, from
+    the signature and the docstring); a one-line `ConfigError` naming the tool when it lacks either."""
+    from transformers.utils import get_json_schema
+
+    try:
+        return get_json_schema(tool)
+    except Exception as err:  # DocstringParsingException, TypeHintParsingException
+        name = getattr(tool, "__name__", repr(tool))
+        message = " ".join(str(err).split())
+        raise ConfigError(
+            f"model.env.tools: {name} cannot be described to the model ({message}); a chat-format tool needs a type "
+            "hint on every argument and a docstring with an Args: line for each"
+        ) from None
+
+
+def template_renders_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template can put tool schemas in a prompt (it reads the `tools` variable)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates: the default, or a "tool_use" one
+        template = " ".join(template.values())
+    return isinstance(template, str) and re.search(r"\btools\b", template) is not None
+
+
+def check_tool_format(tool_format: str) -> None:
+    """A one-line error unless `model.env.tool_format` is one of `TOOL_FORMATS`."""
+    if tool_format not in TOOL_FORMATS:
+        raise ConfigError(f"model.env.tool_format must be one of {', '.join(TOOL_FORMATS)}, got {tool_format!r}")
+
+
+def uses_chat_tools(tool_format: str, tokenizer: Any) -> bool:
+    """Whether `model.env.tool_format` (auto, tags, chat) means calls in the chat format for this tokenizer; a
+    one-line error when `chat` is asked of a template that cannot render tools."""
+    check_tool_format(tool_format)
+    renders = template_renders_tools(tokenizer)
+    if tool_format == "chat" and not renders:
+        raise ConfigError(
+            "model.env.tool_format is chat but the tokenizer's chat template does not render tools (it never reads "
+            "`tools`); give a tool-calling model's template, or use tool_format tags"
+        )
+    return tool_format == "chat" or (tool_format == "auto" and renders)
+
+
+@dataclass
+class ToolCall:
+    """One call the model wrote: the tool's name and its keyword arguments; or why it could not be read."""
+
+    name: Optional[str]
+    arguments: dict[str, Any]
+    error: Optional[str] = None
+
+
+def parse_tool_calls(text: str) -> list[ToolCall]:
+    """Every `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in `text`, in order (Qwen2.5/3, Hermes).
+    `arguments` may be an object or a JSON string holding one; a call that cannot be read keeps its error."""
+    calls = []
+    for match in _TOOL_CALL.finditer(text):
+        body = match.group(1).strip()
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError as err:
+            calls.append(ToolCall(None, {}, f"the tool call is not JSON ({err.msg} at character {err.pos})"))
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            calls.append(ToolCall(None, {}, 'the tool call has no "name"'))
+            continue
+        arguments = call.get("arguments", {})
+        if isinstance(arguments, str):  # some models write the arguments as a JSON string
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError:
+                arguments = None
+        if not isinstance(arguments, dict):
+            calls.append(ToolCall(call["name"], {}, '"arguments" is not a JSON object'))
+            continue
+        calls.append(ToolCall(call["name"], arguments))
+    return calls
+
+
+def _call(tool: Callable[..., Any], arguments: dict[str, Any]) -> Any:
+    """`tool(**arguments)`; an `async def` tool is run to completion on this (worker) thread's own event loop."""
+    if inspect.iscoroutinefunction(tool):
+        return asyncio.run(tool(**arguments))
+    return tool(**arguments)
+
+
+def _as_text(value: Any) -> str:
+    """A tool's return value as a message's content: text as is, anything else as JSON where it can be."""
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+class ChatToolEnvironment:
+    """Runs every tool call of a model turn written in the chat format (module docstring) and answers each with a
+    `tool` message; a turn without a call ends the episode. No reward parts of its own: the reward functions score
+    the transcript.
+
+    Args:
+        tools: the functions (`model.env.tools` import paths), each called with the call's arguments as keywords.
+        timeout_s: the time limit of one call.
+    """
+
+    reward_names: tuple[str, ...] = ()
+
+    def __init__(self, tools: Optional[list[Callable[..., Any]]] = None, timeout_s: float = 5.0) -> None:
+        if not tools:
+            raise ConfigError("ChatToolEnvironment needs at least one tool (model.env.tools)")
+        if timeout_s <= 0:
+            raise ConfigError(f"model.env.environment_args.timeout_s must be > 0, got {timeout_s}")
+        self.schemas = [tool_schema(tool) for tool in tools]
+        self.tools = {schema["function"]["name"]: tool for schema, tool in zip(self.schemas, tools)}
+        self.timeout_s = timeout_s
+
+    def reset(self, row: dict[str, Any]) -> None:
+        return None  # the row's prompt (with the tools' schemas, through the chat template) is the first observation
+
+    def step(self, completion: str) -> StepResult:
+        calls = parse_tool_calls(completion)
+        if not calls:
+            return StepResult(observation=None, done=True)
+        messages, errors = [], 0
+        for call in calls:
+            content, failed = self.run(call)
+            errors += int(failed)
+            messages.append({"role": "tool", "name": call.name or "unknown", "content": content})
+        return StepResult(observation=messages, tool_calls=len(calls), tool_errors=errors)
+
+    def run(self, call: ToolCall) -> tuple[str, bool]:
+        """The call's result as a message's content, and whether it failed (then the content is `error: ...`)."""
+        if call.error is not None:
+            return f"error: {call.error}", True
+        tool = self.tools.get(call.name)
+        if tool is None:
+            return f"error: unknown tool {call.name!r} (the tools are {', '.join(sorted(self.tools))})", True
+        try:
+            inspect.signature(tool).bind(**call.arguments)
+        except TypeError as err:
+            return f"error: {call.name}: {err}", True
+        try:
+            value = call_in_thread(_call, (tool, call.arguments), self.timeout_s, runner.tool_overrunning)
+        except EnvCallTimeout as err:
+            return f"error: {err}", True
+        except Exception as err:  # the tool's own error, shown to the model
+            return f"error: {type(err).__name__}: {err}", True
+        return _as_text(value), False
+
+
+class ChatRenderer:
+    """Chat messages (an observation) -> the token ids appended to an episode after a model turn, token-in,
+    token-out: the tokens the chat template puts after an assistant message for these messages, then its
+    generation prompt. They are found by rendering a stand-in conversation (a user question and an assistant answer)
+    with and without the messages and keeping what follows the answer; the episode's own history is never rendered
+    or re-tokenised. What the model already wrote of the closing markup (its end-of-turn token, `<|im_end|>` for
+    Qwen) is not repeated; a turn cut short by its token budget gets the whole closing.
+
+    Message contents are encoded as text: a tool's result that contains a special token's text (`<|im_end|>`)
+    gets that text's characters, never the special token, so an observation cannot end a turn or forge a role.
+
+    Args:
+        tokenizer: the policy's tokenizer, with a chat template.
+        tools: the schemas given to the template (the same as the prompt's, so the renders agree).
+    """
+
+    def __init__(self, tokenizer: Any, tools: Optional[list[dict[str, Any]]] = None) -> None:
+        self.tokenizer = tokenizer
+        self.tools = tools
+        self.history = [
+            {"role": "user", "content": _STAND_IN_QUESTION},
+            {"role": "assistant", "content": _STAND_IN_ANSWER},
+        ]
+        base = self._render(self.history, generation_prompt=False)
+        answer_end = base.rindex(_STAND_IN_ANSWER) + len(_STAND_IN_ANSWER)
+        self.prefix = base[:answer_end]
+        self.closing = tokenizer.encode(base[answer_end:], add_special_tokens=False)  # `<|im_end|>`, `\n` for Qwen
+
+    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt
+        )
+
+    def observation_ids(self, messages: list[dict[str, Any]], turn_ids: list[int]) -> list[int]:
+        """The ids to append after a model turn whose sampled ids are `turn_ids` (module and class docstrings)."""
+        placeholders = [f"\x00lit-rl content {k}\x00" for k in range(len(messages))]
+        stand_ins = [{**message, "content": placeholder} for message, placeholder in zip(messages, placeholders)]
+        full = self._render(self.history + stand_ins, generation_prompt=True)
+        if not full.startswith(self.prefix):
+            raise ValueError(
+                "the chat template renders the earlier turns differently once these messages follow, so they cannot "
+                "be appended token-in, token-out"
+            )
+        added = full[len(self.prefix) :]
+        ids: list[int] = []
+        for k, (message, placeholder) in enumerate(zip(messages, placeholders)):
+            markup, found, added = added.partition(placeholder)
+            if not found:
+                raise ValueError(f"the chat template does not render the content of message {k} as it is")
+            ids += self.tokenizer.encode(markup, add_special_tokens=False)
+            ids += self.tokenizer.encode(
+                _as_text(message.get("content", "")), add_special_tokens=False, split_special_tokens=True
+            )
+        ids += self.tokenizer.encode(added, add_special_tokens=False)
+        return ids[self._already_written(turn_ids, ids) :]
+
+    def _already_written(self, turn_ids: list[int], ids: list[int]) -> int:
+        """How many of the closing markup's first tokens (which `ids` begin with) end the model's turn (its
+        `<|im_end|>`)."""
+        for k in range(min(len(turn_ids), len(self.closing)), 0, -1):
+            if turn_ids[-k:] == self.closing[:k] == ids[:k]:
+                return k
+        return 0

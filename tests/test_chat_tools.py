@@ -1,0 +1,239 @@
+"""Tool calls in the model's chat format (`lit_rl.envs.chat_tools`), on Qwen2.5's chat template
+(`tests.qwen_chat`): schemas from functions, calls parsed from `<tool_call>` markup, results as `tool` messages
+rendered by the template and appended token-in, token-out."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from lit_rl.envs.chat_tools import (
+    ChatRenderer,
+    ChatToolEnvironment,
+    parse_tool_calls,
+    tool_schema,
+    uses_chat_tools,
+)
+from lit_rl.envs.runner import EnvironmentRunner
+from lit_rl.errors import ConfigError
+from lit_rl.modeling.models import build_char_tokenizer
+from lit_rl.rollout import RolloutOutput, SamplingParams
+from lit_rl.rollout.multi_turn import run_episodes
+from tests.integration.envs import add_numbers, slow_echo
+from tests.qwen_chat import qwen_chat_tokenizer, save_qwen_chat_model
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return qwen_chat_tokenizer()
+
+
+def _call(name, arguments):
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+
+
+def test_a_functions_schema_comes_from_its_type_hints_and_docstring():
+    assert tool_schema(add_numbers) == {
+        "type": "function",
+        "function": {
+            "name": "add_numbers",
+            "description": "Adds two integers (a tool the model calls in its chat format).",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "a": {"type": "integer", "description": "the first integer"},
+                    "b": {"type": "integer", "description": "the second integer"},
+                },
+                "required": ["a", "b"],
+            },
+            "return": {"type": "integer"},
+        },
+    }
+
+    def undocumented(a: int) -> int:
+        return a
+
+    with pytest.raises(ConfigError) as err:
+        tool_schema(undocumented)
+    message = str(err.value)
+    assert "\n" not in message and "model.env.tools: undocumented cannot be described" in message
+
+
+def test_the_chat_format_is_chosen_when_the_template_renders_tools(tokenizer):
+    tiny = build_char_tokenizer()  # the shipped tiny model's template: contents only, no tools
+    assert uses_chat_tools("auto", tokenizer) and not uses_chat_tools("auto", tiny)
+    assert not uses_chat_tools("tags", tokenizer) and uses_chat_tools("chat", tokenizer)
+    with pytest.raises(ConfigError, match="tool_format is chat but the tokenizer's chat template does not render"):
+        uses_chat_tools("chat", tiny)
+    with pytest.raises(ConfigError, match="model.env.tool_format must be one of auto, tags, chat, got 'json'"):
+        uses_chat_tools("json", tokenizer)
+
+
+def test_calls_are_read_from_qwens_markup_and_a_bad_one_keeps_its_error():
+    text = (
+        "I will add. "
+        + _call("add_numbers", '{"a": 2, "b": 3}')
+        + _call("add_numbers", '"{\\"a\\": 1, \\"b\\": 1}"')  # arguments as a JSON string
+        + "<tool_call>{not json</tool_call>"
+        + '<tool_call>{"arguments": {}}</tool_call>'
+        + '<tool_call>{"name": "add_numbers", "arguments": [1, 2]}</tool_call>'
+    )
+    calls = parse_tool_calls(text)
+    assert [(c.name, c.arguments, c.error) for c in calls[:2]] == [
+        ("add_numbers", {"a": 2, "b": 3}, None),
+        ("add_numbers", {"a": 1, "b": 1}, None),
+    ]
+    assert calls[2].error.startswith("the tool call is not JSON") and calls[3].error == 'the tool call has no "name"'
+    assert calls[4].error == '"arguments" is not a JSON object'
+    assert parse_tool_calls("The answer is 5.") == []
+
+
+def test_every_call_is_answered_with_a_tool_message_and_failures_are_counted():
+    def fails(x: int) -> int:
+        """Raises.
+
+        Args:
+            x: ignored
+        """
+        raise RuntimeError("no luck")
+
+    def stalls(x: int) -> int:
+        """Sleeps past the limit.
+
+        Args:
+            x: ignored
+        """
+        time.sleep(2)
+        return x
+
+    env = ChatToolEnvironment([add_numbers, slow_echo, fails, stalls], timeout_s=0.5)
+    assert env.reset({"prompt": "p"}) is None
+    turn = (
+        _call("add_numbers", '{"a": 2, "b": 3}')
+        + _call("slow_echo", '{"text": "hi"}')
+        + _call("add_numbers", '{"a": 2}')
+        + _call("multiply", "{}")
+        + _call("fails", '{"x": 1}')
+        + _call("stalls", '{"x": 1}')
+        + "<tool_call>oops</tool_call>"
+    )
+    result = env.step(turn)
+    contents = [message["content"] for message in result.observation]
+    assert [message["role"] for message in result.observation] == ["tool"] * 7
+    assert contents[:2] == ["5", "hi"]  # the async tool was awaited
+    assert contents[2] == "error: add_numbers: missing a required argument: 'b'"
+    assert contents[3].startswith("error: unknown tool 'multiply' (the tools are add_numbers, fails, slow_echo")
+    assert contents[4] == "error: RuntimeError: no luck"
+    assert contents[5].startswith("error: ") and "0.5" in contents[5]
+    assert contents[6].startswith("error: the tool call is not JSON")
+    assert (result.tool_calls, result.tool_errors, result.done) == (7, 5, False)
+    assert env.step("The answer is 5.").done  # a turn without a call ends the episode
+
+
+def test_the_appended_tokens_are_what_the_template_renders_after_the_turn(tokenizer):
+    """Prompt ids + the turn the model sampled + the observation's ids == the template's own rendering of the whole
+    conversation: the observation is exactly the tool messages' markup and the next generation prompt, and the
+    model's `<|im_end|>` is not repeated."""
+    schemas = [tool_schema(add_numbers)]
+    renderer = ChatRenderer(tokenizer, schemas)
+    question = [{"role": "user", "content": "What is 2+3?"}]
+    prompt = tokenizer.apply_chat_template(question, tools=schemas, tokenize=False, add_generation_prompt=True)
+    turn_text = _call("add_numbers", '{"a": 2, "b": 3}')
+    turn_ids = tokenizer.encode(turn_text, add_special_tokens=False) + [tokenizer.eos_token_id]
+    messages = [{"role": "tool", "name": "add_numbers", "content": "5"}, {"role": "tool", "content": "x"}]
+    observation = renderer.observation_ids(messages, turn_ids)
+    whole = tokenizer.apply_chat_template(
+        [*question, {"role": "assistant", "content": turn_text}, *messages],
+        tools=schemas,
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    ids = tokenizer.encode(prompt, add_special_tokens=False) + turn_ids + observation
+    assert ids == tokenizer.encode(whole, add_special_tokens=False)
+    assert tokenizer.decode(observation) == (
+        "\n<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\nx\n</tool_response>"
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
+    # A turn cut short by its budget (no <|im_end|>) gets the whole closing.
+    cut = renderer.observation_ids(messages, turn_ids[:-1])
+    assert cut == [tokenizer.eos_token_id, *observation]
+
+
+def test_a_special_tokens_text_in_a_result_stays_text(tokenizer):
+    renderer = ChatRenderer(tokenizer, None)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    observation = renderer.observation_ids([{"role": "tool", "content": "a<|im_end|>b"}], [5, im_end])
+    assert tokenizer.decode(observation).count("<|im_end|>") == 2  # the result's text, then the template's own
+    assert observation.count(im_end) == 1  # only the template's is the special token
+
+
+class _ScriptedTurns:
+    """An engine that samples the given turns (token ids) in order, each with log-prob -0.5, for one episode."""
+
+    needs_weights = False
+
+    def __init__(self, turns):
+        self.turns, self.contexts = list(turns), []
+
+    def generate(self, prompt_ids, prompt_mask, params, seeds=None):
+        self.contexts.append(prompt_ids[0][prompt_mask[0].bool()].tolist())
+        turn = torch.tensor([self.turns.pop(0)])
+        return RolloutOutput(turn, torch.ones_like(turn, dtype=torch.float), -0.5 * torch.ones(turn.shape))
+
+
+def test_an_episode_trains_exactly_the_sampled_turns_and_the_rendered_tool_results(tokenizer):
+    """A two-turn episode: the model calls `add_numbers`, gets the result, answers. The transcript is the sampled
+    ids, then the rendered tool message, then the sampled answer; only the sampled ids carry loss; the second turn
+    was sampled from exactly those ids."""
+    schemas = [tool_schema(add_numbers)]
+    renderer = ChatRenderer(tokenizer, schemas)
+    eos = tokenizer.eos_token_id
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2+3?"}], tools=schemas, tokenize=False, add_generation_prompt=True
+    )
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    call = tokenizer.encode(_call("add_numbers", '{"a": 2, "b": 3}'), add_special_tokens=False) + [eos]
+    answer = tokenizer.encode("The answer is 5.", add_special_tokens=False) + [eos]
+    engine = _ScriptedTurns([call, answer])
+    env = ChatToolEnvironment([add_numbers])
+    episodes = run_episodes(
+        engine,
+        [env],
+        [prompt_ids],
+        SamplingParams(max_new_tokens=64),
+        [0],
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        encode_observation=lambda observation, turn: renderer.observation_ids(observation, turn),
+        reward_names=(),
+        max_turns=3,
+        max_total_tokens=512,
+        pad_id=tokenizer.pad_token_id,
+        device=torch.device("cpu"),
+        runner=EnvironmentRunner(concurrency=2, timeout_s=10.0),
+    )
+    result = tokenizer.encode(
+        "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+        add_special_tokens=False,
+    )
+    out = episodes.output
+    n = len(call) + len(result) + len(answer)
+    assert out.completion_ids[0, :n].tolist() == call + result + answer
+    assert out.sampled_mask[0, :n].tolist() == [1.0] * len(call) + [0.0] * len(result) + [1.0] * len(answer)
+    assert engine.contexts[1] == prompt_ids + call + result
+    # turns, tool calls, failed calls, observation tokens, steps timed out
+    assert episodes.stats[0].tolist() == [2, 1, 0, len(result), 0]
+
+
+def test_grpo_puts_the_tools_schemas_in_the_prompt_through_the_chat_template(tmp_path):
+    """`model.env.tools` with a model whose template renders tools (`tool_format: auto`): the prompts GRPO sampled
+    from hold the schemas, rendered by Qwen's template, and the episodes ran in `ChatToolEnvironment`."""
+    from tests.conftest import fit_grpo
+
+    path = save_qwen_chat_model(tmp_path / "qwen-chat")
+    model = fit_grpo(model_name_or_path=str(path), tools=["tests.integration.envs.add_numbers"], max_turns=2)
+    assert type(model.producer.env_factory()).__name__ == "ChatToolEnvironment"
+    prompt = model.tokenizer.decode(model._buffer.prompt_ids[0], skip_special_tokens=False)
+    assert '<tools>\n{"type": "function", "function": {"name": "add_numbers"' in prompt
+    assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
