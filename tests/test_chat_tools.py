@@ -13,6 +13,7 @@ from lit_rl.envs.chat_tools import (
     ChatRenderer,
     ChatToolEnvironment,
     parse_tool_calls,
+    template_renders_tools,
     tool_schema,
     uses_chat_tools,
 )
@@ -63,12 +64,13 @@ def test_a_functions_schema_comes_from_its_type_hints_and_docstring():
 
 def test_the_chat_format_is_chosen_when_the_template_renders_tools(tokenizer):
     tiny = build_char_tokenizer()  # the shipped tiny model's template: contents only, no tools
-    assert uses_chat_tools("auto", tokenizer) and not uses_chat_tools("auto", tiny)
-    assert not uses_chat_tools("tags", tokenizer) and uses_chat_tools("chat", tokenizer)
+    assert template_renders_tools(tokenizer) and not template_renders_tools(tiny)
+    assert uses_chat_tools("auto", True) and not uses_chat_tools("auto", False)
+    assert not uses_chat_tools("tags", True) and uses_chat_tools("chat", True)
     with pytest.raises(ConfigError, match="tool_format is chat but the tokenizer's chat template does not render"):
-        uses_chat_tools("chat", tiny)
+        uses_chat_tools("chat", False)
     with pytest.raises(ConfigError, match="model.env.tool_format must be one of auto, tags, chat, got 'json'"):
-        uses_chat_tools("json", tokenizer)
+        uses_chat_tools("json", True)
 
 
 def test_calls_are_read_from_qwens_markup_and_a_bad_one_keeps_its_error():

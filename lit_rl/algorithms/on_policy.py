@@ -33,9 +33,8 @@ from lit_rl.algorithms.rollout_checks import check_prompt_lengths
 from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, RolloutArgs, SamplingArgs, ScheduleArgs, as_args
 from lit_rl.data.schedule import RolloutSchedule
 from lit_rl.envs import environment_factory
-from lit_rl.envs.chat_tools import tool_schema, uses_chat_tools
+from lit_rl.envs.chat_tools import template_renders_tools
 from lit_rl.envs.runner import EnvironmentRunner
-from lit_rl.envs.tools import import_tools
 from lit_rl.errors import ConfigError
 from lit_rl.losses import LossNormalizer
 from lit_rl.ops import kl_k3
@@ -127,18 +126,21 @@ class OnPolicyModule(PolicyModule):
         env, params = self.env_args, self.sampling_params(training=True)
         parts = ProducerParts(self, self.engines, self.reward_scorer, params, self.sampling_args.max_new_tokens)
         if env.enabled:
-            chat_tools = bool(env.tools) and uses_chat_tools(env.tool_format, self.tokenizer)
-            factory, env_reward_names = environment_factory(
-                env.environment, env.environment_args, env.tools, chat_tools
+            spec = environment_factory(
+                env.environment,
+                env.environment_args,
+                env.tools,
+                env.tool_format,
+                template_renders_tools(self.tokenizer),
             )
             return EpisodeProducer(
                 parts,
-                env_factory=factory,
-                env_reward_names=env_reward_names,
+                env_factory=spec.factory,
+                env_reward_names=spec.reward_names,
                 max_turns=env.max_turns,
                 max_total_tokens=env.max_total_tokens,
                 runner=EnvironmentRunner(env.concurrency, env.step_timeout_s),
-                tool_schemas=[tool_schema(tool) for tool in import_tools(env.tools)] if chat_tools else None,
+                tool_schemas=spec.tool_schemas,
             )
         if self.max_staleness > 0:
             steps = self.optimizer_steps_per_generation

@@ -4,12 +4,13 @@ One environment object runs one episode (one completion of one prompt row):
 
     first = env.reset(row)                  # the first observation: text, chat messages, or None (the row's prompt)
     result = env.step(model_turn_text)      # after each model turn: StepResult(observation, rewards, done)
+    parts = env.finish()                    # optional, once the episode has ended: {reward part: value}
 
 `step` may return a `StepResult` or the plain tuple `(observation or None, {reward part: value}, done)`. The
 episode ends when `done` is true, when `observation` is None, after `max_turns` model turns, or when the transcript
-reaches `max_total_tokens`. Its reward is the sum of the reward parts over its steps (each part a column of its
-own, named in the class attribute `reward_names`, weight 1) plus the reward functions applied to the final
-transcript.
+reaches `max_total_tokens`. Its reward is the sum of the reward parts over its steps and `finish` (each part a
+column of its own, named in the class attribute `reward_names`, weight 1) plus the reward functions applied to the
+final transcript. TRL's environment classes (a `reset` and no `step`) are run by `lit_rl.envs.trl_environments`.
 
 Environments run in the trainer's process, on every rank, for that rank's episodes: they must not block for long
 (a tool call has a time limit, `lit_rl.envs.tools`) and must not run code from the model unless the user asked for it.
@@ -18,7 +19,7 @@ Environments run in the trainer's process, on every rank, for that rank's episod
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol, Union
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Union
 
 from lit_rl.errors import ConfigError
 from lit_rl.importing import import_callable
@@ -49,6 +50,9 @@ class Environment(Protocol):
 
     def step(self, completion: str) -> StepResult | tuple[Optional[str], dict[str, float], bool]: ...
 
+    # Optional: `finish() -> {reward part: value}`, called once when the episode has ended (not when its
+    # environment failed or overran), for a reward scored from the final state (`TRLEnvironment`'s `get_reward`).
+
 
 def as_step_result(value: Any, where: str) -> StepResult:
     """`step`'s return value as a StepResult; a clear error naming the environment (`where`) otherwise."""
@@ -60,33 +64,76 @@ def as_step_result(value: Any, where: str) -> StepResult:
     raise TypeError(f"{where}.step must return a StepResult or (observation, rewards, done), got {value!r}")
 
 
+class EnvironmentSpec(NamedTuple):
+    """What a run's episodes need: `factory` makes one environment per episode (None: no environment), the reward
+    part names its episodes report, and the JSON schemas of the tools the model calls in its chat format (the
+    prompts are rendered with them; None: no such tools)."""
+
+    factory: Optional[Callable[[], Environment]]
+    reward_names: tuple[str, ...]
+    tool_schemas: Optional[list[dict[str, Any]]] = None
+
+
 def environment_factory(
-    path: Optional[str], args: Optional[dict[str, Any]], tools: Optional[list[str]], chat_tools: bool = False
-) -> tuple[Optional[Callable[[], Environment]], tuple[str, ...]]:
-    """A function that makes one environment per episode, and the reward part names its episodes report, from the
-    settings `model.env.environment` (an import path), `model.env.environment_args` and `model.env.tools`; (None, ())
-    when there is no environment. Tools alone give the built-in `ToolEnvironment`, or with `chat_tools` (calls in
-    the chat template's format) `ChatToolEnvironment`; with an environment they are passed to it as `tools=`."""
-    from lit_rl.envs.chat_tools import ChatToolEnvironment
+    path: Optional[str],
+    args: Optional[dict[str, Any]],
+    tools: Optional[list[str]],
+    tool_format: str = "auto",
+    template_renders_tools: bool = False,
+) -> EnvironmentSpec:
+    """The `EnvironmentSpec` of the settings `model.env.environment` (an import path), `environment_args`, `tools`
+    and `tool_format` (`template_renders_tools`: whether the tokenizer's chat template renders tools). Tools alone
+    give the built-in `ToolEnvironment`, or in the chat format `ChatToolEnvironment`; a TRL environment class (a
+    `reset` and no `step`) runs in `TRLEnvironment`, its methods and the tools called in the chat format; any other
+    environment is given the tools as `tools=`."""
+    from lit_rl.envs.chat_tools import ChatToolEnvironment, tool_schema, uses_chat_tools
     from lit_rl.envs.tools import ToolEnvironment, import_tools
+    from lit_rl.envs.trl_environments import TRLEnvironment, is_trl_environment
 
     if path is None and not tools:
         if args:
             raise ConfigError("model.env.environment_args is set but model.env.environment is not")
-        return None, ()
+        return EnvironmentSpec(None, ())
+    functions = import_tools(tools) if tools else []
+    kwargs = dict(args or {})
+    make: Callable[..., Any]
     if path is None:
-        cls: Callable[..., Environment] = ChatToolEnvironment if chat_tools else ToolEnvironment
+        chat = uses_chat_tools(tool_format, template_renders_tools)
+        make = ChatToolEnvironment if chat else ToolEnvironment
+        kwargs["tools"] = functions
     else:
         try:
-            cls = import_callable(path, "environment")
+            user_class = import_callable(path, "environment")
         except ValueError as err:
             raise ConfigError(f"model.env.environment: {err}") from None
-    kwargs = dict(args or {})
-    if tools:
-        kwargs["tools"] = import_tools(tools)
+        if is_trl_environment(user_class):
+            _check_trl_format(path, tool_format, template_renders_tools)
+            chat, make = True, lambda **options: TRLEnvironment(user_class(**options), functions)
+        else:
+            chat, make = bool(functions) and uses_chat_tools(tool_format, template_renders_tools), user_class
+            if functions:
+                kwargs["tools"] = functions
     try:
-        probe = cls(**kwargs)  # checks the arguments now, before any rollout
+        probe = make(**kwargs)  # checks the arguments now, before any rollout
     except TypeError as err:
-        raise ConfigError(f"model.env.environment {path or cls.__name__}: {err}") from None
-    names = tuple(getattr(probe, "reward_names", ()))
-    return (lambda: cls(**kwargs)), names
+        raise ConfigError(f"model.env.environment {path or make.__name__}: {err}") from None
+    if isinstance(probe, ChatToolEnvironment):  # also TRLEnvironment: its methods' schemas too
+        schemas: Optional[list[dict[str, Any]]] = probe.schemas
+    else:
+        schemas = [tool_schema(function) for function in functions] if chat else None
+    return EnvironmentSpec(lambda: make(**kwargs), tuple(getattr(probe, "reward_names", ())), schemas)
+
+
+def _check_trl_format(path: str, tool_format: str, template_renders_tools: bool) -> None:
+    """A TRL environment's methods are tools called in the chat format: a one-line error when they cannot be."""
+    if tool_format == "tags":
+        raise ConfigError(
+            f"model.env.environment {path} is a TRL environment (a reset and no step), whose methods are tools "
+            "called in the chat format; model.env.tool_format tags cannot call them"
+        )
+    if not template_renders_tools:
+        raise ConfigError(
+            f"model.env.environment {path} is a TRL environment (a reset and no step), whose methods are tools "
+            "called in the chat format, but the tokenizer's chat template does not render tools; give a "
+            "tool-calling model"
+        )

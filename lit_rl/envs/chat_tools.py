@@ -69,17 +69,17 @@ def check_tool_format(tool_format: str) -> None:
         raise ConfigError(f"model.env.tool_format must be one of {', '.join(TOOL_FORMATS)}, got {tool_format!r}")
 
 
-def uses_chat_tools(tool_format: str, tokenizer: Any) -> bool:
-    """Whether `model.env.tool_format` (auto, tags, chat) means calls in the chat format for this tokenizer; a
-    one-line error when `chat` is asked of a template that cannot render tools."""
+def uses_chat_tools(tool_format: str, template_renders_tools: bool) -> bool:
+    """Whether `model.env.tool_format` (auto, tags, chat) means calls in the chat format, given whether the
+    tokenizer's chat template renders tools (`template_renders_tools`); a one-line error when `chat` is asked of a
+    template that cannot."""
     check_tool_format(tool_format)
-    renders = template_renders_tools(tokenizer)
-    if tool_format == "chat" and not renders:
+    if tool_format == "chat" and not template_renders_tools:
         raise ConfigError(
             "model.env.tool_format is chat but the tokenizer's chat template does not render tools (it never reads "
             "`tools`); give a tool-calling model's template, or use tool_format tags"
         )
-    return tool_format == "chat" or (tool_format == "auto" and renders)
+    return tool_format == "chat" or (tool_format == "auto" and template_renders_tools)
 
 
 @dataclass
@@ -142,18 +142,23 @@ class ChatToolEnvironment:
 
     Args:
         tools: the functions (`model.env.tools` import paths), each called with the call's arguments as keywords.
-        timeout_s: the time limit of one call.
+        timeout_s: the time limit of one call, on a thread of its own; None: called on the step's thread, bounded
+            by the step's time limit (`model.env.step_timeout_s`).
     """
 
     reward_names: tuple[str, ...] = ()
 
-    def __init__(self, tools: Optional[list[Callable[..., Any]]] = None, timeout_s: float = 5.0) -> None:
+    def __init__(self, tools: Optional[list[Callable[..., Any]]] = None, timeout_s: Optional[float] = 5.0) -> None:
         if not tools:
             raise ConfigError("ChatToolEnvironment needs at least one tool (model.env.tools)")
-        if timeout_s <= 0:
+        if timeout_s is not None and timeout_s <= 0:
             raise ConfigError(f"model.env.environment_args.timeout_s must be > 0, got {timeout_s}")
         self.schemas = [tool_schema(tool) for tool in tools]
         self.tools = {schema["function"]["name"]: tool for schema, tool in zip(self.schemas, tools)}
+        if len(self.tools) < len(tools):
+            names = [schema["function"]["name"] for schema in self.schemas]
+            twice = sorted({name for name in names if names.count(name) > 1})
+            raise ConfigError(f"model.env.tools: two tools are named {twice[0]!r}; names must be unique")
         self.timeout_s = timeout_s
 
     def reset(self, row: dict[str, Any]) -> None:
@@ -182,7 +187,10 @@ class ChatToolEnvironment:
         except TypeError as err:
             return f"error: {call.name}: {err}", True
         try:
-            value = call_in_thread(_call, (tool, call.arguments), self.timeout_s, runner.tool_overrunning)
+            if self.timeout_s is None:
+                value = _call(tool, call.arguments)
+            else:
+                value = call_in_thread(_call, (tool, call.arguments), self.timeout_s, runner.tool_overrunning)
         except EnvCallTimeout as err:
             return f"error: {err}", True
         except Exception as err:  # the tool's own error, shown to the model

@@ -65,11 +65,15 @@ class RewardScorer:
         state: TrainerState,
         names: Sequence[str],
         env_rewards: Optional[torch.Tensor] = None,
+        environments: Optional[list[Any]] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Reward components [N, F] and weighted rewards [N] (`lit_rl.rewards.scoring`) of the completions of
         `rows` x `repeat`; an environment's reward parts [N, E] are further columns, of weight 1. `names`: every
-        column's name, for the messages about invalid rewards. Raises `RewardFunctionError`."""
-        components = reward_components(self.functions, rows, completions, repeat, device, completion_ids, state)
+        column's name, for the messages about invalid rewards; `environments`: the episodes' environments, one per
+        completion, passed as `environments=` (TRL's keyword). Raises `RewardFunctionError`."""
+        components = reward_components(
+            self.functions, rows, completions, repeat, device, completion_ids, state, environments
+        )
         weights = self.weights
         if env_rewards is not None:
             components = torch.cat([components, env_rewards.to(components)], dim=1)

@@ -25,16 +25,20 @@ def reward_components(
     device: torch.device,
     completion_ids: Optional[list[list[int]]] = None,
     trainer_state: Optional[TrainerState] = None,
+    environments: Optional[list[Any]] = None,
 ) -> torch.Tensor:
     """Reward components [N, F] (one column per reward function) of `completions` [N] of `rows` repeated `repeat`
     times, the functions called with TRL's keywords (`lit_rl.rewards`): message completions for chat prompts,
-    `completion_ids`, `trainer_state`, and every column of the rows but `NOT_PASSED_COLUMNS`."""
+    `completion_ids`, `trainer_state`, `environments` (episodes' environments, when there are), and every column of
+    the rows but `NOT_PASSED_COLUMNS`."""
     prompts = [row["prompt"] for row in rows for _ in range(repeat)]
     columns = {
         key: [row.get(key) for row in rows for _ in range(repeat)] for key in rows[0] if key not in NOT_PASSED_COLUMNS
     }
     columns["completion_ids"] = completion_ids
     columns["trainer_state"] = trainer_state
+    if environments is not None:
+        columns["environments"] = environments
     passed: list[Any] = as_messages(completions) if prompts and is_conversational(prompts[0]) else completions
     values = call_reward_functions(reward_fns, prompts, passed, columns)
     return torch.tensor(values, dtype=torch.float32, device=device).T.reshape(len(completions), -1)

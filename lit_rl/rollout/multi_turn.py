@@ -95,6 +95,7 @@ def run_episodes(
     stats = torch.zeros(n, len(EPISODE_STATS))
     column = {name: i for i, name in enumerate(reward_names)}
     active = [i for i in range(n) if i not in ended]  # `ended`: their reset failed; they take no turn
+    broken = set(ended)  # episodes whose environment failed or is still busy: never asked to `finish`
     error: Optional[str] = None
     for turn in range(max_turns):
         if not any_active(bool(active)):
@@ -125,17 +126,16 @@ def run_episodes(
         for i, outcome in zip(active, outcomes):
             if isinstance(outcome, EnvCallTimeout):  # its environment is still busy: the episode ends here
                 stats[i, 4] += 1
+                broken.add(i)
                 continue
             try:
                 if isinstance(outcome, BaseException):
                     raise outcome
                 result = as_step_result(outcome, env_name)
-                for name, value in result.rewards.items():
-                    if name not in column:
-                        raise ValueError(f"{env_name}.step reported reward part {name!r}, not in its reward_names")
-                    env_rewards[i, column[name]] += float(value)
+                _add_reward_parts(env_rewards[i], result.rewards, column, f"{env_name}.step")
             except Exception as err:  # the user's environment: end this episode, report once every rank is done
                 error = error or f"{env_name}.step raised {type(err).__name__}: {err}"
+                broken.add(i)
                 continue
             stats[i, 1] += result.tool_calls
             stats[i, 2] += result.tool_errors
@@ -145,6 +145,7 @@ def run_episodes(
                 observation = encode_observation(result.observation, pieces[i][-1][0])
             except Exception as err:
                 error = error or f"{env_name}.step's observation cannot be encoded: {type(err).__name__}: {err}"
+                broken.add(i)
                 continue
             observation = observation[: max_total_tokens - used[i]]
             pieces[i].append((observation, [0.0] * len(observation), False))
@@ -154,7 +155,45 @@ def run_episodes(
             if used[i] < max_total_tokens:
                 still_active.append(i)
         active = still_active
-    return Episodes(_transcripts(pieces, pad_id, device), env_rewards.to(device), stats.to(device), error)
+    settled = [i for i in range(n) if i not in broken]
+    finish_error = _finish(envs, settled, runner, env_rewards, stats, column, env_name)
+    output = _transcripts(pieces, pad_id, device)
+    return Episodes(output, env_rewards.to(device), stats.to(device), error or finish_error)
+
+
+def _add_reward_parts(row: torch.Tensor, parts: dict[str, float], column: dict[str, int], where: str) -> None:
+    """Add reward `parts` to an episode's `row` of reward parts; an error for a part not in the reward names."""
+    for name, value in parts.items():
+        if name not in column:
+            raise ValueError(f"{where} reported reward part {name!r}, not in its reward_names")
+        row[column[name]] += float(value)
+
+
+def _finish(
+    envs: list[Environment],
+    settled: list[int],
+    runner: EnvironmentRunner,
+    env_rewards: torch.Tensor,
+    stats: torch.Tensor,
+    column: dict[str, int],
+    env_name: str,
+) -> Optional[str]:
+    """Ask each ended episode's environment that has a `finish()` for its last reward parts (a TRL environment's
+    `get_reward`), all at once on `runner`; the first failure, to raise on every rank. `settled`: the episodes whose
+    environment neither failed nor overran (an overrunning one is still busy)."""
+    finishing = [i for i in settled if callable(getattr(envs[i], "finish", None))]
+    error = None
+    for i, outcome in zip(finishing, runner.run([(envs[i].finish, ()) for i in finishing])):
+        if isinstance(outcome, EnvCallTimeout):
+            stats[i, 4] += 1
+            continue
+        try:
+            if isinstance(outcome, BaseException):
+                raise outcome
+            _add_reward_parts(env_rewards[i], dict(outcome or {}), column, f"{env_name}.finish")
+        except Exception as err:
+            error = error or f"{env_name}.finish raised {type(err).__name__}: {err}"
+    return error
 
 
 def _transcripts(pieces: list[list[tuple[list[int], list[float], bool]]], pad_id: int, device: Any) -> RolloutOutput:

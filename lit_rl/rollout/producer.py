@@ -144,10 +144,12 @@ class RolloutProducer:
         out: RolloutOutput,
         env_rewards: Optional[torch.Tensor] = None,
         version: Optional[int] = None,
+        environments: Optional[list[Any]] = None,
     ) -> ScoredCompletions:
         """The engine's completions of `rows` x `repeat` with their rewards (`RewardScorer.score`); `version`:
-        the policy version that sampled them (default: the current one). Fails on every rank together when a
-        reward function fails on one."""
+        the policy version that sampled them (default: the current one); `environments`: the episodes' environments,
+        passed to the reward functions as TRL does. Fails on every rank together when a reward function fails on
+        one."""
         host, trainer = self.host, self.host.trainer
         completions = host.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
         # TRL's `completion_ids`: each completion's tokens up to and including its EOS, without the padding.
@@ -159,7 +161,15 @@ class RolloutProducer:
         with host.timer.phase("reward"):
             try:
                 components, rewards = self.scorer.score(
-                    rows, completions, completion_ids, repeat, host.device, state, self.reward_names, env_rewards
+                    rows,
+                    completions,
+                    completion_ids,
+                    repeat,
+                    host.device,
+                    state,
+                    self.reward_names,
+                    env_rewards,
+                    environments,
                 )
             except RewardFunctionError as err:
                 error = err
@@ -285,7 +295,9 @@ class EpisodeProducer(RolloutProducer):
         self.fail_on_every_rank(error or episodes.error, EnvironmentStepError, "the environment failed on another rank")
         out = episodes.output
         host.timer.count("generated_tokens", float(model_token_mask(out).sum()))
-        return self.scored(rows, repeat, prompt_ids, prompt_mask, out, episodes.env_rewards)
+        # A TRL environment's reward functions read the user's instances (`environments=`), not lit-rl's wrappers.
+        environments = [getattr(env, "instance", env) for env in envs]
+        return self.scored(rows, repeat, prompt_ids, prompt_mask, out, episodes.env_rewards, environments=environments)
 
     def encode_observation(self, observation: Any, turn_ids: list[int]) -> list[int]:
         """An observation's ids: chat messages rendered by the chat template after the turn (`ChatRenderer`), text

@@ -103,3 +103,53 @@ class ChatCountdown(Countdown):
         if result.observation is not None:
             result.observation = [{"role": "tool", "name": "countdown", "content": result.observation}]
         return result
+
+
+class IncrementEnv:
+    """TRL's documented environment (`GRPOTrainer(environment_factory=IncrementEnv)`, docs/source/grpo_trainer.md),
+    written anew: `reset(**row)` takes the task from the row, the public method `increment` is a tool, and
+    `get_reward` scores the episode from the counter. The target is the row's answer's last digit."""
+
+    def reset(self, answer: str = "0", **kwargs: Any) -> str:
+        self.counter = 0
+        self.target = int(str(answer)[-1])
+        return f" Increment the counter to {self.target}."
+
+    def get_reward(self) -> float:
+        return float(self.counter == self.target)
+
+    def increment(self, step: int) -> int:
+        """
+        Increment the internal counter.
+
+        Args:
+            step: Value to add to the counter.
+
+        Returns:
+            The updated counter value.
+        """
+        self.counter += step
+        return self.counter
+
+
+class AsyncIncrementEnv(IncrementEnv):
+    """IncrementEnv whose tool and reward are `async def` (TRL awaits both)."""
+
+    async def get_reward(self) -> float:
+        return float(self.counter == self.target)
+
+    async def increment(self, step: int) -> int:
+        """
+        Increment the internal counter.
+
+        Args:
+            step: Value to add to the counter.
+        """
+        self.counter += step
+        return self.counter
+
+
+def counter_untouched(completions: list, environments: list, **kwargs: Any) -> list[float]:
+    """1 for each episode whose environment's counter is still 0: a reward function reading `environments` (TRL's
+    keyword), the user's own instances."""
+    return [float(isinstance(env, IncrementEnv) and env.counter == 0) for env in environments]

@@ -165,3 +165,25 @@ def test_chat_message_observations_are_rendered_by_the_template_and_score_the_en
     # Each observation holds the template's markup: "\n<|im_start|>user\n<tool_response>\n2;\n</tool_response>..."
     assert 1 < row["train/turns"] <= 3 and row["train/env_tokens"] / (row["train/turns"] - 1) > 40
     assert row["train/rollout_logprob_diff/max"] < 1e-4
+
+
+def test_a_trl_environment_class_trains_unchanged_through_the_cli(tmp_path):
+    """TRL's IncrementEnv by import path, as a TRL user brings it: its `get_reward` is the column
+    `rewards/env/IncrementEnv` and the reward function reading `environments` saw every counter at 0 (a random model
+    calls no tool)."""
+    from tests.qwen_chat import save_qwen_chat_model
+
+    model = save_qwen_chat_model(tmp_path / "qwen-chat")
+    trl_env = ["--model.env.environment", "tests.integration.envs.IncrementEnv", "--model.env.max_total_tokens", "64"]
+    trl_env += [
+        "--model.rewards.funcs",
+        "[tests.integration.envs.counter_untouched]",
+        "--model.rewards.weights",
+        "null",
+    ]
+    trl_env += ["--model.policy.model_name_or_path", str(model)]
+    log_dir = _fit(tmp_path, "grpo", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "0", *trl_env)
+    (row,) = train_rows(log_dir)
+    assert row["train/rewards/counter_untouched"] == 1.0 and row["train/tool_calls"] == 0
+    # Logged (its values against each row's target are checked in tests/test_trl_environments.py).
+    assert "train/rewards/env/IncrementEnv" in row

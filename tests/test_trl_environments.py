@@ -1,0 +1,179 @@
+"""TRL's environment classes run unchanged (`lit_rl.envs.trl_environments`): TRL's documented `IncrementEnv`
+(written anew in `tests.integration.envs`) through `model.env.environment`, its methods as chat-format tools,
+`get_reward` as a reward column, and the instances passed to reward functions as `environments`."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from lit_rl.envs import TRLEnvironment
+from lit_rl.envs.base import environment_factory
+from lit_rl.envs.runner import EnvironmentRunner
+from lit_rl.errors import ConfigError
+from lit_rl.rollout import RolloutOutput, SamplingParams
+from lit_rl.rollout.multi_turn import run_episodes
+from tests.integration.envs import AsyncIncrementEnv, IncrementEnv
+from tests.qwen_chat import qwen_chat_tokenizer, save_qwen_chat_model
+
+INCREMENT = "tests.integration.envs.IncrementEnv"
+
+
+def _call(name: str, **arguments: Any) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def test_a_class_with_reset_and_no_step_is_trls_and_its_methods_are_its_tools():
+    spec = environment_factory(INCREMENT, None, None, "auto", template_renders_tools=True)
+    assert spec.reward_names == ("IncrementEnv",)  # get_reward: a column named after the class, as in TRL
+    assert [schema["function"]["name"] for schema in spec.tool_schemas] == ["increment"]  # not reset, get_reward
+    env = spec.factory()
+    assert isinstance(env, TRLEnvironment) and isinstance(env.instance, IncrementEnv)
+    # reset(**row): the row's columns as keywords; the text it returns is appended to the last user message.
+    row = {"prompt": [{"role": "system", "content": "S"}, {"role": "user", "content": "Go."}], "answer": "13"}
+    assert env.reset(row) == [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "Go. Increment the counter to 3."},
+    ]
+    assert row["prompt"][1]["content"] == "Go."  # the row is left as it was
+    assert env.reset({"prompt": "Go.", "answer": "7"}) == "Go. Increment the counter to 7."
+    env.reset({"prompt": "Go.", "answer": "13"})
+    first = env.step(_call("increment", step=2))
+    assert first.observation == [{"role": "tool", "name": "increment", "content": "2"}] and not first.done
+    assert env.step(_call("increment", step=1)).observation[0]["content"] == "3"
+    assert env.step("Done.").done
+    assert env.finish() == {"IncrementEnv": 1.0}  # counter 3 == target 3
+
+
+def test_standalone_tools_are_offered_beside_the_methods_and_async_ones_are_awaited():
+    spec = environment_factory(
+        "tests.integration.envs.AsyncIncrementEnv", None, ["tests.integration.envs.add_numbers"], "auto", True
+    )
+    assert [schema["function"]["name"] for schema in spec.tool_schemas] == ["add_numbers", "increment"]
+    env = spec.factory()
+    assert isinstance(env.instance, AsyncIncrementEnv)
+    env.reset({"prompt": "p", "answer": "2"})
+    result = env.step(_call("increment", step=2) + _call("add_numbers", a=1, b=2))
+    assert [message["content"] for message in result.observation] == ["2", "3"]
+    assert env.finish() == {"AsyncIncrementEnv": 1.0}
+
+
+def test_a_trl_environment_that_cannot_run_says_why_in_one_line():
+    with pytest.raises(ConfigError, match="is a TRL environment .*tool_format tags cannot call them"):
+        environment_factory(INCREMENT, None, None, "tags", True)
+    with pytest.raises(ConfigError, match="is a TRL environment .* the tokenizer's chat template does not render"):
+        environment_factory(INCREMENT, None, None, "auto", False)
+    with pytest.raises(ConfigError, match=r"IncrementEnv: IncrementEnv\(\) takes no arguments"):
+        environment_factory(INCREMENT, {"level": 2}, None, "auto", True)
+    with pytest.raises(ConfigError, match="Silent has no public method to offer as a tool"):
+        environment_factory("tests.test_trl_environments.Silent", None, None, "auto", True)
+
+
+class Silent:
+    """A TRL-style class with no tool."""
+
+    def reset(self, **kwargs: Any) -> None:
+        return None
+
+
+class Stuck(IncrementEnv):
+    """IncrementEnv whose tool never answers in time, and that records whether `get_reward` was asked."""
+
+    asked = False
+
+    def get_reward(self) -> float:
+        Stuck.asked = True
+        return 1.0
+
+    def increment(self, step: int) -> int:
+        """
+        Increment the internal counter, slowly.
+
+        Args:
+            step: Value to add to the counter.
+        """
+        time.sleep(1.5)
+        return step
+
+
+class _Turns:
+    """An engine sampling each episode's scripted turns (token ids) in order, log-prob -0.5 a token."""
+
+    needs_weights = False
+
+    def __init__(self, turns: dict[int, list[list[int]]]) -> None:
+        self.turns = turns
+
+    def generate(self, prompt_ids, prompt_mask, params, seeds=None):
+        rows = [self.turns[int(ids[mask.bool()][0])].pop(0) for ids, mask in zip(prompt_ids, prompt_mask)]
+        width = max(len(row) for row in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width)
+        for k, row in enumerate(rows):
+            ids[k, : len(row)], mask[k, : len(row)] = torch.tensor(row), 1
+        return RolloutOutput(ids, mask, -0.5 * mask)
+
+
+def test_get_reward_scores_each_ended_episode_once_but_not_one_whose_environment_overran():
+    tokenizer = qwen_chat_tokenizer()
+    eos = tokenizer.eos_token_id
+
+    def turn(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False) + [eos]
+
+    # Episode 0 (first prompt id 65) increments to its target 3 in two calls, then answers; episode 1 (66) calls
+    # the stuck tool, whose step overruns the runner's 0.5 s limit.
+    engine = _Turns({65: [turn(_call("increment", step=2)), turn(_call("increment", step=1)), turn("Done.")],
+                     66: [turn(_call("increment", step=1))]})  # fmt: skip
+    envs = [TRLEnvironment(IncrementEnv()), TRLEnvironment(Stuck())]
+    for env in envs:
+        env.reset({"prompt": "p", "answer": "3"})
+    episodes = run_episodes(
+        engine,
+        envs,
+        [[65, 1], [66, 1]],
+        SamplingParams(max_new_tokens=64),
+        [0, 1],
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        encode_observation=lambda observation, turn_ids: [7],
+        reward_names=("IncrementEnv",),
+        max_turns=4,
+        max_total_tokens=512,
+        pad_id=tokenizer.pad_token_id,
+        device=torch.device("cpu"),
+        runner=EnvironmentRunner(concurrency=2, timeout_s=0.5),
+    )
+    assert episodes.error is None
+    assert episodes.env_rewards.tolist() == [[1.0], [0.0]]
+    # turns, tool calls, failed calls, observation tokens, steps timed out
+    assert episodes.stats.tolist() == [[3, 2, 0, 2, 0], [1, 0, 0, 0, 1]]
+    assert not Stuck.asked  # its environment was still busy: never asked for a reward
+
+
+def test_grpo_runs_a_trl_environment_and_passes_the_instances_to_reward_functions(tmp_path):
+    """GRPO on the built-in addition task with TRL's IncrementEnv (the target: the answer's last digit) on a model
+    with Qwen2.5's template: the prompts hold `increment`'s schema and the text reset returned; the columns are the
+    reward function's, then `env/IncrementEnv`; the reward function saw the user's own instances."""
+    from tests.conftest import fit_grpo
+
+    path = save_qwen_chat_model(tmp_path / "qwen-chat")
+    model = fit_grpo(
+        model_name_or_path=str(path),
+        environment=INCREMENT,
+        reward_funcs=["tests.integration.envs.counter_untouched"],
+        max_turns=2,
+    )
+    assert model.reward_names == ["counter_untouched", "env/IncrementEnv"]
+    prompt = model.tokenizer.decode(model._buffer.prompt_ids[0], skip_special_tokens=False)
+    assert '"name": "increment"' in prompt and "Increment the counter to" in prompt
+    components = model._buffer.reward_components
+    calls = model._buffer.episode_stats[:, 1]
+    # A random model writes no tool call: every counter is 0, so the reward function (reading `environments`) pays 1
+    # and get_reward pays 1 exactly where the target is 0.
+    assert calls.sum() == 0 and components[:, 0].tolist() == [1.0] * len(components)
+    targets = [int(text.rsplit("to ", 1)[1][0]) for text in model.tokenizer.batch_decode(model._buffer.prompt_ids)]
+    assert components[:, 1].tolist() == [float(target == 0) for target in targets]
