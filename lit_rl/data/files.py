@@ -1,5 +1,5 @@
 """Rows from local files (JSONL, JSON, parquet), Hugging Face `datasets` (a `save_to_disk` directory, an `.arrow`
-file, a hub id) or built-in tasks (`builtin:<task>/<split>`)."""
+file, a hub id), built-in tasks (`builtin:<task>/<split>`) or reasoning-gym's tasks (`reasoning_gym:<task>?...`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 from lit_rl.data import hf_datasets
 from lit_rl.data.arithmetic import BUILTIN_DATASETS
+from lit_rl.data.reasoning_gym import is_reasoning_gym, load_reasoning_gym_rows
 from lit_rl.errors import DataError, DataFileNotFound
 
 Row = dict[str, Any]
@@ -18,11 +19,14 @@ Row = dict[str, Any]
 def load_rows(spec: str) -> list[Row]:
     """Load every row of `spec`:
     - `builtin:addition/train`;
+    - `reasoning_gym:<task>?size=...&seed=...` (`lit_rl.data.reasoning_gym`);
     - a `.jsonl`, `.json` or `.parquet` file;
     - a Hugging Face dataset: a `save_to_disk` directory (`dir`, or `dir:split` for a `DatasetDict`), an `.arrow`
       file, or a hub id `owner/name[:split]` / `owner/name:config:split` (`datasets.load_dataset`, cached; without
       a split, the only split or `train`).
     """
+    if is_reasoning_gym(spec):
+        return load_reasoning_gym_rows(spec)
     if spec.startswith("builtin:"):
         name, _, split = spec[len("builtin:") :].partition("/")
         if name not in BUILTIN_DATASETS:
