@@ -5,6 +5,7 @@ rendered by the template and appended token-in, token-out."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from lit_rl.envs.chat_tools import (
     ChatRenderer,
     ChatToolEnvironment,
     parse_tool_calls,
-    template_renders_tools,
+    template_tool_support,
     tool_schema,
     uses_chat_tools,
 )
@@ -24,6 +25,12 @@ from lit_rl.rollout import RolloutOutput, SamplingParams
 from lit_rl.rollout.multi_turn import run_episodes
 from tests.integration.envs import add_numbers, slow_echo
 from tests.qwen_chat import qwen_chat_tokenizer, save_qwen_chat_model
+
+
+def _trl_template(name: str) -> str:
+    """A chat template TRL ships (`trl/chat_templates/<name>.jinja`: the models' own, as released)."""
+    trl = pytest.importorskip("trl")
+    return (Path(trl.__file__).parent / "chat_templates" / f"{name}.jinja").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -62,15 +69,21 @@ def test_a_functions_schema_comes_from_its_type_hints_and_docstring():
     assert "\n" not in message and "model.env.tools: undocumented cannot be described" in message
 
 
-def test_the_chat_format_is_chosen_when_the_template_renders_tools(tokenizer):
+def test_the_chat_format_is_chosen_when_the_template_writes_calls_lit_rl_reads(tokenizer):
     tiny = build_char_tokenizer()  # the shipped tiny model's template: contents only, no tools
-    assert template_renders_tools(tokenizer) and not template_renders_tools(tiny)
-    assert uses_chat_tools("auto", True) and not uses_chat_tools("auto", False)
-    assert not uses_chat_tools("tags", True) and uses_chat_tools("chat", True)
+    llama = qwen_chat_tokenizer()
+    llama.chat_template = _trl_template("llama3_1")  # reads `tools`, writes calls as bare JSON
+    assert [template_tool_support(t) for t in (tokenizer, tiny, llama)] == ["hermes", "none", "other"]
+    assert uses_chat_tools("auto", "hermes") and not uses_chat_tools("auto", "none")
+    assert not uses_chat_tools("tags", "hermes") and not uses_chat_tools("tags", "other")
+    assert uses_chat_tools("chat", "hermes")
     with pytest.raises(ConfigError, match="tool_format is chat but the tokenizer's chat template does not render"):
-        uses_chat_tools("chat", False)
+        uses_chat_tools("chat", "none")
+    for tool_format in ("auto", "chat"):  # never a silent run whose calls are never read
+        with pytest.raises(ConfigError, match="writes tool calls in a format lit-rl does not read yet"):
+            uses_chat_tools(tool_format, "other")
     with pytest.raises(ConfigError, match="model.env.tool_format must be one of auto, tags, chat, got 'json'"):
-        uses_chat_tools("json", True)
+        uses_chat_tools("json", "hermes")
 
 
 def test_calls_are_read_from_qwens_markup_and_a_bad_one_keeps_its_error():
@@ -163,6 +176,31 @@ def test_the_appended_tokens_are_what_the_template_renders_after_the_turn(tokeni
     assert cut == [tokenizer.eos_token_id, *observation]
 
 
+@pytest.mark.parametrize(
+    "template, generation_prompt",
+    [
+        ("qwen2_5", ""),
+        ("qwen3", ""),  # renders an earlier assistant turn without the empty <think> block the last one gets
+        ("qwen3_instruct_2507", ""),
+        ("qwen3_5_think", "<think>\n"),
+        ("qwen3_8", "<think>\n"),
+    ],
+)
+def test_the_released_qwen_templates_append_the_tool_response_and_the_next_generation_prompt(
+    template, generation_prompt
+):
+    """The Qwen family's own templates (as TRL ships them): after a turn ending in <|im_end|>, a tool result is the
+    tool-response block and the template's generation prompt, nothing of the history."""
+    tokenizer = qwen_chat_tokenizer()
+    tokenizer.chat_template = _trl_template(template)
+    renderer = ChatRenderer(tokenizer, [tool_schema(add_numbers)])
+    ids = renderer.observation_ids([{"role": "tool", "name": "add_numbers", "content": "5"}], [tokenizer.eos_token_id])
+    assert tokenizer.decode(ids) == (
+        "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        + generation_prompt
+    )
+
+
 def test_a_special_tokens_text_in_a_result_stays_text(tokenizer):
     renderer = ChatRenderer(tokenizer, None)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -239,3 +277,14 @@ def test_grpo_puts_the_tools_schemas_in_the_prompt_through_the_chat_template(tmp
     prompt = model.tokenizer.decode(model._buffer.prompt_ids[0], skip_special_tokens=False)
     assert '<tools>\n{"type": "function", "function": {"name": "add_numbers"' in prompt
     assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_prompt_length_limit_that_would_cut_the_tools_schemas_stops_the_run_first(tmp_path):
+    """Truncation keeps a prompt's end: with tools, it would drop the schemas at its start. The check before
+    training renders the prompts as the rollouts do, schemas included, and names the first that would be cut."""
+    from lit_rl.errors import DataError
+    from tests.conftest import fit_grpo
+
+    path = save_qwen_chat_model(tmp_path / "qwen-chat")
+    with pytest.raises(DataError, match="has a prompt of .* tokens with the tools' schemas; .*max_prompt_length=256"):
+        fit_grpo(model_name_or_path=str(path), tools=["tests.integration.envs.add_numbers"], max_prompt_length=256)

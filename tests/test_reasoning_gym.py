@@ -3,34 +3,37 @@
 
 from __future__ import annotations
 
+import shlex
+
 import pytest
 
 from lit_rl.data.files import load_rows
 from lit_rl.data.reasoning_gym import parse_spec
 from lit_rl.errors import DataError
 from lit_rl.rewards.reasoning_gym import answer_of, score
-from tests.conftest import CONFIGS, FAST_GRPO, read_metrics, run_cli, train_rows, write_overlay
+from tests.conftest import FAST_GRPO, REPO, read_metrics, run_cli, train_rows, write_overlay
 
 reasoning_gym = pytest.importorskip("reasoning_gym")
 
 
 def test_a_spec_names_tasks_their_options_and_the_prompt_style():
-    assert parse_spec("reasoning_gym:basic_arithmetic") == (["basic_arithmetic"], {}, "text")
+    assert parse_spec("reasoning_gym:basic_arithmetic?seed=0") == (["basic_arithmetic"], {"seed": 0}, "text")
     tasks, options, style = parse_spec(
         'reasoning_gym:basic_arithmetic?size=20&seed=3&min_terms=2&whitespace=single&operators=["%2B","-"]&prompt=chat'
     )
     assert tasks == ["basic_arithmetic"] and style == "chat"
     assert options == {"size": 20, "seed": 3, "min_terms": 2, "whitespace": "single", "operators": ["+", "-"]}
-    assert parse_spec("reasoning_gym:basic_arithmetic,leg_counting?size=8")[:2] == (
+    assert parse_spec("reasoning_gym:basic_arithmetic,leg_counting?size=8&seed=1")[:2] == (
         ["basic_arithmetic", "leg_counting"],
-        {"size": 8},
+        {"size": 8, "seed": 1},
     )
     for spec, message in [
         ("reasoning_gym:", "name a reasoning-gym task"),
         ("reasoning_gym:basic_arithmetic?size", "options go as key=value pairs"),
         ("reasoning_gym:basic_arithmetic?size=2&size=3", "option 'size' is given twice"),
-        ("reasoning_gym:basic_arithmetic?prompt=html", "prompt must be one of text, chat, got 'html'"),
-        ("reasoning_gym:basic_arithmetic,leg_counting?min_terms=2", "a mix of tasks takes only size and seed"),
+        ("reasoning_gym:basic_arithmetic?size=2", "give a seed .seed=N., so that every rank and every resume"),
+        ("reasoning_gym:basic_arithmetic?seed=1&prompt=html", "prompt must be one of text, chat, got 'html'"),
+        ("reasoning_gym:basic_arithmetic,leg_counting?seed=1&min_terms=2", "a mix of tasks takes only size and seed"),
     ]:
         with pytest.raises(DataError, match=message):
             parse_spec(spec)
@@ -53,12 +56,25 @@ def test_rows_are_the_tasks_own_entries_with_their_options():
 
 def test_a_task_reasoning_gym_refuses_is_named_in_one_line():
     for spec, message in [
-        ("reasoning_gym:no_such_task?size=2", "reasoning_gym:no_such_task.*reasoning-gym: ValueError"),
-        ("reasoning_gym:basic_arithmetic?size=2&no_such_option=1", "reasoning-gym: TypeError: .*no_such_option"),
+        ("reasoning_gym:no_such_task?size=2&seed=1", "reasoning_gym:no_such_task.*reasoning-gym: ValueError"),
+        ("reasoning_gym:basic_arithmetic?size=2&seed=1&no_such_option=1", "reasoning-gym: TypeError: .*no_such_option"),
     ]:
         with pytest.raises(DataError, match=message) as err:
             load_rows(spec)
         assert "\n" not in str(err.value)
+
+
+def test_a_task_whose_scorer_runs_the_answer_as_code_needs_the_users_consent():
+    """spiral_matrix's scorer `eval`s the answer: a model writing `__import__('os').system(...)` would run it. The
+    task is refused unless the spec says trust_scorer=true; basic_arithmetic's scorer only compares."""
+    with pytest.raises(
+        DataError, match=r"spiral_matrix's scorer runs the model's answer as code \(eval\( in Spiral"
+    ) as err:
+        load_rows("reasoning_gym:spiral_matrix?size=2&seed=1")
+    assert "trust_scorer=true" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(DataError, match="bitwise_arithmetic's scorer runs the model's answer as code .eval. in verify"):
+        load_rows("reasoning_gym:basic_arithmetic,bitwise_arithmetic?size=2&seed=1")  # found in a function it calls
+    assert len(load_rows("reasoning_gym:spiral_matrix?size=2&seed=1&trust_scorer=true")) == 2
 
 
 def test_score_uses_each_tasks_own_scorer_on_the_answer_the_completion_gives():
@@ -75,32 +91,22 @@ def test_score_uses_each_tasks_own_scorer_on_the_answer_the_completion_gives():
     assert answer_of("<answer>1</answer> then <answer> 2 </answer>") == "2"
 
 
+def _documented_command() -> list[str]:
+    """The `lit-rl fit` command of docs/data-and-rewards.md's reasoning-gym section, as a shell would split it."""
+    section = (REPO / "docs" / "data-and-rewards.md").read_text().split("## reasoning-gym tasks", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    words = shlex.split(block.replace("\\\n", " "))
+    assert words[:2] == ["lit-rl", "fit"], words
+    return [str(REPO / word) if word.startswith("configs/") else word for word in words[1:]]
+
+
 @pytest.mark.slow
 def test_grpo_trains_on_a_reasoning_gym_task_through_the_cli(tmp_path):
-    """The command docs/environments.md prints, for 2 steps on 3-digit sums: the task's rows are the data (train and
-    validation), its scorer the reward, logged in both stages."""
+    """The command the docs print, for 2 steps (the test overlay and the suite's small batches on top): the task's
+    rows are the data (train and validation), its scorer the reward, logged in both stages."""
     overlay = write_overlay(tmp_path / "overlay.yaml", save_dir=tmp_path / "runs")
-    task = "reasoning_gym:basic_arithmetic?size={}&seed={}&min_terms=2&max_terms=2&max_digits=2&whitespace=none"
-    run_cli(
-        "fit",
-        "--config",
-        str(CONFIGS / "grpo.yaml"),
-        "--config",
-        str(overlay),
-        *FAST_GRPO,
-        "--data.train_data",
-        task.format(64, 1),
-        "--data.val_data",
-        task.format(16, 2),
-        "--model.rewards.funcs",
-        "[lit_rl.rewards.reasoning_gym.score]",
-        "--model.rewards.weights",
-        "null",
-        "--trainer.max_steps",
-        "2",
-        "--trainer.val_check_interval",
-        "2",
-    )
+    steps = ["--trainer.max_steps", "2", "--trainer.val_check_interval", "2"]
+    run_cli(*_documented_command(), "--config", str(overlay), *FAST_GRPO, *steps)
     log_dir = tmp_path / "runs" / "run" / "version_0"
     train = train_rows(log_dir)
     assert [row["step"] for row in train] == [1, 2]

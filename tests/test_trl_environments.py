@@ -28,7 +28,7 @@ def _call(name: str, **arguments: Any) -> str:
 
 
 def test_a_class_with_reset_and_no_step_is_trls_and_its_methods_are_its_tools():
-    spec = environment_factory(INCREMENT, None, None, "auto", template_renders_tools=True)
+    spec = environment_factory(INCREMENT, None, None, "auto", tool_support="hermes")
     assert spec.reward_names == ("IncrementEnv",)  # get_reward: a column named after the class, as in TRL
     assert [schema["function"]["name"] for schema in spec.tool_schemas] == ["increment"]  # not reset, get_reward
     env = spec.factory()
@@ -51,7 +51,7 @@ def test_a_class_with_reset_and_no_step_is_trls_and_its_methods_are_its_tools():
 
 def test_standalone_tools_are_offered_beside_the_methods_and_async_ones_are_awaited():
     spec = environment_factory(
-        "tests.integration.envs.AsyncIncrementEnv", None, ["tests.integration.envs.add_numbers"], "auto", True
+        "tests.integration.envs.AsyncIncrementEnv", None, ["tests.integration.envs.add_numbers"], "auto", "hermes"
     )
     assert [schema["function"]["name"] for schema in spec.tool_schemas] == ["add_numbers", "increment"]
     env = spec.factory()
@@ -64,13 +64,13 @@ def test_standalone_tools_are_offered_beside_the_methods_and_async_ones_are_awai
 
 def test_a_trl_environment_that_cannot_run_says_why_in_one_line():
     with pytest.raises(ConfigError, match="is a TRL environment .*tool_format tags cannot call them"):
-        environment_factory(INCREMENT, None, None, "tags", True)
+        environment_factory(INCREMENT, None, None, "tags", "hermes")
     with pytest.raises(ConfigError, match="is a TRL environment .* the tokenizer's chat template does not render"):
-        environment_factory(INCREMENT, None, None, "auto", False)
+        environment_factory(INCREMENT, None, None, "auto", "none")
     with pytest.raises(ConfigError, match=r"IncrementEnv: IncrementEnv\(\) takes no arguments"):
-        environment_factory(INCREMENT, {"level": 2}, None, "auto", True)
+        environment_factory(INCREMENT, {"level": 2}, None, "auto", "hermes")
     with pytest.raises(ConfigError, match="Silent has no public method to offer as a tool"):
-        environment_factory("tests.test_trl_environments.Silent", None, None, "auto", True)
+        environment_factory("tests.test_trl_environments.Silent", None, None, "auto", "hermes")
 
 
 class Silent:
@@ -129,7 +129,7 @@ def test_get_reward_scores_each_ended_episode_once_but_not_one_whose_environment
     # the stuck tool, whose step overruns the runner's 0.5 s limit.
     engine = _Turns({65: [turn(_call("increment", step=2)), turn(_call("increment", step=1)), turn("Done.")],
                      66: [turn(_call("increment", step=1))]})  # fmt: skip
-    envs = [TRLEnvironment(IncrementEnv()), TRLEnvironment(Stuck())]
+    envs = [TRLEnvironment(Counted()), TRLEnvironment(Stuck())]
     for env in envs:
         env.reset({"prompt": "p", "answer": "3"})
     episodes = run_episodes(
@@ -140,18 +140,59 @@ def test_get_reward_scores_each_ended_episode_once_but_not_one_whose_environment
         [0, 1],
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         encode_observation=lambda observation, turn_ids: [7],
-        reward_names=("IncrementEnv",),
+        reward_names=("Counted",),
         max_turns=4,
         max_total_tokens=512,
         pad_id=tokenizer.pad_token_id,
         device=torch.device("cpu"),
         runner=EnvironmentRunner(concurrency=2, timeout_s=0.5),
     )
-    assert episodes.error is None
-    assert episodes.env_rewards.tolist() == [[1.0], [0.0]]
+    assert episodes.error is None and episodes.unfinished == {1}
+    # Episode 1's reward was never asked: invalid (NaN: `model.rewards.on_invalid` counts it), not a 0 it could earn
+    # by stalling.
+    assert episodes.env_rewards[0].tolist() == [1.0] and episodes.env_rewards[1].isnan().all()
     # turns, tool calls, failed calls, observation tokens, steps timed out
     assert episodes.stats.tolist() == [[3, 2, 0, 2, 0], [1, 0, 0, 0, 1]]
     assert not Stuck.asked  # its environment was still busy: never asked for a reward
+    assert envs[0].instance.rewards_asked == 1
+
+
+class Counted(IncrementEnv):
+    """IncrementEnv that counts the calls of `get_reward`."""
+
+    def get_reward(self) -> float:
+        self.rewards_asked = getattr(self, "rewards_asked", 0) + 1
+        return super().get_reward()
+
+
+def test_the_last_turns_tool_calls_are_not_made_as_in_trl():
+    """With `max_turns` 2, a call in the second turn would never have its result seen: TRL does not make it, and
+    neither does lit-rl, so `get_reward` scores the state the model acted on (counter 2, target 2)."""
+    tokenizer = qwen_chat_tokenizer()
+
+    def turn(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+
+    engine = _Turns({65: [turn(_call("increment", step=2)), turn(_call("increment", step=5))]})
+    env = TRLEnvironment(Counted())
+    env.reset({"prompt": "p", "answer": "2"})
+    episodes = run_episodes(
+        engine,
+        [env],
+        [[65, 1]],
+        SamplingParams(max_new_tokens=64),
+        [0],
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        encode_observation=lambda observation, turn_ids: [7],
+        reward_names=("Counted",),
+        max_turns=2,
+        max_total_tokens=512,
+        pad_id=tokenizer.pad_token_id,
+        device=torch.device("cpu"),
+        runner=EnvironmentRunner(concurrency=1, timeout_s=5.0),
+    )
+    assert env.instance.counter == 2 and env.instance.rewards_asked == 1
+    assert episodes.env_rewards.tolist() == [[1.0]] and episodes.stats[0, :2].tolist() == [2, 1]
 
 
 def test_grpo_runs_a_trl_environment_and_passes_the_instances_to_reward_functions(tmp_path):
@@ -163,11 +204,11 @@ def test_grpo_runs_a_trl_environment_and_passes_the_instances_to_reward_function
     path = save_qwen_chat_model(tmp_path / "qwen-chat")
     model = fit_grpo(
         model_name_or_path=str(path),
-        environment=INCREMENT,
-        reward_funcs=["tests.integration.envs.counter_untouched"],
+        environment="tests.integration.envs.NumberedIncrementEnv",
+        reward_funcs=["tests.integration.envs.counter_untouched", "tests.integration.envs.env_number"],
         max_turns=2,
     )
-    assert model.reward_names == ["counter_untouched", "env/IncrementEnv"]
+    assert model.reward_names == ["counter_untouched", "env_number", "env/NumberedIncrementEnv"]
     prompt = model.tokenizer.decode(model._buffer.prompt_ids[0], skip_special_tokens=False)
     assert '"name": "increment"' in prompt and "Increment the counter to" in prompt
     components = model._buffer.reward_components
@@ -175,5 +216,9 @@ def test_grpo_runs_a_trl_environment_and_passes_the_instances_to_reward_function
     # A random model writes no tool call: every counter is 0, so the reward function (reading `environments`) pays 1
     # and get_reward pays 1 exactly where the target is 0.
     assert calls.sum() == 0 and components[:, 0].tolist() == [1.0] * len(components)
-    targets = [int(text.rsplit("to ", 1)[1][0]) for text in model.tokenizer.batch_decode(model._buffer.prompt_ids)]
-    assert components[:, 1].tolist() == [float(target == 0) for target in targets]
+    # Each completion's instance is its own episode's: the number its reset appended to that episode's prompt.
+    prompts = model.tokenizer.batch_decode(model._buffer.prompt_ids)
+    numbers = [int(text.rsplit("Episode ", 1)[1].split(".")[0]) for text in prompts]
+    assert components[:, 1].tolist() == [float(number) for number in numbers] and len(set(numbers)) == len(numbers)
+    targets = [int(text.rsplit("to ", 1)[1][0]) for text in prompts]
+    assert components[:, 2].tolist() == [float(target == 0) for target in targets]

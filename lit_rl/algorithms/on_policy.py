@@ -33,7 +33,7 @@ from lit_rl.algorithms.rollout_checks import check_prompt_lengths
 from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, RolloutArgs, SamplingArgs, ScheduleArgs, as_args
 from lit_rl.data.schedule import RolloutSchedule
 from lit_rl.envs import environment_factory
-from lit_rl.envs.chat_tools import template_renders_tools
+from lit_rl.envs.chat_tools import template_tool_support
 from lit_rl.envs.runner import EnvironmentRunner
 from lit_rl.errors import ConfigError
 from lit_rl.losses import LossNormalizer
@@ -125,14 +125,16 @@ class OnPolicyModule(PolicyModule):
         """
         env, params = self.env_args, self.sampling_params(training=True)
         parts = ProducerParts(self, self.engines, self.reward_scorer, params, self.sampling_args.max_new_tokens)
+        self.prompt_tools: Optional[list[dict]] = None  # the schemas every prompt is rendered with (chat-format tools)
         if env.enabled:
             spec = environment_factory(
                 env.environment,
                 env.environment_args,
                 env.tools,
                 env.tool_format,
-                template_renders_tools(self.tokenizer),
+                template_tool_support(self.tokenizer),
             )
+            self.prompt_tools = spec.tool_schemas
             return EpisodeProducer(
                 parts,
                 env_factory=spec.factory,

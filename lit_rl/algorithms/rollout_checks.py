@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lit_rl.data.files import record_label
+from lit_rl.envs.chat_tools import chat_prompt
 from lit_rl.errors import ConfigError, DataError
 
 
@@ -18,13 +19,15 @@ def check_prompt_lengths(module: Any) -> None:
     max_prompt_length, datamodule = module.max_prompt_length, module.trainer.datamodule
     budget = module.completion_budget
     budget_key = "env.max_total_tokens" if module.env_args.enabled else "sampling.max_new_tokens"
+    tools = getattr(module, "prompt_tools", None)  # the prompts are rendered with these schemas (chat-format tools)
     if max_prompt_length is not None:
         if max_prompt_length + budget > context:
             raise ConfigError(
                 f"model.sampling.max_prompt_length ({max_prompt_length}) + model.{budget_key} ({budget}) "
                 f"exceeds the model's context of {context} tokens"
             )
-        return
+        if tools is None:
+            return
     if budget >= context:  # no prompt can fit: only the budget can help
         raise ConfigError(
             f"model.{budget_key} ({budget}) leaves no room for a prompt in the model's context of {context} "
@@ -36,9 +39,18 @@ def check_prompt_lengths(module: Any) -> None:
     ):
         for start in range(0, len(rows), 1024):
             chunk = rows[start : start + 1024]
-            prompts = [row["prompt"] for row in chunk]
-            lengths = [len(ids) for ids in module.tokenizer([module.format_prompt(p) for p in prompts])["input_ids"]]
+            prompts = [row["prompt"] if tools is None else chat_prompt(row["prompt"]) for row in chunk]
+            texts = [module.format_prompt(p, tools) for p in prompts]
+            lengths = [len(ids) for ids in module.tokenizer(texts)["input_ids"]]
             for offset, length in enumerate(lengths):
+                if max_prompt_length is not None:  # with tools: truncation would cut the schemas, at the start
+                    if length > max_prompt_length:
+                        raise DataError(
+                            f"{source}: {record_label(source, start + offset)} has a prompt of {length} tokens with "
+                            f"the tools' schemas; model.sampling.max_prompt_length={max_prompt_length} would cut it "
+                            "from its start, schemas first: raise it, or set it to null"
+                        )
+                    continue
                 if length + budget > context:
                     raise DataError(
                         f"{source}: {record_label(source, start + offset)} has a prompt of {length} tokens; with "

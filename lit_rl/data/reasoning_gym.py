@@ -9,14 +9,17 @@ config fields; a value is read as JSON where it parses, `3`, `true`, `["+", "-"]
 lit-rl's: `prompt=text` (the default: the question as it is, for a base model) or `prompt=chat` (reasoning-gym's
 default system prompt, which asks for the answer in `<answer>` tags, and the question as a user message). Several
 tasks, comma-separated, make reasoning-gym's `composite` dataset with equal weights (then only `size`, `seed` and
-`prompt` may be given). Each row holds `prompt`, `answer` and `reasoning_gym` (the task's entry: question, answer and
-metadata), which `lit_rl.rewards.reasoning_gym.score` scores with the task's own scorer.
+`prompt` may be given). Each row holds `prompt`, `answer`, `reasoning_gym` (the task's entry: question, answer and
+metadata), which `lit_rl.rewards.reasoning_gym.score` scores with the task's own scorer, and `completion` (the
+answer as the prompt style asks for it: `<answer>...</answer>` for `chat`), so SFT trains on the same spec.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
-from typing import Any
+import re
+from typing import Any, Callable, Optional
 from urllib.parse import parse_qsl
 
 from lit_rl.errors import DataError
@@ -24,6 +27,9 @@ from lit_rl.errors import DataError
 PREFIX = "reasoning_gym:"
 PROMPT_STYLES = ("text", "chat")
 MIX_OPTIONS = ("size", "seed")
+TRUST_OPTION = "trust_scorer"
+# What runs text as code: Python's own, and sympy's parsers (which eval, and can hang on `9**9**9`).
+EVALUATING = re.compile(r"\b(eval|exec|compile|parse_expr|sympify|parse_latex)\(")
 
 
 def is_reasoning_gym(spec: str) -> bool:
@@ -53,11 +59,13 @@ def parse_spec(spec: str) -> tuple[list[str], dict[str, Any], str]:
         if key in options:
             raise DataError(f"{spec!r}: option {key!r} is given twice")
         options[key] = _value(value)
+    if "seed" not in options:  # reasoning-gym would draw one: each rank and each resume would get other rows
+        raise DataError(f"{spec!r}: give a seed (seed=N), so that every rank and every resume makes the same rows")
     style = options.pop("prompt", "text")
     if style not in PROMPT_STYLES:
         raise DataError(f"{spec!r}: prompt must be one of {', '.join(PROMPT_STYLES)}, got {style!r}")
     if len(tasks) > 1:
-        others = sorted(set(options) - set(MIX_OPTIONS))
+        others = sorted(set(options) - set(MIX_OPTIONS) - {TRUST_OPTION})
         if others:
             raise DataError(f"{spec!r}: a mix of tasks takes only size and seed, not {others[0]!r}")
     return tasks, options, style
@@ -66,11 +74,19 @@ def parse_spec(spec: str) -> tuple[list[str], dict[str, Any], str]:
 def load_reasoning_gym_rows(spec: str) -> list[dict[str, Any]]:
     """The rows of `spec` (module docstring)."""
     tasks, options, style = parse_spec(spec)
+    trusted = options.pop(TRUST_OPTION, False) is True
     try:
         import reasoning_gym
         from reasoning_gym.utils import SYSTEM_PROMPTS
     except ImportError:
         raise DataError(f"{spec!r}: reasoning-gym is not installed: pip install 'lit-rl[reasoning-gym]'") from None
+    for task in tasks if not trusted else ():
+        found = scorer_evaluation(task)
+        if found:
+            raise DataError(
+                f"{spec!r}: {task}'s scorer runs the model's answer as code ({found}); add {TRUST_OPTION}=true to the "
+                "spec to train on it anyway, knowing that the model's text then runs in the trainer's process"
+            )
     try:
         if len(tasks) == 1:
             dataset = reasoning_gym.create_dataset(tasks[0], **options)
@@ -93,5 +109,41 @@ def load_reasoning_gym_rows(spec: str) -> list[dict[str, Any]]:
             ]
         else:
             prompt = question
-        rows.append({"prompt": prompt, "answer": entry["answer"], "reasoning_gym": dict(entry)})
+        # `completion`: the reference answer in the prompt's style, for SFT (`SFTDataModule`) on the same spec.
+        completion = f"<answer>{entry['answer']}</answer>" if style == "chat" else str(entry["answer"])
+        row = {"prompt": prompt, "completion": completion, "answer": entry["answer"], "reasoning_gym": dict(entry)}
+        rows.append(row)
     return rows
+
+
+def scorer_evaluation(task: str) -> Optional[str]:
+    """Where `task`'s scorer runs text as code (`eval(` in SpiralMatrixDataset.score_answer), or None: its
+    `score_answer` is read, with the methods and module functions it calls, two calls deep. A task reasoning-gym does
+    not know is left to `create_dataset`, which names it."""
+    from reasoning_gym.factory import DATASETS
+
+    if task not in DATASETS:
+        return None
+    cls = DATASETS[task][0]
+    module = inspect.getmodule(cls)
+    seen: set[Any] = set()
+    frontier: list[tuple[str, Callable[..., Any]]] = [(f"{cls.__name__}.score_answer", cls.score_answer)]
+    for _ in range(3):  # score_answer, what it calls, what those call
+        calls = []
+        for where, function in frontier:
+            if function in seen:
+                continue
+            seen.add(function)
+            try:
+                source = inspect.getsource(function)
+            except (OSError, TypeError):
+                continue
+            match = EVALUATING.search(source)
+            if match:
+                return f"{match.group(1)}( in {where}"
+            for name in set(re.findall(r"\b(?:self\.)?(\w+)\(", source)):
+                callee = getattr(cls, name, None) or getattr(module, name, None)
+                if inspect.isfunction(callee) or inspect.ismethod(callee):
+                    calls.append((f"{getattr(callee, '__qualname__', name)}", callee))
+        frontier = calls
+    return None

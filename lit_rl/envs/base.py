@@ -79,10 +79,11 @@ def environment_factory(
     args: Optional[dict[str, Any]],
     tools: Optional[list[str]],
     tool_format: str = "auto",
-    template_renders_tools: bool = False,
+    tool_support: str = "none",
 ) -> EnvironmentSpec:
     """The `EnvironmentSpec` of the settings `model.env.environment` (an import path), `environment_args`, `tools`
-    and `tool_format` (`template_renders_tools`: whether the tokenizer's chat template renders tools). Tools alone
+    and `tool_format` (`tool_support`: what the tokenizer's chat template does with tools,
+    `lit_rl.envs.chat_tools.template_tool_support`). Tools alone
     give the built-in `ToolEnvironment`, or in the chat format `ChatToolEnvironment`; a TRL environment class (a
     `reset` and no `step`) runs in `TRLEnvironment`, its methods and the tools called in the chat format; any other
     environment is given the tools as `tools=`."""
@@ -98,7 +99,7 @@ def environment_factory(
     kwargs = dict(args or {})
     make: Callable[..., Any]
     if path is None:
-        chat = uses_chat_tools(tool_format, template_renders_tools)
+        chat = uses_chat_tools(tool_format, tool_support)
         make = ChatToolEnvironment if chat else ToolEnvironment
         kwargs["tools"] = functions
     else:
@@ -107,10 +108,10 @@ def environment_factory(
         except ValueError as err:
             raise ConfigError(f"model.env.environment: {err}") from None
         if is_trl_environment(user_class):
-            _check_trl_format(path, tool_format, template_renders_tools)
+            _check_trl_format(path, tool_format, tool_support)
             chat, make = True, lambda **options: TRLEnvironment(user_class(**options), functions)
         else:
-            chat, make = bool(functions) and uses_chat_tools(tool_format, template_renders_tools), user_class
+            chat, make = bool(functions) and uses_chat_tools(tool_format, tool_support), user_class
             if functions:
                 kwargs["tools"] = functions
     try:
@@ -124,16 +125,17 @@ def environment_factory(
     return EnvironmentSpec(lambda: make(**kwargs), tuple(getattr(probe, "reward_names", ())), schemas)
 
 
-def _check_trl_format(path: str, tool_format: str, template_renders_tools: bool) -> None:
+def _check_trl_format(path: str, tool_format: str, tool_support: str) -> None:
     """A TRL environment's methods are tools called in the chat format: a one-line error when they cannot be."""
     if tool_format == "tags":
         raise ConfigError(
             f"model.env.environment {path} is a TRL environment (a reset and no step), whose methods are tools "
             "called in the chat format; model.env.tool_format tags cannot call them"
         )
-    if not template_renders_tools:
+    if tool_support != "hermes":
         raise ConfigError(
             f"model.env.environment {path} is a TRL environment (a reset and no step), whose methods are tools "
-            "called in the chat format, but the tokenizer's chat template does not render tools; give a "
-            "tool-calling model"
+            "called in the chat format, but the tokenizer's chat template "
+            + ("does not render tools" if tool_support == "none" else "writes calls in a format lit-rl does not read")
+            + " (lit-rl reads Qwen's and Hermes' <tool_call>{json}</tool_call>)"
         )

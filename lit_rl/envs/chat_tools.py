@@ -55,12 +55,25 @@ def tool_schema(tool: Callable[..., Any]) -> dict[str, Any]:
         ) from None
 
 
-def template_renders_tools(tokenizer: Any) -> bool:
-    """Whether the tokenizer's chat template can put tool schemas in a prompt (it reads the `tools` variable)."""
+HERMES, OTHER, NONE = "hermes", "other", "none"  # what a chat template does with tools (`template_tool_support`)
+
+
+def template_tool_support(tokenizer: Any) -> str:
+    """What the tokenizer's chat template does with tools: `hermes` when it writes a call as
+    `<tool_call>{json}</tool_call>` (Qwen2.5/3, Hermes: what `parse_tool_calls` reads), `other` when it reads
+    `tools` but writes calls another way (Llama 3.x's bare JSON: not parsed yet), `none` when it never reads them."""
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # named templates: the default, or a "tool_use" one
         template = " ".join(template.values())
-    return isinstance(template, str) and re.search(r"\btools\b", template) is not None
+    if not isinstance(template, str) or re.search(r"\btools\b", template) is None:
+        return NONE
+    call = {"type": "function", "function": {"name": "lit_rl_probe", "arguments": {"x": 1}}}
+    conversation = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False)
+    except Exception:  # a template that raises on a tool call cannot be the format lit-rl parses
+        return OTHER
+    return HERMES if _TOOL_CALL.search(text) and "lit_rl_probe" in text else OTHER
 
 
 def check_tool_format(tool_format: str) -> None:
@@ -69,17 +82,26 @@ def check_tool_format(tool_format: str) -> None:
         raise ConfigError(f"model.env.tool_format must be one of {', '.join(TOOL_FORMATS)}, got {tool_format!r}")
 
 
-def uses_chat_tools(tool_format: str, template_renders_tools: bool) -> bool:
-    """Whether `model.env.tool_format` (auto, tags, chat) means calls in the chat format, given whether the
-    tokenizer's chat template renders tools (`template_renders_tools`); a one-line error when `chat` is asked of a
-    template that cannot."""
+def uses_chat_tools(tool_format: str, support: str) -> bool:
+    """Whether `model.env.tool_format` (auto, tags, chat) means calls in the chat format, given the tokenizer's
+    `template_tool_support`; a one-line error when the chat format is asked of, or is the only choice for, a template
+    whose calls lit-rl cannot read."""
     check_tool_format(tool_format)
-    if tool_format == "chat" and not template_renders_tools:
+    if tool_format == "tags":
+        return False
+    if support == HERMES:
+        return True
+    if tool_format == "auto" and support == NONE:
+        return False
+    if support == NONE:
         raise ConfigError(
             "model.env.tool_format is chat but the tokenizer's chat template does not render tools (it never reads "
             "`tools`); give a tool-calling model's template, or use tool_format tags"
         )
-    return tool_format == "chat" or (tool_format == "auto" and template_renders_tools)
+    raise ConfigError(
+        "model.env.tools: the tokenizer's chat template writes tool calls in a format lit-rl does not read yet (it "
+        "reads Qwen's and Hermes' <tool_call>{json}</tool_call>); set model.env.tool_format tags for lit-rl's tags"
+    )
 
 
 @dataclass
@@ -89,6 +111,11 @@ class ToolCall:
     name: Optional[str]
     arguments: dict[str, Any]
     error: Optional[str] = None
+
+
+def chat_prompt(prompt: Any) -> list[dict[str, Any]]:
+    """A prompt as chat messages, as tools in the chat format need it: a text prompt becomes a user message."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
@@ -126,13 +153,8 @@ def _call(tool: Callable[..., Any], arguments: dict[str, Any]) -> Any:
 
 
 def _as_text(value: Any) -> str:
-    """A tool's return value as a message's content: text as is, anything else as JSON where it can be."""
-    if isinstance(value, str):
-        return value
-    try:
-        return json.dumps(value)
-    except (TypeError, ValueError):
-        return str(value)
+    """A tool's return value as a message's content: `str(value)`, as TRL writes it."""
+    return value if isinstance(value, str) else str(value)
 
 
 class ChatToolEnvironment:
@@ -172,7 +194,9 @@ class ChatToolEnvironment:
         for call in calls:
             content, failed = self.run(call)
             errors += int(failed)
-            messages.append({"role": "tool", "name": call.name or "unknown", "content": content})
+            # Only a registered name reaches the template's markup: the model's own text could hold special tokens.
+            name = call.name if call.name in self.tools else "unknown"
+            messages.append({"role": "tool", "name": name, "content": content})
         return StepResult(observation=messages, tool_calls=len(calls), tool_errors=errors)
 
     def run(self, call: ToolCall) -> tuple[str, bool]:
@@ -201,10 +225,12 @@ class ChatToolEnvironment:
 class ChatRenderer:
     """Chat messages (an observation) -> the token ids appended to an episode after a model turn, token-in,
     token-out: the tokens the chat template puts after an assistant message for these messages, then its
-    generation prompt. They are found by rendering a stand-in conversation (a user question and an assistant answer)
-    with and without the messages and keeping what follows the answer; the episode's own history is never rendered
-    or re-tokenised. What the model already wrote of the closing markup (its end-of-turn token, `<|im_end|>` for
-    Qwen) is not repeated; a turn cut short by its token budget gets the whole closing.
+    generation prompt. They are found by rendering a stand-in conversation (a user question, an assistant answer, the
+    messages) and keeping what follows the answer; the episode's own history is never rendered or re-tokenised, and
+    a template that renders earlier turns differently once more follow (Qwen3 drops the empty `<think>` block of an
+    assistant turn that is no longer the last) needs no special case. What the model already wrote of the closing
+    markup (its end-of-turn token, `<|im_end|>` for Qwen) is not repeated; a turn cut short by its token budget gets
+    the whole closing.
 
     Message contents are encoded as text: a tool's result that contains a special token's text (`<|im_end|>`)
     gets that text's characters, never the special token, so an observation cannot end a turn or forge a role.
@@ -223,7 +249,6 @@ class ChatRenderer:
         ]
         base = self._render(self.history, generation_prompt=False)
         answer_end = base.rindex(_STAND_IN_ANSWER) + len(_STAND_IN_ANSWER)
-        self.prefix = base[:answer_end]
         self.closing = tokenizer.encode(base[answer_end:], add_special_tokens=False)  # `<|im_end|>`, `\n` for Qwen
 
     def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
@@ -236,12 +261,11 @@ class ChatRenderer:
         placeholders = [f"\x00lit-rl content {k}\x00" for k in range(len(messages))]
         stand_ins = [{**message, "content": placeholder} for message, placeholder in zip(messages, placeholders)]
         full = self._render(self.history + stand_ins, generation_prompt=True)
-        if not full.startswith(self.prefix):
-            raise ValueError(
-                "the chat template renders the earlier turns differently once these messages follow, so they cannot "
-                "be appended token-in, token-out"
-            )
-        added = full[len(self.prefix) :]
+        first = full.find(placeholders[0]) if placeholders else -1
+        answer = full.rfind(_STAND_IN_ANSWER, 0, first if first >= 0 else len(full))
+        if answer < 0:
+            raise ValueError("the chat template does not render the assistant's turn before these messages")
+        added = full[answer + len(_STAND_IN_ANSWER) :]
         ids: list[int] = []
         for k, (message, placeholder) in enumerate(zip(messages, placeholders)):
             markup, found, added = added.partition(placeholder)

@@ -43,8 +43,12 @@ _OPERATORS = {
 
 
 def calc(expression: str) -> str:
-    """The value of an arithmetic `expression` (integers and decimals, + - * / // %, unary minus, parentheses),
-    as text: an integer when the value is whole. Anything else (names, calls, powers, strings) is a `ValueError`."""
+    """The value of an arithmetic expression (integers and decimals, + - * / // %, unary minus, parentheses), as
+    text: an integer when the value is whole. Anything else (names, calls, powers, strings) is a `ValueError`.
+
+    Args:
+        expression: the arithmetic expression, for example "1234*5678".
+    """
     if len(expression) > _MAX_EXPRESSION:
         raise ValueError(f"expression longer than {_MAX_EXPRESSION} characters")
     try:

@@ -19,6 +19,7 @@ on the step's thread, bounded by `model.env.step_timeout_s` (a step past it ends
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 from typing import Any, Callable, Optional
 
@@ -64,6 +65,10 @@ class TRLEnvironment(ChatToolEnvironment):
         tools: `model.env.tools` (functions), offered beside the instance's methods.
     """
 
+    # TRL runs no tool call whose result the model would never see: the last turn's calls are not made, so
+    # `get_reward` and `environments=` see the state the model acted on.
+    steps_after_last_turn = False
+
     def __init__(self, instance: Any, tools: Optional[list[Callable[..., Any]]] = None) -> None:
         methods = tool_methods(instance)
         if not methods and not tools:
@@ -79,7 +84,7 @@ class TRLEnvironment(ChatToolEnvironment):
     def reset(self, row: dict[str, Any]) -> Any:
         """The episode's prompt: the row's, with what the instance's `reset(**row)` returned appended (TRL's
         rule); None (the row's prompt as it is) when it returned None."""
-        observation = _resolved(self.instance.reset(**row))
+        observation = _resolved(self.instance.reset(**copy.deepcopy(row)))  # the G episodes of a row share it
         if observation is None:
             return None
         return _appended(row["prompt"], str(observation))

@@ -44,6 +44,10 @@ def url_reward_name(url: str) -> str:
     return segment or f"http_{parsed.port or parsed.hostname}"
 
 
+# Columns that are objects of this process, not data: a TRL environment's instances (`environments=`).
+LOCAL_COLUMNS = ("environments",)
+
+
 class HTTPReward:
     """A reward function `(prompts, completions, **columns) -> list[float]` that asks the server at `url`."""
 
@@ -69,7 +73,9 @@ class HTTPReward:
                 "prompts": list(prompts[s : s + self.batch_size]),
                 "completions": list(completions[s : s + self.batch_size]),
                 "columns": {
-                    key: list(values[s : s + self.batch_size]) for key, values in columns.items() if values is not None
+                    key: list(values[s : s + self.batch_size])
+                    for key, values in columns.items()
+                    if values is not None and key not in LOCAL_COLUMNS
                 },
                 "trainer_state": state,
             }

@@ -36,6 +36,7 @@ class Episodes:
     env_rewards: torch.Tensor
     stats: torch.Tensor
     error: Optional[str] = None  # the first failure of an environment (its episode ended there), to raise on every rank
+    unfinished: frozenset[int] = frozenset()  # episodes whose environment failed or overran: never asked to `finish`
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -106,6 +107,10 @@ def run_episodes(
             engine.generate(ids, mask, stand_in, seeds=None if seeds is None else [turn_seed(seeds[0], turn)])
             continue
         budgets = {i: min(params.max_new_tokens, max_total_tokens - used[i]) for i in active}
+
+        def _last_turn(i: int) -> bool:  # after this turn, the episode ends whatever its environment answers
+            return turn == max_turns - 1 or used[i] >= max_total_tokens
+
         budget = max(budgets.values())
         turn_params = replace(params, max_new_tokens=budget, min_new_tokens=min(params.min_new_tokens, budget))
         ids, mask = left_padded([contexts[i] for i in active], pad_id, device)
@@ -120,10 +125,12 @@ def run_episodes(
             used[i] += length
             stats[i, 0] += 1
             texts[i] = decode(sampled)
-        # Every episode's step at once, off this thread; their outcomes are taken in episode order.
-        outcomes = runner.run([(envs[i].step, (texts[i],)) for i in active])
+        # Every episode's step at once, off this thread; their outcomes are taken in episode order. An environment
+        # with `steps_after_last_turn = False` (TRL's kind) is not stepped on a turn no observation can follow.
+        stepped = [i for i in active if getattr(envs[i], "steps_after_last_turn", True) or not _last_turn(i)]
+        outcomes = runner.run([(envs[i].step, (texts[i],)) for i in stepped])
         still_active = []
-        for i, outcome in zip(active, outcomes):
+        for i, outcome in zip(stepped, outcomes):
             if isinstance(outcome, EnvCallTimeout):  # its environment is still busy: the episode ends here
                 stats[i, 4] += 1
                 broken.add(i)
@@ -157,8 +164,11 @@ def run_episodes(
         active = still_active
     settled = [i for i in range(n) if i not in broken]
     finish_error = _finish(envs, settled, runner, env_rewards, stats, column, env_name)
+    for i in broken:  # a reward scored at the end was never asked: invalid (`model.rewards.on_invalid`), not 0
+        if callable(getattr(envs[i], "finish", None)):
+            env_rewards[i] = float("nan")
     output = _transcripts(pieces, pad_id, device)
-    return Episodes(output, env_rewards.to(device), stats.to(device), error or finish_error)
+    return Episodes(output, env_rewards.to(device), stats.to(device), error or finish_error, frozenset(broken))
 
 
 def _add_reward_parts(row: torch.Tensor, parts: dict[str, float], column: dict[str, int], where: str) -> None:

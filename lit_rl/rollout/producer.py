@@ -22,9 +22,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from lit_rl.envs.chat_tools import ChatRenderer
+from lit_rl.envs.chat_tools import ChatRenderer, chat_prompt
 from lit_rl.envs.runner import EnvCallTimeout, EnvironmentRunner
-from lit_rl.errors import EnvironmentStepError, RewardFunctionError
+from lit_rl.envs.trl_environments import TRLEnvironment
+from lit_rl.errors import ConfigError, EnvironmentStepError, RewardFunctionError
 from lit_rl.rewards import TrainerState
 from lit_rl.rewards.scorer import RewardScorer
 from lit_rl.rollout.asynchronous import AsyncGenerations, generation_version
@@ -234,6 +235,14 @@ class EpisodeProducer(RolloutProducer):
         self.runner = runner
         self.tool_schemas = tool_schemas
         self._renderer: Optional[ChatRenderer] = None
+        if tool_schemas is not None:  # a template that cannot render a tool result fails now, not mid-training
+            probe = [{"role": "tool", "name": tool_schemas[0]["function"]["name"], "content": "probe"}]
+            try:
+                self.encode_observation(probe, [])
+            except Exception as err:
+                raise ConfigError(
+                    f"model.env.tools: the tokenizer's chat template cannot render a tool result after a turn: {err}"
+                ) from None
         self.env_factory = env_factory
         self.env_reward_names = env_reward_names
         self.max_turns = max_turns
@@ -265,12 +274,12 @@ class EpisodeProducer(RolloutProducer):
                     failure = f"raised {type(first).__name__}: {first}"
                     if isinstance(first, EnvCallTimeout):
                         failure = f"{first} (model.env.step_timeout_s)"
-                    error = error or f"{type(env).__name__}.reset {failure}"
+                    error = error or f"{type(getattr(env, 'instance', env)).__name__}.reset {failure}"
                     first = None
                     ended.add(index)  # never stepped: its environment may still be busy in that reset
                 prompts.append(row["prompt"] if first is None else first)
             if self.tool_schemas is not None:  # the tools' schemas reach the model through its chat template
-                prompts = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
+                prompts = [chat_prompt(p) for p in prompts]
             prompt_ids, prompt_mask = host.encode_prompts(prompts, self.tool_schemas)
             tokenizer = host.tokenizer
             episodes = run_episodes(
@@ -287,7 +296,7 @@ class EpisodeProducer(RolloutProducer):
                 pad_id=tokenizer.pad_token_id,
                 device=host.device,
                 runner=self.runner,
-                env_name=type(envs[0]).__name__,
+                env_name=type(getattr(envs[0], "instance", envs[0])).__name__,  # the user's class, under a TRL one
                 any_active=self._any_rank_active,
                 ended=frozenset(ended),
             )
@@ -295,9 +304,15 @@ class EpisodeProducer(RolloutProducer):
         self.fail_on_every_rank(error or episodes.error, EnvironmentStepError, "the environment failed on another rank")
         out = episodes.output
         host.timer.count("generated_tokens", float(model_token_mask(out).sum()))
-        # A TRL environment's reward functions read the user's instances (`environments=`), not lit-rl's wrappers.
-        environments = [getattr(env, "instance", env) for env in envs]
-        return self.scored(rows, repeat, prompt_ids, prompt_mask, out, episodes.env_rewards, environments=environments)
+        if isinstance(envs[0], TRLEnvironment):
+            # As TRL: reward functions get each episode's prompt (with what `reset` appended) and the user's instances
+            # (`environments=`); None for one whose environment failed or is still busy in an overrunning call.
+            episode_rows = [{**row, "prompt": prompt} for row, prompt in zip(rows_of, prompts)]
+            instances = [None if i in episodes.unfinished else env.instance for i, env in enumerate(envs)]
+            return self.scored(
+                episode_rows, 1, prompt_ids, prompt_mask, out, episodes.env_rewards, environments=instances
+            )
+        return self.scored(rows, repeat, prompt_ids, prompt_mask, out, episodes.env_rewards)
 
     def encode_observation(self, observation: Any, turn_ids: list[int]) -> list[int]:
         """An observation's ids: chat messages rendered by the chat template after the turn (`ChatRenderer`), text

@@ -149,6 +149,22 @@ class AsyncIncrementEnv(IncrementEnv):
         return self.counter
 
 
+class NumberedIncrementEnv(IncrementEnv):
+    """IncrementEnv that numbers its episodes in its prompt ("Episode 12."), so a test can match each completion's
+    instance (`env_number`) to the prompt it sampled from."""
+
+    numbers = itertools.count()
+
+    def reset(self, answer: str = "0", **kwargs: Any) -> str:
+        self.number = next(NumberedIncrementEnv.numbers)
+        return super().reset(answer, **kwargs) + f" Episode {self.number}."
+
+
+def env_number(completions: list, environments: list, **kwargs: Any) -> list[float]:
+    """Each completion's environment's episode number (`NumberedIncrementEnv`)."""
+    return [float(env.number) for env in environments]
+
+
 def counter_untouched(completions: list, environments: list, **kwargs: Any) -> list[float]:
     """1 for each episode whose environment's counter is still 0: a reward function reading `environments` (TRL's
     keyword), the user's own instances."""
