@@ -73,6 +73,7 @@ DEMOS = {
     "online_dpo": _demo("online_dpo"),
     "ppo": _demo("ppo"),
     "grpo_tools": _demo("grpo_tools"),
+    "grpo_reasoning_gym": _demo("grpo_reasoning_gym"),
 }
 
 
@@ -176,6 +177,22 @@ def _tools_table(r: dict) -> str:
     )
 
 
+def _reasoning_gym_table(r: dict) -> str:
+    """The reasoning-gym demo: greedy score on the held-out rows at step 0 and every validation."""
+    fit, start = r["fit"], r["start"]["val"]
+    rows = [{"step": 0.0, **start}, *fit["val"]]
+    score = "val/rewards/score"
+    return "\n".join(
+        [
+            "| step | " + " | ".join(str(int(row["step"])) for row in rows) + " |",
+            "|---|" + "---|" * len(rows),
+            "| greedy score (256 held-out rows, the task's scorer) | "
+            + " | ".join(f"{row[score]:.3f}" for row in rows)
+            + " |",
+        ]
+    )
+
+
 def _dpo_table(r: dict) -> str:
     val, start = r["fit"]["val"], r["start"]["val"]
     accuracy = start["val/rewards/accuracies"]
@@ -231,6 +248,8 @@ def markdown_table(results: Union[dict, list[dict]]) -> str:
         return _dpo_table(reports[0])
     if reports[0]["demo"] == "grpo_tools":
         return _tools_table(reports[0])
+    if reports[0]["demo"] == "grpo_reasoning_gym":
+        return _reasoning_gym_table(reports[0])
     return _rollout_table(reports)
 
 
@@ -265,6 +284,13 @@ def claims(results: dict) -> list[str]:
         start, end = results["start"]["val"][accuracy], fit["val"][-1][accuracy]
         return [
             f"greedy accuracy {start:.3f} -> {end:.3f} ({100 * (end - start):+.1f} points) in "
+            f"{duration(fit['wall_s'])} ({fit['steps']} steps)"
+        ]
+    if results["demo"] == "grpo_reasoning_gym":
+        score = "val/rewards/score"
+        start, end = results["start"]["val"][score], fit["val"][-1][score]
+        return [
+            f"greedy score {start:.3f} -> {end:.3f} ({100 * (end - start):+.1f} points) in "
             f"{duration(fit['wall_s'])} ({fit['steps']} steps)"
         ]
     if results["demo"] == "ppo":
