@@ -69,6 +69,7 @@ def test_readme_main_job_is_the_grpo_config():
         ("run_report", ["rloo_demo.json", "online_dpo_demo.json"]),
         ("run_report", ["ppo_demo.json"]),
         ("run_report", ["grpo_tools_demo.json"]),
+        ("run_report", ["grpo_reasoning_gym_demo.json"]),
         ("soak", ["soak_cpu.json"]),
         ("ci_time", ["ci_time.json"]),
         ("scaling_model", ["scaling_cpu.json"]),
@@ -110,7 +111,8 @@ def test_every_results_file_is_quoted_by_the_readme_test():
     quoted |= {"compiled_decoding_cpu.json", "compare_trl_fixed32_cpu.json", "gpu_nvidia-h200_hf_compiled.json"}
     quoted |= {"train_mfu_cpu.json", "gpu_nvidia-h200_mfu.json", "packed_linear_cpu.json", "gpu_nvidia-h200_zero3.json"}
     quoted |= {"agentic_cpu.json"}
-    quoted |= {f"{demo}_demo.json" for demo in ("grpo", "dpo", "rloo", "online_dpo", "ppo", "grpo_tools")}
+    demos = ("grpo", "dpo", "rloo", "online_dpo", "ppo", "grpo_tools", "grpo_reasoning_gym")
+    quoted |= {f"{demo}_demo.json" for demo in demos}
     assert {path.name for path in RESULTS.glob("*.json")} == quoted
 
 
