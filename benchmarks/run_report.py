@@ -162,35 +162,35 @@ def _grpo_table(r: dict) -> str:
     )
 
 
-def _tools_table(r: dict) -> str:
-    """The tool demo: greedy accuracy and tool use on the held-out prompts at every validation."""
-    fit, start = r["fit"], r["start"]["val"]
-    rows = [{"step": 0.0, **start}, *fit["val"]]
-    accuracy, calls = "val/rewards/final_answer_correctness", "val/tool_calls"
+def _validations_table(r: dict, metrics: list[tuple[str, str, str]]) -> str:
+    """A column per validation (step 0, the demo's `validate`, then the fit's), a row per (label, key, format)."""
+    rows = [{"step": 0.0, **r["start"]["val"]}, *r["fit"]["val"]]
     return "\n".join(
         [
             "| step | " + " | ".join(str(int(row["step"])) for row in rows) + " |",
             "|---|" + "---|" * len(rows),
-            "| greedy accuracy (256 held-out prompts) | " + " | ".join(f"{row[accuracy]:.3f}" for row in rows) + " |",
-            "| tool calls per episode | " + " | ".join(f"{row[calls]:.2f}" for row in rows) + " |",
+            *(
+                f"| {label} | " + " | ".join(format(row[key], spec) for row in rows) + " |"
+                for label, key, spec in metrics
+            ),
         ]
+    )
+
+
+def _tools_table(r: dict) -> str:
+    """The tool demo: greedy accuracy and tool use on the held-out prompts at every validation."""
+    return _validations_table(
+        r,
+        [
+            ("greedy accuracy (256 held-out prompts)", "val/rewards/final_answer_correctness", ".3f"),
+            ("tool calls per episode", "val/tool_calls", ".2f"),
+        ],
     )
 
 
 def _reasoning_gym_table(r: dict) -> str:
     """The reasoning-gym demo: greedy score on the held-out rows at step 0 and every validation."""
-    fit, start = r["fit"], r["start"]["val"]
-    rows = [{"step": 0.0, **start}, *fit["val"]]
-    score = "val/rewards/score"
-    return "\n".join(
-        [
-            "| step | " + " | ".join(str(int(row["step"])) for row in rows) + " |",
-            "|---|" + "---|" * len(rows),
-            "| greedy score (256 held-out rows, the task's scorer) | "
-            + " | ".join(f"{row[score]:.3f}" for row in rows)
-            + " |",
-        ]
-    )
+    return _validations_table(r, [("greedy score (256 held-out rows, the task's scorer)", "val/rewards/score", ".3f")])
 
 
 def _dpo_table(r: dict) -> str:
@@ -253,6 +253,16 @@ def markdown_table(results: Union[dict, list[dict]]) -> str:
     return _rollout_table(reports)
 
 
+def _greedy_move(results: dict, what: str, key: str) -> str:
+    """`what` from step 0 to the last validation, with the fit's wall time and steps."""
+    fit = results["fit"]
+    start, end = results["start"]["val"][key], fit["val"][-1][key]
+    return (
+        f"{what} {start:.3f} -> {end:.3f} ({100 * (end - start):+.1f} points) in "
+        f"{duration(fit['wall_s'])} ({fit['steps']} steps)"
+    )
+
+
 def claims(results: dict) -> list[str]:
     """The README's prose numbers of a demo summary (a test checks the README says them)."""
     fit = results["fit"]
@@ -280,19 +290,9 @@ def claims(results: dict) -> list[str]:
             f"{last['train/frac_tied_pairs']:.0%} in the last {window}"
         ]
     if results["demo"] == "grpo_tools":
-        accuracy = "val/rewards/final_answer_correctness"
-        start, end = results["start"]["val"][accuracy], fit["val"][-1][accuracy]
-        return [
-            f"greedy accuracy {start:.3f} -> {end:.3f} ({100 * (end - start):+.1f} points) in "
-            f"{duration(fit['wall_s'])} ({fit['steps']} steps)"
-        ]
+        return [_greedy_move(results, "greedy accuracy", "val/rewards/final_answer_correctness")]
     if results["demo"] == "grpo_reasoning_gym":
-        score = "val/rewards/score"
-        start, end = results["start"]["val"][score], fit["val"][-1][score]
-        return [
-            f"greedy score {start:.3f} -> {end:.3f} ({100 * (end - start):+.1f} points) in "
-            f"{duration(fit['wall_s'])} ({fit['steps']} steps)"
-        ]
+        return [_greedy_move(results, "greedy score", "val/rewards/score")]
     if results["demo"] == "ppo":
         first, last, window = fit["train_first"], fit["train_last"], fit["window"]
         variance = "train/critic/explained_variance"

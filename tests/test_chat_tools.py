@@ -21,10 +21,11 @@ from lit_rl.envs.chat_tools import (
 from lit_rl.envs.runner import EnvironmentRunner
 from lit_rl.errors import ConfigError
 from lit_rl.modeling.models import build_char_tokenizer
-from lit_rl.rollout import RolloutOutput, SamplingParams
+from lit_rl.rollout import SamplingParams
 from lit_rl.rollout.multi_turn import run_episodes
 from tests.integration.envs import add_numbers, slow_echo
 from tests.qwen_chat import qwen_chat_tokenizer, save_qwen_chat_model
+from tests.test_multi_turn import ScriptedEngine
 
 
 def _trl_template(name: str) -> str:
@@ -209,20 +210,6 @@ def test_a_special_tokens_text_in_a_result_stays_text(tokenizer):
     assert observation.count(im_end) == 1  # only the template's is the special token
 
 
-class _ScriptedTurns:
-    """An engine that samples the given turns (token ids) in order, each with log-prob -0.5, for one episode."""
-
-    needs_weights = False
-
-    def __init__(self, turns):
-        self.turns, self.contexts = list(turns), []
-
-    def generate(self, prompt_ids, prompt_mask, params, seeds=None):
-        self.contexts.append(prompt_ids[0][prompt_mask[0].bool()].tolist())
-        turn = torch.tensor([self.turns.pop(0)])
-        return RolloutOutput(turn, torch.ones_like(turn, dtype=torch.float), -0.5 * torch.ones(turn.shape))
-
-
 def test_an_episode_trains_exactly_the_sampled_turns_and_the_rendered_tool_results(tokenizer):
     """A two-turn episode: the model calls `add_numbers`, gets the result, answers. The transcript is the sampled
     ids, then the rendered tool message, then the sampled answer; only the sampled ids carry loss; the second turn
@@ -236,7 +223,7 @@ def test_an_episode_trains_exactly_the_sampled_turns_and_the_rendered_tool_resul
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
     call = tokenizer.encode(_call("add_numbers", '{"a": 2, "b": 3}'), add_special_tokens=False) + [eos]
     answer = tokenizer.encode("The answer is 5.", add_special_tokens=False) + [eos]
-    engine = _ScriptedTurns([call, answer])
+    engine = ScriptedEngine({prompt_ids[0]: [call, answer]})  # the episode is named by its first prompt id
     env = ChatToolEnvironment([add_numbers])
     episodes = run_episodes(
         engine,
@@ -261,7 +248,7 @@ def test_an_episode_trains_exactly_the_sampled_turns_and_the_rendered_tool_resul
     n = len(call) + len(result) + len(answer)
     assert out.completion_ids[0, :n].tolist() == call + result + answer
     assert out.sampled_mask[0, :n].tolist() == [1.0] * len(call) + [0.0] * len(result) + [1.0] * len(answer)
-    assert engine.contexts[1] == prompt_ids + call + result
+    assert engine.calls[1][0] == [prompt_ids + call + result]  # the second turn's context
     # turns, tool calls, failed calls, observation tokens, steps timed out
     assert episodes.stats[0].tolist() == [2, 1, 0, len(result), 0]
 

@@ -15,10 +15,11 @@ from lit_rl.envs import TRLEnvironment
 from lit_rl.envs.base import environment_factory
 from lit_rl.envs.runner import EnvironmentRunner
 from lit_rl.errors import ConfigError
-from lit_rl.rollout import RolloutOutput, SamplingParams
+from lit_rl.rollout import SamplingParams
 from lit_rl.rollout.multi_turn import run_episodes
 from tests.integration.envs import AsyncIncrementEnv, IncrementEnv
 from tests.qwen_chat import qwen_chat_tokenizer, save_qwen_chat_model
+from tests.test_multi_turn import ScriptedEngine
 
 INCREMENT = "tests.integration.envs.IncrementEnv"
 
@@ -100,53 +101,44 @@ class Stuck(IncrementEnv):
         return step
 
 
-class _Turns:
-    """An engine sampling each episode's scripted turns (token ids) in order, log-prob -0.5 a token."""
+def _turn(tokenizer: Any, text: str) -> list[int]:
+    """A model turn's ids: `text`, then the end-of-turn token."""
+    return tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
 
-    needs_weights = False
 
-    def __init__(self, turns: dict[int, list[list[int]]]) -> None:
-        self.turns = turns
-
-    def generate(self, prompt_ids, prompt_mask, params, seeds=None):
-        rows = [self.turns[int(ids[mask.bool()][0])].pop(0) for ids, mask in zip(prompt_ids, prompt_mask)]
-        width = max(len(row) for row in rows)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        mask = torch.zeros(len(rows), width)
-        for k, row in enumerate(rows):
-            ids[k, : len(row)], mask[k, : len(row)] = torch.tensor(row), 1
-        return RolloutOutput(ids, mask, -0.5 * mask)
+def _run(engine: ScriptedEngine, envs: list, prompts: list, tokenizer: Any, reward_names: tuple, **options: Any):
+    """`run_episodes` with the environments' tool calls run as they come, observations stood in for by one token."""
+    return run_episodes(
+        engine,
+        envs,
+        prompts,
+        SamplingParams(max_new_tokens=64),
+        list(range(len(envs))),
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        encode_observation=lambda observation, turn_ids: [7],
+        reward_names=reward_names,
+        max_total_tokens=512,
+        pad_id=tokenizer.pad_token_id,
+        device=torch.device("cpu"),
+        **options,
+    )
 
 
 def test_get_reward_scores_each_ended_episode_once_but_not_one_whose_environment_overran():
     tokenizer = qwen_chat_tokenizer()
-    eos = tokenizer.eos_token_id
 
     def turn(text: str) -> list[int]:
-        return tokenizer.encode(text, add_special_tokens=False) + [eos]
+        return _turn(tokenizer, text)
 
     # Episode 0 (first prompt id 65) increments to its target 3 in two calls, then answers; episode 1 (66) calls
     # the stuck tool, whose step overruns the runner's 0.5 s limit.
-    engine = _Turns({65: [turn(_call("increment", step=2)), turn(_call("increment", step=1)), turn("Done.")],
-                     66: [turn(_call("increment", step=1))]})  # fmt: skip
+    engine = ScriptedEngine({65: [turn(_call("increment", step=2)), turn(_call("increment", step=1)), turn("Done.")],
+                             66: [turn(_call("increment", step=1))]})  # fmt: skip
     envs = [TRLEnvironment(Counted()), TRLEnvironment(Stuck())]
     for env in envs:
         env.reset({"prompt": "p", "answer": "3"})
-    episodes = run_episodes(
-        engine,
-        envs,
-        [[65, 1], [66, 1]],
-        SamplingParams(max_new_tokens=64),
-        [0, 1],
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        encode_observation=lambda observation, turn_ids: [7],
-        reward_names=("Counted",),
-        max_turns=4,
-        max_total_tokens=512,
-        pad_id=tokenizer.pad_token_id,
-        device=torch.device("cpu"),
-        runner=EnvironmentRunner(concurrency=2, timeout_s=0.5),
-    )
+    runner = EnvironmentRunner(concurrency=2, timeout_s=0.5)
+    episodes = _run(engine, envs, [[65, 1], [66, 1]], tokenizer, ("Counted",), max_turns=4, runner=runner)
     assert episodes.error is None and episodes.unfinished == {1}
     # Episode 1's reward was never asked: invalid (NaN: `model.rewards.on_invalid` counts it), not a 0 it could earn
     # by stalling.
@@ -169,28 +161,12 @@ def test_the_last_turns_tool_calls_are_not_made_as_in_trl():
     """With `max_turns` 2, a call in the second turn would never have its result seen: TRL does not make it, and
     neither does lit-rl, so `get_reward` scores the state the model acted on (counter 2, target 2)."""
     tokenizer = qwen_chat_tokenizer()
-
-    def turn(text: str) -> list[int]:
-        return tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
-
-    engine = _Turns({65: [turn(_call("increment", step=2)), turn(_call("increment", step=5))]})
+    calls = [_call("increment", step=2), _call("increment", step=5)]
+    engine = ScriptedEngine({65: [_turn(tokenizer, call) for call in calls]})
     env = TRLEnvironment(Counted())
     env.reset({"prompt": "p", "answer": "2"})
-    episodes = run_episodes(
-        engine,
-        [env],
-        [[65, 1]],
-        SamplingParams(max_new_tokens=64),
-        [0],
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        encode_observation=lambda observation, turn_ids: [7],
-        reward_names=("Counted",),
-        max_turns=2,
-        max_total_tokens=512,
-        pad_id=tokenizer.pad_token_id,
-        device=torch.device("cpu"),
-        runner=EnvironmentRunner(concurrency=1, timeout_s=5.0),
-    )
+    runner = EnvironmentRunner(concurrency=1, timeout_s=5.0)
+    episodes = _run(engine, [env], [[65, 1]], tokenizer, ("Counted",), max_turns=2, runner=runner)
     assert env.instance.counter == 2 and env.instance.rewards_asked == 1
     assert episodes.env_rewards.tolist() == [[1.0]] and episodes.stats[0, :2].tolist() == [2, 1]
 

@@ -107,10 +107,6 @@ def run_episodes(
             engine.generate(ids, mask, stand_in, seeds=None if seeds is None else [turn_seed(seeds[0], turn)])
             continue
         budgets = {i: min(params.max_new_tokens, max_total_tokens - used[i]) for i in active}
-
-        def _last_turn(i: int) -> bool:  # after this turn, the episode ends whatever its environment answers
-            return turn == max_turns - 1 or used[i] >= max_total_tokens
-
         budget = max(budgets.values())
         turn_params = replace(params, max_new_tokens=budget, min_new_tokens=min(params.min_new_tokens, budget))
         ids, mask = left_padded([contexts[i] for i in active], pad_id, device)
@@ -125,9 +121,11 @@ def run_episodes(
             used[i] += length
             stats[i, 0] += 1
             texts[i] = decode(sampled)
+        # After its last turn an episode ends whatever its environment answers: no observation follows.
+        last_turn = {i: turn == max_turns - 1 or used[i] >= max_total_tokens for i in active}
         # Every episode's step at once, off this thread; their outcomes are taken in episode order. An environment
-        # with `steps_after_last_turn = False` (TRL's kind) is not stepped on a turn no observation can follow.
-        stepped = [i for i in active if getattr(envs[i], "steps_after_last_turn", True) or not _last_turn(i)]
+        # with `steps_after_last_turn = False` (TRL's kind) is not stepped on its last turn.
+        stepped = [i for i in active if getattr(envs[i], "steps_after_last_turn", True) or not last_turn[i]]
         outcomes = runner.run([(envs[i].step, (texts[i],)) for i in stepped])
         still_active = []
         for i, outcome in zip(stepped, outcomes):
@@ -146,7 +144,7 @@ def run_episodes(
                 continue
             stats[i, 1] += result.tool_calls
             stats[i, 2] += result.tool_errors
-            if result.done or result.observation is None or turn == max_turns - 1 or used[i] >= max_total_tokens:
+            if result.done or result.observation is None or last_turn[i]:
                 continue
             try:  # text, or chat messages rendered after the turn just sampled
                 observation = encode_observation(result.observation, pieces[i][-1][0])

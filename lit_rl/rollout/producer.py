@@ -267,14 +267,15 @@ class EpisodeProducer(RolloutProducer):
         with host.timer.phase("generation"):
             envs = [self.env_factory() for _ in range(len(rows) * repeat)]
             rows_of = [rows[index // repeat] for index in range(len(envs))]
+            env_name = type(getattr(envs[0], "instance", envs[0])).__name__  # the user's class, under a TRL one
             firsts = self.runner.run([(env.reset, (row,)) for env, row in zip(envs, rows_of)])
             prompts, error, ended = [], None, set()
-            for index, (env, row, first) in enumerate(zip(envs, rows_of, firsts)):
+            for index, (row, first) in enumerate(zip(rows_of, firsts)):
                 if isinstance(first, BaseException):  # raised on every rank together, after the episodes' collectives
                     failure = f"raised {type(first).__name__}: {first}"
                     if isinstance(first, EnvCallTimeout):
                         failure = f"{first} (model.env.step_timeout_s)"
-                    error = error or f"{type(getattr(env, 'instance', env)).__name__}.reset {failure}"
+                    error = error or f"{env_name}.reset {failure}"
                     first = None
                     ended.add(index)  # never stepped: its environment may still be busy in that reset
                 prompts.append(row["prompt"] if first is None else first)
@@ -296,7 +297,7 @@ class EpisodeProducer(RolloutProducer):
                 pad_id=tokenizer.pad_token_id,
                 device=host.device,
                 runner=self.runner,
-                env_name=type(getattr(envs[0], "instance", envs[0])).__name__,  # the user's class, under a TRL one
+                env_name=env_name,
                 any_active=self._any_rank_active,
                 ended=frozenset(ended),
             )
