@@ -5,12 +5,15 @@ answers of bounded size, read within a total time limit.
   (a redirect would send the request, and its bearer token, to another host): a 3xx is an `HTTPError`.
 - `read_answer` reads at most `limit` bytes (`AnswerTooLarge` past it) and stops at `deadline` however slowly the
   server sends (a socket timeout is per read: a server sending a byte at a time would hold it forever).
+- `error_answer` reads an error answer's body (an `HTTPError`) the same way, keeping its first `MAX_ERROR_BYTES`: an
+  error is a message, and a server that sends a huge or endless one must not hold the client.
 """
 
 from __future__ import annotations
 
 import http.client
 import time
+import urllib.error
 import urllib.request
 from typing import Any
 
@@ -22,6 +25,7 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 
 DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
 _READ = 1 << 16
+MAX_ERROR_BYTES = 1 << 16  # of an error answer's body: its message is in the first few hundred bytes
 
 
 class AnswerTooLarge(ValueError):
@@ -48,4 +52,25 @@ def read_answer(response: http.client.HTTPResponse, limit: int, deadline: float)
         chunks.append(chunk)
     if declared is not None and declared.isdigit() and total < int(declared):  # read1 returns b"" when cut short
         raise http.client.IncompleteRead(b"".join(chunks), int(declared) - total)
+    return b"".join(chunks)
+
+
+def error_answer(err: urllib.error.HTTPError, deadline: float, limit: int = MAX_ERROR_BYTES) -> bytes:
+    """At most `limit` bytes of an error answer's body, read before `time.monotonic()` passes `deadline`; what
+    arrived by then (possibly nothing) if the server sends more, too slowly, or breaks off. Never raises."""
+    response = getattr(err, "fp", None)
+    read1 = getattr(response, "read1", None)
+    if read1 is None:
+        return b""
+    chunks: list[bytes] = []
+    total = 0
+    try:
+        while total < limit and time.monotonic() < deadline:
+            chunk = read1(min(_READ, limit - total))
+            if not chunk:
+                break
+            total += len(chunk)
+            chunks.append(chunk)
+    except (OSError, http.client.HTTPException, ValueError):
+        pass
     return b"".join(chunks)

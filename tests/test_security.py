@@ -349,6 +349,41 @@ def test_a_reward_server_cannot_flood_drip_or_truncate_its_answer_past_the_limit
         listener.close()
 
 
+def test_error_answers_are_read_within_the_limits_by_the_vllm_client_and_the_uploader():
+    """The review's finding 5: error answers were read whole, with no deadline: a 1 s client waited out a dripping
+    one, and a receiver's 32 MiB error became the error message. Now each reads the first 64 KiB before its
+    deadline."""
+    import time
+
+    from lit_rl.rollout.server.client import RolloutServerError, VLLMServerClient
+    from lit_rl.rollout.server.weight_receiver import WeightTransferError, WeightUploader
+
+    def drip(client):
+        client.sendall(b'HTTP/1.1 500 Internal Server Error\r\nContent-Length: 1000\r\n\r\n{"error": "')
+        for _ in range(40):  # a byte every 0.2 s: each read within the socket timeout, the whole far past it
+            time.sleep(0.2)
+            client.sendall(b"x")
+
+    def flood(client):
+        message = b'{"error": "' + b"x" * (32 << 20) + b'"}'
+        client.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n" % len(message) + message)
+
+    for answer in (drip, flood):
+        url, listener = _misbehaving_server(answer)
+        base = url.rsplit("/", 1)[0]
+        started = time.monotonic()
+        with pytest.raises(RolloutServerError) as failed:  # ServerDownError for the 5xx
+            VLLMServerClient(base, timeout_s=1.0, max_retries=0).request("GET", "/v1/models")
+        assert time.monotonic() - started < 4, answer.__name__
+        assert len(str(failed.value)) < 1000 and "\n" not in str(failed.value), answer.__name__
+        started = time.monotonic()
+        with pytest.raises(WeightTransferError) as failed:
+            WeightUploader(base, timeout_s=1.0, max_retries=0)._request("POST", "/commit/v1", b"{}", {})
+        assert time.monotonic() - started < 4, answer.__name__
+        assert len(str(failed.value)) < 1000 and "\n" not in str(failed.value), answer.__name__
+        listener.close()
+
+
 def test_the_vllm_client_sends_the_api_key_and_follows_no_redirect(monkeypatch):
     import json
     import threading

@@ -361,6 +361,15 @@ class VLLMServer(EngineConfig):
         push_bucket_mib: weights are gathered (ZeRO-3) and pushed a bucket of at most this many MiB at a time
             (one file per bucket with `transfer.method: file`).
         transfer: how the weights reach the servers (`WeightTransfer`).
+        launch: start the server too: rank 0 starts one on 127.0.0.1 at a free port (`server_url` is not used),
+            serving the policy's `model_name_or_path` with the flags lit-rl needs, waits until it answers, and stops it
+            at the end of the run, on Ctrl-C and on failure, leaving no process behind. Its log is `vllm_server.log`
+            in the run's log directory. On a machine without CUDA it runs in float32 with `--enforce-eager`.
+        launch_args: further flags for the launched server, e.g. `["--max-model-len", "1024"]` or, on a GPU the
+            trainer shares, `["--gpu-memory-utilization", "0.3"]`. Flags lit-rl sets itself (`--model`, `--host`,
+            `--port`, `--served-model-name`, `--weight-transfer-config`) are refused.
+        launch_timeout_s: how long the launched server may take to answer before the run stops, in one line
+            that quotes the last line of its log.
     """
 
     samples_in_background = True
@@ -376,6 +385,9 @@ class VLLMServer(EngineConfig):
         dtype: str = "auto",
         push_bucket_mib: float = 512.0,
         transfer: WeightTransfer = WeightTransfer(),
+        launch: bool = False,
+        launch_args: Optional[list[str]] = None,
+        launch_timeout_s: float = 600.0,
     ) -> None:
         self.server_url = server_url
         self.server_urls = server_urls
@@ -386,6 +398,9 @@ class VLLMServer(EngineConfig):
         self.dtype = dtype
         self.push_bucket_mib = push_bucket_mib
         self.transfer = _as_transfer(transfer)
+        self.launch = launch
+        self.launch_args = launch_args
+        self.launch_timeout_s = launch_timeout_s
 
     @property
     def vllm(self) -> VLLMConfig:
@@ -395,16 +410,38 @@ class VLLMServer(EngineConfig):
 
     def check(self) -> None:
         check_vllm_config(self.vllm)
+        if self.launch or self.launch_args:
+            from lit_rl.rollout.server.launch import check_launch
+
+            check_launch(self.vllm, self.launch, self.launch_args, self.launch_timeout_s)
 
     def build(self, module: Any) -> RolloutEngine:
         from lit_rl.rollout.engines.hf import model_eos_token_ids
         from lit_rl.rollout.engines.vllm_server import VLLMServerEngine
 
         eos_ids = model_eos_token_ids(module.policy, module.tokenizer.eos_token_id)
-        return VLLMServerEngine(self.vllm, eos_ids, module.tokenizer.pad_token_id)
+        if not self.launch:
+            return VLLMServerEngine(self.vllm, eos_ids, module.tokenizer.pad_token_id)
+        from lit_rl.modeling.models import resolve_model_path
+        from lit_rl.rollout.server.launch import ServerLauncher
+
+        launcher = ServerLauncher(
+            model=resolve_model_path(module.policy_args.model_name_or_path),
+            log_dir=module.trainer.log_dir,
+            extra_args=list(self.launch_args or []),
+            timeout_s=self.launch_timeout_s,
+            weight_transfer=self.vllm.weight_transfer,
+        )
+        config = dataclasses.replace(self.vllm, server_url=launcher.url)
+        return VLLMServerEngine(config, eos_ids, module.tokenizer.pad_token_id, launcher=launcher)
 
     def engine_dtype(self, compute_dtype: torch.dtype) -> Optional[torch.dtype]:
-        return None if self.dtype == "auto" else VLLM_DTYPES.get(self.dtype, torch.float32)
+        dtype = self.dtype
+        if self.launch and dtype == "auto":  # what the launched server is started with, where lit-rl says
+            from lit_rl.rollout.server.launch import launched_dtype
+
+            dtype = launched_dtype(self.launch_args or [])
+        return None if dtype == "auto" else VLLM_DTYPES.get(dtype, torch.float32)
 
 
 def _vllm_fields(options: dict[str, Any]) -> dict[str, Any]:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from lit_rl.rollout.engines.vllm_server import LocalVLLMServer, RolloutServerError, free_port
@@ -221,14 +223,24 @@ def test_colocated_run_resumes_to_the_same_numbers(tmp_path, colocated_run):
     assert_rows_match(rows, train_rows(full), rel=1e-4, abs=1e-5)
 
 
-def test_grpo_on_one_server_and_on_two_alike_by_file_and_by_broadcast_even_when_one_dies(tmp_path, vllm_server):
+@pytest.fixture(scope="module")
+def server_run(tmp_path_factory, vllm_server) -> Path:
+    """4 GRPO steps on the shared server, checked by `_check_run`; what the other server runs are compared with."""
+    args = (*SERVER, "--model.rollout.engine.server_url", vllm_server)
+    log_dir = _fit(tmp_path_factory.mktemp("server"), "server", *args)
+    _check_run(log_dir)
+    return log_dir
+
+
+def test_grpo_on_one_server_and_on_two_alike_by_file_and_by_broadcast_even_when_one_dies(
+    tmp_path, vllm_server, server_run
+):
     """`model.rollout.engine.server_urls`: the requests are dealt out across two real servers; a request's completions
     do not depend on which server samples them, so the run logs what the run on one server logs. The second server is
     stopped after step 2's checkpoint: with `on_server_failure: continue` its requests go to the first with one
     warning, and the numbers still match. Before that, the same two servers get their weights broadcast over gloo
     (`weight_transfer: gloo`, a group per server) and log the same numbers too."""
-    alone = _fit(tmp_path, "server", *SERVER, "--model.rollout.engine.server_url", vllm_server)
-    _check_run(alone)
+    alone = server_run
     model = str(REPO / "lit_rl" / "assets" / "tiny-qwen2-addition-sft")
     args = {"extra_args": ["--max-model-len", "128"], "weight_transfer": "gloo"}
     second = LocalVLLMServer(model, str(tmp_path / "second.log"), **args)
@@ -263,6 +275,52 @@ def test_grpo_on_one_server_and_on_two_alike_by_file_and_by_broadcast_even_when_
     rows = train_rows(log_dir)
     assert all(row["train/rollout_logprob_diff/max"] < TOLERANCE for row in rows)
     assert_rows_match(without_engine_gap(rows[:4]), without_engine_gap(train_rows(alone)), rel=1e-4, abs=1e-5)
+
+
+LAUNCH = ("--model.rollout.engine.launch", "true", "--model.rollout.engine.launch_args", '["--max-model-len", "128"]')
+
+
+def _launched_fit(tmp_path: Path, name: str, ctrl_c_when_ready: bool = False):
+    """`lit-rl fit` on the server engine with `launch: true`: (its return code, its stderr, the processes it had
+    started once the server was ready). With `ctrl_c_when_ready`, SIGINT reaches it then, as Ctrl-C would."""
+    overlay = write_overlay(tmp_path / f"{name}.yaml", every_n_train_steps=2, save_dir=tmp_path / name)
+    command = [*CLI_COMMAND, "fit", "--config", str(CONFIGS / "grpo.yaml"), "--config", str(overlay), *SERVER]
+    command += [*FAST_GRPO, "--trainer.max_steps", "4", "--model.optim.learning_rate", "1e-3", *LAUNCH]
+    process = subprocess.Popen(
+        command, cwd=tmp_path, env=_vllm_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    lines, started = [], []
+    for line in process.stderr:
+        lines.append(line)
+        if "vLLM server ready" in line:
+            started = psutil.Process(process.pid).children(recursive=True)  # the server and its engine
+            if ctrl_c_when_ready:
+                process.send_signal(signal.SIGINT)
+            break
+    lines.append(process.stderr.read())
+    process.wait(timeout=600)
+    return process.returncode, "".join(lines), started
+
+
+def test_one_command_launches_the_server_and_leaves_no_process_behind_at_the_end_or_on_ctrl_c(tmp_path, server_run):
+    """`--model.rollout.engine.launch true`: the trainer starts the documented server itself on loopback, and the run
+    logs what the same run on a separately started server logs. When the run ends, and when Ctrl-C stops it, every
+    process it started is gone."""
+    returncode, stderr, started = _launched_fit(tmp_path, "launched")
+    assert returncode == 0, stderr[-3000:]
+    (line,) = [line for line in stderr.splitlines() if line.startswith("lit-rl: starting a vLLM server")]
+    log_dir = tmp_path / "launched" / "run" / "version_0"
+    assert "on http://127.0.0.1:" in line and str(log_dir / "vllm_server.log") in line
+    assert "Application startup complete" in (log_dir / "vllm_server.log").read_text()
+    assert started and not psutil.wait_procs(started, timeout=10)[1]
+    _check_run(log_dir)
+    assert_rows_match(
+        without_engine_gap(train_rows(log_dir)), without_engine_gap(train_rows(server_run)), rel=1e-4, abs=1e-5
+    )
+
+    returncode, stderr, started = _launched_fit(tmp_path, "stopped", ctrl_c_when_ready=True)
+    assert returncode == 130 and "lit-rl: stopped by" in stderr and "Traceback" not in stderr, stderr[-3000:]
+    assert started and not psutil.wait_procs(started, timeout=10)[1]
 
 
 def test_grpo_on_two_ddp_processes_shares_one_server(tmp_path, vllm_server):

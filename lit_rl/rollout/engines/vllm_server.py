@@ -53,6 +53,7 @@ from lit_rl.rollout.server.client import (  # noqa: F401  (re-exported: the name
     server_command,
 )
 from lit_rl.rollout.server.collective_transfer import CollectiveTransfer, host_copies
+from lit_rl.rollout.server.launch import ServerLauncher
 from lit_rl.rollout.server.pool import RolloutServer, ServerPool
 
 CUT_SHORT = {"abort", "error"}  # finish reasons of a completion the engine stopped before it ended
@@ -65,8 +66,15 @@ class VLLMServerEngine:
 
     needs_weights = True
 
-    def __init__(self, config: VLLMConfig, eos_token_ids: Sequence[int], pad_token_id: int) -> None:
+    def __init__(
+        self,
+        config: VLLMConfig,
+        eos_token_ids: Sequence[int],
+        pad_token_id: int,
+        launcher: Optional[ServerLauncher] = None,
+    ) -> None:
         self.config = config
+        self.launcher = launcher  # `model.rollout.engine.launch`: rank 0 starts the server at `config.server_url`
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.rank, self.world_size = _rank_and_world()
@@ -80,10 +88,17 @@ class VLLMServerEngine:
         _on_rank0_then_share(self._connect, self.rank, self.world_size)
 
     def _connect(self) -> None:
-        self.pool.connect(self.config.wait_for_server_s)
-        if self.transfer is not None:  # each server's group now: a server that cannot receive fails before training
-            self.pool.on_each(self.transfer.connect)
-            return
+        if self.launcher is not None:
+            self.launcher.start()
+        try:
+            self.pool.connect(self.config.wait_for_server_s)
+            if self.transfer is not None:  # each server's group now: one that cannot receive fails before training
+                self.pool.on_each(self.transfer.connect)
+                return
+        except BaseException:
+            if self.launcher is not None:
+                self.launcher.stop()
+            raise
         self.sync_dir = self.config.weight_sync_dir
         if self.sync_dir is None:
             shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -342,6 +357,8 @@ class VLLMServerEngine:
         if self._own_sync_dir and self.sync_dir:
             self._cleanup()
             self.sync_dir = None
+        if self.launcher is not None:
+            self.launcher.stop()
 
 
 def _write_safetensors_shards(

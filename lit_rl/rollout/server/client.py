@@ -12,13 +12,15 @@ import http.client
 import json
 import os
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 from lit_rl.errors import LitRLError
-from lit_rl.net import DIRECT, AnswerTooLarge, read_answer
+from lit_rl.net import DIRECT, AnswerTooLarge, error_answer, read_answer
 from lit_rl.rollout.engines.vllm_config import VLLM_TRANSFER_BACKENDS
 
 
@@ -55,15 +57,19 @@ def server_command(
     env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONSAFEPATH": "1"}
     if cpu:
         argv += ["--dtype", "float32", "--enforce-eager"]
-        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; yours wins
     return argv, env
 
 
 class LocalVLLMServer:
     """`server_command` started as a child process on 127.0.0.1 (a free port unless `port` is given), waited for
-    until healthy; `stop()` ends it.
+    until healthy; `stop()` ends it, with every process it started.
 
-    For tests, benchmarks and single-machine runs; a production server is started by its own supervisor.
+    It never outlives its starter: it runs in a session of its own (Ctrl-C in the terminal reaches the trainer, which
+    stops it in order), `stop()` ends the whole session, the interpreter's exit calls `stop()` (a run that died with an
+    exception skips Lightning's teardown), and on Linux the kernel sends it SIGTERM when the starter is killed
+    (SIGKILL included). For `model.rollout.engine.launch`, tests and benchmarks; a shared or production server is
+    started by its own supervisor.
     """
 
     def __init__(
@@ -80,36 +86,81 @@ class LocalVLLMServer:
 
         port = port or free_port()
         argv, env = server_command(model, port, cpu=cpu, weight_transfer=weight_transfer)
+        if sys.platform == "linux" and threading.current_thread() is threading.main_thread():
+            # The kernel's parent-death signal follows the thread that started the child: the main thread lives
+            # as long as the process does. (Set in a small exec wrapper: a preexec_fn is unsafe with threads.)
+            argv = [sys.executable, "-c", _TERMINATE_WITH_PARENT, str(os.getpid()), *argv]
         self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
         self._log = open(log_path, "w")
         try:
             self.process = subprocess.Popen(
-                [*argv, *extra_args], env={**os.environ, **env}, stdout=self._log, stderr=subprocess.STDOUT
+                [*argv, *extra_args],
+                env={**os.environ, **env},
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         except BaseException:
             self._log.close()
             raise
+        self._stop_at_exit = weakref.finalize(self, _stop_session, self.process, self._log)
         try:
             client = VLLMServerClient(self.url, timeout_s=2.0, max_retries=0)
             client.wait_until_healthy(timeout_s, gone=lambda: self.process.poll() is not None)
         except RolloutServerError:
             self.stop()
-            raise RolloutServerError(f"vLLM server {self.url} did not start; its log: {log_path}") from None
+            raise RolloutServerError(
+                f"vLLM server {self.url} did not start within {timeout_s:g} s ({_last_line(log_path)}); "
+                f"its log: {log_path}"
+            ) from None
         except BaseException:  # never leave a server running behind Ctrl-C
             self.stop()
             raise
 
     def stop(self) -> None:
-        import subprocess
+        """End the server and everything it started (SIGTERM, then SIGKILL after 30 s); idempotent."""
+        self._stop_at_exit()
 
-        if self._log.closed:
-            return
-        self.process.terminate()
+
+# Run as `python -c` before the server's own command: SIGTERM when the starter dies (PR_SET_PDEATHSIG = 1, kept across
+# exec), unless it is already gone (its pid, argv[1], is no longer the parent), then exec the server in place.
+_TERMINATE_WITH_PARENT = (
+    "import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
+    "os.getppid() == int(sys.argv[1]) or sys.exit(1); os.execv(sys.argv[2], sys.argv[2:])"
+)
+
+
+def _stop_session(process, log) -> None:
+    """SIGTERM to the server's session (the API server and its engine processes), SIGKILL to whatever is left."""
+    import signal
+    import subprocess
+
+    def signal_session(sig: int) -> None:
         try:
-            self.process.wait(timeout=30)
+            os.killpg(process.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    if process.poll() is None:
+        signal_session(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            self.process.kill()
-        self._log.close()
+            pass
+    signal_session(signal.SIGKILL)  # engine processes the API server left behind, if any
+    process.wait()
+    log.close()
+
+
+def _last_line(log_path: str) -> str:
+    """The last non-empty line of the server's log, for the one-line error of a server that did not start."""
+    try:
+        with open(log_path, errors="replace") as handle:
+            lines = [line.strip() for line in handle.readlines()[-50:] if line.strip()]
+    except OSError:
+        return "no log"
+    return lines[-1][-300:] if lines else "its log is empty"
 
 
 def free_port() -> int:
@@ -168,13 +219,14 @@ class VLLMServerClient:
             headers["Authorization"] = f"Bearer {os.environ[API_KEY_ENV]}"
         request = urllib.request.Request(url, data=data, method=method, headers=headers)
         limit_s = min(timeout_s or self.timeout_s, self.timeout_s)
+        deadline = time.monotonic() + limit_s  # for the whole answer, error answers included
         try:
             with DIRECT.open(request, timeout=limit_s) as response:
-                payload = read_answer(response, MAX_ANSWER_BYTES, time.monotonic() + limit_s)
+                payload = read_answer(response, MAX_ANSWER_BYTES, deadline)
         except AnswerTooLarge as err:
             raise RolloutServerError(f"vLLM server {url}: {err}") from None
         except urllib.error.HTTPError as err:
-            message = _error_message(err)
+            message = _error_message(err, deadline)
             if err.code >= 500:
                 raise _RetryableError(f"HTTP {err.code}: {message}") from None
             raise RolloutServerError(f"vLLM server {url}: HTTP {err.code}: {message}") from None
@@ -234,10 +286,11 @@ class VLLMServerClient:
                 time.sleep(1.0)
 
 
-def _error_message(err: urllib.error.HTTPError) -> str:
+def _error_message(err: urllib.error.HTTPError, deadline: float) -> str:
+    """The server's message in an error answer (its first `MAX_ERROR_BYTES`, read by `deadline`), on one line."""
     try:
-        body = json.loads(err.read() or b"{}")
-    except (ValueError, OSError):
+        body = json.loads(error_answer(err, deadline) or b"{}")
+    except ValueError:
         return str(err.reason)
     detail = body.get("error", body.get("detail", body)) if isinstance(body, dict) else body
     if isinstance(detail, dict):

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lit_rl.errors import LitRLError
-from lit_rl.net import DIRECT, AnswerTooLarge, read_answer
+from lit_rl.net import DIRECT, AnswerTooLarge, error_answer, read_answer
 
 TOKEN_ENV = "LIT_RL_RECEIVER_TOKEN"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -399,13 +399,12 @@ class WeightUploader:
             request = urllib.request.Request(
                 self.url + path, data=data, method=method, headers={**self.headers, **headers}
             )
+            deadline = time.monotonic() + self.timeout_s  # for the whole answer, error answers included
             try:
                 with self._opener.open(request, timeout=self.timeout_s) as response:
-                    return json.loads(
-                        read_answer(response, MAX_COMMIT_BYTES, time.monotonic() + self.timeout_s) or b"{}"
-                    )
+                    return json.loads(read_answer(response, MAX_COMMIT_BYTES, deadline) or b"{}")
             except urllib.error.HTTPError as err:
-                problem = f"HTTP {err.code}: {_error_text(err)}"
+                problem = f"HTTP {err.code}: {_error_text(err, deadline)}"
                 if err.code in (401, 404, 409, 413) or 300 <= err.code < 400:
                     break  # refused, or sent elsewhere: retrying would not change it
             except AnswerTooLarge as err:
@@ -423,9 +422,10 @@ class WeightUploader:
         )
 
 
-def _error_text(err: urllib.error.HTTPError) -> str:
+def _error_text(err: urllib.error.HTTPError, deadline: float) -> str:
+    """The receiver's `error` in an error answer (its first `MAX_ERROR_BYTES`, read by `deadline`), on one line."""
     try:
-        return json.loads(err.read()).get("error", "")
+        return " ".join(str(json.loads(error_answer(err, deadline)).get("error", "")).split())[:300]
     except (ValueError, AttributeError):
         return ""
 

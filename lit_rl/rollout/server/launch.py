@@ -1,0 +1,117 @@
+"""`model.rollout.engine.launch: true`: the trainer starts its own vLLM server, so a run on a server (asynchronous
+rollouts, agentic episodes) is one command:
+
+    lit-rl fit --config configs/grpo.yaml --config configs/rollout/vllm_server.yaml --model.rollout.engine.launch true
+
+Rank 0 starts `server_command` (the documented command: loopback, vLLM's RL endpoints, the log-probs the trainer
+recomputes) on 127.0.0.1 at a free port, serving the policy's `model_name_or_path`, when the engine is first built;
+its first weight push then gives it the policy's current weights (a resumed run's too). The server is stopped with
+the engine, and never outlives the trainer (`LocalVLLMServer`). Imports no vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+from typing import Optional, Sequence
+
+import torch
+
+from lit_rl.errors import ConfigError
+from lit_rl.resume import say
+from lit_rl.rollout.engines.vllm_config import VLLMConfig
+from lit_rl.rollout.server.client import LocalVLLMServer, free_port
+
+KEY = "model.rollout.engine"
+LOG_NAME = "vllm_server.log"
+# Flags `server_command` sets: a second value would fight lit-rl's (and `--host` would expose the server).
+OWN_FLAGS = ("--model", "--host", "--port", "--served-model-name", "--weight-transfer-config")
+
+
+def check_launch(config: VLLMConfig, launch: bool, launch_args: Optional[Sequence[str]], timeout_s: float) -> None:
+    """Refuse launch settings that cannot work, naming the key."""
+    if launch_args and not launch:
+        raise ConfigError(f"{KEY}.launch_args is set but {KEY}.launch is false: nothing is launched")
+    if config.server_urls:
+        raise ConfigError(
+            f"{KEY}.launch starts one server on this machine; {KEY}.server_urls names servers started elsewhere: "
+            "set one of them"
+        )
+    if config.uploads_weights:
+        raise ConfigError(
+            f"{KEY}.launch starts the server on this machine: its weights go through files (transfer.method: file, "
+            "the default) or a broadcast (gloo), not through a weight receiver (transfer.method: http)"
+        )
+    if not (0 < timeout_s < math.inf):
+        raise ConfigError(f"{KEY}.launch_timeout_s must be a finite number of seconds > 0, got {timeout_s}")
+    for arg in launch_args or []:
+        if not isinstance(arg, str):
+            raise ConfigError(f"{KEY}.launch_args must be strings (flags and their values), got {arg!r}")
+        flag = arg.split("=", 1)[0]
+        if flag in OWN_FLAGS:
+            raise ConfigError(f"{KEY}.launch_args: {flag} is set by lit-rl for the launched server; leave it out")
+
+
+def launched_dtype(launch_args: Sequence[str]) -> str:
+    """The dtype the launched server computes in, as vLLM names it: `--dtype` in `launch_args`, else float32 on a
+    machine without CUDA (`server_command`), else `auto` (the model's own: not known here)."""
+    for index, arg in enumerate(launch_args):
+        if arg.startswith("--dtype="):
+            return arg.split("=", 1)[1]
+        if arg == "--dtype" and index + 1 < len(launch_args):
+            return launch_args[index + 1]
+    return "auto" if torch.cuda.is_available() else "float32"
+
+
+class ServerLauncher:
+    """Starts the run's server on rank 0 (`start`) and stops it (`stop`); `url` is known before it starts.
+
+    Args:
+        model: what the server loads (the policy's resolved `model_name_or_path`).
+        log_dir: where `vllm_server.log` goes (the run's log directory); None: a new temporary directory.
+        extra_args: `launch_args`.
+        timeout_s: `launch_timeout_s`.
+        weight_transfer: `transfer.method`; gloo and nccl start the server with the matching
+            `--weight-transfer-config`.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        log_dir: Optional[str],
+        extra_args: Sequence[str],
+        timeout_s: float,
+        weight_transfer: str,
+    ) -> None:
+        self.model = model
+        self.log_dir = log_dir
+        self.extra_args = list(extra_args)
+        self.timeout_s = timeout_s
+        self.weight_transfer = weight_transfer
+        self.port = free_port()  # every rank picks one; only rank 0's is started and used
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server: Optional[LocalVLLMServer] = None
+
+    def start(self) -> None:
+        log_dir = self.log_dir or tempfile.mkdtemp(prefix="lit-rl-vllm-server-")
+        os.makedirs(log_dir, exist_ok=True)
+        log = os.path.abspath(os.path.join(log_dir, LOG_NAME))
+        say(f"starting a vLLM server for {self.model} on {self.url} ({KEY}.launch; its log: {log})")
+        started = time.monotonic()
+        self.server = LocalVLLMServer(
+            self.model,
+            log,
+            port=self.port,
+            cpu=not torch.cuda.is_available(),
+            extra_args=self.extra_args,
+            timeout_s=self.timeout_s,
+            weight_transfer=self.weight_transfer,
+        )
+        say(f"vLLM server ready after {time.monotonic() - started:.0f} s; it stops when the run ends")
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None

@@ -1,0 +1,165 @@
+"""`model.rollout.engine.launch`: its checks, the dtype it reports, and the launched process's life, on a stand-in
+server process (an HTTP `/health` with an engine process of its own, as vLLM's API server has). The real CPU vLLM
+server is launched by `lit-rl fit` in `tests/integration/test_vllm.py`."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+import torch
+
+from lit_rl.errors import ConfigError
+from lit_rl.rollout import VLLMServer, WeightTransfer
+from lit_rl.rollout.server import client
+from lit_rl.rollout.server.client import LocalVLLMServer, RolloutServerError
+
+# A stand-in for vLLM's API server: answers /health, starts an "engine" child, and on SIGTERM ends it and exits (as
+# vLLM does; with `--leave-engine` it leaves it running). `--die` exits at once with a message, as a server with a bad
+# flag does.
+STAND_IN = textwrap.dedent(
+    """
+    import http.server, signal, subprocess, sys
+    if "--die" in sys.argv:
+        print("error: unrecognized arguments: --die", flush=True)
+        sys.exit(2)
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    def stop(*_):
+        if "--leave-engine" not in sys.argv:
+            engine.terminate()
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, stop)
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+        def log_message(self, *args):
+            pass
+    port = int(sys.argv[sys.argv.index("--port") + 1])
+    print("engine", engine.pid, flush=True)
+    http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+    """
+)
+
+
+@pytest.fixture
+def stand_in(tmp_path, monkeypatch):
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+
+    def command(model, port, host="127.0.0.1", cpu=True, weight_transfer="file"):
+        return [sys.executable, str(script), "--port", str(port)], {}
+
+    monkeypatch.setattr(client, "server_command", command)
+    return script
+
+
+def _engine_pid(log_path) -> int:
+    for _ in range(100):
+        for line in open(log_path).read().splitlines():
+            if line.startswith("engine "):
+                return int(line.split()[1])
+        time.sleep(0.05)
+    raise AssertionError("the stand-in never started its engine")
+
+
+def _gone(pid: int, within_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_stop_ends_the_server_and_the_processes_it_started(stand_in, tmp_path):
+    server = LocalVLLMServer("m", str(tmp_path / "server.log"), timeout_s=30)
+    engine = _engine_pid(tmp_path / "server.log")
+    assert psutil.pid_exists(engine) and server.process.poll() is None
+    server.stop()
+    server.stop()  # idempotent: close() and the exit hook may both call it
+    assert server.process.poll() is not None and _gone(engine)
+
+
+def test_a_server_that_does_not_start_fails_in_one_line_quoting_its_log(stand_in, tmp_path):
+    log = tmp_path / "server.log"
+    with pytest.raises(RolloutServerError) as failed:
+        LocalVLLMServer("m", str(log), extra_args=["--die"], timeout_s=30)
+    message = str(failed.value)
+    assert "\n" not in message and "did not start" in message
+    assert "unrecognized arguments: --die" in message and str(log) in message
+
+
+def _start_then(stand_in, log, ending: str, *args: str) -> subprocess.CompletedProcess:
+    """A process that starts the stand-in server (with `args`), prints its pid, then ends by `ending` (Python)."""
+    starter = textwrap.dedent(
+        f"""
+        import os, signal, sys
+        from lit_rl.rollout.server import client
+        client.server_command = lambda *a, **k: ([sys.executable, {str(stand_in)!r}, "--port", str(a[1])], {{}})
+        server = client.LocalVLLMServer("m", {str(log)!r}, extra_args={list(args)!r}, timeout_s=30)
+        print(server.process.pid, flush=True)
+        """
+    )
+    return subprocess.run([sys.executable, "-c", starter + ending], capture_output=True, text=True, timeout=60)
+
+
+def test_a_killed_trainer_takes_its_server_with_it(stand_in, tmp_path):
+    """SIGKILL leaves no exit hook to run: the kernel's parent-death signal ends the server, which ends its engine."""
+    log = tmp_path / "server.log"
+    result = _start_then(stand_in, log, "os.kill(os.getpid(), signal.SIGKILL)")
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    server_pid, engine_pid = int(result.stdout.split()[0]), _engine_pid(log)
+    assert _gone(server_pid) and _gone(engine_pid)
+
+
+def test_a_trainer_that_fails_stops_its_server_on_the_way_out(stand_in, tmp_path):
+    """An exception skips Lightning's teardown, so the engine is never closed: the exit hook stops the server's whole
+    session (an engine its server left behind too), and the interpreter waits for them before it exits."""
+    log = tmp_path / "server.log"
+    result = _start_then(stand_in, log, "raise RuntimeError('the run failed')", "--leave-engine")
+    assert result.returncode == 1 and "the run failed" in result.stderr
+    server_pid, engine_pid = int(result.stdout.split()[0]), _engine_pid(log)
+    assert not psutil.pid_exists(server_pid) and _gone(engine_pid)
+
+
+def test_launch_settings_that_cannot_work_are_refused_naming_the_key():
+    refused = {
+        "launch_args: --host is set by lit-rl": VLLMServer(launch=True, launch_args=["--host", "0.0.0.0"]),
+        "launch_args: --port is set by lit-rl": VLLMServer(launch=True, launch_args=["--port=9000"]),
+        "launch_args is set but model.rollout.engine.launch is false": VLLMServer(launch_args=["--dtype", "half"]),
+        "server_urls names servers started elsewhere": VLLMServer(
+            launch=True, server_urls=["http://127.0.0.1:1", "http://127.0.0.1:2"]
+        ),
+        "not through a weight receiver": VLLMServer(
+            launch=True, transfer=WeightTransfer(method="http", receiver_url="http://127.0.0.1:8010")
+        ),
+        "launch_timeout_s must be": VLLMServer(launch=True, launch_timeout_s=0),
+    }
+    for message, config in refused.items():
+        with pytest.raises(ConfigError, match=message):
+            config.check()
+    VLLMServer(launch=True, launch_args=["--max-model-len", "128"], transfer=WeightTransfer(method="gloo")).check()
+
+
+def test_the_launched_servers_dtype_is_known_for_the_rollout_correction():
+    cpu_default = torch.float32 if not torch.cuda.is_available() else None
+    assert VLLMServer(launch=True).engine_dtype(torch.float32) == cpu_default
+    assert VLLMServer(launch=True, launch_args=["--dtype", "bfloat16"]).engine_dtype(torch.float32) == torch.bfloat16
+    assert VLLMServer(launch=True, launch_args=["--dtype=float16"]).engine_dtype(torch.float32) == torch.float16
+    assert VLLMServer().engine_dtype(torch.float32) is None  # a server started elsewhere: unknown
+
+
+def test_the_launched_command_serves_the_policy_on_loopback_with_the_rl_endpoints():
+    argv, env = client.server_command("lit_rl/assets/tiny-qwen2-addition-sft", 8123, weight_transfer="gloo")
+    assert argv[argv.index("--host") + 1] == "127.0.0.1" and argv[argv.index("--port") + 1] == "8123"
+    assert "--weight-transfer-config" in argv and env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert "--trust-remote-code" not in argv
