@@ -17,7 +17,7 @@ import re
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from transformers import AutoConfig
@@ -59,7 +59,10 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 
 
 def export_checkpoint(
-    checkpoint_path: str | Path, out_dir: str | Path, adapter_only: bool = False, trust_remote_code: bool = False
+    checkpoint_path: str | Path,
+    out_dir: str | Path,
+    adapter_only: bool = False,
+    trust_remote_code: Sequence[str] = (),
 ) -> Path:
     """Write the policy of `checkpoint_path` to `out_dir` with `save_pretrained`, tokenizer included.
 
@@ -67,8 +70,10 @@ def export_checkpoint(
     `model_name_or_path` (which must be unchanged since training), and `out_dir` gets the merged model, or with
     `adapter_only` the peft adapter (`PeftModel.from_pretrained(base, out_dir)`).
 
-    `trust_remote_code` is the caller's to give, never the checkpoint's: a checkpoint trained with it is refused
-    without it (its model's repository would run code).
+    `trust_remote_code` names the repositories whose code the caller trusts; it is the caller's to give, never the
+    checkpoint's. A checkpoint trained with trust_remote_code is refused, naming every repository whose code loading
+    it would run (the policy's, and a PPO critic's own), unless each is named; code from a repository not named is
+    never run.
     """
     checkpoint = load_checkpoint(Path(checkpoint_path))
     hparams = grouped_hparams(checkpoint.get("hyper_parameters") or {})  # a 0.1 checkpoint's flat keys too
@@ -76,11 +81,23 @@ def export_checkpoint(
     name = policy.get("model_name_or_path")
     if name is None:
         raise LitRLError(f"checkpoint {checkpoint_path} has no policy.model_name_or_path in its hyper-parameters")
-    if policy.get("trust_remote_code") and not trust_remote_code:
-        raise LitRLError(
-            f"checkpoint {checkpoint_path} was trained with trust_remote_code: loading its model {name!r} runs code "
-            "from the model's repository; pass --trust-remote-code if you trust it"
-        )
+    critic_state = {
+        key[len(CRITIC_PREFIX) :]: value
+        for key, value in checkpoint["state_dict"].items()
+        if key.startswith(CRITIC_PREFIX)
+    }
+    critic_name = (hparams.get("critic_model_name_or_path") or name) if critic_state else None
+    trusted = set(trust_remote_code)
+    if policy.get("trust_remote_code"):
+        with_code = list(dict.fromkeys(repo for repo in (name, critic_name) if repo is not None))
+        untrusted = [repo for repo in with_code if repo not in trusted]
+        if untrusted:
+            flags = " ".join(f"--trust-remote-code {repo}" for repo in untrusted)
+            raise LitRLError(
+                f"checkpoint {checkpoint_path} was trained with trust_remote_code: loading it runs code from "
+                f"{', '.join(repr(repo) for repo in with_code)}; name each repository you trust ({flags})"
+            )
+    trust_policy = name in trusted
     policy_state = {
         key[len(POLICY_PREFIX) :]: value
         for key, value in checkpoint["state_dict"].items()
@@ -93,12 +110,12 @@ def export_checkpoint(
         raise LitRLError(
             f"checkpoint {checkpoint_path} was not trained with model.policy.lora: it has no adapter to export"
         )
-    tokenizer = load_tokenizer(name, trust_remote_code=trust_remote_code)
+    tokenizer = load_tokenizer(name, trust_remote_code=trust_policy)
     if lora is None:
-        model = _model_from_config(name, trust_remote_code, next(iter(policy_state.values())).dtype, tokenizer)
+        model = _model_from_config(name, trust_policy, next(iter(policy_state.values())).dtype, tokenizer)
         _load_weights(model, policy_state, checkpoint_path, name, may_miss=_tied_keys(model))
     else:
-        model = load_causal_lm(name, dtype=policy.get("dtype", "float32"), trust_remote_code=trust_remote_code)
+        model = load_causal_lm(name, dtype=policy.get("dtype", "float32"), trust_remote_code=trust_policy)
         if len(tokenizer) > model.get_input_embeddings().num_embeddings:
             model.resize_token_embeddings(len(tokenizer))
         model = apply_lora(model, lora)
@@ -111,14 +128,8 @@ def export_checkpoint(
     else:
         model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    critic_state = {
-        key[len(CRITIC_PREFIX) :]: value
-        for key, value in checkpoint["state_dict"].items()
-        if key.startswith(CRITIC_PREFIX)
-    }
-    if critic_state:
-        critic_name = hparams.get("critic_model_name_or_path") or name
-        config = AutoConfig.from_pretrained(resolve_model_path(critic_name), trust_remote_code=trust_remote_code)
+    if critic_name is not None:
+        config = AutoConfig.from_pretrained(resolve_model_path(critic_name), trust_remote_code=critic_name in trusted)
         save_value_state(config, critic_state, out / "critic")
     return out
 
@@ -166,8 +177,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--trust-remote-code",
-        action="store_true",
-        help="allow the model's own code from its repository (needed for a checkpoint trained with it)",
+        action="append",
+        default=[],
+        metavar="REPO",
+        help="run the code of repository REPO (a hub id or folder; once per repository): needed for a checkpoint "
+        "trained with trust_remote_code, for its policy's repository and a PPO critic's own (a refusal names them)",
     )
     args = parser.parse_args(argv)
     try:

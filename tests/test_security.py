@@ -53,9 +53,39 @@ def test_a_checkpoint_cannot_grant_itself_remote_code(tmp_path):
     with pytest.raises(LitRLError) as refused:
         export_checkpoint(checkpoint, tmp_path / "out")
     assert str(refused.value) == (
-        f"checkpoint {checkpoint} was trained with trust_remote_code: loading its model 'someone/model-with-code' "
-        "runs code from the model's repository; pass --trust-remote-code if you trust it"
+        f"checkpoint {checkpoint} was trained with trust_remote_code: loading it runs code from "
+        "'someone/model-with-code'; name each repository you trust (--trust-remote-code someone/model-with-code)"
     )
+
+
+def test_export_trusts_only_the_repositories_named_a_ppo_critics_own_included(tmp_path):
+    """The review's finding: trusting the policy's repository also ran the code of the critic's, never named. Now the
+    refusal names both, and trusting one leaves the other refused; the command line takes them one flag each."""
+    checkpoint = tmp_path / "ppo.ckpt"
+    hyper_parameters = {
+        "model_name_or_path": "someone/policy-with-code",
+        "trust_remote_code": True,
+        "critic_model_name_or_path": "stranger/critic-with-code",
+    }
+    state = {"policy.w": torch.zeros(1), "critic.w": torch.zeros(1)}
+    torch.save({"state_dict": state, "hyper_parameters": hyper_parameters}, checkpoint)
+    with pytest.raises(LitRLError) as refused:
+        export_checkpoint(checkpoint, tmp_path / "out", trust_remote_code=["someone/policy-with-code"])
+    assert str(refused.value) == (
+        f"checkpoint {checkpoint} was trained with trust_remote_code: loading it runs code from "
+        "'someone/policy-with-code', 'stranger/critic-with-code'; name each repository you trust "
+        "(--trust-remote-code stranger/critic-with-code)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "lit_rl.export", str(checkpoint), str(tmp_path / "out")]
+        + ["--trust-remote-code", "someone/policy-with-code"],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 1 and result.stderr == f"lit-rl export: error: {refused.value}\n"
+    assert not (tmp_path / "out").exists()
 
 
 # -- the weight receiver: what the review did to it, on loopback --------------------------------------------------
