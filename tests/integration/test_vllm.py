@@ -95,9 +95,9 @@ def test_colocated_engine_samples_from_the_pushed_weights(lora):
     assert diffs["policy_tensors_not_in_engine"] == 0
 
 
-# "gloo": the weights are broadcast to the server's worker (`model.rollout.engine.transfer.method: gloo`) instead of
-# read from files.
-@pytest.mark.parametrize("options", [(), ("--lora",), ("--gloo",)], ids=["full", "lora", "gloo"])
+# The weights broadcast over gloo (`transfer.method: gloo`) are checked by GRPO on two servers below: its log-prob
+# gap stays under 1e-4 every step at lr 1e-3, which a push that did not land would break after the first.
+@pytest.mark.parametrize("options", [(), ("--lora",)], ids=["full", "lora"])
 def test_server_engine_samples_from_the_pushed_weights(vllm_server, options):
     _check_push(_logprob_check("server", vllm_server, *options))
 

@@ -1,8 +1,9 @@
-"""ZeRO-3 as users run it: the shipped overlay unchanged (DeepSpeed's default persistence threshold keeps every
-parameter of the tiny model whole) and with a threshold that splits the model into partitioned and persistent
-parameters. Through the `lit-rl` script: a Ctrl-C during step 3 and the printed resume command give every step of
-a DDP run's numbers, the export at the end equals DDP's, and the split model pushes its gathered weights into
-vLLM. (tests/integration/test_deepspeed.py covers every parameter partitioned.)"""
+"""ZeRO-3 as users run it: the shipped overlay with a user's threshold that splits the model into partitioned and
+persistent parameters. Through the `lit-rl` script: a Ctrl-C during step 3 and the printed resume command give every
+step of a DDP run's numbers, the export at the end equals DDP's, and the split model pushes its gathered weights
+into vLLM. (tests/integration/test_deepspeed.py covers every parameter partitioned. The shipped overlay alone keeps
+every parameter of the tiny model whole, a case the split model's persistent half already runs: its own run, 70 s
+of CI, proved nothing more.)"""
 
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ STRATEGY = CONFIGS / "strategy"
 MIXED = REPO / "tests" / "integration" / "zero3_mixed_partition.yaml"
 LAYOUTS = {
     "ddp": [STRATEGY / "ddp.yaml"],
-    "zero3_shipped": [STRATEGY / "ddp.yaml", STRATEGY / "deepspeed_zero3.yaml"],
     "zero3_mixed": [STRATEGY / "ddp.yaml", STRATEGY / "deepspeed_zero3.yaml", MIXED],
 }
 
@@ -61,8 +61,8 @@ def ddp_run(tmp_path_factory):
     return cwd / "runs" / "grpo" / "version_0"
 
 
-@pytest.mark.parametrize("layout", ["zero3_shipped", "zero3_mixed"])
-def test_zero3_stopped_and_resumed_as_printed_matches_ddp_and_exports_the_same_model(tmp_path, ddp_run, layout):
+def test_zero3_stopped_and_resumed_as_printed_matches_ddp_and_exports_the_same_model(tmp_path, ddp_run):
+    layout = "zero3_mixed"
     (tmp_path / "stopper.py").write_text(GROUP_STOPPER)
     # Reward calls: steps 1 and 2, the validation at step 2 (val_check_interval 4 micro-batches, accumulation 2),
     # then step 3: Ctrl-C during step 3.
