@@ -27,6 +27,7 @@ STAND_IN = textwrap.dedent(
     import http.server, signal, subprocess, sys
     if "--die" in sys.argv:
         print("error: unrecognized arguments: --die", flush=True)
+        print("    For further information visit https://example.org", flush=True)
         sys.exit(2)
     engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     def stop(*_):
@@ -94,7 +95,7 @@ def test_a_server_that_does_not_start_fails_in_one_line_quoting_its_log(stand_in
     with pytest.raises(RolloutServerError) as failed:
         LocalVLLMServer("m", str(log), extra_args=["--die"], timeout_s=30)
     message = str(failed.value)
-    assert "\n" not in message and "did not start" in message
+    assert "\n" not in message and "did not start: it exited with code 2" in message
     assert "unrecognized arguments: --die" in message and str(log) in message
 
 
@@ -163,3 +164,20 @@ def test_the_launched_command_serves_the_policy_on_loopback_with_the_rl_endpoint
     assert argv[argv.index("--host") + 1] == "127.0.0.1" and argv[argv.index("--port") + 1] == "8123"
     assert "--weight-transfer-config" in argv and env["VLLM_SERVER_DEV_MODE"] == "1"
     assert "--trust-remote-code" not in argv
+
+
+def test_on_cpu_the_trainer_leaves_half_its_threads_to_the_launched_server(monkeypatch, capsys):
+    from lit_rl.rollout.server.launch import ServerLauncher
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the user's setting wins
+        ServerLauncher._share_cores()
+        assert torch.get_num_threads() == 4
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        ServerLauncher._share_cores()
+        assert torch.get_num_threads() == 2
+        assert "the trainer now computes on 2 of its 4 CPU threads" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(threads)

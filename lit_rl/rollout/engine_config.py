@@ -369,7 +369,7 @@ class VLLMServer(EngineConfig):
             trainer shares, `["--gpu-memory-utilization", "0.3"]`. Flags lit-rl sets itself (`--model`, `--host`,
             `--port`, `--served-model-name`, `--weight-transfer-config`) are refused.
         launch_timeout_s: how long the launched server may take to answer before the run stops, in one line
-            that quotes the last line of its log.
+            that quotes its log's last error line (as it does when the server exits).
     """
 
     samples_in_background = True

@@ -109,10 +109,11 @@ class LocalVLLMServer:
             client = VLLMServerClient(self.url, timeout_s=2.0, max_retries=0)
             client.wait_until_healthy(timeout_s, gone=lambda: self.process.poll() is not None)
         except RolloutServerError:
+            exit_code = self.process.poll()
             self.stop()
+            what = f"did not answer within {timeout_s:g} s" if exit_code is None else f"exited with code {exit_code}"
             raise RolloutServerError(
-                f"vLLM server {self.url} did not start within {timeout_s:g} s ({_last_line(log_path)}); "
-                f"its log: {log_path}"
+                f"vLLM server {self.url} did not start: it {what} ({_last_error(log_path)}); its log: {log_path}"
             ) from None
         except BaseException:  # never leave a server running behind Ctrl-C
             self.stop()
@@ -153,14 +154,16 @@ def _stop_session(process, log) -> None:
     log.close()
 
 
-def _last_line(log_path: str) -> str:
-    """The last non-empty line of the server's log, for the one-line error of a server that did not start."""
+def _last_error(log_path: str) -> str:
+    """The server log's last line that names an error (else its last line), for the one-line error of a server
+    that did not start: vLLM's traceback ends with the exception, often followed by a line of links."""
     try:
         with open(log_path, errors="replace") as handle:
             lines = [line.strip() for line in handle.readlines()[-50:] if line.strip()]
     except OSError:
         return "no log"
-    return lines[-1][-300:] if lines else "its log is empty"
+    errors = [line for line in lines if "error" in line.lower()]
+    return (errors or lines or ["its log is empty"])[-1][-300:]
 
 
 def free_port() -> int:

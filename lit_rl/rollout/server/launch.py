@@ -110,6 +110,18 @@ class ServerLauncher:
             weight_transfer=self.weight_transfer,
         )
         say(f"vLLM server ready after {time.monotonic() - started:.0f} s; it stops when the run ends")
+        if not torch.cuda.is_available():
+            self._share_cores()
+
+    @staticmethod
+    def _share_cores() -> None:
+        """On CPU the server and the trainer share the cores: the trainer takes half its threads, unless the user
+        set them (`OMP_NUM_THREADS`). With every thread each, their idle threads spin against each other's work (on
+        2 cores the shipped GRPO config took 1.56 s a step against 0.67 s)."""
+        threads = torch.get_num_threads()
+        if threads > 1 and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(threads // 2)
+            say(f"the trainer now computes on {threads // 2} of its {threads} CPU threads: the server has the rest")
 
     def stop(self) -> None:
         if self.server is not None:
