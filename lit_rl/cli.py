@@ -18,6 +18,7 @@ import shlex
 import signal
 import sys
 import warnings
+from pathlib import Path
 from typing import Any, NoReturn, Optional
 
 import lightning as L
@@ -200,6 +201,19 @@ class SaveRunConfig(SaveConfigCallback):
             self.save_config(trainer, pl_module, stage)
             self.already_saved = True
         self.already_saved = trainer.strategy.broadcast(self.already_saved)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        """A run that fails before writing anything (a missing data file fails after the logger made its folder)
+        leaves no empty `version_N` folder, nor an empty folder of its name; what a run wrote stays. No collective:
+        the other ranks may be elsewhere."""
+        log_dir = getattr(trainer.logger, "log_dir", None)
+        if not trainer.is_global_zero or not isinstance(log_dir, str):
+            return
+        for folder in (Path(log_dir), Path(log_dir).parent):
+            try:
+                folder.rmdir()  # only an empty folder
+            except OSError:
+                return
 
 
 class LitRLCLI(LightningCLI):

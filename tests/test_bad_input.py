@@ -218,6 +218,13 @@ CASES = [
         1,
     ),
     ("missing-data-file", GRPO, ["--data.train_data", "missing.jsonl"], "data file 'missing.jsonl' does not exist", 1),
+    (  # named as itself, not through the loss setting whose range it bounds
+        "negative-max-new-tokens",
+        GRPO,
+        ["--model.sampling.max_new_tokens", "-1"],
+        "model.sampling.max_new_tokens must be >= 1, got -1",
+        1,
+    ),
     (
         "damaged-checkpoint",
         GRPO,
@@ -526,6 +533,9 @@ def test_bad_input_gives_one_line_error(bad_rewards, capsys, case, config, args,
     err = capsys.readouterr().err
     last = err.strip().splitlines()[-1]
     assert last.startswith("lit-rl: error: ") and expected in last, err[-2000:]
+    runs = tmp_path / "runs"  # a failed start leaves no empty run folder (issue 58.6)
+    empty = [str(folder) for folder in runs.rglob("*") if folder.is_dir() and not any(folder.iterdir())]
+    assert not empty, empty
     # (No-traceback is checked on a real process below: in-process, pytest's capture can make logging print its
     # own "Logging error" tracebacks.)
 

@@ -58,7 +58,9 @@ class GRPO(OnPolicyModule):
         rollout: RolloutArgs = RolloutArgs(),
     ) -> None:
         self.loss_args = loss = as_args(GRPOLoss, loss)
-        loss.check(max_new_tokens=as_args(SamplingArgs, sampling).max_new_tokens)
+        sampling = as_args(SamplingArgs, sampling)
+        sampling.check()  # first: the loss's limits are read from it (a bad max_new_tokens is named as itself)
+        loss.check(max_new_tokens=sampling.max_new_tokens)
         super().__init__(policy, optim, schedule, sampling, rewards, env, rollout)
         self.save_hyperparameters()
         rollout = self.rollout_args
