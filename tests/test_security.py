@@ -161,6 +161,84 @@ def test_a_committed_version_is_never_replaced_and_an_outsider_needs_the_token(t
     open_receiver.stop()
 
 
+def test_a_file_lands_only_between_commits_never_between_a_commits_check_and_its_rename(tmp_path):
+    """The review's finding 3: PUT replaced its file without the commit lock, so bytes could land between a commit's
+    digest check and its rename. Held by a commit, the lock now keeps a finished PUT's file out of the staging
+    folder until the commit is done; the PUT then finds its version committed and says so (409)."""
+    import hashlib
+    import threading
+    import time
+
+    from lit_rl.rollout.server.weight_receiver import WeightReceiver
+
+    receiver = _serve(WeightReceiver(tmp_path / "w"))
+    body = b"late bytes"
+    headers = {"Content-Length": str(len(body)), "X-Content-SHA256": hashlib.sha256(body).hexdigest()}
+    staged = tmp_path / "w" / ".incoming-v1" / "model-00000.safetensors"
+    statuses = []
+    try:
+        with receiver.commit_lock:  # as a commit holds it from its check to its rename
+            put = threading.Thread(
+                target=lambda: statuses.append(
+                    _http(receiver.url, "PUT", "/files/v1/model-00000.safetensors", body, headers)
+                )
+            )
+            put.start()
+            deadline = time.monotonic() + 10
+            while not list(staged.parent.glob("*.part")) and time.monotonic() < deadline:
+                time.sleep(0.05)  # its partial file is there
+            time.sleep(0.5)  # and its 10 bytes, on loopback
+            assert not staged.exists() and not statuses  # it waits for the commit
+            (tmp_path / "w" / ".incoming-v1").rename(tmp_path / "w" / "v1.1")  # the commit's rename
+        put.join(timeout=10)
+        assert statuses == [409] and not staged.exists()
+    finally:
+        receiver.stop()
+
+
+def test_uploads_at_once_reserve_their_bytes_and_staging_folders_are_capped(tmp_path, monkeypatch):
+    """The review's finding 4: the byte limit was checked without a reservation (parallel uploads all passed it),
+    and empty PUTs made staging folders without limit. An upload under way now holds its bytes against the limit,
+    and at most `MAX_STAGING` staging folders exist at once."""
+    import hashlib
+    import os
+    import socket
+    import time
+
+    import lit_rl.rollout.server.weight_receiver as module
+
+    monkeypatch.setattr(module, "MAX_STAGING", 3)
+    receiver = _serve(module.WeightReceiver(tmp_path / "w", max_total_bytes=1000))
+    host, port = receiver.server.server_address[:2]
+    body = b"x" * 600
+    headers = {"Content-Length": "600", "X-Content-SHA256": hashlib.sha256(body).hexdigest()}
+    slow = socket.create_connection((host, port))
+    try:  # an upload of 600 bytes under way: 10 sent
+        slow.sendall(
+            b"PUT /files/a/model-00000.safetensors HTTP/1.1\r\nContent-Length: 600\r\n"
+            b"X-Content-SHA256: " + headers["X-Content-SHA256"].encode() + b"\r\n\r\n" + body[:10]
+        )
+        time.sleep(0.3)
+        assert _http(receiver.url, "PUT", "/files/b/model-00000.safetensors", body, headers) == 507  # 600 + 600
+        slow.sendall(body[10:])
+        assert b" 200 " in slow.recv(1024)
+    finally:
+        slow.close()
+    empty = {"Content-Length": "0", "X-Content-SHA256": hashlib.sha256(b"").hexdigest()}
+    assert [_http(receiver.url, "PUT", f"/files/e{i}/x", b"", empty) for i in range(3)] == [200, 200, 507]
+    # A staging folder untouched for STALE_STAGING_S is swept by a later upload, not only at the next start.
+    monkeypatch.setattr(module, "STALE_SWEEP_S", 0.0)
+    hour_ago = time.time() - module.STALE_STAGING_S - 1
+    os.utime(tmp_path / "w" / ".incoming-e0", (hour_ago, hour_ago))
+    assert _http(receiver.url, "PUT", "/files/e2/x", b"", empty) == 200
+    assert sorted(p.name for p in (tmp_path / "w").glob(".incoming-*")) == [
+        ".incoming-a",
+        ".incoming-e1",
+        ".incoming-e2",
+    ]
+    receiver.stop()
+
+
 def test_a_receiver_on_another_interface_makes_a_token_when_given_none(tmp_path, monkeypatch):
     from lit_rl.rollout.server.weight_receiver import WeightReceiver
 

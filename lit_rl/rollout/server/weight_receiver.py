@@ -23,11 +23,13 @@ requires `Authorization: Bearer <token>` (`LIT_RL_RECEIVER_TOKEN`, set on both s
 prints it once), compared in constant time. The token travels in clear HTTP: across machines, use a private
 network or a tunnel. The uploader follows no redirect (one would carry the token elsewhere).
 
-What it bounds: a file's `Content-Length` (`--max-file-gib`), the bytes under `--dir` (`--max-total-gib`), a commit's
-body, connections at once (`MAX_CONNECTIONS`; more are answered 503) and the time a connection may stall
-(`REQUEST_TIMEOUT_S`). `--dir` is created private (0700), must belong to this user, and nothing under it may be a
-symbolic link; names are checked, so nothing is written outside it. Staging folders left by uploads that never
-committed are removed after `STALE_STAGING_S`.
+What it bounds: a file's `Content-Length` (`--max-file-gib`), the bytes under `--dir` (`--max-total-gib`: an upload
+reserves its bytes before it is accepted, so uploads at once cannot overrun it together), the staging folders at once
+(`MAX_STAGING`), a commit's body, connections at once (`MAX_CONNECTIONS`; more are answered 503) and the time a
+connection may stall (`REQUEST_TIMEOUT_S`). `--dir` is created private (0700), must belong to this user, and nothing
+under it may be a symbolic link; names are checked, so nothing is written outside it. Staging folders left by uploads
+that never committed are removed after `STALE_STAGING_S` (looked for at start and at most once a minute after). A
+file lands in its staging folder under the commit lock, so a commit never moves bytes other than those it checked.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ MAX_COMMIT_BYTES = 1 << 20  # a commit names files and digests: kilobytes
 MAX_CONNECTIONS = 16  # handled at once; the trainer uses UPLOAD_STREAMS
 REQUEST_TIMEOUT_S = 60.0  # a connection that sends nothing for this long is dropped, its partial file removed
 STALE_STAGING_S = 3600.0  # a staging folder untouched this long belongs to an upload that will not commit
+STALE_SWEEP_S = 60.0  # how often uploads look for stale staging folders
+MAX_STAGING = 64  # staging folders at once: the trainer keeps one or two (a version and the next)
 
 
 class WeightTransferError(LitRLError):
@@ -104,8 +108,12 @@ class WeightReceiver:
         self.server = _BoundedServer((host, port), _handler(self))
         self.url = f"http://{host}:{self.server.server_port}"
         self.verified: dict[Path, str] = {}  # staged file -> the SHA-256 checked as it arrived (commit trusts it)
-        self.commit_lock = threading.Lock()  # commits and deletes move directories: one at a time
+        self.commit_lock = threading.Lock()  # commits, deletes and a file's landing move files: one at a time
+        self.space_lock = threading.Lock()  # `reserved` and the check against `max_total_bytes`
+        self.staging_lock = threading.Lock()  # counting, sweeping and making staging folders
+        self.reserved = 0  # bytes of the uploads accepted and not yet landed (or removed)
         remove_stale_staging(self.root)
+        self.last_sweep = time.monotonic()
 
     def serve_forever(self) -> None:
         self.server.serve_forever()
@@ -136,6 +144,32 @@ class WeightReceiver:
                 if stat.S_ISREG(status.st_mode):
                     total += status.st_size
         return total
+
+    def reserve(self, nbytes: int) -> bool:
+        """Take `nbytes` of the byte budget for an upload (False: it would overrun `max_total_bytes`); `release`
+        gives them back once the file landed, and counts among the bytes stored, or was removed."""
+        with self.space_lock:
+            if self.bytes_stored() + self.reserved + nbytes > self.max_total_bytes:
+                return False
+            self.reserved += nbytes
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self.space_lock:
+            self.reserved -= nbytes
+
+    def open_staging(self, tag: str) -> Optional[Path]:
+        """`tag`'s staging folder, made when new unless `MAX_STAGING` exist (None); stale ones are swept first, at
+        most once per `STALE_SWEEP_S`."""
+        with self.staging_lock:
+            if time.monotonic() - self.last_sweep > STALE_SWEEP_S:
+                remove_stale_staging(self.root)
+                self.last_sweep = time.monotonic()
+            staging = self.staging(tag)
+            if not staging.exists() and len(list(self.root.glob(".incoming-*"))) >= MAX_STAGING:
+                return None
+            staging.mkdir(mode=0o700, exist_ok=True)
+            return staging
 
     def versions(self, tag: str) -> list[Path]:
         """The committed directories of `tag`, oldest first."""
@@ -171,7 +205,9 @@ def private_directory(root: Path) -> Path:
     return root
 
 
-def remove_stale_staging(root: Path, older_than_s: float = STALE_STAGING_S) -> None:
+def remove_stale_staging(root: Path, older_than_s: Optional[float] = None) -> None:
+    """Remove the staging folders untouched for `older_than_s` (None: `STALE_STAGING_S`)."""
+    older_than_s = STALE_STAGING_S if older_than_s is None else older_than_s
     now = time.time()
     for path in root.glob(".incoming-*"):
         if path.is_dir() and not path.is_symlink() and now - path.lstat().st_mtime > older_than_s:
@@ -260,15 +296,24 @@ def _handler(receiver: WeightReceiver) -> type[BaseHTTPRequestHandler]:
                 self._reply(404, {"error": "PUT /files/<tag>/<name>"})
                 return
             tag, name = names
-            remaining = self._length(receiver.max_file_bytes)
-            if remaining is None:
+            length = self._length(receiver.max_file_bytes)
+            if length is None:
                 return
-            if receiver.bytes_stored() + remaining > receiver.max_total_bytes:
+            if not receiver.reserve(length):
                 self._reply(507, {"error": f"{name}: the receiver's {receiver.max_total_bytes} bytes are used"})
                 return
+            try:
+                self._receive(tag, name, length)
+            finally:
+                receiver.release(length)
+
+        def _receive(self, tag: str, name: str, remaining: int) -> None:
+            """PUT's body into `tag`'s staging folder as `name`, its digest checked (the bytes are reserved)."""
             expected = self.headers.get("X-Content-SHA256", "")
-            staging = receiver.staging(tag)
-            staging.mkdir(mode=0o700, exist_ok=True)
+            staging = receiver.open_staging(tag)
+            if staging is None:
+                self._reply(507, {"error": f"{MAX_STAGING} uploads are staged already: commit or delete some"})
+                return
             if not _no_links_under(staging, receiver.root):
                 self._reply(400, {"error": f"{staging.name} is not a directory of the receiver's own"})
                 return
@@ -292,12 +337,16 @@ def _handler(receiver: WeightReceiver) -> type[BaseHTTPRequestHandler]:
                 partial.unlink(missing_ok=True)
                 self._reply(400, {"error": f"{name}: the bytes received do not match their SHA-256"})
                 return
-            if (staging / name).is_symlink():
-                partial.unlink(missing_ok=True)
-                self._reply(400, {"error": f"{name} is a symbolic link in the staging folder"})
-                return
-            os.replace(partial, staging / name)
-            receiver.verified[staging / name] = expected
+            with receiver.commit_lock:  # not between a commit's digest check and its rename
+                if not partial.exists():  # committed or deleted meanwhile, with the partial file in it
+                    self._reply(409, {"error": f"{name}: version {tag} was committed or deleted during the upload"})
+                    return
+                if (staging / name).is_symlink():
+                    partial.unlink(missing_ok=True)
+                    self._reply(400, {"error": f"{name} is a symbolic link in the staging folder"})
+                    return
+                os.replace(partial, staging / name)
+                receiver.verified[staging / name] = expected
             self._reply(200, {"sha256": expected})
 
         def do_POST(self) -> None:
