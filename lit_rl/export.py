@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import pickle
 import re
+import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -87,17 +88,19 @@ def export_checkpoint(
         if key.startswith(CRITIC_PREFIX)
     }
     critic_name = (hparams.get("critic_model_name_or_path") or name) if critic_state else None
-    trusted = set(trust_remote_code)
+    if isinstance(trust_remote_code, (str, bool)):  # a name would be read letter by letter, True as trust for all
+        raise LitRLError(f"trust_remote_code takes the repositories to trust, as a list, got {trust_remote_code!r}")
+    trusted = {resolve_model_path(repo) for repo in trust_remote_code}  # `~/model` and `./model` as the loader reads
     if policy.get("trust_remote_code"):
         with_code = list(dict.fromkeys(repo for repo in (name, critic_name) if repo is not None))
-        untrusted = [repo for repo in with_code if repo not in trusted]
+        untrusted = [repo for repo in with_code if resolve_model_path(repo) not in trusted]
         if untrusted:
-            flags = " ".join(f"--trust-remote-code {repo}" for repo in untrusted)
+            flags = " ".join(f"--trust-remote-code {shlex.quote(repo)}" for repo in untrusted)
             raise LitRLError(
                 f"checkpoint {checkpoint_path} was trained with trust_remote_code: loading it runs code from "
                 f"{', '.join(repr(repo) for repo in with_code)}; name each repository you trust ({flags})"
             )
-    trust_policy = name in trusted
+    trust_policy = resolve_model_path(name) in trusted
     policy_state = {
         key[len(POLICY_PREFIX) :]: value
         for key, value in checkpoint["state_dict"].items()
@@ -129,7 +132,8 @@ def export_checkpoint(
         model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     if critic_name is not None:
-        config = AutoConfig.from_pretrained(resolve_model_path(critic_name), trust_remote_code=critic_name in trusted)
+        trust_critic = resolve_model_path(critic_name) in trusted
+        config = AutoConfig.from_pretrained(resolve_model_path(critic_name), trust_remote_code=trust_critic)
         save_value_state(config, critic_state, out / "critic")
     return out
 

@@ -56,16 +56,15 @@ def read_answer(response: http.client.HTTPResponse, limit: int, deadline: float)
 
 
 def error_answer(err: urllib.error.HTTPError, deadline: float, limit: int = MAX_ERROR_BYTES) -> bytes:
-    """At most `limit` bytes of an error answer's body, read before `time.monotonic()` passes `deadline`; what
-    arrived by then (possibly nothing) if the server sends more, too slowly, or breaks off. Never raises."""
+    """At most `limit` bytes of an error answer's body, read before `time.monotonic()` passes `deadline` (give or
+    take one receive); what arrived by then (possibly nothing) if the server sends more, too slowly, or breaks off.
+    The connection is closed after. Never raises."""
     response = getattr(err, "fp", None)
     read1 = getattr(response, "read1", None)
-    if read1 is None:
-        return b""
     chunks: list[bytes] = []
     total = 0
     try:
-        while total < limit and time.monotonic() < deadline:
+        while read1 is not None and total < limit and time.monotonic() < deadline:
             chunk = read1(min(_READ, limit - total))
             if not chunk:
                 break
@@ -73,4 +72,9 @@ def error_answer(err: urllib.error.HTTPError, deadline: float, limit: int = MAX_
             chunks.append(chunk)
     except (OSError, http.client.HTTPException, ValueError):
         pass
+    finally:
+        try:
+            err.close()  # the rest is not read: the connection is not reused
+        except (OSError, http.client.HTTPException, ValueError):
+            pass
     return b"".join(chunks)

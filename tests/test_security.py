@@ -185,7 +185,7 @@ def test_a_file_lands_only_between_commits_never_between_a_commits_check_and_its
             )
             put.start()
             deadline = time.monotonic() + 10
-            while not list(staged.parent.glob("*.part")) and time.monotonic() < deadline:
+            while not list((tmp_path / "w").glob(".part-v1-*")) and time.monotonic() < deadline:
                 time.sleep(0.05)  # its partial file is there
             time.sleep(0.5)  # and its 10 bytes, on loopback
             assert not staged.exists() and not statuses  # it waits for the commit
@@ -218,7 +218,9 @@ def test_uploads_at_once_reserve_their_bytes_and_staging_folders_are_capped(tmp_
             b"PUT /files/a/model-00000.safetensors HTTP/1.1\r\nContent-Length: 600\r\n"
             b"X-Content-SHA256: " + headers["X-Content-SHA256"].encode() + b"\r\n\r\n" + body[:10]
         )
-        time.sleep(0.3)
+        deadline = time.monotonic() + 10
+        while not list((tmp_path / "w").glob(".part-a-*")) and time.monotonic() < deadline:
+            time.sleep(0.05)  # accepted: its bytes are reserved, its partial file made
         assert _http(receiver.url, "PUT", "/files/b/model-00000.safetensors", body, headers) == 507  # 600 + 600
         slow.sendall(body[10:])
         assert b" 200 " in slow.recv(1024)
@@ -229,7 +231,8 @@ def test_uploads_at_once_reserve_their_bytes_and_staging_folders_are_capped(tmp_
     # A staging folder untouched for STALE_STAGING_S is swept by a later upload, not only at the next start.
     monkeypatch.setattr(module, "STALE_SWEEP_S", 0.0)
     hour_ago = time.time() - module.STALE_STAGING_S - 1
-    os.utime(tmp_path / "w" / ".incoming-e0", (hour_ago, hour_ago))
+    for path in (tmp_path / "w" / ".incoming-e0" / "x", tmp_path / "w" / ".incoming-e0"):  # it, and what it holds
+        os.utime(path, (hour_ago, hour_ago))
     assert _http(receiver.url, "PUT", "/files/e2/x", b"", empty) == 200
     assert sorted(p.name for p in (tmp_path / "w").glob(".incoming-*")) == [
         ".incoming-a",
@@ -296,9 +299,9 @@ def test_stalled_connections_are_dropped_with_their_partial_files_and_capped(tmp
         time.sleep(0.3)
         assert _http(receiver.url, "DELETE", "/files/v9") == 503  # a fourth connection, while 3 are held
         deadline = time.monotonic() + 10
-        while list((tmp_path / "w").glob(".incoming-v1/*.part")) and time.monotonic() < deadline:
+        while list((tmp_path / "w").glob(".part-v1-*")) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not list((tmp_path / "w").glob(".incoming-v1/*.part"))  # dropped after the timeout, files removed
+        assert not list((tmp_path / "w").glob(".part-v1-*"))  # dropped after the timeout, partial files removed
         assert _http(receiver.url, "DELETE", "/files/v9") == 200  # the slots are free again
     finally:
         for client in stalled:

@@ -21,10 +21,13 @@ from lit_rl.rollout.server.client import LocalVLLMServer, RolloutServerError
 
 # A stand-in for vLLM's API server: answers /health, starts an "engine" child, and on SIGTERM ends it and exits (as
 # vLLM does; with `--leave-engine` it leaves it running). `--die` exits at once with a message, as a server with a bad
-# flag does.
+# flag does; `--mute` never answers.
 STAND_IN = textwrap.dedent(
     """
-    import http.server, signal, subprocess, sys
+    import http.server, signal, subprocess, sys, time
+    if "--mute" in sys.argv:  # alive, never answering: a server stuck loading
+        print("loading weights ...", flush=True)
+        time.sleep(600)
     if "--die" in sys.argv:
         print("error: unrecognized arguments: --die", flush=True)
         print("    For further information visit https://example.org", flush=True)
@@ -53,8 +56,8 @@ def stand_in(tmp_path, monkeypatch):
     script = tmp_path / "stand_in.py"
     script.write_text(STAND_IN)
 
-    def command(model, port, host="127.0.0.1", cpu=True, weight_transfer="file"):
-        return [sys.executable, str(script), "--port", str(port)], {}
+    def command(model, port, host="127.0.0.1", cpu=True, weight_transfer="file", extra_args=(), **_):
+        return [sys.executable, str(script), *extra_args, "--port", str(port)], {}
 
     monkeypatch.setattr(client, "server_command", command)
     return script
@@ -105,12 +108,22 @@ def _start_then(stand_in, log, ending: str, *args: str) -> subprocess.CompletedP
         f"""
         import os, signal, sys
         from lit_rl.rollout.server import client
-        client.server_command = lambda *a, **k: ([sys.executable, {str(stand_in)!r}, "--port", str(a[1])], {{}})
+        client.server_command = lambda *a, **k: (
+            [sys.executable, {str(stand_in)!r}, *k["extra_args"], "--port", str(a[1])], {{}}
+        )
         server = client.LocalVLLMServer("m", {str(log)!r}, extra_args={list(args)!r}, timeout_s=30)
         print(server.process.pid, flush=True)
         """
     )
     return subprocess.run([sys.executable, "-c", starter + ending], capture_output=True, text=True, timeout=60)
+
+
+def test_a_server_that_never_answers_fails_in_one_line_after_the_time_limit_and_is_stopped(stand_in, tmp_path):
+    with pytest.raises(RolloutServerError) as failed:
+        LocalVLLMServer("m", str(tmp_path / "server.log"), extra_args=["--mute"], timeout_s=2)
+    message = str(failed.value)
+    assert "\n" not in message and "did not start: it did not answer within 2 s (loading weights ...)" in message
+    assert not [p for p in psutil.process_iter(["cmdline"]) if "--mute" in (p.info["cmdline"] or [])]
 
 
 def test_a_killed_trainer_takes_its_server_with_it(stand_in, tmp_path):
@@ -134,8 +147,14 @@ def test_a_trainer_that_fails_stops_its_server_on_the_way_out(stand_in, tmp_path
 
 def test_launch_settings_that_cannot_work_are_refused_naming_the_key():
     refused = {
-        "launch_args: --host is set by lit-rl": VLLMServer(launch=True, launch_args=["--host", "0.0.0.0"]),
-        "launch_args: --port is set by lit-rl": VLLMServer(launch=True, launch_args=["--port=9000"]),
+        r"launch_args: --host \(--host\) is set by lit-rl": VLLMServer(launch=True, launch_args=["--host", "0.0.0.0"]),
+        r"launch_args: --port=9000 \(--port\) is set": VLLMServer(launch=True, launch_args=["--port=9000"]),
+        # vLLM's parser takes a prefix of a flag, and `_` for `-`: each would reach lit-rl's flag.
+        r"launch_args: --hos \(--host\)": VLLMServer(launch=True, launch_args=["--hos", "0.0.0.0"]),
+        r"--served_model_name \(--served-model-name\)": VLLMServer(launch=True, launch_args=["--served_model_name"]),
+        r"--logprobs-mode \(--logprobs-mode\)": VLLMServer(launch=True, launch_args=["--logprobs-mode", "raw"]),
+        "set by model.policy.trust_remote_code": VLLMServer(launch=True, launch_args=["--trust-remote-code"]),
+        r"launch_args '\[\"--dtype\", \"bfloat16\"\]'": VLLMServer(launch=True, dtype="bfloat16"),
         "launch_args is set but model.rollout.engine.launch is false": VLLMServer(launch_args=["--dtype", "half"]),
         "server_urls names servers started elsewhere": VLLMServer(
             launch=True, server_urls=["http://127.0.0.1:1", "http://127.0.0.1:2"]
@@ -160,24 +179,33 @@ def test_the_launched_servers_dtype_is_known_for_the_rollout_correction():
 
 
 def test_the_launched_command_serves_the_policy_on_loopback_with_the_rl_endpoints():
-    argv, env = client.server_command("lit_rl/assets/tiny-qwen2-addition-sft", 8123, weight_transfer="gloo")
+    model = "lit_rl/assets/tiny-qwen2-addition-sft"
+    extra = ["--dtype", "bfloat16", "--max-model-len", "128"]
+    argv, env = client.server_command(model, 8123, weight_transfer="gloo", extra_args=extra)
     assert argv[argv.index("--host") + 1] == "127.0.0.1" and argv[argv.index("--port") + 1] == "8123"
     assert "--weight-transfer-config" in argv and env["VLLM_SERVER_DEV_MODE"] == "1"
-    assert "--trust-remote-code" not in argv
+    # The user's flags override the CPU defaults (the last --dtype wins) and come before lit-rl's own, which win.
+    dtypes = [i for i, arg in enumerate(argv) if arg == "--dtype"]
+    assert argv[dtypes[-1] + 1] == "bfloat16" and max(dtypes) < argv.index("--model") < argv.index("--host")
+    assert "--trust-remote-code" not in argv  # unless the policy's own setting asks for it:
+    trusted, _ = client.server_command(model, 8123, trust_remote_code=True)
+    assert trusted[-1] == "--trust-remote-code"
 
 
-def test_on_cpu_the_trainer_leaves_half_its_threads_to_the_launched_server(monkeypatch, capsys):
-    from lit_rl.rollout.server.launch import ServerLauncher
+def test_on_cpu_the_trainer_leaves_half_its_threads_to_the_launched_server_until_it_stops(monkeypatch, capsys):
+    from lit_rl.rollout.server.launch import ServerLauncher, share_cores
 
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(4)
         monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the user's setting wins
-        ServerLauncher._share_cores()
-        assert torch.get_num_threads() == 4
+        assert share_cores() is None and torch.get_num_threads() == 4
         monkeypatch.delenv("OMP_NUM_THREADS")
-        ServerLauncher._share_cores()
+        launcher = ServerLauncher("m", None, [], 1.0, "file")
+        launcher.trainer_threads = share_cores()
         assert torch.get_num_threads() == 2
         assert "the trainer now computes on 2 of its 4 CPU threads" in capsys.readouterr().err
+        launcher.stop()  # a second engine of the same process starts from the whole count again
+        assert torch.get_num_threads() == 4
     finally:
         torch.set_num_threads(threads)

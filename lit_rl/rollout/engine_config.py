@@ -365,9 +365,10 @@ class VLLMServer(EngineConfig):
             serving the policy's `model_name_or_path` with the flags lit-rl needs, waits until it answers, and stops it
             at the end of the run, on Ctrl-C and on failure, leaving no process behind. Its log is `vllm_server.log`
             in the run's log directory. On a machine without CUDA it runs in float32 with `--enforce-eager`.
-        launch_args: further flags for the launched server, e.g. `["--max-model-len", "1024"]` or, on a GPU the
-            trainer shares, `["--gpu-memory-utilization", "0.3"]`. Flags lit-rl sets itself (`--model`, `--host`,
-            `--port`, `--served-model-name`, `--weight-transfer-config`) are refused.
+        launch_args: further flags for the launched server, e.g. `["--max-model-len", "1024"]`, `["--dtype",
+            "bfloat16"]` or, on a GPU the trainer shares, `["--gpu-memory-utilization", "0.3"]`. Flags lit-rl sets
+            itself (`--model`, `--host`, `--port`, `--served-model-name`, `--logprobs-mode`, `--generation-config`,
+            `--weight-transfer-config`; `--trust-remote-code` follows `model.policy.trust_remote_code`) are refused.
         launch_timeout_s: how long the launched server may take to answer before the run stops, in one line
             that quotes its log's last error line (as it does when the server exits).
     """
@@ -413,7 +414,7 @@ class VLLMServer(EngineConfig):
         if self.launch or self.launch_args:
             from lit_rl.rollout.server.launch import check_launch
 
-            check_launch(self.vllm, self.launch, self.launch_args, self.launch_timeout_s)
+            check_launch(self.vllm, self.launch, self.launch_args, self.launch_timeout_s, self.dtype)
 
     def build(self, module: Any) -> RolloutEngine:
         from lit_rl.rollout.engines.hf import model_eos_token_ids
@@ -431,13 +432,14 @@ class VLLMServer(EngineConfig):
             extra_args=list(self.launch_args or []),
             timeout_s=self.launch_timeout_s,
             weight_transfer=self.vllm.weight_transfer,
+            trust_remote_code=module.policy_args.trust_remote_code,
         )
         config = dataclasses.replace(self.vllm, server_url=launcher.url)
         return VLLMServerEngine(config, eos_ids, module.tokenizer.pad_token_id, launcher=launcher)
 
     def engine_dtype(self, compute_dtype: torch.dtype) -> Optional[torch.dtype]:
         dtype = self.dtype
-        if self.launch and dtype == "auto":  # what the launched server is started with, where lit-rl says
+        if self.launch:  # what the launched server is started with (`dtype` itself is refused with launch)
             from lit_rl.rollout.server.launch import launched_dtype
 
             dtype = launched_dtype(self.launch_args or [])

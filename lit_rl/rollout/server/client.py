@@ -25,39 +25,34 @@ from lit_rl.rollout.engines.vllm_config import VLLM_TRANSFER_BACKENDS
 
 
 def server_command(
-    model: str, port: int, host: str = "127.0.0.1", cpu: bool = True, weight_transfer: str = "file"
+    model: str,
+    port: int,
+    host: str = "127.0.0.1",
+    cpu: bool = True,
+    weight_transfer: str = "file",
+    extra_args: Sequence[str] = (),
+    trust_remote_code: bool = False,
 ) -> tuple[list[str], dict]:
     """The documented command that starts a vLLM server lit-rl can drive: (argv, extra environment).
 
     `--logprobs-mode processed_logprobs` reports the log-probs of the distribution sampled from (what the
     trainer recomputes); `--generation-config vllm` ignores the repository's sampling defaults. With
     `weight_transfer` gloo or nccl (`model.rollout.engine.transfer.method`), `--weight-transfer-config` names the engine
-    that receives the broadcast weights.
+    that receives the broadcast weights. `extra_args` come after the CPU defaults (`--dtype`, `--enforce-eager`), so
+    they override them, and before lit-rl's own flags, which vLLM's parser lets win (the last value of a flag does).
     """
-    argv = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        model,
-        "--served-model-name",
-        "policy",
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--logprobs-mode",
-        "processed_logprobs",
-        "--generation-config",
-        "vllm",
-    ]
-    if weight_transfer in VLLM_TRANSFER_BACKENDS:
-        argv += ["--weight-transfer-config", json.dumps({"backend": VLLM_TRANSFER_BACKENDS[weight_transfer]})]
-    # PYTHONSAFEPATH: `-m` would put the working directory first on the server's import path (Python 3.11+).
-    env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONSAFEPATH": "1"}
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONSAFEPATH": "1"}  # PYTHONSAFEPATH: no working directory on sys.path
     if cpu:
         argv += ["--dtype", "float32", "--enforce-eager"]
         env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; yours wins
+    argv += [*extra_args]
+    argv += ["--model", model, "--served-model-name", "policy", "--host", host, "--port", str(port)]
+    argv += ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"]
+    if weight_transfer in VLLM_TRANSFER_BACKENDS:
+        argv += ["--weight-transfer-config", json.dumps({"backend": VLLM_TRANSFER_BACKENDS[weight_transfer]})]
+    if trust_remote_code:  # the policy's own setting (`model.policy.trust_remote_code`): the same model's code
+        argv += ["--trust-remote-code"]
     return argv, env
 
 
@@ -81,11 +76,19 @@ class LocalVLLMServer:
         extra_args: Sequence[str] = (),
         timeout_s: float = 600,
         weight_transfer: str = "file",
+        trust_remote_code: bool = False,
     ) -> None:
         import subprocess
 
         port = port or free_port()
-        argv, env = server_command(model, port, cpu=cpu, weight_transfer=weight_transfer)
+        argv, env = server_command(
+            model,
+            port,
+            cpu=cpu,
+            weight_transfer=weight_transfer,
+            extra_args=extra_args,
+            trust_remote_code=trust_remote_code,
+        )
         if sys.platform == "linux" and threading.current_thread() is threading.main_thread():
             # The kernel's parent-death signal follows the thread that started the child: the main thread lives
             # as long as the process does. (Set in a small exec wrapper: a preexec_fn is unsafe with threads.)
@@ -95,7 +98,7 @@ class LocalVLLMServer:
         self._log = open(log_path, "w")
         try:
             self.process = subprocess.Popen(
-                [*argv, *extra_args],
+                argv,
                 env={**os.environ, **env},
                 stdout=self._log,
                 stderr=subprocess.STDOUT,
@@ -108,6 +111,8 @@ class LocalVLLMServer:
         try:
             client = VLLMServerClient(self.url, timeout_s=2.0, max_retries=0)
             client.wait_until_healthy(timeout_s, gone=lambda: self.process.poll() is not None)
+            if self.process.poll() is not None:  # what answered is another server, on the port it took first
+                raise RolloutServerError("port taken")
         except RolloutServerError:
             exit_code = self.process.poll()
             self.stop()

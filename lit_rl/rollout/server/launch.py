@@ -26,14 +26,39 @@ from lit_rl.rollout.server.client import LocalVLLMServer, free_port
 
 KEY = "model.rollout.engine"
 LOG_NAME = "vllm_server.log"
-# Flags `server_command` sets: a second value would fight lit-rl's (and `--host` would expose the server).
-OWN_FLAGS = ("--model", "--host", "--port", "--served-model-name", "--weight-transfer-config")
+# Flags `server_command` sets (they come last, so they win anyway): a second value would fight lit-rl's, and
+# `--host` would expose the server. vLLM's parser also takes a flag's prefix and `_` for `-`: so are they checked.
+OWN_FLAGS = (
+    "--model",
+    "--host",
+    "--port",
+    "--served-model-name",
+    "--weight-transfer-config",
+    "--logprobs-mode",
+    "--generation-config",
+    "--trust-remote-code",
+)
 
 
-def check_launch(config: VLLMConfig, launch: bool, launch_args: Optional[Sequence[str]], timeout_s: float) -> None:
+def own_flag(arg: str) -> Optional[str]:
+    """The lit-rl flag `arg` would set in vLLM's parser (a flag, its prefix, or either with `_`), else None."""
+    flag = arg.split("=", 1)[0].replace("_", "-")
+    if not flag.startswith("--") or len(flag) < 3:
+        return None
+    return next((own for own in OWN_FLAGS if own.startswith(flag)), None)
+
+
+def check_launch(
+    config: VLLMConfig, launch: bool, launch_args: Optional[Sequence[str]], timeout_s: float, dtype: str = "auto"
+) -> None:
     """Refuse launch settings that cannot work, naming the key."""
     if launch_args and not launch:
         raise ConfigError(f"{KEY}.launch_args is set but {KEY}.launch is false: nothing is launched")
+    if dtype != "auto":
+        raise ConfigError(
+            f"{KEY}.dtype describes a server started elsewhere; a launched server's dtype is given to it: "
+            f'{KEY}.launch_args \'["--dtype", "{dtype}"]\''
+        )
     if config.server_urls:
         raise ConfigError(
             f"{KEY}.launch starts one server on this machine; {KEY}.server_urls names servers started elsewhere: "
@@ -49,9 +74,10 @@ def check_launch(config: VLLMConfig, launch: bool, launch_args: Optional[Sequenc
     for arg in launch_args or []:
         if not isinstance(arg, str):
             raise ConfigError(f"{KEY}.launch_args must be strings (flags and their values), got {arg!r}")
-        flag = arg.split("=", 1)[0]
-        if flag in OWN_FLAGS:
-            raise ConfigError(f"{KEY}.launch_args: {flag} is set by lit-rl for the launched server; leave it out")
+        flag = own_flag(arg)
+        if flag is not None:
+            where = "model.policy.trust_remote_code" if flag == "--trust-remote-code" else "lit-rl"
+            raise ConfigError(f"{KEY}.launch_args: {arg} ({flag}) is set by {where} for the launched server")
 
 
 def launched_dtype(launch_args: Sequence[str]) -> str:
@@ -84,8 +110,11 @@ class ServerLauncher:
         extra_args: Sequence[str],
         timeout_s: float,
         weight_transfer: str,
+        trust_remote_code: bool = False,
     ) -> None:
         self.model = model
+        self.trust_remote_code = trust_remote_code
+        self.trainer_threads: Optional[int] = None  # what the trainer had before it shared the cores
         self.log_dir = log_dir
         self.extra_args = list(extra_args)
         self.timeout_s = timeout_s
@@ -108,22 +137,28 @@ class ServerLauncher:
             extra_args=self.extra_args,
             timeout_s=self.timeout_s,
             weight_transfer=self.weight_transfer,
+            trust_remote_code=self.trust_remote_code,
         )
         say(f"vLLM server ready after {time.monotonic() - started:.0f} s; it stops when the run ends")
         if not torch.cuda.is_available():
-            self._share_cores()
-
-    @staticmethod
-    def _share_cores() -> None:
-        """On CPU the server and the trainer share the cores: the trainer takes half its threads, unless the user
-        set them (`OMP_NUM_THREADS`). With every thread each, their idle threads spin against each other's work (on
-        2 cores the shipped GRPO config took 1.56 s a step against 0.67 s)."""
-        threads = torch.get_num_threads()
-        if threads > 1 and "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(threads // 2)
-            say(f"the trainer now computes on {threads // 2} of its {threads} CPU threads: the server has the rest")
+            self.trainer_threads = share_cores()
 
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop()
             self.server = None
+        if self.trainer_threads is not None:  # the cores are the trainer's again
+            torch.set_num_threads(self.trainer_threads)
+            self.trainer_threads = None
+
+
+def share_cores() -> Optional[int]:
+    """On CPU the server and the trainer share the cores: the trainer takes half its threads, unless the user set
+    them (`OMP_NUM_THREADS`); the count it had (None: unchanged). With every thread each, their idle threads spin
+    against each other's work (on 2 cores the shipped GRPO config took 1.56 s a step against 0.67 s)."""
+    threads = torch.get_num_threads()
+    if threads < 2 or "OMP_NUM_THREADS" in os.environ:
+        return None
+    torch.set_num_threads(threads // 2)
+    say(f"the trainer now computes on {threads // 2} of its {threads} CPU threads: the server has the rest")
+    return threads

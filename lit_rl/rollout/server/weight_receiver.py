@@ -70,6 +70,7 @@ REQUEST_TIMEOUT_S = 60.0  # a connection that sends nothing for this long is dro
 STALE_STAGING_S = 3600.0  # a staging folder untouched this long belongs to an upload that will not commit
 STALE_SWEEP_S = 60.0  # how often uploads look for stale staging folders
 MAX_STAGING = 64  # staging folders at once: the trainer keeps one or two (a version and the next)
+PARTIAL_PREFIX = ".part-"  # `.part-<tag>-<random>.part`: a file still arriving, beside the staging folders
 
 
 class WeightTransferError(LitRLError):
@@ -131,12 +132,15 @@ class WeightReceiver:
         return hmac.compare_digest((header or "").encode(), f"Bearer {self.token}".encode())
 
     def bytes_stored(self) -> int:
-        """The bytes of the regular files under the receiver's directory, partial ones included. Other requests add,
+        """The bytes of the regular files under the receiver's directory, but the partial files of uploads under way
+        (their whole length is reserved). Other requests add,
         rename and remove files meanwhile (a partial file becomes its name, a staging folder a version): a file or
         folder gone between the listing and its `lstat` is not counted, where it used to end the request."""
         total = 0
         for folder, _, names in os.walk(self.root):  # a folder gone mid-walk is skipped, links are not followed
             for name in names:
+                if name.startswith(PARTIAL_PREFIX):  # still arriving: its whole length is reserved (`reserve`)
+                    continue
                 try:
                     status = os.lstat(os.path.join(folder, name))
                 except FileNotFoundError:
@@ -163,7 +167,9 @@ class WeightReceiver:
         most once per `STALE_SWEEP_S`."""
         with self.staging_lock:
             if time.monotonic() - self.last_sweep > STALE_SWEEP_S:
-                remove_stale_staging(self.root)
+                for folder in remove_stale_staging(self.root):
+                    for path in [p for p in list(self.verified) if p.parent == folder]:
+                        self.verified.pop(path, None)
                 self.last_sweep = time.monotonic()
             staging = self.staging(tag)
             if not staging.exists() and len(list(self.root.glob(".incoming-*"))) >= MAX_STAGING:
@@ -205,13 +211,34 @@ def private_directory(root: Path) -> Path:
     return root
 
 
-def remove_stale_staging(root: Path, older_than_s: Optional[float] = None) -> None:
-    """Remove the staging folders untouched for `older_than_s` (None: `STALE_STAGING_S`)."""
+def remove_stale_staging(root: Path, older_than_s: Optional[float] = None) -> list[Path]:
+    """Remove the staging folders, and partial files, of uploads untouched for `older_than_s` (None:
+    `STALE_STAGING_S`): a staging folder counts as touched when it, a file in it, or a partial file of its tag
+    changed. The folders removed."""
     older_than_s = STALE_STAGING_S if older_than_s is None else older_than_s
     now = time.time()
+
+    def touched(path: Path) -> float:
+        try:
+            return path.lstat().st_mtime
+        except FileNotFoundError:
+            return now  # gone meanwhile: not stale
+
+    removed = []
     for path in root.glob(".incoming-*"):
-        if path.is_dir() and not path.is_symlink() and now - path.lstat().st_mtime > older_than_s:
+        if not path.is_dir() or path.is_symlink():
+            continue
+        tag = path.name[len(".incoming-") :]
+        latest = max(
+            [touched(path), *map(touched, path.iterdir()), *map(touched, root.glob(f"{PARTIAL_PREFIX}{tag}-*"))]
+        )
+        if now - latest > older_than_s:
             shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    for partial in root.glob(f"{PARTIAL_PREFIX}*"):
+        if now - touched(partial) > older_than_s:
+            partial.unlink(missing_ok=True)
+    return removed
 
 
 def _no_links_under(path: Path, root: Path) -> bool:
@@ -303,23 +330,23 @@ def _handler(receiver: WeightReceiver) -> type[BaseHTTPRequestHandler]:
                 self._reply(507, {"error": f"{name}: the receiver's {receiver.max_total_bytes} bytes are used"})
                 return
             try:
-                self._receive(tag, name, length)
+                status, answer = self._receive(tag, name, length)
             finally:
-                receiver.release(length)
+                receiver.release(length)  # landed (now among the bytes stored) or removed
+            self._reply(status, answer)
 
-        def _receive(self, tag: str, name: str, remaining: int) -> None:
-            """PUT's body into `tag`'s staging folder as `name`, its digest checked (the bytes are reserved)."""
+        def _receive(self, tag: str, name: str, remaining: int) -> tuple[int, dict[str, Any]]:
+            """PUT's body, its digest checked, into `tag`'s staging folder as `name` (its bytes are reserved); the
+            answer. It arrives in a partial file of its own beside the staging folders, not in one: a commit moves
+            a staging folder whole, and must never take a file still being written."""
             expected = self.headers.get("X-Content-SHA256", "")
             staging = receiver.open_staging(tag)
             if staging is None:
-                self._reply(507, {"error": f"{MAX_STAGING} uploads are staged already: commit or delete some"})
-                return
+                return 507, {"error": f"{MAX_STAGING} uploads are staged already: commit or delete some"}
             if not _no_links_under(staging, receiver.root):
-                self._reply(400, {"error": f"{staging.name} is not a directory of the receiver's own"})
-                return
+                return 400, {"error": f"{staging.name} is not a directory of the receiver's own"}
             digest = hashlib.sha256()
-            # Its own partial file: a retried PUT of the same name may overlap this one.
-            handle, partial_name = tempfile.mkstemp(dir=staging, prefix=f".{name}.", suffix=".part")
+            handle, partial_name = tempfile.mkstemp(dir=receiver.root, prefix=f"{PARTIAL_PREFIX}{tag}-", suffix=".part")
             partial = Path(partial_name)
             try:
                 with os.fdopen(handle, "wb") as handle:
@@ -335,19 +362,17 @@ def _handler(receiver: WeightReceiver) -> type[BaseHTTPRequestHandler]:
                 raise
             if remaining > 0 or not hmac.compare_digest(digest.hexdigest(), expected):
                 partial.unlink(missing_ok=True)
-                self._reply(400, {"error": f"{name}: the bytes received do not match their SHA-256"})
-                return
+                return 400, {"error": f"{name}: the bytes received do not match their SHA-256"}
             with receiver.commit_lock:  # not between a commit's digest check and its rename
-                if not partial.exists():  # committed or deleted meanwhile, with the partial file in it
-                    self._reply(409, {"error": f"{name}: version {tag} was committed or deleted during the upload"})
-                    return
+                if not staging.is_dir() or staging.is_symlink():  # committed or deleted during the upload
+                    partial.unlink(missing_ok=True)
+                    return 409, {"error": f"{name}: version {tag} was committed or deleted during the upload"}
                 if (staging / name).is_symlink():
                     partial.unlink(missing_ok=True)
-                    self._reply(400, {"error": f"{name} is a symbolic link in the staging folder"})
-                    return
+                    return 400, {"error": f"{name} is a symbolic link in the staging folder"}
                 os.replace(partial, staging / name)
                 receiver.verified[staging / name] = expected
-            self._reply(200, {"sha256": expected})
+            return 200, {"sha256": expected}
 
         def do_POST(self) -> None:
             names = self._route("/commit/")
@@ -371,7 +396,7 @@ def _handler(receiver: WeightReceiver) -> type[BaseHTTPRequestHandler]:
                 if staging.is_symlink() or not staging.is_dir():
                     self._reply(409, {"error": f"version {tag} has no files"})
                     return
-                files = [p for p in staging.iterdir() if not p.name.endswith(".part")]  # not a PUT still arriving
+                files = list(staging.iterdir())  # a PUT still arriving writes outside, into its own partial file
                 if any(p.is_symlink() or not p.is_file() for p in files):
                     self._reply(409, {"error": f"version {tag} holds something other than files"})
                     return
