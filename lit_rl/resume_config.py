@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 from lit_rl.config import GROUP_NAMES, grouped_hparams, own_options, plain_data
 from lit_rl.errors import ConfigError
-from lit_rl.rollout.engine_config import EngineConfig
+from lit_rl.rollout.engine_config import EngineConfig, engine_from_config
 
 # What a resumed `fit` may change. The optimizer's rates (the configured ones replace those in the restored
 # optimizer state, see `OptimizedModule.apply_configured_rates`); how a step is cut into micro-batches and run
@@ -86,7 +86,7 @@ def reconcile(
     this_run = _plain(dict(this_run))
     # A lit-rl 0.1 checkpoint's flat keys (`temperature`) compare with their groups' (`sampling.temperature`).
     given = {k: v for k, v in hyper_parameters.items() if k not in NOT_ARGUMENTS}
-    saved = _plain(grouped_hparams(given, own_options(module_class)))
+    saved = _with_engine_defaults(_plain(grouped_hparams(given, own_options(module_class))))
     allowed, refused = [], []
     for difference in differences("model", this_run, saved):
         bucket = allowed if may_change(subcommand, difference.key.removeprefix("model.")) else refused
@@ -139,6 +139,19 @@ def worth_announcing(subcommand: str, difference: Difference) -> bool:
 def announce(difference: Difference) -> str:
     this_run, checkpoint = _show(difference.this_run), _show(difference.checkpoint)
     return f"{difference.key} {this_run} from this run (the checkpoint has {checkpoint})"
+
+
+def _with_engine_defaults(saved: dict[str, Any]) -> dict[str, Any]:
+    """`saved` with its engine's options filled in with their defaults: an option added to an engine after the
+    checkpoint was written (`launch`) is not a difference. An engine lit-rl cannot rebuild is left as saved."""
+    engine = (saved.get("rollout") or {}).get("engine") if isinstance(saved.get("rollout"), Mapping) else None
+    if not isinstance(engine, Mapping):
+        return saved
+    try:
+        filled = _plain(engine_from_config(dict(engine)))
+    except ConfigError:
+        return saved
+    return {**saved, "rollout": {**saved["rollout"], "engine": filled}}
 
 
 def _plain(value: Any) -> Any:

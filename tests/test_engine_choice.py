@@ -146,6 +146,13 @@ def test_resume_compares_the_engine_option_by_option_and_says_nothing_when_it_is
     # A 0.1 checkpoint's `vllm` compares as the engine it meant, every option filled in.
     old = {"_class_path": "lit_rl.algorithms.GRPO", "vllm": {"mode": "server", "server_url": "http://127.0.0.1:8000"}}
     assert reconcile("fit", GRPO, hparams(VLLMServer(server_url="http://127.0.0.1:8000")), old, "c") == []
+    # An option added to the engine after the checkpoint was written compares as its default, not as a difference.
+    for option in ("launch", "launch_args", "launch_timeout_s"):
+        del checkpoint["rollout"]["engine"]["init_args"][option]
+    assert reconcile("fit", GRPO, hparams(VLLMServer(server_url="http://127.0.0.1:8000")), checkpoint, "c") == []
+    (launched,) = reconcile("fit", GRPO, hparams(VLLMServer(launch=True)), checkpoint, "c")
+    assert launched.key == "model.rollout.engine.init_args.launch"
+    assert (launched.this_run, launched.checkpoint) == (True, False)
 
 
 def test_a_0_1_overlay_without_a_mode_keeps_its_server_and_says_what_it_leaves_out():
