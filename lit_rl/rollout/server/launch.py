@@ -21,10 +21,10 @@ import torch
 
 from lit_rl.errors import ConfigError
 from lit_rl.resume import say
+from lit_rl.rollout.engine_config import ENGINE_KEY as KEY
 from lit_rl.rollout.engines.vllm_config import VLLMConfig
 from lit_rl.rollout.server.client import LocalVLLMServer, free_port
 
-KEY = "model.rollout.engine"
 LOG_NAME = "vllm_server.log"
 # Flags `server_command` sets (they come last, so they win anyway): a second value would fight lit-rl's, and
 # `--host` would expose the server. vLLM's parser also takes a flag's prefix and `_` for `-`: so are they checked.

@@ -162,14 +162,18 @@ class WeightReceiver:
         with self.space_lock:
             self.reserved -= nbytes
 
+    def forget_digests(self, folder: Path) -> None:
+        """Drop the digests recorded for the files of a staging folder that was removed."""
+        for path in [p for p in list(self.verified) if p.parent == folder]:
+            self.verified.pop(path, None)
+
     def open_staging(self, tag: str) -> Optional[Path]:
         """`tag`'s staging folder, made when new unless `MAX_STAGING` exist (None); stale ones are swept first, at
         most once per `STALE_SWEEP_S`."""
         with self.staging_lock:
             if time.monotonic() - self.last_sweep > STALE_SWEEP_S:
                 for folder in remove_stale_staging(self.root):
-                    for path in [p for p in list(self.verified) if p.parent == folder]:
-                        self.verified.pop(path, None)
+                    self.forget_digests(folder)
                 self.last_sweep = time.monotonic()
             staging = self.staging(tag)
             if not staging.exists() and len(list(self.root.glob(".incoming-*"))) >= MAX_STAGING:
@@ -423,8 +427,7 @@ def _handler(receiver: WeightReceiver) -> type[BaseHTTPRequestHandler]:
                         directory.unlink()
                     else:
                         shutil.rmtree(directory, ignore_errors=True)
-                for path in [p for p in list(receiver.verified) if p.parent == receiver.staging(names[0])]:
-                    receiver.verified.pop(path, None)
+                receiver.forget_digests(receiver.staging(names[0]))
             self._reply(200, {"deleted": names[0]})
 
         def log_message(self, *args: Any) -> None:
