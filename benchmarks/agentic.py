@@ -1,22 +1,29 @@
-"""Multi-turn episodes against a slow environment: where a GRPO step's time goes, lock-step against concurrent.
+"""Multi-turn episodes against a slow environment: where a GRPO step's time goes, lock-step against concurrent,
+synchronous against asynchronous.
 
     python benchmarks/agentic.py --out benchmarks/results/agentic_cpu.json   # 6 steps a run, 2 interleaved rounds
-    python benchmarks/agentic.py --quick --out /tmp/agentic.json              # a quick look (CI's test)
+    python benchmarks/agentic.py --quick --out /tmp/agentic.json              # a quick look: 2 steps, 1 round
     python benchmarks/agentic.py --markdown benchmarks/results/agentic_cpu.json
 
 The workload is `configs/grpo_tools.yaml` (64 episodes a step: 8 prompts x 8 completions, the tools warm start)
 with the environment `LongTail` below instead of the calculator: episode e of the run lasts `TURNS[e % 16]` model
 turns (most 1-2, a few 3, 4 and 6: 2.06 on average), and each `step` sleeps `latency_s` before it answers, as a
-sandbox or a remote tool does. Each run is `lit-rl fit` in its own process with `--model.env.concurrency` set:
+sandbox or a remote tool does. Each run is `lit-rl fit` in its own process, one per mode (`MODES`):
 
-- `lock-step, one call at a time` (`concurrency 1`): every environment step of a turn runs after the previous
-  one, as lit-rl did before 0.3 (on the training thread then; here on the runner's, one at a time);
-- `concurrent steps` (`concurrency 64`, the default): a turn's steps run together, off the training thread.
+- `lock-step, one call at a time` (HF generate, `--model.env.concurrency 1`): every environment step of a turn runs
+  after the previous one, as lit-rl did before 0.3 (on the training thread then; here on the runner's, one at a
+  time);
+- `concurrent steps` (HF generate, `concurrency 64`, the default): a turn's steps run together, off the training
+  thread;
+- `synchronous` and `asynchronous k=1` on a vLLM server the run starts (`--model.rollout.engine.launch true`, CPU
+  vLLM sharing the 2 cores): with `--model.rollout.max_staleness 1` the next generation's episodes run on the
+  server while the trainer updates.
 
 Each with `latency_s` 0.1 and 0 (the same episodes answered at once). Reported per row: seconds per optimizer step
-(`perf/step_s`, the median of the steps after the first), the share of it spent rolling out (`perf/generation_s`:
-the engine's turns and the environment's steps; the trainer waits through all of it), and completions per second.
-Rows run interleaved, round by round, so that a noisy machine affects them alike; each round's values are kept.
+(`perf/step_s`, the median of the steps after the first), the share of it the trainer waits for its episodes
+(`perf/generation_s`: synchronous, the engine's turns and the environment's steps; asynchronous, only what the
+update did not hide), and completions per second. Rows run interleaved, round by round, so that a noisy machine
+affects them alike; each round's values are kept.
 """
 
 from __future__ import annotations
@@ -38,7 +45,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 REPO = Path(__file__).resolve().parents[1]
 TURNS = (1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 3, 3, 4, 6)  # model turns of episode e: TURNS[e % 16]
 EPISODES_PER_STEP = 64
-MODES = {"lock-step, one call at a time": 1, "concurrent steps": 64}
+SERVER = [
+    "--config",
+    str(REPO / "configs" / "rollout" / "vllm_server.yaml"),
+    "--model.rollout.engine.launch",
+    "true",
+]
+MODES = {  # mode: (engine, the `lit-rl fit` options that make it)
+    "lock-step, one call at a time": ("HF generate", ["--model.env.concurrency", "1"]),
+    "concurrent steps": ("HF generate", ["--model.env.concurrency", "64"]),
+    "synchronous": ("vLLM server", SERVER),
+    "asynchronous k=1": ("vLLM server", [*SERVER, "--model.rollout.max_staleness", "1"]),
+}
 
 
 class LongTail:
@@ -63,8 +81,8 @@ class LongTail:
         return (None, {}, True) if left <= 0 else (f"{left};", {}, False)
 
 
-def fit_command(concurrency: int, latency_s: float, steps: int, workdir: Path, name: str) -> list[str]:
-    """`lit-rl fit` of the tools config with `LongTail` (no calculator), no validation, `steps` steps."""
+def fit_command(mode: str, latency_s: float, steps: int, workdir: Path, name: str) -> list[str]:
+    """`lit-rl fit` of the tools config with `LongTail` (no calculator) in `mode`, no validation, `steps` steps."""
     return [
         sys.executable,
         "-m",
@@ -84,8 +102,7 @@ def fit_command(concurrency: int, latency_s: float, steps: int, workdir: Path, n
         "8",
         "--model.env.max_total_tokens",
         "80",
-        "--model.env.concurrency",
-        str(concurrency),
+        *MODES[mode][1],
         "--trainer.max_steps",
         str(steps),
         "--trainer.limit_val_batches",
@@ -107,8 +124,8 @@ def per_step(metrics_csv: Path, key: str) -> list[float]:
 
 def one_run(mode: str, latency_s: float, steps: int, workdir: Path) -> dict:
     """One `lit-rl fit` of `mode` at `latency_s`: its per-step times, the first step (start-up) left out."""
-    name = f"{MODES[mode]}_{latency_s}_{len(list(workdir.glob('runs/*')))}"
-    command = fit_command(MODES[mode], latency_s, steps, workdir, name)
+    name = f"run_{len(list(workdir.glob('runs/*')))}"
+    command = fit_command(mode, latency_s, steps, workdir, name)
     # The environment class is imported from benchmarks/ (`agentic.LongTail`), lit_rl from this checkout.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "benchmarks"), str(REPO)])}
     result = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True)
@@ -124,7 +141,8 @@ def summarise(mode: str, latency_s: float, rounds: list[dict]) -> dict:
     generation_s = statistics.median(r["generation_s"] for r in rounds)
     return {
         "mode": mode,
-        "concurrency": MODES[mode],
+        "engine": MODES[mode][0],
+        "options": MODES[mode][1],
         "latency_s": latency_s,
         "step_s": step_s,
         "generation_s": generation_s,
@@ -137,29 +155,30 @@ def summarise(mode: str, latency_s: float, rounds: list[dict]) -> dict:
 def markdown_table(results: list[dict]) -> str:
     """The docs' table of a results file (a test checks the docs carry exactly this)."""
     lines = [
-        "| environment step | episodes' steps | s/step | rollout share of the step | completions/s | vs lock-step |",
-        "|---|---|---|---|---|---|",
+        "| environment step | engine | episodes | s/step | trainer waits for episodes | completions/s | vs lock-step |",
+        "|---|---|---|---|---|---|---|",
     ]
-    lock_step = {r["latency_s"]: r["step_s"] for r in results if r["concurrency"] == 1}
+    lock_step = {r["latency_s"]: r["step_s"] for r in results if r["mode"] == "lock-step, one call at a time"}
     for r in results:
+        speedup = lock_step[r["latency_s"]] / r["step_s"]
         lines.append(
-            f"| {1000 * r['latency_s']:.0f} ms | {r['mode']} | {r['step_s']:.2f} | {100 * r['rollout_share']:.0f}% | "
-            f"{r['samples_per_s']:.1f} | {lock_step[r['latency_s']] / r['step_s']:.1f}x |"
+            f"| {1000 * r['latency_s']:.0f} ms | {r['engine']} | {r['mode']} | {r['step_s']:.2f} | "
+            f"{100 * r['rollout_share']:.0f}% | {r['samples_per_s']:.1f} | {speedup:.1f}x |"
         )
     return "\n".join(lines)
 
 
 def claims(results: list[dict]) -> list[str]:
-    """The prose numbers the docs quote."""
-    by = {(r["concurrency"], r["latency_s"]): r for r in results}
-    slow = [latency for concurrency, latency in by if concurrency == 1 and latency > 0]
+    """The prose numbers the docs quote: concurrent against lock-step, asynchronous against synchronous."""
+    by = {(r["mode"], r["latency_s"]): r for r in results}
     out = []
-    for latency in slow:
-        lock_step, concurrent = by[(1, latency)], by[(MODES["concurrent steps"], latency)]
-        out.append(
-            f"{lock_step['step_s']:.1f} s -> {concurrent['step_s']:.2f} s a step "
-            f"({lock_step['step_s'] / concurrent['step_s']:.1f}x)"
-        )
+    for before, after in (("lock-step, one call at a time", "concurrent steps"), ("synchronous", "asynchronous k=1")):
+        for latency in sorted({latency for _, latency in by if latency > 0}, reverse=True):
+            if (before, latency) in by and (after, latency) in by:
+                slow, fast = by[(before, latency)]["step_s"], by[(after, latency)]["step_s"]
+                out.append(
+                    f"{after} at {1000 * latency:.0f} ms: {slow:.2f} s -> {fast:.2f} s a step ({slow / fast:.1f}x)"
+                )
     return out
 
 

@@ -290,7 +290,9 @@ class RolloutArgs:
         max_staleness: asynchronous rollouts: generation g is sampled in the background by the weights of optimizer
             step max(0, g*m - k) (m = steps_per_generation x num_iterations), so each sample is at most k steps older
             than the policy it first updates (`lit_rl.rollout.asynchronous`); needs an engine that samples in the
-            background (`VLLMServer`). 0 (default): synchronous.
+            background (`VLLMServer`). With `model.env`, each generation's episodes run in the background, every turn
+            by that one version (`lit_rl.rollout.async_episodes`; not TRL's environment classes yet). 0 (default):
+            synchronous.
         correction (GRPO): weigh the policy term by the importance ratio of the trainer's probability of the sampled
             tokens over the engine's (`lit_rl.losses.rollout_is_weights` has the formulas): `token_truncate` (per
             token, truncated at `correction_cap`), `sequence_truncate` (the sequence's ratio, truncated),

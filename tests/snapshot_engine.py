@@ -55,6 +55,19 @@ class SnapshotEngine:
     def collect(self, ticket: Future) -> RolloutOutput:
         return ticket.result()
 
+    def submit_job(self, payload, job, version: int) -> Future:
+        work = job([payload])  # one rank: its own payload, prepared on the calling thread as the server engine does
+        return self.worker.submit(self._run_job, self.staged[version], work, version)
+
+    def _run_job(self, weights, work, version):
+        self._load(weights)
+        self.generated_versions.append(version)
+        return work(self.inner.generate)
+
+    def collect_job(self, ticket: Future):
+        (result,) = ticket.result()
+        return result
+
     # the synchronous interface, which validation uses
     def generate(self, prompt_ids, prompt_mask, params, seeds=None) -> RolloutOutput:
         return self.inner.generate(prompt_ids, prompt_mask, params, seeds)

@@ -209,3 +209,17 @@ def test_on_cpu_the_trainer_leaves_half_its_threads_to_the_launched_server_until
         assert torch.get_num_threads() == 4
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_error_quoted_from_the_log_is_the_line_that_says_what_went_wrong(tmp_path):
+    # vLLM's own tail for --max-model-len above the model's (0.32): the exception, its message, then a link.
+    log = tmp_path / "server.log"
+    log.write_text(
+        "(APIServer pid=1) INFO 11-29 06:24:27 [utils.py:1] starting\n"
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig\n"
+        "  Value error, User-specified max_model_len (256) is greater than the derived max_model_len "
+        "(max_position_embeddings=128.0 or model_max_length=None in model's config.json). " + "x" * 400 + "\n"
+        "    For further information visit https://errors.pydantic.dev/2.13/v/value_error\n"
+    )
+    quoted = client._last_error(str(log))
+    assert quoted.startswith("Value error, User-specified max_model_len (256) is greater") and len(quoted) == 300

@@ -40,6 +40,7 @@ from lit_rl.losses import LossNormalizer
 from lit_rl.ops import kl_k3
 from lit_rl.rewards.scorer import RewardScorer
 from lit_rl.rollout import RolloutOutput, SamplingParams
+from lit_rl.rollout.async_episodes import AsyncEpisodeProducer
 from lit_rl.rollout.asynchronous import generations_launched_at
 from lit_rl.rollout.dynamic_sampling import DynamicSampling
 from lit_rl.rollout.engine_owner import EngineOwner
@@ -102,11 +103,6 @@ class OnPolicyModule(PolicyModule):
         env.check()
         rollout.check()
         rollout.check_taken_by(type(self).__name__, frozenset(self.rollout_options))
-        if rollout.max_staleness > 0 and env.enabled:
-            raise ConfigError(
-                "model.env.environment (or model.env.tools) with model.rollout.max_staleness > 0 is not supported "
-                "yet: asynchronous rollouts sample single completions in the background"
-            )
         super().__init__(policy, optim, max_prompt_length=sampling.max_prompt_length)
         self.engine_config = rollout.engine_config
         self.vllm_config = self.engine_config.vllm  # lit-rl's vLLM engines' settings; None for any other engine
@@ -135,14 +131,25 @@ class OnPolicyModule(PolicyModule):
                 template_tool_support(self.tokenizer),
             )
             self.prompt_tools = spec.tool_schemas
-            return EpisodeProducer(
-                parts,
+            episode_args = dict(
                 env_factory=spec.factory,
                 env_reward_names=spec.reward_names,
                 max_turns=env.max_turns,
                 max_total_tokens=env.max_total_tokens,
                 runner=EnvironmentRunner(env.concurrency, env.step_timeout_s),
                 tool_schemas=spec.tool_schemas,
+            )
+            if self.max_staleness == 0:
+                return EpisodeProducer(parts, **episode_args)
+            if spec.instances_reach_rewards:
+                raise ConfigError(
+                    f"model.env.environment {env.environment} is a TRL environment class, whose instances reach the "
+                    "reward functions after the episode: not supported with model.rollout.max_staleness > 0 yet "
+                    "(a checkpoint cannot keep the instances of the episodes sampled ahead)"
+                )
+            steps = self.optimizer_steps_per_generation
+            return AsyncEpisodeProducer(
+                parts, steps_per_generation=steps, max_staleness=self.max_staleness, **episode_args
             )
         if self.max_staleness > 0:
             steps = self.optimizer_steps_per_generation

@@ -25,7 +25,7 @@ finished samples are small next to the weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
@@ -66,16 +66,29 @@ class AsyncRolloutEngine(Protocol):
     def collect(self, ticket: Any) -> RolloutOutput:
         """Wait for a submitted generation; raises (on every rank) when it failed."""
 
+    def submit_job(self, payload: Any, job: Callable[[list[Any]], Callable[..., list[Any]]], version: int) -> Any:
+        """Start work that samples in turns (episodes) with the staged weights of `version`: every rank's `payload`
+        goes to the rank that talks to the engine, where `job(payloads)` returns `work(generate)`, run in the
+        background; returns a ticket (`lit_rl.rollout.engines.vllm_server.VLLMServerEngine.submit_job`)."""
+
+    def collect_job(self, ticket: Any) -> Any:
+        """Wait for a submitted job: this rank's result; raises (on every rank) when it failed."""
+
 
 @dataclass
 class PendingGeneration:
-    """A launched generation: its prompts, the version it is sampled with, and its ticket or finished output."""
+    """A launched generation: its prompts, the version it is sampled with, and its ticket or finished output.
+    Episodes (`job`): the prompts are known once their environments are reset, and come back with the
+    transcripts, the environments' reward parts and the first environment error."""
 
     version: int
-    prompt_ids: torch.Tensor  # [N, P]
-    prompt_mask: torch.Tensor  # [N, P]
+    prompt_ids: Optional[torch.Tensor]  # [N, P]
+    prompt_mask: Optional[torch.Tensor]  # [N, P]
     ticket: Any = None
     output: Optional[RolloutOutput] = None
+    job: bool = False
+    env_rewards: Optional[torch.Tensor] = None  # [N, E], episodes only
+    error: Optional[str] = None  # episodes only
 
 
 class AsyncGenerations:
@@ -101,11 +114,31 @@ class AsyncGenerations:
         not hold `version` yet."""
         if generation in self.pending:  # resumed: it finished before the checkpoint
             return
+        self._stage(engine, version, weights)
+        ticket = engine.submit(prompt_ids, prompt_mask, params, seeds, version)
+        self.pending[generation] = PendingGeneration(version, prompt_ids, prompt_mask, ticket=ticket)
+
+    def launch_job(
+        self,
+        engine: AsyncRolloutEngine,
+        generation: int,
+        version: int,
+        payload: Any,
+        job: Callable[[list[Any]], Callable[..., list[Any]]],
+        weights: Any,
+    ) -> None:
+        """`launch` for episodes: `engine.submit_job(payload, job, version)`, whose result is this rank's
+        `EpisodeResult` (`lit_rl.rollout.async_episodes`)."""
+        if generation in self.pending:  # resumed: it finished before the checkpoint
+            return
+        self._stage(engine, version, weights)
+        ticket = engine.submit_job(payload, job, version)
+        self.pending[generation] = PendingGeneration(version, None, None, ticket=ticket, job=True)
+
+    def _stage(self, engine: AsyncRolloutEngine, version: int, weights: Any) -> None:
         if self.staged_version != version:
             engine.stage_weights(weights(), version)
             self.staged_version = version
-        ticket = engine.submit(prompt_ids, prompt_mask, params, seeds, version)
-        self.pending[generation] = PendingGeneration(version, prompt_ids, prompt_mask, ticket=ticket)
 
     def take(self, engine: AsyncRolloutEngine, generation: int) -> PendingGeneration:
         """The finished `generation` (waiting for it), removed from the pending ones."""
@@ -126,7 +159,12 @@ class AsyncGenerations:
 
     def _finish(self, engine: Optional[AsyncRolloutEngine], generation: int) -> PendingGeneration:
         item = self.pending[generation]
-        if item.output is None:
+        if item.output is None and item.job:
+            result = engine.collect_job(item.ticket)
+            item.prompt_ids, item.prompt_mask, item.output = result.prompt_ids, result.prompt_mask, result.output
+            item.env_rewards, item.error = result.env_rewards, result.error
+            item.ticket = None
+        elif item.output is None:
             item.output = engine.collect(item.ticket)
             item.ticket = None
         return item
@@ -144,6 +182,7 @@ class AsyncGenerations:
                 "completion_ids": item.output.completion_ids.cpu(),
                 "completion_mask": item.output.completion_mask.cpu(),
                 "logprobs": item.output.logprobs.cpu(),
+                **_episode_state(item),
             }
             for generation, item in sorted(self.pending.items())
         ]
@@ -154,8 +193,29 @@ class AsyncGenerations:
                 entry["version"],
                 entry["prompt_ids"],
                 entry["prompt_mask"],
-                output=RolloutOutput(entry["completion_ids"], entry["completion_mask"], entry["logprobs"]),
+                output=RolloutOutput(
+                    entry["completion_ids"],
+                    entry["completion_mask"],
+                    entry["logprobs"],
+                    sampled_mask=entry.get("sampled_mask"),
+                    episode_stats=entry.get("episode_stats"),
+                ),
+                job="env_rewards" in entry,
+                env_rewards=entry.get("env_rewards"),
+                error=entry.get("error"),
             )
             for entry in state
         }
         self.staged_version = None
+
+
+def _episode_state(item: PendingGeneration) -> dict[str, Any]:
+    """What a checkpoint keeps of a finished generation of episodes beyond its completions (nothing for others)."""
+    if not item.job:
+        return {}
+    return {
+        "sampled_mask": item.output.sampled_mask.cpu(),
+        "episode_stats": item.output.episode_stats.cpu(),
+        "env_rewards": item.env_rewards.cpu(),
+        "error": item.error,
+    }

@@ -234,7 +234,7 @@ class EpisodeProducer(RolloutProducer):
         super().__init__(parts)
         self.runner = runner
         self.tool_schemas = tool_schemas
-        self._renderer: Optional[ChatRenderer] = None
+        self._observations: Optional[ObservationEncoder] = None
         if tool_schemas is not None:  # a template that cannot render a tool result fails now, not mid-training
             probe = [{"role": "tool", "name": tool_schemas[0]["function"]["name"], "content": "probe"}]
             try:
@@ -265,22 +265,8 @@ class EpisodeProducer(RolloutProducer):
         its row's prompt), scored."""
         host = self.host
         with host.timer.phase("generation"):
-            envs = [self.env_factory() for _ in range(len(rows) * repeat)]
-            rows_of = [rows[index // repeat] for index in range(len(envs))]
-            env_name = type(getattr(envs[0], "instance", envs[0])).__name__  # the user's class, under a TRL one
-            firsts = self.runner.run([(env.reset, (row,)) for env, row in zip(envs, rows_of)])
-            prompts, error, ended = [], None, set()
-            for index, (row, first) in enumerate(zip(rows_of, firsts)):
-                if isinstance(first, BaseException):  # raised on every rank together, after the episodes' collectives
-                    failure = f"raised {type(first).__name__}: {first}"
-                    if isinstance(first, EnvCallTimeout):
-                        failure = f"{first} (model.env.step_timeout_s)"
-                    error = error or f"{env_name}.reset {failure}"
-                    first = None
-                    ended.add(index)  # never stepped: its environment may still be busy in that reset
-                prompts.append(row["prompt"] if first is None else first)
-            if self.tool_schemas is not None:  # the tools' schemas reach the model through its chat template
-                prompts = [chat_prompt(p) for p in prompts]
+            rows_of = [rows[index // repeat] for index in range(len(rows) * repeat)]
+            envs, env_name, prompts, error, ended = self.start_episodes(rows_of)
             prompt_ids, prompt_mask = host.encode_prompts(prompts, self.tool_schemas)
             tokenizer = host.tokenizer
             episodes = run_episodes(
@@ -315,15 +301,32 @@ class EpisodeProducer(RolloutProducer):
             )
         return self.scored(rows, repeat, prompt_ids, prompt_mask, out, episodes.env_rewards)
 
+    def start_episodes(self, rows: list[dict[str, Any]]) -> tuple[list[Any], str, list[Any], Optional[str], set[int]]:
+        """An environment per row, each reset with its row at once (`runner`): the environments, the user's class
+        name, each episode's prompt (its first observation, or its row's prompt), the first reset error (to raise on
+        every rank together, after the episodes' collectives) and the episodes whose reset failed."""
+        envs = [self.env_factory() for _ in rows]
+        env_name = type(getattr(envs[0], "instance", envs[0])).__name__  # the user's class, under a TRL one
+        firsts = self.runner.run([(env.reset, (row,)) for env, row in zip(envs, rows)])
+        prompts, error, ended = [], None, set()
+        for index, (row, first) in enumerate(zip(rows, firsts)):
+            if isinstance(first, BaseException):
+                failure = f"raised {type(first).__name__}: {first}"
+                if isinstance(first, EnvCallTimeout):
+                    failure = f"{first} (model.env.step_timeout_s)"
+                error = error or f"{env_name}.reset {failure}"
+                first = None
+                ended.add(index)  # never stepped: its environment may still be busy in that reset
+            prompts.append(row["prompt"] if first is None else first)
+        if self.tool_schemas is not None:  # the tools' schemas reach the model through its chat template
+            prompts = [chat_prompt(p) for p in prompts]
+        return envs, env_name, prompts, error, ended
+
     def encode_observation(self, observation: Any, turn_ids: list[int]) -> list[int]:
-        """An observation's ids: chat messages rendered by the chat template after the turn (`ChatRenderer`), text
-        encoded as it is. Special tokens' text in either (a tool echoing "<|endoftext|>") stays text."""
-        tokenizer = self.host.tokenizer
-        if isinstance(observation, list):
-            if self._renderer is None:
-                self._renderer = ChatRenderer(tokenizer, self.tool_schemas)
-            return self._renderer.observation_ids(observation, turn_ids)
-        return tokenizer.encode(str(observation), add_special_tokens=False, split_special_tokens=True)
+        """An observation's ids (`ObservationEncoder`) with the module's tokenizer."""
+        if self._observations is None:
+            self._observations = ObservationEncoder(self.host.tokenizer, self.tool_schemas)
+        return self._observations.encode(observation, turn_ids)
 
     def close(self) -> None:
         self.runner.close()
@@ -337,7 +340,60 @@ class EpisodeProducer(RolloutProducer):
         return bool(reduce_across_ranks(flag) > 0)
 
 
-class AsyncProducer(RolloutProducer):
+class ObservationEncoder:
+    """An observation's ids: chat messages rendered by the chat template after the turn (`ChatRenderer`), text
+    encoded as it is. Special tokens' text in either (a tool echoing "<|endoftext|>") stays text."""
+
+    def __init__(self, tokenizer: Any, tool_schemas: Optional[list[dict[str, Any]]]) -> None:
+        self.tokenizer, self.tool_schemas = tokenizer, tool_schemas
+        self._chat: Optional[ChatRenderer] = None
+
+    def encode(self, observation: Any, turn_ids: list[int]) -> list[int]:
+        if isinstance(observation, list):
+            if self._chat is None:
+                self._chat = ChatRenderer(self.tokenizer, self.tool_schemas)
+            return self._chat.observation_ids(observation, turn_ids)
+        return self.tokenizer.encode(str(observation), add_special_tokens=False, split_special_tokens=True)
+
+
+class SampledAhead:
+    """What the asynchronous producers share (mixed in before a producer class): the generations launched ahead
+    (`in_flight`), each sampled by the policy version `generation_version` gives it, kept by checkpoints."""
+
+    in_flight: AsyncGenerations
+    steps_per_generation: int
+    max_staleness: int
+
+    def launched_version(self, generation: int) -> int:
+        """v(g) of a generation launched now: the trainer must be at that step."""
+        version = generation_version(generation, self.steps_per_generation, self.max_staleness)
+        if version != self.host.trainer.global_step:
+            raise RuntimeError(
+                f"asynchronous rollouts: generation {generation} must be sampled by policy version {version}, "
+                f"but the trainer is at step {self.host.trainer.global_step}"
+            )
+        return version
+
+    def before_validation(self) -> None:
+        # Validation pushes the current weights: first let the generations in flight finish with their versions.
+        if self.engines.built is not None:
+            self.in_flight.wait_all(self.engines.built)
+            self.in_flight.forget_staged()
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        """This rank's launched generations, finished (waiting for those in flight): the weights they were
+        sampled with are not in the checkpoint, so they could not be sampled again."""
+        return self.in_flight.state_dict(self.engines.built)
+
+    def load_state_dict(self, state: Optional[list[dict[str, Any]]]) -> None:
+        self.in_flight.load_state_dict(state or [])
+
+    def close(self) -> None:
+        self.in_flight = AsyncGenerations()  # generations in flight are abandoned with the engine
+        super().close()
+
+
+class AsyncProducer(SampledAhead, RolloutProducer):
     """Generations launched ahead of the trainer and sampled in the background with a fixed lag
     (`lit_rl.rollout.asynchronous`): `launch(g, rows)` when the loader says so, `generation(g)` takes g finished.
 
@@ -358,12 +414,7 @@ class AsyncProducer(RolloutProducer):
         """Start sampling `generation` in the background with the current weights, which must be those of its
         version v(g)."""
         host = self.host
-        version = generation_version(generation, self.steps_per_generation, self.max_staleness)
-        if version != host.trainer.global_step:
-            raise RuntimeError(
-                f"asynchronous rollouts: generation {generation} must be sampled by policy version {version}, "
-                f"but the trainer is at step {host.trainer.global_step}"
-            )
+        version = self.launched_version(generation)
         prompt_ids, prompt_mask = host.encode_prompts([row["prompt"] for row in rows])
         engine = self.engines.started()
         with host.timer.phase("weight_push"):  # staging the weights, when this version is new
@@ -391,21 +442,3 @@ class AsyncProducer(RolloutProducer):
         out = RolloutOutput(*(None if t is None else t.to(device) for t in vars(sampled.output).values()))
         host.timer.count("generated_tokens", float(out.completion_mask.sum()))
         return self.scored(rows, 1, prompt_ids, prompt_mask, out, version=sampled.version)
-
-    def before_validation(self) -> None:
-        # Validation pushes the current weights: first let the generations in flight finish with their versions.
-        if self.engines.built is not None:
-            self.in_flight.wait_all(self.engines.built)
-            self.in_flight.forget_staged()
-
-    def state_dict(self) -> list[dict[str, Any]]:
-        """This rank's launched generations, finished (waiting for those in flight): the weights they were
-        sampled with are not in the checkpoint, so they could not be sampled again."""
-        return self.in_flight.state_dict(self.engines.built)
-
-    def load_state_dict(self, state: Optional[list[dict[str, Any]]]) -> None:
-        self.in_flight.load_state_dict(state or [])
-
-    def close(self) -> None:
-        self.in_flight = AsyncGenerations()  # generations in flight are abandoned with the engine
-        super().close()

@@ -130,3 +130,39 @@ def test_rloo_trains_with_asynchronous_rollouts(tmp_path):
     rows = train_rows(log_dir)
     assert [row["train/staleness/max"] for row in rows] == [0.0, 1.0, 1.0]
     assert engines[0].generated_versions == [0, 0, 1, 2]
+
+
+def test_episodes_are_sampled_ahead_by_the_weights_they_are_tagged_with_and_resume_to_the_same_numbers(tmp_path):
+    """Multi-turn episodes (`model.env`) with k = 1: each generation's episodes run on the engine's worker with the
+    staged weights of its version, every turn of them; the first generation's episodes (version 0, the same seeds)
+    are the synchronous run's; a checkpoint taken with episodes in flight keeps their transcripts, and the resumed
+    run logs the same numbers."""
+    episodes = dict(environment="tests.integration.envs.Countdown", max_turns=3, max_new_tokens=3)
+    sync_dir, _, _ = _fit(tmp_path / "sync", "run", 1, **episodes)
+    full_dir, engines, digests = _fit(tmp_path / "full", "run", 4, every_n=2, max_staleness=1, **episodes)
+    (engine,) = engines
+    for version, digest in engine.staged_digests.items():
+        assert digest == digests.by_version[version], version
+    assert engine.generated_versions == [0, 0, 1, 2, 3]  # generation g by version max(0, g - 1); 4 launched at step 3
+    rows = train_rows(full_dir)
+    assert [row["train/staleness/max"] for row in rows] == [0.0, 1.0, 1.0, 1.0]
+    for row in rows:  # Countdown: 3 model turns, observations between
+        assert row["train/turns"] > 1 and row["train/env_tokens"] > 0, row
+    (sync_row,) = train_rows(sync_dir)
+    asynchronous_only = ("train/staleness/", "train/rollout_is_frac_corrected")
+    first = {key: value for key, value in rows[0].items() if not key.startswith(asynchronous_only)}
+    assert_rows_match([first], [sync_row], rel=1e-5, abs=1e-6)
+    checkpoint = torch.load(tmp_path / "full" / "ckpt" / "step=2.ckpt", weights_only=False)
+    (pending,) = checkpoint["lit_rl"]["per_rank"][0]["pending"]
+    assert (pending["generation"], pending["version"]) == (2, 1) and pending["sampled_mask"].shape[0] == 8
+    resumed_dir, engines, _ = _fit(
+        tmp_path / "resumed",
+        "run",
+        4,
+        ckpt_path=tmp_path / "full" / "ckpt" / "step=2.ckpt",
+        every_n=2,
+        max_staleness=1,
+        **episodes,
+    )
+    assert engines[0].generated_versions == [2, 3]  # generation 2 came from the checkpoint
+    assert_rows_match(train_rows(resumed_dir), rows[2:], rel=0, abs=0)

@@ -472,7 +472,7 @@ def test_a_server_dying_with_generations_in_flight_ends_the_run_in_one_line_and_
 def test_episodes_score_the_engines_tokens_with_the_colocated_and_the_server_engine(tmp_path, vllm_server):
     """Multi-turn episodes (3 model turns, observations between): every turn is sampled by vLLM from the ids of the
     transcript so far, and the trainer's log-probs of the model's tokens are vLLM's within 1e-4 (GRPO on the
-    colocated engine, RLOO on the server)."""
+    colocated engine, RLOO on the server, and GRPO on the server with asynchronous rollouts)."""
     environment = ("--model.env.environment", "tests.integration.envs.Countdown", "--model.env.max_turns", "3")
     engines = {
         "colocate": ("grpo", COLOCATE),
@@ -483,6 +483,13 @@ def test_episodes_score_the_engines_tokens_with_the_colocated_and_the_server_eng
         _check_run(log_dir)
         for row in train_rows(log_dir):
             assert row["train/turns"] > 1 and row["train/env_tokens"] > 0, (name, row)
+    # Asynchronous (k = 1): each generation's episodes run on rank 0's worker, every turn sampled by the server with
+    # the weights staged for its version; the first generation's by the initial weights, which the trainer has too.
+    server = (*SERVER, "--model.rollout.engine.server_url", vllm_server, "--model.rollout.max_staleness", "1")
+    rows = train_rows(_fit(tmp_path, "async_env", *server, *environment, max_steps=2))
+    assert [row["train/staleness/max"] for row in rows] == [0.0, 1.0]
+    assert rows[0]["train/rollout_logprob_diff/max"] < TOLERANCE
+    assert all(row["train/turns"] > 1 and row["train/env_tokens"] > 0 for row in rows), rows
 
 
 def test_grpo_broadcasts_the_weights_to_the_server_over_gloo_without_a_file(tmp_path, vllm_server):

@@ -36,7 +36,7 @@ import os
 import shutil
 import tempfile
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import groupby
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
@@ -59,6 +59,8 @@ from lit_rl.rollout.server.pool import RolloutServer, ServerPool
 CUT_SHORT = {"abort", "error"}  # finish reasons of a completion the engine stopped before it ended
 
 WEIGHT_SHARD = "model-{:05d}.safetensors"
+
+Generate = Callable[..., RolloutOutput]  # generate(prompt_ids, prompt_mask, params, seeds) on the worker thread
 
 
 class VLLMServerEngine:
@@ -312,9 +314,7 @@ class VLLMServerEngine:
         gathered = _gather_to_rank0(local, self.rank, self.world_size)
         future = None
         if self.rank == 0:
-            if self._worker is None:
-                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lit-rl-rollout")
-            future = self._worker.submit(self._generate_with_version, gathered, params, version)
+            future = self._background().submit(self._generate_with_version, gathered, params, version)
         return future, prompt_ids.device
 
     def collect(self, ticket: tuple[Any, torch.device]) -> RolloutOutput:
@@ -323,9 +323,54 @@ class VLLMServerEngine:
         token_ids, logprobs = _on_rank0_then_scatter(lambda: future.result(), self.rank, self.world_size)
         return padded_output(token_ids, logprobs, self.eos_token_ids, self.pad_token_id, device)
 
+    def submit_job(
+        self, payload: Any, job: Callable[[list[Any]], Callable[[Generate], list[Any]]], version: int
+    ) -> Any:
+        """Work that samples in turns, such as episodes (`lit_rl.rollout.async_episodes`): every rank's `payload` is
+        gathered to rank 0, where `job(payloads)` runs at once, on this thread (it may use the tokenizer), and
+        returns the work for the worker thread: `work(generate)`, one result per rank, where
+        `generate(prompt_ids, prompt_mask, params, seeds)` samples with the weights of `version` and talks to the
+        servers directly (no collective). A collective; returns the ticket for `collect_job`."""
+        gathered = _gather_to_rank0(payload, self.rank, self.world_size)
+        if self.rank != 0:
+            return None
+        try:
+            work = job(gathered)
+        except Exception as err:  # reaches every rank through collect_job, so that none waits on rank 0
+            failed: Future = Future()
+            failed.set_exception(err)
+            return failed
+        return self._background().submit(self._run_with_version, work, version)
+
+    def collect_job(self, ticket: Any) -> Any:
+        """Wait for a submitted job and hand each rank its result (or every rank its error). A collective."""
+        return _on_rank0_then_scatter(lambda: ticket.result(), self.rank, self.world_size)
+
+    def _background(self) -> ThreadPoolExecutor:
+        """Rank 0's worker thread: submitted generations and jobs run on it one after the other."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lit-rl-rollout")
+        return self._worker
+
+    def _run_with_version(self, work: Callable[[Generate], list[Any]], version: int) -> list[Any]:
+        self._load_version(version)
+
+        def generate(prompt_ids, prompt_mask, params, seeds=None) -> RolloutOutput:
+            seeds = draw_seeds(len(prompt_ids)) if seeds is None else list(seeds)
+            requests = [(unpadded_prompts(prompt_ids, prompt_mask), seeds)]
+            ((token_ids, logprobs),) = self._generate_all(requests, params)
+            return padded_output(token_ids, logprobs, self.eos_token_ids, self.pad_token_id, prompt_ids.device)
+
+        return work(generate)
+
     def _generate_with_version(
         self, per_rank: list[tuple[list[list[int]], list[int]]], params: SamplingParams, version: int
     ) -> list[tuple[list[list[int]], list[list[float]]]]:
+        self._load_version(version)
+        return self._generate_all(per_rank, params)
+
+    def _load_version(self, version: int) -> None:
+        """Have every server in service hold the staged weights of `version` (on the worker thread)."""
         tag = f"v{version}"
 
         def load(server: RolloutServer) -> None:
@@ -347,7 +392,6 @@ class VLLMServerEngine:
             older = {t for _, t in list(self.pool.copies) if t[1:].isdigit()}
             for old in sorted(t for t in older if int(t[1:]) < version):
                 self.pool.forget(old)  # the receivers' copies of versions no generation asks for again
-        return self._generate_all(per_rank, params)
 
     def close(self) -> None:
         self._staged.clear()

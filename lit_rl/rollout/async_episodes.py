@@ -1,0 +1,155 @@
+"""Asynchronous episodes: multi-turn episodes in environments (`model.env`) sampled ahead of the trainer with a fixed
+lag (`model.rollout.max_staleness = k > 0`, the schedule of `lit_rl.rollout.asynchronous`).
+
+Generation g's episodes run on the engine's worker (rank 0, `AsyncRolloutEngine.submit_job`) with the weights of
+version v(g) while the trainer trains steps v(g) .. g*m - 1; every turn of an episode is sampled by that one
+version, so `train/staleness` and the rollout correction mean what they mean for single completions.
+
+- At launch, on the training thread of rank 0: every rank's rows come to rank 0, which makes an environment per
+  row, resets them all at once (`model.env.concurrency`) and renders the prompts (the tokenizer is used on this
+  thread only).
+- In the background, on the worker: the episodes (`lit_rl.rollout.multi_turn.run_episodes`, each turn seeded by its
+  episode and turn), every rank's in one batch, with a copy of the tokenizer for the turns' text and observations.
+- When the generation is consumed, each rank gets its transcripts, the environments' reward parts and the first
+  environment error (raised on every rank at once), and scores them with the reward functions, as synchronous
+  episodes are scored.
+
+A checkpoint waits for the episodes in flight and keeps their finished transcripts (`AsyncGenerations.state_dict`):
+the weights that sampled them are not in the checkpoint. TRL environment classes are refused here: their instances
+reach the reward functions at scoring time (`environments=`), after the episode, and a checkpoint cannot keep them.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from lit_rl.errors import EnvironmentStepError
+from lit_rl.rollout.asynchronous import AsyncGenerations
+from lit_rl.rollout.base import RolloutOutput, unpadded_prompts
+from lit_rl.rollout.multi_turn import run_episodes
+from lit_rl.rollout.producer import (
+    EpisodeProducer,
+    ObservationEncoder,
+    ProducerParts,
+    SampledAhead,
+    ScoredCompletions,
+)
+from lit_rl.types import model_token_mask
+
+
+@dataclass
+class EpisodeResult:
+    """One rank's episodes of a generation, as the worker hands them back (CPU tensors)."""
+
+    prompt_ids: torch.Tensor  # [N, P] left-padded: each episode's first observation, or its row's prompt
+    prompt_mask: torch.Tensor
+    output: RolloutOutput  # transcripts, with `sampled_mask` and `episode_stats`
+    env_rewards: torch.Tensor  # [N, E]
+    error: Optional[str]  # the first failure of an environment on any rank
+
+
+class _WorkerEngine:
+    """The `generate` that `AsyncRolloutEngine.submit_job` hands the worker, as `run_episodes` calls an engine."""
+
+    def __init__(self, generate: Callable[..., RolloutOutput]) -> None:
+        self.generate = generate
+
+
+class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
+    """Episodes sampled ahead of the trainer (module docstring).
+
+    Args:
+        steps_per_generation: m = `steps_per_generation x num_iterations`.
+        max_staleness: k = `model.rollout.max_staleness`.
+        parts, episode_args: as `EpisodeProducer`.
+    """
+
+    def __init__(
+        self, parts: ProducerParts, *, steps_per_generation: int, max_staleness: int, **episode_args: Any
+    ) -> None:
+        super().__init__(parts, **episode_args)
+        self.steps_per_generation = steps_per_generation
+        self.max_staleness = max_staleness
+        self.in_flight = AsyncGenerations()
+        self._worker_tokenizer: Any = None  # the worker's own copy: a tokenizer is not safe on two threads at once
+
+    def launch(self, generation: int, rows: list[dict[str, Any]]) -> None:
+        """Start `generation`'s episodes in the background with the current weights, those of its version v(g)."""
+        version = self.launched_version(generation)
+        payload = (rows, self.completion_seeds(len(rows), generation))
+        with self.host.timer.phase("weight_push"):  # staging the weights, when this version is new
+            self.in_flight.launch_job(
+                self.engines.started(), generation, version, payload, self._episodes_job, self.engines.weight_stream
+            )
+
+    def _episodes_job(self, per_rank: list[tuple[list[dict[str, Any]], list[int]]]) -> Callable[..., list[Any]]:
+        """On rank 0's training thread: every rank's environments made and reset, their prompts rendered; returns
+        the episodes' work for the worker."""
+        rows = [row for rank_rows, _ in per_rank for row in rank_rows]
+        seeds = [seed for _, rank_seeds in per_rank for seed in rank_seeds]
+        counts = [len(rank_rows) for rank_rows, _ in per_rank]
+        envs, env_name, prompts, reset_error, ended = self.start_episodes(rows)
+        encoded, start = [], 0
+        for count in counts:  # each rank's prompts padded apart, as its synchronous rollouts are
+            ids, mask = self.host.encode_prompts(prompts[start : start + count], self.tool_schemas)
+            encoded.append((ids.cpu(), mask.cpu()))
+            start += count
+        if self._worker_tokenizer is None:
+            self._worker_tokenizer = copy.deepcopy(self.host.tokenizer)
+        tokenizer = self._worker_tokenizer
+        observations = ObservationEncoder(tokenizer, self.tool_schemas)
+
+        def work(generate: Callable[..., RolloutOutput]) -> list[EpisodeResult]:
+            episodes = run_episodes(
+                _WorkerEngine(generate),
+                envs,
+                [prompt for ids, mask in encoded for prompt in unpadded_prompts(ids, mask)],
+                self.params,
+                seeds,
+                decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                encode_observation=observations.encode,
+                reward_names=self.env_reward_names,
+                max_turns=self.max_turns,
+                max_total_tokens=self.max_total_tokens,
+                pad_id=tokenizer.pad_token_id,
+                device=torch.device("cpu"),
+                runner=self.runner,
+                env_name=env_name,
+                ended=frozenset(ended),
+            )
+            error = reset_error or episodes.error
+            out = episodes.output
+            results, start = [], 0
+            for (ids, mask), count in zip(encoded, counts):
+                rank = slice(start, start + count)
+                start += count
+                output = RolloutOutput(
+                    out.completion_ids[rank],
+                    out.completion_mask[rank],
+                    out.logprobs[rank],
+                    sampled_mask=out.sampled_mask[rank],
+                    episode_stats=episodes.stats[rank],
+                )
+                results.append(EpisodeResult(ids, mask, output, episodes.env_rewards[rank], error))
+            return results
+
+        return work
+
+    def generation(
+        self, generation: int, rows: list[dict[str, Any]], refills: Optional[list[list[dict[str, Any]]]] = None
+    ) -> ScoredCompletions:
+        """The launched `generation`'s episodes, finished (waiting for them), scored now; an environment's failure
+        raised on every rank."""
+        host = self.host
+        with host.timer.phase("generation"):
+            sampled = self.in_flight.take(self.engines.built, generation)
+        self.fail_on_every_rank(sampled.error, EnvironmentStepError, "the environment failed on another rank")
+        device = host.device
+        out = RolloutOutput(*(None if t is None else t.to(device) for t in vars(sampled.output).values()))
+        host.timer.count("generated_tokens", float(model_token_mask(out).sum()))
+        prompt_ids, prompt_mask = sampled.prompt_ids.to(device), sampled.prompt_mask.to(device)
+        return self.scored(rows, 1, prompt_ids, prompt_mask, out, sampled.env_rewards.to(device), sampled.version)
