@@ -293,14 +293,14 @@ class RolloutArgs:
             background (`VLLMServer`). With `model.env`, each generation's episodes run in the background, every turn
             by that one version (`lit_rl.rollout.async_episodes`; not TRL's environment classes yet). 0 (default):
             synchronous.
-        correction (GRPO): weigh the policy term by the importance ratio of the trainer's probability of the sampled
-            tokens over the engine's (`lit_rl.losses.rollout_is_weights` has the formulas): `token_truncate` (per
-            token, truncated at `correction_cap`), `sequence_truncate` (the sequence's ratio, truncated),
+        correction (GRPO, PPO): weigh the policy term by the importance ratio of the trainer's probability of the
+            sampled tokens over the engine's (`lit_rl.losses.rollout_is_weights` has the formulas): `token_truncate`
+            (per token, truncated at `correction_cap`), `sequence_truncate` (the sequence's ratio, truncated),
             `sequence_mask` (the sequence's ratio, or 0 outside [1/cap, cap]), or `none`. `auto` (default) is
             `token_truncate` with asynchronous rollouts (the engine sampled with older weights) or when the engine
             computes in another dtype than the trainer or in any dtype below float32
             (`EngineConfig.numerics_differ`), else `none`.
-        correction_cap (GRPO): the cap C of the rollout correction (>= 1).
+        correction_cap (GRPO, PPO): the cap C of the rollout correction (>= 1).
         dynamic_sampling (GRPO): DAPO's dynamic sampling (`lit_rl.rollout.dynamic_sampling`): groups whose rewards
             all agree are dropped and refill generations of as many prompts sampled until the batch is full.
             Logged: `train/refill_generations`, `train/frac_groups_dropped`. Not with `max_staleness > 0`.
@@ -354,16 +354,22 @@ class RolloutArgs:
         engine.check()
 
     def check_taken_by(self, algorithm: str, options: frozenset[str]) -> None:
-        """Refuse, in one line, a GRPO-only option (`GRPO_ROLLOUT_OPTIONS`) set away from its default for an
-        `algorithm` that does not take it (`options`: those it takes)."""
+        """Refuse, in one line, an option of `ROLLOUT_OPTION_TAKERS` set away from its default for an `algorithm`
+        that does not take it (`options`: those it takes)."""
         default = RolloutArgs()
-        for name in GRPO_ROLLOUT_OPTIONS:
+        for name, takers in ROLLOUT_OPTION_TAKERS.items():
             if name not in options and getattr(self, name) != getattr(default, name):
-                raise ConfigError(f"model.rollout.{name}: {algorithm} does not take it (GRPO's only)")
+                raise ConfigError(f"model.rollout.{name}: {algorithm} does not take it ({takers} only)")
 
 
-# The rollout options only GRPO's objective uses (others refuse them away from their defaults).
-GRPO_ROLLOUT_OPTIONS = ("correction", "correction_cap", "dynamic_sampling", "max_refill_generations")
+# The rollout options some algorithms take, and which (the others refuse them away from their defaults).
+ROLLOUT_OPTION_TAKERS = {
+    "correction": "GRPO and PPO",
+    "correction_cap": "GRPO and PPO",
+    "dynamic_sampling": "GRPO",
+    "max_refill_generations": "GRPO",
+}
+GRPO_ROLLOUT_OPTIONS = tuple(ROLLOUT_OPTION_TAKERS)  # every one of them is GRPO's
 
 
 # The groups, by the name an algorithm's `__init__` gives them.

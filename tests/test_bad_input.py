@@ -195,7 +195,7 @@ CASES = [
         "grpo-only-option",
         RLOO,
         ["--model.rollout.dynamic_sampling", "true"],
-        "model.rollout.dynamic_sampling: RLOO does not take it (GRPO's only)",
+        "model.rollout.dynamic_sampling: RLOO does not take it (GRPO only)",
         1,
     ),
     ("cap-below-one", GRPO, ["--model.rollout.correction_cap", "0.5"], "model.rollout.correction_cap must be >= 1", 1),

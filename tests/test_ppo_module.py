@@ -3,12 +3,15 @@ gradient goes, the critic's forwards and its Hugging Face export."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from lit_rl.algorithms.base import completion_forward
 from lit_rl.config import grouped_kwargs
 from lit_rl.errors import ConfigError
+from lit_rl.losses import aggregate
 from lit_rl.losses.policy import ppo_clip
 from lit_rl.losses.ppo import gae, token_rewards
 from lit_rl.modeling.models import load_causal_lm, load_tokenizer
@@ -180,3 +183,26 @@ def test_bad_ppo_settings_name_their_key(key, value, message):
 
     with pytest.raises(ConfigError, match=message):
         PPO(**grouped_kwargs(PPO, **{key: value}))
+
+
+def test_the_rollout_correction_weighs_the_policy_term_by_the_truncated_engine_ratio():
+    """PPO's policy term per token is w_t times the clipped surrogate, w_t = min(exp(old - engine), cap) with
+    `token_truncate` (the default with asynchronous rollouts); the critic's term is not weighed."""
+    model, _ = fit_on_episodes("PPO", micro_batch_size=4)
+    buffer = model._buffer
+    tokens = buffer.completion_mask * buffer.sampled_mask
+    logprobs = buffer.old_logprobs.clone()
+    values = model.critic_values(buffer)
+    model.critic_values = lambda mb: values
+    normalizer = model._normalizers[0]
+    shift = torch.linspace(-1.0, 1.0, tokens.numel()).reshape(tokens.shape)  # engine log-probs off by -1..1
+    buffer.rollout_logprobs = (buffer.old_logprobs - shift) * tokens
+    _, plain = model.micro_batch_loss(buffer, logprobs, normalizer)
+    model.rollout_args = dataclasses.replace(model.rollout_args, correction="token_truncate", correction_cap=1.5)
+    _, weighed = model.micro_batch_loss(buffer, logprobs, normalizer)
+    weights = torch.exp(shift).clamp(max=1.5) * tokens
+    per_token, _ = ppo_clip(logprobs, buffer.old_logprobs, buffer.token_advantages, tokens)
+    expected = aggregate(per_token * weights, tokens, model.loss_args.aggregation, normalizer)
+    torch.testing.assert_close(weighed["policy_loss"], expected)
+    assert not torch.allclose(plain["policy_loss"], expected)
+    torch.testing.assert_close(weighed["value_loss"], plain["value_loss"])

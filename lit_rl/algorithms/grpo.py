@@ -25,7 +25,7 @@ from lit_rl.config import (
     as_args,
 )
 from lit_rl.loss_config import GRPOLoss
-from lit_rl.losses import LossNormalizer, grpo_loss, rollout_is_weights
+from lit_rl.losses import LossNormalizer, grpo_loss
 from lit_rl.losses.advantages import advantage_function
 from lit_rl.losses.overlong import overlong_penalty, truncated
 from lit_rl.losses.policy import policy_loss_function
@@ -66,10 +66,7 @@ class GRPO(OnPolicyModule):
         rollout = self.rollout_args
         self.policy_loss_fn = policy_loss_function(loss.objective)  # functions, not modules: never saved as weights
         self.advantage_fn = advantage_function(loss.advantage)
-        # The fraction corrected is logged when a correction is asked for by name or made certain by asynchrony
-        # (`auto` alone keeps the columns of earlier runs).
-        with_correction = rollout.max_staleness > 0 or rollout.correction not in ("auto", "none")
-        metrics = grpo_metrics(self.reward_names, with_kl=loss.beta != 0.0, with_is_correction=with_correction)
+        metrics = grpo_metrics(self.reward_names, with_kl=loss.beta != 0.0, with_is_correction=self.logs_correction())
         if rollout.dynamic_sampling:
             metrics.add_metrics(dynamic_sampling_metrics())
         self.train_metrics = self.rollout_train_metrics(metrics)
@@ -98,24 +95,12 @@ class GRPO(OnPolicyModule):
         cut_off = truncated(batch.completion_ids, model_tokens, eos)  # [N]: did the model's last token end it?
         return model_tokens * (~cut_off).to(model_tokens.dtype)[:, None]
 
-    def rollout_correction(self) -> str:
-        """`model.rollout.correction` with `auto` resolved for this run's engine and precision."""
-        mode = self.rollout_args.correction
-        if mode == "auto":
-            return "token_truncate" if self.max_staleness > 0 or self.engines.numerics_differ() else "none"
-        return mode
-
     def micro_batch_loss(
         self, mb: RolloutBatch, logprobs: torch.Tensor, normalizer: LossNormalizer
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         # One on-policy pass: the old log-probs are these very log-probs (ratio 1, gradient intact).
         old_logprobs = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
-        model_tokens = model_token_mask(mb)  # observations have no engine log-prob: they take no part
-        importance_weights, corrected = rollout_is_weights(
-            self.rollout_correction(), old_logprobs, mb.rollout_logprobs, model_tokens, self.rollout_args.correction_cap
-        )
-        if corrected is not None and "rollout_is_frac_corrected" in self.train_metrics:
-            self.train_metrics["rollout_is_frac_corrected"].update(corrected[model_tokens > 0].float())
+        importance_weights = self.rollout_importance_weights(mb, old_logprobs)
         return grpo_loss(
             logprobs,
             old_logprobs,

@@ -36,7 +36,7 @@ from lit_rl.envs import environment_factory
 from lit_rl.envs.chat_tools import template_tool_support
 from lit_rl.envs.runner import EnvironmentRunner
 from lit_rl.errors import ConfigError
-from lit_rl.losses import LossNormalizer
+from lit_rl.losses import LossNormalizer, rollout_is_weights
 from lit_rl.ops import kl_k3
 from lit_rl.rewards.scorer import RewardScorer
 from lit_rl.rollout import RolloutOutput, SamplingParams
@@ -220,6 +220,35 @@ class OnPolicyModule(PolicyModule):
         schedule = self.schedule_args
         return schedule.num_iterations > 1 or schedule.steps_per_generation > 1 or self.max_staleness > 0
 
+    def rollout_correction(self) -> str:
+        """`model.rollout.correction` with `auto` resolved for this run's engine and precision; `none` for an
+        algorithm that takes no correction (`rollout_options`)."""
+        mode = self.rollout_args.correction
+        if "correction" not in self.rollout_options:
+            return "none"
+        if mode == "auto":
+            return "token_truncate" if self.max_staleness > 0 or self.engines.numerics_differ() else "none"
+        return mode
+
+    def logs_correction(self) -> bool:
+        """Whether `train/rollout_is_frac_corrected` is logged: a correction asked for by name or made certain by
+        asynchrony (`auto` alone keeps the columns of earlier runs)."""
+        rollout = self.rollout_args
+        taken = "correction" in self.rollout_options
+        return taken and (rollout.max_staleness > 0 or rollout.correction not in ("auto", "none"))
+
+    def rollout_importance_weights(self, mb: RolloutBatch, old_logprobs: torch.Tensor) -> Optional[torch.Tensor]:
+        """The rollout correction's weights w [N, T] of a micro-batch (`lit_rl.losses.rollout_is_weights`; None:
+        no correction), on the model's tokens (observations have no engine log-prob); counts the tokens it changed
+        in `rollout_is_frac_corrected`."""
+        model_tokens = model_token_mask(mb)
+        weights, corrected = rollout_is_weights(
+            self.rollout_correction(), old_logprobs, mb.rollout_logprobs, model_tokens, self.rollout_args.correction_cap
+        )
+        if corrected is not None and "rollout_is_frac_corrected" in self.train_metrics:
+            self.train_metrics["rollout_is_frac_corrected"].update(corrected[model_tokens > 0].float())
+        return weights
+
     def needs_old_logprobs(self) -> bool:
         """Whether the policy's log-probs at generation time are computed (else the first pass reuses its own)."""
         return self.policy_moves_after_sampling()
@@ -310,7 +339,7 @@ class OnPolicyModule(PolicyModule):
         )
 
     refill_generations = 0  # the refill generations the loader offers (GRPO's dynamic sampling sets it)
-    rollout_options: tuple[str, ...] = ()  # the GRPO-only rollout options (`GRPO_ROLLOUT_OPTIONS`) this one takes
+    rollout_options: tuple[str, ...] = ()  # the options of `ROLLOUT_OPTION_TAKERS` this one takes
 
     @property
     def optimizer_steps_per_generation(self) -> int:

@@ -22,6 +22,14 @@ policy (`hf/critic`: `lit_rl.modeling.value_model.save_value_state`).
 With an environment (`model.env.environment` or `model.env.tools`) a completion is a multi-turn transcript, and only the
 model's tokens are actions: the rewards, GAE, both losses and the token metrics run over them alone, the
 environment's tokens between turns skipped as `lit_rl.losses.ppo` describes.
+
+Asynchronous rollouts (`model.rollout.max_staleness = k > 0`): a generation sampled by the policy k steps back is
+taken when its first update comes. The critic's values, the advantages and the old log-probs are computed then, by
+the critic and policy being trained (training time, not sampling time): V estimates the value of the policy the
+update improves, and the sampling critic's values are not kept (nor would they be better: that critic is older).
+The engine's log-probs then weigh the policy term with the rollout correction of `model.rollout.correction`
+(`auto`: `token_truncate`, w_t = min(exp(old_logp_t - engine_logp_t), correction_cap);
+`lit_rl.losses.rollout_is_weights`): policy_loss = aggregate_t( w_t * -min(r_t A_t, clip(r_t, ...) A_t) ).
 """
 
 from __future__ import annotations
@@ -59,6 +67,8 @@ class PPO(OnPolicyModule):
         critic_learning_rate: AdamW learning rate of the critic (None: `optim.learning_rate`).
     """
 
+    rollout_options = ("correction", "correction_cap")  # the rollout correction of asynchronous rollouts
+
     def __init__(
         self,
         policy: PolicyArgs = PolicyArgs(),
@@ -76,16 +86,14 @@ class PPO(OnPolicyModule):
         loss.check()
         if critic_learning_rate is not None and critic_learning_rate < 0:
             raise ConfigError(f"model.critic_learning_rate must be >= 0, got {critic_learning_rate}")
-        if as_args(RolloutArgs, rollout).max_staleness > 0:
-            raise ConfigError(
-                "model.rollout.max_staleness > 0 is not supported by PPO yet: its critic's values and advantages are "
-                "computed when a generation is sampled, by the critic of that moment"
-            )
         super().__init__(policy, optim, schedule, sampling, rewards, env, rollout, min_generations=1)
         self.save_hyperparameters()
         self.critic: Optional[ValueModel] = None  # built in `configure_model`, like the policy
         self.critic_shape: Optional[ModelShape] = None  # its model FLOPs (`lit_rl.training.flops`)
-        self.train_metrics = self.rollout_train_metrics(ppo_metrics(self.reward_names, with_kl=loss.beta != 0.0))
+        metrics = ppo_metrics(self.reward_names, with_kl=loss.beta != 0.0)
+        if self.logs_correction():
+            metrics.add_metrics({"rollout_is_frac_corrected": mean("token")})
+        self.train_metrics = self.rollout_train_metrics(metrics)
         self.val_metrics = self.rollout_val_metrics()
 
     # -- the critic ------------------------------------------------------------------------------------------
@@ -172,6 +180,9 @@ class PPO(OnPolicyModule):
         policy_per_token, stats = ppo_clip(
             logprobs, old_logprobs, mb.token_advantages, mask, args.epsilon, args.clip_high
         )
+        importance_weights = self.rollout_importance_weights(mb, old_logprobs)
+        if importance_weights is not None:
+            policy_per_token = policy_per_token * importance_weights
         values = self.critic_values(mb)
         value_per_token, value_stats = clipped_value_loss(values, mb.old_values, mb.returns, args.value_clip)
         policy_loss = aggregate(policy_per_token, mask, args.aggregation, normalizer)

@@ -166,3 +166,18 @@ def test_episodes_are_sampled_ahead_by_the_weights_they_are_tagged_with_and_resu
     )
     assert engines[0].generated_versions == [2, 3]  # generation 2 came from the checkpoint
     assert_rows_match(train_rows(resumed_dir), rows[2:], rel=0, abs=0)
+
+
+def test_ppo_trains_with_asynchronous_rollouts_and_their_correction(tmp_path):
+    """PPO, k = 1: the critic's values and the advantages are computed when a generation is taken (by the critic
+    being trained); the policy term is weighed by the truncated engine ratio, and the fraction corrected logged."""
+    from lit_rl.algorithms import PPO
+
+    log_dir, engines, _ = _fit(tmp_path, "ppo", 3, algorithm=PPO, max_staleness=1)
+    rows = train_rows(log_dir)
+    assert [row["train/staleness/max"] for row in rows] == [0.0, 1.0, 1.0]
+    assert engines[0].generated_versions == [0, 0, 1, 2]
+    assert all(0.0 <= row["train/rollout_is_frac_corrected"] <= 1.0 for row in rows)
+    assert all("train/critic/value_loss" in row for row in rows)
+    model = PPO(**grouped_kwargs(PPO, max_staleness=1, vllm=VLLMConfig(mode="server")))
+    assert model.rollout_correction() == "token_truncate"
