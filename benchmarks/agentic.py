@@ -16,14 +16,15 @@ sandbox or a remote tool does. Each run is `lit-rl fit` in its own process, one 
 - `concurrent steps` (HF generate, `concurrency 64`, the default): a turn's steps run together, off the training
   thread;
 - `synchronous` and `asynchronous k=1` on a vLLM server the run starts (`--model.rollout.engine.launch true`, CPU
-  vLLM sharing the 2 cores): with `--model.rollout.max_staleness 1` the next generation's episodes run on the
-  server while the trainer updates.
+  vLLM on half the cores, the trainer on the other half): with `--model.rollout.max_staleness 1` the next
+  generation's episodes run on the server while the trainer updates; `cores shared` is the same with the cores not
+  split (`VLLM_CPU_OMP_THREADS_BIND=nobind`, as before lit-rl split them).
 
-Each with `latency_s` 0.1 and 0 (the same episodes answered at once). Reported per row: seconds per optimizer step
-(`perf/step_s`, the median of the steps after the first), the share of it the trainer waits for its episodes
-(`perf/generation_s`: synchronous, the engine's turns and the environment's steps; asynchronous, only what the
-update did not hide), and completions per second. Rows run interleaved, round by round, so that a noisy machine
-affects them alike; each round's values are kept.
+The HF rows with `latency_s` 0.1 and 0 (the same episodes answered at once), the server's with 0.1. Reported per
+row: seconds per optimizer step (`perf/step_s`, the median of the steps after the first), the share of it the
+trainer waits for its episodes (`perf/generation_s`: synchronous, the engine's turns and the environment's steps;
+asynchronous, only what the update did not hide), and completions per second. Rows run interleaved, round by round,
+so that a noisy machine affects them alike; each round's values are kept.
 """
 
 from __future__ import annotations
@@ -51,11 +52,16 @@ SERVER = [
     "--model.rollout.engine.launch",
     "true",
 ]
-MODES = {  # mode: (engine, the `lit-rl fit` options that make it)
-    "lock-step, one call at a time": ("HF generate", ["--model.env.concurrency", "1"]),
-    "concurrent steps": ("HF generate", ["--model.env.concurrency", "64"]),
-    "synchronous": ("vLLM server", SERVER),
-    "asynchronous k=1": ("vLLM server", [*SERVER, "--model.rollout.max_staleness", "1"]),
+ASYNC = [*SERVER, "--model.rollout.max_staleness", "1"]
+# A placement of the user's own turns lit-rl's core split off (`lit_rl.rollout.server.launch.core_split`): vLLM's
+# `nobind` keeps the server's threads unbound, as before the split.
+SHARED_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+MODES = {  # mode: (engine, the `lit-rl fit` options that make it, environment variables, latencies it runs at)
+    "lock-step, one call at a time": ("HF generate", ["--model.env.concurrency", "1"], {}, None),
+    "concurrent steps": ("HF generate", ["--model.env.concurrency", "64"], {}, None),
+    "synchronous": ("vLLM server", SERVER, {}, (0.1,)),
+    "asynchronous k=1": ("vLLM server", ASYNC, {}, (0.1,)),
+    "asynchronous k=1, cores shared": ("vLLM server", ASYNC, SHARED_CORES, (0.1,)),
 }
 
 
@@ -127,7 +133,7 @@ def one_run(mode: str, latency_s: float, steps: int, workdir: Path) -> dict:
     name = f"run_{len(list(workdir.glob('runs/*')))}"
     command = fit_command(mode, latency_s, steps, workdir, name)
     # The environment class is imported from benchmarks/ (`agentic.LongTail`), lit_rl from this checkout.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "benchmarks"), str(REPO)])}
+    env = {**os.environ, **MODES[mode][2], "PYTHONPATH": os.pathsep.join([str(REPO / "benchmarks"), str(REPO)])}
     result = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"agentic.py: the {mode} run at {latency_s} s failed:\n{result.stderr[-3000:]}")
@@ -143,6 +149,7 @@ def summarise(mode: str, latency_s: float, rounds: list[dict]) -> dict:
         "mode": mode,
         "engine": MODES[mode][0],
         "options": MODES[mode][1],
+        "environment": MODES[mode][2],
         "latency_s": latency_s,
         "step_s": step_s,
         "generation_s": generation_s,
@@ -172,13 +179,17 @@ def claims(results: list[dict]) -> list[str]:
     """The prose numbers the docs quote: concurrent against lock-step, asynchronous against synchronous."""
     by = {(r["mode"], r["latency_s"]): r for r in results}
     out = []
-    for before, after in (("lock-step, one call at a time", "concurrent steps"), ("synchronous", "asynchronous k=1")):
+    pairs = (
+        ("lock-step, one call at a time", "concurrent steps"),
+        ("synchronous", "asynchronous k=1"),
+        ("asynchronous k=1, cores shared", "asynchronous k=1"),
+    )
+    for before, after in pairs:
         for latency in sorted({latency for _, latency in by if latency > 0}, reverse=True):
             if (before, latency) in by and (after, latency) in by:
                 slow, fast = by[(before, latency)]["step_s"], by[(after, latency)]["step_s"]
-                out.append(
-                    f"{after} at {1000 * latency:.0f} ms: {slow:.2f} s -> {fast:.2f} s a step ({slow / fast:.1f}x)"
-                )
+                ratio = f"{slow:.2f} s -> {fast:.2f} s a step ({slow / fast:.1f}x)"
+                out.append(f"{before} -> {after} at {1000 * latency:.0f} ms: {ratio}")
     return out
 
 
@@ -193,7 +204,9 @@ def main() -> None:
     args = parse_report_args(parser, markdown_table, claims)
     if args.quick:
         args.steps, args.rounds, args.latencies = 2, 1, [0.05]
-    rounds: dict[tuple[str, float], list[dict]] = {(m, lat): [] for lat in args.latencies for m in MODES}
+    rounds: dict[tuple[str, float], list[dict]] = {
+        (m, lat): [] for lat in args.latencies for m in MODES if MODES[m][3] is None or lat in MODES[m][3] or args.quick
+    }
     with tempfile.TemporaryDirectory(prefix="lit_rl_agentic_") as workdir:
         for round_index in range(args.rounds):
             for (mode, latency), runs in rounds.items():

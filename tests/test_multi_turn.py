@@ -387,3 +387,41 @@ def test_environment_concurrency_and_time_limit_are_checked_with_one_line_errors
     for bad in (0, float("inf"), float("nan")):
         with pytest.raises(ConfigError, match=r"model.env.step_timeout_s must be > 0 and < 1e6 s, got"):
             EnvArgs(tools=["lit_rl.envs.tools.calc"], step_timeout_s=bad).check()
+
+
+def test_the_concurrency_bound_holds_across_batches_run_at_once_from_two_threads():
+    """Asynchronous episodes reset the next generation's environments on the training thread while the worker steps
+    this one's: `model.env.concurrency` bounds the runner's calls together, plain calls and coroutines alike."""
+    runner = EnvironmentRunner(concurrency=2, timeout_s=10)
+    lock, running, most = threading.Lock(), [0], [0]
+
+    def enter():
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+
+    def leave():
+        with lock:
+            running[0] -= 1
+
+    def plain():
+        enter()
+        time.sleep(0.05)
+        leave()
+
+    async def awaited():
+        enter()
+        await asyncio.sleep(0.05)
+        leave()
+
+    try:
+        for call in (plain, awaited):
+            most[0] = 0
+            batches = [threading.Thread(target=runner.run, args=([(call, ())] * 4,)) for _ in range(2)]
+            for batch in batches:
+                batch.start()
+            for batch in batches:
+                batch.join(timeout=30)
+            assert running[0] == 0 and most[0] == 2, (call.__name__, most[0])
+    finally:
+        runner.close()

@@ -4,6 +4,7 @@ server is launched by `lit-rl fit` in `tests/integration/test_vllm.py`."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -199,16 +200,52 @@ def test_on_cpu_the_trainer_leaves_half_its_threads_to_the_launched_server_until
     try:
         torch.set_num_threads(4)
         monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the user's setting wins
-        assert share_cores() is None and torch.get_num_threads() == 4
+        assert share_cores(None) is None and torch.get_num_threads() == 4
         monkeypatch.delenv("OMP_NUM_THREADS")
         launcher = ServerLauncher("m", None, [], 1.0, "file")
-        launcher.trainer_threads = share_cores()
+        launcher.trainer_share = share_cores(None)
         assert torch.get_num_threads() == 2
         assert "the trainer now computes on 2 of its 4 CPU threads" in capsys.readouterr().err
         launcher.stop()  # a second engine of the same process starts from the whole count again
         assert torch.get_num_threads() == 4
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2, reason="one core")
+def test_on_cpu_the_launched_server_and_the_trainer_each_get_half_the_cores_until_it_stops(
+    stand_in, tmp_path, monkeypatch, capsys
+):
+    """Sampling and training at once (asynchronous rollouts) on shared cores took each other's: the server's
+    processes run on the second half of the cores, every thread of the trainer on the first, until the server stops.
+    The user's own placement (`OMP_NUM_THREADS`, `VLLM_CPU_OMP_THREADS_BIND`) is left alone."""
+    from lit_rl.rollout.server.launch import ServerLauncher, core_split
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cores = sorted(os.sched_getaffinity(0))
+    trainer, server = core_split()
+    assert trainer | server == set(cores) and not trainer & server and max(trainer) < min(server)
+    threads = torch.get_num_threads()
+    launcher = ServerLauncher("m", str(tmp_path), [], 30.0, "file")
+    try:
+        torch.set_num_threads(len(cores))
+        launcher.start()
+        engine = psutil.Process(_engine_pid(tmp_path / "vllm_server.log"))
+        assert set(psutil.Process(launcher.server.process.pid).cpu_affinity()) == server
+        assert set(engine.cpu_affinity()) == server  # inherited by what the server starts
+        for task in os.listdir("/proc/self/task"):
+            assert os.sched_getaffinity(int(task)) == trainer
+        assert torch.get_num_threads() == len(trainer)
+        assert f"(cores {','.join(map(str, sorted(trainer)))}; the server's: the others)" in capsys.readouterr().err
+        launcher.stop()
+        assert os.sched_getaffinity(0) == set(cores) and torch.get_num_threads() == len(cores)
+    finally:
+        launcher.stop()
+        torch.set_num_threads(threads)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    assert core_split() is None
 
 
 def test_the_error_quoted_from_the_log_is_the_line_that_says_what_went_wrong(tmp_path):

@@ -12,8 +12,9 @@ reaches `max_total_tokens`. Its reward is the sum of the reward parts over its s
 column of its own, named in the class attribute `reward_names`, weight 1) plus the reward functions applied to the
 final transcript. TRL's environment classes (a `reset` and no `step`) are run by `lit_rl.envs.trl_environments`.
 
-Environments run in the trainer's process, on every rank, for that rank's episodes: they must not block for long
-(a tool call has a time limit, `lit_rl.envs.tools`) and must not run code from the model unless the user asked for it.
+Environments run in the trainer's process, on every rank, for that rank's episodes (with asynchronous rollouts, on
+rank 0 for every rank's, `lit_rl.rollout.async_episodes`): they must not block for long (a tool call has a time
+limit, `lit_rl.envs.tools`) and must not run code from the model unless the user asked for it.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ waits about 100 ms. `EnvironmentRunner.run(calls)` makes a batch of calls and re
 - a method defined `async def` is awaited on the runner's event loop (one daemon thread, started on first use);
 - a plain method runs on a daemon worker thread, kept for the next call (starting a thread took about 0.2 ms
   here, as long as a fast environment step);
-- at most `concurrency` calls run at once (1: one after another, in order);
+- at most `concurrency` calls run at once (1: one after another, in order), counted over every batch the runner
+  has running, from any thread;
 - each call has `timeout_s` from the moment it starts. One that overruns is answered `EnvCallTimeout`, never
   waited for: a coroutine is cancelled; a thread cannot be stopped in Python, so its worker keeps running the call
   (a daemon: it cannot keep the process from exiting) and leaves the pool until it returns. While
@@ -179,6 +180,10 @@ class EnvironmentRunner:
         self._lock = threading.Lock()  # around the event loop's start, abandonment and close
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
+        # The bound holds across `run` calls made at once from several threads (asynchronous episodes reset the
+        # next generation's environments while the worker steps this one's): plain calls and coroutines apart.
+        self._slots = threading.Semaphore(concurrency)
+        self._async_slots: Optional[asyncio.Semaphore] = None
 
     def run(self, calls: Sequence[Call]) -> list[Any]:
         """Each call `(function, args)` made (module docstring); their outcomes in the order of `calls`: the value
@@ -229,11 +234,14 @@ class EnvironmentRunner:
         running: dict[int, tuple[float, threading.Event, list[Outcome]]] = {}  # index: deadline, event, outcome
         waiting = collections.deque(indices)
         while waiting or running:
-            while waiting and len(running) < self.concurrency:
+            # A slot of the runner's: without one, wait for one of this batch's calls, or (none running) for a slot
+            # another thread's batch frees.
+            while waiting and self._slots.acquire(blocking=not running):
                 i = waiting.popleft()
                 try:
                     _refuse_while_overrunning(overrunning)
                 except EnvCallTimeout as refused:
+                    self._slots.release()
                     outcomes[i] = refused
                     continue
                 box: list[Outcome] = []
@@ -255,14 +263,18 @@ class EnvironmentRunner:
                 for i, (deadline, returned, box) in list(running.items()):
                     if deadline <= now and not box:
                         del running[i]
+                        self._slots.release()
                         outcomes[i] = _as_outcome(returned, None, self.timeout_s)
                 continue
             if i in running:  # (a call answered at its deadline may still return later)
                 _, returned, box = running.pop(i)
+                self._slots.release()
                 outcomes[i] = _as_outcome(returned, box[0], self.timeout_s)
 
     async def _await_all(self, calls: Sequence[Call]) -> list[Any]:
-        slots = asyncio.Semaphore(self.concurrency)
+        if self._async_slots is None:  # on the loop's own thread: one semaphore for every batch it runs
+            self._async_slots = asyncio.Semaphore(self.concurrency)
+        slots = self._async_slots
 
         async def bounded(function: Callable[..., Any], args: tuple[Any, ...]) -> Any:
             async with slots:
@@ -276,6 +288,7 @@ class EnvironmentRunner:
     def _started_loop(self) -> asyncio.AbstractEventLoop:
         with self._lock:
             if self._loop is None:
+                self._async_slots = None  # a new loop: a semaphore of its own (the last one's may be held forever)
                 loop = asyncio.new_event_loop()
                 thread = threading.Thread(target=loop.run_forever, name="lit-rl-env-loop", daemon=True)
                 thread.start()

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from lit_rl.errors import EnvironmentStepError
+from lit_rl.errors import ConfigError, EnvironmentStepError
 from lit_rl.rollout.asynchronous import AsyncGenerations
 from lit_rl.rollout.base import RolloutOutput, unpadded_prompts
 from lit_rl.rollout.multi_turn import run_episodes
@@ -38,7 +38,7 @@ from lit_rl.rollout.producer import (
     SampledAhead,
     ScoredCompletions,
 )
-from lit_rl.types import model_token_mask
+from lit_rl.types import EPISODE_STATS, model_token_mask
 
 
 @dataclass
@@ -81,9 +81,15 @@ class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
         """Start `generation`'s episodes in the background with the current weights, those of its version v(g)."""
         version = self.launched_version(generation)
         payload = (rows, self.completion_seeds(len(rows), generation))
+        engine = self.engines.started()
+        if not callable(getattr(engine, "submit_job", None)):
+            raise ConfigError(
+                f"model.env with model.rollout.max_staleness > 0: the engine {type(engine).__name__} samples in the "
+                "background but cannot run episodes there (it has no submit_job; see lit_rl.rollout.asynchronous)"
+            )
         with self.host.timer.phase("weight_push"):  # staging the weights, when this version is new
             self.in_flight.launch_job(
-                self.engines.started(), generation, version, payload, self._episodes_job, self.engines.weight_stream
+                engine, generation, version, payload, self._episodes_job, self.engines.weight_stream
             )
 
     def _episodes_job(self, per_rank: list[tuple[list[dict[str, Any]], list[int]]]) -> Callable[..., list[Any]]:
@@ -92,12 +98,17 @@ class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
         rows = [row for rank_rows, _ in per_rank for row in rank_rows]
         seeds = [seed for _, rank_seeds in per_rank for seed in rank_seeds]
         counts = [len(rank_rows) for rank_rows, _ in per_rank]
-        envs, env_name, prompts, reset_error, ended = self.start_episodes(rows)
-        encoded, start = [], 0
-        for count in counts:  # each rank's prompts padded apart, as its synchronous rollouts are
-            ids, mask = self.host.encode_prompts(prompts[start : start + count], self.tool_schemas)
-            encoded.append((ids.cpu(), mask.cpu()))
-            start += count
+        try:  # the user's environment class and the chat template: a failure is the generation's error
+            envs, env_name, prompts, reset_error, ended = self.start_episodes(rows)
+            encoded, start = [], 0
+            for count in counts:  # each rank's prompts padded apart, as its synchronous rollouts are
+                ids, mask = self.host.encode_prompts(prompts[start : start + count], self.tool_schemas)
+                encoded.append((ids.cpu(), mask.cpu()))
+                start += count
+        except Exception as err:
+            message = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            failed = f"model.env: the episodes could not start: {type(err).__name__}: {message}"
+            return lambda generate: [self._failed(count, failed) for count in counts]
         if self._worker_tokenizer is None:
             self._worker_tokenizer = copy.deepcopy(self.host.tokenizer)
         tokenizer = self._worker_tokenizer
@@ -138,6 +149,19 @@ class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
             return results
 
         return work
+
+    def _failed(self, count: int, error: str) -> EpisodeResult:
+        """A rank's result of episodes that could not start: `count` empty rows and the error, raised on every rank
+        when the generation is consumed (a checkpoint before then keeps it, and the resumed run raises it)."""
+        empty = torch.zeros(count, 1, dtype=torch.long)
+        output = RolloutOutput(
+            empty,
+            empty.float(),
+            empty.float(),
+            sampled_mask=empty.float(),
+            episode_stats=torch.zeros(count, len(EPISODE_STATS)),
+        )
+        return EpisodeResult(empty, empty, output, torch.zeros(count, len(self.env_reward_names)), error)
 
     def generation(
         self, generation: int, rows: list[dict[str, Any]], refills: Optional[list[list[dict[str, Any]]]] = None

@@ -169,3 +169,15 @@ def counter_untouched(completions: list, environments: list, **kwargs: Any) -> l
     """1 for each episode whose environment's counter is still 0: a reward function reading `environments` (TRL's
     keyword), the user's own instances."""
     return [float(isinstance(env, IncrementEnv) and env.counter == 0) for env in environments]
+
+
+class BreaksWhenMade(Countdown):
+    """Made once to check its arguments (the probe), then raises whenever an episode makes one."""
+
+    made = 0
+
+    def __init__(self, turns: int = 3, bonus: float = 0.25) -> None:
+        BreaksWhenMade.made += 1
+        if BreaksWhenMade.made > 1:
+            raise RuntimeError("the sandbox pool is empty\nsecond line")
+        super().__init__(turns, bonus)

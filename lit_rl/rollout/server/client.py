@@ -78,6 +78,7 @@ class LocalVLLMServer:
         timeout_s: float = 600,
         weight_transfer: str = "file",
         trust_remote_code: bool = False,
+        cpus: Optional[set[int]] = None,
     ) -> None:
         import subprocess
 
@@ -90,6 +91,8 @@ class LocalVLLMServer:
             extra_args=extra_args,
             trust_remote_code=trust_remote_code,
         )
+        if cpus:  # the server's cores (`lit_rl.rollout.server.launch.core_split`): vLLM binds its threads among them
+            env[SERVER_CPUS_ENV] = ",".join(str(cpu) for cpu in sorted(cpus))
         if sys.platform == "linux" and threading.current_thread() is threading.main_thread():
             # The kernel's parent-death signal follows the thread that started the child: the main thread lives
             # as long as the process does. (Set in a small exec wrapper: a preexec_fn is unsafe with threads.)
@@ -131,10 +134,15 @@ class LocalVLLMServer:
 
 
 # Run as `python -c` before the server's own command: SIGTERM when the starter dies (PR_SET_PDEATHSIG = 1, kept across
-# exec), unless it is already gone (its pid, argv[1], is no longer the parent), then exec the server in place.
+# exec), unless it is already gone (its pid, argv[1], is no longer the parent); onto the cores in SERVER_CPUS_ENV if
+# set (inherited by every process the server starts); then exec the server in place.
+SERVER_CPUS_ENV = "LIT_RL_SERVER_CPUS"
 _TERMINATE_WITH_PARENT = (
     "import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
-    "os.getppid() == int(sys.argv[1]) or sys.exit(1); os.execv(sys.argv[2], sys.argv[2:])"
+    "os.getppid() == int(sys.argv[1]) or sys.exit(1); "
+    f"cpus = os.environ.pop('{SERVER_CPUS_ENV}', ''); "
+    "cpus and os.sched_setaffinity(0, {int(cpu) for cpu in cpus.split(',')}); "
+    "os.execv(sys.argv[2], sys.argv[2:])"
 )
 
 

@@ -114,7 +114,7 @@ class ServerLauncher:
     ) -> None:
         self.model = model
         self.trust_remote_code = trust_remote_code
-        self.trainer_threads: Optional[int] = None  # what the trainer had before it shared the cores
+        self.trainer_share: Optional[tuple[int, Optional[set[int]]]] = None  # what the trainer had before sharing
         self.log_dir = log_dir
         self.extra_args = list(extra_args)
         self.timeout_s = timeout_s
@@ -128,37 +128,78 @@ class ServerLauncher:
         os.makedirs(log_dir, exist_ok=True)
         log = os.path.abspath(os.path.join(log_dir, LOG_NAME))
         say(f"starting a vLLM server for {self.model} on {self.url} ({KEY}.launch; its log: {log})")
+        cpu = not torch.cuda.is_available()
+        split = core_split() if cpu else None  # (the trainer's cores, the server's)
         started = time.monotonic()
         self.server = LocalVLLMServer(
             self.model,
             log,
             port=self.port,
-            cpu=not torch.cuda.is_available(),
+            cpu=cpu,
             extra_args=self.extra_args,
             timeout_s=self.timeout_s,
             weight_transfer=self.weight_transfer,
             trust_remote_code=self.trust_remote_code,
+            cpus=None if split is None else split[1],
         )
         say(f"vLLM server ready after {time.monotonic() - started:.0f} s; it stops when the run ends")
-        if not torch.cuda.is_available():
-            self.trainer_threads = share_cores()
+        if cpu:
+            self.trainer_share = share_cores(None if split is None else split[0])
 
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop()
             self.server = None
-        if self.trainer_threads is not None:  # the cores are the trainer's again
-            torch.set_num_threads(self.trainer_threads)
-            self.trainer_threads = None
+        if self.trainer_share is not None:  # the cores are the trainer's again
+            threads, cores = self.trainer_share
+            torch.set_num_threads(threads)
+            if cores is not None:
+                _pin_threads(cores)
+            self.trainer_share = None
 
 
-def share_cores() -> Optional[int]:
-    """On CPU the server and the trainer share the cores: the trainer takes half its threads, unless the user set
-    them (`OMP_NUM_THREADS`); the count it had (None: unchanged). With every thread each, their idle threads spin
-    against each other's work (on 2 cores the shipped GRPO config took 1.56 s a step against 0.67 s)."""
+def core_split() -> Optional[tuple[set[int], set[int]]]:
+    """On CPU, the cores this process may use split in two, the trainer's (the first half) and the server's, when
+    there are two or more and the user has not placed the processes (`OMP_NUM_THREADS`,
+    `VLLM_CPU_OMP_THREADS_BIND`); None otherwise (not Linux, one core)."""
+    if not hasattr(os, "sched_getaffinity") or {"OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND"} & set(os.environ):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return None
+    half = len(cores) // 2
+    return set(cores[:half]), set(cores[half:])
+
+
+def share_cores(cores: Optional[set[int]]) -> Optional[tuple[int, Optional[set[int]]]]:
+    """On CPU the server and the trainer share the machine: the trainer takes half its threads, unless the user set
+    them (`OMP_NUM_THREADS`), and with `cores` (`core_split`) moves every thread of its process onto them, while the
+    server runs on the others. Returns what to restore (its thread count, and its cores when it moved), or None.
+    With every thread each, their idle threads spin against each other's work (on 2 cores the shipped GRPO config
+    took 1.56 s a step against 0.67 s); with both sampling and training at once (asynchronous rollouts), their
+    threads also take each other's cores, which pinning avoids."""
     threads = torch.get_num_threads()
     if threads < 2 or "OMP_NUM_THREADS" in os.environ:
         return None
-    torch.set_num_threads(threads // 2)
-    say(f"the trainer now computes on {threads // 2} of its {threads} CPU threads: the server has the rest")
-    return threads
+    share = threads // 2 if cores is None else len(cores)
+    torch.set_num_threads(share)
+    previous = None
+    if cores is not None:
+        previous = os.sched_getaffinity(0)
+        _pin_threads(cores)
+    where = "" if cores is None else f" (cores {_cpu_list(cores)}; the server's: the others)"
+    say(f"the trainer now computes on {share} of its {threads} CPU threads{where}: the server has the rest")
+    return threads, previous
+
+
+def _pin_threads(cores: set[int]) -> None:
+    """Every thread of this process onto `cores` (a thread's affinity is its own on Linux; new ones inherit it)."""
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), cores)
+        except OSError:  # a thread that ended meanwhile
+            pass
+
+
+def _cpu_list(cores: set[int]) -> str:
+    return ",".join(str(core) for core in sorted(cores))

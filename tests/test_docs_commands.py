@@ -1,0 +1,149 @@
+"""The docs are executable: every shell command and YAML block of README.md and docs/*.md runs or parses as printed,
+so a renamed key, flag, extra or script fails here instead of in a reader's terminal. By one rule per kind:
+
+- `lit-rl fit` / `lit-rl validate`: parsed by the CLI in this process with `--print_config` appended (nothing is
+  loaded or trained, so hub ids and the reader's data files may stay as printed); `--model.help` and `--data.help`
+  run as printed. A `--config` file not in the repository is the reader's own (`my_overrides.yaml`): an empty one
+  stands in for it. `...` stands for the page's full command before it (`ELLIPSIS`).
+- `pip install -e ".[extras]"`: every extra is one of pyproject.toml's.
+- `python benchmarks/x.py --flag` and `python -m package.module --flag`: the script or module exists and, when it
+  is this repository's, takes every flag the command gives it (its source names the flag).
+- YAML blocks parse; one with a `model:` or `trainer:` key is parsed as an overlay on `configs/grpo.yaml`.
+- Not run: `pytest`, `pip uninstall`, `cp`, `export`, and synopsis lines (`[--option]` in brackets).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shlex
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO, run_cli
+
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+# What `...` stands for in a page's commands: the page's own full command before it.
+ELLIPSIS = {
+    "rollouts.md": ["--config", "configs/grpo.yaml", "--config", "configs/rollout/vllm_server.yaml"],
+}
+NOT_RUN = {"pytest", "cp", "export"}
+
+
+def _blocks(page: Path, languages: tuple[str, ...]) -> list[str]:
+    """The fenced blocks of `page` in one of `languages`, continuation lines joined."""
+    pattern = re.compile(r"^[ \t]*```(\w*)\n(.*?)^[ \t]*```", re.S | re.M)
+    return [m.group(2).replace("\\\n", " ") for m in pattern.finditer(page.read_text()) if m.group(1) in languages]
+
+
+def _commands() -> list[tuple[str, list[str]]]:
+    """Every command of every shell block: (page name, its words), `&&` chains split, variable assignments dropped."""
+    commands = []
+    for page in PAGES:
+        for block in _blocks(page, ("bash", "sh", "shell")):
+            for line in block.splitlines():
+                if not line.strip() or "[--" in line:  # a synopsis, not a command
+                    continue
+                words = shlex.split(line, comments=True)
+                command: list[str] = []
+                for word in [*words, "&&"]:
+                    if word != "&&":
+                        command.append(word)
+                        continue
+                    while command and re.match(r"^[A-Z_][A-Z0-9_]*=", command[0]):
+                        command.pop(0)  # VLLM_SERVER_DEV_MODE=1 python ...
+                    if command:
+                        commands.append((page.name, command))
+                    command = []
+    return commands
+
+
+COMMANDS = _commands()
+LIT_RL = [(page, words) for page, words in COMMANDS if words[0] == "lit-rl" and words[1] in ("fit", "validate")]
+PYTHON = [(page, words) for page, words in COMMANDS if words[0] == "python" and words[1] != "-c"]
+PIP = [(page, words) for page, words in COMMANDS if words[:3] == ["pip", "install", "-e"]]
+
+
+def _id(item: tuple[str, list[str]]) -> str:
+    page, words = item
+    return f"{page}:{' '.join(words)[:80]}"
+
+
+def test_every_command_of_the_docs_is_checked_by_a_rule():
+    kinds = {"lit-rl", "python", "pip", *NOT_RUN}
+    unchecked = [_id(item) for item in COMMANDS if item[1][0] not in kinds]
+    assert not unchecked, unchecked
+    assert len(LIT_RL) >= 30 and len(PYTHON) >= 5 and len(PIP) >= 5  # the extraction finds the pages' commands
+
+
+@pytest.mark.parametrize("item", LIT_RL, ids=_id)
+def test_lit_rl_commands_parse_as_printed(item, tmp_path, monkeypatch, capsys):
+    page, words = item
+    monkeypatch.chdir(REPO)  # the docs' paths are the repository's (configs/...)
+    args: list[str] = []
+    for word in words[2:]:
+        args.extend(ELLIPSIS[page] if word == "..." else [word])
+    for i, word in enumerate(args[:-1]):
+        if word == "--config" and not (REPO / args[i + 1]).exists():  # the reader's own file
+            (tmp_path / "reader.yaml").write_text("{}\n")
+            args[i + 1] = str(tmp_path / "reader.yaml")
+    printed = any(word.endswith(".help") or word == "--print_config" for word in args)
+    with pytest.raises(SystemExit) as ended:
+        run_cli(words[1], *args, *([] if printed else ["--print_config"]))
+    assert ended.value.code in (0, None), capsys.readouterr().err[-2000:]
+    assert capsys.readouterr().out.strip()
+
+
+@pytest.mark.parametrize("item", PYTHON, ids=_id)
+def test_python_commands_name_scripts_and_flags_that_exist(item):
+    _, words = item
+    if words[1] == "-m":
+        spec = importlib.util.find_spec(words[2])
+        assert spec is not None and spec.origin, f"no module {words[2]}"
+        if not Path(spec.origin).is_relative_to(REPO):
+            return  # another package's (vLLM's server): its flags are its own
+        source, flags = Path(spec.origin).read_text(), words[3:]
+    else:
+        script = REPO / words[1]
+        assert script.is_file(), f"no script {words[1]}"
+        source, flags = script.read_text(), words[2:]
+        # Options a script takes from a helper beside it (`provenance.parse_report_args`): the helper's source too.
+        for helper in re.findall(r"^\s*from (\w+) import", source, re.M):
+            if (script.parent / f"{helper}.py").is_file():
+                source += (script.parent / f"{helper}.py").read_text()
+    for flag in flags:
+        if flag.startswith("--"):
+            name = flag.split("=")[0]
+            assert f'"{name}"' in source or f"'{name}'" in source, f"{words[1]} takes no {name}"
+
+
+@pytest.mark.parametrize("item", PIP, ids=_id)
+def test_pip_extras_exist(item):
+    _, words = item
+    section = (REPO / "pyproject.toml").read_text().split("[project.optional-dependencies]")[1].split("\n[")[0]
+    extras = set(re.findall(r"^([\w-]+) = \[", section, re.M))  # (tomllib is Python 3.11's)
+    target = words[3]
+    asked = re.fullmatch(r"\.(?:\[([\w,-]+)\])?", target)
+    assert asked, f"pip install -e {target}: not this repository"
+    missing = set((asked.group(1) or "").split(",")) - extras - {""}
+    assert not missing, f"pip install -e {target}: no extra {sorted(missing)}"
+
+
+YAML_BLOCKS = [(page.name, block) for page in PAGES for block in _blocks(page, ("yaml", "yml"))]
+
+
+@pytest.mark.parametrize("item", YAML_BLOCKS, ids=lambda item: item[0])
+def test_yaml_blocks_parse_and_configs_among_them_are_taken_by_the_cli(item, tmp_path, monkeypatch, capsys):
+    _, block = item
+    document = yaml.safe_load(textwrap.dedent(block))
+    if not isinstance(document, dict) or not {"model", "trainer", "data"} & set(document):
+        return
+    overlay = tmp_path / "snippet.yaml"
+    overlay.write_text(textwrap.dedent(block))
+    monkeypatch.chdir(REPO)
+    with pytest.raises(SystemExit) as ended:
+        run_cli("fit", "--config", "configs/grpo.yaml", "--config", str(overlay), "--print_config")
+    assert ended.value.code in (0, None), capsys.readouterr().err[-2000:]
