@@ -106,8 +106,11 @@ def test_validate_takes_this_runs_values_except_the_models_identity():
 
 
 def test_a_key_only_one_version_of_lit_rl_knows_is_not_compared():
-    older = {k: v for k, v in SAVED.items() if k != "beta"}
-    assert reconcile("fit", GRPO, _run(new_option=3), older, "c") == []
+    # A group field the checkpoint's version did not have (`loss.beta` missing), and an option only it had.
+    older = {**SAVED, "loss": {}, "retired_option": 1}
+    assert reconcile("validate", GRPO, _run(new_option=3, beta=0.1), older, "c") == []
+    # The same change against a checkpoint that has the field is announced: the comparison above could see it.
+    assert reconcile("validate", GRPO, _run(beta=0.1), SAVED, "c") == [Difference("model.loss.beta", 0.1, 0.0)]
 
 
 def test_a_checkpoint_of_lit_rl_0_1_compares_key_by_key_with_the_groups():
