@@ -249,21 +249,17 @@ def test_fit_ends_with_a_summary_of_steps_metrics_and_outputs(tmp_path, capsys):
 
 
 def test_a_normal_fit_prints_no_advert_and_no_known_warning(tmp_path):
-    """The real process and console (progress bar on), GRPO with a frozen reference model (beta > 0), validation
-    and the Hugging Face export; the CPU count is raised to 16 so that Lightning's "does not have many workers"
-    check fires on a small machine too."""
-    from tests.conftest import FAST_GRPO, cli_env, write_overlay
+    """The real process and console (progress bar on), the shipped config as it is (its checkpoint callback, with
+    the `last.ckpt` link, and the Hugging Face export, which imports DeepSpeed), GRPO with a frozen reference model
+    (beta > 0) and validation, run in a scratch folder (`runs/` lands there); the CPU count is raised to 16 so that
+    Lightning's "does not have many workers" check fires on a small machine too."""
+    from tests.conftest import FAST_GRPO, cli_env
 
-    overlay = write_overlay(tmp_path / "o.yaml", save_dir=tmp_path / "runs")
-    config = yaml.safe_load(overlay.read_text())
-    config["trainer"]["enable_progress_bar"] = True
-    config["trainer"]["callbacks"].append({"class_path": "lit_rl.callbacks.SaveHFPretrained"})  # imports DeepSpeed
-    overlay.write_text(yaml.safe_dump(config))
     driver = (
         "import lightning.fabric.utilities.data as data; data._num_cpus_available = lambda: 16; "
         "from lit_rl.cli import main; main()"
     )
-    args = ["--config", str(CONFIGS / "grpo.yaml"), "--config", str(overlay), *FAST_GRPO]
+    args = ["--config", str(CONFIGS / "grpo.yaml"), *FAST_GRPO, "--trainer.enable_progress_bar", "true"]
     args += ["--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--model.loss.beta", "0.04"]
     result = subprocess.run(
         [sys.executable, "-c", driver, "fit", *args],
@@ -281,6 +277,10 @@ def test_a_normal_fit_prints_no_advert_and_no_known_warning(tmp_path):
     header = next(i for i, line in enumerate(lines) if line.startswith("lit-rl: "))
     assert lines[header].startswith("lit-rl: done, 2 optimizer steps in"), lines[header]
     assert all(line.startswith("  ") for line in lines[header + 1 :]), lines  # the summary comes last, after the bar
+    # The shipped callback wrote `last.ckpt`: a file, as checkpoints.md says of a run that ends before its first
+    # step checkpoint (every 100 steps), since there is none to link to.
+    checkpoints = tmp_path / "runs" / "grpo" / "version_0" / "checkpoints"
+    assert [p.name for p in checkpoints.iterdir()] == ["last.ckpt"] and not (checkpoints / "last.ckpt").is_symlink()
 
 
 def test_ppo_help_documents_its_critic_options(capsys):
