@@ -30,7 +30,6 @@ import torch
 from lit_rl.errors import ConfigError, EnvironmentStepError
 from lit_rl.rollout.asynchronous import AsyncGenerations
 from lit_rl.rollout.base import RolloutOutput, unpadded_prompts
-from lit_rl.rollout.multi_turn import run_episodes
 from lit_rl.rollout.producer import (
     EpisodeProducer,
     ObservationEncoder,
@@ -115,22 +114,17 @@ class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
         observations = ObservationEncoder(tokenizer, self.tool_schemas)
 
         def work(generate: Callable[..., RolloutOutput]) -> list[EpisodeResult]:
-            episodes = run_episodes(
+            episodes = self.run_episodes(
                 _WorkerEngine(generate),
                 envs,
                 [prompt for ids, mask in encoded for prompt in unpadded_prompts(ids, mask)],
                 self.params,
                 seeds,
-                decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                encode_observation=observations.encode,
-                reward_names=self.env_reward_names,
-                max_turns=self.max_turns,
-                max_total_tokens=self.max_total_tokens,
-                pad_id=tokenizer.pad_token_id,
-                device=torch.device("cpu"),
-                runner=self.runner,
-                env_name=env_name,
-                ended=frozenset(ended),
+                tokenizer,
+                observations.encode,
+                torch.device("cpu"),
+                env_name,
+                ended,
             )
             error = reset_error or episodes.error
             out = episodes.output
@@ -168,12 +162,8 @@ class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
     ) -> ScoredCompletions:
         """The launched `generation`'s episodes, finished (waiting for them), scored now; an environment's failure
         raised on every rank."""
-        host = self.host
-        with host.timer.phase("generation"):
-            sampled = self.in_flight.take(self.engines.built, generation)
+        sampled = self.take_to_device(generation)
         self.fail_on_every_rank(sampled.error, EnvironmentStepError, "the environment failed on another rank")
-        device = host.device
-        out = RolloutOutput(*(None if t is None else t.to(device) for t in vars(sampled.output).values()))
-        host.timer.count("generated_tokens", float(model_token_mask(out).sum()))
-        prompt_ids, prompt_mask = sampled.prompt_ids.to(device), sampled.prompt_mask.to(device)
-        return self.scored(rows, 1, prompt_ids, prompt_mask, out, sampled.env_rewards.to(device), sampled.version)
+        out = sampled.output
+        self.host.timer.count("generated_tokens", float(model_token_mask(out).sum()))
+        return self.scored(rows, 1, sampled.prompt_ids, sampled.prompt_mask, out, sampled.env_rewards, sampled.version)

@@ -28,11 +28,11 @@ from lit_rl.envs.trl_environments import TRLEnvironment
 from lit_rl.errors import ConfigError, EnvironmentStepError, RewardFunctionError
 from lit_rl.rewards import TrainerState
 from lit_rl.rewards.scorer import RewardScorer
-from lit_rl.rollout.asynchronous import AsyncGenerations, generation_version
+from lit_rl.rollout.asynchronous import AsyncGenerations, PendingGeneration, generation_version
 from lit_rl.rollout.base import RolloutOutput, SamplingParams, global_batch_seeds, unpadded_prompts
 from lit_rl.rollout.engine_owner import EngineOwner
 from lit_rl.rollout.host import RolloutHost
-from lit_rl.rollout.multi_turn import run_episodes
+from lit_rl.rollout.multi_turn import Episodes, run_episodes
 from lit_rl.training.strategies import fail_on_every_rank, reduce_across_ranks
 from lit_rl.types import model_token_mask
 
@@ -268,24 +268,18 @@ class EpisodeProducer(RolloutProducer):
             rows_of = [rows[index // repeat] for index in range(len(rows) * repeat)]
             envs, env_name, prompts, error, ended = self.start_episodes(rows_of)
             prompt_ids, prompt_mask = host.encode_prompts(prompts, self.tool_schemas)
-            tokenizer = host.tokenizer
-            episodes = run_episodes(
+            episodes = self.run_episodes(
                 self.engines.engine(),
                 envs,
                 unpadded_prompts(prompt_ids, prompt_mask),
                 params,
                 seeds,
-                decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                encode_observation=self.encode_observation,
-                reward_names=self.env_reward_names,
-                max_turns=self.max_turns,
-                max_total_tokens=self.max_total_tokens,
-                pad_id=tokenizer.pad_token_id,
-                device=host.device,
-                runner=self.runner,
-                env_name=env_name,
+                host.tokenizer,
+                self.encode_observation,
+                host.device,
+                env_name,
+                ended,
                 any_active=self._any_rank_active,
-                ended=frozenset(ended),
             )
         episodes.output.episode_stats = episodes.stats
         self.fail_on_every_rank(error or episodes.error, EnvironmentStepError, "the environment failed on another rank")
@@ -300,6 +294,41 @@ class EpisodeProducer(RolloutProducer):
                 episode_rows, 1, prompt_ids, prompt_mask, out, episodes.env_rewards, environments=instances
             )
         return self.scored(rows, repeat, prompt_ids, prompt_mask, out, episodes.env_rewards)
+
+    def run_episodes(
+        self,
+        engine: Any,
+        envs: list[Any],
+        prompts: list[list[int]],
+        params: SamplingParams,
+        seeds: Optional[list[int]],
+        tokenizer: Any,
+        encode_observation: Callable[[Any, list[int]], list[int]],
+        device: torch.device,
+        env_name: str,
+        ended: set[int],
+        any_active: Callable[[bool], bool] = bool,
+    ) -> Episodes:
+        """`lit_rl.rollout.multi_turn.run_episodes` with this producer's settings (reward parts, turns, token budget,
+        runner), the turns decoded and padded with `tokenizer`."""
+        return run_episodes(
+            engine,
+            envs,
+            prompts,
+            params,
+            seeds,
+            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            encode_observation=encode_observation,
+            reward_names=self.env_reward_names,
+            max_turns=self.max_turns,
+            max_total_tokens=self.max_total_tokens,
+            pad_id=tokenizer.pad_token_id,
+            device=device,
+            runner=self.runner,
+            env_name=env_name,
+            any_active=any_active,
+            ended=frozenset(ended),
+        )
 
     def start_episodes(self, rows: list[dict[str, Any]]) -> tuple[list[Any], str, list[Any], Optional[str], set[int]]:
         """An environment per row, each reset with its row at once (`runner`): the environments, the user's class
@@ -374,6 +403,18 @@ class SampledAhead:
             )
         return version
 
+    def take_to_device(self, generation: int) -> PendingGeneration:
+        """The launched `generation`, finished (waiting for it: the part of its sampling the training did not hide,
+        timed as `generation`), its tensors moved to the module's device."""
+        with self.host.timer.phase("generation"):
+            sampled = self.in_flight.take(self.engines.built, generation)
+        device = self.host.device
+        sampled.prompt_ids, sampled.prompt_mask = sampled.prompt_ids.to(device), sampled.prompt_mask.to(device)
+        sampled.output = RolloutOutput(*(None if t is None else t.to(device) for t in vars(sampled.output).values()))
+        if sampled.env_rewards is not None:
+            sampled.env_rewards = sampled.env_rewards.to(device)
+        return sampled
+
     def before_validation(self) -> None:
         # Validation pushes the current weights: first let the generations in flight finish with their versions.
         if self.engines.built is not None:
@@ -432,13 +473,8 @@ class AsyncProducer(SampledAhead, RolloutProducer):
     def generation(
         self, generation: int, rows: list[dict[str, Any]], refills: Optional[list[list[dict[str, Any]]]] = None
     ) -> ScoredCompletions:
-        """The launched `generation`, finished (waiting for it: the part of its sampling the training did not
-        hide), scored now."""
-        host = self.host
-        with host.timer.phase("generation"):
-            sampled = self.in_flight.take(self.engines.built, generation)
-        device = host.device
-        prompt_ids, prompt_mask = sampled.prompt_ids.to(device), sampled.prompt_mask.to(device)
-        out = RolloutOutput(*(None if t is None else t.to(device) for t in vars(sampled.output).values()))
-        host.timer.count("generated_tokens", float(out.completion_mask.sum()))
-        return self.scored(rows, 1, prompt_ids, prompt_mask, out, version=sampled.version)
+        """The launched `generation`, finished (`take_to_device`), scored now."""
+        sampled = self.take_to_device(generation)
+        out = sampled.output
+        self.host.timer.count("generated_tokens", float(out.completion_mask.sum()))
+        return self.scored(rows, 1, sampled.prompt_ids, sampled.prompt_mask, out, version=sampled.version)
