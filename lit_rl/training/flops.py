@@ -179,27 +179,44 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-@functools.cache
 def measured_matmul_flops(device_type: str, dtype: torch.dtype, size: int = 1536, seconds: float = 0.05) -> float:
-    """The best rate of `size` x `size` matmuls in `dtype` on this device over about `seconds` (after one warm-up):
-    what a large, well-shaped matmul reaches here, with the threads torch uses. Measured once per process."""
+    """The best rate of square matmuls in `dtype` on this device over about `seconds` (after one warm-up): what a
+    large, well-shaped matmul reaches here, with the threads torch uses. Measured once per process for each
+    (device, dtype, size, seconds), however the arguments are spelled.
+
+    The matrices are `size` x `size`, or smaller where one matmul would take more than `seconds` / 4: a CPU without
+    bfloat16 instructions multiplies two 1536 x 1536 bf16 matrices in 10 s, which every bf16-mixed run on it
+    paid twice before its first step; 256 is already well-shaped there (0.05 s at 0.7 GFLOP/s)."""
+    return _measured_matmul_flops(device_type, dtype, size, seconds)
+
+
+@functools.cache
+def _measured_matmul_flops(device_type: str, dtype: torch.dtype, size: int, seconds: float) -> float:
     device = torch.device(device_type)
     # Its own generator: the probe runs after `seed_everything`, and must leave the run's random stream alone.
     generator = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(size, size, device=device, generator=generator).to(dtype)
-    b = torch.randn(size, size, device=device, generator=generator).to(dtype)
+    side = min(size, 256)
+    while True:
+        a = torch.randn(side, side, device=device, generator=generator).to(dtype)
+        b = torch.randn(side, side, device=device, generator=generator).to(dtype)
+        elapsed = _timed_mm(a, b, device)  # the warm-up: kernels chosen, memory touched
+        if side >= size or elapsed > seconds / 4:
+            break
+        side = min(size, side * 2)
     best, spent = 0.0, 0.0
-    _synchronize(device)
-    torch.mm(a, b)  # warm-up: kernels chosen, memory touched
     while spent < seconds:
-        _synchronize(device)
-        start = time.perf_counter()
-        torch.mm(a, b)
-        _synchronize(device)
-        elapsed = time.perf_counter() - start
+        elapsed = _timed_mm(a, b, device)
         spent += elapsed
-        best = max(best, 2.0 * size**3 / elapsed)
+        best = max(best, 2.0 * side**3 / elapsed)
     return best
+
+
+def _timed_mm(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> float:
+    _synchronize(device)
+    start = time.perf_counter()
+    torch.mm(a, b)
+    _synchronize(device)
+    return time.perf_counter() - start
 
 
 def _synchronize(device: torch.device) -> None:
