@@ -16,9 +16,12 @@ sandbox or a remote tool does. Each run is `lit-rl fit` in its own process, one 
 - `concurrent steps` (HF generate, `concurrency 64`, the default): a turn's steps run together, off the training
   thread;
 - `synchronous` and `asynchronous k=1` on a vLLM server the run starts (`--model.rollout.engine.launch true`, CPU
-  vLLM on half the cores, the trainer on the other half): with `--model.rollout.max_staleness 1` the next
-  generation's episodes run on the server while the trainer updates; `cores shared` is the same with the cores not
-  split (`VLLM_CPU_OMP_THREADS_BIND=nobind`, as before lit-rl split them).
+  vLLM on half the cores, the trainer on the other half): each episode goes on on its own after its first turn
+  (`model.env.independent_turns`, the default), its next turn sent to the server as soon as its observation is
+  back; `synchronous, turn by turn` is the same with `--model.env.independent_turns false` (every running
+  episode's turn t in one batch, as before 0.3). With `--model.rollout.max_staleness 1` the next generation's
+  episodes run on the server while the trainer updates; `cores shared` is the same with the cores not split
+  (`VLLM_CPU_OMP_THREADS_BIND=nobind`, as before lit-rl split them).
 
 The HF rows with `latency_s` 0.1 and 0 (the same episodes answered at once), the server's with 0.1. Reported per
 row: seconds per optimizer step (`perf/step_s`, the median of the steps after the first), the share of it the
@@ -59,6 +62,7 @@ SHARED_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 MODES = {  # mode: (engine, the `lit-rl fit` options that make it, environment variables, latencies it runs at)
     "lock-step, one call at a time": ("HF generate", ["--model.env.concurrency", "1"], {}, None),
     "concurrent steps": ("HF generate", ["--model.env.concurrency", "64"], {}, None),
+    "synchronous, turn by turn": ("vLLM server", [*SERVER, "--model.env.independent_turns", "false"], {}, (0.1,)),
     "synchronous": ("vLLM server", SERVER, {}, (0.1,)),
     "asynchronous k=1": ("vLLM server", ASYNC, {}, (0.1,)),
     "asynchronous k=1, cores shared": ("vLLM server", ASYNC, SHARED_CORES, (0.1,)),
@@ -176,12 +180,13 @@ def markdown_table(results: list[dict]) -> str:
 
 
 def claims(results: list[dict]) -> list[str]:
-    """The prose numbers the docs quote: concurrent against lock-step, asynchronous against synchronous, and split
-    cores against shared ones."""
+    """The prose numbers the docs quote: concurrent against lock-step, independent episodes against turn by turn,
+    asynchronous against synchronous, and split cores against shared ones."""
     by = {(r["mode"], r["latency_s"]): r for r in results}
     out = []
     pairs = (
         ("lock-step, one call at a time", "concurrent steps"),
+        ("synchronous, turn by turn", "synchronous"),
         ("synchronous", "asynchronous k=1"),
         ("asynchronous k=1, cores shared", "asynchronous k=1"),
     )

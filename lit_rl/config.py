@@ -254,6 +254,11 @@ class EnvArgs:
             at the same time: they must not share mutable state without a lock.
         step_timeout_s: the time limit of one `reset` or `step`. A step that overruns ends its episode and is
             counted in `env_timeouts`; a `reset` that overruns stops the run in one line.
+        independent_turns: after the first turn, each episode goes on on its own: its next turn goes to the engine
+            as soon as its observation is back (`lit_rl.rollout.multi_turn`), where the engine takes requests from
+            many threads with no collective (the vLLM server engine on one process, and asynchronous episodes on
+            its worker). false, or any other engine: turn by turn, every running episode's turn in one batch. The
+            same tokens are sampled either way (each turn is seeded by its episode and turn).
     """
 
     environment: Optional[str] = None
@@ -264,6 +269,7 @@ class EnvArgs:
     max_total_tokens: Optional[int] = None
     concurrency: int = 64
     step_timeout_s: float = 60.0
+    independent_turns: bool = True
 
     @property
     def enabled(self) -> bool:

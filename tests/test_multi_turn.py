@@ -63,8 +63,18 @@ class Echo:
 
 
 def _run(
-    engine, envs, prompts, max_turns=4, max_total_tokens=100, max_new_tokens=8, seeds=(10, 20), runner=None, ended=()
+    engine,
+    envs,
+    prompts,
+    max_turns=4,
+    max_total_tokens=100,
+    max_new_tokens=8,
+    seeds=(10, 20),
+    runner=None,
+    ended=(),
+    independent=False,
 ):
+    """`run_episodes` turn by turn, or (`independent`) with each episode on its own after the first turn."""
     return run_episodes(
         engine,
         envs,
@@ -80,38 +90,47 @@ def _run(
         device=torch.device("cpu"),
         runner=runner or EnvironmentRunner(concurrency=4, timeout_s=10.0),
         ended=frozenset(ended),
+        concurrent_generate=engine.generate if independent else None,
     )
 
 
-def test_a_transcript_is_the_sampled_ids_and_the_observation_ids_laid_end_to_end():
+SCHEDULES = pytest.mark.parametrize("independent", [False, True], ids=["lock-step", "independent"])
+
+
+@SCHEDULES
+def test_a_transcript_is_the_sampled_ids_and_the_observation_ids_laid_end_to_end(independent):
     engine = ScriptedEngine({1: [[4, 5, EOS], [3, EOS]], 2: [[6, EOS], [8, 8, EOS]]})
-    episodes = _run(engine, [Echo(2), Echo(2)], [[1, 1], [2]])
+    episodes = _run(engine, [Echo(2), Echo(2)], [[1, 1], [2]], independent=independent)
     out = episodes.output
     # Row 0: turn [4 5 EOS], observation [7 7], turn [3 EOS]; row 1: [6 EOS], [7 7], [8 8 EOS].
     assert out.completion_ids.tolist() == [[4, 5, EOS, 7, 7, 3, EOS], [6, EOS, 7, 7, 8, 8, EOS]]
     assert out.completion_mask.tolist() == [[1] * 7, [1] * 7]
     assert out.sampled_mask.tolist() == [[1, 1, 1, 0, 0, 1, 1], [1, 1, 0, 0, 1, 1, 1]]
     assert out.logprobs.tolist() == [[-0.5, -0.5, -0.5, 0, 0, -0.5, -0.5], [-0.5, -0.5, 0, 0, -0.5, -0.5, -0.5]]
-    # Turn 2 was sampled from the prompt's ids + turn 1's ids + the observation's ids, with the turn's own seed.
-    (first, first_seeds, _), (second, second_seeds, _) = engine.calls
+    # Turn 2 was sampled from the prompt's ids + turn 1's ids + the observation's ids, with the turn's own seed:
+    # in one call turn by turn, in a call per episode when each goes on on its own.
+    (first, first_seeds, _), *seconds = engine.calls
     assert first == [[1, 1], [2]] and first_seeds == [10, 20]
-    assert second == [[1, 1, 4, 5, EOS, 7, 7], [2, 6, EOS, 7, 7]]
-    assert second_seeds == [turn_seed(10, 1), turn_seed(20, 1)] and turn_seed(10, 0) == 10
+    second = sorted((context, seed) for contexts, seeds, _ in seconds for context, seed in zip(contexts, seeds))
+    assert second == [([1, 1, 4, 5, EOS, 7, 7], turn_seed(10, 1)), ([2, 6, EOS, 7, 7], turn_seed(20, 1))]
+    assert len(seconds) == (2 if independent else 1) and turn_seed(10, 0) == 10
     assert episodes.env_rewards.tolist() == [[2.0], [2.0]]
     # turns, tool calls, tool errors (row 0's second turn decodes to "bad"), observation tokens, steps timed out
     assert episodes.stats.tolist() == [[2, 2, 1, 2, 0], [2, 2, 0, 2, 0]]
 
 
-def test_episodes_stop_at_max_turns_and_the_token_budget():
+@SCHEDULES
+def test_episodes_stop_at_max_turns_and_the_token_budget(independent):
     engine = ScriptedEngine({1: [[4, 5, EOS], [3, EOS]], 2: [[6, 6, 6, 6, 6, EOS]]})
-    episodes = _run(engine, [Echo(9), Echo(9)], [[1], [2]], max_turns=2, max_total_tokens=4, seeds=(1, 2))
+    run = dict(max_turns=2, max_total_tokens=4, seeds=(1, 2), independent=independent)
+    episodes = _run(engine, [Echo(9), Echo(9)], [[1], [2]], **run)
     # Row 0: 3 tokens, then an observation cut to the 1 token left: the budget is spent, no second turn.
     # Row 1: its turn is cut to the budget of 4 tokens.
     assert episodes.output.completion_ids.tolist() == [[4, 5, EOS, 7], [6, 6, 6, 6]]
     assert episodes.output.sampled_mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
     assert [call[2] for call in engine.calls] == [4]  # one call, asking for at most the budget
     engine = ScriptedEngine({1: [[4, EOS], [3, EOS], [5, EOS]]})
-    episodes = _run(engine, [Echo(9)], [[1]], max_turns=2, seeds=(1,))
+    episodes = _run(engine, [Echo(9)], [[1]], max_turns=2, seeds=(1,), independent=independent)
     assert episodes.output.completion_ids.tolist() == [[4, EOS, 7, 7, 3, EOS]]  # no observation after the last turn
     assert episodes.stats[0, 0] == 2
 
@@ -232,11 +251,12 @@ def test_a_rank_whose_episodes_ended_joins_the_other_ranks_turns():
     ]
 
 
-def test_an_environment_that_raises_ends_its_episode_and_is_reported():
+@SCHEDULES
+def test_an_environment_that_raises_ends_its_episode_and_is_reported(independent):
     from tests.integration.envs import Exploding
 
     engine = ScriptedEngine({1: [[4, EOS], [5, EOS]], 2: [[6, EOS], [8, EOS]]})
-    episodes = _run(engine, [Exploding(), Echo(2)], [[1], [2]])
+    episodes = _run(engine, [Exploding(), Echo(2)], [[1], [2]], independent=independent)
     assert episodes.error == "environment.step raised RuntimeError: the environment broke"
     assert episodes.output.completion_ids.tolist()[1] == [6, EOS, 7, 7, 8, EOS]  # the other episode ran on
 
@@ -309,13 +329,15 @@ def test_a_turns_environment_steps_run_together_off_the_training_thread_and_give
     assert torch.equal(together.env_rewards, alone.env_rewards) and torch.equal(together.stats, alone.stats)
 
 
-def test_episodes_whose_reset_failed_take_no_turn_and_are_never_stepped():
+@SCHEDULES
+def test_episodes_whose_reset_failed_take_no_turn_and_are_never_stepped(independent):
     envs = [Echo(2), Echo(2), Echo(2)]
     engine = _three_episodes()
-    episodes = _run(engine, envs, [[1], [2], [5]], seeds=(1, 2, 3), ended={1})
+    episodes = _run(engine, envs, [[1], [2], [5]], seeds=(1, 2, 3), ended={1}, independent=independent)
     assert envs[1].seen == [] and len(envs[0].seen) == 2
     assert episodes.output.completion_mask[1].sum() == 0 and episodes.stats[1, 0] == 0
-    assert [contexts[0][0] for contexts, _, _ in engine.calls] == [1, 1]  # episode 2 was never sampled
+    sampled = [context[0] for contexts, _, _ in engine.calls for context in contexts]
+    assert sorted(sampled) == [1, 1, 5, 5]  # episode 2 (prompt [2]) was never sampled
 
 
 def test_an_async_step_that_exits_or_blocks_is_an_outcome_never_a_hang():
@@ -352,7 +374,8 @@ def test_async_environment_steps_are_awaited():
     assert episodes.env_rewards.tolist() == [[2.0], [2.0], [2.0]] and episodes.error is None
 
 
-def test_a_step_past_its_time_limit_ends_its_episode_and_is_counted_without_waiting_for_it():
+@SCHEDULES
+def test_a_step_past_its_time_limit_ends_its_episode_and_is_counted_without_waiting_for_it(independent):
     release = threading.Event()
 
     class Stuck(Echo):
@@ -368,6 +391,7 @@ def test_a_step_past_its_time_limit_ends_its_episode_and_is_counted_without_wait
             [[1], [2], [5]],
             seeds=(1, 2, 3),
             runner=EnvironmentRunner(concurrency=4, timeout_s=2.0),  # the others' steps, even on a busy machine
+            independent=independent,
         )
     finally:
         release.set()
@@ -425,3 +449,90 @@ def test_the_concurrency_bound_holds_across_batches_run_at_once_from_two_threads
             assert running[0] == 0 and most[0] == 2, (call.__name__, most[0])
     finally:
         runner.close()
+
+
+class SeededEngine:
+    """Each row's turn is a function of its context and seed alone (1 to 3 tokens, then EOS), as a vLLM request
+    with its seed is: batching rows differently cannot change what they sample. Records each call's contexts."""
+
+    needs_weights = False
+
+    def __init__(self) -> None:
+        self.calls: list[list[list[int]]] = []
+
+    def generate(self, prompt_ids, prompt_mask, params, seeds=None):
+        contexts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
+        self.calls.append(contexts)
+        rows = []
+        for context, seed in zip(contexts, seeds):
+            draw = torch.Generator().manual_seed(hash((tuple(context), seed)) % 2**31)
+            length = int(torch.randint(1, 4, (1,), generator=draw))
+            rows.append(torch.randint(10, 20, (length,), generator=draw).tolist() + [EOS])
+        width = max(len(r) for r in rows)
+        ids, mask = torch.full((len(rows), width), PAD), torch.zeros(len(rows), width)
+        for i, row in enumerate(rows):
+            ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), 1
+        return RolloutOutput(ids, mask, -0.1 * torch.arange(1, width + 1) * mask)
+
+
+class Jittery(Echo):
+    """Echo whose steps take a random 0-20 ms (episodes' steps end in another order each run), done after `turns`
+    turns."""
+
+    def step(self, text):
+        time.sleep(0.02 * torch.rand(()).item())
+        return super().step(text)
+
+
+def test_independent_episodes_sample_what_lock_step_episodes_sample():
+    """Twelve episodes of 1 to 5 turns against steps that end in random order: each episode's transcript, reward
+    parts and counts are the same whether its turns go out with the others' or on their own."""
+    runs = {}
+    for independent in (False, True):
+        envs = [Jittery(1 + i % 5) for i in range(12)]
+        runs[independent] = _run(
+            SeededEngine(),
+            envs,
+            [[1 + i % 3] for i in range(12)],
+            max_turns=6,
+            seeds=range(12),
+            independent=independent,
+        )
+    lock_step, independent = runs[False], runs[True]
+    for field in ("completion_ids", "completion_mask", "logprobs", "sampled_mask"):
+        assert torch.equal(getattr(lock_step.output, field), getattr(independent.output, field)), field
+    assert torch.equal(lock_step.env_rewards, independent.env_rewards)
+    assert torch.equal(lock_step.stats, independent.stats)
+    assert lock_step.stats[:, 0].tolist() == [1 + i % 5 for i in range(12)]  # every episode ran its turns
+
+
+def test_an_independent_episode_takes_its_next_turn_without_waiting_for_a_slow_one():
+    """Episode A's first step takes 0.5 s; episode B's three turns are answered at once. On its own, B samples its
+    second and third turns while A's step is still running; turn by turn, B's second turn waits for A's step."""
+
+    class Slow(Echo):
+        def step(self, text):
+            time.sleep(0.5 if len(self.seen) == 0 else 0.0)
+            return super().step(text)
+
+    for independent in (False, True):
+        engine = ScriptedEngine({1: [[4, EOS], [5, EOS]], 2: [[6, EOS], [8, EOS], [3, EOS]]})
+        episodes = _run(engine, [Slow(2), Echo(3)], [[1], [2]], seeds=(1, 2), independent=independent)
+        order = [[context[0] for context in contexts] for contexts, _, _ in engine.calls]
+        if independent:
+            assert order == [[1, 2], [2], [2], [1]]  # B's turns 2 and 3 before A's turn 2
+        else:
+            assert order == [[1, 2], [1, 2], [2]]
+        assert episodes.stats[:, 0].tolist() == [2, 3]
+
+
+def test_an_engine_failure_in_an_independent_episode_stops_the_episodes_with_it():
+    class Failing(ScriptedEngine):
+        def generate(self, prompt_ids, prompt_mask, params, seeds=None):
+            if len(self.calls) == 2:
+                raise RuntimeError("vLLM server http://127.0.0.1:8000: connection refused")
+            return super().generate(prompt_ids, prompt_mask, params, seeds)
+
+    engine = Failing({1: [[4, EOS], [5, EOS]], 2: [[6, EOS], [8, EOS]]})
+    with pytest.raises(RuntimeError, match="connection refused"):
+        _run(engine, [Echo(2), Echo(2)], [[1], [2]], independent=True)

@@ -138,6 +138,7 @@ class OnPolicyModule(PolicyModule):
                 max_total_tokens=env.max_total_tokens,
                 runner=EnvironmentRunner(env.concurrency, env.step_timeout_s),
                 tool_schemas=spec.tool_schemas,
+                independent_turns=env.independent_turns,
             )
             if self.max_staleness == 0:
                 return EpisodeProducer(parts, **episode_args)

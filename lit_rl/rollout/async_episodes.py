@@ -52,10 +52,12 @@ class EpisodeResult:
 
 
 class _WorkerEngine:
-    """The `generate` that `AsyncRolloutEngine.submit_job` hands the worker, as `run_episodes` calls an engine."""
+    """The `generate` that `AsyncRolloutEngine.submit_job` hands the worker, as `run_episodes` calls an engine; an
+    engine whose jobs sample with its `concurrent_generate` lets the episodes go on on their own."""
 
-    def __init__(self, generate: Callable[..., RolloutOutput]) -> None:
+    def __init__(self, generate: Callable[..., RolloutOutput], concurrent: bool) -> None:
         self.generate = generate
+        self.concurrent_generate = generate if concurrent else None
 
 
 class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
@@ -75,12 +77,14 @@ class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
         self.max_staleness = max_staleness
         self.in_flight = AsyncGenerations()
         self._worker_tokenizer: Any = None  # the worker's own copy: a tokenizer is not safe on two threads at once
+        self._concurrent_jobs = False  # whether the engine's jobs sample with its `concurrent_generate`
 
     def launch(self, generation: int, rows: list[dict[str, Any]]) -> None:
         """Start `generation`'s episodes in the background with the current weights, those of its version v(g)."""
         version = self.launched_version(generation)
         payload = (rows, self.completion_seeds(len(rows), generation))
         engine = self.engines.started()
+        self._concurrent_jobs = callable(getattr(engine, "concurrent_generate", None))
         if not callable(getattr(engine, "submit_job", None)):
             raise ConfigError(
                 f"model.env with model.rollout.max_staleness > 0: the engine {type(engine).__name__} samples in the "
@@ -112,10 +116,11 @@ class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
             self._worker_tokenizer = copy.deepcopy(self.host.tokenizer)
         tokenizer = self._worker_tokenizer
         observations = ObservationEncoder(tokenizer, self.tool_schemas)
+        concurrent = self._concurrent_jobs
 
         def work(generate: Callable[..., RolloutOutput]) -> list[EpisodeResult]:
             episodes = self.run_episodes(
-                _WorkerEngine(generate),
+                _WorkerEngine(generate, concurrent),
                 envs,
                 [prompt for ids, mask in encoded for prompt in unpadded_prompts(ids, mask)],
                 self.params,

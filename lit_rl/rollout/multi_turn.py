@@ -15,13 +15,14 @@ the turn alone, so an episode's transcript does not depend on the other episodes
 
 from __future__ import annotations
 
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from lit_rl.envs.base import Environment, Observation, as_step_result
-from lit_rl.envs.runner import EnvCallTimeout, EnvironmentRunner
+from lit_rl.envs.runner import Call, EnvCallTimeout, EnvironmentRunner
 from lit_rl.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
 from lit_rl.types import EPISODE_STATS
 
@@ -55,6 +56,9 @@ def left_padded(contexts: Sequence[list[int]], pad_id: int, device: torch.device
     return ids.to(device), mask.to(device)
 
 
+Generate = Callable[..., RolloutOutput]  # generate(prompt_ids, prompt_mask, params, seeds=None), as an engine's
+
+
 def run_episodes(
     engine: RolloutEngine,
     envs: list[Environment],
@@ -73,100 +77,238 @@ def run_episodes(
     env_name: str = "environment",
     any_active: Callable[[bool], bool] = bool,
     ended: frozenset[int] = frozenset(),
+    concurrent_generate: Optional[Generate] = None,
 ) -> Episodes:
     """Run one episode per environment from `prompts` (token ids) until each is done (module docstring). A model
     turn samples at most `params.max_new_tokens` tokens and at most what is left of `max_total_tokens` (model and
     observation tokens after the prompt); an observation that would pass it is cut to fit, and ends the episode.
 
-    `any_active(this rank has episodes left)`: whether any rank has (an all-reduce, on several ranks). Engines whose
-    `generate` is a collective (sharded parameters, a vLLM server or tensor-parallel group fed by several ranks)
-    need every rank in every call, so a rank whose episodes have all ended joins the others' turns with a one-token
-    call on a stand-in row, until none is left. An environment that raises ends its episode; the first such error
-    is returned (`Episodes.error`) for the caller to raise on every rank at once, after the last collective.
+    Every episode's first turn is sampled in one `engine.generate` call. Then:
 
-    The environments' steps of a turn run together on `runner` (`lit_rl.envs.runner`: concurrently, off this
-    thread, each with a time limit), and their outcomes are taken in episode order, so the transcripts do not depend
-    on which step finished first. A step that overruns its time limit ends its episode (its environment is still
-    busy, so it cannot be stepped again) and counts in `env_timeouts`."""
-    n = len(envs)
-    contexts = [list(p) for p in prompts]
-    pieces: list[list[tuple[list[int], list[float], bool]]] = [[] for _ in range(n)]
-    used = [0] * n
-    env_rewards = torch.zeros(n, len(reward_names))
-    stats = torch.zeros(n, len(EPISODE_STATS))
-    column = {name: i for i, name in enumerate(reward_names)}
-    active = [i for i in range(n) if i not in ended]  # `ended`: their reset failed; they take no turn
-    broken = set(ended)  # episodes whose environment failed or is still busy: never asked to `finish`
-    error: Optional[str] = None
-    for turn in range(max_turns):
+    - **Independent** (`concurrent_generate` given: a `generate` many threads may call at once, with no collective,
+      such as the vLLM server engine's on one process): each episode goes on on its own. Its environment step
+      starts as soon as its turn is sampled, and its next turn goes to the engine as soon as its observation is
+      back; the engine batches the requests that are in flight. A step pays its longest episode, not the sum of
+      every turn's slowest episode.
+    - **Lock-step** (otherwise): turn t of every episode still running is one `engine.generate` call, then their
+      environment steps run together. `any_active(this rank has episodes left)`: whether any rank has (an
+      all-reduce, on several ranks). Engines whose `generate` is a collective (sharded parameters, a vLLM server or
+      tensor-parallel group fed by several ranks) need every rank in every call, so a rank whose episodes have all
+      ended joins the others' turns with a one-token call on a stand-in row, until none is left.
+
+    Both sample the same tokens: turn t of an episode is seeded by its episode and turn alone (`turn_seed`), and
+    the bookkeeping is the same code (`_EpisodeBatch`). An environment that raises ends its episode; the first such
+    error (by episode) is returned (`Episodes.error`) for the caller to raise on every rank at once, after the last
+    collective.
+
+    The environments' steps run on `runner` (`lit_rl.envs.runner`: concurrently, off this thread, each with a time
+    limit, at most `concurrency` at once across episodes). A step that overruns its time limit ends its episode
+    (its environment is still busy, so it cannot be stepped again) and counts in `env_timeouts`."""
+    batch = _EpisodeBatch(
+        envs, prompts, params, seeds, decode, encode_observation, reward_names, max_turns, max_total_tokens, env_name
+    )
+    active = [i for i in range(len(envs)) if i not in ended]  # `ended`: their reset failed; they take no turn
+    batch.broken.update(ended)
+    if concurrent_generate is not None and any_active is bool:
+        _independent(batch, engine, concurrent_generate, active, pad_id, device, runner)
+    else:
+        _lock_step(batch, engine, active, pad_id, device, runner, any_active)
+    settled = [i for i in range(len(envs)) if i not in batch.broken]
+    finish_error = _finish(envs, settled, runner, batch.env_rewards, batch.stats, batch.column, env_name)
+    for i in batch.broken:  # a reward scored at the end was never asked: invalid (`model.rewards.on_invalid`), not 0
+        if callable(getattr(envs[i], "finish", None)):
+            batch.env_rewards[i] = float("nan")
+    output = _transcripts(batch.pieces, pad_id, device)
+    error = next((batch.errors[i] for i in sorted(batch.errors)), None)
+    return Episodes(
+        output, batch.env_rewards.to(device), batch.stats.to(device), error or finish_error, frozenset(batch.broken)
+    )
+
+
+class _EpisodeBatch:
+    """The episodes of one `run_episodes` call as they grow, and the two things that happen to an episode: a turn
+    sampled (`take_turn`) and its environment's answer (`take_step`). Both schedules use these, on one thread."""
+
+    def __init__(
+        self,
+        envs: list[Environment],
+        prompts: Sequence[list[int]],
+        params: SamplingParams,
+        seeds: Optional[Sequence[int]],
+        decode: Callable[[list[int]], str],
+        encode_observation: Callable[[Observation, list[int]], list[int]],
+        reward_names: Sequence[str],
+        max_turns: int,
+        max_total_tokens: int,
+        env_name: str,
+    ) -> None:
+        n = len(envs)
+        self.envs, self.params, self.seeds, self.env_name = envs, params, seeds, env_name
+        self.decode, self.encode_observation = decode, encode_observation
+        self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
+        self.prompts = prompts
+        self.contexts = [list(p) for p in prompts]
+        self.pieces: list[list[tuple[list[int], list[float], bool]]] = [[] for _ in range(n)]
+        self.used = [0] * n
+        self.turns = [0] * n  # model turns sampled so far
+        self.env_rewards = torch.zeros(n, len(reward_names))
+        self.stats = torch.zeros(n, len(EPISODE_STATS))
+        self.column = {name: i for i, name in enumerate(reward_names)}
+        self.broken: set[int] = set()  # episodes whose environment failed or is still busy: never asked to `finish`
+        self.errors: dict[int, str] = {}  # episode -> the failure that ended it
+
+    def budget(self, i: int) -> int:
+        """The most tokens episode i's next turn may sample."""
+        return min(self.params.max_new_tokens, self.max_total_tokens - self.used[i])
+
+    def turn_params(self, budget: int) -> SamplingParams:
+        return replace(self.params, max_new_tokens=budget, min_new_tokens=min(self.params.min_new_tokens, budget))
+
+    def turn_seeds(self, episodes: Sequence[int]) -> Optional[list[int]]:
+        """The seeds of `episodes`' next turns (`turn_seed`)."""
+        return None if self.seeds is None else [turn_seed(self.seeds[i], self.turns[i]) for i in episodes]
+
+    def take_turn(self, i: int, out: RolloutOutput, row: int, budget: int) -> Optional[Call]:
+        """Row `row` of `out` is episode i's turn, cut to `budget`: laid down, and its environment's step to make
+        (None: the episode has ended; an environment with `steps_after_last_turn = False`, TRL's kind, is not
+        stepped on its last turn)."""
+        length = min(int(out.completion_mask[row].sum()), budget)
+        sampled = out.completion_ids[row, :length].tolist()
+        self.pieces[i].append((sampled, out.logprobs[row, :length].float().tolist(), True))
+        self.contexts[i] += sampled
+        self.used[i] += length
+        self.turns[i] += 1
+        self.stats[i, 0] += 1
+        if self.last_turn(i) and not getattr(self.envs[i], "steps_after_last_turn", True):
+            return None
+        return self.envs[i].step, (self.decode(sampled),)
+
+    def last_turn(self, i: int) -> bool:
+        """After its last turn an episode ends whatever its environment answers: no observation follows."""
+        return self.turns[i] >= self.max_turns or self.used[i] >= self.max_total_tokens
+
+    def take_step(self, i: int, outcome: Any) -> bool:
+        """Episode i's environment answered `outcome` (`EnvironmentRunner.run`'s) to its last turn: its reward parts
+        and tool counts recorded, its observation laid down. Whether the episode takes another turn."""
+        if isinstance(outcome, EnvCallTimeout):  # its environment is still busy: the episode ends here
+            self.stats[i, 4] += 1
+            self.broken.add(i)
+            return False
+        try:
+            if isinstance(outcome, BaseException):
+                raise outcome
+            result = as_step_result(outcome, self.env_name)
+            _add_reward_parts(self.env_rewards[i], result.rewards, self.column, f"{self.env_name}.step")
+        except Exception as err:  # the user's environment: end this episode, report once every rank is done
+            self._fail(i, f"{self.env_name}.step raised {type(err).__name__}: {err}")
+            return False
+        self.stats[i, 1] += result.tool_calls
+        self.stats[i, 2] += result.tool_errors
+        if result.done or result.observation is None or self.last_turn(i):
+            return False
+        try:  # text, or chat messages rendered after the turn just sampled
+            observation = self.encode_observation(result.observation, self.pieces[i][-1][0])
+        except Exception as err:
+            self._fail(i, f"{self.env_name}.step's observation cannot be encoded: {type(err).__name__}: {err}")
+            return False
+        observation = observation[: self.max_total_tokens - self.used[i]]
+        self.pieces[i].append((observation, [0.0] * len(observation), False))
+        self.contexts[i] += observation
+        self.used[i] += len(observation)
+        self.stats[i, 3] += len(observation)
+        return self.used[i] < self.max_total_tokens
+
+    def _fail(self, i: int, error: str) -> None:
+        self.errors.setdefault(i, error)
+        self.broken.add(i)
+
+
+def _lock_step(
+    batch: _EpisodeBatch,
+    engine: RolloutEngine,
+    active: list[int],
+    pad_id: int,
+    device: torch.device,
+    runner: EnvironmentRunner,
+    any_active: Callable[[bool], bool],
+) -> None:
+    """Turn by turn: every running episode's turn t in one `engine.generate` call, then their steps together, their
+    outcomes taken in episode order (`run_episodes`)."""
+    for turn in range(batch.max_turns):
         if not any_active(bool(active)):
             break
         if not active:  # the other ranks' turn is a collective: take part with one token, and discard it
-            ids, mask = left_padded([list(prompts[0])], pad_id, device)  # a prompt and 1 token fit the context
-            stand_in = replace(params, max_new_tokens=1, min_new_tokens=0)
-            engine.generate(ids, mask, stand_in, seeds=None if seeds is None else [turn_seed(seeds[0], turn)])
+            ids, mask = left_padded([batch.prompts[0]], pad_id, device)  # a prompt and 1 token fit the context
+            stand_in = replace(batch.params, max_new_tokens=1, min_new_tokens=0)
+            seeds = None if batch.seeds is None else [turn_seed(batch.seeds[0], turn)]
+            engine.generate(ids, mask, stand_in, seeds=seeds)
             continue
-        budgets = {i: min(params.max_new_tokens, max_total_tokens - used[i]) for i in active}
-        budget = max(budgets.values())
-        turn_params = replace(params, max_new_tokens=budget, min_new_tokens=min(params.min_new_tokens, budget))
-        ids, mask = left_padded([contexts[i] for i in active], pad_id, device)
-        turn_seeds = None if seeds is None else [turn_seed(seeds[i], turn) for i in active]
-        out = engine.generate(ids, mask, turn_params, seeds=turn_seeds)
-        texts = {}
-        for k, i in enumerate(active):
-            length = min(int(out.completion_mask[k].sum()), budgets[i])
-            sampled = out.completion_ids[k, :length].tolist()
-            pieces[i].append((sampled, out.logprobs[k, :length].float().tolist(), True))
-            contexts[i] += sampled
-            used[i] += length
-            stats[i, 0] += 1
-            texts[i] = decode(sampled)
-        # After its last turn an episode ends whatever its environment answers: no observation follows.
-        last_turn = {i: turn == max_turns - 1 or used[i] >= max_total_tokens for i in active}
-        # Every episode's step at once, off this thread; their outcomes are taken in episode order. An environment
-        # with `steps_after_last_turn = False` (TRL's kind) is not stepped on its last turn.
-        stepped = [i for i in active if getattr(envs[i], "steps_after_last_turn", True) or not last_turn[i]]
-        outcomes = runner.run([(envs[i].step, (texts[i],)) for i in stepped])
-        still_active = []
-        for i, outcome in zip(stepped, outcomes):
-            if isinstance(outcome, EnvCallTimeout):  # its environment is still busy: the episode ends here
-                stats[i, 4] += 1
-                broken.add(i)
-                continue
-            try:
-                if isinstance(outcome, BaseException):
-                    raise outcome
-                result = as_step_result(outcome, env_name)
-                _add_reward_parts(env_rewards[i], result.rewards, column, f"{env_name}.step")
-            except Exception as err:  # the user's environment: end this episode, report once every rank is done
-                error = error or f"{env_name}.step raised {type(err).__name__}: {err}"
-                broken.add(i)
-                continue
-            stats[i, 1] += result.tool_calls
-            stats[i, 2] += result.tool_errors
-            if result.done or result.observation is None or last_turn[i]:
-                continue
-            try:  # text, or chat messages rendered after the turn just sampled
-                observation = encode_observation(result.observation, pieces[i][-1][0])
-            except Exception as err:
-                error = error or f"{env_name}.step's observation cannot be encoded: {type(err).__name__}: {err}"
-                broken.add(i)
-                continue
-            observation = observation[: max_total_tokens - used[i]]
-            pieces[i].append((observation, [0.0] * len(observation), False))
-            contexts[i] += observation
-            used[i] += len(observation)
-            stats[i, 3] += len(observation)
-            if used[i] < max_total_tokens:
-                still_active.append(i)
-        active = still_active
-    settled = [i for i in range(n) if i not in broken]
-    finish_error = _finish(envs, settled, runner, env_rewards, stats, column, env_name)
-    for i in broken:  # a reward scored at the end was never asked: invalid (`model.rewards.on_invalid`), not 0
-        if callable(getattr(envs[i], "finish", None)):
-            env_rewards[i] = float("nan")
-    output = _transcripts(pieces, pad_id, device)
-    return Episodes(output, env_rewards.to(device), stats.to(device), error or finish_error, frozenset(broken))
+        steps = _sample_turns(batch, engine.generate, active, pad_id, device)
+        stepped = [i for i in active if i in steps]
+        outcomes = runner.run([steps[i] for i in stepped])
+        active = [i for i, outcome in zip(stepped, outcomes) if batch.take_step(i, outcome)]
+
+
+def _sample_turns(
+    batch: _EpisodeBatch, generate: Generate, episodes: list[int], pad_id: int, device: torch.device
+) -> dict[int, Call]:
+    """The next turn of each of `episodes` in one `generate` call, laid down; the steps to make, by episode."""
+    budgets = [batch.budget(i) for i in episodes]
+    ids, mask = left_padded([batch.contexts[i] for i in episodes], pad_id, device)
+    out = generate(ids, mask, batch.turn_params(max(budgets)), seeds=batch.turn_seeds(episodes))
+    steps = {}
+    for row, (i, budget) in enumerate(zip(episodes, budgets)):
+        step = batch.take_turn(i, out, row, budget)
+        if step is not None:
+            steps[i] = step
+    return steps
+
+
+def _independent(
+    batch: _EpisodeBatch,
+    engine: RolloutEngine,
+    generate: Generate,
+    active: list[int],
+    pad_id: int,
+    device: torch.device,
+    runner: EnvironmentRunner,
+) -> None:
+    """Each episode on its own after the first turn (`run_episodes`): its step, then its next turn, each submitted
+    as soon as the last is back. The sampling and the environments' calls wait on worker threads; this thread does
+    the bookkeeping (and the tokenizer's work) as each answer arrives, in episode order among those that arrive
+    together."""
+    if not active:
+        return
+    # The first turn in one call, as in lock-step: the G episodes of a prompt share it (one request for n).
+    steps = _sample_turns(batch, engine.generate, active, pad_id, device)
+    waiting = ThreadPoolExecutor(max_workers=len(active), thread_name_prefix="lit-rl-episode")
+    pending: dict[Future, tuple[int, str, int]] = {}  # future -> (episode, "step" or "turn", the turn's budget)
+
+    def submit_step(i: int) -> None:
+        pending[waiting.submit(runner.run, [steps[i]])] = (i, "step", 0)
+
+    def submit_turn(i: int) -> None:
+        budget = batch.budget(i)
+        ids, mask = left_padded([batch.contexts[i]], pad_id, device)
+        call = waiting.submit(generate, ids, mask, batch.turn_params(budget), seeds=batch.turn_seeds([i]))
+        pending[call] = (i, "turn", budget)
+
+    try:
+        for i in steps:
+            submit_step(i)
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future, (i, kind, budget) in sorted(((f, pending.pop(f)) for f in done), key=lambda d: d[1][0]):
+                if kind == "step":
+                    if batch.take_step(i, future.result()[0]):
+                        submit_turn(i)
+                    continue
+                step = batch.take_turn(i, future.result(), 0, budget)  # an engine's failure stops the run
+                if step is not None:
+                    steps[i] = step
+                    submit_step(i)
+    finally:  # on a failure or Ctrl-C, what is still waiting is abandoned (the runner bounds its calls)
+        waiting.shutdown(wait=False, cancel_futures=True)
 
 
 def _add_reward_parts(row: torch.Tensor, parts: dict[str, float], column: dict[str, int], where: str) -> None:

@@ -217,6 +217,8 @@ class EpisodeProducer(RolloutProducer):
         runner: runs the environments' `reset` and `step` calls (`model.env.concurrency`, `step_timeout_s`).
         tool_schemas: the JSON schemas of tools the model calls in its chat format (`lit_rl.envs.chat_tools`): the
             prompts are rendered with them, and a text prompt becomes a user message. None: no such tools.
+        independent_turns: `model.env.independent_turns`: episodes go on on their own on an engine with a
+            `concurrent_generate` (on one process); turn by turn otherwise.
         parts: `ProducerParts`.
     """
 
@@ -230,9 +232,11 @@ class EpisodeProducer(RolloutProducer):
         max_total_tokens: Optional[int],
         runner: EnvironmentRunner,
         tool_schemas: Optional[list[dict[str, Any]]] = None,
+        independent_turns: bool = True,
     ) -> None:
         super().__init__(parts)
         self.runner = runner
+        self.independent_turns = independent_turns
         self.tool_schemas = tool_schemas
         self._observations: Optional[ObservationEncoder] = None
         if tool_schemas is not None:  # a template that cannot render a tool result fails now, not mid-training
@@ -268,8 +272,9 @@ class EpisodeProducer(RolloutProducer):
             rows_of = [rows[index // repeat] for index in range(len(rows) * repeat)]
             envs, env_name, prompts, error, ended = self.start_episodes(rows_of)
             prompt_ids, prompt_mask = host.encode_prompts(prompts, self.tool_schemas)
+            engine = self.engines.engine()
             episodes = self.run_episodes(
-                self.engines.engine(),
+                engine,
                 envs,
                 unpadded_prompts(prompt_ids, prompt_mask),
                 params,
@@ -280,6 +285,7 @@ class EpisodeProducer(RolloutProducer):
                 env_name,
                 ended,
                 any_active=self._any_rank_active,
+                concurrent=host.trainer.world_size == 1,
             )
         episodes.output.episode_stats = episodes.stats
         self.fail_on_every_rank(error or episodes.error, EnvironmentStepError, "the environment failed on another rank")
@@ -308,9 +314,13 @@ class EpisodeProducer(RolloutProducer):
         env_name: str,
         ended: set[int],
         any_active: Callable[[bool], bool] = bool,
+        concurrent: bool = True,
     ) -> Episodes:
         """`lit_rl.rollout.multi_turn.run_episodes` with this producer's settings (reward parts, turns, token budget,
-        runner), the turns decoded and padded with `tokenizer`."""
+        runner), the turns decoded and padded with `tokenizer`. `concurrent`: `engine.generate` is free of
+        collectives here (one process, or a job's worker); episodes then go on on their own when the engine has a
+        `concurrent_generate` and `independent_turns` is on."""
+        independent = self.independent_turns and concurrent
         return run_episodes(
             engine,
             envs,
@@ -328,6 +338,7 @@ class EpisodeProducer(RolloutProducer):
             env_name=env_name,
             any_active=any_active,
             ended=frozenset(ended),
+            concurrent_generate=getattr(engine, "concurrent_generate", None) if independent else None,
         )
 
     def start_episodes(self, rows: list[dict[str, Any]]) -> tuple[list[Any], str, list[Any], Optional[str], set[int]]:

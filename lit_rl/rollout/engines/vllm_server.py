@@ -127,7 +127,7 @@ class VLLMServerEngine:
         return padded_output(token_ids, logprobs, self.eos_token_ids, self.pad_token_id, prompt_ids.device)
 
     def _generate_all(
-        self, per_rank: list[tuple[list[list[int]], list[int]]], params: SamplingParams
+        self, per_rank: list[tuple[list[list[int]], list[int]]], params: SamplingParams, check_health: bool = True
     ) -> list[tuple[list[list[int]], list[list[float]]]]:
         """Every rank's completions, in rank order. Runs of identical prompts (the G completions of one prompt) go
         out as one request for n completions, dealt out across the servers in service (`ServerPool.deal`)."""
@@ -138,7 +138,8 @@ class VLLMServerEngine:
                 n = len(list(run))
                 requests.append((rank, prompts[start], seeds[start], n))
                 start += n
-        self.pool.check_health()
+        if check_health:
+            self.pool.check_health()
         answers = self.pool.deal(
             requests, lambda server, request: self._complete(server, request[1], request[2], request[3], params)
         )
@@ -354,14 +355,22 @@ class VLLMServerEngine:
 
     def _run_with_version(self, work: Callable[[Generate], list[Any]], version: int) -> list[Any]:
         self._load_version(version)
+        return work(self.concurrent_generate)
 
-        def generate(prompt_ids, prompt_mask, params, seeds=None) -> RolloutOutput:
-            seeds = draw_seeds(len(prompt_ids)) if seeds is None else list(seeds)
-            requests = [(unpadded_prompts(prompt_ids, prompt_mask), seeds)]
-            ((token_ids, logprobs),) = self._generate_all(requests, params)
-            return padded_output(token_ids, logprobs, self.eos_token_ids, self.pad_token_id, prompt_ids.device)
-
-        return work(generate)
+    def concurrent_generate(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        params: SamplingParams,
+        seeds: Optional[Sequence[int]] = None,
+    ) -> RolloutOutput:
+        """This process's rows, straight to the servers: no collective, no health check first, safe to call from
+        many threads at once. What a job's work samples with (`submit_job`), and on one process what independent
+        episodes submit their turns to (`lit_rl.rollout.multi_turn.run_episodes`)."""
+        seeds = draw_seeds(len(prompt_ids)) if seeds is None else list(seeds)
+        requests = [(unpadded_prompts(prompt_ids, prompt_mask), seeds)]
+        ((token_ids, logprobs),) = self._generate_all(requests, params, check_health=False)
+        return padded_output(token_ids, logprobs, self.eos_token_ids, self.pad_token_id, prompt_ids.device)
 
     def _generate_with_version(
         self, per_rank: list[tuple[list[list[int]], list[int]]], params: SamplingParams, version: int
