@@ -31,6 +31,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeed
 from lit_rl.callbacks import GracefulStop, NonFiniteGuard, RunSummary, StepProgressBar
 from lit_rl.callbacks.export import run_directory
 from lit_rl.config import data_key_hint, moved_key_hint
+from lit_rl.entry import private_files
 from lit_rl.errors import LitRLError, ReportedOnRankZero
 from lit_rl.numerics import settle_cpu_math_kernels
 from lit_rl.resume import ResumePoint, keep_run_metrics, resolve_ckpt_path
@@ -312,6 +313,8 @@ def normalize_args(args: list[str]) -> list[str]:
 
 
 def main(args: Optional[list[str]] = None) -> None:
+    if args is None:  # `python -m lit_rl.cli` (the ranks Lightning starts, `lit-rl check`'s runs) as `lit-rl` does
+        private_files()
     settle_cpu_math_kernels()  # before anything runs threaded float math (lit_rl/numerics.py)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     quiet_console()

@@ -9,12 +9,30 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 from typing import Callable, Optional
 
 from lit_rl.errors import BrokenInstall
 
 INSTALL_ERROR_EXIT = 1
+UMASK_ENV = "LIT_RL_UMASK"
+PRIVATE_UMASK = "077"
+
+
+def private_files() -> None:
+    """What a run writes (run folders, metrics, checkpoints, exports, weight files for the server) is its user's
+    alone: the process's umask is 077 (folders 0700, files 0600), or `LIT_RL_UMASK` (027: the group reads them too;
+    docs/security.md). Processes it starts (ranks, the vLLM server) inherit it."""
+    value = os.environ.get(UMASK_ENV, PRIVATE_UMASK)
+    try:
+        mask = int(value, 8)
+    except ValueError:
+        mask = -1
+    if not 0 <= mask <= 0o777:
+        sys.stderr.write(f"lit-rl: error: {UMASK_ENV}={value!r} is not an octal umask such as 077 or 027\n")
+        sys.exit(INSTALL_ERROR_EXIT)
+    os.umask(mask)
 
 
 def check_vision_packages(import_module: Callable[[str], object] = importlib.import_module) -> None:
@@ -38,6 +56,8 @@ def check_vision_packages(import_module: Callable[[str], object] = importlib.imp
 
 
 def main(args: Optional[list[str]] = None) -> None:
+    if args is None:  # the console script (a test calling `main([...])` keeps its own process's umask)
+        private_files()
     try:
         check_vision_packages()
     except BrokenInstall as err:

@@ -10,7 +10,7 @@ import signal
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 # Before torch loads OpenMP: its idle threads sleep instead of spinning. With two test workers on two cores, each
 # process's OpenMP threads spun after every small op while the other worker's process needed the core. Measured on
@@ -261,9 +261,15 @@ def quiet_trainer(**trainer_args: Any):
     return L.Trainer(accelerator="cpu", **{**quiet, **trainer_args})
 
 
-def fit_grpo(max_steps: int = 1, callbacks: Optional[list] = None, algorithm: str = "GRPO", **model_args: Any):
+def fit_grpo(
+    max_steps: int = 1,
+    callbacks: Optional[list] = None,
+    algorithm: str = "GRPO",
+    prepare: Optional[Callable[[Any], None]] = None,
+    **model_args: Any,
+):
     """GRPO (or the on-policy `algorithm` named) on the tiny model for `max_steps` optimizer steps with a plain
-    Trainer (no CLI, no logger); the fitted module."""
+    Trainer (no CLI, no logger); the fitted module. `prepare(module)` runs before the fit."""
     import lightning as L
 
     import lit_rl.algorithms
@@ -273,6 +279,8 @@ def fit_grpo(max_steps: int = 1, callbacks: Optional[list] = None, algorithm: st
     args = dict(num_generations=4, micro_batch_size=8, max_new_tokens=4, temperature=1.0)
     cls = getattr(lit_rl.algorithms, algorithm)
     model = cls(**grouped_kwargs(cls, **{**args, **model_args}))
+    if prepare is not None:
+        prepare(model)
     trainer = quiet_trainer(max_steps=max_steps, limit_val_batches=0, callbacks=callbacks)
     L.seed_everything(0)
     trainer.fit(model, PromptDataModule(val_data=None))

@@ -322,9 +322,10 @@ def test_gpu_suite_pipeline_runs_on_cpu_and_refuses_to_measure_without_a_gpu(tmp
     # Two steps, the first left out as warm-up, are all the assertions need: the measured step pushes the weights
     # the first step trained (`--steps 2 1`; the smoke's default is 4 steps, 1 left out). One run per code path of
     # the suite: `hf_compiled` is the `hf` part's loop with another engine name, ZeRO-2 the `strategies` part's
-    # loop with another strategy (each a process of 20-30 s on two cores; `tests/gpu/test_gpu.py` trains with
-    # both on a GPU).
-    parts = ["--parts", "vllm", "hf", "strategies", "trl", "--strategies", "deepspeed_zero3"]
+    # loop with another strategy (`tests/gpu/test_gpu.py` trains with both on a GPU). The `trl` part's processes
+    # are `compare_trl.run_child`'s, which `test_trl_comparison_quick...` starts for both libraries; its own
+    # arithmetic is `test_the_gpu_suites_trl_ratio_alternates_the_libraries_and_divides_their_medians`.
+    parts = ["--parts", "vllm", "hf", "strategies", "--strategies", "deepspeed_zero3"]
     smoke = [*suite, "--cpu-smoke", *parts, "--steps", "2", "1", "--out", str(out)]
     subprocess.run(smoke, check=True, capture_output=True, timeout=900)
     report = json.loads(out.read_text())
@@ -334,12 +335,10 @@ def test_gpu_suite_pipeline_runs_on_cpu_and_refuses_to_measure_without_a_gpu(tmp
     assert not any("error" in r for r in runs.values()), runs
     assert runs["vllm smoke"]["split_s"]["weight_push"] > 0 and runs["hf smoke"]["split_s"]["weight_push"] == 0
     assert all(r["rollout_kl_mean"] > 0 for r in runs.values())  # bf16 on both sides of every run
-    (comparison,) = report["results"]["comparisons"]
-    assert comparison["ratio"] == pytest.approx(comparison["lit_rl_s_per_step"] / comparison["trl_s_per_step"])
+    assert report["results"]["comparisons"] == []
     assert [t["target"] for t in module.targets(report["results"])] == [
         "weight push share of the step (0.5B)",
         "vLLM / HF generate, generated tokens/s",
-        "lit-rl / TRL, s per step",
     ]
     table = module.markdown_table(report["results"]).splitlines()
     hf_row = next(line for line in table if line.startswith("| hf smoke |"))
@@ -348,6 +347,37 @@ def test_gpu_suite_pipeline_runs_on_cpu_and_refuses_to_measure_without_a_gpu(tmp
     # Every run keeps its utilisation (on CPU over the measured matmul peak), and the table shows it.
     assert all(0 < r["mfu"] < 1 and 0 < r["update_mfu"] < 1 for r in runs.values()), runs
     assert cells[7] == f"{100 * runs['hf smoke']['mfu']:.1f}% ({100 * runs['hf smoke']['update_mfu']:.1f}%)"
+
+
+@pytest.mark.parametrize("engine", ["vllm_colocate", "hf_compiled"])
+def test_the_gpu_suites_trl_ratio_alternates_the_libraries_and_divides_their_medians(tmp_path, monkeypatch, engine):
+    """`gpu_suite.trl_ratio` with `run_child` (the processes, which the compare_trl tests start) answering each
+    run's per-step times: the libraries alternate round by round, the warm-up steps are left out, and the ratio is
+    lit-rl's median over the faster TRL setting's (under `hf_compiled`, TRL also runs with its static cache)."""
+    module = _benchmark_module("gpu_suite")
+    started = []
+    times = {"lit_rl": [9.0, 2.0, 2.2], "trl": [9.0, 4.0, 4.4], "trl_static": [9.0, 3.0, 3.2]}
+
+    def run_child(library, algorithm, model, steps, run_dir, work):
+        kind = "trl_static" if library == "trl" and work.trl_cache_implementation == "static" else library
+        started.append((kind, algorithm, run_dir.name))
+        return times[kind]
+
+    monkeypatch.setattr(module, "run_child", run_child)
+    work = module.workload(True, engine)
+    work.steps, work.warmup = 3, 1
+    comparison = module.trl_ratio("model", work, tmp_path, rounds=2, engine=engine)
+    kinds = ["lit_rl", "trl"] + (["trl_static"] if engine == "hf_compiled" else [])
+    assert [kind for kind, _, _ in started] == kinds * 2 and {a for _, a, _ in started} == {"grpo"}
+    assert comparison["lit_rl_s_per_step"] == pytest.approx(2.1)  # the median of steps 2 and 3, in both rounds
+    faster_trl = 3.1 if engine == "hf_compiled" else 4.2
+    assert comparison["trl_s_per_step"] == pytest.approx(faster_trl)
+    assert comparison["ratio"] == pytest.approx(2.1 / faster_trl)
+    targets = module.targets({"runs": [], "comparisons": [comparison | {"engine": engine}]})
+    assert [t["target"] for t in targets] == [
+        "lit-rl / TRL, s per step"
+        + ("" if engine == "vllm_colocate" else " (HF decoding: lit-rl compiled, TRL's faster)")
+    ]
 
 
 def _benchmark_module(script: str):

@@ -1,6 +1,7 @@
 """The `lit-rl` CLI: every config parses, overrides apply, --help documents the constructor arguments."""
 
 import re
+import stat
 import subprocess
 import sys
 
@@ -281,6 +282,31 @@ def test_a_normal_fit_prints_no_advert_and_no_known_warning(tmp_path):
     # step checkpoint (every 100 steps), since there is none to link to.
     checkpoints = tmp_path / "runs" / "grpo" / "version_0" / "checkpoints"
     assert [p.name for p in checkpoints.iterdir()] == ["last.ckpt"] and not (checkpoints / "last.ckpt").is_symlink()
+    # What the run wrote is its user's alone (docs/security.md): folders 0700, files 0600.
+    written = [tmp_path / "runs", *(tmp_path / "runs").rglob("*")]
+    modes = {path.relative_to(tmp_path).as_posix(): stat.S_IMODE(path.stat().st_mode) for path in written}
+    assert {"runs/grpo/version_0/metrics.csv", "runs/grpo/version_0/hf/config.json"} <= set(modes)
+    assert all(mode == (0o700 if (tmp_path / name).is_dir() else 0o600) for name, mode in modes.items()), modes
+
+
+def test_lit_rl_umask_shares_a_runs_files_with_the_group_and_a_bad_value_is_one_line(tmp_path):
+    """`LIT_RL_UMASK=027`, as docs/security.md tells a team: folders 0750, files 0640; a value that is not an octal
+    umask stops `lit-rl` in one line naming the variable, before anything runs."""
+    from tests.conftest import cli_env
+
+    write = (
+        "from lit_rl.entry import private_files; private_files(); import os; "
+        "os.mkdir('folder'); open('folder/file', 'w').close()"
+    )
+    env = {**cli_env(), "LIT_RL_UMASK": "027"}
+    subprocess.run([sys.executable, "-c", write], cwd=tmp_path, env=env, check=True, timeout=60)
+    assert stat.S_IMODE((tmp_path / "folder").stat().st_mode) == 0o750
+    assert stat.S_IMODE((tmp_path / "folder" / "file").stat().st_mode) == 0o640
+    entry = "import sys; from lit_rl.entry import main; sys.argv = ['lit-rl', 'fit']; main()"
+    env["LIT_RL_UMASK"] = "0o9"
+    result = subprocess.run([sys.executable, "-c", entry], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr == "lit-rl: error: LIT_RL_UMASK='0o9' is not an octal umask such as 077 or 027\n"
 
 
 def test_ppo_help_documents_its_critic_options(capsys):

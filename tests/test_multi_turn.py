@@ -536,3 +536,23 @@ def test_an_engine_failure_in_an_independent_episode_stops_the_episodes_with_it(
     engine = Failing({1: [[4, EOS], [5, EOS]], 2: [[6, EOS], [8, EOS]]})
     with pytest.raises(RuntimeError, match="connection refused"):
         _run(engine, [Echo(2), Echo(2)], [[1], [2]], independent=True)
+
+
+def test_async_steps_queued_behind_other_episodes_calls_are_not_answered_as_timed_out():
+    """Independent episodes run one call each, at once, against the shared bound: eight `async` steps of 0.3 s at
+    concurrency 2 end after 1.2 s, past one call's limit (0.5 s) and margin; each waits for its slot, and none is
+    taken for a blocked event loop."""
+
+    class Awaiting:
+        async def step(self, text):
+            await asyncio.sleep(0.3)
+            return text
+
+    runner = EnvironmentRunner(concurrency=2, timeout_s=0.5)
+    runner.loop_margin_s = 0.1
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=8) as threads:
+        outcomes = list(threads.map(lambda i: runner.run([(Awaiting().step, (f"turn {i}",))])[0], range(8)))
+    runner.close()
+    assert outcomes == [f"turn {i}" for i in range(8)]

@@ -59,6 +59,41 @@ def test_requests_are_dealt_across_the_servers_and_the_completions_do_not_depend
     assert len(_paths(a, "/health")) == 2 and len(_paths(b, "/health")) == 2  # connect + before the generation
 
 
+def test_single_requests_from_many_threads_go_round_the_servers_within_the_in_flight_bound(
+    fake_server, tmp_path, monkeypatch
+):
+    """Independent episodes send one request a call, from many threads (`concurrent_generate`): the calls go round
+    the servers in turn (not all to the first), with no health check each, and at most `MAX_REQUESTS_PER_SERVER`
+    per server are in flight across the calls."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lit_rl.rollout.server import pool as pool_module
+
+    monkeypatch.setattr(pool_module, "MAX_REQUESTS_PER_SERVER", 2)
+    in_flight, most, lock = [0], [0], threading.Lock()
+
+    def slow_answer(path, body):
+        if path != "/v1/completions":
+            return completions_answer(path, body)
+        with lock:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+        time.sleep(0.05)
+        with lock:
+            in_flight[0] -= 1
+        return completions_answer(path, body)
+
+    a, b = fake_server((200, slow_answer, 0)), fake_server((200, slow_answer, 0))
+    engine = _engine([a, b], tmp_path)
+    rows = [(PROMPTS[i : i + 1], MASK[i : i + 1]) for i in range(0, 8, 2)] * 3  # 12 single-request calls
+    with ThreadPoolExecutor(max_workers=12) as threads:
+        outs = list(threads.map(lambda row: engine.concurrent_generate(*row, PARAMS, seeds=[5]), rows))
+    assert all(out.completion_ids.shape[0] == 1 for out in outs)
+    assert len(_paths(a, "/v1/completions")) == 6 and len(_paths(b, "/v1/completions")) == 6
+    assert len(_paths(a, "/health")) == 1 and len(_paths(b, "/health")) == 1  # at connect only
+    assert most[0] == 4  # 2 servers x 2, though 12 calls were made at once
+
+
 def test_a_push_reaches_every_server_between_its_pause_and_resume(fake_server, tmp_path):
     a, b = fake_server((200, completions_answer, 0)), fake_server((200, completions_answer, 0))
     engine = _engine([a, b], tmp_path)

@@ -184,6 +184,7 @@ class EnvironmentRunner:
         # next generation's environments while the worker steps this one's): plain calls and coroutines apart.
         self._slots = threading.Semaphore(concurrency)
         self._async_slots: Optional[asyncio.Semaphore] = None
+        self._awaiting = 0  # coroutine calls submitted and not yet answered, across every `run` at once
 
     def run(self, calls: Sequence[Call]) -> list[Any]:
         """Each call `(function, args)` made (module docstring); their outcomes in the order of `calls`: the value
@@ -191,27 +192,34 @@ class EnvironmentRunner:
         returned, raised or timed out."""
         outcomes: list[Any] = [None] * len(calls)
         awaited = [i for i, (function, _) in enumerate(calls) if inspect.iscoroutinefunction(function)]
-        coroutines = None
+        coroutines, ahead = None, 0
         if awaited:  # on the event loop, while this thread runs the plain ones
             batch = [calls[i] for i in awaited]
+            with self._lock:
+                ahead, self._awaiting = self._awaiting, self._awaiting + len(awaited)
             coroutines = asyncio.run_coroutine_threadsafe(self._await_all(batch), self._started_loop())
         try:
             self._run_plain(calls, [i for i in range(len(calls)) if i not in set(awaited)], outcomes)
             if coroutines is not None:
-                for i, outcome in zip(awaited, self._awaited_outcomes(coroutines, len(awaited))):
+                for i, outcome in zip(awaited, self._awaited_outcomes(coroutines, len(awaited), ahead)):
                     outcomes[i] = outcome
         except BaseException:  # Ctrl-C: the coroutines are cancelled, not left running
             if coroutines is not None:
                 coroutines.cancel()
             raise
+        finally:
+            if awaited:
+                with self._lock:
+                    self._awaiting -= len(awaited)
         return outcomes
 
-    def _awaited_outcomes(self, coroutines: Any, count: int) -> list[Any]:
-        """The outcomes of a batch of coroutines, waited for as long as `count` calls at `concurrency` at once can
-        take (and a little more). An `async` method that blocks instead of awaiting holds the whole event loop,
-        where no time limit can reach it: then every call of the batch is answered `EnvCallTimeout`, and the loop
-        is left to its thread (a new one serves the next batch)."""
-        rounds = -(-count // self.concurrency)
+    def _awaited_outcomes(self, coroutines: Any, count: int, ahead: int) -> list[Any]:
+        """The outcomes of a batch of `count` coroutines, waited for as long as they and the `ahead` calls other
+        batches submitted before them (the slots are shared) can take at `concurrency` at once (and a little more).
+        An `async` method that blocks instead of awaiting holds the whole event loop, where no time limit can reach
+        it: then every call of the batch is answered `EnvCallTimeout`, and the loop is left to its thread (a new
+        one serves the next batch)."""
+        rounds = -(-(ahead + count) // self.concurrency)
         try:
             bound = rounds * self.timeout_s + self.loop_margin_s
             outcomes = coroutines.result(timeout=min(bound, threading.TIMEOUT_MAX))

@@ -69,7 +69,9 @@ class AsyncRolloutEngine(Protocol):
     def submit_job(self, payload: Any, job: Callable[[list[Any]], Callable[..., list[Any]]], version: int) -> Any:
         """Start work that samples in turns (episodes) with the staged weights of `version`: every rank's `payload`
         goes to the rank that talks to the engine, where `job(payloads)` returns `work(generate)`, run in the
-        background; returns a ticket (`lit_rl.rollout.engines.vllm_server.VLLMServerEngine.submit_job`)."""
+        background; returns a ticket (`lit_rl.rollout.engines.vllm_server.VLLMServerEngine.submit_job`). An engine
+        that also has a `concurrent_generate` hands it to its jobs as `generate`: many threads may call it at once,
+        so the episodes go on on their own (`lit_rl.rollout.multi_turn`)."""
 
     def collect_job(self, ticket: Any) -> Any:
         """Wait for a submitted job: this rank's result; raises (on every rank) when it failed."""

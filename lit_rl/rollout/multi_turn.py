@@ -3,7 +3,7 @@
 Each episode's context is a list of token ids that only grows: the prompt's ids, then each model turn exactly as
 the engine sampled it (up to and including its EOS), then each observation encoded once, on its own, and
 appended (chat messages rendered by the chat template after the turn: `lit_rl.envs.chat_tools.ChatRenderer`). Every
-turn is sampled by `engine.generate` from those ids (left-padded with the other episodes'), so the
+turn is sampled from those ids (left-padded with the other episodes' sampled in the same call), so the
 transcript the trainer scores is the ids the engine conditioned on and sampled, never text decoded and encoded again
 (the drift of re-tokenising a conversation cannot happen). The transcript after the prompt becomes one completion:
 `completion_mask` is 1 on all its real tokens (the forward attends to them), `sampled_mask` 1 on the model's tokens
@@ -15,6 +15,7 @@ the turn alone, so an episode's transcript does not depend on the other episodes
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence
@@ -98,8 +99,8 @@ def run_episodes(
 
     Both sample the same tokens: turn t of an episode is seeded by its episode and turn alone (`turn_seed`), and
     the bookkeeping is the same code (`_EpisodeBatch`). An environment that raises ends its episode; the first such
-    error (by episode) is returned (`Episodes.error`) for the caller to raise on every rank at once, after the last
-    collective.
+    error (the earliest turn's, then the first episode's) is returned (`Episodes.error`) for the caller to raise on
+    every rank at once, after the last collective.
 
     The environments' steps run on `runner` (`lit_rl.envs.runner`: concurrently, off this thread, each with a time
     limit, at most `concurrency` at once across episodes). A step that overruns its time limit ends its episode
@@ -109,7 +110,7 @@ def run_episodes(
     )
     active = [i for i in range(len(envs)) if i not in ended]  # `ended`: their reset failed; they take no turn
     batch.broken.update(ended)
-    if concurrent_generate is not None and any_active is bool:
+    if concurrent_generate is not None:  # the caller's word that no other rank takes part in this engine's calls
         _independent(batch, engine, concurrent_generate, active, pad_id, device, runner)
     else:
         _lock_step(batch, engine, active, pad_id, device, runner, any_active)
@@ -119,7 +120,7 @@ def run_episodes(
         if callable(getattr(envs[i], "finish", None)):
             batch.env_rewards[i] = float("nan")
     output = _transcripts(batch.pieces, pad_id, device)
-    error = next((batch.errors[i] for i in sorted(batch.errors)), None)
+    error = batch.errors[min(batch.errors)] if batch.errors else None
     return Episodes(
         output, batch.env_rewards.to(device), batch.stats.to(device), error or finish_error, frozenset(batch.broken)
     )
@@ -155,7 +156,7 @@ class _EpisodeBatch:
         self.stats = torch.zeros(n, len(EPISODE_STATS))
         self.column = {name: i for i, name in enumerate(reward_names)}
         self.broken: set[int] = set()  # episodes whose environment failed or is still busy: never asked to `finish`
-        self.errors: dict[int, str] = {}  # episode -> the failure that ended it
+        self.errors: dict[tuple[int, int], str] = {}  # (turns taken, episode) -> the failure that ended it
 
     def budget(self, i: int) -> int:
         """The most tokens episode i's next turn may sample."""
@@ -219,7 +220,7 @@ class _EpisodeBatch:
         return self.used[i] < self.max_total_tokens
 
     def _fail(self, i: int, error: str) -> None:
-        self.errors.setdefault(i, error)
+        self.errors[(self.turns[i], i)] = error
         self.broken.add(i)
 
 
@@ -283,15 +284,19 @@ def _independent(
     steps = _sample_turns(batch, engine.generate, active, pad_id, device)
     waiting = ThreadPoolExecutor(max_workers=len(active), thread_name_prefix="lit-rl-episode")
     pending: dict[Future, tuple[int, str, int]] = {}  # future -> (episode, "step" or "turn", the turn's budget)
+    stopped = threading.Event()  # set on a failure or Ctrl-C: calls not yet begun are never made
+
+    def unless_stopped(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return None if stopped.is_set() else call(*args, **kwargs)
 
     def submit_step(i: int) -> None:
-        pending[waiting.submit(runner.run, [steps[i]])] = (i, "step", 0)
+        pending[waiting.submit(unless_stopped, runner.run, [steps[i]])] = (i, "step", 0)
 
     def submit_turn(i: int) -> None:
         budget = batch.budget(i)
         ids, mask = left_padded([batch.contexts[i]], pad_id, device)
-        call = waiting.submit(generate, ids, mask, batch.turn_params(budget), seeds=batch.turn_seeds([i]))
-        pending[call] = (i, "turn", budget)
+        params, seeds = batch.turn_params(budget), batch.turn_seeds([i])
+        pending[waiting.submit(unless_stopped, generate, ids, mask, params, seeds=seeds)] = (i, "turn", budget)
 
     try:
         for i in steps:
@@ -307,7 +312,10 @@ def _independent(
                 if step is not None:
                     steps[i] = step
                     submit_step(i)
-    finally:  # on a failure or Ctrl-C, what is still waiting is abandoned (the runner bounds its calls)
+    except BaseException:
+        stopped.set()
+        raise
+    finally:  # on a failure or Ctrl-C, the calls under way are abandoned: each ends at its time limit
         waiting.shutdown(wait=False, cancel_futures=True)
 
 

@@ -320,7 +320,6 @@ class EpisodeProducer(RolloutProducer):
         runner), the turns decoded and padded with `tokenizer`. `concurrent`: `engine.generate` is free of
         collectives here (one process, or a job's worker); episodes then go on on their own when the engine has a
         `concurrent_generate` and `independent_turns` is on."""
-        independent = self.independent_turns and concurrent
         return run_episodes(
             engine,
             envs,
@@ -338,7 +337,7 @@ class EpisodeProducer(RolloutProducer):
             env_name=env_name,
             any_active=any_active,
             ended=frozenset(ended),
-            concurrent_generate=getattr(engine, "concurrent_generate", None) if independent else None,
+            concurrent_generate=independent_generate(engine, self.independent_turns and concurrent),
         )
 
     def start_episodes(self, rows: list[dict[str, Any]]) -> tuple[list[Any], str, list[Any], Optional[str], set[int]]:
@@ -378,6 +377,14 @@ class EpisodeProducer(RolloutProducer):
             return active
         flag = torch.tensor(float(active), device=self.host.device)
         return bool(reduce_across_ranks(flag) > 0)
+
+
+def independent_generate(engine: Any, allowed: bool) -> Optional[Callable[..., RolloutOutput]]:
+    """What independent episodes submit their turns to (`lit_rl.rollout.multi_turn.run_episodes`): the engine's
+    `concurrent_generate` (a `generate` many threads may call at once), when `allowed` (`model.env.independent_turns`
+    and no other rank takes part in the engine's calls) and the engine has one; None: turn by turn."""
+    generate = getattr(engine, "concurrent_generate", None)
+    return generate if allowed and callable(generate) else None
 
 
 class ObservationEncoder:

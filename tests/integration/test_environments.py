@@ -187,3 +187,38 @@ def test_a_trl_environment_class_trains_unchanged_through_the_cli(tmp_path):
     assert row["train/rewards/counter_untouched"] == 1.0 and row["train/tool_calls"] == 0
     # Logged (its values against each row's target are checked in tests/test_trl_environments.py).
     assert "train/rewards/env/IncrementEnv" in row
+
+
+@pytest.mark.parametrize("independent_turns", [True, False])
+def test_a_one_process_run_on_an_engine_taking_concurrent_calls_runs_its_episodes_on_their_own(independent_turns):
+    """`model.env.independent_turns` (the default) on an engine with a `concurrent_generate` (the vLLM server
+    engine's; here HF `generate` behind a lock stands in for it): after the first turn, every turn of a one-process
+    run goes to it one episode at a time. With `independent_turns: false`, none does: turn by turn."""
+    import threading
+
+    from tests.conftest import fit_on_episodes
+
+    turns: list[int] = []
+
+    def prepare(module):
+        build, lock = module.engines.build, threading.Lock()
+
+        def with_concurrent_calls():
+            engine = build()
+
+            def concurrent_generate(prompt_ids, prompt_mask, params, seeds=None):
+                turns.append(len(prompt_ids))
+                with lock:
+                    return engine.generate(prompt_ids, prompt_mask, params, seeds)
+
+            engine.concurrent_generate = concurrent_generate
+            return engine
+
+        module.engines.build = with_concurrent_calls
+
+    model, _ = fit_on_episodes(prepare=prepare, independent_turns=independent_turns)
+    later_turns = int((model._buffer.episode_stats[:, 0] - 1).sum())  # every episode's turns after its first
+    if independent_turns:
+        assert turns == [1] * later_turns and later_turns > 0
+    else:
+        assert turns == []

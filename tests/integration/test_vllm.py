@@ -239,15 +239,20 @@ def test_grpo_on_one_server_and_on_two_alike_by_file_and_by_broadcast_even_when_
     do not depend on which server samples them, so the run logs what the run on one server logs. The second server is
     stopped after step 2's checkpoint: with `on_server_failure: continue` its requests go to the first with one
     warning, and the numbers still match. Before that, the same two servers get their weights broadcast over gloo
-    (`weight_transfer: gloo`, a group per server) and log the same numbers too."""
+    (`weight_transfer: gloo`, a group per server) at every step, with no weight file written anywhere, and log the
+    same numbers too (vLLM samples from the trainer's policy: log-prob gap < 1e-4 at a learning rate that would show
+    stale weights)."""
     alone = server_run
     model = str(REPO / "lit_rl" / "assets" / "tiny-qwen2-addition-sft")
     args = {"extra_args": ["--max-model-len", "128"], "weight_transfer": "gloo"}
     second = LocalVLLMServer(model, str(tmp_path / "second.log"), **args)
     servers = json.dumps([vllm_server, second.url])
     both = ("--model.rollout.engine.server_urls", servers, "--model.rollout.engine.transfer.method", "gloo")
-    broadcast = _fit(tmp_path, "two_gloo", *SERVER, *both)
+    sync_dir = tmp_path / "never_written"
+    broadcast = _fit(tmp_path, "two_gloo", *SERVER, *both, "--model.rollout.engine.transfer.sync_dir", str(sync_dir))
     _check_run(broadcast)
+    assert [int(float(row["step"])) for row in _rows_with(broadcast, "perf/weight_push_s")] == [1, 2, 3, 4]
+    assert not sync_dir.exists()
     assert_rows_match(
         without_engine_gap(train_rows(broadcast)), without_engine_gap(train_rows(alone)), rel=1e-4, abs=1e-5
     )
@@ -490,25 +495,6 @@ def test_episodes_score_the_engines_tokens_with_the_colocated_and_the_server_eng
     assert [row["train/staleness/max"] for row in rows] == [0.0, 1.0]
     assert rows[0]["train/rollout_logprob_diff/max"] < TOLERANCE
     assert all(row["train/turns"] > 1 and row["train/env_tokens"] > 0 for row in rows), rows
-
-
-def test_grpo_broadcasts_the_weights_to_the_server_over_gloo_without_a_file(tmp_path, vllm_server):
-    """`model.rollout.engine.transfer.method: gloo`: every push goes to the server's worker by broadcast through vLLM's
-    weight-transfer endpoints, and vLLM samples from the trainer's policy (log-prob gap < 1e-4 on every step, at a
-    learning rate that would show stale weights); no weight file is written anywhere."""
-    sync_dir = tmp_path / "never_written"
-    server_args = (
-        *SERVER,
-        "--model.rollout.engine.server_url",
-        vllm_server,
-        "--model.rollout.engine.transfer.method",
-        "gloo",
-    )
-    log_dir = _fit(tmp_path, "server_gloo", *server_args, "--model.rollout.engine.transfer.sync_dir", str(sync_dir))
-    _check_run(log_dir)
-    pushes = [int(float(row["step"])) for row in _rows_with(log_dir, "perf/weight_push_s")]
-    assert pushes == [1, 2, 3, 4]
-    assert not sync_dir.exists()
 
 
 def test_the_server_engine_uploads_weights_to_a_receiver_beside_the_server(tmp_path, vllm_server):

@@ -1,9 +1,10 @@
 """The vLLM servers of one run (`model.rollout.engine.server_url` or `server_urls`): which are in service, health
 checks, dealing requests out across them, weights to every one, and what a failed server does to the run.
 
-- **Dealing.** Job `i` of a generation (one request: a prompt, its seed and `n`) goes to the `(i mod M)`-th of the
-  `M` servers in service. A request's completions depend only on the request (vLLM seeds child `j` with
-  `seed + j`), so the split changes which server samples them, never what is sampled.
+- **Dealing.** The requests (each a prompt, its seed and `n`) go round the `M` servers in service in turn, from
+  where the last call left off (independent episodes send one request a call). A request's completions depend
+  only on the request (vLLM seeds child `j` with `seed + j`), so the split changes which server samples them,
+  never what is sampled. At most `MAX_REQUESTS_PER_SERVER x M` are in flight at once, across all calls.
 - **Failure** (`model.rollout.engine.on_server_failure`). A server that does not answer (`ServerDownError`: no
   connection, timeouts or 5xx after the retries, a failed health check, or a failed weight upload) either stops the
   run in one line naming its URL (`fail`), or (`continue`) is taken out of service for the rest of the run with a
@@ -29,7 +30,7 @@ from lit_rl.rollout.server.weight_receiver import WeightTransferError, WeightUpl
 
 log = logging.getLogger(__name__)
 
-MAX_REQUESTS_PER_SERVER = 16  # requests in flight to one server at once
+MAX_REQUESTS_PER_SERVER = 16  # requests in flight per server in service, across all `deal` calls at once
 HEALTH_TIMEOUT_S = 10.0  # at most this long for one health check (or `request_timeout_s`, if shorter)
 
 Job = TypeVar("Job")
@@ -71,6 +72,10 @@ class ServerPool:
         self.copies: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
         self._upload_lock = threading.Lock()  # one upload of a (receiver, tag) at a time: see `receiver_copy`
+        self._next = 0  # where the next `deal` starts round the servers
+        # The bound on requests in flight, shared by every `deal` (a request waiting for a slot has not started:
+        # its time limit has not either).
+        self._in_flight = threading.Semaphore(MAX_REQUESTS_PER_SERVER * len(self.servers))
 
     def in_service(self) -> list[RolloutServer]:
         return [server for server in self.servers if server.in_service]
@@ -155,19 +160,24 @@ class ServerPool:
             future.result()  # the first failure that stops the run, after all have ended
 
     def deal(self, jobs: Sequence[Job], fn: Callable[[RolloutServer, Job], Result]) -> list[Result]:
-        """`fn(server, job)` for every job, job `i` on the `(i mod M)`-th server in service, all at once; a job whose
-        server goes down is taken to the next one in service. The results in the jobs' order; the first failure
-        that stops the run cancels the jobs not yet started."""
+        """`fn(server, job)` for every job, all at once, the jobs dealt round the servers in service (module
+        docstring); a job whose server goes down is taken to the next one in service. The results in the jobs'
+        order; the first failure that stops the run cancels the jobs not yet started."""
+        with self._lock:
+            start, self._next = self._next, self._next + len(jobs)
 
         def run(index: int, job: Job) -> Result:
-            while True:
-                servers = self.in_service()  # never empty: the last server is never taken out
-                server = servers[index % len(servers)]
-                try:
-                    return fn(server, job)
-                except ServerDownError as err:
-                    self.take_out(server, err)
+            with self._in_flight:
+                while True:
+                    servers = self.in_service()  # never empty: the last server is never taken out
+                    server = servers[(start + index) % len(servers)]
+                    try:
+                        return fn(server, job)
+                    except ServerDownError as err:
+                        self.take_out(server, err)
 
+        if len(jobs) == 1:  # on this thread: an independent episode's turn needs no pool of its own
+            return [run(0, jobs[0])]
         workers = max(1, min(MAX_REQUESTS_PER_SERVER * len(self.in_service()), len(jobs)))
         pool = ThreadPoolExecutor(max_workers=workers)
         try:
