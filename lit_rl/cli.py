@@ -320,6 +320,10 @@ def main(args: Optional[list[str]] = None) -> None:
     quiet_console()
     keep_nested_nulls()  # `--model.rewards.weights null` (lit_rl.training.compat)
     given = sys.argv[1:] if args is None else list(args)
+    if given[:1] in (["validate"], ["test"], ["predict"]):
+        # The checkpoint's ModelCheckpoint state names the trained run's folder, and this run writes no checkpoint:
+        # Lightning's "The dirpath has changed" (its best-k bookkeeping not reloaded) is nothing to act on.
+        warnings.filterwarnings("ignore", message="The dirpath has changed from", category=UserWarning)
     if args is None:  # LightningCLI warns when given `args` while sys.argv holds arguments too
         sys.argv[1:] = normalize_args(given)
     try:

@@ -241,7 +241,8 @@ def fit_in_subprocess(
     env: Optional[dict[str, str]] = None,
 ) -> Path:
     """`lit-rl fit --config configs/<config> <test overlay> *args` as a process (multi-process strategies, vLLM);
-    asserts it succeeded and returns its log directory (checkpoints every `every_n_train_steps`)."""
+    asserts it succeeded and returns its log directory (checkpoints every `every_n_train_steps`); its stderr is
+    kept in `<tmp_path>/<name>.stderr`."""
     import subprocess
 
     overlay = write_overlay(
@@ -250,6 +251,7 @@ def fit_in_subprocess(
     command = [*CLI_COMMAND, "fit", "--config", str(CONFIGS / config), "--config", str(overlay), *args]
     result = subprocess.run(command, cwd=tmp_path, env=env or cli_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
+    (tmp_path / f"{name}.stderr").write_text(result.stderr)
     return tmp_path / name / "run" / "version_0"
 
 

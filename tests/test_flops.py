@@ -125,6 +125,49 @@ def test_a_run_logs_tflops_and_mfu_every_step_and_the_summary_says_them(tmp_path
     assert "TFLOP/s, MFU" in speed and "of measured cpu matmul, float32 peak" in speed, speed
 
 
+def test_validation_between_two_steps_is_left_out_of_the_next_steps_time():
+    """Validation through Lightning's own hooks (`on_validation_start` / `_end` pause and resume the step clock):
+    after every training batch a validation that takes at least 2 s (its two batches sleep 1 s each) runs; every
+    step's `perf/step_s` stays at a step's time, well under it."""
+    import time
+
+    import lightning as L
+
+    from lit_rl.algorithms import GRPO
+    from lit_rl.config import grouped_kwargs
+    from lit_rl.data import PromptDataModule
+    from tests.conftest import quiet_trainer
+
+    class SlowValidation(L.Callback):
+        def on_validation_batch_end(self, *args, **kwargs):
+            time.sleep(1.0)
+
+    class StepTimes(L.Callback):
+        def __init__(self):
+            self.times = []
+
+        def on_train_batch_end(self, trainer, *args):
+            if len(self.times) < trainer.global_step and "perf/step_s" in trainer.callback_metrics:
+                self.times.append(float(trainer.callback_metrics["perf/step_s"]))
+
+    args = dict(num_generations=4, micro_batch_size=8, max_new_tokens=4, temperature=1.0)
+    model = GRPO(**grouped_kwargs(GRPO, **args))
+    steps = StepTimes()
+    trainer = quiet_trainer(
+        max_steps=3,
+        val_check_interval=1,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        callbacks=[SlowValidation(), steps],
+    )
+    L.seed_everything(0)
+    started = time.monotonic()
+    trainer.fit(model, PromptDataModule())
+    assert time.monotonic() - started > 4  # validation ran after steps 1 and 2, 2 s each
+    assert len(steps.times) == 3
+    assert max(steps.times) < 1.5, steps.times  # a step is well under a second here; with validation, 2 s more
+
+
 def test_the_step_clock_stops_while_validation_runs():
     import time
 

@@ -529,7 +529,8 @@ def test_an_independent_episode_takes_its_next_turn_without_waiting_for_a_slow_o
 def test_an_engine_failure_in_an_independent_episode_stops_the_episodes_with_it():
     class Failing(ScriptedEngine):
         def generate(self, prompt_ids, prompt_mask, params, seeds=None):
-            if len(self.calls) == 2:
+            episodes = [int(ids[mask.bool()][0]) for ids, mask in zip(prompt_ids, prompt_mask)]
+            if episodes == [2]:  # episode 2's second turn, on its own (its first went out with episode 1's)
                 raise RuntimeError("vLLM server http://127.0.0.1:8000: connection refused")
             return super().generate(prompt_ids, prompt_mask, params, seeds)
 

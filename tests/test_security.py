@@ -338,6 +338,47 @@ def test_links_never_lead_writes_out_of_the_receivers_directory(tmp_path):
         WeightReceiver(shared)
 
 
+@pytest.mark.parametrize("problem", ["link", "writable"])
+def test_a_configured_sync_dir_gets_the_receivers_checks(tmp_path, fake_server, problem):  # noqa: F811
+    """`transfer.sync_dir` is what the server loads from: a link to elsewhere, or a folder others may write into,
+    is refused in one line naming the key, before any weight is written."""
+    from lit_rl.rollout import VLLMConfig
+    from lit_rl.rollout.engines.vllm_server import VLLMServerEngine
+    from tests.fake_vllm import completions_answer
+
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    sync_dir = tmp_path / "sync"
+    if problem == "link":
+        sync_dir.symlink_to(real)
+        expected = f"model.rollout.engine.transfer.sync_dir {sync_dir} is a symbolic link: give the directory itself"
+    else:
+        sync_dir.mkdir()
+        sync_dir.chmod(0o777)
+        expected = f"model.rollout.engine.transfer.sync_dir {sync_dir} is writable by others: chmod 700 it"
+    server = fake_server((200, completions_answer, 0))
+    config = VLLMConfig(mode="server", server_url=server.url, weight_sync_dir=str(sync_dir), max_retries=0)
+    with pytest.raises(LitRLError) as refused:
+        VLLMServerEngine(config, eos_token_ids=[2], pad_token_id=0)
+    assert str(refused.value) == expected
+    assert list(real.iterdir()) == []
+
+
+def test_a_weight_file_is_written_under_a_name_no_one_could_plant_a_link_at(tmp_path):
+    """The old temporary name (`<file>.tmp`) was predictable: a link planted there would have sent the weights'
+    bytes through it. The file is written under a fresh name, then renamed; the planted link's target is untouched."""
+    from lit_rl.rollout.engines.vllm_server import _write_safetensors
+
+    victim = tmp_path / "victim"
+    victim.write_text("untouched")
+    target = tmp_path / "model-00000.safetensors"
+    Path(f"{target}.tmp").symlink_to(victim)
+    _write_safetensors({"w": torch.ones(2)}, str(target))
+    assert victim.read_text() == "untouched" and target.is_file() and not target.is_symlink()
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["model-00000.safetensors", "model-00000.safetensors.tmp", "victim"]  # no temporary file left
+
+
 def test_the_uploader_follows_no_redirect_so_the_token_stays_home(tmp_path, monkeypatch):
     """A receiver address that answers 302 to another host: the upload stops there, and the other host never
     sees a request (let alone the bearer token)."""

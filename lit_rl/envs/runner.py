@@ -184,7 +184,6 @@ class EnvironmentRunner:
         # next generation's environments while the worker steps this one's): plain calls and coroutines apart.
         self._slots = threading.Semaphore(concurrency)
         self._async_slots: Optional[asyncio.Semaphore] = None
-        self._awaiting = 0  # coroutine calls submitted and not yet answered, across every `run` at once
 
     def run(self, calls: Sequence[Call]) -> list[Any]:
         """Each call `(function, args)` made (module docstring); their outcomes in the order of `calls`: the value
@@ -192,48 +191,56 @@ class EnvironmentRunner:
         returned, raised or timed out."""
         outcomes: list[Any] = [None] * len(calls)
         awaited = [i for i, (function, _) in enumerate(calls) if inspect.iscoroutinefunction(function)]
-        coroutines, ahead = None, 0
+        coroutines, loop = None, None
         if awaited:  # on the event loop, while this thread runs the plain ones
             batch = [calls[i] for i in awaited]
-            with self._lock:
-                ahead, self._awaiting = self._awaiting, self._awaiting + len(awaited)
-            coroutines = asyncio.run_coroutine_threadsafe(self._await_all(batch), self._started_loop())
+            loop = self._started_loop()
+            coroutines = asyncio.run_coroutine_threadsafe(self._await_all(batch), loop)
         try:
             self._run_plain(calls, [i for i in range(len(calls)) if i not in set(awaited)], outcomes)
             if coroutines is not None:
-                for i, outcome in zip(awaited, self._awaited_outcomes(coroutines, len(awaited), ahead)):
+                for i, outcome in zip(awaited, self._awaited_outcomes(coroutines, len(awaited), loop)):
                     outcomes[i] = outcome
         except BaseException:  # Ctrl-C: the coroutines are cancelled, not left running
             if coroutines is not None:
                 coroutines.cancel()
             raise
-        finally:
-            if awaited:
-                with self._lock:
-                    self._awaiting -= len(awaited)
         return outcomes
 
-    def _awaited_outcomes(self, coroutines: Any, count: int, ahead: int) -> list[Any]:
-        """The outcomes of a batch of `count` coroutines, waited for as long as they and the `ahead` calls other
-        batches submitted before them (the slots are shared) can take at `concurrency` at once (and a little more).
-        An `async` method that blocks instead of awaiting holds the whole event loop, where no time limit can reach
-        it: then every call of the batch is answered `EnvCallTimeout`, and the loop is left to its thread (a new
-        one serves the next batch)."""
-        rounds = -(-(ahead + count) // self.concurrency)
-        try:
-            bound = rounds * self.timeout_s + self.loop_margin_s
-            outcomes = coroutines.result(timeout=min(bound, threading.TIMEOUT_MAX))
-            return [outcome.error if isinstance(outcome, _Raised) else outcome for outcome in outcomes]
-        except concurrent.futures.TimeoutError:
+    def _awaited_outcomes(self, coroutines: Any, count: int, loop: asyncio.AbstractEventLoop) -> list[Any]:
+        """The outcomes of a batch of `count` coroutines. Each has its own time limit once it holds a slot (the
+        slots are shared with other batches, so it may first wait for one); so this waits as long as the event loop
+        answers, checking it each `timeout_s + loop_margin_s`. An `async` method that blocks instead of awaiting
+        holds the whole loop, where no time limit can reach it: then the loop does not answer within
+        `loop_margin_s`, every call of the batch is answered `EnvCallTimeout`, and the loop is left to its thread
+        (a new one serves the next batch)."""
+        while True:
+            try:
+                outcomes = coroutines.result(timeout=min(self.timeout_s + self.loop_margin_s, threading.TIMEOUT_MAX))
+                return [outcome.error if isinstance(outcome, _Raised) else outcome for outcome in outcomes]
+            except concurrent.futures.TimeoutError:
+                if self._answers(loop):
+                    continue  # queued behind other batches' calls, or running within its limit
             coroutines.cancel()
             with self._lock:
-                self._loop = self._thread = None  # blocked: abandoned, not joined
+                if self._loop is loop:
+                    self._loop = self._thread = None  # blocked: abandoned, not joined
             return [
                 EnvCallTimeout(
-                    f"the event loop did not answer in {rounds * self.timeout_s:g} s (an async method "
-                    "that blocks instead of awaiting?)"
+                    f"the event loop did not answer in {self.loop_margin_s:g} s past a call's limit of "
+                    f"{self.timeout_s:g} s (an async method that blocks instead of awaiting?)"
                 )
             ] * count
+
+    def _answers(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Whether `loop` runs a no-op within `loop_margin_s` (it is not held by a blocking call)."""
+        probe = asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop)
+        try:
+            probe.result(timeout=self.loop_margin_s)
+            return True
+        except concurrent.futures.TimeoutError:
+            probe.cancel()
+            return False
 
     def _run_plain(self, calls: Sequence[Call], indices: list[int], outcomes: list[Any]) -> None:
         """Calls `indices` of `calls` on the workers, at most `concurrency` at once, their outcomes into

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
@@ -65,6 +66,23 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy):
         if self._on_cpu():
             return torch.device("cpu", self.local_rank)
         return super().root_device
+
+    def init_deepspeed(self) -> None:
+        """Lightning's, with its warning that an overridden `configure_gradient_clipping` "will not actually clip
+        gradients" replaced by one line saying how they are clipped: lit-rl's override leaves DeepSpeed's case to
+        DeepSpeed, whose `gradient_clipping` Lightning sets from `trainer.gradient_clip_val` (unless the DeepSpeed
+        config sets it), and the engine clips by the norm over every rank's partition of the gradients."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Since DeepSpeed handles gradient clipping internally")
+            super().init_deepspeed()
+        clip = float(self.config.get("gradient_clipping") or 0.0)
+        if clip > 0 and self.lightning_module.trainer.state.fn == "fit":
+            from lit_rl.resume import say
+
+            say(
+                f"gradient clipping under DeepSpeed ZeRO-{self.config.get('zero_optimization', {}).get('stage', 0)}: "
+                f"its engine clips to a norm of {clip:g} over every rank's gradients (trainer.gradient_clip_val)"
+            )
 
     def setup(self, trainer: Any) -> None:
         """Lightning's setup, then, under ZeRO-3, the module's unpartitioned state onto the root device. DeepSpeed

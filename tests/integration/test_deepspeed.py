@@ -92,6 +92,13 @@ def test_zero_matches_ddp_step_for_step_with_exact_cadence(tmp_path, ddp_referen
     rows = _rows(log_dir)
     assert [row["step"] for row in rows] == [1, 2, 3, 4]  # one row per optimizer step, not per micro-batch
     assert_rows_match(rows, _rows(ddp_reference), rel=1e-5, abs=1e-6)
+    # grpo.yaml's gradient_clip_val 1.0 is DeepSpeed's clipping, said in one line instead of Lightning's warning
+    # that the module's clipping hook "will not actually clip gradients".
+    console = (log_dir.parents[2] / f"{log_dir.parents[1].name}.stderr").read_text()
+    assert "will not actually clip" not in console
+    zero = stage.removeprefix("deepspeed_zero")
+    line = f"lit-rl: gradient clipping under DeepSpeed ZeRO-{zero}: its engine clips to a norm of 1 over every rank's"
+    assert console.count(line) == 1, console[-3000:]
 
 
 def test_zero3_decodes_from_whole_weights_without_its_hooks(zero3_run):

@@ -38,10 +38,12 @@ import tempfile
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import groupby
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
+from lit_rl.errors import LitRLError
 from lit_rl.rollout.base import RolloutOutput, SamplingParams, draw_seeds, padded_output, unpadded_prompts
 from lit_rl.rollout.engines.vllm_config import VLLMConfig
 from lit_rl.rollout.server.client import (  # noqa: F401  (re-exported: the names users and tests import from here)
@@ -55,6 +57,7 @@ from lit_rl.rollout.server.client import (  # noqa: F401  (re-exported: the name
 from lit_rl.rollout.server.collective_transfer import CollectiveTransfer, host_copies
 from lit_rl.rollout.server.launch import ServerLauncher
 from lit_rl.rollout.server.pool import RolloutServer, ServerPool
+from lit_rl.rollout.server.weight_receiver import private_directory
 
 CUT_SHORT = {"abort", "error"}  # finish reasons of a completion the engine stopped before it ended
 
@@ -108,7 +111,9 @@ class VLLMServerEngine:
             self._own_sync_dir = True
             # Removed even when the run dies with an exception (Lightning then skips teardown): /dev/shm is RAM.
             self._cleanup = weakref.finalize(self, shutil.rmtree, self.sync_dir, True)
-        os.makedirs(self.sync_dir, exist_ok=True)
+        # A configured folder gets the receiver's checks: the server loads what is in it, so no one else may write
+        # there, and it is not a link to somewhere else.
+        private_directory(Path(self.sync_dir), "model.rollout.engine.transfer.sync_dir")
 
     # -- generation ------------------------------------------------------------------------------------------
     def generate(
@@ -421,7 +426,7 @@ def _write_safetensors_shards(
     written as soon as it is full, so only one shard's host copies are held at a time). Files of an earlier push are
     removed first; each file is written to a temporary name, then renamed (a reader never sees half a file)."""
     for name in os.listdir(directory):
-        if name.startswith("model-") and name.endswith((".safetensors", ".safetensors.tmp")):
+        if name.startswith(("model-", ".model-")) and name.endswith((".safetensors", ".tmp")):
             os.remove(os.path.join(directory, name))
     shard: dict[str, torch.Tensor] = {}
     size, index = 0, 0
@@ -441,9 +446,15 @@ def _write_safetensors(named_tensors: dict[str, torch.Tensor], path: str) -> Non
     from safetensors.torch import save_file
 
     tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in named_tensors.items()}
-    tmp = f"{path}.tmp"  # not *.safetensors: the server's loader never picks it up
-    save_file(tensors, tmp)
-    os.replace(tmp, path)
+    # An unpredictable name, created by this process alone (0600), not *.safetensors: the loader never picks it up.
+    handle, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=os.path.dirname(path))
+    os.close(handle)
+    try:
+        save_file(tensors, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -473,7 +484,8 @@ def _on_rank0_then_scatter(fn: Callable[[], list[Any]], rank: int, world_size: i
         try:
             outcome = [("ok", result) for result in fn()]
         except Exception as err:  # any failure on rank 0 must reach the ranks waiting for its answer
-            message = str(err) if isinstance(err, RolloutServerError) else f"vLLM server: {type(err).__name__}: {err}"
+            # lit-rl's one-line errors (a server's, a refused sync_dir) as they are; anything else as the server's
+            message = str(err) if isinstance(err, LitRLError) else f"vLLM server: {type(err).__name__}: {err}"
             outcome = [("error", message)] * world_size
     if world_size > 1:
         received = [None]

@@ -201,17 +201,17 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def private_directory(root: Path) -> Path:
-    """`root`, created 0700 if it does not exist; refused (one line) when it is a symbolic link, belongs to another
-    user, or others may write into it."""
+def private_directory(root: Path, what: str = "weight receiver directory") -> Path:
+    """`root`, created 0700 if it does not exist; refused (one line naming it as `what`) when it is a symbolic
+    link, belongs to another user, or others may write into it."""
     if root.is_symlink():
-        raise LitRLError(f"weight receiver directory {root} is a symbolic link: give the directory itself")
+        raise LitRLError(f"{what} {root} is a symbolic link: give the directory itself")
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = root.lstat()
     if info.st_uid != os.getuid():
-        raise LitRLError(f"weight receiver directory {root} belongs to another user (uid {info.st_uid})")
+        raise LitRLError(f"{what} {root} belongs to another user (uid {info.st_uid})")
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise LitRLError(f"weight receiver directory {root} is writable by others: chmod 700 it")
+        raise LitRLError(f"{what} {root} is writable by others: chmod 700 it")
     return root
 
 
