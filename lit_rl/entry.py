@@ -29,8 +29,11 @@ def private_files() -> None:
         mask = int(value, 8)
     except ValueError:
         mask = -1
-    if not 0 <= mask <= 0o777:
-        sys.stderr.write(f"lit-rl: error: {UMASK_ENV}={value!r} is not an octal umask such as 077 or 027\n")
+    if not 0 <= mask <= 0o777 or mask & 0o022 != 0o022:  # others may never write into a run's files
+        sys.stderr.write(
+            f"lit-rl: error: {UMASK_ENV}={value!r} is not an octal umask that keeps a run's files from being "
+            "written by others, such as 077, 027 or 022\n"
+        )
         sys.exit(INSTALL_ERROR_EXIT)
     os.umask(mask)
 

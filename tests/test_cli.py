@@ -291,7 +291,7 @@ def test_a_normal_fit_prints_no_advert_and_no_known_warning(tmp_path):
 
 def test_lit_rl_umask_shares_a_runs_files_with_the_group_and_a_bad_value_is_one_line(tmp_path):
     """`LIT_RL_UMASK=027`, as docs/security.md tells a team: folders 0750, files 0640; a value that is not an octal
-    umask stops `lit-rl` in one line naming the variable, before anything runs."""
+    umask, or one that lets others write, stops `lit-rl` in one line naming the variable, before anything runs."""
     from tests.conftest import cli_env
 
     write = (
@@ -303,10 +303,14 @@ def test_lit_rl_umask_shares_a_runs_files_with_the_group_and_a_bad_value_is_one_
     assert stat.S_IMODE((tmp_path / "folder").stat().st_mode) == 0o750
     assert stat.S_IMODE((tmp_path / "folder" / "file").stat().st_mode) == 0o640
     entry = "import sys; from lit_rl.entry import main; sys.argv = ['lit-rl', 'fit']; main()"
-    env["LIT_RL_UMASK"] = "0o9"
-    result = subprocess.run([sys.executable, "-c", entry], env=env, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 1
-    assert result.stderr == "lit-rl: error: LIT_RL_UMASK='0o9' is not an octal umask such as 077 or 027\n"
+    for bad in ("0o9", "002"):  # not octal; lets the group write into the run's weights
+        env["LIT_RL_UMASK"] = bad
+        result = subprocess.run([sys.executable, "-c", entry], env=env, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 1
+        assert result.stderr == (
+            f"lit-rl: error: LIT_RL_UMASK={bad!r} is not an octal umask that keeps a run's files from being written "
+            "by others, such as 077, 027 or 022\n"
+        )
 
 
 def test_ppo_help_documents_its_critic_options(capsys):

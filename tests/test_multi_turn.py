@@ -557,3 +557,23 @@ def test_async_steps_queued_behind_other_episodes_calls_are_not_answered_as_time
         outcomes = list(threads.map(lambda i: runner.run([(Awaiting().step, (f"turn {i}",))])[0], range(8)))
     runner.close()
     assert outcomes == [f"turn {i}" for i in range(8)]
+
+
+def test_an_async_step_that_ignores_its_cancellation_is_answered_at_its_limit_and_left_running():
+    """asyncio's `wait_for` waits for a cancelled call to finish: one that catches the cancellation and goes on
+    (or awaits forever in a `finally`) would hold its slot and its batch for good. It is answered at its limit and
+    left running, as an overrunning plain call is."""
+
+    class Stubborn:
+        async def step(self, text):
+            try:
+                await asyncio.sleep(20)
+            except asyncio.CancelledError:
+                await asyncio.sleep(20)  # ignores its cancellation
+
+    runner = EnvironmentRunner(concurrency=1, timeout_s=0.5)
+    start = time.monotonic()
+    first, second = runner.run([(Stubborn().step, ("a",)), (Stubborn().step, ("b",))])
+    assert time.monotonic() - start < 5  # one at a time: 0.5 s each, not 20
+    assert isinstance(first, EnvCallTimeout) and isinstance(second, EnvCallTimeout)
+    runner.close()

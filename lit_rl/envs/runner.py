@@ -233,12 +233,20 @@ class EnvironmentRunner:
             ] * count
 
     def _answers(self, loop: asyncio.AbstractEventLoop) -> bool:
-        """Whether `loop` runs a no-op within `loop_margin_s` (it is not held by a blocking call)."""
-        probe = asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop)
+        """Whether `loop` runs a no-op within `loop_margin_s`: not held by a blocking call, nor closed (`close`
+        while a batch waits)."""
+        if loop.is_closed():
+            return False
+        nothing = _nothing()
+        try:
+            probe = asyncio.run_coroutine_threadsafe(nothing, loop)
+        except RuntimeError:  # closed since
+            nothing.close()
+            return False
         try:
             probe.result(timeout=self.loop_margin_s)
             return True
-        except concurrent.futures.TimeoutError:
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
             probe.cancel()
             return False
 
@@ -293,10 +301,15 @@ class EnvironmentRunner:
 
         async def bounded(function: Callable[..., Any], args: tuple[Any, ...]) -> Any:
             async with slots:
-                try:
-                    return await asyncio.wait_for(_kept(function(*args)), self.timeout_s)
-                except asyncio.TimeoutError:
-                    raise timed_out(self.timeout_s) from None
+                call = asyncio.ensure_future(_kept(function(*args)))
+                done, _ = await asyncio.wait({call}, timeout=self.timeout_s)
+                if done:
+                    return call.result()
+                # Cancelled, not awaited: a call that ignores its cancellation (or awaits forever in a `finally`)
+                # is left running, as an overrunning plain call is, instead of holding its slot and this batch.
+                call.cancel()
+                call.add_done_callback(_retrieved)
+                raise timed_out(self.timeout_s)
 
         return await asyncio.gather(*(bounded(f, a) for f, a in calls), return_exceptions=True)
 
@@ -328,6 +341,16 @@ class EnvironmentRunner:
         thread.join(timeout=5.0)
         if not thread.is_alive():
             loop.close()
+
+
+async def _nothing() -> None:
+    """The event loop's liveness probe."""
+
+
+def _retrieved(call: "asyncio.Future[Any]") -> None:
+    """Take an abandoned call's outcome, so that asyncio does not log it as never retrieved."""
+    if not call.cancelled():
+        call.exception()
 
 
 async def _kept(coroutine: Any) -> Any:

@@ -79,9 +79,11 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy):
         if clip > 0 and self.lightning_module.trainer.state.fn == "fit":
             from lit_rl.resume import say
 
+            given = float(self.lightning_module.trainer.gradient_clip_val or 0.0)
+            source = "trainer.gradient_clip_val" if clip == given else "the DeepSpeed config's gradient_clipping"
             say(
                 f"gradient clipping under DeepSpeed ZeRO-{self.config.get('zero_optimization', {}).get('stage', 0)}: "
-                f"its engine clips to a norm of {clip:g} over every rank's gradients (trainer.gradient_clip_val)"
+                f"its engine clips to a norm of {clip:g} over every rank's gradients ({source})"
             )
 
     def setup(self, trainer: Any) -> None:

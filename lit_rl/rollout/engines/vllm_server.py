@@ -32,6 +32,7 @@ backoff, then stop the run with one line naming the URL. 4xx answers fail at onc
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -93,6 +94,10 @@ class VLLMServerEngine:
         _on_rank0_then_share(self._connect, self.rank, self.world_size)
 
     def _connect(self) -> None:
+        if self.transfer is None and self.config.weight_sync_dir is not None:
+            # A configured folder gets the receiver's checks (the server loads what is in it, so no one else may
+            # write there, and it is no link to elsewhere), before a server is started for minutes.
+            private_directory(Path(self.config.weight_sync_dir), "model.rollout.engine.transfer.sync_dir")
         if self.launcher is not None:
             self.launcher.start()
         try:
@@ -105,15 +110,12 @@ class VLLMServerEngine:
                 self.launcher.stop()
             raise
         self.sync_dir = self.config.weight_sync_dir
-        if self.sync_dir is None:
+        if self.sync_dir is None:  # a folder of this process's own, 0700
             shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
             self.sync_dir = tempfile.mkdtemp(prefix="lit-rl-weights-", dir=shm)
             self._own_sync_dir = True
             # Removed even when the run dies with an exception (Lightning then skips teardown): /dev/shm is RAM.
             self._cleanup = weakref.finalize(self, shutil.rmtree, self.sync_dir, True)
-        # A configured folder gets the receiver's checks: the server loads what is in it, so no one else may write
-        # there, and it is not a link to somewhere else.
-        private_directory(Path(self.sync_dir), "model.rollout.engine.transfer.sync_dir")
 
     # -- generation ------------------------------------------------------------------------------------------
     def generate(
@@ -453,7 +455,8 @@ def _write_safetensors(named_tensors: dict[str, torch.Tensor], path: str) -> Non
         save_file(tensors, tmp)
         os.replace(tmp, path)
     except BaseException:
-        os.unlink(tmp)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
         raise
 
 

@@ -4,7 +4,8 @@ checks, dealing requests out across them, weights to every one, and what a faile
 - **Dealing.** The requests (each a prompt, its seed and `n`) go round the `M` servers in service in turn, from
   where the last call left off (independent episodes send one request a call). A request's completions depend
   only on the request (vLLM seeds child `j` with `seed + j`), so the split changes which server samples them,
-  never what is sampled. At most `MAX_REQUESTS_PER_SERVER x M` are in flight at once, across all calls.
+  never what is sampled. At most `MAX_REQUESTS_PER_SERVER` x the servers configured are in flight at once,
+  across all calls (with a server out of service, the others take its share).
 - **Failure** (`model.rollout.engine.on_server_failure`). A server that does not answer (`ServerDownError`: no
   connection, timeouts or 5xx after the retries, a failed health check, or a failed weight upload) either stops the
   run in one line naming its URL (`fail`), or (`continue`) is taken out of service for the rest of the run with a
@@ -30,7 +31,7 @@ from lit_rl.rollout.server.weight_receiver import WeightTransferError, WeightUpl
 
 log = logging.getLogger(__name__)
 
-MAX_REQUESTS_PER_SERVER = 16  # requests in flight per server in service, across all `deal` calls at once
+MAX_REQUESTS_PER_SERVER = 16  # requests in flight per server configured, across all `deal` calls at once
 HEALTH_TIMEOUT_S = 10.0  # at most this long for one health check (or `request_timeout_s`, if shorter)
 
 Job = TypeVar("Job")
