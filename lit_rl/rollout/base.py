@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional, Protocol, Sequence
+from typing import Callable, Iterable, Optional, Protocol, Sequence
 
 import torch
 
@@ -43,6 +43,9 @@ class RolloutOutput:
     # and each episode's EPISODE_STATS [N, 5]. None for single-turn completions.
     sampled_mask: Optional[torch.Tensor] = None
     episode_stats: Optional[torch.Tensor] = None
+
+
+Generate = Callable[..., RolloutOutput]  # generate(prompt_ids, prompt_mask, params, seeds=None), as an engine's
 
 
 class RolloutEngine(Protocol):

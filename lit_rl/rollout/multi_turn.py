@@ -24,7 +24,7 @@ import torch
 
 from lit_rl.envs.base import Environment, Observation, as_step_result
 from lit_rl.envs.runner import Call, EnvCallTimeout, EnvironmentRunner
-from lit_rl.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
+from lit_rl.rollout.base import Generate, RolloutEngine, RolloutOutput, SamplingParams
 from lit_rl.types import EPISODE_STATS
 
 
@@ -55,9 +55,6 @@ def left_padded(contexts: Sequence[list[int]], pad_id: int, device: torch.device
         ids[row, width - len(context) :] = torch.tensor(context, dtype=torch.long)
         mask[row, width - len(context) :] = 1
     return ids.to(device), mask.to(device)
-
-
-Generate = Callable[..., RolloutOutput]  # generate(prompt_ids, prompt_mask, params, seeds=None), as an engine's
 
 
 def run_episodes(

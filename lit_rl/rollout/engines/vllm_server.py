@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 import torch
 
 from lit_rl.errors import LitRLError
-from lit_rl.rollout.base import RolloutOutput, SamplingParams, draw_seeds, padded_output, unpadded_prompts
+from lit_rl.rollout.base import Generate, RolloutOutput, SamplingParams, draw_seeds, padded_output, unpadded_prompts
 from lit_rl.rollout.engines.vllm_config import VLLMConfig
 from lit_rl.rollout.server.client import (  # noqa: F401  (re-exported: the names users and tests import from here)
     LocalVLLMServer,
@@ -63,8 +63,6 @@ from lit_rl.rollout.server.weight_receiver import private_directory
 CUT_SHORT = {"abort", "error"}  # finish reasons of a completion the engine stopped before it ended
 
 WEIGHT_SHARD = "model-{:05d}.safetensors"
-
-Generate = Callable[..., RolloutOutput]  # generate(prompt_ids, prompt_mask, params, seeds) on the worker thread
 
 
 class VLLMServerEngine:
