@@ -297,19 +297,21 @@ class RolloutArgs:
             step max(0, g*m - k) (m = steps_per_generation x num_iterations), so each sample is at most k steps older
             than the policy it first updates (`lit_rl.rollout.asynchronous`); needs an engine that samples in the
             background (`VLLMServer`). With `model.env`, each generation's episodes run in the background, every turn
-            by that one version (`lit_rl.rollout.async_episodes`; not TRL's environment classes yet). 0 (default):
+            by that one version (`lit_rl.rollout.async_episodes`; with TRL's environment classes the reward
+            functions score there too). 0 (default):
             synchronous.
-        correction (GRPO, PPO): weigh the policy term by the importance ratio of the trainer's probability of the
-            sampled tokens over the engine's (`lit_rl.losses.rollout_is_weights` has the formulas): `token_truncate`
-            (per token, truncated at `correction_cap`), `sequence_truncate` (the sequence's ratio, truncated),
-            `sequence_mask` (the sequence's ratio, or 0 outside [1/cap, cap]), or `none`. `auto` (default) is
-            `token_truncate` with asynchronous rollouts (the engine sampled with older weights) or when the engine
-            computes in another dtype than the trainer or in any dtype below float32
-            (`EngineConfig.numerics_differ`), else `none`.
-        correction_cap (GRPO, PPO): the cap C of the rollout correction (>= 1).
+        correction (GRPO, PPO, RLOO): weigh the policy term by the importance ratio of the trainer's probability of
+            the sampled tokens over the engine's (`lit_rl.losses.rollout_is_weights` has the formulas):
+            `token_truncate` (per token, truncated at `correction_cap`), `sequence_truncate` (the sequence's ratio,
+            truncated), `sequence_mask` (the sequence's ratio, or 0 outside [1/cap, cap]), or `none`. `auto`
+            (default) is `token_truncate` (RLOO, whose loss is per sequence: `sequence_truncate`) with asynchronous
+            rollouts (the engine sampled with older weights) or when the engine computes in another dtype than the
+            trainer or in any dtype below float32 (`EngineConfig.numerics_differ`), else `none`.
+        correction_cap (GRPO, PPO, RLOO): the cap C of the rollout correction (>= 1).
         dynamic_sampling (GRPO): DAPO's dynamic sampling (`lit_rl.rollout.dynamic_sampling`): groups whose rewards
             all agree are dropped and refill generations of as many prompts sampled until the batch is full.
-            Logged: `train/refill_generations`, `train/frac_groups_dropped`. Not with `max_staleness > 0`.
+            Logged: `train/refill_generations`, `train/frac_groups_dropped`. With `max_staleness > 0` the refills
+            are sampled when the generation is taken, by the current weights (their staleness starts at 0).
         max_refill_generations (GRPO): the most refill generations one generation may sample (0-63); when they run
             out, the earliest dropped groups fill the batch (they add no gradient).
     """
@@ -345,11 +347,6 @@ class RolloutArgs:
             raise ConfigError(
                 f"model.rollout.max_refill_generations must be in [0, {MAX_REFILLS}], got {self.max_refill_generations}"
             )
-        if self.dynamic_sampling and self.max_staleness > 0:
-            raise ConfigError(
-                "model.rollout.dynamic_sampling with model.rollout.max_staleness > 0 is not supported yet: refills "
-                "are sampled when a generation is scored, which asynchronous rollouts do ahead of time"
-            )
         engine = self.engine_config
         if self.max_staleness > 0 and not engine.samples_in_background:
             raise ConfigError(
@@ -370,8 +367,8 @@ class RolloutArgs:
 
 # The rollout options some algorithms take, and which (the others refuse them away from their defaults).
 ROLLOUT_OPTION_TAKERS = {
-    "correction": "GRPO and PPO",
-    "correction_cap": "GRPO and PPO",
+    "correction": "GRPO, PPO and RLOO",
+    "correction_cap": "GRPO, PPO and RLOO",
     "dynamic_sampling": "GRPO",
     "max_refill_generations": "GRPO",
 }

@@ -32,7 +32,8 @@ class SnapshotEngine:
         self.staged: dict[int, dict[str, torch.Tensor]] = {}
         self.staged_digests: dict[int, str] = {}
         self.generated_versions: list[int] = []  # in the order the worker sampled them
-        self.sync_pushes = 0
+        self.submitted = 0  # generations and jobs submitted so far
+        self.sync_pushes: list[tuple[int, str]] = []  # (generations submitted before it, digest) per plain push
         self.worker = ThreadPoolExecutor(max_workers=1)
 
     def _load(self, weights: dict[str, torch.Tensor]) -> None:
@@ -45,6 +46,7 @@ class SnapshotEngine:
         self.staged_digests[version] = weights_digest(weights.items())
 
     def submit(self, prompt_ids, prompt_mask, params: SamplingParams, seeds, version: int) -> Future:
+        self.submitted += 1
         return self.worker.submit(self._generate, self.staged[version], prompt_ids, prompt_mask, params, seeds, version)
 
     def _generate(self, weights, prompt_ids, prompt_mask, params, seeds, version) -> RolloutOutput:
@@ -56,6 +58,7 @@ class SnapshotEngine:
         return ticket.result()
 
     def submit_job(self, payload, job, version: int) -> Future:
+        self.submitted += 1
         work = job([payload])  # one rank: its own payload, prepared on the calling thread as the server engine does
         return self.worker.submit(self._run_job, self.staged[version], work, version)
 
@@ -73,8 +76,9 @@ class SnapshotEngine:
         return self.inner.generate(prompt_ids, prompt_mask, params, seeds)
 
     def update_weights(self, named_tensors=None) -> None:
-        self.sync_pushes += 1
-        self._load({name: tensor.detach().clone().cpu() for name, tensor in named_tensors})
+        weights = {name: tensor.detach().clone().cpu() for name, tensor in named_tensors}
+        self.sync_pushes.append((self.submitted, weights_digest(weights.items())))
+        self._load(weights)
 
     def close(self) -> None:
         self.worker.shutdown(wait=True)

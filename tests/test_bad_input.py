@@ -171,13 +171,6 @@ CASES = [
         1,
     ),
     (
-        "dynamic-sampling-async",
-        GRPO,
-        ["--model.rollout.dynamic_sampling", "true", "--model.rollout.max_staleness", "1"],
-        "model.rollout.dynamic_sampling with model.rollout.max_staleness > 0 is not supported yet",
-        1,
-    ),
-    (
         "zero-head-chunk",
         SFT,
         ["--model.policy.head_chunk_tokens", "0"],

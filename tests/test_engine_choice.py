@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from lit_rl.algorithms import GRPO, PPO, RLOO
+from lit_rl.algorithms import GRPO, PPO, RLOO, OnlineDPO
 from lit_rl.config import RolloutArgs, grouped_hparams, plain_data
 from lit_rl.errors import ConfigError
 from lit_rl.rollout import HFGenerate, VLLMColocate, VLLMConfig, VLLMServer, WeightTransfer
@@ -110,8 +110,10 @@ def test_each_engine_checks_its_options_naming_the_new_key():
         GRPO(rollout=RolloutArgs(engine=VLLMColocate(gpu_memory_utilization=0.0)))
     with pytest.raises(ConfigError, match=r"model\.rollout\.engine\.transfer\.method: http needs"):
         GRPO(rollout=RolloutArgs(engine=VLLMServer(transfer=WeightTransfer(method="http"))))
-    with pytest.raises(ConfigError, match=r"model\.rollout\.correction: RLOO does not take it \(GRPO and PPO only\)"):
-        RLOO(rollout=RolloutArgs(correction="none"))
+    only = r"\(GRPO, PPO and RLOO only\)"
+    with pytest.raises(ConfigError, match=r"model\.rollout\.correction: OnlineDPO does not take it " + only):
+        OnlineDPO(rollout=RolloutArgs(correction="none"))
+    assert RLOO(rollout=RolloutArgs(correction="none")).rollout_correction() == "none"
     ppo = PPO(rollout=RolloutArgs(engine=VLLMServer(), max_staleness=1, correction="sequence_mask"))
     assert ppo.rollout_correction() == "sequence_mask"
 

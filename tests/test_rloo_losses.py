@@ -44,6 +44,18 @@ def test_sequence_level_clipped_loss_by_hand():
     assert stats["clipped"].tolist() == [1.0, 1.0]
 
 
+def test_the_rollout_correction_weighs_each_sequences_term():
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    logp = torch.tensor([[math.log(1.5) / 2, math.log(1.5) / 2], [math.log(0.5), 5.0]], requires_grad=True)
+    adv = torch.tensor([1.0, -1.0])
+    weights = torch.tensor([0.5, 2.0], requires_grad=True)
+    loss, _ = rloo_loss(logp, torch.zeros(2, 2), adv, mask, epsilon=0.2, sequence_weights=weights)
+    # the by-hand losses [-1.2, 0.8], weighed by [0.5, 2.0]; the weights carry no gradient
+    assert loss.item() == pytest.approx((-1.2 * 0.5 + 0.8 * 2.0) / 2, rel=1e-6)
+    loss.backward()
+    assert weights.grad is None
+
+
 def test_clip_higher_widens_only_the_upper_range_of_the_sequence_ratio():
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     logp = torch.tensor([[math.log(1.5) / 2, math.log(1.5) / 2], [math.log(0.5), 5.0]])

@@ -198,18 +198,3 @@ def test_grpo_runs_a_trl_environment_and_passes_the_instances_to_reward_function
     assert components[:, 1].tolist() == [float(number) for number in numbers] and len(set(numbers)) == len(numbers)
     targets = [int(text.rsplit("to ", 1)[1][0]) for text in prompts]
     assert components[:, 2].tolist() == [float(target == 0) for target in targets]
-
-
-def test_asynchronous_rollouts_refuse_a_trl_environment_in_one_line(tmp_path):
-    """TRL's reward functions get the episodes' instances after the episode; episodes sampled ahead would need a
-    checkpoint to keep them: refused, naming the class and the setting."""
-    from lit_rl.algorithms import GRPO
-    from lit_rl.config import grouped_kwargs
-    from lit_rl.rollout import VLLMConfig
-
-    path = save_qwen_chat_model(tmp_path / "qwen-chat")
-    kwargs = dict(model_name_or_path=str(path), environment=INCREMENT, max_staleness=1, vllm=VLLMConfig(mode="server"))
-    with pytest.raises(
-        ConfigError, match=f"model.env.environment {INCREMENT} is a TRL environment class.*max_staleness"
-    ):
-        GRPO(**grouped_kwargs(GRPO, **kwargs))

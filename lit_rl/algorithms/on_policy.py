@@ -21,7 +21,7 @@ so; the old log-probs are then the current policy's, and the rollout correction 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 from torchmetrics import MetricCollection
@@ -142,12 +142,6 @@ class OnPolicyModule(PolicyModule):
             )
             if self.max_staleness == 0:
                 return EpisodeProducer(parts, **episode_args)
-            if spec.instances_reach_rewards:
-                raise ConfigError(
-                    f"model.env.environment {env.environment} is a TRL environment class, whose instances reach the "
-                    "reward functions after the episode: not supported with model.rollout.max_staleness > 0 yet "
-                    "(a checkpoint cannot keep the instances of the episodes sampled ahead)"
-                )
             steps = self.optimizer_steps_per_generation
             return AsyncEpisodeProducer(
                 parts, steps_per_generation=steps, max_staleness=self.max_staleness, **episode_args
@@ -228,7 +222,7 @@ class OnPolicyModule(PolicyModule):
         if "correction" not in self.rollout_options:
             return "none"
         if mode == "auto":
-            return "token_truncate" if self.max_staleness > 0 or self.engines.numerics_differ() else "none"
+            return self.auto_correction if self.max_staleness > 0 or self.engines.numerics_differ() else "none"
         return mode
 
     def logs_correction(self) -> bool:
@@ -341,6 +335,7 @@ class OnPolicyModule(PolicyModule):
 
     refill_generations = 0  # the refill generations the loader offers (GRPO's dynamic sampling sets it)
     rollout_options: tuple[str, ...] = ()  # the options of `ROLLOUT_OPTION_TAKERS` this one takes
+    auto_correction = "token_truncate"  # what `model.rollout.correction: auto` is when a correction is due
 
     @property
     def optimizer_steps_per_generation(self) -> int:
@@ -381,7 +376,7 @@ class OnPolicyModule(PolicyModule):
             reward_components=scored.reward_components,
             advantages=torch.zeros_like(rewards),
             group_reward_std=group_std,
-            policy_version=torch.full_like(rewards, scored.version, dtype=torch.long),
+            policy_version=scored.row_versions(),
             sampled_mask=out.sampled_mask,
             episode_stats=out.episode_stats,
         )
@@ -402,6 +397,11 @@ class OnPolicyModule(PolicyModule):
             pad = self.tokenizer.pad_token_id
             batch = batcher.balanced_across_ranks(batch, self.gather_stacked, world_size, self.global_rank, pad)
         return batch
+
+    def _launch(self, launches: Iterable[tuple[int, list[dict[str, Any]]]]) -> None:
+        """Start sampling each (generation, rows) of `launches` in the background (asynchronous rollouts)."""
+        for launched, rows in launches:
+            self.producer.launch(launched, rows)
 
     def local_slice(self, n: int) -> slice:
         """This rank's rows in a tensor gathered from all ranks with `n` rows each."""
@@ -426,11 +426,18 @@ class OnPolicyModule(PolicyModule):
                 f"the module expected {self._micro_steps_done}"
             )
         generation, generation_micro_step = divmod(batch["micro_step"], self.micro_steps_per_generation)
-        for launched, rows in batch.get("launch", ()):  # asynchronous rollouts: sampled ahead, in the background
-            self.producer.launch(launched, rows)
+        launches = batch.get("launch", ())  # asynchronous rollouts: (generation, rows) to sample ahead
         if generation_micro_step == 0:
+            later = ()
+            if self.producer.samples_when_taken:  # refills, by the current weights: not queued behind later ones
+                later = [(launched, rows) for launched, rows in launches if launched > generation]
+                launches = [(launched, rows) for launched, rows in launches if launched <= generation]
+            self._launch(launches)
             scored = self.producer.generation(generation, batch["rows"], batch.get("refill"))
+            self._launch(later)
             self._buffer = self.make_rollout(scored)
+        else:
+            self._launch(launches)
         micro_batches = self.micro_steps_per_generation // self.schedule_args.num_iterations
         index = generation_micro_step % micro_batches
         if self._buffer.prompt_ids.device != self.device:  # restored from a checkpoint on CPU

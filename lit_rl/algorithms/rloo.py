@@ -1,6 +1,10 @@
 """RLOO (Ahmadian et al. 2024): REINFORCE with a leave-one-out baseline, a KL penalty folded into the reward,
 and a sequence-level PPO-clipped importance ratio (`lit_rl.losses.rloo`).
 
+The rollout correction (`model.rollout.correction`) weighs each sequence's term, as the loss is per sequence:
+`sequence_truncate` (what `auto` is with asynchronous rollouts or an engine whose numerics differ) or
+`sequence_mask`; `token_truncate` has no sequence weight and is refused.
+
 The rollout schedule, buffer, validation and checkpoint state are `OnPolicyModule`'s, so `global_step` is
 Lightning's: the checkpoint cadence is exact for any accumulation, `num_iterations` or resume.
 """
@@ -14,6 +18,7 @@ from torchmetrics import MetricCollection
 
 from lit_rl.algorithms.on_policy import OnPolicyModule
 from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, RolloutArgs, SamplingArgs, ScheduleArgs, as_args
+from lit_rl.errors import ConfigError
 from lit_rl.loss_config import RLOOLoss
 from lit_rl.losses import LossNormalizer
 from lit_rl.losses.rloo import kl_penalized_rewards, rloo_advantages, rloo_loss
@@ -28,6 +33,9 @@ class RLOO(OnPolicyModule):
     `lit_rl.loss_config.RLOOLoss`.
     """
 
+    rollout_options = ("correction", "correction_cap")  # the rollout correction, per sequence
+    auto_correction = "sequence_truncate"
+
     def __init__(
         self,
         policy: PolicyArgs = PolicyArgs(),
@@ -41,9 +49,17 @@ class RLOO(OnPolicyModule):
     ) -> None:
         self.loss_args = loss = as_args(RLOOLoss, loss)
         loss.check()
+        if as_args(RolloutArgs, rollout).correction == "token_truncate":
+            raise ConfigError(
+                "model.rollout.correction token_truncate: RLOO's loss is per sequence, so its correction weighs "
+                "sequences: use sequence_truncate (what auto gives) or sequence_mask"
+            )
         super().__init__(policy, optim, schedule, sampling, rewards, env, rollout)
         self.save_hyperparameters()
-        self.train_metrics = self.rollout_train_metrics(rloo_metrics(self.reward_names))
+        metrics = rloo_metrics(self.reward_names)
+        if self.logs_correction():
+            metrics.add_metrics({"rollout_is_frac_corrected": mean("token")})
+        self.train_metrics = self.rollout_train_metrics(metrics)
         self.val_metrics = self.rollout_val_metrics()
 
     def uses_reference(self) -> bool:
@@ -72,6 +88,7 @@ class RLOO(OnPolicyModule):
         # ratio is 1 by definition, so use this pass's own log-probs (no numerical drift into the clipping).
         policy_moved = OnPolicyModule.needs_old_logprobs(self)
         old_logprobs = mb.old_logprobs if policy_moved else logprobs.detach()
+        weights = self.rollout_importance_weights(mb, old_logprobs)  # [N, T]: the sequence's weight on its tokens
         return rloo_loss(
             logprobs,
             old_logprobs,
@@ -80,6 +97,7 @@ class RLOO(OnPolicyModule):
             self.loss_args.epsilon,
             num_sequences=normalizer.num_sequences,
             epsilon_high=self.loss_args.clip_high,
+            sequence_weights=None if weights is None else weights.amax(dim=1),
         )
 
     def update_algorithm_metrics(self, mb: RolloutBatch, loss: torch.Tensor, stats: dict[str, torch.Tensor]) -> None:

@@ -68,13 +68,11 @@ def as_step_result(value: Any, where: str) -> StepResult:
 class EnvironmentSpec(NamedTuple):
     """What a run's episodes need: `factory` makes one environment per episode (None: no environment), the reward
     part names its episodes report, and the JSON schemas of the tools the model calls in its chat format (the
-    prompts are rendered with them; None: no such tools); `instances_reach_rewards`: the reward functions get the
-    episodes' environment instances (`environments=`, TRL's environment classes)."""
+    prompts are rendered with them; None: no such tools)."""
 
     factory: Optional[Callable[[], Environment]]
     reward_names: tuple[str, ...]
     tool_schemas: Optional[list[dict[str, Any]]] = None
-    instances_reach_rewards: bool = False
 
 
 def environment_factory(
@@ -126,7 +124,7 @@ def environment_factory(
     else:
         schemas = [tool_schema(function) for function in functions] if chat else None
     reward_names = tuple(getattr(probe, "reward_names", ()))
-    return EnvironmentSpec(lambda: make(**kwargs), reward_names, schemas, isinstance(probe, TRLEnvironment))
+    return EnvironmentSpec(lambda: make(**kwargs), reward_names, schemas)
 
 
 def _check_trl_format(path: str, tool_format: str, tool_support: str) -> None:

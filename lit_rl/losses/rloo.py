@@ -8,9 +8,11 @@ k completions per prompt, consecutive rows. With rewards r (KL-penalised, see `k
 Policy loss with a sequence-level importance ratio and PPO clipping:
 
     rho_i = exp(sum_t m_it (logprobs_it - old_logprobs_it))
-    L     = sum_i -min(rho_i A_i, clip(rho_i, 1 - epsilon, 1 + epsilon_high) A_i) / num_sequences
+    L     = sum_i w_i * -min(rho_i A_i, clip(rho_i, 1 - epsilon, 1 + epsilon_high) A_i) / num_sequences
 
-(`epsilon_high` defaults to `epsilon`: a symmetric clip.)
+(`epsilon_high` defaults to `epsilon`: a symmetric clip.) w_i is the rollout correction's weight of sequence i
+(detached; 1 without one): `lit_rl.losses.rollout_is_weights`'s sequence modes, whose ratio is the trainer's
+probability of the sequence at sampling time over the engine's.
 """
 
 from __future__ import annotations
@@ -56,9 +58,11 @@ def rloo_loss(
     epsilon: float = 0.2,
     num_sequences: Optional[float] = None,
     epsilon_high: Optional[float] = None,
+    sequence_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped sequence-level surrogate (see module), summed over these N sequences / `num_sequences`
-    (default N); the ratio is clipped to `[1 - epsilon, 1 + epsilon_high]` (`epsilon_high` None: `epsilon`).
+    (default N); the ratio is clipped to `[1 - epsilon, 1 + epsilon_high]` (`epsilon_high` None: `epsilon`);
+    `sequence_weights` [N]: the rollout correction's w_i (None: 1).
     Stats per sequence [N]: `ratio`, `clipped` (1 where the clipped term was the minimum)."""
     # Clamped so that exp() stays finite: inf * 0 (a zero advantage) would be NaN.
     log_ratio = ((logprobs - old_logprobs) * completion_mask).sum(dim=1).clamp(-20.0, 20.0)  # [N]
@@ -67,5 +71,7 @@ def rloo_loss(
     high = epsilon if epsilon_high is None else epsilon_high
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + high) * advantages
     losses = -torch.min(unclipped, clipped)
+    if sequence_weights is not None:
+        losses = losses * sequence_weights.detach()
     stats = {"ratio": ratio.detach(), "clipped": (clipped < unclipped).float()}
     return losses.sum() / (num_sequences if num_sequences is not None else losses.shape[0]), stats

@@ -13,29 +13,38 @@ version, so `train/staleness` and the rollout correction mean what they mean for
 - When the generation is consumed, each rank gets its transcripts, the environments' reward parts and the first
   environment error (raised on every rank at once), and scores them with the reward functions, as synchronous
   episodes are scored.
+- TRL environment classes: the reward functions get the episodes' instances (`environments=`), which live on the
+  worker and which no checkpoint could keep. So they score every rank's episodes there, as soon as the episodes
+  end, with `trainer_state` at the step that will train on them (g*m, as a synchronous run scores them); each rank
+  gets its rows' scores, and a reward function's failure is raised on every rank when the generation is consumed.
 
-A checkpoint waits for the episodes in flight and keeps their finished transcripts (`AsyncGenerations.state_dict`):
-the weights that sampled them are not in the checkpoint. TRL environment classes are refused here: their instances
-reach the reward functions at scoring time (`environments=`), after the episode, and a checkpoint cannot keep them.
+A checkpoint waits for the episodes in flight and keeps their finished transcripts (`AsyncGenerations.state_dict`),
+and the scores of TRL classes' episodes: the weights that sampled them are not in the checkpoint.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
-from lit_rl.errors import ConfigError, EnvironmentStepError
+from lit_rl.envs.trl_environments import TRLEnvironment
+from lit_rl.errors import ConfigError, EnvironmentStepError, RewardFunctionError
+from lit_rl.rewards import TrainerState
 from lit_rl.rollout.asynchronous import AsyncGenerations
 from lit_rl.rollout.base import RolloutOutput, unpadded_prompts
+from lit_rl.rollout.multi_turn import Episodes
 from lit_rl.rollout.producer import (
+    REWARD_FAILED_ELSEWHERE,
     EpisodeProducer,
     ObservationEncoder,
     ProducerParts,
     SampledAhead,
     ScoredCompletions,
+    trl_reward_inputs,
 )
 from lit_rl.types import EPISODE_STATS, model_token_mask
 
@@ -49,6 +58,10 @@ class EpisodeResult:
     output: RolloutOutput  # transcripts, with `sampled_mask` and `episode_stats`
     env_rewards: torch.Tensor  # [N, E]
     error: Optional[str]  # the first failure of an environment on any rank
+    # TRL environment classes: the reward functions' scores, made on the worker (module docstring)
+    reward_components: Optional[torch.Tensor] = None  # [N, F]
+    rewards: Optional[torch.Tensor] = None  # [N]
+    reward_error: Optional[str] = None
 
 
 class _WorkerEngine:
@@ -83,7 +96,9 @@ class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
         """Start `generation`'s episodes in the background with the current weights, those of its version v(g)."""
         version = self.launched_version(generation)
         payload = (rows, self.completion_seeds(len(rows), generation))
-        engine = self.engines.started()
+        trainer = self.host.trainer  # TRL classes' episodes are scored on the worker, as at the step training on them
+        state = TrainerState(generation * self.steps_per_generation, trainer.max_steps, float(trainer.current_epoch))
+        engine = self.engine_for_launch()
         self._concurrent_jobs = callable(getattr(engine, "concurrent_generate", None))
         if not callable(getattr(engine, "submit_job", None)):
             raise ConfigError(
@@ -91,13 +106,14 @@ class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
                 "background but cannot run episodes there (it has no submit_job; see lit_rl.rollout.asynchronous)"
             )
         with self.host.timer.phase("weight_push"):  # staging the weights, when this version is new
-            self.in_flight.launch_job(
-                engine, generation, version, payload, self._episodes_job, self.engines.weight_stream
-            )
+            job = functools.partial(self._episodes_job, state)
+            self.in_flight.launch_job(engine, generation, version, payload, job, self.engines.weight_stream)
 
-    def _episodes_job(self, per_rank: list[tuple[list[dict[str, Any]], list[int]]]) -> Callable[..., list[Any]]:
+    def _episodes_job(
+        self, state: TrainerState, per_rank: list[tuple[list[dict[str, Any]], list[int]]]
+    ) -> Callable[..., list[Any]]:
         """On rank 0's training thread: every rank's environments made and reset, their prompts rendered; returns
-        the episodes' work for the worker."""
+        the episodes' work for the worker (`state`: what TRL classes' reward functions see as `trainer_state`)."""
         rows = [row for rank_rows, _ in per_rank for row in rank_rows]
         seeds = [seed for _, rank_seeds in per_rank for seed in rank_seeds]
         counts = [len(rank_rows) for rank_rows, _ in per_rank]
@@ -133,6 +149,9 @@ class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
             )
             error = reset_error or episodes.error
             out = episodes.output
+            scores, reward_error = None, None
+            if error is None and isinstance(envs[0], TRLEnvironment):
+                scores, reward_error = self._scored_with_instances(rows, prompts, envs, episodes, tokenizer, state)
             results, start = [], 0
             for (ids, mask), count in zip(encoded, counts):
                 rank = slice(start, start + count)
@@ -144,10 +163,35 @@ class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
                     sampled_mask=out.sampled_mask[rank],
                     episode_stats=episodes.stats[rank],
                 )
-                results.append(EpisodeResult(ids, mask, output, episodes.env_rewards[rank], error))
+                result = EpisodeResult(ids, mask, output, episodes.env_rewards[rank], error, reward_error=reward_error)
+                if scores is not None:
+                    result.reward_components, result.rewards = scores[0][rank], scores[1][rank]
+                results.append(result)
             return results
 
         return work
+
+    def _scored_with_instances(
+        self,
+        rows: list[dict[str, Any]],
+        prompts: list[Any],
+        envs: list[Any],
+        episodes: Episodes,
+        tokenizer: Any,
+        state: TrainerState,
+    ) -> tuple[Optional[tuple[torch.Tensor, torch.Tensor]], Optional[str]]:
+        """On the worker, every rank's episodes of TRL environment classes scored with their instances (module
+        docstring): (components [N, F], rewards [N]), or the reward function's error."""
+        episode_rows, instances = trl_reward_inputs(rows, prompts, envs, episodes.unfinished)
+        try:
+            scores = self.scores(
+                episode_rows, 1, episodes.output, tokenizer, torch.device("cpu"), state, episodes.env_rewards, instances
+            )
+        except RewardFunctionError as err:
+            return None, str(err)
+        except Exception as err:  # the user's instances or the decoding: the generation's error, not the engine's
+            return None, f"scoring the episodes with their environments failed: {type(err).__name__}: {err}"
+        return scores, None
 
     def _failed(self, count: int, error: str) -> EpisodeResult:
         """A rank's result of episodes that could not start: `count` empty rows and the error, raised on every rank
@@ -171,4 +215,8 @@ class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
         self.fail_on_every_rank(sampled.error, EnvironmentStepError, "the environment failed on another rank")
         out = sampled.output
         self.host.timer.count("generated_tokens", float(model_token_mask(out).sum()))
+        if sampled.rewards is not None or sampled.reward_error is not None:  # TRL classes: scored on the worker
+            self.fail_on_every_rank(sampled.reward_error, RewardFunctionError, REWARD_FAILED_ELSEWHERE)
+            components, rewards = sampled.reward_components, sampled.rewards
+            return ScoredCompletions(sampled.prompt_ids, sampled.prompt_mask, out, components, rewards, sampled.version)
         return self.scored(rows, 1, sampled.prompt_ids, sampled.prompt_mask, out, sampled.env_rewards, sampled.version)

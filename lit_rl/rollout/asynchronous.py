@@ -91,6 +91,10 @@ class PendingGeneration:
     job: bool = False
     env_rewards: Optional[torch.Tensor] = None  # [N, E], episodes only
     error: Optional[str] = None  # episodes only
+    # TRL environment classes: their reward functions need the episodes' instances, so they are scored on the worker.
+    reward_components: Optional[torch.Tensor] = None  # [N, F]
+    rewards: Optional[torch.Tensor] = None  # [N]
+    reward_error: Optional[str] = None
 
 
 class AsyncGenerations:
@@ -151,12 +155,13 @@ class AsyncGenerations:
         return item
 
     def wait_all(self, engine: Optional[AsyncRolloutEngine]) -> None:
-        """Wait for every generation in flight (before a checkpoint, or before validation uses the engine)."""
+        """Wait for every generation in flight (before a checkpoint, or before the engine samples by the current
+        weights: validation, dynamic sampling's refills)."""
         for generation in sorted(self.pending):
             self._finish(engine, generation)
 
     def forget_staged(self) -> None:
-        """The engine's weights were replaced outside the producer (validation's push): stage again next time."""
+        """The engine's weights were replaced outside the producer (a plain push): stage again next time."""
         self.staged_version = None
 
     def _finish(self, engine: Optional[AsyncRolloutEngine], generation: int) -> PendingGeneration:
@@ -165,6 +170,8 @@ class AsyncGenerations:
             result = engine.collect_job(item.ticket)
             item.prompt_ids, item.prompt_mask, item.output = result.prompt_ids, result.prompt_mask, result.output
             item.env_rewards, item.error = result.env_rewards, result.error
+            item.reward_components, item.rewards = result.reward_components, result.rewards
+            item.reward_error = result.reward_error
             item.ticket = None
         elif item.output is None:
             item.output = engine.collect(item.ticket)
@@ -205,6 +212,9 @@ class AsyncGenerations:
                 job="env_rewards" in entry,
                 env_rewards=entry.get("env_rewards"),
                 error=entry.get("error"),
+                reward_components=entry.get("reward_components"),
+                rewards=entry.get("rewards"),
+                reward_error=entry.get("reward_error"),
             )
             for entry in state
         }
@@ -220,4 +230,8 @@ def _episode_state(item: PendingGeneration) -> dict[str, Any]:
         "episode_stats": item.output.episode_stats.cpu(),
         "env_rewards": item.env_rewards.cpu(),
         "error": item.error,
+        # TRL environment classes: their scores, as no checkpoint can keep the instances the functions read
+        "reward_components": None if item.reward_components is None else item.reward_components.cpu(),
+        "rewards": None if item.rewards is None else item.rewards.cpu(),
+        "reward_error": item.reward_error,
     }

@@ -12,7 +12,17 @@ Everything is a pure function of the run's seed, the generation and the refill i
 and their sampling seeds (`lit_rl.data.schedule.refill_seed_key`) are, so a resumed run samples the same
 refills, the schedule of micro-steps and the checkpoint cadence do not change, and the chosen batch is the same
 whatever the number of ranks. `select_groups` and `rows_for_rank` are pure python; `DynamicSampling` is the
-producer that does it, around a synchronous one (`lit_rl.rollout.producer`).
+producer that does it, around another (`lit_rl.rollout.producer`).
+
+With asynchronous rollouts (`model.rollout.max_staleness = k > 0`) the generation was sampled ahead, by the weights
+of its version v(g) (`lit_rl.rollout.asynchronous`), and judged when it is taken; its refills are sampled then, by
+the current weights (whose version is the step's: their rows' staleness starts at 0, and each row keeps its own
+version). The module takes such a generation before it launches the later ones of that step, so the refills wait
+only for the generations already in flight, not for the next one. The price is on every step: the next generation
+is staged and submitted after this one is taken, scored and judged, not while it is still sampling; and a step
+with refills pushes the weights twice (for the refills, then staged for the next generation). Sampling the refills
+by the weights of v(g) instead would mean keeping every version a refill might need. The refills' prompts and seeds
+are as in the synchronous schedule, so a resumed run still equals the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -64,15 +74,17 @@ def rows_for_rank(
 
 
 class DynamicSampling:
-    """A synchronous producer's generations, with the groups whose rewards all agree replaced by refills (module
+    """A producer's generations, with the groups whose rewards all agree replaced by refills (module
     docstring). Everything but `generation` is the wrapped producer's.
 
     Args:
-        inner: the producer that samples (a `RolloutProducer` or an `EpisodeProducer`).
+        inner: the producer that samples (synchronous or asynchronous, single completions or episodes).
         group_size: `model.sampling.num_generations`.
         shape_rewards: the algorithm's reward shaping, (rewards [N], completions) -> rewards [N]: groups are
             judged on the rewards their advantages will be computed from.
     """
+
+    samples_when_taken = True  # its refills
 
     def __init__(
         self,
@@ -122,7 +134,7 @@ class DynamicSampling:
             output,
             chosen.reward_components,
             chosen.rewards,
-            first.version,
+            chosen.policy_version,  # refills under asynchronous rollouts have newer versions than the generation
             **stats,
         )
 
@@ -181,4 +193,5 @@ def _as_rollout_batch(piece: ScoredCompletions) -> RolloutBatch:
         zeros,
         sampled_mask=out.sampled_mask,
         episode_stats=out.episode_stats,
+        policy_version=piece.row_versions(),
     )

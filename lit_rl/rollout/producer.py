@@ -6,8 +6,8 @@ scored completions of generation g (`ScoredCompletions`), with the policy versio
   (`model.env`, `lit_rl.rollout.multi_turn`).
 - `AsyncProducer`: generations launched ahead (`launch`) and sampled in the background with a fixed lag
   (`model.rollout.max_staleness`, `lit_rl.rollout.asynchronous`); `generation` takes the finished one.
-- `DynamicSampling` (`lit_rl.rollout.dynamic_sampling`) wraps a synchronous producer: refill generations replace
-  the groups whose rewards all agree.
+- `DynamicSampling` (`lit_rl.rollout.dynamic_sampling`) wraps any of them: refill generations replace the groups
+  whose rewards all agree.
 
 A producer owns what makes a rollout: the engine (`EngineOwner`), the reward scoring (`RewardScorer`) and the
 environments. The module keeps the loss, its metrics and the checkpoint, into which it saves the producer's state
@@ -46,10 +46,18 @@ class ScoredCompletions:
     output: RolloutOutput  # completions [N, T] (with an environment: transcripts, and `sampled_mask`)
     reward_components: torch.Tensor  # [N, F], one column per reward (`RolloutProducer.reward_names`)
     rewards: torch.Tensor  # [N] weighted sum
-    version: int  # the policy version (optimizer steps done) that sampled them
+    # The policy version (optimizer steps done) that sampled them: one for all, or per row [N] (dynamic sampling's
+    # refills under asynchronous rollouts are sampled by newer weights than the generation they top up).
+    version: int | torch.Tensor
     # Dynamic sampling: the refill generations sampled, and the fraction of all sampled groups dropped.
     refill_generations: Optional[int] = None
     frac_groups_dropped: Optional[float] = None
+
+    def row_versions(self) -> torch.Tensor:
+        """The policy version of each row [N] (long)."""
+        if isinstance(self.version, torch.Tensor):
+            return self.version.to(device=self.rewards.device, dtype=torch.long)
+        return torch.full_like(self.rewards, self.version, dtype=torch.long)
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,9 @@ class ProducerParts:
     scorer: RewardScorer
     params: SamplingParams
     max_new_tokens: int
+
+
+REWARD_FAILED_ELSEWHERE = "a reward function failed on another rank (its error is above)"
 
 
 def rank_slice(rank: int, n: int) -> slice:
@@ -105,6 +116,10 @@ class RolloutProducer:
         group), sampled now with seeds of the generation (`completion_seeds`). `refills`: the prompt rows the
         loader offers for refill generations (used by `DynamicSampling` alone)."""
         return self.sample(rows, 1, self.params, self.completion_seeds(len(rows), generation))
+
+    # Whether `generation` may sample more when it is called (dynamic sampling's refills, by the current weights):
+    # the module then launches the generations after it only once it has it (see `SampledAhead.sample`).
+    samples_when_taken = False
 
     def launch(self, generation: int, rows: list[dict[str, Any]]) -> None:
         """Start sampling `generation` ahead: only asynchronous producers do."""
@@ -152,32 +167,41 @@ class RolloutProducer:
         passed to the reward functions as TRL does. Fails on every rank together when a reward function fails on
         one."""
         host, trainer = self.host, self.host.trainer
-        completions = host.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
-        # TRL's `completion_ids`: each completion's tokens up to and including its EOS, without the padding.
-        lengths = (out.completion_mask > 0).sum(dim=1).tolist()
-        completion_ids = [ids[:n] for ids, n in zip(out.completion_ids.tolist(), lengths)]
         state = TrainerState(trainer.global_step, trainer.max_steps, float(trainer.current_epoch))
         error: Optional[RewardFunctionError] = None
         components = rewards = None
         with host.timer.phase("reward"):
             try:
-                components, rewards = self.scorer.score(
-                    rows,
-                    completions,
-                    completion_ids,
-                    repeat,
-                    host.device,
-                    state,
-                    self.reward_names,
-                    env_rewards,
-                    environments,
+                components, rewards = self.scores(
+                    rows, repeat, out, host.tokenizer, host.device, state, env_rewards, environments
                 )
             except RewardFunctionError as err:
                 error = err
-            elsewhere = "a reward function failed on another rank (its error is above)"
-            self.fail_on_every_rank(error, RewardFunctionError, elsewhere)
+            self.fail_on_every_rank(error, RewardFunctionError, REWARD_FAILED_ELSEWHERE)
         version = trainer.global_step if version is None else version
         return ScoredCompletions(prompt_ids, prompt_mask, out, components, rewards, version)
+
+    def scores(
+        self,
+        rows: list[dict[str, Any]],
+        repeat: int,
+        out: RolloutOutput,
+        tokenizer: Any,
+        device: torch.device,
+        state: TrainerState,
+        env_rewards: Optional[torch.Tensor] = None,
+        environments: Optional[list[Any]] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reward components [N, F] and weighted rewards [N] (`RewardScorer.score`) of `out`'s completions of `rows`
+        x `repeat`, decoded with `tokenizer`, the functions seeing `state` as `trainer_state`. Raises
+        `RewardFunctionError`; collective-free (asynchronous TRL episodes score on the engine's worker)."""
+        completions = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+        # TRL's `completion_ids`: each completion's tokens up to and including its EOS, without the padding.
+        lengths = (out.completion_mask > 0).sum(dim=1).tolist()
+        completion_ids = [ids[:n] for ids, n in zip(out.completion_ids.tolist(), lengths)]
+        return self.scorer.score(
+            rows, completions, completion_ids, repeat, device, state, self.reward_names, env_rewards, environments
+        )
 
     def fail_on_every_rank(self, error: Optional[Exception | str], kind: type[Exception], elsewhere: str) -> None:
         """`lit_rl.training.strategies.fail_on_every_rank` over the trainer's ranks."""
@@ -190,7 +214,8 @@ class RolloutProducer:
         self.engines.release()
 
     def before_validation(self) -> None:
-        """Validation is about to sample with the engine (and push the current weights)."""
+        """The engine is about to sample by the current weights, pushed now (validation, dynamic sampling's
+        refills)."""
 
     def state_dict(self) -> Optional[list[dict[str, Any]]]:
         """What a checkpoint keeps of this rank's production (None: nothing; it samples when asked)."""
@@ -292,10 +317,7 @@ class EpisodeProducer(RolloutProducer):
         out = episodes.output
         host.timer.count("generated_tokens", float(model_token_mask(out).sum()))
         if isinstance(envs[0], TRLEnvironment):
-            # As TRL: reward functions get each episode's prompt (with what `reset` appended) and the user's instances
-            # (`environments=`); None for one whose environment failed or is still busy in an overrunning call.
-            episode_rows = [{**row, "prompt": prompt} for row, prompt in zip(rows_of, prompts)]
-            instances = [None if i in episodes.unfinished else env.instance for i, env in enumerate(envs)]
+            episode_rows, instances = trl_reward_inputs(rows_of, prompts, envs, episodes.unfinished)
             return self.scored(
                 episode_rows, 1, prompt_ids, prompt_mask, out, episodes.env_rewards, environments=instances
             )
@@ -379,6 +401,17 @@ class EpisodeProducer(RolloutProducer):
         return bool(reduce_across_ranks(flag) > 0)
 
 
+def trl_reward_inputs(
+    rows: list[dict[str, Any]], prompts: list[Any], envs: list[Any], unfinished: frozenset[int]
+) -> tuple[list[dict[str, Any]], list[Any]]:
+    """What reward functions get after TRL environment classes' episodes, as in TRL: each episode's row with its
+    prompt (with what `reset` appended), and the user's instances (`environments=`), None for one whose environment
+    failed or is still busy in an overrunning call."""
+    episode_rows = [{**row, "prompt": prompt} for row, prompt in zip(rows, prompts)]
+    instances = [None if i in unfinished else env.instance for i, env in enumerate(envs)]
+    return episode_rows, instances
+
+
 def independent_generate(engine: Any, allowed: bool) -> Optional[Callable[..., RolloutOutput]]:
     """What independent episodes submit their turns to (`lit_rl.rollout.multi_turn.run_episodes`): the engine's
     `concurrent_generate` (a `generate` many threads may call at once), when `allowed` (`model.env.independent_turns`
@@ -429,12 +462,27 @@ class SampledAhead:
         device = self.host.device
         sampled.prompt_ids, sampled.prompt_mask = sampled.prompt_ids.to(device), sampled.prompt_mask.to(device)
         sampled.output = RolloutOutput(*(None if t is None else t.to(device) for t in vars(sampled.output).values()))
-        if sampled.env_rewards is not None:
-            sampled.env_rewards = sampled.env_rewards.to(device)
+        for name in ("env_rewards", "reward_components", "rewards"):
+            if getattr(sampled, name) is not None:
+                setattr(sampled, name, getattr(sampled, name).to(device))
         return sampled
 
+    def engine_for_launch(self) -> Any:
+        """The engine, to stage a version on: it will load the staged versions, so a sampling by the current
+        weights (`sample`) must push them again."""
+        self.engines.weights_step = None
+        return self.engines.started()
+
+    def sample(
+        self, rows: list[dict[str, Any]], repeat: int, params: SamplingParams, seeds: Optional[list[int]] = None
+    ) -> ScoredCompletions:
+        """Completions sampled now by the current weights (validation, dynamic sampling's refills): the
+        generations in flight finish first with their own versions, then the engine takes the current weights."""
+        self.before_validation()
+        return super().sample(rows, repeat, params, seeds)
+
     def before_validation(self) -> None:
-        # Validation pushes the current weights: first let the generations in flight finish with their versions.
+        # Sampling now pushes the current weights: first let the generations in flight finish with their versions.
         if self.engines.built is not None:
             self.in_flight.wait_all(self.engines.built)
             self.in_flight.forget_staged()
@@ -475,7 +523,7 @@ class AsyncProducer(SampledAhead, RolloutProducer):
         host = self.host
         version = self.launched_version(generation)
         prompt_ids, prompt_mask = host.encode_prompts([row["prompt"] for row in rows])
-        engine = self.engines.started()
+        engine = self.engine_for_launch()
         with host.timer.phase("weight_push"):  # staging the weights, when this version is new
             self.in_flight.launch(
                 engine,

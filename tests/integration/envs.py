@@ -171,6 +171,16 @@ def counter_untouched(completions: list, environments: list, **kwargs: Any) -> l
     return [float(isinstance(env, IncrementEnv) and env.counter == 0) for env in environments]
 
 
+def trained_at_step(completions: list, trainer_state: Any, **kwargs: Any) -> list[float]:
+    """The `trainer_state.global_step` the reward functions were given, for every completion."""
+    return [float(trainer_state.global_step)] * len(completions)
+
+
+def fails_after_the_episode(completions: list, environments: list, **kwargs: Any) -> list[float]:
+    """A reward function reading `environments` that raises, as a user's bug does."""
+    raise KeyError(f"no score for a counter at {environments[0].counter}")
+
+
 class BreaksWhenMade(Countdown):
     """Made once to check its arguments (the probe), then raises whenever an episode makes one."""
 

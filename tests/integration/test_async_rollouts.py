@@ -16,14 +16,17 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_rl.algorithms import GRPO, RLOO
-from lit_rl.config import grouped_kwargs
+from lit_rl.config import RolloutArgs, grouped_kwargs
 from lit_rl.data import PromptDataModule
+from lit_rl.errors import ConfigError
 from lit_rl.rollout import VLLMConfig
 from tests.conftest import assert_rows_match, train_rows, without_engine_gap
 from tests.golden.sync_schedule import GOLDEN, RUNS, run
 from tests.snapshot_engine import use_snapshot_engine, weights_digest
 
 pytestmark = pytest.mark.slow
+
+ASYNCHRONOUS_ONLY = ("train/staleness/", "train/rollout_is_frac_corrected")  # metrics a synchronous run has not
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
@@ -50,12 +53,34 @@ class PolicyDigests(Callback):
         self.by_version.setdefault(trainer.global_step, weights_digest(module.policy.state_dict().items()))
 
 
-def _fit(tmp_path: Path, name: str, max_steps: int, ckpt_path=None, every_n=None, algorithm=GRPO, **model_args):
+class BufferVersions(Callback):
+    """The policy version of every row of the buffer each optimizer step trained on, by step (global_step before it)."""
+
+    def __init__(self):
+        self.by_step: dict[int, list[int]] = {}
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.step = trainer.global_step
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.by_step.setdefault(self.step, module._buffer.policy_version.tolist())
+
+
+def _fit(
+    tmp_path: Path,
+    name: str,
+    max_steps: int,
+    ckpt_path=None,
+    every_n=None,
+    algorithm=GRPO,
+    callbacks=(),
+    **model_args,
+):
     args = dict(num_generations=4, micro_batch_size=8, max_new_tokens=4, vllm=VLLMConfig(mode="server"))
     model = algorithm(**grouped_kwargs(algorithm, **{**args, **model_args}))
     engines = use_snapshot_engine(model)
     digests = PolicyDigests()
-    callbacks = [digests]
+    callbacks = [digests, *callbacks]
     if every_n:
         callbacks.append(
             ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", every_n_train_steps=every_n, save_top_k=-1)
@@ -130,6 +155,12 @@ def test_rloo_trains_with_asynchronous_rollouts(tmp_path):
     rows = train_rows(log_dir)
     assert [row["train/staleness/max"] for row in rows] == [0.0, 1.0, 1.0]
     assert engines[0].generated_versions == [0, 0, 1, 2]
+    # Its loss is per sequence, so is its correction: each sequence's term weighed by its truncated ratio.
+    assert all(0.0 <= row["train/rollout_is_frac_corrected"] <= 1.0 for row in rows)
+    model = RLOO(**grouped_kwargs(RLOO, max_staleness=1, vllm=VLLMConfig(mode="server")))
+    assert model.rollout_correction() == "sequence_truncate"
+    with pytest.raises(ConfigError, match="model.rollout.correction token_truncate: RLOO's loss is per sequence"):
+        RLOO(rollout=RolloutArgs(correction="token_truncate"))
 
 
 def test_episodes_are_sampled_ahead_by_the_weights_they_are_tagged_with_and_resume_to_the_same_numbers(tmp_path):
@@ -149,8 +180,7 @@ def test_episodes_are_sampled_ahead_by_the_weights_they_are_tagged_with_and_resu
     for row in rows:  # Countdown: 3 model turns, observations between
         assert row["train/turns"] > 1 and row["train/env_tokens"] > 0, row
     (sync_row,) = train_rows(sync_dir)
-    asynchronous_only = ("train/staleness/", "train/rollout_is_frac_corrected")
-    first = {key: value for key, value in rows[0].items() if not key.startswith(asynchronous_only)}
+    first = {key: value for key, value in rows[0].items() if not key.startswith(ASYNCHRONOUS_ONLY)}
     assert_rows_match([first], [sync_row], rel=1e-5, abs=1e-6)
     checkpoint = torch.load(tmp_path / "full" / "ckpt" / "step=2.ckpt", weights_only=False)
     (pending,) = checkpoint["lit_rl"]["per_rank"][0]["pending"]
@@ -163,6 +193,83 @@ def test_episodes_are_sampled_ahead_by_the_weights_they_are_tagged_with_and_resu
         every_n=2,
         max_staleness=1,
         **episodes,
+    )
+    assert engines[0].generated_versions == [2, 3]  # generation 2 came from the checkpoint
+    assert_rows_match(train_rows(resumed_dir), rows[2:], rel=0, abs=0)
+
+
+def test_trl_environment_classes_run_ahead_with_their_reward_functions_scored_on_the_worker(tmp_path):
+    """TRL's IncrementEnv with k = 1: the reward functions get the episodes' instances (`environments=`) on the
+    engine's worker, where the episodes ran; the first generation (version 0) logs what the synchronous run logged;
+    a checkpoint taken with episodes in flight keeps their scores, and the resumed run logs the same numbers; a
+    reward function that raises there stops the run in one line when its generation is taken."""
+    from lit_rl.errors import RewardFunctionError
+    from tests.qwen_chat import save_qwen_chat_model
+
+    trl = dict(
+        model_name_or_path=str(save_qwen_chat_model(tmp_path / "qwen-chat")),
+        environment="tests.integration.envs.IncrementEnv",
+        reward_funcs=["tests.integration.envs.counter_untouched", "tests.integration.envs.trained_at_step"],
+        max_turns=2,
+    )
+    sync_dir, _, _ = _fit(tmp_path / "sync", "run", 1, **trl)
+    full_dir, engines, _ = _fit(tmp_path / "full", "run", 4, every_n=2, max_staleness=1, **trl)
+    assert engines[0].generated_versions == [0, 0, 1, 2, 3]
+    rows = train_rows(full_dir)
+    # The random model calls no tool, so every counter is untouched: 1 from the instances themselves (None gives 0).
+    assert [row["train/rewards/counter_untouched"] for row in rows] == [1.0] * 4
+    # Scored on the worker ahead of time, but with the trainer state of the step that trains on them (g * m).
+    assert [row["train/rewards/trained_at_step"] for row in rows] == [0.0, 1.0, 2.0, 3.0]
+    (sync_row,) = train_rows(sync_dir)
+    first = {key: value for key, value in rows[0].items() if not key.startswith(ASYNCHRONOUS_ONLY)}
+    assert_rows_match([first], [sync_row], rel=1e-5, abs=1e-6)
+    checkpoint = torch.load(tmp_path / "full" / "ckpt" / "step=2.ckpt", weights_only=False)
+    (pending,) = checkpoint["lit_rl"]["per_rank"][0]["pending"]
+    assert pending["generation"] == 2 and pending["reward_components"].shape == (8, 3)  # 2 functions, get_reward
+    resumed_dir, _, _ = _fit(
+        tmp_path / "resumed",
+        "run",
+        4,
+        ckpt_path=tmp_path / "full" / "ckpt" / "step=2.ckpt",
+        every_n=2,
+        max_staleness=1,
+        **trl,
+    )
+    assert_rows_match(train_rows(resumed_dir), rows[2:], rel=0, abs=0)
+    failing = {**trl, "reward_funcs": ["tests.integration.envs.fails_after_the_episode"]}
+    with pytest.raises(RewardFunctionError) as failed:
+        _fit(tmp_path / "failing", "run", 2, max_staleness=1, **failing)
+    assert "fails_after_the_episode" in str(failed.value) and "no score for a counter at 0" in str(failed.value)
+    assert "\n" not in str(failed.value)
+
+
+def test_dynamic_sampling_refills_by_the_current_weights_and_resumes_to_the_same_numbers(tmp_path):
+    """GRPO's dynamic sampling with k = 1: a generation sampled ahead is judged when it is taken; its refills are
+    sampled then by the step's weights (a plain push, made before the next generation is launched, so the refills do
+    not queue behind it), each row keeping its version; a resumed run logs the same numbers."""
+    args = dict(max_staleness=1, dynamic_sampling=True, max_refill_generations=3, learning_rate=1e-3)
+    versions = BufferVersions()
+    full_dir, engines, digests = _fit(tmp_path / "full", "run", 4, every_n=2, callbacks=[versions], **args)
+    (engine,) = engines
+    for version, digest in engine.staged_digests.items():
+        assert digest == digests.by_version[version], version
+    assert engine.generated_versions == [0, 0, 1, 2, 3]  # generation g by version max(0, g - 1), as without refills
+    rows = train_rows(full_dir)
+    refill_steps = [int(row["step"]) - 1 for row in rows if row["train/refill_generations"] > 0]
+    assert len(refill_steps) >= 2, rows
+    # One push per step with refills, of that step's weights, when generations 0..s had been submitted (not s + 1).
+    assert engine.sync_pushes == [(s + 1, digests.by_version[s]) for s in refill_steps]
+    for row in rows:  # the generation's own rows carry its version max(0, s - 1), refill rows the step's own, s
+        step = int(row["step"]) - 1
+        generation_version, trained = max(0, step - 1), versions.by_step[step]
+        if row["train/refill_generations"] > 0:
+            assert set(trained) <= {generation_version, step}, (step, trained)
+        else:
+            assert trained == [generation_version] * 8, (step, trained)
+        assert row["train/staleness/mean"] == pytest.approx(sum(step - v for v in trained) / 8), row
+    assert any(step in versions.by_step[step] for step in refill_steps if step > 0)  # refill rows were trained on
+    resumed_dir, engines, _ = _fit(
+        tmp_path / "resumed", "run", 4, ckpt_path=tmp_path / "full" / "ckpt" / "step=2.ckpt", every_n=2, **args
     )
     assert engines[0].generated_versions == [2, 3]  # generation 2 came from the checkpoint
     assert_rows_match(train_rows(resumed_dir), rows[2:], rel=0, abs=0)
