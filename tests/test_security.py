@@ -309,6 +309,75 @@ def test_stalled_connections_are_dropped_with_their_partial_files_and_capped(tmp
         receiver.stop()
 
 
+def _cut_after(client, trickle: bytes, limit_s: float) -> float:
+    """Send `trickle` a byte every 0.1 s (no read of the server's ever waits long) until the server cuts the
+    connection, for at most `limit_s`: when it was cut (`time.monotonic()`)."""
+    import socket
+    import time
+
+    client.settimeout(0.1)
+    for byte in (trickle * 1000)[: int(limit_s / 0.1)]:
+        try:
+            client.sendall(bytes([byte]))
+            if client.recv(1000) == b"":
+                break  # the server shut the connection
+        except socket.timeout:
+            continue  # still open, nothing said
+        except OSError:
+            break  # reset
+    return time.monotonic()
+
+
+def test_an_outsider_trickling_requests_cannot_hold_the_trainers_slots(tmp_path, monkeypatch):
+    """Connections wait for their head and token in a pool of their own, a few per address and each for a bounded
+    time however slowly their bytes come; a served request has a deadline for its body: an outsider sending a byte
+    at a time holds no slot the trainer needs, and is cut."""
+    import socket
+    import time
+
+    import lit_rl.rollout.server.weight_receiver as module
+
+    monkeypatch.setattr(module, "MAX_WAITING_PER_PEER", 3)
+    monkeypatch.setattr(module, "MAX_CONNECTIONS", 3)  # as many as the outsider opens: it must take none of them
+    monkeypatch.setattr(module, "HEAD_DEADLINE_S", 1.0)
+    monkeypatch.setattr(module, "REQUEST_TIMEOUT_S", 1.0)  # each read's limit, and the served request's base deadline
+    receiver = module.WeightReceiver(tmp_path / "w", token="secret")
+    _serve(receiver)
+    host, port = receiver.server.server_address[:2]
+    trainer = {"Authorization": "Bearer secret"}
+    outsider = []
+    try:
+        opened = time.monotonic()
+        for _ in range(3):  # from another address: a request line, and the headers never finished
+            client = socket.create_connection((host, port), source_address=("127.0.0.2", 0))
+            client.sendall(b"PUT /files/v1/model.safetensors HTTP/1.1\r\nContent-Length: 10")
+            outsider.append(client)
+        time.sleep(0.3)
+        fourth = socket.create_connection((host, port), source_address=("127.0.0.2", 0), timeout=5)
+        assert fourth.recv(100).startswith(b"HTTP/1.1 503")  # that address holds its share of waiting slots
+        assert _http(receiver.url, "DELETE", "/files/v9", headers=trainer) == 200  # the trainer is served meanwhile
+        # A head still trickling in is cut at its deadline (1 s), though no read ever waited 0.1 s.
+        assert 0.9 < _cut_after(outsider[0], b"0", limit_s=5.0) - opened < 3.0
+        # A served request (the token checked) whose body trickles is cut at REQUEST_TIMEOUT_S plus its body at
+        # MIN_BODY_BYTES_PER_S (1 s here), and its partial file goes.
+        body = socket.create_connection((host, port))
+        opened = time.monotonic()
+        body.sendall(
+            b"PUT /files/v1/model.safetensors HTTP/1.1\r\nAuthorization: Bearer secret\r\nContent-Length: 1000\r\n"
+            b"X-Content-SHA256: 00\r\n\r\n"
+        )
+        assert 0.9 < _cut_after(body, b"x", limit_s=5.0) - opened < 3.0
+        deadline = time.monotonic() + 5
+        while list((tmp_path / "w").glob(".part-v1-*")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not list((tmp_path / "w").glob(".part-v1-*"))
+        assert _http(receiver.url, "DELETE", "/files/v9") == 401  # and without the token, nothing is served
+    finally:
+        for client in outsider:
+            client.close()
+        receiver.stop()
+
+
 def test_links_never_lead_writes_out_of_the_receivers_directory(tmp_path):
     import hashlib
 

@@ -25,8 +25,12 @@ network or a tunnel. The uploader follows no redirect (one would carry the token
 
 What it bounds: a file's `Content-Length` (`--max-file-gib`), the bytes under `--dir` (`--max-total-gib`: an upload
 reserves its bytes before it is accepted, so uploads at once cannot overrun it together), the staging folders at once
-(`MAX_STAGING`), a commit's body, connections at once (`MAX_CONNECTIONS`; more are answered 503) and the time a
-connection may stall (`REQUEST_TIMEOUT_S`). `--dir` is created private (0700), must belong to this user, and nothing
+(`MAX_STAGING`), a commit's body, the time a connection may stall (`REQUEST_TIMEOUT_S`) and connections at once, in
+two pools so that an outsider without the token cannot stop the trainer's uploads (`_BoundedServer`): until its
+request line and headers are in and its token checked, a connection holds a waiting slot (`MAX_WAITING` in all,
+`MAX_WAITING_PER_PEER` from one address, each for at most `HEAD_DEADLINE_S` however slowly the bytes come); then a
+serving slot (`MAX_CONNECTIONS`), for at most `REQUEST_TIMEOUT_S` plus its body at `MIN_BODY_BYTES_PER_S`. More are
+answered 503 at once. `--dir` is created private (0700), must belong to this user, and nothing
 under it may be a symbolic link; names are checked, so nothing is written outside it. Staging folders left by uploads
 that never committed are removed after `STALE_STAGING_S` (looked for at start and at most once a minute after). A
 file lands in its staging folder under the commit lock, so a commit never moves bytes other than those it checked.
@@ -44,6 +48,7 @@ import os
 import re
 import secrets
 import shutil
+import socket
 import stat
 import sys
 import tempfile
@@ -65,8 +70,12 @@ _CHUNK = 1 << 20
 UPLOAD_STREAMS = 4  # files sent at once
 GIB = 1 << 30
 MAX_COMMIT_BYTES = 1 << 20  # a commit names files and digests: kilobytes
-MAX_CONNECTIONS = 16  # handled at once; the trainer uses UPLOAD_STREAMS
+MAX_CONNECTIONS = 16  # requests served at once (their token checked); the trainer uses UPLOAD_STREAMS
+MAX_WAITING = 64  # connections whose request line and headers are not in (or not checked) yet
+MAX_WAITING_PER_PEER = 8  # of those, from one address: one outsider cannot hold them all
+HEAD_DEADLINE_S = 10.0  # a request line and headers not in by then are cut, however slowly they trickle
 REQUEST_TIMEOUT_S = 60.0  # a connection that sends nothing for this long is dropped, its partial file removed
+MIN_BODY_BYTES_PER_S = 1 << 20  # a served request's deadline: REQUEST_TIMEOUT_S + its body at this rate
 STALE_STAGING_S = 3600.0  # a staging folder untouched this long belongs to an upload that will not commit
 STALE_SWEEP_S = 60.0  # how often uploads look for stale staging folders
 MAX_STAGING = 64  # staging folders at once: the trainer keeps one or two (a version and the next)
@@ -256,33 +265,102 @@ def _no_links_under(path: Path, root: Path) -> bool:
 
 
 class _BoundedServer(ThreadingHTTPServer):
-    """A thread per connection, at most MAX_CONNECTIONS at once: more are answered 503 at once."""
+    """A thread per connection (one request each), in two pools (module docstring): waiting until the request's
+    head is in and its token checked (`MAX_WAITING`, `MAX_WAITING_PER_PEER`), then serving (`admit`,
+    `MAX_CONNECTIONS`). A connection that finds its pool full is answered 503 at once."""
 
     daemon_threads = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.slots_lock = threading.Lock()
+        self.waiting: dict[str, int] = {}  # address -> its connections in the waiting pool
+        self.serving: set[Any] = set()  # the connections admitted
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.slots.acquire(blocking=False):
+        peer = client_address[0]
+        with self.slots_lock:
+            free = sum(self.waiting.values()) < MAX_WAITING and self.waiting.get(peer, 0) < MAX_WAITING_PER_PEER
+            if free:
+                self.waiting[peer] = self.waiting.get(peer, 0) + 1
+        if not free:
             try:
                 request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            except OSError:
+                pass
             finally:
                 self.shutdown_request(request)
             return
         super().process_request(request, client_address)
 
+    def admit(self, request: Any, peer: str) -> bool:
+        """Move a connection whose token is checked from the waiting pool to the serving one; False (it stays
+        waiting) when MAX_CONNECTIONS are served."""
+        with self.slots_lock:
+            if len(self.serving) >= MAX_CONNECTIONS:
+                return False
+            self._leave_waiting(peer)
+            self.serving.add(request)
+            return True
+
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.slots.release()
+            with self.slots_lock:
+                if request in self.serving:
+                    self.serving.discard(request)
+                else:
+                    self._leave_waiting(client_address[0])
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], OSError):  # a client gone, or cut at its deadline: nothing to report
+            return
+        super().handle_error(request, client_address)
+
+    def _leave_waiting(self, peer: str) -> None:
+        self.waiting[peer] -= 1
+        if not self.waiting[peer]:
+            del self.waiting[peer]
+
+
+class _Deadline:
+    """Cuts a connection (shuts its socket down, so a blocked read returns) when `seconds` pass before `cancel`:
+    a per-read timeout alone lets a client that sends a byte at a time hold a connection for ever."""
+
+    def __init__(self, connection: Any, seconds: float) -> None:
+        self.fired = False
+        self.timer = threading.Timer(seconds, self._cut, args=(connection,))
+        self.timer.daemon = True
+        self.timer.start()
+
+    def _cut(self, connection: Any) -> None:
+        self.fired = True
+        try:
+            connection.shutdown(socket.SHUT_RDWR)
+        except OSError:  # closed already
+            pass
+
+    def cancel(self) -> None:
+        self.timer.cancel()
 
 
 def _handler(receiver: WeightReceiver) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         timeout = REQUEST_TIMEOUT_S  # the socket's: a stalled read raises, and the request's partial file goes
+
+        def setup(self) -> None:
+            super().setup()
+            self.deadline = _Deadline(self.connection, HEAD_DEADLINE_S)  # for the request line and headers
+
+        def parse_request(self) -> bool:
+            parsed = super().parse_request()  # the headers are read by now (or the head was cut)
+            self.deadline.cancel()
+            return parsed and not self.deadline.fired  # a cut head ends at its EOF: not a request to serve
+
+        def finish(self) -> None:
+            self.deadline.cancel()
+            super().finish()
 
         def _reply(self, status: int, body: dict[str, Any]) -> None:
             data = json.dumps(body).encode()
@@ -298,6 +376,14 @@ def _handler(receiver: WeightReceiver) -> type[BaseHTTPRequestHandler]:
             if not receiver.authorized(self.headers.get("Authorization")):
                 self._reply(401, {"error": "missing or wrong token"})
                 return None
+            if not self.server.admit(self.request, self.client_address[0]):
+                self._reply(503, {"error": f"{MAX_CONNECTIONS} requests are being served: try again"})
+                return None
+            try:  # the whole rest of the request, body included, has a deadline of its own
+                body = max(0, int(self.headers.get("Content-Length", "0")))
+            except ValueError:
+                body = 0  # refused by `_length`
+            self.deadline = _Deadline(self.connection, REQUEST_TIMEOUT_S + body / MIN_BODY_BYTES_PER_S)
             if not self.path.startswith(prefix):
                 self._reply(404, {"error": f"no such endpoint {self.path}"})
                 return None
