@@ -88,33 +88,42 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
 
 
 class UpdateBudget:
-    """What one update (a start to its finish) may still bring into this worker, from the model it loads into: no
-    tensor and no update larger than the whole model (an update: twice, for what a worker does not hold, such as the
-    embeddings of a middle pipeline stage), no name twice. A worker holds a slice of the model: the whole is at most
-    `shards` such slices, `shards` being the number of workers it is split over (tensor, pipeline and data
-    parallel). So a request cannot make a worker allocate more than about a legitimate push does, whatever shapes
-    it names; the loader itself refuses a name the model does not have."""
+    """What one update (a start to its finish) may still bring into this worker, in bytes, from the model it loads
+    into: no tensor and no update larger than the whole model (an update: twice, for what a worker does not hold,
+    such as the embeddings of a middle pipeline stage), no floating dtype wider than the model's widest or float32,
+    no name twice. The model's bytes are counted at float32 at least, as a float32 trainer pushes into a bfloat16
+    server; a wider dtype would otherwise multiply what the elements allocate. A worker holds a slice of the model:
+    the whole is at most `shards` such slices, `shards` being the number of workers it is split over (tensor,
+    pipeline and data parallel). So a request cannot make a worker allocate more than about a legitimate push does,
+    whatever dtypes and shapes it names; the loader itself refuses a name the model does not have."""
 
     def __init__(self, model: torch.nn.Module, shards: int) -> None:
-        whole = shards * sum(parameter.numel() for parameter in model.parameters())
-        self.max_numel = whole
-        self.left_numel = 2 * whole
+        floats = [t.element_size() for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
+        self.max_float_bytes = max([4, *floats])  # bytes per element of the widest floating dtype taken
+        tensors = (*model.parameters(), *model.buffers())
+        whole = shards * sum(t.numel() * max(t.element_size(), 4 if t.is_floating_point() else 0) for t in tensors)
+        self.max_bytes = whole
+        self.left_bytes = 2 * whole
         self.names: set[str] = set()
 
     def take(self, info: GlooUpdateInfo) -> None:
         """Count a chunk against the budget, or raise ValueError naming its first tensor over it (nothing counted)."""
-        numels = [math.prod(shape) for shape in info.shapes]
-        left, seen = self.left_numel, set()
-        for name, numel in zip(info.names, numels):
+        left, seen = self.left_bytes, set()
+        for name, dtype_name, shape in zip(info.names, info.dtype_names, info.shapes):
+            dtype = getattr(torch, dtype_name)
+            if dtype.is_floating_point and dtype.itemsize > self.max_float_bytes:
+                widest = self.max_float_bytes
+                raise ValueError(f"{name}: {dtype_name} is wider than the model's floats ({widest} bytes)")
+            nbytes = math.prod(shape) * dtype.itemsize
             if name in self.names or name in seen:
                 raise ValueError(f"{name}: sent twice in one weight update")
-            if numel > self.max_numel:
-                raise ValueError(f"{name}: {numel} elements, more than the whole model ({self.max_numel})")
-            if numel > left:
-                raise ValueError(f"{name}: the update would bring more than twice the model's elements")
-            left -= numel
+            if nbytes > self.max_bytes:
+                raise ValueError(f"{name}: {nbytes} bytes, more than the whole model ({self.max_bytes})")
+            if nbytes > left:
+                raise ValueError(f"{name}: the update would bring more than twice the model's bytes")
+            left -= nbytes
             seen.add(name)
-        self.left_numel = left
+        self.left_bytes = left
         self.names |= seen
 
 
