@@ -29,8 +29,10 @@ reserves its bytes before it is accepted, so uploads at once cannot overrun it t
 two pools so that an outsider without the token cannot stop the trainer's uploads (`_BoundedServer`): until its
 request line and headers are in and its token checked, a connection holds a waiting slot (`MAX_WAITING` in all,
 `MAX_WAITING_PER_PEER` from one address, each for at most `HEAD_DEADLINE_S` however slowly the bytes come); then a
-serving slot (`MAX_CONNECTIONS`), for at most `REQUEST_TIMEOUT_S` plus its body at `MIN_BODY_BYTES_PER_S`. More are
-answered 503 at once. `--dir` is created private (0700), must belong to this user, and nothing
+serving slot (`MAX_CONNECTIONS`), whose body must arrive within `REQUEST_TIMEOUT_S` plus its length at
+`MIN_BODY_BYTES_PER_S` (256 KiB/s a stream). More are answered 503 at once. An outsider with many addresses can
+still keep the waiting pool full, and then every new connection, the trainer's too, is answered 503: bind the
+receiver where only the trainer reaches it. `--dir` is created private (0700), must belong to this user, and nothing
 under it may be a symbolic link; names are checked, so nothing is written outside it. Staging folders left by uploads
 that never committed are removed after `STALE_STAGING_S` (looked for at start and at most once a minute after). A
 file lands in its staging folder under the commit lock, so a commit never moves bytes other than those it checked.
@@ -75,7 +77,7 @@ MAX_WAITING = 64  # connections whose request line and headers are not in (or no
 MAX_WAITING_PER_PEER = 8  # of those, from one address: one outsider cannot hold them all
 HEAD_DEADLINE_S = 10.0  # a request line and headers not in by then are cut, however slowly they trickle
 REQUEST_TIMEOUT_S = 60.0  # a connection that sends nothing for this long is dropped, its partial file removed
-MIN_BODY_BYTES_PER_S = 1 << 20  # a served request's deadline: REQUEST_TIMEOUT_S + its body at this rate
+MIN_BODY_BYTES_PER_S = 256 << 10  # a served request's body must come within REQUEST_TIMEOUT_S + its length at this
 STALE_STAGING_S = 3600.0  # a staging folder untouched this long belongs to an upload that will not commit
 STALE_SWEEP_S = 60.0  # how often uploads look for stale staging folders
 MAX_STAGING = 64  # staging folders at once: the trainer keeps one or two (a version and the next)
@@ -283,15 +285,20 @@ class _BoundedServer(ThreadingHTTPServer):
             free = sum(self.waiting.values()) < MAX_WAITING and self.waiting.get(peer, 0) < MAX_WAITING_PER_PEER
             if free:
                 self.waiting[peer] = self.waiting.get(peer, 0) + 1
-        if not free:
+        if free:
             try:
-                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-            except OSError:
-                pass
-            finally:
-                self.shutdown_request(request)
+                super().process_request(request, client_address)
+            except BaseException:  # no thread to release it: the slot is given back here
+                with self.slots_lock:
+                    self._leave_waiting(peer)
+                raise
             return
-        super().process_request(request, client_address)
+        try:
+            request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        except OSError:
+            pass
+        finally:
+            self.shutdown_request(request)
 
     def admit(self, request: Any, peer: str) -> bool:
         """Move a connection whose token is checked from the waiting pool to the serving one; False (it stays
@@ -314,7 +321,7 @@ class _BoundedServer(ThreadingHTTPServer):
                     self._leave_waiting(client_address[0])
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        if isinstance(sys.exc_info()[1], OSError):  # a client gone, or cut at its deadline: nothing to report
+        if isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):  # a client gone, stalled or cut
             return
         super().handle_error(request, client_address)
 
@@ -329,19 +336,26 @@ class _Deadline:
     a per-read timeout alone lets a client that sends a byte at a time hold a connection for ever."""
 
     def __init__(self, connection: Any, seconds: float) -> None:
-        self.fired = False
-        self.timer = threading.Timer(seconds, self._cut, args=(connection,))
+        self.fired = self.cancelled = False
+        self.lock = threading.Lock()  # a cut and a cancel at the same moment: one of them, never both
+        self.timer = threading.Timer(min(seconds, threading.TIMEOUT_MAX), self._cut, args=(connection,))
         self.timer.daemon = True
         self.timer.start()
 
     def _cut(self, connection: Any) -> None:
-        self.fired = True
+        with self.lock:
+            if self.cancelled:
+                return
+            self.fired = True
         try:
             connection.shutdown(socket.SHUT_RDWR)
         except OSError:  # closed already
             pass
 
     def cancel(self) -> None:
+        """Stop the deadline (`fired` says whether it had cut the connection already)."""
+        with self.lock:
+            self.cancelled = True
         self.timer.cancel()
 
 
@@ -379,8 +393,9 @@ def _handler(receiver: WeightReceiver) -> type[BaseHTTPRequestHandler]:
             if not self.server.admit(self.request, self.client_address[0]):
                 self._reply(503, {"error": f"{MAX_CONNECTIONS} requests are being served: try again"})
                 return None
-            try:  # the whole rest of the request, body included, has a deadline of its own
-                body = max(0, int(self.headers.get("Content-Length", "0")))
+            self.close_connection = True  # one request a connection: `admit` counts each connection once
+            try:  # the body has a deadline of its own, cancelled once it is in (the work after it has none)
+                body = min(max(0, int(self.headers.get("Content-Length", "0"))), receiver.max_file_bytes)
             except ValueError:
                 body = 0  # refused by `_length`
             self.deadline = _Deadline(self.connection, REQUEST_TIMEOUT_S + body / MIN_BODY_BYTES_PER_S)
@@ -450,6 +465,7 @@ def _handler(receiver: WeightReceiver) -> type[BaseHTTPRequestHandler]:
             except OSError:  # the connection broke or stalled past the timeout: leave nothing behind
                 partial.unlink(missing_ok=True)
                 raise
+            self.deadline.cancel()  # the body is in: checking and landing it are the receiver's own time
             if remaining > 0 or not hmac.compare_digest(digest.hexdigest(), expected):
                 partial.unlink(missing_ok=True)
                 return 400, {"error": f"{name}: the bytes received do not match their SHA-256"}
@@ -476,7 +492,9 @@ def _handler(receiver: WeightReceiver) -> type[BaseHTTPRequestHandler]:
             if length is None:
                 return
             try:
-                expected = json.loads(self.rfile.read(length) or b"{}")["files"]
+                body = self.rfile.read(length)
+                self.deadline.cancel()  # the body is in: the commit's work is the receiver's own time
+                expected = json.loads(body or b"{}")["files"]
                 assert isinstance(expected, dict) and all(isinstance(v, str) for v in expected.values())
             except (ValueError, KeyError, TypeError, AssertionError):
                 self._reply(400, {"error": 'a commit is {"files": {name: sha256}}'})
