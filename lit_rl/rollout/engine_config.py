@@ -355,7 +355,8 @@ class VLLMServer(EngineConfig):
             with the weights.
         request_timeout_s: seconds one HTTP request may take before it counts as failed.
         max_retries: attempts after the first for a request that failed to connect, timed out, or got a 5xx
-            answer; waits 1, 2, 4, ... seconds in between. Then the run stops with an error naming the URL.
+            answer; waits 1, 2, 4, ... seconds in between (uploads to a weight receiver: 0.5, 1, 2, ...). Then the
+            run stops with an error naming the URL.
         wait_for_server_s: how long the first request waits for a server that is still starting.
         dtype: the dtype the server was started with, if known (`auto`: unknown), for `model.rollout.correction: auto`.
         push_bucket_mib: weights are gathered (ZeRO-3) and pushed a bucket of at most this many MiB at a time

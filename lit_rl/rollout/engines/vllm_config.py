@@ -61,7 +61,8 @@ class VLLMConfig:
             next weight push, with the weights.
         request_timeout_s: (server) seconds one HTTP request may take before it counts as failed.
         max_retries: (server) attempts after the first for a request that failed to connect, timed out, or got a
-            5xx answer; waits 1, 2, 4, ... seconds in between. Then the run stops with an error naming the URL.
+            5xx answer; waits 1, 2, 4, ... seconds in between (uploads to a weight receiver: 0.5, 1, 2, ...). Then
+            the run stops with an error naming the URL.
         wait_for_server_s: (server) how long the first request waits for a server that is still starting.
         push_bucket_mib: weights are gathered (ZeRO-3) and pushed a bucket of at most this many MiB at a time,
             so no rank holds a second full copy of the model (see `lit_rl.rollout.weights`). The server engine
