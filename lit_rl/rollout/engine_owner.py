@@ -59,6 +59,11 @@ class EngineOwner:
             self.weights_step = global_step
         return engine
 
+    def weights_replaced(self) -> None:
+        """The engine's weights are being replaced outside `engine()` (asynchronous rollouts stage versions on it):
+        the next `engine()` pushes the current ones again."""
+        self.weights_step = None
+
     def weight_stream(self):
         """The policy's weights as a lazy stream of (name, tensor) buckets, for an engine to load."""
         bucket_mib = getattr(self.config, "push_bucket_mib", DEFAULT_BUCKET_MIB)

@@ -470,7 +470,7 @@ class SampledAhead:
     def engine_for_launch(self) -> Any:
         """The engine, to stage a version on: it will load the staged versions, so a sampling by the current
         weights (`sample`) must push them again."""
-        self.engines.weights_step = None
+        self.engines.weights_replaced()
         return self.engines.started()
 
     def sample(

@@ -133,17 +133,26 @@ def test_resume_from_a_checkpoint_taken_with_generations_in_flight_logs_the_same
     args = dict(max_staleness=2)
     full_dir, _, _ = _fit(tmp_path / "full", "run", 6, every_n=2, **args)
     assert saved_steps_in(tmp_path / "full" / "ckpt") == [2, 4, 6]
-    checkpoint = torch.load(tmp_path / "full" / "ckpt" / "step=2.ckpt", weights_only=False)
-    pending = checkpoint["lit_rl"]["per_rank"][0]["pending"]
+    pending = _pending_at_step_2(tmp_path)
     # After 2 steps (k = 2): generations 0 and 1 were trained on; 2 (version 0) and 3 (version 1) were in flight.
     assert [(entry["generation"], entry["version"]) for entry in pending] == [(2, 0), (3, 1)]
-    resumed_dir, engines, _ = _fit(
-        tmp_path / "resumed", "run", 6, ckpt_path=tmp_path / "full" / "ckpt" / "step=2.ckpt", every_n=2, **args
-    )
+    resumed_dir, engines, _ = _resumed_from_step_2(tmp_path, 6, **args)
     assert saved_steps_in(tmp_path / "resumed" / "ckpt") == [4, 6]
     # Generations 2 and 3 came from the checkpoint: the resumed engine sampled generations 4-7 (versions 2-5).
     assert engines[0].generated_versions == [2, 3, 4, 5]
     assert_rows_match(train_rows(resumed_dir), train_rows(full_dir), rel=0, abs=0)
+
+
+def _resumed_from_step_2(tmp_path: Path, max_steps: int, **args):
+    """`_fit` resumed from the `full` run's checkpoint at step 2 (every 2 steps), into `resumed`."""
+    checkpoint = tmp_path / "full" / "ckpt" / "step=2.ckpt"
+    return _fit(tmp_path / "resumed", "run", max_steps, ckpt_path=checkpoint, every_n=2, **args)
+
+
+def _pending_at_step_2(tmp_path: Path) -> list[dict]:
+    """The generations in flight that the `full` run's checkpoint at step 2 kept (its rank's `pending`)."""
+    checkpoint = torch.load(tmp_path / "full" / "ckpt" / "step=2.ckpt", weights_only=False)
+    return checkpoint["lit_rl"]["per_rank"][0]["pending"]
 
 
 def saved_steps_in(directory: Path) -> list[int]:
@@ -182,18 +191,9 @@ def test_episodes_are_sampled_ahead_by_the_weights_they_are_tagged_with_and_resu
     (sync_row,) = train_rows(sync_dir)
     first = {key: value for key, value in rows[0].items() if not key.startswith(ASYNCHRONOUS_ONLY)}
     assert_rows_match([first], [sync_row], rel=1e-5, abs=1e-6)
-    checkpoint = torch.load(tmp_path / "full" / "ckpt" / "step=2.ckpt", weights_only=False)
-    (pending,) = checkpoint["lit_rl"]["per_rank"][0]["pending"]
+    (pending,) = _pending_at_step_2(tmp_path)
     assert (pending["generation"], pending["version"]) == (2, 1) and pending["sampled_mask"].shape[0] == 8
-    resumed_dir, engines, _ = _fit(
-        tmp_path / "resumed",
-        "run",
-        4,
-        ckpt_path=tmp_path / "full" / "ckpt" / "step=2.ckpt",
-        every_n=2,
-        max_staleness=1,
-        **episodes,
-    )
+    resumed_dir, engines, _ = _resumed_from_step_2(tmp_path, 4, max_staleness=1, **episodes)
     assert engines[0].generated_versions == [2, 3]  # generation 2 came from the checkpoint
     assert_rows_match(train_rows(resumed_dir), rows[2:], rel=0, abs=0)
 
@@ -223,18 +223,9 @@ def test_trl_environment_classes_run_ahead_with_their_reward_functions_scored_on
     (sync_row,) = train_rows(sync_dir)
     first = {key: value for key, value in rows[0].items() if not key.startswith(ASYNCHRONOUS_ONLY)}
     assert_rows_match([first], [sync_row], rel=1e-5, abs=1e-6)
-    checkpoint = torch.load(tmp_path / "full" / "ckpt" / "step=2.ckpt", weights_only=False)
-    (pending,) = checkpoint["lit_rl"]["per_rank"][0]["pending"]
+    (pending,) = _pending_at_step_2(tmp_path)
     assert pending["generation"] == 2 and pending["reward_components"].shape == (8, 3)  # 2 functions, get_reward
-    resumed_dir, _, _ = _fit(
-        tmp_path / "resumed",
-        "run",
-        4,
-        ckpt_path=tmp_path / "full" / "ckpt" / "step=2.ckpt",
-        every_n=2,
-        max_staleness=1,
-        **trl,
-    )
+    resumed_dir, _, _ = _resumed_from_step_2(tmp_path, 4, max_staleness=1, **trl)
     assert_rows_match(train_rows(resumed_dir), rows[2:], rel=0, abs=0)
     failing = {**trl, "reward_funcs": ["tests.integration.envs.fails_after_the_episode"]}
     with pytest.raises(RewardFunctionError) as failed:
@@ -268,9 +259,7 @@ def test_dynamic_sampling_refills_by_the_current_weights_and_resumes_to_the_same
             assert trained == [generation_version] * 8, (step, trained)
         assert row["train/staleness/mean"] == pytest.approx(sum(step - v for v in trained) / 8), row
     assert any(step in versions.by_step[step] for step in refill_steps if step > 0)  # refill rows were trained on
-    resumed_dir, engines, _ = _fit(
-        tmp_path / "resumed", "run", 4, ckpt_path=tmp_path / "full" / "ckpt" / "step=2.ckpt", every_n=2, **args
-    )
+    resumed_dir, engines, _ = _resumed_from_step_2(tmp_path, 4, **args)
     assert engines[0].generated_versions == [2, 3]  # generation 2 came from the checkpoint
     assert_rows_match(train_rows(resumed_dir), rows[2:], rel=0, abs=0)
 

@@ -98,9 +98,9 @@ class UpdateBudget:
     whatever dtypes and shapes it names; the loader itself refuses a name the model does not have."""
 
     def __init__(self, model: torch.nn.Module, shards: int) -> None:
-        floats = [t.element_size() for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
-        self.max_float_bytes = max([4, *floats])  # bytes per element of the widest floating dtype taken
         tensors = (*model.parameters(), *model.buffers())
+        floats = [t.element_size() for t in tensors if t.is_floating_point()]
+        self.max_float_bytes = max([4, *floats])  # bytes per element of the widest floating dtype taken
         whole = shards * sum(t.numel() * max(t.element_size(), 4 if t.is_floating_point() else 0) for t in tensors)
         self.max_bytes = whole
         self.left_bytes = 2 * whole
