@@ -36,6 +36,7 @@ ENVIRONMENT = "an environment (`model.env`)"
 # What every on-policy algorithm may add to its training metrics (`OnPolicyModule.rollout_train_metrics`).
 ON_POLICY_EXTRAS: list[tuple[str, Callable[[], dict]]] = [
     ("`model.rollout.max_staleness` > 0", asynchronous_rollout_metrics),
+    ("`model.rollout.in_flight_updates` on", lambda: asynchronous_rollout_metrics(in_flight_updates=True)),
     ("`model.schedule.micro_batch_tokens` set", token_budget_metrics),
     (ENVIRONMENT, episode_metrics),
 ]

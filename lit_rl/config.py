@@ -300,6 +300,11 @@ class RolloutArgs:
             by that one version (`lit_rl.rollout.async_episodes`; with TRL's environment classes the reward
             functions score there too). 0 (default):
             synchronous.
+        in_flight_updates: with `model.env` and `max_staleness > 0`: the engine takes each newer policy version
+            between the episodes' turns, while they run, and the generations' episodes run side by side, instead of
+            each generation's to its end by one version (`lit_rl.rollout.in_flight`). Every token records its
+            version (`train/staleness/token_mean`); a row's staleness is its oldest token's, still at most k. Not
+            bit-reproducible: where an episode switches versions depends on timing. Default false.
         correction (GRPO, PPO, RLOO): weigh the policy term by the importance ratio of the trainer's probability of
             the sampled tokens over the engine's (`lit_rl.losses.rollout_is_weights` has the formulas):
             `token_truncate` (per token, truncated at `correction_cap`), `sequence_truncate` (the sequence's ratio,
@@ -318,6 +323,7 @@ class RolloutArgs:
 
     engine: Optional[EngineConfig] = None
     max_staleness: int = 0
+    in_flight_updates: bool = False
     correction: str = "auto"
     correction_cap: float = 2.0
     dynamic_sampling: bool = False
@@ -346,6 +352,11 @@ class RolloutArgs:
         if not 0 <= self.max_refill_generations <= MAX_REFILLS:
             raise ConfigError(
                 f"model.rollout.max_refill_generations must be in [0, {MAX_REFILLS}], got {self.max_refill_generations}"
+            )
+        if self.in_flight_updates and self.max_staleness == 0:
+            raise ConfigError(
+                "model.rollout.in_flight_updates needs model.rollout.max_staleness > 0: weights are updated in flight "
+                "only while episodes are sampled in the background"
             )
         engine = self.engine_config
         if self.max_staleness > 0 and not engine.samples_in_background:

@@ -37,6 +37,9 @@ class RolloutBatch:
     kl: Optional[torch.Tensor] = None  # [N] RLOO: sum_t (old_logprobs - ref_logprobs), the reward penalty's KL
     advantage_std: Optional[torch.Tensor] = None  # [N] RLOO: std of the generation's advantages, on every row
     policy_version: Optional[torch.Tensor] = None  # [N] long, the optimizer steps done by the weights that sampled it
+    # In-flight weight updates (`lit_rl.rollout.in_flight`): each token's version [N, T] long (-1 off the model's
+    # tokens); `policy_version` is then each row's oldest.
+    token_versions: Optional[torch.Tensor] = None
     # Dynamic sampling: the generation's refills and fraction of groups dropped, the same on each of its rows.
     refill_generations: Optional[torch.Tensor] = None  # [N] float
     frac_groups_dropped: Optional[torch.Tensor] = None  # [N] float

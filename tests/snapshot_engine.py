@@ -1,17 +1,29 @@
 """An `AsyncRolloutEngine` for tests that need no vLLM: HF `generate` on a copy of the policy, in a worker thread,
 loading for each generation the weights staged for its version. It records what it did, so tests can check that
-every generation was sampled with the weights of the step it was tagged with."""
+every generation was sampled with the weights of the step it was tagged with. With in-flight weight updates
+(`take_weights_in_flight`) its jobs run side by side and load each staged version between turns, through lit-rl's
+own gate (`lit_rl.rollout.in_flight`)."""
 
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
 from lit_rl.rollout import HFGenerateEngine, RolloutOutput, SamplingParams
+from lit_rl.rollout.in_flight import InFlightWeights
+
+STAGED_VERSIONS: list[int] = []  # every version staged in this process, in order (what test environments wait on)
+
+
+def newest_staged() -> int:
+    """The newest version any SnapshotEngine of this process has staged (-1: none yet)."""
+    return max(STAGED_VERSIONS, default=-1)
 
 
 def weights_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -35,6 +47,9 @@ class SnapshotEngine:
         self.submitted = 0  # generations and jobs submitted so far
         self.sync_pushes: list[tuple[int, str]] = []  # (generations submitted before it, digest) per plain push
         self.worker = ThreadPoolExecutor(max_workers=1)
+        self.in_flight: Optional[InFlightWeights] = None
+        self.loaded_versions: list[int] = []  # in-flight: the versions the gate loaded, in order
+        self._one_generate = threading.Lock()  # HF generate on one model copy: one call at a time
 
     def _load(self, weights: dict[str, torch.Tensor]) -> None:
         missing, unexpected = self.model.load_state_dict(weights, strict=False)
@@ -44,6 +59,22 @@ class SnapshotEngine:
         weights = {name: tensor.detach().clone().cpu() for name, tensor in named_tensors}
         self.staged[version] = weights
         self.staged_digests[version] = weights_digest(weights.items())
+        STAGED_VERSIONS.append(version)
+        if self.in_flight is not None:
+            self.in_flight.staged(version)
+
+    def take_weights_in_flight(self) -> None:
+        if self.in_flight is None:
+            self.in_flight = InFlightWeights(self._load_version)
+            self.worker = ThreadPoolExecutor(max_workers=4)  # asked for before the first job
+
+    def _load_version(self, version: int) -> None:
+        self._load(self.staged[version])
+        self.loaded_versions.append(version)
+
+    def _generate_alone(self, *args, **kwargs) -> RolloutOutput:
+        with self._one_generate:
+            return self.inner.generate(*args, **kwargs)
 
     def submit(self, prompt_ids, prompt_mask, params: SamplingParams, seeds, version: int) -> Future:
         self.submitted += 1
@@ -60,6 +91,8 @@ class SnapshotEngine:
     def submit_job(self, payload, job, version: int) -> Future:
         self.submitted += 1
         work = job([payload])  # one rank: its own payload, prepared on the calling thread as the server engine does
+        if self.in_flight is not None:
+            return self.worker.submit(work, functools.partial(self.in_flight.sample, self._generate_alone))
         return self.worker.submit(self._run_job, self.staged[version], work, version)
 
     def _run_job(self, weights, work, version):
@@ -79,6 +112,8 @@ class SnapshotEngine:
         weights = {name: tensor.detach().clone().cpu() for name, tensor in named_tensors}
         self.sync_pushes.append((self.submitted, weights_digest(weights.items())))
         self._load(weights)
+        if self.in_flight is not None:
+            self.in_flight.weights_replaced()
 
     def close(self) -> None:
         self.worker.shutdown(wait=True)

@@ -107,6 +107,7 @@ class OnPolicyModule(PolicyModule):
         self.engine_config = rollout.engine_config
         self.vllm_config = self.engine_config.vllm  # lit-rl's vLLM engines' settings; None for any other engine
         self.max_staleness = rollout.max_staleness
+        self.in_flight_updates = rollout.in_flight_updates
         # The parts: plain objects, never nn.Module attributes nor hyperparameters.
         self.reward_scorer = RewardScorer(rewards)  # the reward functions and their weights
         self.engines = EngineOwner(self.engine_config, self)
@@ -144,7 +145,16 @@ class OnPolicyModule(PolicyModule):
                 return EpisodeProducer(parts, **episode_args)
             steps = self.optimizer_steps_per_generation
             return AsyncEpisodeProducer(
-                parts, steps_per_generation=steps, max_staleness=self.max_staleness, **episode_args
+                parts,
+                steps_per_generation=steps,
+                max_staleness=self.max_staleness,
+                in_flight_updates=self.in_flight_updates,
+                **episode_args,
+            )
+        if self.in_flight_updates:
+            raise ConfigError(
+                "model.rollout.in_flight_updates needs model.env: weights change between an episode's turns, and a "
+                "single completion is one turn (without model.env, max_staleness alone bounds its lag)"
             )
         if self.max_staleness > 0:
             steps = self.optimizer_steps_per_generation
@@ -191,7 +201,7 @@ class OnPolicyModule(PolicyModule):
     def rollout_train_metrics(self, metrics: MetricCollection) -> MetricCollection:
         """The algorithm's training collection, with the staleness metrics of asynchronous rollouts, as `train/`."""
         if self.max_staleness > 0:
-            metrics.add_metrics(asynchronous_rollout_metrics())
+            metrics.add_metrics(asynchronous_rollout_metrics(self.in_flight_updates))
         if self.micro_batch_tokens is not None:
             metrics.add_metrics(token_budget_metrics())
         if self.env_args.enabled:
@@ -377,6 +387,7 @@ class OnPolicyModule(PolicyModule):
             advantages=torch.zeros_like(rewards),
             group_reward_std=group_std,
             policy_version=scored.row_versions(),
+            token_versions=out.token_versions if self.in_flight_updates else None,
             sampled_mask=out.sampled_mask,
             episode_stats=out.episode_stats,
         )
@@ -486,6 +497,8 @@ class OnPolicyModule(PolicyModule):
             staleness = (self.trainer.global_step - mb.policy_version).float()  # [n] optimizer steps
             m["staleness/mean"].update(staleness)
             m["staleness/max"].update(staleness)
+        if mb.token_versions is not None:  # in-flight updates: each model token by the version that sampled it
+            m["staleness/token_mean"].update((self.trainer.global_step - mb.token_versions[tokens]).float())
         components = mb.reward_components
         update_rollout_metrics(m, self.reward_names, mb.rewards, components, model_tokens, mb.group_reward_std)
         update_episode_metrics(m, mb.episode_stats)

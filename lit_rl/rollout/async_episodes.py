@@ -3,7 +3,10 @@ lag (`model.rollout.max_staleness = k > 0`, the schedule of `lit_rl.rollout.asyn
 
 Generation g's episodes run on the engine's worker (rank 0, `AsyncRolloutEngine.submit_job`) with the weights of
 version v(g) while the trainer trains steps v(g) .. g*m - 1; every turn of an episode is sampled by that one
-version, so `train/staleness` and the rollout correction mean what they mean for single completions.
+version, so `train/staleness` and the rollout correction mean what they mean for single completions. With in-flight
+weight updates (`model.rollout.in_flight_updates`, `lit_rl.rollout.in_flight`) the generations' episodes run side
+by side instead, and the engine takes each newer version between their turns: each token records its version, and
+a row is as stale as its oldest token.
 
 - At launch, on the training thread of rank 0: every rank's rows come to rank 0, which makes an environment per
   row, resets them all at once (`model.env.concurrency`) and renders the prompts (the tokenizer is used on this
@@ -36,6 +39,7 @@ from lit_rl.errors import ConfigError, EnvironmentStepError, RewardFunctionError
 from lit_rl.rewards import TrainerState
 from lit_rl.rollout.asynchronous import AsyncGenerations
 from lit_rl.rollout.base import RolloutOutput, unpadded_prompts
+from lit_rl.rollout.in_flight import oldest_token_versions
 from lit_rl.rollout.multi_turn import Episodes
 from lit_rl.rollout.producer import (
     REWARD_FAILED_ELSEWHERE,
@@ -79,15 +83,24 @@ class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
     Args:
         steps_per_generation: m = `steps_per_generation x num_iterations`.
         max_staleness: k = `model.rollout.max_staleness`.
+        in_flight_updates: `model.rollout.in_flight_updates`: the engine takes each newer version between the
+            episodes' turns (`lit_rl.rollout.in_flight`), instead of only between generations.
         parts, episode_args: as `EpisodeProducer`.
     """
 
     def __init__(
-        self, parts: ProducerParts, *, steps_per_generation: int, max_staleness: int, **episode_args: Any
+        self,
+        parts: ProducerParts,
+        *,
+        steps_per_generation: int,
+        max_staleness: int,
+        in_flight_updates: bool = False,
+        **episode_args: Any,
     ) -> None:
         super().__init__(parts, **episode_args)
         self.steps_per_generation = steps_per_generation
         self.max_staleness = max_staleness
+        self.in_flight_updates = in_flight_updates
         self.in_flight = AsyncGenerations()
         self._worker_tokenizer: Any = None  # the worker's own copy: a tokenizer is not safe on two threads at once
         self._concurrent_jobs = False  # whether the engine's jobs sample with its `concurrent_generate`
@@ -105,6 +118,13 @@ class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
                 f"model.env with model.rollout.max_staleness > 0: the engine {type(engine).__name__} samples in the "
                 "background but cannot run episodes there (it has no submit_job; see lit_rl.rollout.asynchronous)"
             )
+        if self.in_flight_updates:
+            if not callable(getattr(engine, "take_weights_in_flight", None)):
+                raise ConfigError(
+                    f"model.rollout.in_flight_updates: the engine {type(engine).__name__} cannot take weights while "
+                    "it samples (it has no take_weights_in_flight; see lit_rl.rollout.in_flight)"
+                )
+            engine.take_weights_in_flight()
         with self.host.timer.phase("weight_push"):  # staging the weights, when this version is new
             job = functools.partial(self._episodes_job, state)
             self.in_flight.launch_job(engine, generation, version, payload, job, self.engines.weight_stream)
@@ -162,6 +182,7 @@ class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
                     out.logprobs[rank],
                     sampled_mask=out.sampled_mask[rank],
                     episode_stats=episodes.stats[rank],
+                    token_versions=None if out.token_versions is None else out.token_versions[rank],
                 )
                 result = EpisodeResult(ids, mask, output, episodes.env_rewards[rank], error, reward_error=reward_error)
                 if scores is not None:
@@ -215,8 +236,11 @@ class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
         self.fail_on_every_rank(sampled.error, EnvironmentStepError, "the environment failed on another rank")
         out = sampled.output
         self.host.timer.count("generated_tokens", float(model_token_mask(out).sum()))
+        version: int | torch.Tensor = sampled.version
+        if out.token_versions is not None:  # in-flight updates: a row is as stale as its oldest token
+            version = oldest_token_versions(out.token_versions, model_token_mask(out), sampled.version)
         if sampled.rewards is not None or sampled.reward_error is not None:  # TRL classes: scored on the worker
             self.fail_on_every_rank(sampled.reward_error, RewardFunctionError, REWARD_FAILED_ELSEWHERE)
             components, rewards = sampled.reward_components, sampled.rewards
-            return ScoredCompletions(sampled.prompt_ids, sampled.prompt_mask, out, components, rewards, sampled.version)
-        return self.scored(rows, 1, sampled.prompt_ids, sampled.prompt_mask, out, sampled.env_rewards, sampled.version)
+            return ScoredCompletions(sampled.prompt_ids, sampled.prompt_mask, out, components, rewards, version)
+        return self.scored(rows, 1, sampled.prompt_ids, sampled.prompt_mask, out, sampled.env_rewards, version)

@@ -15,7 +15,10 @@ resumed run equals the uninterrupted one, and `k = 0` is the synchronous schedul
 Engines that can generate in the background implement `AsyncRolloutEngine`: the trainer stages the weights of a
 version (a collective: ZeRO-3 gathers them), submits a generation tagged with the version it must be sampled with
 (a collective: the prompts go to whoever talks to the engine), and later collects it (a collective: failures reach
-every rank). The engine samples each generation with exactly the version it was tagged with, one after the other.
+every rank). The engine samples each generation with exactly the version it was tagged with, one after the other;
+with in-flight weight updates (`model.rollout.in_flight_updates`, episodes only) an engine that has
+`take_weights_in_flight` runs the generations' episodes side by side and takes newer versions between their turns
+instead (`lit_rl.rollout.in_flight`).
 
 A checkpoint waits for the generations in flight and keeps their finished completions: the weights they were
 sampled with are not in the checkpoint (only the newest are), so regenerating them on resume is impossible; the
@@ -208,6 +211,7 @@ class AsyncGenerations:
                     entry["logprobs"],
                     sampled_mask=entry.get("sampled_mask"),
                     episode_stats=entry.get("episode_stats"),
+                    token_versions=entry.get("token_versions"),
                 ),
                 job="env_rewards" in entry,
                 env_rewards=entry.get("env_rewards"),
@@ -228,6 +232,8 @@ def _episode_state(item: PendingGeneration) -> dict[str, Any]:
     return {
         "sampled_mask": item.output.sampled_mask.cpu(),
         "episode_stats": item.output.episode_stats.cpu(),
+        # in-flight weight updates: each token's version (its turn's), as the weights that sampled them are gone
+        "token_versions": None if item.output.token_versions is None else item.output.token_versions.cpu(),
         "env_rewards": item.env_rewards.cpu(),
         "error": item.error,
         # TRL environment classes: their scores, as no checkpoint can keep the instances the functions read

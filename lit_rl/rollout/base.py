@@ -43,6 +43,9 @@ class RolloutOutput:
     # and each episode's EPISODE_STATS [N, 5]. None for single-turn completions.
     sampled_mask: Optional[torch.Tensor] = None
     episode_stats: Optional[torch.Tensor] = None
+    # In-flight weight updates (`lit_rl.rollout.in_flight`): the policy version that sampled each token [N, T] long
+    # (that of the turn it belongs to; observation tokens and padding carry -1). None otherwise: one version per row.
+    token_versions: Optional[torch.Tensor] = None
 
 
 Generate = Callable[..., RolloutOutput]  # generate(prompt_ids, prompt_mask, params, seeds=None), as an engine's

@@ -36,7 +36,7 @@ from lit_rl.data.schedule import refill_seed_key
 from lit_rl.rollout.base import RolloutOutput, SamplingParams
 from lit_rl.rollout.producer import RolloutProducer, ScoredCompletions
 from lit_rl.training.rank_balance import concat_batches, exchange_rows
-from lit_rl.types import RolloutBatch
+from lit_rl.types import RolloutBatch, model_token_mask
 
 ZERO_STD = 1e-6  # a group's rewards whose std is below this all agree
 
@@ -127,6 +127,7 @@ class DynamicSampling:
             chosen.rollout_logprobs,
             sampled_mask=chosen.sampled_mask,  # multi-turn: the episodes' model tokens and statistics move along
             episode_stats=chosen.episode_stats,
+            token_versions=chosen.token_versions,
         )
         return ScoredCompletions(
             chosen.prompt_ids,
@@ -194,4 +195,15 @@ def _as_rollout_batch(piece: ScoredCompletions) -> RolloutBatch:
         sampled_mask=out.sampled_mask,
         episode_stats=out.episode_stats,
         policy_version=piece.row_versions(),
+        token_versions=_token_versions(piece),
     )
+
+
+def _token_versions(piece: ScoredCompletions) -> torch.Tensor:
+    """Each model token's version [N, T]: the engine's (in-flight weight updates), else its row's; so that pieces
+    with and without them (a refill sampled by the current weights) stack."""
+    out = piece.output
+    if out.token_versions is not None:
+        return out.token_versions
+    versions = piece.row_versions()[:, None].expand_as(out.completion_ids)
+    return torch.where(model_token_mask(out) > 0, versions, torch.full_like(versions, -1))

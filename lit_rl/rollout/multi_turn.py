@@ -41,6 +41,9 @@ class Episodes:
     unfinished: frozenset[int] = frozenset()  # episodes whose environment failed or overran: never asked to `finish`
 
 
+Piece = tuple[list[int], list[float], bool, Optional[int]]  # ids, log-probs, sampled by the model, its version
+
+
 def turn_seed(seed: int, turn: int) -> int:
     """The sampling seed of `turn` (0-based) of the episode whose seed is `seed` (turn 0 keeps it)."""
     return (seed + turn * 1_000_003) % (2**31 - 1)
@@ -146,7 +149,8 @@ class _EpisodeBatch:
         self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
         self.prompts = prompts
         self.contexts = [list(p) for p in prompts]
-        self.pieces: list[list[tuple[list[int], list[float], bool]]] = [[] for _ in range(n)]
+        # Each episode's pieces: (ids, log-probs, sampled by the model, the version that sampled them or None)
+        self.pieces: list[list[Piece]] = [[] for _ in range(n)]
         self.used = [0] * n
         self.turns = [0] * n  # model turns sampled so far
         self.env_rewards = torch.zeros(n, len(reward_names))
@@ -172,7 +176,8 @@ class _EpisodeBatch:
         stepped on its last turn)."""
         length = min(int(out.completion_mask[row].sum()), budget)
         sampled = out.completion_ids[row, :length].tolist()
-        self.pieces[i].append((sampled, out.logprobs[row, :length].float().tolist(), True))
+        version = None if out.token_versions is None else int(out.token_versions[row, 0])  # in-flight updates
+        self.pieces[i].append((sampled, out.logprobs[row, :length].float().tolist(), True, version))
         self.contexts[i] += sampled
         self.used[i] += length
         self.turns[i] += 1
@@ -210,7 +215,7 @@ class _EpisodeBatch:
             self._fail(i, f"{self.env_name}.step's observation cannot be encoded: {type(err).__name__}: {err}")
             return False
         observation = observation[: self.max_total_tokens - self.used[i]]
-        self.pieces[i].append((observation, [0.0] * len(observation), False))
+        self.pieces[i].append((observation, [0.0] * len(observation), False, None))
         self.contexts[i] += observation
         self.used[i] += len(observation)
         self.stats[i, 3] += len(observation)
@@ -351,21 +356,33 @@ def _finish(
     return error
 
 
-def _transcripts(pieces: list[list[tuple[list[int], list[float], bool]]], pad_id: int, device: Any) -> RolloutOutput:
-    """Each episode's pieces laid end to end, right-padded: ids, real-token mask, log-probs and sampled mask."""
-    width = max(1, max(sum(len(ids) for ids, _, _ in episode) for episode in pieces))
+def _transcripts(pieces: list[list[Piece]], pad_id: int, device: Any) -> RolloutOutput:
+    """Each episode's pieces laid end to end, right-padded: ids, real-token mask, log-probs and sampled mask, and
+    with in-flight weight updates each model token's version (-1 elsewhere)."""
+    width = max(1, max(sum(len(piece[0]) for piece in episode) for episode in pieces))
     n = len(pieces)
     ids = torch.full((n, width), pad_id, dtype=torch.long)
     real = torch.zeros(n, width)
     sampled = torch.zeros(n, width)
     logprobs = torch.zeros(n, width)
+    versions = torch.full((n, width), -1, dtype=torch.long)
+    tagged = False
     for row, episode in enumerate(pieces):
         start = 0
-        for piece_ids, piece_logprobs, by_model in episode:
+        for piece_ids, piece_logprobs, by_model, version in episode:
             end = start + len(piece_ids)
             ids[row, start:end] = torch.tensor(piece_ids, dtype=torch.long)
             logprobs[row, start:end] = torch.tensor(piece_logprobs)
             real[row, start:end] = 1.0
             sampled[row, start:end] = float(by_model)
+            if version is not None:
+                versions[row, start:end] = version
+                tagged = True
             start = end
-    return RolloutOutput(ids.to(device), real.to(device), logprobs.to(device), sampled_mask=sampled.to(device))
+    return RolloutOutput(
+        ids.to(device),
+        real.to(device),
+        logprobs.to(device),
+        sampled_mask=sampled.to(device),
+        token_versions=versions.to(device) if tagged else None,
+    )

@@ -159,7 +159,7 @@ class RolloutProducer:
         prompt_mask: torch.Tensor,
         out: RolloutOutput,
         env_rewards: Optional[torch.Tensor] = None,
-        version: Optional[int] = None,
+        version: Optional[int | torch.Tensor] = None,
         environments: Optional[list[Any]] = None,
     ) -> ScoredCompletions:
         """The engine's completions of `rows` x `repeat` with their rewards (`RewardScorer.score`); `version`:

@@ -113,9 +113,15 @@ def on_policy_training_metrics(reward_names: Iterable[str]) -> dict:
     }
 
 
-def asynchronous_rollout_metrics() -> dict:
-    """What asynchronous rollouts add: the staleness of each consumed sample, `global_step - policy_version`."""
-    return {"staleness/mean": mean("completion"), "staleness/max": largest("completion")}
+def asynchronous_rollout_metrics(in_flight_updates: bool = False) -> dict:
+    """What asynchronous rollouts add: the staleness of each consumed sample, `global_step - policy_version` (with
+    in-flight weight updates, its oldest token's), and with those the mean staleness of the model's tokens, each by
+    the version that sampled it (`staleness/token_mean`, lower than `staleness/mean` when episodes took newer
+    weights between their turns)."""
+    metrics = {"staleness/mean": mean("completion"), "staleness/max": largest("completion")}
+    if in_flight_updates:
+        metrics["staleness/token_mean"] = mean("token")
+    return metrics
 
 
 def episode_metrics() -> dict:

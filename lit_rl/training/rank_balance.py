@@ -35,6 +35,7 @@ COMPLETION_FIELDS = (
     "old_values",
     "token_advantages",
     "returns",
+    "token_versions",
 )
 
 
@@ -85,7 +86,7 @@ def padded_fields(batch: RolloutBatch, prompt_width: int, completion_width: int,
             fill = pad_id if f.name == "prompt_ids" else 0
             value = torch.nn.functional.pad(value, (prompt_width - value.shape[1], 0), value=fill)
         elif f.name in COMPLETION_FIELDS:
-            fill = pad_id if f.name == "completion_ids" else 0
+            fill = {"completion_ids": pad_id, "token_versions": -1}.get(f.name, 0)
             value = torch.nn.functional.pad(value, (0, completion_width - value.shape[1]), value=fill)
         out[f.name] = value
     return out

@@ -191,3 +191,35 @@ class BreaksWhenMade(Countdown):
         if BreaksWhenMade.made > 1:
             raise RuntimeError("the sandbox pool is empty\nsecond line")
         super().__init__(turns, bonus)
+
+
+class AwaitsNewerWeights(Countdown):
+    """Countdown whose first episode of each generation in `wait_in` (episodes counted by their resets in this
+    process, `per_generation` a generation) answers its first turn only once the engine (`tests.snapshot_engine`)
+    has staged weights newer than at its reset: with in-flight weight updates, its later turns must be sampled by
+    them. Waits at most 60 s, then raises."""
+
+    _resets = itertools.count()
+
+    def __init__(self, turns: int = 3, bonus: float = 0.25, wait_in: tuple = (), per_generation: int = 8) -> None:
+        super().__init__(turns, bonus)
+        self.wait_in, self.per_generation = tuple(wait_in), per_generation
+        self.waits, self.staged_at_reset = False, -1
+
+    def reset(self, row: dict[str, Any]) -> None:
+        from tests.snapshot_engine import newest_staged
+
+        index = next(AwaitsNewerWeights._resets)
+        self.waits = index % self.per_generation == 0 and index // self.per_generation in self.wait_in
+        self.staged_at_reset = newest_staged()
+        return None
+
+    def step(self, completion: str) -> StepResult:
+        from tests.snapshot_engine import newest_staged
+
+        deadline = time.monotonic() + 60
+        while self.waits and self.done_turns == 0 and newest_staged() <= self.staged_at_reset:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no weights newer than version {self.staged_at_reset} were staged within 60 s")
+            time.sleep(0.01)
+        return super().step(completion)

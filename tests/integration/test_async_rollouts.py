@@ -6,6 +6,7 @@ copy of the policy, in a worker thread); the vLLM server's own tests are in test
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from lit_rl.config import RolloutArgs, grouped_kwargs
 from lit_rl.data import PromptDataModule
 from lit_rl.errors import ConfigError
 from lit_rl.rollout import VLLMConfig
+from lit_rl.rollout.base import unpadded_prompts
+from lit_rl.types import model_token_mask
 from tests.conftest import assert_rows_match, train_rows, without_engine_gap
 from tests.golden.sync_schedule import GOLDEN, RUNS, run
 from tests.snapshot_engine import use_snapshot_engine, weights_digest
@@ -287,3 +290,81 @@ def test_episodes_that_cannot_start_stop_the_run_in_one_line_when_their_generati
     with pytest.raises(EnvironmentStepError) as failed:
         _fit(tmp_path, "broken", 2, environment="tests.integration.envs.BreaksWhenMade", max_staleness=1)
     assert str(failed.value) == ("model.env: the episodes could not start: RuntimeError: the sandbox pool is empty")
+
+
+class BufferRows(Callback):
+    """What each optimizer step trained on, by step (global_step before it): prompt and completion ids, each model
+    token's version (-1 elsewhere) and each row's policy version, as lists."""
+
+    def __init__(self):
+        self.by_step: dict[int, dict[str, list]] = {}
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.step = trainer.global_step
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        buffer = module._buffer
+        self.by_step.setdefault(
+            self.step,
+            {
+                "prompts": sorted(unpadded_prompts(buffer.prompt_ids, buffer.prompt_mask)),
+                "completions": buffer.completion_ids.tolist(),
+                "token_versions": buffer.token_versions.tolist(),
+                "row_versions": buffer.policy_version.tolist(),
+                "model_tokens": model_token_mask(buffer).tolist(),
+            },
+        )
+
+
+def test_in_flight_updates_reach_a_running_episode_between_its_turns_and_resume_loses_no_prompt(tmp_path):
+    """`model.rollout.in_flight_updates` with episodes, k = 1: generation 1's first episode answers its first turn
+    only once version 1 is staged (when generation 2 is launched, beside it): its later turns are sampled by version
+    1, its first by 0, and the row is as stale as its oldest token. Every model token's version lies between its
+    generation's v(g) and the step training on it, never decreasing along an episode; each version the engine loaded
+    was the policy's at that step. A checkpoint taken with episodes in flight keeps their tokens' versions, and the
+    resumed run trains the same generation from it and the same prompts after it: none lost, none twice."""
+    from tests.integration.envs import AwaitsNewerWeights
+
+    episodes = dict(
+        environment="tests.integration.envs.AwaitsNewerWeights",
+        environment_args={"wait_in": [1], "per_generation": 8},
+        max_turns=3,
+        max_new_tokens=3,
+        max_staleness=1,
+        in_flight_updates=True,
+    )
+    AwaitsNewerWeights._resets = itertools.count()
+    trained = BufferRows()
+    full_dir, engines, digests = _fit(tmp_path / "full", "run", 4, every_n=2, callbacks=[trained], **episodes)
+    (engine,) = engines
+    for version, digest in engine.staged_digests.items():
+        assert digest == digests.by_version[version], version
+    assert engine.loaded_versions == sorted(set(engine.loaded_versions)) and 1 in engine.loaded_versions
+    for step, buffer in trained.by_step.items():
+        launched = max(0, step - 1)  # v(g) of generation g = step
+        rows = zip(buffer["token_versions"], buffer["model_tokens"], buffer["row_versions"])
+        for versions, mask, row_version in rows:
+            sampled = [v for v, m in zip(versions, mask) if m > 0]
+            assert sampled == sorted(sampled) and launched <= sampled[0] and sampled[-1] <= step, (step, versions)
+            assert row_version == sampled[0]
+    mixed = [versions for versions in trained.by_step[1]["token_versions"] if {0, 1} <= set(versions)]
+    assert len(mixed) >= 1, trained.by_step[1]["token_versions"]  # the waiting episode went on under version 1
+    rows = train_rows(full_dir)
+    assert [row["train/staleness/max"] for row in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert rows[1]["train/staleness/token_mean"] < rows[1]["train/staleness/mean"] == 1.0
+    assert all(row["train/staleness/token_mean"] <= row["train/staleness/mean"] for row in rows)
+    (pending,) = _pending_at_step_2(tmp_path)
+    assert pending["generation"] == 2 and pending["token_versions"].shape == pending["completion_ids"].shape
+    assert set(pending["token_versions"].unique().tolist()) <= {-1, 1}  # by v(2) = 1: no newer version before it
+    resumed = BufferRows()
+    AwaitsNewerWeights._resets = itertools.count(16)  # generations 3 and 4 (2 comes from the checkpoint): no wait
+    _resumed_from_step_2(tmp_path, 4, callbacks=[resumed], **episodes)
+    assert resumed.by_step[2] == trained.by_step[2]  # generation 2, as the checkpoint kept it
+    assert resumed.by_step[3]["prompts"] == trained.by_step[3]["prompts"]
+
+
+def test_in_flight_updates_need_episodes_and_an_asynchronous_run():
+    with pytest.raises(ConfigError, match=r"^model.rollout.in_flight_updates needs model.rollout.max_staleness > 0"):
+        RolloutArgs(in_flight_updates=True).check()
+    with pytest.raises(ConfigError, match=r"^model.rollout.in_flight_updates needs model.env: "):
+        GRPO(**grouped_kwargs(GRPO, max_staleness=1, in_flight_updates=True, vllm=VLLMConfig(mode="server")))

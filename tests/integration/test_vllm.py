@@ -495,6 +495,13 @@ def test_episodes_score_the_engines_tokens_with_the_colocated_and_the_server_eng
     assert [row["train/staleness/max"] for row in rows] == [0.0, 1.0]
     assert rows[0]["train/rollout_logprob_diff/max"] < TOLERANCE
     assert all(row["train/turns"] > 1 and row["train/env_tokens"] > 0 for row in rows), rows
+    # In flight: the generations' episodes run side by side, the server taking each newer version between turns;
+    # every token's version reaches the trainer (`train/staleness/token_mean`), a row's staleness is its oldest's.
+    in_flight = (*server, "--model.rollout.in_flight_updates", "true")
+    rows = train_rows(_fit(tmp_path, "in_flight_env", *in_flight, *environment, max_steps=2))
+    assert [row["train/staleness/max"] for row in rows] == [0.0, 1.0]
+    assert rows[0]["train/staleness/token_mean"] == 0.0 and rows[0]["train/rollout_logprob_diff/max"] < TOLERANCE
+    assert 0.0 <= rows[1]["train/staleness/token_mean"] <= rows[1]["train/staleness/mean"] <= 1.0
 
 
 def test_the_server_engine_uploads_weights_to_a_receiver_beside_the_server(tmp_path, vllm_server):

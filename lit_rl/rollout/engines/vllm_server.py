@@ -20,7 +20,9 @@ Asynchronous rollouts (`model.rollout.max_staleness > 0`, `lit_rl.rollout.asynch
 version are staged into their own subdirectory `v<version>/` (with a broadcast transfer: as host copies on rank 0, one
 per version not yet loaded), and rank 0 runs the submitted generations one after the other on a worker thread, each
 first loading the version it was tagged with (so a completion never spans two versions), while the training thread
-goes on; the completions are scattered back when the trainer collects them.
+goes on; the completions are scattered back when the trainer collects them. With in-flight weight updates
+(`model.rollout.in_flight_updates`, episodes only) the submitted episodes run side by side instead, and the servers
+take each newly staged version between turns (`lit_rl.rollout.in_flight`).
 
 Several servers (`model.rollout.engine.server_urls`, `lit_rl.rollout.server.pool`): each generation's requests are
 dealt out across them after a health check, and every push reaches all of them; a server that fails either stops the
@@ -33,6 +35,7 @@ backoff, then stop the run with one line naming the URL. 4xx answers fail at onc
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import tempfile
@@ -47,6 +50,7 @@ import torch
 from lit_rl.errors import LitRLError
 from lit_rl.rollout.base import Generate, RolloutOutput, SamplingParams, draw_seeds, padded_output, unpadded_prompts
 from lit_rl.rollout.engines.vllm_config import VLLMConfig
+from lit_rl.rollout.in_flight import InFlightWeights
 from lit_rl.rollout.server.client import (  # noqa: F401  (re-exported: the names users and tests import from here)
     LocalVLLMServer,
     RolloutServerError,
@@ -63,6 +67,9 @@ from lit_rl.rollout.server.weight_receiver import private_directory
 CUT_SHORT = {"abort", "error"}  # finish reasons of a completion the engine stopped before it ended
 
 WEIGHT_SHARD = "model-{:05d}.safetensors"
+# With in-flight weight updates, the most jobs (generations of episodes) running at once: the schedule launches at
+# most k // m + 1 ahead of the one being trained on (`lit_rl.rollout.asynchronous`); more wait their turn.
+IN_FLIGHT_JOBS = 8
 
 
 class VLLMServerEngine:
@@ -86,6 +93,7 @@ class VLLMServerEngine:
         self.transfer = CollectiveTransfer(config) if config.broadcasts_weights and self.rank == 0 else None
         self._staged: dict[int, list[tuple[str, torch.Tensor]]] = {}  # version -> host copies (broadcast, async)
         self._worker: Optional[ThreadPoolExecutor] = None  # rank 0's background generations (asynchronous mode)
+        self.in_flight: Optional[InFlightWeights] = None  # in-flight weight updates, once asked for (rank 0)
         self._own_sync_dir = False
         self.sync_dir: Optional[str] = None
         # Rank 0 alone connects; every rank learns whether it worked, so none waits on a dead one.
@@ -213,6 +221,7 @@ class VLLMServerEngine:
     def _push(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         if self.transfer is not None:
             self._broadcast(named_tensors)
+            self._weights_replaced()
             return
         self._write(named_tensors, self.sync_dir)
         self.pool.upload(self.sync_dir, "current")  # uploaded, checked and committed before a server is touched
@@ -223,6 +232,11 @@ class VLLMServerEngine:
 
         self.pool.on_each(reload)
         self.pool.readmit(self.pool.recover(), reload)
+        self._weights_replaced()
+
+    def _weights_replaced(self) -> None:
+        if self.in_flight is not None:
+            self.in_flight.weights_replaced()
 
     def _broadcast(
         self,
@@ -297,6 +311,7 @@ class VLLMServerEngine:
 
             def stage() -> None:
                 self._staged[version] = host_copies(named_tensors)
+                self._offer_in_flight(version)
 
             _on_rank0_then_share(stage, self.rank, self.world_size)
             return
@@ -304,8 +319,20 @@ class VLLMServerEngine:
         def write_and_send() -> None:
             self._write(iter(named_tensors), self._version_dir(version))
             self.pool.upload(self._version_dir(version), f"v{version}")
+            self._offer_in_flight(version)
 
         _on_rank0_then_share(write_and_send, self.rank, self.world_size)
+
+    def _offer_in_flight(self, version: int) -> None:
+        if self.in_flight is not None:  # the episodes running take it between their turns
+            self.in_flight.staged(version)
+
+    def take_weights_in_flight(self) -> None:
+        """In-flight weight updates (`lit_rl.rollout.in_flight`) from now on: submitted jobs run side by side, and
+        their turns take each version staged from now on as soon as the turns under way have ended. Asked for
+        before the first job is submitted; later calls change nothing."""
+        if self.in_flight is None and self.rank == 0:
+            self.in_flight = InFlightWeights(self._load_version)
 
     def submit(
         self,
@@ -346,6 +373,8 @@ class VLLMServerEngine:
             failed: Future = Future()
             failed.set_exception(err)
             return failed
+        if self.in_flight is not None:  # its turns take the newest staged version, v(g) or later
+            return self._background().submit(work, functools.partial(self.in_flight.sample, self.concurrent_generate))
         return self._background().submit(self._run_with_version, work, version)
 
     def collect_job(self, ticket: Any) -> Any:
@@ -353,9 +382,11 @@ class VLLMServerEngine:
         return _on_rank0_then_scatter(lambda: ticket.result(), self.rank, self.world_size)
 
     def _background(self) -> ThreadPoolExecutor:
-        """Rank 0's worker thread: submitted generations and jobs run on it one after the other."""
+        """Rank 0's worker thread: submitted generations and jobs run on it one after the other (with in-flight
+        weight updates, side by side, on as many threads)."""
         if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lit-rl-rollout")
+            workers = IN_FLIGHT_JOBS if self.in_flight is not None else 1
+            self._worker = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lit-rl-rollout")
         return self._worker
 
     def _run_with_version(self, work: Callable[[Generate], list[Any]], version: int) -> list[Any]:
