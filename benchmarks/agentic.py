@@ -21,12 +21,16 @@ sandbox or a remote tool does. Each run is `lit-rl fit` in its own process, one 
   back; `synchronous, turn by turn` is the same with `--model.env.independent_turns false` (every running
   episode's turn t in one batch, as before 0.3). With `--model.rollout.max_staleness 1` the next generation's
   episodes run on the server while the trainer updates; `cores shared` is the same with the cores not split
-  (`VLLM_CPU_OMP_THREADS_BIND=nobind`, as before lit-rl split them).
+  (`VLLM_CPU_OMP_THREADS_BIND=nobind`, as before lit-rl split them); `in flight k=1` adds
+  `--model.rollout.in_flight_updates true`: the generations' episodes run side by side, the server taking each newer
+  version between turns (`lit_rl.rollout.in_flight`).
 
 The HF rows with `latency_s` 0.1 and 0 (the same episodes answered at once), the server's with 0.1. Reported per
 row: seconds per optimizer step (`perf/step_s`, the median of the steps after the first), the share of it the
 trainer waits for its episodes (`perf/generation_s`: synchronous, the engine's turns and the environment's steps;
-asynchronous, only what the update did not hide), and completions per second. Rows run interleaved, round by round,
+asynchronous, only what the update did not hide), completions per second, and for asynchronous rows the mean
+staleness of the trained rows and of the model's tokens (`train/staleness/mean`, `token_mean`: in flight, later
+turns may be sampled by newer weights than an episode's first). Rows run interleaved, round by round,
 so that a noisy machine affects them alike; each round's values are kept.
 """
 
@@ -66,6 +70,7 @@ MODES = {  # mode: (engine, the `lit-rl fit` options that make it, environment v
     "synchronous": ("vLLM server", SERVER, {}, (0.1,)),
     "asynchronous k=1": ("vLLM server", ASYNC, {}, (0.1,)),
     "asynchronous k=1, cores shared": ("vLLM server", ASYNC, SHARED_CORES, (0.1,)),
+    "in flight k=1": ("vLLM server", [*ASYNC, "--model.rollout.in_flight_updates", "true"], {}, (0.1,)),
 }
 
 
@@ -143,12 +148,22 @@ def one_run(mode: str, latency_s: float, steps: int, workdir: Path) -> dict:
         raise SystemExit(f"agentic.py: the {mode} run at {latency_s} s failed:\n{result.stderr[-3000:]}")
     metrics = next((workdir / "runs" / name).glob("version_*/metrics.csv"))
     step_s, generation_s = per_step(metrics, "perf/step_s")[1:], per_step(metrics, "perf/generation_s")[1:]
-    return {"step_s": statistics.median(step_s), "generation_s": statistics.median(generation_s)}
+    run = {"step_s": statistics.median(step_s), "generation_s": statistics.median(generation_s)}
+    for key in ("staleness/mean", "staleness/token_mean"):  # asynchronous rows; token_mean in flight only
+        values = per_step(metrics, f"train/{key}")[1:]
+        if values:
+            run[key.replace("/", "_")] = statistics.mean(values)
+    return run
 
 
 def summarise(mode: str, latency_s: float, rounds: list[dict]) -> dict:
     step_s = statistics.median(r["step_s"] for r in rounds)
     generation_s = statistics.median(r["generation_s"] for r in rounds)
+    staleness = {  # over the rounds' means of the steps after the first
+        key: statistics.mean(r[key] for r in rounds)
+        for key in ("staleness_mean", "staleness_token_mean")
+        if key in rounds[0]
+    }
     return {
         "mode": mode,
         "engine": MODES[mode][0],
@@ -159,6 +174,7 @@ def summarise(mode: str, latency_s: float, rounds: list[dict]) -> dict:
         "generation_s": generation_s,
         "rollout_share": generation_s / step_s,
         "samples_per_s": EPISODES_PER_STEP / step_s,
+        **staleness,
         "rounds": rounds,
     }
 
@@ -181,7 +197,7 @@ def markdown_table(results: list[dict]) -> str:
 
 def claims(results: list[dict]) -> list[str]:
     """The prose numbers the docs quote: concurrent against lock-step, independent episodes against turn by turn,
-    asynchronous against synchronous, and split cores against shared ones."""
+    asynchronous against synchronous, split cores against shared ones, and in flight against asynchronous."""
     by = {(r["mode"], r["latency_s"]): r for r in results}
     out = []
     pairs = (
@@ -189,6 +205,7 @@ def claims(results: list[dict]) -> list[str]:
         ("synchronous, turn by turn", "synchronous"),
         ("synchronous", "asynchronous k=1"),
         ("asynchronous k=1, cores shared", "asynchronous k=1"),
+        ("asynchronous k=1", "in flight k=1"),
     )
     for before, after in pairs:
         for latency in sorted({latency for _, latency in by if latency > 0}, reverse=True):
