@@ -300,11 +300,11 @@ class RolloutArgs:
             by that one version (`lit_rl.rollout.async_episodes`; with TRL's environment classes the reward
             functions score there too). 0 (default):
             synchronous.
-        in_flight_updates: with `model.env` and `max_staleness > 0`: the engine takes each newer policy version
-            between the episodes' turns, while they run, and the generations' episodes run side by side, instead of
-            each generation's to its end by one version (`lit_rl.rollout.in_flight`). Every token records its
-            version (`train/staleness/token_mean`); a row's staleness is its oldest token's, still at most k. Not
-            bit-reproducible: where an episode switches versions depends on timing. Default false.
+        in_flight_updates: with `model.env` and `max_staleness > 0`: the engine takes each version the trainer
+            stages for a launch between the episodes' turns, while they run, and the generations' episodes run side
+            by side, instead of each generation's to its end by one version (`lit_rl.rollout.in_flight`). Every
+            token records its version (`train/staleness/token_mean`); a row's staleness is its oldest token's, still
+            at most k. Not bit-reproducible: where an episode switches versions depends on timing. Default false.
         correction (GRPO, PPO, RLOO): weigh the policy term by the importance ratio of the trainer's probability of
             the sampled tokens over the engine's (`lit_rl.losses.rollout_is_weights` has the formulas):
             `token_truncate` (per token, truncated at `correction_cap`), `sequence_truncate` (the sequence's ratio,

@@ -18,13 +18,6 @@ import torch
 from lit_rl.rollout import HFGenerateEngine, RolloutOutput, SamplingParams
 from lit_rl.rollout.in_flight import InFlightWeights
 
-STAGED_VERSIONS: list[int] = []  # every version staged in this process, in order (what test environments wait on)
-
-
-def newest_staged() -> int:
-    """The newest version any SnapshotEngine of this process has staged (-1: none yet)."""
-    return max(STAGED_VERSIONS, default=-1)
-
 
 def weights_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     """A hash of the weights' names and bytes: equal digests mean equal weights."""
@@ -59,7 +52,6 @@ class SnapshotEngine:
         weights = {name: tensor.detach().clone().cpu() for name, tensor in named_tensors}
         self.staged[version] = weights
         self.staged_digests[version] = weights_digest(weights.items())
-        STAGED_VERSIONS.append(version)
         if self.in_flight is not None:
             self.in_flight.staged(version)
 

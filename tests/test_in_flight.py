@@ -94,6 +94,26 @@ def test_replaced_weights_are_loaded_again_and_a_failed_load_fails_the_turn_that
         InFlightWeights(engine.load).sample(engine.generate, "too early")
 
 
+def test_a_closed_engine_fails_the_turns_waiting_for_an_update_and_those_that_would_start():
+    engine = Engine()
+    gate = InFlightWeights(engine.load)
+    gate.staged(0)
+    engine.held["long turn"] = threading.Event()
+    with ThreadPoolExecutor(2) as pool:
+        long_turn = pool.submit(gate.sample, engine.generate, "long turn")
+        assert engine.started.setdefault("long turn", threading.Event()).wait(10)
+        gate.staged(1)
+        waiting = pool.submit(gate.sample, engine.generate, "waiting")
+        gate.close()
+        with pytest.raises(RuntimeError, match="the engine was closed"):
+            waiting.result(10)
+        engine.held["long turn"].set()
+        assert long_turn.result(10).token_versions.unique().tolist() == [0]  # the turn under way ends as it began
+    with pytest.raises(RuntimeError, match="the engine was closed"):
+        gate.sample(engine.generate, "later")
+    assert engine.loaded == [0]
+
+
 def test_a_row_is_as_stale_as_its_oldest_sampled_token():
     versions = torch.tensor([[2, 2, -1, 3], [-1, -1, -1, -1]])
     sampled = torch.tensor([[1.0, 1.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]])

@@ -5,8 +5,8 @@ Generation g's episodes run on the engine's worker (rank 0, `AsyncRolloutEngine.
 version v(g) while the trainer trains steps v(g) .. g*m - 1; every turn of an episode is sampled by that one
 version, so `train/staleness` and the rollout correction mean what they mean for single completions. With in-flight
 weight updates (`model.rollout.in_flight_updates`, `lit_rl.rollout.in_flight`) the generations' episodes run side
-by side instead, and the engine takes each newer version between their turns: each token records its version, and
-a row is as stale as its oldest token.
+by side instead, and the engine takes each version staged for a later launch between their turns: each token
+records its version, and a row is as stale as its oldest token.
 
 - At launch, on the training thread of rank 0: every rank's rows come to rank 0, which makes an environment per
   row, resets them all at once (`model.env.concurrency`) and renders the prompts (the tokenizer is used on this
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import queue
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -68,6 +69,24 @@ class EpisodeResult:
     reward_error: Optional[str] = None
 
 
+class _TokenizerCopies:
+    """Copies of the tokenizer for the worker's jobs, one per job running (a tokenizer is not safe on two threads at
+    once; with in-flight weight updates several jobs run at once): taken on the training thread when a generation is
+    launched (a new copy made when none is free), given back by the job when it ends."""
+
+    def __init__(self) -> None:
+        self._free: queue.SimpleQueue = queue.SimpleQueue()
+
+    def take(self, tokenizer: Any) -> Any:
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            return copy.deepcopy(tokenizer)
+
+    def give(self, copied: Any) -> None:
+        self._free.put(copied)
+
+
 class _WorkerEngine:
     """The `generate` that `AsyncRolloutEngine.submit_job` hands the worker, as `run_episodes` calls an engine; an
     engine whose jobs sample with its `concurrent_generate` lets the episodes go on on their own."""
@@ -83,8 +102,8 @@ class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
     Args:
         steps_per_generation: m = `steps_per_generation x num_iterations`.
         max_staleness: k = `model.rollout.max_staleness`.
-        in_flight_updates: `model.rollout.in_flight_updates`: the engine takes each newer version between the
-            episodes' turns (`lit_rl.rollout.in_flight`), instead of only between generations.
+        in_flight_updates: `model.rollout.in_flight_updates`: the engine takes the versions staged for later
+            launches between the episodes' turns (`lit_rl.rollout.in_flight`), instead of only between generations.
         parts, episode_args: as `EpisodeProducer`.
     """
 
@@ -102,7 +121,7 @@ class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
         self.max_staleness = max_staleness
         self.in_flight_updates = in_flight_updates
         self.in_flight = AsyncGenerations()
-        self._worker_tokenizer: Any = None  # the worker's own copy: a tokenizer is not safe on two threads at once
+        self._worker_tokenizers = _TokenizerCopies()  # the jobs' own: a tokenizer is not safe on two threads at once
         self._concurrent_jobs = False  # whether the engine's jobs sample with its `concurrent_generate`
 
     def launch(self, generation: int, rows: list[dict[str, Any]]) -> None:
@@ -148,13 +167,17 @@ class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
             message = str(err).strip().splitlines()[0] if str(err).strip() else ""
             failed = f"model.env: the episodes could not start: {type(err).__name__}: {message}"
             return lambda generate: [self._failed(count, failed) for count in counts]
-        if self._worker_tokenizer is None:
-            self._worker_tokenizer = copy.deepcopy(self.host.tokenizer)
-        tokenizer = self._worker_tokenizer
+        tokenizer = self._worker_tokenizers.take(self.host.tokenizer)
         observations = ObservationEncoder(tokenizer, self.tool_schemas)
         concurrent = self._concurrent_jobs
 
         def work(generate: Callable[..., RolloutOutput]) -> list[EpisodeResult]:
+            try:
+                return episodes_of(generate)
+            finally:
+                self._worker_tokenizers.give(tokenizer)
+
+        def episodes_of(generate: Callable[..., RolloutOutput]) -> list[EpisodeResult]:
             episodes = self.run_episodes(
                 _WorkerEngine(generate, concurrent),
                 envs,

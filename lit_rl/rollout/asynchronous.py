@@ -9,7 +9,8 @@ and launched as soon as those weights exist, at the start of optimizer step v(g)
 trainer runs steps v(g) .. g*m - 1, and its first update is exactly k steps newer than the policy that sampled it
 (fewer in the first generations). The lag is fixed, not "whatever the engine managed": every sample is a function
 of the run's seed, the generation and the weights of version v(g), so the numbers do not depend on timing, a
-resumed run equals the uninterrupted one, and `k = 0` is the synchronous schedule. `v(g)` travels with every sample
+resumed run equals the uninterrupted one, and `k = 0` is the synchronous schedule. (In-flight weight updates,
+below, give that up: where an episode takes a newer version depends on timing.) `v(g)` travels with every sample
 (`RolloutBatch.policy_version`); `train/staleness/{mean,max}` log `global_step - v(g)` per consumed sample.
 
 Engines that can generate in the background implement `AsyncRolloutEngine`: the trainer stages the weights of a

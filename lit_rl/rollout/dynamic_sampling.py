@@ -118,7 +118,8 @@ class DynamicSampling:
         if groups == list(range(prompts)):  # the generation as sampled: nothing to move
             return replace(first, **stats)
         pad = host.tokenizer.pad_token_id
-        pool = concat_batches([_as_rollout_batch(piece) for piece in pieces], pad)
+        tagged = any(piece.output.token_versions is not None for piece in pieces)  # in flight: on every rank alike
+        pool = concat_batches([_as_rollout_batch(piece, tagged) for piece in pieces], pad)
         rows_here = rows_for_rank(groups, G, n, world, host.trainer.global_rank, len(pieces))
         chosen = exchange_rows(pool, rows_here, host.gather_stacked, pad)
         output = RolloutOutput(
@@ -179,7 +180,7 @@ class DynamicSampling:
         self.inner.close()
 
 
-def _as_rollout_batch(piece: ScoredCompletions) -> RolloutBatch:
+def _as_rollout_batch(piece: ScoredCompletions, token_versions: bool = False) -> RolloutBatch:
     """Scored completions as a RolloutBatch (advantages and statistics to come), so that their rows can move."""
     out, zeros = piece.output, torch.zeros_like(piece.rewards)
     return RolloutBatch(
@@ -195,13 +196,13 @@ def _as_rollout_batch(piece: ScoredCompletions) -> RolloutBatch:
         sampled_mask=out.sampled_mask,
         episode_stats=out.episode_stats,
         policy_version=piece.row_versions(),
-        token_versions=_token_versions(piece),
+        token_versions=_token_versions(piece) if token_versions else None,
     )
 
 
 def _token_versions(piece: ScoredCompletions) -> torch.Tensor:
     """Each model token's version [N, T]: the engine's (in-flight weight updates), else its row's; so that pieces
-    with and without them (a refill sampled by the current weights) stack."""
+    with them and without (a refill sampled by the current weights) stack."""
     out = piece.output
     if out.token_versions is not None:
         return out.token_versions

@@ -11,9 +11,14 @@ running, and every turn (one `generate` call of an episode) passes through `InFl
 - the turn's tokens record the version that sampled them (`RolloutOutput.token_versions`), so a long episode's
   later turns carry newer versions than its first.
 
-Why between turns, not inside one (vLLM's pause can keep a request mid-sequence): a turn is at most
-`max_new_tokens` long, so an update waits at most one turn; and every token of a turn, with the engine log-prob
-the rollout correction divides by, comes from the one version that sampled it.
+Why between turns, not inside one (vLLM's pause can keep a request mid-sequence): every token of a turn, with the
+engine log-prob the rollout correction divides by, comes from the one version that sampled it. The cost: an update
+waits for the turns under way, each at most `max_new_tokens` long (and those still queued for a server's request
+slots: `lit_rl.rollout.server.pool`).
+
+The versions staged are those the schedule launches generations with, v(g) (`lit_rl.rollout.asynchronous`): one
+per generation, so with m = `steps_per_generation x num_iterations` > 1 the versions between launches never reach
+the engine.
 
 The staleness bound still holds for the oldest token of each sequence: generation g is launched, as without
 in-flight updates, once the weights of v(g) exist, so its first turn is sampled by v(g) or a newer version, and
@@ -44,6 +49,7 @@ class InFlightWeights:
         self._loaded: Optional[int] = None  # the version the engine holds (None: unknown, load before sampling)
         self._running = 0  # turns under way
         self._loading = False
+        self._closed = False
 
     def staged(self, version: int) -> None:
         """The trainer staged the weights of `version`: turns started from now on wait for it to be loaded."""
@@ -55,6 +61,12 @@ class InFlightWeights:
         """The engine's weights were replaced outside the staged versions (a plain push): load again first."""
         with self._changed:
             self._loaded = None
+
+    def close(self) -> None:
+        """The engine is closing: turns that would start from now on fail instead (their jobs are abandoned)."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
 
     def sample(self, generate: Generate, *args: Any, **kwargs: Any) -> RolloutOutput:
         """`generate(*args, **kwargs)` by the newest staged version, its tokens tagged with it."""
@@ -72,8 +84,10 @@ class InFlightWeights:
         this turn as under way and return that version."""
         while True:
             with self._changed:
-                while self._loading or (self._loaded != self._newest and self._running):
+                while not self._closed and (self._loading or (self._loaded != self._newest and self._running)):
                     self._changed.wait()
+                if self._closed:
+                    raise RuntimeError("in-flight weight updates: the engine was closed")
                 if self._newest is None:
                     raise RuntimeError("in-flight weight updates: a turn was sampled before any weights were staged")
                 if self._loaded == self._newest:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
-from typing import Any
+from typing import Any, Optional
 
 from lit_rl.envs import StepResult
 
@@ -195,31 +196,45 @@ class BreaksWhenMade(Countdown):
 
 class AwaitsNewerWeights(Countdown):
     """Countdown whose first episode of each generation in `wait_in` (episodes counted by their resets in this
-    process, `per_generation` a generation) answers its first turn only once the engine (`tests.snapshot_engine`)
-    has staged weights newer than at its reset: with in-flight weight updates, its later turns must be sampled by
-    them. Waits at most 60 s, then raises."""
+    process, `per_generation` a generation) answers its first turn only once the next generation's environments are
+    being reset: the module resets them right after it staged that generation's (newer) weights, so with in-flight
+    weight updates the waiting episode's later turns must be sampled by them. Waits at most 60 s, then raises."""
 
-    _resets = itertools.count()
+    resets = 0  # in this process; set to 0 before a run
+    _counting = threading.Lock()
 
     def __init__(self, turns: int = 3, bonus: float = 0.25, wait_in: tuple = (), per_generation: int = 8) -> None:
         super().__init__(turns, bonus)
         self.wait_in, self.per_generation = tuple(wait_in), per_generation
-        self.waits, self.staged_at_reset = False, -1
+        self.next_generation_starts_at: Optional[int] = None  # the reset count that means the next one began
 
     def reset(self, row: dict[str, Any]) -> None:
-        from tests.snapshot_engine import newest_staged
-
-        index = next(AwaitsNewerWeights._resets)
-        self.waits = index % self.per_generation == 0 and index // self.per_generation in self.wait_in
-        self.staged_at_reset = newest_staged()
+        with AwaitsNewerWeights._counting:
+            index = AwaitsNewerWeights.resets
+            AwaitsNewerWeights.resets += 1
+        generation, position = divmod(index, self.per_generation)
+        if position == 0 and generation in self.wait_in:
+            self.next_generation_starts_at = (generation + 1) * self.per_generation + 1
         return None
 
     def step(self, completion: str) -> StepResult:
-        from tests.snapshot_engine import newest_staged
-
         deadline = time.monotonic() + 60
-        while self.waits and self.done_turns == 0 and newest_staged() <= self.staged_at_reset:
+        waiting = self.next_generation_starts_at is not None and self.done_turns == 0
+        while waiting and AwaitsNewerWeights.resets < self.next_generation_starts_at:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"no weights newer than version {self.staged_at_reset} were staged within 60 s")
+                raise RuntimeError("the next generation's environments were not reset within 60 s")
             time.sleep(0.01)
+        return super().step(completion)
+
+
+class SlowCountdown(Countdown):
+    """Countdown whose every step takes `latency_s`, as a sandbox's does: episodes are still running when the
+    trainer moves on."""
+
+    def __init__(self, turns: int = 3, bonus: float = 0.25, latency_s: float = 0.1) -> None:
+        super().__init__(turns, bonus)
+        self.latency_s = latency_s
+
+    def step(self, completion: str) -> StepResult:
+        time.sleep(self.latency_s)
         return super().step(completion)

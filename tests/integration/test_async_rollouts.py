@@ -6,7 +6,6 @@ copy of the policy, in a worker thread); the vLLM server's own tests are in test
 
 from __future__ import annotations
 
-import itertools
 import json
 from pathlib import Path
 
@@ -318,8 +317,8 @@ class BufferRows(Callback):
 
 def test_in_flight_updates_reach_a_running_episode_between_its_turns_and_resume_loses_no_prompt(tmp_path):
     """`model.rollout.in_flight_updates` with episodes, k = 1: generation 1's first episode answers its first turn
-    only once version 1 is staged (when generation 2 is launched, beside it): its later turns are sampled by version
-    1, its first by 0, and the row is as stale as its oldest token. Every model token's version lies between its
+    only once generation 2 is launched beside it, with version 1 staged: its later turns are sampled by version 1,
+    its first by 0, and the row is as stale as its oldest token. Every model token's version lies between its
     generation's v(g) and the step training on it, never decreasing along an episode; each version the engine loaded
     was the policy's at that step. A checkpoint taken with episodes in flight keeps their tokens' versions, and the
     resumed run trains the same generation from it and the same prompts after it: none lost, none twice."""
@@ -333,7 +332,7 @@ def test_in_flight_updates_reach_a_running_episode_between_its_turns_and_resume_
         max_staleness=1,
         in_flight_updates=True,
     )
-    AwaitsNewerWeights._resets = itertools.count()
+    AwaitsNewerWeights.resets = 0
     trained = BufferRows()
     full_dir, engines, digests = _fit(tmp_path / "full", "run", 4, every_n=2, callbacks=[trained], **episodes)
     (engine,) = engines
@@ -357,7 +356,7 @@ def test_in_flight_updates_reach_a_running_episode_between_its_turns_and_resume_
     assert pending["generation"] == 2 and pending["token_versions"].shape == pending["completion_ids"].shape
     assert set(pending["token_versions"].unique().tolist()) <= {-1, 1}  # by v(2) = 1: no newer version before it
     resumed = BufferRows()
-    AwaitsNewerWeights._resets = itertools.count(16)  # generations 3 and 4 (2 comes from the checkpoint): no wait
+    AwaitsNewerWeights.resets = 16  # generations 3 and 4 (2 comes from the checkpoint): neither waits
     _resumed_from_step_2(tmp_path, 4, callbacks=[resumed], **episodes)
     assert resumed.by_step[2] == trained.by_step[2]  # generation 2, as the checkpoint kept it
     assert resumed.by_step[3]["prompts"] == trained.by_step[3]["prompts"]

@@ -26,6 +26,7 @@ from tests.conftest import (
     assert_rows_match,
     cli_env,
     fit_in_subprocess,
+    python_path,
     read_metrics,
     saved_steps,
     train_rows,
@@ -495,13 +496,89 @@ def test_episodes_score_the_engines_tokens_with_the_colocated_and_the_server_eng
     assert [row["train/staleness/max"] for row in rows] == [0.0, 1.0]
     assert rows[0]["train/rollout_logprob_diff/max"] < TOLERANCE
     assert all(row["train/turns"] > 1 and row["train/env_tokens"] > 0 for row in rows), rows
-    # In flight: the generations' episodes run side by side, the server taking each newer version between turns;
-    # every token's version reaches the trainer (`train/staleness/token_mean`), a row's staleness is its oldest's.
+    # In flight: the generations' episodes run side by side, the server taking each newer version between turns.
+    # Generation 1's first episode holds its first step until generation 2 is launched (version 1 staged): its later
+    # turns are sampled by version 1, so the tokens trained at step 1 are on average less stale than the rows,
+    # whose staleness is their oldest token's.
     in_flight = (*server, "--model.rollout.in_flight_updates", "true")
-    rows = train_rows(_fit(tmp_path, "in_flight_env", *in_flight, *environment, max_steps=2))
+    held = ("--model.env.environment", "tests.integration.envs.AwaitsNewerWeights", "--model.env.max_turns", "3")
+    held += ("--model.env.environment_args", "{wait_in: [1], per_generation: 8}")
+    rows = train_rows(_fit(tmp_path, "in_flight_env", *in_flight, *held, max_steps=2))
     assert [row["train/staleness/max"] for row in rows] == [0.0, 1.0]
     assert rows[0]["train/staleness/token_mean"] == 0.0 and rows[0]["train/rollout_logprob_diff/max"] < TOLERANCE
-    assert 0.0 <= rows[1]["train/staleness/token_mean"] <= rows[1]["train/staleness/mean"] <= 1.0
+    assert 0.0 < rows[1]["train/staleness/token_mean"] < rows[1]["train/staleness/mean"] == 1.0
+
+
+# A reward function that writes, for every completion it scores, the step that trains on it and its prompt (to
+# TRAINED_LOG), and sends its own process STOP_SIGNAL when it scores for step STOP_AT_STEP (0-based).
+ACCOUNTING = """
+import os, signal
+from lit_rl.rewards.arithmetic import correctness as _correctness
+
+def counted(prompts, completions, trainer_state, **columns):
+    with open(os.environ["TRAINED_LOG"], "a") as handle:
+        handle.writelines(f"{trainer_state.global_step}\\t{prompt!r}\\n" for prompt in prompts)
+    if os.environ.get("STOP_AT_STEP") == str(trainer_state.global_step):
+        os.kill(os.getpid(), getattr(signal, os.environ["STOP_SIGNAL"]))
+    return _correctness(prompts, completions, **columns)
+"""
+
+
+def _trained(log: Path, steps: range) -> list[str]:
+    """The (step, prompt) lines of `log` whose step is in `steps`, sorted."""
+    return sorted(line for line in log.read_text().splitlines() if int(line.split("\t")[0]) in steps)
+
+
+def test_episodes_in_flight_stopped_or_killed_resume_with_every_prompt_trained_once(tmp_path, vllm_server):
+    """Issue 56.5, as a user meets it: episodes whose steps take 100 ms, sampled a step ahead (in flight, and
+    fixed-lag), on the server. A run stopped by SIGTERM resumes by the command it printed; one killed by SIGKILL
+    after its step-2 checkpoint resumes by `--ckpt_path last`. Counted per step and prompt across both processes
+    (the steps the checkpoint holds from the first, the rest from the second), what was trained is exactly what an
+    uninterrupted run trained: no prompt lost, none trained twice (the episodes in flight at the checkpoint are
+    kept whole, so none restarts shorter)."""
+    (tmp_path / "accounting.py").write_text(ACCOUNTING)
+    env = {**_vllm_env(), "PYTHONPATH": python_path(tmp_path)}
+    episodes = [
+        "--model.env.environment", "tests.integration.envs.SlowCountdown",
+        "--model.env.max_turns", "3",
+        "--model.rewards.funcs", "[accounting.counted, lit_rl.rewards.arithmetic.integer_format]",
+        "--model.rollout.engine.server_url", vllm_server,
+        "--model.rollout.max_staleness", "1",
+        "--trainer.max_steps", "4",
+    ]  # fmt: skip
+
+    def command(name: str, *options: str) -> list[str]:
+        overlay = write_overlay(tmp_path / f"{name}.yaml", every_n_train_steps=2, save_dir=tmp_path / name)
+        config = ["--config", str(CONFIGS / "grpo.yaml"), "--config", str(overlay)]
+        return [*CLI_COMMAND, "fit", *config, *SERVER, *FAST_GRPO, *episodes, *options]
+
+    def run(cmd, log: Path, **stop: str) -> subprocess.CompletedProcess:
+        run_env = {**env, "TRAINED_LOG": str(log), **stop}
+        shell = isinstance(cmd, str)
+        return subprocess.run(cmd, shell=shell, cwd=tmp_path, env=run_env, capture_output=True, text=True, timeout=600)
+
+    reference = run(command("reference"), tmp_path / "reference.log")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    expected = _trained(tmp_path / "reference.log", range(4))
+    assert len(expected) == 4 * 8  # 2 prompts x 4 episodes a step
+
+    in_flight = ("--model.rollout.in_flight_updates", "true")
+    stopped = run(command("stopped", *in_flight), tmp_path / "stopped.log", STOP_AT_STEP="1", STOP_SIGNAL="SIGTERM")
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    (line,) = [line for line in stopped.stderr.splitlines() if line.startswith("lit-rl: stopped by SIGTERM")]
+    assert "after step 2;" in line, line
+    resumed = run(line.split("resume with: ", 1)[1], tmp_path / "stopped_resumed.log")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    trained = _trained(tmp_path / "stopped.log", range(2)) + _trained(tmp_path / "stopped_resumed.log", range(2, 4))
+    assert sorted(trained) == expected
+
+    killed = run(command("killed"), tmp_path / "killed.log", STOP_AT_STEP="3", STOP_SIGNAL="SIGKILL")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    resumed = run(command("killed", "--ckpt_path", "last"), tmp_path / "killed_resumed.log")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "(step 2)" in resumed.stderr  # the checkpoint before the kill
+    trained = _trained(tmp_path / "killed.log", range(2)) + _trained(tmp_path / "killed_resumed.log", range(2, 4))
+    assert sorted(trained) == expected
 
 
 def test_the_server_engine_uploads_weights_to_a_receiver_beside_the_server(tmp_path, vllm_server):

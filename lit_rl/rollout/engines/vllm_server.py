@@ -439,6 +439,8 @@ class VLLMServerEngine:
                 self.pool.forget(old)  # the receivers' copies of versions no generation asks for again
 
     def close(self) -> None:
+        if self.in_flight is not None:  # jobs still running (abandoned) must not load into a closing engine
+            self.in_flight.close()
         self._staged.clear()
         if self._worker is not None:
             self._worker.shutdown(wait=False, cancel_futures=True)
