@@ -38,12 +38,14 @@ from lit_rl.envs.runner import EnvironmentRunner
 from lit_rl.errors import ConfigError
 from lit_rl.losses import LossNormalizer, rollout_is_weights
 from lit_rl.ops import kl_k3
+from lit_rl.resume import say
 from lit_rl.rewards.scorer import RewardScorer
 from lit_rl.rollout import RolloutOutput, SamplingParams
 from lit_rl.rollout.async_episodes import AsyncEpisodeProducer
 from lit_rl.rollout.asynchronous import generations_launched_at
 from lit_rl.rollout.dynamic_sampling import DynamicSampling
 from lit_rl.rollout.engine_owner import EngineOwner
+from lit_rl.rollout.in_flight import EXPERIMENTAL as IN_FLIGHT_EXPERIMENTAL
 from lit_rl.rollout.producer import (
     AsyncProducer,
     EpisodeProducer,
@@ -144,6 +146,8 @@ class OnPolicyModule(PolicyModule):
             if self.max_staleness == 0:
                 return EpisodeProducer(parts, **episode_args)
             steps = self.optimizer_steps_per_generation
+            if self.in_flight_updates:
+                say(IN_FLIGHT_EXPERIMENTAL)  # until its accuracy is fixed (lit_rl.rollout.in_flight)
             return AsyncEpisodeProducer(
                 parts,
                 steps_per_generation=steps,

@@ -213,13 +213,11 @@ def test_colocated_run_resumes_to_the_same_numbers(tmp_path, colocated_run):
     # Each completion's seed is a function of the run's seed, the generation number (which the checkpoint
     # restores) and its place in the global batch (`RolloutProducer.completion_seeds`), and the resumed engine
     # gets the checkpoint's weights before its first generation: the resumed steps sample and train the same.
+    # It resumes the shared 4-step run's step-2 checkpoint, into a directory of its own.
     full = colocated_run
-    _fit(tmp_path, "half", *COLOCATE, max_steps=2)
-    resumed = _fit(
-        tmp_path, "half", *COLOCATE, "--ckpt_path", str(tmp_path / "half/run/version_0/checkpoints/step=2.ckpt")
-    )
-    assert saved_steps(resumed) == [2, 4]
-    rows = [row for row in train_rows(resumed) if row["step"] > 2]
+    resumed = _fit(tmp_path, "resumed", *COLOCATE, "--ckpt_path", str(full / "checkpoints" / "step=2.ckpt"))
+    assert saved_steps(resumed) == [4]
+    rows = train_rows(resumed)
     assert [row["step"] for row in rows] == [3, 4]
     assert_rows_match(rows, train_rows(full), rel=1e-4, abs=1e-5)
 
@@ -478,7 +476,8 @@ def test_a_server_dying_with_generations_in_flight_ends_the_run_in_one_line_and_
 def test_episodes_score_the_engines_tokens_with_the_colocated_and_the_server_engine(tmp_path, vllm_server):
     """Multi-turn episodes (3 model turns, observations between): every turn is sampled by vLLM from the ids of the
     transcript so far, and the trainer's log-probs of the model's tokens are vLLM's within 1e-4 (GRPO on the
-    colocated engine, RLOO on the server, and GRPO on the server with asynchronous rollouts)."""
+    colocated engine, RLOO on the server, and GRPO on the server with weights updated in flight; with fixed-lag
+    asynchronous rollouts: the reference run of the accounting test below)."""
     environment = ("--model.env.environment", "tests.integration.envs.Countdown", "--model.env.max_turns", "3")
     engines = {
         "colocate": ("grpo", COLOCATE),
@@ -489,17 +488,12 @@ def test_episodes_score_the_engines_tokens_with_the_colocated_and_the_server_eng
         _check_run(log_dir)
         for row in train_rows(log_dir):
             assert row["train/turns"] > 1 and row["train/env_tokens"] > 0, (name, row)
-    # Asynchronous (k = 1): each generation's episodes run on rank 0's worker, every turn sampled by the server with
-    # the weights staged for its version; the first generation's by the initial weights, which the trainer has too.
-    server = (*SERVER, "--model.rollout.engine.server_url", vllm_server, "--model.rollout.max_staleness", "1")
-    rows = train_rows(_fit(tmp_path, "async_env", *server, *environment, max_steps=2))
-    assert [row["train/staleness/max"] for row in rows] == [0.0, 1.0]
-    assert rows[0]["train/rollout_logprob_diff/max"] < TOLERANCE
-    assert all(row["train/turns"] > 1 and row["train/env_tokens"] > 0 for row in rows), rows
-    # In flight: the generations' episodes run side by side, the server taking each newer version between turns.
+    # Asynchronous (k = 1, fixed lag): the reference run of the accounting test below. In flight: the generations'
+    # episodes run side by side, the server taking each newer version between turns.
     # Generation 1's first episode holds its first step until generation 2 is launched (version 1 staged): its later
     # turns are sampled by version 1, so the tokens trained at step 1 are on average less stale than the rows,
     # whose staleness is their oldest token's.
+    server = (*SERVER, "--model.rollout.engine.server_url", vllm_server, "--model.rollout.max_staleness", "1")
     in_flight = (*server, "--model.rollout.in_flight_updates", "true")
     held = ("--model.env.environment", "tests.integration.envs.AwaitsNewerWeights", "--model.env.max_turns", "3")
     held += ("--model.env.environment_args", "{wait_in: [1], per_generation: 8}")
@@ -559,6 +553,12 @@ def test_episodes_in_flight_stopped_or_killed_resume_with_every_prompt_trained_o
 
     reference = run(command("reference"), tmp_path / "reference.log")
     assert reference.returncode == 0, reference.stderr[-3000:]
+    # Asynchronous (k = 1): each generation's episodes run on rank 0's worker, every turn sampled by the server with
+    # the weights staged for its version; the first generation's by the initial weights, which the trainer has too.
+    rows = train_rows(tmp_path / "reference" / "run" / "version_0")
+    assert [row["train/staleness/max"] for row in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert rows[0]["train/rollout_logprob_diff/max"] < TOLERANCE
+    assert all(row["train/turns"] > 1 and row["train/env_tokens"] > 0 for row in rows), rows
     expected = _trained(tmp_path / "reference.log", range(4))
     assert len(expected) == 4 * 8  # 2 prompts x 4 episodes a step
 
