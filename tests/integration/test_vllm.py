@@ -572,9 +572,11 @@ def test_episodes_in_flight_stopped_or_killed_resume_with_every_prompt_trained_o
     trained = _trained(tmp_path / "stopped.log", range(2)) + _trained(tmp_path / "stopped_resumed.log", range(2, 4))
     assert sorted(trained) == expected
 
-    killed = run(command("killed"), tmp_path / "killed.log", STOP_AT_STEP="3", STOP_SIGNAL="SIGKILL")
+    # A killed process cannot remove its weight files: they go to the test's directory, not /dev/shm.
+    sync_dir = ("--model.rollout.engine.transfer.sync_dir", str(tmp_path / "killed_weights"))
+    killed = run(command("killed", *sync_dir), tmp_path / "killed.log", STOP_AT_STEP="3", STOP_SIGNAL="SIGKILL")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    resumed = run(command("killed", "--ckpt_path", "last"), tmp_path / "killed_resumed.log")
+    resumed = run(command("killed", *sync_dir, "--ckpt_path", "last"), tmp_path / "killed_resumed.log")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "(step 2)" in resumed.stderr  # the checkpoint before the kill
     trained = _trained(tmp_path / "killed.log", range(2)) + _trained(tmp_path / "killed_resumed.log", range(2, 4))
