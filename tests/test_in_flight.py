@@ -4,7 +4,7 @@ holds back the turns that would start meanwhile, and tags every turn's tokens wi
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
@@ -38,15 +38,22 @@ class Engine:
         return RolloutOutput(ids, ids.float(), torch.zeros(1, 3))
 
 
-def test_a_newer_version_waits_for_the_turn_under_way_and_holds_back_turns_that_would_start():
+def _version_1_staged_during_a_long_turn(pool: ThreadPoolExecutor) -> tuple[Engine, InFlightWeights, Future]:
+    """A gate whose engine holds version 0 with a turn under way (it ends when `engine.held["long turn"]` is set),
+    then version 1 staged: the engine, the gate and the long turn."""
     engine = Engine()
     gate = InFlightWeights(engine.load)
     gate.staged(0)
     engine.held["long turn"] = threading.Event()
+    long_turn = pool.submit(gate.sample, engine.generate, "long turn")
+    assert engine.started.setdefault("long turn", threading.Event()).wait(10)
+    gate.staged(1)
+    return engine, gate, long_turn
+
+
+def test_a_newer_version_waits_for_the_turn_under_way_and_holds_back_turns_that_would_start():
     with ThreadPoolExecutor(2) as pool:
-        long_turn = pool.submit(gate.sample, engine.generate, "long turn")
-        assert engine.started.setdefault("long turn", threading.Event()).wait(10)
-        gate.staged(1)
+        engine, gate, long_turn = _version_1_staged_during_a_long_turn(pool)
         next_turn = pool.submit(gate.sample, engine.generate, "next turn")
         # The next turn may not start (nor the load happen) while the long turn is under way.
         assert not engine.started.setdefault("next turn", threading.Event()).wait(0.3)
@@ -95,14 +102,8 @@ def test_replaced_weights_are_loaded_again_and_a_failed_load_fails_the_turn_that
 
 
 def test_a_closed_engine_fails_the_turns_waiting_for_an_update_and_those_that_would_start():
-    engine = Engine()
-    gate = InFlightWeights(engine.load)
-    gate.staged(0)
-    engine.held["long turn"] = threading.Event()
     with ThreadPoolExecutor(2) as pool:
-        long_turn = pool.submit(gate.sample, engine.generate, "long turn")
-        assert engine.started.setdefault("long turn", threading.Event()).wait(10)
-        gate.staged(1)
+        engine, gate, long_turn = _version_1_staged_during_a_long_turn(pool)
         waiting = pool.submit(gate.sample, engine.generate, "waiting")
         gate.close()
         with pytest.raises(RuntimeError, match="the engine was closed"):
