@@ -34,40 +34,31 @@ CONFIGS = REPO / "configs"
 TARGET_POINTS = 3.0
 
 
-def run_fit(staleness: int, server_url: str, steps: int, workdir: Path) -> dict:
-    name = f"k{staleness}"
+def fit_and_validate(label: str, name: str, options: list[str], steps: int, workdir: Path) -> tuple[float, list[dict]]:
+    """`lit-rl fit <options>` for `steps` steps, with no checkpoint and no progress bar, logged to `workdir/name`:
+    its wall time and its metric rows; a failure raises naming `label`. What both accuracy scripts run."""
     command = [
-        sys.executable,
-        "-m",
-        "lit_rl.cli",
-        "fit",
-        "--config",
-        str(CONFIGS / "grpo.yaml"),
-        "--config",
-        str(CONFIGS / "rollout" / "vllm_server.yaml"),
-        "--model.rollout.engine.server_url",
-        server_url,
-        "--trainer.max_steps",
-        str(steps),
-        "--trainer.enable_checkpointing",
-        "false",
-        "--trainer.callbacks",
-        "null",
-        "--trainer.enable_progress_bar",
-        "false",
-        "--trainer.logger.init_args.save_dir",
-        str(workdir),
-        "--trainer.logger.init_args.name",
-        name,
-        *(["--model.rollout.max_staleness", str(staleness)] if staleness else []),
+        *(sys.executable, "-m", "lit_rl.cli", "fit", *options),
+        *("--trainer.max_steps", str(steps), "--trainer.enable_checkpointing", "false"),
+        *("--trainer.callbacks", "null", "--trainer.enable_progress_bar", "false"),
+        *("--trainer.logger.init_args.save_dir", str(workdir), "--trainer.logger.init_args.name", name),
     ]
     started = time.monotonic()
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
-        raise RuntimeError(f"k={staleness}: {result.stderr.strip()[-2000:]}")
-    rows = metric_rows(max((workdir / name).glob("version_*")))
+        raise RuntimeError(f"{label}: {result.stderr.strip()[-2000:]}")
+    return time.monotonic() - started, metric_rows(max((workdir / name).glob("version_*")))
+
+
+def run_fit(staleness: int, server_url: str, steps: int, workdir: Path) -> dict:
+    options = [
+        *("--config", str(CONFIGS / "grpo.yaml"), "--config", str(CONFIGS / "rollout" / "vllm_server.yaml")),
+        *("--model.rollout.engine.server_url", server_url),
+        *(["--model.rollout.max_staleness", str(staleness)] if staleness else []),
+    ]
+    wall_s, rows = fit_and_validate(f"k={staleness}", f"k{staleness}", options, steps, workdir)
     val = [(int(r["step"]), r["val/rewards/correctness"]) for r in rows if "val/rewards/correctness" in r]
-    return {"max_staleness": staleness, "wall_s": time.monotonic() - started, "val_correctness": val}
+    return {"max_staleness": staleness, "wall_s": wall_s, "val_correctness": val}
 
 
 def compare(runs: list[dict], window: int) -> dict:

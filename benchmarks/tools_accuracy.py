@@ -17,17 +17,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from async_accuracy import fit_and_validate  # noqa: E402
 from provenance import parse_report_args, publish  # noqa: E402
-from throughput import metric_rows  # noqa: E402
 
 TARGET_POINTS = 3.0
 ACCURACY = "val/rewards/final_answer_correctness"
@@ -41,40 +39,16 @@ MODES = {  # mode: the options it adds to the shared command
 
 def run_fit(mode: str, steps: int, workdir: Path) -> dict:
     """One `lit-rl fit` of the tools job in `mode`: its held-out accuracy at each validation."""
-    name = mode.replace(" ", "_").replace("=", "")
-    command = [
-        sys.executable,
-        "-m",
-        "lit_rl.cli",
-        "fit",
-        "--config",
-        str(REPO / "configs" / "grpo_tools.yaml"),
-        "--config",
-        str(REPO / "configs" / "rollout" / "vllm_server.yaml"),
-        "--model.rollout.engine.launch",
-        "true",
-        *MODES[mode],
-        "--trainer.max_steps",
-        str(steps),
-        "--trainer.callbacks",
-        "null",
-        "--trainer.enable_checkpointing",
-        "false",
-        "--trainer.enable_progress_bar",
-        "false",
-        "--trainer.logger.init_args.save_dir",
-        str(workdir),
-        "--trainer.logger.init_args.name",
-        name,
+    options = [
+        *("--config", str(REPO / "configs" / "grpo_tools.yaml")),
+        *("--config", str(REPO / "configs" / "rollout" / "vllm_server.yaml")),
+        *("--model.rollout.engine.launch", "true", *MODES[mode]),
     ]
-    started = time.monotonic()
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"{mode}: {result.stderr.strip()[-2000:]}")
-    rows = metric_rows(max((workdir / name).glob("version_*")))
+    name = mode.replace(" ", "_").replace("=", "")
+    wall_s, rows = fit_and_validate(mode, name, options, steps, workdir)
     accuracy = [(int(r["step"]), r[ACCURACY]) for r in rows if ACCURACY in r]
     staleness = [r["train/staleness/token_mean"] for r in rows if "train/staleness/token_mean" in r]
-    run = {"mode": mode, "options": MODES[mode], "wall_s": time.monotonic() - started, "val_accuracy": accuracy}
+    run = {"mode": mode, "options": MODES[mode], "wall_s": wall_s, "val_accuracy": accuracy}
     if staleness:  # in flight: how stale the trained tokens were, on average over the steps
         run["token_staleness_mean"] = statistics.fmean(staleness)
     return run
