@@ -301,9 +301,11 @@ def test_push_memory_quick_holds_about_one_bucket_under_zero3(tmp_path):
     whole, bucketed = json.loads(out.read_text())["results"]
     assert whole["push"] == "whole" and bucketed["bucket_mib"] == 0.5
     # The whole gather holds about the model; a bucketed push about one bucket (here one decoder layer) plus the
-    # largest tensor. Measured (2 ranks, tiny model): 3.2 MiB against 1.1 MiB, bound 1.3 MiB. The 25% margin is
-    # for what the collectives allocate beside the gathered parameters.
-    assert whole["extra_mib"] > 0.6 * whole["model_mib"]
+    # largest tensor. Measured (2 ranks, tiny model, the largest of 3 pushes, 5 runs): 3.3 to 4.0 MiB against 1.0 to
+    # 1.3 MiB, bound 1.3 MiB. The 25% margin is for what the collectives allocate beside the gathered parameters.
+    # The whole gather's floor is the half of the model the other rank holds: a single push measured as little as
+    # 2.6 MiB of 4.3 (small tensors reuse heap the warm-up freed), under the 0.6 this asked for before.
+    assert whole["extra_mib"] > 0.5 * whole["model_mib"]
     assert bucketed["extra_mib"] <= 1.25 * bucketed["bound_mib"]
     assert bucketed["extra_mib"] < 0.5 * whole["extra_mib"]
 
@@ -692,7 +694,9 @@ def test_decode_overhead_times_lit_rls_decoding_and_plain_generate():
     assert printed["device"] in {"cpu", "cuda"}
     seconds = [float(printed[name]) for name in ("lit-rl HF engine s", "generate(do_sample=True) s")]
     assert all(value > 0 for value in seconds)
-    assert float(printed["lit-rl / generate"]) == pytest.approx(seconds[0] / seconds[1], rel=1e-3)
+    # The script prints all three to 4 significant figures (`.4g`), each off by at most 5e-4 relative, so the ratio
+    # of the printed seconds and the printed ratio can differ by up to (1 + 5e-4)**2 / (1 - 5e-4) - 1 < 1.6e-3.
+    assert float(printed["lit-rl / generate"]) == pytest.approx(seconds[0] / seconds[1], rel=1.6e-3)
 
 
 def test_fixed32_cells_report_both_libraries_mfu_from_one_flop_count():
