@@ -577,3 +577,42 @@ def test_an_async_step_that_ignores_its_cancellation_is_answered_at_its_limit_an
     assert time.monotonic() - start < 5  # one at a time: 0.5 s each, not 20
     assert isinstance(first, EnvCallTimeout) and isinstance(second, EnvCallTimeout)
     runner.close()
+
+
+class Closing(Echo):
+    """Echo with an `async close()` (as `lit_rl.envs.OpenEnv` releases its server session) that records it."""
+
+    closed: list[int] = []
+
+    def __init__(self, turns, name):
+        super().__init__(turns)
+        self.name = name
+
+    async def close(self):
+        Closing.closed.append(self.name)
+
+
+@SCHEDULES
+def test_every_environment_is_closed_once_when_its_episodes_end_or_fail(independent):
+    """Episodes that ended, failed, or never started (their reset failed) release their environments, and so do
+    the episodes of a batch that an engine failure stopped."""
+    from tests.integration.envs import Exploding
+
+    class ClosingExploding(Exploding):
+        async def close(self):
+            Closing.closed.append("exploding")
+
+    Closing.closed = []
+    engine = ScriptedEngine({1: [[4, EOS], [5, EOS]], 2: [[6, EOS], [8, EOS]], 3: [[5, EOS]]})
+    envs = [ClosingExploding(), Closing(2, "two turns"), Closing(2, "reset failed")]
+    episodes = _run(engine, envs, [[1], [2], [3]], seeds=(1, 2, 3), ended={2}, independent=independent)
+    assert episodes.error and sorted(Closing.closed) == ["exploding", "reset failed", "two turns"]
+
+    class Failing(ScriptedEngine):
+        def generate(self, prompt_ids, prompt_mask, params, seeds=None):
+            raise RuntimeError("vLLM server http://127.0.0.1:8000: connection refused")
+
+    Closing.closed = []
+    with pytest.raises(RuntimeError, match="connection refused"):
+        _run(Failing({}), [Closing(2, "a"), Closing(2, "b")], [[1], [2]], independent=independent)
+    assert sorted(Closing.closed) == ["a", "b"]

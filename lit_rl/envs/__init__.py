@@ -3,18 +3,21 @@
 An environment is given by import path (`--model.env.environment my_pkg.envs.MyEnv`, built with
 `--model.env.environment_args`), or made from `--model.env.tools` (the built-in `ToolEnvironment`, or with calls in
 the model's chat format `ChatToolEnvironment`, `lit_rl.envs.chat_tools`); a TRL environment class runs unchanged in
-`TRLEnvironment` (`lit_rl.envs.trl_environments`). The rollout runs it token-in, token-out
+`TRLEnvironment` (`lit_rl.envs.trl_environments`); an OpenEnv server's episodes run in `OpenEnv`
+(`lit_rl.envs.openenv`). The rollout runs it token-in, token-out
 (`lit_rl.rollout.multi_turn`).
 """
 
 from lit_rl.envs.base import Environment, StepResult, as_step_result, environment_factory
 from lit_rl.envs.chat_tools import ChatToolEnvironment
+from lit_rl.envs.openenv import OpenEnv
 from lit_rl.envs.tools import ToolEnvironment, calc
 from lit_rl.envs.trl_environments import TRLEnvironment
 
 __all__ = [
     "ChatToolEnvironment",
     "Environment",
+    "OpenEnv",
     "StepResult",
     "TRLEnvironment",
     "ToolEnvironment",

@@ -104,18 +104,26 @@ def run_episodes(
 
     The environments' steps run on `runner` (`lit_rl.envs.runner`: concurrently, off this thread, each with a time
     limit, at most `concurrency` at once across episodes). A step that overruns its time limit ends its episode
-    (its environment is still busy, so it cannot be stepped again) and counts in `env_timeouts`."""
+    (its environment is still busy, so it cannot be stepped again) and counts in `env_timeouts`.
+
+    At the end, or when this raises an `Exception`, each environment that has a `close()` is closed (a session on a
+    server released: `lit_rl.envs.OpenEnv`)."""
     batch = _EpisodeBatch(
         envs, prompts, params, seeds, decode, encode_observation, reward_names, max_turns, max_total_tokens, env_name
     )
     active = [i for i in range(len(envs)) if i not in ended]  # `ended`: their reset failed; they take no turn
     batch.broken.update(ended)
-    if concurrent_generate is not None:  # the caller's word that no other rank takes part in this engine's calls
-        _independent(batch, engine, concurrent_generate, active, pad_id, device, runner)
-    else:
-        _lock_step(batch, engine, active, pad_id, device, runner, any_active)
-    settled = [i for i in range(len(envs)) if i not in batch.broken]
-    finish_error = _finish(envs, settled, runner, batch.env_rewards, batch.stats, batch.column, env_name)
+    try:
+        if concurrent_generate is not None:  # the caller's word that no other rank takes part in this engine's calls
+            _independent(batch, engine, concurrent_generate, active, pad_id, device, runner)
+        else:
+            _lock_step(batch, engine, active, pad_id, device, runner, any_active)
+        settled = [i for i in range(len(envs)) if i not in batch.broken]
+        finish_error = _finish(envs, settled, runner, batch.env_rewards, batch.stats, batch.column, env_name)
+    except Exception:  # not on Ctrl-C (a BaseException): that stops at once
+        _close(envs, runner)
+        raise
+    _close(envs, runner)
     for i in batch.broken:  # a reward scored at the end was never asked: invalid (`model.rewards.on_invalid`), not 0
         if callable(getattr(envs[i], "finish", None)):
             batch.env_rewards[i] = float("nan")
@@ -327,6 +335,14 @@ def _add_reward_parts(row: torch.Tensor, parts: dict[str, float], column: dict[s
         if name not in column:
             raise ValueError(f"{where} reported reward part {name!r}, not in its reward_names")
         row[column[name]] += float(value)
+
+
+def _close(envs: Sequence[Environment], runner: EnvironmentRunner) -> None:
+    """Close the environments that have a `close()`, together. A failure to close is not the episode's: it is
+    scored already, and the server's own log says what went wrong."""
+    closing = [env for env in envs if callable(getattr(env, "close", None))]
+    if closing:
+        runner.run([(env.close, ()) for env in closing])
 
 
 def _finish(

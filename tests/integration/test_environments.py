@@ -5,6 +5,8 @@ a generation, and the same steps on 1 and 2 processes; for GRPO, RLOO (and PPO a
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.conftest import (
@@ -222,3 +224,39 @@ def test_a_one_process_run_on_an_engine_taking_concurrent_calls_runs_its_episode
         assert turns == [1] * later_turns and later_turns > 0
     else:
         assert turns == []
+
+
+def test_an_openenv_app_runs_one_session_per_episode_scores_its_rewards_and_is_stopped_at_the_end(tmp_path):
+    """`lit_rl.envs.OpenEnv` serving the tests' OpenEnv app (`tests.integration.openenv_countdown`) as a user's
+    config does: each episode is one WebSocket session, reset with its row's answer (2 + answer % 2 turns), its
+    steps' rewards summed into `rewards/env/openenv`; every session is closed, and the server is gone after the
+    run."""
+    from tests.conftest import cli_env
+
+    sessions = tmp_path / "sessions.log"
+    openenv = ["--model.env.environment", "lit_rl.envs.OpenEnv", "--model.env.max_turns", "3"]
+    openenv += [
+        "--model.env.environment_args",
+        "{app: tests.integration.openenv_countdown:app, row_reset_args: [answer]}",
+    ]
+    openenv += ["--trainer.max_steps", "1", "--trainer.limit_val_batches", "0"]
+    log_dir = fit_in_subprocess(
+        tmp_path,
+        "a",
+        "grpo.yaml",
+        *FAST_GRPO,
+        *openenv,
+        every_n_train_steps=None,
+        env={**cli_env(), "OPENENV_COUNTDOWN_LOG": str(sessions)},
+    )
+    (row,) = train_rows(log_dir)
+    assert 2 <= row["train/turns"] <= 3 and row["train/env_tokens"] > 0
+    assert 0.0 <= row["train/rewards/env/openenv"] <= 0.25 * row["train/turns"]
+    assert row["train/rollout_logprob_diff/max"] < 1e-4  # the observations appended token-in, token-out
+    events = [line.split() for line in sessions.read_text().splitlines()]
+    opened = [pid for event, pid in events if event == "open"]
+    closed = [pid for event, pid in events if event == "close"]
+    assert len(opened) == len(closed) == 8  # micro_batch_size 8: two prompts x 4 generations, one session each
+    (server,) = set(opened)
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(server), 0)

@@ -80,8 +80,6 @@ class LocalVLLMServer:
         trust_remote_code: bool = False,
         cpus: Optional[set[int]] = None,
     ) -> None:
-        import subprocess
-
         port = port or free_port()
         argv, env = server_command(
             model,
@@ -93,24 +91,9 @@ class LocalVLLMServer:
         )
         if cpus:  # the server's cores (`lit_rl.rollout.server.launch.core_split`): vLLM binds its threads among them
             env[SERVER_CPUS_ENV] = ",".join(str(cpu) for cpu in sorted(cpus))
-        if sys.platform == "linux" and threading.current_thread() is threading.main_thread():
-            # The kernel's parent-death signal follows the thread that started the child: the main thread lives
-            # as long as the process does. (Set in a small exec wrapper: a preexec_fn is unsafe with threads.)
-            argv = [sys.executable, "-c", _TERMINATE_WITH_PARENT, str(os.getpid()), *argv]
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
-        self._log = open(log_path, "w")
-        try:
-            self.process = subprocess.Popen(
-                argv,
-                env={**os.environ, **env},
-                stdout=self._log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        except BaseException:
-            self._log.close()
-            raise
+        self.process, self._log = start_child(argv, env, log_path)
         self._stop_at_exit = weakref.finalize(self, _stop_session, self.process, self._log)
         try:
             client = VLLMServerClient(self.url, timeout_s=2.0, max_retries=0)
@@ -131,6 +114,28 @@ class LocalVLLMServer:
     def stop(self) -> None:
         """End the server and everything it started (SIGTERM, then SIGKILL after 30 s); idempotent."""
         self._stop_at_exit()
+
+
+def start_child(argv: Sequence[str], env: dict[str, str], log_path: str) -> tuple[Any, Any]:
+    """`argv` started with `env` added to this process's, in a session of its own, writing to `log_path`: the
+    process and its open log (for `_stop_session`). On Linux, started from the main thread, the kernel sends it
+    SIGTERM when this process dies, SIGKILL included."""
+    import subprocess
+
+    argv = list(argv)
+    if sys.platform == "linux" and threading.current_thread() is threading.main_thread():
+        # The kernel's parent-death signal follows the thread that started the child: the main thread lives
+        # as long as the process does. (Set in a small exec wrapper: a preexec_fn is unsafe with threads.)
+        argv = [sys.executable, "-c", _TERMINATE_WITH_PARENT, str(os.getpid()), *argv]
+    log = open(log_path, "w")
+    try:
+        process = subprocess.Popen(
+            argv, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    except BaseException:
+        log.close()
+        raise
+    return process, log
 
 
 # Run as `python -c` before the server's own command: SIGTERM when the starter dies (PR_SET_PDEATHSIG = 1, kept across
