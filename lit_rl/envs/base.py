@@ -5,6 +5,7 @@ One environment object runs one episode (one completion of one prompt row):
     first = env.reset(row)                  # the first observation: text, chat messages, or None (the row's prompt)
     result = env.step(model_turn_text)      # after each model turn: StepResult(observation, rewards, done)
     parts = env.finish()                    # optional, once the episode has ended: {reward part: value}
+    env.close()                             # optional, once at the very end, also after a failure: release a session
 
 `step` may return a `StepResult` or the plain tuple `(observation or None, {reward part: value}, done)`. The
 episode ends when `done` is true, when `observation` is None, after `max_turns` model turns, or when the transcript
@@ -53,6 +54,8 @@ class Environment(Protocol):
 
     # Optional: `finish() -> {reward part: value}`, called once when the episode has ended (not when its
     # environment failed or overran), for a reward scored from the final state (`TRLEnvironment`'s `get_reward`).
+    # Optional: `close()`, called once for every episode when its batch ends (after `finish`), also when the episode
+    # failed or the batch stopped with an exception, to release what it holds (`lit_rl.envs.OpenEnv`'s session).
 
 
 def as_step_result(value: Any, where: str) -> StepResult:
