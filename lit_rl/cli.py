@@ -11,7 +11,6 @@ shows the traceback as well.
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import shlex
@@ -31,6 +30,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeed
 from lit_rl.callbacks import GracefulStop, NonFiniteGuard, RunSummary, StepProgressBar
 from lit_rl.callbacks.export import run_directory
 from lit_rl.config import data_key_hint, moved_key_hint
+from lit_rl.console import WEIGHT_PUSH_MESSAGES, drop_log_messages
 from lit_rl.entry import private_files
 from lit_rl.errors import LitRLError, ReportedOnRankZero
 from lit_rl.numerics import settle_cpu_math_kernels
@@ -67,13 +67,7 @@ IGNORED_LOG_MESSAGES = {  # logger name -> message prefixes
     "lightning.pytorch.utilities.rank_zero": ("💡 Tip:",),
     "lightning.fabric.utilities.rank_zero": ("💡 Tip:",),
     "DeepSpeed": ("Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it",),
-    # A colocated vLLM engine, at every weight push: its own timing of the reload (lit-rl logs
-    # `perf/weight_push_s`), the prefix cache reset that must follow new weights, and the rotary embedding's cos/sin
-    # cache, which is computed from the config and in no checkpoint, so it keeps its values (tests/integration/
-    # test_vllm.py compares every engine parameter with the policy's after a push: equal, none left out).
-    "vllm.model_executor.model_loader.reload.layerwise": ("RotaryEmbedding: Failed to load weights",),
-    "vllm.model_executor.model_loader.reload.inplace": ("Reloading weights inplace", "Reloading and processing"),
-    "vllm.v1.core.block_pool": ("Successfully reset prefix cache",),
+    **WEIGHT_PUSH_MESSAGES,  # a colocated vLLM engine's, at every weight push (`lit_rl.console`)
     # At its start: consequences of what lit-rl asks for on purpose (token ids in and out, so no tokenizer and
     # no chat template; eager mode on CPU; the RNG state around the engine kept by lit-rl) and of the CPU build
     # (no Triton; threads bound by vLLM itself).
@@ -140,26 +134,13 @@ def _named_class(message: str) -> Optional[type]:
     return cls if isinstance(cls, type) else None
 
 
-class DropMessages(logging.Filter):
-    """A logging filter that drops the records whose message starts with one of `prefixes`."""
-
-    def __init__(self, prefixes: tuple[str, ...]) -> None:
-        super().__init__()
-        self.prefixes = prefixes
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.prefixes)
-
-
-_LOG_FILTERS = {name: DropMessages(prefixes) for name, prefixes in IGNORED_LOG_MESSAGES.items()}
 
 
 def quiet_console() -> None:
     """Silence the known messages above (idempotent); every other warning and log message is left as it is."""
     for message, category, module in IGNORED_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
-    for name, log_filter in _LOG_FILTERS.items():
-        logging.getLogger(name).addFilter(log_filter)  # a logger keeps one copy of the same filter object
+    drop_log_messages(IGNORED_LOG_MESSAGES)
 
 
 class OneLineErrorParser(LightningArgumentParser):

@@ -594,8 +594,8 @@ class Closing(Echo):
 
 @SCHEDULES
 def test_every_environment_is_closed_once_when_its_episodes_end_or_fail(independent):
-    """Episodes that ended, failed, or never started (their reset failed) release their environments, and so do
-    the episodes of a batch that an engine failure stopped."""
+    """Episodes that ended or failed release their environments, and so do the episodes of a batch that an engine
+    failure stopped; one whose reset failed is left alone (a plain reset past its time limit may still run)."""
     from tests.integration.envs import Exploding
 
     class ClosingExploding(Exploding):
@@ -606,7 +606,7 @@ def test_every_environment_is_closed_once_when_its_episodes_end_or_fail(independ
     engine = ScriptedEngine({1: [[4, EOS], [5, EOS]], 2: [[6, EOS], [8, EOS]], 3: [[5, EOS]]})
     envs = [ClosingExploding(), Closing(2, "two turns"), Closing(2, "reset failed")]
     episodes = _run(engine, envs, [[1], [2], [3]], seeds=(1, 2, 3), ended={2}, independent=independent)
-    assert episodes.error and sorted(Closing.closed) == ["exploding", "reset failed", "two turns"]
+    assert episodes.error and sorted(Closing.closed) == ["exploding", "two turns"]
 
     class Failing(ScriptedEngine):
         def generate(self, prompt_ids, prompt_mask, params, seeds=None):

@@ -34,8 +34,18 @@ def test_an_episode_is_one_session_reset_by_its_row_stepped_per_turn_and_closed(
         StepResult("0;", {"openenv": 0.25}, done=True),
     ]
     assert OpenEnv(app=APP).url == env.url  # one server per app in a process
-    # The row's prompt by default: reset returns None.
-    assert asyncio.run(OpenEnv(app=APP).reset({"prompt": "1+1="})) is None
+    assert asyncio.run(_first_then_lost_session(OpenEnv(app=APP))) is None  # the row's prompt by default
+
+
+async def _first_then_lost_session(env):
+    """The reset's answer; then, the session's socket closed under it, a step fails in one line instead of
+    reaching a fresh environment that was never reset (openenv's client would reconnect)."""
+    first = await env.reset({"prompt": "1+1="})
+    await env._client._ws.close()
+    with pytest.raises(RuntimeError, match="OpenEnv server http://127.0.0.1:\\d+: the episode's session was closed"):
+        await env.step("1")
+    await env.close()
+    return first
 
 
 def test_the_observations_text_is_the_named_field_its_only_text_field_or_json():
@@ -51,7 +61,7 @@ async def _two_sessions_at_once(url):
     first, second = OpenEnv(url=url), OpenEnv(url=url)
     await first.reset({})
     with pytest.raises(
-        RuntimeError, match="CAPACITY_REACHED.*each hold a session at once: let the server allow as many"
+        RuntimeError, match="CAPACITY_REACHED.*holds a session from its reset to its end.*let the server allow as many"
     ):
         await second.reset({})
     await first.close()
@@ -65,7 +75,8 @@ def test_bad_settings_a_silent_server_and_an_app_that_does_not_start_fail_in_one
     with pytest.raises(ConfigError, match="environment_args.app must be module:attribute"):
         OpenEnv(app="tests.integration.openenv_countdown")
     silent = OpenEnv(url=f"http://127.0.0.1:{free_port()}", max_retries=1)
-    with pytest.raises(ConnectionError, match=r"^OpenEnv server http://127.0.0.1:\d+ did not answer \(2 tries\): "):
+    silence = r"^OpenEnv server http://127.0.0.1:\d+ did not answer \(2 tries of 10 s\): "
+    with pytest.raises(ConnectionError, match=silence):
         asyncio.run(silent.reset({}))
     with pytest.raises(ValueError, match="row_reset_args: the row has no field 'seed'"):
         asyncio.run(OpenEnv(url="http://127.0.0.1:8000", row_reset_args=["seed"]).reset({}))

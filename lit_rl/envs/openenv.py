@@ -48,8 +48,9 @@ from lit_rl.errors import ConfigError
 
 REWARD_PART = "openenv"
 AT_CAPACITY = (
-    "the episodes of a batch (a rollout's rows x generations, or a validation batch) each hold a session at once: "
-    "let the server allow as many (create_app(..., max_concurrent_envs=N))"
+    "each episode holds a session from its reset to its end, and the episodes of a batch (a rollout's rows x "
+    "generations, a validation batch; with max_staleness > 0 every launched generation; every rank sharing the "
+    "server) run at once: let the server allow as many (create_app(..., max_concurrent_envs=N))"
 )
 PROMPT_SOURCES = ("row", "reset")
 
@@ -100,6 +101,10 @@ class OpenEnv:
 
     async def step(self, completion: str) -> StepResult:
         """The model's turn as the action `{action_field: completion}`: the server's observation, reward and done."""
+        if not _session_open(self._client):  # openenv would reconnect to a fresh, un-reset environment
+            raise RuntimeError(
+                f"OpenEnv server {self.url}: the episode's session was closed (by the server or the network)"
+            )
         result = await self._send(self._client.step({self.action_field: completion}))
         text = observation_text(result.observation, self.observation_field)
         return StepResult(text, {REWARD_PART: float(result.reward or 0.0)}, done=bool(result.done))
@@ -114,12 +119,16 @@ class OpenEnv:
         from openenv.core.generic_client import GenericEnvClient
 
         for attempt in range(self.max_retries + 1):
-            client = GenericEnvClient(base_url=self.url, connect_timeout_s=self.connect_timeout_s)
+            # No time limit of openenv's on an answer: a call's limit is model.env.step_timeout_s (the runner's),
+            # whose overrun ends the episode; openenv's (60 s) would stop the run instead.
+            client = GenericEnvClient(
+                base_url=self.url, connect_timeout_s=self.connect_timeout_s, message_timeout_s=None
+            )
             try:
                 await client.connect()
             except ConnectionError as err:
                 if attempt == self.max_retries:
-                    tries = f"{attempt + 1} tr{'y' if attempt == 0 else 'ies'}"
+                    tries = f"{attempt + 1} tr{'y' if attempt == 0 else 'ies'} of {self.connect_timeout_s:g} s"
                     raise ConnectionError(
                         f"OpenEnv server {self.url} did not answer ({tries}): {_one_line(err)}"
                     ) from None
@@ -130,13 +139,23 @@ class OpenEnv:
 
     async def _send(self, call: Any) -> Any:
         """A reset or step of the session, its failure as one line naming the server."""
+        from websockets.exceptions import WebSocketException
+
         try:
             return await call
-        except (RuntimeError, ConnectionError, OSError) as err:
+        except (RuntimeError, ConnectionError, OSError, WebSocketException) as err:
             message = _one_line(err)
             if "CAPACITY_REACHED" in message:  # every episode of a batch holds its session from reset to its end
                 message += f"; {AT_CAPACITY}"
             raise RuntimeError(f"OpenEnv server {self.url}: {message}") from None
+
+
+def _session_open(client: Any) -> bool:
+    """Whether openenv's client still holds the session's socket (openenv 0.10's `_ws`, pinned by the extra)."""
+    from websockets.protocol import State
+
+    socket = getattr(client, "_ws", None)
+    return socket is not None and socket.state is State.OPEN
 
 
 def observation_text(observation: dict[str, Any], field: Optional[str]) -> str:
@@ -193,7 +212,7 @@ class _LocalApps:
         self._stops.append(stop)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + timeout_s
-        while not _healthy(url):
+        while not (_healthy(url) and process.poll() is None):  # a server that exited did not answer: another did
             if process.poll() is not None or time.monotonic() > deadline:
                 code = process.poll()
                 stop()

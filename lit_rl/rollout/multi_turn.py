@@ -107,7 +107,8 @@ def run_episodes(
     (its environment is still busy, so it cannot be stepped again) and counts in `env_timeouts`.
 
     At the end, or when this raises an `Exception`, each environment that has a `close()` is closed (a session on a
-    server released: `lit_rl.envs.OpenEnv`)."""
+    server released: `lit_rl.envs.OpenEnv`), unless a call of its overran or its reset failed (`ended`): a plain
+    method may still be running on its worker thread, using what `close` would release."""
     batch = _EpisodeBatch(
         envs, prompts, params, seeds, decode, encode_observation, reward_names, max_turns, max_total_tokens, env_name
     )
@@ -119,11 +120,13 @@ def run_episodes(
         else:
             _lock_step(batch, engine, active, pad_id, device, runner, any_active)
         settled = [i for i in range(len(envs)) if i not in batch.broken]
-        finish_error = _finish(envs, settled, runner, batch.env_rewards, batch.stats, batch.column, env_name)
+        finish_error = _finish(
+            envs, settled, runner, batch.env_rewards, batch.stats, batch.column, env_name, batch.overran
+        )
     except Exception:  # not on Ctrl-C (a BaseException): that stops at once
-        _close(envs, runner)
+        _close(envs, batch.overran | ended, runner)
         raise
-    _close(envs, runner)
+    _close(envs, batch.overran | ended, runner)
     for i in batch.broken:  # a reward scored at the end was never asked: invalid (`model.rewards.on_invalid`), not 0
         if callable(getattr(envs[i], "finish", None)):
             batch.env_rewards[i] = float("nan")
@@ -165,6 +168,7 @@ class _EpisodeBatch:
         self.stats = torch.zeros(n, len(EPISODE_STATS))
         self.column = {name: i for i, name in enumerate(reward_names)}
         self.broken: set[int] = set()  # episodes whose environment failed or is still busy: never asked to `finish`
+        self.overran: set[int] = set()  # episodes whose environment is still busy in a call past its time limit
         self.errors: dict[tuple[int, int], str] = {}  # (turns taken, episode) -> the failure that ended it
 
     def budget(self, i: int) -> int:
@@ -204,6 +208,7 @@ class _EpisodeBatch:
         if isinstance(outcome, EnvCallTimeout):  # its environment is still busy: the episode ends here
             self.stats[i, 4] += 1
             self.broken.add(i)
+            self.overran.add(i)
             return False
         try:
             if isinstance(outcome, BaseException):
@@ -337,10 +342,11 @@ def _add_reward_parts(row: torch.Tensor, parts: dict[str, float], column: dict[s
         row[column[name]] += float(value)
 
 
-def _close(envs: Sequence[Environment], runner: EnvironmentRunner) -> None:
-    """Close the environments that have a `close()`, together. A failure to close is not the episode's: it is
-    scored already, and the server's own log says what went wrong."""
-    closing = [env for env in envs if callable(getattr(env, "close", None))]
+def _close(envs: Sequence[Environment], busy: set[int] | frozenset[int], runner: EnvironmentRunner) -> None:
+    """Close the environments that have a `close()`, together, but for the `busy` ones (a call overran, or their
+    reset failed). A failure to close is not the episode's: it is scored already, and the server's own log says what
+    went wrong."""
+    closing = [env for i, env in enumerate(envs) if i not in busy and callable(getattr(env, "close", None))]
     if closing:
         runner.run([(env.close, ()) for env in closing])
 
@@ -353,15 +359,18 @@ def _finish(
     stats: torch.Tensor,
     column: dict[str, int],
     env_name: str,
+    overran: set[int],
 ) -> Optional[str]:
     """Ask each ended episode's environment that has a `finish()` for its last reward parts (a TRL environment's
     `get_reward`), all at once on `runner`; the first failure, to raise on every rank. `settled`: the episodes whose
-    environment neither failed nor overran (an overrunning one is still busy)."""
+    environment neither failed nor overran (an overrunning one is still busy); those whose `finish` overruns are
+    added to `overran`."""
     finishing = [i for i in settled if callable(getattr(envs[i], "finish", None))]
     error = None
     for i, outcome in zip(finishing, runner.run([(envs[i].finish, ()) for i in finishing])):
         if isinstance(outcome, EnvCallTimeout):
             stats[i, 4] += 1
+            overran.add(i)
             continue
         try:
             if isinstance(outcome, BaseException):

@@ -5,6 +5,7 @@ a generation, and the same steps on 1 and 2 processes; for GRPO, RLOO (and PPO a
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -229,8 +230,8 @@ def test_a_one_process_run_on_an_engine_taking_concurrent_calls_runs_its_episode
 def test_an_openenv_app_runs_one_session_per_episode_scores_its_rewards_and_is_stopped_at_the_end(tmp_path):
     """`lit_rl.envs.OpenEnv` serving the tests' OpenEnv app (`tests.integration.openenv_countdown`) as a user's
     config does: each episode is one WebSocket session, reset with its row's answer (2 + answer % 2 turns), its
-    steps' rewards summed into `rewards/env/openenv`; every session is closed, and the server is gone after the
-    run."""
+    steps' rewards summed into `rewards/env/openenv`; each step's sessions are closed before the next step opens
+    its own (left to the end, 16 would be open at once), and the server is gone after the run."""
     from tests.conftest import cli_env
 
     sessions = tmp_path / "sessions.log"
@@ -239,7 +240,7 @@ def test_an_openenv_app_runs_one_session_per_episode_scores_its_rewards_and_is_s
         "--model.env.environment_args",
         "{app: tests.integration.openenv_countdown:app, row_reset_args: [answer]}",
     ]
-    openenv += ["--trainer.max_steps", "1", "--trainer.limit_val_batches", "0"]
+    openenv += ["--trainer.max_steps", "2", "--trainer.limit_val_batches", "0"]
     log_dir = fit_in_subprocess(
         tmp_path,
         "a",
@@ -249,14 +250,16 @@ def test_an_openenv_app_runs_one_session_per_episode_scores_its_rewards_and_is_s
         every_n_train_steps=None,
         env={**cli_env(), "OPENENV_COUNTDOWN_LOG": str(sessions)},
     )
-    (row,) = train_rows(log_dir)
-    assert 2 <= row["train/turns"] <= 3 and row["train/env_tokens"] > 0
-    assert 0.0 <= row["train/rewards/env/openenv"] <= 0.25 * row["train/turns"]
-    assert row["train/rollout_logprob_diff/max"] < 1e-4  # the observations appended token-in, token-out
+    rows = train_rows(log_dir)
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        assert 2 <= row["train/turns"] <= 3 and row["train/env_tokens"] > 0
+        assert 0.0 <= row["train/rewards/env/openenv"] <= 0.25 * row["train/turns"]
+        assert row["train/rollout_logprob_diff/max"] < 1e-4  # the observations appended token-in, token-out
     events = [line.split() for line in sessions.read_text().splitlines()]
-    opened = [pid for event, pid in events if event == "open"]
-    closed = [pid for event, pid in events if event == "close"]
-    assert len(opened) == len(closed) == 8  # micro_batch_size 8: two prompts x 4 generations, one session each
-    (server,) = set(opened)
+    open_at_once = list(itertools.accumulate(1 if event == "open" else -1 for event, _ in events))
+    # micro_batch_size 8 a step: two prompts x 4 generations, one session each
+    assert len(events) == 2 * 16 and max(open_at_once) == 8 and open_at_once[-1] == 0
+    (server,) = {pid for _, pid in events}
     with pytest.raises(ProcessLookupError):
         os.kill(int(server), 0)

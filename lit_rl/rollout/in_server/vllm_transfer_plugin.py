@@ -30,13 +30,19 @@ BACKEND = "lit_rl_gloo"
 
 
 def register() -> None:
-    """vLLM's plugin hook (entry point `vllm.general_plugins`): add the `lit_rl_gloo` backend, lazily, once; and,
-    before the process builds its model, settle MKL's math kernels (`lit_rl/numerics.py`: vLLM's rotary table)."""
+    """vLLM's plugin hook (entry point `vllm.general_plugins`): add the `lit_rl_gloo` backend, lazily, once; before
+    the process builds its model, settle MKL's math kernels (`lit_rl/numerics.py`: vLLM's rotary table); and in a
+    server lit-rl started, drop the notices of every weight push from its log (`lit_rl.console`)."""
+    import os
+
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+    from lit_rl.console import QUIET_SERVER_ENV, WEIGHT_PUSH_MESSAGES, drop_log_messages
     from lit_rl.numerics import settle_cpu_math_kernels
 
     settle_cpu_math_kernels()
+    if os.environ.get(QUIET_SERVER_ENV) == "1":
+        drop_log_messages(WEIGHT_PUSH_MESSAGES)
 
     try:
         WeightTransferEngineFactory.register_engine(BACKEND, __name__, "GlooWeightTransferEngine")

@@ -20,6 +20,7 @@ import urllib.request
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
+from lit_rl.console import QUIET_SERVER_ENV
 from lit_rl.errors import LitRLError
 from lit_rl.net import DIRECT, AnswerTooLarge, error_answer, read_answer
 from lit_rl.rollout.engines.vllm_config import VLLM_TRANSFER_BACKENDS
@@ -44,6 +45,7 @@ def server_command(
     """
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONSAFEPATH": "1"}  # PYTHONSAFEPATH: no working directory on sys.path
+    env[QUIET_SERVER_ENV] = "1"  # its log without the notices of every weight push (`lit_rl.console`)
     if cpu:
         argv += ["--dtype", "float32", "--enforce-eager"]
         env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; yours wins
