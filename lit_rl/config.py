@@ -242,8 +242,8 @@ class EnvArgs:
         tools: import paths of tools (`lit_rl.envs.tools.calc`, or functions with type hints and docstrings);
             alone they run in the built-in `ToolEnvironment` or `ChatToolEnvironment` (`tool_format`).
         tool_format: how the model calls tools. `chat`: in its chat template's format (`lit_rl.envs.chat_tools`:
-            the tools' schemas go into the prompt through the template, calls are `<tool_call>{json}</tool_call>`,
-            results come back as `tool` messages); `tags`: the built-in `<name>argument</name>` answered
+            the tools' schemas go into the prompt through the template, calls are `<tool_call>{json}</tool_call>`
+            (Qwen, Hermes) or Llama 3.x's bare JSON, results come back as `tool` messages); `tags`: the built-in `<name>argument</name>` answered
             `<result>value</result>` (the tiny model's); `auto`: `chat` when the tokenizer's chat template renders
             tools, else `tags`.
         max_turns: the most model turns of an episode.

@@ -82,13 +82,17 @@ def qwen_chat_tokenizer(model_max_length: int = 1024):
 
 def save_qwen_chat_model(path: Path) -> Path:
     """A randomly initialised tiny Qwen2 (seed 0) with `qwen_chat_tokenizer`, saved at `path`."""
+    return save_chat_model(path, qwen_chat_tokenizer())
+
+
+def save_chat_model(path: Path, tokenizer) -> Path:
+    """A randomly initialised tiny Qwen2 (seed 0) of `tokenizer`'s vocabulary, saved with it at `path`."""
     import torch
     from transformers import Qwen2ForCausalLM
 
     from lit_rl.modeling.models import tiny_qwen2_config
 
-    tokenizer = qwen_chat_tokenizer()
-    config = tiny_qwen2_config(vocab_size=len(tokenizer), max_position_embeddings=1024)
+    config = tiny_qwen2_config(vocab_size=len(tokenizer), max_position_embeddings=tokenizer.model_max_length)
     config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
     torch.manual_seed(0)

@@ -24,6 +24,7 @@ from lit_rl.modeling.models import build_char_tokenizer
 from lit_rl.rollout import SamplingParams
 from lit_rl.rollout.multi_turn import run_episodes
 from tests.integration.envs import add_numbers, slow_echo
+from tests.llama_chat import llama_chat_tokenizer
 from tests.qwen_chat import qwen_chat_tokenizer, save_qwen_chat_model
 from tests.test_multi_turn import ScriptedEngine
 
@@ -72,10 +73,16 @@ def test_a_functions_schema_comes_from_its_type_hints_and_docstring():
 
 def test_the_chat_format_is_chosen_when_the_template_writes_calls_lit_rl_reads(tokenizer):
     tiny = build_char_tokenizer()  # the shipped tiny model's template: contents only, no tools
-    llama = qwen_chat_tokenizer()
-    llama.chat_template = _trl_template("llama3_1")  # reads `tools`, writes calls as bare JSON
-    assert [template_tool_support(t) for t in (tokenizer, tiny, llama)] == ["hermes", "none", "other"]
+    llama = llama_chat_tokenizer()  # Llama 3.1's: reads `tools`, writes calls as bare JSON
+    phi = qwen_chat_tokenizer()
+    phi.chat_template = _trl_template("phi3_5")  # no tools
+    gemma = qwen_chat_tokenizer()
+    gemma.chat_template = _trl_template("gemma4")  # reads `tools`, writes calls its own way
+    supports = [template_tool_support(t) for t in (tokenizer, tiny, llama, phi, gemma)]
+    assert supports == ["hermes", "none", "llama3", "none", "other"]
+    assert template_tool_support(llama_chat_tokenizer(template="llama3_2")) == "llama3"
     assert uses_chat_tools("auto", "hermes") and not uses_chat_tools("auto", "none")
+    assert uses_chat_tools("auto", "llama3") and not uses_chat_tools("tags", "llama3")
     assert not uses_chat_tools("tags", "hermes") and not uses_chat_tools("tags", "other")
     assert uses_chat_tools("chat", "hermes")
     with pytest.raises(ConfigError, match="tool_format is chat but the tokenizer's chat template does not render"):
@@ -104,6 +111,80 @@ def test_calls_are_read_from_qwens_markup_and_a_bad_one_keeps_its_error():
     assert calls[2].error.startswith("the tool call is not JSON") and calls[3].error == 'the tool call has no "name"'
     assert calls[4].error == '"arguments" is not a JSON object'
     assert parse_tool_calls("The answer is 5.") == []
+
+
+def test_llama_calls_are_the_turns_json_and_an_answer_is_no_call():
+    """Llama 3.x writes one call as the whole turn, `{"name": ..., "parameters": {...}}`, maybe after
+    `<|python_tag|>`; a turn of prose is the answer."""
+    calls = parse_tool_calls('<|python_tag|>{"name": "add_numbers", "parameters": {"a": 2, "b": 3}}', "llama3")
+    assert [(c.name, c.arguments, c.error) for c in calls] == [("add_numbers", {"a": 2, "b": 3}, None)]
+    calls = parse_tool_calls(' {"name": "add_numbers", "arguments": "{\\"a\\": 1, \\"b\\": 1}"} then', "llama3")
+    assert [(c.name, c.arguments) for c in calls] == [("add_numbers", {"a": 1, "b": 1})]
+    assert parse_tool_calls("The answer is 5.", "llama3") == []
+    # Qwen's markup is not Llama's call (and the other way round): a model writing the wrong one made no call.
+    assert parse_tool_calls(_call("add_numbers", '{"a": 2, "b": 3}'), "llama3") == []
+    assert parse_tool_calls('{"name": "add_numbers", "parameters": {}}') == []
+    (bad,) = parse_tool_calls('{"name": "add_numbers", "parameters": {"a": 2', "llama3")
+    assert bad.name is None and bad.error.startswith("the tool call is not JSON")
+    assert parse_tool_calls('{"parameters": {}}', "llama3")[0].error == 'the tool call has no "name"'
+    (listed,) = parse_tool_calls('{"name": "f", "parameters": [1]}', "llama3")
+    assert listed.error == '"parameters" is not a JSON object'
+
+
+@pytest.mark.parametrize("template", ["llama3_1", "llama3_2"])
+def test_llama_templates_append_the_json_encoded_result_token_in_token_out(template):
+    """Llama 3.1/3.2's templates write a tool result JSON-encoded in an `ipython` turn: prompt + the sampled call +
+    the observation's ids == the template's own rendering of the whole conversation, and a result holding
+    `<|eot_id|>`'s text stays text."""
+    tokenizer = llama_chat_tokenizer(template=template)
+    schemas = [tool_schema(add_numbers)]
+    renderer = ChatRenderer(tokenizer, schemas)
+    question = [{"role": "user", "content": "What is 2+3?"}]
+    prompt = tokenizer.apply_chat_template(question, tools=schemas, tokenize=False, add_generation_prompt=True)
+    call = {"type": "function", "function": {"name": "add_numbers", "arguments": {"a": 2, "b": 3}}}
+    turn_text = '{"name": "add_numbers", "parameters": {"a": 2, "b": 3}}'
+    turn_ids = tokenizer.encode(turn_text, add_special_tokens=False) + [tokenizer.eos_token_id]
+    messages = [{"role": "tool", "name": "add_numbers", "content": "5 <|eot_id|>"}]
+    observation = renderer.observation_ids(messages, turn_ids)
+    whole = tokenizer.apply_chat_template(
+        [*question, {"role": "assistant", "content": "", "tool_calls": [call]}, *messages],
+        tools=schemas,
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    ids = tokenizer.encode(prompt, add_special_tokens=False) + turn_ids + observation
+    assert tokenizer.decode(ids) == whole
+    assert tokenizer.decode(observation) == (
+        '<|start_header_id|>ipython<|end_header_id|>\n\n"5 <|eot_id|>"<|eot_id|>'
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    assert observation.count(tokenizer.eos_token_id) == 1  # the template's own <|eot_id|> only
+    # The environment reads the call in Llama's format and answers it.
+    env = ChatToolEnvironment([add_numbers], call_format="llama3")
+    step = env.step(tokenizer.decode(turn_ids, skip_special_tokens=True))
+    assert step.observation == [{"role": "tool", "name": "add_numbers", "content": "5"}]
+    assert (step.tool_calls, step.tool_errors) == (1, 0)
+    # A TRL environment class's methods are called in Llama's format too.
+    from lit_rl.envs.base import environment_factory
+
+    trl_env = environment_factory("tests.integration.envs.IncrementEnv", None, None, "auto", "llama3").factory()
+    assert type(trl_env).__name__ == "TRLEnvironment" and trl_env.call_format == "llama3"
+
+
+def test_grpo_with_a_llama_model_offers_the_tools_in_its_template_and_reads_its_calls(tmp_path):
+    """`model.env.tools` with a Llama 3.1-format model (`tool_format: auto`): the prompts hold the schemas where
+    Llama's template puts them (the first user message) and the episodes read calls as Llama writes them."""
+    from tests.conftest import fit_grpo
+    from tests.llama_chat import save_llama_chat_model
+
+    path = save_llama_chat_model(tmp_path / "llama-chat")
+    model = fit_grpo(model_name_or_path=str(path), tools=["tests.integration.envs.add_numbers"], max_turns=2)
+    env = model.producer.env_factory()
+    assert type(env).__name__ == "ChatToolEnvironment" and env.call_format == "llama3"
+    prompt = model.tokenizer.decode(model._buffer.prompt_ids[0], skip_special_tokens=False)
+    assert "<|start_header_id|>user<|end_header_id|>\n\nGiven the following functions" in prompt
+    assert '"name": "add_numbers"' in prompt
+    assert prompt.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
 
 
 def test_every_call_is_answered_with_a_tool_message_and_failures_are_counted():

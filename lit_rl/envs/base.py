@@ -106,6 +106,8 @@ def environment_factory(
         chat = uses_chat_tools(tool_format, tool_support)
         make = ChatToolEnvironment if chat else ToolEnvironment
         kwargs["tools"] = functions
+        if chat:
+            kwargs["call_format"] = tool_support
     else:
         try:
             user_class = import_callable(path, "environment")
@@ -113,7 +115,8 @@ def environment_factory(
             raise ConfigError(f"model.env.environment: {err}") from None
         if is_trl_environment(user_class):
             _check_trl_format(path, tool_format, tool_support)
-            chat, make = True, lambda **options: TRLEnvironment(user_class(**options), functions)
+            chat = True
+            make = lambda **options: TRLEnvironment(user_class(**options), functions, tool_support)  # noqa: E731
         else:
             chat, make = bool(functions) and uses_chat_tools(tool_format, tool_support), user_class
             if functions:
@@ -132,15 +135,17 @@ def environment_factory(
 
 def _check_trl_format(path: str, tool_format: str, tool_support: str) -> None:
     """A TRL environment's methods are tools called in the chat format: a one-line error when they cannot be."""
+    from lit_rl.envs.chat_tools import CALL_FORMATS
+
     if tool_format == "tags":
         raise ConfigError(
             f"model.env.environment {path} is a TRL environment (a reset and no step), whose methods are tools "
             "called in the chat format; model.env.tool_format tags cannot call them"
         )
-    if tool_support != "hermes":
+    if tool_support not in CALL_FORMATS:
         raise ConfigError(
             f"model.env.environment {path} is a TRL environment (a reset and no step), whose methods are tools "
             "called in the chat format, but the tokenizer's chat template "
             + ("does not render tools" if tool_support == "none" else "writes calls in a format lit-rl does not read")
-            + " (lit-rl reads Qwen's and Hermes' <tool_call>{json}</tool_call>)"
+            + " (lit-rl reads Qwen's and Hermes' <tool_call>{json}</tool_call> and Llama 3.x's bare JSON)"
         )

@@ -3,9 +3,11 @@
 - **The tools** are plain Python functions with type hints and a Google-style docstring, sync or `async def`. Their
   JSON schemas (`tool_schema`: what `transformers.utils.get_json_schema` makes) reach the prompt through the
   tokenizer's chat template (`apply_chat_template(..., tools=schemas)`), as the model saw them in its training.
-- **The calls** come out of a model turn in the template's markup: Qwen's and Hermes' `<tool_call>{"name": ...,
-  "arguments": {...}}</tool_call>`, one or more in a turn (`parse_tool_calls`). A turn without a call ends the
-  episode.
+- **The calls** come out of a model turn in the template's markup (`parse_tool_calls`): Qwen's and Hermes'
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one or more in a turn; or Llama 3.x's bare JSON, the
+  turn itself being `{"name": ..., "parameters": {...}}` (after `<|python_tag|>` if the model wrote one), one call a
+  turn as its template allows. Which one is read from the template (`template_tool_support`). A turn without a call
+  ends the episode.
 - **The results** go back as `tool` messages (`{"role": "tool", "name": ..., "content": ...}`), one per call, which
   `ChatRenderer` renders through the same template and appends token-in, token-out: only the new messages' tokens
   are appended to the episode's ids, the history is never re-tokenised.
@@ -69,13 +71,17 @@ def _described(tool: Callable[..., Any]) -> dict[str, Any]:
         ) from None
 
 
-HERMES, OTHER, NONE = "hermes", "other", "none"  # what a chat template does with tools (`template_tool_support`)
+# What a chat template does with tools (`template_tool_support`): the two call formats lit-rl reads, another, none.
+HERMES, LLAMA3, OTHER, NONE = "hermes", "llama3", "other", "none"
+CALL_FORMATS = (HERMES, LLAMA3)
+_PYTHON_TAG = "<|python_tag|>"  # Llama 3.x's marker before a call (special: usually decoded away already)
 
 
 def template_tool_support(tokenizer: Any) -> str:
     """What the tokenizer's chat template does with tools: `hermes` when it writes a call as
-    `<tool_call>{json}</tool_call>` (Qwen2.5/3, Hermes: what `parse_tool_calls` reads), `other` when it reads
-    `tools` but writes calls another way (Llama 3.x's bare JSON: not parsed yet), `none` when it never reads them."""
+    `<tool_call>{json}</tool_call>` (Qwen2.5/3, Hermes), `llama3` when it writes the bare JSON `{"name": ...,
+    "parameters": ...}` (Llama 3.1-3.3), `other` when it reads `tools` but writes calls another way (not parsed),
+    `none` when it never reads them."""
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # named templates: the default, or a "tool_use" one
         template = " ".join(template.values())
@@ -87,7 +93,9 @@ def template_tool_support(tokenizer: Any) -> str:
         text = tokenizer.apply_chat_template(conversation, tokenize=False)
     except Exception:  # a template that raises on a tool call cannot be the format lit-rl parses
         return OTHER
-    return HERMES if _TOOL_CALL.search(text) and "lit_rl_probe" in text else OTHER
+    if _TOOL_CALL.search(text) and "lit_rl_probe" in text:
+        return HERMES
+    return LLAMA3 if re.search(r'\{"name": "lit_rl_probe", "parameters": \{', text) else OTHER
 
 
 def check_tool_format(tool_format: str) -> None:
@@ -103,7 +111,7 @@ def uses_chat_tools(tool_format: str, support: str) -> bool:
     check_tool_format(tool_format)
     if tool_format == "tags":
         return False
-    if support == HERMES:
+    if support in CALL_FORMATS:
         return True
     if tool_format == "auto" and support == NONE:
         return False
@@ -114,7 +122,8 @@ def uses_chat_tools(tool_format: str, support: str) -> bool:
         )
     raise ConfigError(
         "model.env.tools: the tokenizer's chat template writes tool calls in a format lit-rl does not read yet (it "
-        "reads Qwen's and Hermes' <tool_call>{json}</tool_call>); set model.env.tool_format tags for lit-rl's tags"
+        "reads Qwen's and Hermes' <tool_call>{json}</tool_call> and Llama 3.x's bare JSON); set "
+        "model.env.tool_format tags for lit-rl's tags"
     )
 
 
@@ -132,31 +141,48 @@ def chat_prompt(prompt: Any) -> list[dict[str, Any]]:
     return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
 
 
-def parse_tool_calls(text: str) -> list[ToolCall]:
-    """Every `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in `text`, in order (Qwen2.5/3, Hermes).
-    `arguments` may be an object or a JSON string holding one; a call that cannot be read keeps its error."""
+def parse_tool_calls(text: str, call_format: str = HERMES) -> list[ToolCall]:
+    """The tool calls of a model turn, in order; a call that cannot be read keeps its error.
+
+    - `hermes` (Qwen2.5/3, Hermes): every `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in `text`.
+    - `llama3` (Llama 3.1-3.3): the turn itself, when it is a JSON object (after `<|python_tag|>` and white space):
+      `{"name": ..., "parameters": {...}}` (`arguments` is read too), one call; text after the object is ignored, as
+      Llama's own parsers do. A turn that does not start with `{` is an answer, not a call.
+
+    The arguments may be an object or a JSON string holding one."""
+    if call_format == LLAMA3:
+        body = text.strip().removeprefix(_PYTHON_TAG).lstrip()
+        if not body.startswith("{"):
+            return []
+        try:
+            call, _ = json.JSONDecoder().raw_decode(body)
+        except json.JSONDecodeError as err:
+            return [ToolCall(None, {}, f"the tool call is not JSON ({err.msg} at character {err.pos})")]
+        return [_tool_call(call, "parameters" if isinstance(call, dict) and "parameters" in call else "arguments")]
     calls = []
     for match in _TOOL_CALL.finditer(text):
-        body = match.group(1).strip()
         try:
-            call = json.loads(body)
+            call = json.loads(match.group(1).strip())
         except json.JSONDecodeError as err:
             calls.append(ToolCall(None, {}, f"the tool call is not JSON ({err.msg} at character {err.pos})"))
             continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            calls.append(ToolCall(None, {}, 'the tool call has no "name"'))
-            continue
-        arguments = call.get("arguments", {})
-        if isinstance(arguments, str):  # some models write the arguments as a JSON string
-            try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except json.JSONDecodeError:
-                arguments = None
-        if not isinstance(arguments, dict):
-            calls.append(ToolCall(call["name"], {}, '"arguments" is not a JSON object'))
-            continue
-        calls.append(ToolCall(call["name"], arguments))
+        calls.append(_tool_call(call, "arguments"))
     return calls
+
+
+def _tool_call(call: Any, arguments_key: str) -> ToolCall:
+    """A decoded call object -> its ToolCall (the arguments under `arguments_key`), or why it cannot be made."""
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return ToolCall(None, {}, 'the tool call has no "name"')
+    arguments = call.get(arguments_key, {})
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            arguments = None
+    if not isinstance(arguments, dict):
+        return ToolCall(call["name"], {}, f'"{arguments_key}" is not a JSON object')
+    return ToolCall(call["name"], arguments)
 
 
 def _call(tool: Callable[..., Any], arguments: dict[str, Any]) -> Any:
@@ -180,11 +206,21 @@ class ChatToolEnvironment:
         tools: the functions (`model.env.tools` import paths), each called with the call's arguments as keywords.
         timeout_s: the time limit of one call, on a thread of its own; None: called on the step's thread, bounded
             by the step's time limit (`model.env.step_timeout_s`).
+        call_format: how the model writes a call (`parse_tool_calls`): `hermes` or `llama3`, its template's
+            (`template_tool_support`; set by lit-rl).
     """
 
     reward_names: tuple[str, ...] = ()
 
-    def __init__(self, tools: Optional[list[Callable[..., Any]]] = None, timeout_s: Optional[float] = 5.0) -> None:
+    def __init__(
+        self,
+        tools: Optional[list[Callable[..., Any]]] = None,
+        timeout_s: Optional[float] = 5.0,
+        call_format: str = HERMES,
+    ) -> None:
+        if call_format not in CALL_FORMATS:
+            raise ConfigError(f"ChatToolEnvironment call_format must be one of {', '.join(CALL_FORMATS)}")
+        self.call_format = call_format
         if not tools:
             raise ConfigError("ChatToolEnvironment needs at least one tool (model.env.tools)")
         if timeout_s is not None and timeout_s <= 0:
@@ -201,7 +237,7 @@ class ChatToolEnvironment:
         return None  # the row's prompt (with the tools' schemas, through the chat template) is the first observation
 
     def step(self, completion: str) -> StepResult:
-        calls = parse_tool_calls(completion)
+        calls = parse_tool_calls(completion, self.call_format)
         if not calls:
             return StepResult(observation=None, done=True)
         messages, errors = [], 0
@@ -247,7 +283,8 @@ class ChatRenderer:
     the whole closing.
 
     Message contents are encoded as text: a tool's result that contains a special token's text (`<|im_end|>`)
-    gets that text's characters, never the special token, so an observation cannot end a turn or forge a role.
+    gets that text's characters, never the special token, so an observation cannot end a turn or forge a role. A
+    template that writes a content as JSON (Llama 3.1's `message.content | tojson`) gets it JSON-encoded the same way.
 
     Args:
         tokenizer: the policy's tokenizer, with a chat template.
@@ -282,13 +319,16 @@ class ChatRenderer:
         added = full[answer + len(_STAND_IN_ANSWER) :]
         ids: list[int] = []
         for k, (message, placeholder) in enumerate(zip(messages, placeholders)):
-            markup, found, added = added.partition(placeholder)
+            content = _as_text(message.get("content", ""))
+            markup, found, rest = added.partition(placeholder)
+            if not found:  # written as JSON (quoted, escaped), as transformers' `tojson` filter writes it
+                markup, found, rest = added.partition(json.dumps(placeholder, ensure_ascii=False))
+                content = json.dumps(content, ensure_ascii=False)
             if not found:
                 raise ValueError(f"the chat template does not render the content of message {k} as it is")
+            added = rest
             ids += self.tokenizer.encode(markup, add_special_tokens=False)
-            ids += self.tokenizer.encode(
-                _as_text(message.get("content", "")), add_special_tokens=False, split_special_tokens=True
-            )
+            ids += self.tokenizer.encode(content, add_special_tokens=False, split_special_tokens=True)
         ids += self.tokenizer.encode(added, add_special_tokens=False)
         return ids[self._already_written(turn_ids, ids) :]
 

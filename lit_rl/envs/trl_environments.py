@@ -23,7 +23,7 @@ import copy
 import inspect
 from typing import Any, Callable, Optional
 
-from lit_rl.envs.chat_tools import ChatToolEnvironment
+from lit_rl.envs.chat_tools import HERMES, ChatToolEnvironment
 
 RESERVED = ("reset", "get_reward")
 
@@ -69,14 +69,17 @@ class TRLEnvironment(ChatToolEnvironment):
     # `get_reward` and `environments=` see the state the model acted on.
     steps_after_last_turn = False
 
-    def __init__(self, instance: Any, tools: Optional[list[Callable[..., Any]]] = None) -> None:
+    def __init__(
+        self, instance: Any, tools: Optional[list[Callable[..., Any]]] = None, call_format: str = HERMES
+    ) -> None:
         methods = tool_methods(instance)
         if not methods and not tools:
             raise TypeError(
                 f"{type(instance).__name__} has no public method to offer as a tool (TRL's environments expose "
                 "theirs; give one, or model.env.tools)"
             )
-        super().__init__([*(tools or []), *methods], timeout_s=None)  # bounded by the step's own time limit
+        # Calls bounded by the step's own time limit, written in the model's template's format.
+        super().__init__([*(tools or []), *methods], timeout_s=None, call_format=call_format)
         self.instance = instance
         self.owns_reward = callable(getattr(instance, "get_reward", None))
         self.reward_names = (type(instance).__name__,) if self.owns_reward else ()

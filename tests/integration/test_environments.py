@@ -154,19 +154,23 @@ def test_the_tool_demo_config_calls_the_calculator_and_scores_the_engines_tokens
     assert float(val[0]["val/tool_calls"]) > 0.5 and float(val[0]["val/rewards/final_answer_correctness"]) > 0.5
 
 
-def test_chat_message_observations_are_rendered_by_the_template_and_score_the_engines_tokens(tmp_path):
-    """An environment answering with `tool` messages, on a model with Qwen2.5's chat template: each observation is
-    the template's rendering appended after the turn (`ChatRenderer`), and the trainer's log-probs of the model's
-    tokens are still the engine's (the transcript is token-in, token-out)."""
+@pytest.mark.parametrize("family", ["qwen", "llama"])
+def test_chat_message_observations_are_rendered_by_the_template_and_score_the_engines_tokens(tmp_path, family):
+    """An environment answering with `tool` messages, on a model with Qwen2.5's or Llama 3.1's chat template: each
+    observation is the template's rendering appended after the turn (`ChatRenderer`; Llama's JSON-encoded), and the
+    trainer's log-probs of the model's tokens are still the engine's (the transcript is token-in, token-out)."""
+    from tests.llama_chat import save_llama_chat_model
     from tests.qwen_chat import save_qwen_chat_model
 
-    model = save_qwen_chat_model(tmp_path / "qwen-chat")
+    model = (save_qwen_chat_model if family == "qwen" else save_llama_chat_model)(tmp_path / f"{family}-chat")
     chat = ["--model.env.environment", "tests.integration.envs.ChatCountdown", "--model.env.max_total_tokens", "200"]
     chat += ["--model.policy.model_name_or_path", str(model)]
     log_dir = _fit(tmp_path, "grpo", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "0", *chat)
     (row,) = train_rows(log_dir)
     # Each observation holds the template's markup: "\n<|im_start|>user\n<tool_response>\n2;\n</tool_response>..."
-    assert 1 < row["train/turns"] <= 3 and row["train/env_tokens"] / (row["train/turns"] - 1) > 40
+    # (about 50 tokens), or '<|start_header_id|>ipython<|end_header_id|>\n\n"2;"<|eot_id|>...' (about 30)
+    markup = {"qwen": 40, "llama": 25}[family]
+    assert 1 < row["train/turns"] <= 3 and row["train/env_tokens"] / (row["train/turns"] - 1) > markup
     assert row["train/rollout_logprob_diff/max"] < 1e-4
 
 
