@@ -82,25 +82,28 @@ def test_transformers_models_import_next_to_vllm():
     assert result.stdout.strip().endswith("Qwen2ForCausalLM")
 
 
-# With "--lora" the trainer's policy carries a LoRA adapter and the engine receives the merged weights.
-@pytest.mark.parametrize("lora", [(), ("--lora",)], ids=["full", "lora"])
-def test_colocated_engine_samples_from_the_pushed_weights(lora):
+def test_colocated_engine_samples_from_the_pushed_weights_of_a_full_and_a_lora_policy():
     """Sampling agrees, and a push loads every weight: each of the engine's parameters (a linear layer's read back
-    through vLLM's own CPU kernel) equals the policy's, bit for bit, and no tensor of the policy is left out. vLLM's
-    `RotaryEmbedding: Failed to load weights` at each push is about its cos/sin cache, which is computed from the
-    config and in no checkpoint: it keeps its values, as it should."""
-    diffs = _logprob_check("colocate", *lora)
-    _check_push(diffs)
-    assert diffs["parameters_compared"] >= 30  # the tiny model: embedding, final norm, 7 per decoder layer
-    assert diffs["parameter_gap"] == 0.0
-    assert diffs["policy_tensors_not_in_engine"] == 0
+    through vLLM's own CPU kernel) equals the policy's, bit for bit, and no tensor of the policy is left out; for the
+    full policy, then, on the same engine, one carrying a LoRA adapter (the engine receives the merged weights).
+    vLLM's `RotaryEmbedding: Failed to load weights` at each push is about its cos/sin cache, which is computed from
+    the config and in no checkpoint: it keeps its values, as it should."""
+    results = _logprob_check("colocate", "--full-and-lora")
+    assert set(results) == {"full", "lora"}
+    for diffs in results.values():
+        _check_push(diffs)
+        assert diffs["parameters_compared"] >= 30  # the tiny model: embedding, final norm, 7 per decoder layer
+        assert diffs["parameter_gap"] == 0.0
+        assert diffs["policy_tensors_not_in_engine"] == 0
 
 
 # The weights broadcast over gloo (`transfer.method: gloo`) are checked by GRPO on two servers below: its log-prob
 # gap stays under 1e-4 every step at lr 1e-3, which a push that did not land would break after the first.
-@pytest.mark.parametrize("options", [(), ("--lora",)], ids=["full", "lora"])
-def test_server_engine_samples_from_the_pushed_weights(vllm_server, options):
-    _check_push(_logprob_check("server", vllm_server, *options))
+def test_server_engine_samples_from_the_pushed_weights_of_a_full_and_a_lora_policy(vllm_server):
+    results = _logprob_check("server", vllm_server, "--full-and-lora")
+    assert set(results) == {"full", "lora"}
+    for diffs in results.values():
+        _check_push(diffs)
 
 
 def _fit(tmp_path: Path, name: str, *args: str, algorithm: str = "grpo", max_steps: int = 4) -> Path:

@@ -3,12 +3,15 @@
     python tests/integration/vllm_logprob_check.py colocate
     python tests/integration/vllm_logprob_check.py server http://127.0.0.1:PORT
     python tests/integration/vllm_logprob_check.py colocate --lora
+    python tests/integration/vllm_logprob_check.py colocate --full-and-lora
     python tests/integration/vllm_logprob_check.py server http://127.0.0.1:PORT --gloo
 
 The engine starts from the shipped SFT policy's weights. The trainer's copy is then perturbed; completions sampled
 before the push are scored by the trainer (their log-prob difference is large), the weights are pushed, and
 completions sampled after it are scored again (the difference is rounding). With `--lora` the policy is the SFT
-model with a LoRA adapter, and only the adapter is perturbed: the engine receives the merged weights.
+model with a LoRA adapter, and only the adapter is perturbed: the engine receives the merged weights. With
+`--full-and-lora`, both run one after the other on the same engine (one engine start: the first push of each
+policy syncs the engine), and the JSON holds each one's result by name.
 Weights go through the training path (`policy_weight_stream`) in small buckets, so a push spans several buckets
 (and the server engine writes several files, or with `--gloo` broadcasts several chunks to a server started with
 `--weight-transfer-config '{"backend": "lit_rl_gloo"}'`). Prints one JSON line.
@@ -80,42 +83,70 @@ def parameter_gap(engine, policy) -> dict[str, float]:
     }
 
 
-def main(mode: str, url: str | None, lora: bool, gloo: bool = False) -> None:
-    from lit_rl.modeling.models import load_causal_lm, load_tokenizer, resolve_model_path
-    from lit_rl.rollout import SamplingParams, VLLMConfig
-    from lit_rl.rollout.engines.hf import model_eos_token_ids
-    from lit_rl.rollout.weights import policy_weight_stream
+def main(mode: str, url: str | None, policies: list[str], gloo: bool = False) -> None:
+    """Check each of `policies` (`full`, `lora`) on one engine; print its result, or all by name."""
+    from lit_rl.modeling.models import load_tokenizer
 
-    path = "lit-rl/tiny-qwen2-addition-sft"
-    tokenizer = load_tokenizer(path)
-    policy = load_causal_lm(path, dtype="float32").eval()
+    tokenizer = load_tokenizer(POLICY)
+    engine = None
+    results = {}
+    for name in policies:
+        policy = _policy(lora=name == "lora")
+        if engine is None:
+            engine = _engine(mode, url, policy, tokenizer, gloo)
+        results[name] = check(engine, policy, tokenizer, mode)
+    engine.close()
+    print(json.dumps(results if len(policies) > 1 else results[policies[0]]))
+
+
+POLICY = "lit-rl/tiny-qwen2-addition-sft"
+
+
+def _policy(lora: bool):
+    """The shipped SFT policy, or it with a LoRA adapter (rank 8, B = 0: the same function)."""
+    from lit_rl.modeling.models import load_causal_lm
+
+    policy = load_causal_lm(POLICY, dtype="float32").eval()
     if lora:
         from lit_rl.modeling.lora import LoRAConfig, apply_lora
 
         policy = apply_lora(policy, LoRAConfig(r=8)).eval()
+    return policy
+
+
+def _engine(mode: str, url: str | None, policy, tokenizer, gloo: bool):
+    from lit_rl.modeling.models import resolve_model_path
+    from lit_rl.rollout import VLLMConfig
+    from lit_rl.rollout.engines.hf import model_eos_token_ids
+
     eos_ids = model_eos_token_ids(policy, tokenizer.eos_token_id)
     if mode == "colocate":
         from lit_rl.rollout.engines.placement import EnginePlacement
         from lit_rl.rollout.engines.vllm import VLLMColocateEngine
 
-        engine = VLLMColocateEngine.start(
+        return VLLMColocateEngine.start(
             VLLMConfig(mode="colocate"),
-            resolve_model_path(path),
+            resolve_model_path(POLICY),
             torch.float32,
             torch.device("cpu"),
             eos_ids,
             tokenizer.pad_token_id,
             placement=EnginePlacement(rank=0, local_rank=0, world_size=1, local_world_size=1),
         )
-    else:
-        from lit_rl.rollout.engines.vllm_server import VLLMServerEngine
+    from lit_rl.rollout.engines.vllm_server import VLLMServerEngine
 
-        transfer = "gloo" if gloo else "auto"
-        config = VLLMConfig(
-            mode="server", server_url=url, push_bucket_mib=BUCKET_BYTES / 2**20, weight_transfer=transfer
-        )
-        engine = VLLMServerEngine(config, eos_ids, tokenizer.pad_token_id)
-    engine.update_weights(policy_weight_stream(policy, BUCKET_BYTES))  # the engine holds the SFT weights
+    transfer = "gloo" if gloo else "auto"
+    config = VLLMConfig(mode="server", server_url=url, push_bucket_mib=BUCKET_BYTES / 2**20, weight_transfer=transfer)
+    return VLLMServerEngine(config, eos_ids, tokenizer.pad_token_id)
+
+
+def check(engine, policy, tokenizer, mode: str) -> dict:
+    """Push `policy` (the engine then holds it), perturb it, and score completions sampled before and after a
+    second push (module docstring)."""
+    from lit_rl.rollout import SamplingParams
+    from lit_rl.rollout.weights import policy_weight_stream
+
+    engine.update_weights(policy_weight_stream(policy, BUCKET_BYTES))
 
     tokenizer.padding_side = "left"
     enc = tokenizer(["12+34=", "7+5=", "60+39=", "3+3="], padding=True, return_tensors="pt")
@@ -135,11 +166,11 @@ def main(mode: str, url: str | None, lora: bool, gloo: bool = False) -> None:
     result = {"synced": synced, "before_push": before, "after_push": after, "tokens": tokens}
     if mode == "colocate":  # the engine runs in this process: compare its parameters themselves
         result.update(parameter_gap(engine, policy))
-    engine.close()
-    print(json.dumps(result))
+    return result
 
 
 if __name__ == "__main__":
     positional = [arg for arg in sys.argv[1:] if not arg.startswith("--")]
     url = positional[1] if len(positional) > 1 else None
-    main(positional[0], url, lora="--lora" in sys.argv, gloo="--gloo" in sys.argv)
+    policies = ["full", "lora"] if "--full-and-lora" in sys.argv else ["lora" if "--lora" in sys.argv else "full"]
+    main(positional[0], url, policies, gloo="--gloo" in sys.argv)
