@@ -70,7 +70,14 @@ def test_dpo_reference_from_the_disabled_adapter_equals_a_frozen_copy(tmp_path):
     assert_rows_match(rows, train_rows(copy), rel=1e-5, abs=1e-6)
 
 
-def test_checkpoints_hold_the_adapter_resume_exactly_and_export_both_ways(tmp_path):
+@pytest.fixture(scope="module")
+def full_weights_run(tmp_path_factory):
+    """GRPO without LoRA, 2 steps, a checkpoint at step 2: what a LoRA checkpoint is compared with, and what has no
+    adapter to export (one run for both tests)."""
+    return _grpo(tmp_path_factory.mktemp("full_weights"), "full_weights", max_steps=2, every_n_train_steps=2)
+
+
+def test_checkpoints_hold_the_adapter_resume_exactly_and_export_both_ways(tmp_path, full_weights_run):
     save_hf = "--trainer.callbacks+=lit_rl.callbacks.SaveHFPretrained"
     full = _grpo(tmp_path, "full", *LORA, save_hf, max_steps=4, every_n_train_steps=2)
     assert saved_steps(full) == [2, 4]
@@ -89,9 +96,8 @@ def test_checkpoints_hold_the_adapter_resume_exactly_and_export_both_ways(tmp_pa
     assert_rows_match(rows, train_rows(full), rel=1e-6, abs=1e-7)
 
     # The checkpoint holds the adapter and its optimizer state, not the frozen weights.
-    full_weights = _grpo(tmp_path, "full_weights", max_steps=2, every_n_train_steps=2)
     lora_size = (full / "checkpoints" / "step=2.ckpt").stat().st_size
-    full_size = (full_weights / "checkpoints" / "step=2.ckpt").stat().st_size
+    full_size = (full_weights_run / "checkpoints" / "step=2.ckpt").stat().st_size
     assert lora_size < 0.2 * full_size, (lora_size, full_size)
     state = torch.load(full / "checkpoints" / "step=2.ckpt", weights_only=False)["state_dict"]
     assert state and all(".lora_" in key for key in state)
@@ -123,13 +129,13 @@ def test_checkpoints_hold_the_adapter_resume_exactly_and_export_both_ways(tmp_pa
     assert (merged_logits - base_logits).abs().max() > 1e-3  # the adapter is in the merged weights
 
 
-def test_exporting_an_adapter_from_a_full_checkpoint_is_one_line_error(tmp_path):
+def test_exporting_an_adapter_from_a_full_checkpoint_is_one_line_error(tmp_path, full_weights_run):
     import subprocess
 
     from tests.conftest import cli_env
 
-    run = _grpo(tmp_path, "full", max_steps=2, every_n_train_steps=2)
-    command = ["lit-rl", "export", str(run / "checkpoints" / "step=2.ckpt"), "out", "--adapter"]  # as the docs print
+    checkpoint = full_weights_run / "checkpoints" / "step=2.ckpt"
+    command = ["lit-rl", "export", str(checkpoint), "out", "--adapter"]  # as the docs print
     result = subprocess.run(command, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 1
     assert (
