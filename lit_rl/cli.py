@@ -134,8 +134,6 @@ def _named_class(message: str) -> Optional[type]:
     return cls if isinstance(cls, type) else None
 
 
-
-
 def quiet_console() -> None:
     """Silence the known messages above (idempotent); every other warning and log message is left as it is."""
     for message, category, module in IGNORED_WARNINGS:

@@ -243,9 +243,9 @@ class EnvArgs:
             alone they run in the built-in `ToolEnvironment` or `ChatToolEnvironment` (`tool_format`).
         tool_format: how the model calls tools. `chat`: in its chat template's format (`lit_rl.envs.chat_tools`:
             the tools' schemas go into the prompt through the template, calls are `<tool_call>{json}</tool_call>`
-            (Qwen, Hermes) or Llama 3.x's bare JSON, results come back as `tool` messages); `tags`: the built-in `<name>argument</name>` answered
-            `<result>value</result>` (the tiny model's); `auto`: `chat` when the tokenizer's chat template renders
-            tools, else `tags`.
+            (Qwen, Hermes) or Llama 3.x's bare JSON, results come back as `tool` messages); `tags`: the built-in
+            `<name>argument</name>` answered `<result>value</result>` (the tiny model's); `auto`: `chat` when the
+            tokenizer's chat template renders tools, else `tags`.
         max_turns: the most model turns of an episode.
         max_total_tokens: the most tokens of a transcript after the prompt, model and observation tokens (None:
             `max_turns x sampling.max_new_tokens`).

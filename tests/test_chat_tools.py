@@ -121,6 +121,7 @@ def test_llama_calls_are_the_turns_json_and_an_answer_is_no_call():
     calls = parse_tool_calls(' {"name": "add_numbers", "arguments": "{\\"a\\": 1, \\"b\\": 1}"} then', "llama3")
     assert [(c.name, c.arguments) for c in calls] == [("add_numbers", {"a": 1, "b": 1})]
     assert parse_tool_calls("The answer is 5.", "llama3") == []
+    assert parse_tool_calls('{"answer": 5}', "llama3") == []  # a JSON answer: no parameters, no call
     # Qwen's markup is not Llama's call (and the other way round): a model writing the wrong one made no call.
     assert parse_tool_calls(_call("add_numbers", '{"a": 2, "b": 3}'), "llama3") == []
     assert parse_tool_calls('{"name": "add_numbers", "parameters": {}}') == []
@@ -159,6 +160,9 @@ def test_llama_templates_append_the_json_encoded_result_token_in_token_out(templ
         "<|start_header_id|>assistant<|end_header_id|>\n\n"
     )
     assert observation.count(tokenizer.eos_token_id) == 1  # the template's own <|eot_id|> only
+    # A call ended with <|eom_id|> (Llama's end of a message a tool result follows) is not closed again.
+    eom_turn = [*turn_ids[:-1], tokenizer.convert_tokens_to_ids("<|eom_id|>")]
+    assert renderer.observation_ids(messages, eom_turn) == observation
     # The environment reads the call in Llama's format and answers it.
     env = ChatToolEnvironment([add_numbers], call_format="llama3")
     step = env.step(tokenizer.decode(turn_ids, skip_special_tokens=True))
@@ -169,6 +173,10 @@ def test_llama_templates_append_the_json_encoded_result_token_in_token_out(templ
 
     trl_env = environment_factory("tests.integration.envs.IncrementEnv", None, None, "auto", "llama3").factory()
     assert type(trl_env).__name__ == "TRLEnvironment" and trl_env.call_format == "llama3"
+    # ... and so are lit-rl's own tool environment's, named by import path.
+    tools = ["tests.integration.envs.add_numbers"]
+    named = environment_factory("lit_rl.envs.ChatToolEnvironment", None, tools, "auto", "llama3").factory()
+    assert named.call_format == "llama3"
 
 
 def test_grpo_with_a_llama_model_offers_the_tools_in_its_template_and_reads_its_calls(tmp_path):

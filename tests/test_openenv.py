@@ -41,7 +41,7 @@ async def _first_then_lost_session(env):
     """The reset's answer; then, the session's socket closed under it, a step fails in one line instead of
     reaching a fresh environment that was never reset (openenv's client would reconnect)."""
     first = await env.reset({"prompt": "1+1="})
-    await env._client._ws.close()
+    await env._socket.close()
     with pytest.raises(RuntimeError, match="OpenEnv server http://127.0.0.1:\\d+: the episode's session was closed"):
         await env.step("1")
     await env.close()

@@ -121,6 +121,8 @@ def environment_factory(
             chat, make = bool(functions) and uses_chat_tools(tool_format, tool_support), user_class
             if functions:
                 kwargs["tools"] = functions
+            if chat and isinstance(user_class, type) and issubclass(user_class, ChatToolEnvironment):
+                kwargs.setdefault("call_format", tool_support)  # a subclass of lit-rl's reads the template's calls
     try:
         probe = make(**kwargs)  # checks the arguments now, before any rollout
     except TypeError as err:

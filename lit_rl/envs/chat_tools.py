@@ -75,6 +75,7 @@ def _described(tool: Callable[..., Any]) -> dict[str, Any]:
 HERMES, LLAMA3, OTHER, NONE = "hermes", "llama3", "other", "none"
 CALL_FORMATS = (HERMES, LLAMA3)
 _PYTHON_TAG = "<|python_tag|>"  # Llama 3.x's marker before a call (special: usually decoded away already)
+_CALL_END_TOKENS = ("<|eom_id|>",)  # Llama 3.x: the end of a turn that calls a tool (`ChatRenderer`)
 
 
 def template_tool_support(tokenizer: Any) -> str:
@@ -147,7 +148,8 @@ def parse_tool_calls(text: str, call_format: str = HERMES) -> list[ToolCall]:
     - `hermes` (Qwen2.5/3, Hermes): every `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in `text`.
     - `llama3` (Llama 3.1-3.3): the turn itself, when it is a JSON object (after `<|python_tag|>` and white space):
       `{"name": ..., "parameters": {...}}` (`arguments` is read too), one call; text after the object is ignored, as
-      Llama's own parsers do. A turn that does not start with `{` is an answer, not a call.
+      Llama's own parsers do. A turn that does not start with `{`, or whose object has neither `parameters` nor
+      `arguments` (`{"answer": 5}`), is an answer, not a call, as vLLM's `llama3_json` parser reads it.
 
     The arguments may be an object or a JSON string holding one."""
     if call_format == LLAMA3:
@@ -158,7 +160,9 @@ def parse_tool_calls(text: str, call_format: str = HERMES) -> list[ToolCall]:
             call, _ = json.JSONDecoder().raw_decode(body)
         except json.JSONDecodeError as err:
             return [ToolCall(None, {}, f"the tool call is not JSON ({err.msg} at character {err.pos})")]
-        return [_tool_call(call, "parameters" if isinstance(call, dict) and "parameters" in call else "arguments")]
+        if not isinstance(call, dict) or not ({"parameters", "arguments"} & set(call)):
+            return []
+        return [_tool_call(call, "parameters" if "parameters" in call else "arguments")]
     calls = []
     for match in _TOOL_CALL.finditer(text):
         try:
@@ -301,6 +305,9 @@ class ChatRenderer:
         base = self._render(self.history, generation_prompt=False)
         answer_end = base.rindex(_STAND_IN_ANSWER) + len(_STAND_IN_ANSWER)
         self.closing = tokenizer.encode(base[answer_end:], add_special_tokens=False)  # `<|im_end|>`, `\n` for Qwen
+        # Llama 3.x ends a tool call with `<|eom_id|>` ("end of message": a tool's result follows), in place of the
+        # `<|eot_id|>` its template closes a turn with: a turn ending in it has closed itself.
+        self.call_end_ids = {tokenizer.convert_tokens_to_ids(t) for t in _CALL_END_TOKENS if t in tokenizer.get_vocab()}
 
     def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -338,4 +345,6 @@ class ChatRenderer:
         for k in range(min(len(turn_ids), len(self.closing)), 0, -1):
             if turn_ids[-k:] == self.closing[:k] == ids[:k]:
                 return k
+        if turn_ids and turn_ids[-1] in self.call_end_ids and self.closing[:1] == ids[:1]:
+            return 1
         return 0

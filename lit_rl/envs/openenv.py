@@ -1,4 +1,5 @@
-"""OpenEnv environments (`pip install "lit-rl[openenv]"`): each episode one session of an OpenEnv server.
+"""OpenEnv environments (`pip install "lit-rl[openenv]"`, which adds `websockets`): each episode one session of an
+OpenEnv server.
 
     model:
       env:
@@ -6,15 +7,20 @@
         environment_args:
           url: http://127.0.0.1:8000   # a server already running (loopback by default), or
           app: my_env.server.app:app   # lit-rl serves this app on 127.0.0.1 itself and stops it at the end
+          app_python: null             # the Python that serves `app` (null: lit-rl's own)
           action_field: message        # the model's turn becomes the action {action_field: turn text}
           observation_field: null      # the observation's text: this field (null: its only text field)
           reset_args: {}               # keyword arguments of every reset (for example {difficulty: 2})
           row_reset_args: []           # row fields passed to reset by name (a task id, a seed)
           prompt: row                  # row: the row's prompt; reset: the reset observation's text is the prompt
 
-An episode opens one WebSocket session (`/ws`, through openenv's own `GenericEnvClient`: over plain HTTP each
-`/reset` and `/step` would get a fresh environment), resets it, steps it once per model turn, and closes it when the
-episode ends (`close`, also after a failure), so a server allowing N sessions runs N episodes at once. Each step's
+An episode opens one WebSocket session (`/ws`: over plain HTTP each `/reset` and `/step` would get a fresh
+environment), resets it, steps it once per model turn, and closes it when the episode ends (`close`, also after a
+failure), so a server allowing N sessions runs N episodes at once. lit-rl speaks openenv 0.10's messages itself
+(`{"type": "reset" | "step" | "close", "data": ...}`, answered `{"type": "observation", "data": {"observation": ...,
+"reward": ..., "done": ...}}` or `{"type": "error", ...}`; `openenv/core/env_server/http_server.py`) rather than
+import openenv's client: openenv 0.10 needs `mcp<2` (through fastmcp) and vLLM 0.32 `mcp>=2`, so they cannot share
+an environment, and the server usually runs in its own (a container, a venv: `app_python`). Each step's
 reward is summed into the reward part `openenv` (column `env/openenv`, weight 1; a null reward counts 0); the
 server's `done` ends the episode. Observations go to the model as text: `observation_field`'s value, else the
 observation's only text field (`metadata` aside), else all its fields as JSON.
@@ -24,10 +30,10 @@ Time limits and errors are those of every environment (`lit_rl.envs.runner`): a 
 (0.5 s, 1 s, ... apart) before the run stops with one line naming the URL; a step is never retried, since the
 server's state has moved. A server error ends the run in one line with the server's message.
 
-`app` (an import path `module:attribute` of an ASGI app, `create_app(...)`'s) is served by uvicorn in a child process
-of the first environment built (at start-up, on the main thread), on 127.0.0.1 and a free port, waited for until
-`/health` answers, shared by the process's episodes, and stopped when the process exits (the kernel stops it if the
-trainer is killed). Its log is named in any error.
+`app` (an import path `module:attribute` of an ASGI app, `create_app(...)`'s) is served by uvicorn (`app_python -m
+uvicorn`, where openenv is installed) in a child process of the first environment built (at start-up, on the main
+thread), on 127.0.0.1 and a free port, waited for until `/health` answers, shared by the process's episodes, and
+stopped when the process exits (the kernel stops it if the trainer is killed). Its log is named in any error.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from lit_rl.envs.base import StepResult
 from lit_rl.errors import ConfigError
 
 REWARD_PART = "openenv"
+MAX_MESSAGE_BYTES = 100 << 20  # openenv's client's limit: observations may hold screenshots or pages
 AT_CAPACITY = (
     "each episode holds a session from its reset to its end, and the episodes of a batch (a rollout's rows x "
     "generations, a validation batch; with max_staleness > 0 every launched generation; every rank sharing the "
@@ -64,6 +71,7 @@ class OpenEnv:
         self,
         url: Optional[str] = None,
         app: Optional[str] = None,
+        app_python: Optional[str] = None,
         action_field: str = "message",
         observation_field: Optional[str] = None,
         reset_args: Optional[dict[str, Any]] = None,
@@ -82,12 +90,12 @@ class OpenEnv:
             raise ConfigError(f"lit_rl.envs.OpenEnv environment_args.prompt must be row or reset, got {prompt!r}")
         if max_retries < 0:
             raise ConfigError(f"lit_rl.envs.OpenEnv environment_args.max_retries must be >= 0, got {max_retries}")
-        _require_openenv()
-        self.url = url if app is None else LOCAL_APPS.url(app, start_timeout_s)
+        _require_websockets()
+        self.url = url if app is None else LOCAL_APPS.url(app, app_python or sys.executable, start_timeout_s)
         self.action_field, self.observation_field = action_field, observation_field
         self.reset_args, self.row_reset_args = dict(reset_args or {}), list(row_reset_args or [])
         self.prompt, self.max_retries, self.connect_timeout_s = prompt, max_retries, connect_timeout_s
-        self._client: Any = None
+        self._socket: Any = None
 
     async def reset(self, row: dict[str, Any]) -> Optional[str]:
         """Open this episode's session and reset it with `reset_args` and the row's `row_reset_args`."""
@@ -96,66 +104,78 @@ class OpenEnv:
             raise ValueError(f"environment_args.row_reset_args: the row has no field {missing[0]!r}")
         kwargs = {**self.reset_args, **{name: row[name] for name in self.row_reset_args}}
         await self._connect()
-        result = await self._send(self._client.reset(**kwargs))
-        return observation_text(result.observation, self.observation_field) if self.prompt == "reset" else None
+        observation, _, _ = await self._request({"type": "reset", "data": kwargs}, just_opened=True)
+        return observation_text(observation, self.observation_field) if self.prompt == "reset" else None
 
     async def step(self, completion: str) -> StepResult:
         """The model's turn as the action `{action_field: completion}`: the server's observation, reward and done."""
-        if not _session_open(self._client):  # openenv would reconnect to a fresh, un-reset environment
-            raise RuntimeError(
-                f"OpenEnv server {self.url}: the episode's session was closed (by the server or the network)"
-            )
-        result = await self._send(self._client.step({self.action_field: completion}))
-        text = observation_text(result.observation, self.observation_field)
-        return StepResult(text, {REWARD_PART: float(result.reward or 0.0)}, done=bool(result.done))
+        observation, reward, done = await self._request({"type": "step", "data": {self.action_field: completion}})
+        text = observation_text(observation, self.observation_field)
+        return StepResult(text, {REWARD_PART: float(reward or 0.0)}, done=bool(done))
 
     async def close(self) -> None:
-        """End the session: the server frees its environment."""
-        client, self._client = self._client, None
-        if client is not None:
-            await client.close()
+        """End the session (a `close` message, then the socket): the server frees its environment."""
+        socket, self._socket = self._socket, None
+        if socket is not None:
+            try:
+                await socket.send(json.dumps({"type": "close"}))
+            except Exception:  # already closed by the server or the network: nothing is left to free
+                pass
+            await socket.close()
 
     async def _connect(self) -> None:
-        from openenv.core.generic_client import GenericEnvClient
+        from websockets.asyncio.client import connect
+        from websockets.exceptions import WebSocketException
 
+        url = "ws" + self.url.removeprefix("http").rstrip("/") + "/ws"  # http -> ws, https -> wss
         for attempt in range(self.max_retries + 1):
-            # No time limit of openenv's on an answer: a call's limit is model.env.step_timeout_s (the runner's),
-            # whose overrun ends the episode; openenv's (60 s) would stop the run instead.
-            client = GenericEnvClient(
-                base_url=self.url, connect_timeout_s=self.connect_timeout_s, message_timeout_s=None
-            )
             try:
-                await client.connect()
-            except ConnectionError as err:
+                # No proxy from the environment (only the URL the config names), no time limit of its own on an
+                # answer: a call's limit is model.env.step_timeout_s (the runner's), whose overrun ends the episode.
+                self._socket = await connect(
+                    url, open_timeout=self.connect_timeout_s, max_size=MAX_MESSAGE_BYTES, proxy=None
+                )
+                return
+            except (OSError, TimeoutError, WebSocketException) as err:
                 if attempt == self.max_retries:
                     tries = f"{attempt + 1} tr{'y' if attempt == 0 else 'ies'} of {self.connect_timeout_s:g} s"
                     raise ConnectionError(
                         f"OpenEnv server {self.url} did not answer ({tries}): {_one_line(err)}"
                     ) from None
                 await asyncio.sleep(0.5 * 2**attempt)
-            else:
-                self._client = client
-                return
 
-    async def _send(self, call: Any) -> Any:
-        """A reset or step of the session, its failure as one line naming the server."""
-        from websockets.exceptions import WebSocketException
+    async def _request(self, message: dict[str, Any], just_opened: bool = False) -> tuple[dict[str, Any], Any, Any]:
+        """One message of the session and its answer: (observation, reward, done); a failure as one line naming
+        the server. A session the server or the network closed is not reopened: that would be a fresh environment,
+        never reset. `just_opened`: the first message, whose answer may be the server's refusal, already sent."""
+        from websockets.exceptions import ConnectionClosed, WebSocketException
+        from websockets.protocol import State
 
+        socket = self._socket
+        if socket is None or (socket.state is not State.OPEN and not just_opened):
+            closed = "the episode's session was closed (by the server or the network)"
+            raise RuntimeError(f"OpenEnv server {self.url}: {closed}")
         try:
-            return await call
-        except (RuntimeError, ConnectionError, OSError, WebSocketException) as err:
-            message = _one_line(err)
-            if "CAPACITY_REACHED" in message:  # every episode of a batch holds its session from reset to its end
-                message += f"; {AT_CAPACITY}"
-            raise RuntimeError(f"OpenEnv server {self.url}: {message}") from None
-
-
-def _session_open(client: Any) -> bool:
-    """Whether openenv's client still holds the session's socket (openenv 0.10's `_ws`, pinned by the extra)."""
-    from websockets.protocol import State
-
-    socket = getattr(client, "_ws", None)
-    return socket is not None and socket.state is State.OPEN
+            try:
+                await socket.send(json.dumps(message))
+            except ConnectionClosed:  # a refused session (at capacity) sends its error, then closes: read it
+                pass
+            answer = json.loads(await socket.recv())
+        except asyncio.CancelledError:  # past its time limit: its answer may still come, so the socket is done
+            self._socket = None
+            asyncio.ensure_future(socket.close())
+            raise
+        except (OSError, WebSocketException, json.JSONDecodeError) as err:
+            raise RuntimeError(f"OpenEnv server {self.url}: {_one_line(err)}") from None
+        data = answer.get("data") if isinstance(answer, dict) else None
+        if not isinstance(data, dict):
+            raise RuntimeError(f"OpenEnv server {self.url}: an answer without data: {str(answer)[:200]}")
+        if answer.get("type") == "error":
+            error = f"{data.get('message', 'unknown error')} (code: {data.get('code', 'UNKNOWN')})"
+            if data.get("code") == "CAPACITY_REACHED":  # every episode holds its session from reset to its end
+                error += f"; {AT_CAPACITY}"
+            raise RuntimeError(f"OpenEnv server {self.url}: {error}")
+        return dict(data.get("observation") or {}), data.get("reward"), data.get("done", False)
 
 
 def observation_text(observation: dict[str, Any], field: Optional[str]) -> str:
@@ -173,11 +193,11 @@ def observation_text(observation: dict[str, Any], field: Optional[str]) -> str:
     return texts[0] if len(texts) == 1 else json.dumps(fields, sort_keys=True)
 
 
-def _require_openenv() -> None:
+def _require_websockets() -> None:
     try:
-        import openenv.core.generic_client  # noqa: F401
+        import websockets  # noqa: F401
     except ImportError:
-        raise ConfigError('lit_rl.envs.OpenEnv needs openenv: pip install "lit-rl[openenv]"') from None
+        raise ConfigError('lit_rl.envs.OpenEnv needs websockets: pip install "lit-rl[openenv]"') from None
 
 
 def _one_line(err: BaseException) -> str:
@@ -193,20 +213,20 @@ class _LocalApps:
         self._urls: dict[str, str] = {}
         self._stops: list[weakref.finalize] = []
 
-    def url(self, app: str, timeout_s: float) -> str:
+    def url(self, app: str, python: str, timeout_s: float) -> str:
         with self._lock:  # one server per app, however many episodes' environments are built at once
             if app not in self._urls:
-                self._urls[app] = self._start(app, timeout_s)
+                self._urls[app] = self._start(app, python, timeout_s)
             return self._urls[app]
 
-    def _start(self, app: str, timeout_s: float) -> str:
+    def _start(self, app: str, python: str, timeout_s: float) -> str:
         from lit_rl.rollout.server.client import _last_error, _stop_session, free_port, start_child
 
         if ":" not in app:
             raise ConfigError(f"lit_rl.envs.OpenEnv environment_args.app must be module:attribute, got {app!r}")
         port = free_port()
         log_path = str(Path(tempfile.mkdtemp(prefix="lit-rl-openenv-")) / "server.log")
-        argv = [sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port)]
+        argv = [python, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port)]
         process, log = start_child(argv, {}, log_path)
         stop = weakref.finalize(process, _stop_session, process, log)
         self._stops.append(stop)

@@ -1,22 +1,30 @@
-"""A small OpenEnv environment for the tests, served on loopback: `uvicorn tests.integration.openenv_countdown:app`.
+"""A small OpenEnv environment server for the tests, on loopback: `uvicorn tests.integration.openenv_countdown:app`.
 
-The tests' `RowTurns` (`tests.integration.envs`) as an OpenEnv server: `reset(answer=...)` opens an episode of
-2 + answer % 2 model turns (3 without an answer) and answers `{"text": "<turns>;"}`; each `step` takes
+It speaks openenv 0.10's wire format as `openenv/core/env_server/http_server.py` serves it: `GET /health`; the
+WebSocket `/ws`, one environment per connection, where `{"type": "reset", "data": {...}}` and `{"type": "step",
+"data": {<action>}}` are answered `{"type": "observation", "data": {"observation": {...}, "reward": r, "done": d}}`,
+`{"type": "close"}` ends the session, a failure is answered `{"type": "error", "data": {"message": ..., "code":
+...}}`, and a connection past the server's capacity gets a `CAPACITY_REACHED` error, then is closed. It is written
+with FastAPI alone because openenv 0.10 cannot be installed beside vLLM 0.32 (its fastmcp needs mcp<2, vLLM
+mcp>=2), and the suite needs vLLM; `lit_rl.envs.OpenEnv` was also run against openenv's own `create_app` server
+(docs/environments.md says with what).
+
+The environment is the tests' `RowTurns` (`tests.integration.envs`): `reset(answer=...)` opens an episode of
+2 + answer % 2 model turns (3 without an answer) and answers `{"text": "<turns>;"}`; each step takes
 `{"message": <the model's turn>}` and answers `{"text": "<turns left>;"}` (the tiny model's characters) with reward
-0.25 when the turn holds a digit, done after the last turn. Each session's environment opened and closed is a line
-`open <pid>` / `close <pid>` in the file `$OPENENV_COUNTDOWN_LOG` (when set), so a test can check that every
-episode's WebSocket session was released, and that the server is gone after the run.
+0.25 when the turn holds a digit, done after the last turn. Each session opened and closed is a line `open <pid>` /
+`close <pid>` in the file `$OPENENV_COUNTDOWN_LOG` (when set), so a test can check that every episode's session was
+released, and that the server is gone after the run.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import threading
-from typing import Any, Optional
+from typing import Any
 
-from openenv.core.env_server.http_server import create_app
-from openenv.core.env_server.interfaces import Environment
-from openenv.core.env_server.types import Action, Observation, State
+from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 
 _lock = threading.Lock()
 
@@ -28,45 +36,75 @@ def _record(event: str) -> None:
             log.write(f"{event} {os.getpid()}\n")
 
 
-class CountdownAction(Action):
-    message: str
-
-
-class CountdownObservation(Observation):
-    text: str = ""
-
-
-class CountdownEnvironment(Environment):
-    SUPPORTS_CONCURRENT_SESSIONS = True
+class Countdown:
+    """One session's environment: `reset` and `step` return what openenv's `serialize_observation` sends."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.turns, self.done_turns = 3, 0
-        self._state = State(episode_id=None, step_count=0)
-        _record("open")
 
-    def reset(self, seed: Optional[int] = None, episode_id: Optional[str] = None, **kwargs: Any):
-        self.turns = 2 + int(kwargs["answer"]) % 2 if "answer" in kwargs else 3
+    def reset(self, answer: Any = None, **kwargs: Any) -> dict[str, Any]:
+        self.turns = 3 if answer is None else 2 + int(answer) % 2
         self.done_turns = 0
-        self._state = State(episode_id=episode_id, step_count=0)
-        return CountdownObservation(text=f"{self.turns};")
+        return _observation(f"{self.turns};", None, False)
 
-    def step(self, action: CountdownAction, timeout_s: Optional[float] = None, **kwargs: Any):
+    def step(self, message: str) -> dict[str, Any]:
         self.done_turns += 1
-        self._state.step_count = self.done_turns
-        reward = 0.25 if any(c.isdigit() for c in action.message) else 0.0
-        done = self.done_turns >= self.turns
-        return CountdownObservation(text=f"{self.turns - self.done_turns};", reward=reward, done=done)
-
-    @property
-    def state(self) -> State:
-        return self._state
-
-    def close(self) -> None:
-        _record("close")
+        reward = 0.25 if any(c.isdigit() for c in message) else 0.0
+        return _observation(f"{self.turns - self.done_turns};", reward, self.done_turns >= self.turns)
 
 
-app = create_app(
-    CountdownEnvironment, CountdownAction, CountdownObservation, max_concurrent_envs=256
-)  # configs/grpo.yaml's validation batch
-small_app = create_app(CountdownEnvironment, CountdownAction, CountdownObservation, max_concurrent_envs=1)
+def _observation(text: str, reward: Any, done: bool) -> dict[str, Any]:
+    return {"observation": {"text": text, "metadata": {}}, "reward": reward, "done": done, "metadata": {}}
+
+
+def countdown_app(max_sessions: int) -> FastAPI:
+    """The server, allowing `max_sessions` sessions at once."""
+    app = FastAPI()
+    sessions = {"active": 0}
+
+    @app.get("/health")
+    def health() -> dict[str, str]:
+        return {"status": "healthy"}
+
+    @app.websocket("/ws")
+    async def session(websocket: WebSocket) -> None:
+        await websocket.accept()
+        if sessions["active"] >= max_sessions:
+            refusal = f"Server at capacity: {sessions['active']}/{max_sessions} sessions active."
+            await websocket.send_text(_error(refusal, "CAPACITY_REACHED"))
+            await websocket.close()
+            return
+        sessions["active"] += 1
+        env = Countdown()
+        _record("open")
+        try:
+            while True:
+                message = json.loads(await websocket.receive_text())
+                kind = message.get("type")
+                if kind == "close":
+                    break
+                try:
+                    if kind == "reset":
+                        answer = {"type": "observation", "data": env.reset(**message.get("data", {}))}
+                    elif kind == "step":
+                        answer = {"type": "observation", "data": env.step(**message["data"])}
+                    else:
+                        raise ValueError(f"Unknown message type: {kind}")
+                    await websocket.send_text(json.dumps(answer))
+                except (TypeError, ValueError, KeyError) as err:
+                    await websocket.send_text(_error(str(err), "EXECUTION_ERROR"))
+        except WebSocketDisconnect:
+            pass
+        finally:
+            sessions["active"] -= 1
+            _record("close")
+
+    return app
+
+
+def _error(message: str, code: str) -> str:
+    return json.dumps({"type": "error", "data": {"message": message, "code": code}})
+
+
+app = countdown_app(max_sessions=256)  # configs/grpo.yaml's validation batch
+small_app = countdown_app(max_sessions=1)

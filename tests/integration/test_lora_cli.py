@@ -73,8 +73,11 @@ def test_dpo_reference_from_the_disabled_adapter_equals_a_frozen_copy(tmp_path):
 @pytest.fixture(scope="module")
 def full_weights_run(tmp_path_factory):
     """GRPO without LoRA, 2 steps, a checkpoint at step 2: what a LoRA checkpoint is compared with, and what has no
-    adapter to export (one run for both tests)."""
-    return _grpo(tmp_path_factory.mktemp("full_weights"), "full_weights", max_steps=2, every_n_train_steps=2)
+    adapter to export (one run for both tests). Its environment variables are undone, as every test's are."""
+    from tests.conftest import environment_restored
+
+    with environment_restored():
+        return _grpo(tmp_path_factory.mktemp("full_weights"), "full_weights", max_steps=2, every_n_train_steps=2)
 
 
 def test_checkpoints_hold_the_adapter_resume_exactly_and_export_both_ways(tmp_path, full_weights_run):
