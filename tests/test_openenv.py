@@ -67,6 +67,14 @@ async def _two_sessions_at_once(url):
     await first.close()
 
 
+async def _wrong_action_field(env):
+    await env.reset({})
+    refused = "VALIDATION_ERROR\\): message: Field required; code: Extra inputs are not permitted \\(the action is"
+    with pytest.raises(RuntimeError, match=refused):
+        await env.step("1")
+    await env.close()
+
+
 def test_bad_settings_a_silent_server_and_an_app_that_does_not_start_fail_in_one_line():
     with pytest.raises(ConfigError, match="exactly one of environment_args.url .* and environment_args.app"):
         OpenEnv()
@@ -82,5 +90,16 @@ def test_bad_settings_a_silent_server_and_an_app_that_does_not_start_fail_in_one
         asyncio.run(OpenEnv(url="http://127.0.0.1:8000", row_reset_args=["seed"]).reset({}))
     crowded = OpenEnv(app="tests.integration.openenv_countdown:small_app")  # one session at a time
     asyncio.run(_two_sessions_at_once(crowded.url))
+    with pytest.raises(ConfigError, match="environment_args.url must be http\\(s\\)://host:port"):
+        OpenEnv(url="127.0.0.1:8000")
+    assert OpenEnv(url="ws://127.0.0.1:8000/").url == "ws://127.0.0.1:8000/"
+    miscalled = OpenEnv(url=OpenEnv(app=APP).url, action_field="code")
+    asyncio.run(_wrong_action_field(miscalled))
+    broken = OpenEnv(url=miscalled.url, row_reset_args=["answer"])  # the server's reset raises on answer "x"
+    with pytest.raises(
+        RuntimeError, match=r"http://127.0.0.1:\d+: invalid literal for int\(\) .* \(code: EXECUTION_ERROR\)"
+    ):
+        asyncio.run(broken.reset({"answer": "x"}))
+    assert broken._socket is None  # its session freed: the rollout never closes an episode whose reset failed
     with pytest.raises(ConfigError, match=r"the server of tests.no_such_module:app exited with code \d+ \(.*no_such"):
         OpenEnv(app="tests.no_such_module:app")

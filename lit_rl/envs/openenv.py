@@ -45,6 +45,7 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import weakref
 from pathlib import Path
 from typing import Any, Optional
@@ -91,6 +92,8 @@ class OpenEnv:
         if max_retries < 0:
             raise ConfigError(f"lit_rl.envs.OpenEnv environment_args.max_retries must be >= 0, got {max_retries}")
         _require_websockets()
+        if url is not None:
+            _check_url(url)
         self.url = url if app is None else LOCAL_APPS.url(app, app_python or sys.executable, start_timeout_s)
         self.action_field, self.observation_field = action_field, observation_field
         self.reset_args, self.row_reset_args = dict(reset_args or {}), list(row_reset_args or [])
@@ -104,14 +107,18 @@ class OpenEnv:
             raise ValueError(f"environment_args.row_reset_args: the row has no field {missing[0]!r}")
         kwargs = {**self.reset_args, **{name: row[name] for name in self.row_reset_args}}
         await self._connect()
-        observation, _, _ = await self._request({"type": "reset", "data": kwargs}, just_opened=True)
-        return observation_text(observation, self.observation_field) if self.prompt == "reset" else None
+        try:
+            observation, _, _ = await self._request({"type": "reset", "data": kwargs}, just_opened=True)
+            return observation_text(observation, self.observation_field) if self.prompt == "reset" else None
+        except Exception:  # a failed reset's episode is never closed by the rollout: free its session here
+            await self.close()
+            raise
 
     async def step(self, completion: str) -> StepResult:
         """The model's turn as the action `{action_field: completion}`: the server's observation, reward and done."""
         observation, reward, done = await self._request({"type": "step", "data": {self.action_field: completion}})
         text = observation_text(observation, self.observation_field)
-        return StepResult(text, {REWARD_PART: float(reward or 0.0)}, done=bool(done))
+        return StepResult(text, {REWARD_PART: reward}, done=done)
 
     async def close(self) -> None:
         """End the session (a `close` message, then the socket): the server frees its environment."""
@@ -121,13 +128,14 @@ class OpenEnv:
                 await socket.send(json.dumps({"type": "close"}))
             except Exception:  # already closed by the server or the network: nothing is left to free
                 pass
-            await socket.close()
+            finally:
+                await socket.close()
 
     async def _connect(self) -> None:
         from websockets.asyncio.client import connect
         from websockets.exceptions import WebSocketException
 
-        url = "ws" + self.url.removeprefix("http").rstrip("/") + "/ws"  # http -> ws, https -> wss
+        url = _session_url(self.url)
         for attempt in range(self.max_retries + 1):
             try:
                 # No proxy from the environment (only the URL the config names), no time limit of its own on an
@@ -163,19 +171,32 @@ class OpenEnv:
             answer = json.loads(await socket.recv())
         except asyncio.CancelledError:  # past its time limit: its answer may still come, so the socket is done
             self._socket = None
-            asyncio.ensure_future(socket.close())
+            closing = asyncio.ensure_future(socket.close())
+            _CLOSING.add(closing)  # kept until done: the loop holds tasks only weakly
+            closing.add_done_callback(_CLOSING.discard)
             raise
-        except (OSError, WebSocketException, json.JSONDecodeError) as err:
+        except (OSError, WebSocketException, ValueError) as err:  # ValueError: not JSON, or not UTF-8
             raise RuntimeError(f"OpenEnv server {self.url}: {_one_line(err)}") from None
+        return self._answer(answer)
+
+    def _answer(self, answer: Any) -> tuple[dict[str, Any], float, bool]:
+        """An answer's (observation, reward, done), a null reward as 0; an error answer or a malformed one raised
+        as one line naming the server."""
         data = answer.get("data") if isinstance(answer, dict) else None
         if not isinstance(data, dict):
-            raise RuntimeError(f"OpenEnv server {self.url}: an answer without data: {str(answer)[:200]}")
+            raise RuntimeError(f"OpenEnv server {self.url}: an answer without data: {_one_line(str(answer))}")
         if answer.get("type") == "error":
-            error = f"{data.get('message', 'unknown error')} (code: {data.get('code', 'UNKNOWN')})"
+            error = f"{_one_line(str(data.get('message', 'unknown error')))} (code: {data.get('code', 'UNKNOWN')})"
             if data.get("code") == "CAPACITY_REACHED":  # every episode holds its session from reset to its end
                 error += f"; {AT_CAPACITY}"
+            if data.get("code") == "VALIDATION_ERROR":  # the action (or reset) the server's model refused
+                problems = [f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in data.get("errors", [])]
+                error += f": {'; '.join(problems[:3])} (the action is {{environment_args.action_field: turn}})"
             raise RuntimeError(f"OpenEnv server {self.url}: {error}")
-        return dict(data.get("observation") or {}), data.get("reward"), data.get("done", False)
+        observation, reward = data.get("observation") or {}, data.get("reward")
+        if not isinstance(observation, dict) or not (reward is None or isinstance(reward, (int, float))):
+            raise RuntimeError(f"OpenEnv server {self.url}: a malformed observation: {_one_line(str(data))}")
+        return observation, float(reward or 0.0), bool(data.get("done", False))
 
 
 def observation_text(observation: dict[str, Any], field: Optional[str]) -> str:
@@ -191,6 +212,22 @@ def observation_text(observation: dict[str, Any], field: Optional[str]) -> str:
         return value if isinstance(value, str) else json.dumps(value)
     texts = [value for value in fields.values() if isinstance(value, str)]
     return texts[0] if len(texts) == 1 else json.dumps(fields, sort_keys=True)
+
+
+_CLOSING: set[Any] = set()  # sockets closing in the background after a cancelled call
+
+
+def _check_url(url: str) -> None:
+    """A one-line error unless `url` is an http(s) or ws(s) URL."""
+    if urllib.parse.urlsplit(url).scheme.lower() not in ("http", "https", "ws", "wss") or "?" in url:
+        raise ConfigError(f"lit_rl.envs.OpenEnv environment_args.url must be http(s)://host:port[/path], got {url!r}")
+
+
+def _session_url(url: str) -> str:
+    """The session endpoint of the server at `url`: http -> ws, https -> wss, then `/ws`."""
+    parts = urllib.parse.urlsplit(url)
+    scheme = {"http": "ws", "https": "wss"}.get(parts.scheme.lower(), parts.scheme.lower())
+    return urllib.parse.urlunsplit((scheme, parts.netloc, parts.path.rstrip("/") + "/ws", "", ""))
 
 
 def _require_websockets() -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from typing import Any
+from typing import Any, Optional
 
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 
@@ -87,6 +87,10 @@ def countdown_app(max_sessions: int) -> FastAPI:
                     if kind == "reset":
                         answer = {"type": "observation", "data": env.reset(**message.get("data", {}))}
                     elif kind == "step":
+                        refused = _action_errors(message["data"])
+                        if refused:  # openenv validates the action against its model (extra fields forbidden)
+                            await websocket.send_text(_error("Invalid message", "VALIDATION_ERROR", refused))
+                            continue
                         answer = {"type": "observation", "data": env.step(**message["data"])}
                     else:
                         raise ValueError(f"Unknown message type: {kind}")
@@ -102,8 +106,16 @@ def countdown_app(max_sessions: int) -> FastAPI:
     return app
 
 
-def _error(message: str, code: str) -> str:
-    return json.dumps({"type": "error", "data": {"message": message, "code": code}})
+def _error(message: str, code: str, errors: Optional[list] = None) -> str:
+    data = {"message": message, "code": code, **({"errors": errors} if errors else {})}
+    return json.dumps({"type": "error", "data": data})
+
+
+def _action_errors(action: dict[str, Any]) -> list[dict[str, Any]]:
+    """What pydantic says of an action that is not `{"message": str}`, as openenv forwards it (`e.errors()`)."""
+    errors = [{"type": "missing", "loc": ["message"], "msg": "Field required"}] if "message" not in action else []
+    extra = [{"type": "extra_forbidden", "loc": [name], "msg": "Extra inputs are not permitted"} for name in action]
+    return errors + [e for e in extra if e["loc"] != ["message"]]
 
 
 app = countdown_app(max_sessions=256)  # configs/grpo.yaml's validation batch
