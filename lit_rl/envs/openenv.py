@@ -43,8 +43,6 @@ import json
 import sys
 import tempfile
 import threading
-import time
-import urllib.error
 import urllib.parse
 import weakref
 from pathlib import Path
@@ -248,7 +246,6 @@ class _LocalApps:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._urls: dict[str, str] = {}
-        self._stops: list[weakref.finalize] = []
 
     def url(self, app: str, python: str, timeout_s: float) -> str:
         with self._lock:  # one server per app, however many episodes' environments are built at once
@@ -257,7 +254,7 @@ class _LocalApps:
             return self._urls[app]
 
     def _start(self, app: str, python: str, timeout_s: float) -> str:
-        from lit_rl.rollout.server.client import _last_error, _stop_session, free_port, start_child
+        from lit_rl.rollout.server.client import _last_error, _stop_session, free_port, start_child, why_not_started
 
         if ":" not in app:
             raise ConfigError(f"lit_rl.envs.OpenEnv environment_args.app must be module:attribute, got {app!r}")
@@ -265,30 +262,15 @@ class _LocalApps:
         log_path = str(Path(tempfile.mkdtemp(prefix="lit-rl-openenv-")) / "server.log")
         argv = [python, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port)]
         process, log = start_child(argv, {}, log_path)
-        stop = weakref.finalize(process, _stop_session, process, log)
-        self._stops.append(stop)
+        stop = weakref.finalize(process, _stop_session, process, log)  # at exit at the latest
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + timeout_s
-        while not (_healthy(url) and process.poll() is None):  # a server that exited did not answer: another did
-            if process.poll() is not None or time.monotonic() > deadline:
-                code = process.poll()
-                stop()
-                what = f"exited with code {code}" if code is not None else f"did not answer within {timeout_s:g} s"
-                raise ConfigError(
-                    f"lit_rl.envs.OpenEnv: the server of {app} {what} ({_last_error(log_path)}); its log: {log_path}"
-                )
-            time.sleep(0.2)
+        failure = why_not_started(process, url, timeout_s)
+        if failure is not None:
+            stop()
+            raise ConfigError(
+                f"lit_rl.envs.OpenEnv: the server of {app} {failure} ({_last_error(log_path)}); its log: {log_path}"
+            )
         return url
-
-
-def _healthy(url: str) -> bool:
-    from lit_rl.net import DIRECT
-
-    try:
-        with DIRECT.open(f"{url}/health", timeout=2.0) as answer:
-            return answer.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 LOCAL_APPS = _LocalApps()

@@ -98,20 +98,15 @@ class LocalVLLMServer:
         self.process, self._log = start_child(argv, env, log_path)
         self._stop_at_exit = weakref.finalize(self, _stop_session, self.process, self._log)
         try:
-            client = VLLMServerClient(self.url, timeout_s=2.0, max_retries=0)
-            client.wait_until_healthy(timeout_s, gone=lambda: self.process.poll() is not None)
-            if self.process.poll() is not None:  # what answered is another server, on the port it took first
-                raise RolloutServerError("port taken")
-        except RolloutServerError:
-            exit_code = self.process.poll()
-            self.stop()
-            what = f"did not answer within {timeout_s:g} s" if exit_code is None else f"exited with code {exit_code}"
-            raise RolloutServerError(
-                f"vLLM server {self.url} did not start: it {what} ({_last_error(log_path)}); its log: {log_path}"
-            ) from None
+            failure = why_not_started(self.process, self.url, timeout_s)
         except BaseException:  # never leave a server running behind Ctrl-C
             self.stop()
             raise
+        if failure is not None:
+            self.stop()
+            raise RolloutServerError(
+                f"vLLM server {self.url} did not start: it {failure} ({_last_error(log_path)}); its log: {log_path}"
+            )
 
     def stop(self) -> None:
         """End the server and everything it started (SIGTERM, then SIGKILL after 30 s); idempotent."""
@@ -138,6 +133,21 @@ def start_child(argv: Sequence[str], env: dict[str, str], log_path: str) -> tupl
         log.close()
         raise
     return process, log
+
+
+def why_not_started(process: Any, url: str, timeout_s: float) -> Optional[str]:
+    """Wait until the child `process` (`start_child`) serving `url` answers `/health`, for at most `timeout_s`:
+    None, or why it did not start (`exited with code 1`, `did not answer within 60 s`), for the caller's one-line
+    error. What answers after the process exited is another server, on the port it took first."""
+    try:
+        client = VLLMServerClient(url, timeout_s=2.0, max_retries=0)  # its `/health` poll, for any such server
+        client.wait_until_healthy(timeout_s, gone=lambda: process.poll() is not None)
+        if process.poll() is None:
+            return None
+    except RolloutServerError:
+        pass
+    exit_code = process.poll()
+    return f"did not answer within {timeout_s:g} s" if exit_code is None else f"exited with code {exit_code}"
 
 
 # Run as `python -c` before the server's own command: SIGTERM when the starter dies (PR_SET_PDEATHSIG = 1, kept across
