@@ -106,8 +106,6 @@ def environment_factory(
         chat = uses_chat_tools(tool_format, tool_support)
         make = ChatToolEnvironment if chat else ToolEnvironment
         kwargs["tools"] = functions
-        if chat:
-            kwargs["call_format"] = tool_support
     else:
         try:
             user_class = import_callable(path, "environment")
@@ -121,8 +119,8 @@ def environment_factory(
             chat, make = bool(functions) and uses_chat_tools(tool_format, tool_support), user_class
             if functions:
                 kwargs["tools"] = functions
-            if chat and isinstance(user_class, type) and issubclass(user_class, ChatToolEnvironment):
-                kwargs.setdefault("call_format", tool_support)  # a subclass of lit-rl's reads the template's calls
+    if chat and isinstance(make, type) and issubclass(make, ChatToolEnvironment):  # lit-rl's, or a subclass of it
+        kwargs.setdefault("call_format", tool_support)  # reads calls in the template's format (TRL's: given above)
     try:
         probe = make(**kwargs)  # checks the arguments now, before any rollout
     except TypeError as err:
