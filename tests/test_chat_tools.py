@@ -13,6 +13,7 @@ import torch
 from lit_rl.envs.chat_tools import (
     ChatRenderer,
     ChatToolEnvironment,
+    TemplateCalls,
     parse_tool_calls,
     template_tool_support,
     tool_schema,
@@ -88,7 +89,7 @@ def test_the_chat_format_is_chosen_when_the_template_writes_calls_lit_rl_reads(t
     with pytest.raises(ConfigError, match="tool_format is chat but the tokenizer's chat template does not render"):
         uses_chat_tools("chat", "none")
     for tool_format in ("auto", "chat"):  # never a silent run whose calls are never read
-        with pytest.raises(ConfigError, match="writes tool calls in a format lit-rl does not read yet"):
+        with pytest.raises(ConfigError, match="writes tool calls in a format lit-rl does not read by itself"):
             uses_chat_tools(tool_format, "other")
     with pytest.raises(ConfigError, match="model.env.tool_format must be one of auto, tags, chat, got 'json'"):
         uses_chat_tools("json", "hermes")
@@ -130,6 +131,110 @@ def test_llama_calls_are_the_turns_json_and_an_answer_is_no_call():
     assert parse_tool_calls('{"parameters": {}}', "llama3")[0].error == 'the tool call has no "name"'
     (listed,) = parse_tool_calls('{"name": "f", "parameters": [1]}', "llama3")
     assert listed.error == '"parameters" is not a JSON object'
+
+
+def _with_response_template(tokenizer, template: str):
+    """`tokenizer` with the released chat template `template` (TRL's copy) and the `response_template` TRL's
+    `add_response_schema` gives that template, as a user gives it before `save_pretrained`."""
+    from trl.chat_template_utils import add_response_schema
+
+    tokenizer.chat_template = _trl_template(template)
+    return add_response_schema(tokenizer)
+
+
+def _qwen35_call(a, b):
+    """A call as Qwen3.5 writes it: XML, one parameter a block."""
+    parameters = f"<parameter=a>\n{a}\n</parameter>\n<parameter=b>\n{b}\n</parameter>\n"
+    return f"<tool_call>\n<function=add_numbers>\n{parameters}</function>\n</tool_call>"
+
+
+def test_a_tokenizers_response_template_reads_calls_in_formats_lit_rl_does_not_read_itself():
+    """Qwen3.5 calls tools in XML (`<tool_call><function=...><parameter=...>`): without a `response_template` the
+    run is refused in one line that says how to give one; with it, transformers' `parse_response` reads the calls,
+    typing the arguments by the tools' schemas, and failures are error observations as in lit-rl's own formats."""
+    from lit_rl.envs.base import environment_factory
+
+    plain = qwen_chat_tokenizer()
+    plain.chat_template = _trl_template("qwen3_5_nothink")
+    assert template_tool_support(plain) == "other"  # its <tool_call> holds XML, not Qwen2.5's JSON
+    with pytest.raises(ConfigError, match=r"has no response_template .*TRL's add_response_schema\(tokenizer\)"):
+        uses_chat_tools("auto", "other")
+    tokenizer = _with_response_template(qwen_chat_tokenizer(), "qwen3_5_nothink")
+    assert template_tool_support(tokenizer) == "response_template" and uses_chat_tools("auto", "response_template")
+    calls = TemplateCalls.of(tokenizer)
+    assert calls.prefix.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # what the prompt pre-writes
+    spec = environment_factory(None, None, ["tests.integration.envs.add_numbers"], "auto", "response_template", calls)
+    env = spec.factory()
+    assert spec.raw_turns and (env.call_format, env.template_calls) == ("response_template", calls)
+    step = env.step("I will add.\n" + _qwen35_call(3, 4) + "<|im_end|>")
+    assert step.observation == [{"role": "tool", "name": "add_numbers", "content": "7"}]  # "3", "4" typed as int
+    assert (step.tool_calls, step.tool_errors, step.done) == (1, 0, False)
+    assert env.step("The answer is 7.<|im_end|>").done  # no call: the answer
+    unknown = env.step(_qwen35_call(3, 4).replace("add_numbers", "mul") + "<|im_end|>")
+    assert unknown.tool_errors == 1 and unknown.observation[0]["content"].startswith("error: unknown tool 'mul'")
+    # Qwen2.5's JSON calls through TRL's response template for them: a call that is not JSON is the model's error.
+    json_env = ChatToolEnvironment(
+        [add_numbers],
+        call_format="response_template",
+        template_calls=TemplateCalls.of(_with_response_template(qwen_chat_tokenizer(), "qwen2_5")),
+    )
+    bad = json_env.step('<tool_call>\n{"name": </tool_call><|im_end|>')
+    assert bad.tool_errors == 1 and "error: the tool calls cannot be read (ValueError: json parser" in str(bad)
+    assert json_env.step(_call("add_numbers", '{"a": 2, "b": 3}')).observation[0]["content"] == "5"
+    with pytest.raises(ConfigError, match="call_format response_template needs template_calls"):
+        ChatToolEnvironment([add_numbers], call_format="response_template")
+    # A TRL environment class's methods are read the same way.
+    trl_env = environment_factory(
+        "tests.integration.envs.IncrementEnv", None, None, "auto", "response_template", calls
+    ).factory()
+    assert (trl_env.call_format, trl_env.template_calls) == ("response_template", calls)
+
+
+def test_a_response_templates_special_token_markup_reaches_the_environment():
+    """Gemma 4 marks a call with special tokens (`<|tool_call>`...`<tool_call|>`): decoded without them, as
+    lit-rl decodes turns for other environments, the call is gone; with a `response_template`, every turn reaches
+    `step` with its special tokens (`EnvironmentSpec.raw_turns`, `EpisodeProducer.turn_text`)."""
+    from lit_rl.envs.base import environment_factory
+    from lit_rl.rollout.producer import EpisodeProducer
+
+    tokenizer = qwen_chat_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|tool_call>", "<tool_call|>", "<|turn>", "<turn|>"]})
+    tokenizer = _with_response_template(tokenizer, "gemma4")
+    assert template_tool_support(tokenizer) == "response_template"
+    tools = ["tests.integration.envs.add_numbers"]
+    spec = environment_factory(None, None, tools, "auto", "response_template", TemplateCalls.of(tokenizer))
+    ids = tokenizer.encode("<|tool_call>call:add_numbers{a:3,b:4}<tool_call|>", add_special_tokens=False)
+    skipped = tokenizer.decode(ids, skip_special_tokens=True)
+    assert skipped == "call:add_numbers{a:3,b:4}" and spec.factory().step(skipped).done  # the markup is gone
+    producer = EpisodeProducer.__new__(EpisodeProducer)  # only its decoding, which reads nothing else
+    producer.raw_turns = spec.raw_turns
+    step = spec.factory().step(producer.turn_text(tokenizer, ids))
+    assert step.observation == [{"role": "tool", "name": "add_numbers", "content": "7"}]
+
+
+def test_grpo_with_a_response_template_reads_the_calls_the_tokenizer_parses(tmp_path):
+    """A Qwen3.5-format model whose saved tokenizer has a `response_template` (`tool_format: auto`): the prompts
+    hold the schemas as its template writes them, and the episodes read its calls with transformers' parser."""
+    from lit_rl.errors import DataError
+    from tests.conftest import fit_grpo
+    from tests.qwen_chat import save_chat_model
+
+    tools = ["tests.integration.envs.add_numbers"]
+    # Qwen3.5's tool instructions alone are longer than a 1024-token context: no budget could help, and truncating
+    # would cut the schemas, so the error offers neither.
+    short = save_chat_model(tmp_path / "short", _with_response_template(qwen_chat_tokenizer(), "qwen3_5_nothink"))
+    with pytest.raises(DataError, match=r"\(the prompt alone fills the context: shorten the prompts or use a model "):
+        fit_grpo(model_name_or_path=str(short), tools=tools, max_turns=2)
+    tokenizer = _with_response_template(qwen_chat_tokenizer(model_max_length=2048), "qwen3_5_nothink")
+    path = save_chat_model(tmp_path / "qwen35", tokenizer)
+    model = fit_grpo(model_name_or_path=str(path), tools=tools, max_turns=2)
+    assert model.tokenizer.response_template["fields"]["tool_calls"]  # saved and loaded with the tokenizer
+    env = model.producer.env_factory()
+    assert type(env).__name__ == "ChatToolEnvironment" and env.call_format == "response_template"
+    assert model.producer.raw_turns
+    prompt = model.tokenizer.decode(model._buffer.prompt_ids[0], skip_special_tokens=False)
+    assert "<function=example_function_name>" in prompt and '"name": "add_numbers"' in prompt
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
 @pytest.mark.parametrize("template", ["llama3_1", "llama3_2"])

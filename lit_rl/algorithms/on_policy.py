@@ -33,7 +33,7 @@ from lit_rl.algorithms.rollout_checks import check_prompt_lengths
 from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, RolloutArgs, SamplingArgs, ScheduleArgs, as_args
 from lit_rl.data.schedule import RolloutSchedule
 from lit_rl.envs import environment_factory
-from lit_rl.envs.chat_tools import template_tool_support
+from lit_rl.envs.chat_tools import TemplateCalls, template_tool_support
 from lit_rl.envs.runner import EnvironmentRunner
 from lit_rl.errors import ConfigError
 from lit_rl.losses import LossNormalizer, rollout_is_weights
@@ -132,6 +132,7 @@ class OnPolicyModule(PolicyModule):
                 env.tools,
                 env.tool_format,
                 template_tool_support(self.tokenizer),
+                TemplateCalls.of(self.tokenizer),
             )
             self.prompt_tools = spec.tool_schemas
             episode_args = dict(
@@ -142,6 +143,7 @@ class OnPolicyModule(PolicyModule):
                 runner=EnvironmentRunner(env.concurrency, env.step_timeout_s),
                 tool_schemas=spec.tool_schemas,
                 independent_turns=env.independent_turns,
+                raw_turns=spec.raw_turns,
             )
             if self.max_staleness == 0:
                 return EpisodeProducer(parts, **episode_args)

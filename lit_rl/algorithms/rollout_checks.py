@@ -55,16 +55,19 @@ def check_prompt_lengths(module: Any) -> None:
                     raise DataError(
                         f"{source}: {record_label(source, start + offset)} has a prompt of {length} tokens; with "
                         f"model.{budget_key}={budget} it exceeds the model's context of {context} tokens "
-                        f"({_what_would_fit(length, budget, budget_key, context)})"
+                        f"({_what_would_fit(length, budget, budget_key, context, tools is not None)})"
                     )
 
 
-def _what_would_fit(length: int, budget: int, budget_key: str, context: int) -> str:
+def _what_would_fit(length: int, budget: int, budget_key: str, context: int, tools: bool = False) -> str:
     """The settings that would make a prompt of `length` tokens and a completion budget of `budget` fit `context`:
-    the budget, and truncating prompts when that leaves a prompt room to keep."""
+    the budget, and truncating prompts when that leaves a prompt room to keep (never with tools: it would cut their
+    schemas); a prompt that alone fills the context, only shorter prompts or a longer context."""
+    truncate = f"set model.sampling.max_prompt_length to at most {context - budget} to truncate prompts"
+    if length >= context:
+        fits = "the prompt alone fills the context: shorten the prompts or use a model with a longer context"
+        return fits if tools else f"{fits}, or {truncate}"
     smaller_budget = f"lower model.{budget_key} to at most {context - length}"
-    if budget > context // 2:  # the budget takes most of the context: truncating the prompt would keep little
+    if budget > context // 2 or tools:  # truncating would keep little of the prompt, or cut the tools' schemas
         return smaller_budget
-    return (
-        f"{smaller_budget}, or set model.sampling.max_prompt_length to at most {context - budget} to truncate prompts"
-    )
+    return f"{smaller_budget}, or {truncate}"

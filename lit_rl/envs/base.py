@@ -21,10 +21,13 @@ limit, `lit_rl.envs.tools`) and must not run code from the model unless the user
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Optional, Protocol, Union
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol, Union
 
 from lit_rl.errors import ConfigError
 from lit_rl.importing import import_callable
+
+if TYPE_CHECKING:
+    from lit_rl.envs.chat_tools import TemplateCalls
 
 Observation = Union[str, list[dict[str, Any]]]
 
@@ -70,12 +73,15 @@ def as_step_result(value: Any, where: str) -> StepResult:
 
 class EnvironmentSpec(NamedTuple):
     """What a run's episodes need: `factory` makes one environment per episode (None: no environment), the reward
-    part names its episodes report, and the JSON schemas of the tools the model calls in its chat format (the
-    prompts are rendered with them; None: no such tools)."""
+    part names its episodes report, the JSON schemas of the tools the model calls in its chat format (the
+    prompts are rendered with them; None: no such tools), and whether `step` is given each turn decoded with its
+    special tokens (`raw_turns`: calls read by the tokenizer's `response_template`, whose markup may be special
+    tokens; otherwise they are skipped)."""
 
     factory: Optional[Callable[[], Environment]]
     reward_names: tuple[str, ...]
     tool_schemas: Optional[list[dict[str, Any]]] = None
+    raw_turns: bool = False
 
 
 def environment_factory(
@@ -84,14 +90,16 @@ def environment_factory(
     tools: Optional[list[str]],
     tool_format: str = "auto",
     tool_support: str = "none",
+    template_calls: Optional[TemplateCalls] = None,
 ) -> EnvironmentSpec:
     """The `EnvironmentSpec` of the settings `model.env.environment` (an import path), `environment_args`, `tools`
     and `tool_format` (`tool_support`: what the tokenizer's chat template does with tools,
-    `lit_rl.envs.chat_tools.template_tool_support`). Tools alone
+    `lit_rl.envs.chat_tools.template_tool_support`; `template_calls`: its `response_template`'s reader, where it has
+    one, `TemplateCalls.of`). Tools alone
     give the built-in `ToolEnvironment`, or in the chat format `ChatToolEnvironment`; a TRL environment class (a
     `reset` and no `step`) runs in `TRLEnvironment`, its methods and the tools called in the chat format; any other
     environment is given the tools as `tools=`."""
-    from lit_rl.envs.chat_tools import ChatToolEnvironment, tool_schema, uses_chat_tools
+    from lit_rl.envs.chat_tools import RESPONSE_TEMPLATE, ChatToolEnvironment, tool_schema, uses_chat_tools
     from lit_rl.envs.tools import ToolEnvironment, import_tools
     from lit_rl.envs.trl_environments import TRLEnvironment, is_trl_environment
 
@@ -114,13 +122,17 @@ def environment_factory(
         if is_trl_environment(user_class):
             _check_trl_format(path, tool_format, tool_support)
             chat = True
-            make = lambda **options: TRLEnvironment(user_class(**options), functions, tool_support)  # noqa: E731
+            make = lambda **options: TRLEnvironment(  # noqa: E731
+                user_class(**options), functions, tool_support, template_calls
+            )
         else:
             chat, make = bool(functions) and uses_chat_tools(tool_format, tool_support), user_class
             if functions:
                 kwargs["tools"] = functions
     if chat and isinstance(make, type) and issubclass(make, ChatToolEnvironment):  # lit-rl's, or a subclass of it
         kwargs.setdefault("call_format", tool_support)  # reads calls in the template's format (TRL's: given above)
+        if tool_support == RESPONSE_TEMPLATE:
+            kwargs.setdefault("template_calls", template_calls)
     try:
         probe = make(**kwargs)  # checks the arguments now, before any rollout
     except TypeError as err:
@@ -130,12 +142,13 @@ def environment_factory(
     else:
         schemas = [tool_schema(function) for function in functions] if chat else None
     reward_names = tuple(getattr(probe, "reward_names", ()))
-    return EnvironmentSpec(lambda: make(**kwargs), reward_names, schemas)
+    raw_turns = isinstance(probe, ChatToolEnvironment) and probe.call_format == RESPONSE_TEMPLATE
+    return EnvironmentSpec(lambda: make(**kwargs), reward_names, schemas, raw_turns)
 
 
 def _check_trl_format(path: str, tool_format: str, tool_support: str) -> None:
     """A TRL environment's methods are tools called in the chat format: a one-line error when they cannot be."""
-    from lit_rl.envs.chat_tools import CALL_FORMATS
+    from lit_rl.envs.chat_tools import CALL_FORMATS, NONE, UNREAD_CALLS
 
     if tool_format == "tags":
         raise ConfigError(
@@ -145,7 +158,6 @@ def _check_trl_format(path: str, tool_format: str, tool_support: str) -> None:
     if tool_support not in CALL_FORMATS:
         raise ConfigError(
             f"model.env.environment {path} is a TRL environment (a reset and no step), whose methods are tools "
-            "called in the chat format, but the tokenizer's chat template "
-            + ("does not render tools" if tool_support == "none" else "writes calls in a format lit-rl does not read")
-            + " (lit-rl reads Qwen's and Hermes' <tool_call>{json}</tool_call> and Llama 3.x's bare JSON)"
+            "called in the chat format, but "
+            + ("the tokenizer's chat template does not render tools" if tool_support == NONE else UNREAD_CALLS)
         )

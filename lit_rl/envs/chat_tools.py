@@ -3,11 +3,14 @@
 - **The tools** are plain Python functions with type hints and a Google-style docstring, sync or `async def`. Their
   JSON schemas (`tool_schema`: what `transformers.utils.get_json_schema` makes) reach the prompt through the
   tokenizer's chat template (`apply_chat_template(..., tools=schemas)`), as the model saw them in its training.
-- **The calls** come out of a model turn in the template's markup (`parse_tool_calls`): Qwen's and Hermes'
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one or more in a turn; or Llama 3.x's bare JSON, the
-  turn itself being `{"name": ..., "parameters": {...}}` (after `<|python_tag|>` if the model wrote one), one call a
-  turn as its template allows. Which one is read from the template (`template_tool_support`). A turn without a call
-  ends the episode.
+- **The calls** come out of a model turn in the template's markup. Where the tokenizer has a `response_template`
+  (transformers' response parsing: Gemma 4 ships one; TRL's `add_response_schema` sets one for Qwen3.5/3.6's XML
+  calls, gpt-oss, GLM, Nemotron, LFM2 and the rest of its templates), transformers' `parse_response` reads them
+  (`TemplateCalls`), on the turn decoded with its special tokens, as the template's markup needs. Otherwise lit-rl
+  reads two formats itself (`parse_tool_calls`): Qwen's and Hermes' `<tool_call>{"name": ..., "arguments": {...}}
+  </tool_call>`, one or more in a turn; or Llama 3.x's bare JSON, the turn itself being `{"name": ..., "parameters":
+  {...}}` (after `<|python_tag|>` if the model wrote one), one call a turn as its template allows. Which one is read
+  from the tokenizer (`template_tool_support`). A turn without a call ends the episode.
 - **The results** go back as `tool` messages (`{"role": "tool", "name": ..., "content": ...}`), one per call, which
   `ChatRenderer` renders through the same template and appends token-in, token-out: only the new messages' tokens
   are appended to the episode's ids, the history is never re-tokenised.
@@ -71,32 +74,82 @@ def _described(tool: Callable[..., Any]) -> dict[str, Any]:
         ) from None
 
 
-# What a chat template does with tools (`template_tool_support`): the two call formats lit-rl reads, another, none.
-HERMES, LLAMA3, OTHER, NONE = "hermes", "llama3", "other", "none"
-CALL_FORMATS = (HERMES, LLAMA3)
+# What a chat template does with tools (`template_tool_support`): calls read by the tokenizer's `response_template`,
+# the two call formats lit-rl reads itself, another, none.
+RESPONSE_TEMPLATE, HERMES, LLAMA3, OTHER, NONE = "response_template", "hermes", "llama3", "other", "none"
+CALL_FORMATS = (RESPONSE_TEMPLATE, HERMES, LLAMA3)
 _PYTHON_TAG = "<|python_tag|>"  # Llama 3.x's marker before a call (special: usually decoded away already)
 _CALL_END_TOKENS = ("<|eom_id|>",)  # Llama 3.x: the end of a turn that calls a tool (`ChatRenderer`)
 
 
 def template_tool_support(tokenizer: Any) -> str:
-    """What the tokenizer's chat template does with tools: `hermes` when it writes a call as
-    `<tool_call>{json}</tool_call>` (Qwen2.5/3, Hermes), `llama3` when it writes the bare JSON `{"name": ...,
-    "parameters": ...}` (Llama 3.1-3.3), `other` when it reads `tools` but writes calls another way (not parsed),
-    `none` when it never reads them."""
+    """What the tokenizer's chat template does with tools: `response_template` when the tokenizer has a
+    `response_template` that reads tool calls (transformers' parsing, preferred where it exists), `hermes` when the
+    template writes a call as `<tool_call>{json}</tool_call>` (Qwen2.5/3, Hermes), `llama3` when it writes the bare
+    JSON `{"name": ..., "parameters": ...}` (Llama 3.1-3.3), `other` when it reads `tools` but writes calls another
+    way (not parsed), `none` when it never reads them."""
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # named templates: the default, or a "tool_use" one
         template = " ".join(template.values())
     if not isinstance(template, str) or re.search(r"\btools\b", template) is None:
         return NONE
+    if _reads_tool_calls(getattr(tokenizer, "response_template", None)):
+        return RESPONSE_TEMPLATE
     call = {"type": "function", "function": {"name": "lit_rl_probe", "arguments": {"x": 1}}}
     conversation = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
     try:
         text = tokenizer.apply_chat_template(conversation, tokenize=False)
     except Exception:  # a template that raises on a tool call cannot be the format lit-rl parses
         return OTHER
-    if _TOOL_CALL.search(text) and "lit_rl_probe" in text:
+    # JSON inside the tags: Qwen3.5 writes XML inside them (<tool_call><function=...>), another format.
+    if re.search(r'<tool_call>\s*\{"name": "lit_rl_probe"', text):
         return HERMES
     return LLAMA3 if re.search(r'\{"name": "lit_rl_probe", "parameters": \{', text) else OTHER
+
+
+def _reads_tool_calls(response_template: Any) -> bool:
+    """Whether a tokenizer's `response_template` has a `tool_calls` field (one for reasoning alone does not)."""
+    return isinstance(response_template, dict) and "tool_calls" in (response_template.get("fields") or {})
+
+
+@dataclass(frozen=True)
+class TemplateCalls:
+    """Reads a model turn's calls with the tokenizer's `response_template`, through transformers' `parse_response`.
+
+    Args:
+        template: the tokenizer's `response_template` (transformers' response parsing, version 1).
+        prefix: what the chat template writes before a model turn: a stand-in user message and the generation prompt,
+            so that the template's start anchor (`<|im_start|>assistant\n`) and anything the generation prompt
+            pre-writes (an empty `<think></think>`) are seen, as `parse_response` asks.
+    """
+
+    template: dict[str, Any]
+    prefix: str
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> Optional["TemplateCalls"]:
+        """The tokenizer's, or None when it has no `response_template` that reads tool calls."""
+        template = getattr(tokenizer, "response_template", None)
+        if not _reads_tool_calls(template):
+            return None
+        question = [{"role": "user", "content": _STAND_IN_QUESTION}]
+        prefix = tokenizer.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
+        return cls(template, prefix)
+
+    def parse(self, text: str, schemas: Optional[list[dict[str, Any]]] = None) -> list[ToolCall]:
+        """The calls of a turn (`text`: decoded with its special tokens), their arguments typed by the tools'
+        `schemas` as transformers types them (`"7"` -> 7 for an integer parameter); one call with the parser's error
+        when the turn's markup cannot be read."""
+        from transformers.utils.chat_parsing import parse_response
+
+        try:
+            message = parse_response(text, self.template, prefix=self.prefix, tools=schemas)
+        except Exception as err:  # a malformed call: the model is told, as for lit-rl's own formats
+            reason = " ".join(str(err).split())[:300]
+            return [ToolCall(None, {}, f"the tool calls cannot be read ({type(err).__name__}: {reason})")]
+        calls = (message.get("tool_calls") if isinstance(message, dict) else None) or []
+        # Each call is `{"type": "function", "function": {"name": ..., "arguments": {...}}}`, as the chat format's.
+        return [_tool_call(call.get("function") if isinstance(call, dict) else call, "arguments") for call in calls]
 
 
 def check_tool_format(tool_format: str) -> None:
@@ -121,11 +174,16 @@ def uses_chat_tools(tool_format: str, support: str) -> bool:
             "model.env.tool_format is chat but the tokenizer's chat template does not render tools (it never reads "
             "`tools`); give a tool-calling model's template, or use tool_format tags"
         )
-    raise ConfigError(
-        "model.env.tools: the tokenizer's chat template writes tool calls in a format lit-rl does not read yet (it "
-        "reads Qwen's and Hermes' <tool_call>{json}</tool_call> and Llama 3.x's bare JSON); set "
-        "model.env.tool_format tags for lit-rl's tags"
-    )
+    raise ConfigError(f"model.env.tools: {UNREAD_CALLS}; or set model.env.tool_format tags for lit-rl's tags")
+
+
+# Why a template whose calls lit-rl cannot read is refused, and the way out.
+UNREAD_CALLS = (
+    "the tokenizer's chat template writes tool calls in a format lit-rl does not read by itself (it reads Qwen's and "
+    "Hermes' <tool_call>{json}</tool_call> and Llama 3.x's bare JSON) and the tokenizer has no response_template to "
+    "read them with; give it one (TRL's add_response_schema(tokenizer) sets one for its known templates; then "
+    "tokenizer.save_pretrained)"
+)
 
 
 @dataclass
@@ -210,8 +268,10 @@ class ChatToolEnvironment:
         tools: the functions (`model.env.tools` import paths), each called with the call's arguments as keywords.
         timeout_s: the time limit of one call, on a thread of its own; None: called on the step's thread, bounded
             by the step's time limit (`model.env.step_timeout_s`).
-        call_format: how the model writes a call (`parse_tool_calls`): `hermes` or `llama3`, its template's
-            (`template_tool_support`; set by lit-rl).
+        call_format: how the model's calls are read: `response_template` (the tokenizer's, `template_calls`),
+            `hermes` or `llama3` (`parse_tool_calls`); its tokenizer's (`template_tool_support`; set by lit-rl).
+        template_calls: with `call_format` `response_template`: the tokenizer's (`TemplateCalls.of`; set by
+            lit-rl).
     """
 
     reward_names: tuple[str, ...] = ()
@@ -221,10 +281,16 @@ class ChatToolEnvironment:
         tools: Optional[list[Callable[..., Any]]] = None,
         timeout_s: Optional[float] = 5.0,
         call_format: str = HERMES,
+        template_calls: Optional[TemplateCalls] = None,
     ) -> None:
         if call_format not in CALL_FORMATS:
             raise ConfigError(f"ChatToolEnvironment call_format must be one of {', '.join(CALL_FORMATS)}")
-        self.call_format = call_format
+        if call_format == RESPONSE_TEMPLATE and template_calls is None:
+            raise ConfigError(
+                "ChatToolEnvironment call_format response_template needs template_calls (the tokenizer's, "
+                "TemplateCalls.of(tokenizer))"
+            )
+        self.call_format, self.template_calls = call_format, template_calls
         if not tools:
             raise ConfigError("ChatToolEnvironment needs at least one tool (model.env.tools)")
         if timeout_s is not None and timeout_s <= 0:
@@ -240,8 +306,14 @@ class ChatToolEnvironment:
     def reset(self, row: dict[str, Any]) -> None:
         return None  # the row's prompt (with the tools' schemas, through the chat template) is the first observation
 
+    def read_calls(self, completion: str) -> list[ToolCall]:
+        """The calls of a model turn, read in this environment's `call_format`."""
+        if self.call_format == RESPONSE_TEMPLATE:
+            return self.template_calls.parse(completion, self.schemas)
+        return parse_tool_calls(completion, self.call_format)
+
     def step(self, completion: str) -> StepResult:
-        calls = parse_tool_calls(completion, self.call_format)
+        calls = self.read_calls(completion)
         if not calls:
             return StepResult(observation=None, done=True)
         messages, errors = [], 0

@@ -23,7 +23,7 @@ import copy
 import inspect
 from typing import Any, Callable, Optional
 
-from lit_rl.envs.chat_tools import HERMES, ChatToolEnvironment
+from lit_rl.envs.chat_tools import HERMES, ChatToolEnvironment, TemplateCalls
 
 RESERVED = ("reset", "get_reward")
 
@@ -70,7 +70,11 @@ class TRLEnvironment(ChatToolEnvironment):
     steps_after_last_turn = False
 
     def __init__(
-        self, instance: Any, tools: Optional[list[Callable[..., Any]]] = None, call_format: str = HERMES
+        self,
+        instance: Any,
+        tools: Optional[list[Callable[..., Any]]] = None,
+        call_format: str = HERMES,
+        template_calls: Optional[TemplateCalls] = None,
     ) -> None:
         methods = tool_methods(instance)
         if not methods and not tools:
@@ -79,7 +83,9 @@ class TRLEnvironment(ChatToolEnvironment):
                 "theirs; give one, or model.env.tools)"
             )
         # Calls bounded by the step's own time limit, written in the model's template's format.
-        super().__init__([*(tools or []), *methods], timeout_s=None, call_format=call_format)
+        super().__init__(
+            [*(tools or []), *methods], timeout_s=None, call_format=call_format, template_calls=template_calls
+        )
         self.instance = instance
         self.owns_reward = callable(getattr(instance, "get_reward", None))
         self.reward_names = (type(instance).__name__,) if self.owns_reward else ()

@@ -244,6 +244,7 @@ class EpisodeProducer(RolloutProducer):
             prompts are rendered with them, and a text prompt becomes a user message. None: no such tools.
         independent_turns: `model.env.independent_turns`: episodes go on on their own on an engine with a
             `concurrent_generate` (on one process); turn by turn otherwise.
+        raw_turns: each turn reaches `step` decoded with its special tokens (`EnvironmentSpec.raw_turns`).
         parts: `ProducerParts`.
     """
 
@@ -258,9 +259,11 @@ class EpisodeProducer(RolloutProducer):
         runner: EnvironmentRunner,
         tool_schemas: Optional[list[dict[str, Any]]] = None,
         independent_turns: bool = True,
+        raw_turns: bool = False,
     ) -> None:
         super().__init__(parts)
         self.runner = runner
+        self.raw_turns = raw_turns
         self.independent_turns = independent_turns
         self.tool_schemas = tool_schemas
         self._observations: Optional[ObservationEncoder] = None
@@ -348,7 +351,7 @@ class EpisodeProducer(RolloutProducer):
             prompts,
             params,
             seeds,
-            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            decode=lambda ids: self.turn_text(tokenizer, ids),
             encode_observation=encode_observation,
             reward_names=self.env_reward_names,
             max_turns=self.max_turns,
@@ -361,6 +364,11 @@ class EpisodeProducer(RolloutProducer):
             ended=frozenset(ended),
             concurrent_generate=independent_generate(engine, self.independent_turns and concurrent),
         )
+
+    def turn_text(self, tokenizer: Any, ids: list[int]) -> str:
+        """A model turn as the environment's `step` reads it: decoded without its special tokens, or with them
+        (`raw_turns`: a `response_template`'s markup, Gemma 4's `<|tool_call>`, may be special tokens)."""
+        return tokenizer.decode(ids, skip_special_tokens=not self.raw_turns)
 
     def start_episodes(self, rows: list[dict[str, Any]]) -> tuple[list[Any], str, list[Any], Optional[str], set[int]]:
         """An environment per row, each reset with its row at once (`runner`): the environments, the user's class
