@@ -28,9 +28,11 @@ sandbox or a remote tool does. Each run is `lit-rl fit` in its own process, one 
 The HF rows with `latency_s` 0.1 and 0 (the same episodes answered at once), the server's with 0.1. Reported per
 row: seconds per optimizer step (`perf/step_s`, the median of the steps after the first), the share of it the
 trainer waits for its episodes (`perf/generation_s`: synchronous, the engine's turns and the environment's steps;
-asynchronous, only what the update did not hide), completions per second, and for asynchronous rows the mean
-staleness of the trained rows and of the model's tokens (`train/staleness/mean`, `token_mean`: in flight, later
-turns may be sampled by newer weights than an episode's first). Rows run interleaved, round by round,
+asynchronous, only what the update did not hide), completions per second, for the server's rows the share of the
+step with no request outstanding on the server (`perf/engine_idle_share`), and for asynchronous rows the share of
+the trained samples 0 and 1 step stale (`train/staleness/share_<s>`) and the mean staleness of the trained rows and
+of the model's tokens (`train/staleness/mean`, `token_mean`: in flight, later turns may be sampled by newer weights
+than an episode's first). Rows run interleaved, round by round,
 so that a noisy machine affects them alike; each round's values are kept.
 """
 
@@ -153,6 +155,14 @@ def one_run(mode: str, latency_s: float, steps: int, workdir: Path) -> dict:
         values = per_step(metrics, f"train/{key}")[1:]
         if values:
             run[key.replace("/", "_")] = statistics.mean(values)
+    idle = per_step(metrics, "perf/engine_idle_share")[1:]  # the server engine's rows: it counts its requests
+    if idle:
+        run["engine_idle_share"] = statistics.mean(idle)
+    shares = []  # the staleness histogram, asynchronous rows: the share of samples s steps stale, s = 0, 1, ...
+    while values := per_step(metrics, f"train/staleness/share_{len(shares)}")[1:]:
+        shares.append(statistics.mean(values))
+    if shares:
+        run["staleness_shares"] = shares
     return run
 
 
@@ -161,9 +171,12 @@ def summarise(mode: str, latency_s: float, rounds: list[dict]) -> dict:
     generation_s = statistics.median(r["generation_s"] for r in rounds)
     staleness = {  # over the rounds' means of the steps after the first
         key: statistics.mean(r[key] for r in rounds)
-        for key in ("staleness_mean", "staleness_token_mean")
+        for key in ("staleness_mean", "staleness_token_mean", "engine_idle_share")
         if key in rounds[0]
     }
+    if "staleness_shares" in rounds[0]:
+        by_lag = zip(*(r["staleness_shares"] for r in rounds))
+        staleness["staleness_shares"] = [statistics.mean(shares) for shares in by_lag]
     return {
         "mode": mode,
         "engine": MODES[mode][0],
@@ -182,15 +195,18 @@ def summarise(mode: str, latency_s: float, rounds: list[dict]) -> dict:
 def markdown_table(results: list[dict]) -> str:
     """The docs' table of a results file (a test checks the docs carry exactly this)."""
     lines = [
-        "| environment step | engine | episodes | s/step | trainer waits for episodes | completions/s | vs lock-step |",
-        "|---|---|---|---|---|---|---|",
+        "| environment step | engine | episodes | s/step | trainer waits for episodes | server idle | samples by "
+        "staleness (0 / 1 / ... steps) | completions/s | vs lock-step |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     lock_step = {r["latency_s"]: r["step_s"] for r in results if r["mode"] == "lock-step, one call at a time"}
     for r in results:
         speedup = lock_step[r["latency_s"]] / r["step_s"]
+        idle = f"{100 * r['engine_idle_share']:.0f}%" if "engine_idle_share" in r else ""
+        stale = " / ".join(f"{100 * share:.0f}%" for share in r.get("staleness_shares", []))
         lines.append(
             f"| {1000 * r['latency_s']:.0f} ms | {r['engine']} | {r['mode']} | {r['step_s']:.2f} | "
-            f"{100 * r['rollout_share']:.0f}% | {r['samples_per_s']:.1f} | {speedup:.1f}x |"
+            f"{100 * r['rollout_share']:.0f}% | {idle} | {stale} | {r['samples_per_s']:.1f} | {speedup:.1f}x |"
         )
     return "\n".join(lines)
 

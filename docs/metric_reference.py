@@ -35,8 +35,8 @@ FN = ["<fn>"]  # one reward function, named as the pages name them: `rewards/<fn
 ENVIRONMENT = "an environment (`model.env`)"
 # What every on-policy algorithm may add to its training metrics (`OnPolicyModule.rollout_train_metrics`).
 ON_POLICY_EXTRAS: list[tuple[str, Callable[[], dict]]] = [
-    ("`model.rollout.max_staleness` > 0", asynchronous_rollout_metrics),
-    ("`model.rollout.in_flight_updates` on", lambda: asynchronous_rollout_metrics(in_flight_updates=True)),
+    ("`model.rollout.max_staleness` > 0", lambda: asynchronous_rollout_metrics(False, max_lag=0)),
+    ("`model.rollout.in_flight_updates` on", lambda: asynchronous_rollout_metrics(True, max_lag=0)),
     ("`model.schedule.micro_batch_tokens` set", token_budget_metrics),
     (ENVIRONMENT, episode_metrics),
 ]
@@ -68,9 +68,21 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+# A family of metrics, one per value of s, shown once by its pattern (the factories above make its first member).
+FAMILIES = {
+    "train/staleness/share_0": (
+        "train/staleness/share_<s>",
+        "`model.rollout.max_staleness` > 0: one for each s = 0 to k + m - 1 (k: max_staleness, m: steps_per_generation "
+        "x num_iterations), the share of the step's samples s steps stale",
+    ),
+}
+
+
 def _table(rows: list[tuple[str, str, str]]) -> list[str]:
     lines = ["| metric | reduced as | logged |", "|---|---|---|"]
-    lines += [f"| `{name}` | {_cell(reduced)} | {_cell(when)} |" for name, reduced, when in rows]
+    for name, reduced, when in rows:
+        name, when = FAMILIES.get(name, (name, when))
+        lines.append(f"| `{name}` | {_cell(reduced)} | {_cell(when)} |")
     return lines + [""]
 
 

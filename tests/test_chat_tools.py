@@ -172,6 +172,15 @@ def test_a_tokenizers_response_template_reads_calls_in_formats_lit_rl_does_not_r
     assert env.step("The answer is 7.<|im_end|>").done  # no call: the answer
     unknown = env.step(_qwen35_call(3, 4).replace("add_numbers", "mul") + "<|im_end|>")
     assert unknown.tool_errors == 1 and unknown.observation[0]["content"].startswith("error: unknown tool 'mul'")
+    # lit-rl's own parsers go first where they apply, also beside a response template: they read Llama's calls
+    # ended by <|eom_id|>, which TRL's response template for Llama 3 does not.
+    assert template_tool_support(_with_response_template(qwen_chat_tokenizer(), "qwen2_5")) == "hermes"
+    assert template_tool_support(_with_response_template(llama_chat_tokenizer(), "llama3_1")) == "llama3"
+    broken = qwen_chat_tokenizer()
+    broken.chat_template = _trl_template("qwen3_5_nothink")
+    broken.response_template = {"fields": {"tool_calls": {"content": "yaml"}}}
+    with pytest.raises(ConfigError, match=r"^the tokenizer's response_template \(tokenizer_config.json\) cannot read "):
+        TemplateCalls.of(broken)  # before any rollout, not as an error at every turn
     # Qwen2.5's JSON calls through TRL's response template for them: a call that is not JSON is the model's error.
     json_env = ChatToolEnvironment(
         [add_numbers],

@@ -180,6 +180,73 @@ def test_the_step_clock_stops_while_validation_runs():
     assert timer.summary()["perf/step_s"] < 0.1
 
 
+def test_the_engine_clock_counts_overlapping_requests_once_and_no_validation(monkeypatch):
+    """`perf/engine_busy_s`: the seconds with at least one request outstanding, however many overlap; a stretch
+    still running counts up to the summary and goes on into the next step; validation's requests count in no step."""
+    from lit_rl.training import perf
+
+    now = [0.0]
+    monkeypatch.setattr(perf.time, "perf_counter", lambda: now[0])
+
+    def at(t: float, action) -> None:
+        now[0] = t
+        action()
+
+    timer = perf.StepTimer()
+    clock = timer.engine_clock()
+    assert timer.engine_clock() is clock
+    first, second, third = clock.request(), clock.request(), clock.request()
+    at(1.0, first.__enter__)  # busy from t=1
+    at(2.0, second.__enter__)  # overlapping the first
+    at(3.0, lambda: first.__exit__(None, None, None))
+    at(4.0, lambda: second.__exit__(None, None, None))  # idle from t=4
+    at(5.0, third.__enter__)
+    at(6.0, lambda: third.__exit__(None, None, None))
+    now[0] = 10.0
+    summary = timer.summary()
+    assert (summary["perf/step_s"], summary["perf/engine_busy_s"]) == (10.0, 4.0)
+    held = clock.request()
+    held.__enter__()  # from t=10, still running at the next summary
+    now[0] = 12.0
+    assert timer.summary()["perf/engine_busy_s"] == 2.0
+    at(13.0, timer.pause)  # validation from t=13: the request's second before it is the step's
+    at(20.0, lambda: held.__exit__(None, None, None))
+    at(21.0, timer.resume)
+    now[0] = 22.0
+    summary = timer.summary()
+    assert (summary["perf/step_s"], summary["perf/engine_busy_s"]) == (2.0, 1.0)
+    assert "perf/engine_busy_s" not in perf.StepTimer().summary()  # no engine counting on it: not logged
+
+
+def test_the_engine_clock_outlives_the_timers_validation_and_training_start_swap_in(monkeypatch):
+    """The module swaps its timer at validation and at the start of training; an engine built under any of them
+    (the sanity check's validation builds it first) goes on counting in the training steps."""
+    from types import SimpleNamespace
+
+    from lit_rl.algorithms.base import PolicyModule
+    from lit_rl.training import perf
+
+    now = [0.0]
+    monkeypatch.setattr(perf.time, "perf_counter", lambda: now[0])
+    module = SimpleNamespace(timer=perf.StepTimer())
+    PolicyModule.on_validation_start(module)  # the sanity check
+    clock = module.timer.engine_clock()  # the engine is built during it
+    with clock.request():
+        now[0] = 5.0  # its generations: part of no step
+    PolicyModule.on_validation_end(module)
+    PolicyModule.start_step_clock(module)  # `on_train_start`
+    with clock.request():
+        now[0] = 7.0
+    PolicyModule.on_validation_start(module)  # a validation between two steps
+    assert module.timer.engine is clock
+    with clock.request():
+        now[0] = 9.0
+    PolicyModule.on_validation_end(module)
+    now[0] = 10.0
+    summary = module.timer.summary()
+    assert (summary["perf/step_s"], summary["perf/engine_busy_s"]) == (3.0, 2.0)
+
+
 def test_a_slow_precision_for_the_device_is_said_in_one_line(monkeypatch):
     from lit_rl.training import flops
 

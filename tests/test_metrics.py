@@ -127,7 +127,9 @@ def _every_collection() -> dict[str, list]:
         "SFT": SFT(),
     }
     collections = {name: [module.train_metrics, module.val_metrics] for name, module in modules.items()}
-    collections["asynchronous"] = [metric_collection(asynchronous_rollout_metrics()).clone(prefix="train/")]
+    collections["asynchronous"] = [
+        metric_collection(asynchronous_rollout_metrics(False, max_lag=1)).clone(prefix="train/")
+    ]
     return collections
 
 

@@ -275,7 +275,7 @@ class PolicyModule(L.LightningModule):
         advice = precision_advice(self.device, dtype) if self.trainer.is_global_zero else None
         if advice:
             say(advice)
-        self.timer = StepTimer()  # the first step's time starts here: not at model loading, nor the peak's probe
+        self.start_step_clock()
         # Lightning's ModelCheckpoint forgets, on resume, that the resumed-from step was saved; with gradient
         # accumulation the first micro-batches after resuming end with the old global_step, and it would save
         # that step again (with a data position one micro-batch later). Mark the resumed step as saved.
@@ -471,7 +471,8 @@ class PolicyModule(L.LightningModule):
         the step waits for it; and its model FLOP rate over all ranks, `perf/tflops`, and `perf/mfu`, that rate
         over the peak of the ranks' devices (`lit_rl.training.flops`); `perf/update_mfu`, the same for the update
         alone: the forward and backward FLOPs of the passes that train (the policy's; PPO's critic's too) over
-        `perf/policy_update_s`. One collective for all of them."""
+        `perf/policy_update_s`; with an engine that counts its requests (the vLLM server's), `perf/engine_idle_share`,
+        the share of the step without a generation request outstanding. One collective for all of them."""
         # This rank's; `summary` starts the next step's counts.
         flops, update_flops = self.timer.counters["model_flops"], self.timer.counters["update_flops"]
         timings = self.timer.summary()
@@ -481,6 +482,8 @@ class PolicyModule(L.LightningModule):
             values = torch.cat([values[:, :-2].max(dim=0).values, values[:, -2:].sum(dim=0)])
         *slowest, flops, update_flops = values.tolist()
         timings = dict(zip(timings, slowest))
+        if "perf/engine_busy_s" in timings and timings["perf/step_s"] > 0:  # the share of the step it waited
+            timings["perf/engine_idle_share"] = max(0.0, 1.0 - timings["perf/engine_busy_s"] / timings["perf/step_s"])
         self.throughput.add(timings["perf/step_s"], flops)
         timings["perf/tflops"], mfu = self.throughput.rates(timings["perf/step_s"], flops)
         if mfu is not None:
@@ -489,13 +492,19 @@ class PolicyModule(L.LightningModule):
         for name, value in timings.items():
             self.log(name, value, on_step=True, on_epoch=False, batch_size=1)
 
+    def start_step_clock(self) -> None:
+        """The first step's time starts now (at the start of training: not at model loading, nor the peak's probe);
+        an engine built before, in the sanity check's validation, goes on counting on its clock."""
+        self.timer = StepTimer(engine=self.timer.engine)
+
     def on_validation_start(self) -> None:
         self._timer_during_training = self.timer
         self._timer_during_training.pause()  # validation's time and work are not part of any training step
-        self.timer = StepTimer()
+        self.timer = StepTimer(engine=self._timer_during_training.engine)
 
     def on_validation_end(self) -> None:
-        self.timer = getattr(self, "_timer_during_training", self.timer)
+        validation_timer, self.timer = self.timer, getattr(self, "_timer_during_training", self.timer)
+        self.timer.adopt_engine_clock(validation_timer)
         self.timer.resume()
 
 

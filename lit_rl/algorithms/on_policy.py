@@ -33,7 +33,7 @@ from lit_rl.algorithms.rollout_checks import check_prompt_lengths
 from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, RolloutArgs, SamplingArgs, ScheduleArgs, as_args
 from lit_rl.data.schedule import RolloutSchedule
 from lit_rl.envs import environment_factory
-from lit_rl.envs.chat_tools import TemplateCalls, template_tool_support
+from lit_rl.envs.chat_tools import RESPONSE_TEMPLATE, TemplateCalls, template_tool_support
 from lit_rl.envs.runner import EnvironmentRunner
 from lit_rl.errors import ConfigError
 from lit_rl.losses import LossNormalizer, rollout_is_weights
@@ -126,13 +126,14 @@ class OnPolicyModule(PolicyModule):
         parts = ProducerParts(self, self.engines, self.reward_scorer, params, self.sampling_args.max_new_tokens)
         self.prompt_tools: Optional[list[dict]] = None  # the schemas every prompt is rendered with (chat-format tools)
         if env.enabled:
+            support = template_tool_support(self.tokenizer)
             spec = environment_factory(
                 env.environment,
                 env.environment_args,
                 env.tools,
                 env.tool_format,
-                template_tool_support(self.tokenizer),
-                TemplateCalls.of(self.tokenizer),
+                support,
+                TemplateCalls.of(self.tokenizer) if support == RESPONSE_TEMPLATE else None,
             )
             self.prompt_tools = spec.tool_schemas
             episode_args = dict(
@@ -207,7 +208,7 @@ class OnPolicyModule(PolicyModule):
     def rollout_train_metrics(self, metrics: MetricCollection) -> MetricCollection:
         """The algorithm's training collection, with the staleness metrics of asynchronous rollouts, as `train/`."""
         if self.max_staleness > 0:
-            metrics.add_metrics(asynchronous_rollout_metrics(self.in_flight_updates))
+            metrics.add_metrics(asynchronous_rollout_metrics(self.in_flight_updates, self.max_staleness_lag))
         if self.micro_batch_tokens is not None:
             metrics.add_metrics(token_budget_metrics())
         if self.env_args.enabled:
@@ -358,6 +359,12 @@ class OnPolicyModule(PolicyModule):
         """m = steps_per_generation x num_iterations: the optimizer steps taken on one generation."""
         return self.schedule_args.steps_per_generation * self.schedule_args.num_iterations
 
+    @property
+    def max_staleness_lag(self) -> int:
+        """The stalest a trained sample can be: k + m - 1 (`max_staleness` k; a generation's later steps add their
+        offset within it, up to m - 1)."""
+        return self.max_staleness + self.optimizer_steps_per_generation - 1
+
     # -- rollout ---------------------------------------------------------------------------------------------
     def sampling_params(self, training: bool) -> SamplingParams:
         sampling = self.sampling_args
@@ -503,6 +510,8 @@ class OnPolicyModule(PolicyModule):
             staleness = (self.trainer.global_step - mb.policy_version).float()  # [n] optimizer steps
             m["staleness/mean"].update(staleness)
             m["staleness/max"].update(staleness)
+            for lag in range(self.max_staleness_lag + 1):  # the histogram: each sample counts in one share
+                m[f"staleness/share_{lag}"].update((staleness == lag).float())
         if mb.token_versions is not None:  # in-flight updates: each model token by the version that sampled it
             m["staleness/token_mean"].update((self.trainer.global_step - mb.token_versions[tokens]).float())
         components = mb.reward_components

@@ -3,14 +3,14 @@
 - **The tools** are plain Python functions with type hints and a Google-style docstring, sync or `async def`. Their
   JSON schemas (`tool_schema`: what `transformers.utils.get_json_schema` makes) reach the prompt through the
   tokenizer's chat template (`apply_chat_template(..., tools=schemas)`), as the model saw them in its training.
-- **The calls** come out of a model turn in the template's markup. Where the tokenizer has a `response_template`
-  (transformers' response parsing: Gemma 4 ships one; TRL's `add_response_schema` sets one for Qwen3.5/3.6's XML
-  calls, gpt-oss, GLM, Nemotron, LFM2 and the rest of its templates), transformers' `parse_response` reads them
-  (`TemplateCalls`), on the turn decoded with its special tokens, as the template's markup needs. Otherwise lit-rl
-  reads two formats itself (`parse_tool_calls`): Qwen's and Hermes' `<tool_call>{"name": ..., "arguments": {...}}
-  </tool_call>`, one or more in a turn; or Llama 3.x's bare JSON, the turn itself being `{"name": ..., "parameters":
-  {...}}` (after `<|python_tag|>` if the model wrote one), one call a turn as its template allows. Which one is read
-  from the tokenizer (`template_tool_support`). A turn without a call ends the episode.
+- **The calls** come out of a model turn in the template's markup. lit-rl reads two formats itself
+  (`parse_tool_calls`): Qwen's and Hermes' `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one or more
+  in a turn; or Llama 3.x's bare JSON, the turn itself being `{"name": ..., "parameters": {...}}` (after
+  `<|python_tag|>` if the model wrote one), one call a turn as its template allows. Any other format is read by
+  transformers' `parse_response` where the tokenizer has a `response_template` (`TemplateCalls`; TRL's
+  `add_response_schema` sets one for Qwen3.5-3.8's XML calls, gpt-oss, GLM, Nemotron, LFM2, Gemma 4), on the turn
+  decoded with its special tokens, as the template's markup needs. Which one is found from the tokenizer
+  (`template_tool_support`). A turn without a call ends the episode.
 - **The results** go back as `tool` messages (`{"role": "tool", "name": ..., "content": ...}`), one per call, which
   `ChatRenderer` renders through the same template and appends token-in, token-out: only the new messages' tokens
   are appended to the episode's ids, the history is never re-tokenised.
@@ -83,18 +83,27 @@ _CALL_END_TOKENS = ("<|eom_id|>",)  # Llama 3.x: the end of a turn that calls a 
 
 
 def template_tool_support(tokenizer: Any) -> str:
-    """What the tokenizer's chat template does with tools: `response_template` when the tokenizer has a
-    `response_template` that reads tool calls (transformers' parsing, preferred where it exists), `hermes` when the
-    template writes a call as `<tool_call>{json}</tool_call>` (Qwen2.5/3, Hermes), `llama3` when it writes the bare
-    JSON `{"name": ..., "parameters": ...}` (Llama 3.1-3.3), `other` when it reads `tools` but writes calls another
-    way (not parsed), `none` when it never reads them."""
+    """What the tokenizer's chat template does with tools: `hermes` when it writes a call as
+    `<tool_call>{json}</tool_call>` (Qwen2.5/3, Hermes), `llama3` when it writes the bare JSON `{"name": ...,
+    "parameters": ...}` (Llama 3.1-3.3), both read by lit-rl; otherwise `response_template` when the tokenizer has
+    a `response_template` that reads tool calls (transformers' parsing), `other` when it has none (not parsed);
+    `none` when the template never reads `tools`."""
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # named templates: the default, or a "tool_use" one
         template = " ".join(template.values())
     if not isinstance(template, str) or re.search(r"\btools\b", template) is None:
         return NONE
-    if _reads_tool_calls(getattr(tokenizer, "response_template", None)):
+    own = _own_call_format(tokenizer)
+    if own == OTHER and _reads_tool_calls(getattr(tokenizer, "response_template", None)):
         return RESPONSE_TEMPLATE
+    return own
+
+
+def _own_call_format(tokenizer: Any) -> str:
+    """Which of lit-rl's own call formats the chat template writes a call in (`hermes`, `llama3`), found by
+    rendering one; `other` for any other. lit-rl's parsers go first where they apply: they read what the released
+    templates' models write, Llama's call ended by `<|eom_id|>` among it, which TRL's response template for Llama
+    does not."""
     call = {"type": "function", "function": {"name": "lit_rl_probe", "arguments": {"x": 1}}}
     conversation = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
     try:
@@ -117,24 +126,34 @@ class TemplateCalls:
     """Reads a model turn's calls with the tokenizer's `response_template`, through transformers' `parse_response`.
 
     Args:
-        template: the tokenizer's `response_template` (transformers' response parsing, version 1).
+        template: the tokenizer's `response_template` (transformers' response parsing, version 1), compiled.
         prefix: what the chat template writes before a model turn: a stand-in user message and the generation prompt,
             so that the template's start anchor (`<|im_start|>assistant\n`) and anything the generation prompt
             pre-writes (an empty `<think></think>`) are seen, as `parse_response` asks.
     """
 
-    template: dict[str, Any]
+    template: Any  # compiled once (transformers' `ResponseTemplate`), not at every turn
     prefix: str
 
     @classmethod
     def of(cls, tokenizer: Any) -> Optional["TemplateCalls"]:
-        """The tokenizer's, or None when it has no `response_template` that reads tool calls."""
+        """The tokenizer's, or None when it has no `response_template` that reads tool calls; a one-line
+        `ConfigError` when transformers cannot compile it (before any rollout, not as an error at every turn)."""
+        from transformers.utils.chat_parsing.response_templates import load_response_template
+
         template = getattr(tokenizer, "response_template", None)
         if not _reads_tool_calls(template):
             return None
+        try:
+            compiled = load_response_template(template)
+        except (ValueError, TypeError, KeyError) as err:
+            message = " ".join(str(err).split())
+            raise ConfigError(
+                f"the tokenizer's response_template (tokenizer_config.json) cannot read tool calls: {message}"
+            ) from None
         question = [{"role": "user", "content": _STAND_IN_QUESTION}]
         prefix = tokenizer.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
-        return cls(template, prefix)
+        return cls(compiled, prefix)
 
     def parse(self, text: str, schemas: Optional[list[dict[str, Any]]] = None) -> list[ToolCall]:
         """The calls of a turn (`text`: decoded with its special tokens), their arguments typed by the tools'
@@ -262,7 +281,8 @@ def _as_text(value: Any) -> str:
 class ChatToolEnvironment:
     """Runs every tool call of a model turn written in the chat format (module docstring) and answers each with a
     `tool` message; a turn without a call ends the episode. No reward parts of its own: the reward functions score
-    the transcript.
+    the transcript. With `call_format` `response_template`, `step` is given each turn decoded with its special
+    tokens (`EnvironmentSpec.raw_turns`: the template's markup may be special tokens), a subclass's too.
 
     Args:
         tools: the functions (`model.env.tools` import paths), each called with the call's arguments as keywords.

@@ -422,8 +422,9 @@ class VLLMServer(EngineConfig):
         from lit_rl.rollout.engines.vllm_server import VLLMServerEngine
 
         eos_ids = model_eos_token_ids(module.policy, module.tokenizer.eos_token_id)
+        busy = module.timer.engine_clock()  # `perf/engine_idle_share`: the step's time with no request outstanding
         if not self.launch:
-            return VLLMServerEngine(self.vllm, eos_ids, module.tokenizer.pad_token_id)
+            return VLLMServerEngine(self.vllm, eos_ids, module.tokenizer.pad_token_id, busy=busy)
         from lit_rl.modeling.models import resolve_model_path
         from lit_rl.rollout.server.launch import ServerLauncher
 
@@ -436,7 +437,7 @@ class VLLMServer(EngineConfig):
             trust_remote_code=module.policy_args.trust_remote_code,
         )
         config = dataclasses.replace(self.vllm, server_url=launcher.url)
-        return VLLMServerEngine(config, eos_ids, module.tokenizer.pad_token_id, launcher=launcher)
+        return VLLMServerEngine(config, eos_ids, module.tokenizer.pad_token_id, launcher=launcher, busy=busy)
 
     def engine_dtype(self, compute_dtype: torch.dtype) -> Optional[torch.dtype]:
         dtype = self.dtype

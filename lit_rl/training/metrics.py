@@ -113,12 +113,15 @@ def on_policy_training_metrics(reward_names: Iterable[str]) -> dict:
     }
 
 
-def asynchronous_rollout_metrics(in_flight_updates: bool = False) -> dict:
+def asynchronous_rollout_metrics(in_flight_updates: bool, max_lag: int) -> dict:
     """What asynchronous rollouts add: the staleness of each consumed sample, `global_step - policy_version` (with
-    in-flight weight updates, its oldest token's), and with those the mean staleness of the model's tokens, each by
-    the version that sampled it (`staleness/token_mean`, lower than `staleness/mean` when episodes took newer
-    weights between their turns)."""
+    in-flight weight updates, its oldest token's), its histogram (`staleness/share_<s>`: the share of the step's
+    samples s steps stale, for s = 0 to `max_lag`, the most there can be: k + m - 1 with `max_staleness` k and m
+    optimizer steps a generation), and with in-flight updates the mean staleness of the model's tokens, each by the
+    version that sampled it (`staleness/token_mean`, lower than `staleness/mean` when episodes took newer weights
+    between their turns)."""
     metrics = {"staleness/mean": mean("completion"), "staleness/max": largest("completion")}
+    metrics |= {f"staleness/share_{lag}": mean("completion") for lag in range(max_lag + 1)}
     if in_flight_updates:
         metrics["staleness/token_mean"] = mean("token")
     return metrics

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -23,6 +24,40 @@ PHASES = (
 )
 
 
+class BusyClock:
+    """Seconds during which at least one request was outstanding, however many overlapped: an engine's busy time,
+    counted by its client around each request (thread-safe: requests go out from many threads at once)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._outstanding = 0
+        self._since = 0.0  # when the current busy stretch began (outstanding > 0)
+        self._busy = 0.0  # busy seconds not yet taken
+
+    @contextmanager
+    def request(self) -> Iterator[None]:
+        with self._lock:
+            if self._outstanding == 0:
+                self._since = time.perf_counter()
+            self._outstanding += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._outstanding -= 1
+                if self._outstanding == 0:
+                    self._busy += time.perf_counter() - self._since
+
+    def take(self) -> float:
+        """The busy seconds since the last `take`, a stretch still running counted up to now."""
+        with self._lock:
+            busy, self._busy = self._busy, 0.0
+            if self._outstanding:
+                now = time.perf_counter()
+                busy, self._since = busy + now - self._since, now
+            return busy
+
+
 class StepTimer:
     """Accumulates named phases (generation, reward, ...) between two optimizer steps.
 
@@ -31,15 +66,28 @@ class StepTimer:
 
     `summary()` returns `perf/<phase>_s` for every phase, `perf/step_s` (wall time since the previous step) and
     `perf/policy_update_s` (the rest: forward/backward/optimizer of the policy), the tokens' rates and peak memory,
-    then starts the next step (its phases and counters, `model_flops` among them, back to 0).
+    and `perf/engine_busy_s` once an engine's client counts its requests on `engine_clock()` (the vLLM server
+    engine: the step's seconds with a generation request outstanding, even in the background); then it starts the
+    next step (its phases and counters, `model_flops` among them, back to 0).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, engine: Optional[BusyClock] = None) -> None:
         self.phases: dict[str, float] = defaultdict(float)
         self.counters: dict[str, float] = defaultdict(float)
         self._step_start = time.perf_counter()
         self._open: list[str] = []  # phases entered and not yet left, innermost last
         self._paused_at: Optional[float] = None
+        # The engine's clock outlives the timers: each timer that follows another is given it (`engine`).
+        self.engine = engine
+        self._engine_busy_s = 0.0  # taken at a pause: the step's busy time before validation
+        if engine is not None:
+            engine.take()  # what ran before this timer's first step is part of none
+
+    def engine_clock(self) -> BusyClock:
+        """The clock an engine's client counts its requests on (`perf/engine_busy_s` from now on)."""
+        if self.engine is None:
+            self.engine = BusyClock()
+        return self.engine
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -54,14 +102,24 @@ class StepTimer:
             if self._open:  # the enclosing phase adds its whole duration when it ends: take this part back
                 self.phases[self._open[-1]] -= elapsed
 
+    def adopt_engine_clock(self, other: "StepTimer") -> None:
+        """Count on `other`'s engine clock from now on, when this timer has none: an engine first built during
+        validation (under validation's timer) counts in the training steps after it."""
+        if self.engine is None:
+            self.engine = other.engine
+
     def pause(self) -> None:
         """Stop the step's clock (validation runs between two steps and is not part of either)."""
         self._paused_at = time.perf_counter()
+        if self.engine is not None:
+            self._engine_busy_s += self.engine.take()
 
     def resume(self) -> None:
         if self._paused_at is not None:
             self._step_start += time.perf_counter() - self._paused_at
             self._paused_at = None
+        if self.engine is not None:
+            self.engine.take()  # validation's generations: part of no step
 
     def count(self, name: str, value: float) -> None:
         self.counters[name] += value
@@ -78,6 +136,9 @@ class StepTimer:
         out["perf/generated_tokens_per_s"] = self.counters["generated_tokens"] / generation if generation else 0.0
         out["perf/trained_tokens_per_s"] = self.counters["trained_tokens"] / step if step > 0 else 0.0
         out["perf/peak_memory_mib"] = peak_memory_mib()
+        if self.engine is not None:
+            out["perf/engine_busy_s"] = self._engine_busy_s + self.engine.take()
+            self._engine_busy_s = 0.0
         self.phases.clear()
         self.counters.clear()
         self._step_start = now

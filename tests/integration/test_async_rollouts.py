@@ -127,6 +127,9 @@ def test_every_generation_is_sampled_by_the_weights_it_is_tagged_with_and_no_sam
         expected = step - max(0, (step // m) * m - k)
         assert row["train/staleness/max"] == expected and row["train/staleness/mean"] == expected
         assert row["train/staleness/max"] <= k + m - 1
+        # The histogram: every sample of the step is `expected` steps stale, and each lag up to k + m - 1 is logged.
+        shares = [row[f"train/staleness/share_{lag}"] for lag in range(k + m)]
+        assert shares == [float(lag == expected) for lag in range(k + m)], (row["step"], shares)
     assert max(row["train/staleness/max"] for row in rows if (int(row["step"]) - 1) % steps_per_generation == 0) == k
     assert all(0 <= row["train/rollout_is_frac_corrected"] <= 1 for row in rows)
 

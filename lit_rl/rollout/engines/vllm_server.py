@@ -63,6 +63,7 @@ from lit_rl.rollout.server.collective_transfer import CollectiveTransfer, host_c
 from lit_rl.rollout.server.launch import ServerLauncher
 from lit_rl.rollout.server.pool import RolloutServer, ServerPool
 from lit_rl.rollout.server.weight_receiver import private_directory
+from lit_rl.training.perf import BusyClock
 
 CUT_SHORT = {"abort", "error"}  # finish reasons of a completion the engine stopped before it ended
 
@@ -83,8 +84,10 @@ class VLLMServerEngine:
         eos_token_ids: Sequence[int],
         pad_token_id: int,
         launcher: Optional[ServerLauncher] = None,
+        busy: Optional[BusyClock] = None,
     ) -> None:
         self.config = config
+        self.busy = busy or BusyClock()  # counts the time a completions request is outstanding (`perf/engine_busy_s`)
         self.launcher = launcher  # `model.rollout.engine.launch`: rank 0 starts the server at `config.server_url`
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
@@ -180,7 +183,8 @@ class VLLMServerEngine:
             "stop_token_ids": self.eos_token_ids,
             "skip_special_tokens": False,
         }
-        answer = server.client.request("POST", "/v1/completions", body)
+        with self.busy.request():
+            answer = server.client.request("POST", "/v1/completions", body)
         try:
             choices = sorted(answer["choices"], key=lambda choice: choice["index"])
         except (KeyError, TypeError):
