@@ -161,8 +161,8 @@ def test_tool_calls_are_answered_and_failures_and_timeouts_are_observations():
 
 def test_environment_settings_are_checked_with_one_line_errors():
     assert environment_factory(None, None, None) == (None, (), None, False)
-    factory, names, schemas = environment_factory("tests.integration.envs.Countdown", {"turns": 2}, None)
-    assert names == ("bonus",) and factory().turns == 2 and schemas is None
+    factory, names, schemas, raw_turns = environment_factory("tests.integration.envs.Countdown", {"turns": 2}, None)
+    assert names == ("bonus",) and factory().turns == 2 and schemas is None and not raw_turns
     with pytest.raises(ConfigError, match="model.env.environment: environment 'no.such.Env'"):
         environment_factory("no.such.Env", None, None)
     with pytest.raises(ConfigError, match="model.env.environment tests.integration.envs.Countdown: .*unexpected"):
