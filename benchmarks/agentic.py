@@ -148,7 +148,13 @@ def one_run(mode: str, latency_s: float, steps: int, workdir: Path) -> dict:
     result = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"agentic.py: the {mode} run at {latency_s} s failed:\n{result.stderr[-3000:]}")
-    metrics = next((workdir / "runs" / name).glob("version_*/metrics.csv"))
+    return run_metrics(next((workdir / "runs" / name).glob("version_*/metrics.csv")))
+
+
+def run_metrics(metrics: Path) -> dict:
+    """A run's numbers from its CSVLogger file, each over the steps after the first (start-up): the median step and
+    generation seconds, and where logged the mean staleness (of rows, of tokens), the server's idle share and the
+    staleness histogram (`staleness_shares[s]`: the share of samples s steps stale)."""
     step_s, generation_s = per_step(metrics, "perf/step_s")[1:], per_step(metrics, "perf/generation_s")[1:]
     run = {"step_s": statistics.median(step_s), "generation_s": statistics.median(generation_s)}
     for key in ("staleness/mean", "staleness/token_mean"):  # asynchronous rows; token_mean in flight only

@@ -465,7 +465,8 @@ def markdown_table(results: list[dict]) -> str:
         "|---|---|" + ("---|---|" if variants else "") + "---|---|---|" + ("---|---|" if mfu else ""),
     ]
     for r in results:
-        variant = f"{r['workload']} | {r['setting']} | " if variants else ""
+        # A fixed-matched cell records no variant (`compare`): the default workload and setting.
+        variant = f"{r.get('workload', 'fixed')} | {r.get('setting', 'matched')} | " if variants else ""
         rates = f" {100 * r['lit_rl_mfu']:.2g}% | {100 * r['trl_mfu']:.2g}% |" if mfu else ""
         lines.append(
             f"| {r['algorithm']} | {r['model']} | {variant}{r['lit_rl_s_per_step']:.3f} | {r['trl_s_per_step']:.3f} "
@@ -491,7 +492,7 @@ def claims(results: list[dict]) -> list[str]:
     the tiny model's GRPO step, and how far single rounds of one configuration and library spread."""
     ratios = [r["ratio"] for r in results]
     if any("lit_rl_mfu" in r for r in results):
-        fastest = [r for r in results if r["setting"] in ("fastest", "compiled")]
+        fastest = [r for r in results if r.get("setting") in ("fastest", "compiled")]
         return [
             f"Ratio = lit-rl / TRL on fixed 32-token completions, {min(ratios):.2f} to {max(ratios):.2f}",
             *(f"{r['algorithm']} {r['setting']}: ratio {r['ratio']:.2f} (target 0.5)" for r in fastest),
@@ -529,8 +530,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algorithms", nargs="+", choices=["grpo", "dpo"], default=["grpo", "dpo"])
     parser.add_argument("--models", nargs="+", choices=["tiny", "20m"], default=["tiny", "20m"])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=None, help="20 (--quick: 6)")
+    parser.add_argument("--warmup", type=int, default=None, help="5 (--quick: 2)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
         "--workloads",
@@ -547,10 +548,13 @@ def main() -> None:
         help="matched: both fp32 without gradient checkpointing; defaults: each library's documented defaults; "
         "bf16: both under bf16 autocast; fastest: each at its fastest documented setting (the module docstring)",
     )
-    parser.add_argument("--quick", action="store_true", help="tiny model, 6 steps, 1 round")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 6 steps (2 warm-up), 1 round")
     args = parse_report_args(parser, markdown_table, claims)
     if args.quick:
-        args.models, args.steps, args.warmup, args.rounds = ["tiny"], 6, 2, 1
+        args.models, args.rounds = ["tiny"], 1
+    steps, warmup = (6, 2) if args.quick else (20, 5)  # unless given
+    args.steps = steps if args.steps is None else args.steps
+    args.warmup = warmup if args.warmup is None else args.warmup
     results = []
     peaks = matmul_peaks() if "fixed32" in args.workloads else {}  # before any run, on an idle machine
     with tempfile.TemporaryDirectory(prefix="lit-rl-vs-trl-") as tmp:

@@ -215,36 +215,39 @@ def test_train_mfu_quick_reports_each_precision_against_its_peak_and_profiles_fp
 
 
 @pytest.mark.slow
-def test_trl_comparison_quick_times_both_libraries_on_both_algorithms(tmp_path):
-    report, stdout = _quick_report("compare_trl", tmp_path)
+def test_trl_comparison_quick_times_both_libraries_on_both_algorithms_and_workloads(tmp_path):
+    """`--quick` on both workloads in one run (each library started once per algorithm and workload, as any run
+    starts them), two steps each, the first left out as warm-up: one measured step of each library, algorithm and
+    workload is what the assertions read (its time, and its phases against it)."""
+    out = tmp_path / "compare.json"
+    command = [sys.executable, str(REPO / "benchmarks" / "compare_trl.py"), "--quick", "--workloads", "fixed"]
+    command += ["variable", "--steps", "2", "--warmup", "1", "--out", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    report = json.loads(out.read_text())
     assert report["versions"]["trl"] and "--quick" in report["command"]
-    assert {(r["algorithm"], r["model"]) for r in report["results"]} == {("grpo", "tiny"), ("dpo", "tiny")}
-    for r in report["results"]:
+    results = report["results"]
+    assert [(r["algorithm"], r["model"], r.get("workload", "fixed")) for r in results] == [
+        ("grpo", "tiny", "fixed"),
+        ("dpo", "tiny", "fixed"),
+        ("grpo", "tiny", "variable"),
+        ("dpo", "tiny", "variable"),
+    ]
+    for r in results:
         assert r["lit_rl_s_per_step"] > 0 and r["trl_s_per_step"] > 0
         assert r["ratio"] == pytest.approx(r["lit_rl_s_per_step"] / r["trl_s_per_step"])
-    assert "| grpo | tiny |" in stdout
-
-
-@pytest.mark.slow
-def test_trl_comparison_runs_the_variable_length_workloads(tmp_path):
-    out = tmp_path / "variable.json"
-    command = [sys.executable, str(REPO / "benchmarks" / "compare_trl.py"), "--workloads", "variable"]
-    # Two steps, the first left out as warm-up: one measured step of each library and algorithm is what the
-    # assertions read (its time, and its phases against it).
-    command += ["--models", "tiny", "--steps", "2", "--warmup", "1", "--rounds", "1", "--out", str(out)]
-    subprocess.run(command, check=True, capture_output=True, timeout=600)
-    results = json.loads(out.read_text())["results"]
-    assert [(r["algorithm"], r["workload"], r["setting"]) for r in results] == [
-        ("grpo", "variable", "matched"),
-        ("dpo", "variable", "matched"),
-    ]
-    assert all(r["lit_rl_s_per_step"] > 0 and r["trl_s_per_step"] > 0 for r in results)
-    # Where lit-rl's step goes: GRPO samples and updates; DPO runs its reference and updates, and samples nothing.
-    grpo, dpo = (r["lit_rl_phases_s"] for r in results)
+    table = result.stdout
+    assert "| grpo | tiny | fixed | matched |" in table and "| dpo | tiny | variable | matched |" in table
+    assert _benchmark_module("compare_trl").claims(results)  # the --markdown path reads mixed rows too
+    # Where lit-rl's step goes on the variable-length workload: GRPO samples and updates; DPO runs its reference
+    # and updates, and samples nothing.
+    variable = [r for r in results if r.get("workload") == "variable"]
+    assert all(r["setting"] == "matched" for r in variable)
+    grpo, dpo = (r["lit_rl_phases_s"] for r in variable)
     assert grpo["generation_s"] > 0 and grpo["policy_update_s"] > 0 and grpo["ref_logprobs_s"] == 0
     assert dpo["generation_s"] == 0 and dpo["policy_update_s"] > 0 and dpo["ref_logprobs_s"] > 0
-    for result in results:
-        assert sum(result["lit_rl_phases_s"].values()) <= 1.5 * result["lit_rl_s_per_step"]
+    for result_row in variable:
+        assert sum(result_row["lit_rl_phases_s"].values()) <= 1.5 * result_row["lit_rl_s_per_step"]
 
 
 def test_the_variable_length_workloads_vary_in_length(tmp_path):
@@ -610,6 +613,39 @@ def test_long_completions_quick_reports_both_libraries_peak_rss_on_completions_w
         # No completion stopped before min_new_tokens in either library (the stops are sampled otherwise).
         assert 16 <= run["min_length"] <= run["max_length"] <= 48, run
         assert run["peak_rss_mib"] > 100 and len(run["step_times"]) == 2
+
+
+def test_the_agentic_benchmark_reads_the_servers_idle_share_and_the_staleness_histogram(tmp_path):
+    """`benchmarks/agentic.py` reads each run's CSV as Lightning writes it (perf/ and train/ on rows of their own),
+    leaves the first step out, and its table shows the server's idle share and the share of samples by staleness."""
+    agentic = _benchmark_module("agentic")
+    header = "step,perf/step_s,perf/generation_s,perf/engine_idle_share,train/staleness/mean,"
+    header += "train/staleness/share_0,train/staleness/share_1\n"
+    rows = [
+        "0,9.0,8.0,0.9,,,\n",
+        "0,,,,0.0,1.0,0.0\n",  # the first step: start-up, left out
+        "1,2.0,1.0,0.25,,,\n",
+        "1,,,,1.0,0.0,1.0\n",
+        "2,4.0,1.0,0.75,,,\n",
+        "2,,,,0.5,0.5,0.5\n",
+    ]
+    csv = tmp_path / "metrics.csv"
+    csv.write_text(header + "".join(rows))
+    run = agentic.run_metrics(csv)
+    assert run == {
+        "step_s": 3.0,
+        "generation_s": 1.0,
+        "staleness_mean": 0.75,
+        "engine_idle_share": 0.5,
+        "staleness_shares": [0.25, 0.75],
+    }
+    row = agentic.summarise("asynchronous k=1", 0.1, [run])
+    lock_step = {**row, "mode": "lock-step, one call at a time", "engine": "HF generate", "step_s": 12.0}
+    for key in ("engine_idle_share", "staleness_shares"):  # HF rows log neither
+        lock_step.pop(key)
+    lines = agentic.markdown_table([lock_step, row]).splitlines()
+    assert lines[2].startswith("| 100 ms | HF generate | lock-step, one call at a time | 12.00 | 33% |  |  | ")
+    assert lines[3] == "| 100 ms | vLLM server | asynchronous k=1 | 3.00 | 33% | 50% | 25% / 75% | 21.3 | 4.0x |"
 
 
 def test_scaling_model_adds_the_phases_shares_cores_and_overlaps_generation_when_stale():
