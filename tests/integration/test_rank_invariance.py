@@ -131,22 +131,40 @@ def test_grpo_steps_are_the_same_in_every_layout(grpo_layout, aggregation):
         assert_rows_match(rows, reference, rel=1e-5, abs=1e-6)
 
 
+# max_staleness 1 on each rank's background engine: the probe replaces the engine (no server is contacted) with one
+# that samples from a snapshot of the weights of the version it is given.
+ASYNC_SNAPSHOT = [
+    "--model.rollout.engine",
+    "VLLMServer",  # accepted for max_staleness > 0
+    "--model.rollout.max_staleness",
+    "1",
+    "--trainer.callbacks+",
+    "tests.integration.probes.UseSnapshotEngine",
+]
+
+
 def test_grpo_steps_with_asynchronous_rollouts_are_the_same_in_every_layout(tmp_path):
     """max_staleness 1: generation g is sampled on each rank's background engine with the weights of step g - 1
     while step g - 1 trains; the old log-probs are then the current policy's and `token_truncate` weighs them
     against the engine's. Seeds, staleness, corrections and denominators must not depend on the layout."""
-    snapshot = [
-        "--model.rollout.engine",
-        "VLLMServer",  # accepted for max_staleness > 0; the probe replaces the engine, no server is contacted
-        "--model.rollout.max_staleness",
-        "1",
-        "--trainer.callbacks+",
-        "tests.integration.probes.UseSnapshotEngine",
-    ]
-    runs = {layout: _grpo(tmp_path, "token", *layout, *snapshot, tag="_async") for layout in LAYOUTS}
+    runs = {layout: _grpo(tmp_path, "token", *layout, *ASYNC_SNAPSHOT, tag="_async") for layout in LAYOUTS}
     reference, _ = runs[(1, 4)]
     assert [row["train/staleness/max"] for row in reference] == [0.0, 1.0, 1.0]
     assert reference[-1]["train/kl"] > 0
+    for layout, (rows, _) in runs.items():
+        assert [row["step"] for row in rows] == [1, 2, 3], layout
+        assert_rows_match(rows, reference, rel=1e-5, abs=1e-6)
+
+
+def test_dynamic_sampling_with_asynchronous_rollouts_is_the_same_on_one_and_two_processes(tmp_path):
+    """GRPO's dynamic sampling with max_staleness 1: a generation sampled ahead is judged when it is taken, on every
+    rank together, and the refills are sampled then by the step's weights. Which groups are kept, how many refill
+    generations a step takes, their seeds, the staleness of each row and the denominators must not depend on the
+    layout."""
+    extra = [*ASYNC_SNAPSHOT, "--model.rollout.dynamic_sampling", "true", "--model.rollout.max_refill_generations", "3"]
+    runs = {layout: _grpo(tmp_path, "token", *layout, *extra, tag="_async_refill") for layout in LAYOUTS[:2]}
+    reference, _ = runs[(1, 4)]
+    assert any(row["train/refill_generations"] > 0 for row in reference), reference  # refills were sampled
     for layout, (rows, _) in runs.items():
         assert [row["step"] for row in rows] == [1, 2, 3], layout
         assert_rows_match(rows, reference, rel=1e-5, abs=1e-6)
