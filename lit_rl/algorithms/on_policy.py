@@ -33,7 +33,14 @@ from lit_rl.algorithms.rollout_checks import check_prompt_lengths
 from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, RolloutArgs, SamplingArgs, ScheduleArgs, as_args
 from lit_rl.data.schedule import RolloutSchedule
 from lit_rl.envs import environment_factory
-from lit_rl.envs.chat_tools import RESPONSE_TEMPLATE, TemplateCalls, template_tool_support
+from lit_rl.envs.chat_tools import (
+    OTHER,
+    RESPONSE_TEMPLATE,
+    TRLS_RESPONSE_TEMPLATE,
+    TemplateCalls,
+    adopt_trls_response_template,
+    template_tool_support,
+)
 from lit_rl.envs.runner import EnvironmentRunner
 from lit_rl.errors import ConfigError
 from lit_rl.losses import LossNormalizer, rollout_is_weights
@@ -127,6 +134,9 @@ class OnPolicyModule(PolicyModule):
         self.prompt_tools: Optional[list[dict]] = None  # the schemas every prompt is rendered with (chat-format tools)
         if env.enabled:
             support = template_tool_support(self.tokenizer)
+            trls = support == OTHER and env.tool_format != "tags" and adopt_trls_response_template(self.tokenizer)
+            if trls:  # a format lit-rl does not read, a template TRL knows: read as TRL's GRPOTrainer reads it
+                support = RESPONSE_TEMPLATE
             spec = environment_factory(
                 env.environment,
                 env.environment_args,
@@ -136,6 +146,8 @@ class OnPolicyModule(PolicyModule):
                 TemplateCalls.of(self.tokenizer) if support == RESPONSE_TEMPLATE else None,
             )
             self.prompt_tools = spec.tool_schemas
+            if trls and spec.raw_turns:
+                say(TRLS_RESPONSE_TEMPLATE)
             episode_args = dict(
                 env_factory=spec.factory,
                 env_reward_names=spec.reward_names,

@@ -7,10 +7,10 @@
   (`parse_tool_calls`): Qwen's and Hermes' `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one or more
   in a turn; or Llama 3.x's bare JSON, the turn itself being `{"name": ..., "parameters": {...}}` (after
   `<|python_tag|>` if the model wrote one), one call a turn as its template allows. Any other format is read by
-  transformers' `parse_response` where the tokenizer has a `response_template` (`TemplateCalls`; TRL's
-  `add_response_schema` sets one for Qwen3.5-3.8's XML calls, gpt-oss, GLM, Nemotron, LFM2, Gemma 4), on the turn
-  decoded with its special tokens, as the template's markup needs. Which one is found from the tokenizer
-  (`template_tool_support`). A turn without a call ends the episode.
+  transformers' `parse_response` where the tokenizer has a `response_template` (`TemplateCalls`), its own or, as
+  TRL's trainer gives it, TRL's for its chat template (`adopt_trls_response_template`: Qwen3.5-3.8's XML calls,
+  gpt-oss, GLM, Nemotron, LFM2, Gemma 4), on the turn decoded with its special tokens, as the template's markup
+  needs. Which one is found from the tokenizer (`template_tool_support`). A turn without a call ends the episode.
 - **The results** go back as `tool` messages (`{"role": "tool", "name": ..., "content": ...}`), one per call, which
   `ChatRenderer` renders through the same template and appends token-in, token-out: only the new messages' tokens
   are appended to the episode's ids, the history is never re-tokenised.
@@ -116,6 +116,24 @@ def _own_call_format(tokenizer: Any) -> str:
     return LLAMA3 if re.search(r'\{"name": "lit_rl_probe", "parameters": \{', text) else OTHER
 
 
+def adopt_trls_response_template(tokenizer: Any) -> bool:
+    """Give `tokenizer` TRL's response template for its chat template, as TRL's `GRPOTrainer` does for a tokenizer
+    without one (`trl.chat_template_utils.add_response_schema`: Qwen3.5-3.8, gpt-oss, GLM-4 MoE, Nemotron 3, LFM2,
+    Gemma 4, matched exactly as released); whether it did. False, changing nothing, when the tokenizer has a
+    template already, TRL is not installed (it is no dependency of lit-rl) or TRL does not know the chat template."""
+    if getattr(tokenizer, "response_template", None) is not None:
+        return False
+    try:
+        from trl.chat_template_utils import add_response_schema
+    except ImportError:
+        return False
+    try:
+        add_response_schema(tokenizer)
+    except ValueError:  # "Unrecognized chat template": nothing was set
+        return False
+    return _reads_tool_calls(getattr(tokenizer, "response_template", None))
+
+
 def _reads_tool_calls(response_template: Any) -> bool:
     """Whether a tokenizer's `response_template` has a `tool_calls` field (one for reasoning alone does not)."""
     return isinstance(response_template, dict) and "tool_calls" in (response_template.get("fields") or {})
@@ -196,11 +214,17 @@ def uses_chat_tools(tool_format: str, support: str) -> bool:
     raise ConfigError(f"model.env.tools: {UNREAD_CALLS}; or set model.env.tool_format tags for lit-rl's tags")
 
 
+# Said once when the run reads the model's calls with TRL's response template (`adopt_trls_response_template`).
+TRLS_RESPONSE_TEMPLATE = (
+    "model.env: the chat template writes tool calls in a format lit-rl does not read by itself; they are read "
+    "with TRL's response template for it (trl.chat_template_utils.add_response_schema), as TRL's GRPOTrainer reads them"
+)
+
 # Why a template whose calls lit-rl cannot read is refused, and the way out.
 UNREAD_CALLS = (
     "the tokenizer's chat template writes tool calls in a format lit-rl does not read by itself (it reads Qwen's and "
     "Hermes' <tool_call>{json}</tool_call> and Llama 3.x's bare JSON) and the tokenizer has no response_template to "
-    "read them with; give it one (TRL's add_response_schema(tokenizer) sets one for its known templates; then "
+    "read them with, nor is it one TRL knows; give it one (tokenizer.response_template, then "
     "tokenizer.save_pretrained)"
 )
 

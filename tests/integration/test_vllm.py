@@ -537,7 +537,7 @@ def test_episodes_in_flight_stopped_or_killed_resume_with_every_prompt_trained_o
     after its step-2 checkpoint resumes by `--ckpt_path last`. Counted per step and prompt across both processes
     (the steps the checkpoint holds from the first, the rest from the second), what was trained is exactly what an
     uninterrupted run trained: no prompt lost, none trained twice (the episodes in flight at the checkpoint are
-    kept whole, so none restarts shorter)."""
+    kept whole, so none restarts shorter). In flight on two trainer processes, the same."""
     (tmp_path / "accounting.py").write_text(ACCOUNTING)
     env = {**_vllm_env(), "PYTHONPATH": python_path(tmp_path)}
     episodes = [
@@ -594,6 +594,16 @@ def test_episodes_in_flight_stopped_or_killed_resume_with_every_prompt_trained_o
     assert "(step 2)" in resumed.stderr  # the checkpoint before the kill
     trained = _trained(tmp_path / "killed.log", range(2)) + _trained(tmp_path / "killed_resumed.log", range(2, 4))
     assert sorted(trained) == expected
+
+    # In flight on two processes: rank 0 runs every rank's episodes against the server, taking each version staged
+    # between their turns; every rank trains its share of each step, and the same prompts are trained, once each.
+    ddp = ("--config", str(CONFIGS / "strategy" / "ddp.yaml"), "--model.schedule.micro_batch_size", "4")
+    two = run(command("two", *in_flight, *ddp), tmp_path / "two.log")
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert _trained(tmp_path / "two.log", range(4)) == expected
+    rows = train_rows(tmp_path / "two" / "run" / "version_0")
+    assert [row["step"] for row in rows] == [1, 2, 3, 4] and max(row["train/staleness/max"] for row in rows) == 1
+    assert all(row["train/staleness/token_mean"] <= row["train/staleness/mean"] for row in rows), rows
 
 
 def test_the_server_engine_uploads_weights_to_a_receiver_beside_the_server(tmp_path, vllm_server):
