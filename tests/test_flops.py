@@ -103,6 +103,13 @@ def test_a_gpu_missing_from_the_table_and_a_cpu_are_measured():
     run.add(2.0, 3e12)
     assert run.tflops() == 1.0 and run.mfu() == 0.5
     assert run.summary() == "2 s/step, 1 TFLOP/s, MFU 50% (of test peak 1 TFLOP/s x 2 devices)"
+    # A launched server's 23 s in the first step: left out of the speed, and said.
+    launched = RunThroughput(peak=Peak(1e12, "test"))
+    launched.add(25.0, 1e12, engine_start_s=23.0)
+    launched.add(2.0, 3e12, engine_start_s=0.0)
+    assert launched.summary() == (
+        "2 s/step, 1 TFLOP/s, MFU 100% (of test peak 1 TFLOP/s); the engine's start (23 s) left out"
+    )
 
 
 def test_a_run_logs_tflops_and_mfu_every_step_and_the_summary_says_them(tmp_path):

@@ -484,7 +484,7 @@ class PolicyModule(L.LightningModule):
         timings = dict(zip(timings, slowest))
         if "perf/engine_busy_s" in timings and timings["perf/step_s"] > 0:  # the share of the step it waited
             timings["perf/engine_idle_share"] = max(0.0, 1.0 - timings["perf/engine_busy_s"] / timings["perf/step_s"])
-        self.throughput.add(timings["perf/step_s"], flops)
+        self.throughput.add(timings["perf/step_s"], flops, timings.get("perf/engine_start_s", 0.0))
         timings["perf/tflops"], mfu = self.throughput.rates(timings["perf/step_s"], flops)
         if mfu is not None:
             timings["perf/mfu"] = mfu

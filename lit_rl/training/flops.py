@@ -248,16 +248,21 @@ def precision_advice(device: torch.device, dtype: torch.dtype) -> Optional[str]:
 @dataclass
 class RunThroughput:
     """The run's totals for the end-of-run summary: optimizer steps, their seconds (the slowest rank's) and model
-    FLOPs (all ranks'), and the peak they are measured against."""
+    FLOPs (all ranks'), and the peak they are measured against. The engine's start (`perf/engine_start_s`: a vLLM
+    server launched and waited for, once) is kept apart: it is no part of the run's speed."""
 
     steps: int = 0
     seconds: float = 0.0
     flops: float = 0.0
     peak: Optional[Peak] = None
     devices: int = 1
+    engine_start_s: float = 0.0
 
-    def add(self, seconds: float, flops: float) -> None:
-        self.steps, self.seconds, self.flops = self.steps + 1, self.seconds + seconds, self.flops + flops
+    def add(self, seconds: float, flops: float, engine_start_s: float = 0.0) -> None:
+        """One step of `seconds`, of which `engine_start_s` started the engine (left out of the speed)."""
+        self.steps, self.flops = self.steps + 1, self.flops + flops
+        self.seconds += max(seconds - engine_start_s, 0.0)
+        self.engine_start_s += engine_start_s
 
     def rates(self, seconds: float, flops: float) -> tuple[float, Optional[float]]:
         """TFLOP/s of `flops` model FLOPs in `seconds`, and that rate's share of the devices' peak (None without
@@ -280,4 +285,6 @@ class RunThroughput:
         if mfu is not None and self.peak is not None:
             devices = f" x {self.devices} devices" if self.devices > 1 else ""
             line += f", MFU {100 * mfu:.3g}% (of {self.peak.source} peak {self.peak.flops / 1e12:.3g} TFLOP/s{devices})"
+        if self.engine_start_s >= 0.05:  # a launched server's wait: said, not averaged into the steps
+            line += f"; the engine's start ({self.engine_start_s:.3g} s) left out"
         return line

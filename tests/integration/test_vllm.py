@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -293,9 +294,10 @@ def _launched_fit(tmp_path: Path, name: str, ctrl_c_when_ready: bool = False):
     overlay = write_overlay(tmp_path / f"{name}.yaml", every_n_train_steps=2, save_dir=tmp_path / name)
     command = [*CLI_COMMAND, "fit", "--config", str(CONFIGS / "grpo.yaml"), "--config", str(overlay), *SERVER]
     command += [*FAST_GRPO, "--trainer.max_steps", "4", "--model.optim.learning_rate", "1e-3", *LAUNCH]
-    process = subprocess.Popen(
-        command, cwd=tmp_path, env=_vllm_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
+    with open(tmp_path / f"{name}.stdout", "w") as stdout:  # the end-of-run summary, read by the test
+        process = subprocess.Popen(
+            command, cwd=tmp_path, env=_vllm_env(), stdout=stdout, stderr=subprocess.PIPE, text=True
+        )
     lines, started = [], []
     for line in process.stderr:
         lines.append(line)
@@ -324,6 +326,9 @@ def test_one_command_launches_the_server_and_leaves_no_process_behind_at_the_end
     # Failed to load weights`, harmless: docs/rollouts.md) is kept out of the log of a server lit-rl started
     # (`lit_rl.console`).
     assert server_log.count('"POST /collective_rpc') >= 4 and "Failed to load weights" not in server_log
+    # The server's start (in the first step) is left out of the run's speed, and said.
+    (speed,) = [line for line in (tmp_path / "launched.stdout").read_text().splitlines() if line.startswith("  speed ")]
+    assert re.search(r"; the engine's start \([\d.]+ s\) left out$", speed), speed
     assert started and not psutil.wait_procs(started, timeout=10)[1]
     _check_run(log_dir)
     assert_rows_match(
