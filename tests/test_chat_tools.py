@@ -157,7 +157,9 @@ def test_a_tokenizers_response_template_reads_calls_in_formats_lit_rl_does_not_r
     plain = qwen_chat_tokenizer()
     plain.chat_template = _trl_template("qwen3_5_nothink")
     assert template_tool_support(plain) == "other"  # its <tool_call> holds XML, not Qwen2.5's JSON
-    with pytest.raises(ConfigError, match=r"has no response_template to read them with, nor is it one TRL knows"):
+    with pytest.raises(
+        ConfigError, match=r"has no response_template to read them with; .*or install trl, whose add_response_schema"
+    ):
         uses_chat_tools("auto", "other")
     tokenizer = _with_response_template(qwen_chat_tokenizer(), "qwen3_5_nothink")
     assert template_tool_support(tokenizer) == "response_template" and uses_chat_tools("auto", "response_template")
@@ -223,10 +225,11 @@ def test_a_response_templates_special_token_markup_reaches_the_environment():
 
 def test_grpo_reads_a_template_trl_knows_with_trls_response_template_as_trls_trainer_does(tmp_path, capfd):
     """A Qwen3.5-format model whose tokenizer has no `response_template` (`tool_format: auto`): as TRL's
-    `GRPOTrainer` does, the run gives it TRL's for its chat template and says so once; the prompts hold the schemas
-    as its template writes them, and the episodes read its calls with transformers' parser. A template TRL does not
-    know gets nothing, and a response template saved with a tokenizer is loaded with it."""
-    from lit_rl.envs.chat_tools import adopt_trls_response_template
+    `GRPOTrainer` does, the run reads its calls with TRL's response template for its chat template and says so
+    once, leaving the tokenizer (and so the exported one) as it was; the prompts hold the schemas as its template
+    writes them. A template TRL does not know gets none; a tokenizer's own response template, saved with it, is
+    loaded and used as it is."""
+    from lit_rl.envs.chat_tools import trls_response_template
     from lit_rl.errors import DataError
     from lit_rl.modeling.models import load_tokenizer
     from tests.conftest import fit_grpo
@@ -246,18 +249,20 @@ def test_grpo_reads_a_template_trl_knows_with_trls_response_template_as_trls_tra
     capfd.readouterr()
     model = fit_grpo(model_name_or_path=str(path), tools=tools, max_turns=2)
     assert capfd.readouterr().err.count("they are read with TRL's response template for it") == 1
-    assert model.tokenizer.response_template["fields"]["tool_calls"]
+    assert getattr(model.tokenizer, "response_template", None) is None  # the tokenizer is left as it was
     env = model.producer.env_factory()
     assert type(env).__name__ == "ChatToolEnvironment" and env.call_format == "response_template"
+    assert env.template_calls.template.fields["tool_calls"].content == "xml-inline"  # TRL's, for Qwen3.5's XML
     assert model.producer.raw_turns
     prompt = model.tokenizer.decode(model._buffer.prompt_ids[0], skip_special_tokens=False)
     assert "<function=example_function_name>" in prompt and '"name": "add_numbers"' in prompt
     assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     unknown = qwen_chat_tokenizer()
     unknown.chat_template = qwen35.replace("<tool_call>", "<call>")  # no longer the template as released
-    assert not adopt_trls_response_template(unknown) and getattr(unknown, "response_template", None) is None
-    model.tokenizer.save_pretrained(tmp_path / "saved")
-    assert load_tokenizer(str(tmp_path / "saved")).response_template == model.tokenizer.response_template
+    assert trls_response_template(unknown) is None
+    _with_response_template(model.tokenizer, "qwen3_5_nothink").save_pretrained(tmp_path / "own")
+    own = load_tokenizer(str(tmp_path / "own"))
+    assert own.response_template["fields"]["tool_calls"] and template_tool_support(own) == "response_template"
 
 
 @pytest.mark.parametrize("template", ["llama3_1", "llama3_2"])

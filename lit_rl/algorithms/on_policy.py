@@ -38,8 +38,8 @@ from lit_rl.envs.chat_tools import (
     RESPONSE_TEMPLATE,
     TRLS_RESPONSE_TEMPLATE,
     TemplateCalls,
-    adopt_trls_response_template,
     template_tool_support,
+    trls_response_template,
 )
 from lit_rl.envs.runner import EnvironmentRunner
 from lit_rl.errors import ConfigError
@@ -134,8 +134,9 @@ class OnPolicyModule(PolicyModule):
         self.prompt_tools: Optional[list[dict]] = None  # the schemas every prompt is rendered with (chat-format tools)
         if env.enabled:
             support = template_tool_support(self.tokenizer)
-            trls = support == OTHER and env.tool_format != "tags" and adopt_trls_response_template(self.tokenizer)
-            if trls:  # a format lit-rl does not read, a template TRL knows: read as TRL's GRPOTrainer reads it
+            # A format lit-rl does not read, a template TRL knows: read as TRL's GRPOTrainer reads it.
+            trls = trls_response_template(self.tokenizer) if support == OTHER and env.tool_format != "tags" else None
+            if trls is not None:
                 support = RESPONSE_TEMPLATE
             spec = environment_factory(
                 env.environment,
@@ -143,10 +144,10 @@ class OnPolicyModule(PolicyModule):
                 env.tools,
                 env.tool_format,
                 support,
-                TemplateCalls.of(self.tokenizer) if support == RESPONSE_TEMPLATE else None,
+                TemplateCalls.of(self.tokenizer, trls) if support == RESPONSE_TEMPLATE else None,
             )
             self.prompt_tools = spec.tool_schemas
-            if trls and spec.raw_turns:
+            if trls is not None and spec.raw_turns:
                 say(TRLS_RESPONSE_TEMPLATE)
             episode_args = dict(
                 env_factory=spec.factory,

@@ -8,7 +8,7 @@
   in a turn; or Llama 3.x's bare JSON, the turn itself being `{"name": ..., "parameters": {...}}` (after
   `<|python_tag|>` if the model wrote one), one call a turn as its template allows. Any other format is read by
   transformers' `parse_response` where the tokenizer has a `response_template` (`TemplateCalls`), its own or, as
-  TRL's trainer gives it, TRL's for its chat template (`adopt_trls_response_template`: Qwen3.5-3.8's XML calls,
+  TRL's trainer gives it, TRL's for its chat template (`trls_response_template`: Qwen3.5-3.8's XML calls,
   gpt-oss, GLM, Nemotron, LFM2, Gemma 4), on the turn decoded with its special tokens, as the template's markup
   needs. Which one is found from the tokenizer (`template_tool_support`). A turn without a call ends the episode.
 - **The results** go back as `tool` messages (`{"role": "tool", "name": ..., "content": ...}`), one per call, which
@@ -30,6 +30,7 @@ import inspect
 import json
 import re
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 from lit_rl.envs import runner
@@ -116,22 +117,22 @@ def _own_call_format(tokenizer: Any) -> str:
     return LLAMA3 if re.search(r'\{"name": "lit_rl_probe", "parameters": \{', text) else OTHER
 
 
-def adopt_trls_response_template(tokenizer: Any) -> bool:
-    """Give `tokenizer` TRL's response template for its chat template, as TRL's `GRPOTrainer` does for a tokenizer
+def trls_response_template(tokenizer: Any) -> Optional[dict[str, Any]]:
+    """TRL's response template for the tokenizer's chat template, the one TRL's `GRPOTrainer` gives a tokenizer
     without one (`trl.chat_template_utils.add_response_schema`: Qwen3.5-3.8, gpt-oss, GLM-4 MoE, Nemotron 3, LFM2,
-    Gemma 4, matched exactly as released); whether it did. False, changing nothing, when the tokenizer has a
-    template already, TRL is not installed (it is no dependency of lit-rl) or TRL does not know the chat template."""
-    if getattr(tokenizer, "response_template", None) is not None:
-        return False
+    Gemma 4, matched exactly as released); None when TRL is not installed (it is no dependency of lit-rl) or does
+    not know the template. The tokenizer is not changed: TRL writes on a stand-in holding only its chat template."""
     try:
         from trl.chat_template_utils import add_response_schema
-    except ImportError:
-        return False
+    except Exception:  # not installed, or an install that does not import: TRL is optional
+        return None
+    stand_in = SimpleNamespace(chat_template=getattr(tokenizer, "chat_template", None))
     try:
-        add_response_schema(tokenizer)
-    except ValueError:  # "Unrecognized chat template": nothing was set
-        return False
-    return _reads_tool_calls(getattr(tokenizer, "response_template", None))
+        add_response_schema(stand_in)
+    except ValueError:  # "Unrecognized chat template"
+        return None
+    template = getattr(stand_in, "response_template", None)
+    return template if _reads_tool_calls(template) else None
 
 
 def _reads_tool_calls(response_template: Any) -> bool:
@@ -154,21 +155,23 @@ class TemplateCalls:
     prefix: str
 
     @classmethod
-    def of(cls, tokenizer: Any) -> Optional["TemplateCalls"]:
-        """The tokenizer's, or None when it has no `response_template` that reads tool calls; a one-line
-        `ConfigError` when transformers cannot compile it (before any rollout, not as an error at every turn)."""
+    def of(cls, tokenizer: Any, template: Optional[dict[str, Any]] = None) -> Optional["TemplateCalls"]:
+        """The reader of `template` (TRL's, `trls_response_template`), else of the tokenizer's own response template;
+        None when that reads no tool calls; a one-line `ConfigError` when transformers cannot compile it (before any
+        rollout, not as an error at every turn)."""
         from transformers.utils.chat_parsing.response_templates import load_response_template
 
-        template = getattr(tokenizer, "response_template", None)
+        source = "TRL's response template for the chat template"
+        if template is None:
+            template = getattr(tokenizer, "response_template", None)
+            source = "the tokenizer's response_template (tokenizer_config.json)"
         if not _reads_tool_calls(template):
             return None
         try:
             compiled = load_response_template(template)
         except (ValueError, TypeError, KeyError) as err:
             message = " ".join(str(err).split())
-            raise ConfigError(
-                f"the tokenizer's response_template (tokenizer_config.json) cannot read tool calls: {message}"
-            ) from None
+            raise ConfigError(f"{source} cannot read tool calls: {message}") from None
         question = [{"role": "user", "content": _STAND_IN_QUESTION}]
         prefix = tokenizer.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
         return cls(compiled, prefix)
@@ -214,7 +217,7 @@ def uses_chat_tools(tool_format: str, support: str) -> bool:
     raise ConfigError(f"model.env.tools: {UNREAD_CALLS}; or set model.env.tool_format tags for lit-rl's tags")
 
 
-# Said once when the run reads the model's calls with TRL's response template (`adopt_trls_response_template`).
+# Said once when the run reads the model's calls with TRL's response template (`trls_response_template`).
 TRLS_RESPONSE_TEMPLATE = (
     "model.env: the chat template writes tool calls in a format lit-rl does not read by itself; they are read "
     "with TRL's response template for it (trl.chat_template_utils.add_response_schema), as TRL's GRPOTrainer reads them"
@@ -224,8 +227,8 @@ TRLS_RESPONSE_TEMPLATE = (
 UNREAD_CALLS = (
     "the tokenizer's chat template writes tool calls in a format lit-rl does not read by itself (it reads Qwen's and "
     "Hermes' <tool_call>{json}</tool_call> and Llama 3.x's bare JSON) and the tokenizer has no response_template to "
-    "read them with, nor is it one TRL knows; give it one (tokenizer.response_template, then "
-    "tokenizer.save_pretrained)"
+    "read them with; give it one (tokenizer.response_template, then tokenizer.save_pretrained), or install trl, "
+    "whose add_response_schema knows Qwen3.5-3.8, gpt-oss, GLM-4 MoE, Nemotron 3, LFM2 and Gemma 4 as released"
 )
 
 
