@@ -133,10 +133,10 @@ def fit_command(mode: str, latency_s: float, steps: int, workdir: Path, name: st
     ]
 
 
-def per_step(metrics_csv: Path, key: str) -> list[float]:
-    """The values of `key` in a CSVLogger file, one per step that logged it, in order."""
-    with open(metrics_csv) as handle:
-        return [float(row[key]) for row in csv.DictReader(handle) if row.get(key)]
+def after_first_step(rows: list[dict[str, str]], key: str) -> list[float]:
+    """The values of `key` in a CSVLogger file's rows, one per step that logged it, in order, the first step's
+    (start-up) left out."""
+    return [float(row[key]) for row in rows if row.get(key)][1:]
 
 
 def one_run(mode: str, latency_s: float, steps: int, workdir: Path) -> dict:
@@ -155,17 +155,19 @@ def run_metrics(metrics: Path) -> dict:
     """A run's numbers from its CSVLogger file, each over the steps after the first (start-up): the median step and
     generation seconds, and where logged the mean staleness (of rows, of tokens), the server's idle share and the
     staleness histogram (`staleness_shares[s]`: the share of samples s steps stale)."""
-    step_s, generation_s = per_step(metrics, "perf/step_s")[1:], per_step(metrics, "perf/generation_s")[1:]
+    with open(metrics) as handle:
+        rows = list(csv.DictReader(handle))  # read once: every value below comes from these rows
+    step_s, generation_s = after_first_step(rows, "perf/step_s"), after_first_step(rows, "perf/generation_s")
     run = {"step_s": statistics.median(step_s), "generation_s": statistics.median(generation_s)}
     for key in ("staleness/mean", "staleness/token_mean"):  # asynchronous rows; token_mean in flight only
-        values = per_step(metrics, f"train/{key}")[1:]
+        values = after_first_step(rows, f"train/{key}")
         if values:
             run[key.replace("/", "_")] = statistics.mean(values)
-    idle = per_step(metrics, "perf/engine_idle_share")[1:]  # the server engine's rows: it counts its requests
+    idle = after_first_step(rows, "perf/engine_idle_share")  # the server engine's rows: it counts its requests
     if idle:
         run["engine_idle_share"] = statistics.mean(idle)
     shares = []  # the staleness histogram, asynchronous rows: the share of samples s steps stale, s = 0, 1, ...
-    while values := per_step(metrics, f"train/staleness/share_{len(shares)}")[1:]:
+    while values := after_first_step(rows, f"train/staleness/share_{len(shares)}"):
         shares.append(statistics.mean(values))
     if shares:
         run["staleness_shares"] = shares
