@@ -243,7 +243,8 @@ class EnvArgs:
             alone they run in the built-in `ToolEnvironment` or `ChatToolEnvironment` (`tool_format`).
         tool_format: how the model calls tools. `chat`: in its chat template's format (`lit_rl.envs.chat_tools`:
             the tools' schemas go into the prompt through the template, calls are `<tool_call>{json}</tool_call>`
-            (Qwen, Hermes) or Llama 3.x's bare JSON, results come back as `tool` messages); `tags`: the built-in
+            (Qwen, Hermes), Llama 3.x's bare JSON, a pythonic list `[f(x=1)]` or what the tokenizer's response
+            template reads, results come back as `tool` messages); `tags`: the built-in
             `<name>argument</name>` answered `<result>value</result>` (the tiny model's); `auto`: `chat` when the
             tokenizer's chat template renders tools, else `tags`.
         max_turns: the most model turns of an episode.

@@ -82,6 +82,8 @@ def test_the_chat_format_is_chosen_when_the_template_writes_calls_lit_rl_reads(t
     supports = [template_tool_support(t) for t in (tokenizer, tiny, llama, phi, gemma)]
     assert supports == ["hermes", "none", "llama3", "none", "other"]
     assert template_tool_support(llama_chat_tokenizer(template="llama3_2")) == "llama3"
+    assert template_tool_support(llama_chat_tokenizer(template="llama3_2_pythonic")) == "pythonic"
+    assert uses_chat_tools("auto", "pythonic")
     assert uses_chat_tools("auto", "hermes") and not uses_chat_tools("auto", "none")
     assert uses_chat_tools("auto", "llama3") and not uses_chat_tools("tags", "llama3")
     assert not uses_chat_tools("tags", "hermes") and not uses_chat_tools("tags", "other")
@@ -131,6 +133,99 @@ def test_llama_calls_are_the_turns_json_and_an_answer_is_no_call():
     assert parse_tool_calls('{"parameters": {}}', "llama3")[0].error == 'the tool call has no "name"'
     (listed,) = parse_tool_calls('{"name": "f", "parameters": [1]}', "llama3")
     assert listed.error == '"parameters" is not a JSON object'
+
+
+def test_pythonic_calls_are_a_python_list_of_literals_and_nothing_the_model_writes_runs():
+    """vLLM's pythonic templates (Llama 3.2, Llama 4) ask for `[name(key=value, ...)]`: every call of the list is
+    read, its values as literals (JSON's true/false/null too); prose or a list of values is an answer; a call list
+    that cannot be read, positional arguments, variables, expressions and names that are not names are errors the
+    model sees, and none of it is evaluated."""
+
+    def read(text):
+        return [(c.name, c.arguments, c.error) for c in parse_tool_calls(text, "pythonic")]
+
+    assert read('[add_numbers(a=2, b=3), lookup(key="x y", flags=[true, null], opts={"k": false})]') == [
+        ("add_numbers", {"a": 2, "b": 3}, None),
+        ("lookup", {"key": "x y", "flags": [True, None], "opts": {"k": False}}, None),
+    ]
+    assert read("<|python_start|>[add_numbers(a=-1, b=2.5)]<|python_end|>") == [
+        ("add_numbers", {"a": -1, "b": 2.5}, None)
+    ]
+    assert read("[tools.search(query='q')]") == [("tools.search", {"query": "q"}, None)]
+    for answer in ("The answer is 5.", "[1, 2, 3]", "[]", "[unclosed prose"):
+        assert read(answer) == [], answer
+    ((name, _, error),) = read("[add_numbers(a=2, b=3")
+    assert name is None and error.startswith("the tool calls are not a Python list of calls ('(' was never closed")
+    assert read("[add_numbers(2, 3)]")[0][2] == "pass every argument by name, name(argument=value)"
+    assert read("[add_numbers(**kw)]")[0][2] == "pass every argument by name, name(argument=value)"
+    not_literal = "argument 'a' is not a literal value (write it out, no variables)"
+    for value in ("x", "1+2", "open('/etc/passwd')", "__import__('os').getcwd()"):
+        assert read(f"[add_numbers(a={value}, b=1)]") == [("add_numbers", {}, not_literal)], value
+    ((name, _, error),) = read("[__import__('os').system(command='ls')]")
+    assert name is None and error == "the tool call's name is not a name (__import__('os').system)"
+    assert read("[add_numbers(a=1, b=2), 3]")[1][2] == "every element of the call list must be a call, " + (
+        "name(argument=value)"
+    )
+    assert read("[" * 200 + "f(") != [("f", {}, None)]  # deep nesting is refused, not a crash
+
+
+def test_a_pythonic_episode_trains_the_sampled_calls_and_the_rendered_results_token_in_token_out():
+    """Llama 3.2's pythonic format (`tests.llama_chat.LLAMA3_2_PYTHONIC`): a turn of two calls, their results in
+    `ipython` turns, then the answer. The transcript is the prompt, the sampled ids and the rendered results, and
+    decodes to exactly the template's rendering of the whole conversation; the second turn was sampled from it."""
+    tokenizer = llama_chat_tokenizer(template="llama3_2_pythonic")
+    schemas = [tool_schema(add_numbers)]
+    renderer = ChatRenderer(tokenizer, schemas)
+    eos = tokenizer.eos_token_id
+    question = [{"role": "user", "content": "What is 2+3, and 1+1?"}]
+    prompt = tokenizer.apply_chat_template(question, tools=schemas, tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    call = tokenizer.encode("[add_numbers(a=2, b=3), add_numbers(a=1, b=1)]", add_special_tokens=False) + [eos]
+    answer = tokenizer.encode("5 and 2.", add_special_tokens=False) + [eos]
+    engine = ScriptedEngine({prompt_ids[0]: [call, answer]})
+    env = ChatToolEnvironment([add_numbers], call_format="pythonic")
+    episodes = run_episodes(
+        engine,
+        [env],
+        [prompt_ids],
+        SamplingParams(max_new_tokens=64),
+        [0],
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        encode_observation=lambda observation, turn: renderer.observation_ids(observation, turn),
+        reward_names=(),
+        max_turns=3,
+        max_total_tokens=1024,
+        pad_id=tokenizer.pad_token_id,
+        device=torch.device("cpu"),
+        runner=EnvironmentRunner(concurrency=2, timeout_s=10.0),
+    )
+    calls = [
+        {"type": "function", "function": {"name": "add_numbers", "arguments": {"a": a, "b": b}}}
+        for a, b in ((2, 3), (1, 1))
+    ]
+    results = [{"role": "tool", "name": "add_numbers", "content": c} for c in ("5", "2")]
+    whole = tokenizer.apply_chat_template(
+        [*question, {"role": "assistant", "content": "", "tool_calls": calls}, *results],
+        tools=schemas,
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    call_text = "[add_numbers(a=2, b=3), add_numbers(a=1, b=1)]<|eot_id|>"
+    assert whole.startswith(prompt + call_text)
+    result_text = whole[len(prompt + call_text) :]
+    assert result_text == (
+        '<|start_header_id|>ipython<|end_header_id|>\n\n{"output": "5"}<|eot_id|>'
+        '<|start_header_id|>ipython<|end_header_id|>\n\n{"output": "2"}<|eot_id|>'
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    result = tokenizer.encode(result_text, add_special_tokens=False)
+    out = episodes.output
+    n = len(call) + len(result) + len(answer)
+    assert out.completion_ids[0, :n].tolist() == call + result + answer
+    assert out.sampled_mask[0, :n].tolist() == [1.0] * len(call) + [0.0] * len(result) + [1.0] * len(answer)
+    assert engine.calls[1][0] == [prompt_ids + call + result]  # the second turn's context
+    # turns, tool calls, failed calls, observation tokens, steps timed out
+    assert episodes.stats[0].tolist() == [2, 2, 0, len(result), 0]
 
 
 def _with_response_template(tokenizer, template: str):
@@ -312,18 +407,28 @@ def test_llama_templates_append_the_json_encoded_result_token_in_token_out(templ
     assert named.call_format == "llama3"
 
 
-def test_grpo_with_a_llama_model_offers_the_tools_in_its_template_and_reads_its_calls(tmp_path):
-    """`model.env.tools` with a Llama 3.1-format model (`tool_format: auto`): the prompts hold the schemas where
-    Llama's template puts them (the first user message) and the episodes read calls as Llama writes them."""
+@pytest.mark.parametrize(
+    "template, call_format, tools_at",
+    [
+        ("llama3_1", "llama3", "<|start_header_id|>user<|end_header_id|>\n\nGiven the following functions"),
+        ("llama3_2_pythonic", "pythonic", "<|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\n"),
+    ],
+)
+def test_grpo_with_a_llama_model_offers_the_tools_in_its_template_and_reads_its_calls(
+    tmp_path, template, call_format, tools_at
+):
+    """`model.env.tools` with a Llama 3.1-format model, or one of Llama 3.2's pythonic format (`tool_format: auto`):
+    the prompts hold the schemas where the template puts them and the episodes read calls as the template writes
+    them."""
     from tests.conftest import fit_grpo
     from tests.llama_chat import save_llama_chat_model
 
-    path = save_llama_chat_model(tmp_path / "llama-chat")
+    path = save_llama_chat_model(tmp_path / "llama-chat", template)
     model = fit_grpo(model_name_or_path=str(path), tools=["tests.integration.envs.add_numbers"], max_turns=2)
     env = model.producer.env_factory()
-    assert type(env).__name__ == "ChatToolEnvironment" and env.call_format == "llama3"
+    assert type(env).__name__ == "ChatToolEnvironment" and env.call_format == call_format
     prompt = model.tokenizer.decode(model._buffer.prompt_ids[0], skip_special_tokens=False)
-    assert "<|start_header_id|>user<|end_header_id|>\n\nGiven the following functions" in prompt
+    assert tools_at in prompt
     assert '"name": "add_numbers"' in prompt
     assert prompt.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
 

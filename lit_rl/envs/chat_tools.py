@@ -6,7 +6,9 @@
 - **The calls** come out of a model turn in the template's markup. lit-rl reads two formats itself
   (`parse_tool_calls`): Qwen's and Hermes' `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one or more
   in a turn; or Llama 3.x's bare JSON, the turn itself being `{"name": ..., "parameters": {...}}` (after
-  `<|python_tag|>` if the model wrote one), one call a turn as its template allows. Any other format is read by
+  `<|python_tag|>` if the model wrote one), one call a turn as its template allows; or the pythonic list
+  `[name(a=1, b="x"), ...]` that vLLM's pythonic templates ask Llama 3.2 and Llama 4 for (read as literals with
+  `ast`: no code runs). Any other format is read by
   transformers' `parse_response` where the tokenizer has a `response_template` (`TemplateCalls`), its own or, as
   TRL's trainer gives it, TRL's for its chat template (`trls_response_template`: Qwen3.5-3.8's XML calls,
   gpt-oss, GLM, Nemotron, LFM2, Gemma 4), on the turn decoded with its special tokens, as the template's markup
@@ -25,6 +27,7 @@ chat template renders tools).
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import inspect
 import json
@@ -77,16 +80,25 @@ def _described(tool: Callable[..., Any]) -> dict[str, Any]:
 
 # What a chat template does with tools (`template_tool_support`): calls read by the tokenizer's `response_template`,
 # the two call formats lit-rl reads itself, another, none.
-RESPONSE_TEMPLATE, HERMES, LLAMA3, OTHER, NONE = "response_template", "hermes", "llama3", "other", "none"
-CALL_FORMATS = (RESPONSE_TEMPLATE, HERMES, LLAMA3)
+RESPONSE_TEMPLATE, HERMES, LLAMA3, PYTHONIC = "response_template", "hermes", "llama3", "pythonic"
+OTHER, NONE = "other", "none"
+CALL_FORMATS = (RESPONSE_TEMPLATE, HERMES, LLAMA3, PYTHONIC)
 _PYTHON_TAG = "<|python_tag|>"  # Llama 3.x's marker before a call (special: usually decoded away already)
+# Llama 4's markers around a pythonic call list (special: usually decoded away already).
+_PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"
+# A turn that opens a pythonic call list (`[name(` or `[a.b(`): one that then cannot be read is a malformed call,
+# where any other turn (`[1, 2]`, prose) is an answer.
+_PYTHONIC_OPENING = re.compile(r"\[\s*[A-Za-z_][\w.]*\s*\(")
+# The JSON spellings a model may use in a Python call (`f(flag=true)`), read as their Python values.
+_JSON_NAMES = {"true": True, "false": False, "null": None}
 _CALL_END_TOKENS = ("<|eom_id|>",)  # Llama 3.x: the end of a turn that calls a tool (`ChatRenderer`)
 
 
 def template_tool_support(tokenizer: Any) -> str:
     """What the tokenizer's chat template does with tools: `hermes` when it writes a call as
     `<tool_call>{json}</tool_call>` (Qwen2.5/3, Hermes), `llama3` when it writes the bare JSON `{"name": ...,
-    "parameters": ...}` (Llama 3.1-3.3), both read by lit-rl; otherwise `response_template` when the tokenizer has
+    "parameters": ...}` (Llama 3.1-3.3), `pythonic` when it writes `[name(x=1)]` (vLLM's Llama 3.2 and Llama 4
+    pythonic templates), all read by lit-rl; otherwise `response_template` when the tokenizer has
     a `response_template` that reads tool calls (transformers' parsing), `other` when it has none (not parsed);
     `none` when the template never reads `tools`."""
     template = getattr(tokenizer, "chat_template", None)
@@ -101,8 +113,8 @@ def template_tool_support(tokenizer: Any) -> str:
 
 
 def _own_call_format(tokenizer: Any) -> str:
-    """Which of lit-rl's own call formats the chat template writes a call in (`hermes`, `llama3`), found by
-    rendering one; `other` for any other. lit-rl's parsers go first where they apply: they read what the released
+    """Which of lit-rl's own call formats the chat template writes a call in (`hermes`, `llama3`, `pythonic`), found
+    by rendering one; `other` for any other. lit-rl's parsers go first where they apply: they read what the released
     templates' models write, Llama's call ended by `<|eom_id|>` among it, which TRL's response template for Llama
     does not."""
     call = {"type": "function", "function": {"name": "lit_rl_probe", "arguments": {"x": 1}}}
@@ -114,7 +126,10 @@ def _own_call_format(tokenizer: Any) -> str:
     # JSON inside the tags: Qwen3.5 writes XML inside them (<tool_call><function=...>), another format.
     if re.search(r'<tool_call>\s*\{"name": "lit_rl_probe"', text):
         return HERMES
-    return LLAMA3 if re.search(r'\{"name": "lit_rl_probe", "parameters": \{', text) else OTHER
+    if re.search(r'\{"name": "lit_rl_probe", "parameters": \{', text):
+        return LLAMA3
+    # Llama 3.2's pythonic template writes the value as it is, Llama 4's quoted.
+    return PYTHONIC if re.search(r'\[lit_rl_probe\(x=(1|"1")\)\]', text) else OTHER
 
 
 def trls_response_template(tokenizer: Any) -> Optional[dict[str, Any]]:
@@ -226,9 +241,10 @@ TRLS_RESPONSE_TEMPLATE = (
 # Why a template whose calls lit-rl cannot read is refused, and the way out.
 UNREAD_CALLS = (
     "the tokenizer's chat template writes tool calls in a format lit-rl does not read by itself (it reads Qwen's and "
-    "Hermes' <tool_call>{json}</tool_call> and Llama 3.x's bare JSON) and the tokenizer has no response_template to "
-    "read them with; give it one (tokenizer.response_template, then tokenizer.save_pretrained), or install trl, "
-    "whose add_response_schema knows Qwen3.5-3.8, gpt-oss, GLM-4 MoE, Nemotron 3, LFM2 and Gemma 4 as released"
+    "Hermes' <tool_call>{json}</tool_call>, Llama 3.x's bare JSON and pythonic [f(x=1)] lists) and the tokenizer has "
+    "no response_template to read them with; give it one (tokenizer.response_template, then "
+    "tokenizer.save_pretrained), or install trl, whose add_response_schema knows Qwen3.5-3.8, gpt-oss, GLM-4 MoE, "
+    "Nemotron 3, LFM2 and Gemma 4 as released"
 )
 
 
@@ -254,8 +270,11 @@ def parse_tool_calls(text: str, call_format: str = HERMES) -> list[ToolCall]:
       `{"name": ..., "parameters": {...}}` (`arguments` is read too), one call; text after the object is ignored, as
       Llama's own parsers do. A turn that does not start with `{`, or whose object has neither `parameters` nor
       `arguments` (`{"answer": 5}`), is an answer, not a call, as vLLM's `llama3_json` parser reads it.
+    - `pythonic` (vLLM's Llama 3.2 and Llama 4 pythonic templates): `pythonic_calls`.
 
     The arguments may be an object or a JSON string holding one."""
+    if call_format == PYTHONIC:
+        return pythonic_calls(text)
     if call_format == LLAMA3:
         body = text.strip().removeprefix(_PYTHON_TAG).lstrip()
         if not body.startswith("{"):
@@ -276,6 +295,62 @@ def parse_tool_calls(text: str, call_format: str = HERMES) -> list[ToolCall]:
             continue
         calls.append(_tool_call(call, "arguments"))
     return calls
+
+
+def pythonic_calls(text: str) -> list[ToolCall]:
+    """The calls of a turn that is a Python list of calls, `[name(a=1, b="x"), other()]` (after Llama 4's
+    `<|python_start|>`, its `<|python_end|>` dropped), as vLLM's `pythonic` parser reads them: keyword arguments whose
+    values are literals (strings, numbers, lists, dicts, True/False/None, and JSON's true/false/null), read with
+    `ast.literal_eval`, so nothing the model writes is run. A turn that is no call list (prose, `[1, 2]`) is an
+    answer; one that opens a call (`[name(`) but cannot be read is one call with the reason."""
+    body = text.strip().removeprefix(_PYTHON_START).replace(_PYTHON_END, "").strip()
+    if not body.startswith("["):
+        return []
+    try:
+        tree = ast.parse(body, mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as err:
+        if _PYTHONIC_OPENING.match(body) is None:
+            return []
+        reason = f"{err.msg} at character {err.offset}" if isinstance(err, SyntaxError) else type(err).__name__
+        return [ToolCall(None, {}, f"the tool calls are not a Python list of calls ({reason})")]
+    if not isinstance(tree, ast.List) or not any(isinstance(element, ast.Call) for element in tree.elts):
+        return []
+    return [_pythonic_call(element) for element in tree.elts]
+
+
+def _pythonic_call(node: ast.expr) -> ToolCall:
+    """One element of a pythonic call list -> its ToolCall, or why it cannot be one."""
+    if not isinstance(node, ast.Call):
+        return ToolCall(None, {}, "every element of the call list must be a call, name(argument=value)")
+    name = _dotted_name(node.func)
+    if name is None:
+        return ToolCall(None, {}, f"the tool call's name is not a name ({ast.unparse(node.func)[:80]})")
+    if node.args or any(keyword.arg is None for keyword in node.keywords):
+        return ToolCall(name, {}, "pass every argument by name, name(argument=value)")
+    arguments = {}
+    for keyword in node.keywords:
+        try:
+            arguments[keyword.arg] = ast.literal_eval(_JSONNamesAsConstants().visit(keyword.value))
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            return ToolCall(name, {}, f"argument {keyword.arg!r} is not a literal value (write it out, no variables)")
+    return ToolCall(name, arguments)
+
+
+def _dotted_name(node: ast.expr) -> Optional[str]:
+    """`name` or `a.b.name` as written; None for anything else (`f()(...)`, `(lambda: 1)(...)`)."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted_name(node.value)
+        return None if base is None else f"{base}.{node.attr}"
+    return None
+
+
+class _JSONNamesAsConstants(ast.NodeTransformer):
+    """JSON's `true`, `false`, `null` (a model may write them in a Python call) as Python's constants, at any depth."""
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        return ast.Constant(_JSON_NAMES[node.id]) if node.id in _JSON_NAMES else node
 
 
 def _tool_call(call: Any, arguments_key: str) -> ToolCall:
@@ -316,7 +391,8 @@ class ChatToolEnvironment:
         timeout_s: the time limit of one call, on a thread of its own; None: called on the step's thread, bounded
             by the step's time limit (`model.env.step_timeout_s`).
         call_format: how the model's calls are read: `response_template` (the tokenizer's, `template_calls`),
-            `hermes` or `llama3` (`parse_tool_calls`); its tokenizer's (`template_tool_support`; set by lit-rl).
+            `hermes`, `llama3` or `pythonic` (`parse_tool_calls`); its tokenizer's (`template_tool_support`; set
+            by lit-rl).
         template_calls: with `call_format` `response_template`: the tokenizer's (`TemplateCalls.of`; set by
             lit-rl).
     """
