@@ -83,6 +83,9 @@ def test_the_chat_format_is_chosen_when_the_template_writes_calls_lit_rl_reads(t
     assert supports == ["hermes", "none", "llama3", "none", "other"]
     assert template_tool_support(llama_chat_tokenizer(template="llama3_2")) == "llama3"
     assert template_tool_support(llama_chat_tokenizer(template="llama3_2_pythonic")) == "pythonic"
+    quoting = llama_chat_tokenizer(template="llama3_2_pythonic")  # Llama 4's pythonic template quotes every value
+    quoting.chat_template = quoting.chat_template.replace("value | tojson", "'\"' + value | string + '\"'")
+    assert template_tool_support(quoting) == "pythonic"
     assert uses_chat_tools("auto", "pythonic")
     assert uses_chat_tools("auto", "hermes") and not uses_chat_tools("auto", "none")
     assert uses_chat_tools("auto", "llama3") and not uses_chat_tools("tags", "llama3")
