@@ -41,3 +41,9 @@ class BrokenInstall(LitRLError):
 class ReportedOnRankZero(LitRLError):
     """Raised on the other ranks of a multi-process run when one rank failed: rank 0 reports the failure (with the
     rank it happened on) in one line, and these ranks exit with the same code without a line of their own."""
+
+
+def one_line(value: object, limit: int | None = None) -> str:
+    """`value`'s text with every run of white space (new lines included) made one space, cut to `limit` characters:
+    how an error from a library, a server or a parser becomes part of lit-rl's one-line messages."""
+    return " ".join(str(value).split())[:limit]

@@ -22,7 +22,7 @@ import re
 from typing import Any, Callable, Optional
 from urllib.parse import parse_qsl
 
-from lit_rl.errors import DataError
+from lit_rl.errors import DataError, one_line
 
 PREFIX = "reasoning_gym:"
 PROMPT_STYLES = ("text", "chat")
@@ -97,7 +97,7 @@ def load_reasoning_gym_rows(spec: str) -> list[dict[str, Any]]:
             dataset = reasoning_gym.create_dataset("composite", datasets=specs, **options)
         entries = list(dataset)
     except Exception as err:  # unknown task, a bad option: reasoning-gym's own message, on one line
-        message = " ".join(str(err).split())
+        message = one_line(err)
         raise DataError(f"{spec!r}: reasoning-gym: {type(err).__name__}: {message}") from None
     rows = []
     for entry in entries:

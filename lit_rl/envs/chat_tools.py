@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional
 from lit_rl.envs import runner
 from lit_rl.envs.base import StepResult
 from lit_rl.envs.runner import EnvCallTimeout, call_in_thread
-from lit_rl.errors import ConfigError
+from lit_rl.errors import ConfigError, one_line
 
 TOOL_FORMATS = ("auto", "tags", "chat")
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -71,7 +71,7 @@ def _described(tool: Callable[..., Any]) -> dict[str, Any]:
         return get_json_schema(tool)
     except Exception as err:  # DocstringParsingException, TypeHintParsingException
         name = getattr(tool, "__name__", repr(tool))
-        message = " ".join(str(err).split())
+        message = one_line(err)
         raise ConfigError(
             f"model.env.tools: {name} cannot be described to the model ({message}); a chat-format tool needs a type "
             "hint on every argument and a docstring with an Args: line for each"
@@ -185,7 +185,7 @@ class TemplateCalls:
         try:
             compiled = load_response_template(template)
         except (ValueError, TypeError, KeyError) as err:
-            message = " ".join(str(err).split())
+            message = one_line(err)
             raise ConfigError(f"{source} cannot read tool calls: {message}") from None
         question = [{"role": "user", "content": _STAND_IN_QUESTION}]
         prefix = tokenizer.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
@@ -200,7 +200,7 @@ class TemplateCalls:
         try:
             message = parse_response(text, self.template, prefix=self.prefix, tools=schemas)
         except Exception as err:  # a malformed call: the model is told, as for lit-rl's own formats
-            reason = " ".join(str(err).split())[:300]
+            reason = one_line(err, 300)
             return [ToolCall(None, {}, f"the tool calls cannot be read ({type(err).__name__}: {reason})")]
         calls = (message.get("tool_calls") if isinstance(message, dict) else None) or []
         # Each call is `{"type": "function", "function": {"name": ..., "arguments": {...}}}`, as the chat format's.

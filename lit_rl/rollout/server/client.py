@@ -21,7 +21,7 @@ import weakref
 from typing import Any, Callable, Optional, Sequence
 
 from lit_rl.console import QUIET_SERVER_ENV
-from lit_rl.errors import LitRLError
+from lit_rl.errors import LitRLError, one_line
 from lit_rl.net import DIRECT, AnswerTooLarge, error_answer, read_answer
 from lit_rl.rollout.engines.vllm_config import VLLM_TRANSFER_BACKENDS
 
@@ -330,4 +330,4 @@ def _error_message(err: urllib.error.HTTPError, deadline: float) -> str:
     detail = body.get("error", body.get("detail", body)) if isinstance(body, dict) else body
     if isinstance(detail, dict):
         detail = detail.get("message", detail)
-    return " ".join(str(detail).split())[:300]
+    return one_line(detail, 300)

@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequen
 
 import torch
 
+from lit_rl.errors import one_line
 from lit_rl.rollout.engines.vllm_config import VLLM_TRANSFER_BACKENDS, VLLMConfig
 from lit_rl.rollout.server.client import RolloutServerError, ServerDownError
 from lit_rl.rollout.server.pool import RolloutServer
@@ -286,7 +287,7 @@ class CollectiveTransfer:
             joined.wait(timeout=5.0)
             raise ServerDownError(
                 f"vLLM server {server.url}: its workers did not join the weight transfer at "
-                f"{tcp_uri(self.address, port)} ({_one_line(joined.error or err)}); can the server reach "
+                f"{tcp_uri(self.address, port)} ({one_line(joined.error or err)}); can the server reach "
                 "model.rollout.engine.transfer.address?"
             ) from None
         finally:
@@ -376,7 +377,7 @@ class CollectiveTransfer:
                         raise
                     left = "; it is left paused rather than serve half-loaded weights" if server in paused else ""
                     failed[server] = ServerDownError(
-                        f"vLLM server {server.url}: the weight transfer failed ({_one_line(err)[:300]}){left}"
+                        f"vLLM server {server.url}: the weight transfer failed ({one_line(err, 300)}){left}"
                     )
                     self.forget(server)
 
@@ -414,10 +415,6 @@ class CollectiveTransfer:
         server.client.request("POST", "/finish_weight_update", {}, retries=0)
         server.client.reset_prefix_cache()
         server.client.request("POST", "/resume")
-
-
-def _one_line(err: object) -> str:
-    return " ".join(str(err).split())
 
 
 class _Background:

@@ -63,7 +63,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Optional
 
-from lit_rl.errors import LitRLError
+from lit_rl.errors import LitRLError, one_line
 from lit_rl.net import DIRECT, AnswerTooLarge, error_answer, read_answer
 
 TOKEN_ENV = "LIT_RL_RECEIVER_TOKEN"
@@ -606,7 +606,7 @@ class WeightUploader:
 def _error_text(err: urllib.error.HTTPError, deadline: float) -> str:
     """The receiver's `error` in an error answer (its first `MAX_ERROR_BYTES`, read by `deadline`), on one line."""
     try:
-        return " ".join(str(json.loads(error_answer(err, deadline)).get("error", "")).split())[:300]
+        return one_line(json.loads(error_answer(err, deadline)).get("error", ""), 300)
     except (ValueError, AttributeError):
         return ""
 
