@@ -199,9 +199,9 @@ def test_the_engine_clock_counts_overlapping_requests_once_and_no_validation(mon
         now[0] = t
         action()
 
-    timer = perf.StepTimer()
-    clock = timer.engine_clock()
-    assert timer.engine_clock() is clock
+    clock = perf.BusyClock()
+    timer = perf.StepTimer(clock)
+    clock.counted = True  # an engine counts on it
     first, second, third = clock.request(), clock.request(), clock.request()
     at(1.0, first.__enter__)  # busy from t=1
     at(2.0, second.__enter__)  # overlapping the first
@@ -223,11 +223,12 @@ def test_the_engine_clock_counts_overlapping_requests_once_and_no_validation(mon
     summary = timer.summary()
     assert (summary["perf/step_s"], summary["perf/engine_busy_s"]) == (2.0, 1.0)
     assert "perf/engine_busy_s" not in perf.StepTimer().summary()  # no engine counting on it: not logged
+    assert "perf/engine_busy_s" not in perf.StepTimer(perf.BusyClock()).summary()
 
 
 def test_the_engine_clock_outlives_the_timers_validation_and_training_start_swap_in(monkeypatch):
     """The module swaps its timer at validation and at the start of training; an engine built under any of them
-    (the sanity check's validation builds it first) goes on counting in the training steps."""
+    (the sanity check's validation builds it first) counts on the module's clock, in every training step after."""
     from types import SimpleNamespace
 
     from lit_rl.algorithms.base import PolicyModule
@@ -235,9 +236,10 @@ def test_the_engine_clock_outlives_the_timers_validation_and_training_start_swap
 
     now = [0.0]
     monkeypatch.setattr(perf.time, "perf_counter", lambda: now[0])
-    module = SimpleNamespace(timer=perf.StepTimer())
+    clock = perf.BusyClock()
+    module = SimpleNamespace(engine_clock=clock, timer=perf.StepTimer(clock))
     PolicyModule.on_validation_start(module)  # the sanity check
-    clock = module.timer.engine_clock()  # the engine is built during it
+    clock.counted = True  # the engine is built during it
     with clock.request():
         now[0] = 5.0  # its generations: part of no step
     PolicyModule.on_validation_end(module)

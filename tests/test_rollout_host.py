@@ -19,7 +19,7 @@ from lit_rl.rollout.engine_config import HFGenerate
 from lit_rl.rollout.engine_owner import EngineOwner
 from lit_rl.rollout.host import RolloutHost
 from lit_rl.rollout.producer import ProducerParts, RolloutProducer
-from lit_rl.training.perf import StepTimer
+from lit_rl.training.perf import BusyClock, StepTimer
 
 ROLLOUT = Path(__file__).resolve().parents[1] / "lit_rl" / "rollout"
 PARTS = ("producer.py", "engine_owner.py", "dynamic_sampling.py", "engine_config.py")
@@ -94,6 +94,7 @@ def _host(world_size: int = 1) -> SimpleNamespace:
         tokenizer=_Tokenizer(),
         policy_args=None,
         timer=StepTimer(),
+        engine_clock=BusyClock(),
         encode_prompts=lambda prompts: (torch.ones(len(prompts), 2, dtype=torch.long), torch.ones(len(prompts), 2)),
         all_gather=lambda tensor: tensor,
         gather_stacked=lambda tensor: tensor[None],

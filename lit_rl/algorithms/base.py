@@ -41,7 +41,7 @@ from lit_rl.training.compat import mark_step_saved
 from lit_rl.training.flops import ModelShape, RunThroughput, device_peak, precision_advice, row_tokens_and_keys
 from lit_rl.training.gradients import clip_grad_norm_
 from lit_rl.training.metrics import compute_collection
-from lit_rl.training.perf import StepTimer
+from lit_rl.training.perf import BusyClock, StepTimer
 from lit_rl.training.strategies import gathered_parameters, hf_zero3_loading, shards_parameters
 
 
@@ -83,7 +83,9 @@ class PolicyModule(L.LightningModule):
         self.tokenizer = load_tokenizer(policy.model_name_or_path, trust_remote_code=policy.trust_remote_code)
         self.policy: Optional[torch.nn.Module] = None
         self.ref_model: Optional[torch.nn.Module] = None  # frozen; set by `load_reference`, never checkpointed
-        self.timer = StepTimer()  # perf/ metrics: where each step's time goes
+        # One engine clock for the module's life (`perf/engine_busy_s`), given to every step timer.
+        self.engine_clock = BusyClock()
+        self.timer = StepTimer(self.engine_clock)  # perf/ metrics: where each step's time goes
         # Model FLOPs (`lit_rl.training.flops`): the policy's shape, taken whole before a strategy shards it.
         self.policy_shape: Optional[ModelShape] = None
         self.throughput = RunThroughput()  # the run's totals, for the end-of-run summary
@@ -494,17 +496,16 @@ class PolicyModule(L.LightningModule):
 
     def start_step_clock(self) -> None:
         """The first step's time starts now (at the start of training: not at model loading, nor the peak's probe);
-        an engine built before, in the sanity check's validation, goes on counting on its clock."""
-        self.timer = StepTimer(engine=self.timer.engine)
+        an engine built before, in the sanity check's validation, goes on counting on the module's clock."""
+        self.timer = StepTimer(self.engine_clock)
 
     def on_validation_start(self) -> None:
         self._timer_during_training = self.timer
         self._timer_during_training.pause()  # validation's time and work are not part of any training step
-        self.timer = StepTimer(engine=self._timer_during_training.engine)
+        self.timer = StepTimer(self.engine_clock)
 
     def on_validation_end(self) -> None:
-        validation_timer, self.timer = self.timer, getattr(self, "_timer_during_training", self.timer)
-        self.timer.adopt_engine_clock(validation_timer)
+        self.timer = getattr(self, "_timer_during_training", self.timer)
         self.timer.resume()
 
 

@@ -422,7 +422,8 @@ class VLLMServer(EngineConfig):
         from lit_rl.rollout.engines.vllm_server import VLLMServerEngine
 
         eos_ids = model_eos_token_ids(module.policy, module.tokenizer.eos_token_id)
-        busy = module.timer.engine_clock()  # `perf/engine_idle_share`: the step's time with no request outstanding
+        busy = module.engine_clock  # `perf/engine_idle_share`: the step's time with no request outstanding
+        busy.counted = True
         if not self.launch:
             return VLLMServerEngine(self.vllm, eos_ids, module.tokenizer.pad_token_id, busy=busy)
         from lit_rl.modeling.models import resolve_model_path

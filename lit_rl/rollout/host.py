@@ -17,6 +17,7 @@ class RolloutHost(Protocol):
     tokenizer: Any
     policy_args: Any  # `model.policy` (`lit_rl.config.PolicyArgs`): the model's path, `trust_remote_code`
     timer: Any  # `lit_rl.training.perf.StepTimer`: read at each use (validation swaps it)
+    engine_clock: Any  # `lit_rl.training.perf.BusyClock`: the module's, an engine's requests counted on it
 
     def encode_prompts(
         self, prompts: list[Any], tools: Optional[list[dict]] = None

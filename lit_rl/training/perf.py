@@ -26,9 +26,12 @@ PHASES = (
 
 class BusyClock:
     """Seconds during which at least one request was outstanding, however many overlapped: an engine's busy time,
-    counted by its client around each request (thread-safe: requests go out from many threads at once)."""
+    counted by its client around each request (thread-safe: requests go out from many threads at once). One per
+    module, made with it and given to every step timer, so it outlives them all; `perf/engine_busy_s` is logged once
+    an engine counts on it (`counted`: set by the engine config that builds the engine)."""
 
     def __init__(self) -> None:
+        self.counted = False
         self._lock = threading.Lock()
         self._outstanding = 0
         self._since = 0.0  # when the current busy stretch began (outstanding > 0)
@@ -66,9 +69,9 @@ class StepTimer:
 
     `summary()` returns `perf/<phase>_s` for every phase, `perf/step_s` (wall time since the previous step) and
     `perf/policy_update_s` (the rest: forward/backward/optimizer of the policy), the tokens' rates and peak memory,
-    and `perf/engine_busy_s` once an engine's client counts its requests on `engine_clock()` (the vLLM server
-    engine: the step's seconds with a generation request outstanding, even in the background); then it starts the
-    next step (its phases and counters, `model_flops` among them, back to 0).
+    and `perf/engine_busy_s` once an engine's client counts its requests on `engine` (the module's clock, `counted`
+    by the vLLM server engine: the step's seconds with a generation request outstanding, even in the background);
+    then it starts the next step (its phases and counters, `model_flops` among them, back to 0).
     """
 
     def __init__(self, engine: Optional[BusyClock] = None) -> None:
@@ -77,17 +80,9 @@ class StepTimer:
         self._step_start = time.perf_counter()
         self._open: list[str] = []  # phases entered and not yet left, innermost last
         self._paused_at: Optional[float] = None
-        # The engine's clock outlives the timers: each timer that follows another is given it (`engine`).
-        self.engine = engine
+        self.engine = engine or BusyClock()  # the module's: it outlives this timer
         self._engine_busy_s = 0.0  # taken at a pause: the step's busy time before validation
-        if engine is not None:
-            engine.take()  # what ran before this timer's first step is part of none
-
-    def engine_clock(self) -> BusyClock:
-        """The clock an engine's client counts its requests on (`perf/engine_busy_s` from now on)."""
-        if self.engine is None:
-            self.engine = BusyClock()
-        return self.engine
+        self.engine.take()  # what ran before this timer's first step is part of none
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -102,24 +97,16 @@ class StepTimer:
             if self._open:  # the enclosing phase adds its whole duration when it ends: take this part back
                 self.phases[self._open[-1]] -= elapsed
 
-    def adopt_engine_clock(self, other: "StepTimer") -> None:
-        """Count on `other`'s engine clock from now on, when this timer has none: an engine first built during
-        validation (under validation's timer) counts in the training steps after it."""
-        if self.engine is None:
-            self.engine = other.engine
-
     def pause(self) -> None:
         """Stop the step's clock (validation runs between two steps and is not part of either)."""
         self._paused_at = time.perf_counter()
-        if self.engine is not None:
-            self._engine_busy_s += self.engine.take()
+        self._engine_busy_s += self.engine.take()
 
     def resume(self) -> None:
         if self._paused_at is not None:
             self._step_start += time.perf_counter() - self._paused_at
             self._paused_at = None
-        if self.engine is not None:
-            self.engine.take()  # validation's generations: part of no step
+        self.engine.take()  # validation's generations: part of no step
 
     def count(self, name: str, value: float) -> None:
         self.counters[name] += value
@@ -136,9 +123,9 @@ class StepTimer:
         out["perf/generated_tokens_per_s"] = self.counters["generated_tokens"] / generation if generation else 0.0
         out["perf/trained_tokens_per_s"] = self.counters["trained_tokens"] / step if step > 0 else 0.0
         out["perf/peak_memory_mib"] = peak_memory_mib()
-        if self.engine is not None:
-            out["perf/engine_busy_s"] = self._engine_busy_s + self.engine.take()
-            self._engine_busy_s = 0.0
+        busy, self._engine_busy_s = self._engine_busy_s + self.engine.take(), 0.0
+        if self.engine.counted:
+            out["perf/engine_busy_s"] = busy
         self.phases.clear()
         self.counters.clear()
         self._step_start = now
