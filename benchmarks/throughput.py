@@ -7,13 +7,15 @@
     python benchmarks/throughput.py --engines vllm_server --max-staleness 0 1 --pin-cores --rounds 2 \
         --out benchmarks/results/async_cpu.json        # asynchronous rollouts: k = 1 against k = 0
 
-Each configuration is one `lit-rl fit` process (the `vllm_server` engine also starts the documented vLLM server
-and stops it afterwards). Its `perf/` metrics, logged every optimizer step by the trainer itself, are averaged
-over the steps after `--warmup`: seconds per step and its split into generation, reward, reference and old
-log-probs, weight push and policy update; generated and trained tokens/s; peak memory per rank (RSS on CPU, CUDA
-max allocated on GPU). Samples/s = completions per optimizer step (micro_batch_size x accumulation x ranks) /
-seconds per step. Output: a rich table, a JSON file (machine, versions, commit, the exact command) and a PNG of
-the time split. The same script runs unchanged on a GPU machine (`--accelerator gpu`).
+Each configuration is one `lit-rl fit` process. The `vllm_server` engine's server is launched by lit-rl
+(`--model.rollout.engine.launch true`, as the docs' command runs it: lit-rl splits the cores between the server and
+the trainer), or with `--pin-cores` started by this script on core 0 beside a trainer on core 1. Its `perf/`
+metrics, logged every optimizer step by the trainer itself, are averaged over the steps after `--warmup`: seconds
+per step and its split into generation, reward, reference and old log-probs, weight push and policy update;
+generated and trained tokens/s; peak memory per rank (RSS on CPU, CUDA max allocated on GPU). Samples/s =
+completions per optimizer step (micro_batch_size x accumulation x ranks) / seconds per step. Output: a rich table, a
+JSON file (machine, versions, commit, the exact command) and a PNG of the time split. The same script runs unchanged
+on a GPU machine (`--accelerator gpu`).
 
 `--max-staleness 0 1 2` adds the asynchronous-rollout axis (`model.rollout.max_staleness`; k > 0 needs the `vllm_server`
 engine): each k > 0 row also reports its samples/s over the k = 0 row of the same engine, strategy and devices.
@@ -134,7 +136,10 @@ def run_one(args, engine: str, strategy: str, devices: int, workdir: Path, stale
         *args.overrides,
     ]
     server: Optional[LocalVLLMServer] = None
-    if engine == "vllm_server":
+    if engine == "vllm_server" and not args.pin_cores:
+        # As the docs' command runs it: lit-rl launches the server, on its share of the cores (`launch.py`).
+        command += ["--model.rollout.engine.launch", "true"]
+    elif engine == "vllm_server":  # placed by this script: server on core 0, trainer on core 1
         model = resolve_model_path(policy_of(args.config, args.overrides))
         log = str(workdir / f"{name}-server.log")
         with pinned({0} if args.pin_cores else None, {"VLLM_CPU_OMP_THREADS_BIND": "0"}):
