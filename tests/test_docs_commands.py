@@ -5,6 +5,14 @@ so a renamed key, flag, extra or script fails here instead of in a reader's term
   loaded or trained, so hub ids and the reader's data files may stay as printed); `--model.help` and `--data.help`
   run as printed. A `--config` file not in the repository is the reader's own (`my_overrides.yaml`): an empty one
   stands in for it. `...` stands for the page's full command before it (`ELLIPSIS`).
+- Then they run, a page's commands in the page's order in one folder, as a reader runs them
+  (`test_a_pages_commands_run_in_order_as_a_reader_runs_them`), changed by one rule: shortened to one optimizer step
+  and one validation batch (`SHORTER`), with `tests/docs_reader/`'s files beside them (the prompts, reward
+  functions, environment and overrides the commands name; a file the page prints, `# my_tools.py, beside the run`,
+  from the page), and a model a reader downloads (a hub id, `/path/to/a/hf/model`) replaced by a random tiny model
+  with the chat template its family released (`STAND_INS`). Commands this machine cannot run (GPUs, several
+  processes or machines, vLLM, OpenEnv) are parsed only, each for a reason that names the test running its path
+  (`NOT_RUN_HERE`); a command another page printed word for word runs once.
 - `pip install -e ".[extras]"`: every extra is one of pyproject.toml's.
 - `python benchmarks/x.py --flag` and `python -m package.module --flag`: the script or module exists and, when it
   is this repository's, takes every flag the command gives it (its source names the flag).
@@ -17,6 +25,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import shlex
+import shutil
 import textwrap
 from pathlib import Path
 
@@ -147,3 +156,100 @@ def test_yaml_blocks_parse_and_configs_among_them_are_taken_by_the_cli(item, tmp
     with pytest.raises(SystemExit) as ended:
         run_cli("fit", "--config", "configs/grpo.yaml", "--config", str(overlay), "--print_config")
     assert ended.value.code in (0, None), capsys.readouterr().err[-2000:]
+
+
+# What a run of a docs command is shortened by: the step and validation batch counts, nothing else.
+SHORTER = ["--trainer.max_steps", "1", "--trainer.limit_val_batches", "1"]
+READER_FILES = REPO / "tests" / "docs_reader"
+# The commands parsed only (above), by what they need that this machine lacks, and where that path runs.
+NOT_RUN_HERE = {
+    "_8gpu.yaml": "8 GPUs (tests/gpu)",
+    "configs/strategy/": "several trainer processes (tests/test_rank_invariance.py, tests/test_strategy_devices.py)",
+    "configs/rollout/vllm_": "a vLLM engine or server (tests/integration/test_vllm.py starts them as the docs do)",
+    "lit_rl.envs.OpenEnv": "openenv, which cannot be installed beside vLLM (tests/test_openenv.py)",
+    "Qwen/Qwen3.5-": "Qwen3.5's tool instructions on a byte-level stand-in (tests/test_chat_tools.py's Qwen3.5 run)",
+}
+
+
+def _expanded(page: str, words: list[str]) -> list[str]:
+    """A command's arguments after `lit-rl fit`, `...` replaced by what it stands for on `page`."""
+    args: list[str] = []
+    for word in words[2:]:
+        args.extend(ELLIPSIS[page] if word == "..." else [word])
+    return args
+
+
+def _stand_in_model(word: str, folder: Path) -> str:
+    """The model a reader would download (`word`), as a random tiny model with its family's released chat template;
+    `word` itself when it is no download."""
+    from tests.qwen_chat import save_qwen_chat_model
+
+    if word.startswith("Qwen/Qwen2.5-"):  # Qwen2.5-Instruct's template, tools and all
+        path = folder / "stand-in-qwen2.5"
+        return str(path if path.exists() else save_qwen_chat_model(path))
+    if word == "/path/to/a/hf/model":  # a folder of the reader's: the shipped warm start's
+        return str(REPO / "lit_rl" / "assets" / "tiny-qwen2-addition-sft")
+    return word
+
+
+def _page_files(page: Path) -> dict[str, str]:
+    """The files a page prints (a python block opening with `# my_tools.py, beside the run`): name -> text."""
+    files = {}
+    for block in _blocks(page, ("python",)):
+        named = re.match(r"# (\w+\.py), beside the run\n", block)
+        if named:
+            files[named.group(1)] = block
+    return files
+
+
+def _runs(words: list[str], page: str) -> bool:
+    """Whether the run test runs this command (else it is printed only, or needs what `NOT_RUN_HERE` names)."""
+    args = _expanded(page, words)
+    printed = any(word.endswith(".help") or word == "--print_config" for word in args)
+    return not printed and not any(needs in " ".join(args) for needs in NOT_RUN_HERE)
+
+
+RUN_PAGES = sorted({page for page, words in LIT_RL if _runs(words, page)})
+_ALREADY_RUN: dict[tuple[str, ...], str] = {}  # a command's words -> the page that ran it
+
+
+def _saved_step(log_dir: Path) -> int:
+    """The optimizer step of a run's last checkpoint (`checkpoints/last.ckpt`)."""
+    import torch
+
+    return torch.load(log_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]
+
+
+@pytest.mark.parametrize("page", RUN_PAGES)
+def test_a_pages_commands_run_in_order_as_a_reader_runs_them(page, tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "reader"
+    shutil.copytree(READER_FILES, folder)
+    (folder / "configs").symlink_to(REPO / "configs")
+    for name, text in _page_files(REPO / "docs" / page if page != "README.md" else REPO / page).items():
+        (folder / name).write_text(text)
+    monkeypatch.chdir(folder)
+    for _, words in [item for item in LIT_RL if item[0] == page and _runs(item[1], page)]:
+        args = _expanded(page, words)
+        resumes = "--ckpt_path" in args
+        if tuple(words) in _ALREADY_RUN and not (resumes or "runs/" in " ".join(args)):
+            continue  # run for another page; one that reads the page's earlier runs runs in this folder
+        before = set(folder.glob("runs/*/version_*"))
+        try:
+            run_cli(words[1], *[_stand_in_model(word, tmp_path) for word in args], *SHORTER)
+        except SystemExit as ended:
+            assert ended.code in (0, None), f"{page}: lit-rl {' '.join(words[1:])}: {capsys.readouterr().err[-2000:]}"
+        new = set(folder.glob("runs/*/version_*")) - before
+        if words[1] == "fit" and not resumes:  # a run of its own, which trained its step
+            (log_dir,) = new
+            assert _saved_step(log_dir) == 1, f"{page}: lit-rl {' '.join(words[1:])}"
+        elif resumes:  # it went on in the run it resumed (at its last step, 1: nothing left to train)
+            assert not new, f"{page}: lit-rl {' '.join(words[1:])}"
+        _ALREADY_RUN[tuple(words)] = page
+
+
+def test_every_command_not_run_says_why():
+    """A command the run test leaves out is one of the kinds `NOT_RUN_HERE` names, and each kind still matches a
+    command of the docs (a reason outliving its command goes)."""
+    commands = [" ".join(_expanded(page, words)) for page, words in LIT_RL]
+    for needs in NOT_RUN_HERE:
+        assert any(needs in command for command in commands), needs
