@@ -375,3 +375,21 @@ def test_a_fit_without_validation_data_warns_nothing_about_its_empty_validation(
     assert result.returncode == 0, result.stderr[-3000:]
     assert "lit-rl: done, 1 optimizer step" in result.stdout
     assert "across ranks is zero" not in result.stdout + result.stderr
+
+
+def test_seed_everything_changes_what_a_run_samples(tmp_path):
+    """`--seed_everything N`, as a user runs several seeds: the same seed samples the same completions (the same
+    rewards), another seed other ones. Every seed sampled alike before (`global_batch_seeds`)."""
+    from tests.conftest import FAST_GRPO, read_metrics, write_overlay
+
+    def rewards(seed: int, name: str) -> list[str]:
+        overlay = write_overlay(tmp_path / f"{name}.yaml", every_n_train_steps=None, save_dir=tmp_path / name)
+        options = [*FAST_GRPO, "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0"]
+        config = ["--config", str(CONFIGS / "grpo.yaml"), "--config", str(overlay)]
+        run_cli("fit", *config, *options, "--seed_everything", str(seed))
+        rows = read_metrics(tmp_path / name / "run" / "version_0")
+        return [row["train/reward"] for row in rows if row["train/reward"]]
+
+    first = rewards(1, "first")
+    assert len(first) == 2 and rewards(1, "again") == first
+    assert rewards(2, "other") != first

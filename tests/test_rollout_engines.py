@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lit_rl.losses import grpo_loss, truncated_is_weights
-from lit_rl.rollout.base import draw_seeds, padded_output, unpadded_prompts
+from lit_rl.rollout.base import draw_seeds, global_batch_seeds, padded_output, unpadded_prompts
 
 
 def test_padded_output_masks_up_to_the_first_eos_and_never_padding():
@@ -35,6 +35,20 @@ def test_unpadded_prompts_and_reproducible_seeds():
     first = draw_seeds(4)
     torch.manual_seed(3)
     assert draw_seeds(4) == first and len(set(first)) == 4
+
+
+def test_the_run_seed_changes_every_sampling_seed_and_seed_0_keeps_its_stream():
+    """`seed_everything` reaches the samples: the seeds of a generation differ between run seeds (they were the
+    same: torch's CPU generator kept only the low 32 bits of `run_seed * 2**32 + generation`), are the same for the
+    same seed, and seed 0's are the draws of torch's generator seeded with the generation, as every recorded run
+    and golden number was sampled."""
+    by_seed = {seed: global_batch_seeds(seed, 3, 64) for seed in (0, 1, 2, 42, 2**32 - 1)}
+    assert len({tuple(seeds) for seeds in by_seed.values()}) == len(by_seed)
+    assert all(not set(by_seed[0]) & set(seeds) for seed, seeds in by_seed.items() if seed)  # no seed shared
+    assert global_batch_seeds(1, 3, 64) == by_seed[1] and global_batch_seeds(1, 4, 64) != by_seed[1]
+    stream = torch.randint(0, 2**31 - 1, (64,), generator=torch.Generator().manual_seed(3)).tolist()
+    assert by_seed[0] == stream
+    assert all(0 <= seed < 2**31 - 1 for seeds in by_seed.values() for seed in seeds)
 
 
 def test_truncated_is_weights_by_hand():
