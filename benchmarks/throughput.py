@@ -319,13 +319,15 @@ def plot(results: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=CONFIGS / "grpo.yaml")
-    parser.add_argument("--engines", nargs="+", choices=list(ENGINES), default=["hf"])
+    parser.add_argument(
+        "--engines", nargs="+", choices=list(ENGINES), help="default: hf (with --quick: hf and vllm_colocate)"
+    )
     parser.add_argument("--strategies", nargs="+", choices=list(STRATEGIES), default=["single"])
     parser.add_argument("--devices", nargs="+", type=int, default=[1])
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the means (engine start-up)")
-    parser.add_argument("--quick", action="store_true", help="tiny model, hf + colocated vLLM, 8 steps")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 8 steps (hf + colocated vLLM by default)")
     parser.add_argument("--max-staleness", type=int, nargs="+", default=[0], help="model.rollout.max_staleness values")
     parser.add_argument("--pin-cores", action="store_true", help="server on CPU core 0, trainer on core 1")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved repetitions (the median is reported)")
@@ -339,8 +341,7 @@ def main() -> None:
         return
     check_output(args.out, args.allow_dirty)
     if args.quick:
-        args.engines = [e for e in args.engines if e != "hf"] or ["vllm_colocate"]
-        args.engines = ["hf", *args.engines]
+        args.engines = args.engines or ["hf", "vllm_colocate"]
         args.steps, args.warmup = 8, 3
         args.overrides = [
             "--model.sampling.num_generations",
@@ -349,6 +350,7 @@ def main() -> None:
             "32",
             *args.overrides,
         ]
+    args.engines = args.engines or ["hf"]
     invalid = [(s, d) for s in args.strategies for d in args.devices if s == "single" and d != 1]
     if invalid:
         parser.error("strategy 'single' runs on 1 device; use ddp/fsdp/deepspeed_* for more")
