@@ -86,6 +86,9 @@ def test_the_chat_format_is_chosen_when_the_template_writes_calls_lit_rl_reads(t
     quoting = llama_chat_tokenizer(template="llama3_2_pythonic")  # Llama 4's pythonic template quotes every value
     quoting.chat_template = quoting.chat_template.replace("value | tojson", "'\"' + value | string + '\"'")
     assert template_tool_support(quoting) == "pythonic"
+    lfm = qwen_chat_tokenizer()  # LFM2.5 writes [f(x=1)] inside <|tool_call_start|> markup, after the content
+    lfm.chat_template = _trl_template("lfm2_2_5")
+    assert template_tool_support(lfm) == "other"  # not lit-rl's pythonic turn: TRL's response template reads it
     assert uses_chat_tools("auto", "pythonic")
     assert uses_chat_tools("auto", "hermes") and not uses_chat_tools("auto", "none")
     assert uses_chat_tools("auto", "llama3") and not uses_chat_tools("tags", "llama3")
@@ -165,11 +168,19 @@ def test_pythonic_calls_are_a_python_list_of_literals_and_nothing_the_model_writ
     for value in ("x", "1+2", "open('/etc/passwd')", "__import__('os').getcwd()"):
         assert read(f"[add_numbers(a={value}, b=1)]") == [("add_numbers", {}, not_literal)], value
     ((name, _, error),) = read("[__import__('os').system(command='ls')]")
-    assert name is None and error == "the tool call's name is not a name (__import__('os').system)"
+    assert name is None and error == "the tool call's name is not a name (write name(argument=value))"
     assert read("[add_numbers(a=1, b=2), 3]")[1][2] == "every element of the call list must be a call, " + (
         "name(argument=value)"
     )
-    assert read("[" * 200 + "f(") != [("f", {}, None)]  # deep nesting is refused, not a crash
+    for value in ("(1, 2)", "{1, 2}", "b'1'", "1j", "...", "{1: 2}"):  # literals, but none of JSON's kinds
+        assert read(f"[add_numbers(a={value}, b=1)]") == [("add_numbers", {}, not_literal)], value
+    # Nested past any recursion limit (parser, names, values): one unreadable call, never a crash.
+    assert read("[" * 200 + "f(") == []  # no call opens it: an answer
+    deep = ["[(" + "-" * 900 + "1)(x=1)]", "[" + "a()" + "()" * 900 + "(x=1)]", "[f(x=" + "[" * 3000]
+    for text in [*deep, "[f(x=" + "[" * 900 + "]" * 900 + ")]", "[(" + "1+" * 900 + "1)(x=1)]"]:
+        ((name, _, error),) = read(text)
+        assert error is not None, text[:40]
+    assert read("[a" + ".a" * 1500 + "(x=1)]") == [("a" + ".a" * 1500, {"x": 1}, None)]  # a name, however dotted
 
 
 def test_a_pythonic_episode_trains_the_sampled_calls_and_the_rendered_results_token_in_token_out():

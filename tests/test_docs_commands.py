@@ -214,10 +214,18 @@ _ALREADY_RUN: dict[tuple[str, ...], str] = {}  # a command's words -> the page t
 
 
 def _saved_step(log_dir: Path) -> int:
-    """The optimizer step of a run's last checkpoint (`checkpoints/last.ckpt`)."""
+    """The optimizer step of a run's last checkpoint (`checkpoints/last.ckpt`; -1 for a run without one, such as a
+    `validate`'s)."""
     import torch
 
-    return torch.load(log_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]
+    last = log_dir / "checkpoints" / "last.ckpt"
+    return torch.load(last, map_location="cpu", weights_only=True)["global_step"] if last.exists() else -1
+
+
+def test_the_run_test_runs_most_of_the_docs_commands():
+    """The run test's reach, so that a change of its rules cannot leave it running next to nothing."""
+    runnable = [words for page, words in LIT_RL if _runs(words, page)]
+    assert len(runnable) >= 20 and len(RUN_PAGES) >= 8, (len(runnable), RUN_PAGES)
 
 
 @pytest.mark.parametrize("page", RUN_PAGES)
@@ -228,22 +236,28 @@ def test_a_pages_commands_run_in_order_as_a_reader_runs_them(page, tmp_path, mon
     for name, text in _page_files(REPO / "docs" / page if page != "README.md" else REPO / page).items():
         (folder / name).write_text(text)
     monkeypatch.chdir(folder)
-    for _, words in [item for item in LIT_RL if item[0] == page and _runs(item[1], page)]:
+    commands = [words for p, words in LIT_RL if p == page and _runs(words, page)]
+    # A page whose commands read its earlier runs (a resume, `runs/...`) runs every command in its own folder.
+    reads_runs = any("--ckpt_path" in words or "runs/" in " ".join(words) for words in commands)
+    for words in commands:
         args = _expanded(page, words)
         resumes = "--ckpt_path" in args
-        if tuple(words) in _ALREADY_RUN and not (resumes or "runs/" in " ".join(args)):
-            continue  # run for another page; one that reads the page's earlier runs runs in this folder
-        before = set(folder.glob("runs/*/version_*"))
+        if tuple(words) in _ALREADY_RUN and not reads_runs:
+            continue  # run word for word for another page
+        before = {path: _saved_step(path) for path in folder.glob("runs/*/version_*")}
+        steps = ["--trainer.max_steps", "2"] if resumes else []  # one step more than the run it resumes saved
         try:
-            run_cli(words[1], *[_stand_in_model(word, tmp_path) for word in args], *SHORTER)
+            run_cli(words[1], *[_stand_in_model(word, tmp_path) for word in args], *SHORTER, *steps)
         except SystemExit as ended:
             assert ended.code in (0, None), f"{page}: lit-rl {' '.join(words[1:])}: {capsys.readouterr().err[-2000:]}"
-        new = set(folder.glob("runs/*/version_*")) - before
+        after = {path: _saved_step(path) for path in folder.glob("runs/*/version_*")}
+        new = set(after) - set(before)
         if words[1] == "fit" and not resumes:  # a run of its own, which trained its step
             (log_dir,) = new
-            assert _saved_step(log_dir) == 1, f"{page}: lit-rl {' '.join(words[1:])}"
-        elif resumes:  # it went on in the run it resumed (at its last step, 1: nothing left to train)
-            assert not new, f"{page}: lit-rl {' '.join(words[1:])}"
+            assert after[log_dir] == 1, f"{page}: lit-rl {' '.join(words[1:])}"
+        elif resumes:  # one earlier run went on in its folder, from the step it saved (1) to step 2
+            went_on = [(before[path], after[path]) for path in before if after[path] != before[path]]
+            assert not new and went_on == [(1, 2)], f"{page}: lit-rl {' '.join(words[1:])}: {before} -> {after}"
         _ALREADY_RUN[tuple(words)] = page
 
 

@@ -61,3 +61,19 @@ def test_refill_seed_keys_never_meet_a_generations_key_or_each_other():
     assert len(keys) == 100 * 63 and min(keys) >= 2**31
     with pytest.raises(ValueError, match="refill must be in"):
         refill_seed_key(0, 64)
+
+
+def test_data_seed_reaches_the_refill_prompts_and_seed_0_keeps_them():
+    """`data.seed` changes which prompts refill a generation (it was lost: torch's generator kept only the low 32 bits
+    of `seed * 2**32 + key`), and seed 0 draws the permutation keyed by the refill alone, as before."""
+    import torch
+
+    def refill(seed: int) -> list[str]:
+        loader = _loader(0, 1)
+        loader.seed = seed
+        return [row["prompt"] for row in loader.rows_of_refill(3, 1)]
+
+    rows = _loader(0, 1).rows
+    keyed = torch.randperm(len(rows), generator=torch.Generator().manual_seed(refill_seed_key(3, 1))).tolist()
+    assert refill(0)[0] == rows[keyed[0]]["prompt"]
+    assert len({tuple(refill(seed)) for seed in (0, 1, 2, 3)}) == 4

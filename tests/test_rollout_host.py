@@ -87,14 +87,15 @@ class _Tokenizer:
 def _host(world_size: int = 1) -> SimpleNamespace:
     """A host with the members `RolloutHost` declares and nothing else."""
     trainer = SimpleNamespace(global_step=3, max_steps=10, current_epoch=0, world_size=world_size, global_rank=0)
+    clock = BusyClock()
     host = SimpleNamespace(
         trainer=trainer,
         device=torch.device("cpu"),
         policy=None,
         tokenizer=_Tokenizer(),
         policy_args=None,
-        timer=StepTimer(),
-        engine_clock=BusyClock(),
+        timer=StepTimer(clock),
+        engine_clock=clock,
         encode_prompts=lambda prompts: (torch.ones(len(prompts), 2, dtype=torch.long), torch.ones(len(prompts), 2)),
         all_gather=lambda tensor: tensor,
         gather_stacked=lambda tensor: tensor[None],

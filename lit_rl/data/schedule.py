@@ -31,6 +31,7 @@ import torch
 from lit_rl.data.files import Row
 from lit_rl.data.sharding import epoch_order
 from lit_rl.errors import DataError
+from lit_rl.seeding import seed_offset
 
 MAX_REFILLS = 63  # refill keys of generation g are 2**31 + 64 g + r, r = 1..63: no two generations share one
 
@@ -102,7 +103,8 @@ class RolloutScheduleLoader:
 
     def rows_of_refill(self, generation: int, refill: int) -> list[Row]:
         """This rank's prompt rows of refill `refill` of `generation`: P prompts of a permutation of its own."""
-        key = (self.seed % 2**31) * 2**32 + refill_seed_key(generation, refill)
+        # Shifted by `data.seed`, below 2**32 where torch's generator reads it (`lit_rl.seeding`); seed 0: unshifted.
+        key = (refill_seed_key(generation, refill) + seed_offset(self.seed)) % 2**32
         order = torch.randperm(len(self.rows), generator=torch.Generator().manual_seed(key)).tolist()
         return self._rows_of_slots(order)
 

@@ -128,8 +128,10 @@ def _own_call_format(tokenizer: Any) -> str:
         return HERMES
     if re.search(r'\{"name": "lit_rl_probe", "parameters": \{', text):
         return LLAMA3
-    # Llama 3.2's pythonic template writes the value as it is, Llama 4's quoted.
-    return PYTHONIC if re.search(r'\[lit_rl_probe\(x=(1|"1")\)\]', text) else OTHER
+    # Llama 3.2's pythonic template writes the value as it is, Llama 4's quoted; the list is the turn itself, after
+    # the header's white space. LFM2's templates wrap it in <|tool_call_start|> markup, after the turn's content: a
+    # format of its own, which TRL's response template reads.
+    return PYTHONIC if re.search(r'(?<=\s)\[lit_rl_probe\(x=(1|"1")\)\]', text) else OTHER
 
 
 def trls_response_template(tokenizer: Any) -> Optional[dict[str, Any]]:
@@ -300,50 +302,72 @@ def parse_tool_calls(text: str, call_format: str = HERMES) -> list[ToolCall]:
 def pythonic_calls(text: str) -> list[ToolCall]:
     """The calls of a turn that is a Python list of calls, `[name(a=1, b="x"), other()]` (after Llama 4's
     `<|python_start|>`, its `<|python_end|>` dropped), as vLLM's `pythonic` parser reads them: keyword arguments whose
-    values are literals (strings, numbers, lists, dicts, True/False/None, and JSON's true/false/null), read with
-    `ast.literal_eval`, so nothing the model writes is run. A turn that is no call list (prose, `[1, 2]`) is an
-    answer; one that opens a call (`[name(`) but cannot be read is one call with the reason."""
+    values are JSON's kinds of literal (strings, numbers, lists, dicts with string keys, True/False/None, and JSON's
+    true/false/null), read with `ast.literal_eval`, so nothing the model writes is run. A turn that is no call list
+    (prose, `[1, 2]`) is an answer; one that opens a call (`[name(`) but cannot be read, nested past what Python's
+    parser or this reader recurses through among them, is one call with the reason."""
     body = text.strip().removeprefix(_PYTHON_START).replace(_PYTHON_END, "").strip()
     if not body.startswith("["):
         return []
     try:
         tree = ast.parse(body, mode="eval").body
+        if not isinstance(tree, ast.List) or not any(isinstance(element, ast.Call) for element in tree.elts):
+            return []
+        return [_pythonic_call(element) for element in tree.elts]
     except (SyntaxError, ValueError, RecursionError, MemoryError) as err:
         if _PYTHONIC_OPENING.match(body) is None:
             return []
         reason = f"{err.msg} at character {err.offset}" if isinstance(err, SyntaxError) else type(err).__name__
         return [ToolCall(None, {}, f"the tool calls are not a Python list of calls ({reason})")]
-    if not isinstance(tree, ast.List) or not any(isinstance(element, ast.Call) for element in tree.elts):
-        return []
-    return [_pythonic_call(element) for element in tree.elts]
 
 
 def _pythonic_call(node: ast.expr) -> ToolCall:
-    """One element of a pythonic call list -> its ToolCall, or why it cannot be one."""
+    """One element of a pythonic call list -> its ToolCall, or why it cannot be one (`RecursionError` from a value
+    nested past the interpreter's limit is the caller's to catch)."""
     if not isinstance(node, ast.Call):
         return ToolCall(None, {}, "every element of the call list must be a call, name(argument=value)")
     name = _dotted_name(node.func)
     if name is None:
-        return ToolCall(None, {}, f"the tool call's name is not a name ({ast.unparse(node.func)[:80]})")
+        return ToolCall(None, {}, "the tool call's name is not a name (write name(argument=value))")
     if node.args or any(keyword.arg is None for keyword in node.keywords):
         return ToolCall(name, {}, "pass every argument by name, name(argument=value)")
     arguments = {}
     for keyword in node.keywords:
         try:
-            arguments[keyword.arg] = ast.literal_eval(_JSONNamesAsConstants().visit(keyword.value))
-        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            value = ast.literal_eval(_JSONNamesAsConstants().visit(keyword.value))
+        except (ValueError, TypeError, SyntaxError):
+            value = _NOT_JSON
+        if not _json_like(value):
             return ToolCall(name, {}, f"argument {keyword.arg!r} is not a literal value (write it out, no variables)")
+        arguments[keyword.arg] = value
     return ToolCall(name, arguments)
 
 
+_NOT_JSON = object()  # a value `ast.literal_eval` could not read
+
+
+def _json_like(value: Any) -> bool:
+    """Whether `value` is one of JSON's kinds (what a chat-format call's arguments are): no tuple, set, bytes,
+    complex number or `...`, which `ast.literal_eval` also reads."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return True
+    if isinstance(value, list):
+        return all(_json_like(item) for item in value)
+    if isinstance(value, dict):
+        return all(isinstance(key, str) and _json_like(item) for key, item in value.items())
+    return False
+
+
 def _dotted_name(node: ast.expr) -> Optional[str]:
-    """`name` or `a.b.name` as written; None for anything else (`f()(...)`, `(lambda: 1)(...)`)."""
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        base = _dotted_name(node.value)
-        return None if base is None else f"{base}.{node.attr}"
-    return None
+    """`name` or `a.b.name` as written; None for anything else (`f()(...)`, `(lambda: 1)(...)`). A loop, not a
+    recursion: a name dotted a thousand times deep is read like any other."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
 
 
 class _JSONNamesAsConstants(ast.NodeTransformer):

@@ -7,6 +7,8 @@ from typing import Callable, Iterable, Optional, Protocol, Sequence
 
 import torch
 
+from lit_rl.seeding import seed_offset
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -105,18 +107,12 @@ def global_batch_seeds(run_seed: int, generation: int, total: int) -> list[int]:
     seed whatever the number of ranks it is split over, and a resumed run the same seeds as an uninterrupted one.
 
     The generation's draws come from torch's generator seeded with `generation`; the run's seed shifts them all by
-    `run_seed_offset(run_seed)` (modulo 2**31 - 1). It cannot go into the generator's seed: torch's CPU generator
-    keeps a seed's low 32 bits only, and a seed of `run_seed * 2**32 + generation` gave every run seed the same
-    samples. Seed 0's offset is 0: its runs sample as they always did."""
+    `seed_offset(run_seed)` (modulo 2**31 - 1; `lit_rl.seeding`). It cannot go into the generator's seed: torch's
+    CPU generator keeps a seed's low 32 bits only, and a seed of `run_seed * 2**32 + generation` gave every run seed
+    the same samples. Seed 0's offset is 0: its runs sample as they always did."""
     generator = torch.Generator().manual_seed(generation)
     draws = torch.randint(0, 2**31 - 1, (total,), generator=generator)
-    return ((draws + run_seed_offset(run_seed)) % (2**31 - 1)).tolist()
-
-
-def run_seed_offset(run_seed: int) -> int:
-    """A run seed's shift of every sampling seed, in [0, 2**31): Fibonacci hashing (the seed times 2**64 / golden
-    ratio, modulo 2**64, its top 31 bits), which spreads consecutive seeds far apart and maps 0 to 0."""
-    return ((run_seed % 2**64) * 0x9E3779B97F4A7C15 % 2**64) >> 33
+    return ((draws + seed_offset(run_seed)) % (2**31 - 1)).tolist()
 
 
 def padded_output(
