@@ -325,16 +325,17 @@ def test_gpu_suite_pipeline_runs_on_cpu_and_refuses_to_measure_without_a_gpu(tmp
     out = tmp_path / "smoke.json"
     # Two steps, the first left out as warm-up, are all the assertions need: the measured step pushes the weights
     # the first step trained (`--steps 2 1`; the smoke's default is 4 steps, 1 left out). One run per code path of
-    # the suite: `hf_compiled` is the `hf` part's loop with another engine name, ZeRO-2 the `strategies` part's
-    # loop with another strategy (`tests/gpu/test_gpu.py` trains with both on a GPU). The `trl` part's processes
+    # the suite: `hf_compiled` is the `hf` part's loop with another engine name, ZeRO-3 the `strategies` part's
+    # loop with another strategy (`tests/gpu/test_gpu.py` trains with both on a GPU; ZeRO-3's push into the
+    # colocated engine is test_deepspeed's, and ZeRO-2's, run here, is run nowhere else). The `trl` part's processes
     # are `compare_trl.run_child`'s, which `test_trl_comparison_quick...` starts for both libraries; its own
     # arithmetic is `test_the_gpu_suites_trl_ratio_alternates_the_libraries_and_divides_their_medians`.
-    parts = ["--parts", "vllm", "hf", "strategies", "--strategies", "deepspeed_zero3"]
+    parts = ["--parts", "vllm", "hf", "strategies", "--strategies", "deepspeed_zero2"]
     smoke = [*suite, "--cpu-smoke", *parts, "--steps", "2", "1", "--out", str(out)]
     subprocess.run(smoke, check=True, capture_output=True, timeout=900)
     report = json.loads(out.read_text())
     runs = {r["name"]: r for r in report["results"]["runs"]}
-    expected = {"vllm smoke", "hf smoke", "vllm smoke deepspeed_zero3"}
+    expected = {"vllm smoke", "hf smoke", "vllm smoke deepspeed_zero2"}
     assert set(runs) == expected
     assert not any("error" in r for r in runs.values()), runs
     assert runs["vllm smoke"]["split_s"]["weight_push"] > 0 and runs["hf smoke"]["split_s"]["weight_push"] == 0
