@@ -188,31 +188,10 @@ def test_a_pythonic_episode_trains_the_sampled_calls_and_the_rendered_results_to
     `ipython` turns, then the answer. The transcript is the prompt, the sampled ids and the rendered results, and
     decodes to exactly the template's rendering of the whole conversation; the second turn was sampled from it."""
     tokenizer = llama_chat_tokenizer(template="llama3_2_pythonic")
-    schemas = [tool_schema(add_numbers)]
-    renderer = ChatRenderer(tokenizer, schemas)
-    eos = tokenizer.eos_token_id
     question = [{"role": "user", "content": "What is 2+3, and 1+1?"}]
-    prompt = tokenizer.apply_chat_template(question, tools=schemas, tokenize=False, add_generation_prompt=True)
-    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
-    call = tokenizer.encode("[add_numbers(a=2, b=3), add_numbers(a=1, b=1)]", add_special_tokens=False) + [eos]
-    answer = tokenizer.encode("5 and 2.", add_special_tokens=False) + [eos]
-    engine = ScriptedEngine({prompt_ids[0]: [call, answer]})
     env = ChatToolEnvironment([add_numbers], call_format="pythonic")
-    episodes = run_episodes(
-        engine,
-        [env],
-        [prompt_ids],
-        SamplingParams(max_new_tokens=64),
-        [0],
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        encode_observation=lambda observation, turn: renderer.observation_ids(observation, turn),
-        reward_names=(),
-        max_turns=3,
-        max_total_tokens=1024,
-        pad_id=tokenizer.pad_token_id,
-        device=torch.device("cpu"),
-        runner=EnvironmentRunner(concurrency=2, timeout_s=10.0),
-    )
+    turns = ["[add_numbers(a=2, b=3), add_numbers(a=1, b=1)]", "5 and 2."]
+    prompt, prompt_ids, (call, answer), engine, episodes = _scripted_episode(tokenizer, env, question, turns)
     calls = [
         {"type": "function", "function": {"name": "add_numbers", "arguments": {"a": a, "b": b}}}
         for a, b in ((2, 3), (1, 1))
@@ -220,7 +199,7 @@ def test_a_pythonic_episode_trains_the_sampled_calls_and_the_rendered_results_to
     results = [{"role": "tool", "name": "add_numbers", "content": c} for c in ("5", "2")]
     whole = tokenizer.apply_chat_template(
         [*question, {"role": "assistant", "content": "", "tool_calls": calls}, *results],
-        tools=schemas,
+        tools=[tool_schema(add_numbers)],
         tokenize=False,
         add_generation_prompt=True,
     )
@@ -233,13 +212,46 @@ def test_a_pythonic_episode_trains_the_sampled_calls_and_the_rendered_results_to
         "<|start_header_id|>assistant<|end_header_id|>\n\n"
     )
     result = tokenizer.encode(result_text, add_special_tokens=False)
+    _assert_trains_the_sampled_turns_and_the_result(episodes, engine, prompt_ids, call, answer, result, tool_calls=2)
+
+
+def _scripted_episode(tokenizer, env, question, turns, max_total_tokens=1024):
+    """One episode of `env` from `question` (rendered with `add_numbers`' schema), its model turns scripted: `turns`,
+    each ended by EOS. The prompt's text and ids, each turn's ids, the engine (its `calls`) and the episodes."""
+    schemas = [tool_schema(add_numbers)]
+    renderer = ChatRenderer(tokenizer, schemas)
+    prompt = tokenizer.apply_chat_template(question, tools=schemas, tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    turn_ids = [tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id] for text in turns]
+    engine = ScriptedEngine({prompt_ids[0]: list(turn_ids)})  # named by its first prompt id; it pops the turns
+    episodes = run_episodes(
+        engine,
+        [env],
+        [prompt_ids],
+        SamplingParams(max_new_tokens=64),
+        [0],
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        encode_observation=lambda observation, turn: renderer.observation_ids(observation, turn),
+        reward_names=(),
+        max_turns=3,
+        max_total_tokens=max_total_tokens,
+        pad_id=tokenizer.pad_token_id,
+        device=torch.device("cpu"),
+        runner=EnvironmentRunner(concurrency=2, timeout_s=10.0),
+    )
+    return prompt, prompt_ids, turn_ids, engine, episodes
+
+
+def _assert_trains_the_sampled_turns_and_the_result(episodes, engine, prompt_ids, call, answer, result, tool_calls):
+    """The transcript is the sampled `call`, the rendered `result`, the sampled `answer`; only the sampled ids carry
+    loss; the second turn was sampled from exactly those ids; the episode's counts."""
     out = episodes.output
     n = len(call) + len(result) + len(answer)
     assert out.completion_ids[0, :n].tolist() == call + result + answer
     assert out.sampled_mask[0, :n].tolist() == [1.0] * len(call) + [0.0] * len(result) + [1.0] * len(answer)
     assert engine.calls[1][0] == [prompt_ids + call + result]  # the second turn's context
     # turns, tool calls, failed calls, observation tokens, steps timed out
-    assert episodes.stats[0].tolist() == [2, 2, 0, len(result), 0]
+    assert episodes.stats[0].tolist() == [2, tool_calls, 0, len(result), 0]
 
 
 def _with_response_template(tokenizer, template: str):
@@ -555,43 +567,16 @@ def test_an_episode_trains_exactly_the_sampled_turns_and_the_rendered_tool_resul
     """A two-turn episode: the model calls `add_numbers`, gets the result, answers. The transcript is the sampled
     ids, then the rendered tool message, then the sampled answer; only the sampled ids carry loss; the second turn
     was sampled from exactly those ids."""
-    schemas = [tool_schema(add_numbers)]
-    renderer = ChatRenderer(tokenizer, schemas)
-    eos = tokenizer.eos_token_id
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is 2+3?"}], tools=schemas, tokenize=False, add_generation_prompt=True
-    )
-    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
-    call = tokenizer.encode(_call("add_numbers", '{"a": 2, "b": 3}'), add_special_tokens=False) + [eos]
-    answer = tokenizer.encode("The answer is 5.", add_special_tokens=False) + [eos]
-    engine = ScriptedEngine({prompt_ids[0]: [call, answer]})  # the episode is named by its first prompt id
-    env = ChatToolEnvironment([add_numbers])
-    episodes = run_episodes(
-        engine,
-        [env],
-        [prompt_ids],
-        SamplingParams(max_new_tokens=64),
-        [0],
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        encode_observation=lambda observation, turn: renderer.observation_ids(observation, turn),
-        reward_names=(),
-        max_turns=3,
-        max_total_tokens=512,
-        pad_id=tokenizer.pad_token_id,
-        device=torch.device("cpu"),
-        runner=EnvironmentRunner(concurrency=2, timeout_s=10.0),
+    question = [{"role": "user", "content": "What is 2+3?"}]
+    turns = [_call("add_numbers", '{"a": 2, "b": 3}'), "The answer is 5."]
+    _, prompt_ids, (call, answer), engine, episodes = _scripted_episode(
+        tokenizer, ChatToolEnvironment([add_numbers]), question, turns, max_total_tokens=512
     )
     result = tokenizer.encode(
         "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
         add_special_tokens=False,
     )
-    out = episodes.output
-    n = len(call) + len(result) + len(answer)
-    assert out.completion_ids[0, :n].tolist() == call + result + answer
-    assert out.sampled_mask[0, :n].tolist() == [1.0] * len(call) + [0.0] * len(result) + [1.0] * len(answer)
-    assert engine.calls[1][0] == [prompt_ids + call + result]  # the second turn's context
-    # turns, tool calls, failed calls, observation tokens, steps timed out
-    assert episodes.stats[0].tolist() == [2, 1, 0, len(result), 0]
+    _assert_trains_the_sampled_turns_and_the_result(episodes, engine, prompt_ids, call, answer, result, tool_calls=1)
 
 
 def test_grpo_puts_the_tools_schemas_in_the_prompt_through_the_chat_template(tmp_path):

@@ -88,13 +88,19 @@ def test_every_command_of_the_docs_is_checked_by_a_rule():
     assert len(LIT_RL) >= 30 and len(PYTHON) >= 5 and len(PIP) >= 5  # the extraction finds the pages' commands
 
 
+def _expanded(page: str, words: list[str]) -> list[str]:
+    """A command's arguments after `lit-rl fit`, `...` replaced by what it stands for on `page`."""
+    args: list[str] = []
+    for word in words[2:]:
+        args.extend(ELLIPSIS[page] if word == "..." else [word])
+    return args
+
+
 @pytest.mark.parametrize("item", LIT_RL, ids=_id)
 def test_lit_rl_commands_parse_as_printed(item, tmp_path, monkeypatch, capsys):
     page, words = item
     monkeypatch.chdir(REPO)  # the docs' paths are the repository's (configs/...)
-    args: list[str] = []
-    for word in words[2:]:
-        args.extend(ELLIPSIS[page] if word == "..." else [word])
+    args = _expanded(page, words)
     for i, word in enumerate(args[:-1]):
         if word == "--config" and not (REPO / args[i + 1]).exists():  # the reader's own file
             (tmp_path / "reader.yaml").write_text("{}\n")
@@ -169,14 +175,6 @@ NOT_RUN_HERE = {
     "lit_rl.envs.OpenEnv": "openenv, which cannot be installed beside vLLM (tests/test_openenv.py)",
     "Qwen/Qwen3.5-": "Qwen3.5's tool instructions on a byte-level stand-in (tests/test_chat_tools.py's Qwen3.5 run)",
 }
-
-
-def _expanded(page: str, words: list[str]) -> list[str]:
-    """A command's arguments after `lit-rl fit`, `...` replaced by what it stands for on `page`."""
-    args: list[str] = []
-    for word in words[2:]:
-        args.extend(ELLIPSIS[page] if word == "..." else [word])
-    return args
 
 
 def _stand_in_model(word: str, folder: Path) -> str:
