@@ -163,3 +163,56 @@ def _forward_hooks(module) -> int:
 def _is_whole(param) -> bool:
     status = getattr(param, "ds_status", None)  # ZeRO-3's; other parameters are always whole
     return status is None or status.name == "AVAILABLE"
+
+
+class RecordLabelledVersionGaps(_Probe):
+    """`labelled_versions_rank<r>.json`: for each step, each policy version its rows were labelled with (a token's
+    own with in-flight updates, else its row's) -> the largest gap between a model token's engine log-prob and the
+    trainer's log-prob of it under that version's weights (kept as each step began). Zero up to numerics when every
+    token was sampled by the version it carries; the loss's rollout correction divides by those engine log-probs."""
+
+    def __init__(self, directory: str) -> None:
+        super().__init__(directory)
+        self.weights: dict[int, dict] = {}  # version -> the policy's parameters when that step began
+        self.gaps: dict[int, dict[int, float]] = {}
+        self._scratch = None  # a copy of the policy to load old versions into
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx) -> None:
+        self.step = trainer.global_step
+        if self.step not in self.weights:
+            self.weights[self.step] = {k: v.detach().clone() for k, v in pl_module.policy.state_dict().items()}
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        import copy
+
+        import torch
+
+        from lit_rl.types import model_token_mask
+
+        if self.step in self.gaps:  # the step's buffer, once
+            return
+        buffer = pl_module._buffer
+        model_tokens = model_token_mask(buffer) > 0
+        versions = buffer.token_versions
+        if versions is None:
+            versions = buffer.policy_version[:, None].expand_as(buffer.completion_ids)
+        if self._scratch is None:
+            self._scratch = copy.deepcopy(pl_module.policy)
+        self.gaps[self.step] = {}
+        for version in sorted(set(versions[model_tokens].tolist())):
+            self._scratch.load_state_dict(self.weights[version])
+            with torch.no_grad():
+                scores = pl_module.score_completions(
+                    self._scratch,
+                    buffer.prompt_ids,
+                    buffer.prompt_mask,
+                    buffer.completion_ids,
+                    buffer.completion_mask,
+                    pl_module.sampling_args.temperature,
+                )
+            tokens = model_tokens & (versions == version)
+            gap = (scores.logprobs - buffer.rollout_logprobs)[tokens].abs().max()
+            self.gaps[self.step][int(version)] = float(gap)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.write("labelled_versions", trainer.global_rank, {str(step): gaps for step, gaps in self.gaps.items()})

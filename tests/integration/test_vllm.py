@@ -34,6 +34,7 @@ from tests.conftest import (
     without_engine_gap,
     write_overlay,
 )
+from tests.integration.probes import probe_flags
 
 pytestmark = pytest.mark.slow
 
@@ -510,10 +511,17 @@ def test_episodes_score_the_engines_tokens_with_the_colocated_and_the_server_eng
     in_flight = (*server, "--model.rollout.in_flight_updates", "true")
     held = ("--model.env.environment", "tests.integration.envs.AwaitsNewerWeights", "--model.env.max_turns", "3")
     held += ("--model.env.environment_args", "{wait_in: [1], per_generation: 8}")
-    rows = train_rows(_fit(tmp_path, "in_flight_env", *in_flight, *held, max_steps=2))
+    probe = probe_flags("RecordLabelledVersionGaps", tmp_path / "in_flight_probe")
+    rows = train_rows(_fit(tmp_path, "in_flight_env", *in_flight, *held, *probe, max_steps=2))
     assert [row["train/staleness/max"] for row in rows] == [0.0, 1.0]
     assert rows[0]["train/staleness/token_mean"] == 0.0 and rows[0]["train/rollout_logprob_diff/max"] < TOLERANCE
     assert 0.0 < rows[1]["train/staleness/token_mean"] < rows[1]["train/staleness/mean"] == 1.0
+    # Every token was sampled by the version it carries: under that version's weights the trainer gives the
+    # server's log-prob, for step 1's tokens of version 0 and of version 1 alike (learning rate 1e-3: a token
+    # labelled with the other version would be off by far more).
+    gaps = json.loads((tmp_path / "in_flight_probe" / "labelled_versions_rank0.json").read_text())
+    assert set(gaps) == {"0", "1"} and set(gaps["1"]) == {"0", "1"}, gaps
+    assert all(gap < TOLERANCE for by_version in gaps.values() for gap in by_version.values()), gaps
 
 
 # A reward function that writes, for every completion it scores, the step that trains on it and its prompt (to
@@ -564,8 +572,19 @@ def test_episodes_in_flight_stopped_or_killed_resume_with_every_prompt_trained_o
         shell = isinstance(cmd, str)
         return subprocess.run(cmd, shell=shell, cwd=tmp_path, env=run_env, capture_output=True, text=True, timeout=600)
 
-    reference = run(command("reference"), tmp_path / "reference.log")
+    probe = probe_flags("RecordLabelledVersionGaps", tmp_path / "reference_probe")
+    reference = run(command("reference", *probe), tmp_path / "reference.log")
     assert reference.returncode == 0, reference.stderr[-3000:]
+    # Each step's rows were sampled by the weights of their version, max(0, step - 1): the trainer's log-probs
+    # under those weights are the server's.
+    gaps = json.loads((tmp_path / "reference_probe" / "labelled_versions_rank0.json").read_text())
+    assert {step: list(by_version) for step, by_version in gaps.items()} == {
+        "0": ["0"],
+        "1": ["0"],
+        "2": ["1"],
+        "3": ["2"],
+    }
+    assert all(gap < TOLERANCE for by_version in gaps.values() for gap in by_version.values()), gaps
     # Asynchronous (k = 1): each generation's episodes run on rank 0's worker, every turn sampled by the server with
     # the weights staged for its version; the first generation's by the initial weights, which the trainer has too.
     rows = train_rows(tmp_path / "reference" / "run" / "version_0")
