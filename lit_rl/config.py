@@ -321,6 +321,12 @@ class RolloutArgs:
             are sampled when the generation is taken, by the current weights (their staleness starts at 0).
         max_refill_generations (GRPO): the most refill generations one generation may sample (0-63); when they run
             out, the earliest dropped groups fill the batch (they add no gradient).
+        producer: your own producer of rollouts, by import path (`my_pkg.MyProducer`). The settings above choose
+            the producer class: `lit_rl.rollout.producer`'s `RolloutProducer` (synchronous), `EpisodeProducer`
+            (synchronous, with `model.env`) or `AsyncProducer` (`max_staleness > 0`), or
+            `lit_rl.rollout.async_episodes.AsyncEpisodeProducer` (both; `in_flight_updates` is one of its
+            arguments). Yours must subclass the class they choose, and is built with its arguments; dynamic
+            sampling wraps it as it wraps theirs. null (default): that class.
     """
 
     engine: Optional[EngineConfig] = None
@@ -330,6 +336,7 @@ class RolloutArgs:
     correction_cap: float = 2.0
     dynamic_sampling: bool = False
     max_refill_generations: int = 4
+    producer: Optional[str] = None
 
     def __post_init__(self) -> None:
         # None stays None, so that LightningCLI writes the default as null (it cannot write an engine object as

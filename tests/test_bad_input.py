@@ -499,6 +499,27 @@ CASES = [
         "Exploding.step raised RuntimeError: the environment broke",
         1,
     ),
+    (
+        "producer-not-a-producer",
+        GRPO,
+        ["--model.rollout.producer", "bad_rewards.correctness"],
+        "'bad_rewards.correctness' must be a subclass of lit_rl.rollout.producer.RolloutProducer",
+        1,
+    ),
+    (
+        "producer-of-another-kind",  # episodes' producer, for a run without model.env: built with other arguments
+        GRPO,
+        ["--model.rollout.producer", "lit_rl.rollout.producer.EpisodeProducer"],
+        "'lit_rl.rollout.producer.EpisodeProducer' must be a subclass of lit_rl.rollout.producer.RolloutProducer",
+        1,
+    ),
+    (
+        "producer-missing",
+        GRPO,
+        ["--model.rollout.producer", "bad_rewards.Producer"],
+        "model.rollout.producer 'bad_rewards.Producer': module 'bad_rewards' has no callable 'Producer'",
+        1,
+    ),
 ]
 
 

@@ -43,6 +43,7 @@ from lit_rl.envs.chat_tools import (
 )
 from lit_rl.envs.runner import EnvironmentRunner
 from lit_rl.errors import ConfigError
+from lit_rl.importing import import_callable
 from lit_rl.losses import LossNormalizer, rollout_is_weights
 from lit_rl.ops import kl_k3
 from lit_rl.resume import say
@@ -127,8 +128,29 @@ class OnPolicyModule(PolicyModule):
 
     def build_producer(self) -> RolloutProducer:
         """Where this run's rollouts come from (`lit_rl.rollout.producer`): episodes with `model.env`, generations
-        sampled ahead with `model.rollout.max_staleness > 0`, else each generation when its first micro-step comes.
-        """
+        sampled ahead with `model.rollout.max_staleness > 0`, else each generation when its first micro-step comes;
+        or a subclass of that producer named by `model.rollout.producer`, built with the same arguments."""
+        chosen, args = self.chosen_producer()
+        path = self.rollout_args.producer
+        if path is None:
+            return chosen(**args)
+        try:
+            cls = import_callable(path, "model.rollout.producer")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        choices = (RolloutProducer, EpisodeProducer, AsyncProducer, AsyncEpisodeProducer)
+        # The chosen class itself, or a subclass of yours: not one of lit-rl's others, built with other arguments.
+        narrower = [other for other in choices if other is not chosen and issubclass(other, chosen)]
+        if not (isinstance(cls, type) and issubclass(cls, chosen) and not issubclass(cls, tuple(narrower) or ())):
+            raise ConfigError(
+                f"model.rollout.producer {path!r} must be a subclass of {chosen.__module__}.{chosen.__qualname__}, "
+                "the producer this run's settings choose (model.env, model.rollout.max_staleness), built with its "
+                "arguments"
+            )
+        return cls(**args)
+
+    def chosen_producer(self) -> tuple[type[RolloutProducer], dict[str, Any]]:
+        """The producer class this run's settings choose, and its arguments (`build_producer`)."""
         env, params = self.env_args, self.sampling_params(training=True)
         parts = ProducerParts(self, self.engines, self.reward_scorer, params, self.sampling_args.max_new_tokens)
         self.prompt_tools: Optional[list[dict]] = None  # the schemas every prompt is rendered with (chat-format tools)
@@ -150,6 +172,7 @@ class OnPolicyModule(PolicyModule):
             if trls is not None and spec.raw_turns:
                 say(TRLS_RESPONSE_TEMPLATE)
             episode_args = dict(
+                parts=parts,
                 env_factory=spec.factory,
                 env_reward_names=spec.reward_names,
                 max_turns=env.max_turns,
@@ -160,17 +183,14 @@ class OnPolicyModule(PolicyModule):
                 raw_turns=spec.raw_turns,
             )
             if self.max_staleness == 0:
-                return EpisodeProducer(parts, **episode_args)
-            steps = self.optimizer_steps_per_generation
+                return EpisodeProducer, episode_args
             if self.in_flight_updates:
                 say(IN_FLIGHT_EXPERIMENTAL)  # until its accuracy is fixed (lit_rl.rollout.in_flight)
-            return AsyncEpisodeProducer(
-                parts,
-                steps_per_generation=steps,
-                max_staleness=self.max_staleness,
-                in_flight_updates=self.in_flight_updates,
-                **episode_args,
+            steps = self.optimizer_steps_per_generation
+            asynchronous = dict(
+                steps_per_generation=steps, max_staleness=self.max_staleness, in_flight_updates=self.in_flight_updates
             )
+            return AsyncEpisodeProducer, {**episode_args, **asynchronous}
         if self.in_flight_updates:
             raise ConfigError(
                 "model.rollout.in_flight_updates needs model.env: weights change between an episode's turns, and a "
@@ -178,8 +198,8 @@ class OnPolicyModule(PolicyModule):
             )
         if self.max_staleness > 0:
             steps = self.optimizer_steps_per_generation
-            return AsyncProducer(parts, steps_per_generation=steps, max_staleness=self.max_staleness)
-        return RolloutProducer(parts)
+            return AsyncProducer, dict(parts=parts, steps_per_generation=steps, max_staleness=self.max_staleness)
+        return RolloutProducer, dict(parts=parts)
 
     def dynamic_sampling(self) -> None:
         """Wrap the producer in DAPO's dynamic sampling (`lit_rl.rollout.dynamic_sampling`), judging groups on the
