@@ -257,7 +257,7 @@ class EnvArgs:
             counted in `env_timeouts`; a `reset` that overruns stops the run in one line.
         independent_turns: after the first turn, each episode goes on on its own: its next turn goes to the engine
             as soon as its observation is back (`lit_rl.rollout.multi_turn`), where the engine takes requests from
-            many threads with no collective (the vLLM server engine on one process, and asynchronous episodes on
+            many threads with no collective (the vLLM server engine, on every process, and asynchronous episodes on
             its worker). false, or any other engine: turn by turn, every running episode's turn in one batch. The
             same tokens are sampled either way (each turn is seeded by its episode and turn).
     """

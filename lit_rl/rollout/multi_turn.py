@@ -79,15 +79,17 @@ def run_episodes(
     any_active: Callable[[bool], bool] = bool,
     ended: frozenset[int] = frozenset(),
     concurrent_generate: Optional[Generate] = None,
+    first_turns_together: bool = True,
 ) -> Episodes:
     """Run one episode per environment from `prompts` (token ids) until each is done (module docstring). A model
     turn samples at most `params.max_new_tokens` tokens and at most what is left of `max_total_tokens` (model and
     observation tokens after the prompt); an observation that would pass it is cut to fit, and ends the episode.
 
-    Every episode's first turn is sampled in one `engine.generate` call. Then:
+    Every episode's first turn is sampled in one call: `engine.generate` (`first_turns_together`), or with several
+    ranks, each on its own, `concurrent_generate`. Then:
 
     - **Independent** (`concurrent_generate` given: a `generate` many threads may call at once, with no collective,
-      such as the vLLM server engine's on one process): each episode goes on on its own. Its environment step
+      such as the vLLM server engine's, on one rank or on each): each episode goes on on its own. Its environment step
       starts as soon as its turn is sampled, and its next turn goes to the engine as soon as its observation is
       back; the engine batches the requests that are in flight. A step pays its longest episode, not the sum of
       every turn's slowest episode.
@@ -116,7 +118,8 @@ def run_episodes(
     batch.broken.update(ended)
     try:
         if concurrent_generate is not None:  # the caller's word that no other rank takes part in this engine's calls
-            _independent(batch, engine, concurrent_generate, active, pad_id, device, runner)
+            first_turns = engine.generate if first_turns_together else concurrent_generate
+            _independent(batch, first_turns, concurrent_generate, active, pad_id, device, runner)
         else:
             _lock_step(batch, engine, active, pad_id, device, runner, any_active)
         settled = [i for i in range(len(envs)) if i not in batch.broken]
@@ -282,7 +285,7 @@ def _sample_turns(
 
 def _independent(
     batch: _EpisodeBatch,
-    engine: RolloutEngine,
+    first_turns: Generate,
     generate: Generate,
     active: list[int],
     pad_id: int,
@@ -296,7 +299,7 @@ def _independent(
     if not active:
         return
     # The first turn in one call, as in lock-step: the G episodes of a prompt share it (one request for n).
-    steps = _sample_turns(batch, engine.generate, active, pad_id, device)
+    steps = _sample_turns(batch, first_turns, active, pad_id, device)
     waiting = ThreadPoolExecutor(max_workers=len(active), thread_name_prefix="lit-rl-episode")
     pending: dict[Future, tuple[int, str, int]] = {}  # future -> (episode, "step" or "turn", the turn's budget)
     stopped = threading.Event()  # set on a failure or Ctrl-C: calls not yet begun are never made

@@ -25,7 +25,7 @@ import torch
 from lit_rl.envs.chat_tools import ChatRenderer, chat_prompt
 from lit_rl.envs.runner import EnvCallTimeout, EnvironmentRunner
 from lit_rl.envs.trl_environments import TRLEnvironment
-from lit_rl.errors import ConfigError, EnvironmentStepError, RewardFunctionError
+from lit_rl.errors import ConfigError, EnvironmentStepError, LitRLError, RewardFunctionError
 from lit_rl.rewards import TrainerState
 from lit_rl.rewards.scorer import RewardScorer
 from lit_rl.rollout.asynchronous import AsyncGenerations, PendingGeneration, generation_version
@@ -301,20 +301,31 @@ class EpisodeProducer(RolloutProducer):
             envs, env_name, prompts, error, ended = self.start_episodes(rows_of)
             prompt_ids, prompt_mask = host.encode_prompts(prompts, self.tool_schemas)
             engine = self.engines.engine()
-            episodes = self.run_episodes(
-                engine,
-                envs,
-                unpadded_prompts(prompt_ids, prompt_mask),
-                params,
-                seeds,
-                host.tokenizer,
-                self.encode_observation,
-                host.device,
-                env_name,
-                ended,
-                any_active=self._any_rank_active,
-                concurrent=host.trainer.world_size == 1,
-            )
+            one_rank = host.trainer.world_size == 1
+            # With several ranks, each rank's episodes go on on their own only where every rank may sample alone.
+            alone = one_rank or getattr(engine, "concurrent_on_every_rank", False)
+            episodes, engine_error = None, None
+            try:
+                episodes = self.run_episodes(
+                    engine,
+                    envs,
+                    unpadded_prompts(prompt_ids, prompt_mask),
+                    params,
+                    seeds,
+                    host.tokenizer,
+                    self.encode_observation,
+                    host.device,
+                    env_name,
+                    ended,
+                    any_active=self._any_rank_active,
+                    concurrent=alone,
+                    first_turns_together=one_rank,
+                )
+            except LitRLError as err:  # the engine's, on this rank alone when the ranks sample apart: on every rank
+                if one_rank or not alone:  # lock-step's engine calls are collectives: every rank has it already
+                    raise
+                engine_error = err
+        self.fail_on_every_rank(engine_error, LitRLError, "the rollout engine failed on another rank")
         episodes.output.episode_stats = episodes.stats
         self.fail_on_every_rank(error or episodes.error, EnvironmentStepError, "the environment failed on another rank")
         out = episodes.output
@@ -340,11 +351,14 @@ class EpisodeProducer(RolloutProducer):
         ended: set[int],
         any_active: Callable[[bool], bool] = bool,
         concurrent: bool = True,
+        first_turns_together: bool = True,
     ) -> Episodes:
         """`lit_rl.rollout.multi_turn.run_episodes` with this producer's settings (reward parts, turns, token budget,
-        runner), the turns decoded and padded with `tokenizer`. `concurrent`: `engine.generate` is free of
-        collectives here (one process, or a job's worker); episodes then go on on their own when the engine has a
-        `concurrent_generate` and `independent_turns` is on."""
+        runner), the turns decoded and padded with `tokenizer`. `concurrent`: this rank may sample with no other
+        rank in the call (one process, a job's worker, or an engine whose `concurrent_generate` every rank may call
+        at once); episodes then go on on their own when the engine has a `concurrent_generate` and
+        `independent_turns` is on. `first_turns_together`: the first turns go through `engine.generate` (with
+        several ranks sampling apart, a collective they would not all reach)."""
         return run_episodes(
             engine,
             envs,
@@ -363,6 +377,7 @@ class EpisodeProducer(RolloutProducer):
             any_active=any_active,
             ended=frozenset(ended),
             concurrent_generate=independent_generate(engine, self.independent_turns and concurrent),
+            first_turns_together=first_turns_together,
         )
 
     def turn_text(self, tokenizer: Any, ids: list[int]) -> str:

@@ -216,3 +216,28 @@ class RecordLabelledVersionGaps(_Probe):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.write("labelled_versions", trainer.global_rank, {str(step): gaps for step, gaps in self.gaps.items()})
+
+
+class CountEngineCalls(_Probe):
+    """`engine_calls_rank<r>.json`: how often training called the engine's `generate` (a collective on the server
+    engine with several ranks) and its `concurrent_generate` (this rank's rows alone)."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.calls = {"generate": 0, "concurrent_generate": 0}
+        engine = pl_module.engines.started()
+
+        def counted(name: str):
+            call = getattr(engine, name)
+
+            @functools.wraps(call)
+            def count(*args, **kwargs):
+                self.calls[name] += 1
+                return call(*args, **kwargs)
+
+            return count
+
+        for name in self.calls:
+            setattr(engine, name, counted(name))
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.write("engine_calls", trainer.global_rank, self.calls)

@@ -8,13 +8,15 @@ reached from elsewhere:
 
 `VLLM_SERVER_DEV_MODE=1` enables vLLM's RL endpoints (`/pause`, `/resume`, `/collective_rpc`, ...).
 
-Only rank 0 talks to the server: every rank's prompts (and per-completion seeds) are gathered to it, it sends one
-request per run of identical prompts (`n` completions; vLLM gives child `i` the seed `seed + i`), and the
-completions are scattered back. A weight push writes the policy's weights as safetensors into `weight_sync_dir`,
-one file per `push_bucket_mib` (rank 0 never holds more than about one bucket of gathered weights; the other ranks
-take part in the gathers), then asks the server to pause, reload from there (`collective_rpc("reload_weights")`),
-reset its prefix cache and resume. With `weight_transfer: gloo | nccl` the weights are broadcast to the servers'
-workers instead, with no file (`lit_rl.rollout.server.collective_transfer`).
+A generation (`generate`) is rank 0's: every rank's prompts (and per-completion seeds) are gathered to it, it sends
+one request per run of identical prompts (`n` completions; vLLM gives child `i` the seed `seed + i`), and the
+completions are scattered back. Independent episodes' turns (`concurrent_generate`) go from each rank straight to
+the servers, with no collective: every rank follows rank 0's view of the servers (their model names, which are in
+service), shared when it connects and with every push. A weight push writes the policy's weights as safetensors
+into `weight_sync_dir`, one file per `push_bucket_mib` (rank 0 never holds more than about one bucket of gathered
+weights; the other ranks take part in the gathers), then asks the server to pause, reload from there
+(`collective_rpc("reload_weights")`), reset its prefix cache and resume. With `weight_transfer: gloo | nccl` the
+weights are broadcast to the servers' workers instead, with no file (`lit_rl.rollout.server.collective_transfer`).
 
 Asynchronous rollouts (`model.rollout.max_staleness > 0`, `lit_rl.rollout.asynchronous`): the weights of each policy
 version are staged into their own subdirectory `v<version>/` (with a broadcast transfer: as host copies on rank 0, one
@@ -77,6 +79,10 @@ class VLLMServerEngine:
     """Generates on vLLM servers and pushes weights to them; see the module docstring for the protocol."""
 
     needs_weights = True
+    # `concurrent_generate` may run on every rank at once, each rank sending its own rows: every rank knows the
+    # servers rank 0 keeps in service, and their weights (each push shares them). Multi-turn episodes then go on
+    # on their own on every rank, with no collective per turn (`lit_rl.rollout.multi_turn`).
+    concurrent_on_every_rank = True
 
     def __init__(
         self,
@@ -99,8 +105,8 @@ class VLLMServerEngine:
         self.in_flight: Optional[InFlightWeights] = None  # in-flight weight updates, once asked for (rank 0)
         self._own_sync_dir = False
         self.sync_dir: Optional[str] = None
-        # Rank 0 alone connects; every rank learns whether it worked, so none waits on a dead one.
-        _on_rank0_then_share(self._connect, self.rank, self.world_size)
+        # Rank 0 alone connects; every rank learns whether it worked, so none waits on a dead one, and what it found.
+        self._follow(_on_rank0_then_scatter(lambda: self._connect() or self._servers_for_every_rank(), *self._ranks))
 
     def _connect(self) -> None:
         if self.transfer is None and self.config.weight_sync_dir is not None:
@@ -220,7 +226,25 @@ class VLLMServerEngine:
         if self.rank != 0:
             for _ in named_tensors or ():  # take part in the gathers that rank 0's stream goes through
                 pass
-        _on_rank0_then_share(lambda: self._push(iter(named_tensors)), self.rank, self.world_size)
+        pushed = _on_rank0_then_scatter(
+            lambda: self._push(iter(named_tensors)) or self._servers_for_every_rank(), *self._ranks
+        )
+        self._follow(pushed)
+
+    @property
+    def _ranks(self) -> tuple[int, int]:
+        return self.rank, self.world_size
+
+    def _servers_for_every_rank(self) -> list[list[tuple[Optional[str], bool]]]:
+        """Rank 0's view of its servers (model name, in service), one copy per rank (`_follow`)."""
+        return [[(server.model_name, server.in_service) for server in self.pool.servers]] * self.world_size
+
+    def _follow(self, servers: list[tuple[Optional[str], bool]]) -> None:
+        """Every other rank takes rank 0's view of the servers: the model names it learned, and which servers are in
+        service, holding the weights just pushed (a server rank 0 took out missed them: no rank may sample there)."""
+        if self.rank != 0:
+            for server, (model_name, in_service) in zip(self.pool.servers, servers):
+                server.model_name, server.in_service = model_name, in_service
 
     def _push(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         if self.transfer is not None:
