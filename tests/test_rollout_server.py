@@ -203,3 +203,37 @@ def test_a_failed_write_still_consumes_the_whole_weight_stream(fake_server, tmp_
     with pytest.raises(RolloutServerError, match="AttributeError"):
         engine.update_weights(stream())
     assert consumed == [0, 1, 2, 3, 4]
+
+
+def test_other_ranks_follow_rank_0s_view_of_the_servers(fake_server, tmp_path):
+    """With several ranks sending their own turns, each follows rank 0's view of the servers, shared with every push:
+    a launched server's URL (its port only rank 0 knows), the model name it learned, and which servers are in
+    service (one rank 0 took out missed the weights). Rank 0's own view is never overwritten."""
+    server = fake_server((200, _completions, 0))
+    config = VLLMConfig(mode="server", server_url=server.url, weight_sync_dir=str(tmp_path))
+    engine = VLLMServerEngine(config, eos_token_ids=[2], pad_token_id=0)
+    (own,) = engine.pool.servers
+    assert engine.concurrent_on_every_rank  # one process: always
+    view = [("http://127.0.0.1:9", "served-elsewhere", False)]
+    engine._follow(view)  # rank 0: its view is the one shared
+    assert (own.url, own.in_service) == (server.url, True) and own.model_name != "served-elsewhere"
+    engine.rank = 1
+    engine._follow(view)
+    assert (own.url, own.model_name, own.in_service) == ("http://127.0.0.1:9", "served-elsewhere", False)
+    assert own.client.timeout_s == engine.config.request_timeout_s
+
+
+@pytest.mark.parametrize(
+    "url, loopback",
+    [
+        ("http://127.0.0.1:8000", True),
+        ("http://localhost:8000", True),
+        ("http://[::1]:8000", True),
+        ("http://10.0.0.5:8000", False),
+        ("http://vllm.internal:8000", False),
+    ],
+)
+def test_a_loopback_server_url_is_known_as_such(url, loopback):
+    from lit_rl.rollout.engines.vllm_server import _is_loopback
+
+    assert _is_loopback(url) is loopback

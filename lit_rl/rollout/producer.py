@@ -243,7 +243,8 @@ class EpisodeProducer(RolloutProducer):
         tool_schemas: the JSON schemas of tools the model calls in its chat format (`lit_rl.envs.chat_tools`): the
             prompts are rendered with them, and a text prompt becomes a user message. None: no such tools.
         independent_turns: `model.env.independent_turns`: episodes go on on their own on an engine with a
-            `concurrent_generate` (on one process); turn by turn otherwise.
+            `concurrent_generate` (with several processes, one whose `concurrent_on_every_rank` is true); turn by
+            turn otherwise.
         raw_turns: each turn reaches `step` decoded with its special tokens (`EnvironmentSpec.raw_turns`).
         parts: `ProducerParts`.
     """
@@ -304,6 +305,7 @@ class EpisodeProducer(RolloutProducer):
             one_rank = host.trainer.world_size == 1
             # With several ranks, each rank's episodes go on on their own only where every rank may sample alone.
             alone = one_rank or getattr(engine, "concurrent_on_every_rank", False)
+            apart = not one_rank and independent_generate(engine, self.independent_turns and alone) is not None
             episodes, engine_error = None, None
             try:
                 episodes = self.run_episodes(
@@ -321,10 +323,12 @@ class EpisodeProducer(RolloutProducer):
                     concurrent=alone,
                     first_turns_together=one_rank,
                 )
-            except LitRLError as err:  # the engine's, on this rank alone when the ranks sample apart: on every rank
-                if one_rank or not alone:  # lock-step's engine calls are collectives: every rank has it already
+            except Exception as err:  # the ranks sampled apart: a failure is this rank's alone, to raise on every rank
+                if not apart:  # lock-step's engine calls are collectives: every rank has the engine's error already
                     raise
-                engine_error = err
+                engine_error = err if isinstance(err, LitRLError) else f"rollout engine: {type(err).__name__}: {err}"
+        # A rank whose episodes ended first waits here for the others' (one collective, not one per turn): a rollout
+        # longer than the process group's timeout needs a longer one (Lightning's `DDPStrategy(timeout=...)`).
         self.fail_on_every_rank(engine_error, LitRLError, "the rollout engine failed on another rank")
         episodes.output.episode_stats = episodes.stats
         self.fail_on_every_rank(error or episodes.error, EnvironmentStepError, "the environment failed on another rank")

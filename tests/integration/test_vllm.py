@@ -631,16 +631,19 @@ def test_episodes_in_flight_stopped_or_killed_resume_with_every_prompt_trained_o
 
 
 def test_synchronous_episodes_on_two_processes_go_on_on_their_own_with_no_collective_per_turn(tmp_path, vllm_server):
-    """Issue 56.1 on several ranks: synchronous multi-turn episodes on the server, two trainer processes. Each rank
-    sends its own episodes' turns to the server as they are ready (rank 0 shares the servers' names and states with
-    every push), so training calls the engine's collective `generate` not once. Episodes are seeded by episode and
-    turn: the first step, sampled by the same weights, logs what one process logs."""
+    """Issue 56.1 on several ranks: synchronous multi-turn episodes on a server the run launches, two trainer
+    processes. Each rank sends its own episodes' turns to the server as they are ready (rank 0 shares the server's
+    URL, whose port only it knows, and its name and state, with every push), so training calls the engine's
+    collective `generate` not once. Episodes are seeded by episode and turn: the first step, sampled by the same
+    weights, logs what one process logs against another server."""
     episodes = ("--model.env.environment", "tests.integration.envs.Countdown", "--model.env.max_turns", "3")
-    server = (*SERVER, "--model.rollout.engine.server_url", vllm_server)
     ddp = ("--config", str(CONFIGS / "strategy" / "ddp.yaml"), "--model.schedule.micro_batch_size", "4")
     probe = probe_flags("CountEngineCalls", tmp_path / "calls")
-    one = train_rows(_fit(tmp_path, "one", *server, *episodes, max_steps=2))
-    two = train_rows(_fit(tmp_path, "two", *server, *episodes, *ddp, *probe, max_steps=2))
+    one = train_rows(
+        _fit(tmp_path, "one", *SERVER, "--model.rollout.engine.server_url", vllm_server, *episodes, max_steps=2)
+    )
+    launched = (*SERVER, "--model.rollout.engine.launch", "true")
+    two = train_rows(_fit(tmp_path, "two", *launched, *episodes, *ddp, *probe, max_steps=2))
     calls = [json.loads((tmp_path / "calls" / f"engine_calls_rank{rank}.json").read_text()) for rank in (0, 1)]
     assert all(call["generate"] == 0 and call["concurrent_generate"] > 0 for call in calls), calls
     assert_rows_match(without_engine_gap(two[:1]), without_engine_gap(one[:1]), rel=1e-5, abs=1e-6)

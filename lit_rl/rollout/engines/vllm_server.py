@@ -38,9 +38,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import ipaddress
 import os
 import shutil
+import socket
 import tempfile
+import urllib.parse
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import groupby
@@ -79,10 +82,6 @@ class VLLMServerEngine:
     """Generates on vLLM servers and pushes weights to them; see the module docstring for the protocol."""
 
     needs_weights = True
-    # `concurrent_generate` may run on every rank at once, each rank sending its own rows: every rank knows the
-    # servers rank 0 keeps in service, and their weights (each push shares them). Multi-turn episodes then go on
-    # on their own on every rank, with no collective per turn (`lit_rl.rollout.multi_turn`).
-    concurrent_on_every_rank = True
 
     def __init__(
         self,
@@ -98,7 +97,7 @@ class VLLMServerEngine:
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.rank, self.world_size = _rank_and_world()
-        self.pool = ServerPool(config)
+        self.pool = ServerPool(config, first_server=self.rank)  # each rank's requests start round the servers apart
         self.transfer = CollectiveTransfer(config) if config.broadcasts_weights and self.rank == 0 else None
         self._staged: dict[int, list[tuple[str, torch.Tensor]]] = {}  # version -> host copies (broadcast, async)
         self._worker: Optional[ThreadPoolExecutor] = None  # rank 0's background generations (asynchronous mode)
@@ -107,6 +106,9 @@ class VLLMServerEngine:
         self.sync_dir: Optional[str] = None
         # Rank 0 alone connects; every rank learns whether it worked, so none waits on a dead one, and what it found.
         self._follow(_on_rank0_then_scatter(lambda: self._connect() or self._servers_for_every_rank(), *self._ranks))
+        # Whether `concurrent_generate` may run on every rank at once, each rank sending its own rows (multi-turn
+        # episodes then go on on their own on every rank, with no collective per turn: `lit_rl.rollout.multi_turn`).
+        self.concurrent_on_every_rank = self._every_rank_may_sample_alone()
 
     def _connect(self) -> None:
         if self.transfer is None and self.config.weight_sync_dir is not None:
@@ -235,16 +237,45 @@ class VLLMServerEngine:
     def _ranks(self) -> tuple[int, int]:
         return self.rank, self.world_size
 
-    def _servers_for_every_rank(self) -> list[list[tuple[Optional[str], bool]]]:
-        """Rank 0's view of its servers (model name, in service), one copy per rank (`_follow`)."""
-        return [[(server.model_name, server.in_service) for server in self.pool.servers]] * self.world_size
+    def _servers_for_every_rank(self) -> list[list[tuple[str, Optional[str], bool]]]:
+        """Rank 0's view of its servers (URL, model name, in service), one copy per rank (`_follow`)."""
+        view = [(server.url, server.model_name, server.in_service) for server in self.pool.servers]
+        return [view] * self.world_size
 
-    def _follow(self, servers: list[tuple[Optional[str], bool]]) -> None:
-        """Every other rank takes rank 0's view of the servers: the model names it learned, and which servers are in
-        service, holding the weights just pushed (a server rank 0 took out missed them: no rank may sample there)."""
-        if self.rank != 0:
-            for server, (model_name, in_service) in zip(self.pool.servers, servers):
-                server.model_name, server.in_service = model_name, in_service
+    def _follow(self, servers: list[tuple[str, Optional[str], bool]]) -> None:
+        """Every other rank takes rank 0's view of the servers: their URLs (a launched server's port is rank 0's),
+        the model names it learned, and which are in service, holding the weights just pushed (a server rank 0 took
+        out missed them: no rank may sample there)."""
+        if self.rank == 0:
+            return
+        for server, (url, model_name, in_service) in zip(self.pool.servers, servers):
+            if server.url != url:
+                server.client = VLLMServerClient(url, self.config.request_timeout_s, self.config.max_retries)
+            server.model_name, server.in_service = model_name, in_service
+
+    def _every_rank_may_sample_alone(self) -> bool:
+        """Whether every rank may send its own requests (`concurrent_on_every_rank`); a collective. Not when a
+        server rank 0 took out could come back to other ranks before they learn of it (several servers with
+        `on_server_failure: continue`: it would serve them its old weights until the next push), nor when some rank
+        cannot reach a server (a loopback URL on another machine, a firewall): each rank checks every server's
+        health once, and all must pass. Otherwise rank 0 sends every rank's requests, as for a generation."""
+        if self.world_size == 1:
+            return True
+        if len(self.pool.servers) > 1 and self.config.on_server_failure == "continue":
+            return False
+        hosts: list[Optional[str]] = [None] * self.world_size
+        torch.distributed.all_gather_object(hosts, socket.gethostname())
+        loopback = any(_is_loopback(server.url) for server in self.pool.servers)
+        reaches = not (loopback and len(set(hosts)) > 1)  # another machine's loopback is not rank 0's server
+        if reaches:
+            try:
+                for server in self.pool.in_service():
+                    server.client.check_health(self.pool.health_timeout_s)
+            except RolloutServerError:
+                reaches = False
+        every = torch.tensor(float(reaches), device=_collective_device())
+        torch.distributed.all_reduce(every, op=torch.distributed.ReduceOp.MIN)
+        return bool(every.item())
 
     def _push(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         if self.transfer is not None:
@@ -429,8 +460,8 @@ class VLLMServerEngine:
         seeds: Optional[Sequence[int]] = None,
     ) -> RolloutOutput:
         """This process's rows, straight to the servers: no collective, no health check first, safe to call from
-        many threads at once. What a job's work samples with (`submit_job`), and on one process what independent
-        episodes submit their turns to (`lit_rl.rollout.multi_turn.run_episodes`)."""
+        many threads at once. What a job's work samples with (`submit_job`), and what independent episodes submit
+        their turns to (`lit_rl.rollout.multi_turn.run_episodes`), on every rank when `concurrent_on_every_rank`."""
         seeds = draw_seeds(len(prompt_ids)) if seeds is None else list(seeds)
         requests = [(unpadded_prompts(prompt_ids, prompt_mask), seeds)]
         ((token_ids, logprobs),) = self._generate_all(requests, params, check_health=False)
@@ -517,6 +548,23 @@ def _write_safetensors(named_tensors: dict[str, torch.Tensor], path: str) -> Non
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def _is_loopback(url: str) -> bool:
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: resolved elsewhere, assumed reachable (the health check says)
+        return False
+
+
+def _collective_device() -> torch.device:
+    """Where a tensor for a collective lives: the current GPU under NCCL, else the CPU."""
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _rank_and_world() -> tuple[int, int]:

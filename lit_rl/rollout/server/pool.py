@@ -5,7 +5,8 @@ checks, dealing requests out across them, weights to every one, and what a faile
   where the last call left off (independent episodes send one request a call). A request's completions depend
   only on the request (vLLM seeds child `j` with `seed + j`), so the split changes which server samples them,
   never what is sampled. At most `MAX_REQUESTS_PER_SERVER` x the servers configured are in flight at once,
-  across all calls (with a server out of service, the others take its share).
+  across all calls of one process (with a server out of service, the others take its share; each rank that sends
+  its own requests has its own bound).
 - **Failure** (`model.rollout.engine.on_server_failure`). A server that does not answer (`ServerDownError`: no
   connection, timeouts or 5xx after the retries, a failed health check, or a failed weight upload) either stops the
   run in one line naming its URL (`fail`), or (`continue`) is taken out of service for the rest of the run with a
@@ -56,7 +57,7 @@ class RolloutServer:
 class ServerPool:
     """The servers of `config.server_endpoints()`, and the rules of the module docstring."""
 
-    def __init__(self, config: VLLMConfig) -> None:
+    def __init__(self, config: VLLMConfig, first_server: int = 0) -> None:
         self.on_failure = config.on_server_failure
         self.health_timeout_s = min(config.request_timeout_s, HEALTH_TIMEOUT_S)
         self.servers = [
@@ -73,7 +74,7 @@ class ServerPool:
         self.copies: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
         self._upload_lock = threading.Lock()  # one upload of a (receiver, tag) at a time: see `receiver_copy`
-        self._next = 0  # where the next `deal` starts round the servers
+        self._next = first_server  # where the next `deal` starts round the servers
         # The bound on requests in flight, shared by every `deal` (a request waiting for a slot has not started:
         # its time limit has not either).
         self._in_flight = threading.Semaphore(MAX_REQUESTS_PER_SERVER * len(self.servers))
