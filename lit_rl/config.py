@@ -306,7 +306,7 @@ class RolloutArgs:
             by side, instead of each generation's to its end by one version (`lit_rl.rollout.in_flight`). Every
             token records its version (`train/staleness/token_mean`); a row's staleness is its oldest token's, still
             at most k. Not bit-reproducible: where an episode switches versions depends on timing. Experimental:
-            in the tools job its held-out accuracy fell mid-run (docs/environments.md). Default false.
+            single runs of the tools job have fallen mid-run (docs/environments.md). Default false.
         correction (GRPO, PPO, RLOO): weigh the policy term by the importance ratio of the trainer's probability of
             the sampled tokens over the engine's (`lit_rl.losses.rollout_is_weights` has the formulas):
             `token_truncate` (per token, truncated at `correction_cap`), `sequence_truncate` (the sequence's ratio,
