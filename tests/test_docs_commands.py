@@ -26,6 +26,7 @@ import importlib.util
 import re
 import shlex
 import shutil
+import sys
 import textwrap
 from pathlib import Path
 
@@ -234,6 +235,9 @@ def test_a_pages_commands_run_in_order_as_a_reader_runs_them(page, tmp_path, mon
     for name, text in _page_files(REPO / "docs" / page if page != "README.md" else REPO / page).items():
         (folder / name).write_text(text)
     monkeypatch.chdir(folder)
+    # The reader's modules are this folder's: not those another page or test of this process loaded by the same name.
+    for module in {path.stem for path in folder.glob("*.py")}:
+        monkeypatch.delitem(sys.modules, module, raising=False)
     commands = [words for p, words in LIT_RL if p == page and _runs(words, page)]
     # A page whose commands read its earlier runs (a resume, `runs/...`) runs every command in its own folder.
     reads_runs = any("--ckpt_path" in words or "runs/" in " ".join(words) for words in commands)

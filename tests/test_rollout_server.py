@@ -229,8 +229,9 @@ def test_other_ranks_follow_rank_0s_view_of_the_servers(fake_server, tmp_path):
         ("http://127.0.0.1:8000", True),
         ("http://localhost:8000", True),
         ("http://[::1]:8000", True),
+        ("http://0.0.0.0:8000", True),
+        ("http://[::ffff:127.0.0.1]:8000", True),
         ("http://10.0.0.5:8000", False),
-        ("http://vllm.internal:8000", False),
     ],
 )
 def test_a_loopback_server_url_is_known_as_such(url, loopback):

@@ -27,21 +27,22 @@ SHORT = [*FAST_GRPO, "--trainer.max_steps", "2", "--trainer.limit_val_batches", 
 
 @pytest.fixture
 def beside_the_run(tmp_path, monkeypatch):
-    (tmp_path / "my_producers.py").write_text(MY_PRODUCERS)
+    (tmp_path / "recording_producers.py").write_text(MY_PRODUCERS)
     monkeypatch.chdir(tmp_path)
+    sys.modules.pop("recording_producers", None)  # this file's, not one another test of this process loaded
     yield tmp_path
-    sys.modules.pop("my_producers", None)
+    sys.modules.pop("recording_producers", None)
 
 
 def test_a_users_producer_replaces_the_chosen_one_and_trains_the_same_numbers(beside_the_run):
-    """`lit-rl fit --config configs/grpo.yaml --model.rollout.producer my_producers.Recording`: the run's
+    """`lit-rl fit --config configs/grpo.yaml --model.rollout.producer recording_producers.Recording`: the run's
     generations come from the user's class (a subclass of the synchronous producer that changes nothing), so it
     logs what the default producer logs, to the bit."""
     tmp_path = beside_the_run
     default = train_rows(fit_config(tmp_path, "default", "grpo.yaml", *SHORT))
-    recording = ("--model.rollout.producer", "my_producers.Recording")
+    recording = ("--model.rollout.producer", "recording_producers.Recording")
     users = train_rows(fit_config(tmp_path, "users", "grpo.yaml", *SHORT, *recording))
-    produced = sys.modules["my_producers"].Recording.produced
+    produced = sys.modules["recording_producers"].Recording.produced
     assert [generation for generation, _, _ in produced] == [0, 1]
     assert [rewards for _, _, rewards in produced] != [[], []] and all(len(p) == 8 for _, p, _ in produced)
     assert users == default

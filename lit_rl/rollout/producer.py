@@ -16,6 +16,7 @@ environments. The module keeps the loss, its metrics and the checkpoint, into wh
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -78,6 +79,8 @@ class ProducerParts:
     params: SamplingParams
     max_new_tokens: int
 
+
+log = logging.getLogger(__name__)
 
 REWARD_FAILED_ELSEWHERE = "a reward function failed on another rank (its error is above)"
 
@@ -326,7 +329,9 @@ class EpisodeProducer(RolloutProducer):
             except Exception as err:  # the ranks sampled apart: a failure is this rank's alone, to raise on every rank
                 if not apart:  # lock-step's engine calls are collectives: every rank has the engine's error already
                     raise
-                engine_error = err if isinstance(err, LitRLError) else f"rollout engine: {type(err).__name__}: {err}"
+                if not isinstance(err, LitRLError):  # a defect, not a failure: its traceback, on the rank it happened
+                    log.exception("episodes on rank %d failed", host.trainer.global_rank)
+                engine_error = err if isinstance(err, LitRLError) else f"episodes: {type(err).__name__}: {err}"
         # A rank whose episodes ended first waits here for the others' (one collective, not one per turn): a rollout
         # longer than the process group's timeout needs a longer one (Lightning's `DDPStrategy(timeout=...)`).
         self.fail_on_every_rank(engine_error, LitRLError, "the rollout engine failed on another rank")

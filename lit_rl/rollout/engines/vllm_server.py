@@ -53,6 +53,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 import torch
 
 from lit_rl.errors import LitRLError
+from lit_rl.resume import say
 from lit_rl.rollout.base import Generate, RolloutOutput, SamplingParams, draw_seeds, padded_output, unpadded_prompts
 from lit_rl.rollout.engines.vllm_config import VLLMConfig
 from lit_rl.rollout.in_flight import InFlightWeights
@@ -73,6 +74,8 @@ from lit_rl.training.perf import BusyClock
 CUT_SHORT = {"abort", "error"}  # finish reasons of a completion the engine stopped before it ended
 
 WEIGHT_SHARD = "model-{:05d}.safetensors"
+# Said on rank 0 when the ranks cannot each send their own episodes' turns (`_every_rank_may_sample_alone`).
+ONE_SENDER = "each process's episode turns go through rank 0, turn by turn"
 # With in-flight weight updates, the most jobs (generations of episodes) running at once: the schedule launches at
 # most k // m + 1 ahead of the one being trained on (`lit_rl.rollout.asynchronous`); more wait their turn.
 IN_FLIGHT_JOBS = 8
@@ -257,11 +260,13 @@ class VLLMServerEngine:
         """Whether every rank may send its own requests (`concurrent_on_every_rank`); a collective. Not when a
         server rank 0 took out could come back to other ranks before they learn of it (several servers with
         `on_server_failure: continue`: it would serve them its old weights until the next push), nor when some rank
-        cannot reach a server (a loopback URL on another machine, a firewall): each rank checks every server's
-        health once, and all must pass. Otherwise rank 0 sends every rank's requests, as for a generation."""
+        cannot reach a server (a loopback address on another machine, a firewall): each rank checks every server's
+        health once, and all must pass. Otherwise rank 0 sends every rank's requests, as for a generation, and
+        says why."""
         if self.world_size == 1:
             return True
         if len(self.pool.servers) > 1 and self.config.on_server_failure == "continue":
+            say(f"{ONE_SENDER}: several servers with on_server_failure continue")
             return False
         hosts: list[Optional[str]] = [None] * self.world_size
         torch.distributed.all_gather_object(hosts, socket.gethostname())
@@ -271,10 +276,13 @@ class VLLMServerEngine:
             try:
                 for server in self.pool.in_service():
                     server.client.check_health(self.pool.health_timeout_s)
-            except RolloutServerError:
+            except Exception:  # whatever it is, every rank must reach the all-reduce below
                 reaches = False
         every = torch.tensor(float(reaches), device=_collective_device())
         torch.distributed.all_reduce(every, op=torch.distributed.ReduceOp.MIN)
+        if not every.item():
+            why = "a loopback server across machines" if loopback and len(set(hosts)) > 1 else "a rank cannot reach"
+            say(f"{ONE_SENDER}: {why} a server")
         return bool(every.item())
 
     def _push(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -551,13 +559,23 @@ def _write_safetensors(named_tensors: dict[str, torch.Tensor], path: str) -> Non
 
 
 def _is_loopback(url: str) -> bool:
+    """Whether `url`'s host is this machine's own (a loopback or unspecified address, as written or as its name
+    resolves: `localhost`, Debian's 127.0.1.1 host name, `::ffff:127.0.0.1`): the same URL on another machine is
+    another server."""
     host = urllib.parse.urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
     try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: resolved elsewhere, assumed reachable (the health check says)
-        return False
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (OSError, UnicodeError):  # not resolvable here: the health check says whether it is reachable
+        addresses = {host}
+    for address in addresses:
+        try:
+            ip = ipaddress.ip_address(address.split("%")[0])
+        except ValueError:
+            continue
+        for form in (ip, getattr(ip, "ipv4_mapped", None)):
+            if form is not None and (form.is_loopback or form.is_unspecified):
+                return True
+    return host == "localhost"
 
 
 def _collective_device() -> torch.device:
