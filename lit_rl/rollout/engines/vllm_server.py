@@ -11,10 +11,10 @@ reached from elsewhere:
 A generation (`generate`) is rank 0's: every rank's prompts (and per-completion seeds) are gathered to it, it sends
 one request per run of identical prompts (`n` completions; vLLM gives child `i` the seed `seed + i`), and the
 completions are scattered back. Independent episodes' turns (`concurrent_generate`) go from each rank straight to
-the servers, with no collective: every rank follows rank 0's view of the servers (their model names, which are in
-service), shared when it connects and with every push. A weight push writes the policy's weights as safetensors
-into `weight_sync_dir`, one file per `push_bucket_mib` (rank 0 never holds more than about one bucket of gathered
-weights; the other ranks take part in the gathers), then asks the server to pause, reload from there
+the servers, with no collective: every rank follows rank 0's view of the servers (their URLs, model names, and
+which are in service), shared when it connects and with every push. A weight push writes the policy's weights as
+safetensors into `weight_sync_dir`, one file per `push_bucket_mib` (rank 0 never holds more than about one bucket of
+gathered weights; the other ranks take part in the gathers), then asks the server to pause, reload from there
 (`collective_rpc("reload_weights")`), reset its prefix cache and resume. With `weight_transfer: gloo | nccl` the
 weights are broadcast to the servers' workers instead, with no file (`lit_rl.rollout.server.collective_transfer`).
 
@@ -268,22 +268,23 @@ class VLLMServerEngine:
         if len(self.pool.servers) > 1 and self.config.on_server_failure == "continue":
             say(f"{ONE_SENDER}: several servers with on_server_failure continue")
             return False
-        hosts: list[Optional[str]] = [None] * self.world_size
-        torch.distributed.all_gather_object(hosts, socket.gethostname())
-        loopback = any(_is_loopback(server.url) for server in self.pool.servers)
-        reaches = not (loopback and len(set(hosts)) > 1)  # another machine's loopback is not rank 0's server
-        if reaches:
-            try:
-                for server in self.pool.in_service():
-                    server.client.check_health(self.pool.health_timeout_s)
-            except Exception:  # whatever it is, every rank must reach the all-reduce below
-                reaches = False
-        every = torch.tensor(float(reaches), device=_collective_device())
-        torch.distributed.all_reduce(every, op=torch.distributed.ReduceOp.MIN)
-        if not every.item():
-            why = "a loopback server across machines" if loopback and len(set(hosts)) > 1 else "a rank cannot reach"
-            say(f"{ONE_SENDER}: {why} a server")
-        return bool(every.item())
+        try:
+            for server in self.pool.in_service():
+                server.client.check_health(self.pool.health_timeout_s)
+            healthy = True
+        except Exception:  # whatever it is, every rank must reach the gather below
+            healthy = False
+        # One gather: each rank's machine and whether it reached every server.
+        seen: list[Optional[tuple[str, bool]]] = [None] * self.world_size
+        torch.distributed.all_gather_object(seen, (socket.gethostname(), healthy))
+        across_machines = len({host for host, _ in seen}) > 1
+        if across_machines and any(_is_loopback(server.url) for server in self.pool.servers):
+            say(f"{ONE_SENDER}: a loopback server across machines")  # another machine's loopback is not rank 0's
+            return False
+        if not all(reached for _, reached in seen):
+            say(f"{ONE_SENDER}: a rank cannot reach a server")
+            return False
+        return True
 
     def _push(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         if self.transfer is not None:
@@ -576,13 +577,6 @@ def _is_loopback(url: str) -> bool:
             if form is not None and (form.is_loopback or form.is_unspecified):
                 return True
     return host == "localhost"
-
-
-def _collective_device() -> torch.device:
-    """Where a tensor for a collective lives: the current GPU under NCCL, else the CPU."""
-    if torch.distributed.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _rank_and_world() -> tuple[int, int]:
