@@ -17,7 +17,7 @@ import dataclasses
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, TypeVar
+from typing import Any, Mapping, Optional, TypeVar, Union
 
 from lit_rl.data.schedule import MAX_REFILLS
 from lit_rl.envs.chat_tools import check_tool_format
@@ -236,9 +236,11 @@ class EnvArgs:
 
     Args:
         environment: the import path of an environment class (`lit_rl.envs.Environment`: `reset(row)`,
-            `step(turn_text)`), one per episode, built with `environment_args`. Each completion is then the
-            episode's transcript, token-in and token-out; only the model's tokens are trained.
-        environment_args: keyword arguments of the environment class.
+            `step(turn_text)`, or TRL's kind: `reset(**row)` and tool methods), one per episode, built with
+            `environment_args`. Each completion is then the episode's transcript, token-in and token-out; only the
+            model's tokens are trained. Or `{name: import path}` of TRL environment classes, TRL's dict: each row's
+            `environment` column names its episodes' class.
+        environment_args: keyword arguments of the environment class (with several by name: `{name: {...}}`).
         tools: import paths of tools (`lit_rl.envs.tools.calc`, or functions with type hints and docstrings);
             alone they run in the built-in `ToolEnvironment` or `ChatToolEnvironment` (`tool_format`).
         tool_format: how the model calls tools. `chat`: in its chat template's format (`lit_rl.envs.chat_tools`:
@@ -262,7 +264,7 @@ class EnvArgs:
             same tokens are sampled either way (each turn is seeded by its episode and turn).
     """
 
-    environment: Optional[str] = None
+    environment: Optional[Union[str, dict[str, str]]] = None
     environment_args: Optional[dict[str, Any]] = None
     tools: Optional[list[str]] = None
     tool_format: str = "auto"

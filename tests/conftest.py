@@ -268,10 +268,11 @@ def fit_grpo(
     callbacks: Optional[list] = None,
     algorithm: str = "GRPO",
     prepare: Optional[Callable[[Any], None]] = None,
+    train_data: str = "builtin:addition/train",
     **model_args: Any,
 ):
     """GRPO (or the on-policy `algorithm` named) on the tiny model for `max_steps` optimizer steps with a plain
-    Trainer (no CLI, no logger); the fitted module. `prepare(module)` runs before the fit."""
+    Trainer (no CLI, no logger) on `train_data`; the fitted module. `prepare(module)` runs before the fit."""
     import lightning as L
 
     import lit_rl.algorithms
@@ -285,7 +286,7 @@ def fit_grpo(
         prepare(model)
     trainer = quiet_trainer(max_steps=max_steps, limit_val_batches=0, callbacks=callbacks)
     L.seed_everything(0)
-    trainer.fit(model, PromptDataModule(val_data=None))
+    trainer.fit(model, PromptDataModule(train_data=train_data, val_data=None))
     return model
 
 

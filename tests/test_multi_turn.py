@@ -160,9 +160,11 @@ def test_tool_calls_are_answered_and_failures_and_timeouts_are_observations():
 
 
 def test_environment_settings_are_checked_with_one_line_errors():
-    assert environment_factory(None, None, None) == (None, (), None, False)
-    factory, names, schemas, raw_turns = environment_factory("tests.integration.envs.Countdown", {"turns": 2}, None)
-    assert names == ("bonus",) and factory().turns == 2 and schemas is None and not raw_turns
+    assert environment_factory(None, None, None) == (None, (), None, False, None)
+    factory, names, schemas, raw_turns, routing = environment_factory(
+        "tests.integration.envs.Countdown", {"turns": 2}, None
+    )
+    assert names == ("bonus",) and factory().turns == 2 and schemas is None and not raw_turns and routing is None
     with pytest.raises(ConfigError, match="model.env.environment: environment 'no.such.Env'"):
         environment_factory("no.such.Env", None, None)
     with pytest.raises(ConfigError, match="model.env.environment tests.integration.envs.Countdown: .*unexpected"):
@@ -257,7 +259,7 @@ def test_an_environment_that_raises_ends_its_episode_and_is_reported(independent
 
     engine = ScriptedEngine({1: [[4, EOS], [5, EOS]], 2: [[6, EOS], [8, EOS]]})
     episodes = _run(engine, [Exploding(), Echo(2)], [[1], [2]], independent=independent)
-    assert episodes.error == "environment.step raised RuntimeError: the environment broke"
+    assert episodes.error == "Exploding.step raised RuntimeError: the environment broke"
     assert episodes.output.completion_ids.tolist()[1] == [6, EOS, 7, 7, 8, EOS]  # the other episode ran on
 
 

@@ -14,7 +14,7 @@ import torch
 from lit_rl.envs import TRLEnvironment
 from lit_rl.envs.base import environment_factory
 from lit_rl.envs.runner import EnvironmentRunner
-from lit_rl.errors import ConfigError
+from lit_rl.errors import ConfigError, DataError
 from lit_rl.rollout import SamplingParams
 from lit_rl.rollout.multi_turn import run_episodes
 from tests.integration.envs import AsyncIncrementEnv, IncrementEnv
@@ -198,3 +198,104 @@ def test_grpo_runs_a_trl_environment_and_passes_the_instances_to_reward_function
     assert components[:, 1].tolist() == [float(number) for number in numbers] and len(set(numbers)) == len(numbers)
     targets = [int(text.rsplit("to ", 1)[1][0]) for text in prompts]
     assert components[:, 2].tolist() == [float(target == 0) for target in targets]
+
+
+# -- TRL's dict of environments ------------------------------------------------------------------------------------
+ROUTED = {"count": INCREMENT, "double": "tests.integration.envs.DoubleEnv"}
+
+
+def test_a_dict_of_trl_environments_gives_each_row_the_class_and_the_tools_it_names():
+    """TRL's `environment_factory={name: factory}`: the row's `environment` column picks the class; its prompt is
+    offered that class's methods (and the standalone tools) alone; `reset` is not given the column; the one class
+    with a `get_reward` has its column."""
+    spec = environment_factory(ROUTED, None, ["tests.integration.envs.add_numbers"], "auto", "hermes")
+    assert spec.reward_names == ("IncrementEnv",) and spec.routing is not None
+    names = {env: [s["function"]["name"] for s in spec.routing.tools[env]] for env in ROUTED}
+    assert names == {"count": ["add_numbers", "increment"], "double": ["add_numbers", "double"]}
+    assert [s["function"]["name"] for s in spec.tool_schemas] == ["add_numbers", "increment", "double"]
+    row = {"prompt": "p", "answer": "3", "environment": "double"}
+    env = spec.factory(row)
+    assert type(env.instance).__name__ == "DoubleEnv" and env.reset(row) == "p Double the value."
+    assert env.instance.reset_with == {"prompt": "p", "answer": "3"}  # TRL drops the routing column
+    assert env.finish() == {}  # no get_reward: its episodes count 0 in IncrementEnv's column
+    assert type(spec.factory({**row, "environment": "count"}).instance) is IncrementEnv
+    rows = [{**row, "environment": "count"}, row]
+    assert [[s["function"]["name"] for s in tools] for tools in spec.routing.prompt_tools(rows)] == [
+        names["count"],
+        names["double"],
+    ]
+
+
+def test_a_dict_of_environments_refuses_what_cannot_run_in_one_line():
+    def spec(paths, args=None):
+        return environment_factory(paths, args, None, "auto", "hermes")
+
+    with pytest.raises(ConfigError, match=r"model.env.environment.game tests.integration.envs.Countdown is not a TRL"):
+        spec({"count": INCREMENT, "game": "tests.integration.envs.Countdown"})
+    with pytest.raises(ConfigError, match=r"model.env.environment_args.chess: .* maps their names \(count, double\)"):
+        spec(ROUTED, {"chess": {}})
+    with pytest.raises(ConfigError, match=r"model.env.environment.count tests.integration.envs.IncrementEnv: .*"):
+        spec(ROUTED, {"count": {"start": 1}})  # IncrementEnv takes no arguments
+    with pytest.raises(ConfigError, match="empty mapping"):
+        spec({})
+    routing = spec(ROUTED).routing
+    assert routing.check([{"environment": "count"}, {"environment": "double"}]) is None
+    assert "has environment 'chess', which must name one of model.env.environment's: count, double" in (
+        routing.check([{"environment": "count"}, {"environment": "chess"}])
+    )
+    with pytest.raises(DataError, match="the row has no environment column"):
+        spec(ROUTED).factory({"prompt": "p"})
+
+
+def _routed_rows(path, names):
+    path.write_text(
+        "".join(
+            json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1), "environment": name}) + "\n"
+            for i, name in enumerate(names)
+        )
+    )
+    return str(path)
+
+
+def test_grpo_routes_each_row_to_its_environment_with_its_own_tools_in_its_prompt(tmp_path):
+    """GRPO on rows naming `count` or `double`: each prompt holds its environment's tool schema and its reset's
+    text, not the other's; the reward function reading `environments` and `environment` saw every episode in the
+    class its row named; IncrementEnv's column is 0 on `double` episodes."""
+    from tests.conftest import fit_grpo
+
+    data = _routed_rows(tmp_path / "routed.jsonl", ["count", "double"] * 4)
+    model = fit_grpo(
+        model_name_or_path=str(save_qwen_chat_model(tmp_path / "qwen-chat")),
+        environment=ROUTED,
+        reward_funcs=["tests.integration.envs.environment_of_row"],
+        max_turns=2,
+        train_data=data,
+        num_generations=2,
+        micro_batch_size=16,  # every row once
+    )
+    assert model.reward_names == ["environment_of_row", "env/IncrementEnv"]
+    prompts = model.tokenizer.batch_decode(model._buffer.prompt_ids)
+    components = model._buffer.reward_components
+    assert components[:, 0].tolist() == [1.0] * len(prompts)
+    kinds = []
+    for text, increment_reward in zip(prompts, components[:, 1].tolist()):
+        counting = "Increment the counter" in text
+        kinds.append(counting)
+        assert ('"name": "increment"' in text) == counting and ('"name": "double"' in text) != counting
+        assert ("Double the value." in text) != counting
+        if not counting:
+            assert increment_reward == 0.0
+    assert any(kinds) and not all(kinds)
+
+
+def test_a_row_naming_no_environment_stops_the_run_before_training_naming_its_line(tmp_path):
+    from tests.conftest import fit_grpo
+
+    data = _routed_rows(tmp_path / "routed.jsonl", ["count", "double", "chess", "count"])
+    with pytest.raises(DataError, match=r"routed.jsonl: line 3 has environment 'chess', which must name one of"):
+        fit_grpo(
+            model_name_or_path=str(save_qwen_chat_model(tmp_path / "qwen-chat")),
+            environment=ROUTED,
+            reward_funcs=["tests.integration.envs.environment_of_row"],
+            train_data=data,
+        )

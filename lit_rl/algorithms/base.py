@@ -406,18 +406,24 @@ class PolicyModule(L.LightningModule):
         return self.tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True)
 
     def encode_prompts(
-        self, prompts: list[Any], tools: Optional[list[dict]] = None
+        self,
+        prompts: list[Any],
+        tools: Optional[list[dict]] = None,
+        per_prompt_tools: Optional[list[list[dict]]] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded prompt ids and mask [B, P] on the module's device (long prompts keep their end); chat
-        prompts are rendered with `tools` (`format_prompt`).
+        prompts are rendered with `tools`, or each with its own `per_prompt_tools` (TRL's dict of environments:
+        its row's environment's) (`format_prompt`).
 
         Each distinct prompt is rendered and tokenized once (a rollout batch holds every prompt G times)."""
-        keys = [_prompt_key(p, row) for row, p in enumerate(prompts)]
-        first_of = {}  # key -> the first prompt with it
-        for key, prompt in zip(keys, prompts):
-            first_of.setdefault(key, prompt)
+        tools_of = per_prompt_tools if per_prompt_tools is not None else [tools] * len(prompts)
+        tool_keys = {id(t): _tools_key(t) for t in tools_of}  # each environment's list once
+        keys = [(_prompt_key(p, row), tool_keys[id(t)]) for row, (p, t) in enumerate(zip(prompts, tools_of))]
+        first_of = {}  # key -> the first (prompt, tools) with it
+        for key, prompt, prompt_tools in zip(keys, prompts, tools_of):
+            first_of.setdefault(key, (prompt, prompt_tools))
         distinct_index = {key: i for i, key in enumerate(first_of)}
-        texts = [self.format_prompt(p, tools) for p in first_of.values()]
+        texts = [self.format_prompt(p, t) for p, t in first_of.values()]
         max_len = self.max_prompt_length
         self.tokenizer.padding_side = "left"
         self.tokenizer.truncation_side = "left"
@@ -507,6 +513,11 @@ class PolicyModule(L.LightningModule):
     def on_validation_end(self) -> None:
         self.timer = getattr(self, "_timer_during_training", self.timer)
         self.timer.resume()
+
+
+def _tools_key(tools: Optional[list[dict]]) -> str:
+    """Equal keys for equal tool schemas (a prompt is rendered once per set of tools it is offered)."""
+    return json.dumps(tools, sort_keys=True, default=str)
 
 
 def _prompt_key(prompt: Any, row: int) -> tuple:

@@ -42,6 +42,7 @@ from lit_rl.envs.chat_tools import (
     trls_response_template,
 )
 from lit_rl.envs.runner import EnvironmentRunner
+from lit_rl.envs.trl_environments import EnvironmentRouting
 from lit_rl.errors import ConfigError
 from lit_rl.importing import import_callable
 from lit_rl.losses import LossNormalizer, rollout_is_weights
@@ -154,6 +155,7 @@ class OnPolicyModule(PolicyModule):
         env, params = self.env_args, self.sampling_params(training=True)
         parts = ProducerParts(self, self.engines, self.reward_scorer, params, self.sampling_args.max_new_tokens)
         self.prompt_tools: Optional[list[dict]] = None  # the schemas every prompt is rendered with (chat-format tools)
+        self.prompt_routing: Optional[EnvironmentRouting] = None  # several environments: each row's own tools
         if env.enabled:
             support = template_tool_support(self.tokenizer)
             # A format lit-rl does not read, a template TRL knows: read as TRL's GRPOTrainer reads it.
@@ -168,7 +170,7 @@ class OnPolicyModule(PolicyModule):
                 support,
                 TemplateCalls.of(self.tokenizer, trls) if support == RESPONSE_TEMPLATE else None,
             )
-            self.prompt_tools = spec.tool_schemas
+            self.prompt_tools, self.prompt_routing = spec.tool_schemas, spec.routing
             if trls is not None and spec.raw_turns:
                 say(TRLS_RESPONSE_TEMPLATE)
             episode_args = dict(
@@ -181,6 +183,7 @@ class OnPolicyModule(PolicyModule):
                 tool_schemas=spec.tool_schemas,
                 independent_turns=env.independent_turns,
                 raw_turns=spec.raw_turns,
+                routing=spec.routing,
             )
             if self.max_staleness == 0:
                 return EpisodeProducer, episode_args

@@ -9,10 +9,24 @@ from lit_rl.envs.chat_tools import chat_prompt
 from lit_rl.errors import ConfigError, DataError
 
 
+def check_environment_column(routing: Any, datamodule: Any) -> None:
+    """With several environments by name (`lit_rl.envs.trl_environments.EnvironmentRouting`): fail before training
+    when a row's `environment` column names none of them, naming the row."""
+    for source, rows in ((datamodule.train_data, datamodule.train_rows), (datamodule.val_data, datamodule.val_rows)):
+        for index, row in enumerate(rows):
+            error = routing.check([row])
+            if error is not None:
+                raise DataError(f"{source}: {record_label(source, index)} {error.removeprefix('the row ')}")
+
+
 def check_prompt_lengths(module: Any) -> None:
     """Fail before training when a prompt plus the completion budget (`max_new_tokens`, or with an environment
     `max_total_tokens`) cannot fit the model's context (`module`: an on-policy algorithm with its trainer and
-    datamodule attached)."""
+    datamodule attached). With several environments by name, each row must name one (`check_environment_column`)
+    and its prompt is measured with its environment's tools."""
+    routing = getattr(module, "prompt_routing", None)
+    if routing is not None:
+        check_environment_column(routing, module.trainer.datamodule)
     context = getattr(module.policy.config, "max_position_embeddings", None)
     if context is None:
         return
@@ -40,7 +54,8 @@ def check_prompt_lengths(module: Any) -> None:
         for start in range(0, len(rows), 1024):
             chunk = rows[start : start + 1024]
             prompts = [row["prompt"] if tools is None else chat_prompt(row["prompt"]) for row in chunk]
-            texts = [module.format_prompt(p, tools) for p in prompts]
+            row_tools = [tools] * len(chunk) if routing is None else routing.prompt_tools(chunk)
+            texts = [module.format_prompt(p, t) for p, t in zip(prompts, row_tools)]
             lengths = [len(ids) for ids in module.tokenizer(texts)["input_ids"]]
             for offset, length in enumerate(lengths):
                 if max_prompt_length is not None:  # with tools: truncation would cut the schemas, at the start

@@ -20,6 +20,7 @@ limit, `lit_rl.envs.tools`) and must not run code from the model unless the user
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol, Union
 
@@ -28,6 +29,7 @@ from lit_rl.importing import import_callable
 
 if TYPE_CHECKING:
     from lit_rl.envs.chat_tools import TemplateCalls
+    from lit_rl.envs.trl_environments import EnvironmentRouting
 
 Observation = Union[str, list[dict[str, Any]]]
 
@@ -61,6 +63,11 @@ class Environment(Protocol):
     # failed or the batch stopped with an exception, to release what it holds (`lit_rl.envs.OpenEnv`'s session).
 
 
+def env_label(env: Any) -> str:
+    """The name of an episode's environment in messages: the user's class (under lit-rl's `TRLEnvironment`)."""
+    return type(getattr(env, "instance", env)).__name__
+
+
 def as_step_result(value: Any, where: str) -> StepResult:
     """`step`'s return value as a StepResult; a clear error naming the environment (`where`) otherwise."""
     if isinstance(value, StepResult):
@@ -72,20 +79,22 @@ def as_step_result(value: Any, where: str) -> StepResult:
 
 
 class EnvironmentSpec(NamedTuple):
-    """What a run's episodes need: `factory` makes one environment per episode (None: no environment), the reward
-    part names its episodes report, the JSON schemas of the tools the model calls in its chat format (the
-    prompts are rendered with them; None: no such tools), and whether `step` is given each turn decoded with its
-    special tokens (`raw_turns`: calls read by the tokenizer's `response_template`, whose markup may be special
-    tokens; otherwise they are skipped)."""
+    """What a run's episodes need: `factory(row)` makes the environment of one episode of `row` (None: no
+    environment), the reward part names its episodes report, the JSON schemas of the tools the model calls in its
+    chat format (the prompts are rendered with them; None: no such tools), whether `step` is given each turn decoded
+    with its special tokens (`raw_turns`: calls read by the tokenizer's `response_template`, whose markup may be
+    special tokens; otherwise they are skipped), and with several environments by name, how a row picks its own
+    (`routing`; `tool_schemas` is then every environment's, and each prompt gets its environment's)."""
 
-    factory: Optional[Callable[[], Environment]]
+    factory: Optional[Callable[..., Environment]]
     reward_names: tuple[str, ...]
     tool_schemas: Optional[list[dict[str, Any]]] = None
     raw_turns: bool = False
+    routing: Optional[EnvironmentRouting] = None
 
 
 def environment_factory(
-    path: Optional[str],
+    path: Optional[str | dict[str, str]],
     args: Optional[dict[str, Any]],
     tools: Optional[list[str]],
     tool_format: str = "auto",
@@ -98,16 +107,19 @@ def environment_factory(
     one, `TemplateCalls.of`). Tools alone
     give the built-in `ToolEnvironment`, or in the chat format `ChatToolEnvironment`; a TRL environment class (a
     `reset` and no `step`) runs in `TRLEnvironment`, its methods and the tools called in the chat format; any other
-    environment is given the tools as `tools=`."""
+    environment is given the tools as `tools=`. A dict `{name: import path}` of TRL classes is TRL's dict of
+    environments (`routed_trl_environments`)."""
     from lit_rl.envs.chat_tools import RESPONSE_TEMPLATE, ChatToolEnvironment, tool_schema, uses_chat_tools
     from lit_rl.envs.tools import ToolEnvironment, import_tools
-    from lit_rl.envs.trl_environments import TRLEnvironment, is_trl_environment
+    from lit_rl.envs.trl_environments import is_trl_environment
 
     if path is None and not tools:
         if args:
             raise ConfigError("model.env.environment_args is set but model.env.environment is not")
         return EnvironmentSpec(None, ())
     functions = import_tools(tools) if tools else []
+    if isinstance(path, dict):
+        return routed_trl_environments(path, args, functions, tool_format, tool_support, template_calls)
     kwargs = dict(args or {})
     make: Callable[..., Any]
     if path is None:
@@ -122,9 +134,7 @@ def environment_factory(
         if is_trl_environment(user_class):
             _check_trl_format(path, tool_format, tool_support)
             chat = True
-            make = lambda **options: TRLEnvironment(  # noqa: E731
-                user_class(**options), functions, tool_support, template_calls
-            )
+            make = functools.partial(_trl_episode, user_class, functions, tool_support, template_calls, False)
         else:
             chat, make = bool(functions) and uses_chat_tools(tool_format, tool_support), user_class
             if functions:
@@ -143,7 +153,80 @@ def environment_factory(
         schemas = [tool_schema(function) for function in functions] if chat else None
     reward_names = tuple(getattr(probe, "reward_names", ()))
     raw_turns = isinstance(probe, ChatToolEnvironment) and probe.call_format == RESPONSE_TEMPLATE
-    return EnvironmentSpec(lambda: make(**kwargs), reward_names, schemas, raw_turns)
+    return EnvironmentSpec(lambda row=None: make(**kwargs), reward_names, schemas, raw_turns)
+
+
+def routed_trl_environments(
+    paths: dict[str, str],
+    args: Optional[dict[str, Any]],
+    functions: list[Callable[..., Any]],
+    tool_format: str,
+    tool_support: str,
+    template_calls: Optional[TemplateCalls],
+) -> EnvironmentSpec:
+    """TRL's dict of environments (`model.env.environment: {name: import path}`, `lit_rl.envs.trl_environments`):
+    every class TRL's kind, each built with `environment_args[name]` (none by default); a row's `environment`
+    column picks its class. One column per class with a `get_reward`, in the order given."""
+    from lit_rl.envs.chat_tools import RESPONSE_TEMPLATE
+    from lit_rl.envs.trl_environments import EnvironmentRouting, is_trl_environment
+
+    if not paths:
+        raise ConfigError("model.env.environment is an empty mapping: give an import path, or {name: import path}")
+    args = dict(args or {})
+    for name, options in args.items():
+        if name not in paths or not isinstance(options, dict):
+            raise ConfigError(
+                f"model.env.environment_args.{name}: with several environments, environment_args maps their names "
+                f"({', '.join(paths)}) to each one's keyword arguments"
+            )
+    makers: dict[str, Callable[[], Environment]] = {}
+    tools: dict[str, list[dict[str, Any]]] = {}
+    owners: dict[str, type] = {}  # reward column -> the class whose get_reward fills it
+    for name, path in paths.items():
+        where = f"model.env.environment.{name}"
+        try:
+            user_class = import_callable(path, "environment")
+        except ValueError as err:
+            raise ConfigError(f"{where}: {err}") from None
+        if not is_trl_environment(user_class):
+            raise ConfigError(
+                f"{where} {path} is not a TRL environment class (a reset and no step): several environments by name "
+                "are TRL's environment_factory dict"
+            )
+        _check_trl_format(path, tool_format, tool_support)
+        make = functools.partial(
+            _trl_episode, user_class, functions, tool_support, template_calls, True, **args.get(name, {})
+        )
+        try:
+            probe = make()  # checks the arguments now, before any rollout
+        except TypeError as err:
+            raise ConfigError(f"{where} {path}: {err}") from None
+        makers[name], tools[name] = make, probe.schemas
+        for column in probe.reward_names:  # as TRL: one column per class (two names may share one)
+            if owners.setdefault(column, user_class) is not user_class:
+                raise ConfigError(
+                    f"{where}: two environment classes named {column} both define get_reward, whose column is "
+                    "named after the class: rename one"
+                )
+    routing = EnvironmentRouting(tools)
+    every_tool = [schema for name in paths for schema in tools[name]]
+    distinct = [schema for i, schema in enumerate(every_tool) if schema not in every_tool[:i]]  # standalone once
+    raw_turns = probe.call_format == RESPONSE_TEMPLATE
+    return EnvironmentSpec(lambda row: makers[routing.name_of(row)](), tuple(owners), distinct, raw_turns, routing)
+
+
+def _trl_episode(
+    user_class: type,
+    functions: list[Callable[..., Any]],
+    tool_support: str,
+    template_calls: Optional[TemplateCalls],
+    routed: bool,
+    **options: Any,
+) -> Environment:
+    """One episode of a TRL environment class: a fresh instance, built with `options`."""
+    from lit_rl.envs.trl_environments import TRLEnvironment
+
+    return TRLEnvironment(user_class(**options), functions, tool_support, template_calls, routed=routed)
 
 
 def _check_trl_format(path: str, tool_format: str, tool_support: str) -> None:

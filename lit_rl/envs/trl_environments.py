@@ -10,6 +10,10 @@ TRL's contract, which `TRLEnvironment` keeps:
 - An optional `get_reward()` (sync or `async def`) scores the episode from the environment's state, once, when the
   episode ends: a reward column named after the class (`rewards/env/<ClassName>`), weight 1, as in TRL.
 - Reward functions receive the episodes' instances as `environments=` (one per completion).
+- Several classes by name (TRL's `environment_factory={name: factory}`; here `model.env.environment: {name: import
+  path}`): each row's `environment` column picks its episode's class (`EnvironmentRouting`), only that class's
+  methods (and the standalone tools) reach its prompt, and `environment` is not passed to `reset`. Each class with a
+  `get_reward` has its column; an episode of another class counts 0 in it (TRL: None, left out of the column's mean).
 
 Standalone `model.env.tools` are offered beside the methods, as TRL's `tools=` are. The tool calls of a step run
 on the step's thread, bounded by `model.env.step_timeout_s` (a step past it ends its episode, counted in
@@ -21,11 +25,14 @@ from __future__ import annotations
 import asyncio
 import copy
 import inspect
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from lit_rl.envs.chat_tools import HERMES, ChatToolEnvironment, TemplateCalls
+from lit_rl.errors import DataError
 
 RESERVED = ("reset", "get_reward")
+ROUTING_COLUMN = "environment"  # TRL's: the column of a row that names its environment
 
 
 def is_trl_environment(cls: Any) -> bool:
@@ -75,6 +82,7 @@ class TRLEnvironment(ChatToolEnvironment):
         tools: Optional[list[Callable[..., Any]]] = None,
         call_format: str = HERMES,
         template_calls: Optional[TemplateCalls] = None,
+        routed: bool = False,
     ) -> None:
         methods = tool_methods(instance)
         if not methods and not tools:
@@ -87,12 +95,14 @@ class TRLEnvironment(ChatToolEnvironment):
             [*(tools or []), *methods], timeout_s=None, call_format=call_format, template_calls=template_calls
         )
         self.instance = instance
+        self.routed = routed  # picked by the row's `environment` column, which TRL does not pass to `reset`
         self.owns_reward = callable(getattr(instance, "get_reward", None))
         self.reward_names = (type(instance).__name__,) if self.owns_reward else ()
 
     def reset(self, row: dict[str, Any]) -> Any:
         """The episode's prompt: the row's, with what the instance's `reset(**row)` returned appended (TRL's
         rule); None (the row's prompt as it is) when it returned None."""
+        row = {key: value for key, value in row.items() if not (self.routed and key == ROUTING_COLUMN)}
         observation = _resolved(self.instance.reset(**copy.deepcopy(row)))  # the G episodes of a row share it
         if observation is None:
             return None
@@ -103,3 +113,41 @@ class TRLEnvironment(ChatToolEnvironment):
         if not self.owns_reward:
             return {}
         return {self.reward_names[0]: float(_resolved(self.instance.get_reward()))}
+
+
+@dataclass(frozen=True)
+class EnvironmentRouting:
+    """TRL's dict of environments: each row's `environment` column names the class its episodes run in, and its
+    prompt is rendered with that class's tools alone.
+
+    Args:
+        tools: the tools' JSON schemas of each environment, by name (the standalone tools, then its methods).
+    """
+
+    tools: dict[str, list[dict[str, Any]]]
+
+    def name_of(self, row: dict[str, Any]) -> str:
+        """The environment `row` names; a one-line error when it names none of them."""
+        name = row.get(ROUTING_COLUMN)
+        if not isinstance(name, str) or name not in self.tools:
+            raise DataError(self.unknown(name))
+        return name
+
+    def unknown(self, name: Any) -> str:
+        """Why a row whose `environment` column holds `name` cannot run."""
+        what = "has no environment column" if name is None else f"has environment {name!r}"
+        return (
+            f"the row {what}, which must name one of model.env.environment's: {', '.join(self.tools)} "
+            "(with several environments, each row picks its own, as in TRL)"
+        )
+
+    def check(self, rows: list[dict[str, Any]]) -> Optional[str]:
+        """Why the first of `rows` that names no environment cannot run; None when every row names one."""
+        for row in rows:
+            if row.get(ROUTING_COLUMN) not in self.tools:
+                return self.unknown(row.get(ROUTING_COLUMN))
+        return None
+
+    def prompt_tools(self, rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+        """Each row's prompt's tool schemas: its environment's."""
+        return [self.tools[self.name_of(row)] for row in rows]

@@ -157,10 +157,10 @@ class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
         seeds = [seed for _, rank_seeds in per_rank for seed in rank_seeds]
         counts = [len(rank_rows) for rank_rows, _ in per_rank]
         try:  # the user's environment class and the chat template: a failure is the generation's error
-            envs, env_name, prompts, reset_error, ended = self.start_episodes(rows)
+            envs, prompts, reset_error, ended = self.start_episodes(rows)
             encoded, start = [], 0
             for count in counts:  # each rank's prompts padded apart, as its synchronous rollouts are
-                ids, mask = self.host.encode_prompts(prompts[start : start + count], self.tool_schemas)
+                ids, mask = self.encode_prompts(rows[start : start + count], prompts[start : start + count])
                 encoded.append((ids.cpu(), mask.cpu()))
                 start += count
         except Exception as err:
@@ -187,7 +187,6 @@ class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
                 tokenizer,
                 observations.encode,
                 torch.device("cpu"),
-                env_name,
                 ended,
             )
             error = reset_error or episodes.error

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from lit_rl.envs.base import Environment, Observation, as_step_result
+from lit_rl.envs.base import Environment, Observation, as_step_result, env_label
 from lit_rl.envs.runner import Call, EnvCallTimeout, EnvironmentRunner
 from lit_rl.rollout.base import Generate, RolloutEngine, RolloutOutput, SamplingParams
 from lit_rl.types import EPISODE_STATS
@@ -75,7 +75,6 @@ def run_episodes(
     pad_id: int,
     device: torch.device,
     runner: EnvironmentRunner,
-    env_name: str = "environment",
     any_active: Callable[[bool], bool] = bool,
     ended: frozenset[int] = frozenset(),
     concurrent_generate: Optional[Generate] = None,
@@ -112,7 +111,7 @@ def run_episodes(
     server released: `lit_rl.envs.OpenEnv`), unless a call of its overran or its reset failed (`ended`): a plain
     method may still be running on its worker thread, using what `close` would release."""
     batch = _EpisodeBatch(
-        envs, prompts, params, seeds, decode, encode_observation, reward_names, max_turns, max_total_tokens, env_name
+        envs, prompts, params, seeds, decode, encode_observation, reward_names, max_turns, max_total_tokens
     )
     active = [i for i in range(len(envs)) if i not in ended]  # `ended`: their reset failed; they take no turn
     batch.broken.update(ended)
@@ -123,9 +122,7 @@ def run_episodes(
         else:
             _lock_step(batch, engine, active, pad_id, device, runner, any_active)
         settled = [i for i in range(len(envs)) if i not in batch.broken]
-        finish_error = _finish(
-            envs, settled, runner, batch.env_rewards, batch.stats, batch.column, env_name, batch.overran
-        )
+        finish_error = _finish(envs, settled, runner, batch.env_rewards, batch.stats, batch.column, batch.overran)
     except Exception:  # not on Ctrl-C (a BaseException): that stops at once
         _close(envs, batch.overran | ended, runner)
         raise
@@ -155,10 +152,9 @@ class _EpisodeBatch:
         reward_names: Sequence[str],
         max_turns: int,
         max_total_tokens: int,
-        env_name: str,
     ) -> None:
         n = len(envs)
-        self.envs, self.params, self.seeds, self.env_name = envs, params, seeds, env_name
+        self.envs, self.params, self.seeds = envs, params, seeds
         self.decode, self.encode_observation = decode, encode_observation
         self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
         self.prompts = prompts
@@ -216,10 +212,11 @@ class _EpisodeBatch:
         try:
             if isinstance(outcome, BaseException):
                 raise outcome
-            result = as_step_result(outcome, self.env_name)
-            _add_reward_parts(self.env_rewards[i], result.rewards, self.column, f"{self.env_name}.step")
+            name = env_label(self.envs[i])
+            result = as_step_result(outcome, name)
+            _add_reward_parts(self.env_rewards[i], result.rewards, self.column, f"{name}.step")
         except Exception as err:  # the user's environment: end this episode, report once every rank is done
-            self._fail(i, f"{self.env_name}.step raised {type(err).__name__}: {err}")
+            self._fail(i, f"{env_label(self.envs[i])}.step raised {type(err).__name__}: {err}")
             return False
         self.stats[i, 1] += result.tool_calls
         self.stats[i, 2] += result.tool_errors
@@ -228,7 +225,9 @@ class _EpisodeBatch:
         try:  # text, or chat messages rendered after the turn just sampled
             observation = self.encode_observation(result.observation, self.pieces[i][-1][0])
         except Exception as err:
-            self._fail(i, f"{self.env_name}.step's observation cannot be encoded: {type(err).__name__}: {err}")
+            self._fail(
+                i, f"{env_label(self.envs[i])}.step's observation cannot be encoded: {type(err).__name__}: {err}"
+            )
             return False
         observation = observation[: self.max_total_tokens - self.used[i]]
         self.pieces[i].append((observation, [0.0] * len(observation), False, None))
@@ -361,7 +360,6 @@ def _finish(
     env_rewards: torch.Tensor,
     stats: torch.Tensor,
     column: dict[str, int],
-    env_name: str,
     overran: set[int],
 ) -> Optional[str]:
     """Ask each ended episode's environment that has a `finish()` for its last reward parts (a TRL environment's
@@ -378,9 +376,9 @@ def _finish(
         try:
             if isinstance(outcome, BaseException):
                 raise outcome
-            _add_reward_parts(env_rewards[i], dict(outcome or {}), column, f"{env_name}.finish")
+            _add_reward_parts(env_rewards[i], dict(outcome or {}), column, f"{env_label(envs[i])}.finish")
         except Exception as err:
-            error = error or f"{env_name}.finish raised {type(err).__name__}: {err}"
+            error = error or f"{env_label(envs[i])}.finish raised {type(err).__name__}: {err}"
     return error
 
 

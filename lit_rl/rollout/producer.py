@@ -23,10 +23,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from lit_rl.envs.base import env_label
 from lit_rl.envs.chat_tools import ChatRenderer, chat_prompt
 from lit_rl.envs.runner import EnvCallTimeout, EnvironmentRunner
-from lit_rl.envs.trl_environments import TRLEnvironment
-from lit_rl.errors import ConfigError, EnvironmentStepError, LitRLError, RewardFunctionError
+from lit_rl.envs.trl_environments import EnvironmentRouting, TRLEnvironment
+from lit_rl.errors import ConfigError, DataError, EnvironmentStepError, LitRLError, RewardFunctionError
 from lit_rl.rewards import TrainerState
 from lit_rl.rewards.scorer import RewardScorer
 from lit_rl.rollout.asynchronous import AsyncGenerations, PendingGeneration, generation_version
@@ -249,6 +250,7 @@ class EpisodeProducer(RolloutProducer):
             `concurrent_generate` (with several processes, one whose `concurrent_on_every_rank` is true); turn by
             turn otherwise.
         raw_turns: each turn reaches `step` decoded with its special tokens (`EnvironmentSpec.raw_turns`).
+        routing: with several environments by name, how a row picks its own (`EnvironmentSpec.routing`).
         parts: `ProducerParts`.
     """
 
@@ -256,7 +258,7 @@ class EpisodeProducer(RolloutProducer):
         self,
         parts: ProducerParts,
         *,
-        env_factory: Callable[[], Any],
+        env_factory: Callable[..., Any],
         env_reward_names: tuple[str, ...],
         max_turns: int,
         max_total_tokens: Optional[int],
@@ -264,9 +266,11 @@ class EpisodeProducer(RolloutProducer):
         tool_schemas: Optional[list[dict[str, Any]]] = None,
         independent_turns: bool = True,
         raw_turns: bool = False,
+        routing: Optional[EnvironmentRouting] = None,
     ) -> None:
         super().__init__(parts)
         self.runner = runner
+        self.routing = routing
         self.raw_turns = raw_turns
         self.independent_turns = independent_turns
         self.tool_schemas = tool_schemas
@@ -300,10 +304,12 @@ class EpisodeProducer(RolloutProducer):
         """One episode per row x `repeat`, each with an environment of its own, from its first observation (or
         its row's prompt), scored."""
         host = self.host
+        if self.routing is not None:  # checked at fit start too; here a bad row stops every rank, not one
+            self.fail_on_every_rank(self.routing.check(rows), DataError, "a row on another rank names no environment")
         with host.timer.phase("generation"):
             rows_of = [rows[index // repeat] for index in range(len(rows) * repeat)]
-            envs, env_name, prompts, error, ended = self.start_episodes(rows_of)
-            prompt_ids, prompt_mask = host.encode_prompts(prompts, self.tool_schemas)
+            envs, prompts, error, ended = self.start_episodes(rows_of)
+            prompt_ids, prompt_mask = self.encode_prompts(rows_of, prompts)
             engine = self.engines.engine()
             one_rank = host.trainer.world_size == 1
             # With several ranks, each rank's episodes go on on their own only where every rank may sample alone.
@@ -320,7 +326,6 @@ class EpisodeProducer(RolloutProducer):
                     host.tokenizer,
                     self.encode_observation,
                     host.device,
-                    env_name,
                     ended,
                     any_active=self._any_rank_active,
                     concurrent=alone,
@@ -356,7 +361,6 @@ class EpisodeProducer(RolloutProducer):
         tokenizer: Any,
         encode_observation: Callable[[Any, list[int]], list[int]],
         device: torch.device,
-        env_name: str,
         ended: set[int],
         any_active: Callable[[bool], bool] = bool,
         concurrent: bool = True,
@@ -382,7 +386,6 @@ class EpisodeProducer(RolloutProducer):
             pad_id=tokenizer.pad_token_id,
             device=device,
             runner=self.runner,
-            env_name=env_name,
             any_active=any_active,
             ended=frozenset(ended),
             concurrent_generate=independent_generate(engine, self.independent_turns and concurrent),
@@ -394,12 +397,12 @@ class EpisodeProducer(RolloutProducer):
         (`raw_turns`: a `response_template`'s markup, Gemma 4's `<|tool_call>`, may be special tokens)."""
         return tokenizer.decode(ids, skip_special_tokens=not self.raw_turns)
 
-    def start_episodes(self, rows: list[dict[str, Any]]) -> tuple[list[Any], str, list[Any], Optional[str], set[int]]:
-        """An environment per row, each reset with its row at once (`runner`): the environments, the user's class
-        name, each episode's prompt (its first observation, or its row's prompt), the first reset error (to raise on
-        every rank together, after the episodes' collectives) and the episodes whose reset failed."""
-        envs = [self.env_factory() for _ in rows]
-        env_name = type(getattr(envs[0], "instance", envs[0])).__name__  # the user's class, under a TRL one
+    def start_episodes(self, rows: list[dict[str, Any]]) -> tuple[list[Any], list[Any], Optional[str], set[int]]:
+        """An environment per row (the row picks it, with several by name), each reset with its row at once
+        (`runner`): the environments, each episode's prompt (its first observation, or its row's prompt), the first
+        reset error (to raise on every rank together, after the episodes' collectives) and the episodes whose reset
+        failed."""
+        envs = [self.env_factory(row) for row in rows]
         firsts = self.runner.run([(env.reset, (row,)) for env, row in zip(envs, rows)])
         prompts, error, ended = [], None, set()
         for index, (row, first) in enumerate(zip(rows, firsts)):
@@ -407,13 +410,20 @@ class EpisodeProducer(RolloutProducer):
                 failure = f"raised {type(first).__name__}: {first}"
                 if isinstance(first, EnvCallTimeout):
                     failure = f"{first} (model.env.step_timeout_s)"
-                error = error or f"{env_name}.reset {failure}"
+                error = error or f"{env_label(envs[index])}.reset {failure}"
                 first = None
                 ended.add(index)  # never stepped: its environment may still be busy in that reset
             prompts.append(row["prompt"] if first is None else first)
         if self.tool_schemas is not None:  # the tools' schemas reach the model through its chat template
             prompts = [chat_prompt(p) for p in prompts]
-        return envs, env_name, prompts, error, ended
+        return envs, prompts, error, ended
+
+    def encode_prompts(self, rows: list[dict[str, Any]], prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The episodes' prompts (`start_episodes`'s, one per row of `rows`) rendered with the tools' schemas (each
+        with its environment's, with several by name) and tokenised: `RolloutHost.encode_prompts`."""
+        if self.routing is None:
+            return self.host.encode_prompts(prompts, self.tool_schemas)
+        return self.host.encode_prompts(prompts, per_prompt_tools=self.routing.prompt_tools(rows))
 
     def encode_observation(self, observation: Any, turn_ids: list[int]) -> list[int]:
         """An observation's ids (`ObservationEncoder`) with the module's tokenizer."""

@@ -18,3 +18,24 @@ class IncrementEnv:
         """
         self.counter += step
         return self.counter
+
+
+class DoubleEnv:
+    """A second environment, for TRL's dict of environments (`environment_factory={"count": ..., "double": ...}`)."""
+
+    def reset(self, **row) -> str:
+        self.value = 1
+        return " Double the value twice."
+
+    def get_reward(self) -> float:
+        return float(self.value == 4)
+
+    def double(self, times: int) -> int:
+        """
+        Double the value a number of times.
+
+        Args:
+            times: How many times to double it.
+        """
+        self.value *= 2**times
+        return self.value

@@ -161,6 +161,33 @@ class NumberedIncrementEnv(IncrementEnv):
         return super().reset(answer, **kwargs) + f" Episode {self.number}."
 
 
+class DoubleEnv:
+    """A second TRL environment, for TRL's dict of environments (`{count: IncrementEnv, double: DoubleEnv}`): its tool
+    is `double`, it has no `get_reward`, and it keeps the keywords its `reset` was given."""
+
+    def reset(self, **kwargs: Any) -> str:
+        self.reset_with = kwargs
+        self.value = 1
+        return " Double the value."
+
+    def double(self, times: int) -> int:
+        """
+        Double the value a number of times.
+
+        Args:
+            times: How many times to double it.
+        """
+        self.value *= 2**times
+        return self.value
+
+
+def environment_of_row(completions: list, environments: list, environment: list, **kwargs: Any) -> list[float]:
+    """1 for each episode whose instance is the class its row's `environment` column names (TRL's dict of
+    environments: `count` IncrementEnv, `double` DoubleEnv); TRL passes that column to reward functions too."""
+    classes = {"count": IncrementEnv, "double": DoubleEnv}
+    return [float(type(env) is classes[name]) for env, name in zip(environments, environment)]
+
+
 def env_number(completions: list, environments: list, **kwargs: Any) -> list[float]:
     """Each completion's environment's episode number (`NumberedIncrementEnv`)."""
     return [float(env.number) for env in environments]

@@ -196,6 +196,27 @@ def test_a_trl_environment_class_trains_unchanged_through_the_cli(tmp_path):
     assert "train/rewards/env/IncrementEnv" in row
 
 
+def test_trls_dict_of_environments_trains_through_the_cli_each_row_in_the_class_it_names(tmp_path):
+    """`--model.env.environment '{count: ..., double: ...}'` (TRL's `environment_factory` dict) on rows whose
+    `environment` column names one: the reward function reading `environments` and `environment` found every
+    episode in its row's class, and IncrementEnv's `get_reward` has its column."""
+    import json
+
+    from tests.qwen_chat import save_qwen_chat_model
+
+    data = tmp_path / "mixed.jsonl"
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1), "environment": ("count", "double")[i % 2]} for i in range(8)]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    routed = "{count: tests.integration.envs.IncrementEnv, double: tests.integration.envs.DoubleEnv}"
+    args = ["--model.env.environment", routed, "--model.env.max_total_tokens", "64", "--data.train_data", str(data)]
+    args += ["--data.val_data", "null"]
+    args += ["--model.rewards.funcs", "[tests.integration.envs.environment_of_row]", "--model.rewards.weights", "null"]
+    args += ["--model.policy.model_name_or_path", str(save_qwen_chat_model(tmp_path / "qwen-chat"))]
+    log_dir = _fit(tmp_path, "grpo", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "0", *args)
+    (row,) = train_rows(log_dir)
+    assert row["train/rewards/environment_of_row"] == 1.0 and "train/rewards/env/IncrementEnv" in row
+
+
 @pytest.mark.parametrize("independent_turns", [True, False])
 def test_a_one_process_run_on_an_engine_taking_concurrent_calls_runs_its_episodes_on_their_own(independent_turns):
     """`model.env.independent_turns` (the default) on an engine with a `concurrent_generate` (the vLLM server
