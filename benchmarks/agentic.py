@@ -42,6 +42,7 @@ import argparse
 import csv
 import itertools
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -78,28 +79,33 @@ MODES = {  # mode: (engine, the `lit-rl fit` options that make it, environment v
 
 class LongTail:
     """An episode of `TURNS[e % 16]` model turns (e counts the episodes this process made), each answered after
-    `latency_s` with the observation `n;` (n: turns left, characters the tiny model knows)."""
+    `latency_s` with the observation `n;` (n: turns left, characters the tiny model knows). With `slow_share`, a
+    step answers after `slow_s` instead, as a slow tool call does: step t of episode e is slow when a generator
+    seeded by (e, t) draws under `slow_share` (the same steps in every run)."""
 
     reward_names: tuple[str, ...] = ()
     _episodes = itertools.count()
 
-    def __init__(self, latency_s: float = 0.1) -> None:
-        self.latency_s = latency_s
-        self.turns = TURNS[next(LongTail._episodes) % len(TURNS)]
+    def __init__(self, latency_s: float = 0.1, slow_share: float = 0.0, slow_s: float = 1.0) -> None:
+        self.latency_s, self.slow_share, self.slow_s = latency_s, slow_share, slow_s
+        self.episode = next(LongTail._episodes)
+        self.turns = TURNS[self.episode % len(TURNS)]
         self.done_turns = 0
 
     def reset(self, row: dict[str, Any]) -> None:
         return None
 
     def step(self, completion: str) -> tuple[Optional[str], dict[str, float], bool]:
-        time.sleep(self.latency_s)
+        slow = random.Random(self.episode * 1009 + self.done_turns).random() < self.slow_share
+        time.sleep(self.slow_s if slow else self.latency_s)
         self.done_turns += 1
         left = self.turns - self.done_turns
         return (None, {}, True) if left <= 0 else (f"{left};", {}, False)
 
 
-def fit_command(mode: str, latency_s: float, steps: int, workdir: Path, name: str) -> list[str]:
-    """`lit-rl fit` of the tools config with `LongTail` (no calculator) in `mode`, no validation, `steps` steps."""
+def fit_command(options: list[str], environment_args: str, steps: int, workdir: Path, name: str) -> list[str]:
+    """`lit-rl fit` of the tools config with `LongTail` (no calculator, built with `environment_args`) and
+    `options`, no validation, `steps` steps."""
     return [
         sys.executable,
         "-m",
@@ -112,14 +118,14 @@ def fit_command(mode: str, latency_s: float, steps: int, workdir: Path, name: st
         "--model.env.environment",
         "agentic.LongTail",
         "--model.env.environment_args",
-        f"{{latency_s: {latency_s}}}",
+        environment_args,
         "--model.env.max_turns",
         str(max(TURNS)),
         "--model.sampling.max_new_tokens",
         "8",
         "--model.env.max_total_tokens",
         "80",
-        *MODES[mode][1],
+        *options,
         "--trainer.max_steps",
         str(steps),
         "--trainer.limit_val_batches",
@@ -141,13 +147,23 @@ def after_first_step(rows: list[dict[str, str]], key: str) -> list[float]:
 
 def one_run(mode: str, latency_s: float, steps: int, workdir: Path) -> dict:
     """One `lit-rl fit` of `mode` at `latency_s`: its per-step times, the first step (start-up) left out."""
+    _, options, variables, _ = MODES[mode]
+    return fit_and_read(
+        f"the {mode} run at {latency_s} s", options, f"{{latency_s: {latency_s}}}", variables, steps, workdir
+    )
+
+
+def fit_and_read(
+    what: str, options: list[str], environment_args: str, variables: dict[str, str], steps: int, workdir: Path
+) -> dict:
+    """One `lit-rl fit` (`fit_command`) with the environment `variables`; its numbers (`run_metrics`)."""
     name = f"run_{len(list(workdir.glob('runs/*')))}"
-    command = fit_command(mode, latency_s, steps, workdir, name)
+    command = fit_command(options, environment_args, steps, workdir, name)
     # The environment class is imported from benchmarks/ (`agentic.LongTail`), lit_rl from this checkout.
-    env = {**os.environ, **MODES[mode][2], "PYTHONPATH": os.pathsep.join([str(REPO / "benchmarks"), str(REPO)])}
+    env = {**os.environ, **variables, "PYTHONPATH": os.pathsep.join([str(REPO / "benchmarks"), str(REPO)])}
     result = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True)
     if result.returncode != 0:
-        raise SystemExit(f"agentic.py: the {mode} run at {latency_s} s failed:\n{result.stderr[-3000:]}")
+        raise SystemExit(f"{Path(sys.argv[0]).name}: {what} failed:\n{result.stderr[-3000:]}")
     return run_metrics(next((workdir / "runs" / name).glob("version_*/metrics.csv")))
 
 

@@ -262,6 +262,12 @@ class EnvArgs:
             many threads with no collective (the vLLM server engine, on every process, and asynchronous episodes on
             its worker). false, or any other engine: turn by turn, every running episode's turn in one batch. The
             same tokens are sampled either way (each turn is seeded by its episode and turn).
+        ready_batches: on an engine without such calls (HF `generate`, the colocated vLLM engine), on one process:
+            each call samples the next turns of the episodes whose steps are back, without waiting for the slowest
+            step of the turn (a slow step holds the others back by one call at most). Off by default: the batches
+            then form by timing, and a row's log-probs change with its batch at float rounding (HF `generate` on
+            the tiny model: 1.7e-6), so such a run is not bit-reproducible; each turn is still seeded by its
+            episode and turn.
     """
 
     environment: Optional[Union[str, dict[str, str]]] = None
@@ -273,6 +279,7 @@ class EnvArgs:
     concurrency: int = 64
     step_timeout_s: float = 60.0
     independent_turns: bool = True
+    ready_batches: bool = False
 
     @property
     def enabled(self) -> bool:

@@ -72,9 +72,10 @@ def _run(
     seeds=(10, 20),
     runner=None,
     ended=(),
-    independent=False,
+    schedule="lock-step",
 ):
-    """`run_episodes` turn by turn, or (`independent`) with each episode on its own after the first turn."""
+    """`run_episodes` turn by turn (`schedule` "lock-step"), in batches of the turns that are ready ("ready"), or
+    with each episode on its own after the first turn ("independent")."""
     return run_episodes(
         engine,
         envs,
@@ -90,17 +91,18 @@ def _run(
         device=torch.device("cpu"),
         runner=runner or EnvironmentRunner(concurrency=4, timeout_s=10.0),
         ended=frozenset(ended),
-        concurrent_generate=engine.generate if independent else None,
+        concurrent_generate=engine.generate if schedule == "independent" else None,
+        ready_batches=schedule == "ready",
     )
 
 
-SCHEDULES = pytest.mark.parametrize("independent", [False, True], ids=["lock-step", "independent"])
+SCHEDULES = pytest.mark.parametrize("schedule", ["lock-step", "ready", "independent"])
 
 
 @SCHEDULES
-def test_a_transcript_is_the_sampled_ids_and_the_observation_ids_laid_end_to_end(independent):
+def test_a_transcript_is_the_sampled_ids_and_the_observation_ids_laid_end_to_end(schedule):
     engine = ScriptedEngine({1: [[4, 5, EOS], [3, EOS]], 2: [[6, EOS], [8, 8, EOS]]})
-    episodes = _run(engine, [Echo(2), Echo(2)], [[1, 1], [2]], independent=independent)
+    episodes = _run(engine, [Echo(2), Echo(2)], [[1, 1], [2]], schedule=schedule)
     out = episodes.output
     # Row 0: turn [4 5 EOS], observation [7 7], turn [3 EOS]; row 1: [6 EOS], [7 7], [8 8 EOS].
     assert out.completion_ids.tolist() == [[4, 5, EOS, 7, 7, 3, EOS], [6, EOS, 7, 7, 8, 8, EOS]]
@@ -108,21 +110,22 @@ def test_a_transcript_is_the_sampled_ids_and_the_observation_ids_laid_end_to_end
     assert out.sampled_mask.tolist() == [[1, 1, 1, 0, 0, 1, 1], [1, 1, 0, 0, 1, 1, 1]]
     assert out.logprobs.tolist() == [[-0.5, -0.5, -0.5, 0, 0, -0.5, -0.5], [-0.5, -0.5, 0, 0, -0.5, -0.5, -0.5]]
     # Turn 2 was sampled from the prompt's ids + turn 1's ids + the observation's ids, with the turn's own seed:
-    # in one call turn by turn, in a call per episode when each goes on on its own.
+    # in one call turn by turn, in a call per episode when each goes on on its own, and in ready batches in one
+    # call or two, as the steps' answers arrive.
     (first, first_seeds, _), *seconds = engine.calls
     assert first == [[1, 1], [2]] and first_seeds == [10, 20]
     second = sorted((context, seed) for contexts, seeds, _ in seconds for context, seed in zip(contexts, seeds))
     assert second == [([1, 1, 4, 5, EOS, 7, 7], turn_seed(10, 1)), ([2, 6, EOS, 7, 7], turn_seed(20, 1))]
-    assert len(seconds) == (2 if independent else 1) and turn_seed(10, 0) == 10
+    assert len(seconds) == {"lock-step": 1, "independent": 2}.get(schedule, len(seconds)) and turn_seed(10, 0) == 10
     assert episodes.env_rewards.tolist() == [[2.0], [2.0]]
     # turns, tool calls, tool errors (row 0's second turn decodes to "bad"), observation tokens, steps timed out
     assert episodes.stats.tolist() == [[2, 2, 1, 2, 0], [2, 2, 0, 2, 0]]
 
 
 @SCHEDULES
-def test_episodes_stop_at_max_turns_and_the_token_budget(independent):
+def test_episodes_stop_at_max_turns_and_the_token_budget(schedule):
     engine = ScriptedEngine({1: [[4, 5, EOS], [3, EOS]], 2: [[6, 6, 6, 6, 6, EOS]]})
-    run = dict(max_turns=2, max_total_tokens=4, seeds=(1, 2), independent=independent)
+    run = dict(max_turns=2, max_total_tokens=4, seeds=(1, 2), schedule=schedule)
     episodes = _run(engine, [Echo(9), Echo(9)], [[1], [2]], **run)
     # Row 0: 3 tokens, then an observation cut to the 1 token left: the budget is spent, no second turn.
     # Row 1: its turn is cut to the budget of 4 tokens.
@@ -130,7 +133,7 @@ def test_episodes_stop_at_max_turns_and_the_token_budget(independent):
     assert episodes.output.sampled_mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
     assert [call[2] for call in engine.calls] == [4]  # one call, asking for at most the budget
     engine = ScriptedEngine({1: [[4, EOS], [3, EOS], [5, EOS]]})
-    episodes = _run(engine, [Echo(9)], [[1]], max_turns=2, seeds=(1,), independent=independent)
+    episodes = _run(engine, [Echo(9)], [[1]], max_turns=2, seeds=(1,), schedule=schedule)
     assert episodes.output.completion_ids.tolist() == [[4, EOS, 7, 7, 3, EOS]]  # no observation after the last turn
     assert episodes.stats[0, 0] == 2
 
@@ -254,11 +257,11 @@ def test_a_rank_whose_episodes_ended_joins_the_other_ranks_turns():
 
 
 @SCHEDULES
-def test_an_environment_that_raises_ends_its_episode_and_is_reported(independent):
+def test_an_environment_that_raises_ends_its_episode_and_is_reported(schedule):
     from tests.integration.envs import Exploding
 
     engine = ScriptedEngine({1: [[4, EOS], [5, EOS]], 2: [[6, EOS], [8, EOS]]})
-    episodes = _run(engine, [Exploding(), Echo(2)], [[1], [2]], independent=independent)
+    episodes = _run(engine, [Exploding(), Echo(2)], [[1], [2]], schedule=schedule)
     assert episodes.error == "Exploding.step raised RuntimeError: the environment broke"
     assert episodes.output.completion_ids.tolist()[1] == [6, EOS, 7, 7, 8, EOS]  # the other episode ran on
 
@@ -332,10 +335,10 @@ def test_a_turns_environment_steps_run_together_off_the_training_thread_and_give
 
 
 @SCHEDULES
-def test_episodes_whose_reset_failed_take_no_turn_and_are_never_stepped(independent):
+def test_episodes_whose_reset_failed_take_no_turn_and_are_never_stepped(schedule):
     envs = [Echo(2), Echo(2), Echo(2)]
     engine = _three_episodes()
-    episodes = _run(engine, envs, [[1], [2], [5]], seeds=(1, 2, 3), ended={1}, independent=independent)
+    episodes = _run(engine, envs, [[1], [2], [5]], seeds=(1, 2, 3), ended={1}, schedule=schedule)
     assert envs[1].seen == [] and len(envs[0].seen) == 2
     assert episodes.output.completion_mask[1].sum() == 0 and episodes.stats[1, 0] == 0
     sampled = [context[0] for contexts, _, _ in engine.calls for context in contexts]
@@ -377,7 +380,7 @@ def test_async_environment_steps_are_awaited():
 
 
 @SCHEDULES
-def test_a_step_past_its_time_limit_ends_its_episode_and_is_counted_without_waiting_for_it(independent):
+def test_a_step_past_its_time_limit_ends_its_episode_and_is_counted_without_waiting_for_it(schedule):
     release = threading.Event()
 
     class Stuck(Echo):
@@ -393,7 +396,7 @@ def test_a_step_past_its_time_limit_ends_its_episode_and_is_counted_without_wait
             [[1], [2], [5]],
             seeds=(1, 2, 3),
             runner=EnvironmentRunner(concurrency=4, timeout_s=2.0),  # the others' steps, even on a busy machine
-            independent=independent,
+            schedule=schedule,
         )
     finally:
         release.set()
@@ -486,46 +489,68 @@ class Jittery(Echo):
         return super().step(text)
 
 
-def test_independent_episodes_sample_what_lock_step_episodes_sample():
+@pytest.mark.parametrize("schedule", ["ready", "independent"])
+def test_episodes_on_their_own_or_in_ready_batches_sample_what_lock_step_episodes_sample(schedule):
     """Twelve episodes of 1 to 5 turns against steps that end in random order: each episode's transcript, reward
-    parts and counts are the same whether its turns go out with the others' or on their own."""
+    parts and counts are the same whether its turns go out with the others', in batches of those that are ready, or
+    on their own."""
     runs = {}
-    for independent in (False, True):
+    for each in ("lock-step", schedule):
         envs = [Jittery(1 + i % 5) for i in range(12)]
-        runs[independent] = _run(
-            SeededEngine(),
-            envs,
-            [[1 + i % 3] for i in range(12)],
-            max_turns=6,
-            seeds=range(12),
-            independent=independent,
+        runs[each] = _run(
+            SeededEngine(), envs, [[1 + i % 3] for i in range(12)], max_turns=6, seeds=range(12), schedule=each
         )
-    lock_step, independent = runs[False], runs[True]
+    lock_step, other = runs["lock-step"], runs[schedule]
     for field in ("completion_ids", "completion_mask", "logprobs", "sampled_mask"):
-        assert torch.equal(getattr(lock_step.output, field), getattr(independent.output, field)), field
-    assert torch.equal(lock_step.env_rewards, independent.env_rewards)
-    assert torch.equal(lock_step.stats, independent.stats)
+        assert torch.equal(getattr(lock_step.output, field), getattr(other.output, field)), field
+    assert torch.equal(lock_step.env_rewards, other.env_rewards)
+    assert torch.equal(lock_step.stats, other.stats)
     assert lock_step.stats[:, 0].tolist() == [1 + i % 5 for i in range(12)]  # every episode ran its turns
+
+
+class Slow(Echo):
+    """Echo whose first step takes `first_s` seconds."""
+
+    def __init__(self, turns, first_s=0.5):
+        super().__init__(turns)
+        self.first_s = first_s
+
+    def step(self, text):
+        time.sleep(self.first_s if len(self.seen) == 0 else 0.0)
+        return super().step(text)
 
 
 def test_an_independent_episode_takes_its_next_turn_without_waiting_for_a_slow_one():
     """Episode A's first step takes 0.5 s; episode B's three turns are answered at once. On its own, B samples its
     second and third turns while A's step is still running; turn by turn, B's second turn waits for A's step."""
-
-    class Slow(Echo):
-        def step(self, text):
-            time.sleep(0.5 if len(self.seen) == 0 else 0.0)
-            return super().step(text)
-
-    for independent in (False, True):
+    for schedule in ("lock-step", "independent"):
         engine = ScriptedEngine({1: [[4, EOS], [5, EOS]], 2: [[6, EOS], [8, EOS], [3, EOS]]})
-        episodes = _run(engine, [Slow(2), Echo(3)], [[1], [2]], seeds=(1, 2), independent=independent)
+        episodes = _run(engine, [Slow(2), Echo(3)], [[1], [2]], seeds=(1, 2), schedule=schedule)
         order = [[context[0] for context in contexts] for contexts, _, _ in engine.calls]
-        if independent:
+        if schedule == "independent":
             assert order == [[1, 2], [2], [2], [1]]  # B's turns 2 and 3 before A's turn 2
         else:
             assert order == [[1, 2], [1, 2], [2]]
         assert episodes.stats[:, 0].tolist() == [2, 3]
+
+
+def test_ready_batches_sample_the_episodes_that_are_back_together_and_wait_one_call_at_most_for_a_slow_one():
+    """Calls take 0.1 s; episode A's first step takes 1.5 s, B's and C's steps answer at once. B and C go on together
+    (one call for both, not one each) while A's step runs, each call made once they have waited one call's time;
+    A's second turn follows when its step is back. Turn by turn, B and C would wait 1.5 s for A."""
+
+    class Timed(ScriptedEngine):
+        def generate(self, prompt_ids, prompt_mask, params, seeds=None):
+            time.sleep(0.1)
+            return super().generate(prompt_ids, prompt_mask, params, seeds)
+
+    engine = Timed({1: [[4, EOS], [5, EOS]], 2: [[6, EOS], [8, EOS], [3, EOS]], 3: [[6, EOS], [8, EOS], [3, EOS]]})
+    start = time.monotonic()
+    episodes = _run(engine, [Slow(2, 1.5), Echo(3), Echo(3)], [[1], [2], [3]], seeds=(1, 2, 3), schedule="ready")
+    order = [[context[0] for context in contexts] for contexts, _, _ in engine.calls]
+    assert order == [[1, 2, 3], [2, 3], [2, 3], [1]]
+    assert episodes.stats[:, 0].tolist() == [2, 3, 3]
+    assert time.monotonic() - start < 2.5  # A's 1.5 s step and its two calls, not B's and C's turns after it
 
 
 def test_an_engine_failure_in_an_independent_episode_stops_the_episodes_with_it():
@@ -538,7 +563,7 @@ def test_an_engine_failure_in_an_independent_episode_stops_the_episodes_with_it(
 
     engine = Failing({1: [[4, EOS], [5, EOS]], 2: [[6, EOS], [8, EOS]]})
     with pytest.raises(RuntimeError, match="connection refused"):
-        _run(engine, [Echo(2), Echo(2)], [[1], [2]], independent=True)
+        _run(engine, [Echo(2), Echo(2)], [[1], [2]], schedule="independent")
 
 
 def test_async_steps_queued_behind_other_episodes_calls_are_not_answered_as_timed_out():
@@ -595,7 +620,7 @@ class Closing(Echo):
 
 
 @SCHEDULES
-def test_every_environment_is_closed_once_when_its_episodes_end_or_fail(independent):
+def test_every_environment_is_closed_once_when_its_episodes_end_or_fail(schedule):
     """Episodes that ended or failed release their environments, and so do the episodes of a batch that an engine
     failure stopped; one whose reset failed is left alone (a plain reset past its time limit may still run)."""
     from tests.integration.envs import Exploding
@@ -607,7 +632,7 @@ def test_every_environment_is_closed_once_when_its_episodes_end_or_fail(independ
     Closing.closed = []
     engine = ScriptedEngine({1: [[4, EOS], [5, EOS]], 2: [[6, EOS], [8, EOS]], 3: [[5, EOS]]})
     envs = [ClosingExploding(), Closing(2, "two turns"), Closing(2, "reset failed")]
-    episodes = _run(engine, envs, [[1], [2], [3]], seeds=(1, 2, 3), ended={2}, independent=independent)
+    episodes = _run(engine, envs, [[1], [2], [3]], seeds=(1, 2, 3), ended={2}, schedule=schedule)
     assert episodes.error and sorted(Closing.closed) == ["exploding", "two turns"]
 
     class Failing(ScriptedEngine):
@@ -616,5 +641,5 @@ def test_every_environment_is_closed_once_when_its_episodes_end_or_fail(independ
 
     Closing.closed = []
     with pytest.raises(RuntimeError, match="connection refused"):
-        _run(Failing({}), [Closing(2, "a"), Closing(2, "b")], [[1], [2]], independent=independent)
+        _run(Failing({}), [Closing(2, "a"), Closing(2, "b")], [[1], [2]], schedule=schedule)
     assert sorted(Closing.closed) == ["a", "b"]

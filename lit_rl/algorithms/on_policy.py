@@ -184,6 +184,7 @@ class OnPolicyModule(PolicyModule):
                 independent_turns=env.independent_turns,
                 raw_turns=spec.raw_turns,
                 routing=spec.routing,
+                ready_batches=env.ready_batches,
             )
             if self.max_staleness == 0:
                 return EpisodeProducer, episode_args

@@ -16,6 +16,7 @@ the turn alone, so an episode's transcript does not depend on the other episodes
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence
@@ -79,6 +80,7 @@ def run_episodes(
     ended: frozenset[int] = frozenset(),
     concurrent_generate: Optional[Generate] = None,
     first_turns_together: bool = True,
+    ready_batches: bool = False,
 ) -> Episodes:
     """Run one episode per environment from `prompts` (token ids) until each is done (module docstring). A model
     turn samples at most `params.max_new_tokens` tokens and at most what is left of `max_total_tokens` (model and
@@ -92,13 +94,19 @@ def run_episodes(
       starts as soon as its turn is sampled, and its next turn goes to the engine as soon as its observation is
       back; the engine batches the requests that are in flight. A step pays its longest episode, not the sum of
       every turn's slowest episode.
+    - **Ready batches** (`ready_batches`, and no `concurrent_generate`: an engine this thread alone calls, with no
+      other rank in its calls, such as HF `generate` or the colocated vLLM engine on one process): each episode's
+      step starts as soon as its turn is sampled, and one `engine.generate` call samples the next turns of every
+      episode whose observation is back, once every step under way is back, or once the first of them has waited as
+      long as the last call took. A slow step holds the others back by one call at most; when every step answers
+      within a call's time, the calls are lock-step's.
     - **Lock-step** (otherwise): turn t of every episode still running is one `engine.generate` call, then their
       environment steps run together. `any_active(this rank has episodes left)`: whether any rank has (an
       all-reduce, on several ranks). Engines whose `generate` is a collective (sharded parameters, a vLLM server or
       tensor-parallel group fed by several ranks) need every rank in every call, so a rank whose episodes have all
       ended joins the others' turns with a one-token call on a stand-in row, until none is left.
 
-    Both sample the same tokens: turn t of an episode is seeded by its episode and turn alone (`turn_seed`), and
+    All three sample the same tokens: turn t of an episode is seeded by its episode and turn alone (`turn_seed`), and
     the bookkeeping is the same code (`_EpisodeBatch`). An environment that raises ends its episode; the first such
     error (the earliest turn's, then the first episode's) is returned (`Episodes.error`) for the caller to raise on
     every rank at once, after the last collective.
@@ -119,6 +127,8 @@ def run_episodes(
         if concurrent_generate is not None:  # the caller's word that no other rank takes part in this engine's calls
             first_turns = engine.generate if first_turns_together else concurrent_generate
             _independent(batch, first_turns, concurrent_generate, active, pad_id, device, runner)
+        elif ready_batches:
+            _ready_batches(batch, engine.generate, active, pad_id, device, runner)
         else:
             _lock_step(batch, engine, active, pad_id, device, runner, any_active)
         settled = [i for i in range(len(envs)) if i not in batch.broken]
@@ -282,6 +292,42 @@ def _sample_turns(
     return steps
 
 
+class _Waiting:
+    """The calls an episode waits on (its environment's step, its next turn), each on a thread of its own, and
+    their answers as they arrive. On a failure or Ctrl-C (`stop`), calls not yet begun are never made, and those
+    under way are abandoned: each ends at its time limit."""
+
+    def __init__(self, episodes: int) -> None:
+        self.threads = ThreadPoolExecutor(max_workers=max(1, episodes), thread_name_prefix="lit-rl-episode")
+        self.pending: dict[
+            Future, tuple[int, str, int]
+        ] = {}  # future -> (episode, "step" or "turn", the turn's budget)
+        self.stopped = threading.Event()
+
+    def _unless_stopped(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return None if self.stopped.is_set() else call(*args, **kwargs)
+
+    def submit(self, i: int, kind: str, call: Callable[..., Any], *args: Any, budget: int = 0, **kwargs: Any) -> None:
+        self.pending[self.threads.submit(self._unless_stopped, call, *args, **kwargs)] = (i, kind, budget)
+
+    def step(self, i: int, step: Call, runner: EnvironmentRunner) -> None:
+        """Episode i's environment step, on `runner` (its time limit, its bound on calls at once)."""
+        self.submit(i, "step", runner.run, [step])
+
+    def answers(self, timeout: Optional[float] = None) -> list[tuple[int, str, int, Any]]:
+        """The calls that have answered (waiting for one at most `timeout` seconds; None: until one does), in
+        episode order: (episode, kind, budget, result); a call's exception is raised."""
+        done, _ = wait(self.pending, timeout=timeout, return_when=FIRST_COMPLETED)
+        answered = sorted(((f, self.pending.pop(f)) for f in done), key=lambda d: d[1][0])
+        return [(i, kind, budget, future.result()) for future, (i, kind, budget) in answered]
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def close(self) -> None:
+        self.threads.shutdown(wait=False, cancel_futures=True)
+
+
 def _independent(
     batch: _EpisodeBatch,
     first_turns: Generate,
@@ -299,41 +345,74 @@ def _independent(
         return
     # The first turn in one call, as in lock-step: the G episodes of a prompt share it (one request for n).
     steps = _sample_turns(batch, first_turns, active, pad_id, device)
-    waiting = ThreadPoolExecutor(max_workers=len(active), thread_name_prefix="lit-rl-episode")
-    pending: dict[Future, tuple[int, str, int]] = {}  # future -> (episode, "step" or "turn", the turn's budget)
-    stopped = threading.Event()  # set on a failure or Ctrl-C: calls not yet begun are never made
-
-    def unless_stopped(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return None if stopped.is_set() else call(*args, **kwargs)
-
-    def submit_step(i: int) -> None:
-        pending[waiting.submit(unless_stopped, runner.run, [steps[i]])] = (i, "step", 0)
+    waiting = _Waiting(len(active))
 
     def submit_turn(i: int) -> None:
         budget = batch.budget(i)
         ids, mask = left_padded([batch.contexts[i]], pad_id, device)
         params, seeds = batch.turn_params(budget), batch.turn_seeds([i])
-        pending[waiting.submit(unless_stopped, generate, ids, mask, params, seeds=seeds)] = (i, "turn", budget)
+        waiting.submit(i, "turn", generate, ids, mask, params, seeds=seeds, budget=budget)
 
     try:
         for i in steps:
-            submit_step(i)
-        while pending:
-            done, _ = wait(pending, return_when=FIRST_COMPLETED)
-            for future, (i, kind, budget) in sorted(((f, pending.pop(f)) for f in done), key=lambda d: d[1][0]):
+            waiting.step(i, steps[i], runner)
+        while waiting.pending:
+            for i, kind, budget, result in waiting.answers():
                 if kind == "step":
-                    if batch.take_step(i, future.result()[0]):
+                    if batch.take_step(i, result[0]):
                         submit_turn(i)
                     continue
-                step = batch.take_turn(i, future.result(), 0, budget)  # an engine's failure stops the run
+                step = batch.take_turn(i, result, 0, budget)  # an engine's failure stops the run
                 if step is not None:
                     steps[i] = step
-                    submit_step(i)
+                    waiting.step(i, step, runner)
     except BaseException:
-        stopped.set()
+        waiting.stop()
         raise
-    finally:  # on a failure or Ctrl-C, the calls under way are abandoned: each ends at its time limit
-        waiting.shutdown(wait=False, cancel_futures=True)
+    finally:
+        waiting.close()
+
+
+def _ready_batches(
+    batch: _EpisodeBatch,
+    generate: Generate,
+    active: list[int],
+    pad_id: int,
+    device: torch.device,
+    runner: EnvironmentRunner,
+) -> None:
+    """Turns sampled in batches of the episodes that are ready (`run_episodes`): every step runs as soon as its
+    turn is sampled, and a call on this thread samples the next turns of the episodes whose steps are back (in
+    episode order), once no step is under way or once the first of them has waited as long as the last call took."""
+    if not active:
+        return
+    started = time.monotonic()
+    steps = _sample_turns(batch, generate, active, pad_id, device)
+    last_call = time.monotonic() - started  # how long a ready episode may wait for the steps still under way
+    waiting = _Waiting(len(active))
+    ready: list[int] = []
+    ready_since = 0.0
+    try:
+        for i in steps:
+            waiting.step(i, steps[i], runner)
+        while waiting.pending or ready:
+            if waiting.pending:
+                timeout = None if not ready else max(0.0, ready_since + last_call - time.monotonic())
+                for i, _, _, result in waiting.answers(timeout):
+                    if batch.take_step(i, result[0]):
+                        ready_since = ready_since if ready else time.monotonic()
+                        ready.append(i)
+            if ready and (not waiting.pending or time.monotonic() - ready_since >= last_call):
+                started = time.monotonic()
+                steps = _sample_turns(batch, generate, sorted(ready), pad_id, device)
+                last_call, ready = time.monotonic() - started, []
+                for i in steps:
+                    waiting.step(i, steps[i], runner)
+    except BaseException:
+        waiting.stop()
+        raise
+    finally:
+        waiting.close()
 
 
 def _add_reward_parts(row: torch.Tensor, parts: dict[str, float], column: dict[str, int], where: str) -> None:

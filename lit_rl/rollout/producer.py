@@ -251,6 +251,8 @@ class EpisodeProducer(RolloutProducer):
             turn otherwise.
         raw_turns: each turn reaches `step` decoded with its special tokens (`EnvironmentSpec.raw_turns`).
         routing: with several environments by name, how a row picks its own (`EnvironmentSpec.routing`).
+        ready_batches: `model.env.ready_batches`: on one process, an engine without a `concurrent_generate`
+            samples the turns of the episodes that are ready (`lit_rl.rollout.multi_turn`); turn by turn otherwise.
         parts: `ProducerParts`.
     """
 
@@ -267,9 +269,11 @@ class EpisodeProducer(RolloutProducer):
         independent_turns: bool = True,
         raw_turns: bool = False,
         routing: Optional[EnvironmentRouting] = None,
+        ready_batches: bool = False,
     ) -> None:
         super().__init__(parts)
         self.runner = runner
+        self.ready_batches = ready_batches
         self.routing = routing
         self.raw_turns = raw_turns
         self.independent_turns = independent_turns
@@ -370,8 +374,9 @@ class EpisodeProducer(RolloutProducer):
         runner), the turns decoded and padded with `tokenizer`. `concurrent`: this rank may sample with no other
         rank in the call (one process, a job's worker, or an engine whose `concurrent_generate` every rank may call
         at once); episodes then go on on their own when the engine has a `concurrent_generate` and
-        `independent_turns` is on. `first_turns_together`: the first turns go through `engine.generate` (with
-        several ranks sampling apart, a collective they would not all reach)."""
+        `independent_turns` is on, and otherwise, with `ready_batches` on, in batches of the turns that are ready.
+        `first_turns_together`: the first turns go through `engine.generate` (with several ranks sampling apart, a
+        collective they would not all reach)."""
         return run_episodes(
             engine,
             envs,
@@ -390,6 +395,7 @@ class EpisodeProducer(RolloutProducer):
             ended=frozenset(ended),
             concurrent_generate=independent_generate(engine, self.independent_turns and concurrent),
             first_turns_together=first_turns_together,
+            ready_batches=self.ready_batches and concurrent,
         )
 
     def turn_text(self, tokenizer: Any, ids: list[int]) -> str:

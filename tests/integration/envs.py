@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 import threading
 import time
 from typing import Any, Optional
@@ -264,4 +265,15 @@ class SlowCountdown(Countdown):
 
     def step(self, completion: str) -> StepResult:
         time.sleep(self.latency_s)
+        return super().step(completion)
+
+
+class JitteryCountdown(Countdown):
+    """Countdown whose steps take a random 0-60 ms (a random generator of its own, so the sampling seeds stay
+    untouched): episodes' steps answer in another order each run."""
+
+    jitter = random.Random()
+
+    def step(self, completion: str) -> StepResult:
+        time.sleep(0.06 * JitteryCountdown.jitter.random())
         return super().step(completion)
