@@ -535,22 +535,24 @@ def test_an_independent_episode_takes_its_next_turn_without_waiting_for_a_slow_o
 
 
 def test_ready_batches_sample_the_episodes_that_are_back_together_and_wait_one_call_at_most_for_a_slow_one():
-    """Calls take 0.1 s; episode A's first step takes 1.5 s, B's and C's steps answer at once. B and C go on together
+    """Calls take 0.25 s; episode A's first step takes 2 s, B's and C's steps answer at once. B and C go on together
     (one call for both, not one each) while A's step runs, each call made once they have waited one call's time;
-    A's second turn follows when its step is back. Turn by turn, B and C would wait 1.5 s for A."""
+    A's second turn follows when its step is back. Turn by turn, B's and C's second turns would wait 2 s for A."""
+    starts: list[float] = []
 
     class Timed(ScriptedEngine):
         def generate(self, prompt_ids, prompt_mask, params, seeds=None):
-            time.sleep(0.1)
+            starts.append(time.monotonic())
+            time.sleep(0.25)
             return super().generate(prompt_ids, prompt_mask, params, seeds)
 
     engine = Timed({1: [[4, EOS], [5, EOS]], 2: [[6, EOS], [8, EOS], [3, EOS]], 3: [[6, EOS], [8, EOS], [3, EOS]]})
-    start = time.monotonic()
-    episodes = _run(engine, [Slow(2, 1.5), Echo(3), Echo(3)], [[1], [2], [3]], seeds=(1, 2, 3), schedule="ready")
+    episodes = _run(engine, [Slow(2, 2.0), Echo(3), Echo(3)], [[1], [2], [3]], seeds=(1, 2, 3), schedule="ready")
     order = [[context[0] for context in contexts] for contexts, _, _ in engine.calls]
     assert order == [[1, 2, 3], [2, 3], [2, 3], [1]]
     assert episodes.stats[:, 0].tolist() == [2, 3, 3]
-    assert time.monotonic() - start < 2.5  # A's 1.5 s step and its two calls, not B's and C's turns after it
+    # B's and C's second and third turns began while A's step ran (it ends 2.25 s after the first call began).
+    assert starts[2] - starts[0] < 1.5 and starts[3] - starts[0] >= 2.25
 
 
 def test_an_engine_failure_in_an_independent_episode_stops_the_episodes_with_it():
@@ -643,3 +645,27 @@ def test_every_environment_is_closed_once_when_its_episodes_end_or_fail(schedule
     with pytest.raises(RuntimeError, match="connection refused"):
         _run(Failing({}), [Closing(2, "a"), Closing(2, "b")], [[1], [2]], schedule=schedule)
     assert sorted(Closing.closed) == ["a", "b"]
+
+
+@pytest.mark.parametrize("schedule", ["ready", "independent"])
+def test_an_engine_failure_leaves_open_the_environments_whose_step_is_still_running(schedule):
+    """Episode 2's second turn fails in the engine while episode 1's first step (1 s) is still running: the run
+    stops at once, episode 2's environment is closed, and episode 1's is not closed under its running step."""
+
+    class SlowClosing(Closing):
+        def step(self, text):
+            time.sleep(1.0 if self.name == "slow" else 0.0)
+            return super().step(text)
+
+    class FailsAlone(ScriptedEngine):
+        def generate(self, prompt_ids, prompt_mask, params, seeds=None):
+            if len(prompt_ids) == 1:  # a turn on its own: episode 2's second, while episode 1's step runs
+                raise RuntimeError("vLLM server http://127.0.0.1:8000: connection refused")
+            return super().generate(prompt_ids, prompt_mask, params, seeds)
+
+    Closing.closed = []
+    engine = FailsAlone({1: [[4, EOS], [5, EOS]], 2: [[6, EOS], [8, EOS]]})
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="connection refused"):
+        _run(engine, [SlowClosing(2, "slow"), SlowClosing(2, "fast")], [[1], [2]], schedule=schedule)
+    assert Closing.closed == ["fast"] and time.monotonic() - start < 0.9

@@ -243,6 +243,7 @@ def test_a_dict_of_environments_refuses_what_cannot_run_in_one_line():
     assert "has environment 'chess', which must name one of model.env.environment's: count, double" in (
         routing.check([{"environment": "count"}, {"environment": "chess"}])
     )
+    assert "has environment ['count']" in routing.check([{"environment": ["count"]}])  # a list: not a name
     with pytest.raises(DataError, match="the row has no environment column"):
         spec(ROUTED).factory({"prompt": "p"})
 

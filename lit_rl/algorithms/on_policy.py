@@ -154,7 +154,7 @@ class OnPolicyModule(PolicyModule):
         """The producer class this run's settings choose, and its arguments (`build_producer`)."""
         env, params = self.env_args, self.sampling_params(training=True)
         parts = ProducerParts(self, self.engines, self.reward_scorer, params, self.sampling_args.max_new_tokens)
-        self.prompt_tools: Optional[list[dict]] = None  # the schemas every prompt is rendered with (chat-format tools)
+        self.prompt_tools: Optional[list[dict]] = None  # the tools' schemas the prompts are rendered with (chat format)
         self.prompt_routing: Optional[EnvironmentRouting] = None  # several environments: each row's own tools
         if env.enabled:
             support = template_tool_support(self.tokenizer)

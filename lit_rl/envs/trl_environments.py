@@ -120,6 +120,9 @@ class EnvironmentRouting:
     """TRL's dict of environments: each row's `environment` column names the class its episodes run in, and its
     prompt is rendered with that class's tools alone.
 
+    A tool's result is rendered after a turn with every environment's schemas (`EnvironmentSpec.tool_schemas`): the
+    templates that take tools write them before the first turn, never after one, so the render is the same.
+
     Args:
         tools: the tools' JSON schemas of each environment, by name (the standalone tools, then its methods).
     """
@@ -129,9 +132,13 @@ class EnvironmentRouting:
     def name_of(self, row: dict[str, Any]) -> str:
         """The environment `row` names; a one-line error when it names none of them."""
         name = row.get(ROUTING_COLUMN)
-        if not isinstance(name, str) or name not in self.tools:
+        if not self.names_one(name):
             raise DataError(self.unknown(name))
         return name
+
+    def names_one(self, name: Any) -> bool:
+        """Whether an `environment` column's value `name` is one of the environments' names."""
+        return isinstance(name, str) and name in self.tools
 
     def unknown(self, name: Any) -> str:
         """Why a row whose `environment` column holds `name` cannot run."""
@@ -144,7 +151,7 @@ class EnvironmentRouting:
     def check(self, rows: list[dict[str, Any]]) -> Optional[str]:
         """Why the first of `rows` that names no environment cannot run; None when every row names one."""
         for row in rows:
-            if row.get(ROUTING_COLUMN) not in self.tools:
+            if not self.names_one(row.get(ROUTING_COLUMN)):
                 return self.unknown(row.get(ROUTING_COLUMN))
         return None
 

@@ -321,8 +321,11 @@ class _Waiting:
         answered = sorted(((f, self.pending.pop(f)) for f in done), key=lambda d: d[1][0])
         return [(i, kind, budget, future.result()) for future, (i, kind, budget) in answered]
 
-    def stop(self) -> None:
+    def stop(self, batch: _EpisodeBatch) -> None:
+        """A failure or Ctrl-C: no call not yet begun is made, and the episodes whose step is still under way count
+        as overrunning (their environments are busy: not closed under them)."""
         self.stopped.set()
+        batch.overran.update(i for i, kind, _ in self.pending.values() if kind == "step")
 
     def close(self) -> None:
         self.threads.shutdown(wait=False, cancel_futures=True)
@@ -367,7 +370,7 @@ def _independent(
                     steps[i] = step
                     waiting.step(i, step, runner)
     except BaseException:
-        waiting.stop()
+        waiting.stop(batch)
         raise
     finally:
         waiting.close()
@@ -409,7 +412,7 @@ def _ready_batches(
                 for i in steps:
                     waiting.step(i, steps[i], runner)
     except BaseException:
-        waiting.stop()
+        waiting.stop(batch)
         raise
     finally:
         waiting.close()

@@ -334,6 +334,7 @@ class EpisodeProducer(RolloutProducer):
                     any_active=self._any_rank_active,
                     concurrent=alone,
                     first_turns_together=one_rank,
+                    single_caller=one_rank,
                 )
             except Exception as err:  # the ranks sampled apart: a failure is this rank's alone, to raise on every rank
                 if not apart:  # lock-step's engine calls are collectives: every rank has the engine's error already
@@ -369,14 +370,17 @@ class EpisodeProducer(RolloutProducer):
         any_active: Callable[[bool], bool] = bool,
         concurrent: bool = True,
         first_turns_together: bool = True,
+        single_caller: bool = True,
     ) -> Episodes:
         """`lit_rl.rollout.multi_turn.run_episodes` with this producer's settings (reward parts, turns, token budget,
         runner), the turns decoded and padded with `tokenizer`. `concurrent`: this rank may sample with no other
         rank in the call (one process, a job's worker, or an engine whose `concurrent_generate` every rank may call
         at once); episodes then go on on their own when the engine has a `concurrent_generate` and
-        `independent_turns` is on, and otherwise, with `ready_batches` on, in batches of the turns that are ready.
-        `first_turns_together`: the first turns go through `engine.generate` (with several ranks sampling apart, a
-        collective they would not all reach)."""
+        `independent_turns` is on, and otherwise, with `ready_batches` on and `single_caller` (no other rank calls
+        the engine: one process, or a job's worker), in batches of the turns that are ready (a rank's number of
+        calls then depends on timing, which a collective `generate` cannot take). `first_turns_together`: the first
+        turns go through `engine.generate` (with several ranks sampling apart, a collective they would not all
+        reach)."""
         return run_episodes(
             engine,
             envs,
@@ -395,7 +399,7 @@ class EpisodeProducer(RolloutProducer):
             ended=frozenset(ended),
             concurrent_generate=independent_generate(engine, self.independent_turns and concurrent),
             first_turns_together=first_turns_together,
-            ready_batches=self.ready_batches and concurrent,
+            ready_batches=self.ready_batches and single_caller,
         )
 
     def turn_text(self, tokenizer: Any, ids: list[int]) -> str:

@@ -270,10 +270,15 @@ class SlowCountdown(Countdown):
 
 class JitteryCountdown(Countdown):
     """Countdown whose steps take a random 0-60 ms (a random generator of its own, so the sampling seeds stay
-    untouched): episodes' steps answer in another order each run."""
+    untouched), and whose first step of the process, while `slow_first` is set, 0.5 s: episodes' steps answer in
+    another order each run, and one is slower than any call."""
 
     jitter = random.Random()
+    slow_first = False  # set before a run: its first step takes 0.5 s
+    _first = threading.Lock()
 
     def step(self, completion: str) -> StepResult:
-        time.sleep(0.06 * JitteryCountdown.jitter.random())
+        with JitteryCountdown._first:
+            slow, JitteryCountdown.slow_first = JitteryCountdown.slow_first, False
+        time.sleep(0.5 if slow else 0.06 * JitteryCountdown.jitter.random())
         return super().step(completion)

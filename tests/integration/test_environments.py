@@ -255,13 +255,16 @@ def test_a_one_process_run_on_an_engine_taking_concurrent_calls_runs_its_episode
 
 def test_hf_generate_on_one_process_samples_in_ready_batches_the_tokens_lock_step_samples():
     """HF `generate` on one process with `model.env.ready_batches`: the turns are sampled in batches of the episodes
-    that are ready, against steps answering in random order, more calls than turns; every token and count is
-    lock-step's, and the log-probs are within float rounding of it (a row's batch changes them: not bit-exact)."""
+    that are ready, against steps answering in random order (one after 0.5 s), more calls than turns; every token
+    and count is lock-step's, and the log-probs are within float rounding of it (a row's batch changes them: not
+    bit-exact)."""
     from tests.conftest import fit_grpo
+    from tests.integration.envs import JitteryCountdown
 
     runs = {}
     for ready_batches in (True, False):
         calls: list[int] = []
+        JitteryCountdown.slow_first = True
 
         def prepare(module, calls=calls):
             build = module.engines.build
@@ -286,8 +289,9 @@ def test_hf_generate_on_one_process_samples_in_ready_batches_the_tokens_lock_ste
     for field in ("completion_ids", "completion_mask", "sampled_mask", "episode_stats", "rewards"):
         assert torch.equal(getattr(ready, field), getattr(lock_step, field)), field
     torch.testing.assert_close(ready.rollout_logprobs, lock_step.rollout_logprobs, rtol=0, atol=1e-5)
-    # 8 episodes of 2 turns (a third would pass the 9-token budget): lock-step's 2 calls, or more, grouped by timing.
-    assert lock_step_calls == [8, 8] and sum(ready_calls) == 16 and len(ready_calls) > 2, ready_calls
+    # 8 episodes of 2 turns (a third would pass the 9-token budget): lock-step's 2 calls; in ready batches the
+    # episode whose step took 0.5 s takes its second turn in a call of its own, after the others'.
+    assert lock_step_calls == [8, 8] and sum(ready_calls) == 16 and ready_calls[-1] == 1, ready_calls
 
 
 def test_an_openenv_app_runs_one_session_per_episode_scores_its_rewards_and_is_stopped_at_the_end(tmp_path):
