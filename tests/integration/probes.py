@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 from pathlib import Path
 
@@ -241,3 +242,25 @@ class CountEngineCalls(_Probe):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.write("engine_calls", trainer.global_rank, self.calls)
+
+
+class FailOnRankOne(_Probe):
+    """On rank 1 only, the engine's `concurrent_generate` (this rank's own turns, sent to the server apart from the
+    other ranks) raises on its third call as a server lost to that rank would: an engine failure on one rank while
+    the ranks sample apart. Writes `failed_rank1.json` when it has raised."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from lit_rl.rollout.server.client import RolloutServerError
+
+        engine = pl_module.engines.started()  # on every rank: connecting is a collective
+        if trainer.global_rank != 1:
+            return
+        call, calls = engine.concurrent_generate, itertools.count(1)
+
+        def failing(*args, **kwargs):
+            if next(calls) == 3:
+                self.write("failed", 1, {"call": 3})
+                raise RolloutServerError("planted: the vLLM server stopped answering rank 1")
+            return call(*args, **kwargs)
+
+        engine.concurrent_generate = failing

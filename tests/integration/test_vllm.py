@@ -650,6 +650,25 @@ def test_synchronous_episodes_on_two_processes_go_on_on_their_own_with_no_collec
     assert [row["step"] for row in two] == [1, 2] and all(row["train/turns"] > 1 for row in two), two
 
 
+def test_an_engine_failure_on_one_rank_sampling_apart_stops_every_rank_in_one_line(tmp_path, vllm_server):
+    """Two processes whose episodes go to the server apart: rank 1's engine fails in one of its own turns
+    (`FailOnRankOne`) while rank 0 goes on with its own. Both processes end, not waiting on each other, and rank 0
+    reports rank 1's error in one line; what the run wrote before is kept."""
+    episodes = ("--model.env.environment", "tests.integration.envs.Countdown", "--model.env.max_turns", "3")
+    ddp = ("--config", str(CONFIGS / "strategy" / "ddp.yaml"), "--model.schedule.micro_batch_size", "4")
+    overlay = write_overlay(tmp_path / "fails.yaml", save_dir=tmp_path / "fails")
+    command = [*CLI_COMMAND, "fit", "--config", str(CONFIGS / "grpo.yaml"), "--config", str(overlay), *FAST_GRPO]
+    command += [*SERVER, "--model.rollout.engine.server_url", vllm_server, *episodes, *ddp]
+    command += ["--trainer.max_steps", "2", *probe_flags("FailOnRankOne", tmp_path / "probe")]
+    result = subprocess.run(command, cwd=tmp_path, env=_vllm_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert (tmp_path / "probe" / "failed_rank1.json").exists()  # the failure was rank 1's, in its own turns
+    last = result.stderr.strip().splitlines()[-1]
+    assert "planted: the vLLM server stopped answering rank 1 (on rank 1)" in last, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert os.path.isdir(tmp_path / "fails")
+
+
 def test_the_server_engine_uploads_weights_to_a_receiver_beside_the_server(tmp_path, vllm_server):
     """`model.rollout.engine.transfer.receiver_url`: the weights go over HTTP to the weight receiver (as for a server
     on another machine), which the server reloads from; vLLM then samples from the trainer's policy (log-prob gap <
