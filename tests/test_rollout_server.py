@@ -238,3 +238,67 @@ def test_a_loopback_server_url_is_known_as_such(url, loopback):
     from lit_rl.rollout.engines.vllm_server import _is_loopback
 
     assert _is_loopback(url) is loopback
+
+
+SAMPLE_APART_CASES = {  # case: (server URLs, on_server_failure, a host name per rank, ranks reaching the servers)
+    "one machine, every rank reaches the server": (["http://127.0.0.1:8000"], "stop", ["a", "a"], [0, 1]),
+    "rank 1 cannot reach the server": (["http://127.0.0.1:8000"], "stop", ["a", "a"], [0]),
+    "two machines, a loopback URL": (["http://127.0.0.1:8000"], "stop", ["a", "b"], [0, 1]),
+    "two machines, a routable URL": (["http://10.0.0.5:8000"], "stop", ["a", "b"], [0, 1]),
+    "several servers, on_server_failure continue": (
+        ["http://10.0.0.5:8000", "http://10.0.0.6:8000"],
+        "continue",
+        ["a", "a"],
+        [0, 1],
+    ),
+}
+
+
+def _may_sample_alone(rank: int, init_file: str, out: str) -> None:
+    """One rank of `test_ranks_sample_apart_only_where_every_rank_reaches_every_server`: each case's decision."""
+    import json
+    from types import SimpleNamespace
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    decisions = {}
+    for case, (urls, on_failure, hosts, reaching) in SAMPLE_APART_CASES.items():
+
+        def check_health(timeout_s, reached=rank in reaching):
+            if not reached:
+                raise RolloutServerError("connection refused")
+
+        servers = [SimpleNamespace(url=url, client=SimpleNamespace(check_health=check_health)) for url in urls]
+        engine = SimpleNamespace(
+            world_size=2,
+            pool=SimpleNamespace(servers=servers, in_service=lambda servers=servers: servers, health_timeout_s=1.0),
+            config=SimpleNamespace(on_server_failure=on_failure),
+        )
+        with mock.patch("socket.gethostname", return_value=hosts[rank]):
+            decisions[case] = VLLMServerEngine._every_rank_may_sample_alone(engine)
+    dist.destroy_process_group()
+    with open(f"{out}.{rank}", "w") as handle:
+        json.dump(decisions, handle)
+
+
+def test_ranks_sample_apart_only_where_every_rank_reaches_every_server(tmp_path):
+    """`concurrent_on_every_rank` on two gloo processes: the ranks send their own turns only when each reached every
+    server and no loopback URL spans machines, and never with several servers and `on_server_failure: continue`;
+    every rank comes to the same decision (else one would wait in a collective the other skipped)."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "decisions")
+    mp.start_processes(_may_sample_alone, args=(str(tmp_path / "init"), out), nprocs=2, start_method="spawn")
+    ranks = [json.loads(open(f"{out}.{rank}").read()) for rank in range(2)]
+    expected = {
+        "one machine, every rank reaches the server": True,
+        "rank 1 cannot reach the server": False,
+        "two machines, a loopback URL": False,
+        "two machines, a routable URL": True,
+        "several servers, on_server_failure continue": False,
+    }
+    assert ranks == [expected, expected]
