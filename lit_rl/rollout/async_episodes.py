@@ -38,8 +38,8 @@ import torch
 from lit_rl.envs.trl_environments import TRLEnvironment
 from lit_rl.errors import ConfigError, EnvironmentStepError, RewardFunctionError
 from lit_rl.rewards import TrainerState
-from lit_rl.rollout.asynchronous import AsyncGenerations
-from lit_rl.rollout.base import RolloutOutput, unpadded_prompts
+from lit_rl.rollout.asynchronous import AsyncGenerations, JobEngine
+from lit_rl.rollout.base import ConcurrentEngine, InFlightEngine, RolloutOutput, unpadded_prompts
 from lit_rl.rollout.in_flight import oldest_token_versions
 from lit_rl.rollout.multi_turn import Episodes
 from lit_rl.rollout.producer import (
@@ -88,12 +88,21 @@ class _TokenizerCopies:
 
 
 class _WorkerEngine:
-    """The `generate` that `AsyncRolloutEngine.submit_job` hands the worker, as `run_episodes` calls an engine; an
-    engine whose jobs sample with its `concurrent_generate` lets the episodes go on on their own."""
+    """The `generate` that `AsyncRolloutEngine.submit_job` hands the worker, as `run_episodes` calls an engine."""
 
-    def __init__(self, generate: Callable[..., RolloutOutput], concurrent: bool) -> None:
+    def __init__(self, generate: Callable[..., RolloutOutput]) -> None:
         self.generate = generate
-        self.concurrent_generate = generate if concurrent else None
+
+
+class _ConcurrentWorkerEngine(_WorkerEngine):
+    """The same, for an engine whose jobs sample with its `concurrent_generate` (a `ConcurrentEngine`): the
+    episodes go on on their own. The worker is the one caller, whatever the ranks."""
+
+    concurrent_on_every_rank = True
+
+    def __init__(self, generate: Callable[..., RolloutOutput]) -> None:
+        super().__init__(generate)
+        self.concurrent_generate = generate
 
 
 class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
@@ -131,14 +140,14 @@ class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
         trainer = self.host.trainer  # TRL classes' episodes are scored on the worker, as at the step training on them
         state = TrainerState(generation * self.steps_per_generation, trainer.max_steps, float(trainer.current_epoch))
         engine = self.engine_for_launch()
-        self._concurrent_jobs = callable(getattr(engine, "concurrent_generate", None))
-        if not callable(getattr(engine, "submit_job", None)):
+        self._concurrent_jobs = isinstance(engine, ConcurrentEngine)
+        if not isinstance(engine, JobEngine):
             raise ConfigError(
                 f"model.env with model.rollout.max_staleness > 0: the engine {type(engine).__name__} samples in the "
                 "background but cannot run episodes there (it has no submit_job; see lit_rl.rollout.asynchronous)"
             )
         if self.in_flight_updates:
-            if not callable(getattr(engine, "take_weights_in_flight", None)):
+            if not isinstance(engine, InFlightEngine):
                 raise ConfigError(
                     f"model.rollout.in_flight_updates: the engine {type(engine).__name__} cannot take weights while "
                     "it samples (it has no take_weights_in_flight; see lit_rl.rollout.in_flight)"
@@ -179,7 +188,7 @@ class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
 
         def episodes_of(generate: Callable[..., RolloutOutput]) -> list[EpisodeResult]:
             episodes = self.run_episodes(
-                _WorkerEngine(generate, concurrent),
+                _ConcurrentWorkerEngine(generate) if concurrent else _WorkerEngine(generate),
                 envs,
                 [prompt for ids, mask in encoded for prompt in unpadded_prompts(ids, mask)],
                 self.params,

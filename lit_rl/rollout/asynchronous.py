@@ -29,7 +29,7 @@ finished samples are small next to the weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -70,12 +70,17 @@ class AsyncRolloutEngine(Protocol):
     def collect(self, ticket: Any) -> RolloutOutput:
         """Wait for a submitted generation; raises (on every rank) when it failed."""
 
+
+@runtime_checkable
+class JobEngine(AsyncRolloutEngine, Protocol):
+    """An `AsyncRolloutEngine` that also runs work sampling in turns, such as episodes, in the background."""
+
     def submit_job(self, payload: Any, job: Callable[[list[Any]], Callable[..., list[Any]]], version: int) -> Any:
         """Start work that samples in turns (episodes) with the staged weights of `version`: every rank's `payload`
         goes to the rank that talks to the engine, where `job(payloads)` returns `work(generate)`, run in the
         background; returns a ticket (`lit_rl.rollout.engines.vllm_server.VLLMServerEngine.submit_job`). An engine
-        that also has a `concurrent_generate` hands it to its jobs as `generate`: many threads may call it at once,
-        so the episodes go on on their own (`lit_rl.rollout.multi_turn`)."""
+        that is also a `ConcurrentEngine` hands its `concurrent_generate` to its jobs as `generate`: many threads may
+        call it at once, so the episodes go on on their own (`lit_rl.rollout.multi_turn`)."""
 
     def collect_job(self, ticket: Any) -> Any:
         """Wait for a submitted job: this rank's result; raises (on every rank) when it failed."""
@@ -130,7 +135,7 @@ class AsyncGenerations:
 
     def launch_job(
         self,
-        engine: AsyncRolloutEngine,
+        engine: JobEngine,
         generation: int,
         version: int,
         payload: Any,

@@ -1,9 +1,10 @@
-"""The RolloutEngine interface every generation backend implements."""
+"""The RolloutEngine interface every generation backend implements, and the capabilities some engines add, each a
+protocol of its own that the rollout side checks with `isinstance` (nothing is probed by attribute name)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Protocol, Sequence
+from typing import Callable, Iterable, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -79,6 +80,43 @@ class RolloutEngine(Protocol):
 
     def close(self) -> None:
         """Release what the engine holds (processes, memory, files)."""
+
+
+@runtime_checkable
+class ConcurrentEngine(Protocol):
+    """An engine that many threads may call at once, with no collective in the call (the vLLM server engine's
+    requests): multi-turn episodes then go on on their own (`lit_rl.rollout.multi_turn`). `concurrent_on_every_rank`:
+    whether every rank may call it at once, apart from the others (decided when the engine starts)."""
+
+    concurrent_on_every_rank: bool
+
+    def concurrent_generate(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        params: SamplingParams,
+        seeds: Optional[Sequence[int]] = None,
+    ) -> RolloutOutput:
+        """`RolloutEngine.generate` for this rank's rows alone, safe to call from several threads."""
+
+
+@runtime_checkable
+class InFlightEngine(Protocol):
+    """An engine that takes new weights while its episodes run (`lit_rl.rollout.in_flight`)."""
+
+    def take_weights_in_flight(self) -> None:
+        """From now on, the jobs' turns take each version staged as soon as the turns under way have ended."""
+
+
+@runtime_checkable
+class SleepingEngine(Protocol):
+    """An engine that can release its memory between generations (vLLM's sleep mode); `holds_weights` is False
+    until weights are pushed into it again."""
+
+    holds_weights: bool
+
+    def sleep(self) -> None:
+        """Release the weights (and the cache) until the next push."""
 
 
 def completion_mask_from_ids(completion_ids: torch.Tensor, eos_token_ids: int | Sequence[int]) -> torch.Tensor:

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from lit_rl.rollout.base import RolloutEngine
+from lit_rl.rollout.base import RolloutEngine, SleepingEngine
 from lit_rl.rollout.engine_config import EngineConfig
 from lit_rl.rollout.engines.placement import EnginePlacement
 from lit_rl.rollout.host import RolloutHost
@@ -52,7 +52,8 @@ class EngineOwner:
         global_step = self.host.trainer.global_step
         # Only optimizer steps advance global_step: several generations between two steps push once, unless the
         # engine released its weights in between (sleep mode).
-        stale = self.weights_step != global_step or not getattr(engine, "holds_weights", True)
+        released = isinstance(engine, SleepingEngine) and not engine.holds_weights
+        stale = self.weights_step != global_step or released
         if engine.needs_weights and stale:
             with self.host.timer.phase("weight_push"):  # ZeRO-3: gathered a bucket at a time, as the engine loads
                 engine.update_weights(self.weight_stream())
@@ -92,9 +93,8 @@ class EngineOwner:
     def release(self) -> None:
         """Let the engine release its device memory until it is needed again (vLLM's sleep mode; a no-op for
         engines without one)."""
-        sleep = getattr(self.built, "sleep", None)
-        if callable(sleep):
-            sleep()
+        if isinstance(self.built, SleepingEngine):
+            self.built.sleep()
 
     def close(self) -> None:
         """Close the engine (processes, memory, files); the next use builds a new one."""

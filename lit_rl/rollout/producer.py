@@ -31,7 +31,13 @@ from lit_rl.errors import ConfigError, DataError, EnvironmentStepError, LitRLErr
 from lit_rl.rewards import TrainerState
 from lit_rl.rewards.scorer import RewardScorer
 from lit_rl.rollout.asynchronous import AsyncGenerations, PendingGeneration, generation_version
-from lit_rl.rollout.base import RolloutOutput, SamplingParams, global_batch_seeds, unpadded_prompts
+from lit_rl.rollout.base import (
+    ConcurrentEngine,
+    RolloutOutput,
+    SamplingParams,
+    global_batch_seeds,
+    unpadded_prompts,
+)
 from lit_rl.rollout.engine_owner import EngineOwner
 from lit_rl.rollout.host import RolloutHost
 from lit_rl.rollout.multi_turn import Episodes, run_episodes
@@ -317,7 +323,7 @@ class EpisodeProducer(RolloutProducer):
             engine = self.engines.engine()
             one_rank = host.trainer.world_size == 1
             # With several ranks, each rank's episodes go on on their own only where every rank may sample alone.
-            alone = one_rank or getattr(engine, "concurrent_on_every_rank", False)
+            alone = one_rank or (isinstance(engine, ConcurrentEngine) and engine.concurrent_on_every_rank)
             apart = not one_rank and independent_generate(engine, self.independent_turns and alone) is not None
             episodes, engine_error = None, None
             try:
@@ -468,8 +474,7 @@ def independent_generate(engine: Any, allowed: bool) -> Optional[Callable[..., R
     """What independent episodes submit their turns to (`lit_rl.rollout.multi_turn.run_episodes`): the engine's
     `concurrent_generate` (a `generate` many threads may call at once), when `allowed` (`model.env.independent_turns`
     and no other rank takes part in the engine's calls) and the engine has one; None: turn by turn."""
-    generate = getattr(engine, "concurrent_generate", None)
-    return generate if allowed and callable(generate) else None
+    return engine.concurrent_generate if allowed and isinstance(engine, ConcurrentEngine) else None
 
 
 class ObservationEncoder:

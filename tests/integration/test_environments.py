@@ -240,7 +240,8 @@ def test_a_one_process_run_on_an_engine_taking_concurrent_calls_runs_its_episode
                 with lock:
                     return engine.generate(prompt_ids, prompt_mask, params, seeds)
 
-            engine.concurrent_generate = concurrent_generate
+            engine.concurrent_generate = concurrent_generate  # a `ConcurrentEngine`, as the server engine is
+            engine.concurrent_on_every_rank = True
             return engine
 
         module.engines.build = with_concurrent_calls
