@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from lit_rl.envs import OpenEnv, StepResult
 from lit_rl.envs.openenv import observation_text
@@ -103,3 +104,120 @@ def test_bad_settings_a_silent_server_and_an_app_that_does_not_start_fail_in_one
     assert broken._socket is None  # its session freed: the rollout never closes an episode whose reset failed
     with pytest.raises(ConfigError, match=r"the server of tests.no_such_module:app exited with code \d+ \(.*no_such"):
         OpenEnv(app="tests.no_such_module:app")
+
+
+# -- MCP tool environments (`lit_rl.envs.OpenEnvTools`) ---------------------------------------------------------
+TOOLS_APP = "tests.integration.openenv_tools:app"
+
+
+def _call(name, **arguments):
+    import json
+
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def test_an_mcp_environments_tools_are_offered_and_each_call_is_a_step_of_the_episodes_session():
+    """The server's tools (listed once, JSON-RPC tools/list) are chat-template schemas; each call the model writes
+    is a `call_tool` step of the episode's session, answered with a tool message; a framework error, an unknown tool
+    and a malformed call are `error: ...` messages counted as failed; `submit_answer` ends the episode with the
+    server's reward."""
+    from lit_rl.envs import OpenEnvTools
+
+    env = OpenEnvTools(app=TOOLS_APP, row_reset_args=["answer"])
+    assert [(s["function"]["name"], sorted(s["function"]["parameters"]["properties"])) for s in env.schemas] == [
+        ("add", ["a", "b"]),
+        ("submit_answer", ["answer"]),
+    ]
+
+    async def episode():
+        assert await env.reset({"prompt": "2+3=", "answer": "5"}) is None  # the row's prompt
+        two_calls = await env.step("Let me add. " + _call("add", a=2, b=3) + _call("add", a=2))
+        wrong = await env.step(_call("multiply", a=2, b=3) + "<tool_call>{not json</tool_call>")
+        submitted = await env.step(_call("submit_answer", answer=5))
+        await env.close()
+        return two_calls, wrong, submitted
+
+    two_calls, wrong, submitted = asyncio.run(episode())
+    assert two_calls.observation == [
+        {"role": "tool", "name": "add", "content": "5"},
+        {"role": "tool", "name": "add", "content": "error: invalid_args: add takes a and b, got ['a']"},
+    ]
+    assert (two_calls.tool_calls, two_calls.tool_errors, two_calls.done) == (2, 1, False)
+    assert two_calls.rewards == {"openenv": 0.0}
+    assert [m["name"] for m in wrong.observation] == ["unknown", "unknown"] and wrong.tool_errors == 2
+    assert wrong.observation[0]["content"].startswith("error: unknown tool 'multiply' (the tools are add, ")
+    assert submitted == StepResult(None, {"openenv": 1.0}, done=True, tool_calls=1, tool_errors=0)
+    assert asyncio.run(_no_call_ends(OpenEnvTools(app=TOOLS_APP))).done  # a turn without a call ends it
+
+
+async def _no_call_ends(env):
+    await env.reset({"prompt": "p"})
+    result = await env.step("The answer is 5.")
+    await env.close()
+    return result
+
+
+def test_an_mcp_environment_is_refused_in_one_line_where_its_tools_cannot_be_offered():
+    """A server that lists no tools (a plain OpenEnv environment), and a chat template that does not render tools."""
+    from lit_rl.envs import OpenEnvTools
+    from lit_rl.envs.base import environment_factory
+
+    with pytest.raises(ConfigError, match=r"OpenEnvTools: http://127.0.0.1:\d+ listed no tools .*Unknown message"):
+        OpenEnvTools(app=APP)  # the countdown app: no MCP
+    args = {"app": TOOLS_APP}
+    with pytest.raises(ConfigError, match="is a ChatToolEnvironment, whose tools are called in the chat format, but"):
+        environment_factory("lit_rl.envs.OpenEnvTools", args, None, "auto", "none")
+    spec = environment_factory("lit_rl.envs.OpenEnvTools", args, None, "auto", "hermes")
+    assert [s["function"]["name"] for s in spec.tool_schemas] == ["add", "submit_answer"]
+    assert spec.reward_names == ("openenv",) and spec.factory().call_format == "hermes"
+
+
+def test_grpo_trains_on_an_mcp_environment_whose_calls_are_read_from_the_models_turns(tmp_path):
+    """GRPO on the addition task with `lit_rl.envs.OpenEnvTools` serving the tests' MCP app, on a tiny model with
+    Qwen2.5's template whose first turn is scripted (a random model calls no tool): `submit_answer` with the row's
+    sum. Every prompt offers the server's tools; every episode made its call, which the server scored 1.0 against
+    the answer its reset took from the row (`row_reset_args`), in the column `env/openenv`."""
+    import re
+
+    from lit_rl.rollout import RolloutOutput
+    from tests.conftest import fit_grpo
+    from tests.qwen_chat import save_qwen_chat_model
+
+    def prepare(module):
+        build, tokenizer = module.engines.build, module.tokenizer
+
+        def scripted_first_turns():
+            engine = build()
+
+            def generate(prompt_ids, prompt_mask, params, seeds=None):
+                texts = tokenizer.batch_decode(prompt_ids)
+                a, b = zip(*(map(int, re.findall(r"(\d+)\+(\d+)=", text)[-1]) for text in texts))
+                turns = [_call("submit_answer", answer=x + y) + "<|im_end|>" for x, y in zip(a, b)]
+                ids = [tokenizer.encode(turn, add_special_tokens=False) for turn in turns]
+                width = max(map(len, ids))
+                out = torch.zeros(len(ids), width, dtype=torch.long)
+                mask = torch.zeros(len(ids), width)
+                for row, turn_ids in enumerate(ids):
+                    out[row, : len(turn_ids)], mask[row, : len(turn_ids)] = torch.tensor(turn_ids), 1.0
+                return RolloutOutput(out, mask, -0.1 * mask)
+
+            engine.generate = generate
+            return engine
+
+        module.engines.build = scripted_first_turns
+
+    model = fit_grpo(
+        model_name_or_path=str(save_qwen_chat_model(tmp_path / "qwen-chat")),
+        environment="lit_rl.envs.OpenEnvTools",
+        environment_args={"app": TOOLS_APP, "row_reset_args": ["answer"]},
+        max_turns=2,
+        max_new_tokens=76,  # a byte-level tokenizer: the call is about 70 tokens
+        max_total_tokens=150,  # the prompt with the tools' schemas is 872 of the 1024
+        prepare=prepare,
+    )
+    assert model.reward_names[-1] == "env/openenv"
+    prompts = model.tokenizer.batch_decode(model._buffer.prompt_ids)
+    assert all('"name": "submit_answer"' in text and '"name": "add"' in text for text in prompts)
+    stats = model._buffer.episode_stats
+    assert stats[:, 1].tolist() == [1.0] * len(prompts) and stats[:, 2].sum() == 0  # one call each, none failed
+    assert model._buffer.reward_components[:, -1].tolist() == [1.0] * len(prompts)

@@ -4,13 +4,14 @@ An environment is given by import path (`--model.env.environment my_pkg.envs.MyE
 `--model.env.environment_args`), or made from `--model.env.tools` (the built-in `ToolEnvironment`, or with calls in
 the model's chat format `ChatToolEnvironment`, `lit_rl.envs.chat_tools`); a TRL environment class runs unchanged in
 `TRLEnvironment` (`lit_rl.envs.trl_environments`); an OpenEnv server's episodes run in `OpenEnv`
-(`lit_rl.envs.openenv`). The rollout runs it token-in, token-out
-(`lit_rl.rollout.multi_turn`).
+(`lit_rl.envs.openenv`), an OpenEnv MCP tool environment's in `OpenEnvTools` (`lit_rl.envs.openenv_tools`). The
+rollout runs it token-in, token-out (`lit_rl.rollout.multi_turn`).
 """
 
 from lit_rl.envs.base import Environment, StepResult, as_step_result, environment_factory
 from lit_rl.envs.chat_tools import ChatToolEnvironment
 from lit_rl.envs.openenv import OpenEnv
+from lit_rl.envs.openenv_tools import OpenEnvTools
 from lit_rl.envs.tools import ToolEnvironment, calc
 from lit_rl.envs.trl_environments import TRLEnvironment
 
@@ -18,6 +19,7 @@ __all__ = [
     "ChatToolEnvironment",
     "Environment",
     "OpenEnv",
+    "OpenEnvTools",
     "StepResult",
     "TRLEnvironment",
     "ToolEnvironment",

@@ -132,11 +132,15 @@ def environment_factory(
         except ValueError as err:
             raise ConfigError(f"model.env.environment: {err}") from None
         if is_trl_environment(user_class):
-            _check_trl_format(path, tool_format, tool_support)
+            _check_chat_format(path, TRL_KIND, tool_format, tool_support)
             chat = True
             make = functools.partial(_trl_episode, user_class, functions, tool_support, template_calls, False)
         else:
-            chat, make = bool(functions) and uses_chat_tools(tool_format, tool_support), user_class
+            # A ChatToolEnvironment of the user's or lit-rl's (`lit_rl.envs.OpenEnvTools`) offers its own tools.
+            offers_tools = isinstance(user_class, type) and issubclass(user_class, ChatToolEnvironment)
+            if offers_tools:
+                _check_chat_format(path, "a ChatToolEnvironment, whose tools are", tool_format, tool_support)
+            chat, make = (bool(functions) or offers_tools) and uses_chat_tools(tool_format, tool_support), user_class
             if functions:
                 kwargs["tools"] = functions
     if chat and isinstance(make, type) and issubclass(make, ChatToolEnvironment):  # lit-rl's, or a subclass of it
@@ -193,7 +197,7 @@ def routed_trl_environments(
                 f"{where} {path} is not a TRL environment class (a reset and no step): several environments by name "
                 "are TRL's environment_factory dict"
             )
-        _check_trl_format(path, tool_format, tool_support)
+        _check_chat_format(path, TRL_KIND, tool_format, tool_support)
         make = functools.partial(
             _trl_episode, user_class, functions, tool_support, template_calls, True, **args.get(name, {})
         )
@@ -229,18 +233,21 @@ def _trl_episode(
     return TRLEnvironment(user_class(**options), functions, tool_support, template_calls, routed=routed)
 
 
-def _check_trl_format(path: str, tool_format: str, tool_support: str) -> None:
-    """A TRL environment's methods are tools called in the chat format: a one-line error when they cannot be."""
+TRL_KIND = "a TRL environment (a reset and no step), whose methods are tools"
+
+
+def _check_chat_format(path: str, kind: str, tool_format: str, tool_support: str) -> None:
+    """An environment whose tools are called in the chat format (`kind`: what it is, TRL's or a
+    ChatToolEnvironment): a one-line error when they cannot be."""
     from lit_rl.envs.chat_tools import CALL_FORMATS, NONE, UNREAD_CALLS
 
     if tool_format == "tags":
         raise ConfigError(
-            f"model.env.environment {path} is a TRL environment (a reset and no step), whose methods are tools "
-            "called in the chat format; model.env.tool_format tags cannot call them"
+            f"model.env.environment {path} is {kind} called in the chat format; model.env.tool_format tags cannot "
+            "call them"
         )
     if tool_support not in CALL_FORMATS:
         raise ConfigError(
-            f"model.env.environment {path} is a TRL environment (a reset and no step), whose methods are tools "
-            "called in the chat format, but "
+            f"model.env.environment {path} is {kind} called in the chat format, but "
             + ("the tokenizer's chat template does not render tools" if tool_support == NONE else UNREAD_CALLS)
         )

@@ -430,14 +430,7 @@ class ChatToolEnvironment:
         call_format: str = HERMES,
         template_calls: Optional[TemplateCalls] = None,
     ) -> None:
-        if call_format not in CALL_FORMATS:
-            raise ConfigError(f"ChatToolEnvironment call_format must be one of {', '.join(CALL_FORMATS)}")
-        if call_format == RESPONSE_TEMPLATE and template_calls is None:
-            raise ConfigError(
-                "ChatToolEnvironment call_format response_template needs template_calls (the tokenizer's, "
-                "TemplateCalls.of(tokenizer))"
-            )
-        self.call_format, self.template_calls = call_format, template_calls
+        self.take_call_format(call_format, template_calls)
         if not tools:
             raise ConfigError("ChatToolEnvironment needs at least one tool (model.env.tools)")
         if timeout_s is not None and timeout_s <= 0:
@@ -449,6 +442,17 @@ class ChatToolEnvironment:
             twice = sorted({name for name in names if names.count(name) > 1})
             raise ConfigError(f"model.env.tools: two tools are named {twice[0]!r}; names must be unique")
         self.timeout_s = timeout_s
+
+    def take_call_format(self, call_format: str, template_calls: Optional[TemplateCalls]) -> None:
+        """Read the model's calls in `call_format` (with `template_calls` for `response_template`)."""
+        if call_format not in CALL_FORMATS:
+            raise ConfigError(f"{type(self).__name__} call_format must be one of {', '.join(CALL_FORMATS)}")
+        if call_format == RESPONSE_TEMPLATE and template_calls is None:
+            raise ConfigError(
+                f"{type(self).__name__} call_format response_template needs template_calls (the tokenizer's, "
+                "TemplateCalls.of(tokenizer))"
+            )
+        self.call_format, self.template_calls = call_format, template_calls
 
     def reset(self, row: dict[str, Any]) -> None:
         return None  # the row's prompt (with the tools' schemas, through the chat template) is the first observation
@@ -472,13 +476,20 @@ class ChatToolEnvironment:
             messages.append({"role": "tool", "name": name, "content": content})
         return StepResult(observation=messages, tool_calls=len(calls), tool_errors=errors)
 
+    def call_error(self, call: ToolCall) -> Optional[str]:
+        """What the model sees of a call that cannot be made (unreadable, or naming no tool); None: it can."""
+        if call.error is not None:
+            return f"error: {call.error}"
+        if call.name not in self.tools:
+            return f"error: unknown tool {call.name!r} (the tools are {', '.join(sorted(self.tools))})"
+        return None
+
     def run(self, call: ToolCall) -> tuple[str, bool]:
         """The call's result as a message's content, and whether it failed (then the content is `error: ...`)."""
-        if call.error is not None:
-            return f"error: {call.error}", True
-        tool = self.tools.get(call.name)
-        if tool is None:
-            return f"error: unknown tool {call.name!r} (the tools are {', '.join(sorted(self.tools))})", True
+        error = self.call_error(call)
+        if error is not None:
+            return error, True
+        tool = self.tools[call.name]
         try:
             inspect.signature(tool).bind(**call.arguments)
         except TypeError as err:

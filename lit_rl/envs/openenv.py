@@ -106,7 +106,7 @@ class OpenEnv:
         kwargs = {**self.reset_args, **{name: row[name] for name in self.row_reset_args}}
         await self._connect()
         try:
-            observation, _, _ = await self._request({"type": "reset", "data": kwargs}, just_opened=True)
+            observation, _, _ = await self.request({"type": "reset", "data": kwargs}, just_opened=True)
             return observation_text(observation, self.observation_field) if self.prompt == "reset" else None
         except Exception:  # a failed reset's episode is never closed by the rollout: free its session here
             await self.close()
@@ -114,7 +114,7 @@ class OpenEnv:
 
     async def step(self, completion: str) -> StepResult:
         """The model's turn as the action `{action_field: completion}`: the server's observation, reward and done."""
-        observation, reward, done = await self._request({"type": "step", "data": {self.action_field: completion}})
+        observation, reward, done = await self.request({"type": "step", "data": {self.action_field: completion}})
         text = observation_text(observation, self.observation_field)
         return StepResult(text, {REWARD_PART: reward}, done=done)
 
@@ -133,7 +133,7 @@ class OpenEnv:
         from websockets.asyncio.client import connect
         from websockets.exceptions import WebSocketException
 
-        url = _session_url(self.url)
+        url = session_url(self.url)
         for attempt in range(self.max_retries + 1):
             try:
                 # No proxy from the environment (only the URL the config names), no time limit of its own on an
@@ -146,11 +146,11 @@ class OpenEnv:
                 if attempt == self.max_retries:
                     tries = f"{attempt + 1} tr{'y' if attempt == 0 else 'ies'} of {self.connect_timeout_s:g} s"
                     raise ConnectionError(
-                        f"OpenEnv server {self.url} did not answer ({tries}): {_one_line(err)}"
+                        f"OpenEnv server {self.url} did not answer ({tries}): {one_line(err)}"
                     ) from None
                 await asyncio.sleep(0.5 * 2**attempt)
 
-    async def _request(self, message: dict[str, Any], just_opened: bool = False) -> tuple[dict[str, Any], Any, Any]:
+    async def request(self, message: dict[str, Any], just_opened: bool = False) -> tuple[dict[str, Any], Any, Any]:
         """One message of the session and its answer: (observation, reward, done); a failure as one line naming
         the server. A session the server or the network closed is not reopened: that would be a fresh environment,
         never reset. `just_opened`: the first message, whose answer may be the server's refusal, already sent."""
@@ -174,7 +174,7 @@ class OpenEnv:
             closing.add_done_callback(_CLOSING.discard)
             raise
         except (OSError, WebSocketException, ValueError) as err:  # ValueError: not JSON, or not UTF-8
-            raise RuntimeError(f"OpenEnv server {self.url}: {_one_line(err)}") from None
+            raise RuntimeError(f"OpenEnv server {self.url}: {one_line(err)}") from None
         return self._answer(answer)
 
     def _answer(self, answer: Any) -> tuple[dict[str, Any], float, bool]:
@@ -182,9 +182,9 @@ class OpenEnv:
         as one line naming the server."""
         data = answer.get("data") if isinstance(answer, dict) else None
         if not isinstance(data, dict):
-            raise RuntimeError(f"OpenEnv server {self.url}: an answer without data: {_one_line(str(answer))}")
+            raise RuntimeError(f"OpenEnv server {self.url}: an answer without data: {one_line(str(answer))}")
         if answer.get("type") == "error":
-            error = f"{_one_line(str(data.get('message', 'unknown error')))} (code: {data.get('code', 'UNKNOWN')})"
+            error = f"{one_line(str(data.get('message', 'unknown error')))} (code: {data.get('code', 'UNKNOWN')})"
             if data.get("code") == "CAPACITY_REACHED":  # every episode holds its session from reset to its end
                 error += f"; {AT_CAPACITY}"
             if data.get("code") == "VALIDATION_ERROR":  # the action (or reset) the server's model refused
@@ -193,7 +193,7 @@ class OpenEnv:
             raise RuntimeError(f"OpenEnv server {self.url}: {error}")
         observation, reward = data.get("observation") or {}, data.get("reward")
         if not isinstance(observation, dict) or not (reward is None or isinstance(reward, (int, float))):
-            raise RuntimeError(f"OpenEnv server {self.url}: a malformed observation: {_one_line(str(data))}")
+            raise RuntimeError(f"OpenEnv server {self.url}: a malformed observation: {one_line(str(data))}")
         return observation, float(reward or 0.0), bool(data.get("done", False))
 
 
@@ -221,7 +221,7 @@ def _check_url(url: str) -> None:
         raise ConfigError(f"lit_rl.envs.OpenEnv environment_args.url must be http(s)://host:port[/path], got {url!r}")
 
 
-def _session_url(url: str) -> str:
+def session_url(url: str) -> str:
     """The session endpoint of the server at `url`: http -> ws, https -> wss, then `/ws`."""
     parts = urllib.parse.urlsplit(url)
     scheme = {"http": "ws", "https": "wss"}.get(parts.scheme.lower(), parts.scheme.lower())
@@ -235,7 +235,7 @@ def _require_websockets() -> None:
         raise ConfigError('lit_rl.envs.OpenEnv needs websockets: pip install "lit-rl[openenv]"') from None
 
 
-def _one_line(err: BaseException) -> str:
+def one_line(err: BaseException) -> str:
     text = str(err).strip()
     return (text.splitlines()[0] if text else type(err).__name__)[:300]
 
