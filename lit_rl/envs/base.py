@@ -150,7 +150,10 @@ def environment_factory(
     try:
         probe = make(**kwargs)  # checks the arguments now, before any rollout
     except TypeError as err:
-        raise ConfigError(f"model.env.environment {path or make.__name__}: {err}") from None
+        hint = ""
+        if "call_format" in str(err) or "template_calls" in str(err):  # a ChatToolEnvironment of the user's
+            hint = " (a ChatToolEnvironment is built with the template's call_format and template_calls: take them)"
+        raise ConfigError(f"model.env.environment {path or make.__name__}: {err}{hint}") from None
     if isinstance(probe, ChatToolEnvironment):  # also TRLEnvironment: its methods' schemas too
         schemas: Optional[list[dict[str, Any]]] = probe.schemas
     else:

@@ -26,6 +26,7 @@ server written in the tests in openenv's wire format (`tests/integration/openenv
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import threading
 from typing import Any, Optional
@@ -70,7 +71,7 @@ class OpenEnvTools(ChatToolEnvironment):
             connect_timeout_s=connect_timeout_s,
             start_timeout_s=start_timeout_s,
         )
-        self.schemas = SERVER_TOOLS.schemas(self.session.url, connect_timeout_s)
+        self.schemas = SERVER_TOOLS.schemas(self.session.url, connect_timeout_s, max_retries)
         self.tools = {schema["function"]["name"]: schema for schema in self.schemas}
 
     async def reset(self, row: dict[str, Any]) -> Optional[str]:
@@ -83,8 +84,9 @@ class OpenEnvTools(ChatToolEnvironment):
         calls = self.read_calls(completion)
         if not calls:
             return StepResult(observation=None, done=True)
-        messages, errors, reward = [], 0, 0.0
+        messages, errors, reward, made = [], 0, 0.0, 0
         for call in calls:
+            made += 1
             content, done = self.call_error(call), False
             failed = content is not None
             if content is None:
@@ -99,7 +101,7 @@ class OpenEnvTools(ChatToolEnvironment):
             )
             if done:
                 break
-        return StepResult(None if done else messages, {REWARD_PART: reward}, done, len(calls), errors)
+        return StepResult(None if done else messages, {REWARD_PART: reward}, done, made, errors)
 
     async def close(self) -> None:
         await self.session.close()
@@ -130,36 +132,59 @@ class _ServerTools:
         self._lock = threading.Lock()
         self._schemas: dict[str, list[dict[str, Any]]] = {}
 
-    def schemas(self, url: str, timeout_s: float) -> list[dict[str, Any]]:
+    def schemas(self, url: str, timeout_s: float, max_retries: int) -> list[dict[str, Any]]:
         with self._lock:
             if url not in self._schemas:
-                self._schemas[url] = asyncio.run(_listed_tools(url, timeout_s))
+                self._schemas[url] = _run_apart(_listed_tools(url, timeout_s, max_retries))
             return self._schemas[url]
 
 
-async def _listed_tools(url: str, timeout_s: float) -> list[dict[str, Any]]:
-    """The server's tools (JSON-RPC `tools/list` over a session of its own) as chat-template schemas."""
+def _run_apart(coroutine: Any) -> Any:
+    """`coroutine`'s result, run in a new event loop (in a worker thread when this thread already runs one, as in a
+    notebook)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
+async def _listed_tools(url: str, timeout_s: float, max_retries: int) -> list[dict[str, Any]]:
+    """The server's tools (JSON-RPC `tools/list` over a session of its own) as chat-template schemas; the connection
+    tried `max_retries` more times, 0.5 s, 1 s, ... apart, as an episode's is (a server may still be starting)."""
     from websockets.asyncio.client import connect
 
     request = {"type": "mcp", "data": {"jsonrpc": "2.0", "method": "tools/list", "id": 1}}
-    try:
-        async with connect(session_url(url), open_timeout=timeout_s, max_size=MAX_MESSAGE_BYTES, proxy=None) as socket:
-            await socket.send(json.dumps(request))
-            answer = json.loads(await asyncio.wait_for(socket.recv(), timeout_s))
-            await socket.send(json.dumps({"type": "close"}))
-    except Exception as err:
-        raise ConfigError(f"lit_rl.envs.OpenEnvTools: listing the tools of {url} failed: {one_line(err)}") from None
+    for attempt in range(max_retries + 1):
+        try:
+            opened = connect(session_url(url), open_timeout=timeout_s, max_size=MAX_MESSAGE_BYTES, proxy=None)
+            async with opened as socket:
+                await socket.send(json.dumps(request))
+                answer = json.loads(await asyncio.wait_for(socket.recv(), timeout_s))
+                await socket.send(json.dumps({"type": "close"}))
+            break
+        except (OSError, TimeoutError) as err:  # not answering yet: try again
+            if attempt == max_retries:
+                raise ConfigError(
+                    f"lit_rl.envs.OpenEnvTools: listing the tools of {url} failed: {one_line(err)}"
+                ) from None
+            await asyncio.sleep(0.5 * 2**attempt)
+        except Exception as err:
+            raise ConfigError(f"lit_rl.envs.OpenEnvTools: listing the tools of {url} failed: {one_line(err)}") from None
     data = answer.get("data") if isinstance(answer, dict) else None
     result = data.get("result") if isinstance(data, dict) else None
-    if answer.get("type") != "mcp" or not isinstance(result, dict) or data.get("error"):
-        why = data.get("error") or data.get("message") if isinstance(data, dict) else answer
+    if not isinstance(data, dict) or answer.get("type") != "mcp" or not isinstance(result, dict) or data.get("error"):
+        why = (data.get("error") or data.get("message")) if isinstance(data, dict) else answer
         raise ConfigError(
             f"lit_rl.envs.OpenEnvTools: {url} listed no tools (is it an MCP environment?): {one_line(str(why))}"
         )
-    schemas = [_schema(tool) for tool in result.get("tools") or []]
-    if not schemas:
+    tools = result.get("tools") or []
+    if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in tools):
+        raise ConfigError(f"lit_rl.envs.OpenEnvTools: {url} listed tools without names: {one_line(str(tools))}")
+    if not tools:
         raise ConfigError(f"lit_rl.envs.OpenEnvTools: {url} has no tools")
-    return schemas
+    return [_schema(tool) for tool in tools]
 
 
 def _schema(tool: dict[str, Any]) -> dict[str, Any]:

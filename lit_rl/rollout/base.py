@@ -86,7 +86,9 @@ class RolloutEngine(Protocol):
 class ConcurrentEngine(Protocol):
     """An engine that many threads may call at once, with no collective in the call (the vLLM server engine's
     requests): multi-turn episodes then go on on their own (`lit_rl.rollout.multi_turn`). `concurrent_on_every_rank`:
-    whether every rank may call it at once, apart from the others (decided when the engine starts)."""
+    whether every rank may call it at once, apart from the others (decided when the engine starts; True for an
+    engine used by one process). An engine needs both to be one: with `concurrent_generate` alone, episodes go turn
+    by turn."""
 
     concurrent_on_every_rank: bool
 
