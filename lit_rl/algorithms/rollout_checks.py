@@ -6,6 +6,7 @@ from typing import Any
 
 from lit_rl.data.files import record_label
 from lit_rl.envs.chat_tools import chat_prompt
+from lit_rl.envs.trl_environments import ROUTING_COLUMN
 from lit_rl.errors import ConfigError, DataError
 
 
@@ -14,9 +15,9 @@ def check_environment_column(routing: Any, datamodule: Any) -> None:
     when a row's `environment` column names none of them, naming the row."""
     for source, rows in ((datamodule.train_data, datamodule.train_rows), (datamodule.val_data, datamodule.val_rows)):
         for index, row in enumerate(rows):
-            error = routing.check([row])
-            if error is not None:
-                raise DataError(f"{source}: {record_label(source, index)} {error.removeprefix('the row ')}")
+            name = row.get(ROUTING_COLUMN)
+            if not routing.names_one(name):
+                raise DataError(f"{source}: {record_label(source, index)} {routing.unknown(name)}")
 
 
 def check_prompt_lengths(module: Any) -> None:

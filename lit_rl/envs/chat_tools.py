@@ -471,10 +471,13 @@ class ChatToolEnvironment:
         for call in calls:
             content, failed = self.run(call)
             errors += int(failed)
-            # Only a registered name reaches the template's markup: the model's own text could hold special tokens.
-            name = call.name if call.name in self.tools else "unknown"
-            messages.append({"role": "tool", "name": name, "content": content})
+            messages.append(self.tool_message(call, content))
         return StepResult(observation=messages, tool_calls=len(calls), tool_errors=errors)
+
+    def tool_message(self, call: ToolCall, content: str) -> dict[str, str]:
+        """The `tool` message answering `call`. Only a registered name reaches the template's markup: the model's
+        own text could hold special tokens."""
+        return {"role": "tool", "name": call.name if call.name in self.tools else "unknown", "content": content}
 
     def call_error(self, call: ToolCall) -> Optional[str]:
         """What the model sees of a call that cannot be made (unreadable, or naming no tool); None: it can."""

@@ -84,9 +84,8 @@ class OpenEnvTools(ChatToolEnvironment):
         calls = self.read_calls(completion)
         if not calls:
             return StepResult(observation=None, done=True)
-        messages, errors, reward, made = [], 0, 0.0, 0
-        for call in calls:
-            made += 1
+        messages, errors, reward = [], 0, 0.0
+        for made, call in enumerate(calls, start=1):
             content, done = self.call_error(call), False
             failed = content is not None
             if content is None:
@@ -95,10 +94,7 @@ class OpenEnvTools(ChatToolEnvironment):
                 reward += step_reward
                 content, failed = tool_result_text(observation)
             errors += int(failed)
-            # Only a registered name reaches the template's markup: the model's own text could hold special tokens.
-            messages.append(
-                {"role": "tool", "name": call.name if call.name in self.tools else "unknown", "content": content}
-            )
+            messages.append(self.tool_message(call, content))
             if done:
                 break
         return StepResult(None if done else messages, {REWARD_PART: reward}, done, made, errors)

@@ -133,7 +133,7 @@ class EnvironmentRouting:
         """The environment `row` names; a one-line error when it names none of them."""
         name = row.get(ROUTING_COLUMN)
         if not self.names_one(name):
-            raise DataError(self.unknown(name))
+            raise DataError(f"the row {self.unknown(name)}")
         return name
 
     def names_one(self, name: Any) -> bool:
@@ -141,10 +141,10 @@ class EnvironmentRouting:
         return isinstance(name, str) and name in self.tools
 
     def unknown(self, name: Any) -> str:
-        """Why a row whose `environment` column holds `name` cannot run."""
+        """Why a row whose `environment` column holds `name` cannot run, to follow the row's name."""
         what = "has no environment column" if name is None else f"has environment {name!r}"
         return (
-            f"the row {what}, which must name one of model.env.environment's: {', '.join(self.tools)} "
+            f"{what}, which must name one of model.env.environment's: {', '.join(self.tools)} "
             "(with several environments, each row picks its own, as in TRL)"
         )
 
@@ -152,7 +152,7 @@ class EnvironmentRouting:
         """Why the first of `rows` that names no environment cannot run; None when every row names one."""
         for row in rows:
             if not self.names_one(row.get(ROUTING_COLUMN)):
-                return self.unknown(row.get(ROUTING_COLUMN))
+                return f"the row {self.unknown(row.get(ROUTING_COLUMN))}"
         return None
 
     def prompt_tools(self, rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:

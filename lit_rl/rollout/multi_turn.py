@@ -219,14 +219,14 @@ class _EpisodeBatch:
             self.broken.add(i)
             self.overran.add(i)
             return False
+        name = env_label(self.envs[i])
         try:
             if isinstance(outcome, BaseException):
                 raise outcome
-            name = env_label(self.envs[i])
             result = as_step_result(outcome, name)
             _add_reward_parts(self.env_rewards[i], result.rewards, self.column, f"{name}.step")
         except Exception as err:  # the user's environment: end this episode, report once every rank is done
-            self._fail(i, f"{env_label(self.envs[i])}.step raised {type(err).__name__}: {err}")
+            self._fail(i, f"{name}.step raised {type(err).__name__}: {err}")
             return False
         self.stats[i, 1] += result.tool_calls
         self.stats[i, 2] += result.tool_errors
@@ -235,9 +235,7 @@ class _EpisodeBatch:
         try:  # text, or chat messages rendered after the turn just sampled
             observation = self.encode_observation(result.observation, self.pieces[i][-1][0])
         except Exception as err:
-            self._fail(
-                i, f"{env_label(self.envs[i])}.step's observation cannot be encoded: {type(err).__name__}: {err}"
-            )
+            self._fail(i, f"{name}.step's observation cannot be encoded: {type(err).__name__}: {err}")
             return False
         observation = observation[: self.max_total_tokens - self.used[i]]
         self.pieces[i].append((observation, [0.0] * len(observation), False, None))
@@ -293,16 +291,26 @@ def _sample_turns(
 
 
 class _Waiting:
-    """The calls an episode waits on (its environment's step, its next turn), each on a thread of its own, and
-    their answers as they arrive. On a failure or Ctrl-C (`stop`), calls not yet begun are never made, and those
-    under way are abandoned: each ends at its time limit."""
+    """The calls `batch`'s episodes wait on (an environment's step, a next turn), each on a thread of its own, and
+    their answers as they arrive; a context manager. When its block raises (a failure, Ctrl-C), calls not yet begun
+    are never made, those under way are abandoned (each ends at its time limit), and the episodes whose step is
+    still under way count as overrunning (their environments are busy: not closed under them)."""
 
-    def __init__(self, episodes: int) -> None:
+    def __init__(self, batch: _EpisodeBatch, episodes: int) -> None:
+        self.batch = batch
         self.threads = ThreadPoolExecutor(max_workers=max(1, episodes), thread_name_prefix="lit-rl-episode")
-        self.pending: dict[
-            Future, tuple[int, str, int]
-        ] = {}  # future -> (episode, "step" or "turn", the turn's budget)
+        # future -> (episode, "step" or "turn", the turn's budget)
+        self.pending: dict[Future, tuple[int, str, int]] = {}
         self.stopped = threading.Event()
+
+    def __enter__(self) -> _Waiting:
+        return self
+
+    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
+        if error is not None:
+            self.stopped.set()
+            self.batch.overran.update(i for i, what, _ in self.pending.values() if what == "step")
+        self.threads.shutdown(wait=False, cancel_futures=True)
 
     def _unless_stopped(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return None if self.stopped.is_set() else call(*args, **kwargs)
@@ -320,15 +328,6 @@ class _Waiting:
         done, _ = wait(self.pending, timeout=timeout, return_when=FIRST_COMPLETED)
         answered = sorted(((f, self.pending.pop(f)) for f in done), key=lambda d: d[1][0])
         return [(i, kind, budget, future.result()) for future, (i, kind, budget) in answered]
-
-    def stop(self, batch: _EpisodeBatch) -> None:
-        """A failure or Ctrl-C: no call not yet begun is made, and the episodes whose step is still under way count
-        as overrunning (their environments are busy: not closed under them)."""
-        self.stopped.set()
-        batch.overran.update(i for i, kind, _ in self.pending.values() if kind == "step")
-
-    def close(self) -> None:
-        self.threads.shutdown(wait=False, cancel_futures=True)
 
 
 def _independent(
@@ -348,15 +347,14 @@ def _independent(
         return
     # The first turn in one call, as in lock-step: the G episodes of a prompt share it (one request for n).
     steps = _sample_turns(batch, first_turns, active, pad_id, device)
-    waiting = _Waiting(len(active))
+    with _Waiting(batch, len(active)) as waiting:
 
-    def submit_turn(i: int) -> None:
-        budget = batch.budget(i)
-        ids, mask = left_padded([batch.contexts[i]], pad_id, device)
-        params, seeds = batch.turn_params(budget), batch.turn_seeds([i])
-        waiting.submit(i, "turn", generate, ids, mask, params, seeds=seeds, budget=budget)
+        def submit_turn(i: int) -> None:
+            budget = batch.budget(i)
+            ids, mask = left_padded([batch.contexts[i]], pad_id, device)
+            params, seeds = batch.turn_params(budget), batch.turn_seeds([i])
+            waiting.submit(i, "turn", generate, ids, mask, params, seeds=seeds, budget=budget)
 
-    try:
         for i in steps:
             waiting.step(i, steps[i], runner)
         while waiting.pending:
@@ -369,11 +367,6 @@ def _independent(
                 if step is not None:
                     steps[i] = step
                     waiting.step(i, step, runner)
-    except BaseException:
-        waiting.stop(batch)
-        raise
-    finally:
-        waiting.close()
 
 
 def _ready_batches(
@@ -392,10 +385,9 @@ def _ready_batches(
     started = time.monotonic()
     steps = _sample_turns(batch, generate, active, pad_id, device)
     last_call = time.monotonic() - started  # how long a ready episode may wait for the steps still under way
-    waiting = _Waiting(len(active))
     ready: list[int] = []
     ready_since = 0.0
-    try:
+    with _Waiting(batch, len(active)) as waiting:
         for i in steps:
             waiting.step(i, steps[i], runner)
         while waiting.pending or ready:
@@ -411,11 +403,6 @@ def _ready_batches(
                 last_call, ready = time.monotonic() - started, []
                 for i in steps:
                     waiting.step(i, steps[i], runner)
-    except BaseException:
-        waiting.stop(batch)
-        raise
-    finally:
-        waiting.close()
 
 
 def _add_reward_parts(row: torch.Tensor, parts: dict[str, float], column: dict[str, int], where: str) -> None:
