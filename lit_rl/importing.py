@@ -18,7 +18,7 @@ def import_callable(path: str, what: str) -> Callable[..., Any]:
     if not sep or not module_name or not attr:
         raise ValueError(f"{what} path {path!r} must look like 'package.module.function'")
     try:
-        module = _import_module(module_name)
+        module = import_module(module_name)
     except ImportError as err:
         raise ValueError(f"{what} {path!r}: cannot import module {module_name!r} ({err})") from None
     fn = getattr(module, attr, None)
@@ -27,7 +27,7 @@ def import_callable(path: str, what: str) -> Callable[..., Any]:
     return fn
 
 
-def _import_module(name: str) -> Any:
+def import_module(name: str) -> Any:
     """`importlib.import_module(name)`; a top-level module found nowhere is looked for in the working directory too
     (`my_rewards.accuracy` beside the run), as `python -m` finds it: the `lit-rl` script's import path holds the
     script's own directory instead. Only a module a config names, and only when nothing installed has its name.

@@ -1,5 +1,6 @@
 """Rows from local files (JSONL, JSON, parquet), Hugging Face `datasets` (a `save_to_disk` directory, an `.arrow`
-file, a hub id), built-in tasks (`builtin:<task>/<split>`) or reasoning-gym's tasks (`reasoning_gym:<task>?...`)."""
+file, a hub id), built-in tasks (`builtin:<task>/<split>`), reasoning-gym's tasks (`reasoning_gym:<task>?...`) or a
+verifiers taskset's (`verifiers:<taskset>?...`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any, Sequence
 from lit_rl.data import hf_datasets
 from lit_rl.data.arithmetic import BUILTIN_DATASETS
 from lit_rl.data.reasoning_gym import is_reasoning_gym, load_reasoning_gym_rows
+from lit_rl.data.verifiers_tasksets import is_verifiers, load_verifiers_rows
 from lit_rl.errors import DataError, DataFileNotFound
 
 Row = dict[str, Any]
@@ -20,6 +22,7 @@ def load_rows(spec: str) -> list[Row]:
     """Load every row of `spec`:
     - `builtin:addition/train`;
     - `reasoning_gym:<task>?size=...&seed=...` (`lit_rl.data.reasoning_gym`);
+    - `verifiers:<taskset>?limit=...` (`lit_rl.data.verifiers_tasksets`);
     - a `.jsonl`, `.json` or `.parquet` file;
     - a Hugging Face dataset: a `save_to_disk` directory (`dir`, or `dir:split` for a `DatasetDict`), an `.arrow`
       file, or a hub id `owner/name[:split]` / `owner/name:config:split` (`datasets.load_dataset`, cached; without
@@ -27,6 +30,8 @@ def load_rows(spec: str) -> list[Row]:
     """
     if is_reasoning_gym(spec):
         return load_reasoning_gym_rows(spec)
+    if is_verifiers(spec):
+        return load_verifiers_rows(spec)
     if spec.startswith("builtin:"):
         name, _, split = spec[len("builtin:") :].partition("/")
         if name not in BUILTIN_DATASETS:

@@ -43,13 +43,9 @@ def _value(text: str) -> Any:
         return text
 
 
-def parse_spec(spec: str) -> tuple[list[str], dict[str, Any], str]:
-    """`reasoning_gym:<task>[,<task>...][?<option>=<value>&...]` -> (tasks, the tasks' options, prompt style); a
-    one-line `DataError` naming the spec when it cannot be read."""
-    body, _, query = spec[len(PREFIX) :].partition("?")
-    tasks = [task.strip() for task in body.split(",")]
-    if not all(tasks):
-        raise DataError(f"{spec!r}: name a reasoning-gym task after 'reasoning_gym:' (e.g. basic_arithmetic)")
+def query_options(spec: str, query: str) -> dict[str, Any]:
+    """The options after a data spec's `?` (`key=value&...`, each value read as JSON where it parses); a one-line
+    `DataError` naming `spec` when they cannot be read or a key is given twice."""
     try:
         pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
     except ValueError:
@@ -59,6 +55,17 @@ def parse_spec(spec: str) -> tuple[list[str], dict[str, Any], str]:
         if key in options:
             raise DataError(f"{spec!r}: option {key!r} is given twice")
         options[key] = _value(value)
+    return options
+
+
+def parse_spec(spec: str) -> tuple[list[str], dict[str, Any], str]:
+    """`reasoning_gym:<task>[,<task>...][?<option>=<value>&...]` -> (tasks, the tasks' options, prompt style); a
+    one-line `DataError` naming the spec when it cannot be read."""
+    body, _, query = spec[len(PREFIX) :].partition("?")
+    tasks = [task.strip() for task in body.split(",")]
+    if not all(tasks):
+        raise DataError(f"{spec!r}: name a reasoning-gym task after 'reasoning_gym:' (e.g. basic_arithmetic)")
+    options = query_options(spec, query)
     if "seed" not in options:  # reasoning-gym would draw one: each rank and each resume would get other rows
         raise DataError(f"{spec!r}: give a seed (seed=N), so that every rank and every resume makes the same rows")
     style = options.pop("prompt", "text")

@@ -14,6 +14,7 @@ from lit_rl.envs.openenv import OpenEnv
 from lit_rl.envs.openenv_tools import OpenEnvTools
 from lit_rl.envs.tools import ToolEnvironment, calc
 from lit_rl.envs.trl_environments import TRLEnvironment
+from lit_rl.envs.verifiers_tasks import Verifiers
 
 __all__ = [
     "ChatToolEnvironment",
@@ -23,6 +24,7 @@ __all__ = [
     "StepResult",
     "TRLEnvironment",
     "ToolEnvironment",
+    "Verifiers",
     "as_step_result",
     "calc",
     "environment_factory",

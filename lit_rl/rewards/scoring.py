@@ -41,6 +41,8 @@ def reward_components(
         columns["environments"] = environments
     passed: list[Any] = as_messages(completions) if prompts and is_conversational(prompts[0]) else completions
     values = call_reward_functions(reward_fns, prompts, passed, columns)
+    if not reward_fns:  # an environment's reward parts alone
+        return torch.zeros(len(completions), 0, device=device)
     return torch.tensor(values, dtype=torch.float32, device=device).T.reshape(len(completions), -1)
 
 

@@ -1,0 +1,211 @@
+"""verifiers tasksets as data (`lit_rl.data.verifiers_tasksets`) and episodes (`lit_rl.envs.Verifiers`), with the
+taskset docs/environments.md prints (`my_tasks.py`), offline; and the page's command through `lit-rl fit`."""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+import sys
+
+import pytest
+
+from lit_rl.data.files import load_rows
+from lit_rl.data.verifiers_tasksets import parse_spec
+from lit_rl.envs.base import environment_factory
+from lit_rl.envs.verifiers_tasks import Verifiers, _loaded_taskset
+from lit_rl.errors import ConfigError, DataError
+from tests.conftest import FAST_GRPO, REPO, read_metrics, run_cli, train_rows, write_overlay
+
+vf = pytest.importorskip("verifiers.v1")
+
+SECTION = (REPO / "docs" / "environments.md").read_text().split("## verifiers tasksets", 1)[1].split("\n## ", 1)[0]
+
+
+def _block(opening: str) -> str:
+    """The section's code block opening with `opening` (its language, a newline and its first words)."""
+    return next(block for block in SECTION.split("```")[1:] if block.startswith(opening))
+
+
+@pytest.fixture
+def beside_the_run(tmp_path, monkeypatch):
+    """A run's folder holding the page's `my_tasks.py` (and any module a test writes there), as the working
+    directory; the modules and the checked tasksets forgotten afterwards."""
+    (tmp_path / "my_tasks.py").write_text(_block("python\n# my_tasks.py").split("\n", 1)[1])
+    monkeypatch.chdir(tmp_path)
+    yield tmp_path
+    for name, module in list(sys.modules.items()):  # the taskset modules loaded from this folder
+        if str(getattr(module, "__file__", None) or "").startswith(str(tmp_path)):
+            del sys.modules[name]
+    _loaded_taskset.cache_clear()
+
+
+def test_a_spec_names_the_taskset_its_selection_its_config_and_the_prompt_style():
+    assert parse_spec("verifiers:my_tasks") == ("my_tasks", {}, {}, "chat")
+    assert parse_spec("verifiers:my_tasks?limit=5&shuffle=true&seed=3&size=40&prompt=text") == (
+        "my_tasks",
+        {"limit": 5, "shuffle": True, "seed": 3},
+        {"size": 40},
+        "text",
+    )
+    for spec, message in [
+        ("verifiers:", "name a verifiers taskset module"),
+        ("verifiers:my_tasks?limit", "options go as key=value pairs"),
+        ("verifiers:my_tasks?prompt=html", "prompt must be one of chat, text, got 'html'"),
+    ]:
+        with pytest.raises(DataError, match=message):
+            parse_spec(spec)
+
+
+def test_rows_are_verifiers_own_selection_of_the_tasks(beside_the_run):
+    rows = load_rows("verifiers:my_tasks?limit=5&shuffle=true&seed=3&size=40")
+    config = vf.taskset_config_type("my_tasks").model_validate({"id": "my_tasks", "size": 40})
+    selected = list(vf.load_taskset(config).select(vf.SelectConfig(limit=5, shuffle=True, seed=3)))
+    assert [row["verifiers"]["task"] for row in rows] == [task.data.model_dump(mode="json") for task in selected]
+    assert [row["prompt"] for row in rows] == [[{"role": "user", "content": task.data.prompt}] for task in selected]
+    assert rows[0]["verifiers"]["taskset"] == config.model_dump(mode="json")
+    assert len(load_rows("verifiers:my_tasks")) == 512  # the taskset's default size, every task
+    text = load_rows("verifiers:my_tasks?limit=2&prompt=text")
+    assert [row["prompt"] for row in text] == [
+        task.data.prompt
+        for task in vf.load_taskset(vf.taskset_config_type("my_tasks").model_validate({"id": "my_tasks"})).take(2)
+    ]
+
+
+def test_a_system_prompt_leads_the_chat_and_the_text(beside_the_run):
+    (beside_the_run / "system_tasks.py").write_text(_taskset("return 1.0", data='system_prompt="Add."'))
+    (chat,) = load_rows("verifiers:system_tasks")
+    assert chat["prompt"] == [{"role": "system", "content": "Add."}, {"role": "user", "content": "1+1="}]
+    assert load_rows("verifiers:system_tasks?prompt=text")[0]["prompt"] == "Add.\n\n1+1="
+
+
+def test_tasks_and_specs_lit_rl_cannot_train_on_are_named_in_one_line(beside_the_run):
+    (beside_the_run / "endless_tasks.py").write_text(_taskset("return 1.0", infinite=True))
+    (beside_the_run / "image_tasks.py").write_text(_taskset("return 1.0", data='image="data:image/png;base64,AA=="'))
+    for spec, message in [
+        ("verifiers:no_such_tasks", "cannot import taskset module 'no_such_tasks' .ModuleNotFoundError"),
+        ("verifiers:my_tasks?no_such_field=1", "taskset 'my_tasks': ValidationError: .*no_such_field"),
+        ("verifiers:endless_tasks", "Endless is infinite: give limit=N"),
+        ("verifiers:image_tasks", "task 0 has an image: lit-rl trains verifiers' text tasks only"),
+    ]:
+        with pytest.raises(DataError, match=message) as err:
+            load_rows(spec)
+        assert "\n" not in str(err.value) and spec in str(err.value)
+    assert len(load_rows("verifiers:endless_tasks?limit=3")) == 3
+
+
+def test_an_episode_is_scored_by_the_tasks_own_rewards_each_weighted(beside_the_run):
+    env = Verifiers("my_tasks")
+    assert env.reward_names == ("correct", "short")
+    row = load_rows("verifiers:my_tasks?limit=1")[0]
+    answer = row["verifiers"]["task"]["answer"]
+    for reply, parts in [
+        (answer, {"correct": 1.0, "short": 0.1}),
+        (f"{answer} it is", {"correct": 1.0, "short": 0.0}),
+        ("12 and more" if answer != "12" else "13", {"correct": 0.0, "short": 0.0}),
+    ]:
+        assert env.reset(row) is None  # the row's prompt
+        assert env.step(reply) == (None, {}, True)  # one turn
+        assert asyncio.run(env.finish()) == pytest.approx(parts)
+    trace = env._trace()
+    asyncio.run(env.task.score(trace))
+    assert trace.reward == pytest.approx(sum(asyncio.run(env.finish()).values()))  # the columns sum to verifiers'
+
+
+def test_the_environment_is_built_from_its_settings_and_checks_each_rows_taskset(beside_the_run):
+    spec = environment_factory("lit_rl.envs.Verifiers", {"taskset": "my_tasks"}, None)
+    assert spec.reward_names == ("correct", "short") and spec.tool_schemas is None
+    env = spec.factory({})
+    validation = load_rows("verifiers:my_tasks?seed=1&size=8")[0]
+    env.reset(validation)  # other rows of the same tasks: their size and seed may differ
+    other = dict(validation, verifiers={**validation["verifiers"], "taskset": {"id": "sums"}})
+    with pytest.raises(ValueError, match="taskset config has id 'sums', model.env.environment_args gives 'my_tasks'"):
+        env.reset(other)
+    with pytest.raises(ValueError, match="the row has no verifiers task .its 'verifiers' column."):
+        env.reset({"prompt": "1+1=", "answer": "2"})
+
+
+def _taskset(reward: str, *, task: str = "", taskset: str = "", data: str = "", infinite: bool = False, exports=()):
+    """A taskset module's source: tasks of class T, whose reward `passed` returns `reward`'s body (given `runtime`
+    when it names it), with `task` and `taskset` lines added to the classes and `exports` beside the taskset."""
+    runtime = ", runtime" if "runtime" in reward else ""
+    lines = [
+        "import verifiers.v1 as vf",
+        "class T(vf.Task[vf.TaskData, vf.State, vf.TaskConfig]):",
+        f"    {task}",
+        "    @vf.reward",
+        f"    async def passed(self, trace{runtime}):",
+        f"        {reward}",
+        "class Endless(vf.Taskset[T]):",
+        f"    INFINITE = {infinite}",
+        f"    {taskset}",
+        "    def load(self):",
+        "        while True:",
+        f"            yield T(vf.TaskData(prompt='1+1=', {data}), self.config.task)",
+        "            if not self.INFINITE:",
+        "                return",
+        "class OwnHarness(vf.Harness):",
+        "    pass",
+        "class OwnEnv(vf.SingleAgentEnv):",
+        "    pass",
+        f"__all__ = ['Endless', *{list(exports)}]",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize(
+    "source, args, message",
+    [
+        (_taskset("return float(runtime is not None)"), {}, "T's reward passed needs the task's runtime"),
+        (_taskset("return 1.0", task="NEEDS_CONTAINER = True"), {}, "T needs a container"),
+        (_taskset("return 1.0", task="async def setup(self, trace, runtime): pass"), {}, "T overrides setup"),
+        (
+            _taskset("return 1.0", taskset="toolsets = classmethod(lambda cls, config: [object()])"),
+            {},
+            "its tasks call tools",
+        ),
+        (_taskset("return 1.0", exports=["OwnHarness"]), {}, "its package exports its own Harness"),
+        (_taskset("return 1.0", exports=["OwnEnv"]), {}, "its package exports its own Env"),
+        (_taskset("return 1.0"), {"task": {"judges": [{"id": "rubric", "path": "c.toml"}]}}, "plugs judges"),
+    ],
+    ids=["runtime reward", "container", "setup", "toolsets", "own harness", "own env", "judges"],
+)
+def test_what_one_chat_turn_cannot_score_is_refused_when_the_run_starts(beside_the_run, source, args, message):
+    (beside_the_run / "refused_tasks.py").write_text(source)
+    with pytest.raises(ConfigError, match=message) as err:
+        environment_factory("lit_rl.envs.Verifiers", {"taskset": "refused_tasks", "taskset_args": args}, None)
+    assert str(err.value).startswith("model.env.environment_args: taskset 'refused_tasks': ")
+    assert "lit-rl runs a task as one chat turn" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_reward_giving_a_dict_of_rewards_stops_at_the_first_episode(beside_the_run):
+    (beside_the_run / "keyed_tasks.py").write_text(_taskset('return {"a": 1.0, "b": 0.0}'))
+    env = Verifiers("keyed_tasks")
+    env.reset(load_rows("verifiers:keyed_tasks")[0])
+    env.step("2")
+    with pytest.raises(ValueError, match="gave reward 'a', not one of its reward functions' names .passed."):
+        asyncio.run(env.finish())
+
+
+def _documented_command() -> list[str]:
+    """The section's `lit-rl fit` command, as a shell splits it."""
+    words = shlex.split(_block("bash\nlit-rl fit").split("\n", 1)[1].replace("\\\n", " "))
+    assert words[:2] == ["lit-rl", "fit"], words
+    return [str(REPO / word) if word.startswith("configs/") else word for word in words[1:]]
+
+
+@pytest.mark.slow
+def test_grpo_trains_on_a_verifiers_taskset_through_the_cli(beside_the_run):
+    """The page's command for 2 steps (the test overlay and the suite's small batches on top): the task's rewards
+    are the reward, column by column, in training and validation."""
+    overlay = write_overlay(beside_the_run / "overlay.yaml", save_dir=beside_the_run / "runs")
+    steps = ["--trainer.max_steps", "2", "--trainer.val_check_interval", "2"]
+    run_cli(*_documented_command(), "--config", str(overlay), *FAST_GRPO, *steps)
+    log_dir = beside_the_run / "runs" / "run" / "version_0"
+    train = train_rows(log_dir)
+    assert [row["step"] for row in train] == [1, 2]
+    for row in train:
+        assert row["train/reward"] == pytest.approx(row["train/rewards/env/correct"] + row["train/rewards/env/short"])
+        assert 0.0 <= row["train/rewards/env/short"] <= 0.1 + 1e-6
+    val = [row for row in read_metrics(log_dir) if row.get("val/rewards/env/correct")]
+    assert len(val) == 1 and 0.0 <= float(val[0]["val/rewards/env/correct"]) <= 1.0
+    assert sum(row["train/rewards/env/correct"] for row in train) > 0  # the tiny model adds some of them right
