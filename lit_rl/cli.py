@@ -212,8 +212,8 @@ class LitRLCLI(LightningCLI):
 
     resumed: Optional[ResumePoint] = None  # the checkpoint and run directory `--ckpt_path` resolved to
 
-    # This and `_instantiate_trainer` are private methods of Lightning's: lit_rl.training.compat lists them, and its
-    # test checks that Lightning still calls them.
+    # This and `_instantiate_trainer` are private methods of Lightning's: tests/test_compat.py finds them and checks
+    # that Lightning still calls them.
     def _parse_ckpt_path(self) -> None:
         # Lightning lays the checkpoint's hyperparameters over the parsed config here. lit-rl takes no value from a
         # checkpoint (a shared one could set `trust_remote_code` or import any module): the module compares them

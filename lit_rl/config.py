@@ -542,27 +542,3 @@ def data_key_hint(key: str, data_classes: tuple[type, ...]) -> Optional[str]:
     if any(parts[1] in inspect.signature(cls.__init__).parameters for cls in data_classes):
         return f"data.{parts[1]}"
     return None
-
-
-def grouped_kwargs(cls: type, **kwargs: Any) -> dict[str, Any]:
-    """Keyword arguments of algorithm `cls` written flat, as lit-rl 0.1 took them (`temperature=0.7`), grouped as
-    its `__init__` takes them now (`sampling=SamplingArgs(..., temperature=0.7)`); each group starts from `cls`'s
-    own default (PPO samples 4 completions per prompt, GRPO 8). Grouped and own arguments pass through, so
-    `cls(**grouped_kwargs(cls, ...))` builds what the 0.1 call did."""
-    parameters = inspect.signature(cls.__init__).parameters
-    out: dict[str, Any] = {}
-    fields: dict[str, dict[str, Any]] = {}
-    for key, value in kwargs.items():
-        place = MOVED_KEYS.get(key)
-        if key in parameters or place is None:
-            out[key] = value
-            continue
-        group, field = place.split(".")
-        fields.setdefault(group, {})[field] = _0_1_value(key, value)
-    for group, changes in fields.items():
-        if group not in parameters:
-            raise ConfigError(f"{cls.__name__} takes no {group!r} group, so no {', '.join(changes)}")
-        default = parameters[group].default  # the algorithm's own instance: its class and its defaults
-        base = as_args(type(default), out.get(group, default))
-        out[group] = dataclasses.replace(base, **changes)
-    return out

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
+import inspect
 import logging
 import os
 import signal
@@ -24,6 +26,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
+from lit_rl.config import MOVED_KEYS, _0_1_value, as_args  # noqa: E402
+from lit_rl.errors import ConfigError  # noqa: E402
 from tests.fake_vllm import fake_server  # noqa: F401  (a fixture: a stdlib server playing vLLM)
 from tests.skip_guard import (  # noqa: F401  (hooks: under CI, a skip for any reason but no GPU fails the run)
     pytest_collectreport,
@@ -276,7 +280,6 @@ def fit_grpo(
     import lightning as L
 
     import lit_rl.algorithms
-    from lit_rl.config import grouped_kwargs
     from lit_rl.data import PromptDataModule
 
     args = dict(num_generations=4, micro_batch_size=8, max_new_tokens=4, temperature=1.0)
@@ -346,3 +349,27 @@ def saved_steps(log_dir: Path) -> list[int]:
 @pytest.fixture
 def tmp_run(tmp_path):
     return tmp_path
+
+
+def grouped_kwargs(cls: type, **kwargs: Any) -> dict[str, Any]:
+    """Keyword arguments of algorithm `cls` written flat, as lit-rl 0.1 took them (`temperature=0.7`) and tests
+    still write them, grouped as its `__init__` takes them now (`sampling=SamplingArgs(..., temperature=0.7)`);
+    each group starts from `cls`'s own default (PPO samples 4 completions per prompt, GRPO 8). Grouped and own
+    arguments pass through, so `cls(**grouped_kwargs(cls, ...))` builds what the 0.1 call did."""
+    parameters = inspect.signature(cls.__init__).parameters
+    out: dict[str, Any] = {}
+    fields: dict[str, dict[str, Any]] = {}
+    for key, value in kwargs.items():
+        place = MOVED_KEYS.get(key)
+        if key in parameters or place is None:
+            out[key] = value
+            continue
+        group, field = place.split(".")
+        fields.setdefault(group, {})[field] = _0_1_value(key, value)
+    for group, changes in fields.items():
+        if group not in parameters:
+            raise ConfigError(f"{cls.__name__} takes no {group!r} group, so no {', '.join(changes)}")
+        default = parameters[group].default  # the algorithm's own instance: its class and its defaults
+        base = as_args(type(default), out.get(group, default))
+        out[group] = dataclasses.replace(base, **changes)
+    return out

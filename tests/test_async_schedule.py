@@ -8,12 +8,13 @@ import math
 import pytest
 import torch
 
-from lit_rl.config import RolloutArgs, grouped_kwargs
+from lit_rl.config import RolloutArgs
 from lit_rl.data.schedule import RolloutSchedule, RolloutScheduleLoader
 from lit_rl.errors import ConfigError
 from lit_rl.losses import rollout_is_weights
 from lit_rl.rollout import HFGenerate, RolloutOutput, SamplingParams, VLLMColocate, VLLMConfig
 from lit_rl.rollout.asynchronous import AsyncGenerations, generation_version, generations_launched_at
+from tests.conftest import grouped_kwargs
 
 
 @pytest.mark.parametrize(

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from lit_rl.algorithms import DPO, PPO
-from lit_rl.config import ATTENTION_IMPLEMENTATIONS, PolicyArgs, grouped_kwargs
+from lit_rl.config import ATTENTION_IMPLEMENTATIONS, PolicyArgs
 from lit_rl.errors import ConfigError
 from lit_rl.training.compat import flash_attention_installed
-from tests.conftest import fit_config, train_rows
+from tests.conftest import fit_config, grouped_kwargs, train_rows
 
 
 def test_the_attention_kernel_reaches_the_policy_the_reference_and_the_critic():

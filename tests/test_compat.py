@@ -4,7 +4,9 @@ change of behaviour deep in a run."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import pkgutil
 import subprocess
 import sys
 from typing import Optional
@@ -14,6 +16,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lit_rl import algorithms, callbacks
 from lit_rl.config import RewardArgs
 from lit_rl.training import compat
 
@@ -61,11 +64,41 @@ def test_the_fit_loop_says_which_batches_accumulate_and_a_validation_can_be_skip
     assert "self._skip_next_val" in inspect.getsource(type(trainer.fit_loop.epoch_loop))  # still read there
 
 
-@pytest.mark.parametrize("base,name,call", compat.overridden_private_methods())
-def test_the_private_methods_lit_rl_overrides_are_still_called_by_lightning(base, name, call):
+def _private_overrides() -> list[tuple[type, str]]:
+    """Lightning's private methods that lit-rl's classes override (a `_name` defined both in a lit-rl class and in a
+    Lightning class it derives from), found in every module of lit-rl's that subclasses Lightning's classes."""
+    names = ["lit_rl.cli", *(info.name for package in (callbacks, algorithms) for info in _modules(package))]
+    modules = [importlib.import_module(name) for name in names]
+    found = []
+    for module in modules:
+        for cls in vars(module).values():
+            if not (isinstance(cls, type) and cls.__module__ == module.__name__):
+                continue
+            lightning_bases = [base for base in cls.__mro__[1:] if base.__module__.startswith("lightning")]
+            for name in vars(cls):
+                if name.startswith("_") and not name.startswith("__"):
+                    base = next((base for base in lightning_bases if name in vars(base)), None)
+                    if base is not None:
+                        found.append((base, name))
+    return found
+
+
+def _modules(package) -> list[pkgutil.ModuleInfo]:
+    return list(pkgutil.iter_modules(package.__path__, f"{package.__name__}."))
+
+
+def test_the_private_overrides_are_found_where_lit_rl_makes_them():
+    """The search below finds the overrides lit-rl makes (so a new one is checked too)."""
+    overrides = {(base.__name__, name) for base, name in _private_overrides()}
+    assert {("LightningCLI", "_parse_ckpt_path"), ("LightningCLI", "_instantiate_trainer")} <= overrides
+    assert ("RichProgressBar", "_get_train_description") in overrides
+
+
+@pytest.mark.parametrize("base,name", _private_overrides(), ids=lambda value: getattr(value, "__name__", value))
+def test_the_private_methods_lit_rl_overrides_are_still_called_by_lightning(base, name):
     assert callable(getattr(base, name, None)), f"{base.__name__}.{name} is gone: lit-rl's override never runs"
     callers = "".join(inspect.getsource(cls) for cls in base.__mro__ if cls.__module__.startswith("lightning"))
-    assert call in callers, f"Lightning no longer calls {base.__name__}.{name}"
+    assert f"self.{name}(" in callers, f"Lightning no longer calls {base.__name__}.{name}"
 
 
 def test_a_lightning_module_reports_the_device_its_tensors_were_moved_to_by_hand():

@@ -19,13 +19,12 @@ from lit_rl.config import (
     SamplingArgs,
     as_args,
     grouped_hparams,
-    grouped_kwargs,
     moved_key_hint,
 )
 from lit_rl.errors import ConfigError
 from lit_rl.loss_config import LOSS_GROUPS, GRPOLoss, PPOLoss, RLOOLoss
 from lit_rl.migrate import migrate_text
-from tests.conftest import REPO
+from tests.conftest import REPO, grouped_kwargs
 
 ALGORITHMS = (GRPO, PPO, RLOO, OnlineDPO, DPO, SFT)
 

@@ -8,8 +8,8 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lit_rl.algorithms import GRPO
-from lit_rl.config import grouped_kwargs
 from lit_rl.rollout import VLLMConfig
+from tests.conftest import grouped_kwargs
 
 
 def _grpo(precision: str, **kwargs) -> GRPO:

@@ -15,7 +15,7 @@ from transformers import Qwen2ForCausalLM
 from lit_rl.modeling.lora import LoRAConfig, apply_lora
 from lit_rl.modeling.models import tiny_qwen2_config
 from lit_rl.training.flops import ModelShape, Peak, RunThroughput, device_peak, row_tokens_and_keys
-from tests.conftest import REPO, cli_env
+from tests.conftest import REPO, cli_env, grouped_kwargs
 
 
 def _model(**config) -> torch.nn.Module:
@@ -141,7 +141,6 @@ def test_validation_between_two_steps_is_left_out_of_the_next_steps_time():
     import lightning as L
 
     from lit_rl.algorithms import GRPO
-    from lit_rl.config import grouped_kwargs
     from lit_rl.data import PromptDataModule
     from tests.conftest import quiet_trainer
 

@@ -8,8 +8,8 @@ import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 
 from lit_rl.algorithms import GRPO
-from lit_rl.config import grouped_kwargs
 from lit_rl.training.gradients import clip_grad_norm_
+from tests.conftest import grouped_kwargs
 
 
 def _params(dtype: torch.dtype, norm: float) -> list[torch.nn.Parameter]:

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from lit_rl.algorithms.base import completion_scores
-from lit_rl.config import grouped_kwargs
 from lit_rl.errors import ConfigError
 from lit_rl.modeling.head import chunked_head_scores, scores_from_logits
 from lit_rl.modeling.models import load_causal_lm
+from tests.conftest import grouped_kwargs
 from tests.test_packing import MODEL, assert_close_to_scale, tokenizer, variable_batch  # noqa: F401
 
 EXTRAS = ("entropy", "mean_logit", "argmax")

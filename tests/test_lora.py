@@ -7,11 +7,10 @@ import torch
 
 from lit_rl.algorithms import DPO, GRPO, SFT
 from lit_rl.algorithms.base import PolicyModule
-from lit_rl.config import grouped_kwargs
 from lit_rl.errors import ConfigError
 from lit_rl.modeling.lora import LoRAConfig, merged_view, merged_weights, reference_view, trainable_keys
 from lit_rl.modeling.models import load_causal_lm
-from tests.conftest import fit_grpo, perturbed_lora_model
+from tests.conftest import fit_grpo, grouped_kwargs, perturbed_lora_model
 
 SFT_MODEL = "lit-rl/tiny-qwen2-addition-sft"
 

@@ -2,9 +2,8 @@ import pytest
 import torch
 
 from lit_rl.algorithms import OnlineDPO
-from lit_rl.config import grouped_kwargs
 from lit_rl.types import RolloutBatch
-from tests.conftest import build_tiny_reward_model
+from tests.conftest import build_tiny_reward_model, grouped_kwargs
 
 
 def _batch(rewards):

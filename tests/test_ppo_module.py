@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from lit_rl.algorithms.base import completion_forward
-from lit_rl.config import grouped_kwargs
 from lit_rl.errors import ConfigError
 from lit_rl.losses import aggregate
 from lit_rl.losses.policy import ppo_clip
@@ -17,7 +16,7 @@ from lit_rl.losses.ppo import gae, token_rewards
 from lit_rl.modeling.models import load_causal_lm, load_tokenizer
 from lit_rl.modeling.value_model import load_value_model, save_value_model
 from lit_rl.ops import position_ids_from_mask
-from tests.conftest import build_tiny_reward_model, fit_grpo, fit_on_episodes
+from tests.conftest import build_tiny_reward_model, fit_grpo, fit_on_episodes, grouped_kwargs
 
 MODEL = "lit-rl/tiny-qwen2-addition-sft"
 

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from lit_rl.losses import grpo_loss, truncated_is_weights
+from lit_rl.losses import grpo_loss
+from lit_rl.losses.grpo import rollout_is_weights
 from lit_rl.rollout.base import draw_seeds, global_batch_seeds, padded_output, unpadded_prompts
 
 
@@ -51,13 +52,14 @@ def test_the_run_seed_changes_every_sampling_seed_and_seed_0_keeps_its_stream():
     assert all(0 <= seed < 2**31 - 1 for seeds in by_seed.values() for seed in seeds)
 
 
-def test_truncated_is_weights_by_hand():
+def test_token_truncated_is_weights_by_hand():
     old = torch.log(torch.tensor([[0.5, 0.2, 0.9]]))
     rollout = torch.log(torch.tensor([[0.25, 0.4, 0.9]]))
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     # ratios 0.5/0.25 = 2 (capped at 1.5), 0.2/0.4 = 0.5, padding 0
-    weights = truncated_is_weights(old, rollout, mask, cap=1.5)
+    weights, changed = rollout_is_weights("token_truncate", old, rollout, mask, cap=1.5)
     assert weights[0].tolist() == pytest.approx([1.5, 0.5, 0.0])
+    assert changed[0].tolist() == [True, False, False]  # the capped token
 
 
 def test_grpo_loss_weighs_the_policy_term_by_the_importance_weights():

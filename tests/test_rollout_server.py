@@ -58,6 +58,21 @@ def test_nothing_listening_fails_after_waiting_for_the_server():
     assert time.monotonic() - started < 10
 
 
+def test_a_server_gone_between_generations_is_named_as_one_gone_during_one():
+    """The health check before a generation and a request's last retry say the same: which of the two meets a
+    server that died depends on timing alone."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        client = VLLMServerClient(url, timeout_s=1, max_retries=0)
+        failures = []
+        for call in (lambda: client.check_health(1.0), lambda: client.request("POST", "/v1/completions", {})):
+            with pytest.raises(RolloutServerError) as info:
+                call()
+            failures.append(str(info.value))
+    assert all(url in message and "is the server running" in message for message in failures), failures
+
+
 def test_engine_groups_identical_prompts_and_pads_completions(fake_server, tmp_path):
     server = fake_server((200, _completions, 0))
     engine = VLLMServerEngine(

@@ -13,11 +13,10 @@ from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from torch.utils.data import DataLoader, IterableDataset
 
 from lit_rl.algorithms import SFT
-from lit_rl.config import grouped_kwargs
 from lit_rl.data.modules import SFTDataModule
 from lit_rl.data.sharding import ShardedTrainBatches, StepWindows, lightning_windows
 from lit_rl.errors import ConfigError
-from tests.conftest import quiet_trainer
+from tests.conftest import grouped_kwargs, quiet_trainer
 
 
 def test_windows_end_with_each_epoch():

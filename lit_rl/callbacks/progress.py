@@ -42,7 +42,7 @@ class StepProgressBar(RichProgressBar):
         metrics.pop("step", None)  # the float copy logged for the CSV x-axis
         return {"step": str(trainer.global_step), **metrics}
 
-    # A private method of Lightning's: lit_rl.training.compat.overridden_private_methods checks it is still called.
+    # A private method of Lightning's: tests/test_compat.py checks it is still called.
     def _get_train_description(self, current_epoch: int) -> str:
         # Step-bounded runs have max_epochs == -1; show "Epoch 3", not "Epoch 3/-2".
         if self.trainer.max_epochs is not None and self.trainer.max_epochs < 0:

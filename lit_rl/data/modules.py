@@ -20,11 +20,6 @@ from lit_rl.data.sharding import ShardedRowBatches, ShardedTrainBatches, lightni
 from lit_rl.errors import ConfigError
 
 
-def collate_rows(rows: list[Row]) -> list[Row]:
-    """Keep a batch as a list of row dicts; tokenization happens in the LightningModule."""
-    return rows
-
-
 class PromptDataModule(L.LightningDataModule):
     """Prompts for rollout algorithms (GRPO, ...).
 

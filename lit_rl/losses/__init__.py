@@ -7,7 +7,6 @@ from lit_rl.losses.grpo import (
     grpo_loss,
     grpo_per_token_loss,
     rollout_is_weights,
-    truncated_is_weights,
 )
 from lit_rl.losses.policy import POLICY_LOSSES, policy_loss_function
 
@@ -24,5 +23,4 @@ __all__ = [
     "grpo_per_token_loss",
     "policy_loss_function",
     "rollout_is_weights",
-    "truncated_is_weights",
 ]

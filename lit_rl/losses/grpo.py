@@ -98,20 +98,6 @@ def grpo_loss(
     return aggregate(per_token, completion_mask, aggregation, normalizer), stats
 
 
-def truncated_is_weights(
-    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, completion_mask: torch.Tensor, cap: float
-) -> torch.Tensor:
-    """Truncated importance weights [N, T] for a rollout engine whose numerics differ from the trainer's:
-
-        w_t = min(exp(old_logprobs_t - rollout_logprobs_t), cap)     (0 on padding)
-
-    old_logprobs: the trainer's log-probs of the sampled tokens at the weights that generated them;
-    rollout_logprobs: the engine's log-probs of the same tokens. Returned detached.
-    """
-    log_ratio = (old_logprobs - rollout_logprobs).detach().clamp(max=math.log(cap))
-    return torch.exp(log_ratio) * completion_mask
-
-
 IS_CORRECTIONS = ("none", "token_truncate", "sequence_truncate", "sequence_mask")
 
 

@@ -51,19 +51,6 @@ def set_module_device(module: torch.nn.Module, device: torch.device) -> None:
         module._device = device
 
 
-def overridden_private_methods() -> list[tuple[type, str, str]]:
-    """Lightning's private methods that lit-rl's subclasses override, each with the text of the call that runs it
-    in Lightning's own code: renamed upstream, an override would silently never run (the test checks each)."""
-    from lightning.pytorch.callbacks import RichProgressBar
-    from lightning.pytorch.cli import LightningCLI
-
-    return [
-        (LightningCLI, "_parse_ckpt_path", "self._parse_ckpt_path()"),  # lit_rl.cli: --ckpt_path last, resolved
-        (LightningCLI, "_instantiate_trainer", "self._instantiate_trainer("),  # lit_rl.cli: lit-rl's callbacks
-        (RichProgressBar, "_get_train_description", "self._get_train_description("),  # lit_rl.callbacks.progress
-    ]
-
-
 # -- torch --------------------------------------------------------------------------------------------------------
 def set_group_sequence_number(backend: Any) -> None:
     """Rank 0's part of a process group's start: publish its sequence number, which the other ranks wait for

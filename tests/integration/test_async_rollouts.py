@@ -16,13 +16,13 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_rl.algorithms import GRPO, RLOO
-from lit_rl.config import RolloutArgs, grouped_kwargs
+from lit_rl.config import RolloutArgs
 from lit_rl.data import PromptDataModule
 from lit_rl.errors import ConfigError
 from lit_rl.rollout import VLLMConfig
 from lit_rl.rollout.base import unpadded_prompts
 from lit_rl.types import model_token_mask
-from tests.conftest import assert_rows_match, train_rows, without_engine_gap
+from tests.conftest import assert_rows_match, grouped_kwargs, train_rows, without_engine_gap
 from tests.golden.sync_schedule import GOLDEN, RUNS, run
 from tests.snapshot_engine import use_snapshot_engine, weights_digest
 

@@ -92,11 +92,6 @@ class EnginePlacement:
         return [list(range(start, start + t)) for start in range(0, self.world_size, t)]
 
     @property
-    def device_index(self) -> int:
-        """The GPU the engine's worker uses (`cuda:LOCAL_RANK`): the trainer rank's own."""
-        return self.local_rank
-
-    @property
     def engine_seed(self) -> int:
         """vLLM's base seed: the same for the members of one TP group, which must sample identically. (Every
         training completion also carries a seed of its own, which is what decides its sample.)"""

@@ -298,8 +298,11 @@ class VLLMServerClient:
         url = f"{self.base_url}/health"
         try:
             self._once("GET", url, None, timeout_s=timeout_s)
-        except _RetryableError as err:
-            raise ServerDownError(f"vLLM server {url}: {err} (health check before a generation)") from None
+        except _RetryableError as err:  # as a request's last retry says it: the run's one line, whichever came first
+            raise ServerDownError(
+                f"vLLM server {url}: {err} (health check before a generation); is the server running? (see "
+                "model.rollout.engine.server_url)"
+            ) from None
         except RolloutServerError as err:  # an error answer: it is up, but not healthy
             raise ServerDownError(f"{err} (health check before a generation)") from None
 
