@@ -67,6 +67,18 @@ def test_the_metric_reference_is_what_the_metric_factories_declare():
     assert "not declared" not in page
 
 
+def test_the_architecture_pages_walk_is_a_traced_grpo_step():
+    """docs/architecture.md's walk is generated from one traced optimizer step of configs/grpo.yaml: it cannot
+    drift from the code."""
+    result = subprocess.run(
+        [sys.executable, str(REPO / "docs" / "step_walk.py"), "--check"], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    walk = (REPO / "docs" / "architecture.md").read_text().split("from a traced step: do not edit it. -->", 1)[1]
+    for entered in ("`lit_rl/data/schedule.py`", "\u21b3 `OnPolicyModule.training_step`", "`GRPO.micro_batch_loss`"):
+        assert entered in walk, entered
+
+
 def test_the_formulas_page_is_what_the_losses_docstrings_say():
     """docs/formulas.md is generated from the docstrings of lit_rl/losses/: every objective and estimator on it."""
     result = subprocess.run(
