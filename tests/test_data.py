@@ -5,6 +5,7 @@ import pytest
 from lit_rl.data import RolloutSchedule, RolloutScheduleLoader, load_rows, validate_rows
 from lit_rl.data.arithmetic import VAL_SIZE
 from lit_rl.data.files import record_label
+from lit_rl.errors import ConfigError
 
 
 def test_builtin_addition_splits_are_disjoint_and_complete():
@@ -129,3 +130,42 @@ def test_groups_span_ranks_when_a_rank_holds_less_than_a_group():
 def test_schedule_rejects_too_little_data():
     with pytest.raises(ValueError, match="fewer than one generation batch"):
         _loader([{"prompt": "a"}], prompts=2)
+
+
+def test_a_data_module_and_an_algorithm_that_do_not_fit_are_refused_in_one_line():
+    """The contracts of `lit_rl.data.contracts`, checked where one first reaches for the other."""
+    from types import SimpleNamespace
+
+    from lit_rl.algorithms import GRPO, SFT
+    from lit_rl.data import PreferenceDataModule, PromptDataModule, SFTDataModule
+    from lit_rl.data.contracts import PreferencePairs, PromptRows, data_of
+
+    for data, algorithm, message in [
+        (
+            PromptDataModule(),
+            SFT,
+            "PromptDataModule feeds the algorithms that sample (GRPO, PPO, RLOO, OnlineDPO); SFT "
+            "takes SFTDataModule: start from configs/sft.yaml",
+        ),
+        (
+            SFTDataModule(),
+            GRPO,
+            "SFTDataModule feeds the algorithms that train on fixed data (SFT, DPO); GRPO takes "
+            "PromptDataModule: start from configs/grpo.yaml",
+        ),
+        (PreferenceDataModule(), GRPO, "PreferenceDataModule feeds the algorithms that train on fixed data"),
+    ]:
+        data.trainer = SimpleNamespace(lightning_module=algorithm.__new__(algorithm), global_rank=0, world_size=1)
+        with pytest.raises(ConfigError) as err:
+            data.train_dataloader()
+        assert str(err.value).startswith(f"data: {message}")
+
+    def attached(name: str, data_module: object) -> object:  # an algorithm of that name, its trainer attached
+        return type(name, (), {"trainer": SimpleNamespace(datamodule=data_module)})()
+
+    with pytest.raises(ConfigError, match="^data: DPO reads its rows from a PreferenceDataModule, not from Prompt"):
+        data_of(attached("DPO", PromptDataModule()), PreferencePairs)
+    with pytest.raises(ConfigError, match="^data: GRPO reads its rows from a PromptDataModule, not from MyData$"):
+        data_of(attached("GRPO", type("MyData", (), {})()), PromptRows)
+    prompts = PromptDataModule()
+    assert data_of(attached("GRPO", prompts), PromptRows) is prompts

@@ -21,6 +21,7 @@ from torchmetrics import MetricCollection
 
 from lit_rl.algorithms.offline import OfflineModule
 from lit_rl.config import OptimArgs, PolicyArgs, as_args
+from lit_rl.data.contracts import PreferencePairs, data_of
 from lit_rl.data.preference import TokenizedPair, batch_tokens, collate_pairs
 from lit_rl.loss_config import DPOLoss
 from lit_rl.losses.dpo import REFERENCE_FREE, dpo_loss
@@ -84,7 +85,7 @@ class DPO(OfflineModule):
         # after on_fit_start. Before super(): the first step's timer starts once this one-off pass is done.
         if self.needs_reference and self.hparams.precompute_ref_logprobs:
             self._precomputed("train")
-            if self.trainer.datamodule.val_pairs:
+            if data_of(self, PreferencePairs).val_pairs:
                 self._precomputed("val")
         super().on_train_start()
 
@@ -92,7 +93,8 @@ class DPO(OfflineModule):
         """[N, 2] reference log-probs of the split's pairs, on first use: from the checkpoint resumed from, else
         from the cache file, else computed."""
         if split not in self._ref_cache:
-            pairs = getattr(self.trainer.datamodule, f"{split}_pairs")
+            data = data_of(self, PreferencePairs)
+            pairs = data.train_pairs if split == "train" else data.val_pairs
             fingerprint = pairs_fingerprint(pairs)
             stored = self._ref_from_checkpoint.pop(split, None)
             if stored is not None and stored["fingerprint"] == fingerprint:
@@ -122,7 +124,7 @@ class DPO(OfflineModule):
         # forward (64 long pairs could exceed it), and the live forward's batch shape, on which a pair's log-probs
         # depend in their last bits (kernels are chosen by shape): in chunks of 64 they differed from a live
         # reference's by up to 2e-5 at batch size 1 on CPU (`test_precomputed_reference_trains_to_the_same_numbers`).
-        size = getattr(self.trainer.datamodule, "batch_size", None) or 64
+        size = data_of(self, PreferencePairs).batch_size
         values = []
         with torch.no_grad(), self._reference_for_precompute() as ref_model:
             for start in range(0, len(pairs), size):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lit_rl.data.contracts import PromptRows, data_of
 from lit_rl.data.files import record_label
 from lit_rl.envs.chat_tools import chat_prompt
 from lit_rl.envs.trl_environments import ROUTING_COLUMN
@@ -25,13 +26,14 @@ def check_prompt_lengths(module: Any) -> None:
     `max_total_tokens`) cannot fit the model's context (`module`: an on-policy algorithm with its trainer and
     datamodule attached). With several environments by name, each row must name one (`check_environment_column`)
     and its prompt is measured with its environment's tools."""
+    datamodule = data_of(module, PromptRows)
     routing = getattr(module, "prompt_routing", None)
     if routing is not None:
-        check_environment_column(routing, module.trainer.datamodule)
+        check_environment_column(routing, datamodule)
     context = getattr(module.policy.config, "max_position_embeddings", None)
     if context is None:
         return
-    max_prompt_length, datamodule = module.max_prompt_length, module.trainer.datamodule
+    max_prompt_length = module.max_prompt_length
     budget = module.completion_budget
     budget_key = "env.max_total_tokens" if module.env_args.enabled else "sampling.max_new_tokens"
     tools = getattr(module, "prompt_tools", None)  # the prompts are rendered with these schemas (chat-format tools)

@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 
+from lit_rl.data.contracts import CountsBatches, CountsRowTokens, SchedulesRollouts, fed_algorithm
 from lit_rl.data.files import Row, load_rows, validate_rows
 from lit_rl.data.preference import ShardedPairBatches, TokenizedPair, tokenize_pairs, with_explicit_prompt
 from lit_rl.data.schedule import RolloutSchedule, RolloutScheduleLoader
@@ -70,14 +71,7 @@ class PromptDataModule(L.LightningDataModule):
         return rows
 
     def train_dataloader(self) -> RolloutScheduleLoader:
-        module = self.trainer.lightning_module
-        if not hasattr(module, "rollout_schedule"):
-            name = type(module).__name__
-            data, config = OFFLINE_DATA.get(name, ("its own data module", "its config"))
-            raise ConfigError(
-                f"data: {type(self).__name__} feeds the algorithms that sample (GRPO, PPO, RLOO, OnlineDPO); "
-                f"{name} takes {data}: start from {config}"
-            )
+        module = fed_algorithm(self, self.trainer.lightning_module, SchedulesRollouts, SAMPLING_ALGORITHMS)
         schedule: RolloutSchedule = module.rollout_schedule()
         return RolloutScheduleLoader(
             self.train_rows, schedule, seed=self.seed, rank=self.trainer.global_rank, world_size=self.trainer.world_size
@@ -94,11 +88,8 @@ class PromptDataModule(L.LightningDataModule):
         return DataLoader(batches, batch_size=None, generator=torch.Generator().manual_seed(self.seed))
 
 
-# The algorithms that train on fixed data: the data module each takes, and the shipped config that sets it.
-OFFLINE_DATA = {
-    "SFT": ("SFTDataModule", "configs/sft.yaml"),
-    "DPO": ("PreferenceDataModule", "configs/dpo.yaml"),
-}
+SAMPLING_ALGORITHMS = "the algorithms that sample (GRPO, PPO, RLOO, OnlineDPO)"
+FIXED_DATA_ALGORITHMS = "the algorithms that train on fixed data (SFT, DPO)"
 
 
 class SFTDataModule(PromptDataModule):
@@ -147,16 +138,17 @@ class SFTDataModule(PromptDataModule):
 
     def train_dataloader(self) -> DataLoader[Any]:
         trainer = self.trainer
-        module = trainer.lightning_module
+        module = fed_algorithm(self, trainer.lightning_module, CountsBatches, FIXED_DATA_ALGORITHMS)
         if self.micro_batch_tokens is not None and self._row_tokens is None:
-            self._row_tokens = module.row_tokens(self.train_rows)  # as the module will tokenize them
+            counting = fed_algorithm(self, module, CountsRowTokens, f"{FIXED_DATA_ALGORITHMS} by tokens")
+            self._row_tokens = counting.row_tokens(self.train_rows)  # as the module will tokenize them
         batches = ShardedTrainBatches(
             self.train_rows,
             self.batch_size,
             self.seed,
             trainer.global_rank,
             trainer.world_size,
-            start_batch=lambda: getattr(module, "train_batches_done", 0),  # checkpointed by the algorithm
+            start_batch=lambda: module.train_batches_done,  # checkpointed by the algorithm
             windows=lambda: lightning_windows(trainer, len(batches)),
             micro_batch_tokens=self.micro_batch_tokens,
             item_tokens=self._row_tokens,
@@ -233,7 +225,7 @@ class PreferenceDataModule(PromptDataModule):
 
     def _batches(self, pairs: list[TokenizedPair], shuffle: bool) -> DataLoader[Any]:
         trainer = self.trainer
-        module = trainer.lightning_module
+        module = fed_algorithm(self, trainer.lightning_module, CountsBatches, FIXED_DATA_ALGORITHMS)
         budget = self.micro_batch_tokens if shuffle else None  # training only
         batches = ShardedPairBatches(
             pairs,
@@ -244,7 +236,7 @@ class PreferenceDataModule(PromptDataModule):
             trainer.world_size,
             pad_id=module.tokenizer.pad_token_id,
             # Training resumes from the algorithm's checkpointed count of consumed batches.
-            start_batch=(lambda: getattr(module, "train_batches_done", 0)) if shuffle else (lambda: 0),
+            start_batch=(lambda: module.train_batches_done) if shuffle else (lambda: 0),
             windows=(lambda: lightning_windows(trainer, len(batches))) if shuffle else None,
             micro_batch_tokens=budget,
             item_tokens=None if budget is None else [pair.num_tokens for pair in pairs],

@@ -1,0 +1,91 @@
+"""What a data module and the algorithm it feeds use of each other, declared as protocols and checked with
+`isinstance` once, where one first reaches for the other (nothing is read by attribute name):
+
+- `PromptDataModule` feeds an algorithm that samples (`SchedulesRollouts`: its loader follows the algorithm's
+  rollout schedule), which reads the rows back (`PromptRows`) for the checks it makes before training;
+- `SFTDataModule` and `PreferenceDataModule` feed an algorithm that trains on fixed data (`CountsBatches`: the
+  batches it has trained on, checkpointed, from which a resumed loader starts), SFT's regrouped by tokens one that
+  counts a row's tokens as it will tokenize it (`CountsRowTokens`); DPO reads the pairs back (`PreferencePairs`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional, Protocol, TypeVar, runtime_checkable
+
+from lit_rl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from lit_rl.data.preference import TokenizedPair
+    from lit_rl.data.schedule import RolloutSchedule
+
+
+@runtime_checkable
+class SchedulesRollouts(Protocol):
+    """An algorithm that samples its completions (GRPO, PPO, RLOO, OnlineDPO)."""
+
+    def rollout_schedule(self) -> RolloutSchedule: ...
+
+
+@runtime_checkable
+class CountsBatches(Protocol):
+    """An algorithm that trains on fixed data (SFT, DPO): the training batches it has consumed, in its checkpoint."""
+
+    train_batches_done: int
+
+
+@runtime_checkable
+class CountsRowTokens(Protocol):
+    """An algorithm whose rows a loader regroups by tokens (SFT with `data.micro_batch_tokens`)."""
+
+    def row_tokens(self, rows: list[dict[str, Any]]) -> list[int]: ...
+
+
+@runtime_checkable
+class PromptRows(Protocol):
+    """A data module of prompt rows (`PromptDataModule`): where they come from, and the rows."""
+
+    train_data: str
+    val_data: Optional[str]
+    train_rows: list[dict[str, Any]]
+    val_rows: list[dict[str, Any]]
+
+
+@runtime_checkable
+class PreferencePairs(Protocol):
+    """A data module of tokenized preference pairs (`PreferenceDataModule`)."""
+
+    train_pairs: list[TokenizedPair]
+    val_pairs: list[TokenizedPair]
+    batch_size: int
+
+
+Contract = TypeVar("Contract")
+
+# The data module each algorithm takes, and the shipped config that sets it.
+DATA_MODULES = {
+    "SFT": ("SFTDataModule", "configs/sft.yaml"),
+    "DPO": ("PreferenceDataModule", "configs/dpo.yaml"),
+}
+SAMPLING = ("PromptDataModule", "configs/grpo.yaml")
+
+
+def fed_algorithm(data_module: Any, module: Any, contract: type[Contract], feeds: str) -> Contract:
+    """`module`, the algorithm `data_module` feeds, when it keeps `contract`; otherwise a one-line error saying what
+    `data_module` feeds (`feeds`) and naming the data module the algorithm takes."""
+    if not isinstance(module, contract):
+        name = type(module).__name__
+        takes, config = DATA_MODULES.get(name, SAMPLING)
+        raise ConfigError(
+            f"data: {type(data_module).__name__} feeds {feeds}; {name} takes {takes}: start from {config}"
+        )
+    return module
+
+
+def data_of(module: Any, contract: type[Contract]) -> Contract:
+    """The data module attached to `module`'s trainer, when it keeps `contract`; otherwise a one-line error."""
+    data_module = module.trainer.datamodule
+    if not isinstance(data_module, contract):
+        name = type(data_module).__name__
+        takes = DATA_MODULES.get(type(module).__name__, SAMPLING)[0]
+        raise ConfigError(f"data: {type(module).__name__} reads its rows from a {takes}, not from {name}")
+    return data_module
