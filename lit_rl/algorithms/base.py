@@ -149,22 +149,22 @@ class PolicyModule(L.LightningModule):
     def load_reference(self, path: Optional[str] = None) -> torch.nn.Module:
         """A frozen copy of the model at `path` (default: the starting policy), in eval mode (under ZeRO-3 it is
         partitioned like the policy and never given to the optimizer)."""
-        with hf_zero3_loading(self._attached_strategy()):
+        with hf_zero3_loading(self.attached_strategy()):
             return self.load_model(path=path).eval().requires_grad_(False)
 
-    def _attached_strategy(self) -> Optional[Any]:
+    def attached_strategy(self) -> Optional[Any]:
         """The trainer's strategy, or None for a module used on its own (tests, export)."""
         return self._trainer.strategy if self._trainer is not None else None
 
     def configure_model(self) -> None:
-        if self.head_chunk_tokens is not None and isinstance(self._attached_strategy(), FSDPStrategy):
+        if self.head_chunk_tokens is not None and isinstance(self.attached_strategy(), FSDPStrategy):
             raise ConfigError(
                 "model.policy.head_chunk_tokens is not supported with FSDP yet (the head runs outside the wrapped "
                 "model's forward, which FSDP must unshard); use DeepSpeed ZeRO-3 or drop the option"
             )
         if self.policy is None:
             # from_pretrained returns eval mode; Lightning switches modes around validation, start in train mode.
-            with hf_zero3_loading(self._attached_strategy()):
+            with hf_zero3_loading(self.attached_strategy()):
                 self.policy = self.load_model(random_init=self.random_init).train()
                 if self.lora_config is not None:
                     self._add_lora_adapter()

@@ -101,7 +101,7 @@ class PPO(OnPolicyModule):
         super().configure_model()
         if self.critic is None:
             policy = self.policy_args
-            strategy = self._attached_strategy()
+            strategy = self.attached_strategy()
             with hf_zero3_loading(strategy):
                 self.critic = load_value_model(
                     self.hparams.critic_model_name_or_path or policy.model_name_or_path,

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lit_rl.data.contracts import PromptRows, data_of
 from lit_rl.data.files import record_label
 from lit_rl.envs.chat_tools import chat_prompt
 from lit_rl.envs.trl_environments import ROUTING_COLUMN
 from lit_rl.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from lit_rl.algorithms.on_policy import OnPolicyModule
 
 
 def check_environment_column(routing: Any, datamodule: Any) -> None:
@@ -21,13 +24,13 @@ def check_environment_column(routing: Any, datamodule: Any) -> None:
                 raise DataError(f"{source}: {record_label(source, index)} {routing.unknown(name)}")
 
 
-def check_prompt_lengths(module: Any) -> None:
+def check_prompt_lengths(module: OnPolicyModule) -> None:
     """Fail before training when a prompt plus the completion budget (`max_new_tokens`, or with an environment
     `max_total_tokens`) cannot fit the model's context (`module`: an on-policy algorithm with its trainer and
     datamodule attached). With several environments by name, each row must name one (`check_environment_column`)
     and its prompt is measured with its environment's tools."""
     datamodule = data_of(module, PromptRows)
-    routing = getattr(module, "prompt_routing", None)
+    routing = module.prompt_routing
     if routing is not None:
         check_environment_column(routing, datamodule)
     context = getattr(module.policy.config, "max_position_embeddings", None)
@@ -36,7 +39,7 @@ def check_prompt_lengths(module: Any) -> None:
     max_prompt_length = module.max_prompt_length
     budget = module.completion_budget
     budget_key = "env.max_total_tokens" if module.env_args.enabled else "sampling.max_new_tokens"
-    tools = getattr(module, "prompt_tools", None)  # the prompts are rendered with these schemas (chat-format tools)
+    tools = module.prompt_tools  # the prompts are rendered with these schemas (chat-format tools)
     if max_prompt_length is not None:
         if max_prompt_length + budget > context:
             raise ConfigError(

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol, runtime_checkable
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
@@ -13,6 +14,13 @@ from lit_rl.callbacks.safety import GracefulStop
 from lit_rl.modeling.lora import is_lora_model, save_merged
 from lit_rl.modeling.value_model import save_value_model
 from lit_rl.training.strategies import gathered_parameters
+
+
+@runtime_checkable
+class TrainsCritic(Protocol):
+    """An algorithm that trains a value model beside the policy (PPO), exported with it to `hf/critic`."""
+
+    critic: torch.nn.Module
 
 
 class SaveHFPretrained(Callback):
@@ -45,8 +53,8 @@ class SaveHFPretrained(Callback):
         with gathered_parameters(pl_module.policy):  # ZeRO-3: every rank takes part in gathering the shards
             if trainer.is_global_zero:
                 error = _attempt(lambda: self._save_policy(pl_module, out))
-        critic = getattr(pl_module, "critic", None)
-        if critic is not None:  # PPO: the critic next to the policy (`lit_rl.modeling.value_model.save_value_model`)
+        if isinstance(pl_module, TrainsCritic) and pl_module.critic is not None:  # PPO: its critic (`save_value_model`)
+            critic = pl_module.critic
             with gathered_parameters(critic):
                 if trainer.is_global_zero and error is None:
                     error = _attempt(lambda: save_value_model(critic, out / "critic"))

@@ -163,7 +163,7 @@ class HFGenerate(EngineConfig):
                 f"{ENGINE_KEY}.lora_weights=merged needs each rank to hold whole weights; this strategy shards them "
                 "(ZeRO-3, FSDP): use DDP or ZeRO-2 to measure merging"
             )
-        strategy = getattr(getattr(module, "_trainer", None), "strategy", None)
+        strategy = module.attached_strategy()
         if self.compile and (sharded or is_zero3(strategy)):
             raise ConfigError(
                 f"{ENGINE_KEY}.compile=true needs each rank to hold the same whole weights from one generation to the "

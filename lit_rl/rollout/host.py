@@ -37,5 +37,8 @@ class RolloutHost(Protocol):
     def compute_dtype(self) -> torch.dtype:
         """The dtype the trainer computes in."""
 
+    def attached_strategy(self) -> Optional[Any]:
+        """The trainer's strategy, or None for a module used on its own (tests, export)."""
+
     def parameters_sharded(self) -> bool:
         """Whether the policy's parameters are sharded over ranks (ZeRO-3, FSDP)."""
