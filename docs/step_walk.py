@@ -27,8 +27,10 @@ import lightning
 from generated_page import write_or_check  # noqa: E402  (docs/ is the script's own folder)
 from lightning.pytorch.callbacks import Callback
 
+import lit_rl  # noqa: E402  (after lightning, as the CLI imports them)
+
 REPO = Path(__file__).resolve().parents[1]
-PACKAGE = str(REPO / "lit_rl") + os.sep
+PACKAGE = os.path.dirname(lit_rl.__file__) + os.sep  # as the code objects name their files (the import path's form)
 LIGHTNING = str(Path(lightning.__file__).parent) + os.sep
 PAGE = REPO / "docs" / "architecture.md"
 CONFIG = "configs/grpo.yaml"
@@ -82,7 +84,8 @@ class StepTracer(Callback):
 
 def _function(code: Any) -> str:
     """A code object's function: a comprehension, generator expression or lambda counts as the function it is in."""
-    return code.co_qualname.split(".<locals>")[0] if code.co_qualname[0] != "<" else "<module>"
+    qualname = code.co_qualname  # Python 3.11+ (the walk's test runs on 3.11 and later)
+    return qualname.split(".<locals>")[0] if qualname[0] != "<" else "<module>"
 
 
 def _relative(filename: str) -> str:

@@ -136,24 +136,39 @@ def test_a_data_module_and_an_algorithm_that_do_not_fit_are_refused_in_one_line(
     """The contracts of `lit_rl.data.contracts`, checked where one first reaches for the other."""
     from types import SimpleNamespace
 
-    from lit_rl.algorithms import GRPO, SFT
+    from lit_rl.algorithms import DPO, GRPO, SFT
     from lit_rl.data import PreferenceDataModule, PromptDataModule, SFTDataModule
     from lit_rl.data.contracts import PreferencePairs, PromptRows, data_of
+
+    class MyDPO(DPO):  # a user's subclass takes what DPO takes
+        pass
 
     for data, algorithm, message in [
         (
             PromptDataModule(),
             SFT,
-            "PromptDataModule feeds the algorithms that sample (GRPO, PPO, RLOO, OnlineDPO); SFT "
-            "takes SFTDataModule: start from configs/sft.yaml",
+            "PromptDataModule feeds the algorithms that sample (GRPO, PPO, RLOO, OnlineDPO); SFT takes SFTDataModule: "
+            "start from configs/sft.yaml",
         ),
         (
             SFTDataModule(),
             GRPO,
-            "SFTDataModule feeds the algorithms that train on fixed data (SFT, DPO); GRPO takes "
-            "PromptDataModule: start from configs/grpo.yaml",
+            "SFTDataModule feeds supervised fine-tuning (SFT); GRPO takes PromptDataModule: start from "
+            "configs/grpo.yaml",
         ),
-        (PreferenceDataModule(), GRPO, "PreferenceDataModule feeds the algorithms that train on fixed data"),
+        (PreferenceDataModule(), GRPO, "PreferenceDataModule feeds the preference algorithms that train on fixed"),
+        (
+            PreferenceDataModule(),
+            SFT,
+            "PreferenceDataModule feeds the preference algorithms that train on fixed pairs "
+            "(DPO); SFT takes SFTDataModule",
+        ),
+        (
+            SFTDataModule(),
+            MyDPO,
+            "SFTDataModule feeds supervised fine-tuning (SFT); MyDPO takes PreferenceDataModule: "
+            "start from configs/dpo.yaml",
+        ),
     ]:
         data.trainer = SimpleNamespace(lightning_module=algorithm.__new__(algorithm), global_rank=0, world_size=1)
         with pytest.raises(ConfigError) as err:

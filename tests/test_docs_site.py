@@ -70,6 +70,8 @@ def test_the_metric_reference_is_what_the_metric_factories_declare():
 def test_the_architecture_pages_walk_is_a_traced_grpo_step():
     """docs/architecture.md's walk is generated from one traced optimizer step of configs/grpo.yaml: it cannot
     drift from the code."""
+    if sys.version_info < (3, 11):  # the trace names functions by `co_qualname`
+        pytest.skip("the walk is traced on Python 3.11 and later")
     result = subprocess.run(
         [sys.executable, str(REPO / "docs" / "step_walk.py"), "--check"], capture_output=True, text=True
     )

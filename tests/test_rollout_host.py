@@ -101,6 +101,7 @@ def _host(world_size: int = 1) -> SimpleNamespace:
         gather_stacked=lambda tensor: tensor[None],
         compute_dtype=lambda: torch.float32,
         parameters_sharded=lambda: False,
+        attached_strategy=lambda: None,
     )
     assert set(vars(host)) == _declared()
     return host

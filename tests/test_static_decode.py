@@ -129,18 +129,20 @@ def test_compile_is_refused_where_the_weights_are_sharded_or_merged():
         def parameters_sharded(self):
             return True
 
+        def attached_strategy(self):
+            return None
+
     with pytest.raises(ConfigError, match=r"model\.rollout\.engine\.compile=true needs each rank to hold the same"):
         HFGenerate(compile=True).build(Sharded())
-
-    from types import SimpleNamespace
 
     from lit_rl.training.strategies import DeepSpeedStrategy
 
     class OneZero3Rank:  # one rank holds every parameter, but ZeRO-3 gathers them anew for every generation
-        _trainer = SimpleNamespace(strategy=DeepSpeedStrategy(stage=3))
-
         def parameters_sharded(self):
             return False
+
+        def attached_strategy(self):
+            return DeepSpeedStrategy(stage=3)
 
     with pytest.raises(ConfigError, match=r"ZeRO-3 gathers them anew for every generation"):
         HFGenerate(compile=True).build(OneZero3Rank())

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from lit_rl.data.files import load_rows
-from lit_rl.data.verifiers_tasksets import parse_spec
+from lit_rl.data.verifiers_tasksets import module_name, parse_spec
 from lit_rl.envs.base import environment_factory
 from lit_rl.envs.verifiers_tasks import Verifiers, _loaded_taskset
 from lit_rl.errors import ConfigError, DataError
@@ -41,30 +41,32 @@ def beside_the_run(tmp_path, monkeypatch):
 
 def test_a_spec_names_the_taskset_its_selection_its_config_and_the_prompt_style():
     assert parse_spec("verifiers:my_tasks") == ("my_tasks", {}, {}, "chat")
-    assert parse_spec("verifiers:my_tasks?limit=5&shuffle=true&seed=3&size=40&prompt=text") == (
-        "my_tasks",
-        {"limit": 5, "shuffle": True, "seed": 3},
-        {"size": 40},
-        "text",
-    )
+    spec = "verifiers:my_tasks?select.limit=5&select.shuffle=true&select.seed=3&size=40&seed=2&prompt=text"
+    assert parse_spec(spec) == ("my_tasks", {"limit": 5, "shuffle": True, "seed": 3}, {"size": 40, "seed": 2}, "text")
     for spec, message in [
         ("verifiers:", "name a verifiers taskset module"),
-        ("verifiers:my_tasks?limit", "options go as key=value pairs"),
+        ("verifiers:my_tasks?select.limit", "options go as key=value pairs"),
         ("verifiers:my_tasks?prompt=html", "prompt must be one of chat, text, got 'html'"),
+        ("verifiers:my_tasks?select.take=3", "select.take is not one of select.limit, select.skip, select.shuffle"),
+        ("verifiers:my_tasks?select.seed=3", "select.seed orders a shuffle: add select.shuffle=true"),
     ]:
         with pytest.raises(DataError, match=message):
             parse_spec(spec)
+    assert module_name("owner/my-tasks@0.1.0") == "my_tasks"  # as verifiers finds a hub id's module
 
 
 def test_rows_are_verifiers_own_selection_of_the_tasks(beside_the_run):
-    rows = load_rows("verifiers:my_tasks?limit=5&shuffle=true&seed=3&size=40")
+    rows = load_rows("verifiers:my_tasks?select.limit=5&select.shuffle=true&select.seed=3&size=40")
     config = vf.taskset_config_type("my_tasks").model_validate({"id": "my_tasks", "size": 40})
     selected = list(vf.load_taskset(config).select(vf.SelectConfig(limit=5, shuffle=True, seed=3)))
     assert [row["verifiers"]["task"] for row in rows] == [task.data.model_dump(mode="json") for task in selected]
     assert [row["prompt"] for row in rows] == [[{"role": "user", "content": task.data.prompt}] for task in selected]
     assert rows[0]["verifiers"]["taskset"] == config.model_dump(mode="json")
+    assert rows[0]["verifiers"]["task_config"] == selected[0].config.model_dump(mode="json")
+    other = load_rows("verifiers:my_tasks?select.limit=5&seed=1")  # the taskset's own seed: other tasks
+    assert [row["prompt"] for row in other] != [row["prompt"] for row in load_rows("verifiers:my_tasks?select.limit=5")]
     assert len(load_rows("verifiers:my_tasks")) == 512  # the taskset's default size, every task
-    text = load_rows("verifiers:my_tasks?limit=2&prompt=text")
+    text = load_rows("verifiers:my_tasks?select.limit=2&prompt=text")
     assert [row["prompt"] for row in text] == [
         task.data.prompt
         for task in vf.load_taskset(vf.taskset_config_type("my_tasks").model_validate({"id": "my_tasks"})).take(2)
@@ -84,19 +86,19 @@ def test_tasks_and_specs_lit_rl_cannot_train_on_are_named_in_one_line(beside_the
     for spec, message in [
         ("verifiers:no_such_tasks", "cannot import taskset module 'no_such_tasks' .ModuleNotFoundError"),
         ("verifiers:my_tasks?no_such_field=1", "taskset 'my_tasks': ValidationError: .*no_such_field"),
-        ("verifiers:endless_tasks", "Endless is infinite: give limit=N"),
+        ("verifiers:endless_tasks", "Endless is infinite: give select.limit=N"),
         ("verifiers:image_tasks", "task 0 has an image: lit-rl trains verifiers' text tasks only"),
     ]:
         with pytest.raises(DataError, match=message) as err:
             load_rows(spec)
         assert "\n" not in str(err.value) and spec in str(err.value)
-    assert len(load_rows("verifiers:endless_tasks?limit=3")) == 3
+    assert len(load_rows("verifiers:endless_tasks?select.limit=3")) == 3
 
 
 def test_an_episode_is_scored_by_the_tasks_own_rewards_each_weighted(beside_the_run):
     env = Verifiers("my_tasks")
     assert env.reward_names == ("correct", "short")
-    row = load_rows("verifiers:my_tasks?limit=1")[0]
+    row = load_rows("verifiers:my_tasks?select.limit=1")[0]
     answer = row["verifiers"]["task"]["answer"]
     for reply, parts in [
         (answer, {"correct": 1.0, "short": 0.1}),
@@ -118,10 +120,37 @@ def test_the_environment_is_built_from_its_settings_and_checks_each_rows_taskset
     validation = load_rows("verifiers:my_tasks?seed=1&size=8")[0]
     env.reset(validation)  # other rows of the same tasks: their size and seed may differ
     other = dict(validation, verifiers={**validation["verifiers"], "taskset": {"id": "sums"}})
-    with pytest.raises(ValueError, match="taskset config has id 'sums', model.env.environment_args gives 'my_tasks'"):
+    with pytest.raises(ValueError, match="a task of taskset 'sums', model.env.environment_args gives 'my_tasks'"):
         env.reset(other)
     with pytest.raises(ValueError, match="the row has no verifiers task .its 'verifiers' column."):
         env.reset({"prompt": "1+1=", "answer": "2"})
+
+
+OWN_CONFIG = """
+import verifiers.v1 as vf
+
+class TargetConfig(vf.TaskConfig):
+    target: str = "never"
+
+class T(vf.Task[vf.TaskData, vf.State, TargetConfig]):
+    @vf.reward
+    async def hit(self, trace):
+        return float(self.config.target == trace.last_reply)
+
+class Targets(vf.Taskset[T]):
+    def load(self):
+        yield T(vf.TaskData(prompt="1+1="), TargetConfig(target="2"))
+
+__all__ = ["Targets"]
+"""
+
+
+def test_a_task_is_scored_with_the_task_config_its_taskset_gave_it(beside_the_run):
+    (beside_the_run / "target_tasks.py").write_text(OWN_CONFIG)
+    env = Verifiers("target_tasks")  # built from the taskset's config, whose target is "never"
+    env.reset(load_rows("verifiers:target_tasks")[0])
+    env.step("2")
+    assert asyncio.run(env.finish()) == {"hit": 1.0}
 
 
 def _taskset(reward: str, *, task: str = "", taskset: str = "", data: str = "", infinite: bool = False, exports=()):
@@ -177,12 +206,18 @@ def test_what_one_chat_turn_cannot_score_is_refused_when_the_run_starts(beside_t
     assert "lit-rl runs a task as one chat turn" in str(err.value) and "\n" not in str(err.value)
 
 
-def test_a_reward_giving_a_dict_of_rewards_stops_at_the_first_episode(beside_the_run):
+def test_a_reward_giving_a_dict_of_rewards_or_none_stops_at_the_first_episode(beside_the_run):
     (beside_the_run / "keyed_tasks.py").write_text(_taskset('return {"a": 1.0, "b": 0.0}'))
     env = Verifiers("keyed_tasks")
     env.reset(load_rows("verifiers:keyed_tasks")[0])
     env.step("2")
-    with pytest.raises(ValueError, match="gave reward 'a', not one of its reward functions' names .passed."):
+    with pytest.raises(ValueError, match=r"T scored rewards \['a', 'b'\], not its reward functions' \['passed'\]"):
+        asyncio.run(env.finish())
+    (beside_the_run / "empty_tasks.py").write_text(_taskset("return {}"))  # verifiers records nothing for it
+    env = Verifiers("empty_tasks")
+    env.reset(load_rows("verifiers:empty_tasks")[0])
+    env.step("2")
+    with pytest.raises(ValueError, match=r"T scored rewards \[\], not its reward functions' \['passed'\]"):
         asyncio.run(env.finish())
 
 

@@ -140,6 +140,10 @@ class PPO(OnPolicyModule):
         return values.float() * mb.completion_mask
 
     # -- rollout ---------------------------------------------------------------------------------------------
+    def exported_critic(self) -> Optional[ValueModel]:
+        """The critic the HF export writes beside the policy (`lit_rl.callbacks.export.TrainsCritic`)."""
+        return self.critic
+
     def uses_reference(self) -> bool:
         return self.loss_args.beta != 0.0
 

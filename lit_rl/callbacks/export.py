@@ -18,9 +18,11 @@ from lit_rl.training.strategies import gathered_parameters
 
 @runtime_checkable
 class TrainsCritic(Protocol):
-    """An algorithm that trains a value model beside the policy (PPO), exported with it to `hf/critic`."""
+    """An algorithm that trains a value model beside the policy (PPO), exported with it to `hf/critic`. A method, not
+    the `critic` attribute: `isinstance` looks members up statically (Python 3.12), and a module's submodule lives in
+    its `_modules`, where it is not found."""
 
-    critic: torch.nn.Module
+    def exported_critic(self) -> Optional[torch.nn.Module]: ...
 
 
 class SaveHFPretrained(Callback):
@@ -53,8 +55,8 @@ class SaveHFPretrained(Callback):
         with gathered_parameters(pl_module.policy):  # ZeRO-3: every rank takes part in gathering the shards
             if trainer.is_global_zero:
                 error = _attempt(lambda: self._save_policy(pl_module, out))
-        if isinstance(pl_module, TrainsCritic) and pl_module.critic is not None:  # PPO: its critic (`save_value_model`)
-            critic = pl_module.critic
+        critic = pl_module.exported_critic() if isinstance(pl_module, TrainsCritic) else None
+        if critic is not None:  # PPO: its critic beside the policy (`save_value_model`)
             with gathered_parameters(critic):
                 if trainer.is_global_zero and error is None:
                     error = _attempt(lambda: save_value_model(critic, out / "critic"))

@@ -69,14 +69,24 @@ DATA_MODULES = {
 SAMPLING = ("PromptDataModule", "configs/grpo.yaml")
 
 
+def takes(module: Any) -> tuple[str, str]:
+    """(the data module `module`'s algorithm takes, the shipped config that sets it), by the algorithm's classes (a
+    subclass of DPO takes DPO's)."""
+    for cls in type(module).__mro__:
+        if cls.__name__ in DATA_MODULES:
+            return DATA_MODULES[cls.__name__]
+    return SAMPLING
+
+
 def fed_algorithm(data_module: Any, module: Any, contract: type[Contract], feeds: str) -> Contract:
-    """`module`, the algorithm `data_module` feeds, when it keeps `contract`; otherwise a one-line error saying what
-    `data_module` feeds (`feeds`) and naming the data module the algorithm takes."""
-    if not isinstance(module, contract):
-        name = type(module).__name__
-        takes, config = DATA_MODULES.get(name, SAMPLING)
+    """`module`, the algorithm `data_module` feeds, when it keeps `contract` and takes this data module; otherwise a
+    one-line error saying what `data_module` feeds (`feeds`) and naming the data module the algorithm takes."""
+    data_module_name, config = takes(module)
+    fits = data_module_name in {cls.__name__ for cls in type(data_module).__mro__}
+    if not (fits and isinstance(module, contract)):
         raise ConfigError(
-            f"data: {type(data_module).__name__} feeds {feeds}; {name} takes {takes}: start from {config}"
+            f"data: {type(data_module).__name__} feeds {feeds}; {type(module).__name__} takes {data_module_name}: "
+            f"start from {config}"
         )
     return module
 
@@ -86,6 +96,5 @@ def data_of(module: Any, contract: type[Contract]) -> Contract:
     data_module = module.trainer.datamodule
     if not isinstance(data_module, contract):
         name = type(data_module).__name__
-        takes = DATA_MODULES.get(type(module).__name__, SAMPLING)[0]
-        raise ConfigError(f"data: {type(module).__name__} reads its rows from a {takes}, not from {name}")
+        raise ConfigError(f"data: {type(module).__name__} reads its rows from a {takes(module)[0]}, not from {name}")
     return data_module

@@ -89,7 +89,8 @@ class PromptDataModule(L.LightningDataModule):
 
 
 SAMPLING_ALGORITHMS = "the algorithms that sample (GRPO, PPO, RLOO, OnlineDPO)"
-FIXED_DATA_ALGORITHMS = "the algorithms that train on fixed data (SFT, DPO)"
+SFT_ALGORITHMS = "supervised fine-tuning (SFT)"
+DPO_ALGORITHMS = "the preference algorithms that train on fixed pairs (DPO)"
 
 
 class SFTDataModule(PromptDataModule):
@@ -138,9 +139,9 @@ class SFTDataModule(PromptDataModule):
 
     def train_dataloader(self) -> DataLoader[Any]:
         trainer = self.trainer
-        module = fed_algorithm(self, trainer.lightning_module, CountsBatches, FIXED_DATA_ALGORITHMS)
+        module = fed_algorithm(self, trainer.lightning_module, CountsBatches, SFT_ALGORITHMS)
         if self.micro_batch_tokens is not None and self._row_tokens is None:
-            counting = fed_algorithm(self, module, CountsRowTokens, f"{FIXED_DATA_ALGORITHMS} by tokens")
+            counting = fed_algorithm(self, module, CountsRowTokens, SFT_ALGORITHMS)
             self._row_tokens = counting.row_tokens(self.train_rows)  # as the module will tokenize them
         batches = ShardedTrainBatches(
             self.train_rows,
@@ -225,7 +226,7 @@ class PreferenceDataModule(PromptDataModule):
 
     def _batches(self, pairs: list[TokenizedPair], shuffle: bool) -> DataLoader[Any]:
         trainer = self.trainer
-        module = fed_algorithm(self, trainer.lightning_module, CountsBatches, FIXED_DATA_ALGORITHMS)
+        module = fed_algorithm(self, trainer.lightning_module, CountsBatches, DPO_ALGORITHMS)
         budget = self.micro_batch_tokens if shuffle else None  # training only
         batches = ShardedPairBatches(
             pairs,

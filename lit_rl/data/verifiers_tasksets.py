@@ -1,16 +1,18 @@
 """verifiers tasksets as data (`pip install 'lit-rl[verifiers]'`: verifiers 0.4, its v1 tasksets), offline:
 
     --data.train_data 'verifiers:my_tasks'
-    --data.train_data 'verifiers:my_tasks?limit=2000&shuffle=true&seed=0'
-    --data.train_data 'verifiers:my_tasks?limit=200&difficulty="hard"&prompt=text'
+    --data.train_data 'verifiers:my_tasks?select.limit=2000&select.shuffle=true&select.seed=0'
+    --data.train_data 'verifiers:my_tasks?size=256&seed=1&prompt=text'
 
-`my_tasks` is a taskset id as verifiers' `vf-eval` takes it: a module (installed, or a `my_tasks.py` or `my_tasks/`
-beside the run) whose `__all__` exports one `vf.Taskset` subclass. After `?` come verifiers' selection (`limit`,
-`skip`, `shuffle`, `seed`: its `SelectConfig`, applied in its order), the taskset's own config fields (its
-`TasksetConfig`; a value is read as JSON where it parses) and lit-rl's `prompt=chat` (the default: the task's system
-prompt and prompt as chat messages, as verifiers' plain-chat harness sends them) or `prompt=text` (the two as one
-text, for a base model). Each row holds `prompt` and `verifiers`: the taskset's config and the task's data, from
-which `lit_rl.envs.Verifiers` rebuilds the task and scores the episode with the task's own rewards.
+`my_tasks` is a taskset id as verifiers' `vf-eval` takes it (`owner/name@version` is the module `name`): a module
+(installed, or a `my_tasks.py` or `my_tasks/` beside the run) whose `__all__` exports one `vf.Taskset` subclass.
+After `?` come verifiers' selection under `select.` (`select.limit`, `select.skip`, `select.shuffle`,
+`select.seed`: its `SelectConfig`, applied in its order, as `--select.*` in verifiers' commands), the taskset's own
+config fields (its `TasksetConfig`: `size=256&seed=1` above; a value is read as JSON where it parses) and lit-rl's
+`prompt=chat` (the default: the task's system prompt and prompt as chat messages, as verifiers' plain-chat harness
+sends them) or `prompt=text` (the two as one text, for a base model). Each row holds `prompt` and `verifiers`: the
+taskset's config, the task's data and its task config, from which `lit_rl.envs.Verifiers` rebuilds the task and
+scores the episode with the task's own rewards.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from lit_rl.data.reasoning_gym import query_options
 from lit_rl.errors import DataError, one_line
 
 PREFIX = "verifiers:"
+SELECT = "select."
 SELECT_OPTIONS = ("limit", "skip", "shuffle", "seed")
 PROMPT_STYLES = ("chat", "text")
 INSTALL = "pip install 'lit-rl[verifiers]'"
@@ -41,8 +44,18 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any], dict[str, Any], str]:
     style = options.pop("prompt", "chat")
     if style not in PROMPT_STYLES:
         raise DataError(f"{spec!r}: prompt must be one of {', '.join(PROMPT_STYLES)}, got {style!r}")
-    select = {key: options.pop(key) for key in SELECT_OPTIONS if key in options}
+    select = {key[len(SELECT) :]: options.pop(key) for key in list(options) if key.startswith(SELECT)}
+    unknown = sorted(set(select) - set(SELECT_OPTIONS))
+    if unknown:
+        raise DataError(f"{spec!r}: select.{unknown[0]} is not one of {', '.join(SELECT + o for o in SELECT_OPTIONS)}")
+    if "seed" in select and select.get("shuffle") is not True:  # verifiers reads it only to shuffle
+        raise DataError(f"{spec!r}: select.seed orders a shuffle: add select.shuffle=true (a taskset's seed is seed=)")
     return taskset, select, options, style
+
+
+def module_name(taskset: str) -> str:
+    """The module a taskset id names, as verifiers finds it: `owner/name@version` -> `name`, `-` -> `_`."""
+    return taskset.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
 
 
 def load_taskset(taskset: str, args: dict[str, Any], fail: Callable[[str], Exception]) -> tuple[Any, Any, Any]:
@@ -52,12 +65,18 @@ def load_taskset(taskset: str, args: dict[str, Any], fail: Callable[[str], Excep
         import verifiers.v1 as vf
     except ImportError as err:
         raise fail(f"verifiers does not import ({err}): {INSTALL}") from None
+    import importlib.util
+
     from lit_rl.importing import import_module
 
-    try:  # lit-rl's import, so that a taskset module beside the run is found too (verifiers imports by name)
-        import_module(taskset.replace("-", "_").lower())
-    except Exception as err:
-        raise fail(f"cannot import taskset module {taskset!r} ({type(err).__name__}: {one_line(err)})") from None
+    name = module_name(taskset)
+    # lit-rl's import, so that a taskset module beside the run is found too (verifiers imports by name), unless
+    # verifiers has a taskset of that name itself, which it then loads.
+    if importlib.util.find_spec(f"verifiers.v1.tasksets.{name}") is None:
+        try:
+            import_module(name)
+        except Exception as err:
+            raise fail(f"cannot import taskset module {name!r} ({type(err).__name__}: {one_line(err)})") from None
     try:
         config = vf.taskset_config_type(taskset).model_validate({**args, "id": taskset})
         return vf, config, vf.load_taskset(config)
@@ -71,6 +90,8 @@ def task_prompt(data: Any, style: str, where: str) -> Any:
     if getattr(data, "image", None) is not None:
         raise DataError(f"{where} has an image: lit-rl trains verifiers' text tasks only")
     prompt = data.prompt
+    if not prompt:
+        raise DataError(f"{where} has no prompt")
     if style == "text":
         if not isinstance(prompt, str):
             raise DataError(f"{where}: prompt=text needs a prompt that is text, not chat messages (use prompt=chat)")
@@ -90,7 +111,7 @@ def load_verifiers_rows(spec: str) -> list[dict[str, Any]]:
     try:
         view = taskset.select(vf.SelectConfig.model_validate(select))
         if not view.bounded:
-            raise ValueError(f"{type(taskset).__name__} is infinite: give limit=N")
+            raise ValueError(f"{type(taskset).__name__} is infinite: give select.limit=N")
         tasks = list(view)
     except Exception as err:
         raise DataError(f"{spec!r}: {type(err).__name__}: {one_line(err)}") from None
@@ -98,7 +119,11 @@ def load_verifiers_rows(spec: str) -> list[dict[str, Any]]:
     return [
         {
             "prompt": task_prompt(task.data, style, f"{spec!r}: task {index}"),
-            "verifiers": {"taskset": taskset_config, "task": task.data.model_dump(mode="json")},
+            "verifiers": {
+                "taskset": taskset_config,
+                "task": task.data.model_dump(mode="json"),
+                "task_config": task.config.model_dump(mode="json"),  # as load() made it: what scores the task
+            },
         }
         for index, task in enumerate(tasks)
     ]

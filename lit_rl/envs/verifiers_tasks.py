@@ -1,11 +1,11 @@
 """verifiers tasksets' tasks as episodes (`pip install 'lit-rl[verifiers]'`: verifiers 0.4's v1 tasksets):
 
     data:
-      train_data: verifiers:my_tasks?limit=2000&shuffle=true
+      train_data: verifiers:my_tasks?select.limit=2000&select.shuffle=true
     model:
       env:
         environment: lit_rl.envs.Verifiers
-        environment_args: {taskset: my_tasks}        # and taskset_args: {...}, the data spec's config fields
+        environment_args: {taskset: my_tasks}        # and taskset_args: {...}, if its config needs fields
 
 lit-rl samples; verifiers gives the task and scores it. An episode is one chat turn, as verifiers' plain-chat
 harness (`null`) runs a task: the row's prompt (`lit_rl.data.verifiers_tasksets`) is sampled token-in, token-out by
@@ -18,8 +18,9 @@ What a one-turn chat episode cannot give is refused when the run starts, in one 
 partial: a reward that needs the task's runtime (a sandbox: verifiers itself skips it when there is none), plugged
 judges (they call a model), tools (`toolsets`), a task that needs a container or overrides `setup`, `finalize` or
 `stage_verifier`, a taskset package exporting its own `Env` or `Harness`. A reward returning a dict of rewards
-fails the episode (lit-rl's columns are fixed when the run starts). Tasksets written for verifiers' default `bash`
-harness may expect a shell the model does not have here.
+(or a task scoring other rewards than its functions') fails the episode: lit-rl's columns are fixed when the run
+starts. Each task is scored with the task config its taskset's `load()` gave it (carried in its row). Tasksets
+written for verifiers' default `bash` harness may expect a shell the model does not have here.
 """
 
 from __future__ import annotations
@@ -30,16 +31,15 @@ import json
 from typing import Any, Optional
 
 from lit_rl.data.verifiers_tasksets import load_taskset
-from lit_rl.errors import ConfigError
+from lit_rl.errors import ConfigError, one_line
 
 WHERE = "model.env.environment_args"
 RUNTIME_HOOKS = ("setup", "finalize", "stage_verifier")
-SCORING_CONFIG = ("id", "task")  # what of a taskset's config the scoring of its tasks depends on
 
 
 class Verifiers:
-    """One episode of a verifiers task (module docstring): `taskset` is its id, `taskset_args` its config fields,
-    the same as the data spec's."""
+    """One episode of a verifiers task (module docstring): `taskset` is its id (the data spec's), `taskset_args` the
+    config fields it needs to be built (its reward functions and the refusals are read from it)."""
 
     def __init__(self, taskset: str, taskset_args: Optional[dict[str, Any]] = None) -> None:
         loaded = _loaded_taskset(taskset, json.dumps(taskset_args or {}, sort_keys=True))
@@ -55,15 +55,16 @@ class Verifiers:
             raise ValueError(
                 "the row has no verifiers task (its 'verifiers' column): train on --data.train_data verifiers:<taskset>"
             )
-        row_config = entry.get("taskset") or {}
-        for key in SCORING_CONFIG:  # the taskset and the tasks' config; its size, seed or split may differ
-            if row_config.get(key) != self.taskset_config[key]:
-                raise ValueError(
-                    f"the row's taskset config has {key} {row_config.get(key)!r}, {WHERE} gives "
-                    f"{self.taskset_config[key]!r}: give environment_args the data spec's taskset and task config"
-                )
+        row_taskset = (entry.get("taskset") or {}).get("id")
+        if row_taskset != self.config.id:  # its size, seed or other options may differ: validation rows
+            raise ValueError(
+                f"the row is a task of taskset {row_taskset!r}, {WHERE} gives {self.config.id!r}: give "
+                "environment_args the data spec's taskset"
+            )
         data = self.task_class.data_type().model_validate(entry["task"])
-        self.task, self.prompt = self.task_class(data, self.config.task), row["prompt"]
+        # The task config load() gave the task (the taskset's, unless load() made its own): what scores it.
+        config = self.task_class.config_type().model_validate(entry.get("task_config", self.taskset_config["task"]))
+        self.task, self.prompt = self.task_class(data, config), row["prompt"]
         return None  # the row's prompt, as it is
 
     def step(self, completion: str) -> tuple[None, dict[str, float], bool]:
@@ -74,18 +75,15 @@ class Verifiers:
         """The task's rewards of the episode's reply, each weighted."""
         trace = self._trace()
         await self.task.score(trace, runtime=None)
-        parts = {}
-        for name, reward in trace.rewards.items():
-            if name not in self.reward_names:
-                raise ValueError(
-                    f"{type(self.task).__name__} gave reward {name!r}, not one of its reward functions' names "
-                    f"({', '.join(self.reward_names)}): a reward returning a dict of rewards cannot be a column, "
-                    "which are fixed when the run starts"
-                )
-            if reward is None:
-                raise ValueError(f"{type(self.task).__name__}'s reward {name!r} was not scored")
-            parts[name] = reward.value
-        return parts
+        scored = {name: reward.value for name, reward in trace.rewards.items() if reward is not None}
+        if set(scored) != set(self.reward_names):  # every column, each from the function of its name
+            name = type(self.task).__name__
+            raise ValueError(
+                f"{name} scored rewards {sorted(scored)}, not its reward functions' {list(self.reward_names)}: a "
+                "reward returning a dict of rewards (or none) cannot fill a column, and the columns are fixed when "
+                "the run starts"
+            )
+        return scored
 
     def _trace(self) -> Any:
         """A verifiers Trace of the episode: the prompt's messages and the sampled reply, in one branch."""
@@ -107,13 +105,26 @@ def _loaded_taskset(taskset: str, args_json: str) -> tuple[Any, Any, type, tuple
     chat episode cannot give is refused (module docstring)."""
     args = json.loads(args_json)
     vf, config, loaded = load_taskset(taskset, args, lambda message: ConfigError(f"{WHERE}: {message}"))
-    from verifiers.v1.utils.loaders import default_harness_id, environment_class
 
     task_class = loaded.task_type()
-    name = task_class.__name__
 
     def refuse(reason: str) -> ConfigError:
         return ConfigError(f"{WHERE}: taskset {taskset!r}: {reason}; lit-rl runs a task as one chat turn")
+
+    try:
+        reward_names = _one_turn_rewards(vf, config, loaded, task_class, refuse)
+    except ConfigError:
+        raise
+    except Exception as err:  # the taskset's own code (toolsets, its exports, its task's constructor)
+        raise ConfigError(f"{WHERE}: taskset {taskset!r}: {type(err).__name__}: {one_line(err)}") from None
+    return vf, config, task_class, reward_names
+
+
+def _one_turn_rewards(vf: Any, config: Any, loaded: Any, task_class: type, refuse: Any) -> tuple[str, ...]:
+    """The reward names of a taskset whose tasks one chat turn can score; `refuse(reason)` otherwise."""
+    from verifiers.v1.utils.loaders import default_harness_id, environment_class
+
+    taskset, name = config.id, task_class.__name__
 
     if environment_class(taskset) is not vf.SingleAgentEnv:
         raise refuse("its package exports its own Env")
@@ -136,4 +147,4 @@ def _loaded_taskset(taskset: str, args_json: str) -> tuple[Any, Any, type, tuple
             raise refuse(f"{name}'s reward {function.__name__} needs the task's runtime (a sandbox)")
     if not rewards:
         raise refuse(f"{name} has no @vf.reward function")
-    return vf, config, task_class, tuple(function.__name__ for function in rewards)
+    return tuple(function.__name__ for function in rewards)

@@ -591,10 +591,13 @@ def test_episodes_in_flight_stopped_or_killed_resume_with_every_prompt_trained_o
     assert [row["train/staleness/max"] for row in rows] == [0.0, 1.0, 1.0, 1.0]
     assert [(row["train/staleness/share_0"], row["train/staleness/share_1"]) for row in rows[1:]] == [(0.0, 1.0)] * 3
     assert rows[0]["train/rollout_logprob_diff/max"] < TOLERANCE
-    # The server's requests are counted: each step has a share of its time with none outstanding, in [0, 1).
+    # The server's requests are counted: each step has the share of its time with none outstanding.
     perf = [row for row in read_metrics(tmp_path / "reference" / "run" / "version_0") if row.get("perf/step_s")]
-    assert len(perf) == 4 and all(float(row["perf/engine_busy_s"]) > 0 for row in perf), perf
-    assert all(0 <= float(row["perf/engine_idle_share"]) < 1 for row in perf), perf
+    # A step's window may hold no request at all (its generation sampled in the background, during the step before):
+    # counted over the run, and each step's share in [0, 1].
+    busy = [float(row["perf/engine_busy_s"]) for row in perf]
+    assert len(perf) == 4 and all(seconds >= 0 for seconds in busy) and sum(busy) > 0, perf
+    assert all(0 <= float(row["perf/engine_idle_share"]) <= 1 for row in perf), perf
     assert all(row["train/turns"] > 1 and row["train/env_tokens"] > 0 for row in rows), rows
     expected = _trained(tmp_path / "reference.log", range(4))
     assert len(expected) == 4 * 8  # 2 prompts x 4 episodes a step
