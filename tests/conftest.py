@@ -8,6 +8,7 @@ import dataclasses
 import inspect
 import logging
 import os
+import shlex
 import signal
 import sys
 import warnings
@@ -166,6 +167,23 @@ def run_cli(*args: str) -> None:
     from lit_rl.cli import main
 
     main(list(args))
+
+
+def documented_fit(block: str) -> list[str]:
+    """A docs page's `lit-rl fit` command (its bash block's text) as the CLI's arguments: split as a shell splits it,
+    the repository's configs by their path."""
+    words = shlex.split(block.replace("\\\n", " "))
+    assert words[:2] == ["lit-rl", "fit"], words
+    return [str(REPO / word) if word.startswith("configs/") else word for word in words[1:]]
+
+
+def fit_documented_two_steps(block: str, folder: Path) -> Path:
+    """A docs page's `lit-rl fit` command for 2 steps, validating at step 2 (the test overlay and the suite's small
+    batches on top), logging under `folder`; its log directory."""
+    overlay = write_overlay(folder / "overlay.yaml", save_dir=folder / "runs")
+    steps = ["--trainer.max_steps", "2", "--trainer.val_check_interval", "2"]
+    run_cli(*documented_fit(block), "--config", str(overlay), *FAST_GRPO, *steps)
+    return folder / "runs" / "run" / "version_0"
 
 
 def fit_config(tmp_path: Path, name: str, config: str, *args: str, every_n: Optional[int] = None) -> Path:

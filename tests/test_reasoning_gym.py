@@ -3,15 +3,13 @@
 
 from __future__ import annotations
 
-import shlex
-
 import pytest
 
 from lit_rl.data.files import load_rows
 from lit_rl.data.reasoning_gym import parse_spec
 from lit_rl.errors import DataError
 from lit_rl.rewards.reasoning_gym import answer_of, score
-from tests.conftest import FAST_GRPO, REPO, read_metrics, run_cli, train_rows, write_overlay
+from tests.conftest import REPO, fit_documented_two_steps, read_metrics, train_rows
 
 reasoning_gym = pytest.importorskip("reasoning_gym")
 
@@ -91,23 +89,17 @@ def test_score_uses_each_tasks_own_scorer_on_the_answer_the_completion_gives():
     assert answer_of("<answer>1</answer> then <answer> 2 </answer>") == "2"
 
 
-def _documented_command() -> list[str]:
-    """The `lit-rl fit` command of docs/data-and-rewards.md's reasoning-gym section, as a shell would split it."""
+def _documented_block() -> str:
+    """The bash block of docs/data-and-rewards.md's reasoning-gym section."""
     section = (REPO / "docs" / "data-and-rewards.md").read_text().split("## reasoning-gym tasks", 1)[1]
-    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
-    words = shlex.split(block.replace("\\\n", " "))
-    assert words[:2] == ["lit-rl", "fit"], words
-    return [str(REPO / word) if word.startswith("configs/") else word for word in words[1:]]
+    return section.split("```bash\n", 1)[1].split("```", 1)[0]
 
 
 @pytest.mark.slow
 def test_grpo_trains_on_a_reasoning_gym_task_through_the_cli(tmp_path):
     """The command the docs print, for 2 steps (the test overlay and the suite's small batches on top): the task's
     rows are the data (train and validation), its scorer the reward, logged in both stages."""
-    overlay = write_overlay(tmp_path / "overlay.yaml", save_dir=tmp_path / "runs")
-    steps = ["--trainer.max_steps", "2", "--trainer.val_check_interval", "2"]
-    run_cli(*_documented_command(), "--config", str(overlay), *FAST_GRPO, *steps)
-    log_dir = tmp_path / "runs" / "run" / "version_0"
+    log_dir = fit_documented_two_steps(_documented_block(), tmp_path)
     train = train_rows(log_dir)
     assert [row["step"] for row in train] == [1, 2]
     assert all(0.0 <= row["train/rewards/score"] <= 1.0 for row in train)

@@ -4,7 +4,6 @@ taskset docs/environments.md prints (`my_tasks.py`), offline; and the page's com
 from __future__ import annotations
 
 import asyncio
-import shlex
 import sys
 
 import pytest
@@ -14,7 +13,7 @@ from lit_rl.data.verifiers_tasksets import module_name, parse_spec
 from lit_rl.envs.base import environment_factory
 from lit_rl.envs.verifiers_tasks import Verifiers, _loaded_taskset
 from lit_rl.errors import ConfigError, DataError
-from tests.conftest import FAST_GRPO, REPO, read_metrics, run_cli, train_rows, write_overlay
+from tests.conftest import REPO, fit_documented_two_steps, read_metrics, train_rows
 
 vf = pytest.importorskip("verifiers.v1")
 
@@ -221,21 +220,11 @@ def test_a_reward_giving_a_dict_of_rewards_or_none_stops_at_the_first_episode(be
         asyncio.run(env.finish())
 
 
-def _documented_command() -> list[str]:
-    """The section's `lit-rl fit` command, as a shell splits it."""
-    words = shlex.split(_block("bash\nlit-rl fit").split("\n", 1)[1].replace("\\\n", " "))
-    assert words[:2] == ["lit-rl", "fit"], words
-    return [str(REPO / word) if word.startswith("configs/") else word for word in words[1:]]
-
-
 @pytest.mark.slow
 def test_grpo_trains_on_a_verifiers_taskset_through_the_cli(beside_the_run):
     """The page's command for 2 steps (the test overlay and the suite's small batches on top): the task's rewards
     are the reward, column by column, in training and validation."""
-    overlay = write_overlay(beside_the_run / "overlay.yaml", save_dir=beside_the_run / "runs")
-    steps = ["--trainer.max_steps", "2", "--trainer.val_check_interval", "2"]
-    run_cli(*_documented_command(), "--config", str(overlay), *FAST_GRPO, *steps)
-    log_dir = beside_the_run / "runs" / "run" / "version_0"
+    log_dir = fit_documented_two_steps(_block("bash\nlit-rl fit").split("\n", 1)[1], beside_the_run)
     train = train_rows(log_dir)
     assert [row["step"] for row in train] == [1, 2]
     for row in train:

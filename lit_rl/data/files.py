@@ -22,7 +22,7 @@ def load_rows(spec: str) -> list[Row]:
     """Load every row of `spec`:
     - `builtin:addition/train`;
     - `reasoning_gym:<task>?size=...&seed=...` (`lit_rl.data.reasoning_gym`);
-    - `verifiers:<taskset>?limit=...` (`lit_rl.data.verifiers_tasksets`);
+    - `verifiers:<taskset>?select.limit=...` (`lit_rl.data.verifiers_tasksets`);
     - a `.jsonl`, `.json` or `.parquet` file;
     - a Hugging Face dataset: a `save_to_disk` directory (`dir`, or `dir:split` for a `DatasetDict`), an `.arrow`
       file, or a hub id `owner/name[:split]` / `owner/name:config:split` (`datasets.load_dataset`, cached; without

@@ -17,11 +17,10 @@ answer as the prompt style asks for it: `<answer>...</answer>` for `chat`), so S
 from __future__ import annotations
 
 import inspect
-import json
 import re
 from typing import Any, Callable, Optional
-from urllib.parse import parse_qsl
 
+from lit_rl.data.spec_options import query_options
 from lit_rl.errors import DataError, one_line
 
 PREFIX = "reasoning_gym:"
@@ -34,28 +33,6 @@ EVALUATING = re.compile(r"\b(eval|exec|compile|parse_expr|sympify|parse_latex)\(
 
 def is_reasoning_gym(spec: str) -> bool:
     return spec.startswith(PREFIX)
-
-
-def _value(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
-def query_options(spec: str, query: str) -> dict[str, Any]:
-    """The options after a data spec's `?` (`key=value&...`, each value read as JSON where it parses); a one-line
-    `DataError` naming `spec` when they cannot be read or a key is given twice."""
-    try:
-        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
-    except ValueError:
-        raise DataError(f"{spec!r}: options go as key=value pairs joined by '&' after '?'") from None
-    options: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in options:
-            raise DataError(f"{spec!r}: option {key!r} is given twice")
-        options[key] = _value(value)
-    return options
 
 
 def parse_spec(spec: str) -> tuple[list[str], dict[str, Any], str]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from lit_rl.data.reasoning_gym import query_options
+from lit_rl.data.spec_options import query_options
 from lit_rl.errors import DataError, one_line
 
 PREFIX = "verifiers:"
@@ -99,7 +99,7 @@ def task_prompt(data: Any, style: str, where: str) -> Any:
     messages = (
         [{"role": "user", "content": prompt}]
         if isinstance(prompt, str)
-        else [message.model_dump(mode="json", exclude_none=True) for message in prompt or []]
+        else [message.model_dump(mode="json", exclude_none=True) for message in prompt]
     )
     return ([{"role": "system", "content": data.system_prompt}] if data.system_prompt else []) + messages
 

@@ -44,7 +44,6 @@ class Verifiers:
     def __init__(self, taskset: str, taskset_args: Optional[dict[str, Any]] = None) -> None:
         loaded = _loaded_taskset(taskset, json.dumps(taskset_args or {}, sort_keys=True))
         self.vf, self.config, self.task_class, self.reward_names = loaded
-        self.taskset_config = self.config.model_dump(mode="json")
         self.task: Any = None
         self.prompt: Any = None
         self.reply = ""
@@ -63,7 +62,8 @@ class Verifiers:
             )
         data = self.task_class.data_type().model_validate(entry["task"])
         # The task config load() gave the task (the taskset's, unless load() made its own): what scores it.
-        config = self.task_class.config_type().model_validate(entry.get("task_config", self.taskset_config["task"]))
+        given = entry.get("task_config")
+        config = self.config.task if given is None else self.task_class.config_type().model_validate(given)
         self.task, self.prompt = self.task_class(data, config), row["prompt"]
         return None  # the row's prompt, as it is
 
