@@ -187,7 +187,7 @@ def test_only_the_models_tokens_carry_loss_and_token_metrics():
     assert (buffer.rollout_logprobs[observations] == 0).all()
     buffer.advantages = torch.linspace(-1.0, 1.0, len(buffer))  # every sequence carries a policy gradient
     logprobs = buffer.old_logprobs.clone().requires_grad_(True)
-    loss, _ = model.micro_batch_loss(buffer, logprobs, model._normalizers[0])
+    loss, _ = model.micro_batch_loss(buffer, model.micro_batch_terms(buffer, logprobs), model._normalizers[0])
     loss.backward()
     assert (logprobs.grad[observations] == 0).all()
     assert (logprobs.grad[buffer.sampled_mask > 0] != 0).any()

@@ -25,7 +25,7 @@ def _batch(rewards):
 def test_pairs_are_ranked_by_reward_and_ties_get_no_label():
     module = OnlineDPO()
     batch = _batch([1.0, 0.0, 0.2, 0.7, 0.5, 0.5])
-    module.finish_rollout(batch, batch.rewards)
+    module.finish_rollout(batch, batch.rewards, slice(0, len(batch)))
     assert batch.advantages.tolist() == [1.0, -1.0, -1.0, 1.0, 0.0, 0.0]
 
 
@@ -76,7 +76,7 @@ def test_with_an_environment_a_sequences_log_probability_is_the_models_tokens_al
     buffer = model._buffer
     buffer.advantages = torch.tensor([1.0, -1.0]).repeat(len(buffer) // 2)  # every pair untied: first chosen
     logprobs = buffer.old_logprobs.clone().requires_grad_(True)
-    loss, _ = model.micro_batch_loss(buffer, logprobs, model._normalizers[0])
+    loss, _ = model.micro_batch_loss(buffer, model.micro_batch_terms(buffer, logprobs), model._normalizers[0])
     loss.backward()
     assert (logprobs.grad[observations] == 0).all()
     assert (logprobs.grad.view(-1, 2, logprobs.shape[1])[:, 0] != 0).any(dim=1).all()  # every chosen row

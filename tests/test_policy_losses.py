@@ -178,7 +178,7 @@ def test_overlong_filter_gives_truncated_completions_no_loss(overlong_filter):
     )
     mask = module.loss_mask(batch)
     logprobs = torch.full((2, 3), -1.0, requires_grad=True)
-    loss, _ = module.micro_batch_loss(batch, logprobs, LossNormalizer.local(mask))
+    loss, _ = module.micro_batch_loss(batch, module.micro_batch_terms(batch, logprobs), LossNormalizer.local(mask))
     loss.backward()
     # Ratio 1 (one on-policy pass): each counted token's loss is -A. Filtered: row 0's two tokens only,
     # (-1 - 1) / 2; unfiltered: (-1 * 2 - 5 * 3) / 5.

@@ -148,7 +148,7 @@ def test_with_an_environment_only_the_models_tokens_are_actions():
     values = model.critic_values(buffer)
     model.critic_values = lambda mb: values  # the critic's forward, kept to read its gradient
     values.retain_grad()
-    loss, _ = model.micro_batch_loss(buffer, logprobs, model._normalizers[0])
+    loss, _ = model.micro_batch_loss(buffer, model.micro_batch_terms(buffer, logprobs), model._normalizers[0])
     loss.backward()
     for grad in (logprobs.grad, values.grad):
         assert (grad[observations] == 0).all() and (grad[model_tokens > 0] != 0).any()
@@ -196,9 +196,9 @@ def test_the_rollout_correction_weighs_the_policy_term_by_the_truncated_engine_r
     normalizer = model._normalizers[0]
     shift = torch.linspace(-1.0, 1.0, tokens.numel()).reshape(tokens.shape)  # engine log-probs off by -1..1
     buffer.rollout_logprobs = (buffer.old_logprobs - shift) * tokens
-    _, plain = model.micro_batch_loss(buffer, logprobs, normalizer)
+    _, plain = model.micro_batch_loss(buffer, model.micro_batch_terms(buffer, logprobs), normalizer)
     model.rollout_args = dataclasses.replace(model.rollout_args, correction="token_truncate", correction_cap=1.5)
-    _, weighed = model.micro_batch_loss(buffer, logprobs, normalizer)
+    _, weighed = model.micro_batch_loss(buffer, model.micro_batch_terms(buffer, logprobs), normalizer)
     weights = torch.exp(shift).clamp(max=1.5) * tokens
     per_token, _ = ppo_clip(logprobs, buffer.old_logprobs, buffer.token_advantages, tokens)
     expected = aggregate(per_token * weights, tokens, model.loss_args.aggregation, normalizer)

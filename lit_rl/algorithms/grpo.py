@@ -12,7 +12,7 @@ from typing import Iterable
 import torch
 from torchmetrics import MetricCollection
 
-from lit_rl.algorithms.on_policy import OnPolicyModule
+from lit_rl.algorithms.on_policy import MicroBatchTerms, OnPolicyModule
 from lit_rl.config import (
     GRPO_ROLLOUT_OPTIONS,
     EnvArgs,
@@ -78,9 +78,9 @@ class GRPO(OnPolicyModule):
     def uses_reference(self) -> bool:
         return self.loss_args.beta != 0.0
 
-    def finish_rollout(self, batch: RolloutBatch, all_rewards: torch.Tensor) -> None:
+    def finish_rollout(self, batch: RolloutBatch, all_rewards: torch.Tensor, mine: slice) -> None:
         advantages, _ = self.advantage_fn(all_rewards, self.sampling_args.num_generations, self.loss_args.scale_rewards)
-        batch.advantages = advantages[self.local_slice(len(batch))]
+        batch.advantages = advantages[mine]
 
     def shape_rewards(self, rewards: torch.Tensor, out: RolloutOutput) -> torch.Tensor:
         loss = self.loss_args
@@ -96,23 +96,20 @@ class GRPO(OnPolicyModule):
         return model_tokens * (~cut_off).to(model_tokens.dtype)[:, None]
 
     def micro_batch_loss(
-        self, mb: RolloutBatch, logprobs: torch.Tensor, normalizer: LossNormalizer
+        self, mb: RolloutBatch, terms: MicroBatchTerms, normalizer: LossNormalizer
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        # One on-policy pass: the old log-probs are these very log-probs (ratio 1, gradient intact).
-        old_logprobs = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
-        importance_weights = self.rollout_importance_weights(mb, old_logprobs)
         return grpo_loss(
-            logprobs,
-            old_logprobs,
+            terms.logprobs,
+            terms.old_logprobs,
             mb.advantages,
-            self.loss_mask(mb),
+            terms.loss_mask,
             aggregation=self.loss_args.aggregation,
             normalizer=normalizer,
             ref_logprobs=mb.ref_logprobs,
             beta=self.loss_args.beta,
             epsilon_low=self.loss_args.epsilon,
             epsilon_high=self.loss_args.clip_high,
-            importance_weights=importance_weights,
+            importance_weights=terms.importance_weights,
             policy_loss=self.policy_loss_fn,
         )
 

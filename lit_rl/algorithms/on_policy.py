@@ -21,6 +21,7 @@ so; the old log-probs are then the current policy's, and the rollout correction 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 import torch
@@ -75,6 +76,16 @@ from lit_rl.training.strategies import is_accumulating_micro_batch
 from lit_rl.types import RolloutBatch, model_token_mask
 
 
+@dataclass(frozen=True)
+class MicroBatchTerms:
+    """What the module computes for one micro-batch and gives `micro_batch_loss`, so that no hook asks back."""
+
+    logprobs: torch.Tensor  # [n, T] this pass's log-probs of the completion tokens, with their gradient
+    old_logprobs: torch.Tensor  # [n, T] the ratio's denominator (`OnPolicyModule.micro_batch_terms`), no gradient
+    importance_weights: Optional[torch.Tensor]  # [n, T] the rollout correction's weights (None: no correction)
+    loss_mask: torch.Tensor  # [n, T] the tokens the loss counts (`OnPolicyModule.loss_mask`)
+
+
 def group_reward_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """Each row's group's reward std [N] (groups of `group_size` consecutive rows); 0 for groups of one."""
     if group_size == 1:
@@ -123,6 +134,9 @@ class OnPolicyModule(PolicyModule):
         self.reward_scorer = RewardScorer(rewards)  # the reward functions and their weights
         self.engines = EngineOwner(self.engine_config, self)
         self.producer = self.build_producer()
+        # The most tokens one completion can hold: `max_new_tokens`, or with an environment the transcript's
+        # (`model.env.max_total_tokens`). Fixed by the producer: kept here, so that no hook asks for it.
+        self.completion_budget: int = self.producer.completion_budget
         self._micro_steps_done = 0
         self._buffer: Optional[RolloutBatch] = None
         self._normalizers: list[LossNormalizer] = []
@@ -216,12 +230,6 @@ class OnPolicyModule(PolicyModule):
         return self.producer.reward_names
 
     @property
-    def completion_budget(self) -> int:
-        """The most tokens one completion can hold: `max_new_tokens`, or with an environment the transcript's
-        (`model.env.max_total_tokens`)."""
-        return self.producer.completion_budget
-
-    @property
     def micro_batch_tokens(self) -> Optional[int]:
         """`model.schedule.micro_batch_tokens`: micro-batches cut by tokens (None: by count)."""
         return self.schedule_args.micro_batch_tokens
@@ -310,14 +318,17 @@ class OnPolicyModule(PolicyModule):
         """[N, T]: the tokens the loss and its denominators count (default: every token the model sampled)."""
         return model_token_mask(batch)
 
-    def finish_rollout(self, batch: RolloutBatch, all_rewards: torch.Tensor) -> None:
-        """Fill `batch.advantages` (and any algorithm field) from every rank's rewards `all_rewards` [world*N]."""
+    def finish_rollout(self, batch: RolloutBatch, all_rewards: torch.Tensor, mine: slice) -> None:
+        """Fill `batch.advantages` (and any algorithm field) from every rank's rewards `all_rewards` [world*N], of
+        which `mine` are this rank's rows (those of `batch`)."""
         raise NotImplementedError
 
     def micro_batch_loss(
-        self, mb: RolloutBatch, logprobs: torch.Tensor, normalizer: LossNormalizer
+        self, mb: RolloutBatch, terms: MicroBatchTerms, normalizer: LossNormalizer
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The micro-batch's share of the step loss (denominators from `normalizer`) and per-token stats."""
+        """The micro-batch's share of the step loss (denominators from `normalizer`) and per-token stats, from
+        what the module computed for it (`terms`: this pass's log-probs, the ratio's old ones, the rollout
+        correction's weights, the loss mask)."""
         raise NotImplementedError
 
     def update_algorithm_metrics(self, mb: RolloutBatch, loss: torch.Tensor, stats: dict[str, torch.Tensor]) -> None:
@@ -425,7 +436,8 @@ class OnPolicyModule(PolicyModule):
         self.producer.release()  # sleep mode: the log-prob forwards and the update get the engine's memory
         # Every rank's rewards in global slot order: a group may span ranks, so group statistics use them all.
         all_rewards = self.all_gather(rewards).reshape(-1)  # [world*N]
-        group_std = group_reward_std(all_rewards, G)[self.local_slice(len(rewards))]
+        mine = rank_slice(self.global_rank, len(rewards))  # this rank's rows of all_rewards
+        group_std = group_reward_std(all_rewards, G)[mine]
         batch = RolloutBatch(
             prompt_ids=scored.prompt_ids,
             prompt_mask=scored.prompt_mask,
@@ -450,7 +462,7 @@ class OnPolicyModule(PolicyModule):
         if self.uses_reference():
             with self.timer.phase("ref_logprobs"), self.reference_model() as ref_model:
                 batch.ref_logprobs = self._logprobs_in_chunks(ref_model, batch)
-        self.finish_rollout(batch, all_rewards)
+        self.finish_rollout(batch, all_rewards, mine)
         world_size, batcher = self.trainer.world_size, self.micro_batcher
         loss_tokens = self.loss_mask(batch).sum(dim=1)  # [N]
         self._normalizers = batcher.step_normalizers(batch, loss_tokens, self.completion_budget, world_size)
@@ -463,10 +475,6 @@ class OnPolicyModule(PolicyModule):
         """Start sampling each (generation, rows) of `launches` in the background (asynchronous rollouts)."""
         for launched, rows in launches:
             self.producer.launch(launched, rows)
-
-    def local_slice(self, n: int) -> slice:
-        """This rank's rows in a tensor gathered from all ranks with `n` rows each."""
-        return rank_slice(self.global_rank, n)
 
     def _logprobs_in_chunks(self, model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
         temperature = self.sampling_args.temperature
@@ -516,7 +524,8 @@ class OnPolicyModule(PolicyModule):
             extras=("entropy",),
         )
         logprobs = scores.logprobs  # [n, T]
-        loss, stats = self.micro_batch_loss(mb, logprobs, self._normalizers[index // self.accumulate])
+        terms = self.micro_batch_terms(mb, logprobs)
+        loss, stats = self.micro_batch_loss(mb, terms, self._normalizers[index // self.accumulate])
         if has_completions:
             if self.micro_batch_tokens is not None:
                 self.train_metrics["micro_batch_tokens/max"].update(mb.prompt_mask.sum() + mb.completion_mask.sum())
@@ -532,6 +541,20 @@ class OnPolicyModule(PolicyModule):
         self._micro_steps_done += 1
         # The loss denominators cover the whole step on every rank.
         return loss * self.step_loss_scale()
+
+    def micro_batch_terms(self, mb: RolloutBatch, logprobs: torch.Tensor) -> MicroBatchTerms:
+        """What `micro_batch_loss` reads besides the micro-batch: this pass's log-probs; the old ones, the
+        sampling policy's by the trainer when the policy has moved since sampling, else these very log-probs,
+        detached (ratio 1: the old ones, where computed for a KL penalty, would only add rounding to the clipping);
+        the rollout correction's weights against the engine's log-probs; the loss mask."""
+        moved = mb.old_logprobs is not None and self.policy_moves_after_sampling()
+        old_logprobs = mb.old_logprobs if moved else logprobs.detach()
+        return MicroBatchTerms(
+            logprobs=logprobs,
+            old_logprobs=old_logprobs,
+            importance_weights=self.rollout_importance_weights(mb, old_logprobs),
+            loss_mask=self.loss_mask(mb),
+        )
 
     def on_validation_start(self) -> None:
         super().on_validation_start()

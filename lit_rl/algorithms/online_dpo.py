@@ -18,7 +18,7 @@ from typing import Iterable, Optional
 import torch
 from torchmetrics import MetricCollection
 
-from lit_rl.algorithms.on_policy import OnPolicyModule
+from lit_rl.algorithms.on_policy import MicroBatchTerms, OnPolicyModule
 from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, RolloutArgs, SamplingArgs, ScheduleArgs, as_args
 from lit_rl.errors import ConfigError
 from lit_rl.loss_config import DPOLoss
@@ -94,7 +94,7 @@ class OnlineDPO(OnPolicyModule):
         if isinstance(judge, RewardModel):
             judge.to(self.device)
 
-    def finish_rollout(self, batch: RolloutBatch, all_rewards: torch.Tensor) -> None:
+    def finish_rollout(self, batch: RolloutBatch, all_rewards: torch.Tensor, mine: slice) -> None:
         """Advantages as preference labels: +1 on the chosen row, -1 on the rejected, 0 on both rows of a tie."""
         pairs = batch.rewards.view(-1, 2)  # [B, 2]
         first_wins = (pairs[:, 0] > pairs[:, 1]).float()
@@ -102,12 +102,12 @@ class OnlineDPO(OnPolicyModule):
         batch.advantages = torch.stack([first_wins - second_wins, second_wins - first_wins], dim=1).reshape(-1)
 
     def micro_batch_loss(
-        self, mb: RolloutBatch, logprobs: torch.Tensor, normalizer: LossNormalizer
+        self, mb: RolloutBatch, terms: MicroBatchTerms, normalizer: LossNormalizer
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         args = self.loss_args
-        mask = self.loss_mask(mb)  # the model's tokens: every completion token without an environment
+        mask = terms.loss_mask  # the model's tokens: every completion token without an environment
         labels = mb.advantages.view(-1, 2)  # [n/2, 2]
-        seq_logps = (logprobs * mask).sum(dim=1).view(-1, 2)  # [n/2, 2]
+        seq_logps = (terms.logprobs * mask).sum(dim=1).view(-1, 2)  # [n/2, 2]
         ref_logps = (mb.ref_logprobs * mask).sum(dim=1).view(-1, 2)
         if args.type == "ipo":  # IPO compares length-averaged log-probs, as in DPO
             lengths = mask.sum(dim=1).clamp(min=1).view(-1, 2)

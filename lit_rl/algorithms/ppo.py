@@ -40,7 +40,7 @@ import torch
 from torchmetrics import MetricCollection
 
 from lit_rl.algorithms.base import completion_forward
-from lit_rl.algorithms.on_policy import OnPolicyModule
+from lit_rl.algorithms.on_policy import MicroBatchTerms, OnPolicyModule
 from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, RolloutArgs, SamplingArgs, ScheduleArgs, as_args
 from lit_rl.errors import ConfigError
 from lit_rl.loss_config import PPOLoss
@@ -151,7 +151,7 @@ class PPO(OnPolicyModule):
         # The KL penalty is part of the reward, so it needs the sampling policy's log-probs at generation time.
         return self.loss_args.beta != 0.0 or self.policy_moves_after_sampling()
 
-    def finish_rollout(self, batch: RolloutBatch, all_rewards: torch.Tensor) -> None:
+    def finish_rollout(self, batch: RolloutBatch, all_rewards: torch.Tensor, mine: slice) -> None:
         args = self.loss_args
         mask = self.loss_mask(batch)  # the model's tokens: every completion token without an environment
         with self.timer.phase("values"):
@@ -174,19 +174,14 @@ class PPO(OnPolicyModule):
 
     # -- training --------------------------------------------------------------------------------------------
     def micro_batch_loss(
-        self, mb: RolloutBatch, logprobs: torch.Tensor, normalizer: LossNormalizer
+        self, mb: RolloutBatch, terms: MicroBatchTerms, normalizer: LossNormalizer
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        args = self.loss_args
-        mask = self.loss_mask(mb)
-        # The old log-probs exist for the KL penalty even when the policy has not moved since generation; then the
-        # ratio is 1 by definition, so use this pass's own log-probs (no numerical drift into the clipping).
-        old_logprobs = mb.old_logprobs if self.policy_moves_after_sampling() else logprobs.detach()
+        args, mask = self.loss_args, terms.loss_mask
         policy_per_token, stats = ppo_clip(
-            logprobs, old_logprobs, mb.token_advantages, mask, args.epsilon, args.clip_high
+            terms.logprobs, terms.old_logprobs, mb.token_advantages, mask, args.epsilon, args.clip_high
         )
-        importance_weights = self.rollout_importance_weights(mb, old_logprobs)
-        if importance_weights is not None:
-            policy_per_token = policy_per_token * importance_weights
+        if terms.importance_weights is not None:
+            policy_per_token = policy_per_token * terms.importance_weights
         values = self.critic_values(mb)
         value_per_token, value_stats = clipped_value_loss(values, mb.old_values, mb.returns, args.value_clip)
         policy_loss = aggregate(policy_per_token, mask, args.aggregation, normalizer)
@@ -196,12 +191,12 @@ class PPO(OnPolicyModule):
             "value_clipped": value_stats["clipped"],
             "policy_loss": policy_loss.detach(),
             "value_loss": value_loss.detach(),
+            "tokens": mask > 0,  # the tokens the metrics count
         }
         return policy_loss + args.value_loss_coef * value_loss, stats
 
     def update_algorithm_metrics(self, mb: RolloutBatch, loss: torch.Tensor, stats: dict[str, torch.Tensor]) -> None:
-        m = self.train_metrics
-        tokens = self.loss_mask(mb) > 0
+        m, tokens = self.train_metrics, stats["tokens"]
         m["loss"].update(loss.detach())
         m["policy_loss"].update(stats["policy_loss"])
         m["critic/value_loss"].update(stats["value_loss"])

@@ -16,7 +16,7 @@ from typing import Iterable
 import torch
 from torchmetrics import MetricCollection
 
-from lit_rl.algorithms.on_policy import OnPolicyModule
+from lit_rl.algorithms.on_policy import MicroBatchTerms, OnPolicyModule
 from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, RolloutArgs, SamplingArgs, ScheduleArgs, as_args
 from lit_rl.errors import ConfigError
 from lit_rl.loss_config import RLOOLoss
@@ -69,7 +69,7 @@ class RLOO(OnPolicyModule):
         # The KL penalty is part of the reward, so it needs the sampling policy's log-probs at generation time.
         return self.loss_args.beta != 0.0 or super().needs_old_logprobs()
 
-    def finish_rollout(self, batch: RolloutBatch, all_rewards: torch.Tensor) -> None:
+    def finish_rollout(self, batch: RolloutBatch, all_rewards: torch.Tensor, mine: slice) -> None:
         args = self.loss_args
         rewards = batch.rewards
         if batch.ref_logprobs is not None:
@@ -78,22 +78,18 @@ class RLOO(OnPolicyModule):
             )
         all_penalized = self.all_gather(rewards).reshape(-1) if self.trainer.world_size > 1 else rewards
         advantages = rloo_advantages(all_penalized, self.sampling_args.num_generations, args.normalize_advantages)
-        batch.advantages = advantages[self.local_slice(len(batch))]
+        batch.advantages = advantages[mine]
         batch.advantage_std = advantages.std().expand(len(batch)).clone()
 
     def micro_batch_loss(
-        self, mb: RolloutBatch, logprobs: torch.Tensor, normalizer: LossNormalizer
+        self, mb: RolloutBatch, terms: MicroBatchTerms, normalizer: LossNormalizer
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        # The old log-probs exist for the KL penalty even when the policy has not moved since generation; then the
-        # ratio is 1 by definition, so use this pass's own log-probs (no numerical drift into the clipping).
-        policy_moved = OnPolicyModule.needs_old_logprobs(self)
-        old_logprobs = mb.old_logprobs if policy_moved else logprobs.detach()
-        weights = self.rollout_importance_weights(mb, old_logprobs)  # [N, T]: the sequence's weight on its tokens
+        weights = terms.importance_weights  # [N, T]: the sequence's weight on its tokens
         return rloo_loss(
-            logprobs,
-            old_logprobs,
+            terms.logprobs,
+            terms.old_logprobs,
             mb.advantages,
-            self.loss_mask(mb),
+            terms.loss_mask,
             self.loss_args.epsilon,
             num_sequences=normalizer.num_sequences,
             epsilon_high=self.loss_args.clip_high,
