@@ -88,8 +88,8 @@ def child(
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from lit_rl.algorithms.base import completion_scores
     from lit_rl.data.arithmetic import addition_rows
+    from lit_rl.modeling.completions import completion_scores
     from lit_rl.modeling.models import build_char_tokenizer
     from lit_rl.rollout import HFGenerateEngine, SamplingParams
     from lit_rl.rollout.engines.packed_linear import PackedLinearMode, packed_weights

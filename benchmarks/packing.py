@@ -7,7 +7,7 @@
 The workload: a randomly initialised Qwen2 of hidden 512, 8 layers (21M parameters, the character tokenizer's
 vocabulary), fp32, 64 rows; prompts of 8-24 tokens and completions of 32-128 tokens, lengths uniform (seeded).
 Each method computes the completion tokens' log-probs and the gradient of their sum
-(`lit_rl.algorithms.base.completion_forward`, as a training step does):
+(`lit_rl.modeling.completions.completion_forward`, as a training step does):
 - `padded`: every row `[prompt, completion]` at the batch's P + T, left- and right-padded;
 - `packed rows`: `padding_free=True` as it runs on CPU (sdpa): rows of 1-2x the longest sequence, first fit;
 - `packed, one row`: every sequence in one row, the flash-attention layout, here with sdpa's dense mask.
@@ -53,7 +53,7 @@ def workload(rows: int, prompt: tuple[int, int], completion: tuple[int, int], vo
 def run(model, method: str, batch) -> tuple[float, torch.Tensor, dict[str, torch.Tensor], int]:
     """Seconds of one forward + backward, the log-probs, the gradients, and the tokens the model computed."""
     import lit_rl.modeling.packing as packing
-    from lit_rl.algorithms.base import completion_forward
+    from lit_rl.modeling.completions import completion_forward
     from lit_rl.ops import token_logprobs
 
     tokens = []

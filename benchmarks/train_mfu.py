@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from provenance import parse_report_args, publish  # noqa: E402
 from support import build_random_model  # noqa: E402
 
-from lit_rl.algorithms.base import completion_scores  # noqa: E402
+from lit_rl.modeling.completions import completion_scores  # noqa: E402
 from lit_rl.modeling.models import load_causal_lm  # noqa: E402
 from lit_rl.training.flops import ModelShape, cpu_matmul_peak, row_tokens_and_keys  # noqa: E402
 

@@ -71,7 +71,7 @@ def test_only_the_rows_still_running_are_computed(policy):
 
 @pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (0.0, 0), (1.0, 1)], ids=["sampled", "greedy", "top_k_1"])
 def test_no_completion_stops_before_min_new_tokens_and_the_logprobs_stay_the_trainers(policy, temperature, top_k):
-    from lit_rl.algorithms.base import completion_scores
+    from lit_rl.modeling.completions import completion_scores
 
     tokenizer, model = policy
     ids, mask = batch(tokenizer, ["1+2=", "45+67=", "9+99=", "123+4567="], 2)

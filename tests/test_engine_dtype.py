@@ -36,7 +36,7 @@ def _grpo(precision: str, **kwargs) -> GRPO:
 )
 def test_auto_is_correction_follows_the_engine_and_trainer_dtypes(precision, vllm, engine_dtype, correction):
     model = _grpo(precision, vllm=vllm)
-    assert model.engines.dtype() == engine_dtype
+    assert model.engine_config.engine_dtype(model.compute_dtype()) == engine_dtype
     assert model.rollout_correction() == correction
 
 

@@ -57,20 +57,20 @@ def test_encode_prompts_tokenizes_each_distinct_prompt_once():
     module.configure_model()
     chat = [{"role": "user", "content": "45+67="}]
     prompts = ["1+2=", "9+99=", "1+2=", chat, "9+99=", [dict(m) for m in chat]]
-    texts = [p if isinstance(p, str) else module.format_prompt(p) for p in prompts]
+    texts = [p if isinstance(p, str) else module.prompt_encoder.format(p) for p in prompts]
     module.tokenizer.padding_side = "left"
     expected = module.tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False)
     assert (expected["attention_mask"] == 0).any()  # padded: the rows differ in length
-    module.tokenizer = CountingTokenizer(module.tokenizer)
+    counting = module.prompt_encoder.tokenizer = CountingTokenizer(module.tokenizer)  # the encoder's, shared
     ids, mask = module.encode_prompts(prompts)
-    assert module.tokenizer.calls == [["1+2=", "9+99=", texts[3]]]
+    assert counting.calls == [["1+2=", "9+99=", texts[3]]]
     assert torch.equal(ids, expected["input_ids"])
     assert torch.equal(mask, expected["attention_mask"])
     # All text prompts: the tokenizer adds its special tokens, once per distinct prompt too.
-    module.tokenizer.calls.clear()
+    counting.calls.clear()
     texts = ["7+8=", "12+34=", "7+8="]
     ids, mask = module.encode_prompts(texts)
-    assert module.tokenizer.calls == [["7+8=", "12+34="]]
+    assert counting.calls == [["7+8=", "12+34="]]
     expected = module.tokenizer(texts, padding=True, return_tensors="pt")
     assert torch.equal(ids, expected["input_ids"]) and torch.equal(mask, expected["attention_mask"])
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_rl.algorithms.base import completion_scores
 from lit_rl.errors import ConfigError
+from lit_rl.modeling.completions import completion_scores
 from lit_rl.modeling.head import chunked_head_scores, scores_from_logits
 from lit_rl.modeling.models import load_causal_lm
 from tests.conftest import grouped_kwargs

@@ -4,7 +4,7 @@ padded forward and to the shared-prompt forward (fp32, 1e-5)."""
 import pytest
 import torch
 
-from lit_rl.algorithms.base import completion_forward
+from lit_rl.modeling.completions import completion_forward
 from lit_rl.modeling.models import load_causal_lm, load_tokenizer
 from lit_rl.modeling.packing import assign_rows, pack_completions, packed_completion_forward, packed_layout
 from lit_rl.ops import token_logprobs

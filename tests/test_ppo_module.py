@@ -8,11 +8,11 @@ import dataclasses
 import pytest
 import torch
 
-from lit_rl.algorithms.base import completion_forward
 from lit_rl.errors import ConfigError
 from lit_rl.losses import aggregate
 from lit_rl.losses.policy import ppo_clip
 from lit_rl.losses.ppo import gae, token_rewards
+from lit_rl.modeling.completions import completion_forward
 from lit_rl.modeling.models import load_causal_lm, load_tokenizer
 from lit_rl.modeling.value_model import load_value_model, save_value_model
 from lit_rl.ops import position_ids_from_mask

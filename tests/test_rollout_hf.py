@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from lit_rl.algorithms.base import completion_scores
+from lit_rl.modeling.completions import completion_scores
 from lit_rl.modeling.models import load_causal_lm, load_tokenizer
 from lit_rl.rollout import HFGenerateEngine, SamplingParams
 

@@ -49,7 +49,7 @@ def _host_attributes(path: Path) -> set[tuple[int, str]]:
 
 def test_the_rollout_parts_read_only_what_the_host_declares():
     declared = _declared()
-    assert {"trainer", "timer", "encode_prompts", "all_gather"} <= declared
+    assert {"trainer", "timer", "tokenizer", "all_gather"} <= declared
     seen = set()
     for name in PARTS:
         for line, attr in _host_attributes(ROLLOUT / name):
@@ -96,7 +96,6 @@ def _host(world_size: int = 1) -> SimpleNamespace:
         policy_args=None,
         timer=StepTimer(clock),
         engine_clock=clock,
-        encode_prompts=lambda prompts: (torch.ones(len(prompts), 2, dtype=torch.long), torch.ones(len(prompts), 2)),
         all_gather=lambda tensor: tensor,
         gather_stacked=lambda tensor: tensor[None],
         compute_dtype=lambda: torch.float32,
@@ -112,7 +111,13 @@ def _producer(answers) -> RolloutProducer:
     engines = EngineOwner(HFGenerate(), host)
     engines.build = lambda: _Engine(answers)
     scorer = RewardScorer(RewardArgs(funcs=["lit_rl.rewards.arithmetic.correctness"]))
-    return RolloutProducer(ProducerParts(host, engines, scorer, SamplingParams(max_new_tokens=2), 2))
+    prompts = SimpleNamespace(  # the prompt encoder: two tokens a prompt
+        encode=lambda prompts, tools=None, per_prompt_tools=None: (
+            torch.ones(len(prompts), 2, dtype=torch.long),
+            torch.ones(len(prompts), 2),
+        )
+    )
+    return RolloutProducer(ProducerParts(host, engines, scorer, SamplingParams(max_new_tokens=2), 2, prompts))
 
 
 def test_a_producer_samples_and_scores_a_generation_with_only_the_declared_host():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lit_rl.algorithms.base import completion_forward
+from lit_rl.modeling.completions import completion_forward
 from lit_rl.modeling.models import load_causal_lm, load_tokenizer
 from lit_rl.modeling.shared_prompts import distinct_prompts, shared_prompt_cache
 from lit_rl.ops import position_ids_from_mask, token_logprobs

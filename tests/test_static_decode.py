@@ -5,8 +5,8 @@ prompt shape."""
 import pytest
 import torch
 
-from lit_rl.algorithms.base import completion_scores
 from lit_rl.errors import ConfigError
+from lit_rl.modeling.completions import completion_scores
 from lit_rl.modeling.models import load_causal_lm, load_tokenizer
 from lit_rl.rollout import HFGenerateEngine, SamplingParams
 from tests.conftest import needs_native_bf16

@@ -7,7 +7,6 @@ tokenizer, the optimizer, and the rule for logging a MetricCollection once per o
 from __future__ import annotations
 
 import inspect
-import json
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
@@ -21,7 +20,8 @@ from torchmetrics import MetricCollection
 
 from lit_rl.config import MOVED_KEYS, OptimArgs, PolicyArgs, as_args, grouped_hparams, own_options, plain_data
 from lit_rl.errors import ConfigError
-from lit_rl.modeling.head import TokenScores, check_plain_head, chunked_head_scores, scores_from_logits
+from lit_rl.modeling.completions import completion_scores
+from lit_rl.modeling.head import TokenScores
 from lit_rl.modeling.lora import (
     LoRAConfig,
     adapter_layers,
@@ -31,10 +31,8 @@ from lit_rl.modeling.lora import (
     trainable_keys,
 )
 from lit_rl.modeling.models import load_causal_lm, load_tokenizer
-from lit_rl.modeling.packing import packed_completion_forward, packed_completion_hidden
-from lit_rl.modeling.shared_prompts import shared_prompt_cache
+from lit_rl.modeling.prompts import PromptEncoder
 from lit_rl.numerics import settle_cpu_math_kernels
-from lit_rl.ops import position_ids_from_mask
 from lit_rl.resume import say
 from lit_rl.resume_config import announce, reconcile
 from lit_rl.training.compat import mark_step_saved
@@ -79,8 +77,8 @@ class PolicyModule(L.LightningModule):
             )
         settle_cpu_math_kernels()  # a module built outside the CLI: before its math runs threaded (lit_rl/numerics.py)
         self.random_init = random_init
-        self.max_prompt_length = max_prompt_length
         self.tokenizer = load_tokenizer(policy.model_name_or_path, trust_remote_code=policy.trust_remote_code)
+        self.prompt_encoder = PromptEncoder(self.tokenizer, max_prompt_length)  # the prompts as the policy reads them
         self.policy: Optional[torch.nn.Module] = None
         self.ref_model: Optional[torch.nn.Module] = None  # frozen; set by `load_reference`, never checkpointed
         # One engine clock for the module's life (`perf/engine_busy_s`), given to every step timer.
@@ -398,45 +396,16 @@ class PolicyModule(L.LightningModule):
         return trainer is not None and trainer.world_size > 1 and shards_parameters(trainer.strategy)
 
     # -- text ------------------------------------------------------------------------------------------------
-    def format_prompt(self, prompt: Any, tools: Optional[list[dict]] = None) -> str:
-        """Text prompts pass through; chat messages go through the tokenizer's chat template (with `tools`' JSON
-        schemas, for a model that calls tools in its chat format)."""
-        if isinstance(prompt, str):
-            return prompt
-        return self.tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True)
-
     def encode_prompts(
         self,
         prompts: list[Any],
         tools: Optional[list[dict]] = None,
         per_prompt_tools: Optional[list[list[dict]]] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Left-padded prompt ids and mask [B, P] on the module's device (long prompts keep their end); chat
-        prompts are rendered with `tools`, or each with its own `per_prompt_tools` (TRL's dict of environments:
-        its row's environment's) (`format_prompt`).
-
-        Each distinct prompt is rendered and tokenized once (a rollout batch holds every prompt G times)."""
-        tools_of = per_prompt_tools if per_prompt_tools is not None else [tools] * len(prompts)
-        tool_keys = {id(t): _tools_key(t) for t in tools_of}  # each environment's list once
-        keys = [(_prompt_key(p, row), tool_keys[id(t)]) for row, (p, t) in enumerate(zip(prompts, tools_of))]
-        first_of = {}  # key -> the first (prompt, tools) with it
-        for key, prompt, prompt_tools in zip(keys, prompts, tools_of):
-            first_of.setdefault(key, (prompt, prompt_tools))
-        distinct_index = {key: i for i, key in enumerate(first_of)}
-        texts = [self.format_prompt(p, t) for p, t in first_of.values()]
-        max_len = self.max_prompt_length
-        self.tokenizer.padding_side = "left"
-        self.tokenizer.truncation_side = "left"
-        enc = self.tokenizer(
-            texts,
-            padding=True,
-            truncation=max_len is not None,
-            max_length=max_len,
-            return_tensors="pt",
-            add_special_tokens=all(isinstance(p, str) for p in prompts),  # a chat template already added them
-        )
-        rows = torch.tensor([distinct_index[key] for key in keys], dtype=torch.long)  # [B] -> distinct prompt
-        return enc["input_ids"][rows].to(self.device), enc["attention_mask"][rows].to(self.device)
+        """`PromptEncoder.encode` (`lit_rl.modeling.prompts`: rendered, tokenised, left-padded) on the module's
+        device."""
+        ids, mask = self.prompt_encoder.encode(prompts, tools, per_prompt_tools)
+        return ids.to(self.device), mask.to(self.device)
 
     # -- metrics ---------------------------------------------------------------------------------------------
     def log_collection(self, collection: MetricCollection, on_step: bool, prog_bar: tuple[str, ...] = ()) -> None:
@@ -513,140 +482,6 @@ class PolicyModule(L.LightningModule):
     def on_validation_end(self) -> None:
         self.timer = getattr(self, "_timer_during_training", self.timer)
         self.timer.resume()
-
-
-def _tools_key(tools: Optional[list[dict]]) -> str:
-    """Equal keys for equal tool schemas (a prompt is rendered once per set of tools it is offered)."""
-    return json.dumps(tools, sort_keys=True, default=str)
-
-
-def _prompt_key(prompt: Any, row: int) -> tuple:
-    """Equal keys for equal prompts: text as itself, chat messages as their JSON; a prompt JSON cannot encode
-    exactly gets a key of its own (no sharing for it)."""
-    if isinstance(prompt, str):
-        return ("text", prompt)
-    try:
-        return ("chat", json.dumps(prompt, sort_keys=True))
-    except (TypeError, ValueError):
-        return ("row", row)
-
-
-def _padded_completion_call(
-    module: torch.nn.Module,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    completion_ids: torch.Tensor,
-    completion_mask: torch.Tensor,
-    cache: Any,
-    **kwargs: Any,
-) -> Any:
-    """`module` (the model, or its decoder) on the padded `[prompt, completion]` rows, from the shared-prompt cache
-    when there is one; its output's last T + 1 positions are the last prompt token and the completion."""
-    attention_mask = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1)  # [N, P+T]
-    positions = position_ids_from_mask(attention_mask)
-    T = completion_ids.shape[1]
-    if cache is None:
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [N, P+T]
-    else:  # the cache holds prompt positions 0..P-2; run the last prompt token and the completion on it
-        input_ids = torch.cat([prompt_ids[:, -1:], completion_ids], dim=1)  # [N, 1+T]
-        positions = positions[:, -(T + 1) :]
-    return module(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=positions,
-        past_key_values=cache,
-        use_cache=cache is not None,
-        **kwargs,
-    )
-
-
-def completion_forward(
-    model: torch.nn.Module,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    completion_ids: torch.Tensor,
-    completion_mask: torch.Tensor,
-    synced_ranks: bool = False,
-    padding_free: bool = False,
-) -> torch.Tensor:
-    """Logits that predict each completion token: [N, P] + [N, T] -> [N, T, V].
-
-    Positions come from the attention mask, as in generation, so a left-padded prompt gets the same positions
-    (and the same log-probs) as when it was sampled. Rows that share a prompt share its forward
-    (`lit_rl.modeling.shared_prompts`): each distinct prompt but its last token runs once, and the rows run the rest.
-    `synced_ranks`: parameters are sharded across ranks (`PolicyModule.parameters_sharded`), so the ranks must
-    decide together. `padding_free`: one forward of the rows' real tokens laid end to end (`lit_rl.modeling.packing`;
-    it replaces prompt sharing), with zero logits where `completion_mask` is 0.
-    """
-    if padding_free:
-        return packed_completion_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
-    cache = shared_prompt_cache(model, prompt_ids, prompt_mask, synced_ranks)
-    T = completion_ids.shape[1]
-    out = _padded_completion_call(
-        model, prompt_ids, prompt_mask, completion_ids, completion_mask, cache, logits_to_keep=T + 1
-    )
-    return out.logits[:, :-1]  # [N, T, V]: the logit at position t predicts token t + 1
-
-
-def completion_hidden(
-    model: torch.nn.Module,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    completion_ids: torch.Tensor,
-    completion_mask: torch.Tensor,
-    synced_ranks: bool = False,
-    padding_free: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`completion_forward` stopped before the output head: the decoder's last hidden states [K, H] at the K
-    positions that predict completion tokens (where `completion_mask` is 1), and each one's (row, column) [K]."""
-    if padding_free:
-        return packed_completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
-    cache = shared_prompt_cache(model, prompt_ids, prompt_mask, synced_ranks)
-    out = _padded_completion_call(model.get_decoder(), prompt_ids, prompt_mask, completion_ids, completion_mask, cache)
-    rows, columns = (completion_mask > 0).nonzero(as_tuple=True)  # row by row, as the packed path orders them
-    T = completion_ids.shape[1]
-    return out.last_hidden_state[:, -(T + 1) : -1][rows, columns], rows, columns
-
-
-def completion_scores(
-    model: torch.nn.Module,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    completion_ids: torch.Tensor,
-    completion_mask: torch.Tensor,
-    temperature: float = 1.0,
-    synced_ranks: bool = False,
-    padding_free: bool = False,
-    head_chunk_tokens: Optional[int] = None,
-    extras: tuple[str, ...] = (),
-) -> TokenScores:
-    """Per-token log-probs [N, T] of the completion tokens under `softmax(logits / temperature)`, and the
-    statistics named in `extras` (`lit_rl.modeling.head.EXTRAS`).
-
-    `head_chunk_tokens`: the output head runs on the completion tokens' hidden states that many at a time
-    (`lit_rl.modeling.head`), never building `[N, T, V]` logits; scores are then zero where `completion_mask` is 0.
-    Otherwise from `completion_forward`'s logits.
-    """
-    args = (model, prompt_ids, prompt_mask, completion_ids, completion_mask, synced_ranks, padding_free)
-    if head_chunk_tokens is None:
-        return scores_from_logits(completion_forward(*args), completion_ids, temperature, extras)
-    check_plain_head(model, prompt_ids.device)
-    hidden, rows, columns = completion_hidden(*args)
-    num_chunks = -(-len(rows) // head_chunk_tokens)
-    if synced_ranks:  # every rank calls the sharded head equally often
-        count = torch.tensor(float(num_chunks), device=prompt_ids.device)
-        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
-        num_chunks = int(count)
-    scores = chunked_head_scores(
-        model.get_output_embeddings(),
-        hidden,
-        completion_ids[rows, columns],
-        head_chunk_tokens,
-        temperature,
-        extras,
-        num_chunks=num_chunks,
-    )
-    return scores.scatter(rows, columns, tuple(completion_ids.shape))
 
 
 def refuse_ungrouped_hyperparameters(module: L.LightningModule, saved: dict[str, Any]) -> None:

@@ -167,7 +167,9 @@ class OnPolicyModule(PolicyModule):
     def chosen_producer(self) -> tuple[type[RolloutProducer], dict[str, Any]]:
         """The producer class this run's settings choose, and its arguments (`build_producer`)."""
         env, params = self.env_args, self.sampling_params(training=True)
-        parts = ProducerParts(self, self.engines, self.reward_scorer, params, self.sampling_args.max_new_tokens)
+        parts = ProducerParts(
+            self, self.engines, self.reward_scorer, params, self.sampling_args.max_new_tokens, self.prompt_encoder
+        )
         self.prompt_tools: Optional[list[dict]] = None  # the tools' schemas the prompts are rendered with (chat format)
         self.prompt_routing: Optional[EnvironmentRouting] = None  # several environments: each row's own tools
         if env.enabled:
@@ -283,8 +285,10 @@ class OnPolicyModule(PolicyModule):
         mode = self.rollout_args.correction
         if "correction" not in self.rollout_options:
             return "none"
-        if mode == "auto":
-            return self.auto_correction if self.max_staleness > 0 or self.engines.numerics_differ() else "none"
+        if mode == "auto":  # due when samples lag, or the engine's log-probs can differ from the trainer's by more
+            # than rounding (asked only then: a module without its policy yet cannot tell its dtype)
+            due = self.max_staleness > 0 or self.engine_config.numerics_differ(self.compute_dtype())
+            return self.auto_correction if due else "none"
         return mode
 
     def logs_correction(self) -> bool:

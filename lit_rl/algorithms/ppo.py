@@ -39,7 +39,6 @@ from typing import Iterable, Optional
 import torch
 from torchmetrics import MetricCollection
 
-from lit_rl.algorithms.base import completion_forward
 from lit_rl.algorithms.on_policy import MicroBatchTerms, OnPolicyModule
 from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, RolloutArgs, SamplingArgs, ScheduleArgs, as_args
 from lit_rl.errors import ConfigError
@@ -47,6 +46,7 @@ from lit_rl.loss_config import PPOLoss
 from lit_rl.losses import LossNormalizer, aggregate
 from lit_rl.losses.policy import ppo_clip
 from lit_rl.losses.ppo import clipped_value_loss, gae, masked_moments, moments_to_mean_std, token_rewards, whiten
+from lit_rl.modeling.completions import completion_forward
 from lit_rl.modeling.value_model import ValueModel, load_value_model, reset_value_head
 from lit_rl.training.flops import ModelShape
 from lit_rl.training.metrics import explained_variance, mean, metric_collection, on_policy_training_metrics, total

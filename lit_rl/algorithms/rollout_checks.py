@@ -36,7 +36,7 @@ def check_prompt_lengths(module: OnPolicyModule) -> None:
     context = getattr(module.policy.config, "max_position_embeddings", None)
     if context is None:
         return
-    max_prompt_length = module.max_prompt_length
+    max_prompt_length = module.prompt_encoder.max_length
     budget = module.completion_budget
     budget_key = "env.max_total_tokens" if module.env_args.enabled else "sampling.max_new_tokens"
     tools = module.prompt_tools  # the prompts are rendered with these schemas (chat-format tools)
@@ -61,7 +61,7 @@ def check_prompt_lengths(module: OnPolicyModule) -> None:
             chunk = rows[start : start + 1024]
             prompts = [row["prompt"] if tools is None else chat_prompt(row["prompt"]) for row in chunk]
             row_tools = [tools] * len(chunk) if routing is None else routing.prompt_tools(chunk)
-            texts = [module.format_prompt(p, t) for p, t in zip(prompts, row_tools)]
+            texts = [module.prompt_encoder.format(p, t) for p, t in zip(prompts, row_tools)]
             lengths = [len(ids) for ids in module.tokenizer(texts)["input_ids"]]
             for offset, length in enumerate(lengths):
                 if max_prompt_length is not None:  # with tools: truncation would cut the schemas, at the start

@@ -5,7 +5,8 @@
   rollout schedule), which reads the rows back (`PromptRows`) for the checks it makes before training;
 - `SFTDataModule` and `PreferenceDataModule` feed an algorithm that trains on fixed data (`CountsBatches`: the
   batches it has trained on, checkpointed, from which a resumed loader starts), SFT's regrouped by tokens one that
-  counts a row's tokens as it will tokenize it (`CountsRowTokens`); DPO reads the pairs back (`PreferencePairs`).
+  counts a row's tokens as it will tokenize it (`CountsRowTokens`); DPO reads the pairs back (`PreferencePairs`),
+  which the data module renders with DPO's own prompt encoder (`EncodesPrompts`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from lit_rl.errors import ConfigError
 if TYPE_CHECKING:
     from lit_rl.data.preference import TokenizedPair
     from lit_rl.data.schedule import RolloutSchedule
+    from lit_rl.modeling.prompts import PromptEncoder
 
 
 @runtime_checkable
@@ -38,6 +40,13 @@ class CountsRowTokens(Protocol):
     """An algorithm whose rows a loader regroups by tokens (SFT with `data.micro_batch_tokens`)."""
 
     def row_tokens(self, rows: list[dict[str, Any]]) -> list[int]: ...
+
+
+@runtime_checkable
+class EncodesPrompts(Protocol):
+    """An algorithm whose prompts a data module renders as it does (DPO's pairs: `PreferenceDataModule`)."""
+
+    prompt_encoder: PromptEncoder
 
 
 @runtime_checkable

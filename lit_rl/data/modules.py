@@ -13,7 +13,13 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 
-from lit_rl.data.contracts import CountsBatches, CountsRowTokens, SchedulesRollouts, fed_algorithm
+from lit_rl.data.contracts import (
+    CountsBatches,
+    CountsRowTokens,
+    EncodesPrompts,
+    SchedulesRollouts,
+    fed_algorithm,
+)
 from lit_rl.data.files import Row, load_rows, validate_rows
 from lit_rl.data.preference import ShardedPairBatches, TokenizedPair, tokenize_pairs, with_explicit_prompt
 from lit_rl.data.schedule import RolloutSchedule, RolloutScheduleLoader
@@ -215,9 +221,9 @@ class PreferenceDataModule(PromptDataModule):
 
     def setup(self, stage: Optional[str] = None) -> None:
         super().setup(stage)
-        module = self.trainer.lightning_module
+        prompts = fed_algorithm(self, self.trainer.lightning_module, EncodesPrompts, DPO_ALGORITHMS).prompt_encoder
         tokenize = lambda rows, source: tokenize_pairs(  # noqa: E731
-            rows, module.tokenizer, module.format_prompt, self.max_prompt_length, self.max_length, source
+            rows, prompts.tokenizer, prompts.format, self.max_prompt_length, self.max_length, source
         )
         if not self.train_pairs:
             self.train_pairs = tokenize(self.train_rows, self.train_data)

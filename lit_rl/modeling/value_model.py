@@ -2,7 +2,7 @@
 
 The layout is Hugging Face's token-classification model with one label (`model.*`, the decoder; `score.*`, the
 head), so a trained critic exports as `AutoModelForTokenClassification` (`save_value_model`). It answers the calls
-the policy's forward paths make (`lit_rl.algorithms.base.completion_forward`: padded, shared-prompt and packed)
+the policy's forward paths make (`lit_rl.modeling.completions.completion_forward`: padded, shared-prompt and packed)
 with the values as one-wide "logits": `completion_forward(critic, ...)[..., 0]` is V [N, T] at the positions that
 predict the completion tokens, i.e. the value of the state before each token.
 """

@@ -2,15 +2,12 @@
 on the policy, vLLM colocated or as a server, or a user's engine), given the policy's weights whenever an optimizer
 step changed them, released between rollouts (sleep mode) and closed at the end.
 
-The producer (`lit_rl.rollout.producer`) samples with it; the module asks it where a colocated engine lives and
-whether its numerics differ from the trainer's (`model.rollout.correction: auto`).
+The producer (`lit_rl.rollout.producer`) samples with it; the module asks it where a colocated engine lives.
 """
 
 from __future__ import annotations
 
 from typing import Optional
-
-import torch
 
 from lit_rl.rollout.base import RolloutEngine, SleepingEngine
 from lit_rl.rollout.engine_config import EngineConfig
@@ -74,16 +71,6 @@ class EngineOwner:
         fsdp_root = wrapped if wrapped is not None and is_fsdp_wrapped(wrapped) else None
         settle_zero3_parameters(strategy)
         return policy_weight_stream(self.host.policy, int(bucket_mib * 2**20), fsdp_root)
-
-    def dtype(self) -> Optional[torch.dtype]:
-        """The dtype the engine computes in (None: not known here, as for a server started with its own
-        `--dtype`); HF `generate` samples from the policy itself."""
-        return self.config.engine_dtype(self.host.compute_dtype())
-
-    def numerics_differ(self) -> bool:
-        """Whether the engine's log-probs of a token can differ from the trainer's by more than float32 rounding
-        (`EngineConfig.numerics_differ`: any vLLM engine but one computing in float32 next to a float32 trainer)."""
-        return self.config.numerics_differ(self.host.compute_dtype())
 
     def placement(self) -> EnginePlacement:
         """Where this rank's colocated engine lives and which ranks share it

@@ -19,15 +19,6 @@ class RolloutHost(Protocol):
     timer: Any  # `lit_rl.training.perf.StepTimer`: read at each use (validation swaps it)
     engine_clock: Any  # `lit_rl.training.perf.BusyClock`: the module's, an engine's requests counted on it
 
-    def encode_prompts(
-        self,
-        prompts: list[Any],
-        tools: Optional[list[dict]] = None,
-        per_prompt_tools: Optional[list[list[dict]]] = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Chat-formatted (with the `tools`' schemas, or each prompt's `per_prompt_tools`), tokenised prompts,
-        left-padded: ids [N, P] and mask."""
-
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's `tensor` (Lightning's `all_gather`)."""
 

@@ -28,6 +28,7 @@ from lit_rl.envs.chat_tools import ChatRenderer, chat_prompt
 from lit_rl.envs.runner import EnvCallTimeout, EnvironmentRunner
 from lit_rl.envs.trl_environments import EnvironmentRouting, TRLEnvironment
 from lit_rl.errors import ConfigError, DataError, EnvironmentStepError, LitRLError, RewardFunctionError
+from lit_rl.modeling.prompts import PromptEncoder
 from lit_rl.rewards import TrainerState
 from lit_rl.rewards.scorer import RewardScorer
 from lit_rl.rollout.asynchronous import AsyncGenerations, PendingGeneration, generation_version
@@ -78,6 +79,8 @@ class ProducerParts:
         scorer: the reward functions (`model.rewards`).
         params: how training samples (`SamplingParams` of `model.sampling`).
         max_new_tokens: `model.sampling.max_new_tokens`, the budget of one completion (of one turn, in episodes).
+        prompts: the module's prompt encoder (`lit_rl.modeling.prompts`), so that a prompt is sampled from as the
+            module reads it.
     """
 
     host: RolloutHost
@@ -85,6 +88,7 @@ class ProducerParts:
     scorer: RewardScorer
     params: SamplingParams
     max_new_tokens: int
+    prompts: PromptEncoder
 
 
 log = logging.getLogger(__name__)
@@ -106,6 +110,7 @@ class RolloutProducer:
         self.scorer = parts.scorer
         self.params = parts.params
         self.max_new_tokens = parts.max_new_tokens
+        self.prompts = parts.prompts
 
     # -- what the module reads -------------------------------------------------------------------------------
     @property
@@ -140,7 +145,7 @@ class RolloutProducer:
     ) -> ScoredCompletions:
         """`rows` x `repeat` completions, scored (one seed per completion when `seeds` are given, else drawn from
         the global RNG, as validation samples). The engine gets the current weights first."""
-        prompt_ids, prompt_mask = self.host.encode_prompts([row["prompt"] for row in rows])
+        prompt_ids, prompt_mask = self.prompt_tensors([row["prompt"] for row in rows])
         prompt_ids = prompt_ids.repeat_interleave(repeat, dim=0)  # [N*repeat, P]
         prompt_mask = prompt_mask.repeat_interleave(repeat, dim=0)
         engine = self.engines.engine()  # pushes the policy's weights first when the engine needs them
@@ -149,6 +154,13 @@ class RolloutProducer:
             out = engine.generate(prompt_ids, prompt_mask, params, seeds=seeds)
         timer.count("generated_tokens", float(out.completion_mask.sum()))
         return self.scored(rows, repeat, prompt_ids, prompt_mask, out)
+
+    def prompt_tensors(
+        self, prompts: list[Any], tools: Optional[list[dict]] = None, per_prompt_tools: Optional[list] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`prompts` rendered and tokenised (`PromptEncoder.encode`), ids and mask [N, P] on the module's device."""
+        ids, mask = self.prompts.encode(prompts, tools, per_prompt_tools)
+        return ids.to(self.host.device), mask.to(self.host.device)
 
     def completion_seeds(self, n: int, generation: int) -> list[int]:
         """Sampling seeds of this rank's `n` completions of `generation`: slices of one list for the global batch
@@ -436,10 +448,10 @@ class EpisodeProducer(RolloutProducer):
 
     def encode_prompts(self, rows: list[dict[str, Any]], prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """The episodes' prompts (`start_episodes`'s, one per row of `rows`) rendered with the tools' schemas (each
-        with its environment's, with several by name) and tokenised: `RolloutHost.encode_prompts`."""
+        with its environment's, with several by name) and tokenised (`prompt_tensors`)."""
         if self.routing is None:
-            return self.host.encode_prompts(prompts, self.tool_schemas)
-        return self.host.encode_prompts(prompts, per_prompt_tools=self.routing.prompt_tools(rows))
+            return self.prompt_tensors(prompts, self.tool_schemas)
+        return self.prompt_tensors(prompts, per_prompt_tools=self.routing.prompt_tools(rows))
 
     def encode_observation(self, observation: Any, turn_ids: list[int]) -> list[int]:
         """An observation's ids (`ObservationEncoder`) with the module's tokenizer."""
@@ -579,7 +591,7 @@ class AsyncProducer(SampledAhead, RolloutProducer):
         version v(g)."""
         host = self.host
         version = self.launched_version(generation)
-        prompt_ids, prompt_mask = host.encode_prompts([row["prompt"] for row in rows])
+        prompt_ids, prompt_mask = self.prompt_tensors([row["prompt"] for row in rows])
         engine = self.engine_for_launch()
         with host.timer.phase("weight_push"):  # staging the weights, when this version is new
             self.in_flight.launch(

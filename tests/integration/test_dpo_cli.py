@@ -234,7 +234,7 @@ def _expected_means(rows, ref_path):
 
     module = DPO(ref_model_name_or_path=str(ref_path))
     module.configure_model()
-    pairs = tokenize_pairs(rows, module.tokenizer, module.format_prompt, None, None, "union")
+    pairs = tokenize_pairs(rows, module.tokenizer, module.prompt_encoder.format, None, None, "union")
     batch = collate_pairs(pairs, [1.0] * len(pairs), module.tokenizer.pad_token_id)
     with torch.no_grad():
         logps, _, mean_logits = module.sequence_logps(module.policy, batch)

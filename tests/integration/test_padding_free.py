@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-import lit_rl.algorithms.base as base
+import lit_rl.modeling.completions as completions
 from tests.conftest import FAST_GRPO, assert_rows_match, fit_config, train_rows
 
 pytestmark = pytest.mark.slow
@@ -53,13 +53,13 @@ def _fit(tmp_path, name: str, algorithm: str, *args: str) -> list[dict[str, floa
 def test_padding_free_training_logs_the_padded_runs_numbers(tmp_path, monkeypatch, algorithm):
     padded = _fit(tmp_path, "padded", algorithm)
     packed_calls = []
-    packed_forward = base.packed_completion_forward
+    packed_forward = completions.packed_completion_forward
 
     def counting(*args, **kwargs):
         packed_calls.append(args[3].shape[0])
         return packed_forward(*args, **kwargs)
 
-    monkeypatch.setattr(base, "packed_completion_forward", counting)
+    monkeypatch.setattr(completions, "packed_completion_forward", counting)
     # All sequences in one packed row (the flash-attention layout): the tiny task's sequences are of nearly equal
     # length, so the CPU layout (rows of at most the longest sequence) would mostly hold one sequence per row,
     # and a sequence attending to its neighbours would go unseen. Both layouts are checked in test_packing.py.
@@ -78,13 +78,13 @@ def test_head_chunks_log_the_full_logits_runs_numbers(tmp_path, monkeypatch, alg
     padding-free rows) logs the numbers of the run that builds whole logits."""
     full = _fit(tmp_path, "full", algorithm)
     chunk_calls = []
-    chunked_scores = base.chunked_head_scores
+    chunked_scores = completions.chunked_head_scores
 
     def counting(head, hidden, *args, **kwargs):
         chunk_calls.append(hidden.shape[0])
         return chunked_scores(head, hidden, *args, **kwargs)
 
-    monkeypatch.setattr(base, "chunked_head_scores", counting)
+    monkeypatch.setattr(completions, "chunked_head_scores", counting)
     chunked = _fit(tmp_path, "chunked", algorithm, "--model.policy.head_chunk_tokens", "5")
     assert chunk_calls and max(chunk_calls) > 5, "no forward ran its head in chunks"
     packed = _fit(

@@ -28,7 +28,7 @@ BUCKET_BYTES = 256 * 2**10  # below one decoder layer of the tiny model (1 MiB):
 
 
 def max_logprob_diff(engine, policy, prompt_ids, prompt_mask, params) -> tuple[float, int]:
-    from lit_rl.algorithms.base import completion_scores
+    from lit_rl.modeling.completions import completion_scores
 
     out = engine.generate(prompt_ids, prompt_mask, params)
     trainer = completion_scores(

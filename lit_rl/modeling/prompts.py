@@ -1,0 +1,82 @@
+"""Prompts as the policy reads them: rendered by the tokenizer's chat template (chat messages, with the tools'
+schemas when the model calls tools in its chat format), tokenised, left-padded, and cut to their last
+`max_prompt_length` tokens.
+
+One `PromptEncoder` per run, shared by the module (SFT's prompts, the prompt-length checks) and the rollout
+producers (the prompts they sample from), so both read a prompt the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+import torch
+
+
+class PromptEncoder:
+    """Renders and tokenises prompts with a run's tokenizer.
+
+    Args:
+        tokenizer: the policy's tokenizer (its chat template renders chat prompts).
+        max_length: prompts keep their last that many tokens (None: no limit).
+    """
+
+    def __init__(self, tokenizer: Any, max_length: Optional[int]) -> None:
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+
+    def format(self, prompt: Any, tools: Optional[list[dict]] = None) -> str:
+        """Text prompts pass through; chat messages go through the tokenizer's chat template (with `tools`' JSON
+        schemas, for a model that calls tools in its chat format)."""
+        if isinstance(prompt, str):
+            return prompt
+        return self.tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True)
+
+    def encode(
+        self,
+        prompts: list[Any],
+        tools: Optional[list[dict]] = None,
+        per_prompt_tools: Optional[list[list[dict]]] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded prompt ids and mask [B, P] on the CPU (long prompts keep their end); chat prompts are
+        rendered with `tools`, or each with its own `per_prompt_tools` (TRL's dict of environments: its row's
+        environment's) (`format`).
+
+        Each distinct prompt is rendered and tokenised once (a rollout batch holds every prompt G times)."""
+        tools_of = per_prompt_tools if per_prompt_tools is not None else [tools] * len(prompts)
+        tool_keys = {id(t): _tools_key(t) for t in tools_of}  # each environment's list once
+        keys = [(_prompt_key(p, row), tool_keys[id(t)]) for row, (p, t) in enumerate(zip(prompts, tools_of))]
+        first_of = {}  # key -> the first (prompt, tools) with it
+        for key, prompt, prompt_tools in zip(keys, prompts, tools_of):
+            first_of.setdefault(key, (prompt, prompt_tools))
+        distinct_index = {key: i for i, key in enumerate(first_of)}
+        texts = [self.format(p, t) for p, t in first_of.values()]
+        self.tokenizer.padding_side = "left"
+        self.tokenizer.truncation_side = "left"
+        enc = self.tokenizer(
+            texts,
+            padding=True,
+            truncation=self.max_length is not None,
+            max_length=self.max_length,
+            return_tensors="pt",
+            add_special_tokens=all(isinstance(p, str) for p in prompts),  # a chat template already added them
+        )
+        rows = torch.tensor([distinct_index[key] for key in keys], dtype=torch.long)  # [B] -> distinct prompt
+        return enc["input_ids"][rows], enc["attention_mask"][rows]
+
+
+def _tools_key(tools: Optional[list[dict]]) -> str:
+    """Equal keys for equal tool schemas (a prompt is rendered once per set of tools it is offered)."""
+    return json.dumps(tools, sort_keys=True, default=str)
+
+
+def _prompt_key(prompt: Any, row: int) -> tuple:
+    """Equal keys for equal prompts: text as itself, chat messages as their JSON; a prompt JSON cannot encode
+    exactly gets a key of its own (no sharing for it)."""
+    if isinstance(prompt, str):
+        return ("text", prompt)
+    try:
+        return ("chat", json.dumps(prompt, sort_keys=True))
+    except (TypeError, ValueError):
+        return ("row", row)
