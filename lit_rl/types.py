@@ -6,8 +6,8 @@ T completion tokens (right-padded).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Optional
+from dataclasses import Field, dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -19,39 +19,52 @@ if TYPE_CHECKING:
 EPISODE_STATS = ("turns", "tool_calls", "tool_errors", "env_tokens", "env_timeouts")
 
 
+def prompt_field() -> Any:
+    """A field [N, P] laid out like the prompts (left-padded): ranks exchanging rows widen it on the left."""
+    return field(metadata={"layout": "prompt"})
+
+
+def completion_field(required: bool = False) -> Any:
+    """A field [N, T] laid out like the completions (right-padded): ranks exchanging rows widen it on the right;
+    None until set unless `required`."""
+    metadata = {"layout": "completion"}
+    return field(metadata=metadata) if required else field(default=None, metadata=metadata)
+
+
+def layout(f: Field) -> str:
+    """`prompt`, `completion` (`prompt_field`, `completion_field`), or `row`: one value [N, ...] per sequence."""
+    return f.metadata.get("layout", "row")
+
+
 @dataclass
 class RolloutBatch:
-    """One rank's share of a generation: sampled completions, their scores and everything the loss needs."""
+    """One rank's share of a generation: sampled completions, their scores and everything the loss needs. An
+    algorithm with fields of its own subclasses it beside its loss (`PPOBatch`, `RLOOBatch`) and names the subclass
+    in `OnPolicyModule.batch_type`."""
 
-    prompt_ids: torch.Tensor  # [N, P] long, left-padded
-    prompt_mask: torch.Tensor  # [N, P] long, 1 on real prompt tokens
-    completion_ids: torch.Tensor  # [N, T] long, right-padded
-    completion_mask: torch.Tensor  # [N, T] float, 1 up to and including the first EOS
-    rollout_logprobs: torch.Tensor  # [N, T] float, the engine's log-probs of the sampled tokens
+    prompt_ids: torch.Tensor = prompt_field()  # [N, P] long, left-padded
+    prompt_mask: torch.Tensor = prompt_field()  # [N, P] long, 1 on real prompt tokens
+    completion_ids: torch.Tensor = completion_field(required=True)  # [N, T] long, right-padded
+    completion_mask: torch.Tensor = completion_field(required=True)  # [N, T] float, 1 up to and including the first EOS
+    rollout_logprobs: torch.Tensor = completion_field(required=True)  # [N, T] float, the engine's log-probs
     rewards: torch.Tensor  # [N] float, weighted sum over reward functions
     reward_components: torch.Tensor  # [N, F] float, one column per reward function (unweighted)
     advantages: torch.Tensor  # [N] float (Online DPO: +1 chosen, -1 rejected, 0 both rows of a tied pair)
     group_reward_std: torch.Tensor  # [N] float, std of the rewards of the sequence's group
-    old_logprobs: Optional[torch.Tensor] = None  # [N, T], None when the policy is used on-policy once
-    ref_logprobs: Optional[torch.Tensor] = None  # [N, T], None without a reference model
-    kl: Optional[torch.Tensor] = None  # [N] RLOO: sum_t (old_logprobs - ref_logprobs), the reward penalty's KL
-    advantage_std: Optional[torch.Tensor] = None  # [N] RLOO: std of the generation's advantages, on every row
+    old_logprobs: Optional[torch.Tensor] = completion_field()  # [N, T], None when the policy is used on-policy once
+    ref_logprobs: Optional[torch.Tensor] = completion_field()  # [N, T], None without a reference model
     policy_version: Optional[torch.Tensor] = None  # [N] long, the optimizer steps done by the weights that sampled it
     # In-flight weight updates (`lit_rl.rollout.in_flight`): each token's version [N, T] long (-1 off the model's
     # tokens); `policy_version` is then each row's oldest.
-    token_versions: Optional[torch.Tensor] = None
+    token_versions: Optional[torch.Tensor] = completion_field()
     # Dynamic sampling: the generation's refills and fraction of groups dropped, the same on each of its rows.
     refill_generations: Optional[torch.Tensor] = None  # [N] float
     frac_groups_dropped: Optional[torch.Tensor] = None  # [N] float
     # Multi-turn episodes (`lit_rl.rollout.multi_turn`): 1 on the tokens the model sampled (observations are 0 here,
     # 1 in completion_mask), and the episode statistics (`EPISODE_STATS`: turns, tool calls, tool errors, env tokens,
     # environment steps timed out).
-    sampled_mask: Optional[torch.Tensor] = None  # [N, T] float
+    sampled_mask: Optional[torch.Tensor] = completion_field()  # [N, T] float
     episode_stats: Optional[torch.Tensor] = None  # [N, 5] float
-    # PPO (`lit_rl.losses.ppo`): the critic's values when sampled, GAE advantages and returns, per token.
-    old_values: Optional[torch.Tensor] = None  # [N, T] float
-    token_advantages: Optional[torch.Tensor] = None  # [N, T] float, whitened with `loss.normalize_advantages`
-    returns: Optional[torch.Tensor] = None  # [N, T] float
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -74,7 +87,13 @@ class RolloutBatch:
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Optional[torch.Tensor]]) -> "RolloutBatch":
-        return cls(**state)
+        """The batch `state_dict` saved. A checkpoint of an earlier lit-rl holds every algorithm's fields in one
+        batch: another algorithm's, all None there, are dropped."""
+        names = {f.name for f in fields(cls)}
+        foreign = sorted(name for name, value in state.items() if name not in names and value is not None)
+        if foreign:
+            raise ValueError(f"the checkpoint's rollout buffer has fields {cls.__name__} does not: {foreign}")
+        return cls(**{name: value for name, value in state.items() if name in names})
 
 
 def model_token_mask(batch: RolloutBatch | RolloutOutput) -> torch.Tensor:

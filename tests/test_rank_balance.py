@@ -83,3 +83,35 @@ def test_rows_move_between_ranks_with_every_field_and_only_as_much_padding_as_th
     assert moved.group_reward_std.tolist() == [3.0, 33.0] and moved.reward_components.tolist() == [[1.0], [11.0]]
     assert moved.rollout_logprobs.tolist() == [[-2.0, 0.0], [-12.0, -12.0]]
     assert moved.old_logprobs is None
+
+
+def test_an_algorithms_own_per_token_fields_move_like_the_completions():
+    """PPO's per-token fields live in its own batch type (`PPOBatch`), declared as completion-laid-out: rows moved
+    between ranks widen and trim them as they do the completions, and its per-row KL moves as a row."""
+    from lit_rl.algorithms.ppo import PPOBatch
+
+    def ppo(batch, offset):
+        values = batch.completion_mask * (offset + 1)
+        return PPOBatch(**vars(batch), old_values=values, returns=values * 2, kl=batch.rewards + 0.5)
+
+    rank0 = ppo(_batch([[5, 6], [7]], [[1, 2, 3], [4]], offset=0), 0)
+    rank1 = ppo(_batch([[8, 9, 10], [11]], [[12], [13, 14]], offset=10), 10)
+    local = [padded_fields(batch, 3, 3, pad_id=0) for batch in (rank0, rank1)]
+    gathered = {name: torch.cat([local[0][name], local[1][name]]) for name in local[0]}
+    moved = rows_of(rank0, gathered, [0, 3])
+    assert isinstance(moved, PPOBatch)
+    assert moved.old_values.tolist() == [[1.0, 1.0, 1.0], [11.0, 11.0, 0.0]]  # widened with 0, then trimmed to 3
+    assert moved.returns.tolist() == [[2.0, 2.0, 2.0], [22.0, 22.0, 0.0]]
+    assert moved.kl.tolist() == [0.5, 11.5] and moved.token_advantages is None
+
+
+def test_a_buffer_saved_with_every_algorithms_fields_loads_into_an_algorithms_own_batch():
+    """A checkpoint of an earlier lit-rl keeps one batch with every algorithm's fields: another algorithm's, all
+    None, are dropped on loading; one that holds values is refused, naming it."""
+    from lit_rl.algorithms.rloo import RLOOBatch
+
+    state = {**_batch([[5]], [[1, 2]], offset=0).state_dict(), "old_values": None, "kl": torch.ones(1)}
+    loaded = RLOOBatch.from_state_dict(state)
+    assert loaded.kl.tolist() == [1.0] and loaded.completion_ids.tolist() == [[1, 2]]
+    with pytest.raises(ValueError, match=r"fields RolloutBatch does not: \['kl'\]"):
+        RolloutBatch.from_state_dict(state)

@@ -403,6 +403,7 @@ class OnPolicyModule(PolicyModule):
         )
 
     refill_generations = 0  # the refill generations the loader offers (GRPO's dynamic sampling sets it)
+    batch_type: type[RolloutBatch] = RolloutBatch  # the rollout batch, with the algorithm's own fields
     rollout_options: tuple[str, ...] = ()  # the options of `ROLLOUT_OPTION_TAKERS` this one takes
     auto_correction = "token_truncate"  # what `model.rollout.correction: auto` is when a correction is due
 
@@ -442,7 +443,7 @@ class OnPolicyModule(PolicyModule):
         all_rewards = self.all_gather(rewards).reshape(-1)  # [world*N]
         mine = rank_slice(self.global_rank, len(rewards))  # this rank's rows of all_rewards
         group_std = group_reward_std(all_rewards, G)[mine]
-        batch = RolloutBatch(
+        batch = self.batch_type(
             prompt_ids=scored.prompt_ids,
             prompt_mask=scored.prompt_mask,
             completion_ids=out.completion_ids,
@@ -655,7 +656,7 @@ class OnPolicyModule(PolicyModule):
         mine = per_rank[self.global_rank]
         self._micro_steps_done = state["micro_steps_done"]
         # Kept on CPU here: the module is moved to its device after this hook; training_step moves it.
-        self._buffer = None if mine["buffer"] is None else RolloutBatch.from_state_dict(mine["buffer"])
+        self._buffer = None if mine["buffer"] is None else self.batch_type.from_state_dict(mine["buffer"])
         self._normalizers = [LossNormalizer(**n) for n in mine["normalizers"]]
         set_rng_state(mine["rng"])
         self.producer.load_state_dict(mine.get("pending"))

@@ -34,6 +34,7 @@ The engine's log-probs then weigh the policy term with the rollout correction of
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
@@ -51,7 +52,18 @@ from lit_rl.modeling.value_model import ValueModel, load_value_model, reset_valu
 from lit_rl.training.flops import ModelShape
 from lit_rl.training.metrics import explained_variance, mean, metric_collection, on_policy_training_metrics, total
 from lit_rl.training.strategies import gathered_parameters, hf_zero3_loading, reduce_across_ranks
-from lit_rl.types import RolloutBatch
+from lit_rl.types import RolloutBatch, completion_field
+
+
+@dataclass
+class PPOBatch(RolloutBatch):
+    """PPO's rollout batch: the shared fields, and per token the critic's values, GAE advantages and returns
+    (`lit_rl.losses.ppo`)."""
+
+    kl: Optional[torch.Tensor] = None  # [N] with beta > 0: sum_t (old_logprobs - ref_logprobs), penalised in the reward
+    old_values: Optional[torch.Tensor] = completion_field()  # [N, T] float
+    token_advantages: Optional[torch.Tensor] = completion_field()  # [N, T] float, whitened with normalize_advantages
+    returns: Optional[torch.Tensor] = completion_field()  # [N, T] float
 
 
 class PPO(OnPolicyModule):
@@ -68,6 +80,7 @@ class PPO(OnPolicyModule):
     """
 
     rollout_options = ("correction", "correction_cap")  # the rollout correction of asynchronous rollouts
+    batch_type = PPOBatch
 
     def __init__(
         self,
@@ -123,7 +136,7 @@ class PPO(OnPolicyModule):
         critic = {"params": [p for p in self.critic.parameters() if p.requires_grad], "lr": critic_lr}
         return [*super().optimizer_param_groups(), critic]
 
-    def critic_values(self, mb: RolloutBatch) -> torch.Tensor:
+    def critic_values(self, mb: PPOBatch) -> torch.Tensor:
         """The critic's V(s_t) [N, T] in float32, at the positions that predict each completion token (0 where
         the completion mask is 0), with this run's forward settings (sharding, padding-free)."""
         backward = torch.is_grad_enabled()  # training the critic
@@ -151,7 +164,7 @@ class PPO(OnPolicyModule):
         # The KL penalty is part of the reward, so it needs the sampling policy's log-probs at generation time.
         return self.loss_args.beta != 0.0 or self.policy_moves_after_sampling()
 
-    def finish_rollout(self, batch: RolloutBatch, all_rewards: torch.Tensor, mine: slice) -> None:
+    def finish_rollout(self, batch: PPOBatch, all_rewards: torch.Tensor, mine: slice) -> None:
         args = self.loss_args
         mask = self.loss_mask(batch)  # the model's tokens: every completion token without an environment
         with self.timer.phase("values"):
@@ -174,7 +187,7 @@ class PPO(OnPolicyModule):
 
     # -- training --------------------------------------------------------------------------------------------
     def micro_batch_loss(
-        self, mb: RolloutBatch, terms: MicroBatchTerms, normalizer: LossNormalizer
+        self, mb: PPOBatch, terms: MicroBatchTerms, normalizer: LossNormalizer
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         args, mask = self.loss_args, terms.loss_mask
         policy_per_token, stats = ppo_clip(
@@ -195,7 +208,7 @@ class PPO(OnPolicyModule):
         }
         return policy_loss + args.value_loss_coef * value_loss, stats
 
-    def update_algorithm_metrics(self, mb: RolloutBatch, loss: torch.Tensor, stats: dict[str, torch.Tensor]) -> None:
+    def update_algorithm_metrics(self, mb: PPOBatch, loss: torch.Tensor, stats: dict[str, torch.Tensor]) -> None:
         m, tokens = self.train_metrics, stats["tokens"]
         m["loss"].update(loss.detach())
         m["policy_loss"].update(stats["policy_loss"])

@@ -11,7 +11,8 @@ Lightning's: the checkpoint cadence is exact for any accumulation, `num_iteratio
 
 from __future__ import annotations
 
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Iterable, Optional
 
 import torch
 from torchmetrics import MetricCollection
@@ -26,6 +27,15 @@ from lit_rl.training.metrics import mean, metric_collection, on_policy_training_
 from lit_rl.types import RolloutBatch
 
 
+@dataclass
+class RLOOBatch(RolloutBatch):
+    """RLOO's rollout batch: the shared fields, and per sequence the KL its reward was penalised by and the spread
+    of the generation's advantages."""
+
+    kl: Optional[torch.Tensor] = None  # [N] with beta > 0: sum_t (old_logprobs - ref_logprobs), the penalty's KL
+    advantage_std: Optional[torch.Tensor] = None  # [N] the std of the generation's advantages, on every row
+
+
 class RLOO(OnPolicyModule):
     """REINFORCE Leave-One-Out.
 
@@ -34,6 +44,7 @@ class RLOO(OnPolicyModule):
     """
 
     rollout_options = ("correction", "correction_cap")  # the rollout correction, per sequence
+    batch_type = RLOOBatch
     auto_correction = "sequence_truncate"
 
     def __init__(
@@ -69,7 +80,7 @@ class RLOO(OnPolicyModule):
         # The KL penalty is part of the reward, so it needs the sampling policy's log-probs at generation time.
         return self.loss_args.beta != 0.0 or super().needs_old_logprobs()
 
-    def finish_rollout(self, batch: RolloutBatch, all_rewards: torch.Tensor, mine: slice) -> None:
+    def finish_rollout(self, batch: RLOOBatch, all_rewards: torch.Tensor, mine: slice) -> None:
         args = self.loss_args
         rewards = batch.rewards
         if batch.ref_logprobs is not None:
@@ -82,7 +93,7 @@ class RLOO(OnPolicyModule):
         batch.advantage_std = advantages.std().expand(len(batch)).clone()
 
     def micro_batch_loss(
-        self, mb: RolloutBatch, terms: MicroBatchTerms, normalizer: LossNormalizer
+        self, mb: RLOOBatch, terms: MicroBatchTerms, normalizer: LossNormalizer
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         weights = terms.importance_weights  # [N, T]: the sequence's weight on its tokens
         return rloo_loss(
@@ -96,7 +107,7 @@ class RLOO(OnPolicyModule):
             sequence_weights=None if weights is None else weights.amax(dim=1),
         )
 
-    def update_algorithm_metrics(self, mb: RolloutBatch, loss: torch.Tensor, stats: dict[str, torch.Tensor]) -> None:
+    def update_algorithm_metrics(self, mb: RLOOBatch, loss: torch.Tensor, stats: dict[str, torch.Tensor]) -> None:
         m = self.train_metrics
         m["loss"].update(loss.detach())
         m["clip_ratio"].update(stats["clipped"])

@@ -22,21 +22,10 @@ from typing import Callable
 
 import torch
 
-from lit_rl.types import RolloutBatch
+from lit_rl.types import RolloutBatch, layout
 
-PROMPT_FIELDS = ("prompt_ids", "prompt_mask")  # left-padded: widened on the left
-COMPLETION_FIELDS = (
-    "completion_ids",
-    "completion_mask",
-    "rollout_logprobs",
-    "old_logprobs",
-    "ref_logprobs",
-    "sampled_mask",
-    "old_values",
-    "token_advantages",
-    "returns",
-    "token_versions",
-)
+# What a widened field is filled with where it is not the default (0: masks, log-probs, values).
+FILL = {"completion_ids": "pad", "prompt_ids": "pad", "token_versions": -1}
 
 
 def balanced_assignment(tokens: list[int], world: int) -> list[list[int]]:
@@ -82,11 +71,11 @@ def padded_fields(batch: RolloutBatch, prompt_width: int, completion_width: int,
         value = getattr(batch, f.name)
         if value is None:
             continue
-        if f.name in PROMPT_FIELDS:
-            fill = pad_id if f.name == "prompt_ids" else 0
+        fill = FILL.get(f.name, 0)
+        fill = pad_id if fill == "pad" else fill
+        if layout(f) == "prompt":
             value = torch.nn.functional.pad(value, (prompt_width - value.shape[1], 0), value=fill)
-        elif f.name in COMPLETION_FIELDS:
-            fill = {"completion_ids": pad_id, "token_versions": -1}.get(f.name, 0)
+        elif layout(f) == "completion":
             value = torch.nn.functional.pad(value, (0, completion_width - value.shape[1]), value=fill)
         out[f.name] = value
     return out
@@ -107,11 +96,11 @@ def rows_of(batch: RolloutBatch, gathered: dict, rows: list[int]) -> RolloutBatc
     values = {name: value[index] for name, value in gathered.items()}
     prompt_width = int(values["prompt_mask"].sum(dim=1).max())
     completion_width = int(values["completion_mask"].sum(dim=1).max())
-    for name in PROMPT_FIELDS:
-        values[name] = values[name][:, values[name].shape[1] - prompt_width :]
-    for name in COMPLETION_FIELDS:
-        if name in values:
-            values[name] = values[name][:, :completion_width]
+    for f in fields(batch):
+        if f.name in values and layout(f) == "prompt":
+            values[f.name] = values[f.name][:, values[f.name].shape[1] - prompt_width :]
+        elif f.name in values and layout(f) == "completion":
+            values[f.name] = values[f.name][:, :completion_width]
     return replace(batch, **values)
 
 
