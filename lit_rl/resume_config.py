@@ -14,20 +14,24 @@ checkpoint's hyperparameters are only compared with them, key by key:
   checkpoint's. A resumed `fit` continues the training the checkpoint holds, and changing its objective halfway
   (`beta`, `num_generations`, the reward functions...) is a new run, not a resume.
 - a different algorithm (the checkpoint's class path) stops the run the same way; the path is never imported.
+
+And `load_from_checkpoint` of a lit-rl 0.1 checkpoint, whose flat options a module would silently drop, stops in one
+line (`refuse_ungrouped_hyperparameters`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from pathlib import Path
 from typing import Any, Mapping
 
-from lit_rl.config import GROUP_NAMES, grouped_hparams, own_options, plain_data
+from lit_rl.config import GROUP_NAMES, MOVED_KEYS, grouped_hparams, own_options, plain_data
 from lit_rl.errors import ConfigError
 from lit_rl.rollout.engine_config import EngineConfig, engine_from_config
 
 # What a resumed `fit` may change. The optimizer's rates (the configured ones replace those in the restored
-# optimizer state, see `OptimizedModule.apply_configured_rates`); how a step is cut into micro-batches and run
+# optimizer state, see `PolicyModule.apply_configured_rates`); how a step is cut into micro-batches and run
 # (the same loss and gradient: the accumulation, packing and attention tests prove it); validation's sampling; and
 # how and where rollouts are produced (`model.rollout.engine`: the engine, the server's address, its timeouts).
 # Keys under `model.`; a key names everything below it (`rollout.engine` covers `rollout.engine.server_url`).
@@ -191,3 +195,26 @@ def differences(key: str, this_run: Any, checkpoint: Any) -> list[Difference]:
 def _show(value: Any) -> str:
     text = "null" if value is None else repr(value) if isinstance(value, str) else str(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def refuse_ungrouped_hyperparameters(module: Any, saved: dict[str, Any]) -> None:
+    """`load_from_checkpoint` of a lit-rl 0.1 checkpoint: Lightning passes the constructor only the keys it takes,
+    so the flat 0.1 keys (`temperature`) are dropped and `module` built with its defaults. Where that changed a
+    value, stop in one line that says how to load the checkpoint with its values."""
+    cls = type(module)
+    parameters = inspect.signature(cls.__init__).parameters
+    flat = [key for key in saved if key in MOVED_KEYS and key not in parameters]
+    theirs, mine = grouped_hparams(saved, own_options(cls)), plain_data(dict(module.hparams))
+    lost = sorted(key for key in flat if _field(theirs, MOVED_KEYS[key]) != _field(mine, MOVED_KEYS[key]))
+    if lost:
+        shown = ", ".join(lost[:4]) + (", ..." if len(lost) > 4 else "")
+        raise ConfigError(
+            f"this checkpoint holds lit-rl 0.1's flat options ({shown}), which {cls.__name__} now takes in groups: "
+            f"load it with {cls.__name__}.load_from_checkpoint(path, "
+            "**lit_rl.config.grouped_hparams(torch.load(path, weights_only=False)['hyper_parameters']))"
+        )
+
+
+def _field(hparams: dict[str, Any], place: str) -> Any:
+    group, field = place.split(".")
+    return (hparams.get(group) or {}).get(field)

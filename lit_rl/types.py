@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from lit_rl.errors import ConfigError
+
 if TYPE_CHECKING:
     from lit_rl.rollout.base import RolloutOutput
 
@@ -19,15 +21,21 @@ if TYPE_CHECKING:
 EPISODE_STATS = ("turns", "tool_calls", "tool_errors", "env_tokens", "env_timeouts")
 
 
-def prompt_field() -> Any:
-    """A field [N, P] laid out like the prompts (left-padded): ranks exchanging rows widen it on the left."""
-    return field(metadata={"layout": "prompt"})
+def prompt_field(required: bool = False, fill: float | str = 0) -> Any:
+    """A field [N, P] laid out like the prompts (left-padded): ranks exchanging rows widen it on the left with
+    `fill` (`"pad"`: the tokenizer's pad id). None until set unless `required` (only `RolloutBatch`'s own fields
+    are: a subclass's fields follow them, and must have a default)."""
+    return _laid_out("prompt", required, fill)
 
 
-def completion_field(required: bool = False) -> Any:
-    """A field [N, T] laid out like the completions (right-padded): ranks exchanging rows widen it on the right;
-    None until set unless `required`."""
-    metadata = {"layout": "completion"}
+def completion_field(required: bool = False, fill: float | str = 0) -> Any:
+    """A field [N, T] laid out like the completions (right-padded): ranks exchanging rows widen it on the right
+    with `fill`; None until set unless `required` (as `prompt_field`)."""
+    return _laid_out("completion", required, fill)
+
+
+def _laid_out(layout: str, required: bool, fill: float | str) -> Any:
+    metadata = {"layout": layout, "fill": fill}
     return field(metadata=metadata) if required else field(default=None, metadata=metadata)
 
 
@@ -36,15 +44,21 @@ def layout(f: Field) -> str:
     return f.metadata.get("layout", "row")
 
 
+def fill(f: Field, pad_id: int) -> float:
+    """What a prompt or completion field is widened with."""
+    value = f.metadata.get("fill", 0)
+    return pad_id if value == "pad" else value
+
+
 @dataclass
 class RolloutBatch:
     """One rank's share of a generation: sampled completions, their scores and everything the loss needs. An
     algorithm with fields of its own subclasses it beside its loss (`PPOBatch`, `RLOOBatch`) and names the subclass
     in `OnPolicyModule.batch_type`."""
 
-    prompt_ids: torch.Tensor = prompt_field()  # [N, P] long, left-padded
-    prompt_mask: torch.Tensor = prompt_field()  # [N, P] long, 1 on real prompt tokens
-    completion_ids: torch.Tensor = completion_field(required=True)  # [N, T] long, right-padded
+    prompt_ids: torch.Tensor = prompt_field(required=True, fill="pad")  # [N, P] long, left-padded
+    prompt_mask: torch.Tensor = prompt_field(required=True)  # [N, P] long, 1 on real prompt tokens
+    completion_ids: torch.Tensor = completion_field(required=True, fill="pad")  # [N, T] long, right-padded
     completion_mask: torch.Tensor = completion_field(required=True)  # [N, T] float, 1 up to and including the first EOS
     rollout_logprobs: torch.Tensor = completion_field(required=True)  # [N, T] float, the engine's log-probs
     rewards: torch.Tensor  # [N] float, weighted sum over reward functions
@@ -56,7 +70,7 @@ class RolloutBatch:
     policy_version: Optional[torch.Tensor] = None  # [N] long, the optimizer steps done by the weights that sampled it
     # In-flight weight updates (`lit_rl.rollout.in_flight`): each token's version [N, T] long (-1 off the model's
     # tokens); `policy_version` is then each row's oldest.
-    token_versions: Optional[torch.Tensor] = completion_field()
+    token_versions: Optional[torch.Tensor] = completion_field(fill=-1)
     # Dynamic sampling: the generation's refills and fraction of groups dropped, the same on each of its rows.
     refill_generations: Optional[torch.Tensor] = None  # [N] float
     frac_groups_dropped: Optional[torch.Tensor] = None  # [N] float
@@ -92,7 +106,10 @@ class RolloutBatch:
         names = {f.name for f in fields(cls)}
         foreign = sorted(name for name, value in state.items() if name not in names and value is not None)
         if foreign:
-            raise ValueError(f"the checkpoint's rollout buffer has fields {cls.__name__} does not: {foreign}")
+            raise ConfigError(
+                f"the checkpoint's rollout buffer has fields {cls.__name__} does not: {foreign} (it was written by "
+                "another algorithm: resume it with that algorithm)"
+            )
         return cls(**{name: value for name, value in state.items() if name in names})
 
 

@@ -65,14 +65,15 @@ def test_an_engine_from_outside_the_package_trains_by_its_import_path(tmp_path, 
 
 
 def test_lit_rl_s_engines_are_chosen_by_name_and_keep_their_options():
-    assert GRPO().engine_config == HFGenerate() and GRPO().vllm_config is None
+    assert GRPO().engine_config == HFGenerate() and GRPO().engine_config.vllm is None
     assert RolloutArgs().engine is None and RolloutArgs().engine_config == HFGenerate()
     colocated = GRPO(rollout=RolloutArgs(engine=VLLMColocate(gpu_memory_utilization=0.5)))
-    assert colocated.vllm_config.mode == "colocate" and colocated.vllm_config.gpu_memory_utilization == 0.5
+    vllm = colocated.engine_config.vllm  # the settings lit-rl's vLLM engines share
+    assert vllm.mode == "colocate" and vllm.gpu_memory_utilization == 0.5
     server = VLLMServer(server_url="http://127.0.0.1:9000", transfer=WeightTransfer(method="gloo", port=29600))
     module = GRPO(rollout=RolloutArgs(engine=server, max_staleness=1))
-    assert module.vllm_config.mode == "server" and module.max_staleness == 1
-    assert (module.vllm_config.weight_transfer, module.vllm_config.transfer_port) == ("gloo", 29600)
+    assert module.engine_config.vllm.mode == "server" and module.max_staleness == 1
+    assert (module.engine_config.vllm.weight_transfer, module.engine_config.vllm.transfer_port) == ("gloo", 29600)
 
 
 def test_a_checkpoint_keeps_the_choice_as_data_and_imports_no_code_from_it():

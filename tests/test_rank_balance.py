@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from lit_rl.errors import ConfigError
 from lit_rl.training.rank_balance import balanced_assignment, balanced_rows, padded_fields, rows_of
 from lit_rl.types import RolloutBatch
 
@@ -113,5 +114,5 @@ def test_a_buffer_saved_with_every_algorithms_fields_loads_into_an_algorithms_ow
     state = {**_batch([[5]], [[1, 2]], offset=0).state_dict(), "old_values": None, "kl": torch.ones(1)}
     loaded = RLOOBatch.from_state_dict(state)
     assert loaded.kl.tolist() == [1.0] and loaded.completion_ids.tolist() == [[1, 2]]
-    with pytest.raises(ValueError, match=r"fields RolloutBatch does not: \['kl'\]"):
+    with pytest.raises(ConfigError, match=r"fields RolloutBatch does not: \['kl'\]"):
         RolloutBatch.from_state_dict(state)

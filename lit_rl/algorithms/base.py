@@ -6,19 +6,17 @@ tokenizer, the optimizer, and the rule for logging a MetricCollection once per o
 
 from __future__ import annotations
 
-import inspect
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torchmetrics import MetricCollection
 
-from lit_rl.config import MOVED_KEYS, OptimArgs, PolicyArgs, as_args, grouped_hparams, own_options, plain_data
+from lit_rl.config import OptimArgs, PolicyArgs, as_args, grouped_hparams, plain_data
 from lit_rl.errors import ConfigError
 from lit_rl.modeling.completions import completion_scores
 from lit_rl.modeling.head import TokenScores
@@ -34,12 +32,12 @@ from lit_rl.modeling.models import load_causal_lm, load_tokenizer
 from lit_rl.modeling.prompts import PromptEncoder
 from lit_rl.numerics import settle_cpu_math_kernels
 from lit_rl.resume import say
-from lit_rl.resume_config import announce, reconcile
+from lit_rl.resume_config import announce, reconcile, refuse_ungrouped_hyperparameters
 from lit_rl.training.compat import mark_step_saved
 from lit_rl.training.flops import ModelShape, RunThroughput, device_peak, precision_advice, row_tokens_and_keys
-from lit_rl.training.gradients import clip_grad_norm_
+from lit_rl.training.gradients import clip_gradients
 from lit_rl.training.metrics import compute_collection
-from lit_rl.training.perf import BusyClock, StepTimer
+from lit_rl.training.perf import BusyClock, StepTimer, step_perf
 from lit_rl.training.strategies import gathered_parameters, hf_zero3_loading, shards_parameters
 
 
@@ -359,35 +357,7 @@ class PolicyModule(L.LightningModule):
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
     ) -> None:
-        # Without a loss scaler (fp32, bf16-true, 16-true, bf16-mixed) the gradients are clipped here: by norm with
-        # `lit_rl.training.gradients.clip_grad_norm_`, torch's without the multiply on steps under the cap. Under
-        # bf16-mixed that also sidesteps Lightning's refusal to clip for a fused optimizer (which it makes in case
-        # the optimizer unscales fp16 gradients itself; bf16 has nothing to unscale). fp16 mixed precision (a
-        # scaler to unscale first) and DeepSpeed (which clips inside its engine) keep Lightning's path. A value
-        # <= 0 clips nothing, as in Lightning.
-        # Lightning's FSDP plugin refuses norm clipping: the norm is over every rank's shards, which the FSDP root
-        # module's `clip_grad_norm_` computes (torch's function does for FSDP2's DTensor parameters).
-        if gradient_clip_val is None or gradient_clip_val <= 0:
-            return
-        if isinstance(self.trainer.strategy, FSDPStrategy) and gradient_clip_algorithm != "value":
-            root = self.trainer.strategy.model
-            if hasattr(root, "clip_grad_norm_"):
-                root.clip_grad_norm_(gradient_clip_val)
-            else:
-                torch.nn.utils.clip_grad_norm_(list(root.parameters()), gradient_clip_val)
-            return
-        plugin = self.trainer.precision_plugin
-        unscaled = type(plugin) in (Precision, HalfPrecision) or (
-            isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed"
-        )
-        if unscaled:
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            if gradient_clip_algorithm == "value":
-                torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
-            else:
-                clip_grad_norm_(params, gradient_clip_val)  # torch's, without the multiply when under the cap
-            return
-        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)  # fp16's scaler; DeepSpeed's own
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)  # lit_rl.training.gradients
 
     def parameters_sharded(self) -> bool:
         """Whether every forward gathers the parameters from all ranks (ZeRO-3, FSDP on several ranks): then all
@@ -444,29 +414,9 @@ class PolicyModule(L.LightningModule):
             self.timer.count("update_flops", flops)
 
     def log_timings(self) -> None:
-        """Log the step's `perf/` timings and peak memory (call once per optimizer step): the slowest rank's, since
-        the step waits for it; and its model FLOP rate over all ranks, `perf/tflops`, and `perf/mfu`, that rate
-        over the peak of the ranks' devices (`lit_rl.training.flops`); `perf/update_mfu`, the same for the update
-        alone: the forward and backward FLOPs of the passes that train (the policy's; PPO's critic's too) over
-        `perf/policy_update_s`; with an engine that counts its requests (the vLLM server's), `perf/engine_idle_share`,
-        the share of the step without a generation request outstanding. One collective for all of them."""
-        # This rank's; `summary` starts the next step's counts.
-        flops, update_flops = self.timer.counters["model_flops"], self.timer.counters["update_flops"]
-        timings = self.timer.summary()
-        values = torch.tensor([*timings.values(), flops, update_flops], dtype=torch.float64, device=self.device)
-        if self.trainer.world_size > 1:
-            values = self.all_gather(values)  # [world, K]: the slowest rank's timings, every rank's FLOPs
-            values = torch.cat([values[:, :-2].max(dim=0).values, values[:, -2:].sum(dim=0)])
-        *slowest, flops, update_flops = values.tolist()
-        timings = dict(zip(timings, slowest))
-        if "perf/engine_busy_s" in timings and timings["perf/step_s"] > 0:  # the share of the step it waited
-            timings["perf/engine_idle_share"] = max(0.0, 1.0 - timings["perf/engine_busy_s"] / timings["perf/step_s"])
-        self.throughput.add(timings["perf/step_s"], flops, timings.get("perf/engine_start_s", 0.0))
-        timings["perf/tflops"], mfu = self.throughput.rates(timings["perf/step_s"], flops)
-        if mfu is not None:
-            timings["perf/mfu"] = mfu
-            timings["perf/update_mfu"] = self.throughput.rates(timings["perf/policy_update_s"], update_flops)[1]
-        for name, value in timings.items():
+        """Log the step's `perf/` metrics (`lit_rl.training.perf.step_perf`; call once per optimizer step)."""
+        gather = self.all_gather if self.trainer.world_size > 1 else None
+        for name, value in step_perf(self.timer, self.throughput, gather, self.device).items():
             self.log(name, value, on_step=True, on_epoch=False, batch_size=1)
 
     def start_step_clock(self) -> None:
@@ -482,26 +432,3 @@ class PolicyModule(L.LightningModule):
     def on_validation_end(self) -> None:
         self.timer = getattr(self, "_timer_during_training", self.timer)
         self.timer.resume()
-
-
-def refuse_ungrouped_hyperparameters(module: L.LightningModule, saved: dict[str, Any]) -> None:
-    """`load_from_checkpoint` of a lit-rl 0.1 checkpoint: Lightning passes the constructor only the keys it takes,
-    so the flat 0.1 keys (`temperature`) are dropped and `module` built with its defaults. Where that changed a
-    value, stop in one line that says how to load the checkpoint with its values."""
-    cls = type(module)
-    parameters = inspect.signature(cls.__init__).parameters
-    flat = [key for key in saved if key in MOVED_KEYS and key not in parameters]
-    theirs, mine = grouped_hparams(saved, own_options(cls)), plain_data(dict(module.hparams))
-    lost = sorted(key for key in flat if _field(theirs, MOVED_KEYS[key]) != _field(mine, MOVED_KEYS[key]))
-    if lost:
-        shown = ", ".join(lost[:4]) + (", ..." if len(lost) > 4 else "")
-        raise ConfigError(
-            f"this checkpoint holds lit-rl 0.1's flat options ({shown}), which {cls.__name__} now takes in groups: "
-            f"load it with {cls.__name__}.load_from_checkpoint(path, "
-            "**lit_rl.config.grouped_hparams(torch.load(path, weights_only=False)['hyper_parameters']))"
-        )
-
-
-def _field(hparams: dict[str, Any], place: str) -> Any:
-    group, field = place.split(".")
-    return (hparams.get(group) or {}).get(field)

@@ -30,7 +30,7 @@ from lit_rl.losses.advantages import advantage_function
 from lit_rl.losses.overlong import overlong_penalty, truncated
 from lit_rl.losses.policy import policy_loss_function
 from lit_rl.rollout import RolloutOutput
-from lit_rl.rollout.dynamic_sampling import ZERO_STD
+from lit_rl.rollout.dynamic_sampling import ZERO_STD, DynamicSampling
 from lit_rl.rollout.engines.hf import model_eos_token_ids
 from lit_rl.training.metrics import mean, metric_collection, on_policy_training_metrics
 from lit_rl.types import RolloutBatch, model_token_mask
@@ -70,8 +70,8 @@ class GRPO(OnPolicyModule):
         if rollout.dynamic_sampling:
             metrics.add_metrics(dynamic_sampling_metrics())
         self.train_metrics = self.rollout_train_metrics(metrics)
-        if rollout.dynamic_sampling:
-            self.dynamic_sampling()
+        if rollout.dynamic_sampling:  # DAPO's group filter around the producer, judging the shaped rewards
+            self.producer = DynamicSampling(self.producer, self.sampling_args.num_generations, self.shape_rewards)
             self.refill_generations = rollout.max_refill_generations  # the refill generations the loader offers
         self.val_metrics = self.rollout_val_metrics()
 

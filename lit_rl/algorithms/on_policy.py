@@ -12,11 +12,12 @@ more than one rank the step's completions are first dealt so that the ranks' tok
 
 A subclass provides `finish_rollout` (advantages, or pairs), `micro_batch_loss` and its metric collection.
 
-The completions come from the module's producer (`lit_rl.rollout.producer`), which owns the engine, the reward
-scoring and the environments: the module asks it for generation g at the generation's first micro-step. With
-`max_staleness = k > 0` the producer samples generations ahead, in the background (`lit_rl.rollout.asynchronous`:
-the schedule, the staleness contract and what a checkpoint keeps): the module launches them when the loader says
-so; the old log-probs are then the current policy's, and the rollout correction weighs them against the engine's.
+The completions come from the module's producer (`lit_rl.rollout.producer`, chosen by `lit_rl.rollout.choice`),
+which owns the engine, the reward scoring and the environments: the module asks it for generation g at the
+generation's first micro-step. With `max_staleness = k > 0` the producer samples generations ahead, in the
+background (`lit_rl.rollout.asynchronous`: the schedule, the staleness contract and what a checkpoint keeps): the
+module launches them when the loader says so; the old log-probs are then the current policy's, and the rollout
+correction weighs them against the engine's.
 """
 
 from __future__ import annotations
@@ -33,32 +34,14 @@ from lit_rl.algorithms.rng import rng_state, set_rng_state
 from lit_rl.algorithms.rollout_checks import check_prompt_lengths
 from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, RolloutArgs, SamplingArgs, ScheduleArgs, as_args
 from lit_rl.data.schedule import RolloutSchedule
-from lit_rl.envs import environment_factory
-from lit_rl.envs.chat_tools import (
-    OTHER,
-    RESPONSE_TEMPLATE,
-    TRLS_RESPONSE_TEMPLATE,
-    TemplateCalls,
-    template_tool_support,
-    trls_response_template,
-)
-from lit_rl.envs.runner import EnvironmentRunner
-from lit_rl.envs.trl_environments import EnvironmentRouting
 from lit_rl.errors import ConfigError
-from lit_rl.importing import import_callable
 from lit_rl.losses import LossNormalizer, rollout_is_weights
-from lit_rl.ops import kl_k3
-from lit_rl.resume import say
 from lit_rl.rewards.scorer import RewardScorer
 from lit_rl.rollout import RolloutOutput, SamplingParams
-from lit_rl.rollout.async_episodes import AsyncEpisodeProducer
 from lit_rl.rollout.asynchronous import generations_launched_at
-from lit_rl.rollout.dynamic_sampling import DynamicSampling
+from lit_rl.rollout.choice import choose_producer
 from lit_rl.rollout.engine_owner import EngineOwner
-from lit_rl.rollout.in_flight import EXPERIMENTAL as IN_FLIGHT_EXPERIMENTAL
 from lit_rl.rollout.producer import (
-    AsyncProducer,
-    EpisodeProducer,
     ProducerParts,
     RolloutProducer,
     ScoredCompletions,
@@ -70,6 +53,7 @@ from lit_rl.training.metrics import (
     rollout_eval_metrics,
     token_budget_metrics,
     update_episode_metrics,
+    update_on_policy_metrics,
     update_rollout_metrics,
 )
 from lit_rl.training.strategies import is_accumulating_micro_batch
@@ -127,104 +111,23 @@ class OnPolicyModule(PolicyModule):
         rollout.check_taken_by(type(self).__name__, frozenset(self.rollout_options))
         super().__init__(policy, optim, max_prompt_length=sampling.max_prompt_length)
         self.engine_config = rollout.engine_config
-        self.vllm_config = self.engine_config.vllm  # lit-rl's vLLM engines' settings; None for any other engine
         self.max_staleness = rollout.max_staleness
         self.in_flight_updates = rollout.in_flight_updates
         # The parts: plain objects, never nn.Module attributes nor hyperparameters.
         self.reward_scorer = RewardScorer(rewards)  # the reward functions and their weights
         self.engines = EngineOwner(self.engine_config, self)
-        self.producer = self.build_producer()
+        params, encoder = self.sampling_params(training=True), self.prompt_encoder
+        parts = ProducerParts(self, self.engines, self.reward_scorer, params, sampling.max_new_tokens, encoder)
+        # Where the rollouts come from (`lit_rl.rollout.choice`), and how the prompts are rendered (for the checks).
+        choice = choose_producer(parts, env, rollout, self.tokenizer, self.optimizer_steps_per_generation)
+        self.producer: RolloutProducer = choice.producer
+        self.prompt_tools, self.prompt_routing = choice.prompt_tools, choice.prompt_routing
         # The most tokens one completion can hold: `max_new_tokens`, or with an environment the transcript's
         # (`model.env.max_total_tokens`). Fixed by the producer: kept here, so that no hook asks for it.
         self.completion_budget: int = self.producer.completion_budget
         self._micro_steps_done = 0
         self._buffer: Optional[RolloutBatch] = None
         self._normalizers: list[LossNormalizer] = []
-
-    def build_producer(self) -> RolloutProducer:
-        """Where this run's rollouts come from (`lit_rl.rollout.producer`): episodes with `model.env`, generations
-        sampled ahead with `model.rollout.max_staleness > 0`, else each generation when its first micro-step comes;
-        or a subclass of that producer named by `model.rollout.producer`, built with the same arguments."""
-        chosen, args = self.chosen_producer()
-        path = self.rollout_args.producer
-        if path is None:
-            return chosen(**args)
-        try:
-            cls = import_callable(path, "model.rollout.producer")
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
-        choices = (RolloutProducer, EpisodeProducer, AsyncProducer, AsyncEpisodeProducer)
-        # The chosen class itself, or a subclass of yours: not one of lit-rl's others, built with other arguments.
-        narrower = [other for other in choices if other is not chosen and issubclass(other, chosen)]
-        if not (isinstance(cls, type) and issubclass(cls, chosen) and not issubclass(cls, tuple(narrower) or ())):
-            raise ConfigError(
-                f"model.rollout.producer {path!r} must be a subclass of {chosen.__module__}.{chosen.__qualname__}, "
-                "the producer this run's settings choose (model.env, model.rollout.max_staleness), built with its "
-                "arguments"
-            )
-        return cls(**args)
-
-    def chosen_producer(self) -> tuple[type[RolloutProducer], dict[str, Any]]:
-        """The producer class this run's settings choose, and its arguments (`build_producer`)."""
-        env, params = self.env_args, self.sampling_params(training=True)
-        parts = ProducerParts(
-            self, self.engines, self.reward_scorer, params, self.sampling_args.max_new_tokens, self.prompt_encoder
-        )
-        self.prompt_tools: Optional[list[dict]] = None  # the tools' schemas the prompts are rendered with (chat format)
-        self.prompt_routing: Optional[EnvironmentRouting] = None  # several environments: each row's own tools
-        if env.enabled:
-            support = template_tool_support(self.tokenizer)
-            # A format lit-rl does not read, a template TRL knows: read as TRL's GRPOTrainer reads it.
-            trls = trls_response_template(self.tokenizer) if support == OTHER and env.tool_format != "tags" else None
-            if trls is not None:
-                support = RESPONSE_TEMPLATE
-            spec = environment_factory(
-                env.environment,
-                env.environment_args,
-                env.tools,
-                env.tool_format,
-                support,
-                TemplateCalls.of(self.tokenizer, trls) if support == RESPONSE_TEMPLATE else None,
-            )
-            self.prompt_tools, self.prompt_routing = spec.tool_schemas, spec.routing
-            if trls is not None and spec.raw_turns:
-                say(TRLS_RESPONSE_TEMPLATE)
-            episode_args = dict(
-                parts=parts,
-                env_factory=spec.factory,
-                env_reward_names=spec.reward_names,
-                max_turns=env.max_turns,
-                max_total_tokens=env.max_total_tokens,
-                runner=EnvironmentRunner(env.concurrency, env.step_timeout_s),
-                tool_schemas=spec.tool_schemas,
-                independent_turns=env.independent_turns,
-                raw_turns=spec.raw_turns,
-                routing=spec.routing,
-                ready_batches=env.ready_batches,
-            )
-            if self.max_staleness == 0:
-                return EpisodeProducer, episode_args
-            if self.in_flight_updates:
-                say(IN_FLIGHT_EXPERIMENTAL)  # until its accuracy is fixed (lit_rl.rollout.in_flight)
-            steps = self.optimizer_steps_per_generation
-            asynchronous = dict(
-                steps_per_generation=steps, max_staleness=self.max_staleness, in_flight_updates=self.in_flight_updates
-            )
-            return AsyncEpisodeProducer, {**episode_args, **asynchronous}
-        if self.in_flight_updates:
-            raise ConfigError(
-                "model.rollout.in_flight_updates needs model.env: weights change between an episode's turns, and a "
-                "single completion is one turn (without model.env, max_staleness alone bounds its lag)"
-            )
-        if self.max_staleness > 0:
-            steps = self.optimizer_steps_per_generation
-            return AsyncProducer, dict(parts=parts, steps_per_generation=steps, max_staleness=self.max_staleness)
-        return RolloutProducer, dict(parts=parts)
-
-    def dynamic_sampling(self) -> None:
-        """Wrap the producer in DAPO's dynamic sampling (`lit_rl.rollout.dynamic_sampling`), judging groups on the
-        rewards after `shape_rewards`."""
-        self.producer = DynamicSampling(self.producer, self.sampling_args.num_generations, self.shape_rewards)
 
     @property
     def reward_names(self) -> list[str]:
@@ -535,7 +438,15 @@ class OnPolicyModule(PolicyModule):
             if self.micro_batch_tokens is not None:
                 self.train_metrics["micro_batch_tokens/max"].update(mb.prompt_mask.sum() + mb.completion_mask.sum())
             first_pass = generation_micro_step < micro_batches
-            self._update_common_metrics(mb, scores.entropy, logprobs if first_pass else None)
+            update_on_policy_metrics(
+                self.train_metrics,
+                self.reward_names,
+                mb,
+                scores.entropy,
+                fresh_logprobs=logprobs if first_pass else None,
+                global_step=self.trainer.global_step,
+                max_lag=self.max_staleness_lag if self.max_staleness > 0 else None,
+            )
             self.update_algorithm_metrics(mb, loss, stats)
         if self.micro_batch_tokens is not None and index % self.accumulate == 0:  # the step's first micro-step
             # The tokens of this rank's rows of the step, into the per-step max and min (synced over ranks: the
@@ -564,36 +475,6 @@ class OnPolicyModule(PolicyModule):
     def on_validation_start(self) -> None:
         super().on_validation_start()
         self.producer.before_validation()  # asynchronous: the generations in flight finish first
-
-    def _update_common_metrics(
-        self, mb: RolloutBatch, entropy: torch.Tensor, fresh_logprobs: Optional[torch.Tensor]
-    ) -> None:
-        m = self.train_metrics
-        model_tokens = model_token_mask(mb)
-        tokens = model_tokens > 0  # [n, T]: observation tokens count in no token metric
-        if self.max_staleness > 0:
-            staleness = (self.trainer.global_step - mb.policy_version).float()  # [n] optimizer steps
-            m["staleness/mean"].update(staleness)
-            m["staleness/max"].update(staleness)
-            for lag in range(self.max_staleness_lag + 1):  # the histogram: each sample counts in one share
-                m[f"staleness/share_{lag}"].update((staleness == lag).float())
-        if mb.token_versions is not None:  # in-flight updates: each model token by the version that sampled it
-            m["staleness/token_mean"].update((self.trainer.global_step - mb.token_versions[tokens]).float())
-        components = mb.reward_components
-        update_rollout_metrics(m, self.reward_names, mb.rewards, components, model_tokens, mb.group_reward_std)
-        update_episode_metrics(m, mb.episode_stats)
-        m["entropy"].update(entropy[tokens])
-        # Compare the engine's log-probs with the trainer's at the same weights: the old log-probs when they
-        # were computed at generation time, else this (first, on-policy) pass.
-        trainer_logprobs = mb.old_logprobs if mb.old_logprobs is not None else fresh_logprobs
-        if trainer_logprobs is not None:
-            log_ratio = (trainer_logprobs.detach() - mb.rollout_logprobs)[tokens]
-            m["rollout_logprob_diff/mean"].update(log_ratio.abs())
-            m["rollout_logprob_diff/max"].update(log_ratio.abs())
-            m["rollout_kl"].update(kl_k3(mb.rollout_logprobs[tokens], trainer_logprobs.detach()[tokens]))
-            ratio = torch.exp(log_ratio)
-            for stat in ("min", "mean", "max"):
-                m[f"rollout_is_ratio/{stat}"].update(ratio)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Once per optimizer step, after every micro-batch of the window has run its backward.

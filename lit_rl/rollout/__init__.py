@@ -5,7 +5,8 @@
 - `server/`: the trainer's side of vLLM servers (client, pool, weight transports); imports no vLLM.
 - `in_server/`: code that runs inside a vLLM server (the gloo weight-transfer engine).
 - `producer.py`: the one interface a module asks for a generation (synchronous, episodes, asynchronous), owning
-  the engine (`engine_owner.py`) and the reward scoring; `host.py` what it uses of the module; `asynchronous.py`
+  the engine (`engine_owner.py`) and the reward scoring; `choice.py` which producer a run's settings choose;
+  `host.py` what it uses of the module; `asynchronous.py`
   (the staleness schedule), `multi_turn.py` (episodes), `dynamic_sampling.py` (DAPO's refills, a producer around
   another): how a generation is produced; `weights.py` streams the policy's weights, a bucket at a time.
 """

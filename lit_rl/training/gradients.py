@@ -1,12 +1,15 @@
-"""The global gradient norm, computed once per step for the non-finite guard and for clipping, and clipping by it
-that leaves the gradients alone when they are already within the cap."""
+"""The global gradient norm, computed once per step for the non-finite guard and for clipping, clipping by it that
+leaves the gradients alone when they are already within the cap, and the clipping rule of every lit-rl module under
+each strategy and precision (`clip_gradients`)."""
 
 from __future__ import annotations
 
 import weakref
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.strategies import FSDPStrategy
 
 from lit_rl.training.compat import version_counter
 
@@ -57,3 +60,39 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> None:
     coefficient = max_norm / (norm + 1e-6)  # torch's, before its clamp at 1
     if not bool(coefficient >= 1):  # a NaN norm multiplies too: torch makes every gradient NaN then
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+
+
+def clip_gradients(
+    module: Any, optimizer: torch.optim.Optimizer, value: Optional[float], algorithm: Optional[str]
+) -> None:
+    """`configure_gradient_clipping` of every lit-rl module (`module`: the LightningModule, with its trainer): clip
+    the gradients of `optimizer`'s parameters to `value` by `algorithm` (`norm` or `value`), as below."""
+    # Without a loss scaler (fp32, bf16-true, 16-true, bf16-mixed) the gradients are clipped here: by norm with
+    # `clip_grad_norm_` above, torch's without the multiply on steps under the cap. Under
+    # bf16-mixed that also sidesteps Lightning's refusal to clip for a fused optimizer (which it makes in case
+    # the optimizer unscales fp16 gradients itself; bf16 has nothing to unscale). fp16 mixed precision (a
+    # scaler to unscale first) and DeepSpeed (which clips inside its engine) keep Lightning's path. A value
+    # <= 0 clips nothing, as in Lightning.
+    # Lightning's FSDP plugin refuses norm clipping: the norm is over every rank's shards, which the FSDP root
+    # module's `clip_grad_norm_` computes (torch's function does for FSDP2's DTensor parameters).
+    if value is None or value <= 0:
+        return
+    if isinstance(module.trainer.strategy, FSDPStrategy) and algorithm != "value":
+        root = module.trainer.strategy.model
+        if hasattr(root, "clip_grad_norm_"):
+            root.clip_grad_norm_(value)
+        else:
+            torch.nn.utils.clip_grad_norm_(list(root.parameters()), value)
+        return
+    plugin = module.trainer.precision_plugin
+    unscaled = type(plugin) in (Precision, HalfPrecision) or (
+        isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed"
+    )
+    if unscaled:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if algorithm == "value":
+            torch.nn.utils.clip_grad_value_(params, value)
+        else:
+            clip_grad_norm_(params, value)  # torch's, without the multiply when under the cap
+        return
+    module.clip_gradients(optimizer, value, algorithm)  # fp16's scaler; DeepSpeed's own

@@ -23,8 +23,9 @@ import torch
 from torchmetrics import ExplainedVariance, MaxMetric, MeanMetric, Metric, MetricCollection, MinMetric, SumMetric
 from torchmetrics.utilities.data import dim_zero_max, dim_zero_min, dim_zero_sum
 
+from lit_rl.ops import kl_k3
 from lit_rl.training.compat import state_reductions
-from lit_rl.types import EPISODE_STATS
+from lit_rl.types import EPISODE_STATS, RolloutBatch, model_token_mask
 
 LOCAL = {"sync_on_compute": False}  # `compute_collection` syncs; `compute()` alone must not (see the docstring)
 
@@ -243,3 +244,42 @@ def update_episode_metrics(metrics: Any, stats: Optional[torch.Tensor], weight: 
     weight = torch.ones_like(stats[:, 0]) if weight is None else weight
     for column, name in enumerate(EPISODE_STATS):
         metrics[name].update(stats[:, column], weight)
+
+
+def update_on_policy_metrics(
+    metrics: Any,
+    reward_names: list[str],
+    mb: RolloutBatch,
+    entropy: torch.Tensor,
+    fresh_logprobs: Optional[torch.Tensor],
+    global_step: int,
+    max_lag: Optional[int],
+) -> None:
+    """Update the training metrics every on-policy algorithm logs (`on_policy_training_metrics`, and those of
+    asynchronous rollouts and episodes) with a micro-batch `mb`: its rewards, episodes and entropy; the engine's
+    log-probs against the trainer's at the same weights (`mb.old_logprobs` when computed at generation time, else
+    `fresh_logprobs`, this first on-policy pass's; None on later passes); with asynchronous rollouts (`max_lag`, the
+    stalest lag a sample can have; None: synchronous) each sample's staleness at optimizer step `global_step + 1`."""
+    m = metrics
+    model_tokens = model_token_mask(mb)
+    tokens = model_tokens > 0  # [n, T]: observation tokens count in no token metric
+    if max_lag is not None:
+        staleness = (global_step - mb.policy_version).float()  # [n] optimizer steps
+        m["staleness/mean"].update(staleness)
+        m["staleness/max"].update(staleness)
+        for lag in range(max_lag + 1):  # the histogram: each sample counts in one share
+            m[f"staleness/share_{lag}"].update((staleness == lag).float())
+    if mb.token_versions is not None:  # in-flight updates: each model token by the version that sampled it
+        m["staleness/token_mean"].update((global_step - mb.token_versions[tokens]).float())
+    update_rollout_metrics(m, reward_names, mb.rewards, mb.reward_components, model_tokens, mb.group_reward_std)
+    update_episode_metrics(m, mb.episode_stats)
+    m["entropy"].update(entropy[tokens])
+    trainer_logprobs = mb.old_logprobs if mb.old_logprobs is not None else fresh_logprobs
+    if trainer_logprobs is not None:
+        log_ratio = (trainer_logprobs.detach() - mb.rollout_logprobs)[tokens]
+        m["rollout_logprob_diff/mean"].update(log_ratio.abs())
+        m["rollout_logprob_diff/max"].update(log_ratio.abs())
+        m["rollout_kl"].update(kl_k3(mb.rollout_logprobs[tokens], trainer_logprobs.detach()[tokens]))
+        ratio = torch.exp(log_ratio)
+        for stat in ("min", "mean", "max"):
+            m[f"rollout_is_ratio/{stat}"].update(ratio)

@@ -6,9 +6,12 @@ import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from lit_rl.training.flops import RunThroughput
 
 # The phases of a rollout step, in order; logged as `perf/<phase>_s` on every step. `engine_wake` (vLLM sleep
 # mode) happens inside the push and the generation and is not counted in them; `engine_sleep` follows them.
@@ -139,3 +142,34 @@ def peak_memory_mib(device: Optional[torch.device] = None) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def step_perf(
+    timer: StepTimer,
+    throughput: RunThroughput,
+    gather: Optional[Callable[[torch.Tensor], torch.Tensor]],
+    device: torch.device,
+) -> dict[str, float]:
+    """The step's `perf/` metrics, from this rank's `timer` (whose `summary` starts the next step's counts) and,
+    with `gather` (all_gather, on several ranks), every rank's, in one collective: the slowest rank's timings and
+    peak memory, since the step waits for it; its model FLOP rate over all ranks, `perf/tflops`, and `perf/mfu`, that
+    rate over the peak of the ranks' devices (`lit_rl.training.flops`, added to the run's `throughput`);
+    `perf/update_mfu`, the same for the update alone: the forward and backward FLOPs of the passes that train (the
+    policy's; PPO's critic's too) over `perf/policy_update_s`; with an engine that counts its requests (the vLLM
+    server's), `perf/engine_idle_share`, the share of the step without a generation request outstanding."""
+    flops, update_flops = timer.counters["model_flops"], timer.counters["update_flops"]
+    timings = timer.summary()
+    values = torch.tensor([*timings.values(), flops, update_flops], dtype=torch.float64, device=device)
+    if gather is not None:
+        values = gather(values)  # [world, K]: the slowest rank's timings, every rank's FLOPs
+        values = torch.cat([values[:, :-2].max(dim=0).values, values[:, -2:].sum(dim=0)])
+    *slowest, flops, update_flops = values.tolist()
+    timings = dict(zip(timings, slowest))
+    if "perf/engine_busy_s" in timings and timings["perf/step_s"] > 0:  # the share of the step it waited
+        timings["perf/engine_idle_share"] = max(0.0, 1.0 - timings["perf/engine_busy_s"] / timings["perf/step_s"])
+    throughput.add(timings["perf/step_s"], flops, timings.get("perf/engine_start_s", 0.0))
+    timings["perf/tflops"], mfu = throughput.rates(timings["perf/step_s"], flops)
+    if mfu is not None:
+        timings["perf/mfu"] = mfu
+        timings["perf/update_mfu"] = throughput.rates(timings["perf/policy_update_s"], update_flops)[1]
+    return timings

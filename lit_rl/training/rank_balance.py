@@ -22,10 +22,7 @@ from typing import Callable
 
 import torch
 
-from lit_rl.types import RolloutBatch, layout
-
-# What a widened field is filled with where it is not the default (0: masks, log-probs, values).
-FILL = {"completion_ids": "pad", "prompt_ids": "pad", "token_versions": -1}
+from lit_rl.types import RolloutBatch, fill, layout
 
 
 def balanced_assignment(tokens: list[int], world: int) -> list[list[int]]:
@@ -71,12 +68,10 @@ def padded_fields(batch: RolloutBatch, prompt_width: int, completion_width: int,
         value = getattr(batch, f.name)
         if value is None:
             continue
-        fill = FILL.get(f.name, 0)
-        fill = pad_id if fill == "pad" else fill
         if layout(f) == "prompt":
-            value = torch.nn.functional.pad(value, (prompt_width - value.shape[1], 0), value=fill)
+            value = torch.nn.functional.pad(value, (prompt_width - value.shape[1], 0), value=fill(f, pad_id))
         elif layout(f) == "completion":
-            value = torch.nn.functional.pad(value, (0, completion_width - value.shape[1]), value=fill)
+            value = torch.nn.functional.pad(value, (0, completion_width - value.shape[1]), value=fill(f, pad_id))
         out[f.name] = value
     return out
 
