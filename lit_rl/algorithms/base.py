@@ -82,6 +82,7 @@ class PolicyModule(L.LightningModule):
         # One engine clock for the module's life (`perf/engine_busy_s`), given to every step timer.
         self.engine_clock = BusyClock()
         self.timer = StepTimer(self.engine_clock)  # perf/ metrics: where each step's time goes
+        self._timer_during_training: Optional[StepTimer] = None  # set aside while validation runs
         # Model FLOPs (`lit_rl.training.flops`): the policy's shape, taken whole before a strategy shards it.
         self.policy_shape: Optional[ModelShape] = None
         self.throughput = RunThroughput()  # the run's totals, for the end-of-run summary
@@ -430,5 +431,6 @@ class PolicyModule(L.LightningModule):
         self.timer = StepTimer(self.engine_clock)
 
     def on_validation_end(self) -> None:
-        self.timer = getattr(self, "_timer_during_training", self.timer)
+        if self._timer_during_training is not None:
+            self.timer = self._timer_during_training
         self.timer.resume()

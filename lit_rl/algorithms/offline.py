@@ -10,6 +10,7 @@ import torch
 from torchmetrics import MetricCollection
 
 from lit_rl.algorithms.base import PolicyModule
+from lit_rl.data.contracts import BatchesByTokens
 from lit_rl.training.metrics import data_token_budget_metrics
 from lit_rl.training.strategies import is_accumulating_micro_batch
 
@@ -28,7 +29,8 @@ class OfflineModule(PolicyModule):
         super().setup(stage)
         # Token-budget micro-batches are the data module's choice (`data.micro_batch_tokens`), known only once the
         # trainer holds it: their size is then logged as the on-policy algorithms log theirs.
-        budget = getattr(getattr(self.trainer, "datamodule", None), "micro_batch_tokens", None)
+        data = self.trainer.datamodule
+        budget = data.micro_batch_tokens if isinstance(data, BatchesByTokens) else None
         if budget is not None and "micro_batch_tokens/max" not in self.train_metrics:
             self.train_metrics.add_metrics(data_token_budget_metrics())
 

@@ -50,6 +50,13 @@ class EncodesPrompts(Protocol):
 
 
 @runtime_checkable
+class BatchesByTokens(Protocol):
+    """A data module that may cut its training batches by tokens (`data.micro_batch_tokens`: SFT's and DPO's)."""
+
+    micro_batch_tokens: Optional[int]
+
+
+@runtime_checkable
 class PromptRows(Protocol):
     """A data module of prompt rows (`PromptDataModule`): where they come from, and the rows."""
 

@@ -38,16 +38,21 @@ class EngineConfig:
     takes the options (each stored as an attribute of the same name, so the run's config and checkpoint record
     them), and `build` returns a `RolloutEngine`.
 
-    Class attributes a subclass may set:
+    Class attributes a subclass may set (or take as options of the same name):
         samples_in_background: it can sample while the trainer trains (`model.rollout.max_staleness > 0`).
         colocated: it runs in the trainer's process on the trainer's device (its placement is checked at setup).
         samples_on_trainer_devices: its generation runs on the trainer's devices (HF `generate`, colocated vLLM),
             so its model FLOPs count in the trainer's utilisation (`perf/mfu`).
+        tensor_parallel_size: the trainer ranks one colocated engine spans.
+        push_bucket_mib: the policy's weights reach an engine that holds its own a bucket of at most this many MiB
+            at a time (`lit_rl.rollout.weights`).
     """
 
     samples_in_background = False
     colocated = False
     samples_on_trainer_devices = False
+    tensor_parallel_size: int = 1
+    push_bucket_mib: float = 512.0
 
     @property
     def vllm(self) -> Optional[VLLMConfig]:

@@ -13,7 +13,7 @@ from lit_rl.rollout.base import RolloutEngine, SleepingEngine
 from lit_rl.rollout.engine_config import EngineConfig
 from lit_rl.rollout.engines.placement import EnginePlacement
 from lit_rl.rollout.host import RolloutHost
-from lit_rl.rollout.weights import DEFAULT_BUCKET_MIB, policy_weight_stream
+from lit_rl.rollout.weights import policy_weight_stream
 from lit_rl.training.strategies import is_fsdp_wrapped, settle_zero3_parameters
 
 
@@ -64,7 +64,7 @@ class EngineOwner:
 
     def weight_stream(self):
         """The policy's weights as a lazy stream of (name, tensor) buckets, for an engine to load."""
-        bucket_mib = getattr(self.config, "push_bucket_mib", DEFAULT_BUCKET_MIB)
+        bucket_mib = self.config.push_bucket_mib
         strategy = self.host.trainer.strategy
         # FSDP: gather from the root (Lightning wraps the module; its flat parameter holds the embeddings).
         wrapped = getattr(strategy, "model", None)
@@ -75,7 +75,7 @@ class EngineOwner:
     def placement(self) -> EnginePlacement:
         """Where this rank's colocated engine lives and which ranks share it
         (`model.rollout.engine.tensor_parallel_size`; 1 for an engine that is not lit-rl's colocated vLLM)."""
-        return EnginePlacement.of(self.host.trainer, getattr(self.config, "tensor_parallel_size", 1))
+        return EnginePlacement.of(self.host.trainer, self.config.tensor_parallel_size)
 
     def release(self) -> None:
         """Let the engine release its device memory until it is needed again (vLLM's sleep mode; a no-op for
