@@ -6,7 +6,8 @@
 - `SFTDataModule` and `PreferenceDataModule` feed an algorithm that trains on fixed data (`CountsBatches`: the
   batches it has trained on, checkpointed, from which a resumed loader starts), SFT's regrouped by tokens one that
   counts a row's tokens as it will tokenize it (`CountsRowTokens`); DPO reads the pairs back (`PreferencePairs`),
-  which the data module renders with DPO's own prompt encoder (`EncodesPrompts`).
+  which the data module renders with DPO's own prompt encoder (`EncodesPrompts`). SFT's and DPO's data modules may
+  cut batches by tokens (`BatchesByTokens`), which the algorithm reads to log the micro-batches' sizes.
 """
 
 from __future__ import annotations

@@ -81,7 +81,8 @@ class EngineConfig:
     def options(self) -> dict[str, Any]:
         """The options this config was made with (its `__init__` arguments), as plain data."""
         names = [name for name in inspect.signature(type(self).__init__).parameters if name != "self"]
-        return {name: _plain(getattr(self, name)) for name in names if hasattr(self, name)}
+        # Set on the instance: a class default (`tensor_parallel_size`) is not an option the config was made with.
+        return {name: _plain(vars(self)[name]) for name in names if name in vars(self)}
 
     def as_config(self) -> dict[str, Any]:
         """`{"class_path": ..., "init_args": ...}`: how LightningCLI writes a choice of class, and how checkpoints

@@ -30,7 +30,6 @@ from lit_rl.modeling.lora import base_model, hf_weight_name, is_lora_layer, is_l
 from lit_rl.training.compat import persistent_buffers
 from lit_rl.training.strategies import gathered_parameters, gathered_parameters_of, is_fsdp_wrapped
 
-DEFAULT_BUCKET_MIB = 512
 _WRAPPER_SEGMENT = re.compile(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.")
 _FLAT_PARAM = "_flat_param"
 
@@ -132,7 +131,7 @@ def buckets(blocks: list[WeightBlock], bucket_bytes: int) -> list[list[WeightBlo
 
 def policy_weight_stream(
     model: torch.nn.Module,
-    bucket_bytes: int = DEFAULT_BUCKET_MIB * 2**20,
+    bucket_bytes: int,
     fsdp_root: Optional[torch.nn.Module] = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The policy's weights by Hugging Face name, gathered one bucket at a time (a collective under ZeRO-3 and
