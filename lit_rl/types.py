@@ -34,8 +34,8 @@ def completion_field(required: bool = False, fill: float | str = 0) -> Any:
     return _laid_out("completion", required, fill)
 
 
-def _laid_out(layout: str, required: bool, fill: float | str) -> Any:
-    metadata = {"layout": layout, "fill": fill}
+def _laid_out(kind: str, required: bool, fill: float | str) -> Any:
+    metadata = {"layout": kind, "fill": fill}
     return field(metadata=metadata) if required else field(default=None, metadata=metadata)
 
 

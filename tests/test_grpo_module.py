@@ -62,14 +62,14 @@ def test_encode_prompts_tokenizes_each_distinct_prompt_once():
     expected = module.tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False)
     assert (expected["attention_mask"] == 0).any()  # padded: the rows differ in length
     counting = module.prompt_encoder.tokenizer = CountingTokenizer(module.tokenizer)  # the encoder's, shared
-    ids, mask = module.encode_prompts(prompts)
+    ids, mask = module.prompt_encoder.encode(prompts)
     assert counting.calls == [["1+2=", "9+99=", texts[3]]]
     assert torch.equal(ids, expected["input_ids"])
     assert torch.equal(mask, expected["attention_mask"])
     # All text prompts: the tokenizer adds its special tokens, once per distinct prompt too.
     counting.calls.clear()
     texts = ["7+8=", "12+34=", "7+8="]
-    ids, mask = module.encode_prompts(texts)
+    ids, mask = module.prompt_encoder.encode(texts)
     assert counting.calls == [["7+8=", "12+34="]]
     expected = module.tokenizer(texts, padding=True, return_tensors="pt")
     assert torch.equal(ids, expected["input_ids"]) and torch.equal(mask, expected["attention_mask"])

@@ -112,7 +112,7 @@ def _producer(answers) -> RolloutProducer:
     engines.build = lambda: _Engine(answers)
     scorer = RewardScorer(RewardArgs(funcs=["lit_rl.rewards.arithmetic.correctness"]))
     prompts = SimpleNamespace(  # the prompt encoder: two tokens a prompt
-        encode=lambda prompts, tools=None, per_prompt_tools=None: (
+        encode=lambda prompts, tools=None, per_prompt_tools=None, device=None: (
             torch.ones(len(prompts), 2, dtype=torch.long),
             torch.ones(len(prompts), 2),
         )

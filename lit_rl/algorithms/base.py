@@ -367,17 +367,6 @@ class PolicyModule(L.LightningModule):
         return trainer is not None and trainer.world_size > 1 and shards_parameters(trainer.strategy)
 
     # -- text ------------------------------------------------------------------------------------------------
-    def encode_prompts(
-        self,
-        prompts: list[Any],
-        tools: Optional[list[dict]] = None,
-        per_prompt_tools: Optional[list[list[dict]]] = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`PromptEncoder.encode` (`lit_rl.modeling.prompts`: rendered, tokenised, left-padded) on the module's
-        device."""
-        ids, mask = self.prompt_encoder.encode(prompts, tools, per_prompt_tools)
-        return ids.to(self.device), mask.to(self.device)
-
     # -- metrics ---------------------------------------------------------------------------------------------
     def log_collection(self, collection: MetricCollection, on_step: bool, prog_bar: tuple[str, ...] = ()) -> None:
         """Compute (synced across ranks), log and reset every metric of `collection` that received data on any rank."""

@@ -74,7 +74,7 @@ class SFT(OfflineModule):
         counts = []
         for start in range(0, len(rows), chunk):
             part = rows[start : start + chunk]
-            _, prompt_mask = self.encode_prompts([row["prompt"] for row in part])
+            _, prompt_mask = self.prompt_encoder.encode([row["prompt"] for row in part])
             completions = self.completion_token_ids([row["completion"] for row in part])
             counts += [int(p) + len(c) for p, c in zip(prompt_mask.sum(dim=1).tolist(), completions)]
         return counts
@@ -97,7 +97,7 @@ class SFT(OfflineModule):
     def _step(self, batch: dict[str, Any], metrics, denominator: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The micro-batch's part of the loss, - sum m log p / `denominator` (its own tokens when None)."""
         rows = batch["rows"]
-        prompt_ids, prompt_mask = self.encode_prompts([row["prompt"] for row in rows])
+        prompt_ids, prompt_mask = self.prompt_encoder.encode([row["prompt"] for row in rows], device=self.device)
         completion_ids, completion_mask = self.encode_completions([row["completion"] for row in rows])
         completion_mask = completion_mask * batch["weight"].to(completion_mask)[:, None]  # padding rows weigh 0
         scores = self.score_completions(

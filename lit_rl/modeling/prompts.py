@@ -38,10 +38,11 @@ class PromptEncoder:
         prompts: list[Any],
         tools: Optional[list[dict]] = None,
         per_prompt_tools: Optional[list[list[dict]]] = None,
+        device: Optional[torch.device] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Left-padded prompt ids and mask [B, P] on the CPU (long prompts keep their end); chat prompts are
-        rendered with `tools`, or each with its own `per_prompt_tools` (TRL's dict of environments: its row's
-        environment's) (`format`).
+        """Left-padded prompt ids and mask [B, P] on `device` (None: the CPU; long prompts keep their end); chat
+        prompts are rendered with `tools`, or each with its own `per_prompt_tools` (TRL's dict of environments: its
+        row's environment's) (`format`).
 
         Each distinct prompt is rendered and tokenised once (a rollout batch holds every prompt G times)."""
         tools_of = per_prompt_tools if per_prompt_tools is not None else [tools] * len(prompts)
@@ -63,7 +64,7 @@ class PromptEncoder:
             add_special_tokens=all(isinstance(p, str) for p in prompts),  # a chat template already added them
         )
         rows = torch.tensor([distinct_index[key] for key in keys], dtype=torch.long)  # [B] -> distinct prompt
-        return enc["input_ids"][rows], enc["attention_mask"][rows]
+        return enc["input_ids"][rows].to(device), enc["attention_mask"][rows].to(device)
 
 
 def _tools_key(tools: Optional[list[dict]]) -> str:

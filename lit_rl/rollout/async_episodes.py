@@ -169,8 +169,8 @@ class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
             envs, prompts, reset_error, ended = self.start_episodes(rows)
             encoded, start = [], 0
             for count in counts:  # each rank's prompts padded apart, as its synchronous rollouts are
-                ids, mask = self.encode_prompts(rows[start : start + count], prompts[start : start + count])
-                encoded.append((ids.cpu(), mask.cpu()))
+                # On the CPU: the worker thread sends them to the engine (never through the trainer's device).
+                encoded.append(self.encode_prompts(rows[start : start + count], prompts[start : start + count], None))
                 start += count
         except Exception as err:
             message = str(err).strip().splitlines()[0] if str(err).strip() else ""

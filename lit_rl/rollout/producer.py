@@ -145,7 +145,7 @@ class RolloutProducer:
     ) -> ScoredCompletions:
         """`rows` x `repeat` completions, scored (one seed per completion when `seeds` are given, else drawn from
         the global RNG, as validation samples). The engine gets the current weights first."""
-        prompt_ids, prompt_mask = self.prompt_tensors([row["prompt"] for row in rows])
+        prompt_ids, prompt_mask = self.prompts.encode([row["prompt"] for row in rows], device=self.host.device)
         prompt_ids = prompt_ids.repeat_interleave(repeat, dim=0)  # [N*repeat, P]
         prompt_mask = prompt_mask.repeat_interleave(repeat, dim=0)
         engine = self.engines.engine()  # pushes the policy's weights first when the engine needs them
@@ -154,13 +154,6 @@ class RolloutProducer:
             out = engine.generate(prompt_ids, prompt_mask, params, seeds=seeds)
         timer.count("generated_tokens", float(out.completion_mask.sum()))
         return self.scored(rows, repeat, prompt_ids, prompt_mask, out)
-
-    def prompt_tensors(
-        self, prompts: list[Any], tools: Optional[list[dict]] = None, per_prompt_tools: Optional[list] = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`prompts` rendered and tokenised (`PromptEncoder.encode`), ids and mask [N, P] on the module's device."""
-        ids, mask = self.prompts.encode(prompts, tools, per_prompt_tools)
-        return ids.to(self.host.device), mask.to(self.host.device)
 
     def completion_seeds(self, n: int, generation: int) -> list[int]:
         """Sampling seeds of this rank's `n` completions of `generation`: slices of one list for the global batch
@@ -331,7 +324,7 @@ class EpisodeProducer(RolloutProducer):
         with host.timer.phase("generation"):
             rows_of = [rows[index // repeat] for index in range(len(rows) * repeat)]
             envs, prompts, error, ended = self.start_episodes(rows_of)
-            prompt_ids, prompt_mask = self.encode_prompts(rows_of, prompts)
+            prompt_ids, prompt_mask = self.encode_prompts(rows_of, prompts, host.device)
             engine = self.engines.engine()
             one_rank = host.trainer.world_size == 1
             # With several ranks, each rank's episodes go on on their own only where every rank may sample alone.
@@ -446,12 +439,14 @@ class EpisodeProducer(RolloutProducer):
             prompts = [chat_prompt(p) for p in prompts]
         return envs, prompts, error, ended
 
-    def encode_prompts(self, rows: list[dict[str, Any]], prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode_prompts(
+        self, rows: list[dict[str, Any]], prompts: list[Any], device: Optional[torch.device]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The episodes' prompts (`start_episodes`'s, one per row of `rows`) rendered with the tools' schemas (each
-        with its environment's, with several by name) and tokenised (`prompt_tensors`)."""
+        with its environment's, with several by name) and tokenised, on `device` (`PromptEncoder.encode`)."""
         if self.routing is None:
-            return self.prompt_tensors(prompts, self.tool_schemas)
-        return self.prompt_tensors(prompts, per_prompt_tools=self.routing.prompt_tools(rows))
+            return self.prompts.encode(prompts, self.tool_schemas, device=device)
+        return self.prompts.encode(prompts, per_prompt_tools=self.routing.prompt_tools(rows), device=device)
 
     def encode_observation(self, observation: Any, turn_ids: list[int]) -> list[int]:
         """An observation's ids (`ObservationEncoder`) with the module's tokenizer."""
@@ -591,7 +586,7 @@ class AsyncProducer(SampledAhead, RolloutProducer):
         version v(g)."""
         host = self.host
         version = self.launched_version(generation)
-        prompt_ids, prompt_mask = self.prompt_tensors([row["prompt"] for row in rows])
+        prompt_ids, prompt_mask = self.prompts.encode([row["prompt"] for row in rows], device=self.host.device)
         engine = self.engine_for_launch()
         with host.timer.phase("weight_push"):  # staging the weights, when this version is new
             self.in_flight.launch(
