@@ -177,12 +177,12 @@ def documented_fit(block: str) -> list[str]:
     return [str(REPO / word) if word.startswith("configs/") else word for word in words[1:]]
 
 
-def fit_documented_two_steps(block: str, folder: Path) -> Path:
-    """A docs page's `lit-rl fit` command for 2 steps, validating at step 2 (the test overlay and the suite's small
-    batches on top), logging under `folder`; its log directory."""
+def fit_documented_two_steps(block: str, folder: Path, *extra: str) -> Path:
+    """A docs page's `lit-rl fit` command for 2 steps, validating at step 2 (the test overlay, the suite's small
+    batches and `extra` on top), logging under `folder`; its log directory."""
     overlay = write_overlay(folder / "overlay.yaml", save_dir=folder / "runs")
     steps = ["--trainer.max_steps", "2", "--trainer.val_check_interval", "2"]
-    run_cli(*documented_fit(block), "--config", str(overlay), *FAST_GRPO, *steps)
+    run_cli(*documented_fit(block), "--config", str(overlay), *FAST_GRPO, *steps, *extra)
     return folder / "runs" / "run" / "version_0"
 
 

@@ -13,6 +13,10 @@ reaches `max_total_tokens`. Its reward is the sum of the reward parts over its s
 column of its own, named in the class attribute `reward_names`, weight 1) plus the reward functions applied to the
 final transcript. TRL's environment classes (a `reset` and no `step`) are run by `lit_rl.envs.trl_environments`.
 
+A `TokenEnvironment` exchanges token ids instead of text: `step` gets the turn's sampled ids and engine log-probs
+(`SampledTurn`), and its first observation and observations are `TokenIds`, appended as they are. It is for a world
+that renders the conversation itself, as verifiers' harnesses do (`lit_rl.envs.VerifiersHarness`).
+
 Environments run in the trainer's process, on every rank, for that rank's episodes (with asynchronous rollouts, on
 rank 0 for every rank's, `lit_rl.rollout.async_episodes`): they must not block for long (a tool call has a time
 limit, `lit_rl.envs.tools`) and must not run code from the model unless the user asked for it.
@@ -31,7 +35,21 @@ if TYPE_CHECKING:
     from lit_rl.envs.chat_tools import TemplateCalls
     from lit_rl.envs.trl_environments import EnvironmentRouting
 
-Observation = Union[str, list[dict[str, Any]]]
+
+class TokenIds(list):
+    """Token ids a `TokenEnvironment` gives as a prompt or an observation: appended as they are, never rendered or
+    re-tokenised (a prompt longer than `data.max_prompt_length` is an error, not cut: the world rendered it whole)."""
+
+
+class SampledTurn(NamedTuple):
+    """A model turn as a `TokenEnvironment`'s `step` gets it: the ids the engine sampled (cut to the episode's token
+    budget) and their log-probs under the engine."""
+
+    ids: list[int]
+    logprobs: list[float]
+
+
+Observation = Union[str, list[dict[str, Any]], TokenIds]
 
 
 @dataclass
@@ -61,6 +79,18 @@ class Environment(Protocol):
     # environment failed or overran), for a reward scored from the final state (`TRLEnvironment`'s `get_reward`).
     # Optional: `close()`, called once for every episode when its batch ends (after `finish`), also when the episode
     # failed or the batch stopped with an exception, to release what it holds (`lit_rl.envs.OpenEnv`'s session).
+
+
+class TokenEnvironment:
+    """An environment that exchanges token ids (module docstring): `reset(row)` may return `TokenIds` (the episode's
+    prompt), `step(turn: SampledTurn)` returns `TokenIds` observations. lit-rl builds it with `tokenizer`, the name
+    or path of the run's tokenizer (`model.policy`'s), so that its world renders with the tokenizer the policy
+    reads."""
+
+    reward_names: tuple[str, ...] = ()
+
+    def __init__(self, tokenizer: str) -> None:
+        self.tokenizer = tokenizer
 
 
 def env_label(env: Any) -> str:
@@ -100,11 +130,12 @@ def environment_factory(
     tool_format: str = "auto",
     tool_support: str = "none",
     template_calls: Optional[TemplateCalls] = None,
+    tokenizer_name: Optional[str] = None,
 ) -> EnvironmentSpec:
     """The `EnvironmentSpec` of the settings `model.env.environment` (an import path), `environment_args`, `tools`
     and `tool_format` (`tool_support`: what the tokenizer's chat template does with tools,
     `lit_rl.envs.chat_tools.template_tool_support`; `template_calls`: its `response_template`'s reader, where it has
-    one, `TemplateCalls.of`). Tools alone
+    one, `TemplateCalls.of`; `tokenizer_name`: the run's tokenizer, given to a `TokenEnvironment`). Tools alone
     give the built-in `ToolEnvironment`, or in the chat format `ChatToolEnvironment`; a TRL environment class (a
     `reset` and no `step`) runs in `TRLEnvironment`, its methods and the tools called in the chat format; any other
     environment is given the tools as `tools=`. A dict `{name: import path}` of TRL classes is TRL's dict of
@@ -143,6 +174,8 @@ def environment_factory(
             chat, make = (bool(functions) or offers_tools) and uses_chat_tools(tool_format, tool_support), user_class
             if functions:
                 kwargs["tools"] = functions
+            if isinstance(user_class, type) and issubclass(user_class, TokenEnvironment):
+                kwargs.setdefault("tokenizer", tokenizer_name)  # its world renders with the policy's tokenizer
     if chat and isinstance(make, type) and issubclass(make, ChatToolEnvironment):  # lit-rl's, or a subclass of it
         kwargs.setdefault("call_format", tool_support)  # reads calls in the template's format (TRL's: given above)
         if tool_support == RESPONSE_TEMPLATE:

@@ -35,6 +35,7 @@ from lit_rl.errors import ConfigError, one_line
 
 WHERE = "model.env.environment_args"
 RUNTIME_HOOKS = ("setup", "finalize", "stage_verifier")
+BY_HARNESS = "lit_rl.envs.VerifiersHarness runs a task by a harness, in its runtime"
 
 
 class Verifiers:
@@ -49,22 +50,7 @@ class Verifiers:
         self.reply = ""
 
     def reset(self, row: dict[str, Any]) -> None:
-        entry = row.get("verifiers")
-        if not isinstance(entry, dict) or "task" not in entry:
-            raise ValueError(
-                "the row has no verifiers task (its 'verifiers' column): train on --data.train_data verifiers:<taskset>"
-            )
-        row_taskset = (entry.get("taskset") or {}).get("id")
-        if row_taskset != self.config.id:  # its size, seed or other options may differ: validation rows
-            raise ValueError(
-                f"the row is a task of taskset {row_taskset!r}, {WHERE} gives {self.config.id!r}: give "
-                "environment_args the data spec's taskset"
-            )
-        data = self.task_class.data_type().model_validate(entry["task"])
-        # The task config load() gave the task (the taskset's, unless load() made its own): what scores it.
-        given = entry.get("task_config")
-        config = self.config.task if given is None else self.task_class.config_type().model_validate(given)
-        self.task, self.prompt = self.task_class(data, config), row["prompt"]
+        self.task, self.prompt = row_task(row, self.config, self.task_class), row["prompt"]
         return None  # the row's prompt, as it is
 
     def step(self, completion: str) -> tuple[None, dict[str, float], bool]:
@@ -99,6 +85,26 @@ class Verifiers:
         return vf.Trace(task=recorded, agent=AgentInfo(config=vf.AgentConfig()), nodes=nodes)
 
 
+def row_task(row: dict[str, Any], taskset_config: Any, task_class: type) -> Any:
+    """The verifiers task a row of `lit_rl.data.verifiers_tasksets` holds, rebuilt with the task config its
+    taskset's `load()` gave it (what scores it); a one-line error for a row of no task, or of another taskset."""
+    entry = row.get("verifiers")
+    if not isinstance(entry, dict) or "task" not in entry:
+        raise ValueError(
+            "the row has no verifiers task (its 'verifiers' column): train on --data.train_data verifiers:<taskset>"
+        )
+    row_taskset = (entry.get("taskset") or {}).get("id")
+    if row_taskset != taskset_config.id:  # its size, seed or other options may differ: validation rows
+        raise ValueError(
+            f"the row is a task of taskset {row_taskset!r}, {WHERE} gives {taskset_config.id!r}: give "
+            "environment_args the data spec's taskset"
+        )
+    data = task_class.data_type().model_validate(entry["task"])
+    given = entry.get("task_config")
+    config = taskset_config.task if given is None else task_class.config_type().model_validate(given)
+    return task_class(data, config)
+
+
 @functools.lru_cache(maxsize=8)
 def _loaded_taskset(taskset: str, args_json: str) -> tuple[Any, Any, type, tuple[str, ...]]:
     """(verifiers.v1, the taskset's config, its Task class, its reward names), checked once per run: what a one-turn
@@ -129,12 +135,12 @@ def _one_turn_rewards(vf: Any, config: Any, loaded: Any, task_class: type, refus
     if environment_class(taskset) is not vf.SingleAgentEnv:
         raise refuse("its package exports its own Env")
     if default_harness_id(taskset) != "bash":
-        raise refuse("its package exports its own Harness")
+        raise refuse(f"its package exports its own Harness ({BY_HARNESS})")
     if getattr(task_class, "NEEDS_CONTAINER", False):
         raise refuse(f"{name} needs a container (NEEDS_CONTAINER)")
     for hook in RUNTIME_HOOKS:
         if getattr(task_class, hook) is not getattr(vf.Task, hook):
-            raise refuse(f"{name} overrides {hook}, which runs in the task's runtime")
+            raise refuse(f"{name} overrides {hook}, which runs in the task's runtime ({BY_HARNESS})")
     if type(loaded).toolsets(config) or task_class.toolsets(config.task):
         raise refuse("its tasks call tools (toolsets)")
     if config.task.judges:
@@ -144,7 +150,7 @@ def _one_turn_rewards(vf: Any, config: Any, loaded: Any, task_class: type, refus
     for function in rewards:
         runtime = inspect.signature(function).parameters.get("runtime")
         if runtime is not None and runtime.default is inspect.Parameter.empty:
-            raise refuse(f"{name}'s reward {function.__name__} needs the task's runtime (a sandbox)")
+            raise refuse(f"{name}'s reward {function.__name__} needs the task's runtime, a sandbox ({BY_HARNESS})")
     if not rewards:
         raise refuse(f"{name} has no @vf.reward function")
     return tuple(function.__name__ for function in rewards)

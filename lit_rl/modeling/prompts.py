@@ -13,6 +13,8 @@ from typing import Any, Optional
 
 import torch
 
+from lit_rl.envs.base import TokenIds
+
 
 class PromptEncoder:
     """Renders and tokenises prompts with a run's tokenizer.
@@ -44,7 +46,10 @@ class PromptEncoder:
         prompts are rendered with `tools`, or each with its own `per_prompt_tools` (TRL's dict of environments: its
         row's environment's) (`format`).
 
-        Each distinct prompt is rendered and tokenised once (a rollout batch holds every prompt G times)."""
+        Each distinct prompt is rendered and tokenised once (a rollout batch holds every prompt G times). Prompts
+        given as `TokenIds` (a `lit_rl.envs.TokenEnvironment`'s) are taken as they are, never cut."""
+        if any(isinstance(p, TokenIds) for p in prompts):
+            return self._given_ids(prompts, tools, device)
         tools_of = per_prompt_tools if per_prompt_tools is not None else [tools] * len(prompts)
         tool_keys = {id(t): _tools_key(t) for t in tools_of}  # each environment's list once
         keys = [(_prompt_key(p, row), tool_keys[id(t)]) for row, (p, t) in enumerate(zip(prompts, tools_of))]
@@ -65,6 +70,34 @@ class PromptEncoder:
         )
         rows = torch.tensor([distinct_index[key] for key in keys], dtype=torch.long)  # [B] -> distinct prompt
         return enc["input_ids"][rows].to(device), enc["attention_mask"][rows].to(device)
+
+    def _given_ids(
+        self, prompts: list[Any], tools: Optional[list[dict]], device: Optional[torch.device]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`TokenIds` prompts left-padded as they are: a prompt the world rendered is what its next turn extends,
+        so one longer than `max_length` is an error, not cut. Others beside them (the row's prompt of an episode
+        whose environment failed to reset, an error to come) are rendered and tokenised as `encode` does."""
+        given = []
+        for prompt in prompts:
+            if isinstance(prompt, TokenIds):
+                if self.max_length is not None and len(prompt) > self.max_length:
+                    raise ValueError(
+                        f"an environment's prompt has {len(prompt)} tokens, more than data.max_prompt_length "
+                        f"({self.max_length}): raise it (a prompt rendered by the environment cannot be cut)"
+                    )
+                given.append(list(prompt))
+            else:
+                text = self.format(prompt, tools)
+                ids = self.tokenizer(text, add_special_tokens=isinstance(prompt, str))["input_ids"]
+                given.append(ids[-self.max_length :] if self.max_length else ids)
+        width = max(1, max(len(ids) for ids in given))
+        input_ids = torch.full((len(given), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(given), width), dtype=torch.long)
+        for row, ids in enumerate(given):
+            if ids:
+                input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+                mask[row, width - len(ids) :] = 1
+        return input_ids.to(device), mask.to(device)
 
 
 def _tools_key(tools: Optional[list[dict]]) -> str:

@@ -83,6 +83,7 @@ def _chosen(
             env.tool_format,
             support,
             TemplateCalls.of(tokenizer, trls) if support == RESPONSE_TEMPLATE else None,
+            tokenizer_name=tokenizer.name_or_path,
         )
         if trls is not None and spec.raw_turns:
             say(TRLS_RESPONSE_TEMPLATE)

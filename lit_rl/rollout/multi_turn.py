@@ -23,7 +23,14 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from lit_rl.envs.base import Environment, Observation, as_step_result, env_label
+from lit_rl.envs.base import (
+    Environment,
+    Observation,
+    SampledTurn,
+    TokenEnvironment,
+    as_step_result,
+    env_label,
+)
 from lit_rl.envs.runner import Call, EnvCallTimeout, EnvironmentRunner
 from lit_rl.rollout.base import Generate, RolloutEngine, RolloutOutput, SamplingParams
 from lit_rl.types import EPISODE_STATS
@@ -205,6 +212,8 @@ class _EpisodeBatch:
         self.stats[i, 0] += 1
         if self.last_turn(i) and not getattr(self.envs[i], "steps_after_last_turn", True):
             return None
+        if isinstance(self.envs[i], TokenEnvironment):  # its world answers the sampled ids themselves
+            return self.envs[i].step, (SampledTurn(sampled, self.pieces[i][-1][1]),)
         return self.envs[i].step, (self.decode(sampled),)
 
     def last_turn(self, i: int) -> bool:

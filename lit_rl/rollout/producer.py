@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from lit_rl.envs.base import env_label
+from lit_rl.envs.base import TokenIds, env_label
 from lit_rl.envs.chat_tools import ChatRenderer, chat_prompt
 from lit_rl.envs.runner import EnvCallTimeout, EnvironmentRunner
 from lit_rl.envs.trl_environments import EnvironmentRouting, TRLEnvironment
@@ -486,13 +486,16 @@ def independent_generate(engine: Any, allowed: bool) -> Optional[Callable[..., R
 
 class ObservationEncoder:
     """An observation's ids: chat messages rendered by the chat template after the turn (`ChatRenderer`), text
-    encoded as it is. Special tokens' text in either (a tool echoing "<|endoftext|>") stays text."""
+    encoded as it is, `TokenIds` as they are. Special tokens' text in the first two (a tool echoing
+    "<|endoftext|>") stays text."""
 
     def __init__(self, tokenizer: Any, tool_schemas: Optional[list[dict[str, Any]]]) -> None:
         self.tokenizer, self.tool_schemas = tokenizer, tool_schemas
         self._chat: Optional[ChatRenderer] = None
 
     def encode(self, observation: Any, turn_ids: list[int]) -> list[int]:
+        if isinstance(observation, TokenIds):  # a `TokenEnvironment`'s, rendered by its world
+            return list(observation)
         if isinstance(observation, list):
             if self._chat is None:
                 self._chat = ChatRenderer(self.tokenizer, self.tool_schemas)

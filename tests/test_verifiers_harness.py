@@ -1,0 +1,302 @@
+"""verifiers tasksets run by their harness (`lit_rl.envs.VerifiersHarness`), offline: verifiers drives the episode,
+lit-rl samples every model call through the token-in endpoint it serves. With the taskset and harness that
+docs/environments.md prints, and the page's command through `lit-rl fit`."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+
+from lit_rl.data.files import load_rows
+from lit_rl.envs.base import SampledTurn, TokenIds, environment_factory
+from lit_rl.envs.chat_tools import ChatRenderer
+from lit_rl.envs.verifiers_harness import VerifiersHarness, _checked_env_config
+from lit_rl.envs.verifiers_tasks import _loaded_taskset
+from lit_rl.errors import ConfigError
+from lit_rl.modeling.models import ASSETS_DIR, TINY_BASE
+from lit_rl.modeling.prompts import PromptEncoder
+from tests.conftest import REPO, fit_documented_two_steps, read_metrics, train_rows
+from tests.qwen_chat import qwen_chat_tokenizer
+
+TINY_MODEL = ASSETS_DIR / TINY_BASE  # the tokenizer `configs/grpo.yaml` trains with
+
+vf = pytest.importorskip("verifiers.v1")
+
+PAGE = (REPO / "docs" / "environments.md").read_text()
+SECTION = PAGE.split("### verifiers tasksets run by their harness", 1)[1].split("\n## ", 1)[0]
+
+
+def _block(text: str, opening: str) -> str:
+    """The code block of `text` opening with `opening` (its language, a newline and its first words)."""
+    return next(block for block in text.split("```")[1:] if block.startswith(opening))
+
+
+@pytest.fixture
+def beside_the_run(tmp_path, monkeypatch):
+    """A run's folder holding the page's `my_tasks.py` and `my_harness.py` (and what a test writes there), as the
+    working directory; the modules and the checked settings forgotten afterwards."""
+    (tmp_path / "my_tasks.py").write_text(_block(PAGE, "python\n# my_tasks.py").split("\n", 1)[1])
+    (tmp_path / "my_harness.py").write_text(_block(SECTION, "python\n# my_harness.py").split("\n", 1)[1])
+    monkeypatch.chdir(tmp_path)
+    yield tmp_path
+    for name, module in list(sys.modules.items()):
+        if str(getattr(module, "__file__", None) or "").startswith(str(tmp_path)):
+            del sys.modules[name]
+    _loaded_taskset.cache_clear()
+    _checked_env_config.cache_clear()
+
+
+def _turn(tokenizer, text: str, end: bool = True) -> SampledTurn:
+    """A turn as the engine would sample it: `text`'s ids (and the EOS), with made-up log-probs."""
+    ids = tokenizer.encode(text, add_special_tokens=False) + ([tokenizer.eos_token_id] if end else [])
+    return SampledTurn(ids, [-0.5 - k / 100 for k in range(len(ids))])
+
+
+def _run(coroutine):
+    return asyncio.run(coroutine)
+
+
+def test_the_harness_drives_the_episode_and_every_call_is_a_turn_lit_rl_samples(beside_the_run):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
+    row = load_rows("verifiers:my_tasks?select.limit=1")[0]
+    answer = row["verifiers"]["task"]["answer"]
+    env = VerifiersHarness(str(TINY_MODEL), "my_tasks", harness="my_harness")
+    assert env.reward_names == ("correct", "short")
+    prompt = _run(env.reset(row))
+    assert isinstance(prompt, TokenIds)
+    own, _ = PromptEncoder(tokenizer, None).encode([row["prompt"]])  # the row's prompt as lit-rl renders it
+    assert prompt == own[0].tolist()
+    first = _run(env.step(_turn(tokenizer, "7")))
+    assert not first.done and tokenizer.decode(first.observation) == " Once more:"  # the harness's follow-up
+    last = _run(env.step(_turn(tokenizer, answer)))
+    assert last.done and last.observation is None  # the program ended after its second call
+    assert _run(env.finish()) == pytest.approx({"correct": 1.0, "short": 0.1})
+    _run(env.close())
+
+
+def test_a_call_past_lit_rls_turns_is_answered_empty_and_the_episode_is_still_scored(beside_the_run):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
+    row = load_rows("verifiers:my_tasks?select.limit=1")[0]
+    env = VerifiersHarness(str(TINY_MODEL), "my_tasks", harness="my_harness")
+    _run(env.reset(row))
+    follow_up = _run(env.step(_turn(tokenizer, row["verifiers"]["task"]["answer"])))
+    assert not follow_up.done  # model.env.max_turns 1: lit-rl ends the episode here, the program asks again
+    assert _run(env.finish()) == pytest.approx({"correct": 0.0, "short": 0.1})  # its last reply: empty
+    (trace,) = env.episode.result().traces
+    assert trace.last_reply == "" and trace.num_turns == 2
+
+
+TOOL_TASKS = """
+import verifiers.v1 as vf
+
+class AddData(vf.TaskData):
+    answer: str
+
+class AddTask(vf.Task[AddData, vf.State, vf.TaskConfig]):
+    @vf.reward
+    async def correct(self, task, trace):
+        return float(trace.last_reply.strip() == task.answer)
+
+class AddTasks(vf.Taskset[AddTask]):
+    def load(self):
+        yield AddTask(AddData(prompt="What is 2 plus 3?", answer="5"), self.config.task)
+
+__all__ = ["AddTasks"]
+"""
+
+TOOL_HARNESS = """
+import json
+import httpx
+import verifiers.v1 as vf
+from verifiers.v1.runtimes import ProgramResult
+
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+
+class ToolLoop(vf.Harness):
+    APPENDS_SYSTEM_PROMPT = True
+    EXECUTES_CODE = False
+    NEEDS_CONTAINER = False
+
+    async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, tool_interception_url=None):
+        messages = [{"role": "user", "content": data.prompt}]
+        async with httpx.AsyncClient(timeout=60) as http:
+            for _ in range(4):
+                reply = await http.post(f"{endpoint}/chat/completions", headers={"Authorization": f"Bearer {secret}"},
+                                        json={"model": ctx.model, "messages": messages, "tools": [ADD]})
+                if reply.status_code != 200:
+                    return ProgramResult(1, "", reply.text)
+                message = reply.json()["choices"][0]["message"]
+                messages.append(message)
+                if not message.get("tool_calls"):
+                    return ProgramResult(0, "", "")
+                for call in message["tool_calls"]:
+                    arguments = json.loads(call["function"]["arguments"])
+                    messages.append({"role": "tool", "tool_call_id": call["id"],
+                                     "content": str(arguments["a"] + arguments["b"])})
+        return ProgramResult(0, "", "")
+
+__all__ = ["ToolLoop"]
+"""
+
+
+def test_a_tool_call_in_qwens_format_trains_the_sampled_ids_and_the_rendered_result(beside_the_run):
+    """Qwen2.5's chat template: the model calls `add` in `<tool_call>` JSON, the harness runs it and sends a
+    `tool` message; lit-rl appends the result as its own chat tools render one, and the episode's ids (prompt,
+    sampled turns, observation) are verifiers' trace's, with the sampled mask on the model's tokens alone."""
+    tokenizer = qwen_chat_tokenizer()
+    tokenizer.save_pretrained(beside_the_run / "qwen-chat")
+    (beside_the_run / "add_tasks.py").write_text(TOOL_TASKS)
+    (beside_the_run / "tool_harness.py").write_text(TOOL_HARNESS)
+    env = VerifiersHarness(
+        str(beside_the_run / "qwen-chat"), "add_tasks", harness="tool_harness", renderer_args={"tool_parser": "qwen3"}
+    )
+    row = load_rows("verifiers:add_tasks")[0]
+    prompt = _run(env.reset(row))
+    text = tokenizer.decode(prompt)
+    assert '"name": "add"' in text  # the tools' schemas, in the system prompt
+    assert text.endswith("<|im_start|>user\nWhat is 2 plus 3?<|im_end|>\n<|im_start|>assistant\n")
+    call = _turn(tokenizer, '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>')
+    result = _run(env.step(call))
+    expected = ChatRenderer(tokenizer).observation_ids([{"role": "tool", "content": "5"}], call.ids)
+    assert list(result.observation) == expected  # what lit-rl's own chat tools append for that result
+    assert tokenizer.decode(result.observation) == (
+        "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    reply = _turn(tokenizer, "5")
+    assert _run(env.step(reply)).done
+    assert _run(env.finish()) == {"correct": 1.0}
+    (trace,) = env.episode.result().traces
+    (branch,) = trace.branches  # one sequence: no call rendered the conversation anew
+    episode = [*prompt, *call.ids, *result.observation, *reply.ids]
+    assert list(branch.token_ids) == episode
+    sampled = [0] * len(prompt) + [1] * len(call.ids) + [0] * len(result.observation) + [1] * len(reply.ids)
+    assert [int(m) for m in branch.sampled_mask] == sampled
+    logprobs = [lp for lp, m in zip(branch.logprobs, branch.sampled_mask) if m]
+    assert logprobs == pytest.approx(call.logprobs + reply.logprobs)
+    _run(env.close())
+
+
+REWRITING_HARNESS = """
+import httpx
+import verifiers.v1 as vf
+from verifiers.v1.runtimes import ProgramResult
+
+class Rewriter(vf.Harness):
+    EXECUTES_CODE = False
+    NEEDS_CONTAINER = False
+
+    async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, tool_interception_url=None):
+        messages = [{"role": "user", "content": data.prompt}]
+        async with httpx.AsyncClient(timeout=60) as http:
+            for _ in range(2):
+                reply = await http.post(f"{endpoint}/chat/completions", headers={"Authorization": f"Bearer {secret}"},
+                                        json={"model": ctx.model, "messages": messages})
+                if reply.status_code != 200:
+                    return ProgramResult(1, "", reply.text)
+                messages.append({"role": "assistant", "content": "something else"})  # not what the model said
+                messages.append({"role": "user", "content": "Again:"})
+        return ProgramResult(0, "", "")
+
+class Silent(vf.Harness):
+    EXECUTES_CODE = False
+    NEEDS_CONTAINER = False
+
+    async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, tool_interception_url=None):
+        return ProgramResult(3, "", "gave up before asking")
+"""
+
+
+def test_a_harness_that_rewrites_the_conversation_or_never_asks_fails_in_one_line(beside_the_run):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
+    (beside_the_run / "rewriting_harness.py").write_text(REWRITING_HARNESS + "__all__ = ['Rewriter']\n")
+    (beside_the_run / "silent_harness.py").write_text(REWRITING_HARNESS + "__all__ = ['Silent']\n")
+    row = load_rows("verifiers:my_tasks?select.limit=1")[0]
+    env = VerifiersHarness(str(TINY_MODEL), "my_tasks", harness="rewriting_harness")
+    _run(env.reset(row))
+    with pytest.raises(ValueError, match="does not extend the episode's tokens .they differ from token") as err:
+        _run(env.step(_turn(tokenizer, "7")))
+    assert "\n" not in str(err.value)
+    _run(env.close())
+    env = VerifiersHarness(str(TINY_MODEL), "my_tasks", harness="silent_harness")
+    with pytest.raises(ValueError, match="ended the episode without calling the model: .*gave up before asking"):
+        _run(env.reset(row))
+    _run(env.close())
+
+
+def _harness_module(attributes: str) -> str:
+    return f"""
+import verifiers.v1 as vf
+
+class H(vf.Harness):
+    {attributes}
+
+__all__ = ["H"]
+"""
+
+
+JUDGE = {"id": "rubric", "path": "c.toml"}
+
+
+@pytest.mark.parametrize(
+    "harness, source, args, message",
+    [
+        (
+            "coder",
+            _harness_module("NEEDS_CONTAINER = False"),
+            {},
+            "runs the model's code on this machine .EXECUTES_CODE.: set allow_code_execution: true",
+        ),
+        ("boxed", _harness_module("EXECUTES_CODE = False"), {}, "needs a container .NEEDS_CONTAINER."),
+        (None, None, {}, "taskset 'my_tasks' exports no Harness: name one .harness: <module>.; verifiers' default"),
+        ("no_such_harness", None, {}, "harness 'no_such_harness': ModuleNotFoundError"),
+        ("my_harness", None, {"renderer_args": {"tool_parser": 3}}, "renderer_args: ValidationError"),
+        ("my_harness", None, {"taskset_args": {"task": {"judges": [JUDGE]}}}, "plugs judges"),
+    ],
+    ids=["runs code", "container", "no harness", "no module", "renderer", "judges"],
+)
+def test_what_lit_rl_will_not_run_is_refused_when_the_run_starts(beside_the_run, harness, source, args, message):
+    if source is not None:
+        (beside_the_run / f"{harness}.py").write_text(source)
+    settings = {"taskset": "my_tasks", "harness": harness, **args}
+    with pytest.raises(ConfigError, match=message) as err:
+        environment_factory("lit_rl.envs.VerifiersHarness", settings, None, tokenizer_name=str(TINY_MODEL))
+    assert str(err.value).startswith("model.env.environment_args: ") and "\n" not in str(err.value)
+    if harness == "coder":  # allowed when the user says so
+        allowed = {**settings, "allow_code_execution": True}
+        spec = environment_factory("lit_rl.envs.VerifiersHarness", allowed, None, tokenizer_name=str(TINY_MODEL))
+        assert spec.reward_names == ("correct", "short")
+
+
+def test_an_environments_token_prompt_is_taken_whole_or_refused():
+    from transformers import AutoTokenizer
+
+    encoder = PromptEncoder(AutoTokenizer.from_pretrained(TINY_MODEL), max_length=4)
+    ids, mask = encoder.encode([TokenIds([5, 6, 7]), TokenIds([8, 9]), "12"])  # a failed reset's row prompt, too
+    assert ids[0].tolist() == [5, 6, 7] and ids[1, 1:].tolist() == [8, 9] and mask.sum(1).tolist() == [3, 2, 2]
+    with pytest.raises(ValueError, match="an environment's prompt has 5 tokens, more than data.max_prompt_length .4."):
+        encoder.encode([TokenIds([1, 2, 3, 4, 5])])
+
+
+@pytest.mark.slow
+def test_grpo_trains_on_a_taskset_run_by_its_harness_through_the_cli(beside_the_run):
+    """The page's command for 2 steps (the test overlay and the suite's small batches on top, with room in an
+    episode for the follow-up after 4-token turns): two model calls an episode, each sampled by lit-rl, and the
+    task's rewards are the reward, column by column."""
+    command = _block(SECTION, "bash\nlit-rl fit").split("\n", 1)[1]
+    log_dir = fit_documented_two_steps(command, beside_the_run, "--model.env.max_total_tokens", "32")
+    train = train_rows(log_dir)
+    assert [row["step"] for row in train] == [1, 2]
+    for row in train:
+        assert row["train/turns"] == 2.0  # the harness asks twice
+        assert row["train/reward"] == pytest.approx(row["train/rewards/env/correct"] + row["train/rewards/env/short"])
+    val = [row for row in read_metrics(log_dir) if row.get("val/turns")]
+    assert len(val) == 1 and float(val[0]["val/turns"]) == 2.0
