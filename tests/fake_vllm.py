@@ -71,6 +71,8 @@ def completions_answer(path, body):
         return {"data": [{"id": "policy"}]}
     if path != "/v1/completions":
         return {}
+    if body["n"] > 1 and body["temperature"] == 0.0:  # vLLM's rule
+        return 400, {"error": {"message": f"n must be 1 when using greedy sampling, got {body['n']}."}}
     choices = []
     for i in range(body["n"]):
         ids = [body["seed"] % 7 + 10 + i, 2] if body["prompt"][-1] != 99 else [5, 6, 7]

@@ -99,6 +99,20 @@ def test_engine_groups_identical_prompts_and_pads_completions(fake_server, tmp_p
     assert sorted(c["seed"] for c in again) == sorted(c["seed"] for c in completions)
 
 
+def test_greedy_copies_of_a_prompt_are_one_completion_copied(fake_server, tmp_path):
+    """vLLM refuses n > 1 with greedy sampling (the fake server too): validation's batch padded with copies of a
+    prompt asks for one completion, the same for every copy."""
+    server = fake_server((200, _completions, 0))
+    config = VLLMConfig(mode="server", server_url=server.url, weight_sync_dir=str(tmp_path))
+    engine = VLLMServerEngine(config, eos_token_ids=[2], pad_token_id=0)
+    prompt_ids = torch.tensor([[4, 5], [8, 9], [8, 9], [8, 9]])
+    out = engine.generate(prompt_ids, torch.ones_like(prompt_ids), SamplingParams(max_new_tokens=3, temperature=0.0))
+    completions = [b for _, path, b in server.requests if path == "/v1/completions"]
+    assert sorted((c["prompt"], c["n"]) for c in completions) == [([4, 5], 1), ([8, 9], 1)]
+    assert out.completion_ids[1].tolist() == out.completion_ids[2].tolist() == out.completion_ids[3].tolist()
+    assert out.logprobs[1].tolist() == out.logprobs[3].tolist() == [-0.5, -0.5]
+
+
 def test_weight_push_writes_safetensors_then_reloads_between_pause_and_resume(fake_server, tmp_path):
     from safetensors.torch import load_file
 

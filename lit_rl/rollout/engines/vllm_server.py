@@ -179,6 +179,11 @@ class VLLMServerEngine:
     def _complete(
         self, server: RolloutServer, prompt: list[int], seed: int, n: int, params: SamplingParams
     ) -> tuple[list[list[int]], list[list[float]]]:
+        """`n` completions of `prompt`. Greedy ones are one completion, copied: vLLM refuses `n > 1` with greedy
+        sampling, which validation asks for when its batch is padded with copies of a prompt (or G > 1)."""
+        if params.greedy and n > 1:
+            ids, logprobs = self._complete(server, prompt, seed, 1, params)
+            return ids * n, logprobs * n
         body = {
             "model": server.model_name,
             "prompt": prompt,
