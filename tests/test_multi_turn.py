@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from lit_rl.envs import StepResult, ToolEnvironment, calc
+from lit_rl.envs import SampledTurn, StepResult, TokenEnvironment, TokenIds, ToolEnvironment, calc
 from lit_rl.envs.base import environment_factory
 from lit_rl.envs.runner import EnvCallTimeout, EnvironmentRunner
 from lit_rl.envs.tools import run_tool
@@ -669,3 +669,42 @@ def test_an_engine_failure_leaves_open_the_environments_whose_step_is_still_runn
     with pytest.raises(RuntimeError, match="connection refused"):
         _run(engine, [SlowClosing(2, "slow"), SlowClosing(2, "fast")], [[1], [2]], schedule=schedule)
     assert Closing.closed == ["fast"] and time.monotonic() - start < 0.9
+
+
+class TokenEcho(TokenEnvironment):
+    """A `TokenEnvironment`: records each turn it gets, answers observation ids [7, 7] once, then ends."""
+
+    def __init__(self) -> None:
+        super().__init__(tokenizer="unused")
+        self.turns: list[SampledTurn] = []
+
+    def step(self, turn):
+        self.turns.append(turn)
+        done = len(self.turns) >= 2
+        return StepResult(None if done else TokenIds([7, 7]), {}, done)
+
+
+def test_a_token_environment_gets_the_sampled_ids_and_whether_a_stop_id_ended_the_turn():
+    """Its turn 1 ends on 11, a stop id the tokenizer does not name (a generation-config EOS); its turn 2 is cut at
+    its budget of 3 tokens. The transcript is the ids as sampled and as the environment gave them."""
+    engine = ScriptedEngine({1: [[4, 11], [5, 5, 5, 5]]})
+    env = TokenEcho()
+    episodes = run_episodes(
+        engine,
+        [env],
+        [[1]],
+        SamplingParams(max_new_tokens=3),
+        [5],
+        decode=lambda ids: "unused",
+        encode_observation=lambda observation, turn: list(observation),
+        reward_names=(),
+        max_turns=4,
+        max_total_tokens=100,
+        pad_id=PAD,
+        device=torch.device("cpu"),
+        runner=EnvironmentRunner(concurrency=1, timeout_s=10.0),
+        stop_ids=frozenset({EOS, 11}),
+    )
+    assert env.turns == [SampledTurn([4, 11], [-0.5, -0.5], True), SampledTurn([5, 5, 5], [-0.5] * 3, False)]
+    assert episodes.output.completion_ids.tolist() == [[4, 11, 7, 7, 5, 5, 5]]
+    assert episodes.output.sampled_mask.tolist() == [[1, 1, 0, 0, 1, 1, 1]]

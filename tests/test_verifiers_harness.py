@@ -6,17 +6,28 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 
 import pytest
+import torch
 
 from lit_rl.data.files import load_rows
 from lit_rl.envs.base import SampledTurn, TokenIds, environment_factory
 from lit_rl.envs.chat_tools import ChatRenderer
-from lit_rl.envs.verifiers_harness import VerifiersHarness, _checked_env_config
+from lit_rl.envs.runner import EnvCallTimeout, EnvironmentRunner
+from lit_rl.envs.verifiers_harness import (
+    TurnEndpoint,
+    TurnRequest,
+    VerifiersHarness,
+    _checked_env_config,
+    _VerifiersLoop,
+)
 from lit_rl.envs.verifiers_tasks import _loaded_taskset
 from lit_rl.errors import ConfigError
 from lit_rl.modeling.models import ASSETS_DIR, TINY_BASE
 from lit_rl.modeling.prompts import PromptEncoder
+from lit_rl.rollout.base import RolloutOutput, SamplingParams
+from lit_rl.rollout.multi_turn import run_episodes
 from tests.conftest import REPO, fit_documented_two_steps, read_metrics, train_rows
 from tests.qwen_chat import qwen_chat_tokenizer
 
@@ -49,9 +60,9 @@ def beside_the_run(tmp_path, monkeypatch):
 
 
 def _turn(tokenizer, text: str, end: bool = True) -> SampledTurn:
-    """A turn as the engine would sample it: `text`'s ids (and the EOS), with made-up log-probs."""
+    """A turn as the engine would sample it: `text`'s ids (and the EOS, which stopped it), with made-up log-probs."""
     ids = tokenizer.encode(text, add_special_tokens=False) + ([tokenizer.eos_token_id] if end else [])
-    return SampledTurn(ids, [-0.5 - k / 100 for k in range(len(ids))])
+    return SampledTurn(ids, [-0.5 - k / 100 for k in range(len(ids))], stopped=end)
 
 
 def _run(coroutine):
@@ -78,18 +89,118 @@ def test_the_harness_drives_the_episode_and_every_call_is_a_turn_lit_rl_samples(
     _run(env.close())
 
 
-def test_a_call_past_lit_rls_turns_is_answered_empty_and_the_episode_is_still_scored(beside_the_run):
+class OneReply:
+    """An engine whose every turn is `reply`'s ids and the EOS (log-prob -0.5 each)."""
+
+    def __init__(self, tokenizer, reply: str) -> None:
+        self.ids = tokenizer.encode(reply, add_special_tokens=False) + [tokenizer.eos_token_id]
+
+    def generate(self, prompt_ids, prompt_mask, params, seeds=None):
+        n = len(prompt_ids)
+        ids = torch.tensor([self.ids] * n)
+        return RolloutOutput(ids, torch.ones_like(ids), torch.full(ids.shape, -0.5))
+
+
+def test_lit_rls_turn_limit_ends_the_episode_and_a_call_past_it_is_answered_empty(beside_the_run):
+    """`model.env.max_turns 1` through the episode loop: the harness's second call is answered with no tokens when
+    the episode ends; the program then ends, and its trace is scored on that empty last reply."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
     row = load_rows("verifiers:my_tasks?select.limit=1")[0]
     env = VerifiersHarness(str(TINY_MODEL), "my_tasks", harness="my_harness")
-    _run(env.reset(row))
-    follow_up = _run(env.step(_turn(tokenizer, row["verifiers"]["task"]["answer"])))
-    assert not follow_up.done  # model.env.max_turns 1: lit-rl ends the episode here, the program asks again
-    assert _run(env.finish()) == pytest.approx({"correct": 0.0, "short": 0.1})  # its last reply: empty
+    runner = EnvironmentRunner(concurrency=4, timeout_s=30.0)
+    (prompt,) = runner.run([(env.reset, (row,))])
+    engine = OneReply(tokenizer, row["verifiers"]["task"]["answer"])
+    episodes = run_episodes(
+        engine,
+        [env],
+        [prompt],
+        SamplingParams(max_new_tokens=8),
+        [3],
+        decode=tokenizer.decode,
+        encode_observation=lambda observation, turn: list(observation),
+        reward_names=env.reward_names,
+        max_turns=1,
+        max_total_tokens=64,
+        pad_id=tokenizer.pad_token_id,
+        device=torch.device("cpu"),
+        runner=runner,
+        stop_ids=frozenset({tokenizer.eos_token_id}),
+    )
+    assert episodes.error is None
+    assert episodes.output.completion_ids[0].tolist() == engine.ids  # one turn, no observation after it
+    assert episodes.env_rewards.tolist() == [pytest.approx([0.0, 0.1])]  # correct: 0 on the empty last reply
     (trace,) = env.episode.result().traces
     assert trace.last_reply == "" and trace.num_turns == 2
+    assert not _VerifiersLoop.get()[1].episodes  # the episode's routes are gone
+    runner.close()
+
+
+def test_a_turn_is_answered_stop_or_length_as_lit_rl_ended_it():
+    """renderers reads tool calls only after "stop": a turn lit-rl's stop ids ended (a generation-config EOS the
+    tokenizer does not name, Llama's <|eom_id|>) is "stop", one cut at its budget "length"."""
+    loop = asyncio.new_event_loop()
+    try:
+        for stopped, reason in [(True, "stop"), (False, "length")]:
+            turn = TurnRequest([1, 2], loop.create_future())
+            TurnEndpoint.answer(turn, SampledTurn([5, 6], [-0.1, -0.2], stopped=stopped))
+            status, body = turn.answer.result()
+            assert status == 200 and body["choices"][0]["finish_reason"] == reason
+            assert body["choices"][0]["logprobs"]["content"][1] == {"token": "token_id:6", "logprob": -0.2}
+    finally:
+        loop.close()
+
+
+SLOW_HARNESS = """
+import asyncio
+import httpx
+import verifiers.v1 as vf
+from verifiers.v1.runtimes import ProgramResult
+
+class Slow(vf.Harness):
+    EXECUTES_CODE = False
+    NEEDS_CONTAINER = False
+
+    async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, tool_interception_url=None):
+        messages = [{"role": "user", "content": data.prompt}]
+        async with httpx.AsyncClient(timeout=60) as http:
+            await http.post(f"{endpoint}/chat/completions", headers={"Authorization": f"Bearer {secret}"},
+                            json={"model": ctx.model, "messages": messages})
+            await asyncio.sleep(60)  # a tool that takes a minute
+        return ProgramResult(0, "", "")
+
+__all__ = ["Slow"]
+"""
+
+
+def test_a_step_past_its_time_limit_leaves_nothing_of_the_episode_running(beside_the_run):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
+    (beside_the_run / "slow_harness.py").write_text(SLOW_HARNESS)
+    env = VerifiersHarness(str(TINY_MODEL), "my_tasks", harness="slow_harness")
+    runner = EnvironmentRunner(concurrency=2, timeout_s=1.0)
+    (prompt,) = runner.run([(env.reset, (load_rows("verifiers:my_tasks?select.limit=1")[0],))])
+    assert isinstance(prompt, TokenIds)
+    (outcome,) = runner.run([(env.step, (_turn(tokenizer, "7"),))])
+    assert isinstance(outcome, EnvCallTimeout)
+    deadline = time.monotonic() + 10
+    while not env.episode.done() and time.monotonic() < deadline:  # cancelled on the verifiers loop
+        time.sleep(0.05)
+    assert env.episode.cancelled()
+    assert not _VerifiersLoop.get()[1].episodes
+    runner.close()
+
+
+def test_the_endpoint_answers_lit_rls_clients_alone(beside_the_run):
+    import httpx
+
+    _, endpoint = _VerifiersLoop.get()
+    body = {"model": "lit-rl-policy", "token_ids": [1, 2], "sampling_params": {}}
+    answer = httpx.post(f"{endpoint.url.removesuffix('/v1')}/inference/v1/generate", json=body, timeout=10)
+    assert answer.status_code == 403  # no secret: another local process cannot put a turn into an episode
+    assert endpoint.url.startswith("http://127.0.0.1:")
 
 
 TOOL_TASKS = """
@@ -260,8 +371,10 @@ JUDGE = {"id": "rubric", "path": "c.toml"}
         ("no_such_harness", None, {}, "harness 'no_such_harness': ModuleNotFoundError"),
         ("my_harness", None, {"renderer_args": {"tool_parser": 3}}, "renderer_args: ValidationError"),
         ("my_harness", None, {"taskset_args": {"task": {"judges": [JUDGE]}}}, "plugs judges"),
+        ("my_harness", None, {"agent_args": {"client": {}}}, "agent_args.client: lit-rl sets the model, client"),
+        ("my_harness", None, {"agent_args": {"retries": {}}}, "agent_args.retries: lit-rl sets"),
     ],
-    ids=["runs code", "container", "no harness", "no module", "renderer", "judges"],
+    ids=["runs code", "container", "no harness", "no module", "renderer", "judges", "client", "retries"],
 )
 def test_what_lit_rl_will_not_run_is_refused_when_the_run_starts(beside_the_run, harness, source, args, message):
     if source is not None:
@@ -269,7 +382,7 @@ def test_what_lit_rl_will_not_run_is_refused_when_the_run_starts(beside_the_run,
     settings = {"taskset": "my_tasks", "harness": harness, **args}
     with pytest.raises(ConfigError, match=message) as err:
         environment_factory("lit_rl.envs.VerifiersHarness", settings, None, tokenizer_name=str(TINY_MODEL))
-    assert str(err.value).startswith("model.env.environment_args: ") and "\n" not in str(err.value)
+    assert str(err.value).startswith("model.env.environment_args") and "\n" not in str(err.value)
     if harness == "coder":  # allowed when the user says so
         allowed = {**settings, "allow_code_execution": True}
         spec = environment_factory("lit_rl.envs.VerifiersHarness", allowed, None, tokenizer_name=str(TINY_MODEL))
@@ -282,7 +395,7 @@ def test_an_environments_token_prompt_is_taken_whole_or_refused():
     encoder = PromptEncoder(AutoTokenizer.from_pretrained(TINY_MODEL), max_length=4)
     ids, mask = encoder.encode([TokenIds([5, 6, 7]), TokenIds([8, 9]), "12"])  # a failed reset's row prompt, too
     assert ids[0].tolist() == [5, 6, 7] and ids[1, 1:].tolist() == [8, 9] and mask.sum(1).tolist() == [3, 2, 2]
-    with pytest.raises(ValueError, match="an environment's prompt has 5 tokens, more than data.max_prompt_length .4."):
+    with pytest.raises(ValueError, match="prompt has 5 tokens, more than model.sampling.max_prompt_length .4."):
         encoder.encode([TokenIds([1, 2, 3, 4, 5])])
 
 

@@ -38,15 +38,18 @@ if TYPE_CHECKING:
 
 class TokenIds(list):
     """Token ids a `TokenEnvironment` gives as a prompt or an observation: appended as they are, never rendered or
-    re-tokenised (a prompt longer than `data.max_prompt_length` is an error, not cut: the world rendered it whole)."""
+    re-tokenised (a prompt longer than `model.sampling.max_prompt_length` is an error, not cut: the world rendered
+    it whole)."""
 
 
 class SampledTurn(NamedTuple):
     """A model turn as a `TokenEnvironment`'s `step` gets it: the ids the engine sampled (cut to the episode's token
-    budget) and their log-probs under the engine."""
+    budget), their log-probs under the engine, and whether it ended on an end-of-turn id (the tokenizer's EOS or
+    one of the model's generation config; false: cut at its token budget)."""
 
     ids: list[int]
     logprobs: list[float]
+    stopped: bool = False
 
 
 Observation = Union[str, list[dict[str, Any]], TokenIds]

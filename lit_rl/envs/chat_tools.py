@@ -526,11 +526,18 @@ class ChatRenderer:
     Args:
         tokenizer: the policy's tokenizer, with a chat template.
         tools: the schemas given to the template (the same as the prompt's, so the renders agree).
+        template_kwargs: more of the template's variables (`enable_thinking`), the same as the prompt's.
     """
 
-    def __init__(self, tokenizer: Any, tools: Optional[list[dict[str, Any]]] = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        tools: Optional[list[dict[str, Any]]] = None,
+        template_kwargs: Optional[dict[str, Any]] = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.tools = tools
+        self.template_kwargs = dict(template_kwargs or {})
         self.history = [
             {"role": "user", "content": _STAND_IN_QUESTION},
             {"role": "assistant", "content": _STAND_IN_ANSWER},
@@ -544,11 +551,18 @@ class ChatRenderer:
 
     def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt
+            messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt, **self.template_kwargs
         )
 
     def observation_ids(self, messages: list[dict[str, Any]], turn_ids: list[int]) -> list[int]:
         """The ids to append after a model turn whose sampled ids are `turn_ids` (module and class docstrings)."""
+        return self.attributed_observation(messages, turn_ids)[0]
+
+    def attributed_observation(
+        self, messages: list[dict[str, Any]], turn_ids: list[int]
+    ) -> tuple[list[int], list[int]]:
+        """`observation_ids`, and for each id the index of the message it renders (its markup and content; -1 for
+        the generation prompt after the last)."""
         placeholders = [f"\x00lit-rl content {k}\x00" for k in range(len(messages))]
         stand_ins = [{**message, "content": placeholder} for message, placeholder in zip(messages, placeholders)]
         full = self._render(self.history + stand_ins, generation_prompt=True)
@@ -558,6 +572,7 @@ class ChatRenderer:
             raise ValueError("the chat template does not render the assistant's turn before these messages")
         added = full[answer + len(_STAND_IN_ANSWER) :]
         ids: list[int] = []
+        owners: list[int] = []
         for k, (message, placeholder) in enumerate(zip(messages, placeholders)):
             content = _as_text(message.get("content", ""))
             markup, found, rest = added.partition(placeholder)
@@ -569,8 +584,11 @@ class ChatRenderer:
             added = rest
             ids += self.tokenizer.encode(markup, add_special_tokens=False)
             ids += self.tokenizer.encode(content, add_special_tokens=False, split_special_tokens=True)
+            owners += [k] * (len(ids) - len(owners))
         ids += self.tokenizer.encode(added, add_special_tokens=False)
-        return ids[self._already_written(turn_ids, ids) :]
+        owners += [-1] * (len(ids) - len(owners))
+        written = self._already_written(turn_ids, ids)
+        return ids[written:], owners[written:]
 
     def _already_written(self, turn_ids: list[int], ids: list[int]) -> int:
         """How many of the closing markup's first tokens (which `ids` begin with) end the model's turn (its

@@ -22,7 +22,7 @@ serving from its first episode on, the endpoint, the harnesses' programs) runs o
 (`lit_rl.envs.verifiers_renderer`) appends the new messages (a tool's result) to the ids already sampled, never
 rendering the conversation again, and each request must extend the episode's ids exactly: what follows is the
 observation (`TokenIds`), appended as it is. A request that rewrites the history (a harness that edits its
-messages) fails the episode in one line. So the transcript trained is the ids the engine conditioned on and sampled.
+messages) stops the run in one line. So the transcript trained is the ids the engine conditioned on and sampled.
 
 **Rewards.** Once the harness's program ends, verifiers scores the trace with the task's `@vf.reward` functions
 (with the task's runtime), and each becomes a column `rewards/env/<name>` of `score * weight`, which sum to
@@ -31,7 +31,8 @@ verifiers' `trace.reward`.
 **Limits.** An episode ends at lit-rl's `model.env.max_turns` or `max_total_tokens`; a call the program makes past
 them is answered with no tokens (finish reason `length`) until the program ends, and its trace is scored (give
 verifiers the same limit, `agent_args: {max_turns: N}`, and its program is refused the call instead). Each call of
-the environment (`reset`, a `step` while the program works between turns) has `model.env.step_timeout_s`. The
+the environment (`reset`, a `step` while the program works between turns) has `model.env.step_timeout_s`; one
+that overruns, or fails, ends the episode and cancels its program (`_abort`: nothing of it is left running). The
 harness runs in verifiers' `subprocess` runtime on this machine: a harness that runs code (verifiers' `EXECUTES_CODE`,
 true for its built-in `bash`) is refused unless `allow_code_execution: true`, and one that needs a container is
 refused. verifiers' built-in harnesses install their program with `uv`, from the network; a harness written in
@@ -45,6 +46,7 @@ import contextlib
 import functools
 import importlib.util
 import json
+import secrets
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -55,25 +57,29 @@ from lit_rl.errors import ConfigError, one_line
 
 MODEL = "lit-rl-policy"  # the model name the harness's requests carry (lit-rl serves one model)
 SESSION_HEADER = "X-Session-ID"  # verifiers' trace id, which its training client sends with each call
+SECRET_HEADER = "X-Lit-RL-Secret"  # the endpoint's secret, which lit-rl gives each episode's client
+LIT_RL_AGENT_KEYS = {"model", "client", "sampling", "retries"}  # verifiers' agent settings lit-rl owns
 
 
 @dataclass
 class TurnRequest:
-    """One model call of the harness: the ids to sample from, the stop ids its renderer gave, and its answer."""
+    """One model call of the harness: the ids to sample from, and its answer."""
 
     token_ids: list[int]
-    stop_ids: frozenset[int]
     answer: asyncio.Future = field(repr=False)
 
 
 class TurnEndpoint:
     """The token-in model route verifiers' training client calls, on 127.0.0.1 (module docstring), for every episode
     of the process: a request goes to its episode's queue (by its trace's id, `SESSION_HEADER`) and waits there until
-    lit-rl answers it with a sampled turn (`answer`) or refuses it (`refuse`)."""
+    lit-rl answers it with a sampled turn (`answer`) or refuses it (`refuse`). A request without the endpoint's
+    secret (`SECRET_HEADER`, in the clients' config) is refused."""
 
     def __init__(self) -> None:
         self.url = ""
         self.episodes: dict[str, asyncio.Queue[TurnRequest]] = {}
+        # Sent by lit-rl's clients alone: another local process cannot put a turn into an episode.
+        self.secret = secrets.token_urlsafe(16)
         self._runner: Any = None
 
     async def start(self) -> None:
@@ -92,16 +98,13 @@ class TurnEndpoint:
     async def _generate(self, request: Any) -> Any:
         from aiohttp import web
 
+        if not secrets.compare_digest(request.headers.get(SECRET_HEADER, ""), self.secret):
+            return web.json_response({"error": {"message": "not lit-rl's client"}}, status=403)
         queue = self.episodes.get(request.headers.get(SESSION_HEADER, ""))
         if queue is None:
             return web.json_response({"error": {"message": "no such episode"}}, status=404)
         body = await request.json()
-        params = body.get("sampling_params") or {}
-        turn = TurnRequest(
-            [int(t) for t in body["token_ids"]],
-            frozenset(int(t) for t in params.get("stop_token_ids") or ()),
-            asyncio.get_running_loop().create_future(),
-        )
+        turn = TurnRequest([int(t) for t in body["token_ids"]], asyncio.get_running_loop().create_future())
         await queue.put(turn)
         status, payload = await turn.answer
         return web.json_response(payload, status=status)
@@ -115,12 +118,11 @@ class TurnEndpoint:
     def answer(turn: TurnRequest, sampled: SampledTurn) -> None:
         """Answer `turn` with the ids lit-rl sampled, in vLLM's generate response as `renderers` reads it."""
         ids = list(sampled.ids)
-        stopped = bool(ids) and ids[-1] in turn.stop_ids
         logprobs = [{"token": f"token_id:{t}", "logprob": float(lp)} for t, lp in zip(ids, sampled.logprobs)]
         choice = {
             "index": 0,
             "token_ids": ids,
-            "finish_reason": "stop" if stopped else "length",
+            "finish_reason": "stop" if sampled.stopped else "length",  # renderers reads tool calls after "stop"
             "logprobs": {"content": logprobs},
         }
         response = {"request_id": "lit-rl", "prompt_token_ids": turn.token_ids, "choices": [choice]}
@@ -142,7 +144,8 @@ class _VerifiersLoop:
     _lock = threading.Lock()
     _loop: Optional[asyncio.AbstractEventLoop] = None
     _endpoint: Optional[TurnEndpoint] = None
-    _served: dict[str, tuple[Any, Any]] = {}  # settings -> (their env config, its env serving until the process ends)
+    # settings -> (their env config, a future of its env, serving until the process ends)
+    _served: dict[str, tuple[Any, asyncio.Future]] = {}
     _stack = contextlib.AsyncExitStack()
 
     @classmethod
@@ -159,13 +162,20 @@ class _VerifiersLoop:
 
     @classmethod
     async def served(cls, settings: str, vf: Any, env_config: Any) -> Any:
-        """The verifiers env of `settings`, serving (on this loop: no lock needed)."""
+        """The verifiers env of `settings`, serving: started by the first episode, whose start the others await."""
         config, env = cls._served.get(settings, (None, None))
         if config is not env_config:  # first, or the run's settings were checked anew (modules reloaded)
-            env = vf.load_environment(env_config)
-            await cls._stack.enter_async_context(env.serving())
+            env = asyncio.get_running_loop().create_future()
             cls._served[settings] = (env_config, env)
-        return env
+            try:
+                started = vf.load_environment(env_config)
+                await cls._stack.enter_async_context(started.serving())
+                env.set_result(started)
+            except BaseException as err:
+                del cls._served[settings]  # the next episode tries again
+                env.set_exception(err)
+                raise
+        return await asyncio.shield(env)
 
 
 async def _on_verifiers_loop(coroutine: Any) -> Any:
@@ -237,6 +247,13 @@ class VerifiersHarness(TokenEnvironment):
         await _on_verifiers_loop(self._close())
 
     async def _start(self, row: dict[str, Any]) -> TokenIds:
+        try:
+            return await self._begin(row)
+        except BaseException:  # a failure, or the runner's time limit: nothing of the episode is left running
+            self._abort()
+            raise
+
+    async def _begin(self, row: dict[str, Any]) -> TokenIds:
         vf = self.vf
         env = await _VerifiersLoop.served(self.settings, vf, self.env_config)
         task = row_task(row, env.taskset.config, type(env.taskset).task_type())
@@ -250,6 +267,7 @@ class VerifiersHarness(TokenEnvironment):
         client = vf.TrainClientConfig(
             base_url=endpoint.url,
             api_key_var="LIT_RL_NO_KEY",  # the endpoint is lit-rl's own: no key
+            headers={SECRET_HEADER: endpoint.secret},
             renderer=self.renderer,
             renderer_model_name=self.tokenizer,
         )
@@ -263,6 +281,13 @@ class VerifiersHarness(TokenEnvironment):
         return TokenIds(first.token_ids)
 
     async def _step(self, turn: SampledTurn) -> StepResult:
+        try:
+            return await self._answer(turn)
+        except BaseException:
+            self._abort()
+            raise
+
+    async def _answer(self, turn: SampledTurn) -> StepResult:
         assert self.pending is not None
         TurnEndpoint.answer(self.pending, turn)
         self.pending = None
@@ -281,11 +306,17 @@ class VerifiersHarness(TokenEnvironment):
         return StepResult(TokenIds(request.token_ids[known:]))
 
     async def _finish(self) -> dict[str, float]:
+        try:
+            return await self._scored()
+        finally:
+            self._abort()  # scored, failed or past its time limit: the episode is over
+
+    async def _scored(self) -> dict[str, float]:
         assert self.episode is not None
         # lit-rl's limits ended the episode while the program goes on: each call it still makes is answered with no
         # tokens ("length"), until it ends (a refusal would fail its trace, which verifiers then does not score).
         while self.pending is not None:
-            TurnEndpoint.answer(self.pending, SampledTurn([], []))
+            TurnEndpoint.answer(self.pending, SampledTurn([], [], stopped=False))
             self.pending = None
             await self._next_request()
         episode = await self.episode
@@ -299,9 +330,17 @@ class VerifiersHarness(TokenEnvironment):
         return {name: rewards[name].value for name in self.reward_names}
 
     async def _close(self) -> None:
-        if self.pending is not None:
-            TurnEndpoint.refuse(self.pending, "lit-rl ended the episode")
-            self.pending = None
+        self._abort()
+
+    def _abort(self) -> None:
+        """End what is left of the episode, on the verifiers loop: every call waiting is refused, the program is
+        cancelled, and its trace ids are forgotten (idempotent)."""
+        waiting = [self.pending] if self.pending is not None else []
+        while self.requests is not None and not self.requests.empty():
+            waiting.append(self.requests.get_nowait())
+        for turn in waiting:
+            TurnEndpoint.refuse(turn, "lit-rl ended the episode")
+        self.pending = None
         if self.episode is not None and not self.episode.done():
             self.episode.cancel()
         _, endpoint = _VerifiersLoop.get()
@@ -312,13 +351,18 @@ class VerifiersHarness(TokenEnvironment):
         """The harness's next model call, or None once its episode has ended."""
         assert self.episode is not None and self.requests is not None
         getting = asyncio.ensure_future(self.requests.get())
-        await asyncio.wait({getting, self.episode}, return_when=asyncio.FIRST_COMPLETED)
-        if getting.done():
+        try:
+            await asyncio.wait({getting, self.episode}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not getting.done():  # this wait ended or was cancelled: the next call stays in the queue
+                getting.cancel()
+        if getting.done() and not getting.cancelled():
             self.pending = getting.result()
             return self.pending
-        getting.cancel()
+        if self.episode.cancelled():
+            raise ValueError("the harness's episode was cancelled")
         if self.episode.exception() is not None:
-            raise self.episode.exception()
+            raise ValueError(f"the harness's episode raised {_failure(self.episode)}") from None
         return None
 
 
@@ -365,6 +409,12 @@ def _checked_env_config(settings_json: str) -> tuple[Any, Any, Any, tuple[str, .
             raise ConfigError(
                 f"{WHERE}: harness {harness!r} runs the model's code on this machine (EXECUTES_CODE): set "
                 "allow_code_execution: true to run it"
+            )
+        taken = sorted(set(settings["agent_args"]) & LIT_RL_AGENT_KEYS)
+        if taken:
+            raise ConfigError(
+                f"{WHERE}.agent_args.{taken[0]}: lit-rl sets the model, client and sampling of every call, and an "
+                "episode is one attempt (a retry would be another episode's transcript)"
             )
         agent = {"runtime": {"type": "subprocess"}, **settings["agent_args"]}
         agent["harness"] = {**settings["harness_args"], "id": harness}

@@ -2,12 +2,12 @@
 tokenizer's chat template renders a conversation's first turn, as verifiers' default renderer does, and every later
 turn extends the ids already sampled instead of rendering the conversation again.
 
-verifiers' default renderer has no `bridge_to_next_turn`: from the second turn on it renders the whole
-conversation anew, and a template that does not give back the sampled ids exactly (one that drops the sampled
-end-of-turn token, or tokenises the reply's text otherwise than the model sampled it) changes the history under the
-model. Here the next turn's prompt is the previous prompt, the sampled ids, and the new messages as lit-rl renders
-what follows a model turn (`lit_rl.envs.chat_tools.ChatRenderer`, the same as for its own chat tools): the
-episode's context only grows, token-in and token-out.
+verifiers' default renderer does not bridge turns (its `bridge_to_next_turn` returns None): from the second turn on
+it renders the whole conversation anew, and a template that does not give back the sampled ids exactly (one that
+drops the sampled end-of-turn token, or tokenises the reply's text otherwise than the model sampled it) changes the
+history under the model. Here the next turn's prompt is the previous prompt, the sampled ids, and the new messages
+as lit-rl renders what follows a model turn (`lit_rl.envs.chat_tools.ChatRenderer`, the same as for its own chat
+tools): the episode's context only grows, token-in and token-out.
 """
 
 from __future__ import annotations
@@ -41,12 +41,14 @@ class ChatTemplateBridge(DefaultRenderer):
         messages hold an assistant's: its text would be tokenised again."""
         if any(message.get("role") == "assistant" for message in new_messages):
             return None
-        # The tools as the first turn's render gave them to the template (what follows a turn depends on them)
-        after_turn = ChatRenderer(self._tokenizer, list(tools) if tools else None)
-        added = after_turn.observation_ids(list(new_messages), previous_completion_ids)
-        ids = [*previous_prompt_ids, *previous_completion_ids, *added]
+        # The tools and the template's variables as the first turn's render gave them (what follows a turn may
+        # depend on them: Qwen3's generation prompt on enable_thinking)
+        template_kwargs = dict(self.config.model_extra or {})
+        after_turn = ChatRenderer(self._tokenizer, list(tools) if tools else None, template_kwargs)
+        added, owners = after_turn.attributed_observation(list(new_messages), previous_completion_ids)
+        prior = [*previous_prompt_ids, *previous_completion_ids]
         return RenderedTokens(
-            token_ids=ids,
-            message_indices=[-1] * len(ids),
+            token_ids=[*prior, *added],
+            message_indices=[-1] * len(prior) + owners,  # the prior's: -1, as renderers' bridges give it
             message_roles=[message.get("role") or "" for message in new_messages],
         )

@@ -82,7 +82,7 @@ class PromptEncoder:
             if isinstance(prompt, TokenIds):
                 if self.max_length is not None and len(prompt) > self.max_length:
                     raise ValueError(
-                        f"an environment's prompt has {len(prompt)} tokens, more than data.max_prompt_length "
+                        f"an environment's prompt has {len(prompt)} tokens, more than model.sampling.max_prompt_length "
                         f"({self.max_length}): raise it (a prompt rendered by the environment cannot be cut)"
                     )
                 given.append(list(prompt))

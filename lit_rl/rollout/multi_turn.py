@@ -88,10 +88,13 @@ def run_episodes(
     concurrent_generate: Optional[Generate] = None,
     first_turns_together: bool = True,
     ready_batches: bool = False,
+    stop_ids: frozenset[int] = frozenset(),
 ) -> Episodes:
     """Run one episode per environment from `prompts` (token ids) until each is done (module docstring). A model
     turn samples at most `params.max_new_tokens` tokens and at most what is left of `max_total_tokens` (model and
     observation tokens after the prompt); an observation that would pass it is cut to fit, and ends the episode.
+    `stop_ids`: the ids that end a turn (a `TokenEnvironment` is told whether its turn ended on one:
+    `SampledTurn.stopped`).
 
     Every episode's first turn is sampled in one call: `engine.generate` (`first_turns_together`), or with several
     ranks, each on its own, `concurrent_generate`. Then:
@@ -126,7 +129,7 @@ def run_episodes(
     server released: `lit_rl.envs.OpenEnv`), unless a call of its overran or its reset failed (`ended`): a plain
     method may still be running on its worker thread, using what `close` would release."""
     batch = _EpisodeBatch(
-        envs, prompts, params, seeds, decode, encode_observation, reward_names, max_turns, max_total_tokens
+        envs, prompts, params, seeds, decode, encode_observation, reward_names, max_turns, max_total_tokens, stop_ids
     )
     active = [i for i in range(len(envs)) if i not in ended]  # `ended`: their reset failed; they take no turn
     batch.broken.update(ended)
@@ -169,9 +172,10 @@ class _EpisodeBatch:
         reward_names: Sequence[str],
         max_turns: int,
         max_total_tokens: int,
+        stop_ids: frozenset[int] = frozenset(),
     ) -> None:
         n = len(envs)
-        self.envs, self.params, self.seeds = envs, params, seeds
+        self.envs, self.params, self.seeds, self.stop_ids = envs, params, seeds, stop_ids
         self.decode, self.encode_observation = decode, encode_observation
         self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
         self.prompts = prompts
@@ -213,7 +217,8 @@ class _EpisodeBatch:
         if self.last_turn(i) and not getattr(self.envs[i], "steps_after_last_turn", True):
             return None
         if isinstance(self.envs[i], TokenEnvironment):  # its world answers the sampled ids themselves
-            return self.envs[i].step, (SampledTurn(sampled, self.pieces[i][-1][1]),)
+            stopped = bool(sampled) and sampled[-1] in self.stop_ids
+            return self.envs[i].step, (SampledTurn(sampled, self.pieces[i][-1][1], stopped),)
         return self.envs[i].step, (self.decode(sampled),)
 
     def last_turn(self, i: int) -> bool:

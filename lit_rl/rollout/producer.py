@@ -40,6 +40,7 @@ from lit_rl.rollout.base import (
     unpadded_prompts,
 )
 from lit_rl.rollout.engine_owner import EngineOwner
+from lit_rl.rollout.engines.hf import model_eos_token_ids
 from lit_rl.rollout.host import RolloutHost
 from lit_rl.rollout.multi_turn import Episodes, run_episodes
 from lit_rl.training.strategies import fail_on_every_rank, reduce_across_ranks
@@ -284,6 +285,7 @@ class EpisodeProducer(RolloutProducer):
     ) -> None:
         super().__init__(parts)
         self.runner = runner
+        self._stop_ids: Optional[frozenset[int]] = None
         self.ready_batches = ready_batches
         self.routing = routing
         self.raw_turns = raw_turns
@@ -411,7 +413,15 @@ class EpisodeProducer(RolloutProducer):
             concurrent_generate=independent_generate(engine, self.independent_turns and concurrent),
             first_turns_together=first_turns_together,
             ready_batches=self.ready_batches and single_caller,
+            stop_ids=self.stop_ids(),
         )
+
+    def stop_ids(self) -> frozenset[int]:
+        """The ids that end a model turn: the tokenizer's EOS and the model's generation-config EOS ids (the
+        engines stop on the same)."""
+        if self._stop_ids is None:
+            self._stop_ids = frozenset(model_eos_token_ids(self.host.policy, self.host.tokenizer.eos_token_id))
+        return self._stop_ids
 
     def turn_text(self, tokenizer: Any, ids: list[int]) -> str:
         """A model turn as the environment's `step` reads it: decoded without its special tokens, or with them
@@ -434,6 +444,15 @@ class EpisodeProducer(RolloutProducer):
                 error = error or f"{env_label(envs[index])}.reset {failure}"
                 first = None
                 ended.add(index)  # never stepped: its environment may still be busy in that reset
+            elif isinstance(first, TokenIds) and len(first) > (self.prompts.max_length or len(first)):
+                error = error or (
+                    f"{env_label(envs[index])}.reset gave a prompt of {len(first)} tokens, more than "
+                    f"model.sampling.max_prompt_length ({self.prompts.max_length}): raise it (its world rendered it "
+                    "whole)"
+                )
+                self.runner.run([(envs[index].close, ())])  # not busy: released now, never stepped
+                first = None
+                ended.add(index)
             prompts.append(row["prompt"] if first is None else first)
         if self.tool_schemas is not None:  # the tools' schemas reach the model through its chat template
             prompts = [chat_prompt(p) for p in prompts]
