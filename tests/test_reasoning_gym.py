@@ -90,8 +90,8 @@ def test_score_uses_each_tasks_own_scorer_on_the_answer_the_completion_gives():
 
 
 def _documented_block() -> str:
-    """The bash block of docs/data-and-rewards.md's reasoning-gym section."""
-    section = (REPO / "docs" / "data-and-rewards.md").read_text().split("## reasoning-gym tasks", 1)[1]
+    """The bash block of docs/reasoning-gym.md."""
+    section = (REPO / "docs" / "reasoning-gym.md").read_text()
     return section.split("```bash\n", 1)[1].split("```", 1)[0]
 
 

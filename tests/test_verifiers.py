@@ -1,5 +1,5 @@
 """verifiers tasksets as data (`lit_rl.data.verifiers_tasksets`) and episodes (`lit_rl.envs.Verifiers`), with the
-taskset docs/environments.md prints (`my_tasks.py`), offline; and the page's command through `lit-rl fit`."""
+taskset docs/verifiers.md prints (`my_tasks.py`), offline; and the page's command through `lit-rl fit`."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tests.conftest import REPO, fit_documented_two_steps, read_metrics, train_r
 
 vf = pytest.importorskip("verifiers.v1")
 
-SECTION = (REPO / "docs" / "environments.md").read_text().split("## verifiers tasksets", 1)[1].split("\n## ", 1)[0]
+SECTION = (REPO / "docs" / "verifiers.md").read_text().split("\n## ", 1)[0]  # the one-turn part
 
 
 def _block(opening: str) -> str:

@@ -1,6 +1,6 @@
 """verifiers tasksets run by their harness (`lit_rl.envs.VerifiersHarness`), offline: verifiers drives the episode,
 lit-rl samples every model call through the token-in endpoint it serves. With the taskset and harness that
-docs/environments.md prints, and the page's command through `lit-rl fit`."""
+docs/verifiers.md prints, and the page's command through `lit-rl fit`."""
 
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ TINY_MODEL = ASSETS_DIR / TINY_BASE  # the tokenizer `configs/grpo.yaml` trains 
 
 vf = pytest.importorskip("verifiers.v1")
 
-PAGE = (REPO / "docs" / "environments.md").read_text()
-SECTION = PAGE.split("### verifiers tasksets run by their harness", 1)[1].split("\n## ", 1)[0]
+PAGE = (REPO / "docs" / "verifiers.md").read_text()
+SECTION = PAGE.split("\n## verifiers tasksets run by their harness", 1)[1].split("\n## ", 1)[0]
 
 
 def _block(text: str, opening: str) -> str:

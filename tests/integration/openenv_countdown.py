@@ -7,7 +7,7 @@ WebSocket `/ws`, one environment per connection, where `{"type": "reset", "data"
 ...}}`, and a connection past the server's capacity gets a `CAPACITY_REACHED` error, then is closed. It is written
 with FastAPI alone because openenv 0.10 cannot be installed beside vLLM 0.32 (its fastmcp needs mcp<2, vLLM
 mcp>=2), and the suite needs vLLM; `lit_rl.envs.OpenEnv` was also run against openenv's own `create_app` server
-(docs/environments.md says with what).
+(docs/openenv.md says with what).
 
 The environment is the tests' `RowTurns` (`tests.integration.envs`): `reset(answer=...)` opens an episode of
 2 + answer % 2 model turns (3 without an answer) and answers `{"text": "<turns>;"}`; each step takes
