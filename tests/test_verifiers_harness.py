@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import textwrap
 import time
 
 import pytest
@@ -152,26 +153,45 @@ def test_a_turn_is_answered_stop_or_length_as_lit_rl_ended_it():
         loop.close()
 
 
-SLOW_HARNESS = """
+def _harness(name: str, calls: str, before: str = "") -> str:
+    """A harness module's source: class `name`, whose program sends the task as a user message and then runs
+    `calls` (with `http`, an HTTP client, `ask(messages, **more)` posting them to the model endpoint, and
+    `messages`); `before`: module-level lines."""
+    body = textwrap.indent(textwrap.dedent(calls).strip("\n"), " " * 12)
+    return f"""
 import asyncio
+import json
 import httpx
 import verifiers.v1 as vf
 from verifiers.v1.runtimes import ProgramResult
+{before}
 
-class Slow(vf.Harness):
+class {name}(vf.Harness):
+    APPENDS_SYSTEM_PROMPT = True
     EXECUTES_CODE = False
     NEEDS_CONTAINER = False
 
     async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, tool_interception_url=None):
-        messages = [{"role": "user", "content": data.prompt}]
+        messages = [{{"role": "user", "content": data.prompt}}]
         async with httpx.AsyncClient(timeout=60) as http:
-            await http.post(f"{endpoint}/chat/completions", headers={"Authorization": f"Bearer {secret}"},
-                            json={"model": ctx.model, "messages": messages})
-            await asyncio.sleep(60)  # a tool that takes a minute
+            async def ask(messages, **more):
+                headers = {{"Authorization": f"Bearer {{secret}}"}}
+                body = {{"model": ctx.model, "messages": messages, **more}}
+                return await http.post(f"{{endpoint}}/chat/completions", headers=headers, json=body)
+{body}
         return ProgramResult(0, "", "")
 
-__all__ = ["Slow"]
+__all__ = ["{name}"]
 """
+
+
+SLOW_HARNESS = _harness(
+    "Slow",
+    """
+    await ask(messages)
+    await asyncio.sleep(60)  # a tool that takes a minute
+    """,
+)
 
 
 def test_a_step_past_its_time_limit_leaves_nothing_of_the_episode_running(beside_the_run):
@@ -221,40 +241,28 @@ class AddTasks(vf.Taskset[AddTask]):
 __all__ = ["AddTasks"]
 """
 
-TOOL_HARNESS = """
-import json
-import httpx
-import verifiers.v1 as vf
-from verifiers.v1.runtimes import ProgramResult
-
+ADD = """
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
-
-class ToolLoop(vf.Harness):
-    APPENDS_SYSTEM_PROMPT = True
-    EXECUTES_CODE = False
-    NEEDS_CONTAINER = False
-
-    async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, tool_interception_url=None):
-        messages = [{"role": "user", "content": data.prompt}]
-        async with httpx.AsyncClient(timeout=60) as http:
-            for _ in range(4):
-                reply = await http.post(f"{endpoint}/chat/completions", headers={"Authorization": f"Bearer {secret}"},
-                                        json={"model": ctx.model, "messages": messages, "tools": [ADD]})
-                if reply.status_code != 200:
-                    return ProgramResult(1, "", reply.text)
-                message = reply.json()["choices"][0]["message"]
-                messages.append(message)
-                if not message.get("tool_calls"):
-                    return ProgramResult(0, "", "")
-                for call in message["tool_calls"]:
-                    arguments = json.loads(call["function"]["arguments"])
-                    messages.append({"role": "tool", "tool_call_id": call["id"],
-                                     "content": str(arguments["a"] + arguments["b"])})
-        return ProgramResult(0, "", "")
-
-__all__ = ["ToolLoop"]
 """
+TOOL_HARNESS = _harness(
+    "ToolLoop",
+    """
+    for _ in range(4):
+        reply = await ask(messages, tools=[ADD])
+        if reply.status_code != 200:
+            return ProgramResult(1, "", reply.text)
+        message = reply.json()["choices"][0]["message"]
+        messages.append(message)
+        if not message.get("tool_calls"):
+            return ProgramResult(0, "", "")
+        for call in message["tool_calls"]:
+            arguments = json.loads(call["function"]["arguments"])
+            result = str(arguments["a"] + arguments["b"])
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+    """,
+    before=ADD,
+)
 
 
 def test_a_tool_call_in_qwens_format_trains_the_sampled_ids_and_the_rendered_result(beside_the_run):
@@ -294,42 +302,26 @@ def test_a_tool_call_in_qwens_format_trains_the_sampled_ids_and_the_rendered_res
     _run(env.close())
 
 
-REWRITING_HARNESS = """
-import httpx
-import verifiers.v1 as vf
-from verifiers.v1.runtimes import ProgramResult
-
-class Rewriter(vf.Harness):
-    EXECUTES_CODE = False
-    NEEDS_CONTAINER = False
-
-    async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, tool_interception_url=None):
-        messages = [{"role": "user", "content": data.prompt}]
-        async with httpx.AsyncClient(timeout=60) as http:
-            for _ in range(2):
-                reply = await http.post(f"{endpoint}/chat/completions", headers={"Authorization": f"Bearer {secret}"},
-                                        json={"model": ctx.model, "messages": messages})
-                if reply.status_code != 200:
-                    return ProgramResult(1, "", reply.text)
-                messages.append({"role": "assistant", "content": "something else"})  # not what the model said
-                messages.append({"role": "user", "content": "Again:"})
-        return ProgramResult(0, "", "")
-
-class Silent(vf.Harness):
-    EXECUTES_CODE = False
-    NEEDS_CONTAINER = False
-
-    async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, tool_interception_url=None):
-        return ProgramResult(3, "", "gave up before asking")
-"""
+REWRITING_HARNESS = _harness(
+    "Rewriter",
+    """
+    for _ in range(2):
+        reply = await ask(messages)
+        if reply.status_code != 200:
+            return ProgramResult(1, "", reply.text)
+        messages.append({"role": "assistant", "content": "something else"})  # not what the model said
+        messages.append({"role": "user", "content": "Again:"})
+    """,
+)
+SILENT_HARNESS = _harness("Silent", 'return ProgramResult(3, "", "gave up before asking")')
 
 
 def test_a_harness_that_rewrites_the_conversation_or_never_asks_fails_in_one_line(beside_the_run):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
-    (beside_the_run / "rewriting_harness.py").write_text(REWRITING_HARNESS + "__all__ = ['Rewriter']\n")
-    (beside_the_run / "silent_harness.py").write_text(REWRITING_HARNESS + "__all__ = ['Silent']\n")
+    (beside_the_run / "rewriting_harness.py").write_text(REWRITING_HARNESS)
+    (beside_the_run / "silent_harness.py").write_text(SILENT_HARNESS)
     row = load_rows("verifiers:my_tasks?select.limit=1")[0]
     env = VerifiersHarness(str(TINY_MODEL), "my_tasks", harness="rewriting_harness")
     _run(env.reset(row))
