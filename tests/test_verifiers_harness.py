@@ -29,7 +29,16 @@ from lit_rl.modeling.models import ASSETS_DIR, TINY_BASE
 from lit_rl.modeling.prompts import PromptEncoder
 from lit_rl.rollout.base import RolloutOutput, SamplingParams
 from lit_rl.rollout.multi_turn import run_episodes
-from tests.conftest import REPO, fit_documented_two_steps, read_metrics, train_rows
+from tests.conftest import (
+    FAST_GRPO,
+    REPO,
+    documented_fit,
+    fit_documented_two_steps,
+    read_metrics,
+    run_cli,
+    train_rows,
+    write_overlay,
+)
 from tests.qwen_chat import qwen_chat_tokenizer
 
 TINY_MODEL = ASSETS_DIR / TINY_BASE  # the tokenizer `configs/grpo.yaml` trains with
@@ -349,6 +358,28 @@ __all__ = ["H"]
 JUDGE = {"id": "rubric", "path": "c.toml"}
 
 
+def _taskset_module(task: str = "", exports=()) -> str:
+    """A taskset module of one task of class T (with `task`'s line), exporting `exports` beside its taskset."""
+    return f"""
+import verifiers.v1 as vf
+
+class T(vf.Task[vf.TaskData, vf.State, vf.TaskConfig]):
+    {task}
+    @vf.reward
+    async def passed(self, trace):
+        return 1.0
+
+class Tasks(vf.Taskset[T]):
+    def load(self):
+        yield T(vf.TaskData(prompt="1+1="), self.config.task)
+
+class OwnEnv(vf.SingleAgentEnv):
+    pass
+
+__all__ = ["Tasks", *{list(exports)}]
+"""
+
+
 @pytest.mark.parametrize(
     "harness, source, args, message",
     [
@@ -365,12 +396,31 @@ JUDGE = {"id": "rubric", "path": "c.toml"}
         ("my_harness", None, {"taskset_args": {"task": {"judges": [JUDGE]}}}, "plugs judges"),
         ("my_harness", None, {"agent_args": {"client": {}}}, "agent_args.client: lit-rl sets the model, client"),
         ("my_harness", None, {"agent_args": {"retries": {}}}, "agent_args.retries: lit-rl sets"),
+        ("my_harness", None, {"agent_args": {"model": "gpt"}}, "agent_args.model: lit-rl sets"),
+        ("my_harness", None, {"agent_args": {"sampling": {}}}, "agent_args.sampling: lit-rl sets"),
+        ("my_harness", None, {"taskset": "env_tasks"}, "taskset 'env_tasks': its package exports its own Env"),
+        ("my_harness", None, {"taskset": "boxed_tasks"}, "taskset 'boxed_tasks': T needs a container"),
     ],
-    ids=["runs code", "container", "no harness", "no module", "renderer", "judges", "client", "retries"],
+    ids=[
+        "runs code",
+        "container",
+        "no harness",
+        "no module",
+        "renderer",
+        "judges",
+        "client",
+        "retries",
+        "model",
+        "sampling",
+        "own env",
+        "task container",
+    ],
 )
 def test_what_lit_rl_will_not_run_is_refused_when_the_run_starts(beside_the_run, harness, source, args, message):
     if source is not None:
         (beside_the_run / f"{harness}.py").write_text(source)
+    (beside_the_run / "env_tasks.py").write_text(_taskset_module(exports=["OwnEnv"]))
+    (beside_the_run / "boxed_tasks.py").write_text(_taskset_module(task="NEEDS_CONTAINER = True"))
     settings = {"taskset": "my_tasks", "harness": harness, **args}
     with pytest.raises(ConfigError, match=message) as err:
         environment_factory("lit_rl.envs.VerifiersHarness", settings, None, tokenizer_name=str(TINY_MODEL))
@@ -405,3 +455,22 @@ def test_grpo_trains_on_a_taskset_run_by_its_harness_through_the_cli(beside_the_
         assert row["train/reward"] == pytest.approx(row["train/rewards/env/correct"] + row["train/rewards/env/short"])
     val = [row for row in read_metrics(log_dir) if row.get("val/turns")]
     assert len(val) == 1 and float(val[0]["val/turns"]) == 2.0
+
+
+@pytest.mark.slow
+def test_a_harness_prompt_past_max_prompt_length_stops_the_run_in_one_line_and_leaves_nothing_running(
+    beside_the_run, capsys
+):
+    """A prompt the harness rendered is never cut: past `model.sampling.max_prompt_length` it is a reset error, on
+    every rank at once, and the episodes are closed (their routes gone)."""
+    command = _block(SECTION, "bash\nlit-rl fit").split("\n", 1)[1]
+    overlay = write_overlay(beside_the_run / "overlay.yaml", save_dir=beside_the_run / "runs")
+    too_short = ["--trainer.max_steps", "1", "--model.sampling.max_prompt_length", "3"]
+    with pytest.raises(SystemExit) as ended:
+        run_cli(*documented_fit(command), "--config", str(overlay), *FAST_GRPO, *too_short)
+    assert ended.value.code != 0
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("lit-rl: error: VerifiersHarness.reset gave a prompt of ") and last.endswith(
+        "tokens, more than model.sampling.max_prompt_length (3): raise it (its world rendered it whole)"
+    )
+    assert not _VerifiersLoop.get()[1].episodes

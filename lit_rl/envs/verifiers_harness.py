@@ -58,6 +58,7 @@ from lit_rl.errors import ConfigError, one_line
 MODEL = "lit-rl-policy"  # the model name the harness's requests carry (lit-rl serves one model)
 SESSION_HEADER = "X-Session-ID"  # verifiers' trace id, which its training client sends with each call
 SECRET_HEADER = "X-Lit-RL-Secret"  # the endpoint's secret, which lit-rl gives each episode's client
+MAX_REQUEST_BYTES = 1 << 30  # a turn's ids as JSON (aiohttp's default, 1 MiB, is about 130k tokens)
 LIT_RL_AGENT_KEYS = {"model", "client", "sampling", "retries"}  # verifiers' agent settings lit-rl owns
 
 
@@ -85,7 +86,7 @@ class TurnEndpoint:
     async def start(self) -> None:
         from aiohttp import web
 
-        app = web.Application()
+        app = web.Application(client_max_size=MAX_REQUEST_BYTES)
         app.router.add_post("/inference/v1/generate", self._generate)
         app.router.add_get("/v1/models", self._models)
         self._runner = web.AppRunner(app, access_log=None)
@@ -100,12 +101,14 @@ class TurnEndpoint:
 
         if not secrets.compare_digest(request.headers.get(SECRET_HEADER, ""), self.secret):
             return web.json_response({"error": {"message": "not lit-rl's client"}}, status=403)
+        body = await request.json()
+        # Looked up and queued with no await between: an episode that ends (`_abort`) either took this turn off
+        # its queue and refused it, or had no route left for it.
         queue = self.episodes.get(request.headers.get(SESSION_HEADER, ""))
         if queue is None:
             return web.json_response({"error": {"message": "no such episode"}}, status=404)
-        body = await request.json()
         turn = TurnRequest([int(t) for t in body["token_ids"]], asyncio.get_running_loop().create_future())
-        await queue.put(turn)
+        queue.put_nowait(turn)
         status, payload = await turn.answer
         return web.json_response(payload, status=status)
 
@@ -144,7 +147,7 @@ class _VerifiersLoop:
     _lock = threading.Lock()
     _loop: Optional[asyncio.AbstractEventLoop] = None
     _endpoint: Optional[TurnEndpoint] = None
-    # settings -> (their env config, a future of its env, serving until the process ends)
+    # settings -> (their env config, the task starting its env, which serves until the process ends)
     _served: dict[str, tuple[Any, asyncio.Future]] = {}
     _stack = contextlib.AsyncExitStack()
 
@@ -162,20 +165,26 @@ class _VerifiersLoop:
 
     @classmethod
     async def served(cls, settings: str, vf: Any, env_config: Any) -> Any:
-        """The verifiers env of `settings`, serving: started by the first episode, whose start the others await."""
-        config, env = cls._served.get(settings, (None, None))
+        """The verifiers env of `settings`, serving: started once, in a task of its own that every episode awaits
+        (an episode's time limit cancels its wait, never the start)."""
+        config, starting = cls._served.get(settings, (None, None))
         if config is not env_config:  # first, or the run's settings were checked anew (modules reloaded)
-            env = asyncio.get_running_loop().create_future()
-            cls._served[settings] = (env_config, env)
-            try:
-                started = vf.load_environment(env_config)
-                await cls._stack.enter_async_context(started.serving())
-                env.set_result(started)
-            except BaseException as err:
-                del cls._served[settings]  # the next episode tries again
-                env.set_exception(err)
-                raise
-        return await asyncio.shield(env)
+            starting = asyncio.ensure_future(cls._serve(vf, env_config))
+            cls._served[settings] = (env_config, starting)
+
+            def forget_failed(task: asyncio.Future) -> None:
+                if task.cancelled() or task.exception() is not None:  # (retrieved: never logged as lost)
+                    if cls._served.get(settings, (None, None))[1] is task:
+                        del cls._served[settings]  # the next episode tries again
+
+            starting.add_done_callback(forget_failed)
+        return await asyncio.shield(starting)
+
+    @classmethod
+    async def _serve(cls, vf: Any, env_config: Any) -> Any:
+        env = vf.load_environment(env_config)
+        await cls._stack.enter_async_context(env.serving())
+        return env
 
 
 async def _on_verifiers_loop(coroutine: Any) -> Any:
@@ -356,8 +365,9 @@ class VerifiersHarness(TokenEnvironment):
         finally:
             if not getting.done():  # this wait ended or was cancelled: the next call stays in the queue
                 getting.cancel()
-        if getting.done() and not getting.cancelled():
-            self.pending = getting.result()
+            elif not getting.cancelled():  # taken off the queue: pending, so that `_abort` refuses it if cancelled
+                self.pending = getting.result()
+        if self.pending is not None:
             return self.pending
         if self.episode.cancelled():
             raise ValueError("the harness's episode was cancelled")
