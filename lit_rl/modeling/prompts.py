@@ -9,7 +9,7 @@ producers (the prompts they sample from), so both read a prompt the same way.
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -90,14 +90,20 @@ class PromptEncoder:
                 text = self.format(prompt, tools)
                 ids = self.tokenizer(text, add_special_tokens=isinstance(prompt, str))["input_ids"]
                 given.append(ids[-self.max_length :] if self.max_length else ids)
-        width = max(1, max(len(ids) for ids in given))
-        input_ids = torch.full((len(given), width), self.tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(given), width), dtype=torch.long)
-        for row, ids in enumerate(given):
-            if ids:
-                input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-                mask[row, width - len(ids) :] = 1
-        return input_ids.to(device), mask.to(device)
+        return left_padded(given, self.tokenizer.pad_token_id, device)
+
+
+def left_padded(
+    contexts: Sequence[list[int]], pad_id: int, device: Optional[torch.device]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id lists -> left-padded ids [N, L] and their mask, on `device` (None: the CPU)."""
+    width = max(len(ids) for ids in contexts)
+    ids = torch.full((len(contexts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(contexts), width), dtype=torch.long)
+    for row, context in enumerate(contexts):
+        ids[row, width - len(context) :] = torch.tensor(context, dtype=torch.long)
+        mask[row, width - len(context) :] = 1
+    return ids.to(device), mask.to(device)
 
 
 def _tools_key(tools: Optional[list[dict]]) -> str:

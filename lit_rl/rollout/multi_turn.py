@@ -32,6 +32,7 @@ from lit_rl.envs.base import (
     env_label,
 )
 from lit_rl.envs.runner import Call, EnvCallTimeout, EnvironmentRunner
+from lit_rl.modeling.prompts import left_padded
 from lit_rl.rollout.base import Generate, RolloutEngine, RolloutOutput, SamplingParams
 from lit_rl.types import EPISODE_STATS
 
@@ -55,17 +56,6 @@ Piece = tuple[list[int], list[float], bool, Optional[int]]  # ids, log-probs, sa
 def turn_seed(seed: int, turn: int) -> int:
     """The sampling seed of `turn` (0-based) of the episode whose seed is `seed` (turn 0 keeps it)."""
     return (seed + turn * 1_000_003) % (2**31 - 1)
-
-
-def left_padded(contexts: Sequence[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-id lists -> left-padded ids [N, L] and their mask."""
-    width = max(len(ids) for ids in contexts)
-    ids = torch.full((len(contexts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(contexts), width), dtype=torch.long)
-    for row, context in enumerate(contexts):
-        ids[row, width - len(context) :] = torch.tensor(context, dtype=torch.long)
-        mask[row, width - len(context) :] = 1
-    return ids.to(device), mask.to(device)
 
 
 def run_episodes(
