@@ -1,7 +1,9 @@
-"""Turns sampled in batches of the episodes that are ready (`model.env.ready_batches`) against turn by turn, on HF
-`generate` in one process, when a few environment steps are slow.
+"""Multi-turn episodes on an engine in the trainer's process, when a few environment steps are slow: turn by turn
+against turns sampled in batches of the episodes that are ready (`model.env.ready_batches`) on HF `generate`, and
+against those and independent episodes (`model.env.independent_turns`, the default) on the colocated vLLM engine.
 
     python benchmarks/ready_batches.py --out benchmarks/results/ready_batches_cpu.json   # 6 steps, 2 rounds
+    python benchmarks/ready_batches.py --engine colocate --out benchmarks/results/colocated_episodes_cpu.json
     python benchmarks/ready_batches.py --quick --out /tmp/ready_batches.json               # 2 steps, 1 round
     python benchmarks/ready_batches.py --markdown benchmarks/results/ready_batches_cpu.json
 
@@ -9,15 +11,19 @@ The workload is `agentic.py`'s (`configs/grpo_tools.yaml`, 64 episodes a step of
 environment), with steps that answer in 20 ms but one in ten (`--slow-shares 0.1`) in 1 s (`--slow-s`), as a slow
 tool call or a cold sandbox does (the same steps are slow in every run), and with none slow (`0`): where every step
 answers within a call's time, ready batches should be turn by turn's calls. The steps run together off the training
-thread (`model.env.concurrency` 64, the default) in both modes:
+thread (`model.env.concurrency` 64, the default) in every mode:
 
-- `turn by turn` (the default): turn t of every running episode in one `generate` call, after every step of turn
-  t - 1 is back: each turn waits for its slowest step;
+- `turn by turn` (HF `generate`'s default): turn t of every running episode in one `generate` call, after every
+  step of turn t - 1 is back: each turn waits for its slowest step;
 - `ready batches` (`--model.env.ready_batches true`): a call samples the turns of the episodes whose steps are
-  back, once every step under way is back or once they have waited as long as the last call took.
+  back, once every step under way is back or once they have waited as long as the last call took;
+- `independent` (`--engine colocate`, the colocated engine's default): each episode's next turn goes into vLLM's
+  scheduler as soon as its step is back, and joins the batch running at vLLM's next step.
 
-Reported per mode: seconds per optimizer step (the median of the steps after the first), the share the trainer
-waits for its episodes, completions per second. Runs alternate, round by round.
+`--engine colocate` runs the colocated vLLM engine (`configs/rollout/vllm_colocate.yaml`); its `turn by turn` and
+`ready batches` rows set `--model.env.independent_turns false`. Reported per mode: seconds per optimizer step (the
+median of the steps after the first), the share the trainer waits for its episodes, completions per second. Runs
+alternate, round by round.
 """
 
 from __future__ import annotations
@@ -30,11 +36,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from agentic import EPISODES_PER_STEP, fit_and_read  # noqa: E402
+from agentic import EPISODES_PER_STEP, REPO, fit_and_read  # noqa: E402
 
-MODES = {
-    "turn by turn": ["--model.env.ready_batches", "false"],
-    "ready batches": ["--model.env.ready_batches", "true"],
+COLOCATE = ["--config", str(REPO / "configs" / "rollout" / "vllm_colocate.yaml")]
+TURN_BY_TURN_ON_COLOCATE = [*COLOCATE, "--model.env.independent_turns", "false"]
+MODES = {  # engine: {mode: the `lit-rl fit` options that make it}
+    "hf": {
+        "turn by turn": ["--model.env.ready_batches", "false"],
+        "ready batches": ["--model.env.ready_batches", "true"],
+    },
+    "colocate": {
+        "turn by turn": TURN_BY_TURN_ON_COLOCATE,
+        "ready batches": [*TURN_BY_TURN_ON_COLOCATE, "--model.env.ready_batches", "true"],
+        "independent": COLOCATE,
+    },
 }
 
 
@@ -55,12 +70,14 @@ def markdown_table(results: list[dict]) -> str:
 
 
 def claims(results: list[dict]) -> list[str]:
-    """The prose numbers the docs quote: ready batches against turn by turn, at each share of slow steps."""
+    """The prose numbers the docs quote: each mode against turn by turn, at each share of slow steps."""
     by = {(r["mode"], r["slow_share"]): r["step_s"] for r in results}
     out = []
     for share in sorted({share for _, share in by}, reverse=True):
-        slow, fast = by[("turn by turn", share)], by[("ready batches", share)]
-        out.append(f"{slow:.2f} s -> {fast:.2f} s a step ({slow / fast:.2f}x)")
+        slow = by[("turn by turn", share)]
+        for mode in [mode for mode, at in by if at == share and mode != "turn by turn"]:
+            fast = by[(mode, share)]
+            out.append(f"{slow:.2f} s -> {fast:.2f} s a step ({slow / fast:.2f}x)")
     return out
 
 
@@ -74,16 +91,18 @@ def main() -> None:
     parser.add_argument("--slow-shares", type=float, nargs="+", default=[0.1, 0.0], help="shares of slow steps")
     parser.add_argument("--slow-s", type=float, default=1.0, help="a slow step's time")
     parser.add_argument("--quick", action="store_true", help="2 steps, 1 round")
+    parser.add_argument("--engine", choices=sorted(MODES), default="hf", help="HF generate or colocated vLLM")
     args = parse_report_args(parser, markdown_table, claims)
     if args.quick:
         args.steps, args.rounds = 2, 1
-    rounds: dict[tuple[float, str], list[dict]] = {(share, mode): [] for share in args.slow_shares for mode in MODES}
+    modes = MODES[args.engine]
+    rounds: dict[tuple[float, str], list[dict]] = {(share, mode): [] for share in args.slow_shares for mode in modes}
     with tempfile.TemporaryDirectory(prefix="lit_rl_ready_batches_") as workdir:
         for index in range(args.rounds):
             for (share, mode), runs in rounds.items():
                 environment_args = f"{{latency_s: {args.latency_s}, slow_share: {share}, slow_s: {args.slow_s}}}"
                 what = f"the {mode} run with {share} slow"
-                runs.append(fit_and_read(what, MODES[mode], environment_args, {}, args.steps, Path(workdir)))
+                runs.append(fit_and_read(what, modes[mode], environment_args, {}, args.steps, Path(workdir)))
                 print(f"round {index + 1}: {mode}, {share} slow: {runs[-1]}", flush=True)
     results = []
     for (share, mode), runs in rounds.items():
@@ -91,8 +110,9 @@ def main() -> None:
         generation_s = statistics.median(r["generation_s"] for r in runs)
         results.append(
             {
+                "engine": args.engine,
                 "mode": mode,
-                "options": MODES[mode],
+                "options": modes[mode],
                 "latency_s": args.latency_s,
                 "slow_share": share,
                 "slow_s": args.slow_s,

@@ -259,15 +259,16 @@ class EnvArgs:
             counted in `env_timeouts`; a `reset` that overruns stops the run in one line.
         independent_turns: after the first turn, each episode goes on on its own: its next turn goes to the engine
             as soon as its observation is back (`lit_rl.rollout.multi_turn`), where the engine takes requests from
-            many threads with no collective (the vLLM server engine, on every process, and asynchronous episodes on
-            its worker). false, or any other engine: turn by turn, every running episode's turn in one batch. The
-            same tokens are sampled either way (each turn is seeded by its episode and turn).
-        ready_batches: on an engine without such calls (HF `generate`, the colocated vLLM engine), on one process:
-            each call samples the next turns of the episodes whose steps are back, without waiting for the slowest
-            step of the turn (a slow step holds the others back by one call at most). Off by default: the batches
-            then form by timing, and a row's log-probs change with its batch at float rounding (HF `generate` on
-            the tiny model: 1.7e-6), so such a run is not bit-reproducible; each turn is still seeded by its
-            episode and turn.
+            many threads with no collective (the vLLM server engine, on every process; the colocated vLLM engine
+            with an engine per rank, into vLLM's own scheduler; asynchronous episodes on the server's worker). false,
+            or any other engine: turn by turn, every running episode's turn in one batch. The same tokens are sampled
+            either way (each turn is seeded by its episode and turn).
+        ready_batches: on an engine without such calls (HF `generate`; any engine with `independent_turns: false`),
+            on one process: each call samples the next turns of the episodes whose steps are back, without waiting
+            for the slowest step of the turn (a slow step holds the others back by one call at most). Off by
+            default: the batches then form by timing, and a row's log-probs change with its batch at float rounding
+            (HF `generate` on the tiny model: 1.7e-6), so such a run is not bit-reproducible; each turn is still
+            seeded by its episode and turn.
     """
 
     environment: Optional[Union[str, dict[str, str]]] = None

@@ -1,6 +1,9 @@
 """The colocated vLLM engine without vLLM: where rank r of W puts its engine, what it asks vLLM for, and the order
 of sleep mode's calls (a recording fake in place of `vllm.LLM`). The real engine runs in tests/integration."""
 
+import itertools
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -243,3 +246,151 @@ def test_the_module_sleeps_the_engine_after_a_rollout_and_pushes_again_after():
     assert fake.calls == ["push", "generate", "sleep"]  # asleep before the log-prob forwards and the update
     model.make_rollout(model.producer.generation(1, rows))
     assert fake.calls == ["push", "generate", "sleep", "push", "generate", "sleep"]  # woken by a push
+
+
+class SteppingLLM(RecordingLLM):
+    """Stands in for `vllm.LLM` and its engine as independent episodes use them: a request whose prompt ends in k
+    finishes after k engine steps, answering `[10 + k, 2]`. Records the requests running in each step; `hold_step`
+    (1-based) makes that step wait for `release` before it returns."""
+
+    def __init__(self, hold_step=None):
+        super().__init__()
+        self.request_counter = itertools.count()
+        self.llm_engine = self
+        self.steps_left: dict[str, int] = {}
+        self.k: dict[str, int] = {}
+        self.batches: list[list[str]] = []
+        self.aborted: list[str] = []
+        self.hold_step, self.holding, self.release = hold_step, threading.Event(), threading.Event()
+        self.fail_step = None
+
+    def add_request(self, request_id, prompt, params):
+        self.steps_left[request_id] = self.k[request_id] = prompt["prompt_token_ids"][-1]
+
+    def step(self):
+        self.batches.append(sorted(self.steps_left, key=int))
+        if len(self.batches) == self.fail_step:
+            raise RuntimeError("planted: vLLM's step failed")
+        if len(self.batches) == self.hold_step:
+            self.holding.set()
+            assert self.release.wait(10)
+        outputs = []
+        for request_id in list(self.steps_left):
+            self.steps_left[request_id] -= 1
+            if self.steps_left[request_id] == 0:
+                del self.steps_left[request_id]
+                outputs.append(_finished(request_id, self.k[request_id]))
+        return outputs
+
+    def abort_request(self, request_ids):
+        self.aborted.extend(request_ids)
+        for request_id in request_ids:
+            self.steps_left.pop(request_id, None)
+
+    def generate(self, requests, sampling, use_tqdm=False):
+        return [_finished("0", r["prompt_token_ids"][-1]) for r in requests]
+
+
+def _finished(request_id, k):
+    steps = {10 + k: SimpleNamespace(logprob=-0.5), 2: SimpleNamespace(logprob=-0.25)}
+    completion = SimpleNamespace(token_ids=[10 + k, 2], logprobs=[steps, steps])
+    return SimpleNamespace(request_id=request_id, finished=True, outputs=[completion])
+
+
+def _turn(engine, k, results):
+    prompt = (torch.tensor([[1, k]]), torch.ones(1, 2, dtype=torch.long))
+    try:
+        results[k] = engine.concurrent_generate(*prompt, SamplingParams(max_new_tokens=2), seeds=[k])
+    except RuntimeError as err:
+        results[k] = err
+
+
+def _threads(engine, ks, results):
+    threads = [threading.Thread(target=_turn, args=(engine, k, results)) for k in ks]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def _until(condition):
+    deadline = time.monotonic() + 10
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+def _release_once_a_call_waits_alone(engine, llm):
+    """Let the held step return once a call made alone (`generate`, `close`) waits for it, from another thread."""
+    threading.Thread(target=lambda: _until(lambda: engine.steps.alone_waiting) or llm.release.set()).start()
+
+
+def test_turns_from_many_threads_join_one_running_batch_of_vllms_scheduler():
+    """Issue 56.1 on the colocated engine: turns sent from episodes' threads go into vLLM's own scheduler. A turn
+    that arrives while another is decoding joins the next engine step (it does not wait for the other to finish),
+    each thread gets its own request's output, and the engine steps only as often as the longest turn needs."""
+    llm = SteppingLLM(hold_step=2)
+    engine = VLLMColocateEngine(llm, VLLMConfig(), [2], 0)
+    results = {}
+    (long_turn,) = _threads(engine, [6], results)  # 6 steps
+    assert llm.holding.wait(10)  # its second step is running: two short turns arrive meanwhile
+    late = _threads(engine, [2, 3], results)
+    _until(lambda: len(engine.steps.queued) == 2)
+    llm.release.set()
+    for thread in (long_turn, *late):
+        thread.join(10)
+    assert {k: out.completion_ids.tolist() for k, out in results.items()} == {6: [[16, 2]], 2: [[12, 2]], 3: [[13, 2]]}
+    running = [sorted(llm.k[request_id] for request_id in batch) for batch in llm.batches]  # each by its k
+    assert running == [[6], [6], [2, 3, 6], [2, 3, 6], [3, 6], [6]]
+    assert engine.steps.unfinished == set() and engine.steps.finished == {}
+
+
+def test_a_generate_after_abandoned_turns_aborts_them_and_their_threads_end():
+    """An episode's turn abandoned mid-sampling (its run stopped by a failure or Ctrl-C): the next call made alone
+    (the next rollout's `generate`, a push) waits for the step under way, aborts the abandoned requests in vLLM
+    (else `LLM.generate` would collect their outputs as its own), and the abandoned thread ends with an error."""
+    llm = SteppingLLM(hold_step=1)
+    engine = VLLMColocateEngine(llm, VLLMConfig(), [2], 0)
+    results = {}
+    (abandoned,) = _threads(engine, [5], results)
+    assert llm.holding.wait(10)
+    _release_once_a_call_waits_alone(engine, llm)
+    out = engine.generate(*PROMPTS, SamplingParams(max_new_tokens=2), seeds=[1, 2])  # waits for the step
+    abandoned.join(10)
+    assert out.completion_ids.tolist() == [[15, 2], [19, 2]]
+    assert llm.aborted == ["0"] and llm.batches == [["0"]]
+    assert isinstance(results[5], RuntimeError) and "stopped this turn's requests" in str(results[5])
+
+
+def test_a_failed_step_fails_its_caller_and_a_closed_engine_steps_no_more():
+    llm = SteppingLLM()
+    llm.fail_step = 1
+    engine = VLLMColocateEngine(llm, VLLMConfig(), [2], 0)
+    results = {}
+    for thread in _threads(engine, [3], results):
+        thread.join(10)
+    assert "planted: vLLM's step failed" in str(results[3])
+    llm.hold_step = 2  # the next turn's first step
+    (waiting,) = _threads(engine, [4], results)
+    assert llm.holding.wait(10)
+    closing = threading.Thread(target=engine.close)
+    closing.start()  # waits for the step under way, then no caller steps again
+    _release_once_a_call_waits_alone(engine, llm)
+    for thread in (waiting, closing):
+        thread.join(10)
+    assert "stopped this turn's requests" in str(results[4]) and len(llm.batches) == 2 and engine.llm is None
+
+
+def test_a_turn_from_a_thread_wakes_a_sleeping_cache_and_a_tensor_parallel_engine_takes_none():
+    """On several ranks each rank's first turns come from its episodes' threads too: the first of them wakes the
+    cache of an engine that slept (its weights woken by the push before)."""
+    llm = SteppingLLM()
+    engine = VLLMColocateEngine(llm, VLLMConfig(enable_sleep_mode=True), [2], 0)
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="push weights first"):
+        engine.concurrent_generate(*PROMPTS, SamplingParams(max_new_tokens=2), seeds=[1, 2])
+    engine.update_weights([("a", torch.zeros(2))])
+    out = engine.concurrent_generate(torch.tensor([[1, 2]]), torch.ones(1, 2), SamplingParams(max_new_tokens=2))
+    assert out.completion_ids.tolist() == [[12, 2]]
+    assert [call[0] for call in llm.calls] == ["sleep", "wake_up", "reload_weights", "reset_prefix_cache", "wake_up"]
+    engine.tp_group = object()
+    with pytest.raises(RuntimeError, match="tensor-parallel colocated engine samples its group's turns together"):
+        engine.concurrent_generate(*PROMPTS, SamplingParams(max_new_tokens=2), seeds=[1, 2])

@@ -85,10 +85,10 @@ class RolloutEngine(Protocol):
 @runtime_checkable
 class ConcurrentEngine(Protocol):
     """An engine that many threads may call at once, with no collective in the call (the vLLM server engine's
-    requests): multi-turn episodes then go on on their own (`lit_rl.rollout.multi_turn`). `concurrent_on_every_rank`:
-    whether every rank may call it at once, apart from the others (decided when the engine starts; True for an
-    engine used by one process). An engine needs both to be one: with `concurrent_generate` alone, episodes go turn
-    by turn."""
+    requests; the colocated vLLM engine's scheduler, an engine per rank): multi-turn episodes then go on on their own
+    (`lit_rl.rollout.multi_turn`). `concurrent_on_every_rank`: whether every rank may call it at once, apart from the
+    others (decided when the engine starts; True for an engine used by one process). An engine needs both to be one:
+    with `concurrent_generate` alone, episodes go turn by turn."""
 
     concurrent_on_every_rank: bool
 

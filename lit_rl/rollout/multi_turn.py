@@ -90,16 +90,16 @@ def run_episodes(
     ranks, each on its own, `concurrent_generate`. Then:
 
     - **Independent** (`concurrent_generate` given: a `generate` many threads may call at once, with no collective,
-      such as the vLLM server engine's, on one rank or on each): each episode goes on on its own. Its environment step
-      starts as soon as its turn is sampled, and its next turn goes to the engine as soon as its observation is
-      back; the engine batches the requests that are in flight. A step pays its longest episode, not the sum of
-      every turn's slowest episode.
+      such as the vLLM server engine's, on one rank or on each, or the colocated vLLM engine's with an engine per
+      rank): each episode goes on on its own. Its environment step starts as soon as its turn is sampled, and its
+      next turn goes to the engine as soon as its observation is back; the engine batches the requests that are in
+      flight. A step pays its longest episode, not the sum of every turn's slowest episode.
     - **Ready batches** (`ready_batches`, and no `concurrent_generate`: an engine this thread alone calls, with no
-      other rank in its calls, such as HF `generate` or the colocated vLLM engine on one process): each episode's
-      step starts as soon as its turn is sampled, and one `engine.generate` call samples the next turns of every
-      episode whose observation is back, once every step under way is back, or once the first of them has waited as
-      long as the last call took. A slow step holds the others back by one call at most; when every step answers
-      within a call's time, the calls are lock-step's.
+      other rank in its calls, such as HF `generate` on one process): each episode's step starts as soon as its turn
+      is sampled, and one `engine.generate` call samples the next turns of every episode whose observation is back,
+      once every step under way is back, or once the first of them has waited as long as the last call took. A slow
+      step holds the others back by one call at most; when every step answers within a call's time, the calls are
+      lock-step's.
     - **Lock-step** (otherwise): turn t of every episode still running is one `engine.generate` call, then their
       environment steps run together. `any_active(this rank has episodes left)`: whether any rank has (an
       all-reduce, on several ranks). Engines whose `generate` is a collective (sharded parameters, a vLLM server or

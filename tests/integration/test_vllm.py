@@ -487,21 +487,46 @@ def test_a_server_dying_with_generations_in_flight_ends_the_run_in_one_line_and_
     assert [row["step"] for row in rows] == [steps_done + 1, steps_done + 2]
 
 
-def test_episodes_score_the_engines_tokens_with_the_colocated_and_the_server_engine(tmp_path, vllm_server):
-    """Multi-turn episodes (3 model turns, observations between): every turn is sampled by vLLM from the ids of the
-    transcript so far, and the trainer's log-probs of the model's tokens are vLLM's within 1e-4 (GRPO on the
-    colocated engine, RLOO on the server, and GRPO on the server with weights updated in flight; with fixed-lag
-    asynchronous rollouts: the reference run of the accounting test below)."""
+def test_colocated_episodes_go_on_on_their_own_through_vllms_scheduler_and_log_what_lock_step_logs(tmp_path):
+    """Issue 56.1 on the colocated engine: multi-turn episodes (3 model turns, observations between) send each turn
+    from the episode's own thread into vLLM's scheduler (`concurrent_generate`), on one process and on each of two
+    (each rank's engine steps apart: the collective `generate` is never called), and every turn is sampled by vLLM
+    from the transcript's ids (the trainer's log-probs within 1e-4). Each turn is seeded by its episode and turn:
+    the runs log what turn-by-turn episodes (`--model.env.independent_turns false`) log."""
     environment = ("--model.env.environment", "tests.integration.envs.Countdown", "--model.env.max_turns", "3")
-    engines = {
-        "colocate": ("grpo", COLOCATE),
-        "server": ("rloo", (*SERVER, "--model.rollout.engine.server_url", vllm_server)),
+    ddp = ("--config", str(CONFIGS / "strategy" / "ddp.yaml"), "--model.schedule.micro_batch_size", "4")
+    layouts = {
+        "independent": ("--model.env.independent_turns", "true"),
+        "turn_by_turn": ("--model.env.independent_turns", "false"),
+        "two_processes": ddp,
     }
-    for name, (algorithm, engine) in engines.items():
-        log_dir = _fit(tmp_path, f"{name}_env", *engine, *environment, algorithm=algorithm)
+    rows, calls = {}, {}
+    for name, layout in layouts.items():
+        probe = probe_flags("CountEngineCalls", tmp_path / name)
+        log_dir = _fit(tmp_path, name, *COLOCATE, *environment, *layout, *probe)
         _check_run(log_dir)
-        for row in train_rows(log_dir):
-            assert row["train/turns"] > 1 and row["train/env_tokens"] > 0, (name, row)
+        rows[name] = train_rows(log_dir)
+        ranks = 2 if name == "two_processes" else 1
+        calls[name] = [json.loads((tmp_path / name / f"engine_calls_rank{r}.json").read_text()) for r in range(ranks)]
+    assert all(row["train/turns"] > 1 and row["train/env_tokens"] > 0 for row in rows["independent"]), rows
+    assert calls["turn_by_turn"][0]["concurrent_generate"] == 0
+    assert 0 < calls["independent"][0]["generate"] < calls["turn_by_turn"][0]["generate"], calls
+    assert all(rank["generate"] == 0 and rank["concurrent_generate"] > 0 for rank in calls["two_processes"]), calls
+    for name in ("independent", "two_processes"):
+        assert_rows_match(without_engine_gap(rows[name]), without_engine_gap(rows["turn_by_turn"]), rel=1e-4, abs=1e-5)
+
+
+def test_episodes_score_the_engines_tokens_with_the_server_engine(tmp_path, vllm_server):
+    """Multi-turn episodes (3 model turns, observations between): every turn is sampled by vLLM from the ids of the
+    transcript so far, and the trainer's log-probs of the model's tokens are vLLM's within 1e-4 (RLOO on the server,
+    and GRPO on the server with weights updated in flight; with fixed-lag asynchronous rollouts: the reference run of
+    the accounting test below)."""
+    environment = ("--model.env.environment", "tests.integration.envs.Countdown", "--model.env.max_turns", "3")
+    server = (*SERVER, "--model.rollout.engine.server_url", vllm_server)
+    log_dir = _fit(tmp_path, "server_env", *server, *environment, algorithm="rloo")
+    _check_run(log_dir)
+    for row in train_rows(log_dir):
+        assert row["train/turns"] > 1 and row["train/env_tokens"] > 0, row
     # Asynchronous (k = 1, fixed lag): the reference run of the accounting test below. In flight: the generations'
     # episodes run side by side, the server taking each newer version between turns.
     # Generation 1's first episode holds its first step until generation 2 is launched (version 1 staged): its later

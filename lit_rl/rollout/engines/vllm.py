@@ -19,6 +19,13 @@ released), so the policy's update has it. The order is: wake the weights, push, 
 offloading them to CPU memory (level 1 would hold a copy of every rank's engine weights in host memory), so a push
 must come after every sleep: `holds_weights` says so.
 
+Independent episodes (`lit_rl.rollout.multi_turn`) send each turn from a thread of its own
+(`concurrent_generate`): the turns go into vLLM's own scheduler as they arrive, and one engine step advances every
+request running, whoever's, so a turn that arrives while others decode joins the next step (continuous batching, as a
+vLLM server does with concurrent requests). With an engine per rank (`tensor_parallel_size` 1), each rank steps its
+own apart from the others. vLLM's engine is not thread-safe: the callers take turns making the calls into it, one
+step at a time (`_StepsOnCallersThreads`).
+
 Log-probs are vLLM's `processed_logprobs`: of the distribution it sampled from (after temperature, and after
 top-k/top-p truncation when those are on), which with `top_k=0, top_p=1` is exactly `softmax(logits / T)`, what
 the trainer recomputes. With `min_new_tokens`, the first tokens' log-probs are of the distribution with the stop ids
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional, Sequence
 
@@ -51,9 +59,11 @@ PhaseTimer = Callable[[str], ContextManager[None]]
 def vllm_sampling_params(params: SamplingParams, seed: int, eos_token_ids: Sequence[int]):
     """lit-rl's sampling settings as vLLM's, for one completion with its own seed."""
     import vllm
+    from vllm.sampling_params import RequestOutputKind
 
     return vllm.SamplingParams(
         n=1,
+        output_kind=RequestOutputKind.FINAL_ONLY,  # a finished request's output alone (what `LLM.generate` asks)
         max_tokens=params.max_new_tokens,
         min_tokens=params.min_new_tokens,
         temperature=0.0 if params.greedy else params.temperature,
@@ -136,6 +146,9 @@ class VLLMColocateEngine:
         self.phase: PhaseTimer = phase or (lambda name: nullcontext())
         self._weights_awake = self._cache_awake = True
         self.holds_weights = True  # dummy weights until the first push, but allocated: a push may load them
+        self.steps = _StepsOnCallersThreads(llm)
+        # Each rank's engine of one member steps apart from the others' (its TP group is itself).
+        self.concurrent_on_every_rank = self.placement.tensor_parallel_size == 1
 
     @classmethod
     def start(
@@ -195,15 +208,43 @@ class VLLMColocateEngine:
         prompts, seeds, mine = self._gather_tp_group(prompts, seeds)
         requests = [{"prompt_token_ids": ids} for ids in prompts]  # vLLM's `TokensPrompt` (a TypedDict)
         sampling = [vllm_sampling_params(params, seed, self.eos_token_ids) for seed in seeds]
-        self._wake_cache()
-        with self._own_precision():
-            outputs = self.llm.generate(requests, sampling, use_tqdm=False)[mine]
+        with self.steps.alone():
+            self._wake_cache()
+            with self._own_precision():
+                outputs = self.llm.generate(requests, sampling, use_tqdm=False)[mine]
+        return self._padded(outputs, prompt_ids.device)
+
+    def concurrent_generate(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        params: SamplingParams,
+        seeds: Optional[Sequence[int]] = None,
+    ) -> RolloutOutput:
+        """`generate` for an independent episode's turn, from any thread: its requests join vLLM's scheduler at
+        the next step, beside every other thread's, and this thread takes its turn stepping the engine until they
+        have finished (`_StepsOnCallersThreads`). One engine of one rank only: a tensor-parallel group samples
+        together."""
+        if self.tp_group is not None:
+            raise RuntimeError("a tensor-parallel colocated engine samples its group's turns together (`generate`)")
+        if not self._cache_awake:  # after a sleep, the first turn of a rank whose first turns are its own
+            with self.steps.between_steps():
+                self._wake_cache()
+        prompts = unpadded_prompts(prompt_ids, prompt_mask)
+        seeds = list(draw_seeds(len(prompts)) if seeds is None else seeds)
+        requests = [{"prompt_token_ids": ids} for ids in prompts]
+        sampling = [vllm_sampling_params(params, seed, self.eos_token_ids) for seed in seeds]
+        outputs = self.steps.sample(requests, sampling, self._own_precision)
+        return self._padded(outputs, prompt_ids.device)
+
+    def _padded(self, outputs: list[Any], device: torch.device) -> RolloutOutput:
+        """vLLM's finished requests (one completion each) as a `RolloutOutput` on `device`."""
         token_ids = [list(out.outputs[0].token_ids) for out in outputs]
         logprobs = [
             [step[token].logprob for step, token in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
             for out in outputs
         ]
-        return padded_output(token_ids, logprobs, self.eos_token_ids, self.pad_token_id, prompt_ids.device)
+        return padded_output(token_ids, logprobs, self.eos_token_ids, self.pad_token_id, device)
 
     def _gather_tp_group(self, prompts: list[list[int]], seeds: list[int]) -> tuple[list, list, slice]:
         """Every request of this rank's TP group (in rank order) and the slice of them that is this rank's."""
@@ -225,15 +266,18 @@ class VLLMColocateEngine:
         sharded parameters happens inside it)."""
         if named_tensors is None:
             raise ValueError("VLLMColocateEngine.update_weights needs the policy's (name, tensor) pairs")
-        if not self._weights_awake:
-            with self.phase("engine_wake"):
-                self.llm.wake_up(tags=["weights"])
-            self._weights_awake = True
-        with self._own_precision():
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
-        if self.llm.reset_prefix_cache() is False:  # blocks still held: the old weights' cache would be reused
-            raise RuntimeError("vLLM refused to reset its prefix cache after a weight push: KV blocks are still held")
-        self.holds_weights = True
+        with self.steps.alone():
+            if not self._weights_awake:
+                with self.phase("engine_wake"):
+                    self.llm.wake_up(tags=["weights"])
+                self._weights_awake = True
+            with self._own_precision():
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+            if self.llm.reset_prefix_cache() is False:  # blocks still held: the old weights' cache would be reused
+                raise RuntimeError(
+                    "vLLM refused to reset its prefix cache after a weight push: KV blocks are still held"
+                )
+            self.holds_weights = True
 
     def sleep(self) -> None:
         """With sleep mode, release the engine's GPU memory (weights and KV cache) until the next push: the trainer
@@ -241,13 +285,17 @@ class VLLMColocateEngine:
         batches of one validation share one push. A no-op without sleep mode, or when asleep already."""
         if not self.config.enable_sleep_mode or not (self._weights_awake or self._cache_awake):
             return
-        with self.phase("engine_sleep"):
+        with self.steps.alone(), self.phase("engine_sleep"):
             self.llm.sleep(level=SLEEP_LEVEL)
         self._weights_awake = self._cache_awake = self.holds_weights = False
 
-    def _own_precision(self) -> ContextManager[None]:
-        """The trainer's autocast off: vLLM computes in its own dtype."""
-        return torch.autocast(self.device_type, enabled=False)
+    @contextmanager
+    def _own_precision(self) -> Iterator[None]:
+        """The trainer's autocast off (vLLM computes in its own dtype), on this rank's GPU: an independent episode's
+        thread starts on the process's first."""
+        on_device = torch.cuda.device(self.placement.local_rank) if self.device_type == "cuda" else nullcontext()
+        with on_device, torch.autocast(self.device_type, enabled=False):
+            yield
 
     def _wake_cache(self) -> None:
         if not self.holds_weights:
@@ -272,12 +320,115 @@ class VLLMColocateEngine:
         }
 
     def close(self) -> None:
+        self.steps.close()  # a turn still being sampled (its episode abandoned) ends with an error, not in vLLM
         llm, self.llm = self.llm, None
         if llm is not None:
             shutdown = getattr(getattr(llm, "llm_engine", None), "shutdown", None)
             if callable(shutdown):
                 shutdown()
             del llm
+
+
+class _StepsOnCallersThreads:
+    """vLLM's engine fed from many threads (`VLLMColocateEngine.concurrent_generate`). A caller queues its requests
+    and waits; whenever no one is stepping the engine, a waiting caller becomes the one that does: it adds every
+    request queued since the last step to vLLM's scheduler and runs one step, which advances every request running,
+    whoever's, and keeps the finished outputs for their callers. So the threads share one batch that new requests
+    join between steps, and a request never waits for another's to finish before it is scheduled. No thread of its
+    own: a caller steps only while one of its requests is unfinished, so a step always has work, and nothing is left
+    running when no one waits.
+
+    Every other call into vLLM (`LLM.generate`, a push, sleep) is made `alone()`, when no step is running, after
+    aborting the requests of callers that were abandoned (an episode stopped by Ctrl-C or a failure), whose outputs
+    `LLM.generate` would otherwise collect as its own."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        self.state = threading.Condition()  # guards everything below
+        self.stepping = False  # a thread is in a call into vLLM
+        self.alone_waiting = 0  # `alone()` calls and `close` waiting: they go before the next step
+        self.queued: list[tuple[str, dict, Any]] = []  # (request id, prompt, sampling params), not yet in vLLM
+        self.unfinished: set[str] = set()  # the callers' requests, queued or in vLLM
+        self.finished: dict[str, Any] = {}  # request id -> vLLM's output, until its caller takes it
+        self.closed = False
+
+    @contextmanager
+    def alone(self) -> Iterator[None]:
+        """Between two steps, with the callers' requests aborted: no one waits for them any more."""
+        with self.between_steps():
+            with self.state:
+                queued = {request_id for request_id, _, _ in self.queued}
+                in_vllm = sorted(self.unfinished - queued)
+                if self.unfinished:
+                    log.warning("aborting %d abandoned vLLM requests of independent episodes", len(self.unfinished))
+                self.queued, self.unfinished = [], set()
+            if in_vllm:
+                self.llm.llm_engine.abort_request(in_vllm)
+            yield
+
+    @contextmanager
+    def between_steps(self) -> Iterator[None]:
+        """After the step under way, if any, and before the next."""
+        with self.state:
+            self._wait_for_the_step_under_way()
+            self.stepping = True
+        try:
+            yield
+        finally:
+            self._step_done([])
+
+    def sample(self, requests: list[dict], sampling: list[Any], precision: Callable[[], ContextManager[None]]) -> list:
+        """vLLM's finished outputs of `requests` (one `SamplingParams` each), in their order."""
+        with self.state:
+            ids = [str(next(self.llm.request_counter)) for _ in requests]  # `LLM.generate`'s ids: it sorts by them
+            self.queued.extend(zip(ids, requests, sampling))
+            self.unfinished.update(ids)
+        try:
+            while True:
+                with self.state:
+                    self.state.wait_for(
+                        lambda: not (self.stepping or self.alone_waiting) or all(i in self.finished for i in ids)
+                    )
+                    if all(i in self.finished for i in ids):
+                        return [self.finished.pop(i) for i in ids]
+                    if self.closed or not self.unfinished.issuperset(i for i in ids if i not in self.finished):
+                        raise RuntimeError("the colocated vLLM engine stopped this turn's requests (closed or aborted)")
+                    self.stepping = True
+                    queued, self.queued = self.queued, []
+                outputs: list[Any] = []
+                try:
+                    with precision():
+                        for request_id, prompt, params in queued:
+                            self.llm.llm_engine.add_request(request_id, prompt, params)
+                        outputs = self.llm.llm_engine.step()
+                finally:
+                    self._step_done(outputs)
+        finally:  # an abandoned or failed caller's outputs are nobody's
+            with self.state:
+                for i in ids:
+                    self.finished.pop(i, None)
+
+    def _step_done(self, outputs: list[Any]) -> None:
+        with self.state:
+            for output in outputs:
+                if output.finished and output.request_id in self.unfinished:
+                    self.unfinished.discard(output.request_id)
+                    self.finished[output.request_id] = output
+            self.stepping = False
+            self.state.notify_all()
+
+    def close(self) -> None:
+        """No step from now on (after the one running, if any): vLLM is about to shut down."""
+        with self.state:
+            self._wait_for_the_step_under_way()
+            self.closed = True
+            self.state.notify_all()
+
+    def _wait_for_the_step_under_way(self) -> None:
+        """(Holding `state`.) Until no step runs; no caller starts another meanwhile."""
+        self.alone_waiting += 1
+        self.state.wait_for(lambda: not self.stepping)
+        self.alone_waiting -= 1
 
 
 def _tp_subgroup(placement: EnginePlacement) -> Optional[Any]:
