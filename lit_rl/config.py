@@ -264,11 +264,12 @@ class EnvArgs:
             or any other engine: turn by turn, every running episode's turn in one batch. The same tokens are sampled
             either way (each turn is seeded by its episode and turn).
         ready_batches: on an engine without such calls (HF `generate`; any engine with `independent_turns: false`),
-            on one process: each call samples the next turns of the episodes whose steps are back, without waiting
-            for the slowest step of the turn (a slow step holds the others back by one call at most). Off by
-            default: the batches then form by timing, and a row's log-probs change with its batch at float rounding
-            (HF `generate` on the tiny model: 1.7e-6), so such a run is not bit-reproducible; each turn is still
-            seeded by its episode and turn.
+            on one process, or on each of several apart where a call involves no other rank (HF `generate` on whole
+            weights: DDP, ZeRO-2; not FSDP or ZeRO-3): each call samples the next turns of the episodes whose steps
+            are back, without waiting for the slowest step of the turn (a slow step holds the others back by one
+            call at most). Off by default: the batches then form by timing, and a row's log-probs change with its
+            batch at float rounding (HF `generate` on the tiny model: 1.7e-6), so such a run is not
+            bit-reproducible; each turn is still seeded by its episode and turn.
     """
 
     environment: Optional[Union[str, dict[str, str]]] = None

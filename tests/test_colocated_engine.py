@@ -265,15 +265,21 @@ class SteppingLLM(RecordingLLM):
         self.fail_step = None
 
     def add_request(self, request_id, prompt, params):
+        assert prompt["type"] == "token"  # rendered, as `LLM.generate` renders it (a raw prompt is deprecated)
+        if prompt["prompt_token_ids"][-1] == 0:
+            raise ValueError("planted: the prompt is longer than max_model_len")
         self.steps_left[request_id] = self.k[request_id] = prompt["prompt_token_ids"][-1]
+
+    def has_unfinished_requests(self):
+        return bool(self.steps_left)
 
     def step(self):
         self.batches.append(sorted(self.steps_left, key=int))
-        if len(self.batches) == self.fail_step:
-            raise RuntimeError("planted: vLLM's step failed")
         if len(self.batches) == self.hold_step:
             self.holding.set()
             assert self.release.wait(10)
+        if len(self.batches) == self.fail_step:
+            raise RuntimeError("planted: vLLM's step failed")
         outputs = []
         for request_id in list(self.steps_left):
             self.steps_left[request_id] -= 1
@@ -301,7 +307,7 @@ def _turn(engine, k, results):
     prompt = (torch.tensor([[1, k]]), torch.ones(1, 2, dtype=torch.long))
     try:
         results[k] = engine.concurrent_generate(*prompt, SamplingParams(max_new_tokens=2), seeds=[k])
-    except RuntimeError as err:
+    except Exception as err:  # what the episode's thread would raise
         results[k] = err
 
 
@@ -340,7 +346,7 @@ def test_turns_from_many_threads_join_one_running_batch_of_vllms_scheduler():
     assert {k: out.completion_ids.tolist() for k, out in results.items()} == {6: [[16, 2]], 2: [[12, 2]], 3: [[13, 2]]}
     running = [sorted(llm.k[request_id] for request_id in batch) for batch in llm.batches]  # each by its k
     assert running == [[6], [6], [2, 3, 6], [2, 3, 6], [3, 6], [6]]
-    assert engine.steps.unfinished == set() and engine.steps.finished == {}
+    assert engine.steps.in_vllm == {} and engine.steps.queued == []
 
 
 def test_a_generate_after_abandoned_turns_aborts_them_and_their_threads_end():
@@ -360,23 +366,56 @@ def test_a_generate_after_abandoned_turns_aborts_them_and_their_threads_end():
     assert isinstance(results[5], RuntimeError) and "stopped this turn's requests" in str(results[5])
 
 
-def test_a_failed_step_fails_its_caller_and_a_closed_engine_steps_no_more():
-    llm = SteppingLLM()
+def test_a_request_vllm_refuses_fails_its_own_caller_alone():
+    """A turn vLLM will not take (a transcript past `max_model_len`) fails the episode that sent it, whichever thread
+    was stepping; the other turns queued with it are sampled."""
+    llm = SteppingLLM(hold_step=1)
+    engine = VLLMColocateEngine(llm, VLLMConfig(), [2], 0)
+    results = {}
+    (first,) = _threads(engine, [3], results)
+    assert llm.holding.wait(10)
+    late = _threads(engine, [0, 2], results)  # queued while the first step runs: one refused, one taken
+    _until(lambda: len(engine.steps.queued) == 2)
+    llm.release.set()
+    for thread in (first, *late):
+        thread.join(10)
+    assert "planted: the prompt is longer than max_model_len" in str(results[0])
+    assert results[2].completion_ids.tolist() == [[12, 2]] and results[3].completion_ids.tolist() == [[13, 2]]
+    assert engine.steps.in_vllm == {} and engine.steps.queued == []
+
+
+def test_a_failed_step_fails_every_turn_waiting_and_to_come():
+    """vLLM's step raising leaves the engine broken: the turns waiting get the error, later ones too, at once."""
+    llm = SteppingLLM(hold_step=1)
     llm.fail_step = 1
     engine = VLLMColocateEngine(llm, VLLMConfig(), [2], 0)
     results = {}
-    for thread in _threads(engine, [3], results):
+    (first,) = _threads(engine, [3], results)
+    assert llm.holding.wait(10)
+    (second,) = _threads(engine, [4], results)  # queued: waits for the next step, which never comes
+    _until(lambda: len(engine.steps.queued) == 1)
+    llm.release.set()
+    for thread in (first, second):
         thread.join(10)
-    assert "planted: vLLM's step failed" in str(results[3])
-    llm.hold_step = 2  # the next turn's first step
+    assert "planted: vLLM's step failed" in str(results[3]) and "planted: vLLM's step failed" in str(results[4])
+    with pytest.raises(RuntimeError, match="closed or failed"):
+        engine.concurrent_generate(torch.tensor([[1, 2]]), torch.ones(1, 2), SamplingParams(max_new_tokens=2))
+    assert llm.batches == [["0"]]
+
+
+def test_closing_the_engine_ends_the_turns_waiting_and_its_thread():
+    llm = SteppingLLM(hold_step=1)
+    engine = VLLMColocateEngine(llm, VLLMConfig(), [2], 0)
+    results = {}
     (waiting,) = _threads(engine, [4], results)
     assert llm.holding.wait(10)
     closing = threading.Thread(target=engine.close)
-    closing.start()  # waits for the step under way, then no caller steps again
+    closing.start()  # waits for the step under way, then none is made
     _release_once_a_call_waits_alone(engine, llm)
     for thread in (waiting, closing):
         thread.join(10)
-    assert "stopped this turn's requests" in str(results[4]) and len(llm.batches) == 2 and engine.llm is None
+    assert "stopped this turn's requests (closed)" in str(results[4]) and llm.batches == [["0"]]
+    assert engine.llm is None and engine.steps.llm is None and not engine.steps.thread.is_alive()
 
 
 def test_a_turn_from_a_thread_wakes_a_sleeping_cache_and_a_tensor_parallel_engine_takes_none():

@@ -103,6 +103,15 @@ class ConcurrentEngine(Protocol):
 
 
 @runtime_checkable
+class RankLocalEngine(Protocol):
+    """An engine whose `generate` involves no other rank (`rank_local`, decided when the engine starts: HF `generate`
+    on whole weights, without ZeRO-3's gathering for each call): on several processes each rank's multi-turn
+    episodes may then make their own number of calls (`model.env.ready_batches`)."""
+
+    rank_local: bool
+
+
+@runtime_checkable
 class InFlightEngine(Protocol):
     """An engine that takes new weights while its episodes run (`lit_rl.rollout.in_flight`)."""
 

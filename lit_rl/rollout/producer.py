@@ -34,6 +34,7 @@ from lit_rl.rewards.scorer import RewardScorer
 from lit_rl.rollout.asynchronous import AsyncGenerations, PendingGeneration, generation_version
 from lit_rl.rollout.base import (
     ConcurrentEngine,
+    RankLocalEngine,
     RolloutOutput,
     SamplingParams,
     global_batch_seeds,
@@ -263,8 +264,9 @@ class EpisodeProducer(RolloutProducer):
             turn otherwise.
         raw_turns: each turn reaches `step` decoded with its special tokens (`EnvironmentSpec.raw_turns`).
         routing: with several environments by name, how a row picks its own (`EnvironmentSpec.routing`).
-        ready_batches: `model.env.ready_batches`: on one process, an engine without a `concurrent_generate`
-            samples the turns of the episodes that are ready (`lit_rl.rollout.multi_turn`); turn by turn otherwise.
+        ready_batches: `model.env.ready_batches`: on one process, or each process apart with an engine whose
+            calls involve no other rank, an engine without a `concurrent_generate` samples the turns of the episodes
+            that are ready (`lit_rl.rollout.multi_turn`); turn by turn otherwise.
         parts: `ProducerParts`.
     """
 
@@ -331,7 +333,10 @@ class EpisodeProducer(RolloutProducer):
             one_rank = host.trainer.world_size == 1
             # With several ranks, each rank's episodes go on on their own only where every rank may sample alone.
             alone = one_rank or (isinstance(engine, ConcurrentEngine) and engine.concurrent_on_every_rank)
-            apart = not one_rank and independent_generate(engine, self.independent_turns and alone) is not None
+            # ... and take turns in ready batches only where no other rank takes part in a call.
+            single_caller = one_rank or (isinstance(engine, RankLocalEngine) and engine.rank_local)
+            independent = independent_generate(engine, self.independent_turns and alone) is not None
+            apart = not one_rank and (independent or (self.ready_batches and single_caller))
             episodes, engine_error = None, None
             try:
                 episodes = self.run_episodes(
@@ -347,7 +352,7 @@ class EpisodeProducer(RolloutProducer):
                     any_active=self._any_rank_active,
                     concurrent=alone,
                     first_turns_together=one_rank,
-                    single_caller=one_rank,
+                    single_caller=single_caller,
                 )
             except Exception as err:  # the ranks sampled apart: a failure is this rank's alone, to raise on every rank
                 if not apart:  # lock-step's engine calls are collectives: every rank has the engine's error already
@@ -389,11 +394,11 @@ class EpisodeProducer(RolloutProducer):
         runner), the turns decoded and padded with `tokenizer`. `concurrent`: this rank may sample with no other
         rank in the call (one process, a job's worker, or an engine whose `concurrent_generate` every rank may call
         at once); episodes then go on on their own when the engine has a `concurrent_generate` and
-        `independent_turns` is on, and otherwise, with `ready_batches` on and `single_caller` (no other rank calls
-        the engine: one process, or a job's worker), in batches of the turns that are ready (a rank's number of
-        calls then depends on timing, which a collective `generate` cannot take). `first_turns_together`: the first
-        turns go through `engine.generate` (with several ranks sampling apart, a collective they would not all
-        reach)."""
+        `independent_turns` is on, and otherwise, with `ready_batches` on and `single_caller` (no other rank takes
+        part in the engine's calls: one process, a job's worker, or a `RankLocalEngine`), in batches of the turns
+        that are ready (a rank's number of calls then depends on timing, which a collective `generate` cannot take).
+        `first_turns_together`: the first turns go through `engine.generate` (with several ranks sampling apart, a
+        collective they would not all reach)."""
         return run_episodes(
             engine,
             envs,

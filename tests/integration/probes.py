@@ -244,6 +244,29 @@ class CountEngineCalls(_Probe):
         self.write("engine_calls", trainer.global_rank, self.calls)
 
 
+class CountTurnsTogether(_Probe):
+    """`turns_together_rank<r>.json`: how often training asked whether any rank still had episodes running (an
+    all-reduce each turn, when the ranks' episodes go turn by turn) and called the engine's `generate`."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.counts = {"any_rank_active": 0, "generate": 0}
+        producer, engine = pl_module.producer, pl_module.engines.started()
+        ask, generate = producer._any_rank_active, engine.generate
+
+        def asked(active: bool) -> bool:
+            self.counts["any_rank_active"] += 1
+            return ask(active)
+
+        def generated(*args, **kwargs):
+            self.counts["generate"] += 1
+            return generate(*args, **kwargs)
+
+        producer._any_rank_active, engine.generate = asked, generated
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.write("turns_together", trainer.global_rank, self.counts)
+
+
 class FailOnRankOne(_Probe):
     """On rank 1 only, the engine's `concurrent_generate` (this rank's own turns, sent to the server apart from the
     other ranks) raises on its third call as a server lost to that rank would: an engine failure on one rank while

@@ -6,6 +6,7 @@ a generation, and the same steps on 1 and 2 processes; for GRPO, RLOO (and PPO a
 from __future__ import annotations
 
 import itertools
+import json
 import os
 
 import pytest
@@ -23,6 +24,7 @@ from tests.conftest import (
     without_engine_gap,
     write_overlay,
 )
+from tests.integration.probes import probe_flags
 
 pytestmark = pytest.mark.slow
 
@@ -117,14 +119,32 @@ def _layout(tmp_path, devices: int, accumulate: int, *args: str) -> list[dict]:
     return train_rows(log_dir)
 
 
-def test_episodes_are_the_same_steps_on_one_and_two_processes(tmp_path):
+def test_episodes_are_the_same_steps_on_one_and_two_processes_turn_by_turn_and_in_ready_batches(tmp_path):
     """Each turn samples with a seed of its episode and turn: the transcripts, and so the steps, do not depend on
-    how the batch is split over ranks."""
+    how the batch is split over ranks. On two processes turn by turn, the ranks ask each other every turn whether
+    any has episodes left (an all-reduce); in ready batches (`model.env.ready_batches`: HF `generate` on whole
+    weights involves no other rank), each rank samples its own episodes' ready turns, against steps answering in
+    random order, and never asks."""
     reference = without_engine_gap(_layout(tmp_path, 1, 2))
-    split = without_engine_gap(_layout(tmp_path, 2, 1))
+    asked = {}
+    for name, mode in {"turn_by_turn": (), "ready_batches": READY_BATCHES}.items():
+        probe = probe_flags("CountTurnsTogether", tmp_path / name)
+        split = without_engine_gap(_layout(tmp_path, 2, 1, *mode, *probe))
+        # Float rounding only: each rank pads its transcripts to its own longest one.
+        assert_rows_match(split, reference, rel=1e-4, abs=1e-5)
+        counts = [json.loads((tmp_path / name / f"turns_together_rank{r}.json").read_text()) for r in (0, 1)]
+        assert all(count["generate"] > 0 for count in counts), counts
+        asked[name] = [count["any_rank_active"] for count in counts]
     assert [row["step"] for row in reference] == [1, 2, 3] and reference[-1]["train/kl"] > 0
-    # Float rounding only: each rank pads its transcripts to its own longest one.
-    assert_rows_match(split, reference, rel=1e-4, abs=1e-5)
+    assert all(asked["turn_by_turn"]) and asked["ready_batches"] == [0, 0], asked
+
+
+READY_BATCHES = (
+    "--model.env.ready_batches",
+    "true",
+    "--model.env.environment",
+    "tests.integration.envs.JitteryCountdown",
+)
 
 
 def test_dynamic_sampling_refills_episodes_and_chooses_the_same_batch_on_one_and_two_processes(tmp_path):

@@ -90,6 +90,8 @@ class HFGenerateEngine:
         # Under ZeRO-3 every forward gathers parameters collectively: ranks must take the same number of decoding
         # steps, so each keeps stepping (on finished rows) until all ranks are done.
         self.synced_ranks = synced_ranks
+        # No other rank in a call (`RankLocalEngine`): neither decoding steps in step nor weights gathered per call.
+        self.rank_local = not synced_ranks and whole_weights is None
         self.eos_token_ids = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids)
         self.pad_token_id = pad_token_id
 

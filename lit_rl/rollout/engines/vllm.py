@@ -23,8 +23,8 @@ Independent episodes (`lit_rl.rollout.multi_turn`) send each turn from a thread 
 (`concurrent_generate`): the turns go into vLLM's own scheduler as they arrive, and one engine step advances every
 request running, whoever's, so a turn that arrives while others decode joins the next step (continuous batching, as a
 vLLM server does with concurrent requests). With an engine per rank (`tensor_parallel_size` 1), each rank steps its
-own apart from the others. vLLM's engine is not thread-safe: the callers take turns making the calls into it, one
-step at a time (`_StepsOnCallersThreads`).
+own apart from the others. vLLM's engine is not thread-safe: one thread of the engine's makes those steps
+(`_EngineLoop`).
 
 Log-probs are vLLM's `processed_logprobs`: of the distribution it sampled from (after temperature, and after
 top-k/top-p truncation when those are on), which with `top_k=0, top_p=1` is exactly `softmax(logits / T)`, what
@@ -146,7 +146,7 @@ class VLLMColocateEngine:
         self.phase: PhaseTimer = phase or (lambda name: nullcontext())
         self._weights_awake = self._cache_awake = True
         self.holds_weights = True  # dummy weights until the first push, but allocated: a push may load them
-        self.steps = _StepsOnCallersThreads(llm)
+        self.steps = _EngineLoop(llm, self._own_precision)
         # Each rank's engine of one member steps apart from the others' (its TP group is itself).
         self.concurrent_on_every_rank = self.placement.tensor_parallel_size == 1
 
@@ -222,8 +222,8 @@ class VLLMColocateEngine:
         seeds: Optional[Sequence[int]] = None,
     ) -> RolloutOutput:
         """`generate` for an independent episode's turn, from any thread: its requests join vLLM's scheduler at
-        the next step, beside every other thread's, and this thread takes its turn stepping the engine until they
-        have finished (`_StepsOnCallersThreads`). One engine of one rank only: a tensor-parallel group samples
+        the engine's next step, beside every other thread's, and this thread waits until they have finished
+        (`_EngineLoop`). One engine of one rank only: a tensor-parallel group samples
         together."""
         if self.tp_group is not None:
             raise RuntimeError("a tensor-parallel colocated engine samples its group's turns together (`generate`)")
@@ -232,9 +232,9 @@ class VLLMColocateEngine:
                 self._wake_cache()
         prompts = unpadded_prompts(prompt_ids, prompt_mask)
         seeds = list(draw_seeds(len(prompts)) if seeds is None else seeds)
-        requests = [{"prompt_token_ids": ids} for ids in prompts]
+        requests = [{"type": "token", "prompt_token_ids": ids} for ids in prompts]  # vLLM's `TokensInput`
         sampling = [vllm_sampling_params(params, seed, self.eos_token_ids) for seed in seeds]
-        outputs = self.steps.sample(requests, sampling, self._own_precision)
+        outputs = self.steps.sample(requests, sampling)
         return self._padded(outputs, prompt_ids.device)
 
     def _padded(self, outputs: list[Any], device: torch.device) -> RolloutOutput:
@@ -329,41 +329,139 @@ class VLLMColocateEngine:
             del llm
 
 
-class _StepsOnCallersThreads:
-    """vLLM's engine fed from many threads (`VLLMColocateEngine.concurrent_generate`). A caller queues its requests
-    and waits; whenever no one is stepping the engine, a waiting caller becomes the one that does: it adds every
-    request queued since the last step to vLLM's scheduler and runs one step, which advances every request running,
-    whoever's, and keeps the finished outputs for their callers. So the threads share one batch that new requests
-    join between steps, and a request never waits for another's to finish before it is scheduled. No thread of its
-    own: a caller steps only while one of its requests is unfinished, so a step always has work, and nothing is left
-    running when no one waits.
+class _Turn:
+    """One `concurrent_generate` call's requests, and vLLM's outputs of them as they finish."""
 
-    Every other call into vLLM (`LLM.generate`, a push, sleep) is made `alone()`, when no step is running, after
-    aborting the requests of callers that were abandoned (an episode stopped by Ctrl-C or a failure), whose outputs
-    `LLM.generate` would otherwise collect as its own."""
+    def __init__(self, ids: list[str]) -> None:
+        self.ids = ids
+        self.outputs: dict[str, Any] = {}
+        self.error: Optional[BaseException] = None
+        self.done = threading.Event()
 
-    def __init__(self, llm: Any) -> None:
+    def fail(self, error: BaseException) -> None:
+        if not self.done.is_set():
+            self.error = error
+            self.done.set()
+
+
+class _EngineLoop:
+    """vLLM's engine fed from many threads (`VLLMColocateEngine.concurrent_generate`) and stepped by one of its own.
+
+    A caller queues its requests and waits for them. The loop's thread, while any request is queued or running,
+    adds every request queued since its last step to vLLM's scheduler and runs one step, which advances every
+    request running, whoever's; a caller is woken when its own requests have finished. So a request joins the batch
+    running at the next step, never waiting for another's to finish. One thread makes every call into vLLM (its
+    engine is not thread-safe) and does the CPU kernels' work on one thread pool, however many episodes wait.
+
+    A request vLLM refuses (`add_request` raises: a transcript past `max_model_len`) fails its own caller. A step
+    that raises fails every caller waiting, and every later one: the engine is broken.
+
+    Every other call into vLLM (`LLM.generate`, a push, sleep) is made `alone()`, between two steps, after aborting
+    every request still queued or running: their callers were abandoned (an episode stopped by Ctrl-C or a failure),
+    and `LLM.generate` would otherwise collect their outputs as its own."""
+
+    def __init__(self, llm: Any, precision: Callable[[], ContextManager[None]]) -> None:
         self.llm = llm
+        self.precision = precision  # around each step: the trainer's autocast off, on this rank's GPU
         self.state = threading.Condition()  # guards everything below
-        self.stepping = False  # a thread is in a call into vLLM
+        self.stepping = False  # a call into vLLM is under way
         self.alone_waiting = 0  # `alone()` calls and `close` waiting: they go before the next step
-        self.queued: list[tuple[str, dict, Any]] = []  # (request id, prompt, sampling params), not yet in vLLM
-        self.unfinished: set[str] = set()  # the callers' requests, queued or in vLLM
-        self.finished: dict[str, Any] = {}  # request id -> vLLM's output, until its caller takes it
+        self.queued: list[tuple[_Turn, str, dict, Any]] = []  # (its turn, request id, prompt, sampling params)
+        self.in_vllm: dict[str, _Turn] = {}  # the requests vLLM is running, by id
+        self.failure: Optional[BaseException] = None
         self.closed = False
+        self.thread: Optional[threading.Thread] = None
+        # The CPU kernels' thread count of the thread that built the engine, which vLLM's CPU attention checks
+        # against its own (a new thread starts with OpenMP's default: every core).
+        self.num_threads = torch.get_num_threads()
+
+    def sample(self, requests: list[dict], sampling: list[Any]) -> list:
+        """vLLM's finished outputs of `requests` (one `SamplingParams` each), in their order."""
+        with self.state:
+            if self.closed or self.failure is not None:
+                raise RuntimeError("the colocated vLLM engine is closed or failed") from self.failure
+            turn = _Turn([str(next(self.llm.request_counter)) for _ in requests])  # `LLM.generate`'s ids
+            self.queued.extend((turn, *request) for request in zip(turn.ids, requests, sampling))
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="lit-rl-vllm-steps", daemon=True)
+                self.thread.start()
+            self.state.notify_all()
+        turn.done.wait()
+        if turn.error is not None:
+            raise turn.error
+        return [turn.outputs[i] for i in turn.ids]
+
+    def _run(self) -> None:
+        torch._C.set_num_threads(self.num_threads)  # `torch.set_num_threads` itself vLLM's CPU worker disables
+        while True:
+            with self.state:
+                self.state.wait_for(lambda: self.closed or (self._has_work() and not self._someone_else_first()))
+                if self.closed:
+                    return
+                self.stepping = True
+                queued, self.queued = self.queued, []
+            outputs: list[Any] = []
+            try:
+                with self.precision():
+                    outputs = self._step(queued)
+            except Exception as err:  # vLLM failed: no turn waiting or to come can be sampled
+                with self.state:
+                    self.failure = err
+                    self._fail_all(RuntimeError(f"the colocated vLLM engine failed: {type(err).__name__}: {err}"))
+                    self.stepping = False
+                    self.state.notify_all()
+                log.exception("the colocated vLLM engine's step failed")
+                return
+            self._step_done(outputs)
+
+    def _step(self, queued: list[tuple[_Turn, str, dict, Any]]) -> list[Any]:
+        """(On the loop's thread.) Add `queued` to vLLM and run one step; vLLM's outputs."""
+        engine = self.llm.llm_engine
+        for turn, request_id, prompt, params in queued:
+            if turn.done.is_set():  # another request of its turn was refused
+                continue
+            try:
+                engine.add_request(request_id, prompt, params)
+            except Exception as err:  # this request's own failure: its caller raises it
+                with self.state:
+                    running = [i for i in turn.ids if self.in_vllm.pop(i, None) is not None]
+                if running:
+                    engine.abort_request(running)
+                turn.fail(err)
+                continue
+            with self.state:
+                self.in_vllm[request_id] = turn
+        if engine.has_unfinished_requests():
+            return engine.step()
+        with self.state:  # vLLM holds none of them any more: their callers must not wait on
+            lost = RuntimeError("vLLM dropped requests of the colocated engine unfinished")
+            for turn in self.in_vllm.values():
+                turn.fail(lost)
+            self.in_vllm = {}
+        return []
+
+    def _step_done(self, outputs: list[Any]) -> None:
+        with self.state:
+            for output in outputs:
+                turn = self.in_vllm.pop(output.request_id, None) if output.finished else None
+                if turn is not None:
+                    turn.outputs[output.request_id] = output
+                    if len(turn.outputs) == len(turn.ids):
+                        turn.done.set()
+            self.stepping = False
+            self.state.notify_all()
 
     @contextmanager
     def alone(self) -> Iterator[None]:
-        """Between two steps, with the callers' requests aborted: no one waits for them any more."""
+        """Between two steps, with every request still queued or running aborted: no one waits for them."""
         with self.between_steps():
             with self.state:
-                queued = {request_id for request_id, _, _ in self.queued}
-                in_vllm = sorted(self.unfinished - queued)
-                if self.unfinished:
-                    log.warning("aborting %d abandoned vLLM requests of independent episodes", len(self.unfinished))
-                self.queued, self.unfinished = [], set()
-            if in_vllm:
-                self.llm.llm_engine.abort_request(in_vllm)
+                running, waiting = sorted(self.in_vllm), len(self.queued) + len(self.in_vllm)
+                if waiting:
+                    log.warning("aborting %d abandoned vLLM requests", waiting)
+                self._fail_all(RuntimeError("the colocated vLLM engine stopped this turn's requests (abandoned)"))
+            if running:
+                self.llm.llm_engine.abort_request(running)
             yield
 
     @contextmanager
@@ -377,58 +475,36 @@ class _StepsOnCallersThreads:
         finally:
             self._step_done([])
 
-    def sample(self, requests: list[dict], sampling: list[Any], precision: Callable[[], ContextManager[None]]) -> list:
-        """vLLM's finished outputs of `requests` (one `SamplingParams` each), in their order."""
-        with self.state:
-            ids = [str(next(self.llm.request_counter)) for _ in requests]  # `LLM.generate`'s ids: it sorts by them
-            self.queued.extend(zip(ids, requests, sampling))
-            self.unfinished.update(ids)
-        try:
-            while True:
-                with self.state:
-                    self.state.wait_for(
-                        lambda: not (self.stepping or self.alone_waiting) or all(i in self.finished for i in ids)
-                    )
-                    if all(i in self.finished for i in ids):
-                        return [self.finished.pop(i) for i in ids]
-                    if self.closed or not self.unfinished.issuperset(i for i in ids if i not in self.finished):
-                        raise RuntimeError("the colocated vLLM engine stopped this turn's requests (closed or aborted)")
-                    self.stepping = True
-                    queued, self.queued = self.queued, []
-                outputs: list[Any] = []
-                try:
-                    with precision():
-                        for request_id, prompt, params in queued:
-                            self.llm.llm_engine.add_request(request_id, prompt, params)
-                        outputs = self.llm.llm_engine.step()
-                finally:
-                    self._step_done(outputs)
-        finally:  # an abandoned or failed caller's outputs are nobody's
-            with self.state:
-                for i in ids:
-                    self.finished.pop(i, None)
-
-    def _step_done(self, outputs: list[Any]) -> None:
-        with self.state:
-            for output in outputs:
-                if output.finished and output.request_id in self.unfinished:
-                    self.unfinished.discard(output.request_id)
-                    self.finished[output.request_id] = output
-            self.stepping = False
-            self.state.notify_all()
-
     def close(self) -> None:
-        """No step from now on (after the one running, if any): vLLM is about to shut down."""
+        """No step from now on (after the one under way, if any): vLLM is about to shut down."""
         with self.state:
             self._wait_for_the_step_under_way()
             self.closed = True
+            self._fail_all(RuntimeError("the colocated vLLM engine stopped this turn's requests (closed)"))
+            self.llm = None  # the engine's memory goes with the last reference to it
             self.state.notify_all()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join()
+
+    def _has_work(self) -> bool:
+        return bool(self.queued or self.in_vllm)
+
+    def _someone_else_first(self) -> bool:
+        return self.stepping or self.alone_waiting > 0
+
+    def _fail_all(self, error: BaseException) -> None:
+        """(Holding `state`.) Every turn queued or running fails with `error`; vLLM is told nothing here."""
+        for turn in [*self.in_vllm.values(), *(queued[0] for queued in self.queued)]:
+            turn.fail(error)
+        self.queued, self.in_vllm = [], {}
 
     def _wait_for_the_step_under_way(self) -> None:
-        """(Holding `state`.) Until no step runs; no caller starts another meanwhile."""
+        """(Holding `state`.) Until no step runs; no step starts meanwhile."""
         self.alone_waiting += 1
-        self.state.wait_for(lambda: not self.stepping)
-        self.alone_waiting -= 1
+        try:
+            self.state.wait_for(lambda: not self.stepping)
+        finally:
+            self.alone_waiting -= 1
 
 
 def _tp_subgroup(placement: EnginePlacement) -> Optional[Any]:
