@@ -172,3 +172,21 @@ def test_a_0_1_overlay_without_a_mode_keeps_its_server_and_says_what_it_leaves_o
     assert warnings == ["model.init_args.vllm.server_url left out: VLLMColocate does not take it"]
     with pytest.raises(ConfigError, match=r"model\.rollout\.engine\.porte: unknown option of VLLMServer"):
         engine_from_config({"class_path": "lit_rl.rollout.VLLMServer", "init_args": {"porte": 1}})
+
+
+def test_hf_generate_is_rank_local_only_on_whole_weights_gathered_for_no_call():
+    """`RankLocalEngine.rank_local` lets each rank take its own number of calls (`model.env.ready_batches` on several
+    processes): never when the ranks decode in step (FSDP, ZeRO-3 through its partitions) or gather the weights for
+    each call (ZeRO-3 with `gather_weights`), where a rank left out of a call would hang the others."""
+    from contextlib import nullcontext
+
+    import torch
+
+    from lit_rl.rollout.base import RankLocalEngine
+    from lit_rl.rollout.engines.hf import HFGenerateEngine
+
+    model = torch.nn.Linear(1, 1)
+    assert isinstance(HFGenerateEngine(model, 2, 0), RankLocalEngine)
+    assert HFGenerateEngine(model, 2, 0).rank_local  # DDP, ZeRO-2: whole weights, nothing gathered
+    assert not HFGenerateEngine(model, 2, 0, synced_ranks=True).rank_local
+    assert not HFGenerateEngine(model, 2, 0, whole_weights=nullcontext).rank_local

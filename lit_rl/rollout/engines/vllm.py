@@ -228,7 +228,7 @@ class VLLMColocateEngine:
         if self.tp_group is not None:
             raise RuntimeError("a tensor-parallel colocated engine samples its group's turns together (`generate`)")
         if not self._cache_awake:  # after a sleep, the first turn of a rank whose first turns are its own
-            with self.steps.between_steps():
+            with self.steps.between_steps(), self._own_precision():  # on this rank's GPU, not the thread's first
                 self._wake_cache()
         prompts = unpadded_prompts(prompt_ids, prompt_mask)
         seeds = list(draw_seeds(len(prompts)) if seeds is None else seeds)
@@ -404,15 +404,26 @@ class _EngineLoop:
             try:
                 with self.precision():
                     outputs = self._step(queued)
-            except Exception as err:  # vLLM failed: no turn waiting or to come can be sampled
-                with self.state:
-                    self.failure = err
-                    self._fail_all(RuntimeError(f"the colocated vLLM engine failed: {type(err).__name__}: {err}"))
-                    self.stepping = False
-                    self.state.notify_all()
-                log.exception("the colocated vLLM engine's step failed")
+            except BaseException as err:  # vLLM failed: no turn waiting or to come can be sampled
+                self._broken(err)
                 return
             self._step_done(outputs)
+
+    def _broken(self, err: BaseException) -> None:
+        """(On the loop's thread, after a step raised.) Every turn waiting fails, every later one at once; the
+        requests vLLM still holds are aborted, if it still answers, so that no later `LLM.generate` takes them."""
+        log.error("the colocated vLLM engine's step failed", exc_info=err)
+        with self.state:
+            self.failure = err
+            running = sorted(self.in_vllm)
+            self._fail_all(RuntimeError(f"the colocated vLLM engine failed: {type(err).__name__}: {err}"))
+        try:
+            if running:
+                self.llm.llm_engine.abort_request(running)
+        except Exception:  # it does not: the run is stopping on the failure anyway
+            log.exception("aborting the failed step's requests failed too")
+        finally:
+            self._step_done([])
 
     def _step(self, queued: list[tuple[_Turn, str, dict, Any]]) -> list[Any]:
         """(On the loop's thread.) Add `queued` to vLLM and run one step; vLLM's outputs."""
@@ -505,6 +516,7 @@ class _EngineLoop:
             self.state.wait_for(lambda: not self.stepping)
         finally:
             self.alone_waiting -= 1
+            self.state.notify_all()  # if this wait was interrupted, the loop may step again
 
 
 def _tp_subgroup(placement: EnginePlacement) -> Optional[Any]:
