@@ -86,6 +86,7 @@ def test_readme_main_job_is_the_grpo_config():
         ("agentic", ["agentic_cpu.json"]),
         ("tools_accuracy", ["tools_accuracy_cpu.json"]),
         ("ready_batches", ["ready_batches_cpu.json"]),
+        ("ready_batches", ["colocated_episodes_cpu.json"]),
     ],
 )
 def test_documented_tables_and_numbers_are_the_committed_results_files(script, files):
@@ -112,7 +113,7 @@ def test_every_results_file_is_quoted_by_the_readme_test():
     quoted |= {"scaling_cpu.json", "weight_transport_cpu.json", "gpu_nvidia-h200.json", "precision_cpu.json"}
     quoted |= {"compiled_decoding_cpu.json", "compare_trl_fixed32_cpu.json", "gpu_nvidia-h200_hf_compiled.json"}
     quoted |= {"train_mfu_cpu.json", "gpu_nvidia-h200_mfu.json", "packed_linear_cpu.json", "gpu_nvidia-h200_zero3.json"}
-    quoted |= {"agentic_cpu.json", "tools_accuracy_cpu.json", "ready_batches_cpu.json"}
+    quoted |= {"agentic_cpu.json", "tools_accuracy_cpu.json", "ready_batches_cpu.json", "colocated_episodes_cpu.json"}
     demos = ("grpo", "dpo", "rloo", "online_dpo", "ppo", "grpo_tools", "grpo_reasoning_gym")
     quoted |= {f"{demo}_demo.json" for demo in demos}
     assert {path.name for path in RESULTS.glob("*.json")} == quoted
