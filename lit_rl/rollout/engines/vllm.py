@@ -203,9 +203,7 @@ class VLLMColocateEngine:
         params: SamplingParams,
         seeds: Optional[Sequence[int]] = None,
     ) -> RolloutOutput:
-        prompts = unpadded_prompts(prompt_ids, prompt_mask)
-        seeds = list(draw_seeds(len(prompts)) if seeds is None else seeds)
-        prompts, seeds, mine = self._gather_tp_group(prompts, seeds)
+        prompts, seeds, mine = self._gather_tp_group(*_seeded_prompts(prompt_ids, prompt_mask, seeds))
         requests = [{"prompt_token_ids": ids} for ids in prompts]  # vLLM's `TokensPrompt` (a TypedDict)
         sampling = [vllm_sampling_params(params, seed, self.eos_token_ids) for seed in seeds]
         with self.steps.alone():
@@ -223,15 +221,13 @@ class VLLMColocateEngine:
     ) -> RolloutOutput:
         """`generate` for an independent episode's turn, from any thread: its requests join vLLM's scheduler at
         the engine's next step, beside every other thread's, and this thread waits until they have finished
-        (`_EngineLoop`). One engine of one rank only: a tensor-parallel group samples
-        together."""
+        (`_EngineLoop`). One engine of one rank only: a tensor-parallel group samples together."""
         if self.tp_group is not None:
             raise RuntimeError("a tensor-parallel colocated engine samples its group's turns together (`generate`)")
         if not self._cache_awake:  # after a sleep, the first turn of a rank whose first turns are its own
             with self.steps.between_steps(), self._own_precision():  # on this rank's GPU, not the thread's first
                 self._wake_cache()
-        prompts = unpadded_prompts(prompt_ids, prompt_mask)
-        seeds = list(draw_seeds(len(prompts)) if seeds is None else seeds)
+        prompts, seeds = _seeded_prompts(prompt_ids, prompt_mask, seeds)
         requests = [{"type": "token", "prompt_token_ids": ids} for ids in prompts]  # vLLM's `TokensInput`
         sampling = [vllm_sampling_params(params, seed, self.eos_token_ids) for seed in seeds]
         outputs = self.steps.sample(requests, sampling)
@@ -517,6 +513,14 @@ class _EngineLoop:
         finally:
             self.alone_waiting -= 1
             self.state.notify_all()  # if this wait was interrupted, the loop may step again
+
+
+def _seeded_prompts(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, seeds: Optional[Sequence[int]]
+) -> tuple[list[list[int]], list[int]]:
+    """Each row's prompt ids and its seed (drawn from the global torch RNG when none are given)."""
+    prompts = unpadded_prompts(prompt_ids, prompt_mask)
+    return prompts, list(draw_seeds(len(prompts)) if seeds is None else seeds)
 
 
 def _tp_subgroup(placement: EnginePlacement) -> Optional[Any]:
