@@ -71,8 +71,9 @@ class GRPO(OnPolicyModule):
             metrics.add_metrics(dynamic_sampling_metrics())
         self.train_metrics = self.rollout_train_metrics(metrics)
         if rollout.dynamic_sampling:  # DAPO's group filter around the producer, judging the shaped rewards
-            self.producer = DynamicSampling(self.producer, self.sampling_args.num_generations, self.shape_rewards)
-            self.refill_generations = rollout.max_refill_generations  # the refill generations the loader offers
+            self.producer = DynamicSampling(
+                self.producer, self.sampling_args.num_generations, self.shape_rewards, rollout.max_refill_generations
+            )
         self.val_metrics = self.rollout_val_metrics()
 
     def uses_reference(self) -> bool:

@@ -302,10 +302,9 @@ class OnPolicyModule(PolicyModule):
             start_micro_step=lambda: self._micro_steps_done,
             micro_steps_per_optimizer_step=self.accumulate,
             launches=launches,
-            refill_generations=self.refill_generations,
+            refill_generations=self.producer.refills_offered,
         )
 
-    refill_generations = 0  # the refill generations the loader offers (GRPO's dynamic sampling sets it)
     batch_type: type[RolloutBatch] = RolloutBatch  # the rollout batch, with the algorithm's own fields
     rollout_options: tuple[str, ...] = ()  # the options of `ROLLOUT_OPTION_TAKERS` this one takes
     auto_correction = "token_truncate"  # what `model.rollout.correction: auto` is when a correction is due

@@ -82,6 +82,8 @@ class DynamicSampling:
         group_size: `model.sampling.num_generations`.
         shape_rewards: the algorithm's reward shaping, (rewards [N], completions) -> rewards [N]: groups are
             judged on the rewards their advantages will be computed from.
+        refills_offered: `model.rollout.max_refill_generations`: the refill generations the loader offers with
+            each generation (their prompt rows; `lit_rl.data.schedule`).
     """
 
     samples_when_taken = True  # its refills
@@ -91,10 +93,12 @@ class DynamicSampling:
         inner: RolloutProducer,
         group_size: int,
         shape_rewards: Callable[[torch.Tensor, RolloutOutput], torch.Tensor],
+        refills_offered: int = 0,
     ) -> None:
         self.inner = inner
         self.group_size = group_size
         self.shape_rewards = shape_rewards
+        self.refills_offered = refills_offered
 
     def generation(
         self, generation: int, rows: list[dict[str, Any]], refills: Optional[list[list[dict[str, Any]]]] = None

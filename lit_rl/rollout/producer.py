@@ -137,6 +137,7 @@ class RolloutProducer:
     # Whether `generation` may sample more when it is called (dynamic sampling's refills, by the current weights):
     # the module then launches the generations after it only once it has it (see `SampledAhead.sample`).
     samples_when_taken = False
+    refills_offered = 0  # the refill generations the loader offers with each generation (dynamic sampling's)
 
     def launch(self, generation: int, rows: list[dict[str, Any]]) -> None:
         """Start sampling `generation` ahead: only asynchronous producers do."""
