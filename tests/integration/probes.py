@@ -221,50 +221,31 @@ class RecordLabelledVersionGaps(_Probe):
 
 class CountEngineCalls(_Probe):
     """`engine_calls_rank<r>.json`: how often training called the engine's `generate` (a collective on the server
-    engine with several ranks) and its `concurrent_generate` (this rank's rows alone)."""
+    engine with several ranks) and, where it has one, its `concurrent_generate` (this rank's rows alone), and asked
+    whether any rank still had episodes running (`any_rank_active`: an all-reduce each turn, when the ranks'
+    episodes go turn by turn)."""
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.calls = {"generate": 0, "concurrent_generate": 0}
         engine = pl_module.engines.started()
+        counted = [(engine, "generate"), (engine, "concurrent_generate"), (pl_module.producer, "_any_rank_active")]
+        counted = [(owner, name) for owner, name in counted if hasattr(owner, name)]
+        self.calls = {name.lstrip("_"): 0 for _, name in counted}
 
-        def counted(name: str):
-            call = getattr(engine, name)
+        def counting(owner, name: str):
+            call = getattr(owner, name)
 
             @functools.wraps(call)
             def count(*args, **kwargs):
-                self.calls[name] += 1
+                self.calls[name.lstrip("_")] += 1
                 return call(*args, **kwargs)
 
             return count
 
-        for name in self.calls:
-            setattr(engine, name, counted(name))
+        for owner, name in counted:
+            setattr(owner, name, counting(owner, name))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.write("engine_calls", trainer.global_rank, self.calls)
-
-
-class CountTurnsTogether(_Probe):
-    """`turns_together_rank<r>.json`: how often training asked whether any rank still had episodes running (an
-    all-reduce each turn, when the ranks' episodes go turn by turn) and called the engine's `generate`."""
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.counts = {"any_rank_active": 0, "generate": 0}
-        producer, engine = pl_module.producer, pl_module.engines.started()
-        ask, generate = producer._any_rank_active, engine.generate
-
-        def asked(active: bool) -> bool:
-            self.counts["any_rank_active"] += 1
-            return ask(active)
-
-        def generated(*args, **kwargs):
-            self.counts["generate"] += 1
-            return generate(*args, **kwargs)
-
-        producer._any_rank_active, engine.generate = asked, generated
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.write("turns_together", trainer.global_rank, self.counts)
 
 
 class FailOnRankOne(_Probe):

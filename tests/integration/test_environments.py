@@ -128,11 +128,11 @@ def test_episodes_are_the_same_steps_on_one_and_two_processes_turn_by_turn_and_i
     reference = without_engine_gap(_layout(tmp_path, 1, 2))
     asked = {}
     for name, mode in {"turn_by_turn": (), "ready_batches": READY_BATCHES}.items():
-        probe = probe_flags("CountTurnsTogether", tmp_path / name)
+        probe = probe_flags("CountEngineCalls", tmp_path / name)
         split = without_engine_gap(_layout(tmp_path, 2, 1, *mode, *probe))
         # Float rounding only: each rank pads its transcripts to its own longest one.
         assert_rows_match(split, reference, rel=1e-4, abs=1e-5)
-        counts = [json.loads((tmp_path / name / f"turns_together_rank{r}.json").read_text()) for r in (0, 1)]
+        counts = [json.loads((tmp_path / name / f"engine_calls_rank{r}.json").read_text()) for r in (0, 1)]
         assert all(count["generate"] > 0 for count in counts), counts
         asked[name] = [count["any_rank_active"] for count in counts]
     assert [row["step"] for row in reference] == [1, 2, 3] and reference[-1]["train/kl"] > 0

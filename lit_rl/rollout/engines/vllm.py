@@ -411,8 +411,7 @@ class _EngineLoop:
         log.error("the colocated vLLM engine's step failed", exc_info=err)
         with self.state:
             self.failure = err
-            running = sorted(self.in_vllm)
-            self._fail_all(RuntimeError(f"the colocated vLLM engine failed: {type(err).__name__}: {err}"))
+            running = self._fail_all(RuntimeError(f"the colocated vLLM engine failed: {type(err).__name__}: {err}"))
         try:
             if running:
                 self.llm.llm_engine.abort_request(running)
@@ -463,10 +462,10 @@ class _EngineLoop:
         """Between two steps, with every request still queued or running aborted: no one waits for them."""
         with self.between_steps():
             with self.state:
-                running, waiting = sorted(self.in_vllm), len(self.queued) + len(self.in_vllm)
-                if waiting:
-                    log.warning("aborting %d abandoned vLLM requests", waiting)
-                self._fail_all(RuntimeError("the colocated vLLM engine stopped this turn's requests (abandoned)"))
+                if self.queued or self.in_vllm:
+                    log.warning("aborting %d abandoned vLLM requests", len(self.queued) + len(self.in_vllm))
+                abandoned = RuntimeError("the colocated vLLM engine stopped this turn's requests (abandoned)")
+                running = self._fail_all(abandoned)
             if running:
                 self.llm.llm_engine.abort_request(running)
             yield
@@ -499,11 +498,14 @@ class _EngineLoop:
     def _someone_else_first(self) -> bool:
         return self.stepping or self.alone_waiting > 0
 
-    def _fail_all(self, error: BaseException) -> None:
-        """(Holding `state`.) Every turn queued or running fails with `error`; vLLM is told nothing here."""
+    def _fail_all(self, error: BaseException) -> list[str]:
+        """(Holding `state`.) Every turn queued or running fails with `error`. vLLM is told nothing here: the ids
+        it holds are returned, for the caller to abort outside the lock."""
         for turn in [*self.in_vllm.values(), *(queued[0] for queued in self.queued)]:
             turn.fail(error)
+        running = sorted(self.in_vllm)
         self.queued, self.in_vllm = [], {}
+        return running
 
     def _wait_for_the_step_under_way(self) -> None:
         """(Holding `state`.) Until no step runs; no step starts meanwhile."""
