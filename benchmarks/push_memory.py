@@ -57,13 +57,14 @@ def rank_main(rank: int, world: int, port: int, sizes: dict, buckets_mib: list[f
     os.environ.update(LOCAL_RANK=str(rank))
     import deepspeed
     import torch
+    from process_exit import exit_without_finalizing
     from support import policy_weights
     from transformers import AutoModelForCausalLM
     from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
     from lit_rl.modeling.models import tiny_qwen2_config
     from lit_rl.rollout.weights import policy_weight_stream, weight_blocks
-    from lit_rl.training.strategies import exit_without_finalizing, gathered_parameters
+    from lit_rl.training.strategies import gathered_parameters
 
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)

@@ -128,8 +128,7 @@ def predict(inputs: Inputs, completions: float, trainers: int, servers: int = 0,
 def _allreduce_worker(rank: int, world: int, init_file: str, sizes: list[int], reps: int, out: str) -> None:
     import torch
     import torch.distributed as dist
-
-    from lit_rl.training.strategies import exit_without_finalizing
+    from process_exit import exit_without_finalizing
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -176,9 +175,9 @@ def _busy_worker(rank: int, world: int, init_file: str, model: str, iterations: 
     import torch
     import torch.distributed as dist
     import transformers
+    from process_exit import exit_without_finalizing
 
     from lit_rl.modeling.models import resolve_model_path
-    from lit_rl.training.strategies import exit_without_finalizing
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

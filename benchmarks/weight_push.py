@@ -70,15 +70,15 @@ def main() -> None:
     from support import policy_weights
 
     from lit_rl.modeling.models import load_causal_lm, resolve_model_path
+    from lit_rl.rollout import VLLMColocate
     from lit_rl.rollout.engines.placement import EnginePlacement
     from lit_rl.rollout.engines.vllm import VLLMColocateEngine
-    from lit_rl.rollout.engines.vllm_config import VLLMConfig
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     path = str(resolve_model_path(args.model))
     model = load_causal_lm(path)
     placement = EnginePlacement(rank=0, local_rank=0, world_size=1, local_world_size=1)
-    engine = VLLMColocateEngine.start(VLLMConfig(), path, model.dtype, torch.device("cpu"), [0], 0, placement)
+    engine = VLLMColocateEngine.start(VLLMColocate(), path, model.dtype, torch.device("cpu"), [0], 0, placement)
     try:
         engine.update_weights(policy_weights(model))  # the first push: one-off set-up
         seconds = []

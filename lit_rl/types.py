@@ -71,9 +71,6 @@ class RolloutBatch:
     # In-flight weight updates (`lit_rl.rollout.in_flight`): each token's version [N, T] long (-1 off the model's
     # tokens); `policy_version` is then each row's oldest.
     token_versions: Optional[torch.Tensor] = completion_field(fill=-1)
-    # Dynamic sampling: the generation's refills and fraction of groups dropped, the same on each of its rows.
-    refill_generations: Optional[torch.Tensor] = None  # [N] float
-    frac_groups_dropped: Optional[torch.Tensor] = None  # [N] float
     # Multi-turn episodes (`lit_rl.rollout.multi_turn`): 1 on the tokens the model sampled (observations are 0 here,
     # 1 in completion_mask), and the episode statistics (`EPISODE_STATS`: turns, tool calls, tool errors, env tokens,
     # environment steps timed out).

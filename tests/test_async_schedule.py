@@ -12,7 +12,7 @@ from lit_rl.config import RolloutArgs
 from lit_rl.data.schedule import RolloutSchedule, RolloutScheduleLoader
 from lit_rl.errors import ConfigError
 from lit_rl.losses import rollout_is_weights
-from lit_rl.rollout import HFGenerate, RolloutOutput, SamplingParams, VLLMColocate, VLLMConfig
+from lit_rl.rollout import HFGenerate, RolloutOutput, SamplingParams, VLLMColocate
 from lit_rl.rollout.asynchronous import AsyncGenerations, generation_version, generations_launched_at
 from tests.conftest import grouped_kwargs
 
@@ -146,7 +146,7 @@ def test_asynchronous_rollouts_refuse_engines_that_cannot_sample_beside_the_trai
 def test_auto_correction_is_on_with_asynchronous_rollouts():
     from lit_rl.algorithms import GRPO
 
-    model = GRPO(**grouped_kwargs(GRPO, max_staleness=1, vllm=VLLMConfig(mode="server", dtype="float32")))
+    model = GRPO(**grouped_kwargs(GRPO, max_staleness=1, vllm={"mode": "server", "dtype": "float32"}))
     assert model.rollout_correction() == "token_truncate"
     assert "rollout_is_frac_corrected" in model.train_metrics and "staleness/max" in model.train_metrics
     assert "staleness/max" not in GRPO().train_metrics

@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from lit_rl.errors import ConfigError
-from lit_rl.rollout import VLLMConfig
-from lit_rl.rollout.engines.vllm_config import check_vllm_config
+from lit_rl.rollout import VLLMServer, WeightTransfer
 from lit_rl.rollout.engines.vllm_server import RolloutServerError, VLLMServerEngine
 from lit_rl.rollout.server.collective_transfer import weight_chunks
 from tests.fake_vllm import completions_answer
@@ -85,8 +84,8 @@ class FakeWorker:
 def _engine(servers, **config):
     urls = [s.url for s in servers]
     config = {"request_timeout_s": 20.0, **config}
-    vllm = VLLMConfig(mode="server", server_urls=urls, weight_transfer="gloo", max_retries=0, **config)
-    check_vllm_config(vllm)
+    vllm = VLLMServer(server_urls=urls, max_retries=0, transfer=WeightTransfer(method="gloo"), **config)
+    vllm.check()
     return VLLMServerEngine(vllm, eos_token_ids=[2], pad_token_id=0)
 
 
@@ -209,18 +208,22 @@ def test_chunks_are_copies_that_outlive_the_stream():
     ("settings", "message"),
     [
         (
-            {"weights_url": "http://10.0.0.2:8010"},
+            {"transfer": {"receiver_url": "http://10.0.0.2:8010"}},
             "model.rollout.engine.transfer.receiver_url(s) is for transfer.method: http",
         ),
-        ({"transfer_port": 70000}, "model.rollout.engine.transfer.port must be in 0..65535"),
-        ({"transfer_port": 65535, "server_urls": ["http://127.0.0.1:1", "http://127.0.0.1:2"]}, "no port for each"),
+        ({"transfer": {"port": 70000}}, "model.rollout.engine.transfer.port must be in 0..65535"),
+        (
+            {"transfer": {"port": 65535}, "server_urls": ["http://127.0.0.1:1", "http://127.0.0.1:2"]},
+            "no port for each",
+        ),
         ({"server_url": "http://10.0.0.2:8000"}, "set model.rollout.engine.transfer.address to this machine's address"),
-        ({"transfer_address": "0.0.0.0"}, "model.rollout.engine.transfer.address must be this machine's address"),
+        ({"transfer": {"address": "0.0.0.0"}}, "model.rollout.engine.transfer.address must be this machine's address"),
     ],
 )
 def test_bad_transfer_settings_are_refused_in_one_line_naming_the_key(settings, message):
+    transfer = WeightTransfer(method="gloo", **settings.get("transfer", {}))
     with pytest.raises(ConfigError) as info:
-        check_vllm_config(VLLMConfig(mode="server", weight_transfer="gloo", **settings))
+        VLLMServer(**{**settings, "transfer": transfer}).check()
     assert message in str(info.value)
 
 
@@ -262,4 +265,4 @@ def test_vllm_finds_the_gloo_engine_through_the_installed_plugin_entry_point():
 def test_nccl_is_refused_in_one_line_on_a_trainer_without_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="transfer.method: nccl needs a CUDA GPU beside the trainer; use gloo"):
-        check_vllm_config(VLLMConfig(mode="server", weight_transfer="nccl"))
+        VLLMServer(transfer=WeightTransfer(method="nccl")).check()

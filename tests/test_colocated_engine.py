@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lit_rl.errors import ConfigError
-from lit_rl.rollout import RolloutOutput, SamplingParams, VLLMConfig
+from lit_rl.rollout import RolloutOutput, SamplingParams, VLLMColocate
 from lit_rl.rollout.engines import vllm as vllm_module
 from lit_rl.rollout.engines.placement import EnginePlacement, tp_slice
 from lit_rl.rollout.engines.vllm import VLLMColocateEngine, engine_kwargs
@@ -57,14 +57,14 @@ def test_each_member_keeps_its_own_rows_of_the_group_request():
 
 def test_engine_arguments_of_rank_r_use_the_external_launcher():
     placement = EnginePlacement(5, 1, 8, 4, tensor_parallel_size=2)
-    config = VLLMConfig(gpu_memory_utilization=0.4, enable_sleep_mode=True, tensor_parallel_size=2)
+    config = VLLMColocate(gpu_memory_utilization=0.4, enable_sleep_mode=True, tensor_parallel_size=2)
     kwargs = engine_kwargs(config, "/models/qwen", "bfloat16", placement, on_gpu=True)
     assert kwargs["distributed_executor_backend"] == "external_launcher"
     assert kwargs["tensor_parallel_size"] == 2 and kwargs["seed"] == 2
     assert kwargs["dtype"] == "bfloat16" and kwargs["enable_sleep_mode"] is True
     assert kwargs["load_format"] == "dummy" and kwargs["trust_remote_code"] is False
     assert kwargs["enforce_eager"] is False  # CUDA graphs on GPU
-    assert engine_kwargs(VLLMConfig(), "m", "float32", EnginePlacement(0, 0, 1, 1), on_gpu=False)["enforce_eager"]
+    assert engine_kwargs(VLLMColocate(), "m", "float32", EnginePlacement(0, 0, 1, 1), on_gpu=False)["enforce_eager"]
 
 
 class RecordingLLM:
@@ -105,7 +105,7 @@ def no_vllm_import(monkeypatch):
 def _sleeping_engine():
     timer = StepTimer()
     llm = RecordingLLM()
-    engine = VLLMColocateEngine(llm, VLLMConfig(enable_sleep_mode=True), [2], 0, phase=timer.phase)
+    engine = VLLMColocateEngine(llm, VLLMColocate(enable_sleep_mode=True), [2], 0, phase=timer.phase)
     return engine, llm, timer
 
 
@@ -151,7 +151,7 @@ def test_a_slept_engine_refuses_to_generate_before_a_push():
 
 def test_without_sleep_mode_the_engine_never_sleeps_or_wakes():
     llm = RecordingLLM()
-    engine = VLLMColocateEngine(llm, VLLMConfig(), [2], 0)
+    engine = VLLMColocateEngine(llm, VLLMColocate(), [2], 0)
     for _ in range(2):
         engine.update_weights([("a", torch.zeros(2))])
         engine.generate(*PROMPTS, SamplingParams(max_new_tokens=2), seeds=[1, 2])
@@ -162,7 +162,7 @@ def test_without_sleep_mode_the_engine_never_sleeps_or_wakes():
 def test_a_refused_prefix_cache_reset_stops_the_push_instead_of_reusing_the_old_weights_cache():
     llm = RecordingLLM()
     llm.reset_succeeds = False
-    engine = VLLMColocateEngine(llm, VLLMConfig(), [2], 0)
+    engine = VLLMColocateEngine(llm, VLLMColocate(), [2], 0)
     with pytest.raises(RuntimeError, match="refused to reset its prefix cache"):
         engine.update_weights([("a", torch.zeros(2))])
     assert [call[0] for call in llm.calls] == ["reload_weights", "reset_prefix_cache"]
@@ -334,7 +334,7 @@ def test_turns_from_many_threads_join_one_running_batch_of_vllms_scheduler():
     that arrives while another is decoding joins the next engine step (it does not wait for the other to finish),
     each thread gets its own request's output, and the engine steps only as often as the longest turn needs."""
     llm = SteppingLLM(hold_step=2)
-    engine = VLLMColocateEngine(llm, VLLMConfig(), [2], 0)
+    engine = VLLMColocateEngine(llm, VLLMColocate(), [2], 0)
     results = {}
     (long_turn,) = _threads(engine, [6], results)  # 6 steps
     assert llm.holding.wait(10)  # its second step is running: two short turns arrive meanwhile
@@ -354,7 +354,7 @@ def test_a_generate_after_abandoned_turns_aborts_them_and_their_threads_end():
     (the next rollout's `generate`, a push) waits for the step under way, aborts the abandoned requests in vLLM
     (else `LLM.generate` would collect their outputs as its own), and the abandoned thread ends with an error."""
     llm = SteppingLLM(hold_step=1)
-    engine = VLLMColocateEngine(llm, VLLMConfig(), [2], 0)
+    engine = VLLMColocateEngine(llm, VLLMColocate(), [2], 0)
     results = {}
     (abandoned,) = _threads(engine, [5], results)
     assert llm.holding.wait(10)
@@ -370,7 +370,7 @@ def test_a_request_vllm_refuses_fails_its_own_caller_alone():
     """A turn vLLM will not take (a transcript past `max_model_len`) fails the episode that sent it, whichever thread
     was stepping; the other turns queued with it are sampled."""
     llm = SteppingLLM(hold_step=1)
-    engine = VLLMColocateEngine(llm, VLLMConfig(), [2], 0)
+    engine = VLLMColocateEngine(llm, VLLMColocate(), [2], 0)
     results = {}
     (first,) = _threads(engine, [3], results)
     assert llm.holding.wait(10)
@@ -388,7 +388,7 @@ def test_a_failed_step_fails_every_turn_waiting_and_to_come():
     """vLLM's step raising leaves the engine broken: the turns waiting get the error, later ones too, at once."""
     llm = SteppingLLM(hold_step=1)
     llm.fail_step = 1
-    engine = VLLMColocateEngine(llm, VLLMConfig(), [2], 0)
+    engine = VLLMColocateEngine(llm, VLLMColocate(), [2], 0)
     results = {}
     (first,) = _threads(engine, [3], results)
     assert llm.holding.wait(10)
@@ -405,7 +405,7 @@ def test_a_failed_step_fails_every_turn_waiting_and_to_come():
 
 def test_closing_the_engine_ends_the_turns_waiting_and_its_thread():
     llm = SteppingLLM(hold_step=1)
-    engine = VLLMColocateEngine(llm, VLLMConfig(), [2], 0)
+    engine = VLLMColocateEngine(llm, VLLMColocate(), [2], 0)
     results = {}
     (waiting,) = _threads(engine, [4], results)
     assert llm.holding.wait(10)
@@ -422,7 +422,7 @@ def test_a_turn_from_a_thread_wakes_a_sleeping_cache_and_a_tensor_parallel_engin
     """On several ranks each rank's first turns come from its episodes' threads too: the first of them wakes the
     cache of an engine that slept (its weights woken by the push before)."""
     llm = SteppingLLM()
-    engine = VLLMColocateEngine(llm, VLLMConfig(enable_sleep_mode=True), [2], 0)
+    engine = VLLMColocateEngine(llm, VLLMColocate(enable_sleep_mode=True), [2], 0)
     engine.sleep()
     with pytest.raises(RuntimeError, match="push weights first"):
         engine.concurrent_generate(*PROMPTS, SamplingParams(max_new_tokens=2), seeds=[1, 2])

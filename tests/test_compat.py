@@ -7,8 +7,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
-import subprocess
-import sys
 from typing import Optional
 
 import lightning as L
@@ -167,20 +165,6 @@ def test_a_flash_kernel_counts_as_installed_only_with_its_package():
 
     assert compat.flash_attention_installed("flash_attention_2") == (importlib.util.find_spec("flash_attn") is not None)
     assert not compat.flash_attention_installed("flash_attention_9")  # a version transformers does not know
-
-
-def test_the_interpreter_exit_steps_join_threads_then_run_the_atexit_handlers():
-    script = """
-import atexit, threading, time
-from lit_rl.training.compat import run_interpreter_exit_steps
-order = []
-threading.Thread(target=lambda: (time.sleep(0.2), order.append("thread"))).start()
-atexit.register(lambda: print(",".join(order + ["atexit"]), flush=True))
-run_interpreter_exit_steps()
-import os; os._exit(0)
-"""
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0 and result.stdout.strip() == "thread,atexit", result.stderr[-2000:]
 
 
 def test_null_reaches_a_nested_option_of_a_class_given_by_class_path():

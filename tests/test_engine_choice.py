@@ -12,7 +12,7 @@ import pytest
 from lit_rl.algorithms import GRPO, PPO, RLOO, OnlineDPO
 from lit_rl.config import RolloutArgs, grouped_hparams, plain_data
 from lit_rl.errors import ConfigError
-from lit_rl.rollout import HFGenerate, VLLMColocate, VLLMConfig, VLLMServer, WeightTransfer
+from lit_rl.rollout import HFGenerate, VLLMColocate, VLLMServer, WeightTransfer
 from lit_rl.rollout.engine_config import engine_from_config, engine_of_0_1
 from tests.conftest import FAST_GRPO, fit_config, train_rows
 
@@ -65,15 +65,15 @@ def test_an_engine_from_outside_the_package_trains_by_its_import_path(tmp_path, 
 
 
 def test_lit_rl_s_engines_are_chosen_by_name_and_keep_their_options():
-    assert GRPO().engine_config == HFGenerate() and GRPO().engine_config.vllm is None
+    assert GRPO().engine_config == HFGenerate()  # the same class, with the same options
     assert RolloutArgs().engine is None and RolloutArgs().engine_config == HFGenerate()
     colocated = GRPO(rollout=RolloutArgs(engine=VLLMColocate(gpu_memory_utilization=0.5)))
-    vllm = colocated.engine_config.vllm  # the settings lit-rl's vLLM engines share
-    assert vllm.mode == "colocate" and vllm.gpu_memory_utilization == 0.5
+    engine = colocated.engine_config  # what the colocated engine reads
+    assert isinstance(engine, VLLMColocate) and engine.gpu_memory_utilization == 0.5
     server = VLLMServer(server_url="http://127.0.0.1:9000", transfer=WeightTransfer(method="gloo", port=29600))
     module = GRPO(rollout=RolloutArgs(engine=server, max_staleness=1))
-    assert module.engine_config.vllm.mode == "server" and module.max_staleness == 1
-    assert (module.engine_config.vllm.weight_transfer, module.engine_config.vllm.transfer_port) == ("gloo", 29600)
+    assert isinstance(module.engine_config, VLLMServer) and module.max_staleness == 1
+    assert (module.engine_config.transfer.method, module.engine_config.transfer.port) == ("gloo", 29600)
 
 
 def test_a_checkpoint_keeps_the_choice_as_data_and_imports_no_code_from_it():
@@ -99,11 +99,23 @@ def test_0_1_vllm_settings_become_the_engine_they_meant():
     }
     colocated = engine_of_0_1({"mode": "colocate", "gpu_memory_utilization": 0.4, "server_url": "http://unused:1"})
     assert colocated == {"class_path": "lit_rl.rollout.VLLMColocate", "init_args": {"gpu_memory_utilization": 0.4}}
-    # A 0.1 checkpoint's flat keys and a 0.1 VLLMConfig in Python land in the same place.
+    # A 0.1 checkpoint's flat keys and a 0.1 `VLLMConfig` made in Python (here the mapping of its fields, the other
+    # mode's too, as `vars` gave it) land in the same place.
     grouped = grouped_hparams({"vllm": {"mode": "server"}, "max_staleness": 2})
     assert grouped == {"rollout": {"engine": VLLMServer().as_config(), "max_staleness": 2}}
     assert grouped_hparams({"vllm": None}) == {"rollout": {"engine": None}}  # HF generate, as 0.2 writes it
-    assert engine_from_config(engine_of_0_1(vars(VLLMConfig(mode="server", dtype="float32")))).dtype == "float32"
+    every_field = {
+        "mode": "server",
+        "dtype": "float32",
+        "gpu_memory_utilization": 0.3,  # colocated only: left out
+        "enable_sleep_mode": False,
+        "server_url": "http://127.0.0.1:8000",
+        "weight_transfer": "auto",
+        "weight_sync_dir": None,
+        "transfer_port": 0,
+    }
+    assert engine_from_config(engine_of_0_1(every_field)).dtype == "float32"
+    assert engine_from_config(engine_of_0_1(every_field)) == VLLMServer(dtype="float32")
 
 
 def test_each_engine_checks_its_options_naming_the_new_key():

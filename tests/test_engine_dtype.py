@@ -8,7 +8,6 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lit_rl.algorithms import GRPO
-from lit_rl.rollout import VLLMConfig
 from tests.conftest import grouped_kwargs
 
 
@@ -25,13 +24,14 @@ def _grpo(precision: str, **kwargs) -> GRPO:
     [
         ("32-true", None, None, "none"),  # HF generate: the policy samples itself
         ("bf16-mixed", None, None, "none"),
-        ("32-true", VLLMConfig(), torch.float32, "none"),  # fp32 on both sides: rounding only
-        ("bf16-mixed", VLLMConfig(), torch.bfloat16, "token_truncate"),
-        ("bf16-true", VLLMConfig(), torch.bfloat16, "token_truncate"),  # same dtype, different bf16 kernels
-        ("32-true", VLLMConfig(dtype="bfloat16"), torch.bfloat16, "token_truncate"),
-        ("bf16-mixed", VLLMConfig(dtype="float32"), torch.float32, "token_truncate"),  # the trainer is bf16
-        ("32-true", VLLMConfig(mode="server"), None, "token_truncate"),  # the server's dtype is its own
-        ("32-true", VLLMConfig(mode="server", dtype="float32"), torch.float32, "none"),
+        ("32-true", {"mode": "colocate"}, torch.float32, "none"),  # fp32 on both sides: rounding only
+        ("bf16-mixed", {"mode": "colocate"}, torch.bfloat16, "token_truncate"),
+        ("bf16-true", {"mode": "colocate"}, torch.bfloat16, "token_truncate"),  # same dtype, different bf16 kernels
+        ("32-true", {"mode": "colocate", "dtype": "bfloat16"}, torch.bfloat16, "token_truncate"),
+        # The trainer is bf16.
+        ("bf16-mixed", {"mode": "colocate", "dtype": "float32"}, torch.float32, "token_truncate"),
+        ("32-true", {"mode": "server"}, None, "token_truncate"),  # the server's dtype is its own
+        ("32-true", {"mode": "server", "dtype": "float32"}, torch.float32, "none"),
     ],
 )
 def test_auto_is_correction_follows_the_engine_and_trainer_dtypes(precision, vllm, engine_dtype, correction):
@@ -42,7 +42,7 @@ def test_auto_is_correction_follows_the_engine_and_trainer_dtypes(precision, vll
 
 @pytest.mark.parametrize("mode", ["none", "token_truncate"])
 def test_an_explicit_is_correction_is_kept(mode):
-    assert _grpo("bf16-mixed", vllm=VLLMConfig(), rollout_is_correction=mode).rollout_correction() == mode
+    assert _grpo("bf16-mixed", vllm={"mode": "colocate"}, rollout_is_correction=mode).rollout_correction() == mode
 
 
 @pytest.mark.parametrize("algorithm, limit", [("norm", 0.5), ("value", 0.01)])

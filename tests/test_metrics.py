@@ -39,9 +39,9 @@ def _synced_values(rank: int, world: int, init_file: str, out: str) -> None:
 
     import torch.distributed as dist
 
+    from benchmarks.process_exit import exit_without_finalizing
     from lit_rl.algorithms.ppo import ppo_metrics
     from lit_rl.training.metrics import compute_collection
-    from lit_rl.training.strategies import exit_without_finalizing
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     calls = []

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from lit_rl.rollout import SamplingParams, VLLMConfig
+from lit_rl.rollout import SamplingParams, VLLMServer, WeightTransfer
 from lit_rl.rollout.engines.vllm_server import RolloutServerError, VLLMServerClient, VLLMServerEngine
 from tests.fake_vllm import completions_answer as _completions
 
@@ -53,7 +53,7 @@ def test_nothing_listening_fails_after_waiting_for_the_server():
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"  # bound, not listening: connections are refused
         started = time.monotonic()
         with pytest.raises(RolloutServerError) as info:
-            VLLMServerEngine(VLLMConfig(mode="server", server_url=url, wait_for_server_s=1.0), [2], 0)
+            VLLMServerEngine(VLLMServer(server_url=url, wait_for_server_s=1.0), [2], 0)
     assert f"{url}/health" in str(info.value) and "is the server running" in str(info.value)
     assert time.monotonic() - started < 10
 
@@ -76,7 +76,7 @@ def test_a_server_gone_between_generations_is_named_as_one_gone_during_one():
 def test_engine_groups_identical_prompts_and_pads_completions(fake_server, tmp_path):
     server = fake_server((200, _completions, 0))
     engine = VLLMServerEngine(
-        VLLMConfig(mode="server", server_url=server.url, weight_sync_dir=str(tmp_path)),
+        VLLMServer(server_url=server.url, transfer=WeightTransfer(sync_dir=str(tmp_path))),
         eos_token_ids=[2],
         pad_token_id=0,
     )
@@ -103,7 +103,7 @@ def test_greedy_copies_of_a_prompt_are_one_completion_copied(fake_server, tmp_pa
     """vLLM refuses n > 1 with greedy sampling (the fake server too): validation's batch padded with copies of a
     prompt asks for one completion, the same for every copy."""
     server = fake_server((200, _completions, 0))
-    config = VLLMConfig(mode="server", server_url=server.url, weight_sync_dir=str(tmp_path))
+    config = VLLMServer(server_url=server.url, transfer=WeightTransfer(sync_dir=str(tmp_path)))
     engine = VLLMServerEngine(config, eos_token_ids=[2], pad_token_id=0)
     prompt_ids = torch.tensor([[4, 5], [8, 9], [8, 9], [8, 9]])
     out = engine.generate(prompt_ids, torch.ones_like(prompt_ids), SamplingParams(max_new_tokens=3, temperature=0.0))
@@ -117,7 +117,9 @@ def test_weight_push_writes_safetensors_then_reloads_between_pause_and_resume(fa
     from safetensors.torch import load_file
 
     server = fake_server((200, _completions, 0))
-    engine = VLLMServerEngine(VLLMConfig(mode="server", server_url=server.url, weight_sync_dir=str(tmp_path)), [2], 0)
+    engine = VLLMServerEngine(
+        VLLMServer(server_url=server.url, transfer=WeightTransfer(sync_dir=str(tmp_path))), [2], 0
+    )
     embed = torch.randn(4, 3)
     engine.update_weights([("model.embed_tokens.weight", embed), ("lm_head.weight", embed)])  # tied: one storage
     calls = [(method, path) for method, path, _ in server.requests][2:]  # after /health and /v1/models
@@ -146,7 +148,9 @@ def test_a_refused_prefix_cache_reset_is_asked_again_and_never_passed_over(fake_
         return _completions(path, body)
 
     server = fake_server((200, answer, 0))
-    engine = VLLMServerEngine(VLLMConfig(mode="server", server_url=server.url, weight_sync_dir=str(tmp_path)), [2], 0)
+    engine = VLLMServerEngine(
+        VLLMServer(server_url=server.url, transfer=WeightTransfer(sync_dir=str(tmp_path))), [2], 0
+    )
     engine.update_weights([("w", torch.ones(2))])
     calls = [path for _, path, _ in server.requests][2:]
     assert calls == ["/pause?mode=wait", "/collective_rpc", *["/reset_prefix_cache"] * 3, "/resume"]
@@ -163,7 +167,7 @@ def test_weight_push_writes_one_file_per_bucket_and_removes_the_last_push_files(
     from safetensors.torch import load_file
 
     server = fake_server((200, _completions, 0))
-    config = VLLMConfig(mode="server", server_url=server.url, weight_sync_dir=str(tmp_path), push_bucket_mib=1 / 64)
+    config = VLLMServer(server_url=server.url, push_bucket_mib=1 / 64, transfer=WeightTransfer(sync_dir=str(tmp_path)))
     engine = VLLMServerEngine(config, [2], 0)  # buckets of 16 KiB
     (tmp_path / "model-00007.safetensors").write_bytes(b"an earlier push")
     weights = [(f"w{i}", torch.full((1024,), float(i))) for i in range(10)]  # 4 KiB each
@@ -180,7 +184,9 @@ def test_a_failed_reload_still_resumes_the_server(fake_server, tmp_path, monkeyp
         return {"error": {"message": "Cannot find any model weights"}} if path == "/collective_rpc" else {}
 
     server = fake_server((200, {"data": [{"id": "policy"}]}, 0), (200, {"data": [{"id": "policy"}]}, 0))
-    engine = VLLMServerEngine(VLLMConfig(mode="server", server_url=server.url, weight_sync_dir=str(tmp_path)), [2], 0)
+    engine = VLLMServerEngine(
+        VLLMServer(server_url=server.url, transfer=WeightTransfer(sync_dir=str(tmp_path))), [2], 0
+    )
     server.script = [(200, answer, 0), (500, answer, 0), (200, answer, 0), (200, answer, 0)]
     with pytest.raises(RolloutServerError, match="Cannot find any model weights"):
         engine.update_weights([("w", torch.zeros(2))])
@@ -197,10 +203,10 @@ def test_any_failure_on_rank_0_becomes_one_server_error():
 def test_malformed_answers_are_named_errors(fake_server, tmp_path):
     server = fake_server((200, {"data": []}, 0))
     with pytest.raises(RolloutServerError, match="/v1/models lists no model"):
-        VLLMServerEngine(VLLMConfig(mode="server", server_url=server.url, weight_sync_dir=str(tmp_path)), [2], 0)
+        VLLMServerEngine(VLLMServer(server_url=server.url, transfer=WeightTransfer(sync_dir=str(tmp_path))), [2], 0)
     models = (200, {"data": [{"id": "policy"}]}, 0)
     completions = fake_server(models, models, (200, {"choices": [{"index": 0}]}, 0))  # /health, /v1/models, ...
-    config = VLLMConfig(mode="server", server_url=completions.url, weight_sync_dir=str(tmp_path))
+    config = VLLMServer(server_url=completions.url, transfer=WeightTransfer(sync_dir=str(tmp_path)))
     engine = VLLMServerEngine(config, [2], 0)
     with pytest.raises(RolloutServerError, match="without token_ids or log-probs"):
         engine.generate(torch.tensor([[4, 5]]), torch.ones(1, 2, dtype=torch.long), SamplingParams())
@@ -210,7 +216,7 @@ def test_the_default_weight_directory_is_removed_on_close(fake_server):
     import os
 
     server = fake_server((200, {"data": [{"id": "policy"}]}, 0))
-    engine = VLLMServerEngine(VLLMConfig(mode="server", server_url=server.url), [2], 0)
+    engine = VLLMServerEngine(VLLMServer(server_url=server.url), [2], 0)
     directory = engine.sync_dir
     assert os.path.isdir(directory)
     engine.close()
@@ -221,7 +227,9 @@ def test_a_failed_write_still_consumes_the_whole_weight_stream(fake_server, tmp_
     # Under ZeRO-3 every rank gathers through its stream in step: rank 0 must finish its stream even when writing
     # fails, or the other ranks wait in the next gather forever.
     server = fake_server((200, _completions, 0))
-    engine = VLLMServerEngine(VLLMConfig(mode="server", server_url=server.url, weight_sync_dir=str(tmp_path)), [2], 0)
+    engine = VLLMServerEngine(
+        VLLMServer(server_url=server.url, transfer=WeightTransfer(sync_dir=str(tmp_path))), [2], 0
+    )
     consumed = []
 
     def stream():
@@ -239,7 +247,7 @@ def test_other_ranks_follow_rank_0s_view_of_the_servers(fake_server, tmp_path):
     a launched server's URL (its port only rank 0 knows), the model name it learned, and which servers are in
     service (one rank 0 took out missed the weights). Rank 0's own view is never overwritten."""
     server = fake_server((200, _completions, 0))
-    config = VLLMConfig(mode="server", server_url=server.url, weight_sync_dir=str(tmp_path))
+    config = VLLMServer(server_url=server.url, transfer=WeightTransfer(sync_dir=str(tmp_path)))
     engine = VLLMServerEngine(config, eos_token_ids=[2], pad_token_id=0)
     (own,) = engine.pool.servers
     assert engine.concurrent_on_every_rank  # one process: always

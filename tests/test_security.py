@@ -416,7 +416,7 @@ def test_links_never_lead_writes_out_of_the_receivers_directory(tmp_path):
 def test_a_configured_sync_dir_gets_the_receivers_checks(tmp_path, fake_server, problem):  # noqa: F811
     """`transfer.sync_dir` is what the server loads from: a link to elsewhere, or a folder others may write into,
     is refused in one line naming the key, before any weight is written."""
-    from lit_rl.rollout import VLLMConfig
+    from lit_rl.rollout import VLLMServer, WeightTransfer
     from lit_rl.rollout.engines.vllm_server import VLLMServerEngine
     from tests.fake_vllm import completions_answer
 
@@ -431,7 +431,7 @@ def test_a_configured_sync_dir_gets_the_receivers_checks(tmp_path, fake_server, 
         sync_dir.chmod(0o777)
         expected = f"model.rollout.engine.transfer.sync_dir {sync_dir} is writable by others: chmod 700 it"
     server = fake_server((200, completions_answer, 0))
-    config = VLLMConfig(mode="server", server_url=server.url, weight_sync_dir=str(sync_dir), max_retries=0)
+    config = VLLMServer(server_url=server.url, max_retries=0, transfer=WeightTransfer(sync_dir=str(sync_dir)))
     with pytest.raises(LitRLError) as refused:
         VLLMServerEngine(config, eos_token_ids=[2], pad_token_id=0)
     assert str(refused.value) == expected

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from lit_rl.errors import ConfigError
-from lit_rl.rollout import SamplingParams, VLLMConfig
-from lit_rl.rollout.engines.vllm_config import check_vllm_config
+from lit_rl.rollout import SamplingParams, VLLMServer, WeightTransfer
 from lit_rl.rollout.engines.vllm_server import RolloutServerError, VLLMServerEngine
 from lit_rl.rollout.server.weight_receiver import WeightReceiver, WeightUploader
 from tests.fake_vllm import completions_answer
@@ -25,10 +24,11 @@ PARAMS = SamplingParams(max_new_tokens=3, temperature=0.7)
 RELOAD = ["/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/resume"]
 
 
-def _engine(servers, tmp_path, **config):
+def _engine(servers, tmp_path, transfer=None, **config):
     urls = [server.url for server in servers]
-    vllm = VLLMConfig(mode="server", server_urls=urls, weight_sync_dir=str(tmp_path), max_retries=0, **config)
-    check_vllm_config(vllm)
+    transfer = WeightTransfer(sync_dir=str(tmp_path), **(transfer or {}))
+    vllm = VLLMServer(server_urls=urls, max_retries=0, transfer=transfer, **config)
+    vllm.check()
     return VLLMServerEngine(vllm, eos_token_ids=[2], pad_token_id=0)
 
 
@@ -198,7 +198,7 @@ def test_servers_sharing_a_receiver_get_one_upload_and_each_reloads_from_it(fake
     monkeypatch.setattr(WeightUploader, "upload", lambda self, d, tag: uploads.append(tag) or upload(self, d, tag))
     try:
         a, b = fake_server((200, completions_answer, 0)), fake_server((200, completions_answer, 0))
-        engine = _engine([a, b], tmp_path / "local", weights_url=receiver.url)
+        engine = _engine([a, b], tmp_path / "local", transfer={"receiver_url": receiver.url})
         engine.update_weights([("w", torch.ones(3))])
     finally:
         receiver.stop()
@@ -229,9 +229,12 @@ def test_asynchronous_generations_load_each_version_once_on_every_server(fake_se
         ({"server_urls": []}, "model.rollout.engine.server_urls must be a non-empty list"),
         ({"server_urls": ["127.0.0.1:8000"]}, "model.rollout.engine.server_urls: each URL must start with http"),
         ({"server_urls": ["http://127.0.0.1:1", "http://127.0.0.1:1"]}, "lists a server twice"),
-        ({"server_urls": ["http://127.0.0.1:1"], "weights_urls": ["http://a:1", "http://b:1"]}, "as many entries"),
         (
-            {"weights_urls": ["http://a:1"]},
+            {"server_urls": ["http://127.0.0.1:1"], "transfer": {"receiver_urls": ["http://a:1", "http://b:1"]}},
+            "as many entries",
+        ),
+        (
+            {"transfer": {"receiver_urls": ["http://a:1"]}},
             "model.rollout.engine.transfer.receiver_urls needs model.rollout.engine.server_urls",
         ),
         ({"on_server_failure": "retry"}, "model.rollout.engine.on_server_failure must be fail or continue"),
@@ -240,17 +243,16 @@ def test_asynchronous_generations_load_each_version_once_on_every_server(fake_se
 )
 def test_bad_server_lists_are_refused_in_one_line_naming_the_key(settings, message):
     with pytest.raises(ConfigError, match=message) as info:
-        check_vllm_config(VLLMConfig(mode="server", **settings))
+        VLLMServer(**settings).check()
     assert "\n" not in str(info.value)
 
 
 def test_one_receiver_per_server_in_order():
-    config = VLLMConfig(
-        mode="server",
+    config = VLLMServer(
         server_urls=["http://10.0.0.2:8000", "http://10.0.0.2:8001", "http://10.0.0.3:8000"],
-        weights_urls=["http://10.0.0.2:8010", "http://10.0.0.2:8010", "http://10.0.0.3:8010"],
+        transfer=WeightTransfer(receiver_urls=["http://10.0.0.2:8010", "http://10.0.0.2:8010", "http://10.0.0.3:8010"]),
     )
-    check_vllm_config(config)
+    config.check()
     assert config.server_endpoints() == [
         ("http://10.0.0.2:8000", "http://10.0.0.2:8010"),
         ("http://10.0.0.2:8001", "http://10.0.0.2:8010"),
@@ -307,12 +309,12 @@ def test_a_server_back_without_the_rl_endpoints_stays_out_and_the_run_goes_on(fa
 def test_servers_on_one_receiver_share_its_copy_of_a_version(tmp_path):
     from lit_rl.rollout.server.pool import ServerPool
 
-    config = VLLMConfig(
-        mode="server",
+    config = VLLMServer(
         server_urls=["http://10.0.0.2:8000", "http://10.0.0.2:8001/"],
-        weights_urls=["http://10.0.0.2:8010", "http://10.0.0.2:8010/"],  # one receiver, spelled two ways
+        # One receiver, spelled two ways.
+        transfer=WeightTransfer(receiver_urls=["http://10.0.0.2:8010", "http://10.0.0.2:8010/"]),
     )
-    check_vllm_config(config)
+    config.check()
     pool = ServerPool(config)
     assert len(pool.uploaders) == 1
     first, second = pool.servers
@@ -320,16 +322,15 @@ def test_servers_on_one_receiver_share_its_copy_of_a_version(tmp_path):
     # A server that needs v3 (taken back after the upload) uses the receiver's copy: no second upload.
     assert pool.receiver_copy(second.receiver, str(tmp_path), "v3") == "/received/v3"
     with pytest.raises(ConfigError, match="lists a server twice"):
-        check_vllm_config(VLLMConfig(mode="server", server_urls=["http://127.0.0.1:1", "http://127.0.0.1:1/"]))
+        VLLMServer(server_urls=["http://127.0.0.1:1", "http://127.0.0.1:1/"]).check()
 
 
 def test_a_receiver_that_misses_an_upload_loses_its_record_of_that_tag(tmp_path, monkeypatch):
     from lit_rl.rollout.server.pool import ServerPool
 
-    config = VLLMConfig(
-        mode="server",
+    config = VLLMServer(
         server_urls=["http://10.0.0.2:8000", "http://10.0.0.3:8000"],
-        weights_urls=["http://10.0.0.2:8010", "http://10.0.0.3:8010"],
+        transfer=WeightTransfer(receiver_urls=["http://10.0.0.2:8010", "http://10.0.0.3:8010"]),
     )
     monkeypatch.setattr(WeightUploader, "upload", lambda self, directory, tag: f"{self.url}/{tag}")
     pool = ServerPool(config)

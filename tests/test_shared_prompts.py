@@ -3,12 +3,12 @@
 import pytest
 import torch
 
+from benchmarks.process_exit import exit_without_finalizing
 from lit_rl.modeling.completions import completion_forward
 from lit_rl.modeling.models import load_causal_lm, load_tokenizer
 from lit_rl.modeling.shared_prompts import distinct_prompts, shared_prompt_cache
 from lit_rl.ops import position_ids_from_mask, token_logprobs
 from lit_rl.rollout import HFGenerateEngine, SamplingParams
-from lit_rl.training.strategies import exit_without_finalizing
 
 MODEL = "lit-rl/tiny-qwen2-addition-sft"
 

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from lit_rl.errors import ConfigError
-from lit_rl.rollout import VLLMConfig
-from lit_rl.rollout.engines.vllm_config import check_vllm_config
+from lit_rl.rollout import VLLMServer, WeightTransfer
 from lit_rl.rollout.engines.vllm_server import RolloutServerError, VLLMServerEngine
 from lit_rl.rollout.server.weight_receiver import WeightReceiver, WeightTransferError, WeightUploader, sha256_of
 from tests.fake_vllm import completions_answer as _completions
@@ -88,7 +87,7 @@ def test_the_engine_uploads_then_reloads_the_committed_copy_and_a_dead_receiver_
     from safetensors.torch import load_file
 
     server = fake_server((200, _completions, 0))
-    config = VLLMConfig(mode="server", server_url=server.url, weights_url=receiver.url)
+    config = VLLMServer(server_url=server.url, transfer=WeightTransfer(receiver_url=receiver.url))
     engine = VLLMServerEngine(config, [2], 0)
     weights = torch.randn(4, 3)
     engine.update_weights([("model.embed_tokens.weight", weights)])
@@ -110,11 +109,11 @@ def test_the_engine_uploads_then_reloads_the_committed_copy_and_a_dead_receiver_
 
 def test_settings_name_what_is_missing():
     with pytest.raises(ConfigError, match="transfer.method: http needs model.rollout.engine.transfer.receiver_url"):
-        check_vllm_config(VLLMConfig(mode="server", weight_transfer="http"))
+        VLLMServer(transfer=WeightTransfer(method="http")).check()
     with pytest.raises(ConfigError, match="is not on this machine"):
-        check_vllm_config(VLLMConfig(mode="server", server_url="http://10.1.2.3:8000"))
-    check_vllm_config(VLLMConfig(mode="server", server_url="http://10.1.2.3:8000", weights_url="http://10.1.2.3:8010"))
-    check_vllm_config(VLLMConfig(mode="server", server_url="http://10.1.2.3:8000", weight_sync_dir="/shared/w"))
+        VLLMServer(server_url="http://10.1.2.3:8000").check()
+    VLLMServer(server_url="http://10.1.2.3:8000", transfer=WeightTransfer(receiver_url="http://10.1.2.3:8010")).check()
+    VLLMServer(server_url="http://10.1.2.3:8000", transfer=WeightTransfer(sync_dir="/shared/w")).check()
 
 
 def test_staged_versions_for_asynchronous_rollouts_go_through_the_receiver(fake_server, receiver, tmp_path):  # noqa: F811
@@ -123,7 +122,9 @@ def test_staged_versions_for_asynchronous_rollouts_go_through_the_receiver(fake_
     from lit_rl.rollout import SamplingParams
 
     server = fake_server((200, _completions, 0))
-    engine = VLLMServerEngine(VLLMConfig(mode="server", server_url=server.url, weights_url=receiver.url), [2], 0)
+    engine = VLLMServerEngine(
+        VLLMServer(server_url=server.url, transfer=WeightTransfer(receiver_url=receiver.url)), [2], 0
+    )
     prompt, mask = torch.tensor([[4, 5]]), torch.ones(1, 2, dtype=torch.long)
     for version in (1, 2):
         engine.stage_weights([("w", torch.full((2,), float(version)))], version)

@@ -7,7 +7,8 @@ objective: group-relative advantages and the clipped per-token surrogate with a 
 
 from __future__ import annotations
 
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Optional
 
 import torch
 from torchmetrics import MetricCollection
@@ -36,6 +37,16 @@ from lit_rl.training.metrics import mean, metric_collection, on_policy_training_
 from lit_rl.types import RolloutBatch, model_token_mask
 
 
+@dataclass
+class GRPOBatch(RolloutBatch):
+    """GRPO's rollout batch: the shared fields, and with dynamic sampling (`model.rollout.dynamic_sampling`) the
+    generation's refills and fraction of groups dropped, the same on each of its rows (a step's metrics then weigh
+    them by the completions it trained on, and a resumed run keeps them with the buffer)."""
+
+    refill_generations: Optional[torch.Tensor] = None  # [N] float
+    frac_groups_dropped: Optional[torch.Tensor] = None  # [N] float
+
+
 class GRPO(OnPolicyModule):
     """Group Relative Policy Optimization.
 
@@ -45,6 +56,7 @@ class GRPO(OnPolicyModule):
     """
 
     rollout_options = GRPO_ROLLOUT_OPTIONS
+    batch_type = GRPOBatch
 
     def __init__(
         self,
@@ -79,9 +91,14 @@ class GRPO(OnPolicyModule):
     def uses_reference(self) -> bool:
         return self.loss_args.beta != 0.0
 
-    def finish_rollout(self, batch: RolloutBatch, all_rewards: torch.Tensor, mine: slice) -> None:
+    def finish_rollout(
+        self, batch: GRPOBatch, all_rewards: torch.Tensor, mine: slice, producer_stats: Mapping[str, float]
+    ) -> None:
         advantages, _ = self.advantage_fn(all_rewards, self.sampling_args.num_generations, self.loss_args.scale_rewards)
         batch.advantages = advantages[mine]
+        if self.rollout_args.dynamic_sampling:  # `DynamicSampling.generation`'s numbers
+            batch.refill_generations = torch.full_like(batch.rewards, float(producer_stats["refill_generations"]))
+            batch.frac_groups_dropped = torch.full_like(batch.rewards, float(producer_stats["frac_groups_dropped"]))
 
     def shape_rewards(self, rewards: torch.Tensor, out: RolloutOutput) -> torch.Tensor:
         loss = self.loss_args
@@ -114,7 +131,7 @@ class GRPO(OnPolicyModule):
             policy_loss=self.policy_loss_fn,
         )
 
-    def update_algorithm_metrics(self, mb: RolloutBatch, loss: torch.Tensor, stats: dict[str, torch.Tensor]) -> None:
+    def update_algorithm_metrics(self, mb: GRPOBatch, loss: torch.Tensor, stats: dict[str, torch.Tensor]) -> None:
         m = self.train_metrics
         if mb.refill_generations is not None:
             m["refill_generations"].update(mb.refill_generations)

@@ -23,7 +23,7 @@ correction weighs them against the engine's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 import torch
 from torchmetrics import MetricCollection
@@ -225,9 +225,12 @@ class OnPolicyModule(PolicyModule):
         """[N, T]: the tokens the loss and its denominators count (default: every token the model sampled)."""
         return model_token_mask(batch)
 
-    def finish_rollout(self, batch: RolloutBatch, all_rewards: torch.Tensor, mine: slice) -> None:
+    def finish_rollout(
+        self, batch: RolloutBatch, all_rewards: torch.Tensor, mine: slice, producer_stats: Mapping[str, float]
+    ) -> None:
         """Fill `batch.advantages` (and any algorithm field) from every rank's rewards `all_rewards` [world*N], of
-        which `mine` are this rank's rows (those of `batch`)."""
+        which `mine` are this rank's rows (those of `batch`); `producer_stats`: the numbers of the generation that
+        a producer the algorithm chose adds (`ScoredCompletions.stats`)."""
         raise NotImplementedError
 
     def micro_batch_loss(
@@ -360,16 +363,13 @@ class OnPolicyModule(PolicyModule):
             sampled_mask=out.sampled_mask,
             episode_stats=out.episode_stats,
         )
-        if scored.refill_generations is not None:  # dynamic sampling's, on every row for the metrics
-            batch.refill_generations = torch.full_like(rewards, float(scored.refill_generations))
-            batch.frac_groups_dropped = torch.full_like(rewards, scored.frac_groups_dropped)
         if self.needs_old_logprobs():
             with self.timer.phase("old_logprobs"):
                 batch.old_logprobs = self._logprobs_in_chunks(self.policy, batch)
         if self.uses_reference():
             with self.timer.phase("ref_logprobs"), self.reference_model() as ref_model:
                 batch.ref_logprobs = self._logprobs_in_chunks(ref_model, batch)
-        self.finish_rollout(batch, all_rewards, mine)
+        self.finish_rollout(batch, all_rewards, mine, scored.stats)
         world_size, batcher = self.trainer.world_size, self.micro_batcher
         loss_tokens = self.loss_mask(batch).sum(dim=1)  # [N]
         self._normalizers = batcher.step_normalizers(batch, loss_tokens, self.completion_budget, world_size)

@@ -13,7 +13,7 @@ not the policy's to choose, and carry no loss.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Optional
+from typing import Iterable, Mapping, Optional
 
 import torch
 from torchmetrics import MetricCollection
@@ -94,7 +94,9 @@ class OnlineDPO(OnPolicyModule):
         if isinstance(judge, RewardModel):
             judge.to(self.device)
 
-    def finish_rollout(self, batch: RolloutBatch, all_rewards: torch.Tensor, mine: slice) -> None:
+    def finish_rollout(
+        self, batch: RolloutBatch, all_rewards: torch.Tensor, mine: slice, producer_stats: Mapping[str, float]
+    ) -> None:
         """Advantages as preference labels: +1 on the chosen row, -1 on the rejected, 0 on both rows of a tie."""
         pairs = batch.rewards.view(-1, 2)  # [B, 2]
         first_wins = (pairs[:, 0] > pairs[:, 1]).float()

@@ -35,7 +35,7 @@ The engine's log-probs then weigh the policy term with the rollout correction of
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Mapping, Optional
 
 import torch
 from torchmetrics import MetricCollection
@@ -164,7 +164,9 @@ class PPO(OnPolicyModule):
         # The KL penalty is part of the reward, so it needs the sampling policy's log-probs at generation time.
         return self.loss_args.beta != 0.0 or self.policy_moves_after_sampling()
 
-    def finish_rollout(self, batch: PPOBatch, all_rewards: torch.Tensor, mine: slice) -> None:
+    def finish_rollout(
+        self, batch: PPOBatch, all_rewards: torch.Tensor, mine: slice, producer_stats: Mapping[str, float]
+    ) -> None:
         args = self.loss_args
         mask = self.loss_mask(batch)  # the model's tokens: every completion token without an environment
         with self.timer.phase("values"):

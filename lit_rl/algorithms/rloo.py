@@ -12,7 +12,7 @@ Lightning's: the checkpoint cadence is exact for any accumulation, `num_iteratio
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Mapping, Optional
 
 import torch
 from torchmetrics import MetricCollection
@@ -80,7 +80,9 @@ class RLOO(OnPolicyModule):
         # The KL penalty is part of the reward, so it needs the sampling policy's log-probs at generation time.
         return self.loss_args.beta != 0.0 or super().needs_old_logprobs()
 
-    def finish_rollout(self, batch: RLOOBatch, all_rewards: torch.Tensor, mine: slice) -> None:
+    def finish_rollout(
+        self, batch: RLOOBatch, all_rewards: torch.Tensor, mine: slice, producer_stats: Mapping[str, float]
+    ) -> None:
         args = self.loss_args
         rewards = batch.rewards
         if batch.ref_logprobs is not None:

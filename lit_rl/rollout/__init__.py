@@ -14,7 +14,6 @@
 from lit_rl.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
 from lit_rl.rollout.engine_config import EngineConfig, HFGenerate, VLLMColocate, VLLMServer, WeightTransfer
 from lit_rl.rollout.engines.hf import HFGenerateEngine
-from lit_rl.rollout.engines.vllm_config import VLLMConfig
 
 __all__ = [
     "EngineConfig",
@@ -24,7 +23,16 @@ __all__ = [
     "RolloutOutput",
     "SamplingParams",
     "VLLMColocate",
-    "VLLMConfig",
     "VLLMServer",
     "WeightTransfer",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # 0.2's merged settings of both vLLM engines: each engine now reads its own config class, its options declared once.
+    if name == "VLLMConfig":
+        raise AttributeError(
+            "lit_rl.rollout.VLLMConfig is gone: the vLLM engines read their configs, VLLMColocate and VLLMServer "
+            "(model.rollout.engine; the server's weight transport is VLLMServer(transfer=WeightTransfer(...)))"
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -120,7 +120,7 @@ class DynamicSampling:
         stats = {"refill_generations": len(pieces) - 1, "frac_groups_dropped": 1.0 - sum(keep) / len(keep)}
         groups = select_groups(keep, prompts)
         if groups == list(range(prompts)):  # the generation as sampled: nothing to move
-            return replace(first, **stats)
+            return replace(first, stats=stats)
         pad = host.tokenizer.pad_token_id
         tagged = any(piece.output.token_versions is not None for piece in pieces)  # in flight: on every rank alike
         pool = concat_batches([_as_rollout_batch(piece, tagged) for piece in pieces], pad)
@@ -141,7 +141,7 @@ class DynamicSampling:
             chosen.reward_components,
             chosen.rewards,
             chosen.policy_version,  # refills under asynchronous rollouts have newer versions than the generation
-            **stats,
+            stats=stats,
         )
 
     def _informative_groups(self, piece: ScoredCompletions) -> list[bool]:

@@ -10,13 +10,13 @@ Each config class is bound to one engine class and builds it (`build`):
 and an engine's options follow it: `--model.rollout.engine.gpu_memory_utilization 0.5`, and for the server's weight
 transport `--model.rollout.engine.transfer.method gloo`. A new engine is a config class (a subclass of
 `EngineConfig` whose `__init__` takes its options) and the engine it builds (`lit_rl.rollout.base.RolloutEngine`);
-no algorithm changes.
-
-The vLLM engines run on `lit_rl.rollout.engines.vllm_config.VLLMConfig`, which their config classes build (`vllm`).
+no algorithm changes. An engine takes its config object itself (the vLLM engines read `VLLMColocate` and `VLLMServer`),
+so each option is declared once, in its config class's signature.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 from contextlib import contextmanager
@@ -28,7 +28,7 @@ import torch
 
 from lit_rl.errors import ConfigError
 from lit_rl.rollout.base import RolloutEngine
-from lit_rl.rollout.engines.vllm_config import VLLM_DTYPES, VLLMConfig, check_vllm_config
+from lit_rl.rollout.engines.vllm_config import COLLECTIVE_TRANSFERS, VLLM_DTYPES, check_colocate, check_server
 
 ENGINE_KEY = "model.rollout.engine"
 
@@ -53,11 +53,6 @@ class EngineConfig:
     samples_on_trainer_devices = False
     tensor_parallel_size: int = 1
     push_bucket_mib: float = 512.0
-
-    @property
-    def vllm(self) -> Optional[VLLMConfig]:
-        """The settings of lit-rl's vLLM engines, for the code they share; None for any other engine."""
-        return None
 
     def check(self) -> None:
         """Reject impossible settings at construction, naming the key (`model.rollout.engine.<option>`)."""
@@ -270,12 +265,8 @@ class VLLMColocate(EngineConfig):
         self.cpu_kvcache_space_gib = cpu_kvcache_space_gib
         self.push_bucket_mib = push_bucket_mib
 
-    @property
-    def vllm(self) -> VLLMConfig:
-        return VLLMConfig(mode="colocate", **_vllm_fields(self.options()))
-
     def check(self) -> None:
-        check_vllm_config(self.vllm)
+        check_colocate(self)
 
     def build(self, module: Any) -> RolloutEngine:
         from lit_rl.modeling.models import resolve_model_path
@@ -284,7 +275,7 @@ class VLLMColocate(EngineConfig):
         from lit_rl.rollout.engines.vllm import VLLMColocateEngine
 
         return VLLMColocateEngine.start(
-            self.vllm,
+            self,
             resolve_model_path(module.policy_args.model_name_or_path),
             dtype=module.compute_dtype(),
             device=module.device,
@@ -334,7 +325,7 @@ class WeightTransfer:
     port: int = 0
 
 
-# `VLLMConfig`'s field for each `WeightTransfer` field.
+# lit-rl 0.1's flat `model.vllm` key for each `WeightTransfer` field.
 _TRANSFER_FIELDS = {
     "method": "weight_transfer",
     "sync_dir": "weight_sync_dir",
@@ -411,17 +402,30 @@ class VLLMServer(EngineConfig):
         self.launch_timeout_s = launch_timeout_s
 
     @property
-    def vllm(self) -> VLLMConfig:
-        options = self.options()
-        transfer = {_TRANSFER_FIELDS[key]: value for key, value in options.pop("transfer").items()}
-        return VLLMConfig(mode="server", **_vllm_fields({**options, **transfer}))
+    def uploads_weights(self) -> bool:
+        """Whether the weights are uploaded to a receiver (`transfer.method`: http, or auto with a receiver)."""
+        has_url = self.transfer.receiver_url is not None or self.transfer.receiver_urls is not None
+        return self.transfer.method == "http" or (self.transfer.method == "auto" and has_url)
+
+    @property
+    def broadcasts_weights(self) -> bool:
+        """Whether the weights are broadcast to the servers' workers (`transfer.method`: gloo, nccl)."""
+        return self.transfer.method in COLLECTIVE_TRANSFERS
+
+    def server_endpoints(self) -> list[tuple[str, Optional[str]]]:
+        """(server URL, its weight receiver's URL or None) for every server, `server_urls` over `server_url`."""
+        servers = [url.rstrip("/") for url in (self.server_urls or [self.server_url])]
+        if not self.uploads_weights:
+            return [(url, None) for url in servers]
+        receivers = self.transfer.receiver_urls or [self.transfer.receiver_url] * len(servers)
+        return list(zip(servers, [url.rstrip("/") for url in receivers]))  # one receiver, however it is spelled
 
     def check(self) -> None:
-        check_vllm_config(self.vllm)
+        check_server(self)
         if self.launch or self.launch_args:
             from lit_rl.rollout.server.launch import check_launch
 
-            check_launch(self.vllm, self.launch, self.launch_args, self.launch_timeout_s, self.dtype)
+            check_launch(self)
 
     def build(self, module: Any) -> RolloutEngine:
         from lit_rl.rollout.engines.hf import model_eos_token_ids
@@ -431,7 +435,7 @@ class VLLMServer(EngineConfig):
         busy = module.engine_clock  # `perf/engine_idle_share`: the step's time with no request outstanding
         busy.counted = True
         if not self.launch:
-            return VLLMServerEngine(self.vllm, eos_ids, module.tokenizer.pad_token_id, busy=busy)
+            return VLLMServerEngine(self, eos_ids, module.tokenizer.pad_token_id, busy=busy)
         from lit_rl.modeling.models import resolve_model_path
         from lit_rl.rollout.server.launch import ServerLauncher
 
@@ -440,11 +444,12 @@ class VLLMServer(EngineConfig):
             log_dir=module.trainer.log_dir,
             extra_args=list(self.launch_args or []),
             timeout_s=self.launch_timeout_s,
-            weight_transfer=self.vllm.weight_transfer,
+            weight_transfer=self.transfer.method,
             trust_remote_code=module.policy_args.trust_remote_code,
         )
-        config = dataclasses.replace(self.vllm, server_url=launcher.url)
-        return VLLMServerEngine(config, eos_ids, module.tokenizer.pad_token_id, launcher=launcher, busy=busy)
+        launched = copy.copy(self)  # the run's config keeps the URL it was given; the engine talks to the launched one
+        launched.server_url = launcher.url
+        return VLLMServerEngine(launched, eos_ids, module.tokenizer.pad_token_id, launcher=launcher, busy=busy)
 
     def engine_dtype(self, compute_dtype: torch.dtype) -> Optional[torch.dtype]:
         dtype = self.dtype
@@ -453,12 +458,6 @@ class VLLMServer(EngineConfig):
 
             dtype = launched_dtype(self.launch_args or [])
         return None if dtype == "auto" else VLLM_DTYPES.get(dtype, torch.float32)
-
-
-def _vllm_fields(options: dict[str, Any]) -> dict[str, Any]:
-    """The options `VLLMConfig` has (a subclass of a vLLM engine's config may add its own)."""
-    names = {field.name for field in dataclasses.fields(VLLMConfig)}
-    return {key: value for key, value in options.items() if key in names}
 
 
 def _as_transfer(value: Any) -> WeightTransfer:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -60,9 +60,9 @@ class ScoredCompletions:
     # The policy version (optimizer steps done) that sampled them: one for all, or per row [N] (dynamic sampling's
     # refills under asynchronous rollouts are sampled by newer weights than the generation they top up).
     version: int | torch.Tensor
-    # Dynamic sampling: the refill generations sampled, and the fraction of all sampled groups dropped.
-    refill_generations: Optional[int] = None
-    frac_groups_dropped: Optional[float] = None
+    # A producer's own numbers of the generation, for the algorithm that wraps it in that producer (dynamic
+    # sampling, GRPO's: `refill_generations`, `frac_groups_dropped`).
+    stats: dict[str, float] = field(default_factory=dict)
 
     def row_versions(self) -> torch.Tensor:
         """The policy version of each row [N] (long)."""

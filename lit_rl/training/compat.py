@@ -1,8 +1,8 @@
-"""The private internals of Lightning, torch, torchmetrics, transformers and Python that lit-rl must touch, in one
-place: each use is a function here, so an upgrade that renames one breaks this module and its test
+"""The private internals of Lightning, torch, torchmetrics, transformers and jsonargparse that lit-rl must touch, in
+one place: each use is a function here, so an upgrade that renames one breaks this module and its test
 (`tests/test_compat.py`, which runs each against the installed library), not a call site deep in a callback.
 
-Lightning 2.5-2.6, torch 2.6-2.13, torchmetrics 1.7+, transformers 5.16-5.19, CPython 3.10-3.13. Imports are lazy:
+Lightning 2.5-2.6, torch 2.6-2.13, torchmetrics 1.7+, transformers 5.16-5.19. Imports are lazy:
 the forward path (`lit_rl.modeling.packing`) may use this module without importing Lightning.
 """
 
@@ -106,18 +106,6 @@ def flash_attention_installed(implementation: str) -> bool:
     version = int(implementation.removeprefix("flash_attention_"))
     entry = FLASH_ATTENTION_COMPATIBILITY_MATRIX.get(version)
     return entry is not None and bool(entry["general_availability_check"]())
-
-
-# -- Python -------------------------------------------------------------------------------------------------------
-def run_interpreter_exit_steps() -> None:
-    """What CPython does at exit before it finalizes: join the threads that are not daemons
-    (`threading._shutdown`, the first thing `Py_FinalizeEx` calls), then run the atexit handlers
-    (`atexit._run_exitfuncs`)."""
-    import atexit
-    import threading
-
-    threading._shutdown()
-    atexit._run_exitfuncs()
 
 
 # -- jsonargparse ---------------------------------------------------------------------------------------------------

@@ -11,13 +11,11 @@ over gloo.
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, NoReturn, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from lightning.fabric.utilities.seed import reset_seed
@@ -35,7 +33,6 @@ from lit_rl.training.checkpoint import (
 from lit_rl.training.compat import (
     accumulates_this_batch,
     can_take_data_of,
-    run_interpreter_exit_steps,
     set_module_device,
 )
 
@@ -382,30 +379,3 @@ def fail_on_every_rank(
         )
     cause = error if isinstance(error, Exception) and rank == 0 else None
     raise kind(f"{message} (on rank {rank})" if message else elsewhere) from cause
-
-
-def exit_without_finalizing(code: int = 0) -> NoReturn:
-    """End a process that ran collectives: the atexit handlers, then the streams flushed, then `os._exit(code)`,
-    skipping the interpreter's finalization, where torch 2.13 can abort a run that finished.
-
-    The abort (pytorch/pytorch#190489, open; "terminate called without an active exception", SIGABRT): a process
-    group's worker thread drops its reference to a finished collective's tensors just after the caller's `wait()`
-    returned. Dropping a tensor that has a Python object takes the GIL; once the interpreter is finalizing, a
-    thread asking for the GIL is ended by `pthread_exit`, whose unwinding through a `noexcept` destructor calls
-    `std::terminate`. ZeRO-3 on gloo hits it when a gather ends just before the process does.
-
-    What the interpreter does before finalizing is done, in its order and while it is whole (so a worker thread
-    waiting for the GIL gets it): threads that are not daemons are joined, then the atexit handlers run (Lightning
-    destroying an NCCL group, logging, temporary directories, child processes). Nothing after them needs the GIL.
-
-    Not for the `lit-rl` CLI: `os._exit` also skips the C++ static destructors, and vLLM's CPU engine frees its
-    shared memory in one (a tensor-parallel run then leaves `/dev/shm/...-cpushm_<rank>` behind, and the next one
-    fails with errno 17). It ends the multi-process benchmark and test workers, which run no vLLM.
-    """
-    run_interpreter_exit_steps()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe or stream: nothing more can be said on it
-            pass
-    os._exit(code)

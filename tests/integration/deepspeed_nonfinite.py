@@ -17,10 +17,10 @@ from typing import Any, Optional
 import lightning as L
 import torch
 
+from benchmarks.process_exit import exit_without_finalizing
 from lit_rl.callbacks import NonFiniteGuard
 from lit_rl.training.strategies import (
     DeepSpeedStrategy,
-    exit_without_finalizing,
     gathered_parameters,
     settle_zero3_parameters,
 )

@@ -24,9 +24,9 @@ def rank_main(rank: int, world: int, port: int, use_root: bool, out: str) -> Non
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
+    from benchmarks.process_exit import exit_without_finalizing
     from lit_rl.modeling.models import load_causal_lm
     from lit_rl.rollout.weights import policy_weight_stream
-    from lit_rl.training.strategies import exit_without_finalizing
 
     model = "lit-rl/tiny-qwen2-addition-sft"
     expected = list(load_causal_lm(model).state_dict().items())

@@ -19,7 +19,6 @@ from lit_rl.algorithms import GRPO, RLOO
 from lit_rl.config import RolloutArgs
 from lit_rl.data import PromptDataModule
 from lit_rl.errors import ConfigError
-from lit_rl.rollout import VLLMConfig
 from lit_rl.rollout.base import unpadded_prompts
 from lit_rl.types import model_token_mask
 from tests.conftest import assert_rows_match, grouped_kwargs, train_rows, without_engine_gap
@@ -78,7 +77,7 @@ def _fit(
     callbacks=(),
     **model_args,
 ):
-    args = dict(num_generations=4, micro_batch_size=8, max_new_tokens=4, vllm=VLLMConfig(mode="server"))
+    args = dict(num_generations=4, micro_batch_size=8, max_new_tokens=4, vllm={"mode": "server"})
     model = algorithm(**grouped_kwargs(algorithm, **{**args, **model_args}))
     engines = use_snapshot_engine(model)
     digests = PolicyDigests()
@@ -171,7 +170,7 @@ def test_rloo_trains_with_asynchronous_rollouts(tmp_path):
     assert engines[0].generated_versions == [0, 0, 1, 2]
     # Its loss is per sequence, so is its correction: each sequence's term weighed by its truncated ratio.
     assert all(0.0 <= row["train/rollout_is_frac_corrected"] <= 1.0 for row in rows)
-    model = RLOO(**grouped_kwargs(RLOO, max_staleness=1, vllm=VLLMConfig(mode="server")))
+    model = RLOO(**grouped_kwargs(RLOO, max_staleness=1, vllm={"mode": "server"}))
     assert model.rollout_correction() == "sequence_truncate"
     with pytest.raises(ConfigError, match="model.rollout.correction token_truncate: RLOO's loss is per sequence"):
         RLOO(rollout=RolloutArgs(correction="token_truncate"))
@@ -280,7 +279,7 @@ def test_ppo_trains_with_asynchronous_rollouts_and_their_correction(tmp_path):
     assert engines[0].generated_versions == [0, 0, 1, 2]
     assert all(0.0 <= row["train/rollout_is_frac_corrected"] <= 1.0 for row in rows)
     assert all("train/critic/value_loss" in row for row in rows)
-    model = PPO(**grouped_kwargs(PPO, max_staleness=1, vllm=VLLMConfig(mode="server")))
+    model = PPO(**grouped_kwargs(PPO, max_staleness=1, vllm={"mode": "server"}))
     assert model.rollout_correction() == "token_truncate"
 
 
@@ -369,4 +368,4 @@ def test_in_flight_updates_need_episodes_and_an_asynchronous_run():
     with pytest.raises(ConfigError, match=r"^model.rollout.in_flight_updates needs model.rollout.max_staleness > 0"):
         RolloutArgs(in_flight_updates=True).check()
     with pytest.raises(ConfigError, match=r"^model.rollout.in_flight_updates needs model.env: "):
-        GRPO(**grouped_kwargs(GRPO, max_staleness=1, in_flight_updates=True, vllm=VLLMConfig(mode="server")))
+        GRPO(**grouped_kwargs(GRPO, max_staleness=1, in_flight_updates=True, vllm={"mode": "server"}))

@@ -116,7 +116,7 @@ def _policy(lora: bool):
 
 def _engine(mode: str, url: str | None, policy, tokenizer, gloo: bool):
     from lit_rl.modeling.models import resolve_model_path
-    from lit_rl.rollout import VLLMConfig
+    from lit_rl.rollout import VLLMColocate, VLLMServer, WeightTransfer
     from lit_rl.rollout.engines.hf import model_eos_token_ids
 
     eos_ids = model_eos_token_ids(policy, tokenizer.eos_token_id)
@@ -125,7 +125,7 @@ def _engine(mode: str, url: str | None, policy, tokenizer, gloo: bool):
         from lit_rl.rollout.engines.vllm import VLLMColocateEngine
 
         return VLLMColocateEngine.start(
-            VLLMConfig(mode="colocate"),
+            VLLMColocate(),
             resolve_model_path(POLICY),
             torch.float32,
             torch.device("cpu"),
@@ -136,7 +136,7 @@ def _engine(mode: str, url: str | None, policy, tokenizer, gloo: bool):
     from lit_rl.rollout.engines.vllm_server import VLLMServerEngine
 
     transfer = "gloo" if gloo else "auto"
-    config = VLLMConfig(mode="server", server_url=url, push_bucket_mib=BUCKET_BYTES / 2**20, weight_transfer=transfer)
+    config = VLLMServer(server_url=url, push_bucket_mib=BUCKET_BYTES / 2**20, transfer=WeightTransfer(method=transfer))
     return VLLMServerEngine(config, eos_ids, tokenizer.pad_token_id)
 
 

@@ -45,8 +45,9 @@ import torch
 
 from lit_rl.errors import ConfigError
 from lit_rl.rollout.base import RolloutOutput, SamplingParams, draw_seeds, padded_output, unpadded_prompts
+from lit_rl.rollout.engine_config import VLLMColocate
 from lit_rl.rollout.engines.placement import EXECUTOR, EnginePlacement, tp_slice
-from lit_rl.rollout.engines.vllm_config import VLLM_DTYPES, VLLMConfig
+from lit_rl.rollout.engines.vllm_config import VLLM_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ def vllm_sampling_params(params: SamplingParams, seed: int, eos_token_ids: Seque
 
 
 def engine_kwargs(
-    config: VLLMConfig,
+    config: VLLMColocate,
     model_path: str,
     dtype: str,
     placement: EnginePlacement,
@@ -128,7 +129,7 @@ class VLLMColocateEngine:
     def __init__(
         self,
         llm: Any,
-        config: VLLMConfig,
+        config: VLLMColocate,
         eos_token_ids: Sequence[int],
         pad_token_id: int,
         placement: Optional[EnginePlacement] = None,
@@ -153,7 +154,7 @@ class VLLMColocateEngine:
     @classmethod
     def start(
         cls,
-        config: VLLMConfig,
+        config: VLLMColocate,
         model_name_or_path: str,
         dtype: torch.dtype,
         device: torch.device,

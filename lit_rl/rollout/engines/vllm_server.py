@@ -1,6 +1,6 @@
 """Rollouts from a separately started vLLM server, over HTTP. Imports no vLLM: the trainer needs none installed.
 
-Start the server (same machine or one that shares `weight_sync_dir`), bound to 127.0.0.1 unless it must be
+Start the server (same machine or one that shares `transfer.sync_dir`), bound to 127.0.0.1 unless it must be
 reached from elsewhere:
 
     VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model <policy> --served-model-name policy \
@@ -13,7 +13,7 @@ one request per run of identical prompts (`n` completions; vLLM gives child `i` 
 completions are scattered back. Independent episodes' turns (`concurrent_generate`) go from each rank straight to
 the servers, with no collective: every rank follows rank 0's view of the servers (their URLs, model names, and
 which are in service), shared when it connects and with every push. A weight push writes the policy's weights as
-safetensors into `weight_sync_dir`, one file per `push_bucket_mib` (rank 0 never holds more than about one bucket of
+safetensors into `transfer.sync_dir`, one file per `push_bucket_mib` (rank 0 never holds more than about one bucket of
 gathered weights; the other ranks take part in the gathers), then asks the server to pause, reload from there
 (`collective_rpc("reload_weights")`), reset its prefix cache and resume. With `weight_transfer: gloo | nccl` the
 weights are broadcast to the servers' workers instead, with no file (`lit_rl.rollout.server.collective_transfer`).
@@ -55,7 +55,7 @@ import torch
 from lit_rl.errors import LitRLError
 from lit_rl.resume import say
 from lit_rl.rollout.base import Generate, RolloutOutput, SamplingParams, draw_seeds, padded_output, unpadded_prompts
-from lit_rl.rollout.engines.vllm_config import VLLMConfig
+from lit_rl.rollout.engine_config import VLLMServer
 from lit_rl.rollout.in_flight import InFlightWeights
 from lit_rl.rollout.server.client import (  # noqa: F401  (re-exported: the names users and tests import from here)
     LocalVLLMServer,
@@ -88,7 +88,7 @@ class VLLMServerEngine:
 
     def __init__(
         self,
-        config: VLLMConfig,
+        config: VLLMServer,
         eos_token_ids: Sequence[int],
         pad_token_id: int,
         launcher: Optional[ServerLauncher] = None,
@@ -114,10 +114,10 @@ class VLLMServerEngine:
         self.concurrent_on_every_rank = self._every_rank_may_sample_alone()
 
     def _connect(self) -> None:
-        if self.transfer is None and self.config.weight_sync_dir is not None:
+        if self.transfer is None and self.config.transfer.sync_dir is not None:
             # A configured folder gets the receiver's checks (the server loads what is in it, so no one else may
             # write there, and it is no link to elsewhere), before a server is started for minutes.
-            private_directory(Path(self.config.weight_sync_dir), "model.rollout.engine.transfer.sync_dir")
+            private_directory(Path(self.config.transfer.sync_dir), "model.rollout.engine.transfer.sync_dir")
         if self.launcher is not None:
             self.launcher.start()
         try:
@@ -129,7 +129,7 @@ class VLLMServerEngine:
             if self.launcher is not None:
                 self.launcher.stop()
             raise
-        self.sync_dir = self.config.weight_sync_dir
+        self.sync_dir = self.config.transfer.sync_dir
         if self.sync_dir is None:  # a folder of this process's own, 0700
             shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
             self.sync_dir = tempfile.mkdtemp(prefix="lit-rl-weights-", dir=shm)
@@ -228,7 +228,7 @@ class VLLMServerEngine:
 
     # -- weights ---------------------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Optional[Iterable[tuple[str, torch.Tensor]]] = None) -> None:
-        """Rank 0 writes the weights to `weight_sync_dir` and has every server reload them; the others wait for it.
+        """Rank 0 writes the weights to `transfer.sync_dir` and has every server reload them; the others wait for it.
 
         Every rank consumes its `named_tensors` (a lazy stream gathers ZeRO-3 parameters as a collective)."""
         if self.rank == 0 and named_tensors is None:

@@ -2,7 +2,7 @@
 weight-transfer endpoints: no file, no shared disk, no copy on the server's disk.
 
 Rank 0 forms a group with each server's workers, as rank 0 of it, hosting the rendezvous at
-`transfer_address:port` (`port`: `transfer_port + i` for the i-th server, or a free one). A server's workers join
+`transfer.address:port` (`port`: `transfer.port + i` for the i-th server, or a free one). A server's workers join
 when asked (`POST /init_weight_transfer_engine`); how many there are is learned from the server first
 (`/get_world_size`), an update an earlier trainer left unfinished is ended, and a server started without a
 weight-transfer engine is refused in one line saying how to start it. `gloo` is lit-rl's engine
@@ -39,7 +39,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequen
 import torch
 
 from lit_rl.errors import one_line
-from lit_rl.rollout.engines.vllm_config import VLLM_TRANSFER_BACKENDS, VLLMConfig
+from lit_rl.rollout.engine_config import VLLMServer
+from lit_rl.rollout.engines.vllm_config import VLLM_TRANSFER_BACKENDS
 from lit_rl.rollout.server.client import RolloutServerError, ServerDownError
 from lit_rl.rollout.server.pool import RolloutServer
 from lit_rl.training.compat import set_group_sequence_number
@@ -250,10 +251,10 @@ def chunk_info(chunk: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any]:
 class CollectiveTransfer:
     """Rank 0's side of the broadcast to every server (see the module docstring)."""
 
-    def __init__(self, config: VLLMConfig) -> None:
-        self.kind = config.weight_transfer
-        self.address = config.transfer_address
-        self.first_port = config.transfer_port
+    def __init__(self, config: VLLMServer) -> None:
+        self.kind = config.transfer.method
+        self.address = config.transfer.address
+        self.first_port = config.transfer.port
         self.timeout_s = config.request_timeout_s
         self.chunk_bytes = int(config.push_bucket_mib * 2**20)
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.kind == "nccl" else torch.device("cpu")

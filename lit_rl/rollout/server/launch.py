@@ -22,7 +22,7 @@ import torch
 from lit_rl.errors import ConfigError
 from lit_rl.resume import say
 from lit_rl.rollout.engine_config import ENGINE_KEY as KEY
-from lit_rl.rollout.engines.vllm_config import VLLMConfig
+from lit_rl.rollout.engine_config import VLLMServer
 from lit_rl.rollout.server.client import LocalVLLMServer, free_port
 
 LOG_NAME = "vllm_server.log"
@@ -48,10 +48,9 @@ def own_flag(arg: str) -> Optional[str]:
     return next((own for own in OWN_FLAGS if own.startswith(flag)), None)
 
 
-def check_launch(
-    config: VLLMConfig, launch: bool, launch_args: Optional[Sequence[str]], timeout_s: float, dtype: str = "auto"
-) -> None:
+def check_launch(config: VLLMServer) -> None:
     """Refuse launch settings that cannot work, naming the key."""
+    launch, launch_args, timeout_s, dtype = config.launch, config.launch_args, config.launch_timeout_s, config.dtype
     if launch_args and not launch:
         raise ConfigError(f"{KEY}.launch_args is set but {KEY}.launch is false: nothing is launched")
     if dtype != "auto":

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, TypeVar
 
-from lit_rl.rollout.engines.vllm_config import VLLMConfig
+from lit_rl.rollout.engine_config import VLLMServer
 from lit_rl.rollout.server.client import RolloutServerError, ServerDownError, VLLMServerClient
 from lit_rl.rollout.server.weight_receiver import WeightTransferError, WeightUploader
 
@@ -57,7 +57,7 @@ class RolloutServer:
 class ServerPool:
     """The servers of `config.server_endpoints()`, and the rules of the module docstring."""
 
-    def __init__(self, config: VLLMConfig, first_server: int = 0) -> None:
+    def __init__(self, config: VLLMServer, first_server: int = 0) -> None:
         self.on_failure = config.on_server_failure
         self.health_timeout_s = min(config.request_timeout_s, HEALTH_TIMEOUT_S)
         self.servers = [
