@@ -28,7 +28,8 @@ from gpu_suite import SHAPES  # noqa: E402
 
 from lit_rl.numerics import settle_cpu_math_kernels  # noqa: E402
 from lit_rl.rollout.base import SamplingParams  # noqa: E402
-from lit_rl.rollout.engines.hf import HFGenerateEngine, counter_uniforms  # noqa: E402
+from lit_rl.rollout.engines.compact_decode import counter_uniforms  # noqa: E402
+from lit_rl.rollout.engines.hf import HFGenerateEngine  # noqa: E402
 
 settle_cpu_math_kernels()  # as every lit-rl process does, before any threaded float math (lit_rl/numerics.py)
 

@@ -139,6 +139,7 @@ def render_walk(calls: list[Call]) -> str:
         first, second = sorted((caller_file, file))
         pairs.setdefault((first, second), [0, 0])[0 if caller_file == first else 1] += 1
     both_ways = sum(1 for forth, back in pairs.values() if forth and back)
+    both_ways_subject = "pair's files call" if both_ways == 1 else "pairs call"
     functions = sum(len(entered) for entered in files.values())
     hooks = sum(called for entered in files.values() for called in entered.values())
     lines = [
@@ -147,7 +148,7 @@ def render_walk(calls: list[Call]) -> str:
         f"One optimizer step of `lit-rl fit --config {CONFIG}` (step {TRACED_STEP}, traced) enters **{len(files)} "
         f"lit-rl files** and **{functions} functions**, {hooks} of them called by Lightning's loop (its hooks, marked "
         f"\u21b3). Functions of one file call functions of another along **{len(edges)} distinct calls**, between "
-        f"**{len(pairs)} pairs of files**; **{both_ways}** pairs call each other both ways.",
+        f"**{len(pairs)} pairs of files**; **{both_ways}** {both_ways_subject} each other both ways.",
         "",
         "| # | file | functions, in the order the step first enters them |",
         "|---|---|---|",

@@ -115,7 +115,7 @@ def test_seeded_sampling_depends_on_the_row_and_its_seed_only(policy):
 def test_seeded_row_sampler_draws_from_the_truncated_softmax(top_k, top_p):
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-    from lit_rl.rollout.engines.hf import SeededRowSampler
+    from lit_rl.rollout.engines.compact_decode import SeededRowSampler
 
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
     params = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p)
@@ -135,7 +135,7 @@ def test_seeded_row_sampler_draws_from_the_truncated_softmax(top_k, top_p):
 
 
 def test_counter_uniforms_are_splitmix64_of_the_counter():
-    from lit_rl.rollout.engines.hf import counter_uniforms
+    from lit_rl.rollout.engines.compact_decode import counter_uniforms
 
     def splitmix64(x: int) -> int:  # the reference algorithm, in Python's unbounded integers
         mask = (1 << 64) - 1
@@ -181,7 +181,8 @@ def test_engine_logprobs_equal_those_of_every_steps_logits(policy, temperature):
     from transformers import GenerationConfig, LogitsProcessorList
 
     from lit_rl.ops import token_logprobs
-    from lit_rl.rollout.engines.hf import SampledTokenLogprobs, SeededRowSampler
+    from lit_rl.rollout.engines.compact_decode import SeededRowSampler
+    from lit_rl.rollout.engines.hf import SampledTokenLogprobs
 
     tokenizer, model = policy
     enc = tokenizer(["1+2=", "45+67=", "9+99="], padding=True, return_tensors="pt")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lit_rl.rewards import TrainerState
-from lit_rl.rewards.scoring import reward_components
+from lit_rl.rewards.scorer import reward_components
 
 CHAT_ROWS = [
     {"prompt": [{"role": "user", "content": "Solve 1/3 + 0."}], "solution": "$\\frac{1}{3}$", "completion": "x"},

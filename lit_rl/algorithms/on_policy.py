@@ -128,6 +128,7 @@ class OnPolicyModule(PolicyModule):
         self._micro_steps_done = 0
         self._buffer: Optional[RolloutBatch] = None
         self._normalizers: list[LossNormalizer] = []
+        self._fit_correction: Optional[str] = None  # `rollout_correction()`, resolved once a fit starts
 
     @property
     def reward_names(self) -> list[str]:
@@ -207,7 +208,11 @@ class OnPolicyModule(PolicyModule):
         in `rollout_is_frac_corrected`."""
         model_tokens = model_token_mask(mb)
         weights, corrected = rollout_is_weights(
-            self.rollout_correction(), old_logprobs, mb.rollout_logprobs, model_tokens, self.rollout_args.correction_cap
+            self._fit_correction or self.rollout_correction(),
+            old_logprobs,
+            mb.rollout_logprobs,
+            model_tokens,
+            self.rollout_args.correction_cap,
         )
         if corrected is not None and "rollout_is_frac_corrected" in self.train_metrics:
             self.train_metrics["rollout_is_frac_corrected"].update(corrected[model_tokens > 0].float())
@@ -277,6 +282,8 @@ class OnPolicyModule(PolicyModule):
 
     def on_fit_start(self) -> None:
         check_prompt_lengths(self)
+        # The engine and the precision stay what they are for the whole fit: resolve `auto` once, not per micro-batch.
+        self._fit_correction = self.rollout_correction()
 
     @property
     def accumulate(self) -> int:

@@ -3,7 +3,7 @@
 `generate` keeps every row of the batch until the last one stops, so with completions of very different lengths
 most decoding steps run rows that already produced their EOS (their tokens are thrown away). This loop samples
 exactly as `HFGenerateEngine` does, each row from its own seed with the counter-based Gumbel-max of
-`SeededRowSampler` (so a row's tokens depend on its seed and step only, never on which rows share the batch), and
+`SeededRowSampler` (below; so a row's tokens depend on its seed and step only, never on which rows share the batch), and
 drops finished rows from the batch, the attention mask and the KV cache (`batch_select_indices`) as it goes: a
 decoding step costs the rows still running.
 
@@ -61,7 +61,6 @@ def decode_skipping_finished(
 
     `cache`: a KV cache of every row's prompt but its last token (`shared_prompt_cache`), or None.
     """
-    from lit_rl.rollout.engines.hf import SeededRowSampler
 
     N, P = prompt_ids.shape
     T = params.max_new_tokens
@@ -117,3 +116,61 @@ def decode_skipping_finished(
         )
         next_position = next_position + 1
     return tokens[:, :steps], logprobs[:, :steps]
+
+
+class SeededRowSampler:
+    """A logits processor that turns greedy decoding into sampling, each row from its own seed.
+
+    Gumbel-max: `argmax(z + g)` with `g = -log(-log(u))`, `u ~ U(0, 1)` i.i.d. per vocabulary entry, is a sample
+    of `softmax(z)`. Here `z` is the logits divided by the temperature, truncated by top-k and top-p (entries
+    outside set to -inf), so the argmax `generate` takes is a sample of exactly the distribution `generate` itself
+    would sample. The uniforms of row `r` at decoding step `t` are a hash of (`seeds[r]`, `t`, vocabulary index)
+    (`counter_uniforms`): vectorised over the batch, the same on any device, and independent of the other rows.
+    """
+
+    def __init__(self, seeds: Sequence[int], params: SamplingParams) -> None:
+        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        self.seeds = torch.tensor([int(seed) for seed in seeds], dtype=torch.int64)
+        self.step = 0
+        warpers = [TemperatureLogitsWarper(params.temperature)]
+        if params.top_k > 0:
+            warpers.append(TopKLogitsWarper(params.top_k))
+        if params.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(params.top_p))
+        self.warpers = LogitsProcessorList(warpers)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if len(self.seeds) != scores.shape[0]:
+            raise ValueError(f"{len(self.seeds)} seeds for {scores.shape[0]} rows")
+        perturbed = self.perturb(scores, self.seeds, self.step)
+        self.step += 1
+        return perturbed
+
+    def perturb(self, scores: torch.Tensor, seeds: torch.Tensor, step: int) -> torch.Tensor:
+        """The warped scores [n, V] of rows with `seeds` [n] at decoding `step`, plus their Gumbel noise: the
+        argmax is the sample."""
+        scores = self.warpers(None, scores.float())  # [n, V]; the warpers do not read input_ids
+        uniform = counter_uniforms(seeds.to(scores.device), step, scores.shape[1])  # [n, V]
+        return scores + (-torch.log(-torch.log(uniform))).to(scores.dtype)
+
+
+_GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed int64
+_MIX1 = -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9
+_MIX2 = -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 values (torch's `>>` keeps the sign)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def counter_uniforms(seeds: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
+    """Uniforms in (0, 1) [N, V], float64: SplitMix64 of the counter `seed * golden + step * V + v` (int64
+    arithmetic wraps around, as the hash wants)."""
+    counter = torch.arange(vocab, dtype=torch.int64, device=seeds.device) + step * vocab  # [V]
+    z = seeds[:, None] * _GOLDEN + counter[None, :] + _GOLDEN  # [N, V]
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    z = z ^ _shift_right(z, 31)
+    return (_shift_right(z, 11).double() + 0.5) / 2.0**53

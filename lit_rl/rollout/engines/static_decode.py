@@ -28,7 +28,7 @@ import torch
 
 from lit_rl.ops import position_ids_from_mask
 from lit_rl.rollout.base import SamplingParams
-from lit_rl.rollout.engines.compact_decode import sample_next
+from lit_rl.rollout.engines.compact_decode import SeededRowSampler, sample_next
 from lit_rl.rollout.engines.packed_linear import PackedLinearMode, packed_weights
 
 # Inductor's options for the step on CPU: store values of more than one operation that are read twice (see above).
@@ -72,7 +72,7 @@ class CompiledDecoder:
         `prefix_cache`: a KV cache of every row's prompt but its last token (`shared_prompt_cache`), or None.
         On CPU the weights are packed for this generation's steps and freed after them.
         """
-        from lit_rl.rollout.engines.hf import SeededRowSampler, compile_stance
+        from lit_rl.rollout.engines.hf import compile_stance
 
         N, P = prompt_ids.shape
         T = params.max_new_tokens
