@@ -28,7 +28,7 @@ from provenance import parse_report_args, publish  # noqa: E402
 from throughput import metric_rows  # noqa: E402
 
 from lit_rl.modeling.models import resolve_model_path  # noqa: E402
-from lit_rl.rollout.engines.vllm_server import LocalVLLMServer  # noqa: E402
+from lit_rl.rollout.server.client import LocalVLLMServer  # noqa: E402
 
 CONFIGS = REPO / "configs"
 TARGET_POINTS = 3.0

@@ -105,7 +105,7 @@ def rank_main(rank: int, world: int, port: int, sizes: dict, buckets_mib: list[f
 def run(sizes: dict, buckets_mib: list[float], pushes: int, workdir: Path, world: int = 2) -> list[dict]:
     import torch.multiprocessing as mp
 
-    from lit_rl.rollout.engines.vllm_server import free_port
+    from lit_rl.rollout.server.client import free_port
 
     os.environ.update(MALLOC_ENV)  # read by glibc when each rank's process starts
     mp.start_processes(

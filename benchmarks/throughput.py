@@ -47,7 +47,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from provenance import add_allow_dirty, check_output, write_report  # noqa: E402
 
 from lit_rl.modeling.models import resolve_model_path  # noqa: E402
-from lit_rl.rollout.engines.vllm_server import LocalVLLMServer  # noqa: E402
+from lit_rl.rollout.server.client import LocalVLLMServer  # noqa: E402
 
 CONFIGS = REPO / "configs"
 PARTS = ["generation", "reward", "ref_logprobs", "old_logprobs", "weight_push", "policy_update"]

@@ -30,10 +30,14 @@ from tests.conftest import fit_grpo
 )
 def test_placement_of_rank_r_of_w(rank, local_rank, world, per_node, tp, group, tp_ranks):
     placement = EnginePlacement(rank, local_rank, world, per_node, tp)
-    assert (placement.tp_group, placement.tp_ranks, placement.tp_rank) == (group, tp_ranks, tp_ranks.index(rank))
-    assert placement.engine_seed == group  # the members of one engine sample alike
     groups = placement.all_tp_groups()
-    assert sorted(r for g in groups for r in g) == list(range(world)) and tp_ranks in groups
+    assert (placement.tp_group, groups[placement.tp_group], placement.tp_rank) == (
+        group,
+        tp_ranks,
+        tp_ranks.index(rank),
+    )
+    assert placement.engine_seed == group  # the members of one engine sample alike
+    assert sorted(r for g in groups for r in g) == list(range(world))
     env = placement.environment("10.0.0.1", 29500)
     assert env["RANK"] == str(rank) and env["LOCAL_RANK"] == str(local_rank) and env["WORLD_SIZE"] == str(world)
 

@@ -13,7 +13,7 @@ import pytest
 from lit_rl.errors import RewardFunctionError
 from lit_rl.rewards import call_reward_functions, import_reward_function, reward_name
 from lit_rl.rewards.http import HTTPReward
-from lit_rl.rollout.engines.vllm_server import free_port
+from lit_rl.rollout.server.client import free_port
 
 
 def test_async_reward_functions_score_the_batch_concurrently():

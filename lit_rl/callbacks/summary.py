@@ -24,6 +24,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 from rich.console import Console
 
+from lit_rl.algorithms.base import PolicyModule
 from lit_rl.callbacks.export import SaveHFPretrained
 from lit_rl.callbacks.safety import GracefulStop
 from lit_rl.training.metrics import DPO_PAIR_METRICS
@@ -98,7 +99,8 @@ class RunSummary(Callback):
             shown = [f"{key} {logged[key]:.4g}" for key in (f"{stage}/{name}" for name in names) if key in logged]
             if shown:
                 lines.append("  " + "  ".join(shown))
-        throughput = getattr(trainer.lightning_module, "throughput", None)  # `lit_rl.training.flops.RunThroughput`
+        module = trainer.lightning_module  # any LightningModule may run under the CLI; lit-rl's count their throughput
+        throughput = module.throughput if isinstance(module, PolicyModule) else None
         if throughput is not None and throughput.steps:
             lines.append(f"  speed      {throughput.summary()}")
         for label, path in outputs(trainer).items():

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol, Union
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol, Union, runtime_checkable
 
 from lit_rl.errors import ConfigError
 from lit_rl.importing import import_callable
@@ -78,10 +78,33 @@ class Environment(Protocol):
 
     def step(self, completion: str) -> StepResult | tuple[Optional[str], dict[str, float], bool]: ...
 
-    # Optional: `finish() -> {reward part: value}`, called once when the episode has ended (not when its
-    # environment failed or overran), for a reward scored from the final state (`TRLEnvironment`'s `get_reward`).
-    # Optional: `close()`, called once for every episode when its batch ends (after `finish`), also when the episode
-    # failed or the batch stopped with an exception, to release what it holds (`lit_rl.envs.OpenEnv`'s session).
+    # Optional: `finish()` (`FinishesEpisode`), `close()` (`ClosesEpisode`), `steps_after_last_turn`
+    # (`SkipsLastTurnCalls`).
+
+
+@runtime_checkable
+class FinishesEpisode(Protocol):
+    """An environment with `finish() -> {reward part: value}`, called once when the episode has ended (not when its
+    environment failed or overran), for a reward scored from the final state (`TRLEnvironment`'s `get_reward`)."""
+
+    def finish(self) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class ClosesEpisode(Protocol):
+    """An environment with `close()`, called once for every episode when its batch ends (after `finish`), also when
+    the episode failed or the batch stopped with an exception, to release what it holds (`lit_rl.envs.OpenEnv`'s
+    session)."""
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class SkipsLastTurnCalls(Protocol):
+    """An environment that says whether the last turn's step runs (`steps_after_last_turn`; without it, it does):
+    `TRLEnvironment` says no, as TRL runs no tool call whose result the model would never see."""
+
+    steps_after_last_turn: bool
 
 
 class TokenEnvironment:
@@ -194,7 +217,7 @@ def environment_factory(
         schemas: Optional[list[dict[str, Any]]] = probe.schemas
     else:
         schemas = [tool_schema(function) for function in functions] if chat else None
-    reward_names = tuple(getattr(probe, "reward_names", ()))
+    reward_names = tuple(getattr(probe, "reward_names", ()))  # a user's class with no reward parts may leave it out
     raw_turns = isinstance(probe, ChatToolEnvironment) and probe.call_format == RESPONSE_TEMPLATE
     return EnvironmentSpec(lambda row=None: make(**kwargs), reward_names, schemas, raw_turns)
 

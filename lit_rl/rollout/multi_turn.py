@@ -24,9 +24,12 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from lit_rl.envs.base import (
+    ClosesEpisode,
     Environment,
+    FinishesEpisode,
     Observation,
     SampledTurn,
+    SkipsLastTurnCalls,
     TokenEnvironment,
     as_step_result,
     env_label,
@@ -138,7 +141,7 @@ def run_episodes(
         raise
     _close(envs, batch.overran | ended, runner)
     for i in batch.broken:  # a reward scored at the end was never asked: invalid (`model.rewards.on_invalid`), not 0
-        if callable(getattr(envs[i], "finish", None)):
+        if isinstance(envs[i], FinishesEpisode):
             batch.env_rewards[i] = float("nan")
     output = _transcripts(batch.pieces, pad_id, device)
     error = batch.errors[min(batch.errors)] if batch.errors else None
@@ -204,7 +207,8 @@ class _EpisodeBatch:
         self.used[i] += length
         self.turns[i] += 1
         self.stats[i, 0] += 1
-        if self.last_turn(i) and not getattr(self.envs[i], "steps_after_last_turn", True):
+        env = self.envs[i]
+        if self.last_turn(i) and isinstance(env, SkipsLastTurnCalls) and not env.steps_after_last_turn:
             return None
         if isinstance(self.envs[i], TokenEnvironment):  # its world answers the sampled ids themselves
             stopped = bool(sampled) and sampled[-1] in self.stop_ids
@@ -421,7 +425,7 @@ def _close(envs: Sequence[Environment], busy: set[int] | frozenset[int], runner:
     """Close the environments that have a `close()`, together, but for the `busy` ones (a call overran, or their
     reset failed). A failure to close is not the episode's: it is scored already, and the server's own log says what
     went wrong."""
-    closing = [env for i, env in enumerate(envs) if i not in busy and callable(getattr(env, "close", None))]
+    closing = [env for i, env in enumerate(envs) if i not in busy and isinstance(env, ClosesEpisode)]
     if closing:
         runner.run([(env.close, ()) for env in closing])
 
@@ -439,7 +443,7 @@ def _finish(
     `get_reward`), all at once on `runner`; the first failure, to raise on every rank. `settled`: the episodes whose
     environment neither failed nor overran (an overrunning one is still busy); those whose `finish` overruns are
     added to `overran`."""
-    finishing = [i for i in settled if callable(getattr(envs[i], "finish", None))]
+    finishing = [i for i in settled if isinstance(envs[i], FinishesEpisode)]
     error = None
     for i, outcome in zip(finishing, runner.run([(envs[i].finish, ()) for i in finishing])):
         if isinstance(outcome, EnvCallTimeout):

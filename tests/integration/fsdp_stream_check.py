@@ -57,7 +57,7 @@ def main() -> None:
 
     import torch.multiprocessing as mp
 
-    from lit_rl.rollout.engines.vllm_server import free_port
+    from lit_rl.rollout.server.client import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         for use_root in (True, False):

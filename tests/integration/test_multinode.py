@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lit_rl.rollout.engines.vllm_server import free_port
+from lit_rl.rollout.server.client import free_port
 from tests.conftest import (
     CLI_COMMAND,
     CONFIGS,

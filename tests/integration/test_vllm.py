@@ -18,7 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lit_rl.rollout.engines.vllm_server import LocalVLLMServer, RolloutServerError, free_port
+from lit_rl.rollout.engines.vllm_server import RolloutServerError
+from lit_rl.rollout.server.client import LocalVLLMServer, free_port
 from tests.conftest import (
     CLI_COMMAND,
     CONFIGS,

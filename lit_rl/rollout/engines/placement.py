@@ -80,12 +80,6 @@ class EnginePlacement:
         """This rank's place within its engine's TP group."""
         return self.rank % self.tensor_parallel_size
 
-    @property
-    def tp_ranks(self) -> list[int]:
-        """The global ranks that serve this rank's engine (contiguous, as vLLM cuts them)."""
-        start = self.tp_group * self.tensor_parallel_size
-        return list(range(start, start + self.tensor_parallel_size))
-
     def all_tp_groups(self) -> list[list[int]]:
         """Every engine's ranks, in order: what `torch.distributed.new_subgroups_by_enumeration` needs."""
         t = self.tensor_parallel_size

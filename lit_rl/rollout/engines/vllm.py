@@ -539,7 +539,7 @@ def _master_address() -> tuple[str, int]:
     process group of one that vLLM creates."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "0"))
-    from lit_rl.rollout.engines.vllm_server import free_port
+    from lit_rl.rollout.server.client import free_port
 
     return "127.0.0.1", free_port()
 

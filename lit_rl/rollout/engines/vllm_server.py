@@ -57,14 +57,7 @@ from lit_rl.resume import say
 from lit_rl.rollout.base import Generate, RolloutOutput, SamplingParams, draw_seeds, padded_output, unpadded_prompts
 from lit_rl.rollout.engine_config import VLLMServer
 from lit_rl.rollout.in_flight import InFlightWeights
-from lit_rl.rollout.server.client import (  # noqa: F401  (re-exported: the names users and tests import from here)
-    LocalVLLMServer,
-    RolloutServerError,
-    ServerDownError,
-    VLLMServerClient,
-    free_port,
-    server_command,
-)
+from lit_rl.rollout.server.client import RolloutServerError, ServerDownError, VLLMServerClient
 from lit_rl.rollout.server.collective_transfer import CollectiveTransfer, host_copies
 from lit_rl.rollout.server.launch import ServerLauncher
 from lit_rl.rollout.server.pool import RolloutServer, ServerPool
