@@ -29,6 +29,7 @@ import torch
 from lit_rl.errors import ConfigError
 from lit_rl.rollout.base import RolloutEngine
 from lit_rl.rollout.engines.vllm_config import COLLECTIVE_TRANSFERS, VLLM_DTYPES, check_colocate, check_server
+from lit_rl.rollout.host import RolloutHost
 
 ENGINE_KEY = "model.rollout.engine"
 
@@ -57,7 +58,7 @@ class EngineConfig:
     def check(self) -> None:
         """Reject impossible settings at construction, naming the key (`model.rollout.engine.<option>`)."""
 
-    def build(self, module: Any) -> RolloutEngine:
+    def build(self, module: RolloutHost) -> RolloutEngine:
         """The engine, for the on-policy `module` that trains the policy (what it offers:
         `lit_rl.rollout.host.RolloutHost`). Called once, on every rank, at the first rollout."""
         raise NotImplementedError(f"{type(self).__name__} does not say how to build its engine (`build`)")
@@ -154,7 +155,7 @@ class HFGenerate(EngineConfig):
                 "diagnostic of the eager path: set one of them"
             )
 
-    def build(self, module: Any) -> RolloutEngine:
+    def build(self, module: RolloutHost) -> RolloutEngine:
         from lit_rl.rollout.engines.hf import HFGenerateEngine, model_eos_token_ids
         from lit_rl.training.strategies import is_zero3
 
@@ -268,7 +269,7 @@ class VLLMColocate(EngineConfig):
     def check(self) -> None:
         check_colocate(self)
 
-    def build(self, module: Any) -> RolloutEngine:
+    def build(self, module: RolloutHost) -> RolloutEngine:
         from lit_rl.modeling.models import resolve_model_path
         from lit_rl.rollout.engines.hf import model_eos_token_ids
         from lit_rl.rollout.engines.placement import EnginePlacement
@@ -427,7 +428,7 @@ class VLLMServer(EngineConfig):
 
             check_launch(self)
 
-    def build(self, module: Any) -> RolloutEngine:
+    def build(self, module: RolloutHost) -> RolloutEngine:
         from lit_rl.rollout.engines.hf import model_eos_token_ids
         from lit_rl.rollout.engines.vllm_server import VLLMServerEngine
 

@@ -3,21 +3,28 @@ holds them: the whole interface, so that no part reads its host's attributes by 
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
+
+if TYPE_CHECKING:  # annotations only: the rollout parts import no Lightning, config or timers through this file
+    import lightning as L
+    from transformers import PreTrainedTokenizerBase
+
+    from lit_rl.config import PolicyArgs
+    from lit_rl.training.perf import BusyClock, StepTimer
 
 
 class RolloutHost(Protocol):
     """The on-policy `LightningModule` that trains the policy (`lit_rl.algorithms.on_policy.OnPolicyModule`)."""
 
-    trainer: Any  # the Lightning Trainer: ranks, devices, global_step, max_steps, current_epoch, strategy
+    trainer: L.Trainer  # ranks, devices, global_step, max_steps, current_epoch, strategy, log_dir
     device: torch.device
     policy: torch.nn.Module
-    tokenizer: Any
-    policy_args: Any  # `model.policy` (`lit_rl.config.PolicyArgs`): the model's path, `trust_remote_code`
-    timer: Any  # `lit_rl.training.perf.StepTimer`: read at each use (validation swaps it)
-    engine_clock: Any  # `lit_rl.training.perf.BusyClock`: the module's, an engine's requests counted on it
+    tokenizer: PreTrainedTokenizerBase
+    policy_args: PolicyArgs  # `model.policy`: the model's path, `trust_remote_code`
+    timer: StepTimer  # read at each use (validation swaps it)
+    engine_clock: BusyClock  # the module's: an engine's requests are counted on it
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's `tensor` (Lightning's `all_gather`)."""
