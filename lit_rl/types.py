@@ -53,8 +53,8 @@ def fill(f: Field, pad_id: int) -> float:
 @dataclass
 class RolloutBatch:
     """One rank's share of a generation: sampled completions, their scores and everything the loss needs. An
-    algorithm with fields of its own subclasses it beside its loss (`PPOBatch`, `RLOOBatch`) and names the subclass
-    in `OnPolicyModule.batch_type`."""
+    algorithm with fields of its own subclasses it beside its loss (`GRPOBatch`, `PPOBatch`, `RLOOBatch`) and names
+    the subclass in `OnPolicyModule.batch_type`."""
 
     prompt_ids: torch.Tensor = prompt_field(required=True, fill="pad")  # [N, P] long, left-padded
     prompt_mask: torch.Tensor = prompt_field(required=True)  # [N, P] long, 1 on real prompt tokens

@@ -202,3 +202,10 @@ def test_hf_generate_is_rank_local_only_on_whole_weights_gathered_for_no_call():
     assert HFGenerateEngine(model, 2, 0).rank_local  # DDP, ZeRO-2: whole weights, nothing gathered
     assert not HFGenerateEngine(model, 2, 0, synced_ranks=True).rank_local
     assert not HFGenerateEngine(model, 2, 0, whole_weights=nullcontext).rank_local
+
+
+def test_the_removed_vllm_config_names_the_config_classes_that_replace_it():
+    # 0.2's VLLMConfig merged both vLLM engines' options; each engine now reads its own config class.
+    with pytest.raises(ImportError, match="VLLMColocate and VLLMServer") as info:
+        from lit_rl.rollout import VLLMConfig  # noqa: F401
+    assert "\n" not in str(info.value)

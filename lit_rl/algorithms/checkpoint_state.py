@@ -20,7 +20,7 @@ from lit_rl.training.compat import mark_step_saved
 
 class CheckpointState:
     """A mixin of `PolicyModule`: the attributes below are the module's (set in its `__init__` and
-    `configure_model`); `trainer`, `hparams` and `optimizer_param_groups` too."""
+    `configure_model`); also `trainer`, `_trainer`, `hparams`, `lora_config` and `optimizer_param_groups`."""
 
     optim_args: OptimArgs
     policy: Any

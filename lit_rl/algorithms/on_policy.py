@@ -128,7 +128,6 @@ class OnPolicyModule(PolicyModule):
         self._micro_steps_done = 0
         self._buffer: Optional[RolloutBatch] = None
         self._normalizers: list[LossNormalizer] = []
-        self._fit_correction: Optional[str] = None  # `rollout_correction()`, resolved once a fit starts
 
     @property
     def reward_names(self) -> list[str]:
@@ -208,7 +207,7 @@ class OnPolicyModule(PolicyModule):
         in `rollout_is_frac_corrected`."""
         model_tokens = model_token_mask(mb)
         weights, corrected = rollout_is_weights(
-            self._fit_correction or self.rollout_correction(),
+            self.rollout_correction(),
             old_logprobs,
             mb.rollout_logprobs,
             model_tokens,
@@ -282,8 +281,6 @@ class OnPolicyModule(PolicyModule):
 
     def on_fit_start(self) -> None:
         check_prompt_lengths(self)
-        # The engine and the precision stay what they are for the whole fit: resolve `auto` once, not per micro-batch.
-        self._fit_correction = self.rollout_correction()
 
     @property
     def accumulate(self) -> int:

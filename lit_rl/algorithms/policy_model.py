@@ -19,7 +19,8 @@ from lit_rl.training.strategies import gathered_parameters, hf_zero3_loading
 
 
 class PolicyModel:
-    """A mixin of `PolicyModule`: the attributes below are the module's (set in its `__init__`)."""
+    """A mixin of `PolicyModule`: the attributes below are the module's (set in its `__init__`); also its
+    `head_chunk_tokens`, `attached_strategy()` and `parameters_sharded()`."""
 
     policy_args: PolicyArgs
     policy: Optional[torch.nn.Module]

@@ -30,8 +30,8 @@ __all__ = [
 
 def __getattr__(name: str) -> object:
     # 0.2's merged settings of both vLLM engines: each engine now reads its own config class, its options declared once.
-    if name == "VLLMConfig":
-        raise AttributeError(
+    if name == "VLLMConfig":  # ImportError: `from lit_rl.rollout import VLLMConfig` shows it (AttributeError would not)
+        raise ImportError(
             "lit_rl.rollout.VLLMConfig is gone: the vLLM engines read their configs, VLLMColocate and VLLMServer "
             "(model.rollout.engine; the server's weight transport is VLLMServer(transfer=WeightTransfer(...)))"
         )

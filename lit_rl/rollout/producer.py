@@ -62,7 +62,7 @@ class ScoredCompletions:
     version: int | torch.Tensor
     # A producer's own numbers of the generation, for the algorithm that wraps it in that producer (dynamic
     # sampling, GRPO's: `refill_generations`, `frac_groups_dropped`).
-    stats: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, int | float] = field(default_factory=dict)
 
     def row_versions(self) -> torch.Tensor:
         """The policy version of each row [N] (long)."""

@@ -61,7 +61,6 @@ def decode_skipping_finished(
 
     `cache`: a KV cache of every row's prompt but its last token (`shared_prompt_cache`), or None.
     """
-
     N, P = prompt_ids.shape
     T = params.max_new_tokens
     device = prompt_ids.device

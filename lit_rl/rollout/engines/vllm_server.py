@@ -15,7 +15,7 @@ the servers, with no collective: every rank follows rank 0's view of the servers
 which are in service), shared when it connects and with every push. A weight push writes the policy's weights as
 safetensors into `transfer.sync_dir`, one file per `push_bucket_mib` (rank 0 never holds more than about one bucket of
 gathered weights; the other ranks take part in the gathers), then asks the server to pause, reload from there
-(`collective_rpc("reload_weights")`), reset its prefix cache and resume. With `weight_transfer: gloo | nccl` the
+(`collective_rpc("reload_weights")`), reset its prefix cache and resume. With `transfer.method: gloo | nccl` the
 weights are broadcast to the servers' workers instead, with no file (`lit_rl.rollout.server.collective_transfer`).
 
 Asynchronous rollouts (`model.rollout.max_staleness > 0`, `lit_rl.rollout.asynchronous`): the weights of each policy
@@ -310,7 +310,7 @@ class VLLMServerEngine:
         servers: Optional[Sequence[RolloutServer]] = None,
         version: Optional[int] = None,
     ) -> None:
-        """`weight_transfer: gloo | nccl`: to `servers` (default: those in service) and any that answer again, at
+        """`transfer.method: gloo | nccl`: to `servers` (default: those in service) and any that answer again, at
         once; a server that failed is taken out (or stops the run), one that came back and took the weights is
         readmitted. Those that took them hold `version` (None: a plain push)."""
         try:
