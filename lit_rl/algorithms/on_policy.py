@@ -207,11 +207,7 @@ class OnPolicyModule(PolicyModule):
         in `rollout_is_frac_corrected`."""
         model_tokens = model_token_mask(mb)
         weights, corrected = rollout_is_weights(
-            self.rollout_correction(),
-            old_logprobs,
-            mb.rollout_logprobs,
-            model_tokens,
-            self.rollout_args.correction_cap,
+            self.rollout_correction(), old_logprobs, mb.rollout_logprobs, model_tokens, self.rollout_args.correction_cap
         )
         if corrected is not None and "rollout_is_frac_corrected" in self.train_metrics:
             self.train_metrics["rollout_is_frac_corrected"].update(corrected[model_tokens > 0].float())

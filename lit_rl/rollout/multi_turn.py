@@ -210,10 +210,10 @@ class _EpisodeBatch:
         env = self.envs[i]
         if self.last_turn(i) and isinstance(env, SkipsLastTurnCalls) and not env.steps_after_last_turn:
             return None
-        if isinstance(self.envs[i], TokenEnvironment):  # its world answers the sampled ids themselves
+        if isinstance(env, TokenEnvironment):  # its world answers the sampled ids themselves
             stopped = bool(sampled) and sampled[-1] in self.stop_ids
-            return self.envs[i].step, (SampledTurn(sampled, self.pieces[i][-1][1], stopped),)
-        return self.envs[i].step, (self.decode(sampled),)
+            return env.step, (SampledTurn(sampled, self.pieces[i][-1][1], stopped),)
+        return env.step, (self.decode(sampled),)
 
     def last_turn(self, i: int) -> bool:
         """After its last turn an episode ends whatever its environment answers: no observation follows."""
