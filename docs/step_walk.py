@@ -139,6 +139,12 @@ def render_walk(calls: list[Call]) -> str:
         first, second = sorted((caller_file, file))
         pairs.setdefault((first, second), [0, 0])[0 if caller_file == first else 1] += 1
     both_ways = sum(1 for forth, back in pairs.values() if forth and back)
+    # A file none of whose functions calls into another lit-rl file returns to its caller: pure functions and value
+    # types, read as their docstrings say. The others carry the step's control, and are where a reader follows it.
+    callers = {caller_file for caller_file, _, _, _ in edges} | {
+        file for file, entered in files.items() if any(entered.values())
+    }
+    leaves = [file for file in files if file not in callers]
     both_ways_subject = "pair's files call" if both_ways == 1 else "pairs call"
     functions = sum(len(entered) for entered in files.values())
     hooks = sum(called for entered in files.values() for called in entered.values())
@@ -148,14 +154,17 @@ def render_walk(calls: list[Call]) -> str:
         f"One optimizer step of `lit-rl fit --config {CONFIG}` (step {TRACED_STEP}, traced) enters **{len(files)} "
         f"lit-rl files** and **{functions} functions**, {hooks} of them called by Lightning's loop (its hooks, marked "
         f"\u21b3). Functions of one file call functions of another along **{len(edges)} distinct calls**, between "
-        f"**{len(pairs)} pairs of files**; **{both_ways}** {both_ways_subject} each other both ways.",
+        f"**{len(pairs)} pairs of files**; **{both_ways}** {both_ways_subject} each other both ways. "
+        f"**{len(leaves)}** of the files call no other lit-rl file (pure functions and value types, marked ◦: "
+        f"each returns to its caller); the other **{len(files) - len(leaves)}** carry the step's control.",
         "",
         "| # | file | functions, in the order the step first enters them |",
         "|---|---|---|",
     ]
     for number, (file, entered) in enumerate(files.items(), start=1):
         names = ", ".join(("\u21b3 " if called else "") + f"`{name}`" for name, called in entered.items())
-        lines.append(f"| {number} | `{file}` | {names} |")
+        leaf = " ◦" if file in leaves else ""
+        lines.append(f"| {number} | `{file}`{leaf} | {names} |")
     lines += [
         "",
         "The distinct calls between two files, each way (a caller function and a callee function; the most first):",

@@ -11,8 +11,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from lit_rl.errors import RewardFunctionError
-from lit_rl.rewards import call_reward_functions, import_reward_function, reward_name
+from lit_rl.rewards import import_reward_function, reward_name
 from lit_rl.rewards.http import HTTPReward
+from lit_rl.rewards.scorer import call_reward_functions
 from lit_rl.rollout.server.client import free_port
 
 

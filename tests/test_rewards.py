@@ -2,8 +2,9 @@ import math
 
 import pytest
 
-from lit_rl.rewards import call_reward_function, import_reward_function, reward_name
+from lit_rl.rewards import import_reward_function, reward_name
 from lit_rl.rewards.arithmetic import correctness, integer_format
+from lit_rl.rewards.scorer import call_reward_function
 
 
 def test_correctness_and_format_by_hand():

@@ -17,16 +17,12 @@ baseline; lit-rl scores it 0.)
 They are referenced from YAML by import path (`lit_rl.rewards.arithmetic.correctness` or
 `my_pkg.rewards:score`), and only from paths the user wrote: nothing is looked up by name elsewhere. A function may
 be `async def` with the same signature: the async functions of a batch are awaited together, concurrently
-(`call_reward_functions`). A URL (`http://127.0.0.1:8000/score`) is a reward served over HTTP
+(`lit_rl.rewards.scorer.call_reward_functions`). A URL (`http://127.0.0.1:8000/score`) is a reward served over HTTP
 (`lit_rl.rewards.http`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import inspect
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -83,83 +79,3 @@ def reward_name(path: str) -> str:
     if is_url(path):
         return url_reward_name(path)
     return path.replace(":", ".").rsplit(".", 1)[-1]
-
-
-def call_reward_function(
-    name: str, fn: RewardFunction, prompts: list[Any], completions: list[Any], columns: dict[str, Any]
-) -> list[float]:
-    """Call `fn` and check what it returns: one float per completion; None becomes NaN (an invalid reward, handled
-    by `model.rewards.on_invalid`). A function that raises or returns the wrong number of values is
-    a `RewardFunctionError` naming it."""
-    try:
-        values = list(fn(prompts=prompts, completions=completions, **columns))
-    except RewardFunctionError:
-        raise
-    except Exception as err:  # the user's code: report it by name, keep the cause for LIT_RL_TRACEBACK=1
-        raise RewardFunctionError(f"reward function {name!r} raised {type(err).__name__}: {err}") from err
-    return checked_values(name, values, len(completions))
-
-
-def call_reward_functions(
-    reward_fns: dict[str, RewardFunction], prompts: list[Any], completions: list[Any], columns: dict[str, Any]
-) -> list[list[float]]:
-    """Every function's values (`call_reward_function`), in order; the `async def` ones are awaited together in one
-    event loop, so that they score the batch concurrently."""
-    asynchronous = [name for name, fn in reward_fns.items() if inspect.iscoroutinefunction(fn)]
-    calls = {}
-    for name in asynchronous:
-        try:  # a wrong signature raises here, when the coroutine is made
-            calls[name] = reward_fns[name](prompts=prompts, completions=completions, **columns)
-        except Exception as err:
-            for call in calls.values():
-                call.close()
-            raise RewardFunctionError(f"reward function {name!r} raised {type(err).__name__}: {err}") from err
-    results = dict(zip(calls, _await_all(list(calls.values()))))
-    out = []
-    for name, fn in reward_fns.items():
-        if name not in results:
-            out.append(call_reward_function(name, fn, prompts, completions, columns))
-            continue
-        result = results[name]
-        if isinstance(result, BaseException):
-            raise RewardFunctionError(f"reward function {name!r} raised {type(result).__name__}: {result}") from result
-        try:
-            values = list(result)
-        except TypeError:
-            raise RewardFunctionError(f"reward function {name!r} returned {result!r}, not a list of numbers") from None
-        out.append(checked_values(name, values, len(completions)))
-    return out
-
-
-def _await_all(coroutines: list[Any]) -> list[Any]:
-    """The coroutines' results (or exceptions), awaited concurrently in a new event loop (in a worker thread when
-    this thread already runs one, e.g. in a notebook)."""
-    if not coroutines:
-        return []
-
-    async def gather() -> list[Any]:
-        return await asyncio.gather(*coroutines, return_exceptions=True)
-
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(gather())
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, gather()).result()
-
-
-def checked_values(name: str, values: list[Any], count: int) -> list[float]:
-    """A function's values as floats, one per completion (None becomes NaN); a `RewardFunctionError` naming it
-    otherwise."""
-    if len(values) != count:
-        raise RewardFunctionError(f"reward function {name!r} returned {len(values)} values for {count} completions")
-    out = []
-    for row, value in enumerate(values):
-        if value is None:
-            out.append(math.nan)
-            continue
-        try:
-            out.append(float(value))
-        except (TypeError, ValueError):
-            raise RewardFunctionError(f"reward function {name!r} returned {value!r} for completion {row}, not a number")
-    return out

@@ -1,12 +1,16 @@
 """The reward functions of an on-policy run (`model.rewards`) as one part: which functions, their weights, and the
-scores of a batch of completions (`reward_components`: one column per function; `weighted_reward`: their weighted
-sum). It reads nothing of its holder (the rollout producer, `lit_rl.rollout.producer`):
+scores of a batch of completions (`reward_components`: one column per function, each function called as TRL calls
+it and its values checked, `call_reward_functions`; `weighted_reward`: their weighted sum). It reads nothing of its holder (the rollout producer, `lit_rl.rollout.producer`):
 the producer passes what a score needs (the decoded completions, the device, where training is) and stops every
 rank together when one fails.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import inspect
+import math
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
@@ -17,7 +21,6 @@ from lit_rl.rewards import (
     RewardFunction,
     TrainerState,
     as_messages,
-    call_reward_functions,
     import_reward_function,
     is_conversational,
     reward_name,
@@ -135,3 +138,83 @@ def weighted_reward(
             "(set model.rewards.on_invalid: zero to count invalid rewards as 0)"
         )
     return (torch.where(invalid, torch.zeros_like(components), components) * weights.to(components)).sum(dim=1)
+
+
+def call_reward_function(
+    name: str, fn: RewardFunction, prompts: list[Any], completions: list[Any], columns: dict[str, Any]
+) -> list[float]:
+    """Call `fn` and check what it returns: one float per completion; None becomes NaN (an invalid reward, handled
+    by `model.rewards.on_invalid`). A function that raises or returns the wrong number of values is
+    a `RewardFunctionError` naming it."""
+    try:
+        values = list(fn(prompts=prompts, completions=completions, **columns))
+    except RewardFunctionError:
+        raise
+    except Exception as err:  # the user's code: report it by name, keep the cause for LIT_RL_TRACEBACK=1
+        raise RewardFunctionError(f"reward function {name!r} raised {type(err).__name__}: {err}") from err
+    return checked_values(name, values, len(completions))
+
+
+def call_reward_functions(
+    reward_fns: dict[str, RewardFunction], prompts: list[Any], completions: list[Any], columns: dict[str, Any]
+) -> list[list[float]]:
+    """Every function's values (`call_reward_function`), in order; the `async def` ones are awaited together in one
+    event loop, so that they score the batch concurrently."""
+    asynchronous = [name for name, fn in reward_fns.items() if inspect.iscoroutinefunction(fn)]
+    calls = {}
+    for name in asynchronous:
+        try:  # a wrong signature raises here, when the coroutine is made
+            calls[name] = reward_fns[name](prompts=prompts, completions=completions, **columns)
+        except Exception as err:
+            for call in calls.values():
+                call.close()
+            raise RewardFunctionError(f"reward function {name!r} raised {type(err).__name__}: {err}") from err
+    results = dict(zip(calls, _await_all(list(calls.values()))))
+    out = []
+    for name, fn in reward_fns.items():
+        if name not in results:
+            out.append(call_reward_function(name, fn, prompts, completions, columns))
+            continue
+        result = results[name]
+        if isinstance(result, BaseException):
+            raise RewardFunctionError(f"reward function {name!r} raised {type(result).__name__}: {result}") from result
+        try:
+            values = list(result)
+        except TypeError:
+            raise RewardFunctionError(f"reward function {name!r} returned {result!r}, not a list of numbers") from None
+        out.append(checked_values(name, values, len(completions)))
+    return out
+
+
+def _await_all(coroutines: list[Any]) -> list[Any]:
+    """The coroutines' results (or exceptions), awaited concurrently in a new event loop (in a worker thread when
+    this thread already runs one, e.g. in a notebook)."""
+    if not coroutines:
+        return []
+
+    async def gather() -> list[Any]:
+        return await asyncio.gather(*coroutines, return_exceptions=True)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(gather())
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, gather()).result()
+
+
+def checked_values(name: str, values: list[Any], count: int) -> list[float]:
+    """A function's values as floats, one per completion (None becomes NaN); a `RewardFunctionError` naming it
+    otherwise."""
+    if len(values) != count:
+        raise RewardFunctionError(f"reward function {name!r} returned {len(values)} values for {count} completions")
+    out = []
+    for row, value in enumerate(values):
+        if value is None:
+            out.append(math.nan)
+            continue
+        try:
+            out.append(float(value))
+        except (TypeError, ValueError):
+            raise RewardFunctionError(f"reward function {name!r} returned {value!r} for completion {row}, not a number")
+    return out
