@@ -1,8 +1,8 @@
 """The reward functions of an on-policy run (`model.rewards`) as one part: which functions, their weights, and the
-scores of a batch of completions (`reward_components`: one column per function, each function called as TRL calls
-it and its values checked, `call_reward_functions`; `weighted_reward`: their weighted sum). It reads nothing of its holder (the rollout producer, `lit_rl.rollout.producer`):
-the producer passes what a score needs (the decoded completions, the device, where training is) and stops every
-rank together when one fails.
+scores of a batch of completions (`reward_components`: one column per function, each function called as TRL calls it
+and its values checked, `call_reward_functions`; `weighted_reward`: their weighted sum). It reads nothing of its
+holder (the rollout producer, `lit_rl.rollout.producer`): the producer passes what a score needs (the decoded
+completions, the device, where training is) and stops every rank together when one fails.
 """
 
 from __future__ import annotations
