@@ -76,6 +76,8 @@ class RolloutBatch:
     # environment steps timed out).
     sampled_mask: Optional[torch.Tensor] = completion_field()  # [N, T] float
     episode_stats: Optional[torch.Tensor] = None  # [N, 5] float
+    # [N, T] float, the tokens the loss and its denominators count: the algorithm's `loss_mask`, once per batch
+    loss_mask: Optional[torch.Tensor] = completion_field()
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]

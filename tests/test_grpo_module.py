@@ -121,3 +121,20 @@ def test_beta0_one_iteration_sequence_loss_is_zero_to_rounding_through_training_
         bound = beta0_rounding_bound(buffer.rewards, buffer.advantages, 4, buffer.completion_mask.shape[1])
         assert abs(loss) <= bound, (loss, bound)
         assert bound < 1e-4 and grad_norm > 1e-2
+
+
+def test_the_loss_mask_is_built_once_with_the_batch_and_restored_for_a_buffer_saved_without_it(tmp_path):
+    """The batch keeps the algorithm's loss mask (the overlong filter's here: truncated rows count nothing), and a
+    rollout buffer checkpointed before it did (no `loss_mask`) gets it back when loaded."""
+    model = fit_grpo(overlong_filter=True, num_iterations=2, steps_per_generation=2, max_new_tokens=3)
+    buffer = model._buffer
+    expected = model.loss_mask(buffer)
+    assert torch.equal(buffer.loss_mask, expected)
+    assert (expected.sum(dim=1) < buffer.completion_mask.sum(dim=1)).any()  # some rows cut off: the filter bites
+    model.trainer.save_checkpoint(tmp_path / "mid_generation.ckpt")
+    checkpoint = torch.load(tmp_path / "mid_generation.ckpt", weights_only=False)
+    saved = checkpoint["lit_rl"]["per_rank"][0]["buffer"]
+    assert torch.equal(saved["loss_mask"], expected)
+    del saved["loss_mask"]  # as an earlier lit-rl wrote it
+    model.on_load_checkpoint(checkpoint)
+    assert torch.equal(model._buffer.loss_mask, expected)

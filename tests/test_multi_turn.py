@@ -183,7 +183,7 @@ def test_only_the_models_tokens_carry_loss_and_token_metrics():
     every observation token and not at the model's, whose log-probs under the trainer are the engine's."""
     model, observations = fit_on_episodes(beta=0.1)
     buffer = model._buffer
-    torch.testing.assert_close(model.loss_mask(buffer), buffer.completion_mask * buffer.sampled_mask)
+    torch.testing.assert_close(buffer.loss_mask, buffer.completion_mask * buffer.sampled_mask)
     assert (buffer.rollout_logprobs[observations] == 0).all()
     buffer.advantages = torch.linspace(-1.0, 1.0, len(buffer))  # every sequence carries a policy gradient
     logprobs = buffer.old_logprobs.clone().requires_grad_(True)

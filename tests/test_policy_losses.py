@@ -176,7 +176,7 @@ def test_overlong_filter_gives_truncated_completions_no_loss(overlong_filter):
         advantages=torch.tensor([1.0, 5.0]),
         group_reward_std=torch.ones(2),
     )
-    mask = module.loss_mask(batch)
+    mask = batch.loss_mask = module.loss_mask(batch)  # as the module sets it when it builds a batch
     logprobs = torch.full((2, 3), -1.0, requires_grad=True)
     loss, _ = module.micro_batch_loss(batch, module.micro_batch_terms(batch, logprobs), LossNormalizer.local(mask))
     loss.backward()

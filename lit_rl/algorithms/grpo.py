@@ -120,7 +120,7 @@ class GRPO(OnPolicyModule):
             terms.logprobs,
             terms.old_logprobs,
             mb.advantages,
-            terms.loss_mask,
+            mb.loss_mask,
             aggregation=self.loss_args.aggregation,
             normalizer=normalizer,
             ref_logprobs=mb.ref_logprobs,

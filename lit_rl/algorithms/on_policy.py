@@ -67,7 +67,6 @@ class MicroBatchTerms:
     logprobs: torch.Tensor  # [n, T] this pass's log-probs of the completion tokens, with their gradient
     old_logprobs: torch.Tensor  # [n, T] the ratio's denominator (`OnPolicyModule.micro_batch_terms`), no gradient
     importance_weights: Optional[torch.Tensor]  # [n, T] the rollout correction's weights (None: no correction)
-    loss_mask: torch.Tensor  # [n, T] the tokens the loss counts (`OnPolicyModule.loss_mask`)
 
 
 def group_reward_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -222,7 +221,8 @@ class OnPolicyModule(PolicyModule):
         return rewards
 
     def loss_mask(self, batch: RolloutBatch) -> torch.Tensor:
-        """[N, T]: the tokens the loss and its denominators count (default: every token the model sampled)."""
+        """[N, T]: the tokens the loss and its denominators count (default: every token the model sampled). Called
+        once per batch, when it is built; the hooks after it read `batch.loss_mask`."""
         return model_token_mask(batch)
 
     def finish_rollout(
@@ -238,7 +238,7 @@ class OnPolicyModule(PolicyModule):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The micro-batch's share of the step loss (denominators from `normalizer`) and per-token stats, from
         what the module computed for it (`terms`: this pass's log-probs, the ratio's old ones, the rollout
-        correction's weights, the loss mask)."""
+        correction's weights); the tokens it counts are `mb.loss_mask`."""
         raise NotImplementedError
 
     def update_algorithm_metrics(self, mb: RolloutBatch, loss: torch.Tensor, stats: dict[str, torch.Tensor]) -> None:
@@ -363,6 +363,7 @@ class OnPolicyModule(PolicyModule):
             sampled_mask=out.sampled_mask,
             episode_stats=out.episode_stats,
         )
+        batch.loss_mask = self.loss_mask(batch)
         if self.needs_old_logprobs():
             with self.timer.phase("old_logprobs"):
                 batch.old_logprobs = self._logprobs_in_chunks(self.policy, batch)
@@ -371,8 +372,9 @@ class OnPolicyModule(PolicyModule):
                 batch.ref_logprobs = self._logprobs_in_chunks(ref_model, batch)
         self.finish_rollout(batch, all_rewards, mine, scored.stats)
         world_size, batcher = self.trainer.world_size, self.micro_batcher
-        loss_tokens = self.loss_mask(batch).sum(dim=1)  # [N]
-        self._normalizers = batcher.step_normalizers(batch, loss_tokens, self.completion_budget, world_size)
+        self._normalizers = batcher.step_normalizers(
+            batch, batch.loss_mask.sum(dim=1), self.completion_budget, world_size
+        )
         if self.micro_batch_tokens is not None and world_size > 1:
             pad = self.tokenizer.pad_token_id
             batch = batcher.balanced_across_ranks(batch, self.gather_stacked, world_size, self.global_rank, pad)
@@ -461,14 +463,13 @@ class OnPolicyModule(PolicyModule):
         """What `micro_batch_loss` reads besides the micro-batch: this pass's log-probs; the old ones, the
         sampling policy's by the trainer when the policy has moved since sampling, else these very log-probs,
         detached (ratio 1: the old ones, where computed for a KL penalty, would only add rounding to the clipping);
-        the rollout correction's weights against the engine's log-probs; the loss mask."""
+        the rollout correction's weights against the engine's log-probs."""
         moved = mb.old_logprobs is not None and self.policy_moves_after_sampling()
         old_logprobs = mb.old_logprobs if moved else logprobs.detach()
         return MicroBatchTerms(
             logprobs=logprobs,
             old_logprobs=old_logprobs,
             importance_weights=self.rollout_importance_weights(mb, old_logprobs),
-            loss_mask=self.loss_mask(mb),
         )
 
     def on_validation_start(self) -> None:
@@ -537,6 +538,8 @@ class OnPolicyModule(PolicyModule):
         self._micro_steps_done = state["micro_steps_done"]
         # Kept on CPU here: the module is moved to its device after this hook; training_step moves it.
         self._buffer = None if mine["buffer"] is None else self.batch_type.from_state_dict(mine["buffer"])
+        if self._buffer is not None and self._buffer.loss_mask is None:  # written before the batch kept its mask
+            self._buffer.loss_mask = self.loss_mask(self._buffer)
         self._normalizers = [LossNormalizer(**n) for n in mine["normalizers"]]
         set_rng_state(mine["rng"])
         self.producer.load_state_dict(mine.get("pending"))

@@ -107,7 +107,7 @@ class OnlineDPO(OnPolicyModule):
         self, mb: RolloutBatch, terms: MicroBatchTerms, normalizer: LossNormalizer
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         args = self.loss_args
-        mask = terms.loss_mask  # the model's tokens: every completion token without an environment
+        mask = mb.loss_mask  # the model's tokens: every completion token without an environment
         labels = mb.advantages.view(-1, 2)  # [n/2, 2]
         seq_logps = (terms.logprobs * mask).sum(dim=1).view(-1, 2)  # [n/2, 2]
         ref_logps = (mb.ref_logprobs * mask).sum(dim=1).view(-1, 2)

@@ -168,7 +168,7 @@ class PPO(OnPolicyModule):
         self, batch: PPOBatch, all_rewards: torch.Tensor, mine: slice, producer_stats: Mapping[str, float]
     ) -> None:
         args = self.loss_args
-        mask = self.loss_mask(batch)  # the model's tokens: every completion token without an environment
+        mask = batch.loss_mask  # the model's tokens: every completion token without an environment
         with self.timer.phase("values"):
             batch.old_values = self.micro_batcher.per_micro_batch(batch, self.critic_values)
         kl = None
@@ -191,7 +191,7 @@ class PPO(OnPolicyModule):
     def micro_batch_loss(
         self, mb: PPOBatch, terms: MicroBatchTerms, normalizer: LossNormalizer
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        args, mask = self.loss_args, terms.loss_mask
+        args, mask = self.loss_args, mb.loss_mask
         policy_per_token, stats = ppo_clip(
             terms.logprobs, terms.old_logprobs, mb.token_advantages, mask, args.epsilon, args.clip_high
         )

@@ -87,7 +87,7 @@ class RLOO(OnPolicyModule):
         rewards = batch.rewards
         if batch.ref_logprobs is not None:
             rewards, batch.kl = kl_penalized_rewards(
-                rewards, batch.old_logprobs, batch.ref_logprobs, self.loss_mask(batch), args.beta
+                rewards, batch.old_logprobs, batch.ref_logprobs, batch.loss_mask, args.beta
             )
         all_penalized = self.all_gather(rewards).reshape(-1) if self.trainer.world_size > 1 else rewards
         advantages = rloo_advantages(all_penalized, self.sampling_args.num_generations, args.normalize_advantages)
@@ -102,7 +102,7 @@ class RLOO(OnPolicyModule):
             terms.logprobs,
             terms.old_logprobs,
             mb.advantages,
-            terms.loss_mask,
+            mb.loss_mask,
             self.loss_args.epsilon,
             num_sequences=normalizer.num_sequences,
             epsilon_high=self.loss_args.clip_high,
