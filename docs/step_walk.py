@@ -155,15 +155,15 @@ def render_walk(calls: list[Call]) -> str:
         f"lit-rl files** and **{functions} functions**, {hooks} of them called by Lightning's loop (its hooks, marked "
         f"\u21b3). Functions of one file call functions of another along **{len(edges)} distinct calls**, between "
         f"**{len(pairs)} pairs of files**; **{both_ways}** {both_ways_subject} each other both ways. "
-        f"**{len(leaves)}** of the files call no other lit-rl file (pure functions and value types, marked ◦: "
-        f"each returns to its caller); the other **{len(files) - len(leaves)}** carry the step's control.",
+        f"**{len(leaves)}** of the files call no other lit-rl file and no hook of theirs runs (marked \u25e6: each "
+        f"returns to its caller); the other **{len(files) - len(leaves)}** carry the step's control.",
         "",
         "| # | file | functions, in the order the step first enters them |",
         "|---|---|---|",
     ]
     for number, (file, entered) in enumerate(files.items(), start=1):
         names = ", ".join(("\u21b3 " if called else "") + f"`{name}`" for name, called in entered.items())
-        leaf = " ◦" if file in leaves else ""
+        leaf = " \u25e6" if file in leaves else ""
         lines.append(f"| {number} | `{file}`{leaf} | {names} |")
     lines += [
         "",

@@ -107,7 +107,7 @@ class RolloutBatch:
         if foreign:
             raise ConfigError(
                 f"the checkpoint's rollout buffer has fields {cls.__name__} does not: {foreign} (it was written by "
-                "another algorithm: resume it with that algorithm)"
+                "another algorithm, or a newer lit-rl: resume it with that algorithm, or that lit-rl)"
             )
         return cls(**{name: value for name, value in state.items() if name in names})
 

@@ -1,6 +1,9 @@
 """Token-budget grouping by hand (`lit_rl.training.micro_batches`)."""
 
-from lit_rl.training.micro_batches import token_budget_micro_batches
+import pytest
+import torch
+
+from lit_rl.training.micro_batches import budgeted_micro_batch, token_budget_micro_batches
 
 
 def test_units_are_grouped_first_fit_in_decreasing_size_within_the_budget():
@@ -16,3 +19,22 @@ def test_over_budget_units_join_the_micro_batch_with_the_fewest_tokens():
     # Budget 6, at most 2 micro-batches: 5 -> A, 5 -> B (A is full), 5 fits nowhere -> the fewer of A (5), B (5):
     # the first; then 2 -> B (5 + 2 = 7 > 6: over budget, B has fewer).
     assert token_budget_micro_batches([5, 5, 5, 2], 6, 2) == [[0, 2], [1, 3]]
+
+
+@pytest.mark.parametrize("algorithm", ["GRPO", "PPO"])
+def test_an_empty_micro_step_adds_no_loss_and_no_gradient(algorithm):
+    """A step whose completions fit in fewer micro-batches than the accumulation runs the rest empty: the copied
+    unit counts no token, so neither GRPO's KL term (not weighted by the zeroed advantage) nor PPO's per-token
+    advantages reach the loss or the log-probs' gradient."""
+    from tests.conftest import fit_grpo
+
+    model = fit_grpo(algorithm=algorithm, beta=0.1, num_iterations=2, micro_batch_size=4)
+    buffer = model._buffer
+    empty, has_completions = budgeted_micro_batch(buffer, 1, len(buffer), accumulate=2, budget=10**6)
+    assert not has_completions and empty.loss_mask.sum() == 0
+    logprobs = (empty.old_logprobs + 0.5).requires_grad_(True)  # a moved policy: ratio and KL away from 1 and 0
+    if algorithm == "PPO":
+        model.critic_values = lambda mb: torch.ones_like(mb.old_values, requires_grad=True)
+    loss, _ = model.micro_batch_loss(empty, model.micro_batch_terms(empty, logprobs), model._normalizers[0])
+    loss.backward()
+    assert loss.item() == 0.0 and (logprobs.grad == 0).all()

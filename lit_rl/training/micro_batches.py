@@ -9,7 +9,7 @@ order.
 
 The number of micro-steps per optimizer step stays `accumulate_grad_batches` (Lightning's automatic optimization
 counts them), so a step whose completions fit in fewer micro-batches runs the rest empty: a forward of one unit
-with its completion mask zeroed, which adds nothing to the loss, the gradient or the metrics, and keeps every
+with its completion and loss masks zeroed, which adds nothing to the loss, the gradient or the metrics, and keeps every
 rank's collectives (DDP's all-reduce, ZeRO-3's gathers) in step. Short completions therefore cost fewer real
 forwards, and long ones never more than N tokens at once.
 
@@ -43,7 +43,7 @@ def budgeted_micro_batch(
 ) -> tuple[RolloutBatch, bool]:
     """Micro-batch `index` of a pass over `buffer` (`rows_per_step` rows per optimizer step, `accumulate`
     micro-steps each) grouped by tokens, and whether it holds completions: a micro-step past the step's last group
-    gets the step's first unit with its completion mask and advantages zeroed (False)."""
+    gets the step's first unit with its completion mask, loss mask and advantages zeroed (False)."""
     step, slot = divmod(index, accumulate)
     first = step * rows_per_step  # the step's rows are first .. first + rows_per_step - 1
     tokens = step_row_tokens(buffer, step, rows_per_step)  # [rows_per_step]
@@ -55,6 +55,8 @@ def budgeted_micro_batch(
         return buffer.select(rows), True
     empty = buffer.select(slice(first, first + unit))
     empty.completion_mask = torch.zeros_like(empty.completion_mask)
+    if empty.loss_mask is not None:  # the tokens the loss counts (KL and all): none
+        empty.loss_mask = torch.zeros_like(empty.loss_mask)
     empty.advantages = torch.zeros_like(empty.advantages)
     return empty, False
 
