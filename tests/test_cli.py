@@ -393,3 +393,15 @@ def test_seed_everything_changes_what_a_run_samples(tmp_path):
     first = rewards(1, "first")
     assert len(first) == 2 and rewards(1, "again") == first
     assert rewards(2, "other") != first
+
+
+def test_the_export_callback_refuses_a_module_that_is_not_a_lit_rl_algorithm_before_training():
+    """SaveHFPretrained saves `policy` and `tokenizer`, which only a lit-rl algorithm declares: another module is
+    refused at setup, in one line naming the callback and the class, not after a whole run."""
+    import lightning as L
+
+    from lit_rl.callbacks import SaveHFPretrained
+    from lit_rl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"SaveHFPretrained exports .*; BoringModel is not one"):
+        SaveHFPretrained().setup(None, type("BoringModel", (L.LightningModule,), {})(), "fit")

@@ -81,6 +81,22 @@ def test_the_architecture_pages_walk_is_a_traced_grpo_step():
         assert entered in walk, entered
 
 
+def test_the_walks_calls_keep_the_layers_the_page_describes():
+    """What the page's prose says of the traced step's calls between files (its table, which the test above holds
+    to a new trace): no two files call each other both ways, no rollout part calls into the algorithms, and the
+    algorithm (`grpo.py`) calls nothing of the skeleton (`on_policy.py`)."""
+    walk = (REPO / "docs" / "architecture.md").read_text().split("from a traced step: do not edit it. -->", 1)[1]
+    calls = {}  # (caller file, callee file) -> distinct calls
+    for a, b, forth, back in re.findall(r"^\| `([^`]+)` \| `([^`]+)` \| (\d+) \| (\d+) \|$", walk, re.MULTILINE):
+        calls[a, b], calls[b, a] = int(forth), int(back)
+        assert not (int(forth) and int(back)), f"{a} and {b} call each other both ways"
+    assert len(calls) > 80  # the table was read (two directions of every pair)
+    upward = [pair for pair, n in calls.items() if n and "/rollout/" in pair[0] and "/algorithms/" in pair[1]]
+    assert not upward, f"rollout parts call into the algorithms: {upward}"
+    assert calls["lit_rl/algorithms/on_policy.py", "lit_rl/algorithms/grpo.py"] > 0  # the hooks
+    assert calls["lit_rl/algorithms/grpo.py", "lit_rl/algorithms/on_policy.py"] == 0
+
+
 def test_the_formulas_page_is_what_the_losses_docstrings_say():
     """docs/formulas.md is generated from the docstrings of lit_rl/losses/: every objective and estimator on it."""
     result = subprocess.run(

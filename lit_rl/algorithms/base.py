@@ -101,17 +101,16 @@ class PolicyModule(PolicyModel, CheckpointState, L.LightningModule):
             say(advice)
         self.start_step_clock()
 
-    def step_loss_scale(self, accumulated: bool = True, across_ranks: bool = True) -> float:
+    def step_loss_scale(self, accumulated: bool = True) -> float:
         """What a micro-batch loss normalised over the whole optimizer step (all micro-batches and ranks) is
         multiplied by, so the gradient Lightning and the strategy produce is exactly that loss's gradient.
 
         Lightning divides each micro-batch loss by the accumulation; data-parallel strategies average gradients
         over ranks; DeepSpeed's engine divides by its accumulation steps once more. `accumulated=False` for a loss
-        whose denominator does not span the accumulation window, `across_ranks=False` for one that does not span
-        the ranks (a per-micro-batch mean: then only DeepSpeed's second division is undone).
+        whose denominator spans the ranks but not the accumulation window.
         """
         accumulate = self.trainer.accumulate_grad_batches
-        scale = float(self.trainer.world_size if across_ranks else 1) * (accumulate if accumulated else 1)
+        scale = float(self.trainer.world_size) * (accumulate if accumulated else 1)
         if self.trainer.strategy.handles_gradient_accumulation:  # DeepSpeed
             scale *= accumulate
         return scale

@@ -10,7 +10,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
+from lit_rl.algorithms.base import PolicyModule
 from lit_rl.callbacks.safety import GracefulStop
+from lit_rl.errors import ConfigError
 from lit_rl.modeling.lora import is_lora_model, save_merged
 from lit_rl.modeling.value_model import save_value_model
 from lit_rl.training.strategies import gathered_parameters
@@ -44,7 +46,15 @@ class SaveHFPretrained(Callback):
         self.dirpath = dirpath
         self.saved_to: Optional[Path] = None  # where the last `fit` wrote the model (the run summary shows it)
 
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Checked before training, not at its end: what is exported is a lit-rl algorithm's policy and tokenizer.
+        if not isinstance(pl_module, PolicyModule):
+            raise ConfigError(
+                f"trainer.callbacks: SaveHFPretrained exports a lit-rl algorithm's policy and tokenizer; "
+                f"{type(pl_module).__name__} is not one (a subclass of lit_rl.algorithms.base.PolicyModule)"
+            )
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: PolicyModule) -> None:
         if stopped_by_signal(trainer):
             # A pre-empted run's grace period is for the checkpoint a resume needs; a model's export can take as
             # long again. The resumed run exports when it ends.
@@ -67,7 +77,7 @@ class SaveHFPretrained(Callback):
         self.saved_to = out
 
     @staticmethod
-    def _save_policy(pl_module: L.LightningModule, out: Path) -> None:
+    def _save_policy(pl_module: PolicyModule, out: Path) -> None:
         out.mkdir(parents=True, exist_ok=True)
         if is_lora_model(pl_module.policy):
             save_merged(pl_module.policy, out)

@@ -32,6 +32,7 @@ from lit_rl.rollout.engines.vllm_config import COLLECTIVE_TRANSFERS, VLLM_DTYPES
 from lit_rl.rollout.host import RolloutHost
 
 ENGINE_KEY = "model.rollout.engine"
+PUSH_BUCKET_MIB = 512.0  # the default bucket of a weight push (`push_bucket_mib`), one value for every engine
 
 
 class EngineConfig:
@@ -53,7 +54,7 @@ class EngineConfig:
     colocated = False
     samples_on_trainer_devices = False
     tensor_parallel_size: int = 1
-    push_bucket_mib: float = 512.0
+    push_bucket_mib: float = PUSH_BUCKET_MIB
 
     def check(self) -> None:
         """Reject impossible settings at construction, naming the key (`model.rollout.engine.<option>`)."""
@@ -254,7 +255,7 @@ class VLLMColocate(EngineConfig):
         enable_sleep_mode: bool = False,
         enforce_eager: Optional[bool] = None,
         cpu_kvcache_space_gib: int = 1,
-        push_bucket_mib: float = 512.0,
+        push_bucket_mib: float = PUSH_BUCKET_MIB,
     ) -> None:
         self.gpu_memory_utilization = gpu_memory_utilization
         self.tensor_parallel_size = tensor_parallel_size
@@ -383,7 +384,7 @@ class VLLMServer(EngineConfig):
         max_retries: int = 3,
         wait_for_server_s: float = 60.0,
         dtype: str = "auto",
-        push_bucket_mib: float = 512.0,
+        push_bucket_mib: float = PUSH_BUCKET_MIB,
         transfer: WeightTransfer = WeightTransfer(),
         launch: bool = False,
         launch_args: Optional[list[str]] = None,
