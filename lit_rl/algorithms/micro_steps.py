@@ -3,7 +3,7 @@
 optimizer step summed over ranks, and forwards over the buffer a micro-batch at a time.
 
 `MicroBatcher` is a part the module holds (`OnPolicyModule.micro_batcher`): plain settings and functions of the
-batches it is given; what it needs of the run (the ranks, the loss mask's tokens, a gather) comes as arguments.
+batches it is given; what it needs of the run (the ranks, a gather) comes as arguments.
 """
 
 from __future__ import annotations
@@ -59,12 +59,11 @@ class MicroBatcher:
         chunks = [score(batch.select(slice(start, start + size))) for start in range(0, len(batch), size)]
         return torch.cat(chunks) * batch.completion_mask
 
-    def step_normalizers(
-        self, batch: RolloutBatch, loss_tokens: torch.Tensor, completion_budget: int, world_size: int
-    ) -> list[LossNormalizer]:
-        """Loss denominators for each optimizer step of `batch` (a generation), summed over ranks. `loss_tokens`
-        [N]: each row's tokens in the loss (its loss mask's sum)."""
+    def step_normalizers(self, batch: RolloutBatch, completion_budget: int, world_size: int) -> list[LossNormalizer]:
+        """Loss denominators for each optimizer step of `batch` (a generation, its `loss_mask` set), summed over
+        ranks."""
         per_step = self.rows_per_step
+        loss_tokens = batch.loss_mask.sum(dim=1)  # [N]: each row's tokens in the loss
         active = (batch.advantages != 0).float()  # [N]
         counts = torch.stack(
             [chunk.sum() for chunk in loss_tokens.split(per_step)]

@@ -372,9 +372,7 @@ class OnPolicyModule(PolicyModule):
                 batch.ref_logprobs = self._logprobs_in_chunks(ref_model, batch)
         self.finish_rollout(batch, all_rewards, mine, scored.stats)
         world_size, batcher = self.trainer.world_size, self.micro_batcher
-        self._normalizers = batcher.step_normalizers(
-            batch, batch.loss_mask.sum(dim=1), self.completion_budget, world_size
-        )
+        self._normalizers = batcher.step_normalizers(batch, self.completion_budget, world_size)
         if self.micro_batch_tokens is not None and world_size > 1:
             pad = self.tokenizer.pad_token_id
             batch = batcher.balanced_across_ranks(batch, self.gather_stacked, world_size, self.global_rank, pad)
