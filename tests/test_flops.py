@@ -225,6 +225,51 @@ def test_the_engine_clock_counts_overlapping_requests_once_and_no_validation(mon
     assert "perf/engine_busy_s" not in perf.StepTimer(perf.BusyClock()).summary()
 
 
+def test_token_rates_are_every_ranks_tokens_over_the_slowest_ranks_seconds(monkeypatch):
+    """Two ranks: the rates are the run's, all tokens over the seconds the step waited for (not the fastest rank's
+    own rate, 200 tokens/s here); with an engine that counts its requests the generation's seconds are its busy
+    time, since an asynchronous generation's wait is only the part training did not hide."""
+    from lit_rl.training import perf
+
+    now = [0.0]
+    monkeypatch.setattr(perf.time, "perf_counter", lambda: now[0])
+
+    def rank(generation_s: float, generated: float, trained: float, busy_s: float = 0.0) -> perf.StepTimer:
+        clock = perf.BusyClock()
+        timer = perf.StepTimer(clock)
+        timer.phases["generation"] = generation_s
+        timer.count("generated_tokens", generated)
+        timer.count("trained_tokens", trained)
+        if busy_s:  # one request outstanding for busy_s of the step
+            clock.counted = True
+            request = clock.request()
+            request.__enter__()
+            now[0] = busy_s
+            request.__exit__(None, None, None)
+            now[0] = 0.0
+        return timer
+
+    def step(first: perf.StepTimer, second: perf.StepTimer) -> dict[str, float]:
+        now[0] = 4.0  # both ranks' steps: 4 s
+        counts = [second.counters[name] for name in COUNTS]  # before its summary, which starts the next step
+        other = torch.tensor([*second.summary().values(), *counts], dtype=torch.float64)
+        gather = lambda values: torch.stack([values, other])  # noqa: E731
+        return perf.step_perf(first, RunThroughput(), gather, torch.device("cpu"))
+
+    COUNTS = ("generated_tokens", "trained_tokens", "model_flops", "update_flops")
+    out = step(rank(1.0, 200.0, 400.0), rank(2.0, 300.0, 600.0))
+    assert out["perf/step_s"] == 4.0
+    assert out["perf/generation_s"] == 2.0  # the slowest rank's
+    assert out["perf/generated_tokens_per_s"] == (200 + 300) / 2.0
+    assert out["perf/trained_tokens_per_s"] == (400 + 600) / 4.0
+    now[0] = 0.0
+    hidden = step(rank(0.01, 200.0, 0.0, busy_s=2.5), rank(0.02, 300.0, 0.0, busy_s=3.0))  # asynchronous: waits hidden
+    assert hidden["perf/engine_busy_s"] == 3.0
+    assert hidden["perf/generated_tokens_per_s"] == (200 + 300) / 3.0  # not 500 / 0.02
+    now[0] = 0.0
+    assert step(rank(0.0, 0.0, 0.0), rank(0.0, 0.0, 0.0))["perf/generated_tokens_per_s"] == 0.0
+
+
 def test_the_engine_clock_outlives_the_timers_validation_and_training_start_swap_in(monkeypatch):
     """The module swaps its timer at validation and at the start of training; an engine built under any of them
     (the sanity check's validation builds it first) counts on the module's clock, in every training step after."""

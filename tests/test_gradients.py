@@ -77,6 +77,19 @@ def test_every_unscaled_precision_clips_the_policy_with_it(precision, plugin, dt
     assert all(torch.equal(p.grad, e) for p, e in zip(model.policy.parameters(), expected))
 
 
+def test_a_scaled_precision_leaves_clipping_to_lightnings_path(monkeypatch):
+    """fp16 mixed precision unscales first (its scaler), as DeepSpeed clips in its engine: the module's
+    `clip_gradients`, Lightning's, runs, with the hook's arguments, and the gradients are left to it."""
+    model = _module("16-mixed", SimpleNamespace(precision="16-mixed"), torch.float32)
+    optimizer = model.configure_optimizers()["optimizer"]
+    before = [p.grad.clone() for p in model.policy.parameters()]
+    calls = []
+    monkeypatch.setattr(model, "clip_gradients", lambda *args: calls.append(args))
+    model.configure_gradient_clipping(optimizer, 0.5, "norm")
+    assert calls == [(optimizer, 0.5, "norm")]
+    assert all(torch.equal(p.grad, b) for p, b in zip(model.policy.parameters(), before))
+
+
 @pytest.mark.parametrize("cap", [0.0, -1.0])
 def test_a_cap_of_zero_or_less_clips_nothing_as_in_lightning(cap):
     model = _module("32-true", Precision(), torch.float32)

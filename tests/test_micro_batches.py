@@ -38,3 +38,39 @@ def test_an_empty_micro_step_adds_no_loss_and_no_gradient(algorithm):
     loss, _ = model.micro_batch_loss(empty, model.micro_batch_terms(empty, logprobs), model._normalizers[0])
     loss.backward()
     assert loss.item() == 0.0 and (logprobs.grad == 0).all()
+
+
+def test_the_forwards_at_generation_time_keep_to_the_token_budget():
+    """Old and reference log-probs (and PPO's values) are computed over consecutive rows of at most
+    `micro_batch_tokens` real tokens (a longer row alone), and give what one forward over every row gives."""
+    from lit_rl.algorithms.micro_steps import MicroBatcher
+    from lit_rl.types import RolloutBatch
+
+    prompt_tokens, completion_tokens = [2, 2, 1, 3, 2, 1], [3, 1, 8, 2, 4, 1]  # rows of 5, 3, 9, 5, 6, 2 tokens
+    n, P, T = 6, 3, 8
+    prompt_mask = torch.tensor([[0] * (P - p) + [1] * p for p in prompt_tokens])
+    completion_mask = torch.tensor([[1.0] * c + [0.0] * (T - c) for c in completion_tokens])
+    zeros = torch.zeros(n)
+    batch = RolloutBatch(
+        prompt_ids=torch.arange(n * P).view(n, P),
+        prompt_mask=prompt_mask,
+        completion_ids=torch.arange(n * T).view(n, T),
+        completion_mask=completion_mask,
+        rollout_logprobs=torch.zeros(n, T),
+        rewards=zeros,
+        reward_components=zeros[:, None],
+        advantages=zeros,
+        group_reward_std=zeros,
+    )
+    seen = []
+
+    def score(mb: RolloutBatch) -> torch.Tensor:
+        seen.append(int(mb.prompt_mask.sum() + mb.completion_mask.sum()))
+        return mb.completion_ids.float() / 7
+
+    by_tokens = MicroBatcher(micro_batch_size=4, accumulate=1, micro_batch_tokens=8)
+    assert by_tokens.forward_slices(batch) == [slice(0, 2), slice(2, 3), slice(3, 4), slice(4, 6)]
+    assert torch.equal(by_tokens.per_micro_batch(batch, score), score(batch) * completion_mask)
+    assert seen[:-1] == [8, 9, 5, 8]  # the 9-token row alone, over the budget; the others within it
+    by_rows = MicroBatcher(micro_batch_size=4, accumulate=1)
+    assert by_rows.forward_slices(batch) == [slice(0, 4), slice(4, 8)]

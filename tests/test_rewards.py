@@ -42,3 +42,17 @@ def test_wrong_number_of_values_is_reported_with_the_function_name():
 def test_none_becomes_nan():
     values = call_reward_function("f", lambda prompts, completions, **_: [None, 2], ["a", "b"], ["x", "y"], {})
     assert math.isnan(values[0]) and values[1] == 2.0
+
+
+def test_an_invalid_value_names_its_column_as_a_function_or_an_environments_part():
+    import torch
+
+    from lit_rl.errors import RewardFunctionError
+    from lit_rl.rewards.scorer import weighted_reward
+
+    names, weights = ["correctness", "env/solved"], torch.ones(2)
+    part = "^environment reward part 'env/solved' returned nan for completion 1"
+    with pytest.raises(RewardFunctionError, match=part):
+        weighted_reward(torch.tensor([[1.0, 0.0], [1.0, math.nan]]), weights, names, "error")
+    with pytest.raises(RewardFunctionError, match="^reward function 'correctness' returned inf for completion 0"):
+        weighted_reward(torch.tensor([[math.inf, 0.0]]), weights, names, "error")

@@ -180,7 +180,8 @@ class PolicyModule(PolicyModel, CheckpointState, L.LightningModule):
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
     ) -> None:
-        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)  # lit_rl.training.gradients
+        if not clip_gradients(self.trainer, optimizer, gradient_clip_val, gradient_clip_algorithm):
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)  # fp16's scaler; DeepSpeed's
 
     def parameters_sharded(self) -> bool:
         """Whether every forward gathers the parameters from all ranks (ZeRO-3, FSDP on several ranks): then all

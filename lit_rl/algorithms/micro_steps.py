@@ -53,11 +53,27 @@ class MicroBatcher:
         )
 
     def per_micro_batch(self, batch: RolloutBatch, score: Callable[[RolloutBatch], torch.Tensor]) -> torch.Tensor:
-        """`score(micro-batch)` [n, T] over `batch` in `micro_batch_size` slices, concatenated and zeroed where the
-        completion mask is 0 (the forwards at generation time: old and reference log-probs, PPO's values)."""
-        size = self.micro_batch_size
-        chunks = [score(batch.select(slice(start, start + size))) for start in range(0, len(batch), size)]
+        """`score(micro-batch)` [n, T] over `batch` in slices of consecutive rows (`forward_slices`), concatenated
+        and zeroed where the completion mask is 0 (the forwards at generation time: old and reference log-probs,
+        PPO's values)."""
+        chunks = [score(batch.select(rows)) for rows in self.forward_slices(batch)]
         return torch.cat(chunks) * batch.completion_mask
+
+    def forward_slices(self, batch: RolloutBatch) -> list[slice]:
+        """The rows of each forward over `batch` at generation time: `micro_batch_size` at a time, or with
+        `micro_batch_tokens` as many consecutive rows as hold at most that many real tokens (one row at least),
+        so that these forwards keep to the budget the training's do."""
+        if self.micro_batch_tokens is None:
+            size = self.micro_batch_size
+            return [slice(start, start + size) for start in range(0, len(batch), size)]
+        tokens = (batch.prompt_mask.sum(dim=1) + batch.completion_mask.sum(dim=1)).tolist()  # [N]
+        slices, start, held = [], 0, 0
+        for row, row_tokens in enumerate(tokens):
+            if row > start and held + row_tokens > self.micro_batch_tokens:
+                slices.append(slice(start, row))
+                start, held = row, 0
+            held += row_tokens
+        return slices + [slice(start, len(tokens))] if tokens else slices
 
     def step_normalizers(self, batch: RolloutBatch, completion_budget: int, world_size: int) -> list[LossNormalizer]:
         """Loss denominators for each optimizer step of `batch` (a generation, its `loss_mask` set), summed over

@@ -86,5 +86,5 @@ def aggregate(
     try:
         reduce = AGGREGATIONS[aggregation]
     except KeyError:
-        raise ValueError(f"loss_aggregation must be one of {sorted(AGGREGATIONS)}, got {aggregation!r}") from None
+        raise ValueError(f"model.loss.aggregation must be one of {sorted(AGGREGATIONS)}, got {aggregation!r}") from None
     return reduce(per_token, completion_mask, normalizer)

@@ -133,11 +133,17 @@ def weighted_reward(
     invalid = ~torch.isfinite(components)
     if invalid.any() and invalid_reward == "error":
         row, column = (int(i) for i in invalid.nonzero()[0])
+        source = "environment reward part" if names[column].startswith("env/") else "reward function"
         raise RewardFunctionError(
-            f"reward function {names[column]!r} returned {components[row, column].item()} for completion {row} "
+            f"{source} {names[column]!r} returned {components[row, column].item()} for completion {row} "
             "(set model.rewards.on_invalid: zero to count invalid rewards as 0)"
         )
     return (torch.where(invalid, torch.zeros_like(components), components) * weights.to(components)).sum(dim=1)
+
+
+def raised(name: str, err: BaseException) -> RewardFunctionError:
+    """The one-line error for a reward function that raised `err`, naming the function and the exception."""
+    return RewardFunctionError(f"reward function {name!r} raised {type(err).__name__}: {err}")
 
 
 def call_reward_function(
@@ -151,7 +157,7 @@ def call_reward_function(
     except RewardFunctionError:
         raise
     except Exception as err:  # the user's code: report it by name, keep the cause for LIT_RL_TRACEBACK=1
-        raise RewardFunctionError(f"reward function {name!r} raised {type(err).__name__}: {err}") from err
+        raise raised(name, err) from err
     return checked_values(name, values, len(completions))
 
 
@@ -168,7 +174,7 @@ def call_reward_functions(
         except Exception as err:
             for call in calls.values():
                 call.close()
-            raise RewardFunctionError(f"reward function {name!r} raised {type(err).__name__}: {err}") from err
+            raise raised(name, err) from err
     results = dict(zip(calls, _await_all(list(calls.values()))))
     out = []
     for name, fn in reward_fns.items():
@@ -177,7 +183,7 @@ def call_reward_functions(
             continue
         result = results[name]
         if isinstance(result, BaseException):
-            raise RewardFunctionError(f"reward function {name!r} raised {type(result).__name__}: {result}") from result
+            raise raised(name, result) from result
         try:
             values = list(result)
         except TypeError:

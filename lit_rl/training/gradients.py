@@ -5,9 +5,10 @@ each strategy and precision (`clip_gradients`)."""
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
+from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import FSDPStrategy
 
@@ -63,10 +64,11 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> None:
 
 
 def clip_gradients(
-    module: Any, optimizer: torch.optim.Optimizer, value: Optional[float], algorithm: Optional[str]
-) -> None:
-    """`configure_gradient_clipping` of every lit-rl module (`module`: the LightningModule, with its trainer): clip
-    the gradients of `optimizer`'s parameters to `value` by `algorithm` (`norm` or `value`), as below."""
+    trainer: Trainer, optimizer: torch.optim.Optimizer, value: Optional[float], algorithm: Optional[str]
+) -> bool:
+    """`configure_gradient_clipping` of every lit-rl module (on `trainer`): clip the gradients of `optimizer`'s
+    parameters to `value` by `algorithm` (`norm` or `value`), as below. False where Lightning's own clipping must
+    run instead (the module's `clip_gradients`)."""
     # Without a loss scaler (fp32, bf16-true, 16-true, bf16-mixed) the gradients are clipped here: by norm with
     # `clip_grad_norm_` above, torch's without the multiply on steps under the cap. Under
     # bf16-mixed that also sidesteps Lightning's refusal to clip for a fused optimizer (which it makes in case
@@ -76,15 +78,15 @@ def clip_gradients(
     # Lightning's FSDP plugin refuses norm clipping: the norm is over every rank's shards, which the FSDP root
     # module's `clip_grad_norm_` computes (torch's function does for FSDP2's DTensor parameters).
     if value is None or value <= 0:
-        return
-    if isinstance(module.trainer.strategy, FSDPStrategy) and algorithm != "value":
-        root = module.trainer.strategy.model
+        return True
+    if isinstance(trainer.strategy, FSDPStrategy) and algorithm != "value":
+        root = trainer.strategy.model
         if hasattr(root, "clip_grad_norm_"):
             root.clip_grad_norm_(value)
         else:
             torch.nn.utils.clip_grad_norm_(list(root.parameters()), value)
-        return
-    plugin = module.trainer.precision_plugin
+        return True
+    plugin = trainer.precision_plugin
     unscaled = type(plugin) in (Precision, HalfPrecision) or (
         isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed"
     )
@@ -94,5 +96,5 @@ def clip_gradients(
             torch.nn.utils.clip_grad_value_(params, value)
         else:
             clip_grad_norm_(params, value)  # torch's, without the multiply when under the cap
-        return
-    module.clip_gradients(optimizer, value, algorithm)  # fp16's scaler; DeepSpeed's own
+        return True
+    return False  # fp16's scaler; DeepSpeed's own

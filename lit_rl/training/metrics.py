@@ -257,9 +257,11 @@ def update_on_policy_metrics(
 ) -> None:
     """Update the training metrics every on-policy algorithm logs (`on_policy_training_metrics`, and those of
     asynchronous rollouts and episodes) with a micro-batch `mb`: its rewards, episodes and entropy; the engine's
-    log-probs against the trainer's at the same weights (`mb.old_logprobs` when computed at generation time, else
-    `fresh_logprobs`, this first on-policy pass's; None on later passes); with asynchronous rollouts (`max_lag`, the
-    stalest lag a sample can have; None: synchronous) each sample's staleness at optimizer step `global_step + 1`."""
+    log-probs against the trainer's (`mb.old_logprobs` when computed at generation time, else `fresh_logprobs`,
+    this first on-policy pass's; None on later passes), at the same weights when synchronous (with asynchronous
+    rollouts the trainer's weights are up to the sample's staleness newer, and the gap holds that change too); with
+    asynchronous rollouts (`max_lag`, the stalest lag a sample can have; None: synchronous) each sample's
+    staleness at optimizer step `global_step + 1`."""
     m = metrics
     model_tokens = model_token_mask(mb)
     tokens = model_tokens > 0  # [n, T]: observation tokens count in no token metric

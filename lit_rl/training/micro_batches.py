@@ -11,7 +11,8 @@ The number of micro-steps per optimizer step stays `accumulate_grad_batches` (Li
 counts them), so a step whose completions fit in fewer micro-batches runs the rest empty: a forward of one unit
 with its completion and loss masks zeroed, which adds nothing to the loss, the gradient or the metrics, and keeps every
 rank's collectives (DDP's all-reduce, ZeRO-3's gathers) in step. Short completions therefore cost fewer real
-forwards, and long ones never more than N tokens at once.
+forwards, and long ones never more than N tokens at once (the forwards at generation time too: old and reference
+log-probs and PPO's values go over consecutive rows of at most N tokens, `MicroBatcher.forward_slices`).
 
 A step whose completions need more micro-batches than that is over budget: the units that fit nowhere go to the
 micro-batches with the fewest tokens, and `train/micro_batch_tokens/max` (logged with the budget) shows by how

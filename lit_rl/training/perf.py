@@ -71,7 +71,7 @@ class StepTimer:
     phases add up to at most the step.
 
     `summary()` returns `perf/<phase>_s` for every phase, `perf/step_s` (wall time since the previous step) and
-    `perf/policy_update_s` (the rest: forward/backward/optimizer of the policy), the tokens' rates and peak memory,
+    `perf/policy_update_s` (the rest: forward/backward/optimizer of the policy), peak memory,
     and `perf/engine_busy_s` once an engine's client counts its requests on `engine` (the module's clock, `counted`
     by the vLLM server engine: the step's seconds with a generation request outstanding, even in the background);
     then it starts the next step (its phases and counters, `model_flops` among them, back to 0).
@@ -122,9 +122,6 @@ class StepTimer:
         out = {f"perf/{name}_s": self.phases.get(name, 0.0) for name in (*PHASES, *self.phases)}
         out["perf/step_s"] = step
         out["perf/policy_update_s"] = max(step - sum(self.phases.values()), 0.0)
-        generation = self.phases.get("generation", 0.0)
-        out["perf/generated_tokens_per_s"] = self.counters["generated_tokens"] / generation if generation else 0.0
-        out["perf/trained_tokens_per_s"] = self.counters["trained_tokens"] / step if step > 0 else 0.0
         out["perf/peak_memory_mib"] = peak_memory_mib()
         busy, self._engine_busy_s = self._engine_busy_s + self.engine.take(), 0.0
         if self.engine.counted:
@@ -152,19 +149,21 @@ def step_perf(
 ) -> dict[str, float]:
     """The step's `perf/` metrics, from this rank's `timer` (whose `summary` starts the next step's counts) and,
     with `gather` (all_gather, on several ranks), every rank's, in one collective: the slowest rank's timings and
-    peak memory, since the step waits for it; its model FLOP rate over all ranks, `perf/tflops`, and `perf/mfu`, that
+    peak memory, since the step waits for it; the tokens' rates of all ranks together (`token_rates`); its model
+    FLOP rate over all ranks, `perf/tflops`, and `perf/mfu`, that
     rate over the peak of the ranks' devices (`lit_rl.training.flops`, added to the run's `throughput`);
     `perf/update_mfu`, the same for the update alone: the forward and backward FLOPs of the passes that train (the
     policy's; PPO's critic's too) over `perf/policy_update_s`; with an engine that counts its requests (the vLLM
     server's), `perf/engine_idle_share`, the share of the step without a generation request outstanding."""
-    flops, update_flops = timer.counters["model_flops"], timer.counters["update_flops"]
+    totals = [timer.counters[name] for name in ("generated_tokens", "trained_tokens", "model_flops", "update_flops")]
     timings = timer.summary()
-    values = torch.tensor([*timings.values(), flops, update_flops], dtype=torch.float64, device=device)
+    values = torch.tensor([*timings.values(), *totals], dtype=torch.float64, device=device)
     if gather is not None:
-        values = gather(values)  # [world, K]: the slowest rank's timings, every rank's FLOPs
-        values = torch.cat([values[:, :-2].max(dim=0).values, values[:, -2:].sum(dim=0)])
-    *slowest, flops, update_flops = values.tolist()
+        values = gather(values)  # [world, K]: the slowest rank's timings, every rank's counts
+        values = torch.cat([values[:, : -len(totals)].max(dim=0).values, values[:, -len(totals) :].sum(dim=0)])
+    *slowest, generated, trained, flops, update_flops = values.tolist()
     timings = dict(zip(timings, slowest))
+    timings.update(token_rates(timings, generated, trained))
     if "perf/engine_busy_s" in timings and timings["perf/step_s"] > 0:  # the share of the step it waited
         timings["perf/engine_idle_share"] = max(0.0, 1.0 - timings["perf/engine_busy_s"] / timings["perf/step_s"])
     throughput.add(timings["perf/step_s"], flops, timings.get("perf/engine_start_s", 0.0))
@@ -173,3 +172,21 @@ def step_perf(
         timings["perf/mfu"] = mfu
         timings["perf/update_mfu"] = throughput.rates(timings["perf/policy_update_s"], update_flops)[1]
     return timings
+
+
+def token_rates(timings: dict[str, float], generated: float, trained: float) -> dict[str, float]:
+    """The step's tokens per second, of all ranks together (`generated`, `trained`: their sums) over the slowest
+    rank's seconds (`timings`: `step_perf`'s):
+
+        perf/generated_tokens_per_s = generated tokens / seconds of generation,
+        perf/trained_tokens_per_s   = trained tokens / perf/step_s.
+
+    The seconds of generation are `perf/engine_busy_s` with an engine that counts its requests (the vLLM server's),
+    else `perf/generation_s`: under asynchronous rollouts the wait for a generation is only the part of its
+    sampling the training did not hide, and tokens over it would overstate the engine's speed without bound."""
+    generation_s = timings.get("perf/engine_busy_s", timings.get("perf/generation_s", 0.0))
+    step_s = timings["perf/step_s"]
+    return {
+        "perf/generated_tokens_per_s": generated / generation_s if generation_s > 0 else 0.0,
+        "perf/trained_tokens_per_s": trained / step_s if step_s > 0 else 0.0,
+    }
