@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lit_rl.config import RolloutArgs
-from lit_rl.data.schedule import RolloutSchedule, RolloutScheduleLoader
+from lit_rl.data.schedule import RolloutSchedule, RolloutScheduleLoader, ScheduledMicroStep
 from lit_rl.errors import ConfigError
 from lit_rl.losses import rollout_is_weights
 from lit_rl.rollout import HFGenerate, RolloutOutput, SamplingParams, VLLMColocate
@@ -49,14 +49,14 @@ def test_the_loader_carries_the_rows_of_each_launched_generation():
     )
     loader = RolloutScheduleLoader(rows, schedule, seed=0, rank=0, world_size=1)
     items = [loader.item(i) for i in range(12)]
-    launched = {i: [g for g, _ in item["launch"]] for i, item in enumerate(items) if item["launch"]}
+    launched = {i: [g for g, _ in item.launches] for i, item in enumerate(items) if item.launches}
     assert launched == {0: [0], 2: [1], 6: [2], 10: [3]}  # optimizer steps 0, 1, 3, 5
     for item in items:
-        for g, launch_rows in item["launch"]:
+        for g, launch_rows in item.launches:
             assert launch_rows == loader.rows_of_generation(g)
-    # The synchronous loader's items are unchanged: no "launch" key at all.
+    # The synchronous loader's items launch nothing.
     sync = RolloutScheduleLoader(rows, RolloutSchedule(4, 2, 4, lambda: 0), seed=0, rank=0, world_size=1)
-    assert sync.item(0) == {"micro_step": 0, "rows": loader.rows_of_generation(0)}
+    assert sync.item(0) == ScheduledMicroStep(0, loader.rows_of_generation(0), refills=None, launches=None)
 
 
 def test_rollout_corrections_by_hand():

@@ -84,9 +84,9 @@ def test_schedule_carries_prompts_on_the_first_micro_step_of_each_generation():
     loader = _loader(rows)
     assert len(loader) == 5 * 3  # 5 generations of 2 prompts, 3 micro-steps each
     items = list(loader)
-    assert [item["micro_step"] for item in items] == list(range(15))
-    assert [len(item["rows"]) for item in items] == [2, 0, 0] * 5
-    seen = [row["prompt"] for item in items for row in item["rows"]]
+    assert [item.micro_step for item in items] == list(range(15))
+    assert [len(item.rows) for item in items] == [2, 0, 0] * 5
+    seen = [row["prompt"] for item in items for row in item.rows]
     assert sorted(seen) == sorted(r["prompt"] for r in rows)  # one epoch = every prompt once
 
 
@@ -96,14 +96,14 @@ def test_schedule_resumes_mid_epoch_with_the_same_items():
     resumed = list(_loader(rows, start=7))
     assert resumed == full[7:]
     next_epoch = list(_loader(rows, start=15))
-    assert [i["micro_step"] for i in next_epoch] == list(range(15, 30))
-    assert [r for i in next_epoch for r in i["rows"]] != [r for i in full for r in i["rows"]]  # reshuffled
+    assert [i.micro_step for i in next_epoch] == list(range(15, 30))
+    assert [r for i in next_epoch for r in i.rows] != [r for i in full for r in i.rows]  # reshuffled
 
 
 def test_schedule_gives_ranks_disjoint_prompts():
     rows = [{"prompt": str(i)} for i in range(12)]
-    rank0 = [r["prompt"] for i in _loader(rows, rank=0, world=2) for r in i["rows"]]
-    rank1 = [r["prompt"] for i in _loader(rows, rank=1, world=2) for r in i["rows"]]
+    rank0 = [r["prompt"] for i in _loader(rows, rank=0, world=2) for r in i.rows]
+    rank1 = [r["prompt"] for i in _loader(rows, rank=1, world=2) for r in i.rows]
     assert len(rank0) == len(rank1) == 12 // 2 // 2 * 2
     assert not set(rank0) & set(rank1)
 
@@ -113,7 +113,7 @@ def test_groups_span_ranks_when_a_rank_holds_less_than_a_group():
     rows = [{"prompt": str(i)} for i in range(8)]
     schedule = RolloutSchedule(completions_per_rank=2, group_size=4, micro_steps_per_generation=1, start_micro_step=int)
     per_rank = [
-        [r["prompt"] for r in RolloutScheduleLoader(rows, schedule, seed=0, rank=rank, world_size=4).item(0)["rows"]]
+        [r["prompt"] for r in RolloutScheduleLoader(rows, schedule, seed=0, rank=rank, world_size=4).item(0).rows]
         for rank in range(4)
     ]
     assert per_rank[0][0] == per_rank[0][1] == per_rank[1][0] == per_rank[1][1]  # one group over ranks 0 and 1
@@ -121,9 +121,7 @@ def test_groups_span_ranks_when_a_rank_holds_less_than_a_group():
     assert per_rank[0][0] != per_rank[2][0]
     # The same global batch as one rank holding everything: prompt-major, in slot order.
     one_rank = RolloutSchedule(completions_per_rank=8, group_size=4, micro_steps_per_generation=1, start_micro_step=int)
-    everything = [
-        r["prompt"] for r in RolloutScheduleLoader(rows, one_rank, seed=0, rank=0, world_size=1).item(0)["rows"]
-    ]
+    everything = [r["prompt"] for r in RolloutScheduleLoader(rows, one_rank, seed=0, rank=0, world_size=1).item(0).rows]
     assert everything == [p for rank_rows in per_rank for p in rank_rows]
 
 

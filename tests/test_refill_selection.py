@@ -47,13 +47,13 @@ def _loader(rank: int, world: int, refills: int = 2) -> RolloutScheduleLoader:
 def test_refill_prompts_depend_on_the_generation_and_refill_alone_whatever_the_ranks():
     one = _loader(0, 1).item(2)  # generation 1's first micro-step
     halves = [_loader(rank, 2).item(2) for rank in (0, 1)]
-    assert len(one["refill"]) == 2 and all(len(rows) == 8 for rows in one["refill"])
+    assert len(one.refills) == 2 and all(len(rows) == 8 for rows in one.refills)
     for refill in range(2):
-        assert halves[0]["refill"][refill] + halves[1]["refill"][refill] == one["refill"][refill]
-        assert one["refill"][refill][::2] == one["refill"][refill][1::2]  # G = 2 completions of each prompt
-    assert one["refill"][0] != one["refill"][1] != one["rows"]
-    assert _loader(0, 1).item(4)["refill"] != one["refill"]  # another generation, other refills
-    assert "refill" not in _loader(0, 1).item(3) and "refill" not in _loader(0, 1, refills=0).item(2)
+        assert halves[0].refills[refill] + halves[1].refills[refill] == one.refills[refill]
+        assert one.refills[refill][::2] == one.refills[refill][1::2]  # G = 2 completions of each prompt
+    assert one.refills[0] != one.refills[1] != one.rows
+    assert _loader(0, 1).item(4).refills != one.refills  # another generation, other refills
+    assert _loader(0, 1).item(3).refills is None and _loader(0, 1, refills=0).item(2).refills is None
 
 
 def test_refill_seed_keys_never_meet_a_generations_key_or_each_other():

@@ -33,7 +33,7 @@ from lit_rl.algorithms.micro_steps import MicroBatcher
 from lit_rl.algorithms.rng import rng_state, set_rng_state
 from lit_rl.algorithms.rollout_checks import check_prompt_lengths
 from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, RolloutArgs, SamplingArgs, ScheduleArgs, as_args
-from lit_rl.data.schedule import RolloutSchedule
+from lit_rl.data.schedule import RolloutSchedule, ScheduledMicroStep
 from lit_rl.errors import ConfigError
 from lit_rl.losses import LossNormalizer, rollout_is_weights
 from lit_rl.rewards.scorer import RewardScorer
@@ -395,21 +395,21 @@ class OnPolicyModule(PolicyModule):
         )
 
     # -- training --------------------------------------------------------------------------------------------
-    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        if batch["micro_step"] != self._micro_steps_done:
+    def training_step(self, batch: ScheduledMicroStep, batch_idx: int) -> torch.Tensor:
+        if batch.micro_step != self._micro_steps_done:
             raise RuntimeError(
-                f"rollout schedule drifted: loader gave micro-step {batch['micro_step']}, "
+                f"rollout schedule drifted: loader gave micro-step {batch.micro_step}, "
                 f"the module expected {self._micro_steps_done}"
             )
-        generation, generation_micro_step = divmod(batch["micro_step"], self.micro_steps_per_generation)
-        launches = batch.get("launch", ())  # asynchronous rollouts: (generation, rows) to sample ahead
+        generation, generation_micro_step = divmod(batch.micro_step, self.micro_steps_per_generation)
+        launches = batch.launches or ()  # asynchronous rollouts: (generation, rows) to sample ahead
         if generation_micro_step == 0:
             later = ()
             if self.producer.samples_when_taken:  # refills, by the current weights: not queued behind later ones
                 later = [(launched, rows) for launched, rows in launches if launched > generation]
                 launches = [(launched, rows) for launched, rows in launches if launched <= generation]
             self._launch(launches)
-            scored = self.producer.generation(generation, batch["rows"], batch.get("refill"))
+            scored = self.producer.generation(generation, batch.rows, batch.refills)
             self._launch(later)
             self._buffer = self.make_rollout(scored)
         else:

@@ -1,20 +1,21 @@
 """The training loader of rollout algorithms: one item per `training_step` call (a micro-step).
 
 A generation is followed by `micro_steps_per_generation` micro-steps over its buffer (all micro-batches,
-`num_iterations` times). Item `i` is micro-step `i` of the run; it carries, on the first micro-step of generation
-`i // micro_steps_per_generation`, one prompt row per completion this rank samples, and nothing otherwise.
+`num_iterations` times). Item `i` (a `ScheduledMicroStep`) is micro-step `i` of the run; it carries, on the first
+micro-step of generation `i // micro_steps_per_generation`, one prompt row per completion this rank samples, and
+nothing otherwise.
 
 A generation's global batch is `P` prompts (a consecutive slice of the epoch's permutation) x `G` completions,
 prompt-major: completion slot `s` belongs to prompt `s // G`. Rank `r` takes slots `r*n .. r*n + n - 1`. A group
 of G completions may therefore span ranks (when n is not a multiple of G); the algorithm normalises rewards over
 the gathered global batch, so the split never changes a group.
 
-With dynamic sampling (`lit_rl.rollout.dynamic_sampling`) the first micro-step of a generation also carries, under
-"refill", the prompt rows of each refill generation it may sample: refill r of generation g takes the first P
+With dynamic sampling (`lit_rl.rollout.dynamic_sampling`) the first micro-step of a generation also carries, as
+`refills`, the prompt rows of each refill generation it may sample: refill r of generation g takes the first P
 prompts of a permutation of its own (`refill_seed_key`), in the same slots.
 
 With asynchronous rollouts the schedule also says which generations to launch ahead (`launches`): the first
-micro-step of each optimizer step carries, under "launch", the rows of every generation launched at that step.
+micro-step of each optimizer step carries, as `launches`, the rows of every generation launched at that step.
 
 Everything an item holds is a pure function of `i`, the seed and the rank, and the loader starts at the
 algorithm's own counter of micro-steps done (restored from the checkpoint with the module). So Lightning's
@@ -24,7 +25,7 @@ prefetching cannot shift it and a resumed run continues with exactly the prompts
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -59,6 +60,17 @@ class RolloutSchedule:
     micro_steps_per_optimizer_step: int = 1
     launches: Optional[Callable[[int], list[int]]] = None
     refill_generations: int = 0  # dynamic sampling: the refills a generation may sample at most
+
+
+@dataclass
+class ScheduledMicroStep:
+    """One item of the rollout loader: what the algorithm's `training_step` gets (a dataclass: Lightning moves it to
+    the device as it is, and it holds no tensor)."""
+
+    micro_step: int  # the run's micro-step this item is for
+    rows: list[Row]  # this rank's prompt row of each completion slot on a generation's first micro-step, else []
+    refills: Optional[list[list[Row]]] = None  # dynamic sampling, on a generation's first: each refill's rows
+    launches: Optional[list[tuple[int, list[Row]]]] = None  # asynchronous rollouts: (generation, rows) to launch now
 
 
 class RolloutScheduleLoader:
@@ -114,19 +126,18 @@ class RolloutScheduleLoader:
         slots = range(first_slot, first_slot + self.completions_per_rank)
         return [self.rows[prompts[slot // self.group_size]] for slot in slots]
 
-    def item(self, micro_step: int) -> dict[str, Any]:
+    def item(self, micro_step: int) -> ScheduledMicroStep:
         generation, within = divmod(micro_step, self.micro_steps_per_generation)
-        rows = self.rows_of_generation(generation) if within == 0 else []
-        item = {"micro_step": micro_step, "rows": rows}
+        item = ScheduledMicroStep(micro_step, self.rows_of_generation(generation) if within == 0 else [])
         if self.refill_generations and within == 0:
-            item["refill"] = [self.rows_of_refill(generation, r) for r in range(1, self.refill_generations + 1)]
+            item.refills = [self.rows_of_refill(generation, r) for r in range(1, self.refill_generations + 1)]
         if self.launches is not None:
             step, first = divmod(micro_step, self.micro_steps_per_optimizer_step)
             launched = self.launches(step) if first == 0 else []
-            item["launch"] = [(g, self.rows_of_generation(g)) for g in launched]
+            item.launches = [(g, self.rows_of_generation(g)) for g in launched]
         return item
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[ScheduledMicroStep]:
         start = self.start_micro_step()
         epoch_end = (start // len(self) + 1) * len(self)
         for micro_step in range(start, epoch_end):
