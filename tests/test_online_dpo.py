@@ -25,7 +25,7 @@ def _batch(rewards):
 def test_pairs_are_ranked_by_reward_and_ties_get_no_label():
     module = OnlineDPO()
     batch = _batch([1.0, 0.0, 0.2, 0.7, 0.5, 0.5])
-    module.finish_rollout(batch, batch.rewards, slice(0, len(batch)), {})
+    module.finish_rollout(batch, batch.rewards, slice(0, len(batch)), None)
     assert batch.advantages.tolist() == [1.0, -1.0, -1.0, 1.0, 0.0, 0.0]
 
 

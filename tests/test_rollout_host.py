@@ -18,7 +18,7 @@ from lit_rl.rollout.dynamic_sampling import DynamicSampling
 from lit_rl.rollout.engine_config import HFGenerate
 from lit_rl.rollout.engine_owner import EngineOwner
 from lit_rl.rollout.host import RolloutHost
-from lit_rl.rollout.producer import ProducerParts, RolloutProducer
+from lit_rl.rollout.producer import GroupFilterStats, ProducerParts, RolloutProducer
 from lit_rl.training.perf import BusyClock, StepTimer
 
 ROLLOUT = Path(__file__).resolve().parents[1] / "lit_rl" / "rollout"
@@ -126,7 +126,7 @@ def test_a_producer_samples_and_scores_a_generation_with_only_the_declared_host(
     scored = _producer([3, 4]).generation(0, rows)
     assert scored.rewards.tolist() == [1.0, 0.0] and scored.reward_components.shape == (2, 1)
     assert scored.version == 3 and scored.output.completion_ids.tolist() == [[3, 10], [4, 10]]
-    assert scored.stats == {}  # a plain producer adds no numbers of its own
+    assert scored.group_filter is None  # a plain producer filters no groups
 
 
 def test_dynamic_sampling_replaces_a_group_whose_rewards_agree_with_a_refill():
@@ -138,5 +138,5 @@ def test_dynamic_sampling_replaces_a_group_whose_rewards_agree_with_a_refill():
     scored = wrapped.generation(0, rows, [refill_rows])
     # The kept groups, in order: the generation's second, then the refill's first.
     assert scored.rewards.tolist() == [1.0, 0.0, 1.0, 0.0]
-    assert scored.stats == {"refill_generations": 1, "frac_groups_dropped": 0.5}
+    assert scored.group_filter == GroupFilterStats(refill_generations=1, frac_groups_dropped=0.5)
     assert wrapped.reward_names == ["correctness"] and wrapped.completion_budget == 2

@@ -50,6 +50,19 @@ def test_a_class_with_reset_and_no_step_is_trls_and_its_methods_are_its_tools():
     assert env.finish() == {"IncrementEnv": 1.0}  # counter 3 == target 3
 
 
+def test_messages_name_the_users_class_under_the_adapter_and_an_environments_own_otherwise():
+    from lit_rl.envs.base import env_label
+
+    assert (
+        env_label(environment_factory(INCREMENT, None, None, "auto", tool_support="hermes").factory()) == "IncrementEnv"
+    )
+
+    class HoldsAnInstance:  # a user's environment with an attribute of that name: still its own class
+        instance = IncrementEnv()
+
+    assert env_label(HoldsAnInstance()) == "HoldsAnInstance"
+
+
 def test_standalone_tools_are_offered_beside_the_methods_and_async_ones_are_awaited():
     spec = environment_factory(
         "tests.integration.envs.AsyncIncrementEnv", None, ["tests.integration.envs.add_numbers"], "auto", "hermes"

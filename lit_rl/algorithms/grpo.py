@@ -8,7 +8,7 @@ objective: group-relative advantages and the clipped per-token surrogate with a 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Optional
 
 import torch
 from torchmetrics import MetricCollection
@@ -33,6 +33,7 @@ from lit_rl.losses.policy import policy_loss_function
 from lit_rl.rollout import RolloutOutput
 from lit_rl.rollout.dynamic_sampling import ZERO_STD, DynamicSampling
 from lit_rl.rollout.engines.hf import model_eos_token_ids
+from lit_rl.rollout.producer import GroupFilterStats
 from lit_rl.training.metrics import mean, metric_collection, on_policy_training_metrics
 from lit_rl.types import RolloutBatch, model_token_mask
 
@@ -92,13 +93,13 @@ class GRPO(OnPolicyModule):
         return self.loss_args.beta != 0.0
 
     def finish_rollout(
-        self, batch: GRPOBatch, all_rewards: torch.Tensor, mine: slice, producer_stats: Mapping[str, float]
+        self, batch: GRPOBatch, all_rewards: torch.Tensor, mine: slice, group_filter: Optional[GroupFilterStats]
     ) -> None:
         advantages, _ = self.advantage_fn(all_rewards, self.sampling_args.num_generations, self.loss_args.scale_rewards)
         batch.advantages = advantages[mine]
-        if self.rollout_args.dynamic_sampling:  # `DynamicSampling.generation`'s numbers
-            batch.refill_generations = torch.full_like(batch.rewards, float(producer_stats["refill_generations"]))
-            batch.frac_groups_dropped = torch.full_like(batch.rewards, float(producer_stats["frac_groups_dropped"]))
+        if group_filter is not None:  # `DynamicSampling.generation`'s numbers
+            batch.refill_generations = torch.full_like(batch.rewards, float(group_filter.refill_generations))
+            batch.frac_groups_dropped = torch.full_like(batch.rewards, float(group_filter.frac_groups_dropped))
 
     def shape_rewards(self, rewards: torch.Tensor, out: RolloutOutput) -> torch.Tensor:
         loss = self.loss_args

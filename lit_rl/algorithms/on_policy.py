@@ -23,7 +23,7 @@ correction weighs them against the engine's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 from torchmetrics import MetricCollection
@@ -42,6 +42,7 @@ from lit_rl.rollout.asynchronous import generations_launched_at
 from lit_rl.rollout.choice import choose_producer
 from lit_rl.rollout.engine_owner import EngineOwner
 from lit_rl.rollout.producer import (
+    GroupFilterStats,
     ProducerParts,
     RolloutProducer,
     ScoredCompletions,
@@ -226,11 +227,11 @@ class OnPolicyModule(PolicyModule):
         return model_token_mask(batch)
 
     def finish_rollout(
-        self, batch: RolloutBatch, all_rewards: torch.Tensor, mine: slice, producer_stats: Mapping[str, float]
+        self, batch: RolloutBatch, all_rewards: torch.Tensor, mine: slice, group_filter: Optional[GroupFilterStats]
     ) -> None:
         """Fill `batch.advantages` (and any algorithm field) from every rank's rewards `all_rewards` [world*N], of
-        which `mine` are this rank's rows (those of `batch`); `producer_stats`: the numbers of the generation that
-        a producer the algorithm chose adds (`ScoredCompletions.stats`)."""
+        which `mine` are this rank's rows (those of `batch`); `group_filter`: dynamic sampling's numbers of the
+        generation (None without it)."""
         raise NotImplementedError
 
     def micro_batch_loss(
@@ -370,7 +371,7 @@ class OnPolicyModule(PolicyModule):
         if self.uses_reference():
             with self.timer.phase("ref_logprobs"), self.reference_model() as ref_model:
                 batch.ref_logprobs = self._logprobs_in_chunks(ref_model, batch)
-        self.finish_rollout(batch, all_rewards, mine, scored.stats)
+        self.finish_rollout(batch, all_rewards, mine, scored.group_filter)
         world_size, batcher = self.trainer.world_size, self.micro_batcher
         self._normalizers = batcher.step_normalizers(batch, self.completion_budget, world_size)
         if self.micro_batch_tokens is not None and world_size > 1:

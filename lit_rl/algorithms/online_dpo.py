@@ -13,7 +13,7 @@ not the policy's to choose, and carry no loss.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Optional
 
 import torch
 from torchmetrics import MetricCollection
@@ -25,6 +25,7 @@ from lit_rl.loss_config import DPOLoss
 from lit_rl.losses import LossNormalizer
 from lit_rl.losses.dpo import DPO_LOSSES, REFERENCE_FREE, dpo_loss
 from lit_rl.rewards.model import RewardModel
+from lit_rl.rollout.producer import GroupFilterStats
 from lit_rl.training.metrics import DPO_PAIR_METRICS, mean, metric_collection, on_policy_training_metrics
 from lit_rl.types import RolloutBatch
 
@@ -95,7 +96,7 @@ class OnlineDPO(OnPolicyModule):
             judge.to(self.device)
 
     def finish_rollout(
-        self, batch: RolloutBatch, all_rewards: torch.Tensor, mine: slice, producer_stats: Mapping[str, float]
+        self, batch: RolloutBatch, all_rewards: torch.Tensor, mine: slice, group_filter: Optional[GroupFilterStats]
     ) -> None:
         """Advantages as preference labels: +1 on the chosen row, -1 on the rejected, 0 on both rows of a tie."""
         pairs = batch.rewards.view(-1, 2)  # [B, 2]

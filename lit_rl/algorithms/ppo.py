@@ -35,7 +35,7 @@ The engine's log-probs then weigh the policy term with the rollout correction of
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Optional
 
 import torch
 from torchmetrics import MetricCollection
@@ -49,6 +49,7 @@ from lit_rl.losses.policy import ppo_clip
 from lit_rl.losses.ppo import clipped_value_loss, gae, masked_moments, moments_to_mean_std, token_rewards, whiten
 from lit_rl.modeling.completions import completion_forward
 from lit_rl.modeling.value_model import ValueModel, load_value_model, reset_value_head
+from lit_rl.rollout.producer import GroupFilterStats
 from lit_rl.training.flops import ModelShape
 from lit_rl.training.metrics import explained_variance, mean, metric_collection, on_policy_training_metrics, total
 from lit_rl.training.strategies import gathered_parameters, hf_zero3_loading, reduce_across_ranks
@@ -165,7 +166,7 @@ class PPO(OnPolicyModule):
         return self.loss_args.beta != 0.0 or self.policy_moves_after_sampling()
 
     def finish_rollout(
-        self, batch: PPOBatch, all_rewards: torch.Tensor, mine: slice, producer_stats: Mapping[str, float]
+        self, batch: PPOBatch, all_rewards: torch.Tensor, mine: slice, group_filter: Optional[GroupFilterStats]
     ) -> None:
         args = self.loss_args
         mask = batch.loss_mask  # the model's tokens: every completion token without an environment

@@ -12,7 +12,7 @@ Lightning's: the checkpoint cadence is exact for any accumulation, `num_iteratio
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Optional
 
 import torch
 from torchmetrics import MetricCollection
@@ -23,6 +23,7 @@ from lit_rl.errors import ConfigError
 from lit_rl.loss_config import RLOOLoss
 from lit_rl.losses import LossNormalizer
 from lit_rl.losses.rloo import kl_penalized_rewards, rloo_advantages, rloo_loss
+from lit_rl.rollout.producer import GroupFilterStats
 from lit_rl.training.metrics import mean, metric_collection, on_policy_training_metrics
 from lit_rl.types import RolloutBatch
 
@@ -81,7 +82,7 @@ class RLOO(OnPolicyModule):
         return self.loss_args.beta != 0.0 or super().needs_old_logprobs()
 
     def finish_rollout(
-        self, batch: RLOOBatch, all_rewards: torch.Tensor, mine: slice, producer_stats: Mapping[str, float]
+        self, batch: RLOOBatch, all_rewards: torch.Tensor, mine: slice, group_filter: Optional[GroupFilterStats]
     ) -> None:
         args = self.loss_args
         rewards = batch.rewards

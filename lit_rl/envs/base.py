@@ -119,9 +119,16 @@ class TokenEnvironment:
         self.tokenizer = tokenizer
 
 
+class UserObjectAdapter:
+    """An environment lit-rl runs around a user's object (`lit_rl.envs.trl_environments.TRLEnvironment`): messages
+    name the user's class, that of `instance`."""
+
+    instance: Any
+
+
 def env_label(env: Any) -> str:
-    """The name of an episode's environment in messages: the user's class (under lit-rl's `TRLEnvironment`)."""
-    return type(getattr(env, "instance", env)).__name__
+    """The name of an episode's environment in messages: its class, or the user's under lit-rl's adapters."""
+    return type(env.instance if isinstance(env, UserObjectAdapter) else env).__name__
 
 
 def as_step_result(value: Any, where: str) -> StepResult:

@@ -28,6 +28,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from lit_rl.envs.base import UserObjectAdapter
 from lit_rl.envs.chat_tools import HERMES, ChatToolEnvironment, TemplateCalls
 from lit_rl.errors import DataError
 
@@ -63,7 +64,7 @@ def _appended(prompt: Any, text: str) -> Any:
     return messages
 
 
-class TRLEnvironment(ChatToolEnvironment):
+class TRLEnvironment(ChatToolEnvironment, UserObjectAdapter):
     """One episode of a TRL environment `instance` (module docstring), with the standalone `tools` beside its
     methods.
 

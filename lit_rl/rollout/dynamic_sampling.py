@@ -34,7 +34,7 @@ import torch
 
 from lit_rl.data.schedule import refill_seed_key
 from lit_rl.rollout.base import RolloutOutput, SamplingParams
-from lit_rl.rollout.producer import RolloutProducer, ScoredCompletions
+from lit_rl.rollout.producer import GroupFilterStats, RolloutProducer, ScoredCompletions
 from lit_rl.training.rank_balance import concat_batches, exchange_rows
 from lit_rl.types import RolloutBatch, model_token_mask
 
@@ -117,10 +117,10 @@ class DynamicSampling:
             seeds = inner.completion_seeds(n, refill_seed_key(generation, refill))
             pieces.append(inner.sample(refill_rows, 1, inner.params, seeds))
             keep += self._informative_groups(pieces[-1])
-        stats = {"refill_generations": len(pieces) - 1, "frac_groups_dropped": 1.0 - sum(keep) / len(keep)}
+        stats = GroupFilterStats(len(pieces) - 1, 1.0 - sum(keep) / len(keep))
         groups = select_groups(keep, prompts)
         if groups == list(range(prompts)):  # the generation as sampled: nothing to move
-            return replace(first, stats=stats)
+            return replace(first, group_filter=stats)
         pad = host.tokenizer.pad_token_id
         tagged = any(piece.output.token_versions is not None for piece in pieces)  # in flight: on every rank alike
         pool = concat_batches([_as_rollout_batch(piece, tagged) for piece in pieces], pad)
@@ -141,7 +141,7 @@ class DynamicSampling:
             chosen.reward_components,
             chosen.rewards,
             chosen.policy_version,  # refills under asynchronous rollouts have newer versions than the generation
-            stats=stats,
+            group_filter=stats,
         )
 
     def _informative_groups(self, piece: ScoredCompletions) -> list[bool]:

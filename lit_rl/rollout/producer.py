@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -48,6 +48,14 @@ from lit_rl.training.strategies import fail_on_every_rank, reduce_across_ranks
 from lit_rl.types import model_token_mask
 
 
+@dataclass(frozen=True)
+class GroupFilterStats:
+    """Dynamic sampling's numbers of a generation (`lit_rl.rollout.dynamic_sampling`), which GRPO logs."""
+
+    refill_generations: int  # the refill generations it sampled
+    frac_groups_dropped: float  # the share of the sampled groups its filter dropped
+
+
 @dataclass
 class ScoredCompletions:
     """This rank's completions of a generation, scored: what a producer hands the module."""
@@ -60,9 +68,7 @@ class ScoredCompletions:
     # The policy version (optimizer steps done) that sampled them: one for all, or per row [N] (dynamic sampling's
     # refills under asynchronous rollouts are sampled by newer weights than the generation they top up).
     version: int | torch.Tensor
-    # A producer's own numbers of the generation, for the algorithm that wraps it in that producer (dynamic
-    # sampling, GRPO's: `refill_generations`, `frac_groups_dropped`).
-    stats: dict[str, int | float] = field(default_factory=dict)
+    group_filter: Optional[GroupFilterStats] = None  # dynamic sampling's numbers; None without it
 
     def row_versions(self) -> torch.Tensor:
         """The policy version of each row [N] (long)."""
