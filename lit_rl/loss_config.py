@@ -17,10 +17,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from lit_rl.errors import ConfigError
+from lit_rl.losses.advantages import SCALE_REWARDS
 from lit_rl.losses.aggregation import AGGREGATIONS
 from lit_rl.losses.dpo import DPO_LOSSES
-
-SCALE_REWARDS = ("group", "batch", "none")
 
 
 def _check_beta(beta: float) -> None:

@@ -196,3 +196,11 @@ def test_sft_loss_is_the_token_mean_of_the_whole_step_in_any_split():
     assert total.item() == pytest.approx(10.0 / 4)
     # A mean per micro-batch, averaged, would give (6/3 + 4/1) / 2 = 3.0: the split would change the loss.
     assert total.item() != pytest.approx((6.0 / 3 + 4.0) / 2)
+
+
+def test_the_option_types_name_every_choice_and_only_those():
+    from typing import get_args
+
+    from lit_rl.losses.aggregation import AGGREGATIONS, LossAggregation
+
+    assert set(get_args(LossAggregation)) == set(AGGREGATIONS)

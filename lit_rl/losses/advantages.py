@@ -16,7 +16,7 @@ signature is given by import path. Pure torch.
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from typing import Callable, Literal, get_args
 
 import torch
 
@@ -24,11 +24,13 @@ from lit_rl.losses.resolve import resolve_function
 from lit_rl.losses.rloo import rloo_advantages
 
 ScaleRewards = Literal["group", "batch", "none"]
+SCALE_REWARDS: tuple[str, ...] = get_args(ScaleRewards)
+STD_EPS = 1e-4  # added to a standard deviation before dividing by it
 AdvantageEstimator = Callable[[torch.Tensor, int, str], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 def group_advantages(
-    rewards: torch.Tensor, group_size: int, scale_rewards: ScaleRewards = "group", eps: float = 1e-4
+    rewards: torch.Tensor, group_size: int, scale_rewards: ScaleRewards = "group", eps: float = STD_EPS
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Advantages of completions sampled in groups of `group_size` consecutive rows.
 
@@ -52,7 +54,7 @@ def group_advantages(
     elif scale_rewards == "none":
         advantages = centered
     else:
-        raise ValueError(f"scale_rewards must be one of 'group', 'batch', 'none', got {scale_rewards!r}")
+        raise ValueError(f"scale_rewards must be one of {list(SCALE_REWARDS)}, got {scale_rewards!r}")
     return advantages, {"group_std": group_std, "group_mean": group_mean}
 
 
@@ -73,7 +75,7 @@ def loo_advantages(
 
 
 def reinforce_pp_advantages(
-    rewards: torch.Tensor, group_size: int, scale_rewards: str = "none", eps: float = 1e-4
+    rewards: torch.Tensor, group_size: int, scale_rewards: str = "none", eps: float = STD_EPS
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """REINFORCE++: A_i = (r_i - mean(all r)) / (std(all r) + eps), unbiased std. [B*G] -> [B*G]."""
     _grouped(rewards, group_size)
@@ -81,7 +83,7 @@ def reinforce_pp_advantages(
 
 
 def reinforce_pp_baseline_advantages(
-    rewards: torch.Tensor, group_size: int, scale_rewards: str = "none", eps: float = 1e-4
+    rewards: torch.Tensor, group_size: int, scale_rewards: str = "none", eps: float = STD_EPS
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """REINFORCE++-baseline: c_i = r_i - mean(group(i)), then A_i = c_i / (std(all c) + eps). [B*G] -> [B*G]."""
     grouped = _grouped(rewards, group_size)
