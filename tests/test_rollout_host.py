@@ -118,7 +118,7 @@ def _producer(answers) -> RolloutProducer:
             torch.ones(len(prompts), 2),
         )
     )
-    return RolloutProducer(ProducerParts(host, engines, scorer, SamplingParams(max_new_tokens=2), 2, prompts))
+    return RolloutProducer(ProducerParts(host, engines, scorer, SamplingParams(max_new_tokens=2), prompts))
 
 
 def test_a_producer_samples_and_scores_a_generation_with_only_the_declared_host():

@@ -117,7 +117,7 @@ class OnPolicyModule(PolicyModule):
         self.reward_scorer = RewardScorer(rewards)  # the reward functions and their weights
         self.engines = EngineOwner(self.engine_config, self)
         params, encoder = self.sampling_params(training=True), self.prompt_encoder
-        parts = ProducerParts(self, self.engines, self.reward_scorer, params, sampling.max_new_tokens, encoder)
+        parts = ProducerParts(self, self.engines, self.reward_scorer, params, encoder)
         # Where the rollouts come from (`lit_rl.rollout.choice`), and how the prompts are rendered (for the checks).
         choice = choose_producer(parts, env, rollout, self.tokenizer, self.optimizer_steps_per_generation)
         self.producer: RolloutProducer = choice.producer

@@ -15,7 +15,7 @@ With a single micro-batch the defaults (`num_sequences = N`, `num_tokens = sum(m
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Literal, Optional
+from typing import Callable, Literal
 
 import torch
 
@@ -43,14 +43,14 @@ class LossNormalizer:
     num_active_sequences: float = 0.0
 
     @classmethod
-    def local(cls, completion_mask: torch.Tensor, max_completion_length: Optional[int] = None) -> "LossNormalizer":
-        """Denominators of a single micro-batch: the textbook definitions."""
+    def local(cls, completion_mask: torch.Tensor) -> "LossNormalizer":
+        """Denominators of a single micro-batch: the textbook definitions (`constant`'s T_max: the mask's width)."""
         tokens = float(completion_mask.sum())
         return cls(
             num_sequences=float(completion_mask.shape[0]),
             num_tokens=tokens,
             num_generation_tokens=tokens,
-            max_completion_length=max_completion_length or completion_mask.shape[1],
+            max_completion_length=completion_mask.shape[1],
         )
 
 

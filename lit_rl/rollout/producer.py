@@ -85,8 +85,8 @@ class ProducerParts:
         host: the module that trains the policy (`RolloutHost`).
         engines: the run's engine (`EngineOwner`), shared with the module.
         scorer: the reward functions (`model.rewards`).
-        params: how training samples (`SamplingParams` of `model.sampling`).
-        max_new_tokens: `model.sampling.max_new_tokens`, the budget of one completion (of one turn, in episodes).
+        params: how training samples (`SamplingParams` of `model.sampling`; its `max_new_tokens`, the budget of
+            one completion, of one turn in episodes).
         prompts: the module's prompt encoder (`lit_rl.modeling.prompts`), so that a prompt is sampled from as the
             module reads it.
     """
@@ -95,7 +95,6 @@ class ProducerParts:
     engines: EngineOwner
     scorer: RewardScorer
     params: SamplingParams
-    max_new_tokens: int
     prompts: PromptEncoder
 
 
@@ -117,7 +116,6 @@ class RolloutProducer:
         self.engines = parts.engines
         self.scorer = parts.scorer
         self.params = parts.params
-        self.max_new_tokens = parts.max_new_tokens
         self.prompts = parts.prompts
 
     # -- what the module reads -------------------------------------------------------------------------------
@@ -129,7 +127,7 @@ class RolloutProducer:
     @property
     def completion_budget(self) -> int:
         """The most tokens one completion can hold."""
-        return self.max_new_tokens
+        return self.params.max_new_tokens
 
     # -- generations -----------------------------------------------------------------------------------------
     def generation(
@@ -312,7 +310,7 @@ class EpisodeProducer(RolloutProducer):
         self.env_factory = env_factory
         self.env_reward_names = env_reward_names
         self.max_turns = max_turns
-        self.max_total_tokens = max_total_tokens or max_turns * parts.max_new_tokens
+        self.max_total_tokens = max_total_tokens or max_turns * parts.params.max_new_tokens
 
     @property
     def reward_names(self) -> list[str]:
