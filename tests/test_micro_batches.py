@@ -40,37 +40,84 @@ def test_an_empty_micro_step_adds_no_loss_and_no_gradient(algorithm):
     assert loss.item() == 0.0 and (logprobs.grad == 0).all()
 
 
-def test_the_forwards_at_generation_time_keep_to_the_token_budget():
-    """Old and reference log-probs (and PPO's values) are computed over consecutive rows of at most
-    `micro_batch_tokens` real tokens (a longer row alone), and give what one forward over every row gives."""
-    from lit_rl.algorithms.micro_steps import MicroBatcher
+def _batch(prompt_tokens: list[int], completion_tokens: list[int]):
+    """A rollout batch whose rows hold these real prompt and completion tokens (prompts left-padded to 3)."""
     from lit_rl.types import RolloutBatch
 
-    prompt_tokens, completion_tokens = [2, 2, 1, 3, 2, 1], [3, 1, 8, 2, 4, 1]  # rows of 5, 3, 9, 5, 6, 2 tokens
-    n, P, T = 6, 3, 8
-    prompt_mask = torch.tensor([[0] * (P - p) + [1] * p for p in prompt_tokens])
-    completion_mask = torch.tensor([[1.0] * c + [0.0] * (T - c) for c in completion_tokens])
+    n, P, T = len(prompt_tokens), 3, 8
     zeros = torch.zeros(n)
-    batch = RolloutBatch(
+    return RolloutBatch(
         prompt_ids=torch.arange(n * P).view(n, P),
-        prompt_mask=prompt_mask,
+        prompt_mask=torch.tensor([[0] * (P - p) + [1] * p for p in prompt_tokens]),
         completion_ids=torch.arange(n * T).view(n, T),
-        completion_mask=completion_mask,
+        completion_mask=torch.tensor([[1.0] * c + [0.0] * (T - c) for c in completion_tokens]),
         rollout_logprobs=torch.zeros(n, T),
         rewards=zeros,
         reward_components=zeros[:, None],
         advantages=zeros,
         group_reward_std=zeros,
     )
+
+
+def test_the_forwards_at_generation_time_keep_to_the_token_budget():
+    """Old and reference log-probs (and PPO's values) are computed over consecutive rows of at most
+    `micro_batch_tokens` real tokens (a longer row alone), and give what one forward over every row gives."""
+    from lit_rl.algorithms.micro_steps import MicroBatcher
+
+    batch = _batch([2, 2, 1, 3, 2, 1], [3, 1, 8, 2, 4, 1])  # rows of 5, 3, 9, 5, 6, 2 tokens
     seen = []
 
-    def score(mb: RolloutBatch) -> torch.Tensor:
+    def score(mb) -> torch.Tensor:
         seen.append(int(mb.prompt_mask.sum() + mb.completion_mask.sum()))
         return mb.completion_ids.float() / 7
 
     by_tokens = MicroBatcher(micro_batch_size=4, accumulate=1, micro_batch_tokens=8)
     assert by_tokens.forward_slices(batch) == [slice(0, 2), slice(2, 3), slice(3, 4), slice(4, 6)]
-    assert torch.equal(by_tokens.per_micro_batch(batch, score), score(batch) * completion_mask)
+    assert torch.equal(by_tokens.per_micro_batch(batch, score), score(batch) * batch.completion_mask)
     assert seen[:-1] == [8, 9, 5, 8]  # the 9-token row alone, over the budget; the others within it
     by_rows = MicroBatcher(micro_batch_size=4, accumulate=1)
     assert by_rows.forward_slices(batch) == [slice(0, 4), slice(4, 8)]
+
+
+def _rank_scores(rank: int, init_file: str, results) -> None:
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from benchmarks.process_exit import exit_without_finalizing
+    from lit_rl.algorithms.micro_steps import MicroBatcher
+    from lit_rl.algorithms.on_policy import OnPolicyModule
+
+    # A collective left unmatched fails after a minute instead of hanging the suite.
+    init = dict(init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    torch.distributed.init_process_group("gloo", **init)
+    try:
+        # Rank 0's rows need 4 forwards of at most 8 tokens, rank 1's 2.
+        batch = _batch([2, 2, 1, 3, 2, 1], [3, 1, 8, 2, 4, 1]) if rank == 0 else _batch([2, 2], [2, 2])
+        calls = []
+
+        def score(mb) -> torch.Tensor:  # a forward under sharded parameters: a collective every time
+            torch.distributed.all_reduce(torch.ones(1))
+            calls.append(len(mb))
+            return mb.completion_ids.float()
+
+        module = SimpleNamespace(
+            parameters_sharded=lambda: True,
+            micro_batcher=MicroBatcher(micro_batch_size=4, accumulate=1, micro_batch_tokens=8),
+            device=torch.device("cpu"),
+        )
+        out = OnPolicyModule.per_micro_batch(module, batch, score)
+        results[rank] = (calls, torch.equal(out, batch.completion_ids.float() * batch.completion_mask))
+    finally:
+        torch.distributed.destroy_process_group()
+    exit_without_finalizing()
+
+
+@pytest.mark.slow
+def test_ranks_with_sharded_parameters_run_as_many_forwards_by_tokens(tmp_path):
+    """Under ZeRO-3/FSDP every forward gathers the parameters from all ranks: a rank whose rows need fewer
+    token-budgeted forwards runs the missing ones on one row (results unused), else the ranks would hang."""
+    import torch.multiprocessing as mp
+
+    results = mp.Manager().dict()
+    mp.spawn(_rank_scores, args=(str(tmp_path / "init"), results), nprocs=2, join=True)
+    assert dict(results) == {0: ([2, 1, 1, 2], True), 1: ([2, 1, 1, 1], True)}

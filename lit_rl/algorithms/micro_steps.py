@@ -52,11 +52,26 @@ class MicroBatcher:
             buffer, index, self.rows_per_step, self.accumulate, self.micro_batch_tokens, self.unit
         )
 
-    def per_micro_batch(self, batch: RolloutBatch, score: Callable[[RolloutBatch], torch.Tensor]) -> torch.Tensor:
+    def per_micro_batch(
+        self,
+        batch: RolloutBatch,
+        score: Callable[[RolloutBatch], torch.Tensor],
+        most_on_any_rank: Optional[Callable[[int], int]] = None,
+    ) -> torch.Tensor:
         """`score(micro-batch)` [n, T] over `batch` in slices of consecutive rows (`forward_slices`), concatenated
         and zeroed where the completion mask is 0 (the forwards at generation time: old and reference log-probs,
-        PPO's values)."""
-        chunks = [score(batch.select(rows)) for rows in self.forward_slices(batch)]
+        PPO's values).
+
+        Slices by tokens may number differently on each rank. Where every forward is a collective (sharded
+        parameters), `most_on_any_rank(count)` gives the most slices any rank has, and this rank runs its missing
+        forwards on its first row, their results unused, so that every rank runs as many."""
+        slices = self.forward_slices(batch)
+        missing = 0
+        if most_on_any_rank is not None and self.micro_batch_tokens is not None:  # before any forward's collective
+            missing = most_on_any_rank(len(slices)) - len(slices)
+        chunks = [score(batch.select(rows)) for rows in slices]
+        for _ in range(missing):
+            score(batch.select(slice(0, 1)))
         return torch.cat(chunks) * batch.completion_mask
 
     def forward_slices(self, batch: RolloutBatch) -> list[slice]:

@@ -23,7 +23,7 @@ correction weighs them against the engine's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torchmetrics import MetricCollection
@@ -57,7 +57,7 @@ from lit_rl.training.metrics import (
     update_on_policy_metrics,
     update_rollout_metrics,
 )
-from lit_rl.training.strategies import is_accumulating_micro_batch
+from lit_rl.training.strategies import is_accumulating_micro_batch, reduce_across_ranks
 from lit_rl.types import RolloutBatch, model_token_mask
 
 
@@ -386,7 +386,7 @@ class OnPolicyModule(PolicyModule):
 
     def _logprobs_in_chunks(self, model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
         temperature = self.sampling_args.temperature
-        return self.micro_batcher.per_micro_batch(
+        return self.per_micro_batch(
             batch,
             lambda mb: (
                 self.score_completions(
@@ -394,6 +394,17 @@ class OnPolicyModule(PolicyModule):
                 ).logprobs
             ),
         )
+
+    def per_micro_batch(self, batch: RolloutBatch, score: Callable[[RolloutBatch], torch.Tensor]) -> torch.Tensor:
+        """`score` over `batch` a micro-batch at a time (`MicroBatcher.per_micro_batch`), as many forwards on every
+        rank when the parameters are sharded (each forward gathers them from all ranks)."""
+        if not self.parameters_sharded():
+            return self.micro_batcher.per_micro_batch(batch, score)
+
+        def most_on_any_rank(count: int) -> int:
+            return int(reduce_across_ranks(torch.tensor(count, device=self.device), "max"))
+
+        return self.micro_batcher.per_micro_batch(batch, score, most_on_any_rank)
 
     # -- training --------------------------------------------------------------------------------------------
     def training_step(self, batch: ScheduledMicroStep, batch_idx: int) -> torch.Tensor:

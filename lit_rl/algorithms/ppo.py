@@ -171,7 +171,7 @@ class PPO(OnPolicyModule):
         args = self.loss_args
         mask = batch.loss_mask  # the model's tokens: every completion token without an environment
         with self.timer.phase("values"):
-            batch.old_values = self.micro_batcher.per_micro_batch(batch, self.critic_values)
+            batch.old_values = self.per_micro_batch(batch, self.critic_values)
         kl = None
         if batch.ref_logprobs is not None:
             kl = (batch.old_logprobs - batch.ref_logprobs) * mask  # [N, T]

@@ -12,7 +12,8 @@ counts them), so a step whose completions fit in fewer micro-batches runs the re
 with its completion and loss masks zeroed, which adds nothing to the loss, the gradient or the metrics, and keeps every
 rank's collectives (DDP's all-reduce, ZeRO-3's gathers) in step. Short completions therefore cost fewer real
 forwards, and long ones never more than N tokens at once (the forwards at generation time too: old and reference
-log-probs and PPO's values go over consecutive rows of at most N tokens, `MicroBatcher.forward_slices`).
+log-probs and PPO's values go over consecutive rows of at most N tokens, `MicroBatcher.forward_slices`; with
+sharded parameters every rank runs as many of them as the rank that needs the most).
 
 A step whose completions need more micro-batches than that is over budget: the units that fit nowhere go to the
 micro-batches with the fewest tokens, and `train/micro_batch_tokens/max` (logged with the budget) shows by how

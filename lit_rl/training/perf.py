@@ -183,7 +183,10 @@ def token_rates(timings: dict[str, float], generated: float, trained: float) -> 
 
     The seconds of generation are `perf/engine_busy_s` with an engine that counts its requests (the vLLM server's),
     else `perf/generation_s`: under asynchronous rollouts the wait for a generation is only the part of its
-    sampling the training did not hide, and tokens over it would overstate the engine's speed without bound."""
+    sampling the training did not hide, and tokens over it would overstate the engine's speed without bound.
+    A generation's tokens count in the step that takes it, its busy seconds in the steps it was sampled in: when
+    those differ (asynchronous rollouts over several optimizer steps per generation), read the rate as a mean over
+    steps."""
     generation_s = timings.get("perf/engine_busy_s", timings.get("perf/generation_s", 0.0))
     step_s = timings["perf/step_s"]
     return {
