@@ -91,7 +91,7 @@ def _rank_scores(rank: int, init_file: str, results) -> None:
     init = dict(init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=60))
     torch.distributed.init_process_group("gloo", **init)
     try:
-        # Rank 0's rows need 4 forwards of at most 8 tokens, rank 1's 2.
+        # Rank 0's rows need 4 forwards of at most 8 tokens, rank 1's one.
         batch = _batch([2, 2, 1, 3, 2, 1], [3, 1, 8, 2, 4, 1]) if rank == 0 else _batch([2, 2], [2, 2])
         calls = []
 
@@ -118,6 +118,8 @@ def test_ranks_with_sharded_parameters_run_as_many_forwards_by_tokens(tmp_path):
     token-budgeted forwards runs the missing ones on one row (results unused), else the ranks would hang."""
     import torch.multiprocessing as mp
 
-    results = mp.Manager().dict()
-    mp.spawn(_rank_scores, args=(str(tmp_path / "init"), results), nprocs=2, join=True)
-    assert dict(results) == {0: ([2, 1, 1, 2], True), 1: ([2, 1, 1, 1], True)}
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_rank_scores, args=(str(tmp_path / "init"), results), nprocs=2, join=True)
+        # Rank 1 runs its forward of 2 rows, then 3 of one row.
+        assert dict(results) == {0: ([2, 1, 1, 2], True), 1: ([2, 1, 1, 1], True)}
