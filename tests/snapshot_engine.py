@@ -114,7 +114,7 @@ class SnapshotEngine:
 def use_snapshot_engine(module) -> list[SnapshotEngine]:
     """Make `module` (an on-policy algorithm) build a `SnapshotEngine` instead of its configured one; the list
     receives each engine built."""
-    from lit_rl.rollout.engines.hf import model_eos_token_ids
+    from lit_rl.modeling.models import model_eos_token_ids
 
     built: list[SnapshotEngine] = []
 

@@ -255,9 +255,8 @@ def test_the_variable_length_workloads_vary_in_length(tmp_path):
     lengths = [len(pair[key]) for pair in pairs for key in ("chosen", "rejected")]
     assert min(lengths) >= 32 and max(lengths) <= 128 and len(set(lengths)) > 20
     assert compare_trl.length_reward(None, ["ab", "x" * 200]) == [2 / 128, 1.0]
-    from lit_rl.modeling.models import load_causal_lm, load_tokenizer
+    from lit_rl.modeling.models import load_causal_lm, load_tokenizer, model_eos_token_ids
     from lit_rl.rollout import HFGenerateEngine, SamplingParams
-    from lit_rl.rollout.engines.hf import model_eos_token_ids
 
     path = compare_trl.build_stopping_model(tmp_path / "model", 5, hidden_size=64, num_hidden_layers=1)
     tokenizer, model = load_tokenizer(path), load_causal_lm(path)

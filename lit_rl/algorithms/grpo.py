@@ -30,9 +30,9 @@ from lit_rl.losses import LossNormalizer, grpo_loss
 from lit_rl.losses.advantages import advantage_function
 from lit_rl.losses.overlong import overlong_penalty, truncated
 from lit_rl.losses.policy import policy_loss_function
+from lit_rl.modeling.models import model_eos_token_ids
 from lit_rl.rollout import RolloutOutput
 from lit_rl.rollout.dynamic_sampling import ZERO_STD, DynamicSampling
-from lit_rl.rollout.engines.hf import model_eos_token_ids
 from lit_rl.rollout.producer import GroupFilterStats
 from lit_rl.training.metrics import mean, metric_collection, on_policy_training_metrics
 from lit_rl.types import RolloutBatch, model_token_mask

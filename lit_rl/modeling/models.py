@@ -167,6 +167,15 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]
 TINY_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 
+def model_eos_token_ids(model: torch.nn.Module, tokenizer_eos_id: Optional[int]) -> list[int]:
+    """Every id that ends a completion: the tokenizer's EOS and the model's generation-config EOS ids
+    (chat models often end turns with a token that is not the tokenizer's EOS)."""
+    ids = [] if tokenizer_eos_id is None else [tokenizer_eos_id]
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    configured = [configured] if isinstance(configured, int) else list(configured or [])
+    return ids + [i for i in configured if i not in ids]
+
+
 def _byte_alphabet() -> list[str]:
     """GPT-2's byte-to-unicode table, in byte order: the 256 symbols of a byte-level BPE."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))

@@ -157,7 +157,8 @@ class HFGenerate(EngineConfig):
             )
 
     def build(self, module: RolloutHost) -> RolloutEngine:
-        from lit_rl.rollout.engines.hf import HFGenerateEngine, model_eos_token_ids
+        from lit_rl.modeling.models import model_eos_token_ids
+        from lit_rl.rollout.engines.hf import HFGenerateEngine
         from lit_rl.training.strategies import is_zero3
 
         sharded = module.parameters_sharded()
@@ -271,8 +272,7 @@ class VLLMColocate(EngineConfig):
         check_colocate(self)
 
     def build(self, module: RolloutHost) -> RolloutEngine:
-        from lit_rl.modeling.models import resolve_model_path
-        from lit_rl.rollout.engines.hf import model_eos_token_ids
+        from lit_rl.modeling.models import model_eos_token_ids, resolve_model_path
         from lit_rl.rollout.engines.placement import EnginePlacement
         from lit_rl.rollout.engines.vllm import VLLMColocateEngine
 
@@ -430,7 +430,7 @@ class VLLMServer(EngineConfig):
             check_launch(self)
 
     def build(self, module: RolloutHost) -> RolloutEngine:
-        from lit_rl.rollout.engines.hf import model_eos_token_ids
+        from lit_rl.modeling.models import model_eos_token_ids
         from lit_rl.rollout.engines.vllm_server import VLLMServerEngine
 
         eos_ids = model_eos_token_ids(module.policy, module.tokenizer.eos_token_id)

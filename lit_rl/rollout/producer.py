@@ -28,6 +28,7 @@ from lit_rl.envs.chat_tools import ChatRenderer, chat_prompt
 from lit_rl.envs.runner import EnvCallTimeout, EnvironmentRunner
 from lit_rl.envs.trl_environments import EnvironmentRouting, TRLEnvironment
 from lit_rl.errors import ConfigError, DataError, EnvironmentStepError, LitRLError, RewardFunctionError
+from lit_rl.modeling.models import model_eos_token_ids
 from lit_rl.modeling.prompts import PromptEncoder
 from lit_rl.rewards import TrainerState
 from lit_rl.rewards.scorer import RewardScorer
@@ -41,7 +42,6 @@ from lit_rl.rollout.base import (
     unpadded_prompts,
 )
 from lit_rl.rollout.engine_owner import EngineOwner
-from lit_rl.rollout.engines.hf import model_eos_token_ids
 from lit_rl.rollout.host import RolloutHost
 from lit_rl.rollout.multi_turn import Episodes, run_episodes
 from lit_rl.training.strategies import fail_on_every_rank, reduce_across_ranks

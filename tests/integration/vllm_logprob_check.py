@@ -115,9 +115,8 @@ def _policy(lora: bool):
 
 
 def _engine(mode: str, url: str | None, policy, tokenizer, gloo: bool):
-    from lit_rl.modeling.models import resolve_model_path
+    from lit_rl.modeling.models import model_eos_token_ids, resolve_model_path
     from lit_rl.rollout import VLLMColocate, VLLMServer, WeightTransfer
-    from lit_rl.rollout.engines.hf import model_eos_token_ids
 
     eos_ids = model_eos_token_ids(policy, tokenizer.eos_token_id)
     if mode == "colocate":

@@ -14,15 +14,6 @@ from lit_rl.rollout.base import RolloutOutput, SamplingParams, completion_mask_f
 from lit_rl.rollout.engines.compact_decode import SeededRowSampler, decode_skipping_finished
 
 
-def model_eos_token_ids(model: torch.nn.Module, tokenizer_eos_id: Optional[int]) -> list[int]:
-    """Every id that ends a completion: the tokenizer's EOS and the model's generation-config EOS ids
-    (chat models often end turns with a token that is not the tokenizer's EOS)."""
-    ids = [] if tokenizer_eos_id is None else [tokenizer_eos_id]
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    configured = [configured] if isinstance(configured, int) else list(configured or [])
-    return ids + [i for i in configured if i not in ids]
-
-
 @contextmanager
 def _library_generation_defaults(model: torch.nn.Module) -> Iterator[None]:
     """Hide the model's own `generation_config` (repetition penalty, top-k, min-p, ... from its repository):
