@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # the config imports Lightning; reward scoring does not need 
     from lit_rl.config import RewardArgs
 
 DEFAULT_REWARD = "lit_rl.rewards.arithmetic.correctness"  # the built-in task's
+ENV_PART_PREFIX = "env/"  # the columns of an environment's reward parts, after the functions': env/<part>
 
 
 class RewardScorer:
@@ -128,12 +129,13 @@ def weighted_reward(
     """[N, F] -> [N]: `sum_f weights[f] * components[:, f]`.
 
     An invalid value (NaN, inf, or None from the function) counts as 0 with `model.rewards.on_invalid: zero` (the
-    default; `frac_invalid_reward` counts them) and stops the run, naming the function (`names[f]`), with `error`.
+    default; `frac_invalid_reward` counts them) and stops the run, naming the function or the environment's reward
+    part (`names[f]`), with `error`.
     """
     invalid = ~torch.isfinite(components)
     if invalid.any() and invalid_reward == "error":
         row, column = (int(i) for i in invalid.nonzero()[0])
-        source = "environment reward part" if names[column].startswith("env/") else "reward function"
+        source = "environment reward part" if names[column].startswith(ENV_PART_PREFIX) else "reward function"
         raise RewardFunctionError(
             f"{source} {names[column]!r} returned {components[row, column].item()} for completion {row} "
             "(set model.rewards.on_invalid: zero to count invalid rewards as 0)"

@@ -31,7 +31,7 @@ from lit_rl.errors import ConfigError, DataError, EnvironmentStepError, LitRLErr
 from lit_rl.modeling.models import model_eos_token_ids
 from lit_rl.modeling.prompts import PromptEncoder
 from lit_rl.rewards import TrainerState
-from lit_rl.rewards.scorer import RewardScorer
+from lit_rl.rewards.scorer import ENV_PART_PREFIX, RewardScorer
 from lit_rl.rollout.asynchronous import AsyncGenerations, PendingGeneration, generation_version
 from lit_rl.rollout.base import (
     ConcurrentEngine,
@@ -315,7 +315,7 @@ class EpisodeProducer(RolloutProducer):
     @property
     def reward_names(self) -> list[str]:
         """One column per reward function, then the environment's parts (`env/<part>`)."""
-        return [*self.scorer.names, *(f"env/{name}" for name in self.env_reward_names)]
+        return [*self.scorer.names, *(ENV_PART_PREFIX + name for name in self.env_reward_names)]
 
     @property
     def completion_budget(self) -> int:

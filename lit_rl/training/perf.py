@@ -71,8 +71,8 @@ class StepTimer:
     phases add up to at most the step.
 
     `summary()` returns `perf/<phase>_s` for every phase, `perf/step_s` (wall time since the previous step) and
-    `perf/policy_update_s` (the rest: forward/backward/optimizer of the policy), peak memory,
-    and `perf/engine_busy_s` once an engine's client counts its requests on `engine` (the module's clock, `counted`
+    `perf/policy_update_s` (the rest: forward/backward/optimizer of the policy), peak memory, and
+    `perf/engine_busy_s` once an engine's client counts its requests on `engine` (the module's clock, `counted`
     by the vLLM server engine: the step's seconds with a generation request outstanding, even in the background);
     then it starts the next step (its phases and counters, `model_flops` among them, back to 0).
     """
@@ -150,8 +150,8 @@ def step_perf(
     """The step's `perf/` metrics, from this rank's `timer` (whose `summary` starts the next step's counts) and,
     with `gather` (all_gather, on several ranks), every rank's, in one collective: the slowest rank's timings and
     peak memory, since the step waits for it; the tokens' rates of all ranks together (`token_rates`); its model
-    FLOP rate over all ranks, `perf/tflops`, and `perf/mfu`, that
-    rate over the peak of the ranks' devices (`lit_rl.training.flops`, added to the run's `throughput`);
+    FLOP rate over all ranks, `perf/tflops`, and `perf/mfu`, that rate over the peak of the ranks' devices
+    (`lit_rl.training.flops`, added to the run's `throughput`);
     `perf/update_mfu`, the same for the update alone: the forward and backward FLOPs of the passes that train (the
     policy's; PPO's critic's too) over `perf/policy_update_s`; with an engine that counts its requests (the vLLM
     server's), `perf/engine_idle_share`, the share of the step without a generation request outstanding."""
