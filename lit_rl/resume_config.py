@@ -31,8 +31,9 @@ from lit_rl.errors import ConfigError
 from lit_rl.rollout.engine_config import EngineConfig, engine_from_config
 
 # What a resumed `fit` may change. The optimizer's rates (the configured ones replace those in the restored
-# optimizer state, see `PolicyModule.apply_configured_rates`); how a step is cut into micro-batches and run
-# (the same loss and gradient: the accumulation, packing and attention tests prove it); validation's sampling; and
+# optimizer state, see `PolicyModule.apply_configured_rates`); how a step's micro-batches are cut by tokens and run
+# (the same loss and gradient: the token-budget, packing and attention tests prove it; not `micro_batch_size`, in
+# whose micro-batches the checkpoint counts its place: `refuse_moved_position`); validation's sampling; and
 # how and where rollouts are produced (`model.rollout.engine`: the engine, the server's address, its timeouts).
 # Keys under `model.`; a key names everything below it (`rollout.engine` covers `rollout.engine.server_url`).
 MAY_CHANGE_ON_RESUME = frozenset(
@@ -41,7 +42,6 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "critic_learning_rate",
         "optim.weight_decay",
         "optim.warmup_steps",
-        "schedule.micro_batch_size",
         "schedule.micro_batch_tokens",
         "policy.head_chunk_tokens",
         "policy.gradient_checkpointing",
@@ -96,14 +96,12 @@ def reconcile(
         bucket = allowed if may_change(subcommand, difference.key.removeprefix("model.")) else refused
         bucket.append(difference)
     if refused:
-        listed = "; ".join(
-            f"{d.key}: {_show(d.this_run)} here, {_show(d.checkpoint)} in the checkpoint" for d in refused
-        )
+        listed = _listed(refused)
         if subcommand == "fit":
             advice = (
-                "a resumed run keeps what it was trained with (only the rates, micro-batching, validation sampling "
-                "and model.rollout.engine may change): give the checkpoint's values, or start a new run "
-                "without --ckpt_path"
+                "a resumed run keeps what it was trained with (only the rates, token budgets and memory settings, "
+                "validation sampling and model.rollout.engine may change): give the checkpoint's values, or start "
+                "a new run without --ckpt_path"
             )
         else:
             advice = "the checkpoint's weights belong to that model: give the checkpoint's values"
@@ -190,6 +188,27 @@ def differences(key: str, this_run: Any, checkpoint: Any) -> list[Difference]:
     for sub in sorted(keys):
         found.extend(differences(f"{key}.{sub}", this_run.get(sub), checkpoint.get(sub)))
     return found
+
+
+def refuse_moved_position(this_run: Mapping[str, int], checkpoint_layout: Mapping[str, int], checkpoint: Any) -> None:
+    """A resumed `fit` continues from the checkpoint's place in its data, which counts micro-batches of the
+    checkpoint's sizes on its ranks (`PolicyModule.data_layout`: the accumulation, the ranks, a batch size). With
+    any of them changed the same count is another place: samples would be trained twice or skipped, and a
+    generation split across optimizer steps. So a change of one stops the run in one line naming every such key,
+    this run's value and the checkpoint's (`checkpoint_layout`: empty for a checkpoint that kept none)."""
+    kept = {key: value for key, value in checkpoint_layout.items() if key in this_run}
+    changed = [Difference(key, this_run[key], value) for key, value in kept.items() if this_run[key] != value]
+    if changed:
+        listed = _listed(changed)
+        raise ConfigError(
+            f"--ckpt_path {checkpoint} was trained with other values: {listed}; the checkpoint's place in the data "
+            "counts micro-batches of its sizes on its ranks, and a resumed run continues from that place: give the "
+            "checkpoint's values, or start a new run without --ckpt_path"
+        )
+
+
+def _listed(differences: list[Difference]) -> str:
+    return "; ".join(f"{d.key}: {_show(d.this_run)} here, {_show(d.checkpoint)} in the checkpoint" for d in differences)
 
 
 def _show(value: Any) -> str:

@@ -11,7 +11,7 @@ import pytest
 from lit_rl.algorithms import GRPO
 from lit_rl.config import GROUP_NAMES, GROUPS, grouped_hparams
 from lit_rl.errors import ConfigError
-from lit_rl.resume_config import MAY_CHANGE_ON_RESUME, MODEL_IDENTITY, Difference, reconcile
+from lit_rl.resume_config import MAY_CHANGE_ON_RESUME, MODEL_IDENTITY, Difference, reconcile, refuse_moved_position
 from lit_rl.rollout import VLLMServer
 
 SAVED = {  # as a lit-rl 0.2 checkpoint holds them
@@ -61,6 +61,30 @@ def test_fit_stops_in_one_line_naming_every_key_it_may_not_change():
         "model.sampling.num_generations: 8 here, 16 in the checkpoint;" in message
     )
     assert "learning_rate" not in message  # the rate may change: not among the refused keys
+
+
+def test_a_rollout_algorithms_micro_batch_size_is_kept_on_resume():
+    """The checkpoint counts its place in micro-steps of `micro_batch_size` completions: another size would continue
+    elsewhere in the generations, so it is refused with the objective, not announced with the rates."""
+    saved, run = {**SAVED, "schedule": {"micro_batch_size": 16}}, {**_run(), "schedule": {"micro_batch_size": 4}}
+    with pytest.raises(ConfigError, match="model.schedule.micro_batch_size: 4 here, 16 in the checkpoint"):
+        reconcile("fit", GRPO, run, saved, "last.ckpt")
+
+
+LAYOUT = {"trainer.accumulate_grad_batches": 2, "trainer.devices x trainer.num_nodes": 1, "data.batch_size": 8}
+
+
+def test_a_resumed_fit_keeps_the_units_of_its_place_in_the_data():
+    refuse_moved_position(LAYOUT, LAYOUT, "last.ckpt")  # the same: nothing to say
+    refuse_moved_position(LAYOUT, {}, "last.ckpt")  # a checkpoint that kept none (before lit-rl did)
+    with pytest.raises(ConfigError) as caught:
+        refuse_moved_position({**LAYOUT, "trainer.accumulate_grad_batches": 4, "data.batch_size": 4}, LAYOUT, "a.ckpt")
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith(
+        "--ckpt_path a.ckpt was trained with other values: trainer.accumulate_grad_batches: 4 here, 2 in the "
+        "checkpoint; data.batch_size: 4 here, 8 in the checkpoint; the checkpoint's place in the data counts "
+    )
 
 
 def test_a_checkpoint_never_configures_trust_or_code():

@@ -14,8 +14,11 @@ from lit_rl.config import OptimArgs, grouped_hparams, plain_data
 from lit_rl.errors import ConfigError
 from lit_rl.modeling.lora import trainable_keys
 from lit_rl.resume import say
-from lit_rl.resume_config import announce, reconcile, refuse_ungrouped_hyperparameters
+from lit_rl.resume_config import announce, reconcile, refuse_moved_position, refuse_ungrouped_hyperparameters
 from lit_rl.training.compat import mark_step_saved
+
+# The checkpoint's entry for `CheckpointState.data_layout`.
+LAYOUT_KEY = "lit_rl_layout"
 
 
 class CheckpointState:
@@ -49,6 +52,19 @@ class CheckpointState:
         if "state_dict" in checkpoint:
             frozen = self._frozen_state()
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}
+        if self._trainer is not None:
+            checkpoint[LAYOUT_KEY] = self.data_layout()
+
+    def data_layout(self) -> dict[str, int]:
+        """The settings the checkpoint's place in the data is counted in, by the option that sets each: a resumed
+        fit must keep them (`lit_rl.resume_config.refuse_moved_position`). The ranks and the accumulation; an
+        algorithm adds its batch size (the on-policy ones compare theirs, `model.schedule.micro_batch_size`, as an
+        option)."""
+        trainer = self.trainer
+        return {
+            "trainer.accumulate_grad_batches": trainer.accumulate_grad_batches,
+            "trainer.devices x trainer.num_nodes": trainer.world_size,
+        }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         saved_policy = grouped_hparams(checkpoint.get("hyper_parameters") or {}).get("policy") or {}
@@ -71,14 +87,12 @@ class CheckpointState:
             refuse_ungrouped_hyperparameters(self, saved)
         if self._trainer is None or not saved:
             return
-        subcommand = {TrainerFn.FITTING: "fit", TrainerFn.VALIDATING: "validate", TrainerFn.TESTING: "test"}
-        changed = reconcile(
-            subcommand.get(self.trainer.state.fn, "predict"),
-            type(self),
-            self.hparams,
-            checkpoint["hyper_parameters"],
-            self.trainer.ckpt_path,
-        )
+        subcommands = {TrainerFn.FITTING: "fit", TrainerFn.VALIDATING: "validate", TrainerFn.TESTING: "test"}
+        subcommand = subcommands.get(self.trainer.state.fn, "predict")
+        ckpt_path = self.trainer.ckpt_path
+        changed = reconcile(subcommand, type(self), self.hparams, checkpoint["hyper_parameters"], ckpt_path)
+        if subcommand == "fit":
+            refuse_moved_position(self.data_layout(), checkpoint.get(LAYOUT_KEY) or {}, ckpt_path)
         for difference in changed:
             say(announce(difference))
 

@@ -10,7 +10,7 @@ import torch
 from torchmetrics import MetricCollection
 
 from lit_rl.algorithms.base import PolicyModule
-from lit_rl.data.contracts import BatchesByTokens
+from lit_rl.data.contracts import BatchesByTokens, FixedBatches
 from lit_rl.training.metrics import data_token_budget_metrics
 from lit_rl.training.strategies import is_accumulating_micro_batch
 
@@ -33,6 +33,14 @@ class OfflineModule(PolicyModule):
         budget = data.micro_batch_tokens if isinstance(data, BatchesByTokens) else None
         if budget is not None and "micro_batch_tokens/max" not in self.train_metrics:
             self.train_metrics.add_metrics(data_token_budget_metrics())
+
+    def data_layout(self) -> dict[str, int]:
+        """`train_batches_done` counts batches of `data.batch_size` rows too."""
+        layout = super().data_layout()
+        data = self.trainer.datamodule
+        if isinstance(data, FixedBatches):
+            layout["data.batch_size"] = data.batch_size
+        return layout
 
     def count_micro_batch_tokens(self, tokens: torch.Tensor) -> None:
         """Record a training micro-batch's real prompt and completion tokens (with a token budget)."""

@@ -7,7 +7,8 @@
   batches it has trained on, checkpointed, from which a resumed loader starts), SFT's regrouped by tokens one that
   counts a row's tokens as it will tokenize it (`CountsRowTokens`); DPO reads the pairs back (`PreferencePairs`),
   which the data module renders with DPO's own prompt encoder (`EncodesPrompts`). SFT's and DPO's data modules may
-  cut batches by tokens (`BatchesByTokens`), which the algorithm reads to log the micro-batches' sizes.
+  cut batches by tokens (`BatchesByTokens`), which the algorithm reads to log the micro-batches' sizes, and its
+  checkpoints keep their batch size (`FixedBatches`), the unit of the place in the data they count.
 """
 
 from __future__ import annotations
@@ -55,6 +56,13 @@ class BatchesByTokens(Protocol):
     """A data module that may cut its training batches by tokens (`data.micro_batch_tokens`: SFT's and DPO's)."""
 
     micro_batch_tokens: Optional[int]
+
+
+@runtime_checkable
+class FixedBatches(Protocol):
+    """A data module whose training batches hold `data.batch_size` rows or pairs on each rank (SFT's and DPO's)."""
+
+    batch_size: int
 
 
 @runtime_checkable

@@ -150,8 +150,9 @@ def val_rows(log_dir):
     return [{k: v for k, v in row.items() if k.startswith("val/")} for row in read_metrics(log_dir) if row["val/loss"]]
 
 
-def test_resume_mid_epoch_is_exact(tmp_path):
-    """8 steps straight, or 3 steps then a resume to 8: the same train/ values and the same final weights."""
+def test_resume_mid_epoch_is_exact(tmp_path, capsys):
+    """8 steps straight, or 3 steps then a resume to 8: the same train/ values and the same final weights; a resume
+    in batches of another size stops in one line."""
     common = (
         "--trainer.accumulate_grad_batches",
         "2",
@@ -187,6 +188,13 @@ def test_resume_mid_epoch_is_exact(tmp_path):
     a = torch.load(full / "checkpoints" / "step=10.ckpt", weights_only=True)["state_dict"]
     b = torch.load(resumed / "checkpoints" / "step=10.ckpt", weights_only=True)["state_dict"]
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    # The checkpoint's place is 6 batches of 16 pairs: in batches of 8 it would be another place in the data.
+    again = ("--ckpt_path", str(part / "checkpoints" / "step=3.ckpt"), "--data.batch_size", "8")
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        run_cli("fit", "--config", DPO_YAML, "--config", str(overlay("other")), *FAST, *common, *again)
+    error = "data.batch_size: 8 here, 16 in the checkpoint; the checkpoint's place in the data counts micro-batches"
+    assert error in capsys.readouterr().err
 
 
 def test_validate_subcommand_with_precomputed_reference(tmp_path, capsys):
