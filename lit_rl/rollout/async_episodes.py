@@ -49,6 +49,7 @@ from lit_rl.rollout.producer import (
     ProducerParts,
     SampledAhead,
     ScoredCompletions,
+    episodes_start_failure,
     trl_reward_inputs,
 )
 from lit_rl.types import EPISODE_STATS, model_token_mask
@@ -173,8 +174,7 @@ class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
                 encoded.append(self.encode_prompts(rows[start : start + count], prompts[start : start + count], None))
                 start += count
         except Exception as err:
-            message = str(err).strip().splitlines()[0] if str(err).strip() else ""
-            failed = f"model.env: the episodes could not start: {type(err).__name__}: {message}"
+            failed = episodes_start_failure(err)
             return lambda generate: [self._failed(count, failed) for count in counts]
         tokenizer = self._worker_tokenizers.take(self.host.tokenizer)
         observations = ObservationEncoder(tokenizer, self.tool_schemas)

@@ -332,8 +332,14 @@ class EpisodeProducer(RolloutProducer):
             self.fail_on_every_rank(self.routing.check(rows), DataError, "a row on another rank names no environment")
         with host.timer.phase("generation"):
             rows_of = [rows[index // repeat] for index in range(len(rows) * repeat)]
-            envs, prompts, error, ended = self.start_episodes(rows_of)
-            prompt_ids, prompt_mask = self.encode_prompts(rows_of, prompts, host.device)
+            start_error = None
+            try:  # the user's environment class and the chat template: a failure is this rank's alone
+                envs, prompts, error, ended = self.start_episodes(rows_of)
+                prompt_ids, prompt_mask = self.encode_prompts(rows_of, prompts, host.device)
+            except Exception as err:
+                start_error = episodes_start_failure(err)
+            # Raised on every rank together: a rank that raised alone would leave the others in the turns' collectives.
+            self.fail_on_every_rank(start_error, EnvironmentStepError, "the episodes could not start on another rank")
             engine = self.engines.engine()
             one_rank = host.trainer.world_size == 1
             # With several ranks, each rank's episodes go on on their own only where every rank may sample alone.
@@ -493,6 +499,13 @@ class EpisodeProducer(RolloutProducer):
             return active
         flag = torch.tensor(float(active), device=self.host.device)
         return bool(reduce_across_ranks(flag) > 0)
+
+
+def episodes_start_failure(err: Exception) -> str:
+    """The one line of a generation whose episodes could not start: an environment's constructor or the chat
+    template raised `err` (its first line kept)."""
+    message = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"model.env: the episodes could not start: {type(err).__name__}: {message}"
 
 
 def trl_reward_inputs(

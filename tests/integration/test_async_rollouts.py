@@ -283,13 +283,15 @@ def test_ppo_trains_with_asynchronous_rollouts_and_their_correction(tmp_path):
     assert model.rollout_correction() == "token_truncate"
 
 
-def test_episodes_that_cannot_start_stop_the_run_in_one_line_when_their_generation_is_taken(tmp_path):
+@pytest.mark.parametrize("k", [0, 1])
+def test_episodes_that_cannot_start_stop_the_run_in_one_line_when_their_generation_is_taken(tmp_path, k):
+    """Sampled ahead (k = 1) or when taken (k = 0: on every rank together, before the turns' collectives)."""
     from lit_rl.errors import EnvironmentStepError
     from tests.integration.envs import BreaksWhenMade
 
     BreaksWhenMade.made = 0
     with pytest.raises(EnvironmentStepError) as failed:
-        _fit(tmp_path, "broken", 2, environment="tests.integration.envs.BreaksWhenMade", max_staleness=1)
+        _fit(tmp_path, "broken", 2, environment="tests.integration.envs.BreaksWhenMade", max_staleness=k)
     assert str(failed.value) == ("model.env: the episodes could not start: RuntimeError: the sandbox pool is empty")
 
 
