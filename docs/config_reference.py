@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
+import typing
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -67,14 +69,20 @@ def _parameters(cls: type) -> list[inspect.Parameter]:
     return [p for name, p in parameters if name not in ("self", "args", "kwargs")]
 
 
-def _type(annotation: Any) -> str:
-    return annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+def _type(annotation: Any, owner: type) -> str:
+    """An annotation as written; a named `Literal` of the owner's module (`TransferMethod`) as its values."""
+    if isinstance(annotation, str):
+        alias = getattr(sys.modules[owner.__module__], annotation, None)
+        if typing.get_origin(alias) is typing.Literal:
+            return f"Literal[{', '.join(repr(value) for value in typing.get_args(alias))}]"
+        return annotation
+    return getattr(annotation, "__name__", str(annotation))
 
 
 def _class_rows(prefix: str, cls: type, skip: Iterable[str] = ()) -> list[tuple[str, str, str, str]]:
     docs = _docs(cls)
     return [
-        (f"{prefix}.{p.name}", _type(p.annotation), _value(p.default), docs.get(p.name, ""))
+        (f"{prefix}.{p.name}", _type(p.annotation, cls), _value(p.default), docs.get(p.name, ""))
         for p in _parameters(cls)
         if p.name not in skip
     ]
@@ -84,7 +92,7 @@ def _dataclass_rows(prefix: str, cls: type) -> list[tuple[str, str, str, str]]:
     docs = _docs(cls)
     defaults = cls()
     return [
-        (f"{prefix}.{f.name}", _type(f.type), _value(getattr(defaults, f.name)), docs.get(f.name, ""))
+        (f"{prefix}.{f.name}", _type(f.type, cls), _value(getattr(defaults, f.name)), docs.get(f.name, ""))
         for f in dataclasses.fields(cls)
     ]
 

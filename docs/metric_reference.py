@@ -25,6 +25,7 @@ from lit_rl.training.metrics import (
     episode_metrics,
     metric_collection,
     reductions,
+    rollout_correction_metrics,
     rollout_eval_metrics,
     token_budget_metrics,
 )
@@ -42,21 +43,23 @@ ON_POLICY_EXTRAS: list[tuple[str, Callable[[], dict]]] = [
 ]
 # What DPO and SFT add with token-budget micro-batches (`OfflineModule.setup`).
 DATA_TOKEN_BUDGET = ("`data.micro_batch_tokens` set", metric_collection(data_token_budget_metrics()))
+# What GRPO, PPO and RLOO add with a rollout correction logged (`OnPolicyModule.logs_correction`).
+CORRECTION = (
+    "a rollout correction (`model.rollout.correction` not auto or none, or `max_staleness` > 0)",
+    metric_collection(rollout_correction_metrics()),
+)
 # Algorithm -> its training collection with no option on, and what each option adds: (when, the collection with it).
 ALGORITHMS: dict[str, tuple[MetricCollection, list[tuple[str, MetricCollection]]]] = {
     "GRPO": (
         grpo_metrics(FN, with_kl=False),
         [
             ("`model.loss.beta` != 0", grpo_metrics(FN, with_kl=True)),
-            (
-                "a rollout correction (`model.rollout.correction` not auto or none, or `max_staleness` > 0)",
-                grpo_metrics(FN, with_kl=False, with_is_correction=True),
-            ),
+            CORRECTION,
             ("`model.rollout.dynamic_sampling`", metric_collection(dynamic_sampling_metrics())),
         ],
     ),
-    "PPO": (ppo_metrics(FN, with_kl=False), [("`model.loss.beta` != 0", ppo_metrics(FN, with_kl=True))]),
-    "RLOO": (rloo_metrics(FN), []),
+    "PPO": (ppo_metrics(FN, with_kl=False), [("`model.loss.beta` != 0", ppo_metrics(FN, with_kl=True)), CORRECTION]),
+    "RLOO": (rloo_metrics(FN), [CORRECTION]),
     "OnlineDPO": (online_dpo_metrics(FN), []),
     "DPO": (dpo_metrics(), [DATA_TOKEN_BUDGET]),
     "SFT": (sft_metrics(), [DATA_TOKEN_BUDGET]),

@@ -226,7 +226,8 @@ class RewardArgs:
 
     def check(self) -> None:
         if self.on_invalid not in INVALID_REWARD_ACTIONS:
-            raise ConfigError(f"model.rewards.on_invalid must be 'zero' or 'error', got {self.on_invalid!r}")
+            choices = " or ".join(repr(action) for action in INVALID_REWARD_ACTIONS)
+            raise ConfigError(f"model.rewards.on_invalid must be {choices}, got {self.on_invalid!r}")
 
 
 @dataclass(frozen=True)
@@ -315,8 +316,9 @@ class RolloutArgs:
         in_flight_updates: with `model.env` and `max_staleness > 0`: the engine takes each version the trainer
             stages for a launch between the episodes' turns, while they run, and the generations' episodes run side
             by side, instead of each generation's to its end by one version (`lit_rl.rollout.in_flight`). Every
-            token records its version (`train/staleness/token_mean`); a row's staleness is its oldest token's, still
-            at most k. Not bit-reproducible: where an episode switches versions depends on timing. Experimental:
+            token records its version (`train/staleness/token_mean`); a row's staleness is its oldest token's, bound
+            as without them (k, plus a generation's later optimizer steps: k + m - 1). Not bit-reproducible: where
+            an episode switches versions depends on timing. Experimental:
             single runs of the tools job have fallen mid-run (docs/environments.md). Default false.
         correction (GRPO, PPO, RLOO): weigh the policy term by the importance ratio of the trainer's probability of
             the sampled tokens over the engine's (`lit_rl.losses.rollout_is_weights` has the formulas):

@@ -186,6 +186,17 @@ def test_the_step_clock_stops_while_validation_runs():
     assert timer.summary()["perf/step_s"] < 0.1
 
 
+def test_a_misnamed_step_counter_fails_instead_of_logging_nothing():
+    from lit_rl.training.perf import COUNTERS, StepTimer
+
+    timer = StepTimer()
+    for name in COUNTERS:
+        timer.count(name, 1.0)
+    with pytest.raises(ValueError, match="no step counter 'generated_token': the counters are generated_tokens, "):
+        timer.count("generated_token", 1.0)
+    assert dict(timer.counters) == dict.fromkeys(COUNTERS, 1.0)
+
+
 def test_the_engine_clock_counts_overlapping_requests_once_and_no_validation(monkeypatch):
     """`perf/engine_busy_s`: the seconds with at least one request outstanding, however many overlap; a stretch
     still running counts up to the summary and goes on into the next step; validation's requests count in no step."""

@@ -58,6 +58,8 @@ class DPO(OfflineModule):
         loss.check()
         super().__init__(policy, optim)
         self.save_hyperparameters()
+        self.ref_model_name_or_path, self.ref_cache_dir = ref_model_name_or_path, ref_cache_dir
+        self.precompute_ref_logprobs = precompute_ref_logprobs
         metrics = dpo_metrics()
         self.train_metrics = metrics.clone(prefix="train/")
         self.val_metrics = metrics.clone(prefix="val/")
@@ -71,11 +73,11 @@ class DPO(OfflineModule):
 
     @property
     def ref_path(self) -> str:
-        return self.hparams.ref_model_name_or_path or self.policy_args.model_name_or_path
+        return self.ref_model_name_or_path or self.policy_args.model_name_or_path
 
     def configure_model(self) -> None:
         super().configure_model()
-        keeps_reference = self.needs_reference and not self.hparams.precompute_ref_logprobs
+        keeps_reference = self.needs_reference and not self.precompute_ref_logprobs
         if keeps_reference and self.ref_model is None and not self.reference_is_adapter_off(self.ref_path):
             self.ref_model = self.load_reference(self.ref_path)
 
@@ -83,7 +85,7 @@ class DPO(OfflineModule):
     def on_train_start(self) -> None:
         # Not in on_fit_start: DeepSpeed and FSDP restore a checkpoint, and with it the stored reference log-probs,
         # after on_fit_start. Before super(): the first step's timer starts once this one-off pass is done.
-        if self.needs_reference and self.hparams.precompute_ref_logprobs:
+        if self.needs_reference and self.precompute_ref_logprobs:
             self._precomputed("train")
             if data_of(self, PreferencePairs).val_pairs:
                 self._precomputed("val")
@@ -116,7 +118,7 @@ class DPO(OfflineModule):
 
     def _cached_ref_logprobs(self, pairs: list[TokenizedPair], split: str) -> torch.Tensor:
         """[N, 2] reference log-probs of every pair, from the cache file when its key matches."""
-        path = Path(self.hparams.ref_cache_dir) / f"ref_logprobs-{self._cache_key(pairs)}.pt"
+        path = Path(self.ref_cache_dir) / f"ref_logprobs-{self._cache_key(pairs)}.pt"
         if path.exists():
             log.info("reference log-probs of the %s pairs loaded from %s", split, path)
             return torch.load(path, weights_only=True).to(self.device)
@@ -187,7 +189,7 @@ class DPO(OfflineModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
-        if self.needs_reference and self.hparams.precompute_ref_logprobs:
+        if self.needs_reference and self.precompute_ref_logprobs:
             self._ref_cache.clear()  # a module loaded twice reads the newer checkpoint's
             self._ref_from_checkpoint = dict(checkpoint.get("lit_rl", {}).get("ref_logprobs", {}))
 
@@ -209,7 +211,7 @@ class DPO(OfflineModule):
     def _reference(self, batch: dict[str, torch.Tensor], split: str) -> tuple[Optional[torch.Tensor], ...]:
         if not self.needs_reference:
             return None, None
-        if self.hparams.precompute_ref_logprobs:
+        if self.precompute_ref_logprobs:
             values = self._precomputed(split)[batch["index"]]  # [B, 2]
             return values[:, 0], values[:, 1]
         with torch.no_grad(), self.timer.phase("ref_logprobs"), self.reference_model() as ref_model:

@@ -79,7 +79,7 @@ class GRPO(OnPolicyModule):
         rollout = self.rollout_args
         self.policy_loss_fn = policy_loss_function(loss.objective)  # functions, not modules: never saved as weights
         self.advantage_fn = advantage_function(loss.advantage)
-        metrics = grpo_metrics(self.reward_names, with_kl=loss.beta != 0.0, with_is_correction=self.logs_correction())
+        metrics = grpo_metrics(self.reward_names, with_kl=loss.beta != 0.0)
         if rollout.dynamic_sampling:
             metrics.add_metrics(dynamic_sampling_metrics())
         self.train_metrics = self.rollout_train_metrics(metrics)
@@ -147,7 +147,7 @@ class GRPO(OnPolicyModule):
 
 
 # -- metrics ----------------------------------------------------------------------------------------------------------
-def grpo_metrics(reward_names: Iterable[str], with_kl: bool, with_is_correction: bool = False) -> MetricCollection:
+def grpo_metrics(reward_names: Iterable[str], with_kl: bool) -> MetricCollection:
     """Metrics of GRPO-style training: the on-policy ones, the clipping, when beta > 0 the KL, and with a rollout
     correction the fraction of completion tokens whose weight it changed (truncated, or masked)."""
     metrics = {
@@ -158,8 +158,6 @@ def grpo_metrics(reward_names: Iterable[str], with_kl: bool, with_is_correction:
     }
     if with_kl:
         metrics["kl"] = mean("token")
-    if with_is_correction:
-        metrics["rollout_is_frac_corrected"] = mean("token")
     return metric_collection(metrics)
 
 

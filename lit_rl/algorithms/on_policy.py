@@ -51,6 +51,7 @@ from lit_rl.rollout.producer import (
 from lit_rl.training.metrics import (
     asynchronous_rollout_metrics,
     episode_metrics,
+    rollout_correction_metrics,
     rollout_eval_metrics,
     token_budget_metrics,
     update_episode_metrics,
@@ -156,7 +157,10 @@ class OnPolicyModule(PolicyModule):
     val_metrics: MetricCollection
 
     def rollout_train_metrics(self, metrics: MetricCollection) -> MetricCollection:
-        """The algorithm's training collection, with the staleness metrics of asynchronous rollouts, as `train/`."""
+        """The algorithm's training collection, with the rollout correction's share of tokens it changed (where
+        `logs_correction`), the staleness metrics of asynchronous rollouts and the token budget's, as `train/`."""
+        if self.logs_correction():
+            metrics.add_metrics(rollout_correction_metrics())
         if self.max_staleness > 0:
             metrics.add_metrics(asynchronous_rollout_metrics(self.in_flight_updates, self.max_staleness_lag))
         if self.micro_batch_tokens is not None:

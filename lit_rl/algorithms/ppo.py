@@ -102,11 +102,10 @@ class PPO(OnPolicyModule):
             raise ConfigError(f"model.critic_learning_rate must be >= 0, got {critic_learning_rate}")
         super().__init__(policy, optim, schedule, sampling, rewards, env, rollout, min_generations=1)
         self.save_hyperparameters()
+        self.critic_model_name_or_path, self.critic_learning_rate = critic_model_name_or_path, critic_learning_rate
         self.critic: Optional[ValueModel] = None  # built in `configure_model`, like the policy
         self.critic_shape: Optional[ModelShape] = None  # its model FLOPs (`lit_rl.training.flops`)
         metrics = ppo_metrics(self.reward_names, with_kl=loss.beta != 0.0)
-        if self.logs_correction():
-            metrics.add_metrics({"rollout_is_frac_corrected": mean("token")})
         self.train_metrics = self.rollout_train_metrics(metrics)
         self.val_metrics = self.rollout_val_metrics()
 
@@ -118,7 +117,7 @@ class PPO(OnPolicyModule):
             strategy = self.attached_strategy()
             with hf_zero3_loading(strategy):
                 self.critic = load_value_model(
-                    self.hparams.critic_model_name_or_path or policy.model_name_or_path,
+                    self.critic_model_name_or_path or policy.model_name_or_path,
                     num_embeddings=len(self.tokenizer),
                     dtype=policy.dtype,
                     gradient_checkpointing=policy.gradient_checkpointing,
@@ -132,7 +131,7 @@ class PPO(OnPolicyModule):
             self.critic_shape = ModelShape.of(self.critic)
 
     def optimizer_param_groups(self) -> list[dict]:
-        critic_lr = self.hparams.critic_learning_rate
+        critic_lr = self.critic_learning_rate
         critic_lr = self.optim_args.learning_rate if critic_lr is None else critic_lr
         critic = {"params": [p for p in self.critic.parameters() if p.requires_grad], "lr": critic_lr}
         return [*super().optimizer_param_groups(), critic]

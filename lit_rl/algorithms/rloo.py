@@ -69,8 +69,6 @@ class RLOO(OnPolicyModule):
         super().__init__(policy, optim, schedule, sampling, rewards, env, rollout)
         self.save_hyperparameters()
         metrics = rloo_metrics(self.reward_names)
-        if self.logs_correction():
-            metrics.add_metrics({"rollout_is_frac_corrected": mean("token")})
         self.train_metrics = self.rollout_train_metrics(metrics)
         self.val_metrics = self.rollout_val_metrics()
 

@@ -45,6 +45,7 @@ class SFT(OfflineModule):
     ) -> None:
         super().__init__(policy, optim, random_init=random_init, max_prompt_length=max_prompt_length)
         self.save_hyperparameters()
+        self.max_completion_length = max_completion_length
         metrics = sft_metrics()
         self.train_metrics = metrics.clone(prefix="train/")
         self.val_metrics = metrics.clone(prefix="val/")
@@ -65,7 +66,7 @@ class SFT(OfflineModule):
 
     def completion_token_ids(self, completions: list[str]) -> list[list[int]]:
         """Each completion's token ids and EOS, cut to `max_completion_length`."""
-        eos, limit = self.tokenizer.eos_token_id, self.hparams.max_completion_length
+        eos, limit = self.tokenizer.eos_token_id, self.max_completion_length
         ids = [self.tokenizer(c, add_special_tokens=False)["input_ids"] + [eos] for c in completions]
         return [seq[:limit] if limit else seq for seq in ids]
 

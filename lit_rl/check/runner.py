@@ -77,17 +77,20 @@ def run_cli(directory: Path, args: list[str], processes: int = 1) -> int:
     return code
 
 
-def _wait_or_stop(run: subprocess.Popen, grace_s: float = 120.0) -> int:
+STOP_GRACE_S = 120.0  # seconds a stopped multi-process run has to end after its Ctrl-C
+
+
+def _wait_or_stop(run: subprocess.Popen) -> int:
     """The exit code of a multi-process run. On a Ctrl-C (KeyboardInterrupt here) the run is ended before the
     check: a SIGINT to its rank 0 (after the one a terminal sends every process of the job, a second Ctrl-C:
     `lit-rl fit` then stops at once and ends its other ranks; alone, all ranks stop after the current step), and
-    SIGKILL to rank 0 if it has not ended after `grace_s`."""
+    SIGKILL to rank 0 if it has not ended after `STOP_GRACE_S`."""
     try:
         return run.wait()
     except KeyboardInterrupt:
         run.send_signal(signal.SIGINT)
         try:
-            run.wait(timeout=grace_s)
+            run.wait(timeout=STOP_GRACE_S)
         except BaseException:  # not ended in time, or another Ctrl-C: end it now
             run.kill()
             run.wait()

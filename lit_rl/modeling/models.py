@@ -76,15 +76,16 @@ def reading_model(name_or_path: str, resolved: str) -> Iterator[None]:
         ) from err
 
 
-def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, padding_side: str = "left"):
-    """AutoTokenizer with a pad token (EOS, or a new `<|pad|>`, with a warning when it had none)."""
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
+    """AutoTokenizer padding on the left (every prompt then ends, and its completion starts, at the same column)
+    with a pad token (EOS, or a new `<|pad|>`, with a warning when it had none)."""
     from transformers import AutoTokenizer
 
     resolved = resolve_model_path(name_or_path)
     _check_exists(name_or_path, resolved)
     with reading_model(name_or_path, resolved):
         tokenizer = AutoTokenizer.from_pretrained(resolved, trust_remote_code=trust_remote_code)
-    tokenizer.padding_side = padding_side
+    tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is not None:
             tokenizer.pad_token = tokenizer.eos_token

@@ -22,13 +22,21 @@ import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Iterator, Literal, Optional
+from typing import Any, Iterator, Optional, get_args
 
 import torch
 
 from lit_rl.errors import ConfigError
 from lit_rl.rollout.base import RolloutEngine
-from lit_rl.rollout.engines.vllm_config import COLLECTIVE_TRANSFERS, VLLM_DTYPES, check_colocate, check_server
+from lit_rl.rollout.engines.vllm_config import (
+    COLLECTIVE_TRANSFERS,
+    VLLM_DTYPES,
+    LoraWeights,
+    OnServerFailure,
+    TransferMethod,
+    check_colocate,
+    check_server,
+)
 from lit_rl.rollout.host import RolloutHost
 
 ENGINE_KEY = "model.rollout.engine"
@@ -108,7 +116,7 @@ def _plain(value: Any) -> Any:
     return dataclasses.asdict(value) if dataclasses.is_dataclass(value) and not isinstance(value, type) else value
 
 
-LORA_WEIGHTS = ("adapter", "merged")
+LORA_WEIGHTS = get_args(LoraWeights)
 
 
 class HFGenerate(EngineConfig):
@@ -138,7 +146,7 @@ class HFGenerate(EngineConfig):
     samples_on_trainer_devices = True
 
     def __init__(
-        self, lora_weights: Literal["adapter", "merged"] = "adapter", compile: bool = False, gather_weights: bool = True
+        self, lora_weights: LoraWeights = "adapter", compile: bool = False, gather_weights: bool = True
     ) -> None:
         self.lora_weights = lora_weights
         self.compile = compile
@@ -319,7 +327,7 @@ class WeightTransfer:
             0 (default): free ports.
     """
 
-    method: Literal["auto", "file", "http", "gloo", "nccl"] = "auto"
+    method: TransferMethod = "auto"
     sync_dir: Optional[str] = None
     receiver_url: Optional[str] = None
     receiver_urls: Optional[list[str]] = None
@@ -379,7 +387,7 @@ class VLLMServer(EngineConfig):
         self,
         server_url: str = "http://127.0.0.1:8000",
         server_urls: Optional[list[str]] = None,
-        on_server_failure: Literal["fail", "continue"] = "fail",
+        on_server_failure: OnServerFailure = "fail",
         request_timeout_s: float = 300.0,
         max_retries: int = 3,
         wait_for_server_s: float = 60.0,

@@ -22,7 +22,8 @@ the engine.
 
 The staleness bound still holds for the oldest token of each sequence: generation g is launched, as without
 in-flight updates, once the weights of v(g) exist, so its first turn is sampled by v(g) or a newer version, and
-none is older than `max_staleness` steps when it is trained on. No sequence is dropped or regenerated for being
+none is staler than without in-flight updates: k steps (`max_staleness`) at its generation's first optimizer step,
+k + m - 1 at its last. No sequence is dropped or regenerated for being
 stale. Runs with in-flight updates are not bit-reproducible: where an episode switches versions depends on timing.
 """
 

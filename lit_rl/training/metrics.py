@@ -135,6 +135,12 @@ def episode_metrics() -> dict:
     return {name: mean("episode") for name in EPISODE_STATS}
 
 
+def rollout_correction_metrics() -> dict:
+    """What a rollout correction adds where it is logged (`OnPolicyModule.logs_correction`): the share of the
+    model's tokens whose weight it changed (`lit_rl.losses.rollout_is_weights`)."""
+    return {"rollout_is_frac_corrected": mean("token")}
+
+
 def token_budget_metrics() -> dict:
     """What token-budget micro-batches add: the real tokens of the step's largest micro-batch, across ranks (more
     than `model.schedule.micro_batch_tokens` when a step was over budget), and the most and the fewest tokens any rank

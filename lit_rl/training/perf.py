@@ -26,6 +26,9 @@ PHASES = (
     "ref_logprobs",
 )
 
+# What a step counts (`StepTimer.count`), summed over ranks by `step_perf`.
+COUNTERS = ("generated_tokens", "trained_tokens", "model_flops", "update_flops")
+
 
 class BusyClock:
     """Seconds during which at least one request was outstanding, however many overlapped: an engine's busy time,
@@ -112,6 +115,9 @@ class StepTimer:
         self.engine.take()  # validation's generations: part of no step
 
     def count(self, name: str, value: float) -> None:
+        """Add `value` to the step's counter `name`, one of `COUNTERS` (another name would never be logged)."""
+        if name not in COUNTERS:
+            raise ValueError(f"no step counter {name!r}: the counters are {', '.join(COUNTERS)}")
         self.counters[name] += value
 
     def summary(self) -> dict[str, float]:
@@ -155,7 +161,7 @@ def step_perf(
     `perf/update_mfu`, the same for the update alone: the forward and backward FLOPs of the passes that train (the
     policy's; PPO's critic's too) over `perf/policy_update_s`; with an engine that counts its requests (the vLLM
     server's), `perf/engine_idle_share`, the share of the step without a generation request outstanding."""
-    totals = [timer.counters[name] for name in ("generated_tokens", "trained_tokens", "model_flops", "update_flops")]
+    totals = [timer.counters[name] for name in COUNTERS]
     timings = timer.summary()
     values = torch.tensor([*timings.values(), *totals], dtype=torch.float64, device=device)
     if gather is not None:

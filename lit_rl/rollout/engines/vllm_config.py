@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import urllib.parse
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional, get_args
 
 import torch
 
@@ -27,7 +27,10 @@ VLLM_DTYPES = {
     "half": torch.float16,
 }
 
+TransferMethod = Literal["auto", "file", "http", "gloo", "nccl"]  # `model.rollout.engine.transfer.method`
 COLLECTIVE_TRANSFERS = ("gloo", "nccl")  # `transfer.method`s that broadcast to the servers' workers
+OnServerFailure = Literal["fail", "continue"]  # `model.rollout.engine.on_server_failure`
+LoraWeights = Literal["adapter", "merged"]  # `model.rollout.engine.lora_weights`
 # The backend a server's `--weight-transfer-config` names for each of them.
 VLLM_TRANSFER_BACKENDS = {"gloo": "lit_rl_gloo", "nccl": "nccl"}
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -52,6 +55,12 @@ def check_colocate(config: VLLMColocate) -> None:
         raise ConfigError(f"{KEY}.cpu_kvcache_space_gib must be >= 1 (whole GiB), got {config.cpu_kvcache_space_gib}")
 
 
+def _one_of(choices: Any) -> str:
+    """A `Literal`'s values as a message lists them: `fail or continue`, `auto, file, http, gloo or nccl`."""
+    names = [str(name) for name in get_args(choices)]
+    return f"{', '.join(names[:-1])} or {names[-1]}"
+
+
 def check_server(config: VLLMServer) -> None:
     """Reject impossible settings of the server engine, naming the offending `model.rollout.engine.<option>`."""
     check_push_bucket(config.push_bucket_mib)
@@ -68,8 +77,8 @@ def check_server(config: VLLMServer) -> None:
     if config.max_retries < 0:
         raise ConfigError(f"{KEY}.max_retries must be >= 0, got {config.max_retries}")
     transfer = config.transfer
-    if transfer.method not in ("auto", "file", "http", *COLLECTIVE_TRANSFERS):
-        raise ConfigError(f"{KEY}.transfer.method must be auto, file, http, gloo or nccl, got {transfer.method!r}")
+    if transfer.method not in get_args(TransferMethod):
+        raise ConfigError(f"{KEY}.transfer.method must be {_one_of(TransferMethod)}, got {transfer.method!r}")
     _check_server_lists(config)
     if config.broadcasts_weights:
         _check_collective_transfer(config)
@@ -102,8 +111,9 @@ def _server_elsewhere(config: VLLMServer) -> Optional[str]:
 
 def _check_server_lists(config: VLLMServer) -> None:
     """`server_urls`, `transfer.receiver_urls` and `on_server_failure`, each named when wrong."""
-    if config.on_server_failure not in ("fail", "continue"):
-        raise ConfigError(f"{KEY}.on_server_failure must be fail or continue, got {config.on_server_failure!r}")
+    failure = config.on_server_failure
+    if failure not in get_args(OnServerFailure):
+        raise ConfigError(f"{KEY}.on_server_failure must be {_one_of(OnServerFailure)}, got {failure!r}")
     receiver_urls = config.transfer.receiver_urls
     for key, urls in (("server_urls", config.server_urls), ("transfer.receiver_urls", receiver_urls)):
         if urls is None:
