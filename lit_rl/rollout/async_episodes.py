@@ -22,7 +22,9 @@ records its version, and a row is as stale as its oldest token.
   gets its rows' scores, and a reward function's failure is raised on every rank when the generation is consumed.
 
 A checkpoint waits for the episodes in flight and keeps their finished transcripts (`AsyncGenerations.state_dict`),
-and the scores of TRL classes' episodes: the weights that sampled them are not in the checkpoint.
+and the scores of TRL classes' episodes: the weights that sampled them are not in the checkpoint. A generation whose
+episodes failed is kept as its error alone, and a run resumed from that checkpoint samples it again by the current
+weights when it takes it (`_sampled_again`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch
 
 from lit_rl.envs.trl_environments import TRLEnvironment
 from lit_rl.errors import ConfigError, EnvironmentStepError, RewardFunctionError
+from lit_rl.resume import say
 from lit_rl.rewards import TrainerState
 from lit_rl.rollout.asynchronous import AsyncGenerations, JobEngine
 from lit_rl.rollout.base import ConcurrentEngine, InFlightEngine, RolloutOutput, unpadded_prompts
@@ -245,6 +248,21 @@ class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
             return None, f"scoring the episodes with their environments failed: {type(err).__name__}: {err}"
         return scores, None
 
+    def _sampled_again(self, generation: int, rows: list[dict[str, Any]]) -> ScoredCompletions:
+        """A generation whose episodes failed before the checkpoint this run resumed from (an environment's transient
+        failure would otherwise stop every resume from it): its episodes run again with their seeds, by the current
+        weights (their staleness 0), as a synchronous run resumed from that checkpoint would run them."""
+        error = self.in_flight.failed.get(generation)
+        say(
+            f"generation {generation}'s episodes failed before the checkpoint this run resumed from"
+            f"{f' ({error})' if error else ''}: sampling them again by the current weights"
+        )
+        self.in_flight.forget(generation)
+        scored = self.sample(rows, 1, self.params, self.completion_seeds(len(rows), generation))
+        if self.in_flight_updates:  # every token by the one current version, as the other generations' are tagged
+            scored.output.token_versions = torch.full_like(scored.output.completion_ids, scored.version)
+        return scored
+
     def _failed(self, count: int, error: str) -> EpisodeResult:
         """A rank's result of episodes that could not start: `count` empty rows and the error, raised on every rank
         when the generation is consumed (a checkpoint before then keeps it, and the resumed run raises it)."""
@@ -262,7 +280,9 @@ class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
         self, generation: int, rows: list[dict[str, Any]], refills: Optional[list[list[dict[str, Any]]]] = None
     ) -> ScoredCompletions:
         """The launched `generation`'s episodes, finished (waiting for them), scored now; an environment's failure
-        raised on every rank."""
+        raised on every rank. One a checkpoint kept failed on any rank is sampled again, now, on every rank."""
+        if generation in self.in_flight.restored and self._any_rank_active(generation in self.in_flight.failed):
+            return self._sampled_again(generation, rows)
         sampled = self.take_to_device(generation)
         self.fail_on_every_rank(sampled.error, EnvironmentStepError, "the environment failed on another rank")
         out = sampled.output

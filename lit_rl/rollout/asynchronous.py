@@ -113,6 +113,9 @@ class AsyncGenerations:
     def __init__(self) -> None:
         self.pending: dict[int, PendingGeneration] = {}
         self.staged_version: Optional[int] = None
+        # Generations whose episodes a checkpoint kept failed, by their error: sampled again when taken.
+        self.failed: dict[int, str] = {}
+        self.restored: set[int] = set()  # the generations the checkpoint kept: the same on every rank
 
     def launch(
         self,
@@ -155,6 +158,11 @@ class AsyncGenerations:
             engine.stage_weights(weights(), version)
             self.staged_version = version
 
+    def forget(self, generation: int) -> None:
+        """Drop a restored `generation` (finished or failed), to be sampled again now."""
+        self.pending.pop(generation, None)
+        self.failed.pop(generation, None)
+
     def take(self, engine: AsyncRolloutEngine, generation: int) -> PendingGeneration:
         """The finished `generation` (waiting for it), removed from the pending ones."""
         if generation not in self.pending:
@@ -189,9 +197,15 @@ class AsyncGenerations:
 
     # -- checkpoints -----------------------------------------------------------------------------------------
     def state_dict(self, engine: Optional[AsyncRolloutEngine]) -> list[dict[str, Any]]:
-        """This rank's launched generations, finished (waits for those in flight), as CPU tensors."""
+        """This rank's launched generations, finished (waits for those in flight), as CPU tensors; one whose
+        episodes failed (an environment or a TRL class's reward function raised) as its error alone: a resumed run
+        samples it again instead of failing on it again (a transient failure would otherwise stop every resume)."""
         self.wait_all(engine)
-        return [
+        failed = dict(self.failed)
+        for generation, item in self.pending.items():
+            if item.error is not None or item.reward_error is not None:
+                failed[generation] = item.error or item.reward_error
+        finished = [
             {
                 "generation": generation,
                 "version": item.version,
@@ -203,9 +217,16 @@ class AsyncGenerations:
                 **_episode_state(item),
             }
             for generation, item in sorted(self.pending.items())
+            if generation not in failed
         ]
+        return finished + [{"generation": generation, "failed": error} for generation, error in sorted(failed.items())]
 
     def load_state_dict(self, state: list[dict[str, Any]]) -> None:
+        # (A checkpoint of lit-rl 0.2 kept a failed generation whole, its error beside its transcripts.)
+        failure = lambda entry: entry.get("failed") or entry.get("error") or entry.get("reward_error")  # noqa: E731
+        self.failed = {entry["generation"]: failure(entry) for entry in state if failure(entry)}
+        self.restored = {entry["generation"] for entry in state}
+        state = [entry for entry in state if not failure(entry)]
         self.pending = {
             entry["generation"]: PendingGeneration(
                 entry["version"],

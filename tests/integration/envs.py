@@ -222,6 +222,19 @@ class BreaksWhenMade(Countdown):
         super().__init__(turns, bonus)
 
 
+class DropsConnection(Countdown):
+    """Countdown whose resets numbered in `failing` (counted in this process from 0, across threads) raise, as a
+    sandbox that drops its connection: a transient failure."""
+
+    resets = itertools.count()
+    failing: frozenset[int] = frozenset()
+
+    def reset(self, row: dict[str, Any]) -> None:
+        if next(DropsConnection.resets) in DropsConnection.failing:
+            raise RuntimeError("the sandbox dropped the connection")
+        return super().reset(row)
+
+
 class AwaitsNewerWeights(Countdown):
     """Countdown whose first episode of each generation in `wait_in` (episodes counted by their resets in this
     process, `per_generation` a generation) answers its first turn only once the next generation's environments are

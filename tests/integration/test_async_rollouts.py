@@ -295,6 +295,33 @@ def test_episodes_that_cannot_start_stop_the_run_in_one_line_when_their_generati
     assert str(failed.value) == ("model.env: the episodes could not start: RuntimeError: the sandbox pool is empty")
 
 
+def test_a_generation_whose_episodes_failed_before_a_checkpoint_is_sampled_again_by_the_resumed_run(tmp_path, capsys):
+    """k = 1, 8 episodes a generation: generation 2 is launched at step 1 and its first reset fails (a dropped
+    connection); the checkpoint at step 2 keeps the failure, and the run stops when it takes generation 2. Resumed
+    from that checkpoint once the connection is back, the run samples generation 2 again, by the current weights,
+    instead of stopping on the kept failure at every resume."""
+    import itertools
+
+    from lit_rl.errors import EnvironmentStepError
+    from tests.integration.envs import DropsConnection
+
+    args = dict(environment="tests.integration.envs.DropsConnection", max_staleness=1)
+    DropsConnection.resets, DropsConnection.failing = itertools.count(), frozenset({16})
+    with pytest.raises(EnvironmentStepError, match="reset raised RuntimeError: the sandbox dropped the connection"):
+        _fit(tmp_path / "full", "run", 4, every_n=2, **args)
+    pending = _pending_at_step_2(tmp_path)
+    assert [(entry["generation"], "failed" in entry) for entry in pending] == [(2, True)]
+    capsys.readouterr()
+    DropsConnection.resets, DropsConnection.failing = itertools.count(), frozenset()
+    resumed_dir, _, _ = _resumed_from_step_2(tmp_path, 4, **args)
+    said = [line for line in capsys.readouterr().err.splitlines() if "generation 2" in line]
+    assert len(said) == 1 and said[0].startswith("lit-rl: generation 2's episodes failed before the checkpoint")
+    assert said[0].endswith("the sandbox dropped the connection): sampling them again by the current weights")
+    rows = train_rows(resumed_dir)
+    assert [row["step"] for row in rows] == [3.0, 4.0]  # the optimizer steps after step 2
+    assert [row["train/staleness/max"] for row in rows] == [0.0, 1.0]  # generation 2 by step 2's weights
+
+
 class BufferRows(Callback):
     """What each optimizer step trained on, by step (global_step before it): prompt and completion ids, each model
     token's version (-1 elsewhere) and each row's policy version, as lists."""
