@@ -148,8 +148,8 @@ class GRPO(OnPolicyModule):
 
 # -- metrics ----------------------------------------------------------------------------------------------------------
 def grpo_metrics(reward_names: Iterable[str], with_kl: bool) -> MetricCollection:
-    """Metrics of GRPO-style training: the on-policy ones, the clipping, when beta > 0 the KL, and with a rollout
-    correction the fraction of completion tokens whose weight it changed (truncated, or masked)."""
+    """Metrics of GRPO-style training: the on-policy ones, the clipping, and when beta > 0 the KL (a rollout
+    correction's are added by `OnPolicyModule.rollout_train_metrics`)."""
     metrics = {
         **on_policy_training_metrics(reward_names),
         "frac_reward_zero_std": mean("completion"),

@@ -259,13 +259,16 @@ class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
         )
         self.in_flight.forget(generation)
         scored = self.sample(rows, 1, self.params, self.completion_seeds(len(rows), generation))
-        if self.in_flight_updates:  # every token by the one current version, as the other generations' are tagged
-            scored.output.token_versions = torch.full_like(scored.output.completion_ids, scored.version)
+        if self.in_flight_updates:  # every model token by the current version (-1 elsewhere), as the others are tagged
+            out = scored.output
+            versions = torch.full_like(out.completion_ids, scored.version)
+            out.token_versions = torch.where(model_token_mask(out) > 0, versions, torch.full_like(versions, -1))
         return scored
 
     def _failed(self, count: int, error: str) -> EpisodeResult:
         """A rank's result of episodes that could not start: `count` empty rows and the error, raised on every rank
-        when the generation is consumed (a checkpoint before then keeps it, and the resumed run raises it)."""
+        when the generation is consumed (a checkpoint before then keeps the error, and a run resumed from it samples
+        the generation again: `_sampled_again`)."""
         empty = torch.zeros(count, 1, dtype=torch.long)
         output = RolloutOutput(
             empty,

@@ -23,7 +23,8 @@ instead (`lit_rl.rollout.in_flight`).
 
 A checkpoint waits for the generations in flight and keeps their finished completions: the weights they were
 sampled with are not in the checkpoint (only the newest are), so regenerating them on resume is impossible; the
-finished samples are small next to the weights.
+finished samples are small next to the weights. A generation whose episodes failed is kept as its error, and a run
+resumed from the checkpoint samples it again by the current weights (`lit_rl.rollout.async_episodes`).
 """
 
 from __future__ import annotations

@@ -337,6 +337,8 @@ class EpisodeProducer(RolloutProducer):
                 envs, prompts, error, ended = self.start_episodes(rows_of)
                 prompt_ids, prompt_mask = self.encode_prompts(rows_of, prompts, host.device)
             except Exception as err:
+                if not isinstance(err, LitRLError):  # a defect in the user's class or template: its traceback too
+                    log.exception("the episodes on rank %d could not start", host.trainer.global_rank)
                 start_error = episodes_start_failure(err)
             # Raised on every rank together: a rank that raised alone would leave the others in the turns' collectives.
             self.fail_on_every_rank(start_error, EnvironmentStepError, "the episodes could not start on another rank")

@@ -295,7 +295,10 @@ def test_episodes_that_cannot_start_stop_the_run_in_one_line_when_their_generati
     assert str(failed.value) == ("model.env: the episodes could not start: RuntimeError: the sandbox pool is empty")
 
 
-def test_a_generation_whose_episodes_failed_before_a_checkpoint_is_sampled_again_by_the_resumed_run(tmp_path, capsys):
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_a_generation_whose_episodes_failed_before_a_checkpoint_is_sampled_again_by_the_resumed_run(
+    tmp_path, capsys, in_flight
+):
     """k = 1, 8 episodes a generation: generation 2 is launched at step 1 and its first reset fails (a dropped
     connection); the checkpoint at step 2 keeps the failure, and the run stops when it takes generation 2. Resumed
     from that checkpoint once the connection is back, the run samples generation 2 again, by the current weights,
@@ -305,7 +308,7 @@ def test_a_generation_whose_episodes_failed_before_a_checkpoint_is_sampled_again
     from lit_rl.errors import EnvironmentStepError
     from tests.integration.envs import DropsConnection
 
-    args = dict(environment="tests.integration.envs.DropsConnection", max_staleness=1)
+    args = dict(environment="tests.integration.envs.DropsConnection", max_staleness=1, in_flight_updates=in_flight)
     DropsConnection.resets, DropsConnection.failing = itertools.count(), frozenset({16})
     with pytest.raises(EnvironmentStepError, match="reset raised RuntimeError: the sandbox dropped the connection"):
         _fit(tmp_path / "full", "run", 4, every_n=2, **args)
@@ -320,6 +323,8 @@ def test_a_generation_whose_episodes_failed_before_a_checkpoint_is_sampled_again
     rows = train_rows(resumed_dir)
     assert [row["step"] for row in rows] == [3.0, 4.0]  # the optimizer steps after step 2
     assert [row["train/staleness/max"] for row in rows] == [0.0, 1.0]  # generation 2 by step 2's weights
+    if in_flight:  # each model token tagged by the version that sampled it: the current one
+        assert rows[0]["train/staleness/token_mean"] == 0.0
 
 
 class BufferRows(Callback):
