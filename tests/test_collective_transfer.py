@@ -250,6 +250,30 @@ def test_asynchronous_generations_broadcast_each_staged_version_once_to_every_se
     assert list(engine._staged) == []  # version 1 went once 2 was loaded; close() dropped 2
 
 
+def test_a_version_whose_host_copies_fail_is_still_streamed_to_its_end(fake_server, monkeypatch):
+    """Under ZeRO-3 the stream gathers each parameter from every rank: a rank 0 that stopped reading it after a
+    failed copy would leave the other ranks in the next gather, so it reads the rest before the error goes on."""
+    from lit_rl.rollout.engines import vllm_server
+
+    engine = _engine([fake_server((200, FakeWorker(), 0))])
+    read = []
+
+    def stream():
+        for name, tensor in WEIGHTS:
+            read.append(name)
+            yield name, tensor
+
+    def copies_fail(named_tensors):
+        next(iter(named_tensors))
+        raise MemoryError("no host memory for the copies")
+
+    monkeypatch.setattr(vllm_server, "host_copies", copies_fail)
+    with pytest.raises(RolloutServerError, match="MemoryError: no host memory for the copies"):  # on every rank
+        engine.stage_weights(stream(), 1)
+    assert read == [name for name, _ in WEIGHTS] and 1 not in engine._staged
+    engine.close()
+
+
 def test_vllm_finds_the_gloo_engine_through_the_installed_plugin_entry_point():
     from importlib.metadata import entry_points
 

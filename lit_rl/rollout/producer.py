@@ -588,8 +588,10 @@ class SampledAhead:
         self, rows: list[dict[str, Any]], repeat: int, params: SamplingParams, seeds: Optional[list[int]] = None
     ) -> ScoredCompletions:
         """Completions sampled now by the current weights (validation, dynamic sampling's refills): the
-        generations in flight finish first with their own versions, then the engine takes the current weights."""
-        self.before_validation()
+        generations in flight finish first with their own versions (a wait for the engine, timed as generation),
+        then the engine takes the current weights."""
+        with self.host.timer.phase("generation"):
+            self.before_validation()
         return super().sample(rows, repeat, params, seeds)
 
     def before_validation(self) -> None:

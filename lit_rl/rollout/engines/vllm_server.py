@@ -376,7 +376,12 @@ class VLLMServerEngine:
         if self.config.broadcasts_weights:  # nothing to send yet: the worker thread broadcasts them when needed
 
             def stage() -> None:
-                self._staged[version] = host_copies(named_tensors)
+                stream = iter(named_tensors)
+                try:
+                    self._staged[version] = host_copies(stream)
+                finally:  # after a failure, the other ranks still gather through the rest of the stream
+                    for _ in stream:
+                        pass
                 self._offer_in_flight(version)
 
             _on_rank0_then_share(stage, self.rank, self.world_size)
