@@ -259,10 +259,8 @@ class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
         )
         self.in_flight.forget(generation)
         scored = self.sample(rows, 1, self.params, self.completion_seeds(len(rows), generation))
-        if self.in_flight_updates:  # every model token by the current version (-1 elsewhere), as the others are tagged
-            out = scored.output
-            versions = torch.full_like(out.completion_ids, scored.version)
-            out.token_versions = torch.where(model_token_mask(out) > 0, versions, torch.full_like(versions, -1))
+        if self.in_flight_updates:  # every model token tagged with its version, as the other generations' are
+            scored.output.token_versions = scored.token_versions()
         return scored
 
     def _failed(self, count: int, error: str) -> EpisodeResult:

@@ -36,7 +36,7 @@ from lit_rl.data.schedule import refill_seed_key
 from lit_rl.rollout.base import RolloutOutput, SamplingParams
 from lit_rl.rollout.producer import GroupFilterStats, RolloutProducer, ScoredCompletions
 from lit_rl.training.rank_balance import concat_batches, exchange_rows
-from lit_rl.types import RolloutBatch, model_token_mask
+from lit_rl.types import RolloutBatch
 
 ZERO_STD = 1e-6  # a group's rewards whose std is below this all agree
 
@@ -200,15 +200,5 @@ def _as_rollout_batch(piece: ScoredCompletions, token_versions: bool = False) ->
         sampled_mask=out.sampled_mask,
         episode_stats=out.episode_stats,
         policy_version=piece.row_versions(),
-        token_versions=_token_versions(piece) if token_versions else None,
+        token_versions=piece.token_versions() if token_versions else None,
     )
-
-
-def _token_versions(piece: ScoredCompletions) -> torch.Tensor:
-    """Each model token's version [N, T]: the engine's (in-flight weight updates), else its row's; so that pieces
-    with them and without (a refill sampled by the current weights) stack."""
-    out = piece.output
-    if out.token_versions is not None:
-        return out.token_versions
-    versions = piece.row_versions()[:, None].expand_as(out.completion_ids)
-    return torch.where(model_token_mask(out) > 0, versions, torch.full_like(versions, -1))

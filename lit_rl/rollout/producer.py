@@ -76,6 +76,15 @@ class ScoredCompletions:
             return self.version.to(device=self.rewards.device, dtype=torch.long)
         return torch.full_like(self.rewards, self.version, dtype=torch.long)
 
+    def token_versions(self) -> torch.Tensor:
+        """Each model token's version [N, T] (-1 elsewhere): the engine's (in-flight weight updates), else its
+        row's; so that completions with them and without (sampled by the current weights) stack."""
+        out = self.output
+        if out.token_versions is not None:
+            return out.token_versions
+        versions = self.row_versions()[:, None].expand_as(out.completion_ids)
+        return torch.where(model_token_mask(out) > 0, versions, torch.full_like(versions, -1))
+
 
 @dataclass(frozen=True)
 class ProducerParts:
