@@ -94,14 +94,32 @@ def test_a_critic_of_an_architecture_without_token_classification_exports_its_de
         torch.testing.assert_close(completion_forward(reloaded, *args, torch.ones(2, 2))[..., 0], values)
 
 
-def test_a_reward_model_starts_the_critic_with_its_head(tmp_path):
+def test_a_reward_model_or_an_exported_critic_starts_ppos_critic_with_its_head(tmp_path):
+    """`model.critic_model_name_or_path` as PPO loads it (`configure_model`): the head comes with the weights; a
+    causal LM's critic starts with a head of 0."""
     from transformers import AutoModelForSequenceClassification
+
+    from lit_rl.algorithms import PPO
+
+    def ppo_critic(critic_path):
+        ppo = PPO(**grouped_kwargs(PPO, model_name_or_path=MODEL), critic_model_name_or_path=critic_path)
+        ppo.configure_model()
+        return ppo.critic
 
     build_tiny_reward_model(tmp_path / "rm")
     reward_model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm")
-    critic = load_value_model(str(tmp_path / "rm"), num_embeddings=len(load_tokenizer(str(tmp_path / "rm"))))
-    assert torch.equal(critic.score.weight, reward_model.score.weight) and critic.score.bias.item() == 0.0
+    critic = ppo_critic(str(tmp_path / "rm"))
+    assert reward_model.score.weight.abs().sum() > 0 and torch.equal(critic.score.weight, reward_model.score.weight)
+    assert critic.score.bias.item() == 0.0  # a sequence classifier's head has no bias
     assert torch.equal(critic.model.norm.weight, reward_model.model.norm.weight)
+    with torch.no_grad():  # a trained critic, exported as a run's `hf/critic`
+        critic.score.weight.normal_(std=0.1)
+        critic.score.bias.fill_(0.3)
+    save_value_model(critic, tmp_path / "critic")
+    again = ppo_critic(str(tmp_path / "critic"))
+    assert torch.equal(again.score.weight, critic.score.weight) and again.score.bias.item() == pytest.approx(0.3)
+    new = ppo_critic(None)  # the policy's weights: values start at 0
+    assert new.score.weight.abs().sum() == 0 and new.score.bias.item() == 0.0
 
 
 def test_the_buffer_holds_gae_of_the_critics_values_whitened_over_the_generation():

@@ -48,11 +48,11 @@ from lit_rl.losses import LossNormalizer, aggregate
 from lit_rl.losses.policy import ppo_clip
 from lit_rl.losses.ppo import clipped_value_loss, gae, masked_moments, moments_to_mean_std, token_rewards, whiten
 from lit_rl.modeling.completions import completion_forward
-from lit_rl.modeling.value_model import ValueModel, load_value_model, reset_value_head
+from lit_rl.modeling.value_model import ValueModel, load_value_model
 from lit_rl.rollout.producer import GroupFilterStats
 from lit_rl.training.flops import ModelShape
 from lit_rl.training.metrics import explained_variance, mean, metric_collection, on_policy_training_metrics, total
-from lit_rl.training.strategies import gathered_parameters, hf_zero3_loading, reduce_across_ranks
+from lit_rl.training.strategies import hf_zero3_loading, reduce_across_ranks
 from lit_rl.types import RolloutBatch, completion_field
 
 
@@ -124,9 +124,6 @@ class PPO(OnPolicyModule):
                     trust_remote_code=policy.trust_remote_code,
                     attn_implementation=policy.attn_implementation,
                 ).train()
-            # Under ZeRO-3 the head was partitioned as it was created: set it to 0 whole (elsewhere a no-op).
-            with gathered_parameters(self.critic.score, modifier_rank=0):
-                reset_value_head(self.critic)
         if self.critic_shape is None:
             self.critic_shape = ModelShape.of(self.critic)
 

@@ -16,6 +16,7 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from lit_rl.modeling.models import load_causal_lm, reading_model, resolve_model_path
+from lit_rl.training.strategies import gathered_parameters_of
 
 
 class ValueModel(torch.nn.Module):
@@ -96,7 +97,7 @@ def load_value_model(
     - a decoder directory with `value_head.safetensors` (`save_value_state`'s layout for architectures without a
       token-classification class): both;
     - a causal LM: its decoder and a new head whose weights and bias are 0, so every value starts at 0 whatever
-      the seed (`reset_value_head` sets them where parameters are partitioned).
+      the seed (`set_value_head`, also where parameters are partitioned).
     """
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModel
@@ -116,9 +117,8 @@ def load_value_model(
     if scorer is not None:
         model = load_causal_lm(name_or_path, disable_dropout=True, auto_class=scorer, **options)
         decoder = model.base_model
-        head = {"weight": model.score.weight.detach()}
-        if getattr(model.score, "bias", None) is not None:
-            head["bias"] = model.score.bias.detach()
+        with gathered_parameters_of(list(model.score.parameters())):  # whole under ZeRO-3 (read, not written)
+            head = {name: value.detach().clone() for name, value in model.score.named_parameters()}
     elif head_file.exists():
         decoder = load_causal_lm(name_or_path, disable_dropout=True, auto_class=AutoModel, **options)
         head = load_file(head_file)
@@ -127,20 +127,22 @@ def load_value_model(
     if num_embeddings > decoder.get_input_embeddings().num_embeddings:
         decoder.resize_token_embeddings(num_embeddings)
     critic = ValueModel(decoder)
-    reset_value_head(critic)
-    if head is not None:
-        with torch.no_grad():
-            critic.score.weight.copy_(head["weight"].reshape(1, -1))
-            if "bias" in head:
-                critic.score.bias.copy_(head["bias"].reshape(1))
+    set_value_head(critic, head)
     return critic
 
 
 @torch.no_grad()
-def reset_value_head(critic: ValueModel) -> None:
-    """The head's weight and bias set to 0 (values 0 at the start)."""
-    critic.score.weight.zero_()
-    critic.score.bias.zero_()
+def set_value_head(critic: ValueModel, head: Optional[dict[str, torch.Tensor]]) -> None:
+    """The head's weight and bias: `head`'s (a trained critic's, a reward model's; no bias: 0), else 0, so that every
+    value starts at 0. Under ZeRO-3 the head was partitioned as it was created: written whole, by rank 0, and
+    partitioned back (a collective there: every rank calls it)."""
+    with gathered_parameters_of(list(critic.score.parameters()), modifier_rank=0):
+        critic.score.weight.zero_()
+        critic.score.bias.zero_()
+        if head is not None:
+            critic.score.weight.copy_(head["weight"].reshape(1, -1))
+            if "bias" in head:
+                critic.score.bias.copy_(head["bias"].reshape(1))
 
 
 def save_value_model(critic: ValueModel, out_dir: str | Path) -> Path:

@@ -22,6 +22,7 @@ from tests.conftest import (
     CONFIGS,
     FAST_GRPO,
     assert_rows_match,
+    build_tiny_reward_model,
     cli_env,
     fit_in_subprocess,
     saved_steps,
@@ -314,15 +315,17 @@ def _fit_ppo(tmp_path, name, strategy, *args):
 
 
 def test_ppo_under_zero3_matches_ddp_and_its_sharded_checkpoint_exports_the_critic(tmp_path):
-    """The critic is built inside `deepspeed.zero.Init` (its head set to 0 while gathered), trained as an optimizer
-    group of its own, saved in the sharded checkpoint, and consolidated by `lit_rl.export` to the weights the run
-    exported at its end."""
-    ddp = _fit_ppo(tmp_path, "ppo_ddp", "ddp")
+    """The critic is built inside `deepspeed.zero.Init`, started from a reward model (its head read and written while
+    gathered), trained as an optimizer group of its own, saved in the sharded checkpoint, and consolidated by
+    `lit_rl.export` to the weights the run exported at its end."""
+    critic = ("--model.critic_model_name_or_path", str(build_tiny_reward_model(tmp_path / "rm")))
+    ddp = _fit_ppo(tmp_path, "ppo_ddp", "ddp", *critic)
     zero3 = _fit_ppo(
-        tmp_path, "ppo_zero3", "deepspeed_zero3", "--trainer.callbacks+", "lit_rl.callbacks.SaveHFPretrained"
+        tmp_path, "ppo_zero3", "deepspeed_zero3", *critic, "--trainer.callbacks+", "lit_rl.callbacks.SaveHFPretrained"
     )
     reference = _rows(ddp)
-    assert [row["step"] for row in reference] == [1, 2, 3, 4] and reference[-1]["train/critic/values"] != 0
+    assert [row["step"] for row in reference] == [1, 2, 3, 4]
+    assert reference[0]["train/critic/values"] != 0  # the reward model's head, from the first step (else all 0)
     assert saved_steps(zero3) == [2, 4]
     rows = _rows(zero3)
     # Fractions of tokens clipped are counts: ZeRO-3 sums in another order, and a value within rounding of the clip
