@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from lit_rl.data.files import load_rows
@@ -73,6 +75,27 @@ def test_a_task_whose_scorer_runs_the_answer_as_code_needs_the_users_consent():
     with pytest.raises(DataError, match="bitwise_arithmetic's scorer runs the model's answer as code .eval. in verify"):
         load_rows("reasoning_gym:basic_arithmetic,bitwise_arithmetic?size=2&seed=1")  # found in a function it calls
     assert len(load_rows("reasoning_gym:spiral_matrix?size=2&seed=1&trust_scorer=true")) == 2
+
+
+def test_rows_from_a_file_cannot_choose_a_scorer_that_runs_text_as_code(tmp_path):
+    """A row names its task (`metadata.source_dataset`): rows from a data file naming number_sorting, whose scorer
+    `eval`s the row's answer, are refused by the reward, and nothing of theirs runs; the same task's rows from a spec
+    that trusts it are scored."""
+    from lit_rl.errors import RewardFunctionError
+
+    marker = tmp_path / "ran"
+    entry = dict(load_rows("reasoning_gym:basic_arithmetic?size=1&seed=1")[0]["reasoning_gym"])
+    entry["metadata"] = {**entry["metadata"], "source_dataset": "number_sorting"}
+    entry["answer"] = f"__import__('pathlib').Path({str(marker)!r}).write_text('x') or [1]"
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "Sort 1.", "reasoning_gym": entry}) + "\n")
+    (row,) = load_rows(str(rows))
+    with pytest.raises(RewardFunctionError, match=r"task 'number_sorting', whose scorer runs text as code") as err:
+        score([], ["<answer>['1']</answer>"], reasoning_gym=[row["reasoning_gym"]])
+    assert "number_sorting?...&trust_scorer=true" in str(err.value) and not marker.exists()
+    trusted = load_rows("reasoning_gym:number_sorting?size=2&seed=1&trust_scorer=true")
+    answers = [f"<answer>{row['reasoning_gym']['answer']}</answer>" for row in trusted]
+    assert score([], answers, reasoning_gym=[row["reasoning_gym"] for row in trusted]) == [1.0, 1.0]
 
 
 def test_score_uses_each_tasks_own_scorer_on_the_answer_the_completion_gives():

@@ -152,6 +152,30 @@ def test_a_task_is_scored_with_the_task_config_its_taskset_gave_it(beside_the_ru
     assert asyncio.run(env.finish()) == {"hit": 1.0}
 
 
+def test_a_rows_own_task_config_is_taken_only_where_this_runs_taskset_gave_it(beside_the_run, tmp_path):
+    """A row from a data file that carries a task config plugging a reward function from a file (or a judge, which
+    calls a model with a key from the environment) is refused, and nothing of it runs; one whose config is the one
+    the taskset's `load()` gave is scored with it."""
+    import json
+
+    (beside_the_run / "target_tasks.py").write_text(OWN_CONFIG)
+    marker = tmp_path / "ran"
+    (tmp_path / "planted.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('x')\n")
+    row = load_rows("verifiers:target_tasks")[0]
+    plugged = {"target": "2", "rewards": {"own": {"fn": f"{tmp_path}/planted.py:f"}}}
+    planted = {**row["verifiers"], "task_config": plugged}
+    rows = tmp_path / "rows.jsonl"
+    lines = [json.dumps({"prompt": row["prompt"], "verifiers": entry}) for entry in (planted, row["verifiers"])]
+    rows.write_text("\n".join(lines) + "\n")
+    from_file, as_loaded = load_rows(str(rows))
+    env = Verifiers("target_tasks")
+    with pytest.raises(ValueError, match="the row's task config is none that taskset 'target_tasks' gave in this run"):
+        env.reset(from_file)
+    env.reset(as_loaded)
+    env.step("2")
+    assert asyncio.run(env.finish()) == {"hit": 1.0} and not marker.exists()
+
+
 def _taskset(reward: str, *, task: str = "", taskset: str = "", data: str = "", infinite: bool = False, exports=()):
     """A taskset module's source: tasks of class T, whose reward `passed` returns `reward`'s body (given `runtime`
     when it names it), with `task` and `taskset` lines added to the classes and `exports` beside the taskset."""

@@ -16,6 +16,7 @@ answer as the prompt style asks for it: `<answer>...</answer>` for `chat`), so S
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from typing import Any, Callable, Optional
@@ -29,6 +30,17 @@ MIX_OPTIONS = ("size", "seed")
 TRUST_OPTION = "trust_scorer"
 # What runs text as code: Python's own, and sympy's parsers (which eval, and can hang on `9**9**9`).
 EVALUATING = re.compile(r"\b(eval|exec|compile|parse_expr|sympify|parse_latex)\(")
+
+
+# The tasks whose scorers run text as code that a spec of this process trusted (`trust_scorer=true`): the reward
+# (`lit_rl.rewards.reasoning_gym.score`) runs no other such scorer, whatever rows name them (a data file's rows
+# choose their task by name, and would otherwise choose an `eval` of their own answer or of the model's).
+_TRUSTED_SCORERS: set[str] = set()
+
+
+def scorer_trusted(task: str) -> bool:
+    """Whether a `reasoning_gym:` spec loaded in this process said `trust_scorer=true` for `task`."""
+    return task in _TRUSTED_SCORERS
 
 
 def is_reasoning_gym(spec: str) -> bool:
@@ -71,6 +83,8 @@ def load_reasoning_gym_rows(spec: str) -> list[dict[str, Any]]:
                 f"{spec!r}: {task}'s scorer runs the model's answer as code ({found}); add {TRUST_OPTION}=true to the "
                 "spec to train on it anyway, knowing that the model's text then runs in the trainer's process"
             )
+    if trusted:
+        _TRUSTED_SCORERS.update(tasks)
     try:
         if len(tasks) == 1:
             dataset = reasoning_gym.create_dataset(tasks[0], **options)
@@ -100,6 +114,7 @@ def load_reasoning_gym_rows(spec: str) -> list[dict[str, Any]]:
     return rows
 
 
+@functools.lru_cache(maxsize=None)
 def scorer_evaluation(task: str) -> Optional[str]:
     """Where `task`'s scorer runs text as code (`eval(` in SpiralMatrixDataset.score_answer), or None: its
     `score_answer` is read, with the methods and module functions it calls, two calls deep. A task reasoning-gym does

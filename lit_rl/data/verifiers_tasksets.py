@@ -17,6 +17,7 @@ scores the episode with the task's own rewards.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Callable
 
 from lit_rl.data.spec_options import query_options
@@ -27,6 +28,22 @@ SELECT = "select."
 SELECT_OPTIONS = ("limit", "skip", "shuffle", "seed")
 PROMPT_STYLES = ("chat", "text")
 INSTALL = "pip install 'lit-rl[verifiers]'"
+
+
+# The task configs the tasksets' `load()` gave in this process, by taskset id (as canonical JSON): a row's own task
+# config is taken only where it is one of them (`lit_rl.envs.verifiers_tasks.row_task`). A row from a data file is
+# anyone's, and its config could plug judges (a model called with a key from the environment), reward functions
+# from a file, or a server of its choosing into the task that scores it.
+_LOADED_TASK_CONFIGS: dict[str, set[str]] = {}
+
+
+def _canonical(task_config: dict[str, Any]) -> str:
+    return json.dumps(task_config, sort_keys=True)
+
+
+def task_config_loaded(taskset_id: str, task_config: dict[str, Any]) -> bool:
+    """Whether `task_config` (as a row holds it) is one that taskset `taskset_id`'s `load()` gave in this process."""
+    return _canonical(task_config) in _LOADED_TASK_CONFIGS.get(taskset_id, ())
 
 
 def is_verifiers(spec: str) -> bool:
@@ -116,7 +133,7 @@ def load_verifiers_rows(spec: str) -> list[dict[str, Any]]:
     except Exception as err:
         raise DataError(f"{spec!r}: {type(err).__name__}: {one_line(err)}") from None
     taskset_config = config.model_dump(mode="json")
-    return [
+    rows = [
         {
             "prompt": task_prompt(task.data, style, f"{spec!r}: task {index}"),
             "verifiers": {
@@ -127,3 +144,6 @@ def load_verifiers_rows(spec: str) -> list[dict[str, Any]]:
         }
         for index, task in enumerate(tasks)
     ]
+    loaded = _LOADED_TASK_CONFIGS.setdefault(config.id, set())
+    loaded.update(_canonical(row["verifiers"]["task_config"]) for row in rows)
+    return rows

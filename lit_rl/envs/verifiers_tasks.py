@@ -19,7 +19,8 @@ partial: a reward that needs the task's runtime (a sandbox: verifiers itself ski
 judges (they call a model), tools (`toolsets`), a task that needs a container or overrides `setup`, `finalize` or
 `stage_verifier`, a taskset package exporting its own `Env` or `Harness`. A reward returning a dict of rewards
 (or a task scoring other rewards than its functions') fails the episode: lit-rl's columns are fixed when the run
-starts. Each task is scored with the task config its taskset's `load()` gave it (carried in its row). Tasksets
+starts. Each task is scored with the task config its taskset's `load()` gave it (carried in its row, and taken only
+where this process's `load()` gave it: a row from a file is scored with the taskset's config). Tasksets
 written for verifiers' default `bash` harness may expect a shell the model does not have here.
 """
 
@@ -30,7 +31,7 @@ import inspect
 import json
 from typing import Any, Optional
 
-from lit_rl.data.verifiers_tasksets import load_taskset
+from lit_rl.data.verifiers_tasksets import load_taskset, task_config_loaded
 from lit_rl.errors import ConfigError, one_line
 
 WHERE = "model.env.environment_args"
@@ -100,8 +101,15 @@ def row_task(row: dict[str, Any], taskset_config: Any, task_class: type) -> Any:
             "environment_args the data spec's taskset"
         )
     data = task_class.data_type().model_validate(entry["task"])
-    given = entry.get("task_config")
-    config = taskset_config.task if given is None else task_class.config_type().model_validate(given)
+    given, config = entry.get("task_config"), taskset_config.task
+    if given is not None and given != config.model_dump(mode="json"):
+        if not task_config_loaded(taskset_config.id, given):
+            raise ValueError(
+                f"the row's task config is none that taskset {taskset_config.id!r} gave in this run: a row's own task "
+                "config could plug judges, reward functions or servers into the task that scores it, so lit-rl takes "
+                "it only from rows of a verifiers:<taskset> spec (or a row without one, scored with the taskset's)"
+            )
+        config = task_class.config_type().model_validate(given)
     return task_class(data, config)
 
 

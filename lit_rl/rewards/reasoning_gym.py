@@ -11,9 +11,23 @@ from lit_rl.errors import RewardFunctionError
 from lit_rl.rewards import completion_text
 
 
-@functools.lru_cache(maxsize=None)
 def _scorer(task: str) -> Callable[[Optional[str], dict[str, Any]], float]:
-    """The task's own `score_answer` (of a dataset with the task's default options)."""
+    """The task's own `score_answer` (of a dataset with the task's default options). One that runs text as code
+    only where a spec of this run trusted it: a row names its task, and rows from a file are anyone's."""
+    from lit_rl.data.reasoning_gym import TRUST_OPTION, scorer_evaluation, scorer_trusted
+
+    found = None if scorer_trusted(task) else scorer_evaluation(task)
+    if found:
+        raise RewardFunctionError(
+            f"reward function 'score': a row names reasoning-gym task {task!r}, whose scorer runs text as code "
+            f"({found}); it runs only for rows of a spec that trusts it: data reasoning_gym:{task}?...&"
+            f"{TRUST_OPTION}=true"
+        )
+    return _task_scorer(task)
+
+
+@functools.lru_cache(maxsize=None)
+def _task_scorer(task: str) -> Callable[[Optional[str], dict[str, Any]], float]:
     import reasoning_gym
 
     return reasoning_gym.get_score_answer_fn(task)
