@@ -59,7 +59,7 @@ ALGORITHMS: dict[str, tuple[MetricCollection, list[tuple[str, MetricCollection]]
         ],
     ),
     "PPO": (ppo_metrics(FN, with_kl=False), [("`model.loss.beta` != 0", ppo_metrics(FN, with_kl=True)), CORRECTION]),
-    "RLOO": (rloo_metrics(FN), [CORRECTION]),
+    "RLOO": (rloo_metrics(FN, with_kl=False), [("`model.loss.beta` != 0", rloo_metrics(FN, with_kl=True)), CORRECTION]),
     "OnlineDPO": (online_dpo_metrics(FN), []),
     "DPO": (dpo_metrics(), [DATA_TOKEN_BUDGET]),
     "SFT": (sft_metrics(), [DATA_TOKEN_BUDGET]),

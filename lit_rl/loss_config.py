@@ -172,6 +172,10 @@ class RLOOLoss:
         _check_clip(self)
 
 
+# The DPO losses that read `label_smoothing` (`lit_rl.losses.dpo.dpo_loss`): the others have no label to smooth.
+SMOOTHED_DPO_LOSSES = ("sigmoid", "robust", "simpo")
+
+
 @dataclass(frozen=True)
 class DPOLoss:
     """The DPO family's objective on preference pairs (`lit_rl.losses.dpo`), for DPO and Online DPO.
@@ -179,7 +183,8 @@ class DPOLoss:
     Args:
         type: `sigmoid` (DPO), `robust`, `hinge` (SLiC), `ipo`, `apo_zero`, or `simpo` (reference-free; DPO only).
         beta: inverse temperature of the implicit reward `beta * (logp - ref_logp)`.
-        label_smoothing: probability that a preference label is flipped (cDPO / robust DPO).
+        label_smoothing: probability that a preference label is flipped (cDPO / robust DPO; `sigmoid`, `robust`
+            and `simpo` only).
         simpo_gamma: target reward margin of SimPO.
     """
 
@@ -196,6 +201,11 @@ class DPOLoss:
             raise ConfigError(f"model.loss.beta must be > 0, got {self.beta}")
         if not 0 <= self.label_smoothing < 0.5:
             raise ConfigError(f"model.loss.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.label_smoothing and self.type not in SMOOTHED_DPO_LOSSES:
+            raise ConfigError(
+                f"model.loss.label_smoothing={self.label_smoothing}: model.loss.type {self.type!r} has no label "
+                f"smoothing (only {', '.join(SMOOTHED_DPO_LOSSES)}): leave it at 0"
+            )
 
 
 # Every objective's group; an algorithm names one as its `loss` argument.

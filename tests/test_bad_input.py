@@ -204,6 +204,13 @@ CASES = [
     ("unknown-dtype", GRPO, ["--model.policy.dtype", "float8"], "dtype must be one of", 1),
     ("unknown-dpo-loss", DPO, ["--model.loss.type", "kto"], "model.loss.type must be one of", 1),
     (
+        "smoothing-a-loss-without-labels",
+        DPO,
+        ["--model.loss.type", "ipo", "--model.loss.label_smoothing", "0.1"],
+        "model.loss.label_smoothing=0.1: model.loss.type 'ipo' has no label smoothing",
+        1,
+    ),
+    (
         "missing-model",
         GRPO,
         ["--model.policy.model_name_or_path", "./no/such/model"],

@@ -29,6 +29,26 @@ def test_pairs_are_ranked_by_reward_and_ties_get_no_label():
     assert batch.advantages.tolist() == [1.0, -1.0, -1.0, 1.0, 0.0, 0.0]
 
 
+def test_a_step_of_tied_pairs_logs_no_pair_metric_rather_than_nan():
+    """The pair metrics are means over untied pairs: a step whose pairs all tie (a saturated reward) has none, and
+    logs none of them; one untied pair in another micro-batch is the step's value."""
+    from lit_rl.training.metrics import compute_collection
+
+    module = OnlineDPO()
+    stats = {key: torch.tensor([0.5]) for key in ("chosen_rewards", "rejected_rewards", "accuracies", "margins")}
+    stats |= {"chosen_logps": torch.tensor([-1.0]), "rejected_logps": torch.tensor([-2.0])}
+    mb = _batch([1.0, 1.0])
+    module.update_algorithm_metrics(mb, torch.tensor(0.0), {**stats, "untied": torch.tensor([0.0])})
+    logged = compute_collection(module.train_metrics)
+    assert logged["frac_tied_pairs"] == 1.0 and "rewards/margins" not in logged
+    assert all(not torch.isnan(value).any() for value in logged.values())
+    module.train_metrics.reset()
+    module.update_algorithm_metrics(mb, torch.tensor(0.0), {**stats, "untied": torch.tensor([0.0])})
+    module.update_algorithm_metrics(mb, torch.tensor(0.0), {**stats, "untied": torch.tensor([1.0])})
+    logged = compute_collection(module.train_metrics)
+    assert logged["frac_tied_pairs"] == 0.5 and logged["rewards/margins"] == 0.5
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

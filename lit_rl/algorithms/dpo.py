@@ -128,7 +128,10 @@ class DPO(OfflineModule):
         # reference's by up to 2e-5 at batch size 1 on CPU (`test_precomputed_reference_trains_to_the_same_numbers`).
         size = data_of(self, PreferencePairs).batch_size
         values = []
-        with torch.no_grad(), self._reference_for_precompute() as ref_model:
+        # In the trainer's precision, as the live forward runs (under `bf16-mixed`, autocast): `on_train_start` is
+        # outside Lightning's step contexts, and a float32 pass differed from the live one by 1e-2 per sequence.
+        forward_context = self.trainer.precision_plugin.forward_context()
+        with torch.no_grad(), forward_context, self._reference_for_precompute() as ref_model:
             for start in range(0, len(pairs), size):
                 chunk = pairs[start : start + size]
                 batch = collate_pairs(chunk, [1.0] * len(chunk), self.tokenizer.pad_token_id)
@@ -157,10 +160,11 @@ class DPO(OfflineModule):
 
     def _cache_key(self, pairs: list[TokenizedPair]) -> str:
         """Hash of the reference model (path; name, size, mtime and first/last MiB of its config and weight files),
-        the dtype and the token ids. A hub id is keyed by its name: clear the cache when the hub model changes."""
+        the dtype, the trainer's precision and the token ids. A hub id is keyed by its name: clear the cache when the
+        hub model changes."""
         digest = hashlib.sha256()
         resolved = Path(resolve_model_path(self.ref_path))
-        digest.update(json.dumps([self.ref_path, self.policy_args.dtype]).encode())
+        digest.update(json.dumps([self.ref_path, self.policy_args.dtype, str(self.trainer.precision)]).encode())
         if resolved.is_dir():
             for file in sorted(resolved.iterdir()):
                 if file.suffix in (".json", ".safetensors", ".bin"):

@@ -139,6 +139,8 @@ class OnlineDPO(OnPolicyModule):
         untied = stats["untied"]
         m["loss"].update(loss.detach())
         m["frac_tied_pairs"].update(1.0 - untied)
+        if untied.sum() == 0:  # no untied pair here: a step of ties everywhere logs none of them (0 / 0 pairs)
+            return
         for name, key in [
             ("rewards/chosen", "chosen_rewards"),
             ("rewards/rejected", "rejected_rewards"),
@@ -147,8 +149,7 @@ class OnlineDPO(OnPolicyModule):
             ("logps/chosen", "chosen_logps"),
             ("logps/rejected", "rejected_logps"),
         ]:
-            # Always updated (ties weigh 0), so every rank takes part in the metric's sync.
-            m[name].update(stats[key], untied)
+            m[name].update(stats[key], untied)  # ties weigh 0
 
 
 # -- metrics ----------------------------------------------------------------------------------------------------------

@@ -68,7 +68,7 @@ class RLOO(OnPolicyModule):
             )
         super().__init__(policy, optim, schedule, sampling, rewards, env, rollout)
         self.save_hyperparameters()
-        metrics = rloo_metrics(self.reward_names)
+        metrics = rloo_metrics(self.reward_names, with_kl=loss.beta != 0.0)
         self.train_metrics = self.rollout_train_metrics(metrics)
         self.val_metrics = self.rollout_val_metrics()
 
@@ -118,15 +118,15 @@ class RLOO(OnPolicyModule):
 
 
 # -- metrics ----------------------------------------------------------------------------------------------------------
-def rloo_metrics(reward_names: Iterable[str]) -> MetricCollection:
-    """Metrics of RLOO: `reward` is the task reward (before the KL penalty); `kl` the mean per-sequence KL;
-    `advantage_std` the std of the generation's advantages (on each of its completions); `clip_ratio` the fraction of
-    completions whose sequence-level ratio was clipped."""
-    return metric_collection(
-        {
-            **on_policy_training_metrics(reward_names),
-            "kl": mean("completion"),
-            "advantage_std": mean("completion"),
-            "clip_ratio": mean("completion"),
-        }
-    )
+def rloo_metrics(reward_names: Iterable[str], with_kl: bool) -> MetricCollection:
+    """Metrics of RLOO: `reward` is the task reward (before the KL penalty); `advantage_std` the std of the
+    generation's advantages (on each of its completions); `clip_ratio` the fraction of completions whose
+    sequence-level ratio was clipped; with beta > 0 `kl`, the mean per-sequence KL penalised in the reward."""
+    metrics = {
+        **on_policy_training_metrics(reward_names),
+        "advantage_std": mean("completion"),
+        "clip_ratio": mean("completion"),
+    }
+    if with_kl:
+        metrics["kl"] = mean("completion")
+    return metric_collection(metrics)

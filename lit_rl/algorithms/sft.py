@@ -1,10 +1,11 @@
 """Supervised fine-tuning on prompt/completion pairs: the warm start of the RL demos.
 
-Loss: mean negative log-likelihood of the completion tokens (and the EOS after them) of the micro-batch,
+Loss: mean negative log-likelihood of the completion tokens (and the EOS after them) of the optimizer step, each
+micro-batch's part divided by the step's tokens on every rank (`lit_rl.losses.sft.sft_loss`),
 
-    L = - sum_{i,t} m_it log p(y_it | x_i, y_i,<t) / sum_{i,t} m_it
+    L_mb = - sum_{i,t in mb} m_it log p(y_it | x_i, y_i,<t) / N_step,    N_step = sum over the step and ranks of m
 
-prompt tokens are context only (m = 0 there).
+prompt tokens are context only (m = 0 there). `train/loss` and `val/loss` log the token mean over every rank and batch.
 """
 
 from __future__ import annotations
