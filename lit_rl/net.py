@@ -1,8 +1,11 @@
 """HTTP as lit-rl's clients use it (vLLM servers, weight receivers, reward servers): only the URL a config names,
 answers of bounded size, read within a total time limit.
 
-- `DIRECT` ignores proxy variables (`http_proxy` would receive completions or weights) and follows no redirect
-  (a redirect would send the request, and its bearer token, to another host): a 3xx is an `HTTPError`.
+- `open_within` opens a request ignoring proxy variables (`http_proxy` would receive completions or weights) and
+  following no redirect (a redirect would send the request, and its bearer token, to another host: a 3xx is an
+  `HTTPError`), with its connection shut down at `deadline`: http.client reads the status line and headers itself,
+  with the socket's timeout per receive, so a server trickling its headers a byte at a time would hold the client
+  for ever.
 - `read_answer` reads at most `limit` bytes (`AnswerTooLarge` past it) and stops at `deadline` however slowly the
   server sends (a socket timeout is per read: a server sending a byte at a time would hold it forever).
 - `error_answer` reads an error answer's body (an `HTTPError`) the same way, keeping its first `MAX_ERROR_BYTES`: an
@@ -12,10 +15,13 @@ answers of bounded size, read within a total time limit.
 from __future__ import annotations
 
 import http.client
+import socket
+import threading
 import time
 import urllib.error
 import urllib.request
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
@@ -23,13 +29,88 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
         return None
 
 
-DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
 _READ = 1 << 16
 MAX_ERROR_BYTES = 1 << 16  # of an error answer's body: its message is in the first few hundred bytes
 
 
 class AnswerTooLarge(ValueError):
     """An answer longer than the client accepts."""
+
+
+TIMED_OUT = "timed out: the answer did not arrive within the time limit"
+
+
+class _Watchdog:
+    """Shuts a connection's socket down at `deadline` (`time.monotonic()`), from a timer thread of its own."""
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline, self.fired = deadline, False
+        self._timer: Optional[threading.Timer] = None
+
+    def watch(self, sock: socket.socket) -> None:
+        self._timer = threading.Timer(max(self.deadline - time.monotonic(), 0.0), self._shut, (sock,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _shut(self, sock: socket.socket) -> None:
+        self.fired = True
+        try:
+            sock.shutdown(socket.SHUT_RDWR)  # the blocked receive returns at once; the owner closes the socket
+        except OSError:
+            pass
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+def _watched(connection_class: type, watchdog: _Watchdog) -> type:
+    class Watched(connection_class):
+        def connect(self) -> None:
+            super().connect()
+            watchdog.watch(self.sock)
+
+    return Watched
+
+
+class _WatchedHTTP(urllib.request.HTTPHandler):
+    def __init__(self, watchdog: _Watchdog) -> None:
+        super().__init__()
+        self.watchdog = watchdog
+
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_watched(http.client.HTTPConnection, self.watchdog), req)
+
+
+class _WatchedHTTPS(urllib.request.HTTPSHandler):
+    def __init__(self, watchdog: _Watchdog) -> None:
+        super().__init__()
+        self.watchdog = watchdog
+
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_watched(http.client.HTTPSConnection, self.watchdog), req, context=self._context)
+
+
+@contextmanager
+def open_within(request: urllib.request.Request, timeout_s: float, deadline: float) -> Iterator[Any]:
+    """`request` opened (no proxy, no redirect: module docstring), its connection shut down when `time.monotonic()`
+    passes `deadline`, status line and headers included; a failure after that is a `TimeoutError` (`TIMED_OUT`). An
+    `HTTPError` (an answer, whose body `error_answer` reads by the same deadline) goes on as it is."""
+    watchdog = _Watchdog(deadline)
+    opener = urllib.request.build_opener(
+        urllib.request.ProxyHandler({}), _NoRedirect(), _WatchedHTTP(watchdog), _WatchedHTTPS(watchdog)
+    )
+    try:
+        with opener.open(request, timeout=timeout_s) as response:
+            yield response
+    except urllib.error.HTTPError:
+        raise
+    except Exception:
+        if watchdog.fired:
+            raise TimeoutError(TIMED_OUT) from None
+        raise
+    finally:
+        watchdog.cancel()
 
 
 def read_answer(response: http.client.HTTPResponse, limit: int, deadline: float) -> bytes:
@@ -42,9 +123,11 @@ def read_answer(response: http.client.HTTPResponse, limit: int, deadline: float)
     total = 0
     while True:
         if time.monotonic() > deadline:
-            raise TimeoutError("timed out: the answer did not arrive within the time limit")
+            raise TimeoutError(TIMED_OUT)
         chunk = response.read1(_READ)  # what one receive brings: the deadline is checked between receives
         if not chunk:
+            if time.monotonic() > deadline:  # the connection shut down at the deadline (`open_within`)
+                raise TimeoutError(TIMED_OUT)
             break
         total += len(chunk)
         if total > limit:

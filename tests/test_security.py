@@ -540,6 +540,16 @@ def _misbehaving_server(answer):
     return f"http://127.0.0.1:{listener.getsockname()[1]}/score", listener
 
 
+def _drip_headers(client):
+    """An answer whose headers come a byte every 0.2 s: http.client reads them with a timeout per receive."""
+    import time
+
+    client.sendall(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+    for _ in range(40):
+        time.sleep(0.2)
+        client.sendall(b"x")
+
+
 def test_a_reward_server_cannot_flood_drip_or_truncate_its_answer_past_the_limits():
     import time
 
@@ -564,6 +574,7 @@ def test_a_reward_server_cannot_flood_drip_or_truncate_its_answer_past_the_limit
     for answer, expected, most_s in (
         (flood, "answered too much", 30),
         (drip, "timed out", 4),
+        (_drip_headers, "timed out", 4),
         (truncate, r"answered less than it announced \(the connection closed\) after 2 tries", 10),
     ):
         url, listener = _misbehaving_server(answer)
@@ -578,7 +589,7 @@ def test_a_reward_server_cannot_flood_drip_or_truncate_its_answer_past_the_limit
 def test_error_answers_are_read_within_the_limits_by_the_vllm_client_and_the_uploader():
     """The review's finding 5: error answers were read whole, with no deadline: a 1 s client waited out a dripping
     one, and a receiver's 32 MiB error became the error message. Now each reads the first 64 KiB before its
-    deadline."""
+    deadline. Headers that drip are cut at the deadline too (a later review: they held a 1 s client 8 s)."""
     import time
 
     from lit_rl.rollout.server.client import RolloutServerError, VLLMServerClient
@@ -594,7 +605,7 @@ def test_error_answers_are_read_within_the_limits_by_the_vllm_client_and_the_upl
         message = b'{"error": "' + b"x" * (32 << 20) + b'"}'
         client.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n" % len(message) + message)
 
-    for answer in (drip, flood):
+    for answer in (drip, flood, _drip_headers):
         url, listener = _misbehaving_server(answer)
         base = url.rsplit("/", 1)[0]
         started = time.monotonic()

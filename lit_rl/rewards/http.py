@@ -28,7 +28,7 @@ import urllib.request
 from typing import Any, Sequence
 
 from lit_rl.errors import RewardFunctionError
-from lit_rl.net import DIRECT, AnswerTooLarge, read_answer
+from lit_rl.net import AnswerTooLarge, open_within, read_answer
 
 MAX_ANSWER_BYTES = 64 << 20  # a number per completion: kilobytes; a server answering more is refused
 
@@ -97,7 +97,7 @@ class HTTPReward:
             )
             deadline = time.monotonic() + self.timeout_s  # for the whole answer, however slowly it comes
             try:
-                with DIRECT.open(request, timeout=self.timeout_s) as response:
+                with open_within(request, self.timeout_s, deadline) as response:
                     answer = json.loads(read_answer(response, MAX_ANSWER_BYTES, deadline))
             except AnswerTooLarge as err:
                 problem = f"answered too much ({err})"

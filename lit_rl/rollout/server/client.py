@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from lit_rl.console import QUIET_SERVER_ENV
 from lit_rl.errors import LitRLError, one_line
-from lit_rl.net import DIRECT, AnswerTooLarge, error_answer, read_answer
+from lit_rl.net import AnswerTooLarge, error_answer, open_within, read_answer
 from lit_rl.rollout.engines.vllm_config import VLLM_TRANSFER_BACKENDS
 
 
@@ -256,7 +256,7 @@ class VLLMServerClient:
         limit_s = min(timeout_s or self.timeout_s, self.timeout_s)
         deadline = time.monotonic() + limit_s  # for the whole answer, error answers included
         try:
-            with DIRECT.open(request, timeout=limit_s) as response:
+            with open_within(request, limit_s, deadline) as response:
                 payload = read_answer(response, MAX_ANSWER_BYTES, deadline)
         except AnswerTooLarge as err:
             raise RolloutServerError(f"vLLM server {url}: {err}") from None

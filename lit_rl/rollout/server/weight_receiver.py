@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lit_rl.errors import LitRLError, one_line
-from lit_rl.net import DIRECT, AnswerTooLarge, error_answer, read_answer
+from lit_rl.net import AnswerTooLarge, error_answer, open_within, read_answer
 
 TOKEN_ENV = "LIT_RL_RECEIVER_TOKEN"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -548,9 +548,9 @@ class WeightUploader:
     def __init__(self, url: str, timeout_s: float, max_retries: int) -> None:
         self.url, self.timeout_s, self.max_retries = url.rstrip("/"), timeout_s, max_retries
         token = os.environ.get(TOKEN_ENV)
+        # Sent by `open_within`: no proxy from the environment, and no redirect, which would send the token to
+        # another host (`lit_rl.net`).
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
-        # No proxy from the environment, and no redirect: one would send the token to another host (`lit_rl.net`).
-        self._opener = DIRECT
 
     def upload(self, directory: str | Path, tag: str) -> str:
         """Send every file of `directory` as version `tag` (up to `UPLOAD_STREAMS` at once: hashing and sending
@@ -582,7 +582,7 @@ class WeightUploader:
             )
             deadline = time.monotonic() + self.timeout_s  # for the whole answer, error answers included
             try:
-                with self._opener.open(request, timeout=self.timeout_s) as response:
+                with open_within(request, self.timeout_s, deadline) as response:
                     return json.loads(read_answer(response, MAX_COMMIT_BYTES, deadline) or b"{}")
             except urllib.error.HTTPError as err:
                 problem = f"HTTP {err.code}: {_error_text(err, deadline)}"
