@@ -34,7 +34,7 @@ from lit_rl.console import WEIGHT_PUSH_MESSAGES, drop_log_messages
 from lit_rl.entry import private_files
 from lit_rl.errors import LitRLError, ReportedOnRankZero
 from lit_rl.numerics import settle_cpu_math_kernels
-from lit_rl.resume import ResumePoint, keep_run_metrics, resolve_ckpt_path
+from lit_rl.resume import ResumePoint, keep_run_metrics, refuse_another_runs_directory, resolve_ckpt_path
 from lit_rl.training.checkpoint import AtomicCheckpointIO
 from lit_rl.training.compat import keep_nested_nulls
 from lit_rl.training.strategies import as_project_deepspeed
@@ -227,6 +227,9 @@ class LitRLCLI(LightningCLI):
         # The CSV logger deletes the metrics file of a run directory it opens: put back the resumed run's rows.
         if self.resumed is not None and self.resumed.run is not None:
             keep_run_metrics(self.trainer.loggers, self.resumed)
+        logger = self.trainer.logger
+        if self.resumed is None and logger is not None and not isinstance(logger, (CSVLogger, TensorBoardLogger)):
+            refuse_another_runs_directory(run_directory(self.trainer))  # a versioned logger makes a new version_N
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> L.Trainer:
         configured = list(config.get("callbacks") or []) + callbacks

@@ -110,6 +110,24 @@ def keep_run_metrics(loggers: list[Any], resumed: ResumePoint) -> None:
     warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
 
 
+# What a run writes into its directory besides the logger's own files: a directory holding one of them is a run's.
+RUN_FILES = ("config.yaml", CHECKPOINT_DIR, "hf")
+
+
+def refuse_another_runs_directory(run: Path) -> None:
+    """A new `fit` (no `--ckpt_path`) whose run directory `run` holds another run's files: a logger without versions
+    (Trackio, or any whose version is a name) given a name an earlier run had. Its config, checkpoints and export
+    would be overwritten; stopped in one line. (Switching `--trainer.logger` over a shipped config carries the CSV
+    logger's `name` into the new logger: every such run had the same name.)"""
+    found = [name for name in RUN_FILES if (run / name).exists()]
+    if found:
+        raise LitRLError(
+            f"trainer.logger: the run directory {run} holds another run's files ({', '.join(found)}), which this "
+            "new run would overwrite: give --trainer.logger.name a name of its own (or null for a new one), or "
+            f"continue that run with --ckpt_path {run / CHECKPOINT_DIR / 'last.ckpt'}"
+        )
+
+
 def is_rank_zero() -> bool:
     """Whether this process is global rank 0 (from the launcher's environment: the trainer is not set up yet)."""
     from lightning.pytorch.utilities.rank_zero import rank_zero_only

@@ -8,6 +8,7 @@ import csv
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -68,3 +69,29 @@ def test_trackio_gets_every_logged_value_and_the_run_its_own_directory(tmp_path)
     for got, expected in zip(sorted(tracked, key=key), sorted(written, key=key), strict=True):
         assert sorted(got) == sorted(expected)
         assert got == pytest.approx(expected, rel=1e-6), expected["step"]
+
+
+@pytest.mark.slow
+def test_a_new_run_never_writes_into_another_runs_directory(tmp_path):
+    """Switched over a shipped config, `--trainer.logger lit_rl.loggers.TrackioLogger` takes the CSV logger's `name`
+    (`grpo`) with it, so every such run had one directory: the second overwrote the first's config and export and
+    wrote `last-v1.ckpt`. A new run into a directory that holds a run's files now stops in one line, and writes
+    nothing; the command getting-started.md prints (with `--trainer.logger.name null`) gets a directory each time."""
+    env = _env(tmp_path, TRACKIO_DIR=str(tmp_path / "trackio"))
+    trackio = ("--trainer.logger", "lit_rl.loggers.TrackioLogger", "--trainer.logger.project", "my-project")
+    args = ["fit", "--config", str(CONFIGS / "grpo.yaml"), *SMALL, "--trainer.max_steps", "1", *trackio]
+    assert _lit_rl(tmp_path, env, *args).returncode == 0
+    first = tmp_path / "runs" / "my-project" / "grpo"
+    before = {path: path.read_bytes() for path in first.rglob("*") if path.is_file()}
+    assert (first / "checkpoints" / "last.ckpt") in before and (first / "config.yaml") in before
+
+    again = _lit_rl(tmp_path, env, *args)
+    assert again.returncode == 1, again.stderr[-2000:]
+    line = again.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"lit-rl: error: trainer.logger: the run directory {Path('runs/my-project/grpo')}")
+    assert "give --trainer.logger.name a name of its own" in line
+    assert {path: path.read_bytes() for path in first.rglob("*") if path.is_file()} == before
+
+    assert _lit_rl(tmp_path, env, *args, "--trainer.logger.name", "null").returncode == 0
+    runs = sorted(path.name for path in (tmp_path / "runs" / "my-project").iterdir())
+    assert len(runs) == 2 and runs[0] == "grpo" and runs[1].startswith("my-project-")
