@@ -53,8 +53,8 @@ against padding-free), resume (K steps against a stop after about K/2 and the pr
 
   lit-rl check --config my.yaml --mismatch
 
-One step as configured and one per factor changed (engine, dtype, packing): which factor moves the engine-trainer
-log-prob mismatch (train/rollout_kl) most.
+One step as configured and one per factor changed (engine, dtype, packing, lora): which factor moves the
+engine-trainer log-prob mismatch (train/rollout_kl) most.
 """
 
 

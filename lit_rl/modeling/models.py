@@ -262,7 +262,11 @@ def build_tiny_base(out_dir: str | Path) -> Path:
     return out
 
 
-if __name__ == "__main__":  # python -m lit_rl.modeling.models OUT_DIR
-    import sys
+if __name__ == "__main__":  # python -m lit_rl.modeling.models [OUT_DIR]
+    import argparse
 
-    print(build_tiny_base(sys.argv[1] if len(sys.argv) > 1 else ASSETS_DIR / TINY_BASE))
+    parser = argparse.ArgumentParser(
+        prog="python -m lit_rl.modeling.models", description="Build the tiny Qwen2 base model, deterministically."
+    )
+    parser.add_argument("out_dir", nargs="?", default=str(ASSETS_DIR / TINY_BASE), help="where to write it")
+    print(build_tiny_base(parser.parse_args().out_dir))
