@@ -230,7 +230,7 @@ def refuse_ungrouped_hyperparameters(module: Any, saved: dict[str, Any]) -> None
         raise ConfigError(
             f"this checkpoint holds lit-rl 0.1's flat options ({shown}), which {cls.__name__} now takes in groups: "
             f"load it with {cls.__name__}.load_from_checkpoint(path, "
-            "**lit_rl.config.grouped_hparams(torch.load(path, weights_only=False)['hyper_parameters']))"
+            "**lit_rl.config.grouped_hparams(torch.load(path, weights_only=True)['hyper_parameters']))"
         )
 
 

@@ -231,7 +231,7 @@ def test_load_from_checkpoint_of_a_0_1_checkpoint_says_how_to_keep_its_values(tm
     )
     with pytest.raises(ConfigError, match=r"^this checkpoint holds lit-rl 0\.1.s flat options \(temperature\)"):
         GRPO.load_from_checkpoint(path, weights_only=False)
-    saved = torch.load(path, weights_only=False)["hyper_parameters"]
+    saved = torch.load(path, weights_only=True)["hyper_parameters"]  # as the message says
     loaded = GRPO.load_from_checkpoint(path, weights_only=False, **grouped_hparams(saved))
     assert loaded.sampling_args.temperature == 0.7 and loaded.optim_args.learning_rate == 1e-5
     assert torch.equal(loaded.policy.lm_head.weight, module.policy.lm_head.weight)

@@ -14,6 +14,7 @@ from lit_rl.envs import OpenEnv, StepResult
 from lit_rl.envs.openenv import observation_text
 from lit_rl.errors import ConfigError
 from lit_rl.rollout.server.client import free_port
+from tests.conftest import listening_addresses
 
 APP = "tests.integration.openenv_countdown:app"
 
@@ -26,7 +27,8 @@ def test_an_episode_is_one_session_reset_by_its_row_stepped_per_turn_and_closed(
         return first, results
 
     env = OpenEnv(app=APP, row_reset_args=["answer"], prompt="reset")
-    assert env.url.startswith("http://127.0.0.1:")
+    # Where the kernel says the app's server listens (the URL is lit-rl's own string): loopback alone.
+    assert listening_addresses(int(env.url.rsplit(":", 1)[1])) == ["127.0.0.1"]
     first, results = asyncio.run(episode(env))
     assert first == "3;"
     assert results == [

@@ -14,7 +14,7 @@ import torch
 
 from lit_rl.errors import LitRLError
 from lit_rl.export import export_checkpoint
-from tests.conftest import cli_env
+from tests.conftest import cli_env, listening_addresses
 
 # Unpickling this object runs `touch <marker>`: what `torch.load(weights_only=False)` would do.
 CRAFTED = """
@@ -158,6 +158,13 @@ def test_a_committed_version_is_never_replaced_and_an_outsider_needs_the_token(t
     assert not Path(trained).exists()
     assert [p.name for p in (tmp_path / "open").iterdir() if p.name.startswith("current")] == ["current.2"]
     assert sha256_of(tmp_path / "open" / "current.2" / "model-00000.safetensors") == digest
+    # A DELETE of the tag, then commits again: numbers are never given twice, so none lands at the trainer's path
+    # (they counted from 1 again: the outsider's first commit after the DELETE was the trainer's `current.1`).
+    assert _http(open_receiver.url, "DELETE", "/files/current") == 200
+    assert _http(open_receiver.url, "PUT", "/files/current/model-00000.safetensors", evil, length) == 200
+    assert _http(open_receiver.url, "POST", "/commit/current", commit, {"Content-Length": str(len(commit))}) == 200
+    assert not Path(trained).exists()
+    assert [p.name for p in (tmp_path / "open").iterdir() if p.name.startswith("current")] == ["current.3"]
     open_receiver.stop()
 
 
@@ -626,7 +633,7 @@ def test_the_vllm_client_sends_the_api_key_and_follows_no_redirect(monkeypatch):
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from lit_rl.rollout.server.client import RolloutServerError, VLLMServerClient
+    from lit_rl.rollout.server.client import RolloutServerError, VLLMServerClient, why_not_started
 
     seen = []
 
@@ -657,10 +664,19 @@ def test_the_vllm_client_sends_the_api_key_and_follows_no_redirect(monkeypatch):
         assert client.request("GET", "/health") == {"ok": True}
         with pytest.raises(RolloutServerError, match="HTTP 302"):
             client.request("GET", "/moved")
+        # A server that is not vLLM's (an OpenEnv app lit-rl serves) is polled without the key.
+        assert why_not_started(_Running(), f"http://127.0.0.1:{server.server_port}", 5, api_key=False) is None
     finally:
         server.shutdown()
         server.server_close()
-    assert seen == [("/health", "Bearer k3y"), ("/moved", "Bearer k3y")]
+    assert seen == [("/health", "Bearer k3y"), ("/moved", "Bearer k3y"), ("/health", None)]
+
+
+class _Running:
+    """A child process still running (`why_not_started` asks it)."""
+
+    def poll(self):
+        return None
 
 
 # -- tools ------------------------------------------------------------------------------------------------------------
@@ -813,22 +829,6 @@ def test_the_checks_processes_do_not_put_the_working_directory_first(tmp_path, m
 
 
 # -- the broadcast transfer -------------------------------------------------------------------------------------------
-def _listening_on(port: int) -> list[str]:
-    """The local addresses with a socket listening on `port`, as the kernel lists them (/proc/net/tcp, tcp6)."""
-    import ipaddress
-
-    addresses = []
-    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
-        for row in Path(table).read_text().splitlines()[1:]:
-            local, state = row.split()[1], row.split()[3]
-            hex_address, hex_port = local.split(":")
-            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
-                words = bytes.fromhex(hex_address)  # host-order 32-bit words
-                raw = b"".join(words[i : i + 4][::-1] for i in range(0, width, 4))
-                addresses.append(str(ipaddress.ip_address(raw)))
-    return addresses
-
-
 def test_the_broadcast_rendezvous_listens_on_the_address_asked_and_only_until_the_workers_join():
     import socket
     import threading
@@ -841,7 +841,7 @@ def test_the_broadcast_rendezvous_listens_on_the_address_asked_and_only_until_th
 
     listener = listen("localhost", 0)  # a host name: the workers name the store by it too
     port = listener.getsockname()[1]
-    assert _listening_on(port) == ["127.0.0.1"]  # before: a store bound by torch listened on every interface
+    assert listening_addresses(port) == ["127.0.0.1"]  # before: a store bound by torch listened on every interface
     received, built = torch.zeros(3), threading.Event()
 
     def worker() -> None:  # a server's worker, as vLLM's stateless_init_torch_distributed_process_group joins
@@ -860,7 +860,7 @@ def test_the_broadcast_rendezvous_listens_on_the_address_asked_and_only_until_th
     listener.close()
     assert built.wait(30)
     group.joined()  # as CollectiveTransfer.connect does once the server answers that its workers joined
-    assert _listening_on(port) == []  # nothing listens any more, on any address
+    assert listening_addresses(port) == []  # nothing listens any more, on any address
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=5)
     group.broadcast(torch.arange(3.0), give_up=lambda: False)  # the group itself still works

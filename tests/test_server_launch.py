@@ -185,6 +185,7 @@ def test_the_launched_command_serves_the_policy_on_loopback_with_the_rl_endpoint
     argv, env = client.server_command(model, 8123, weight_transfer="gloo", extra_args=extra)
     assert argv[argv.index("--host") + 1] == "127.0.0.1" and argv[argv.index("--port") + 1] == "8123"
     assert "--weight-transfer-config" in argv and env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert env["PYTHONSAFEPATH"] == "1"  # no working directory on the server's import path (docs/security.md)
     # The user's flags override the CPU defaults (the last --dtype wins) and come before lit-rl's own, which win.
     dtypes = [i for i, arg in enumerate(argv) if arg == "--dtype"]
     assert argv[dtypes[-1] + 1] == "bfloat16" and max(dtypes) < argv.index("--model") < argv.index("--host")

@@ -240,6 +240,15 @@ def one_line(err: BaseException) -> str:
     return (text.splitlines()[0] if text else type(err).__name__)[:300]
 
 
+# uvicorn serving `app` (argv: app, host, port), with the working directory last on the import path, where the
+# app's own module is found: `python -m uvicorn` puts it first, so a stray `websockets.py` beside the run would stand
+# in for the installed package (PYTHONSAFEPATH=1 keeps `python -c` from putting it first too).
+_SERVE_APP = (
+    "import os, sys; sys.path.append(os.getcwd()); import uvicorn; "
+    "uvicorn.run(sys.argv[1], host=sys.argv[2], port=int(sys.argv[3]))"
+)
+
+
 class _LocalApps:
     """The OpenEnv apps this process serves (`app`), by import path: started once, stopped at exit."""
 
@@ -260,11 +269,11 @@ class _LocalApps:
             raise ConfigError(f"lit_rl.envs.OpenEnv environment_args.app must be module:attribute, got {app!r}")
         port = free_port()
         log_path = str(Path(tempfile.mkdtemp(prefix="lit-rl-openenv-")) / "server.log")
-        argv = [python, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port)]
-        process, log = start_child(argv, {}, log_path)
+        argv = [python, "-c", _SERVE_APP, app, "127.0.0.1", str(port)]
+        process, log = start_child(argv, {"PYTHONSAFEPATH": "1"}, log_path)
         stop = weakref.finalize(process, _stop_session, process, log)  # at exit at the latest
         url = f"http://127.0.0.1:{port}"
-        failure = why_not_started(process, url, timeout_s)
+        failure = why_not_started(process, url, timeout_s, api_key=False)  # VLLM_API_KEY is not the app's to see
         if failure is not None:
             stop()
             raise ConfigError(

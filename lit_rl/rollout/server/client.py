@@ -135,12 +135,13 @@ def start_child(argv: Sequence[str], env: dict[str, str], log_path: str) -> tupl
     return process, log
 
 
-def why_not_started(process: Any, url: str, timeout_s: float) -> Optional[str]:
+def why_not_started(process: Any, url: str, timeout_s: float, api_key: bool = True) -> Optional[str]:
     """Wait until the child `process` (`start_child`) serving `url` answers `/health`, for at most `timeout_s`:
     None, or why it did not start (`exited with code 1`, `did not answer within 60 s`), for the caller's one-line
-    error. What answers after the process exited is another server, on the port it took first."""
+    error. What answers after the process exited is another server, on the port it took first. `api_key`: whether
+    the poll sends `VLLM_API_KEY` (a vLLM server's)."""
     try:
-        client = VLLMServerClient(url, timeout_s=2.0, max_retries=0)  # its `/health` poll, for any such server
+        client = VLLMServerClient(url, timeout_s=2.0, max_retries=0, api_key=api_key)  # its `/health` poll
         client.wait_until_healthy(timeout_s, gone=lambda: process.poll() is not None)
         if process.poll() is None:
             return None
@@ -227,10 +228,13 @@ class _RetryableError(Exception):
 class VLLMServerClient:
     """JSON over HTTP to one vLLM server, with a timeout on every request and retries with backoff."""
 
-    def __init__(self, base_url: str, timeout_s: float, max_retries: int) -> None:
+    def __init__(self, base_url: str, timeout_s: float, max_retries: int, api_key: bool = True) -> None:
+        """`api_key`: send `VLLM_API_KEY` (False for a server that is not a vLLM server, such as an OpenEnv app's:
+        the key is not theirs to see)."""
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.max_retries = max_retries
+        self.api_key = api_key
 
     def request(self, method: str, path: str, body: Optional[dict] = None, retries: Optional[int] = None) -> Any:
         """Send one request, retrying connection failures, timeouts and 5xx answers; the parsed JSON answer."""
@@ -250,7 +254,7 @@ class VLLMServerClient:
     def _once(self, method: str, url: str, body: Optional[dict], timeout_s: Optional[float] = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"}
-        if os.environ.get(API_KEY_ENV):  # a server started with --api-key, or an authenticating proxy before it
+        if self.api_key and os.environ.get(API_KEY_ENV):  # a server started with --api-key, or a proxy before it
             headers["Authorization"] = f"Bearer {os.environ[API_KEY_ENV]}"
         request = urllib.request.Request(url, data=data, method=method, headers=headers)
         limit_s = min(timeout_s or self.timeout_s, self.timeout_s)

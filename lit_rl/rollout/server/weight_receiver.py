@@ -124,6 +124,10 @@ class WeightReceiver:
         self.space_lock = threading.Lock()  # `reserved` and the check against `max_total_bytes`
         self.staging_lock = threading.Lock()  # counting, sweeping and making staging folders
         self.reserved = 0  # bytes of the uploads accepted and not yet landed (or removed)
+        # The last version number committed of each tag, kept past a DELETE: a number is never given twice, so a
+        # path answered to the trainer can never come to hold other bytes (a DELETE and new commits would else
+        # count from 1 again, up to it).
+        self.last_number: dict[str, int] = {}
         remove_stale_staging(self.root)
         self.last_sweep = time.monotonic()
 
@@ -514,7 +518,9 @@ def _handler(receiver: WeightReceiver) -> type[BaseHTTPRequestHandler]:
                     self._reply(409, {"error": f"version {tag} is incomplete or differs: {sorted(present)}"})
                     return
                 earlier = receiver.versions(tag)
-                number = 1 + max([int(_version_of(tag).match(p.name).group(1)) for p in earlier], default=0)
+                found = [int(_version_of(tag).match(p.name).group(1)) for p in earlier]
+                number = 1 + max([*found, receiver.last_number.get(tag, 0)])
+                receiver.last_number[tag] = number
                 target = receiver.root / f"{tag}.{number}"  # a new name: nothing committed is written again
                 os.rename(staging, target)
                 for old in earlier:  # superseded: the trainer reloads from the path answered to its last commit
