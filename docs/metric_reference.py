@@ -20,6 +20,7 @@ from lit_rl.algorithms.ppo import ppo_metrics
 from lit_rl.algorithms.rloo import rloo_metrics
 from lit_rl.algorithms.sft import sft_metrics
 from lit_rl.training.metrics import (
+    DPO_PAIR_METRICS,
     asynchronous_rollout_metrics,
     data_token_budget_metrics,
     episode_metrics,
@@ -81,6 +82,14 @@ FAMILIES = {
 }
 
 
+# Metrics logged only where the step gives them a value to average: Online DPO's pair metrics weigh untied pairs
+# alone, and a step whose pairs all tie logs none of them.
+ONLY_WITH_VALUES = {
+    ("OnlineDPO", f"train/{name}"): "a step with an untied pair (`train/frac_tied_pairs` < 1)"
+    for name in DPO_PAIR_METRICS
+}
+
+
 def _table(rows: list[tuple[str, str, str]]) -> list[str]:
     lines = ["| metric | reduced as | logged |", "|---|---|---|"]
     for name, reduced, when in rows:
@@ -124,7 +133,8 @@ def render() -> str:
         if name in ON_POLICY:
             options = [*options, *((when, metric_collection(make())) for when, make in ON_POLICY_EXTRAS)]
         out += [f"## {name}", "", "Training (`train/`):", ""]
-        out += _table(_rows("train/", base, options))
+        rows = _rows("train/", base, options)
+        out += _table([(metric, reduced, ONLY_WITH_VALUES.get((name, metric), when)) for metric, reduced, when in rows])
         if name not in ON_POLICY:
             out += ["Validation (`val/`):", ""]
             out += _table(_rows("val/", base, []))

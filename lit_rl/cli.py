@@ -23,12 +23,11 @@ from typing import Any, NoReturn, Optional
 import lightning as L
 from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeedStrategy
 
 from lit_rl.callbacks import GracefulStop, NonFiniteGuard, RunSummary, StepProgressBar
-from lit_rl.callbacks.export import run_directory
+from lit_rl.callbacks.export import numbers_its_runs, run_directory
 from lit_rl.config import data_key_hint, moved_key_hint
 from lit_rl.console import WEIGHT_PUSH_MESSAGES, drop_log_messages
 from lit_rl.entry import private_files
@@ -227,9 +226,9 @@ class LitRLCLI(LightningCLI):
         # The CSV logger deletes the metrics file of a run directory it opens: put back the resumed run's rows.
         if self.resumed is not None and self.resumed.run is not None:
             keep_run_metrics(self.trainer.loggers, self.resumed)
-        logger = self.trainer.logger
-        if self.resumed is None and logger is not None and not isinstance(logger, (CSVLogger, TensorBoardLogger)):
-            refuse_another_runs_directory(run_directory(self.trainer))  # a versioned logger makes a new version_N
+        # A new run (no --ckpt_path, or `last` where there is none) of a logger whose directory is a name.
+        if not self.config[self.config["subcommand"]].get("ckpt_path") and not numbers_its_runs(self.trainer.logger):
+            refuse_another_runs_directory(run_directory(self.trainer))
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> L.Trainer:
         configured = list(config.get("callbacks") or []) + callbacks
@@ -346,9 +345,9 @@ def exit_if_interrupted(trainer: L.Trainer, args: list[str]) -> None:
             name = signal.Signals(callback.received).name
             # `last` finds the newest run of a versioned logger (CSV, TensorBoard); with another logger (W&B,
             # Trackio) the command names the checkpoint itself.
-            versioned = trainer.logger is None or isinstance(trainer.logger, (CSVLogger, TensorBoardLogger))
             if trainer.is_global_zero:
-                command = resume_command(args, "last" if versioned else str(callback.checkpoint_path))
+                last = "last" if numbers_its_runs(trainer.logger) else str(callback.checkpoint_path)
+                command = resume_command(args, last)
                 sys.stderr.write(
                     f"lit-rl: stopped by {name} after step {callback.stopped_at_step}; checkpoint written to "
                     f"{callback.checkpoint_path}; resume with: {command}\n"

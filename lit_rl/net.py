@@ -41,36 +41,48 @@ TIMED_OUT = "timed out: the answer did not arrive within the time limit"
 
 
 class _Watchdog:
-    """Shuts a connection's socket down at `deadline` (`time.monotonic()`), from a timer thread of its own."""
+    """Shuts a connection down at `deadline` (`time.monotonic()`), from a timer thread of its own."""
 
     def __init__(self, deadline: float) -> None:
         self.deadline, self.fired = deadline, False
         self._timer: Optional[threading.Timer] = None
+        self._sock: Optional[socket.socket] = None
 
     def watch(self, sock: socket.socket) -> None:
-        self._timer = threading.Timer(max(self.deadline - time.monotonic(), 0.0), self._shut, (sock,))
+        """Watch the connection of `sock`, through a descriptor of its own: still the connection's once TLS takes
+        `sock` over (its handshake is watched too), and never another connection's when `sock` is closed."""
+        self.cancel()
+        self._sock = sock.dup()
+        self._timer = threading.Timer(max(self.deadline - time.monotonic(), 0.0), self._shut)
         self._timer.daemon = True
         self._timer.start()
 
-    def _shut(self, sock: socket.socket) -> None:
+    def _shut(self) -> None:
         self.fired = True
         try:
-            sock.shutdown(socket.SHUT_RDWR)  # the blocked receive returns at once; the owner closes the socket
-        except OSError:
+            self._sock.shutdown(socket.SHUT_RDWR)  # a blocked receive returns at once; the owner closes the socket
+        except (OSError, AttributeError):
             pass
 
     def cancel(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
+        if self._sock is not None:
+            self._sock.close()
 
 
 def _watched(connection_class: type, watchdog: _Watchdog) -> type:
-    class Watched(connection_class):
+    """`connection_class` whose plain socket `watchdog` watches from the moment it connects (an HTTPS connection's
+    `connect` calls this one's before its TLS handshake)."""
+
+    class Armed(http.client.HTTPConnection):
         def connect(self) -> None:
             super().connect()
             watchdog.watch(self.sock)
 
-    return Watched
+    if connection_class is http.client.HTTPConnection:
+        return Armed
+    return type("Watched", (connection_class, Armed), {})
 
 
 class _WatchedHTTP(urllib.request.HTTPHandler):
@@ -105,7 +117,7 @@ def open_within(request: urllib.request.Request, timeout_s: float, deadline: flo
             yield response
     except urllib.error.HTTPError:
         raise
-    except Exception:
+    except (OSError, http.client.HTTPException):  # the connection's failures, not the caller's own (bad JSON)
         if watchdog.fired:
             raise TimeoutError(TIMED_OUT) from None
         raise

@@ -121,10 +121,12 @@ def refuse_another_runs_directory(run: Path) -> None:
     logger's `name` into the new logger: every such run had the same name.)"""
     found = [name for name in RUN_FILES if (run / name).exists()]
     if found:
+        last = run / CHECKPOINT_DIR / "last.ckpt"
+        continued = f", or continue that run with --ckpt_path {last}" if last.exists() else ""
         raise LitRLError(
             f"trainer.logger: the run directory {run} holds another run's files ({', '.join(found)}), which this "
-            "new run would overwrite: give --trainer.logger.name a name of its own (or null for a new one), or "
-            f"continue that run with --ckpt_path {run / CHECKPOINT_DIR / 'last.ckpt'}"
+            "new run would overwrite: give the run a directory of its own (the logger's name or version that names "
+            f"it, e.g. --trainer.logger.name; null makes a new one){continued}"
         )
 
 

@@ -77,12 +77,13 @@ def test_a_task_whose_scorer_runs_the_answer_as_code_needs_the_users_consent():
     assert len(load_rows("reasoning_gym:spiral_matrix?size=2&seed=1&trust_scorer=true")) == 2
 
 
-def test_rows_from_a_file_cannot_choose_a_scorer_that_runs_text_as_code(tmp_path):
+def test_rows_from_a_file_cannot_choose_a_scorer_that_runs_text_as_code(tmp_path, monkeypatch):
     """A row names its task (`metadata.source_dataset`): rows from a data file naming number_sorting, whose scorer
     `eval`s the row's answer, are refused by the reward, and nothing of theirs runs; the same task's rows from a spec
     that trusts it are scored."""
     from lit_rl.errors import RewardFunctionError
 
+    monkeypatch.setattr("lit_rl.data.reasoning_gym._TRUSTED_SCORERS", set())  # what this test's specs trust alone
     marker = tmp_path / "ran"
     entry = dict(load_rows("reasoning_gym:basic_arithmetic?size=1&seed=1")[0]["reasoning_gym"])
     entry["metadata"] = {**entry["metadata"], "source_dataset": "number_sorting"}

@@ -152,12 +152,13 @@ def test_a_task_is_scored_with_the_task_config_its_taskset_gave_it(beside_the_ru
     assert asyncio.run(env.finish()) == {"hit": 1.0}
 
 
-def test_a_rows_own_task_config_is_taken_only_where_this_runs_taskset_gave_it(beside_the_run, tmp_path):
+def test_a_rows_own_task_config_is_taken_only_where_this_runs_taskset_gave_it(beside_the_run, tmp_path, monkeypatch):
     """A row from a data file that carries a task config plugging a reward function from a file (or a judge, which
     calls a model with a key from the environment) is refused, and nothing of it runs; one whose config is the one
     the taskset's `load()` gave is scored with it."""
     import json
 
+    monkeypatch.setattr("lit_rl.data.verifiers_tasksets._LOADED_TASK_CONFIGS", {})  # this test's loads alone
     (beside_the_run / "target_tasks.py").write_text(OWN_CONFIG)
     marker = tmp_path / "ran"
     (tmp_path / "planted.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('x')\n")

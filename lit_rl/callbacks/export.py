@@ -8,7 +8,7 @@ from typing import Callable, Optional, Protocol, runtime_checkable
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 
 from lit_rl.algorithms.base import PolicyModule
 from lit_rl.callbacks.safety import GracefulStop
@@ -92,12 +92,18 @@ def stopped_by_signal(trainer: L.Trainer) -> bool:
     return any(isinstance(c, GracefulStop) and c.stopped_at_step is not None for c in trainer.callbacks)
 
 
+def numbers_its_runs(logger: Optional[Logger]) -> bool:
+    """Whether `logger` lays runs out in numbered directories, `<save_dir>/<name>/version_N` (CSV, TensorBoard; also
+    no logger): `--ckpt_path last` finds its newest run, and its `log_dir` is the run's own."""
+    return logger is None or isinstance(logger, (CSVLogger, TensorBoardLogger))
+
+
 def run_directory(trainer: L.Trainer) -> Path:
     """This run's own directory, the parent of the `checkpoints/` Lightning makes: the CSV or TensorBoard logger's
     `log_dir`; for other loggers (W&B, MLflow, ...), whose `log_dir` is their shared `save_dir`,
     `<save_dir>/<name>/<version>` as Lightning lays out their checkpoints (W&B: the project and the run id)."""
     logger = trainer.logger
-    if logger is None or isinstance(logger, (CSVLogger, TensorBoardLogger)):
+    if numbers_its_runs(logger):
         return Path(trainer.log_dir or trainer.default_root_dir)
     version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
     path = Path(logger.save_dir or trainer.default_root_dir) / str(logger.name) / version

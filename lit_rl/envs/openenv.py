@@ -242,10 +242,10 @@ def one_line(err: BaseException) -> str:
 
 # uvicorn serving `app` (argv: app, host, port), with the working directory last on the import path, where the
 # app's own module is found: `python -m uvicorn` puts it first, so a stray `websockets.py` beside the run would stand
-# in for the installed package (PYTHONSAFEPATH=1 keeps `python -c` from putting it first too).
+# in for the installed package. (`python -c` puts it first too; PYTHONSAFEPATH=1 does not before Python 3.11.)
 _SERVE_APP = (
-    "import os, sys; sys.path.append(os.getcwd()); import uvicorn; "
-    "uvicorn.run(sys.argv[1], host=sys.argv[2], port=int(sys.argv[3]))"
+    "import os, sys; here = os.getcwd(); sys.path[:] = [p for p in sys.path if p not in ('', '.', here)] + [here]; "
+    "import uvicorn; uvicorn.run(sys.argv[1], host=sys.argv[2], port=int(sys.argv[3]))"
 )
 
 
@@ -270,10 +270,10 @@ class _LocalApps:
         port = free_port()
         log_path = str(Path(tempfile.mkdtemp(prefix="lit-rl-openenv-")) / "server.log")
         argv = [python, "-c", _SERVE_APP, app, "127.0.0.1", str(port)]
-        process, log = start_child(argv, {"PYTHONSAFEPATH": "1"}, log_path)
+        process, log = start_child(argv, {}, log_path)
         stop = weakref.finalize(process, _stop_session, process, log)  # at exit at the latest
         url = f"http://127.0.0.1:{port}"
-        failure = why_not_started(process, url, timeout_s, api_key=False)  # VLLM_API_KEY is not the app's to see
+        failure = why_not_started(process, url, timeout_s, api_key=False)  # no vLLM server: no VLLM_API_KEY header
         if failure is not None:
             stop()
             raise ConfigError(

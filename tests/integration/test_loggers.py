@@ -89,9 +89,12 @@ def test_a_new_run_never_writes_into_another_runs_directory(tmp_path):
     assert again.returncode == 1, again.stderr[-2000:]
     line = again.stderr.strip().splitlines()[-1]
     assert line.startswith(f"lit-rl: error: trainer.logger: the run directory {Path('runs/my-project/grpo')}")
-    assert "give --trainer.logger.name a name of its own" in line
+    assert "give the run a directory of its own" in line and f"--ckpt_path {Path('runs/my-project/grpo')}" in line
     assert {path: path.read_bytes() for path in first.rglob("*") if path.is_file()} == before
 
+    # `--ckpt_path last` continues that run (Lightning finds its last.ckpt): not refused.
+    resumed = _lit_rl(tmp_path, env, *args, "--trainer.max_steps", "2", "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert _lit_rl(tmp_path, env, *args, "--trainer.logger.name", "null").returncode == 0
     runs = sorted(path.name for path in (tmp_path / "runs" / "my-project").iterdir())
     assert len(runs) == 2 and runs[0] == "grpo" and runs[1].startswith("my-project-")
