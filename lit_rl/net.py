@@ -61,7 +61,7 @@ class _Watchdog:
         self.fired = True
         try:
             self._sock.shutdown(socket.SHUT_RDWR)  # a blocked receive returns at once; the owner closes the socket
-        except (OSError, AttributeError):
+        except OSError:  # closed meanwhile (`cancel`), or the connection already gone
             pass
 
     def cancel(self) -> None:

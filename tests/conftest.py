@@ -169,6 +169,12 @@ def run_cli(*args: str) -> None:
     main(list(args))
 
 
+def bash_block(page: str, containing: str = "") -> str:
+    """The first fenced bash block of `docs/<page>` whose text holds `containing`, as the page prints it."""
+    blocks = (REPO / "docs" / page).read_text().split("```bash\n")[1:]
+    return next(block.split("```", 1)[0] for block in blocks if containing in block.split("```", 1)[0])
+
+
 def documented_fit(block: str) -> list[str]:
     """A docs page's `lit-rl fit` command (its bash block's text) as the CLI's arguments: split as a shell splits it,
     the repository's configs by their path."""

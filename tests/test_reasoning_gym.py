@@ -11,7 +11,7 @@ from lit_rl.data.files import load_rows
 from lit_rl.data.reasoning_gym import parse_spec
 from lit_rl.errors import DataError
 from lit_rl.rewards.reasoning_gym import answer_of, score
-from tests.conftest import REPO, fit_documented_two_steps, read_metrics, train_rows
+from tests.conftest import bash_block, fit_documented_two_steps, read_metrics, train_rows
 
 reasoning_gym = pytest.importorskip("reasoning_gym")
 
@@ -113,17 +113,11 @@ def test_score_uses_each_tasks_own_scorer_on_the_answer_the_completion_gives():
     assert answer_of("<answer>1</answer> then <answer> 2 </answer>") == "2"
 
 
-def _documented_block() -> str:
-    """The bash block of docs/reasoning-gym.md."""
-    section = (REPO / "docs" / "reasoning-gym.md").read_text()
-    return section.split("```bash\n", 1)[1].split("```", 1)[0]
-
-
 @pytest.mark.slow
 def test_grpo_trains_on_a_reasoning_gym_task_through_the_cli(tmp_path):
     """The command the docs print, for 2 steps (the test overlay and the suite's small batches on top): the task's
     rows are the data (train and validation), its scorer the reward, logged in both stages."""
-    log_dir = fit_documented_two_steps(_documented_block(), tmp_path)
+    log_dir = fit_documented_two_steps(bash_block("reasoning-gym.md"), tmp_path)
     train = train_rows(log_dir)
     assert [row["step"] for row in train] == [1, 2]
     assert all(0.0 <= row["train/rewards/score"] <= 1.0 for row in train)

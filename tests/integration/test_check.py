@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.conftest import CONFIGS, REPO, needs_native_bf16, python_path
+from tests.conftest import CONFIGS, REPO, bash_block, needs_native_bf16, python_path
 
 pytestmark = pytest.mark.slow
 
@@ -170,18 +170,13 @@ PLANTED = {
 DOCUMENTED = "loss normalised per micro-batch"
 
 
-def _documented_command() -> str:
-    page = (REPO / "docs" / "check.md").read_text()
-    return next(block for block in page.split("```bash\n")[1:] if "planted_bugs" in block).split("```")[0]
-
-
 @pytest.mark.parametrize("bug", sorted(PLANTED))
 def test_a_planted_bug_fails_the_pair_that_shows_it(tmp_path, bug):
     args, pair = PLANTED[bug]
     scratch = _scratch(tmp_path)
     if bug == DOCUMENTED:  # without the suite's PYTHONPATH: the page's own command must find `tests`
         env = {key: value for key, value in _env(TMPDIR=str(scratch)).items() if key != "PYTHONPATH"}
-        command = _documented_command()
+        command = bash_block("check.md", "planted_bugs")
         assert all(arg in command for arg in (*args, "--pairs", pair))
         result = subprocess.run(["bash", "-c", command], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     else:
