@@ -226,8 +226,9 @@ class LitRLCLI(LightningCLI):
         # The CSV logger deletes the metrics file of a run directory it opens: put back the resumed run's rows.
         if self.resumed is not None and self.resumed.run is not None:
             keep_run_metrics(self.trainer.loggers, self.resumed)
-        # A new run (no --ckpt_path, or `last` where there is none) of a logger whose directory is a name.
-        if not self.config[self.config["subcommand"]].get("ckpt_path") and not numbers_its_runs(self.trainer.logger):
+        # A new run (no --ckpt_path, or `last` where there is none) never writes into a directory holding another
+        # run's files: a logger whose directory is a name (Trackio), or a CSV/TensorBoard `version` fixed by hand.
+        if not self.config[self.config["subcommand"]].get("ckpt_path"):
             refuse_another_runs_directory(run_directory(self.trainer))
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> L.Trainer:

@@ -116,9 +116,10 @@ RUN_FILES = ("config.yaml", CHECKPOINT_DIR, "hf")
 
 def refuse_another_runs_directory(run: Path) -> None:
     """A new `fit` (no `--ckpt_path`) whose run directory `run` holds another run's files: a logger without versions
-    (Trackio, or any whose version is a name) given a name an earlier run had. Its config, checkpoints and export
-    would be overwritten; stopped in one line. (Switching `--trainer.logger` over a shipped config carries the CSV
-    logger's `name` into the new logger: every such run had the same name.)"""
+    (Trackio, or any whose version is a name) given a name an earlier run had, or a CSV or TensorBoard logger whose
+    `version` is fixed. Its config, checkpoints and export would be overwritten (the CSV logger deletes the metrics
+    file too); stopped in one line. (Switching `--trainer.logger` over a shipped config carries the CSV logger's
+    `name` into the new logger: every such run had the same name.) A numbered new run's directory is always new."""
     found = [name for name in RUN_FILES if (run / name).exists()]
     if found:
         last = run / CHECKPOINT_DIR / "last.ckpt"

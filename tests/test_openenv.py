@@ -108,6 +108,23 @@ def test_bad_settings_a_silent_server_and_an_app_that_does_not_start_fail_in_one
         OpenEnv(app="tests.no_such_module:app")
 
 
+def test_a_module_beside_the_run_cannot_stand_in_for_a_package_the_served_app_imports(tmp_path, monkeypatch):
+    """The app lit-rl serves is started with the working directory last on its import path (`python -m uvicorn`
+    put it first, so a stray `uvicorn.py` beside the run was imported instead of the package)."""
+    import sys
+
+    from lit_rl.envs.openenv import _LocalApps
+    from tests.conftest import REPO
+
+    marker = tmp_path / "stray-imported"
+    (tmp_path / "uvicorn.py").write_text(f"open({str(marker)!r}, 'w').close(); raise SystemExit(3)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(REPO))  # the tests' app, `tests.integration.openenv_countdown`
+    url = _LocalApps().url(APP, sys.executable, timeout_s=60)
+    assert listening_addresses(int(url.rsplit(":", 1)[1])) == ["127.0.0.1"]
+    assert not marker.exists()
+
+
 # -- MCP tool environments (`lit_rl.envs.OpenEnvTools`) ---------------------------------------------------------
 TOOLS_APP = "tests.integration.openenv_tools:app"
 

@@ -4,6 +4,7 @@ given to `--ckpt_path` configures nothing: tests/integration/test_checkpoint_ove
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -166,6 +167,13 @@ def test_a_committed_version_is_never_replaced_and_an_outsider_needs_the_token(t
     assert not Path(trained).exists()
     assert [p.name for p in (tmp_path / "open").iterdir() if p.name.startswith("current")] == ["current.3"]
     open_receiver.stop()
+    # Nor past a restart of the receiver on the same directory: a DELETE there, then a commit, is `current.4`.
+    restarted = _serve(WeightReceiver(tmp_path / "open"))
+    assert _http(restarted.url, "DELETE", "/files/current") == 200
+    assert _http(restarted.url, "PUT", "/files/current/model-00000.safetensors", evil, length) == 200
+    assert _http(restarted.url, "POST", "/commit/current", commit, {"Content-Length": str(len(commit))}) == 200
+    assert [p.name for p in (tmp_path / "open").iterdir() if p.name.startswith("current")] == ["current.4"]
+    restarted.stop()
 
 
 def test_a_file_lands_only_between_commits_never_between_a_commits_check_and_its_rename(tmp_path):
@@ -673,7 +681,10 @@ def test_the_vllm_client_sends_the_api_key_and_follows_no_redirect(monkeypatch):
 
 
 class _Running:
-    """A child process still running (`why_not_started` asks it)."""
+    """A child process still running (`why_not_started` asks it), the leader of this process's session, whose
+    listeners are the test's own."""
+
+    pid = os.getsid(0)
 
     def poll(self):
         return None

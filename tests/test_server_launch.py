@@ -127,6 +127,41 @@ def test_a_server_that_never_answers_fails_in_one_line_after_the_time_limit_and_
     assert not [p for p in psutil.process_iter(["cmdline"]) if "--mute" in (p.info["cmdline"] or [])]
 
 
+def test_a_port_taken_by_another_process_first_is_said_and_sent_nothing(stand_in, tmp_path, monkeypatch):
+    """Between `free_port` and the server's bind (tens of seconds of vLLM imports) another local user may take the
+    port: its listener answered the health poll, which carried VLLM_API_KEY, and then every request. The start
+    now waits for the child's own listener and stops in one line when another process holds the port."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen = []
+
+    class Impostor(BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append((self.path, self.headers.get("Authorization")))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    impostor = ThreadingHTTPServer(("127.0.0.1", 0), Impostor)
+    threading.Thread(target=impostor.serve_forever, daemon=True).start()
+    monkeypatch.setenv("VLLM_API_KEY", "k3y")
+    port = impostor.server_port
+    try:
+        with pytest.raises(RolloutServerError) as failed:
+            LocalVLLMServer("m", str(tmp_path / "server.log"), port=port, timeout_s=30)
+    finally:
+        impostor.shutdown()
+        impostor.server_close()
+    message = str(failed.value)
+    assert "\n" not in message
+    assert f"did not start: it found its port {port} taken by another process (nothing was sent there)" in message
+    assert seen == []
+
+
 def test_a_killed_trainer_takes_its_server_with_it(stand_in, tmp_path):
     """SIGKILL leaves no exit hook to run: the kernel's parent-death signal ends the server, which ends its engine."""
     log = tmp_path / "server.log"

@@ -98,3 +98,26 @@ def test_a_new_run_never_writes_into_another_runs_directory(tmp_path):
     assert _lit_rl(tmp_path, env, *args, "--trainer.logger.name", "null").returncode == 0
     runs = sorted(path.name for path in (tmp_path / "runs" / "my-project").iterdir())
     assert len(runs) == 2 and runs[0] == "grpo" and runs[1].startswith("my-project-")
+
+
+@pytest.mark.slow
+def test_a_run_with_a_version_fixed_by_hand_is_not_written_over_by_the_next(tmp_path):
+    """A CSV `version` fixed by hand (`--trainer.logger.version my-exp`) names one directory for every run of the
+    command: the next run deleted its `metrics.csv` and replaced its config, checkpoints and export. The next run
+    now stops in one line and writes nothing; without a fixed version each run gets a new number."""
+    env = _env(tmp_path)
+    args = ["fit", "--config", str(CONFIGS / "grpo.yaml"), *SMALL, "--trainer.max_steps", "1"]
+    assert _lit_rl(tmp_path, env, *args, "--trainer.logger.version", "my-exp").returncode == 0
+    first = tmp_path / "runs" / "grpo" / "my-exp"
+    before = {path: path.read_bytes() for path in first.rglob("*") if path.is_file()}
+    assert {first / "metrics.csv", first / "config.yaml", first / "checkpoints" / "last.ckpt"} <= set(before)
+
+    again = _lit_rl(tmp_path, env, *args, "--trainer.logger.version", "my-exp")
+    assert again.returncode == 1, again.stderr[-2000:]
+    line = again.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"lit-rl: error: trainer.logger: the run directory {Path('runs/grpo/my-exp')} holds")
+    assert {path: path.read_bytes() for path in first.rglob("*") if path.is_file()} == before
+
+    assert _lit_rl(tmp_path, env, *args).returncode == 0
+    assert _lit_rl(tmp_path, env, *args).returncode == 0
+    assert sorted(path.name for path in first.parent.iterdir()) == ["my-exp", "version_0", "version_1"]

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import weakref
 from typing import Any, Callable, Optional, Sequence
@@ -24,6 +25,7 @@ from lit_rl.console import QUIET_SERVER_ENV
 from lit_rl.errors import LitRLError, one_line
 from lit_rl.net import AnswerTooLarge, error_answer, open_within, read_answer
 from lit_rl.rollout.engines.vllm_config import VLLM_TRANSFER_BACKENDS
+from lit_rl.rollout.server.listeners import port_holder
 
 
 def server_command(
@@ -138,11 +140,20 @@ def start_child(argv: Sequence[str], env: dict[str, str], log_path: str) -> tupl
 def why_not_started(process: Any, url: str, timeout_s: float, api_key: bool = True) -> Optional[str]:
     """Wait until the child `process` (`start_child`) serving `url` answers `/health`, for at most `timeout_s`:
     None, or why it did not start (`exited with code 1`, `did not answer within 60 s`), for the caller's one-line
-    error. What answers after the process exited is another server, on the port it took first. `api_key`: whether
-    the poll sends `VLLM_API_KEY` (a vLLM server's)."""
+    error. What answers after the process exited is another server, on the port it took first. Nothing is sent
+    before the child listens on the port itself (`port_holder`): another process holding it is said at once.
+    `api_key`: whether the poll sends `VLLM_API_KEY` (a vLLM server's)."""
+    port = urllib.parse.urlsplit(url).port
+    deadline = time.monotonic() + timeout_s
+    while (holder := port_holder(port, process.pid)) == "none" and process.poll() is None:
+        if time.monotonic() >= deadline:
+            return f"did not answer within {timeout_s:g} s"
+        time.sleep(0.2)
+    if holder == "other":
+        return f"found its port {port} taken by another process (nothing was sent there)"
     try:
         client = VLLMServerClient(url, timeout_s=2.0, max_retries=0, api_key=api_key)  # its `/health` poll
-        client.wait_until_healthy(timeout_s, gone=lambda: process.poll() is not None)
+        client.wait_until_healthy(max(0.0, deadline - time.monotonic()), gone=lambda: process.poll() is not None)
         if process.poll() is None:
             return None
     except RolloutServerError:

@@ -16,7 +16,8 @@ on arrival (it hashes again only a file it has no record of, after a restart), a
 the path answered holds the trainer's bytes until the trainer's next commit of that tag replaces it), and answers
 that path, which the trainer hands to the server's reload. A transfer that fails (a timeout, a digest that does not
 match, a lost connection) never reaches the commit: the server keeps serving the weights it has, and the trainer
-stops with one line naming the URL. `DELETE /files/<tag>` removes a tag's versions.
+stops with one line naming the URL. `DELETE /files/<tag>` removes a tag's versions (not its last number: none is
+given twice, `next_number`).
 
 Who may write: the receiver binds to 127.0.0.1 unless told otherwise (`--host`). Bound to any other address it
 requires `Authorization: Bearer <token>` (`LIT_RL_RECEIVER_TOKEN`, set on both sides; without one it makes one and
@@ -82,6 +83,7 @@ STALE_STAGING_S = 3600.0  # a staging folder untouched this long belongs to an u
 STALE_SWEEP_S = 60.0  # how often uploads look for stale staging folders
 MAX_STAGING = 64  # staging folders at once: the trainer keeps one or two (a version and the next)
 PARTIAL_PREFIX = ".part-"  # `.part-<tag>-<random>.part`: a file still arriving, beside the staging folders
+LAST_NUMBER_PREFIX = ".last-"  # `.last-<tag>`: the last version number a commit of the tag was given
 
 
 class WeightTransferError(LitRLError):
@@ -124,10 +126,6 @@ class WeightReceiver:
         self.space_lock = threading.Lock()  # `reserved` and the check against `max_total_bytes`
         self.staging_lock = threading.Lock()  # counting, sweeping and making staging folders
         self.reserved = 0  # bytes of the uploads accepted and not yet landed (or removed)
-        # The last version number committed of each tag, kept past a DELETE: a number is never given twice, so a
-        # path answered to the trainer can never come to hold other bytes (a DELETE and new commits would else
-        # count from 1 again, up to it).
-        self.last_number: dict[str, int] = {}
         remove_stale_staging(self.root)
         self.last_sweep = time.monotonic()
 
@@ -195,6 +193,23 @@ class WeightReceiver:
                 return None
             staging.mkdir(mode=0o700, exist_ok=True)
             return staging
+
+    def next_number(self, tag: str, found: list[int]) -> int:
+        """The version number of `tag`'s next commit, recorded in `.last-<tag>` under the receiver's directory (under
+        the commit lock): a number is never given twice, past a DELETE and a restart of the receiver too, so a path
+        answered to the trainer never comes to hold other bytes (new commits would else count from 1 again, up to
+        it)."""
+        record = self.root / f"{LAST_NUMBER_PREFIX}{tag}"
+        try:
+            recorded = int(record.read_text()) if not record.is_symlink() else 0
+        except (FileNotFoundError, ValueError):
+            recorded = 0
+        number = 1 + max([*found, recorded])
+        written = record.with_name(f"{record.name}.new")
+        written.unlink(missing_ok=True)
+        written.write_text(str(number))
+        os.replace(written, record)  # whole or not at all: a receiver killed mid-write keeps the old number
+        return number
 
     def versions(self, tag: str) -> list[Path]:
         """The committed directories of `tag`, oldest first."""
@@ -519,8 +534,7 @@ def _handler(receiver: WeightReceiver) -> type[BaseHTTPRequestHandler]:
                     return
                 earlier = receiver.versions(tag)
                 found = [int(_version_of(tag).match(p.name).group(1)) for p in earlier]
-                number = 1 + max([*found, receiver.last_number.get(tag, 0)])
-                receiver.last_number[tag] = number
+                number = receiver.next_number(tag, found)
                 target = receiver.root / f"{tag}.{number}"  # a new name: nothing committed is written again
                 os.rename(staging, target)
                 for old in earlier:  # superseded: the trainer reloads from the path answered to its last commit

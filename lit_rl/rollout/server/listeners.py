@@ -1,0 +1,70 @@
+"""Who listens on a local TCP port, from the kernel's tables (Linux): a server lit-rl starts must hold the port it
+was given before anything is sent there.
+
+`free_port` finds a port nothing listens on, and the child binds it only once it is up (a vLLM server imports for
+tens of seconds): another local user may bind the port first. The health poll, which carries `VLLM_API_KEY`, and
+every request after it would then go to that process. `port_holder` tells the child's listener from another's.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from pathlib import Path
+
+LISTEN = "0A"  # the state of a listening socket in /proc/net/tcp
+# The local addresses whose listeners receive a connection made to 127.0.0.1.
+REACH_LOOPBACK = {ipaddress.ip_address(a) for a in ("127.0.0.1", "0.0.0.0", "::", "::ffff:127.0.0.1")}
+
+
+def port_holder(port: int, session: int) -> str:
+    """Who listens where a connection to 127.0.0.1:`port` lands: "none"; "session" (only processes of session
+    `session`: a child started in a session of its own, `start_child`, and the processes it started); "other" (a
+    process outside it, or one this user cannot see into); "unknown" where the kernel's tables cannot be read."""
+    inodes = _listening_inodes(port)
+    if inodes is None:
+        return "unknown"
+    if not inodes:
+        return "none"
+    return "session" if inodes <= _session_sockets(session) else "other"
+
+
+def _listening_inodes(port: int) -> set[int] | None:
+    """The inodes of the sockets listening on `port` at an address that receives 127.0.0.1's connections."""
+    found: set[int] = set()
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            if table.endswith("6"):  # no IPv6 in this kernel
+                continue
+            return None
+        for row in rows:
+            fields = row.split()
+            hex_address, hex_port = fields[1].split(":")
+            if fields[3] != LISTEN or int(hex_port, 16) != port:
+                continue
+            words = bytes.fromhex(hex_address)  # 32-bit words in host order (little-endian on x86 and ARM)
+            address = ipaddress.ip_address(b"".join(words[i : i + 4][::-1] for i in range(0, width, 4)))
+            if address in REACH_LOOPBACK:
+                found.add(int(fields[9]))
+    return found
+
+
+def _session_sockets(session: int) -> set[int]:
+    """The inodes of the sockets open in the processes of `session` (this user's own: their fds are readable)."""
+    sockets: set[int] = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[3]) != session:  # after the command's name: state, ppid, pgrp, sid
+                continue
+            for fd in (entry / "fd").iterdir():
+                link = os.readlink(fd)
+                if link.startswith("socket:["):
+                    sockets.add(int(link[8:-1]))
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or not this user's
+            continue
+    return sockets
