@@ -4,14 +4,22 @@ import torch
 from lit_rl.algorithms.grpo import grpo_metrics
 
 
-def test_train_and_val_collections_are_distinct_objects():
-    base = grpo_metrics(["correctness"], with_kl=True)
-    train, val = base.clone(prefix="train/"), base.clone(prefix="val/")
-    train["reward"].update(torch.tensor([1.0, 1.0]))
-    assert not val["reward"].update_called
-    assert len(train) == len(val) > 0
-    assert all(a is not b for a, b in zip(train.values(), val.values(), strict=True))
-    assert all(k.startswith("train/") for k in train.keys(keep_base=False))
+def test_every_modules_train_and_val_collections_share_no_metric_object():
+    """README's "train and validation apart": each module's `train_metrics` and `val_metrics` (as the modules build
+    them, every optional metric on) hold distinct metric objects, so a validation update never reaches a training
+    value, whatever the logging's resets hide."""
+    for name, collections in _every_collection().items():
+        if len(collections) < 2:
+            continue  # the asynchronous rollouts' metrics are training metrics alone
+        train, val = collections
+        assert len(train) > 0 and len(val) > 0, name
+        assert all(k.startswith("train/") for k in train.keys(keep_base=False)), name
+        assert all(k.startswith("val/") for k in val.keys(keep_base=False)), name
+        train_ids = {id(metric) for metric in train.values()}
+        assert not train_ids & {id(metric) for metric in val.values()}, name
+        for metric in val.values():
+            metric.update(torch.ones(2))
+        assert not any(metric.update_called for metric in train.values()), name
 
 
 def test_mean_is_weighted_over_all_updates_not_a_mean_of_means():

@@ -123,3 +123,33 @@ def test_ranks_with_sharded_parameters_run_as_many_forwards_by_tokens(tmp_path):
         mp.spawn(_rank_scores, args=(str(tmp_path / "init"), results), nprocs=2, join=True)
         # Rank 1 runs its forward of 2 rows, then 3 of one row.
         assert dict(results) == {0: ([2, 1, 1, 2], True), 1: ([2, 1, 1, 1], True)}
+
+
+def test_each_optimizer_steps_denominators_are_its_own_counts_summed_over_ranks(monkeypatch):
+    """The loss normalisation's denominators (docs/formulas.md), for each optimizer step of a generation: the step's
+    sequences and loss tokens over every rank (`sequence`, `token`), the whole generation's loss tokens (`dapo`),
+    the completion budget T_max (`constant`, not the batch's width) and the rows with a non-zero advantage. Layout
+    comparisons cannot see a swap of these: every layout goes through this one function."""
+    import dataclasses
+
+    from lit_rl.algorithms import micro_steps
+    from lit_rl.algorithms.micro_steps import MicroBatcher
+    from lit_rl.losses import LossNormalizer
+
+    batch = _batch([1, 1, 1, 1], [3, 1, 2, 4])  # two optimizer steps of 2 rows: 4 then 6 loss tokens
+    batch = dataclasses.replace(
+        batch, loss_mask=batch.completion_mask.clone(), advantages=torch.tensor([0.5, 0.0, -1.0, 0.0])
+    )
+    # The other rank's counts, as the all-reduce adds them: step tokens 5 and 6, 11 in all, 2 and 0 active rows.
+    other_rank = torch.tensor([5.0, 6.0, 11.0, 2.0, 0.0])
+    monkeypatch.setattr(micro_steps, "reduce_across_ranks", lambda counts: counts + other_rank)
+    batcher = MicroBatcher(micro_batch_size=1, accumulate=2)
+    assert batcher.step_normalizers(batch, completion_budget=16, world_size=2) == [
+        LossNormalizer(4.0, 9.0, 21.0, 16, num_active_sequences=3.0),
+        LossNormalizer(4.0, 12.0, 21.0, 16, num_active_sequences=1.0),
+    ]
+    # One rank: its own counts.
+    assert batcher.step_normalizers(batch, completion_budget=16, world_size=1) == [
+        LossNormalizer(2.0, 4.0, 10.0, 16, num_active_sequences=1.0),
+        LossNormalizer(2.0, 6.0, 10.0, 16, num_active_sequences=1.0),
+    ]

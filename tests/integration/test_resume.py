@@ -184,6 +184,7 @@ def test_ctrl_c_reaches_every_rank_of_a_two_process_run_and_the_printed_command_
     assert [step for step, stage in sorted(got) if stage == "train"] == list(range(1, 9))
     assert [step for step, stage in sorted(got) if stage == "val"] == [4, 8]
     for key, values in expected.items():
+        assert sorted(got[key]) == sorted(values), key  # the same metrics, none more, none fewer
         for name, value in values.items():
             assert got[key][name] == pytest.approx(value, rel=1e-5, abs=1e-6), (key, name)
 
