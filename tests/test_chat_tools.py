@@ -592,6 +592,26 @@ def test_grpo_puts_the_tools_schemas_in_the_prompt_through_the_chat_template(tmp
     assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_a_prompt_that_an_environments_reset_lengthened_past_the_limit_is_refused_not_cut():
+    """The check before training measures the data's prompts; an environment's `reset` may add to one (a TRL class
+    returning text). Rendered with the tools' schemas and cut from its start, it lost its schemas with no word;
+    encoding it is now a one-line error (the episodes' start failure, raised on every rank)."""
+    from lit_rl.envs.chat_tools import chat_prompt, tool_schema
+    from lit_rl.modeling.prompts import PromptEncoder
+
+    tokenizer = qwen_chat_tokenizer()
+    schemas = [tool_schema(add_numbers)]
+    row_prompt = chat_prompt("What is 2 + 3?")
+    fits = int(PromptEncoder(tokenizer, None).encode([row_prompt], schemas)[1].sum())
+    encoder = PromptEncoder(tokenizer, max_length=fits)
+    ids, mask = encoder.encode([row_prompt], schemas)  # the data's prompt fits as it is
+    assert int(mask.sum()) == fits
+    lengthened = chat_prompt("What is 2 + 3? Here is the task in full: " + "lorem ipsum " * 20)
+    with pytest.raises(ConfigError, match=rf"a prompt has \d+ tokens with the tools' schemas .* \({fits}\), which"):
+        encoder.encode([row_prompt, lengthened], schemas)
+    assert int(PromptEncoder(tokenizer, max_length=64).encode([lengthened])[1].sum()) == 64  # no tools: cut
+
+
 def test_a_prompt_length_limit_that_would_cut_the_tools_schemas_stops_the_run_first(tmp_path):
     """Truncation keeps a prompt's end: with tools, it would drop the schemas at its start. The check before
     training renders the prompts as the rollouts do, schemas included, and names the first that would be cut."""

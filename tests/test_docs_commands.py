@@ -170,7 +170,7 @@ SHORTER = ["--trainer.max_steps", "1", "--trainer.limit_val_batches", "1"]
 READER_FILES = REPO / "tests" / "docs_reader"
 # The commands parsed only (above), by what they need that this machine lacks, and where that path runs.
 NOT_RUN_HERE = {
-    "_8gpu.yaml": "8 GPUs (tests/gpu)",
+    "_8gpu.yaml": "8 GPUs, which no lent machine has had: never run (8 CPU processes of ZeRO-3 in test_deepspeed)",
     "configs/strategy/": "several trainer processes (tests/test_rank_invariance.py, tests/test_strategy_devices.py)",
     "configs/rollout/vllm_": "a vLLM engine or server (tests/integration/test_vllm.py starts them as the docs do)",
     "lit_rl.envs.OpenEnv": "openenv, which cannot be installed beside vLLM (tests/test_openenv.py)",

@@ -265,6 +265,15 @@ def test_an_environment_that_raises_ends_its_episode_and_is_reported(schedule):
     assert episodes.error == "Exploding.step raised RuntimeError: the environment broke"
     assert episodes.output.completion_ids.tolist()[1] == [6, EOS, 7, 7, 8, EOS]  # the other episode ran on
 
+    class Exits(Echo):  # library code that calls sys.exit: it ended the run with exit code 0 and no message
+        def step(self, text):
+            raise SystemExit(3)
+
+    engine = ScriptedEngine({1: [[4, EOS], [5, EOS]], 2: [[6, EOS], [8, EOS]]})
+    episodes = _run(engine, [Exits(2), Echo(2)], [[1], [2]], schedule=schedule)
+    assert episodes.error == "Exits.step raised SystemExit: 3"
+    assert episodes.output.completion_ids.tolist()[1] == [6, EOS, 7, 7, 8, EOS]
+
 
 def test_a_cut_off_final_turn_is_truncated_whatever_the_earlier_turns_ended_with():
     from lit_rl.losses.overlong import truncated
@@ -708,3 +717,17 @@ def test_a_token_environment_gets_the_sampled_ids_and_whether_a_stop_id_ended_th
     assert env.turns == [SampledTurn([4, 11], [-0.5, -0.5], True), SampledTurn([5, 5, 5], [-0.5] * 3, False)]
     assert episodes.output.completion_ids.tolist() == [[4, 11, 7, 7, 5, 5, 5]]
     assert episodes.output.sampled_mask.tolist() == [[1, 1, 0, 0, 1, 1, 1]]
+
+
+def test_a_token_environment_without_close_whose_prompt_is_too_long_gets_the_length_error():
+    """A `TokenEnvironment` need not define `close`: the length check closed the environment without asking, so its
+    run stopped on `AttributeError: ... no attribute 'close'` instead of naming the length and the key to raise."""
+    from lit_rl.errors import EnvironmentStepError
+    from tests.conftest import fit_grpo
+
+    with pytest.raises(EnvironmentStepError) as failed:
+        fit_grpo(environment="tests.integration.envs.LongTokenPrompt", max_turns=1, max_prompt_length=16)
+    assert str(failed.value) == (
+        "LongTokenPrompt.reset gave a prompt of 40 tokens, more than model.sampling.max_prompt_length "
+        "(16): raise it (its world rendered it whole)"
+    )

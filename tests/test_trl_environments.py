@@ -162,6 +162,49 @@ def test_get_reward_scores_each_ended_episode_once_but_not_one_whose_environment
     assert envs[0].instance.rewards_asked == 1
 
 
+class SlowToScore(IncrementEnv):
+    """IncrementEnv whose `get_reward` takes 1.5 s (a sandboxed test run), and then pays -1."""
+
+    def get_reward(self) -> float:
+        time.sleep(1.5)
+        return -1.0
+
+
+class ExitsWhenScored(IncrementEnv):
+    """IncrementEnv whose `get_reward` calls `sys.exit` (library code ending on bad input)."""
+
+    def get_reward(self) -> float:
+        raise SystemExit(3)
+
+
+def test_a_get_reward_past_its_time_limit_is_invalid_and_its_busy_instance_is_not_handed_on():
+    """An episode whose `get_reward` overran scored a valid 0 (more than the -1 it would pay), and its instance,
+    still scoring on its worker thread, went to the reward functions as `environments=`. It is now broken as an
+    episode whose step overran: NaN, counted as timed out, its instance held back."""
+    tokenizer = qwen_chat_tokenizer()
+    engine = ScriptedEngine({65: [_turn(tokenizer, "Done.")], 66: [_turn(tokenizer, "Done.")]})
+    envs = [TRLEnvironment(Counted()), TRLEnvironment(SlowToScore())]
+    for env in envs:
+        env.reset({"prompt": "p", "answer": "0"})
+    runner = EnvironmentRunner(concurrency=2, timeout_s=0.5)
+    episodes = _run(engine, envs, [[65, 1], [66, 1]], tokenizer, ("Counted", "SlowToScore"), max_turns=2, runner=runner)
+    assert episodes.error is None and episodes.unfinished == {1}
+    assert episodes.env_rewards[0].tolist() == [1.0, 0.0] and episodes.env_rewards[1].isnan().all()
+    assert episodes.stats[:, 4].tolist() == [0, 1]  # steps (and finishes) timed out
+
+
+def test_a_get_reward_that_calls_sys_exit_is_the_episodes_error_not_the_end_of_the_process():
+    """A SystemExit raised in `get_reward` (or a step) passed through as it is: the run ended with exit code 0 and no
+    message, the environments unclosed. It is now the episodes' error, raised in one line on every rank."""
+    tokenizer = qwen_chat_tokenizer()
+    engine = ScriptedEngine({65: [_turn(tokenizer, "Done.")]})
+    env = TRLEnvironment(ExitsWhenScored())
+    env.reset({"prompt": "p", "answer": "0"})
+    runner = EnvironmentRunner(concurrency=1, timeout_s=5.0)
+    episodes = _run(engine, [env], [[65, 1]], tokenizer, ("ExitsWhenScored",), max_turns=2, runner=runner)
+    assert episodes.error == "ExitsWhenScored.finish raised SystemExit: 3"
+
+
 class Counted(IncrementEnv):
     """IncrementEnv that counts the calls of `get_reward`."""
 

@@ -14,6 +14,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from lit_rl.envs.base import TokenIds
+from lit_rl.errors import ConfigError
 
 
 class PromptEncoder:
@@ -42,9 +43,10 @@ class PromptEncoder:
         per_prompt_tools: Optional[list[list[dict]]] = None,
         device: Optional[torch.device] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Left-padded prompt ids and mask [B, P] on `device` (None: the CPU; long prompts keep their end); chat
-        prompts are rendered with `tools`, or each with its own `per_prompt_tools` (TRL's dict of environments: its
-        row's environment's) (`format`).
+        """Left-padded prompt ids and mask [B, P] on `device` (None: the CPU); chat prompts are rendered with
+        `tools`, or each with its own `per_prompt_tools` (TRL's dict of environments: its row's environment's)
+        (`format`). Long prompts keep their end, but one rendered with tools is a `ConfigError`: its schemas, at
+        its start, would be cut first.
 
         Each distinct prompt is rendered and tokenised once (a rollout batch holds every prompt G times). Prompts
         given as `TokenIds` (a `lit_rl.envs.TokenEnvironment`'s) are taken as they are, never cut."""
@@ -58,16 +60,25 @@ class PromptEncoder:
             first_of.setdefault(key, (prompt, prompt_tools))
         distinct_index = {key: i for i, key in enumerate(first_of)}
         texts = [self.format(p, t) for p, t in first_of.values()]
+        # Cut from the start, a prompt rendered with tools would lose its schemas first: refused instead.
+        with_tools = tools is not None or per_prompt_tools is not None
         self.tokenizer.padding_side = "left"
         self.tokenizer.truncation_side = "left"
         enc = self.tokenizer(
             texts,
             padding=True,
-            truncation=self.max_length is not None,
+            truncation=self.max_length is not None and not with_tools,
             max_length=self.max_length,
             return_tensors="pt",
             add_special_tokens=all(isinstance(p, str) for p in prompts),  # a chat template already added them
         )
+        longest = int(enc["attention_mask"].sum(dim=1).max()) if texts else 0
+        if with_tools and self.max_length is not None and longest > self.max_length:
+            raise ConfigError(
+                f"a prompt has {longest} tokens with the tools' schemas (as its environment's reset left it), more "
+                f"than model.sampling.max_prompt_length ({self.max_length}), which would cut it from its start, "
+                "schemas first: raise it, or set it to null"
+            )
         rows = torch.tensor([distinct_index[key] for key in keys], dtype=torch.long)  # [B] -> distinct prompt
         return enc["input_ids"][rows].to(device), enc["attention_mask"][rows].to(device)
 

@@ -134,8 +134,7 @@ def run_episodes(
             _ready_batches(batch, engine.generate, active, pad_id, device, runner)
         else:
             _lock_step(batch, engine, active, pad_id, device, runner, any_active)
-        settled = [i for i in range(len(envs)) if i not in batch.broken]
-        finish_error = _finish(envs, settled, runner, batch.env_rewards, batch.stats, batch.column, batch.overran)
+        finish_error = _finish(envs, runner, batch)
     except Exception:  # not on Ctrl-C (a BaseException): that stops at once
         _close(envs, batch.overran | ended, runner)
         raise
@@ -228,9 +227,10 @@ class _EpisodeBatch:
             self.overran.add(i)
             return False
         name = env_label(self.envs[i])
+        if isinstance(outcome, BaseException):  # a SystemExit too: the environment's, not this process's to end
+            self._fail(i, f"{name}.step raised {type(outcome).__name__}: {outcome}")
+            return False
         try:
-            if isinstance(outcome, BaseException):
-                raise outcome
             result = as_step_result(outcome, name)
             _add_reward_parts(self.env_rewards[i], result.rewards, self.column, f"{name}.step")
         except Exception as err:  # the user's environment: end this episode, report once every rank is done
@@ -430,32 +430,28 @@ def _close(envs: Sequence[Environment], busy: set[int] | frozenset[int], runner:
         runner.run([(env.close, ()) for env in closing])
 
 
-def _finish(
-    envs: list[Environment],
-    settled: list[int],
-    runner: EnvironmentRunner,
-    env_rewards: torch.Tensor,
-    stats: torch.Tensor,
-    column: dict[str, int],
-    overran: set[int],
-) -> Optional[str]:
+def _finish(envs: list[Environment], runner: EnvironmentRunner, batch: _EpisodeBatch) -> Optional[str]:
     """Ask each ended episode's environment that has a `finish()` for its last reward parts (a TRL environment's
-    `get_reward`), all at once on `runner`; the first failure, to raise on every rank. `settled`: the episodes whose
-    environment neither failed nor overran (an overrunning one is still busy); those whose `finish` overruns are
-    added to `overran`."""
-    finishing = [i for i in settled if isinstance(envs[i], FinishesEpisode)]
+    `get_reward`), all at once on `runner`; the first failure, to raise on every rank. Only episodes whose
+    environment neither failed nor overran are asked (an overrunning one is still busy). One whose `finish`
+    overruns is broken as a step that overruns is: its reward invalid, never the 0 it could earn by stalling, and
+    its environment busy (not closed, not handed to the reward functions)."""
+    finishing = [i for i, env in enumerate(envs) if i not in batch.broken and isinstance(env, FinishesEpisode)]
     error = None
     for i, outcome in zip(finishing, runner.run([(envs[i].finish, ()) for i in finishing])):
         if isinstance(outcome, EnvCallTimeout):
-            stats[i, 4] += 1
-            overran.add(i)
+            batch.stats[i, 4] += 1
+            batch.broken.add(i)
+            batch.overran.add(i)
+            continue
+        label = f"{env_label(envs[i])}.finish"
+        if isinstance(outcome, BaseException):  # a SystemExit too: the environment's, not this process's to end
+            error = error or f"{label} raised {type(outcome).__name__}: {outcome}"
             continue
         try:
-            if isinstance(outcome, BaseException):
-                raise outcome
-            _add_reward_parts(env_rewards[i], dict(outcome or {}), column, f"{env_label(envs[i])}.finish")
+            _add_reward_parts(batch.env_rewards[i], dict(outcome or {}), batch.column, label)
         except Exception as err:
-            error = error or f"{env_label(envs[i])}.finish raised {type(err).__name__}: {err}"
+            error = error or f"{label} raised {type(err).__name__}: {err}"
     return error
 
 

@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from lit_rl.envs.base import TokenIds, env_label
+from lit_rl.envs.base import ClosesEpisode, TokenIds, env_label
 from lit_rl.envs.chat_tools import ChatRenderer, chat_prompt
 from lit_rl.envs.runner import EnvCallTimeout, EnvironmentRunner
 from lit_rl.envs.trl_environments import EnvironmentRouting, TRLEnvironment
@@ -477,7 +477,8 @@ class EpisodeProducer(RolloutProducer):
                     f"model.sampling.max_prompt_length ({self.prompts.max_length}): raise it (its world rendered it "
                     "whole)"
                 )
-                self.runner.run([(envs[index].close, ())])  # not busy: released now, never stepped
+                if isinstance(envs[index], ClosesEpisode):  # not busy: released now, never stepped
+                    self.runner.run([(envs[index].close, ())])
                 first = None
                 ended.add(index)
             prompts.append(row["prompt"] if first is None else first)

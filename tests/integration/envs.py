@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Any, Optional
 
-from lit_rl.envs import StepResult
+from lit_rl.envs import StepResult, TokenEnvironment, TokenIds
 
 
 class Countdown:
@@ -295,3 +295,16 @@ class JitteryCountdown(Countdown):
             slow, JitteryCountdown.slow_first = JitteryCountdown.slow_first, False
         time.sleep(0.5 if slow else 0.06 * JitteryCountdown.jitter.random())
         return super().step(completion)
+
+
+class LongTokenPrompt(TokenEnvironment):
+    """A token environment with no `close` whose world renders a 40-token prompt (past a small
+    `model.sampling.max_prompt_length`)."""
+
+    reward_names = ("r",)
+
+    def reset(self, row: dict[str, Any]) -> TokenIds:
+        return TokenIds([5] * 40)
+
+    def step(self, turn: Any) -> StepResult:
+        return StepResult(None, {"r": 0.0}, True)
