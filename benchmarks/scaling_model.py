@@ -484,7 +484,9 @@ def main() -> None:
     parser.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved repetitions; the median run is used")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="interleaved repetitions; the lower median is used (of 2: the faster)"
+    )
     args = parse_report_args(parser, markdown_table, claims)
     if args.devices[0] != 1:
         parser.error("--devices must start with 1: the 1-process run gives the model its inputs")

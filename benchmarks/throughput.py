@@ -21,7 +21,7 @@ on a GPU machine (`--accelerator gpu`).
 engine): each k > 0 row also reports its samples/s over the k = 0 row of the same engine, strategy and devices.
 `--pin-cores` gives the server CPU core 0 and the trainer core 1 (one thread each side), so generation and
 training do not share a core and what asynchrony overlaps shows; `--rounds N` repeats every configuration N times,
-interleaved, and reports the median step time.
+interleaved, and reports the round of the lower median step time (of two rounds, the faster).
 """
 
 from __future__ import annotations
@@ -280,7 +280,8 @@ def staleness_claims(results: list[dict]) -> list[str]:
 
 
 def median_of_rounds(results: list[dict]) -> list[dict]:
-    """One row per configuration: the round with the median step time (all rounds when they failed)."""
+    """One row per configuration: the round with the lower median step time (of two rounds, the faster; all
+    rounds when they failed)."""
     groups: dict[tuple, list[dict]] = {}
     for r in results:
         groups.setdefault((r["engine"], r["strategy"], r["devices"], r.get("max_staleness", 0)), []).append(r)
@@ -330,7 +331,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny model, 8 steps (hf + colocated vLLM by default)")
     parser.add_argument("--max-staleness", type=int, nargs="+", default=[0], help="model.rollout.max_staleness values")
     parser.add_argument("--pin-cores", action="store_true", help="server on CPU core 0, trainer on core 1")
-    parser.add_argument("--rounds", type=int, default=1, help="interleaved repetitions (the median is reported)")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="repetitions, interleaved (lower median: of 2, the faster)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="JSON results (the PNG goes beside it)")
     parser.add_argument("--markdown", type=Path, default=None, help="print the markdown table of a results JSON")
     add_allow_dirty(parser)
