@@ -72,6 +72,7 @@ def test_readme_main_job_is_the_grpo_config():
         ("run_report", ["grpo_reasoning_gym_demo.json"]),
         ("soak", ["soak_cpu.json"]),
         ("ci_time", ["ci_time.json"]),
+        ("ci_history", ["ci_history.json"]),
         ("scaling_model", ["scaling_cpu.json"]),
         ("weight_transport", ["weight_transport_cpu.json"]),
         ("gpu_suite", ["gpu_nvidia-h200.json"]),
@@ -108,6 +109,7 @@ def test_documented_tables_and_numbers_are_the_committed_results_files(script, f
 def test_every_results_file_is_quoted_by_the_readme_test():
     quoted = {"throughput_cpu.json", "throughput_strategies_cpu.json", "lora_cpu.json", "compare_trl_cpu.json"}
     quoted |= {"weight_push_cpu.json", "push_memory_cpu.json", "logprob_memory_cpu.json", "ci_time.json"}
+    quoted |= {"ci_history.json"}
     quoted |= {"soak_cpu.json", "async_cpu.json", "async_accuracy_cpu.json", "packing_cpu.json"}
     quoted |= {"generation_cpu.json", "compare_trl_variable_cpu.json", "long_completions_cpu.json"}
     quoted |= {"scaling_cpu.json", "weight_transport_cpu.json", "gpu_nvidia-h200.json", "precision_cpu.json"}

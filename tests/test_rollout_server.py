@@ -113,6 +113,24 @@ def test_greedy_copies_of_a_prompt_are_one_completion_copied(fake_server, tmp_pa
     assert out.logprobs[1].tolist() == out.logprobs[3].tolist() == [-0.5, -0.5]
 
 
+def test_a_closed_engine_samples_no_more_turns_for_a_job_still_running(fake_server, tmp_path):
+    """A failed run closes its engine while rank 0's worker may still run a generation's episodes (a job already
+    running cannot be cancelled): each of their next turns now fails at once instead of going to the server, so the
+    job ends and the process can exit."""
+    from lit_rl.rollout.server.client import RolloutServerError
+
+    server = fake_server((200, _completions, 0))
+    config = VLLMServer(server_url=server.url, transfer=WeightTransfer(sync_dir=str(tmp_path)))
+    engine = VLLMServerEngine(config, eos_token_ids=[2], pad_token_id=0)
+    prompt_ids = torch.tensor([[4, 5]])
+    engine.concurrent_generate(prompt_ids, torch.ones_like(prompt_ids), SamplingParams(max_new_tokens=3))
+    sent = len(server.requests)
+    engine.close()
+    with pytest.raises(RolloutServerError, match="the vLLM server engine is closed: the run has ended"):
+        engine.concurrent_generate(prompt_ids, torch.ones_like(prompt_ids), SamplingParams(max_new_tokens=3))
+    assert len(server.requests) == sent
+
+
 def test_weight_push_writes_safetensors_then_reloads_between_pause_and_resume(fake_server, tmp_path):
     from safetensors.torch import load_file
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
+import lightning as L
 import torch
 from torchmetrics import MetricCollection
 
@@ -257,6 +258,9 @@ class OnPolicyModule(PolicyModule):
 
     def teardown(self, stage: str) -> None:
         self.producer.close()
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        return [ClosesRolloutsOnFailure()]
 
     def setup(self, stage: str) -> None:
         if self.engine_config.colocated:
@@ -557,3 +561,13 @@ class OnPolicyModule(PolicyModule):
         self._normalizers = [LossNormalizer(**n) for n in mine["normalizers"]]
         set_rng_state(mine["rng"])
         self.producer.load_state_dict(mine.get("pending"))
+
+
+class ClosesRolloutsOnFailure(L.Callback):
+    """Lightning runs a module's `teardown` only when its loop ends without an exception. A run that failed (an
+    environment's error, a non-finite loss, a second Ctrl-C) left its rollouts running: a launched server, and rank
+    0's rollout worker with a generation in flight, which the interpreter's exit waits for. The module adds this
+    callback (`configure_callbacks`) to close its producer on the way out."""
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        pl_module.producer.close()

@@ -284,15 +284,22 @@ def test_ppo_trains_with_asynchronous_rollouts_and_their_correction(tmp_path):
 
 
 @pytest.mark.parametrize("k", [0, 1])
-def test_episodes_that_cannot_start_stop_the_run_in_one_line_when_their_generation_is_taken(tmp_path, k):
-    """Sampled ahead (k = 1) or when taken (k = 0: on every rank together, before the turns' collectives)."""
+def test_episodes_that_cannot_start_stop_the_run_in_one_line_when_their_generation_is_taken(tmp_path, k, monkeypatch):
+    """Sampled ahead (k = 1) or when taken (k = 0: on every rank together, before the turns' collectives). The
+    failed run closes its engine on the way out (Lightning runs no `teardown` after an exception: a launched server
+    and a generation in flight were left running, and the interpreter's exit waited for it)."""
     from lit_rl.errors import EnvironmentStepError
     from tests.integration.envs import BreaksWhenMade
+    from tests.snapshot_engine import SnapshotEngine
 
+    made, closed, init = [], [], SnapshotEngine.__init__
+    monkeypatch.setattr(SnapshotEngine, "__init__", lambda engine, *args: made.append(engine) or init(engine, *args))
+    monkeypatch.setattr(SnapshotEngine, "close", lambda engine: closed.append(engine) or engine.worker.shutdown())
     BreaksWhenMade.made = 0
     with pytest.raises(EnvironmentStepError) as failed:
         _fit(tmp_path, "broken", 2, environment="tests.integration.envs.BreaksWhenMade", max_staleness=k)
     assert str(failed.value) == ("model.env: the episodes could not start: RuntimeError: the sandbox pool is empty")
+    assert closed == made and len(made) == k  # k = 0: the episodes failed before the engine was first used
 
 
 @pytest.mark.parametrize("in_flight", [False, True])

@@ -97,6 +97,7 @@ class VLLMServerEngine:
         self.transfer = CollectiveTransfer(config) if config.broadcasts_weights and self.rank == 0 else None
         self._staged: dict[int, list[tuple[str, torch.Tensor]]] = {}  # version -> host copies (broadcast, async)
         self._worker: Optional[ThreadPoolExecutor] = None  # rank 0's background generations (asynchronous mode)
+        self._closed = False  # a job still running after `close` samples no more turns
         self.in_flight: Optional[InFlightWeights] = None  # in-flight weight updates, once asked for (rank 0)
         self._own_sync_dir = False
         self.sync_dir: Optional[str] = None
@@ -474,6 +475,8 @@ class VLLMServerEngine:
         """This process's rows, straight to the servers: no collective, no health check first, safe to call from
         many threads at once. What a job's work samples with (`submit_job`), and what independent episodes submit
         their turns to (`lit_rl.rollout.multi_turn.run_episodes`), on every rank when `concurrent_on_every_rank`."""
+        if self._closed:  # the run ended: an abandoned job's episodes end at their next turn, not the last one
+            raise RolloutServerError("the vLLM server engine is closed: the run has ended")
         seeds = draw_seeds(len(prompt_ids)) if seeds is None else list(seeds)
         requests = [(unpadded_prompts(prompt_ids, prompt_mask), seeds)]
         ((token_ids, logprobs),) = self._generate_all(requests, params, check_health=False)
@@ -510,6 +513,7 @@ class VLLMServerEngine:
                 self.pool.forget(old)  # the receivers' copies of versions no generation asks for again
 
     def close(self) -> None:
+        self._closed = True
         if self.in_flight is not None:  # jobs still running (abandoned) must not load into a closing engine
             self.in_flight.close()
         self._staged.clear()
