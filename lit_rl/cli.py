@@ -228,7 +228,9 @@ class LitRLCLI(LightningCLI):
             keep_run_metrics(self.trainer.loggers, self.resumed)
         # A new run (no --ckpt_path, or `last` where there is none) never writes into a directory holding another
         # run's files: a logger whose directory is a name (Trackio), or a CSV/TensorBoard `version` fixed by hand.
-        if not self.config[self.config["subcommand"]].get("ckpt_path"):
+        # (Without a logger the directory is `default_root_dir`, the working directory by default: a user's own
+        # config.yaml may be there.)
+        if not self.config[self.config["subcommand"]].get("ckpt_path") and self.trainer.logger is not None:
             refuse_another_runs_directory(run_directory(self.trainer))
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> L.Trainer:

@@ -612,6 +612,27 @@ def test_a_prompt_that_an_environments_reset_lengthened_past_the_limit_is_refuse
     assert int(PromptEncoder(tokenizer, max_length=64).encode([lengthened])[1].sum()) == 64  # no tools: cut
 
 
+def test_episodes_whose_lengthened_prompts_are_refused_stop_the_run_and_release_their_environments(tmp_path):
+    """Through a fit: an environment's reset makes a prompt longer than model.sampling.max_prompt_length allows with
+    the tools' schemas; the episodes stop in one line, and the environments already reset are closed (a session on
+    a server is released), not left open until the process ends."""
+    from lit_rl.errors import EnvironmentStepError
+    from tests.conftest import fit_grpo
+    from tests.integration.envs import LongResetClosed
+
+    path = save_qwen_chat_model(tmp_path / "qwen-chat")
+    LongResetClosed.closed = 0
+    with pytest.raises(EnvironmentStepError, match="the episodes could not start: ConfigError: a prompt has .* tokens"):
+        fit_grpo(
+            model_name_or_path=str(path),
+            environment="tests.integration.envs.LongResetClosed",
+            tools=["tests.integration.envs.add_numbers"],
+            max_prompt_length=1000,  # with the 4-token budget, the model's context of 1024
+            max_turns=1,
+        )
+    assert LongResetClosed.closed == 8  # the first generation's 2 prompts x 4 episodes, each reset once
+
+
 def test_a_prompt_length_limit_that_would_cut_the_tools_schemas_stops_the_run_first(tmp_path):
     """Truncation keeps a prompt's end: with tools, it would drop the schemas at its start. The check before
     training renders the prompts as the rollouts do, schemas included, and names the first that would be cut."""

@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,6 +107,17 @@ def test_a_run_writes_only_under_its_directory_and_keeps_the_users_checkpoint_ca
     assert out["trainer"]["logger"]["init_args"]["save_dir"] == "/scratch/x"
     assert out["trainer"]["max_steps"] == 2 and out["trainer"]["log_every_n_steps"] == 1
     assert config["trainer"]["logger"]["class_path"].endswith("WandbLogger")  # the user's config is untouched
+
+
+def test_the_resume_pair_stops_between_two_checkpoints():
+    """Checkpoints land every 2 steps; the resumed run stops at an odd step (K/2, or K/2 + 1), so a resumed run that
+    counted its cadence from the stop would miss a checkpoint the cadence pair then finds missing (stopped on a
+    checkpoint's step, it would not)."""
+    from lit_rl.check.command import Check
+
+    for steps, stop in ((2, 1), (4, 3), (6, 3), (8, 5), (10, 5)):
+        check = Check({}, Path("unused"), steps, say=print)
+        assert check.every_n == 2 and check.stop_at == stop and stop % check.every_n == 1, steps
 
 
 def test_tolerance_follows_the_lowest_precision():

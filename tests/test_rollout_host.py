@@ -140,3 +140,28 @@ def test_dynamic_sampling_replaces_a_group_whose_rewards_agree_with_a_refill():
     assert scored.rewards.tolist() == [1.0, 0.0, 1.0, 0.0]
     assert scored.group_filter == GroupFilterStats(refill_generations=1, frac_groups_dropped=0.5)
     assert wrapped.reward_names == ["correctness"] and wrapped.completion_budget == 2
+
+
+def test_validation_counts_only_the_rows_of_weight_1_in_a_padded_batch():
+    """A rank's validation share is padded to full batches with copies of weight 0 (`lit_rl.data.sharding`: 7 prompts
+    over 2 ranks in batches of 16 hold 9 and 12 copies); its metrics count the weight-1 rows alone, so every `val/`
+    value is the exact one over the prompts. The same two rows, with and without two padding copies of one of
+    them (whose greedy completions are its own, as each row samples alone), log the same numbers."""
+    import torch
+
+    from tests.conftest import fit_grpo
+
+    model = fit_grpo()
+    first = model.trainer.datamodule.train_rows[0]
+    second = {**first, "answer": f"{first['answer']}1"}  # its completion scores apart from the first's
+
+    def validated(rows, weight):
+        model.val_metrics.reset()
+        model.validation_step({"rows": rows, "weight": torch.tensor(weight)}, 0)
+        return {name: float(metric.compute()) for name, metric in model.val_metrics.items() if metric.update_called}
+
+    plain = validated([first, second], [1.0, 1.0])
+    padded = validated([first, second, second, second], [1.0, 1.0, 0.0, 0.0])
+    assert padded == plain
+    counted = validated([first, second, second, second], [1.0, 1.0, 1.0, 1.0])  # what counting the copies gives
+    assert counted != plain  # the copies count where weighed 1: the comparison above can see the weight

@@ -128,6 +128,8 @@ def test_a_closed_engine_samples_no_more_turns_for_a_job_still_running(fake_serv
     engine.close()
     with pytest.raises(RolloutServerError, match="the vLLM server engine is closed: the run has ended"):
         engine.concurrent_generate(prompt_ids, torch.ones_like(prompt_ids), SamplingParams(max_new_tokens=3))
+    with pytest.raises(RolloutServerError, match="the vLLM server engine is closed"):
+        engine._load_version(1)  # a job starting after the close pushes no weights into the server either
     assert len(server.requests) == sent
 
 

@@ -296,3 +296,31 @@ def test_the_error_quoted_from_the_log_is_the_line_that_says_what_went_wrong(tmp
     )
     quoted = client._last_error(str(log))
     assert quoted.startswith("Value error, User-specified max_model_len (256) is greater") and len(quoted) == 300
+
+
+def test_port_holder_reads_the_kernels_listeners_and_their_processes():
+    """`port_holder` from the kernel's tables: a socket of this process's session listening on 127.0.0.1, or on
+    IPv6's any-address (which takes 127.0.0.1's connections too), is the session's; the same socket seen from
+    another session is another's; a port nothing listens on is no one's, and a listener on ::1 alone is not where
+    127.0.0.1's connections land."""
+    import socket
+
+    from lit_rl.rollout.server.listeners import port_holder
+
+    own, elsewhere = os.getsid(0), 2**22 + 1  # no process has that session (pid_max is at most 2**22)
+    with socket.socket() as v4:
+        v4.bind(("127.0.0.1", 0))
+        v4.listen()
+        port = v4.getsockname()[1]
+        assert port_holder(port, own) == "session"
+        assert port_holder(port, elsewhere, scans=1) == "other"
+    assert port_holder(port, own) == "none"
+    if socket.has_ipv6:
+        for address, holder in (("::", "session"), ("::1", "none")):
+            with socket.socket(socket.AF_INET6) as v6:
+                try:
+                    v6.bind((address, 0))
+                except OSError:  # no IPv6 in this machine's kernel
+                    continue
+                v6.listen()
+                assert port_holder(v6.getsockname()[1], own) == holder, address

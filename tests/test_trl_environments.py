@@ -178,9 +178,10 @@ class ExitsWhenScored(IncrementEnv):
 
 
 def test_a_get_reward_past_its_time_limit_is_invalid_and_its_busy_instance_is_not_handed_on():
-    """An episode whose `get_reward` overran scored a valid 0 (more than the -1 it would pay), and its instance,
-    still scoring on its worker thread, went to the reward functions as `environments=`. It is now broken as an
-    episode whose step overran: NaN, counted as timed out, its instance held back."""
+    """An episode whose `get_reward` overran scored a valid 0 (more than the -1 it would pay; not counted as
+    invalid), and its instance, still scoring on its worker thread, went to the reward functions as
+    `environments=`. It is now broken as an episode whose step overran: invalid (NaN, which
+    `model.rewards.on_invalid` turns into what it says), counted as timed out, its instance held back."""
     tokenizer = qwen_chat_tokenizer()
     engine = ScriptedEngine({65: [_turn(tokenizer, "Done.")], 66: [_turn(tokenizer, "Done.")]})
     envs = [TRLEnvironment(Counted()), TRLEnvironment(SlowToScore())]

@@ -133,8 +133,10 @@ def test_staged_versions_for_asynchronous_rollouts_go_through_the_receiver(fake_
         assert out.completion_ids.shape[0] == 1
     reloads = [body["kwargs"]["weights_path"] for _, path, body in server.requests if path == "/collective_rpc"]
     received = tmp_path / "received"
-    assert reloads == [str((received / "v1.1").resolve()), str((received / "v2.1").resolve())]
-    assert not (received / "v1.1").exists() and (received / "v2.1").exists()
+    # One number sequence for every tag (none given twice): v2's commit is the receiver's second.
+    assert reloads == [str((received / "v1.1").resolve()), str((received / "v2.2").resolve())]
+    assert not (received / "v1.1").exists() and (received / "v2.2").exists()
+    assert [p.name for p in received.iterdir() if p.name.startswith(".last")] == [".last-number"]  # one record
     engine.close()
 
 
@@ -198,3 +200,25 @@ def test_the_bytes_stored_count_files_that_other_requests_rename_or_remove_meanw
         thread.join(10)
     assert all(100 <= count <= 150 for count in counts)
     assert receiver.bytes_stored() == 100
+
+
+def test_the_receivers_command_binds_loopback_unless_told_otherwise(tmp_path):
+    """`python -m lit_rl.rollout.server.weight_receiver` (docs/rollouts.md's command) without `--host`: the kernel
+    lists its socket on 127.0.0.1 alone (the class's default is checked apart; this is the command's own)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import cli_env, listening_addresses
+
+    command = [sys.executable, "-m", "lit_rl.rollout.server.weight_receiver", "--dir", str(tmp_path / "w")]
+    process = subprocess.Popen(
+        [*command, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env()
+    )
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("lit-rl weight receiver on http://127.0.0.1:"), line + process.stderr.read()
+        port = int(line.split("http://127.0.0.1:", 1)[1].split(",", 1)[0])
+        assert listening_addresses(port) == ["127.0.0.1"]
+    finally:
+        process.terminate()
+        process.wait(timeout=30)

@@ -34,21 +34,21 @@ def check_prompt_lengths(module: OnPolicyModule) -> None:
     if routing is not None:
         check_environment_column(routing, datamodule)
     context = getattr(module.policy.config, "max_position_embeddings", None)
-    if context is None:
-        return
     max_prompt_length = module.prompt_encoder.max_length
     budget = module.completion_budget
     budget_key = "env.max_total_tokens" if module.env_args.enabled else "sampling.max_new_tokens"
     tools = module.prompt_tools  # the prompts are rendered with these schemas (chat-format tools)
+    if context is None and (max_prompt_length is None or tools is None):
+        return  # no context to fit, and no schemas a limit would cut
     if max_prompt_length is not None:
-        if max_prompt_length + budget > context:
+        if context is not None and max_prompt_length + budget > context:
             raise ConfigError(
                 f"model.sampling.max_prompt_length ({max_prompt_length}) + model.{budget_key} ({budget}) "
                 f"exceeds the model's context of {context} tokens"
             )
         if tools is None:
             return
-    if budget >= context:  # no prompt can fit: only the budget can help
+    if context is not None and budget >= context:  # no prompt can fit: only the budget can help
         raise ConfigError(
             f"model.{budget_key} ({budget}) leaves no room for a prompt in the model's context of {context} "
             f"tokens: lower it below {context}"

@@ -44,7 +44,7 @@ from lit_rl.rewards import TrainerState
 from lit_rl.rollout.asynchronous import AsyncGenerations, JobEngine
 from lit_rl.rollout.base import ConcurrentEngine, InFlightEngine, RolloutOutput, unpadded_prompts
 from lit_rl.rollout.in_flight import oldest_token_versions
-from lit_rl.rollout.multi_turn import Episodes
+from lit_rl.rollout.multi_turn import Episodes, close_environments
 from lit_rl.rollout.producer import (
     REWARD_FAILED_ELSEWHERE,
     EpisodeProducer,
@@ -169,6 +169,7 @@ class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
         rows = [row for rank_rows, _ in per_rank for row in rank_rows]
         seeds = [seed for _, rank_seeds in per_rank for seed in rank_seeds]
         counts = [len(rank_rows) for rank_rows, _ in per_rank]
+        envs, ended = [], set()
         try:  # the user's environment class and the chat template: a failure is the generation's error
             envs, prompts, reset_error, ended = self.start_episodes(rows)
             encoded, start = [], 0
@@ -177,6 +178,7 @@ class AsyncEpisodeProducer(SampledAhead, EpisodeProducer):
                 encoded.append(self.encode_prompts(rows[start : start + count], prompts[start : start + count], None))
                 start += count
         except Exception as err:
+            close_environments(envs, ended, self.runner)  # reset, never to run: their sessions released
             failed = episodes_start_failure(err)
             return lambda generate: [self._failed(count, failed) for count in counts]
         tokenizer = self._worker_tokenizers.take(self.host.tokenizer)

@@ -136,9 +136,9 @@ def run_episodes(
             _lock_step(batch, engine, active, pad_id, device, runner, any_active)
         finish_error = _finish(envs, runner, batch)
     except Exception:  # not on Ctrl-C (a BaseException): that stops at once
-        _close(envs, batch.overran | ended, runner)
+        close_environments(envs, batch.overran | ended, runner)
         raise
-    _close(envs, batch.overran | ended, runner)
+    close_environments(envs, batch.overran | ended, runner)
     for i in batch.broken:  # a reward scored at the end was never asked: invalid (`model.rewards.on_invalid`), not 0
         if isinstance(envs[i], FinishesEpisode):
             batch.env_rewards[i] = float("nan")
@@ -421,7 +421,7 @@ def _add_reward_parts(row: torch.Tensor, parts: dict[str, float], column: dict[s
         row[column[name]] += float(value)
 
 
-def _close(envs: Sequence[Environment], busy: set[int] | frozenset[int], runner: EnvironmentRunner) -> None:
+def close_environments(envs: Sequence[Environment], busy: set[int] | frozenset[int], runner: EnvironmentRunner) -> None:
     """Close the environments that have a `close()`, together, but for the `busy` ones (a call overran, or their
     reset failed). A failure to close is not the episode's: it is scored already, and the server's own log says what
     went wrong."""
@@ -434,8 +434,9 @@ def _finish(envs: list[Environment], runner: EnvironmentRunner, batch: _EpisodeB
     """Ask each ended episode's environment that has a `finish()` for its last reward parts (a TRL environment's
     `get_reward`), all at once on `runner`; the first failure, to raise on every rank. Only episodes whose
     environment neither failed nor overran are asked (an overrunning one is still busy). One whose `finish`
-    overruns is broken as a step that overruns is: its reward invalid, never the 0 it could earn by stalling, and
-    its environment busy (not closed, not handed to the reward functions)."""
+    overruns is broken as a step that overruns is: its reward invalid (counted in `train/frac_invalid_reward`;
+    `model.rewards.on_invalid` says what it then counts), and its environment busy (not closed, not handed to the
+    reward functions)."""
     finishing = [i for i, env in enumerate(envs) if i not in batch.broken and isinstance(env, FinishesEpisode)]
     error = None
     for i, outcome in zip(finishing, runner.run([(envs[i].finish, ()) for i in finishing])):

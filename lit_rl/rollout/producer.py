@@ -43,7 +43,7 @@ from lit_rl.rollout.base import (
 )
 from lit_rl.rollout.engine_owner import EngineOwner
 from lit_rl.rollout.host import RolloutHost
-from lit_rl.rollout.multi_turn import Episodes, run_episodes
+from lit_rl.rollout.multi_turn import Episodes, close_environments, run_episodes
 from lit_rl.training.strategies import fail_on_every_rank, reduce_across_ranks
 from lit_rl.types import model_token_mask
 
@@ -341,11 +341,12 @@ class EpisodeProducer(RolloutProducer):
             self.fail_on_every_rank(self.routing.check(rows), DataError, "a row on another rank names no environment")
         with host.timer.phase("generation"):
             rows_of = [rows[index // repeat] for index in range(len(rows) * repeat)]
-            start_error = None
+            start_error, envs, ended = None, [], set()
             try:  # the user's environment class and the chat template: a failure is this rank's alone
                 envs, prompts, error, ended = self.start_episodes(rows_of)
                 prompt_ids, prompt_mask = self.encode_prompts(rows_of, prompts, host.device)
             except Exception as err:
+                close_environments(envs, ended, self.runner)  # reset, never to run: their sessions released
                 if not isinstance(err, LitRLError):  # a defect in the user's class or template: its traceback too
                     log.exception("the episodes on rank %d could not start", host.trainer.global_rank)
                 start_error = episodes_start_failure(err)

@@ -9,6 +9,7 @@ import time
 from typing import Any, Optional
 
 from lit_rl.envs import StepResult, TokenEnvironment, TokenIds
+from lit_rl.envs.chat_tools import ChatToolEnvironment
 
 
 class Countdown:
@@ -308,3 +309,16 @@ class LongTokenPrompt(TokenEnvironment):
 
     def step(self, turn: Any) -> StepResult:
         return StepResult(None, {"r": 0.0}, True)
+
+
+class LongResetClosed(ChatToolEnvironment):
+    """A chat-tools environment (the tools it is given) whose reset makes the episode's prompt the row's plus a long
+    text, and whose `close` is counted (a session to release)."""
+
+    closed = 0
+
+    def reset(self, row: dict[str, Any]) -> str:
+        return f"{row['prompt']} Here is the task in full: " + "lorem ipsum " * 400
+
+    async def close(self) -> None:
+        LongResetClosed.closed += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_rl.losses.policy import ppo_clip
 from lit_rl.training.strategies import is_accumulating_micro_batch
@@ -38,3 +39,36 @@ class EntropyAsMeanOfRankMeans(L.Callback):
         if is_accumulating_micro_batch(trainer) or entropy.weight == 0:
             return
         pl_module.log("train/entropy_of_ranks", entropy.mean_value / entropy.weight, sync_dist=True)
+
+
+class StepCountOutsideTheCheckpoint(L.Callback):
+    """Logs `train/steps_this_process`: the optimizer steps since the process started, kept in the callback and not
+    in the checkpoint (a callback, a reward or a curriculum whose state is not saved): a resumed run counts from 0
+    again where the run that never stopped goes on."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if is_accumulating_micro_batch(trainer):
+            return
+        self.count += 1
+        pl_module.log("train/steps_this_process", float(self.count))
+
+
+class CadenceCountedFromTheStart(ModelCheckpoint):
+    """ModelCheckpoint whose `every_n_train_steps` counts the steps this process ran instead of `global_step` (a
+    step counter of the callback's own, not restored): a resumed run saves N steps after its resume, off the cadence
+    of the run that never stopped."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        self.started_at = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        steps_here = trainer.global_step - self.started_at
+        if steps_here == 0 or steps_here % self._every_n_train_steps or self._should_skip_saving_checkpoint(trainer):
+            return
+        candidates = self._monitor_candidates(trainer)
+        self._save_topk_checkpoint(trainer, candidates)
+        self._save_last_checkpoint(trainer, candidates)

@@ -163,6 +163,14 @@ PLANTED = {
         ["--trainer.callbacks+=tests.integration.planted_bugs.EntropyAsMeanOfRankMeans"],
         "ranks",
     ),
+    "state kept outside the checkpoint": (
+        ["--trainer.callbacks+=tests.integration.planted_bugs.StepCountOutsideTheCheckpoint"],
+        "resume",
+    ),
+    "checkpoint cadence counted from the resume": (  # the run's one checkpoint callback: the check keeps the first
+        ["--trainer.callbacks", '[{"class_path": "tests.integration.planted_bugs.CadenceCountedFromTheStart"}]'],
+        "cadence",
+    ),
 }
 
 
@@ -190,6 +198,8 @@ def test_a_planted_bug_fails_the_pair_that_shows_it(tmp_path, bug):
     assert (kept / "straight" / "output.log").is_file()
     if bug.startswith("metric"):
         assert "train/entropy_of_ranks" in result.stdout  # the table names the metric that differs
+    if bug.startswith("state"):
+        assert "train/steps_this_process" in result.stdout
 
 
 def _mismatch_rows(stdout: str) -> dict[str, list[str]]:

@@ -28,6 +28,7 @@ from tests.conftest import (
     assert_rows_match,
     cli_env,
     fit_in_subprocess,
+    listening_addresses,
     python_path,
     read_metrics,
     saved_steps,
@@ -292,7 +293,8 @@ LAUNCH = ("--model.rollout.engine.launch", "true", "--model.rollout.engine.launc
 
 def _launched_fit(tmp_path: Path, name: str, ctrl_c_when_ready: bool = False):
     """`lit-rl fit` on the server engine with `launch: true`: (its return code, its stderr, the processes it had
-    started once the server was ready). With `ctrl_c_when_ready`, SIGINT reaches it then, as Ctrl-C would."""
+    started once the server was ready, and the addresses the kernel then lists listening on its port). With
+    `ctrl_c_when_ready`, SIGINT reaches it then, as Ctrl-C would."""
     overlay = write_overlay(tmp_path / f"{name}.yaml", every_n_train_steps=2, save_dir=tmp_path / name)
     command = [*CLI_COMMAND, "fit", "--config", str(CONFIGS / "grpo.yaml"), "--config", str(overlay), *SERVER]
     command += [*FAST_GRPO, "--trainer.max_steps", "4", "--model.optim.learning_rate", "1e-3", *LAUNCH]
@@ -300,25 +302,28 @@ def _launched_fit(tmp_path: Path, name: str, ctrl_c_when_ready: bool = False):
         process = subprocess.Popen(
             command, cwd=tmp_path, env=_vllm_env(), stdout=stdout, stderr=subprocess.PIPE, text=True
         )
-    lines, started = [], []
+    lines, started, addresses = [], [], []
     for line in process.stderr:
         lines.append(line)
         if "vLLM server ready" in line:
             started = psutil.Process(process.pid).children(recursive=True)  # the server and its engine
+            port = int(re.search(r"on http://127\.0\.0\.1:(\d+)", "".join(lines))[1])
+            addresses = listening_addresses(port)  # the socket itself, not lit-rl's URL string
             if ctrl_c_when_ready:
                 process.send_signal(signal.SIGINT)
             break
     lines.append(process.stderr.read())
     process.wait(timeout=600)
-    return process.returncode, "".join(lines), started
+    return process.returncode, "".join(lines), started, addresses
 
 
 def test_one_command_launches_the_server_and_leaves_no_process_behind_at_the_end_or_on_ctrl_c(tmp_path, server_run):
     """`--model.rollout.engine.launch true`: the trainer starts the documented server itself on loopback, and the run
     logs what the same run on a separately started server logs. When the run ends, and when Ctrl-C stops it, every
     process it started is gone."""
-    returncode, stderr, started = _launched_fit(tmp_path, "launched")
+    returncode, stderr, started, addresses = _launched_fit(tmp_path, "launched")
     assert returncode == 0, stderr[-3000:]
+    assert addresses == ["127.0.0.1"]  # loopback alone
     (line,) = [line for line in stderr.splitlines() if line.startswith("lit-rl: starting a vLLM server")]
     log_dir = tmp_path / "launched" / "run" / "version_0"
     assert "on http://127.0.0.1:" in line and str(log_dir / "vllm_server.log") in line
@@ -337,7 +342,7 @@ def test_one_command_launches_the_server_and_leaves_no_process_behind_at_the_end
         without_engine_gap(train_rows(log_dir)), without_engine_gap(train_rows(server_run)), rel=1e-4, abs=1e-5
     )
 
-    returncode, stderr, started = _launched_fit(tmp_path, "stopped", ctrl_c_when_ready=True)
+    returncode, stderr, started, _ = _launched_fit(tmp_path, "stopped", ctrl_c_when_ready=True)
     assert returncode == 130 and "lit-rl: stopped by" in stderr and "Traceback" not in stderr, stderr[-3000:]
     assert started and not psutil.wait_procs(started, timeout=10)[1]
 

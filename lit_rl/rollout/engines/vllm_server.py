@@ -475,8 +475,7 @@ class VLLMServerEngine:
         """This process's rows, straight to the servers: no collective, no health check first, safe to call from
         many threads at once. What a job's work samples with (`submit_job`), and what independent episodes submit
         their turns to (`lit_rl.rollout.multi_turn.run_episodes`), on every rank when `concurrent_on_every_rank`."""
-        if self._closed:  # the run ended: an abandoned job's episodes end at their next turn, not the last one
-            raise RolloutServerError("the vLLM server engine is closed: the run has ended")
+        self._refuse_when_closed()  # the run ended: an abandoned job's episodes end at their next turn
         seeds = draw_seeds(len(prompt_ids)) if seeds is None else list(seeds)
         requests = [(unpadded_prompts(prompt_ids, prompt_mask), seeds)]
         ((token_ids, logprobs),) = self._generate_all(requests, params, check_health=False)
@@ -489,7 +488,9 @@ class VLLMServerEngine:
         return self._generate_all(per_rank, params)
 
     def _load_version(self, version: int) -> None:
-        """Have every server in service hold the staged weights of `version` (on the worker thread)."""
+        """Have every server in service hold the staged weights of `version` (on the worker thread); none after
+        `close`: a job abandoned by a failed run pushes nothing into a server it no longer owns."""
+        self._refuse_when_closed()
         tag = f"v{version}"
 
         def load(server: RolloutServer) -> None:
@@ -511,6 +512,10 @@ class VLLMServerEngine:
             older = {t for _, t in list(self.pool.copies) if t[1:].isdigit()}
             for old in sorted(t for t in older if int(t[1:]) < version):
                 self.pool.forget(old)  # the receivers' copies of versions no generation asks for again
+
+    def _refuse_when_closed(self) -> None:
+        if self._closed:
+            raise RolloutServerError("the vLLM server engine is closed: the run has ended")
 
     def close(self) -> None:
         self._closed = True

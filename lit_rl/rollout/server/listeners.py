@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
+import time
 from pathlib import Path
 
 LISTEN = "0A"  # the state of a listening socket in /proc/net/tcp
@@ -17,16 +19,32 @@ LISTEN = "0A"  # the state of a listening socket in /proc/net/tcp
 REACH_LOOPBACK = {ipaddress.ip_address(a) for a in ("127.0.0.1", "0.0.0.0", "::", "::ffff:127.0.0.1")}
 
 
-def port_holder(port: int, session: int) -> str:
+def port_holder(port: int, session: int, scans: int = 3) -> str:
     """Who listens where a connection to 127.0.0.1:`port` lands: "none"; "session" (only processes of session
     `session`: a child started in a session of its own, `start_child`, and the processes it started); "other" (a
-    process outside it, or one this user cannot see into); "unknown" where the kernel's tables cannot be read."""
-    inodes = _listening_inodes(port)
-    if inodes is None:
-        return "unknown"
-    if not inodes:
-        return "none"
-    return "session" if inodes <= _session_sockets(session) else "other"
+    process outside it, or one this user cannot see into, in `scans` scans 0.1 s apart: a socket the child's
+    process had just opened may not be among its fds yet); "unknown" where the kernel's tables cannot be read, or
+    list no listener where a connection is accepted (a sandbox's kernel)."""
+    for scan in range(scans):
+        inodes = _listening_inodes(port)
+        if inodes is None:
+            return "unknown"
+        if not inodes:
+            return "unknown" if _accepts(port) and not _listening_inodes(port) else "none"
+        if inodes <= _session_sockets(session):
+            return "session"
+        if scan + 1 < scans:
+            time.sleep(0.1)
+    return "other"
+
+
+def _accepts(port: int) -> bool:
+    """Whether a TCP connection to 127.0.0.1:`port` is accepted (closed at once: nothing is sent)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
 
 
 def _listening_inodes(port: int) -> set[int] | None:
@@ -61,10 +79,14 @@ def _session_sockets(session: int) -> set[int]:
             stat = (entry / "stat").read_text()
             if int(stat.rsplit(")", 1)[1].split()[3]) != session:  # after the command's name: state, ppid, pgrp, sid
                 continue
-            for fd in (entry / "fd").iterdir():
-                link = os.readlink(fd)
-                if link.startswith("socket:["):
-                    sockets.add(int(link[8:-1]))
+            fds = list((entry / "fd").iterdir())
         except (OSError, ValueError, IndexError):  # gone meanwhile, or not this user's
             continue
+        for fd in fds:
+            try:
+                link = os.readlink(fd)
+            except OSError:  # closed meanwhile (a busy server opens and closes fds all the time): the others count
+                continue
+            if link.startswith("socket:["):
+                sockets.add(int(link[8:-1]))
     return sockets

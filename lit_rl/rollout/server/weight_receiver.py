@@ -16,8 +16,8 @@ on arrival (it hashes again only a file it has no record of, after a restart), a
 the path answered holds the trainer's bytes until the trainer's next commit of that tag replaces it), and answers
 that path, which the trainer hands to the server's reload. A transfer that fails (a timeout, a digest that does not
 match, a lost connection) never reaches the commit: the server keeps serving the weights it has, and the trainer
-stops with one line naming the URL. `DELETE /files/<tag>` removes a tag's versions (not its last number: none is
-given twice, `next_number`).
+stops with one line naming the URL. `DELETE /files/<tag>` removes a tag's versions (the numbers, one sequence for
+every tag, go on: none is given twice, `next_number`).
 
 Who may write: the receiver binds to 127.0.0.1 unless told otherwise (`--host`). Bound to any other address it
 requires `Authorization: Bearer <token>` (`LIT_RL_RECEIVER_TOKEN`, set on both sides; without one it makes one and
@@ -83,7 +83,7 @@ STALE_STAGING_S = 3600.0  # a staging folder untouched this long belongs to an u
 STALE_SWEEP_S = 60.0  # how often uploads look for stale staging folders
 MAX_STAGING = 64  # staging folders at once: the trainer keeps one or two (a version and the next)
 PARTIAL_PREFIX = ".part-"  # `.part-<tag>-<random>.part`: a file still arriving, beside the staging folders
-LAST_NUMBER_PREFIX = ".last-"  # `.last-<tag>`: the last version number a commit of the tag was given
+LAST_NUMBER_FILE = ".last-number"  # the last version number a commit was given (of any tag)
 
 
 class WeightTransferError(LitRLError):
@@ -194,18 +194,19 @@ class WeightReceiver:
             staging.mkdir(mode=0o700, exist_ok=True)
             return staging
 
-    def next_number(self, tag: str, found: list[int]) -> int:
-        """The version number of `tag`'s next commit, recorded in `.last-<tag>` under the receiver's directory (under
-        the commit lock): a number is never given twice, past a DELETE and a restart of the receiver too, so a path
-        answered to the trainer never comes to hold other bytes (new commits would else count from 1 again, up to
-        it)."""
-        record = self.root / f"{LAST_NUMBER_PREFIX}{tag}"
+    def next_number(self, found: list[int]) -> int:
+        """The version number of a commit (under the commit lock): one sequence for every tag, recorded in
+        `.last-number` under the receiver's directory, never given twice, past a DELETE and a restart of the
+        receiver too, so a path answered to the trainer never comes to hold other bytes (a tag's commits would else
+        count from 1 again after a DELETE, up to it). `found`: the numbers of the tag's versions on disk (a
+        directory of an earlier receiver without the record)."""
+        record = self.root / LAST_NUMBER_FILE
         try:
             recorded = int(record.read_text()) if not record.is_symlink() else 0
         except (FileNotFoundError, ValueError):
             recorded = 0
         number = 1 + max([*found, recorded])
-        written = record.with_name(f"{record.name}.new")
+        written = self.root / f"{LAST_NUMBER_FILE}.new"
         written.unlink(missing_ok=True)
         written.write_text(str(number))
         os.replace(written, record)  # whole or not at all: a receiver killed mid-write keeps the old number
@@ -534,7 +535,7 @@ def _handler(receiver: WeightReceiver) -> type[BaseHTTPRequestHandler]:
                     return
                 earlier = receiver.versions(tag)
                 found = [int(_version_of(tag).match(p.name).group(1)) for p in earlier]
-                number = receiver.next_number(tag, found)
+                number = receiver.next_number(found)
                 target = receiver.root / f"{tag}.{number}"  # a new name: nothing committed is written again
                 os.rename(staging, target)
                 for old in earlier:  # superseded: the trainer reloads from the path answered to its last commit
