@@ -37,7 +37,6 @@ from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, RolloutArg
 from lit_rl.data.schedule import RolloutSchedule, ScheduledMicroStep
 from lit_rl.errors import ConfigError
 from lit_rl.losses import LossNormalizer, rollout_is_weights
-from lit_rl.resume import say
 from lit_rl.rewards.scorer import RewardScorer
 from lit_rl.rollout import RolloutOutput, SamplingParams
 from lit_rl.rollout.asynchronous import generations_launched_at
@@ -50,6 +49,7 @@ from lit_rl.rollout.producer import (
     ScoredCompletions,
     rank_slice,
 )
+from lit_rl.training.close_on_failure import ClosesRolloutsOnFailure
 from lit_rl.training.metrics import (
     asynchronous_rollout_metrics,
     episode_metrics,
@@ -562,31 +562,3 @@ class OnPolicyModule(PolicyModule):
         self._normalizers = [LossNormalizer(**n) for n in mine["normalizers"]]
         set_rng_state(mine["rng"])
         self.producer.load_state_dict(mine.get("pending"))
-
-
-class ClosesRolloutsOnFailure(L.Callback):
-    """Lightning runs a module's `teardown` only when its loop ends without an exception. A run that failed (an
-    environment's error, a non-finite loss, a second Ctrl-C) left its rollouts running: a launched server, and rank
-    0's rollout worker with a generation in flight, which the interpreter's exit waits for. The module adds this
-    callback (`configure_callbacks`) to close its producer on the way out.
-
-    Not where a checkpoint callback saves on exceptions (`OnExceptionCheckpoint`, `ModelCheckpoint(save_on_exception=
-    True)`): Lightning runs checkpoint callbacks last, and their checkpoint records the generations in flight, which
-    a closed producer has dropped. A close that fails is said in one line: Lightning's own handling of the run's
-    error (its loggers' last rows) goes on."""
-
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        if any(_saves_on_exception(callback) for callback in trainer.callbacks):
-            return
-        try:
-            pl_module.producer.close()
-        except Exception as err:  # the run's own error is the one to report
-            say(f"closing the rollouts after the run's error failed too: {type(err).__name__}: {err}")
-
-
-def _saves_on_exception(callback: L.Callback) -> bool:
-    from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
-
-    return isinstance(callback, OnExceptionCheckpoint) or (
-        isinstance(callback, ModelCheckpoint) and bool(callback.save_on_exception)
-    )

@@ -1,0 +1,35 @@
+"""Closing a run's rollouts when the run fails: Lightning runs a module's `teardown` only when its loop ends without
+an exception."""
+
+from __future__ import annotations
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+
+from lit_rl.resume import say
+
+
+class ClosesRolloutsOnFailure(L.Callback):
+    """Lightning runs a module's `teardown` only when its loop ends without an exception. A run that failed (an
+    environment's error, a non-finite loss, a second Ctrl-C) left its rollouts running: a launched server, and rank
+    0's rollout worker with a generation in flight, which the interpreter's exit waits for. The module adds this
+    callback (`configure_callbacks`) to close its producer on the way out.
+
+    Not where a checkpoint callback saves on exceptions (`OnExceptionCheckpoint`, `ModelCheckpoint(save_on_exception=
+    True)`): Lightning runs checkpoint callbacks last, and their checkpoint records the generations in flight, which
+    a closed producer has dropped. A close that fails is said in one line: Lightning's own handling of the run's
+    error (its loggers' last rows) goes on."""
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if any(_saves_on_exception(callback) for callback in trainer.callbacks):
+            return
+        try:
+            pl_module.producer.close()
+        except Exception as err:  # the run's own error is the one to report
+            say(f"closing the rollouts after the run's error failed too: {type(err).__name__}: {err}")
+
+
+def _saves_on_exception(callback: L.Callback) -> bool:
+    return isinstance(callback, OnExceptionCheckpoint) or (
+        isinstance(callback, ModelCheckpoint) and bool(callback.save_on_exception)
+    )
