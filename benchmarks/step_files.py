@@ -19,6 +19,7 @@ import argparse
 import collections
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,7 +63,8 @@ def measure(extra: list[str]) -> dict:
     OnPolicyModule.training_step = training_step
     args = ["fit", "--config", str(REPO / "configs" / "grpo.yaml"), "--trainer.max_steps", "2"]
     args += ["--trainer.limit_val_batches", "0", "--trainer.logger", "false"]
-    main(args + extra)
+    with tempfile.TemporaryDirectory(prefix="lit-rl-step-files-") as run:  # its files, not the working directory's
+        main([*args, "--trainer.default_root_dir", run, *extra])
     files = sorted(calls, key=lambda f: (-calls[f], f))
     return {
         "files": len(files),

@@ -227,11 +227,10 @@ class LitRLCLI(LightningCLI):
         if self.resumed is not None and self.resumed.run is not None:
             keep_run_metrics(self.trainer.loggers, self.resumed)
         # A new run (no --ckpt_path, or `last` where there is none) never writes into a directory holding another
-        # run's files: a logger whose directory is a name (Trackio), or a CSV/TensorBoard `version` fixed by hand.
-        # (Without a logger the directory is `default_root_dir`, the working directory by default: a user's own
-        # config.yaml may be there.)
-        if not self.config[self.config["subcommand"]].get("ckpt_path") and self.trainer.logger is not None:
-            refuse_another_runs_directory(run_directory(self.trainer))
+        # run's files: a logger whose directory is a name (Trackio), a CSV/TensorBoard `version` fixed by hand, or
+        # no logger (`default_root_dir`, the working directory by default, where a user's config.yaml may be).
+        if not self.config[self.config["subcommand"]].get("ckpt_path"):
+            refuse_another_runs_directory(run_directory(self.trainer), logged=self.trainer.logger is not None)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> L.Trainer:
         configured = list(config.get("callbacks") or []) + callbacks

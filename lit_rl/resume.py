@@ -114,20 +114,26 @@ def keep_run_metrics(loggers: list[Any], resumed: ResumePoint) -> None:
 RUN_FILES = ("config.yaml", CHECKPOINT_DIR, "hf")
 
 
-def refuse_another_runs_directory(run: Path) -> None:
+def refuse_another_runs_directory(run: Path, logged: bool = True) -> None:
     """A new `fit` (no `--ckpt_path`) whose run directory `run` holds another run's files: a logger without versions
-    (Trackio, or any whose version is a name) given a name an earlier run had, or a CSV or TensorBoard logger whose
-    `version` is fixed. Its config, checkpoints and export would be overwritten (the CSV logger deletes the metrics
-    file too); stopped in one line. (Switching `--trainer.logger` over a shipped config carries the CSV logger's
-    `name` into the new logger: every such run had the same name.) A numbered new run's directory is always new."""
+    (Trackio, or any whose version is a name) given a name an earlier run had, a CSV or TensorBoard logger whose
+    `version` is fixed, or no logger (`logged` False: `default_root_dir`, the working directory by default, where a
+    user's own `config.yaml` may be). Its config, checkpoints and export would be overwritten (the CSV logger deletes
+    the metrics file too); stopped in one line. (Switching `--trainer.logger` over a shipped config carries the CSV
+    logger's `name` into the new logger: every such run had the same name.) A numbered new run's directory is
+    always new."""
     found = [name for name in RUN_FILES if (run / name).exists()]
     if found:
         last = run / CHECKPOINT_DIR / "last.ckpt"
         continued = f", or continue that run with --ckpt_path {last}" if last.exists() else ""
+        own = (
+            "the logger's name or version that names it, e.g. --trainer.logger.name; null makes a new one"
+            if logged
+            else "--trainer.default_root_dir, where a run without a logger writes"
+        )
         raise LitRLError(
             f"trainer.logger: the run directory {run} holds another run's files ({', '.join(found)}), which this "
-            "new run would overwrite: give the run a directory of its own (the logger's name or version that names "
-            f"it, e.g. --trainer.logger.name; null makes a new one){continued}"
+            f"new run would overwrite: give the run a directory of its own ({own}){continued}"
         )
 
 

@@ -351,7 +351,13 @@ class EpisodeProducer(RolloutProducer):
                     log.exception("the episodes on rank %d could not start", host.trainer.global_rank)
                 start_error = episodes_start_failure(err)
             # Raised on every rank together: a rank that raised alone would leave the others in the turns' collectives.
-            self.fail_on_every_rank(start_error, EnvironmentStepError, "the episodes could not start on another rank")
+            try:
+                elsewhere = "the episodes could not start on another rank"
+                self.fail_on_every_rank(start_error, EnvironmentStepError, elsewhere)
+            except EnvironmentStepError:
+                if start_error is None:  # another rank's failure: this rank's environments, all reset, are released
+                    close_environments(envs, ended, self.runner)
+                raise
             engine = self.engines.engine()
             one_rank = host.trainer.world_size == 1
             # With several ranks, each rank's episodes go on on their own only where every rank may sample alone.

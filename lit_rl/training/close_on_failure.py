@@ -21,15 +21,15 @@ class ClosesRolloutsOnFailure(L.Callback):
     error (its loggers' last rows) goes on."""
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        if any(_saves_on_exception(callback) for callback in trainer.callbacks):
-            return
         try:
-            pl_module.producer.close()
+            if not any(_saves_on_exception(callback) for callback in trainer.callbacks):
+                pl_module.producer.close()
         except Exception as err:  # the run's own error is the one to report
             say(f"closing the rollouts after the run's error failed too: {type(err).__name__}: {err}")
 
 
 def _saves_on_exception(callback: L.Callback) -> bool:
     return isinstance(callback, OnExceptionCheckpoint) or (
-        isinstance(callback, ModelCheckpoint) and bool(callback.save_on_exception)
+        isinstance(callback, ModelCheckpoint)
+        and bool(getattr(callback, "save_on_exception", False))  # Lightning 2.5.3+
     )

@@ -200,6 +200,8 @@ def test_a_planted_bug_fails_the_pair_that_shows_it(tmp_path, bug):
         assert "train/entropy_of_ranks" in result.stdout  # the table names the metric that differs
     if bug.startswith("state"):
         assert "train/steps_this_process" in result.stdout
+    if bug.startswith("checkpoint"):  # the checkpoints themselves differ, not a run that failed
+        assert "straight [2], resumed []" in result.stdout
 
 
 def _mismatch_rows(stdout: str) -> dict[str, list[str]]:

@@ -104,7 +104,8 @@ def test_a_new_run_never_writes_into_another_runs_directory(tmp_path):
 def test_a_run_with_a_version_fixed_by_hand_is_not_written_over_by_the_next(tmp_path):
     """A CSV `version` fixed by hand (`--trainer.logger.version my-exp`) names one directory for every run of the
     command: the next run deleted its `metrics.csv` and replaced its config, checkpoints and export. The next run
-    now stops in one line and writes nothing; without a fixed version each run gets a new number."""
+    now stops in one line and writes nothing; without a fixed version each run gets a new number. A run without a
+    logger is refused where its directory (the working directory) holds a config.yaml, the user's own here."""
     env = _env(tmp_path)
     args = ["fit", "--config", str(CONFIGS / "grpo.yaml"), *SMALL, "--trainer.max_steps", "1"]
     assert _lit_rl(tmp_path, env, *args, "--trainer.logger.version", "my-exp").returncode == 0
@@ -121,3 +122,10 @@ def test_a_run_with_a_version_fixed_by_hand_is_not_written_over_by_the_next(tmp_
     assert _lit_rl(tmp_path, env, *args).returncode == 0
     assert _lit_rl(tmp_path, env, *args).returncode == 0
     assert sorted(path.name for path in first.parent.iterdir()) == ["my-exp", "version_0", "version_1"]
+
+    # Without a logger the run's directory is the working directory, where the user's own config.yaml is.
+    (tmp_path / "config.yaml").write_text("# the user's own\n")
+    unlogged = _lit_rl(tmp_path, env, *args, "--trainer.logger", "false")
+    assert unlogged.returncode == 1, unlogged.stderr[-2000:]
+    assert "--trainer.default_root_dir" in unlogged.stderr.strip().splitlines()[-1]
+    assert (tmp_path / "config.yaml").read_text() == "# the user's own\n"

@@ -8,6 +8,7 @@ every request after it would then go to that process. `port_holder` tells the ch
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import os
 import socket
@@ -24,13 +25,13 @@ def port_holder(port: int, session: int, scans: int = 3) -> str:
     `session`: a child started in a session of its own, `start_child`, and the processes it started); "other" (a
     process outside it, or one this user cannot see into, in `scans` scans 0.1 s apart: a socket the child's
     process had just opened may not be among its fds yet); "unknown" where the kernel's tables cannot be read, or
-    list no listener where a connection is accepted (a sandbox's kernel)."""
+    do not list this process's own listeners (a sandbox's kernel)."""
     for scan in range(scans):
         inodes = _listening_inodes(port)
         if inodes is None:
             return "unknown"
         if not inodes:
-            return "unknown" if _accepts(port) and not _listening_inodes(port) else "none"
+            return "none" if _table_lists_listeners() else "unknown"
         if inodes <= _session_sockets(session):
             return "session"
         if scan + 1 < scans:
@@ -38,13 +39,14 @@ def port_holder(port: int, session: int, scans: int = 3) -> str:
     return "other"
 
 
-def _accepts(port: int) -> bool:
-    """Whether a TCP connection to 127.0.0.1:`port` is accepted (closed at once: nothing is sent)."""
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return False
+@functools.lru_cache(maxsize=1)
+def _table_lists_listeners() -> bool:
+    """Whether the kernel's table lists this process's own listener (a sandbox's kernel may list none): a socket
+    listening on a free port of 127.0.0.1, looked up, closed. Asked once a process."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        probe.listen()
+        return bool(_listening_inodes(probe.getsockname()[1]))
 
 
 def _listening_inodes(port: int) -> set[int] | None:
