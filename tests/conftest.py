@@ -401,15 +401,6 @@ def grouped_kwargs(cls: type, **kwargs: Any) -> dict[str, Any]:
 
 def listening_addresses(port: int) -> list[str]:
     """The local addresses with a socket listening on `port`, as the kernel lists them (/proc/net/tcp, tcp6)."""
-    import ipaddress
+    from lit_rl.rollout.server.listeners import listening_sockets
 
-    addresses = []
-    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
-        for row in Path(table).read_text().splitlines()[1:]:
-            local, state = row.split()[1], row.split()[3]
-            hex_address, hex_port = local.split(":")
-            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
-                words = bytes.fromhex(hex_address)  # host-order 32-bit words
-                raw = b"".join(words[i : i + 4][::-1] for i in range(0, width, 4))
-                addresses.append(str(ipaddress.ip_address(raw)))
-    return addresses
+    return [str(address) for address, _ in listening_sockets(port) or []]

@@ -346,7 +346,6 @@ class EpisodeProducer(RolloutProducer):
                 envs, prompts, error, ended = self.start_episodes(rows_of)
                 prompt_ids, prompt_mask = self.encode_prompts(rows_of, prompts, host.device)
             except Exception as err:
-                close_environments(envs, ended, self.runner)  # reset, never to run: their sessions released
                 if not isinstance(err, LitRLError):  # a defect in the user's class or template: its traceback too
                     log.exception("the episodes on rank %d could not start", host.trainer.global_rank)
                 start_error = episodes_start_failure(err)
@@ -354,9 +353,8 @@ class EpisodeProducer(RolloutProducer):
             try:
                 elsewhere = "the episodes could not start on another rank"
                 self.fail_on_every_rank(start_error, EnvironmentStepError, elsewhere)
-            except EnvironmentStepError:
-                if start_error is None:  # another rank's failure: this rank's environments, all reset, are released
-                    close_environments(envs, ended, self.runner)
+            except Exception:  # this rank's failure or another's (`ReportedOnRankZero` off rank 0)
+                close_environments(envs, ended, self.runner)  # reset, never to run: their sessions released
                 raise
             engine = self.engines.engine()
             one_rank = host.trainer.world_size == 1

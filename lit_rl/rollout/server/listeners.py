@@ -14,6 +14,9 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import Union
+
+IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
 
 LISTEN = "0A"  # the state of a listening socket in /proc/net/tcp
 # The local addresses whose listeners receive a connection made to 127.0.0.1.
@@ -49,9 +52,10 @@ def _table_lists_listeners() -> bool:
         return bool(_listening_inodes(probe.getsockname()[1]))
 
 
-def _listening_inodes(port: int) -> set[int] | None:
-    """The inodes of the sockets listening on `port` at an address that receives 127.0.0.1's connections."""
-    found: set[int] = set()
+def listening_sockets(port: int) -> list[tuple[IPAddress, int]] | None:
+    """(local address, inode) of each socket listening on `port`, as the kernel lists them (/proc/net/tcp, tcp6);
+    None where the IPv4 table cannot be read (not Linux)."""
+    found = []
     for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
         try:
             rows = Path(table).read_text().splitlines()[1:]
@@ -66,9 +70,14 @@ def _listening_inodes(port: int) -> set[int] | None:
                 continue
             words = bytes.fromhex(hex_address)  # 32-bit words in host order (little-endian on x86 and ARM)
             address = ipaddress.ip_address(b"".join(words[i : i + 4][::-1] for i in range(0, width, 4)))
-            if address in REACH_LOOPBACK:
-                found.add(int(fields[9]))
+            found.append((address, int(fields[9])))
     return found
+
+
+def _listening_inodes(port: int) -> set[int] | None:
+    """The inodes of the sockets listening on `port` at an address that receives 127.0.0.1's connections."""
+    sockets = listening_sockets(port)
+    return None if sockets is None else {inode for address, inode in sockets if address in REACH_LOOPBACK}
 
 
 def _session_sockets(session: int) -> set[int]:
