@@ -33,7 +33,13 @@ from lit_rl.console import WEIGHT_PUSH_MESSAGES, drop_log_messages
 from lit_rl.entry import private_files
 from lit_rl.errors import LitRLError, ReportedOnRankZero
 from lit_rl.numerics import settle_cpu_math_kernels
-from lit_rl.resume import ResumePoint, keep_run_metrics, refuse_another_runs_directory, resolve_ckpt_path
+from lit_rl.resume import (
+    ResumePoint,
+    keep_run_metrics,
+    refuse_another_runs_directory,
+    resolve_ckpt_path,
+    resumes_another_run,
+)
 from lit_rl.training.checkpoint import AtomicCheckpointIO
 from lit_rl.training.compat import keep_nested_nulls
 from lit_rl.training.strategies import as_project_deepspeed
@@ -226,11 +232,15 @@ class LitRLCLI(LightningCLI):
         # The CSV logger deletes the metrics file of a run directory it opens: put back the resumed run's rows.
         if self.resumed is not None and self.resumed.run is not None:
             keep_run_metrics(self.trainer.loggers, self.resumed)
-        # A new run (no --ckpt_path, or `last` where there is none) never writes into a directory holding another
-        # run's files: a logger whose directory is a name (Trackio), a CSV/TensorBoard `version` fixed by hand, or
-        # no logger (`default_root_dir`, the working directory by default, where a user's config.yaml may be).
-        if not self.config[self.config["subcommand"]].get("ckpt_path"):
-            refuse_another_runs_directory(run_directory(self.trainer), logged=self.trainer.logger is not None)
+        # A new run (no --ckpt_path, or `last` where there is none), or one resumed from a checkpoint of another
+        # directory, never writes into a directory holding another run's files: a logger whose directory is a name
+        # (Trackio), a CSV/TensorBoard `version` fixed by hand, or no logger (`default_root_dir`, the working
+        # directory by default, where a user's config.yaml may be).
+        ckpt_path = self.config[self.config["subcommand"]].get("ckpt_path")
+        run = run_directory(self.trainer)
+        if not ckpt_path or resumes_another_run(str(ckpt_path), run):
+            resuming = str(ckpt_path) if ckpt_path else None
+            refuse_another_runs_directory(run, logged=self.trainer.logger is not None, resuming=resuming)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> L.Trainer:
         configured = list(config.get("callbacks") or []) + callbacks

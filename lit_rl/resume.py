@@ -114,16 +114,23 @@ def keep_run_metrics(loggers: list[Any], resumed: ResumePoint) -> None:
 RUN_FILES = ("config.yaml", CHECKPOINT_DIR, "hf")
 
 
-def refuse_another_runs_directory(run: Path, logged: bool = True) -> None:
-    """A new `fit` (no `--ckpt_path`) whose run directory `run` holds another run's files: a logger without versions
-    (Trackio, or any whose version is a name) given a name an earlier run had, a CSV or TensorBoard logger whose
-    `version` is fixed, or no logger (`logged` False: `default_root_dir`, the working directory by default, where a
-    user's own `config.yaml` may be). Its config, checkpoints and export would be overwritten (the CSV logger deletes
-    the metrics file too); stopped in one line. (Switching `--trainer.logger` over a shipped config carries the CSV
-    logger's `name` into the new logger: every such run had the same name.) A numbered new run's directory is
-    always new."""
+def refuse_another_runs_directory(run: Path, logged: bool = True, resuming: Optional[str] = None) -> None:
+    """A `fit` whose run directory `run` holds another run's files: a logger without versions (Trackio, or any whose
+    version is a name) given a name an earlier run had, a CSV or TensorBoard logger whose `version` is fixed, or no
+    logger (`logged` False: `default_root_dir`, the working directory by default, where a user's own `config.yaml`
+    may be). Its config, checkpoints and export would be overwritten (the CSV logger deletes the metrics file too);
+    stopped in one line. (Switching `--trainer.logger` over a shipped config carries the CSV logger's `name` into the
+    new logger: every such run had the same name.) A numbered new run's directory is always new. A run resumed from
+    a checkpoint (`resuming`, `--ckpt_path`) continues its directory where the checkpoint is inside it
+    (`resumes_another_run` says when it is not)."""
     found = [name for name in RUN_FILES if (run / name).exists()]
     if found:
+        if resuming is not None:
+            raise LitRLError(
+                f"trainer.logger: the run directory {run} holds another run's files ({', '.join(found)}), which this "
+                f"run, resumed from {resuming} (not a checkpoint of that run), would overwrite: give the run a "
+                "directory of its own (the logger's name or version that names it, e.g. --trainer.logger.version)"
+            )
         last = run / CHECKPOINT_DIR / "last.ckpt"
         continued = f", or continue that run with --ckpt_path {last}" if last.exists() else ""
         own = (
@@ -135,6 +142,13 @@ def refuse_another_runs_directory(run: Path, logged: bool = True) -> None:
             f"trainer.logger: the run directory {run} holds another run's files ({', '.join(found)}), which this "
             f"new run would overwrite: give the run a directory of its own ({own}){continued}"
         )
+
+
+def resumes_another_run(ckpt_path: str, run: Path) -> bool:
+    """Whether `--ckpt_path` names a checkpoint file or directory outside the run directory `run` this `fit` writes
+    into (Lightning's names, `last`, `best`, `hpc`, are not paths: Lightning finds those in the run's own)."""
+    checkpoint = Path(ckpt_path)
+    return checkpoint.exists() and run.resolve() not in checkpoint.resolve().parents
 
 
 def is_rank_zero() -> bool:

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from lit_rl.resume import checkpoint_step
 from tests.conftest import CONFIGS
 from tests.integration.test_resume import SMALL, _env, _lit_rl
 
@@ -118,6 +120,21 @@ def test_a_run_with_a_version_fixed_by_hand_is_not_written_over_by_the_next(tmp_
     line = again.stderr.strip().splitlines()[-1]
     assert line.startswith(f"lit-rl: error: trainer.logger: the run directory {Path('runs/grpo/my-exp')} holds")
     assert {path: path.read_bytes() for path in first.rglob("*") if path.is_file()} == before
+
+    # Resumed from a checkpoint of another directory, the run would write into my-exp all the same: refused too.
+    elsewhere = tmp_path / "elsewhere" / "step1.ckpt"
+    elsewhere.parent.mkdir()
+    shutil.copy(first / "checkpoints" / "last.ckpt", elsewhere)
+    moved = _lit_rl(tmp_path, env, *args, "--trainer.logger.version", "my-exp", "--ckpt_path", str(elsewhere))
+    assert moved.returncode == 1, moved.stderr[-2000:]
+    line = moved.stderr.strip().splitlines()[-1]
+    assert f"the run directory {Path('runs/grpo/my-exp')} holds" in line and f"resumed from {elsewhere}" in line
+    assert {path: path.read_bytes() for path in first.rglob("*") if path.is_file()} == before
+    # Its own checkpoint continues it.
+    own = ("--trainer.logger.version", "my-exp", "--ckpt_path", str(first / "checkpoints" / "last.ckpt"))
+    continued = _lit_rl(tmp_path, env, *args[:-1], "2", *own)
+    assert continued.returncode == 0, continued.stderr[-2000:]
+    assert checkpoint_step(first / "checkpoints" / "last.ckpt") == 2
 
     assert _lit_rl(tmp_path, env, *args).returncode == 0
     assert _lit_rl(tmp_path, env, *args).returncode == 0
