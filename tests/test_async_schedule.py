@@ -150,3 +150,36 @@ def test_auto_correction_is_on_with_asynchronous_rollouts():
     assert model.rollout_correction() == "token_truncate"
     assert "rollout_is_frac_corrected" in model.train_metrics and "staleness/max" in model.train_metrics
     assert "staleness/max" not in GRPO().train_metrics
+
+
+def test_the_share_of_corrected_tokens_counts_the_models_tokens_alone():
+    """`train/rollout_is_frac_corrected` is the share of the model's tokens whose weight the correction changed: an
+    environment's observation token or a padding token is not one of them, in the numerator or the denominator
+    (counting the observation, the share read 2/7)."""
+    from lit_rl.algorithms import GRPO
+    from lit_rl.types import RolloutBatch
+
+    model = GRPO(rollout=RolloutArgs(correction="token_truncate", correction_cap=1.5))
+    assert model.logs_correction() and model.rollout_correction() == "token_truncate"
+    old = torch.full((2, 4), -1.0)
+    # old - rollout = 1.0 (ratio e = 2.72, past the cap) on row 0's tokens 0 and 2 and row 1's tokens 0 and 3.
+    rollout = old - torch.tensor([[1.0, 0.0, 1.0, 0.0], [1.0, 0.0, 0.0, 1.0]])
+    completion_mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0]])  # row 1's token 3: padding
+    sampled_mask = torch.tensor([[1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 1.0, 0.0]])  # row 0's token 2: an observation
+    ones = torch.ones(2, dtype=torch.long)
+    batch = RolloutBatch(
+        prompt_ids=ones[:, None],
+        prompt_mask=ones[:, None],
+        completion_ids=torch.ones(2, 4, dtype=torch.long),
+        completion_mask=completion_mask,
+        rollout_logprobs=rollout,
+        rewards=torch.zeros(2),
+        reward_components=torch.zeros(2, 1),
+        advantages=torch.zeros(2),
+        group_reward_std=torch.zeros(2),
+        sampled_mask=sampled_mask,
+    )
+    weights = model.rollout_importance_weights(batch, old)
+    assert weights[0, 0] == weights[1, 0] == 1.5  # capped
+    # The model's 6 tokens: rows 0 and 1's tokens 0, 1 and row 0's 3, row 1's 2; 2 of them corrected.
+    assert model.train_metrics["rollout_is_frac_corrected"].compute().item() == pytest.approx(2 / 6)
