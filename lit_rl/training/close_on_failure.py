@@ -3,10 +3,12 @@ an exception."""
 
 from __future__ import annotations
 
+import sys
+
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
-from lit_rl.resume import say
+from lit_rl.errors import one_line
 
 
 class ClosesRolloutsOnFailure(L.Callback):
@@ -17,15 +19,17 @@ class ClosesRolloutsOnFailure(L.Callback):
 
     Not where a checkpoint callback saves on exceptions (`OnExceptionCheckpoint`, `ModelCheckpoint(save_on_exception=
     True)`): Lightning runs checkpoint callbacks last, and their checkpoint records the generations in flight, which
-    a closed producer has dropped. A close that fails is said in one line: Lightning's own handling of the run's
-    error (its loggers' last rows) goes on."""
+    a closed producer has dropped. A close that fails is said in one line by the rank it failed on (each rank
+    closes its own rollouts): Lightning's own handling of the run's error (its loggers' last rows) goes on."""
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         try:
             if not any(_saves_on_exception(callback) for callback in trainer.callbacks):
                 pl_module.producer.close()
         except Exception as err:  # the run's own error is the one to report
-            say(f"closing the rollouts after the run's error failed too: {type(err).__name__}: {err}")
+            where = f"rank {trainer.global_rank}: " if trainer.world_size > 1 else ""
+            reason = f"{type(err).__name__}: {one_line(err, 300)}"
+            sys.stderr.write(f"lit-rl: {where}closing the rollouts after the run's error failed too: {reason}\n")
 
 
 def _saves_on_exception(callback: L.Callback) -> bool:
