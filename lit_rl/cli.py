@@ -26,6 +26,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeedStrategy
 
+from lit_rl.algorithms.checkpoint_state import CheckpointState
 from lit_rl.callbacks import GracefulStop, NonFiniteGuard, RunSummary, StepProgressBar
 from lit_rl.callbacks.export import numbers_its_runs, run_directory
 from lit_rl.config import data_key_hint, moved_key_hint
@@ -36,6 +37,7 @@ from lit_rl.numerics import settle_cpu_math_kernels
 from lit_rl.resume import (
     ResumePoint,
     keep_run_metrics,
+    read_checkpoint,
     refuse_another_runs_directory,
     resolve_ckpt_path,
     resumes_another_run,
@@ -210,7 +212,7 @@ class LitRLCLI(LightningCLI):
     - `RunSummary` (at the end of `fit`, steps, wall time, headline metrics and output paths, also without the
       progress bar);
     - `AtomicCheckpointIO` (checkpoints are written to a temporary file and renamed), unless `trainer.plugins`
-      is set or the strategy is DeepSpeed;
+      gives a `CheckpointIO` of its own or the strategy is DeepSpeed;
     - under DeepSpeed, `lit_rl.training.strategies.DeepSpeedStrategy` for Lightning's (a `deepspeed*` name or
       Lightning's class): its checkpoint directories are written to a temporary directory and renamed.
     """
@@ -229,6 +231,10 @@ class LitRLCLI(LightningCLI):
             self.resumed = resolve_ckpt_path(self.config[subcommand], continue_run=subcommand == "fit")
 
     def before_fit(self) -> None:
+        # A resume the module refuses stops here, before the run's config.yaml and metrics.csv are written.
+        if self.resumed is not None and isinstance(self.model, CheckpointState):
+            checkpoint = read_checkpoint(self.resumed.checkpoint)
+            self.model.refuse_resume_before_writing(self.trainer, self.datamodule, checkpoint, self.resumed.checkpoint)
         # The CSV logger deletes the metrics file of a run directory it opens: put back the resumed run's rows.
         if self.resumed is not None and self.resumed.run is not None:
             keep_run_metrics(self.trainer.loggers, self.resumed)
@@ -238,7 +244,8 @@ class LitRLCLI(LightningCLI):
         # directory by default, where a user's config.yaml may be).
         ckpt_path = self.config[self.config["subcommand"]].get("ckpt_path")
         run = run_directory(self.trainer)
-        if not ckpt_path or resumes_another_run(str(ckpt_path), run):
+        checkpoint_dirs = [str(c.dirpath) for c in self.trainer.checkpoint_callbacks if getattr(c, "dirpath", None)]
+        if not ckpt_path or resumes_another_run(str(ckpt_path), run, checkpoint_dirs):
             resuming = str(ckpt_path) if ckpt_path else None
             refuse_another_runs_directory(run, logged=self.trainer.logger is not None, resuming=resuming)
 

@@ -47,3 +47,10 @@ def one_line(value: object, limit: int | None = None) -> str:
     """`value`'s text with every run of white space (new lines included) made one space, cut to `limit` characters:
     how an error from a library, a server or a parser becomes part of lit-rl's one-line messages."""
     return " ".join(str(value).split())[:limit]
+
+
+def exception_line(err: BaseException) -> str:
+    """An exception as `Type: the first line of its message` (the type alone without one): a library's error as
+    part of a one-line message."""
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__

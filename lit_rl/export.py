@@ -15,6 +15,7 @@ import argparse
 import pickle
 import re
 import shlex
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -24,10 +25,12 @@ import torch
 from transformers import AutoConfig
 
 from lit_rl.config import grouped_hparams
-from lit_rl.errors import DataFileNotFound, LitRLError
+from lit_rl.errors import DataFileNotFound, LitRLError, exception_line
 from lit_rl.modeling.lora import apply_lora, as_lora_config, save_merged, trainable_keys
 from lit_rl.modeling.models import load_causal_lm, load_tokenizer, resolve_model_path
 from lit_rl.modeling.value_model import save_value_state
+from lit_rl.resume import CheckpointError
+from lit_rl.training.checkpoint import publish_directory, temporary_directory
 
 POLICY_PREFIX = "policy."
 CRITIC_PREFIX = "critic."
@@ -46,7 +49,10 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 
         with tempfile.TemporaryDirectory() as tmp:
             consolidated = Path(tmp) / "consolidated.ckpt"
-            convert_zero_checkpoint_to_fp32_state_dict(str(path), str(consolidated))
+            try:
+                convert_zero_checkpoint_to_fp32_state_dict(str(path), str(consolidated))
+            except Exception as err:  # not a DeepSpeed checkpoint, or a damaged one
+                raise CheckpointError(f"checkpoint directory {path} cannot be read ({exception_line(err)})") from err
             return torch.load(consolidated, map_location="cpu", weights_only=True)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
@@ -57,6 +63,8 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
             f"checkpoint {path} holds objects other than tensors and plain containers{what}, which lit-rl does "
             "not unpickle: it may run code"
         ) from None
+    except Exception as err:  # truncated, damaged, not a checkpoint
+        raise CheckpointError(f"checkpoint {path} cannot be read ({exception_line(err)})") from err
 
 
 def export_checkpoint(
@@ -125,16 +133,26 @@ def export_checkpoint(
         frozen = set(model.state_dict()) - trainable_keys(model)  # loaded from `name` above
         _load_weights(model, policy_state, checkpoint_path, name, may_miss=frozen)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if lora is not None and not adapter_only:
-        save_merged(model, out)
-    else:
-        model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    if critic_name is not None:
-        trust_critic = resolve_model_path(critic_name) in trusted
-        config = AutoConfig.from_pretrained(resolve_model_path(critic_name), trust_remote_code=trust_critic)
-        save_value_state(config, critic_state, out / "critic")
+    if out.exists() and not out.is_dir():
+        raise LitRLError(f"out_dir {out} is a file: give the directory to write")
+    # Written beside `out` and swapped in whole: an earlier export's files (a critic/, merged weights beside an
+    # adapter) never stay mixed with this one's, and a failed export leaves `out` as it was.
+    tmp = temporary_directory(out)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        if lora is not None and not adapter_only:
+            save_merged(model, tmp)
+        else:
+            model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if critic_name is not None:
+            trust_critic = resolve_model_path(critic_name) in trusted
+            config = AutoConfig.from_pretrained(resolve_model_path(critic_name), trust_remote_code=trust_critic)
+            save_value_state(config, critic_state, tmp / "critic")
+        publish_directory(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

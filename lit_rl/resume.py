@@ -19,6 +19,7 @@ those steps again).
 from __future__ import annotations
 
 import csv
+import importlib
 import re
 import sys
 import warnings
@@ -28,7 +29,7 @@ from typing import Any, Optional
 
 import torch
 
-from lit_rl.errors import LitRLError
+from lit_rl.errors import LitRLError, exception_line
 
 CHECKPOINT_DIR = "checkpoints"
 VERSION_DIR = re.compile(r"version_(\d+)$")
@@ -55,7 +56,7 @@ def resolve_ckpt_path(config: Any, continue_run: bool = True) -> Optional[Resume
     `predict` read the checkpoint and write into a run directory of their own: opening the trained run's would
     replace its metrics file and config. Prints one line on rank 0 saying what is read."""
     requested = config.get("ckpt_path")
-    if not requested:
+    if not requested or is_lightnings_to_resolve(str(requested)):
         return None
     found = versioned_logger(config.get("trainer.logger"))
     runs = run_directories(found) if found is not None else None
@@ -73,15 +74,27 @@ def resolve_ckpt_path(config: Any, continue_run: bool = True) -> Optional[Resume
     else:
         checkpoint = Path(requested)
         run = run_of_checkpoint(checkpoint, runs) if runs is not None else None
+        if run is not None and runs is not None and runs.version is not None and run != runs.versions()[0].resolve():
+            run = None  # a version given by hand names the run's directory: the checkpoint's run is not continued
     step = checkpoint_step(checkpoint)
     if not continue_run:
         say(f"reading checkpoint {checkpoint} (step {step})")
         return ResumePoint(checkpoint, step, None)
-    if run is not None and found is not None:
+    if run is not None and found is not None and found.version is None:
         match = VERSION_DIR.match(run.name)
         found.version = int(match.group(1)) if match else run.name
     say(f"resuming from {checkpoint} (step {step})" + (f" in {run}" if run is not None else ""))
     return ResumePoint(checkpoint, step, run)
+
+
+# `--ckpt_path` values Lightning resolves itself: its names, and remote paths (fsspec URLs).
+LIGHTNING_CKPT_NAMES = ("best", "hpc")
+
+
+def is_lightnings_to_resolve(ckpt_path: str) -> bool:
+    """Whether `--ckpt_path` is one of Lightning's names (`best`, `hpc`, `registry...`) or a URL (`s3://...`):
+    passed on unread (`last` is resolved here)."""
+    return ckpt_path in LIGHTNING_CKPT_NAMES or ckpt_path.split(":")[0] == "registry" or "://" in ckpt_path
 
 
 def explicit_checkpoint_dir(callbacks: Any) -> Optional[str]:
@@ -144,11 +157,20 @@ def refuse_another_runs_directory(run: Path, logged: bool = True, resuming: Opti
         )
 
 
-def resumes_another_run(ckpt_path: str, run: Path) -> bool:
-    """Whether `--ckpt_path` names a checkpoint file or directory outside the run directory `run` this `fit` writes
-    into (Lightning's names, `last`, `best`, `hpc`, are not paths: Lightning finds those in the run's own)."""
-    checkpoint = Path(ckpt_path)
-    return checkpoint.exists() and run.resolve() not in checkpoint.resolve().parents
+def resumes_another_run(ckpt_path: str, run: Path, checkpoint_dirs: list[str]) -> bool:
+    """Whether `--ckpt_path` names a checkpoint (file or DeepSpeed directory) of a run other than the one whose
+    directory `run` this `fit` writes into. A checkpoint is this run's when it is in a `dirpath` its checkpoint
+    callbacks name (`checkpoint_dirs`), or in `<run>/checkpoints` (with TensorBoard's `sub_dir`, `run` is below the
+    directory holding `checkpoints`). Being anywhere below `run` is not enough: without a logger `run` is the
+    working directory, which holds every other run. Lightning's names and URLs are Lightning's to resolve."""
+    if is_lightnings_to_resolve(ckpt_path) or not Path(ckpt_path).exists():
+        return False
+    checkpoint = Path(ckpt_path).resolve()
+    if any(Path(d).resolve() in checkpoint.parents for d in checkpoint_dirs):
+        return False
+    holder = checkpoint.parent
+    run = run.resolve()
+    return not (holder.name == CHECKPOINT_DIR and (holder.parent == run or holder.parent in run.parents))
 
 
 def is_rank_zero() -> bool:
@@ -189,14 +211,26 @@ class RunDirectories:
 
 
 def versioned_logger(logger_config: Any) -> Optional[Any]:
-    """The init_args of the first configured logger that writes versioned run directories (CSV, TensorBoard:
-    `save_dir`, `name` and `version` arguments); None when there is none."""
+    """The init_args of the first configured logger that writes numbered run directories (CSV, TensorBoard, or a
+    subclass: `<save_dir>/<name>/version_N`); None when there is none. W&B takes `save_dir`, `name` and `version`
+    too, but its directories are `<project>/<run id>`: its `last` is Lightning's to find."""
     loggers = logger_config if isinstance(logger_config, list) else [logger_config]
     for logger in loggers:
         init_args = getattr(logger, "init_args", None) if logger is not None else None
-        if init_args is not None and all(key in init_args for key in ("save_dir", "name", "version")):
+        if init_args is not None and _numbers_its_runs(str(getattr(logger, "class_path", ""))):
             return init_args
     return None
+
+
+def _numbers_its_runs(class_path: str) -> bool:
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return False
+    return isinstance(cls, type) and issubclass(cls, (CSVLogger, TensorBoardLogger))
 
 
 def run_directories(init_args: Any) -> RunDirectories:
@@ -213,14 +247,15 @@ def checkpoints_in(run: Path) -> list[Path]:
 
 
 def newest_checkpoint(runs: RunDirectories) -> Optional[tuple[Path, Path]]:
-    """(run directory, checkpoint) of the newest checkpoint under `runs`: its run's `last.ckpt` where there is one
-    (the one a stop writes and a resume updates), else that run's newest checkpoint; None when there is none."""
+    """(run directory, checkpoint) of the newest checkpoint under `runs`, by modification time (`last.ckpt` where
+    it was written with the newest step file, as `save_last` writes it); None when there is none. Not `last.ckpt`
+    whatever its age: a graceful stop writes one without `save_last`, and the step files a resumed run writes after
+    it are newer."""
     newest: Optional[tuple[float, Path, Path]] = None
     for run in runs.versions():
         found = checkpoints_in(run)
         if found and (newest is None or found[0].stat().st_mtime >= newest[0]):
-            last = run / CHECKPOINT_DIR / "last.ckpt"
-            newest = (found[0].stat().st_mtime, run, last if last.exists() else found[0])
+            newest = (found[0].stat().st_mtime, run, found[0])
     return None if newest is None else (newest[1], newest[2])
 
 
@@ -241,7 +276,16 @@ def checkpoint_step(path: Path) -> int:
         others = (p for p in checkpoints_in(path.parent.parent) if p.resolve() != path.resolve())
         intact = next((p for p in others if _readable(p)), None)  # newest first: stop at the first readable one
         hint = f"; the newest intact checkpoint beside it is {intact}" if intact else ""
-        raise CheckpointError(f"checkpoint {path} cannot be read ({_reason(err)}){hint}") from err
+        raise CheckpointError(f"checkpoint {path} cannot be read ({exception_line(err)}){hint}") from err
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """A checkpoint's entries (file or DeepSpeed directory), its tensors memory-mapped, not read: what a resume
+    compares before the run writes anything (`CheckpointState.refuse_resume_before_writing`)."""
+    try:
+        return _read_state(path)
+    except Exception as err:
+        raise CheckpointError(f"checkpoint {path} cannot be read ({exception_line(err)})") from err
 
 
 def _read_state(path: Path) -> dict[str, Any]:
@@ -260,11 +304,6 @@ def _readable(path: Path) -> bool:
     except Exception:
         return False
     return True
-
-
-def _reason(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
 
 
 def keep_csv_rows(metrics_file: Path, up_to_step: int) -> tuple[list[str], list[dict[str, str]]]:

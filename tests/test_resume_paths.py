@@ -12,7 +12,7 @@ import torch
 from jsonargparse import Namespace
 from lightning.pytorch.loggers import CSVLogger
 
-from lit_rl.resume import CheckpointError, ResumePoint, keep_run_metrics, resolve_ckpt_path
+from lit_rl.resume import CheckpointError, ResumePoint, keep_run_metrics, resolve_ckpt_path, resumes_another_run
 
 
 def _checkpoint(path: Path, step: int, mtime: float) -> Path:
@@ -123,3 +123,57 @@ def test_each_run_exports_into_its_own_directory_whatever_the_logger(tmp_path):
     first, second = directory(RunIdLogger("abc123")), directory(RunIdLogger("def456"))
     assert first == tmp_path / "wandb_runs" / "project" / "abc123" and second.name == "def456"
     assert directory(CSVLogger(tmp_path / "runs", name="grpo", version=3)) == tmp_path / "runs" / "grpo" / "version_3"
+
+
+def test_last_is_the_newest_checkpoint_even_beside_an_older_last_ckpt(tmp_path):
+    """A graceful stop writes `last.ckpt` without `save_last` (step 150); the resumed run then saved steps 200 and
+    300 and was killed: `last` is step 300, not the stale `last.ckpt` (which resumed at 150 before)."""
+    run = tmp_path / "runs" / "grpo" / "version_0"
+    _checkpoint(run / "checkpoints" / "last.ckpt", 150, 1000)
+    _checkpoint(run / "checkpoints" / "step=200.ckpt", 200, 2000)
+    newest = _checkpoint(run / "checkpoints" / "step=300.ckpt", 300, 3000)
+    assert resolve_ckpt_path(_config(tmp_path / "runs", "last")) == ResumePoint(newest, 300, run)
+
+
+def test_lightnings_own_names_and_urls_are_passed_on_unread(tmp_path):
+    for name in ("best", "hpc", "s3://bucket/run/last.ckpt", "registry:my-model:latest"):
+        config = _config(tmp_path / "runs", name)
+        assert resolve_ckpt_path(config) is None and config.ckpt_path == name
+
+
+def test_a_version_given_by_hand_is_kept_when_resuming_another_runs_checkpoint(tmp_path):
+    """`--ckpt_path runs/grpo/version_0/... --trainer.logger.version my-exp` forks version_0 into my-exp: the
+    version was replaced by 0 before, so the run wrote into version_0."""
+    runs = tmp_path / "runs" / "grpo"
+    checkpoint = _checkpoint(runs / "version_0" / "checkpoints" / "step=200.ckpt", 200, 1000)
+    config = _config(tmp_path / "runs", str(checkpoint), version="my-exp")
+    assert resolve_ckpt_path(config) == ResumePoint(checkpoint, 200, None)
+    assert config.trainer.logger.init_args.version == "my-exp"
+    own = _checkpoint(runs / "my-exp" / "checkpoints" / "last.ckpt", 250, 2000)  # its own: continued
+    config = _config(tmp_path / "runs", str(own), version="my-exp")
+    assert resolve_ckpt_path(config) == ResumePoint(own, 250, runs / "my-exp")
+
+
+def test_last_with_a_logger_that_does_not_number_its_runs_is_lightnings_to_find(tmp_path):
+    """W&B takes `save_dir`, `name` and `version` as the CSV logger does, but its runs are `<project>/<run id>`:
+    searching `<save_dir>/<name>/version_*` for it resumed a CSV run's checkpoint into another directory."""
+    _checkpoint(tmp_path / "runs" / "grpo" / "version_0" / "checkpoints" / "last.ckpt", 7, 1000)
+    config = _config(tmp_path / "runs", "last")
+    config.trainer.logger.class_path = "lightning.pytorch.loggers.WandbLogger"
+    assert resolve_ckpt_path(config) is None and config.ckpt_path == "last"
+
+
+def test_a_checkpoint_is_this_runs_only_in_its_checkpoint_directory(tmp_path):
+    run = tmp_path / "runs" / "grpo" / "my-exp"
+    own = _checkpoint(run / "checkpoints" / "last.ckpt", 2, 1000)
+    other = _checkpoint(tmp_path / "runs" / "grpo" / "version_0" / "checkpoints" / "last.ckpt", 2, 1000)
+    cluster = _checkpoint(tmp_path / "scratch" / "my-exp" / "step=2.ckpt", 2, 1000)
+    assert not resumes_another_run(str(own), run, [])
+    assert resumes_another_run(str(other), run, [])
+    # Without a logger the run's directory is the working directory, which holds every other run: not enough.
+    assert resumes_another_run(str(other), tmp_path, [])
+    assert not resumes_another_run(str(tmp_path / "checkpoints" / "x.ckpt"), tmp_path, [])  # no such file
+    # A checkpoint callback's own `dirpath`, and TensorBoard's `sub_dir` below the directory holding `checkpoints`.
+    assert resumes_another_run(str(cluster), run, []) and not resumes_another_run(str(cluster), run, [cluster.parent])
+    assert not resumes_another_run(str(own), run / "sub", [])
+    assert not resumes_another_run("best", run, [])

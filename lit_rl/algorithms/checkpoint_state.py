@@ -53,27 +53,21 @@ class CheckpointState:
             frozen = self._frozen_state()
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}
         if self._trainer is not None:
-            checkpoint[LAYOUT_KEY] = self.data_layout()
+            checkpoint[LAYOUT_KEY] = self.data_layout(self.trainer, self.trainer.datamodule)
 
-    def data_layout(self) -> dict[str, int]:
+    def data_layout(self, trainer: Any, datamodule: Any) -> dict[str, int]:
         """The settings the checkpoint's place in the data is counted in, by the option that sets each: a resumed
-        fit must keep them (`lit_rl.resume_config.refuse_moved_position`). The ranks and the accumulation; an
-        algorithm adds its batch size (the on-policy ones compare theirs, `model.schedule.micro_batch_size`, as an
-        option)."""
-        trainer = self.trainer
+        fit must keep them (`lit_rl.resume_config.refuse_moved_position`). The ranks and the accumulation of
+        `trainer`; an algorithm adds its batch size (the on-policy ones compare theirs,
+        `model.schedule.micro_batch_size`, as an option; the offline ones `datamodule`'s). Arguments, not the
+        module's own trainer: the CLI asks before the trainer holds the module (`refuse_resume_before_writing`)."""
         return {
             "trainer.accumulate_grad_batches": trainer.accumulate_grad_batches,
             "trainer.devices x trainer.num_nodes": trainer.world_size,
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        saved_policy = grouped_hparams(checkpoint.get("hyper_parameters") or {}).get("policy") or {}
-        saved_lora = saved_policy.get("lora") is not None
-        if saved_lora != (self.lora_config is not None):
-            raise ConfigError(
-                f"the checkpoint was trained {'with' if saved_lora else 'without'} model.policy.lora and this run is "
-                f"{'not' if saved_lora else 'configured with it'}: resume with the checkpoint's model.policy.lora"
-            )
+        self._refuse_other_lora(checkpoint)
         if "state_dict" in checkpoint:
             for key, value in self._frozen_state().items():
                 checkpoint["state_dict"].setdefault(key, value)
@@ -92,9 +86,32 @@ class CheckpointState:
         ckpt_path = self.trainer.ckpt_path
         changed = reconcile(subcommand, type(self), self.hparams, checkpoint["hyper_parameters"], ckpt_path)
         if subcommand == "fit":
-            refuse_moved_position(self.data_layout(), checkpoint.get(LAYOUT_KEY) or {}, ckpt_path)
+            layout = self.data_layout(self.trainer, self.trainer.datamodule)
+            refuse_moved_position(layout, checkpoint.get(LAYOUT_KEY) or {}, ckpt_path)
         for difference in changed:
             say(announce(difference))
+
+    def refuse_resume_before_writing(
+        self, trainer: Any, datamodule: Any, checkpoint: dict[str, Any], path: Any
+    ) -> None:
+        """The refusals of a resumed `fit` (`on_load_checkpoint`, `check_resumed_hyperparameters`), made before the
+        run writes anything: Lightning loads the checkpoint after the run's `config.yaml` is written and its
+        `metrics.csv` cut to the checkpoint's step, so a resume refused there had replaced both. Differences a
+        resume may make are said when the checkpoint loads."""
+        self._refuse_other_lora(checkpoint)
+        saved = checkpoint.get("hyper_parameters") or {}
+        if saved:
+            reconcile("fit", type(self), self.hparams, saved, path)
+        refuse_moved_position(self.data_layout(trainer, datamodule), checkpoint.get(LAYOUT_KEY) or {}, path)
+
+    def _refuse_other_lora(self, checkpoint: dict[str, Any]) -> None:
+        saved_policy = grouped_hparams(checkpoint.get("hyper_parameters") or {}).get("policy") or {}
+        saved_lora = saved_policy.get("lora") is not None
+        if saved_lora != (self.lora_config is not None):
+            raise ConfigError(
+                f"the checkpoint was trained {'with' if saved_lora else 'without'} model.policy.lora and this run is "
+                f"{'not' if saved_lora else 'configured with it'}: resume with the checkpoint's model.policy.lora"
+            )
 
     def apply_configured_rates(self) -> None:
         """After a resume: the learning rates and weight decay this run configured, in place of those the restored

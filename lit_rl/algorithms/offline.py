@@ -34,12 +34,11 @@ class OfflineModule(PolicyModule):
         if budget is not None and "micro_batch_tokens/max" not in self.train_metrics:
             self.train_metrics.add_metrics(data_token_budget_metrics())
 
-    def data_layout(self) -> dict[str, int]:
+    def data_layout(self, trainer: Any, datamodule: Any) -> dict[str, int]:
         """`train_batches_done` counts batches of `data.batch_size` rows too."""
-        layout = super().data_layout()
-        data = self.trainer.datamodule
-        if isinstance(data, FixedBatches):
-            layout["data.batch_size"] = data.batch_size
+        layout = super().data_layout(trainer, datamodule)
+        if isinstance(datamodule, FixedBatches):
+            layout["data.batch_size"] = datamodule.batch_size
         return layout
 
     def count_micro_batch_tokens(self, tokens: torch.Tensor) -> None:

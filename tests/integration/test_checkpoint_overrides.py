@@ -34,14 +34,27 @@ def _lines(stderr: str) -> list[str]:
 
 def _refused_resume(trained, *changes: str) -> list[str]:
     """Resume the trained run to step 3 with `changes`: it must stop in one line, with no traceback, and leave the
-    run's files as they were; its error lines."""
+    run's files as they were; its error lines. The run's metrics.csv gets a row of a step after the checkpoint's,
+    as a run stopped between two checkpoints has: a resume would drop it (and log that step again), a refused one
+    must not (it was cut, and config.yaml replaced with the refused values, before the refusal: Lightning loads
+    the checkpoint after both are written)."""
     cwd, env = trained
-    before = (cwd / RUN / "metrics.csv").read_text()
-    result = _lit_rl(cwd, env, "fit", *ARGS, "--trainer.max_steps", "3", "--ckpt_path", "last", *changes)
-    assert result.returncode == 1, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr
-    assert (cwd / RUN / "metrics.csv").read_text() == before  # nothing written is lost
-    assert torch.load(cwd / RUN / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
+    metrics = cwd / RUN / "metrics.csv"
+    kept = metrics.read_text()
+    lines = kept.splitlines(keepends=True)
+    step = lines[0].strip().split(",").index("step")
+    last = lines[-1].rstrip("\n").split(",")
+    last[step] = "3"
+    metrics.write_text(kept + ",".join(last) + "\n")
+    before = {name: (cwd / RUN / name).read_text() for name in ("metrics.csv", "config.yaml")}
+    try:
+        result = _lit_rl(cwd, env, "fit", *ARGS, "--trainer.max_steps", "3", "--ckpt_path", "last", *changes)
+        assert result.returncode == 1, result.stderr[-3000:]
+        assert "Traceback" not in result.stderr
+        assert {name: (cwd / RUN / name).read_text() for name in before} == before  # nothing written is lost
+        assert torch.load(cwd / RUN / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
+    finally:
+        metrics.write_text(kept)
     return [line for line in result.stderr.splitlines() if "error" in line.lower()]
 
 

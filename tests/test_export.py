@@ -1,0 +1,87 @@
+"""`lit-rl export` as a user runs it on files that are not what it expects, and into a directory an earlier export
+wrote: one line naming the file for a checkpoint it cannot read or an `out_dir` that is a file; the directory
+replaced whole, and left as it was when the export fails."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_rl.errors import LitRLError
+from lit_rl.export import export_checkpoint
+from lit_rl.modeling.models import load_causal_lm, load_tokenizer
+from tests.conftest import cli_env
+
+TINY = "lit-rl/tiny-qwen2-base"
+
+
+def _checkpoint(path: Path, **hyper_parameters) -> Path:
+    """A checkpoint of the tiny model's weights as lit-rl saves them (`policy.*`), with `hyper_parameters`."""
+    model = load_causal_lm(TINY, random_init=True)
+    tokenizer = load_tokenizer(TINY)
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # as training sizes it for its pad token
+        model.resize_token_embeddings(len(tokenizer))
+    state = {f"policy.{key}": value for key, value in model.state_dict().items()}
+    if "critic_model_name_or_path" in hyper_parameters:
+        state["critic.score.weight"] = torch.zeros(1, 8)
+    torch.save(
+        {"state_dict": state, "hyper_parameters": {"policy": {"model_name_or_path": TINY}, **hyper_parameters}}, path
+    )
+    return path
+
+
+def _export(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "lit_rl.export", *args], env=cli_env(), capture_output=True, text=True, timeout=300
+    )
+
+
+def test_an_export_replaces_an_earlier_ones_directory_whole(tmp_path):
+    """Files of an earlier export stayed beside the new one's: a PPO export's `critic/`, or an adapter's
+    `adapter_config.json` beside merged weights, which transformers then loads as an adapter."""
+    out = tmp_path / "out"
+    (out / "critic").mkdir(parents=True)
+    (out / "adapter_config.json").write_text("{}")
+    assert export_checkpoint(_checkpoint(tmp_path / "policy.ckpt"), out) == out
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    assert not (out / "critic").exists() and not (out / "adapter_config.json").exists()
+    assert not [path.name for path in tmp_path.iterdir() if path.name.startswith(".")]  # no temporary left
+
+
+def test_a_failed_export_leaves_the_directory_as_it_was(tmp_path):
+    """The critic's model cannot be loaded: before, the new policy had been written over the old export's by then."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text('{"earlier": true}')
+    checkpoint = _checkpoint(tmp_path / "ppo.ckpt", critic_model_name_or_path=str(tmp_path / "no-such-critic"))
+    with pytest.raises(Exception):
+        export_checkpoint(checkpoint, out)
+    assert sorted(path.name for path in out.iterdir()) == ["config.json"]
+    assert (out / "config.json").read_text() == '{"earlier": true}'
+    assert not [path.name for path in tmp_path.iterdir() if path.name.startswith(".")]
+
+
+def test_what_export_cannot_read_or_write_is_one_line_naming_it(tmp_path):
+    truncated = tmp_path / "truncated.ckpt"
+    truncated.write_bytes(_checkpoint(tmp_path / "whole.ckpt").read_bytes()[:4096])
+    result = _export(str(truncated), str(tmp_path / "out"))
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"lit-rl export: error: checkpoint {truncated} cannot be read (")
+    assert result.stderr.count("\n") == 1
+
+    not_deepspeed = tmp_path / "not-deepspeed"
+    not_deepspeed.mkdir()
+    result = _export(str(not_deepspeed), str(tmp_path / "out"))
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"lit-rl export: error: checkpoint directory {not_deepspeed} cannot be read (")
+    assert result.stderr.count("\n") == 1
+
+    a_file = tmp_path / "model.txt"
+    a_file.write_text("mine")
+    with pytest.raises(LitRLError, match=f"out_dir {a_file} is a file: give the directory to write"):
+        export_checkpoint(tmp_path / "whole.ckpt", a_file)
+    assert a_file.read_text() == "mine"
