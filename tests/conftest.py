@@ -22,6 +22,10 @@ from typing import Any, Callable, Optional
 # test_check/test_rank_invariance on two workers: 155.6 s unset, 136.4 s with it. Same threads, same arithmetic:
 # only how an idle thread waits. The workers and every run they start inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Before lit_rl imports huggingface_hub, which reads these once, on import.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -50,10 +54,6 @@ needs_native_bf16 = pytest.mark.skipif(
 # Library loggers keep the stream of the first test that configured them; pytest closes captured streams between
 # tests, and logging would then print "--- Logging error ---" tracebacks into the next test's output.
 logging.raiseExceptions = False
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 @pytest.fixture(autouse=True)

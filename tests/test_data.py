@@ -5,7 +5,7 @@ import pytest
 from lit_rl.data import RolloutSchedule, RolloutScheduleLoader, load_rows, validate_rows
 from lit_rl.data.arithmetic import VAL_SIZE
 from lit_rl.data.files import record_label
-from lit_rl.errors import ConfigError
+from lit_rl.errors import ConfigError, DataError
 
 
 def test_builtin_addition_splits_are_disjoint_and_complete():
@@ -182,3 +182,64 @@ def test_a_data_module_and_an_algorithm_that_do_not_fit_are_refused_in_one_line(
         data_of(attached("GRPO", type("MyData", (), {})()), PromptRows)
     prompts = PromptDataModule()
     assert data_of(attached("GRPO", prompts), PromptRows) is prompts
+
+
+def test_a_json_dict_of_columns_must_hold_one_list_per_column_all_of_one_length(tmp_path):
+    """A shorter column used to drop rows silently (`zip` stops at the shortest), and a text value was read as one
+    row per character."""
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps({"prompt": ["1+1=", "2+2="], "answer": ["2", "4"]}))
+    assert load_rows(str(path)) == [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
+    for columns, message in (
+        ({"prompt": ["1+1=", "2+2="], "answer": ["2"]}, "d.json: column 'answer' has 1 values, column 'prompt' has 2$"),
+        ({"prompt": "hello"}, "d.json: column 'prompt' is a str, not a list of one value per row$"),
+        ({"prompt": ["1+1="], "source": "gsm8k"}, "d.json: column 'source' is a str, not a list"),
+    ):
+        path.write_text(json.dumps(columns))
+        with pytest.raises(DataError, match=message):
+            load_rows(str(path))
+
+
+@pytest.mark.parametrize(
+    "prompt, problem",
+    [
+        (["What is 2+2?"], "message 1 is 'What is 2+2?'"),
+        ([1, 2], "message 1 is 1"),
+        ([{"role": "user", "content": "hi"}, {"content": "2+2?"}], "message 2 is {'content': '2+2?'}"),
+        ([], "it is an empty list"),
+        ({"role": "user", "content": "hi"}, "it is a dict"),
+    ],
+)
+def test_a_prompt_of_chat_messages_is_a_list_of_dicts_with_role_and_content(tmp_path, prompt, problem):
+    """TRL's rule for chat messages, checked when the data is read: the old check took any list, which failed later
+    in the chat template, with a traceback and no row."""
+    path = tmp_path / "d.jsonl"
+    good = {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]}
+    # An assistant's call of tools has `tool_calls` in place of `content`: messages too.
+    call = {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "calc", "arguments": {}}}]}
+    good["prompt"] += [call, {"role": "tool", "content": "4"}]
+    path.write_text(json.dumps(good) + "\n" + json.dumps({"prompt": prompt}) + "\n")
+    rows = load_rows(str(path))
+    validate_rows(rows[:1], ["prompt"], str(path))
+    with pytest.raises(DataError) as raised:
+        validate_rows(rows, ["prompt"], str(path))
+    assert str(raised.value) == (
+        f"{path}: line 2 column 'prompt' must be text or chat messages ([{{'role': ..., 'content': ...}}, ...]): "
+        f"{problem}"
+    )
+
+
+def test_files_that_are_not_utf8_or_not_parquet_are_named_in_one_line(tmp_path):
+    """A byte that is not UTF-8 was a bare UnicodeDecodeError (and the file was read in the locale's encoding), a
+    corrupt parquet file an ArrowInvalid traceback."""
+    (tmp_path / "d.jsonl").write_bytes('{"prompt": "é"}\n\n'.encode() + b'{"prompt": "caf\xe9"}\n')  # latin-1
+    with pytest.raises(DataError, match=r"d.jsonl: line 3: not UTF-8 text \(invalid continuation byte: b'\\xe9'\)$"):
+        load_rows(str(tmp_path / "d.jsonl"))
+    (tmp_path / "d.json").write_bytes(b'[\n{"prompt": "a"},\n{"prompt": "\xff"}\n]')
+    with pytest.raises(DataError, match=r"d.json: line 3: not UTF-8 text \(invalid start byte: b'\\xff'\)$"):
+        load_rows(str(tmp_path / "d.json"))
+    (tmp_path / "d.parquet").write_bytes(b"PAR1 but not parquet")
+    with pytest.raises(DataError, match=r"^data file '.*d.parquet': not a readable parquet file \(.+\)$"):
+        load_rows(str(tmp_path / "d.parquet"))
+    (tmp_path / "u.jsonl").write_text('{"prompt": "café"}\n', encoding="utf-8")
+    assert load_rows(str(tmp_path / "u.jsonl")) == [{"prompt": "café"}]

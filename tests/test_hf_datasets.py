@@ -28,6 +28,35 @@ def test_a_saved_dataset_a_split_of_a_saved_dataset_dict_and_an_arrow_file_give_
         load_rows(f"{tmp_path / 'one'}:train")
 
 
+def test_only_a_split_left_unnamed_falls_back_to_the_only_one(tmp_path, monkeypatch):
+    """`dir:train` of a `DatasetDict` holding only `test` used to train on `test`: a named split must exist. A
+    folder named alone still reads its only split; a hub id without a split reads `train`, else its only split."""
+    only_test = tmp_path / "only_test"
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(ROWS[:2])}).save_to_disk(str(only_test))
+    with pytest.raises(DataError) as raised:
+        load_rows(f"{only_test}:train")
+    assert (
+        str(raised.value) == f"data '{only_test}:train' has no split 'train' (test): name one, e.g. '{only_test}:test'"
+    )
+    assert load_rows(str(only_test)) == ROWS[:2]
+
+    splits = {
+        "owner/train-and-test": {"train": ROWS, "test": ROWS[:2]},
+        "owner/test-only": {"test": ROWS[:2]},
+        "owner/val-and-test": {"validation": ROWS, "test": ROWS[:2]},
+    }
+
+    def load_dataset(name, config, split):
+        assert split is None
+        return datasets.DatasetDict({key: datasets.Dataset.from_list(rows) for key, rows in splits[name].items()})
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    assert load_rows("owner/train-and-test") == ROWS
+    assert load_rows("owner/test-only") == ROWS[:2]
+    with pytest.raises(DataError, match=r"'owner/val-and-test' has several splits \(validation, test\): name one"):
+        load_rows("owner/val-and-test")
+
+
 def test_a_hub_id_not_in_the_cache_offline_says_so_in_one_line():
     assert datasets.config.HF_HUB_OFFLINE  # tests/conftest.py: the suite runs offline, as this machine is
     with pytest.raises(DataError) as raised:
@@ -50,8 +79,15 @@ def test_implicit_prompts_are_split_as_trls_extract_prompt():
         {"chosen": "same start, then yes", "rejected": "same start, then no"},
         {"chosen": chat("2+2?", "4"), "rejected": chat("2+2?", "5")},
         {"chosen": chat("hi", "hello", "2+2?", "4"), "rejected": chat("hi", "hello", "2+2?", "22")},
+        # One completion starts the other: the last shared character (or message) goes with the completions.
+        {"chosen": "Q: 6*7? A: 4", "rejected": "Q: 6*7? A: 42"},
+        {"chosen": "Q: 6*7? A: 42", "rejected": "Q: 6*7? A: 4"},
+        {"chosen": "same", "rejected": "same"},
+        {"chosen": chat("2+2?", "4"), "rejected": chat("2+2?", "4", "sure?", "no, 5")},
     ]
     for row in rows:
         assert with_explicit_prompt(row) == extract_prompt(row), row
+    prefix = {"prompt": "Q: 6*7? A: ", "chosen": "4", "rejected": "42"}
+    assert with_explicit_prompt({"chosen": "Q: 6*7? A: 4", "rejected": "Q: 6*7? A: 42"}) == prefix
     explicit = {"prompt": "p", "chosen": "a", "rejected": "b"}
     assert with_explicit_prompt(explicit) is explicit

@@ -57,6 +57,25 @@ def test_async_reward_functions_score_the_batch_concurrently():
         call_reward_functions({"not_a_list": not_a_list}, ["p"], ["a"], {})
 
 
+def test_an_object_with_an_async_call_is_awaited_with_the_async_functions():
+    """`inspect.iscoroutinefunction` is False on an object whose `__call__` is `async def`: it was called as a sync
+    function, and 'raised TypeError: 'coroutine' object is not iterable'. The judge waits for `first` to have
+    started: were they not awaited together, it would not finish."""
+    events: dict[str, asyncio.Event] = {}  # made inside the event loop that awaits them
+
+    class Judge:
+        async def __call__(self, prompts, completions, **_):
+            await asyncio.wait_for(events.setdefault("first", asyncio.Event()).wait(), timeout=5)
+            return [float(len(c)) for c in completions]
+
+    async def first(prompts, completions, **_):
+        events.setdefault("first", asyncio.Event()).set()
+        return [1.0 for _ in completions]
+
+    values = call_reward_functions({"judge": Judge(), "first": first}, ["p", "q"], ["a", "bcd"], {})
+    assert values == [[1.0, 3.0], [1.0, 1.0]]
+
+
 class _Server:
     """A reward server on 127.0.0.1: reward = len(completion) + len(answer column); it fails the first
     `failures` requests with HTTP 503, sleeps `delay` seconds per request, and records each batch size."""

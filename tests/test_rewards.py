@@ -1,10 +1,13 @@
 import math
 
+import numpy as np
 import pytest
+import torch
 
+from lit_rl.errors import RewardFunctionError
 from lit_rl.rewards import import_reward_function, reward_name
 from lit_rl.rewards.arithmetic import correctness, integer_format
-from lit_rl.rewards.scorer import call_reward_function
+from lit_rl.rewards.scorer import call_reward_function, call_reward_functions
 
 
 def test_correctness_and_format_by_hand():
@@ -44,10 +47,43 @@ def test_none_becomes_nan():
     assert math.isnan(values[0]) and values[1] == 2.0
 
 
-def test_an_invalid_value_names_its_column_as_a_function_or_an_environments_part():
-    import torch
+@pytest.mark.parametrize("result", ["10", None, 1.0, {"a": 1.0, "b": 2.0}, torch.tensor(1.0)], ids=repr)
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_result_that_is_not_a_list_of_numbers_is_named_alike_sync_or_async(result, kind):
+    """A sync function's result went through `list()`: a text became its characters, a number or None 'raised
+    TypeError: ... not iterable'."""
 
-    from lit_rl.errors import RewardFunctionError
+    def sync(prompts, completions, **_):
+        return result
+
+    async def asynchronous(prompts, completions, **_):
+        return result
+
+    fn = sync if kind == "sync" else asynchronous
+    with pytest.raises(RewardFunctionError) as raised:
+        call_reward_functions({"f": fn}, ["p", "q"], ["a", "b"], {})
+    assert str(raised.value) == f"reward function 'f' returned {result!r}, not a list of numbers"
+
+
+@pytest.mark.parametrize(
+    "result",
+    [[True, 0], (1, None), np.array([0.5, np.nan]), torch.tensor([2.0, 3.0])],
+    ids=lambda result: type(result).__name__,
+)
+def test_lists_tuples_arrays_and_tensors_of_numbers_are_read(result):
+    values = call_reward_function("f", lambda prompts, completions, **_: result, ["p", "q"], ["a", "b"], {})
+    expected = [float(v) if v is not None else math.nan for v in list(result)]
+    assert values == pytest.approx(expected, nan_ok=True)
+
+
+def test_a_generator_of_numbers_is_read_as_trl_reads_it():
+    def lengths(prompts, completions, **_):
+        return (float(len(completion)) for completion in completions)
+
+    assert call_reward_function("f", lengths, ["p", "q"], ["a", "bc"], {}) == [1.0, 2.0]
+
+
+def test_an_invalid_value_names_its_column_as_a_function_or_an_environments_part():
     from lit_rl.rewards.scorer import weighted_reward
 
     names, weights = ["correctness", "env/solved"], torch.ones(2)

@@ -75,6 +75,22 @@ def test_text_prompts_get_text_completions_and_every_keyword_trl_passes():
     assert seen == {"prompts": ["2+2=", "2+2="], "completions": ["\\boxed{4}", "5"], "ids": IDS, "state": STATE}
 
 
+def test_every_column_of_any_row_is_passed_none_where_a_row_lacks_it():
+    """The columns were those of the batch's first row: `answer` reached a function only when a row holding it came
+    first, so a function that names it failed or not with the order of the batch."""
+    seen = {}
+
+    def named(prompts, completions, answer, **kwargs):
+        seen.update(answer=answer, **kwargs)
+        return [0.0] * len(completions)
+
+    rows = [{"prompt": "1+1=", "source": "a"}, {"prompt": "2+2=", "answer": "4", "level": 2}]
+    _score({"named": named}, rows, ["2", "4", "5", "3"], 2)
+    assert seen.pop("answer") == [None, None, "4", "4"]
+    assert list(seen) == ["source", "level", "completion_ids", "trainer_state"]  # the order first seen
+    assert seen["source"] == ["a", "a", None, None] and seen["level"] == [None, None, 2, 2]
+
+
 def test_chat_completions_are_one_assistant_message_each():
     got = {}
 

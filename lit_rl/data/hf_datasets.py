@@ -72,20 +72,25 @@ def rows_from_hub(spec: str) -> list[dict[str, Any]]:
             f"data {spec!r}: no local file or directory of that name, and the hub data set {name!r} could not be "
             f"loaded ({type(err).__name__}: {_first_line(err)}); {hint}"
         ) from None
-    return _split_rows(loaded, None if split else "train", spec, f"{name}:")
+    # With a split, `load_dataset` gave that split's `Dataset`; without, a `DatasetDict`, read by default as `train`.
+    return _split_rows(loaded, None, spec, f"{name}:", default="train")
 
 
-def _split_rows(loaded: Any, split: Optional[str], spec: str, prefix: str) -> list[dict[str, Any]]:
-    """Rows of a `Dataset`, or of `split` of a `DatasetDict` (its only split when `split` is None or absent)."""
+def _split_rows(
+    loaded: Any, split: Optional[str], spec: str, prefix: str, default: Optional[str] = None
+) -> list[dict[str, Any]]:
+    """Rows of a `Dataset`, or of the split `split` of a `DatasetDict`. Only a split the user did not name
+    (`split` None) falls back: to `default` when the `DatasetDict` has it, else to its only split; a named split it
+    lacks is an error, so that `dir:train` never trains on a `DatasetDict` holding only `test`."""
     if not hasattr(loaded, "keys"):  # a Dataset
-        if split and ":" in spec and spec.rsplit(":", 1)[1] == split:
+        if split:
             raise DataError(f"data {spec!r}: a single data set, with no splits: drop ':{split}'")
         return loaded.to_list()
     splits = list(loaded.keys())
+    if split is None:
+        split = default if default in splits else splits[0] if len(splits) == 1 else None
     if split in splits:
         return loaded[split].to_list()
-    if len(splits) == 1 and (split is None or split == "train"):
-        return loaded[splits[0]].to_list()
     example = f"{prefix}{splits[0]}" if splits else prefix
     wanted = f"has no split {split!r}" if split else "has several splits"
     raise DataError(f"data {spec!r} {wanted} ({', '.join(splits)}): name one, e.g. {example!r}")

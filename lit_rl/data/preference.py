@@ -35,15 +35,18 @@ class TokenizedPair:
 def with_explicit_prompt(row: Row) -> Row:
     """A preference row with its implicit prompt made explicit: a row without `prompt` whose `chosen` and `rejected`
     (texts, or message lists) start alike gets that shared start as `prompt` and the rest as `chosen` and
-    `rejected`, as TRL's `extract_prompt` splits them (texts: the space before the split stays with the
-    completions). Rows with a `prompt`, or without both completions, are returned as they are."""
+    `rejected`, as TRL's `extract_prompt` splits them, so that a data set trains as it does under TRL: texts keep
+    the space before the split with the completions, and when one completion starts the other (`... A: 4` and
+    `... A: 42`), the last shared character (or message) stays with the completions, so neither is left empty.
+    Rows with a `prompt`, or without both completions, are returned as they are."""
     chosen, rejected = row.get("chosen"), row.get("rejected")
     if row.get("prompt") is not None or chosen is None or rejected is None:
         return row
-    shared = 0
-    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
-        shared += 1
-    if isinstance(chosen, str) and 0 < shared < min(len(chosen), len(rejected)) and chosen[shared - 1] == " ":
+    length = min(len(chosen), len(rejected))
+    shared = next((index for index in range(length) if chosen[index] != rejected[index]), None)
+    if shared is None:
+        shared = max(length - 1, 0)
+    elif isinstance(chosen, str) and shared > 0 and chosen[shared - 1] == " ":
         shared -= 1
     return {**row, "prompt": chosen[:shared], "chosen": chosen[shared:], "rejected": rejected[shared:]}
 

@@ -6,19 +6,19 @@
   `[{"role": "assistant", "content": text}]` (TRL's convention: `completion[0]["content"]`);
 - `completion_ids`: each completion's token ids (up to and including its EOS), a list of int lists;
 - `trainer_state`: a `TrainerState` (`global_step`, `max_steps`, `epoch`), for rewards that change with training;
-- every other column of the rows (`answer`, `solution`, ...), by name.
+- every other column of the batch's rows (`answer`, `solution`, ...), by name (None for a row without it).
 
-A function returns one float per completion; `None` marks a completion it cannot score. lit-rl counts such a
-value as 0 in the weighted sum (`model.rewards.on_invalid: zero`, the default, as TRL's `nansum` does for a
-function that returned None) and in the metric `frac_invalid_reward`; `model.rewards.on_invalid: error` stops the
-run naming the function. (TRL 1.16 also leaves a completion for which *every* function returned None out of its group's
-baseline; lit-rl scores it 0.)
+A function returns a list (or tuple, numpy array, tensor) of one float per completion; `None` marks a completion
+it cannot score. lit-rl counts such a value as 0 in the weighted sum (`model.rewards.on_invalid: zero`, the
+default, as TRL's `nansum` does for a function that returned None) and in the metric `frac_invalid_reward`;
+`model.rewards.on_invalid: error` stops the run naming the function. (TRL 1.16 also leaves a completion for which
+*every* function returned None out of its group's baseline; lit-rl scores it 0.)
 
 They are referenced from YAML by import path (`lit_rl.rewards.arithmetic.correctness` or
 `my_pkg.rewards:score`), and only from paths the user wrote: nothing is looked up by name elsewhere. A function may
-be `async def` with the same signature: the async functions of a batch are awaited together, concurrently
-(`lit_rl.rewards.scorer.call_reward_functions`). A URL (`http://127.0.0.1:8000/score`) is a reward served over HTTP
-(`lit_rl.rewards.http`).
+be `async def` with the same signature (or an object whose `__call__` is): the async functions of a batch are
+awaited together, concurrently (`lit_rl.rewards.scorer.call_reward_functions`). A URL
+(`http://127.0.0.1:8000/score`) is a reward served over HTTP (`lit_rl.rewards.http`).
 """
 
 from __future__ import annotations

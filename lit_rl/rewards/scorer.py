@@ -11,11 +11,12 @@ import asyncio
 import concurrent.futures
 import inspect
 import math
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
+import numpy as np
 import torch
 
-from lit_rl.errors import ConfigError, RewardFunctionError
+from lit_rl.errors import ConfigError, RewardFunctionError, one_line
 from lit_rl.rewards import (
     NOT_PASSED_COLUMNS,
     RewardFunction,
@@ -107,11 +108,12 @@ def reward_components(
     """Reward components [N, F] (one column per reward function) of `completions` [N] of `rows` repeated `repeat`
     times, the functions called with TRL's keywords (`lit_rl.rewards`): message completions for chat prompts,
     `completion_ids`, `trainer_state`, `environments` (episodes' environments, when there are), and every column of
-    the rows but `NOT_PASSED_COLUMNS`."""
+    the rows but `NOT_PASSED_COLUMNS` (None for a row without it)."""
     prompts = [row["prompt"] for row in rows for _ in range(repeat)]
-    columns = {
-        key: [row.get(key) for row in rows for _ in range(repeat)] for key in rows[0] if key not in NOT_PASSED_COLUMNS
-    }
+    # Every column of any row (in the order first seen; None where a row lacks it), so that a function's keywords do
+    # not depend on which row comes first in the batch.
+    keys = dict.fromkeys(key for row in rows for key in row if key not in NOT_PASSED_COLUMNS)
+    columns = {key: [row.get(key) for row in rows for _ in range(repeat)] for key in keys}
     columns["completion_ids"] = completion_ids
     columns["trainer_state"] = trainer_state
     if environments is not None:
@@ -151,24 +153,28 @@ def raised(name: str, err: BaseException) -> RewardFunctionError:
 def call_reward_function(
     name: str, fn: RewardFunction, prompts: list[Any], completions: list[Any], columns: dict[str, Any]
 ) -> list[float]:
-    """Call `fn` and check what it returns: one float per completion; None becomes NaN (an invalid reward, handled
-    by `model.rewards.on_invalid`). A function that raises or returns the wrong number of values is
-    a `RewardFunctionError` naming it."""
+    """Call `fn` and check what it returns (`checked_values`). A function that raises is a `RewardFunctionError`
+    naming it."""
     try:
-        values = list(fn(prompts=prompts, completions=completions, **columns))
+        result = fn(prompts=prompts, completions=completions, **columns)
     except RewardFunctionError:
         raise
     except Exception as err:  # the user's code: report it by name, keep the cause for LIT_RL_TRACEBACK=1
         raise raised(name, err) from err
-    return checked_values(name, values, len(completions))
+    return checked_values(name, result, len(completions))
 
 
 def call_reward_functions(
     reward_fns: dict[str, RewardFunction], prompts: list[Any], completions: list[Any], columns: dict[str, Any]
 ) -> list[list[float]]:
-    """Every function's values (`call_reward_function`), in order; the `async def` ones are awaited together in one
+    """Every function's values (`call_reward_function`), in order; the asynchronous ones (`async def`, or an object
+    whose `__call__` is, which `inspect.iscoroutinefunction` does not see on the object) are awaited together in one
     event loop, so that they score the batch concurrently."""
-    asynchronous = [name for name, fn in reward_fns.items() if inspect.iscoroutinefunction(fn)]
+    asynchronous = [
+        name
+        for name, fn in reward_fns.items()
+        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    ]
     calls = {}
     for name in asynchronous:
         try:  # a wrong signature raises here, when the coroutine is made
@@ -186,11 +192,7 @@ def call_reward_functions(
         result = results[name]
         if isinstance(result, BaseException):
             raise raised(name, result) from result
-        try:
-            values = list(result)
-        except TypeError:
-            raise RewardFunctionError(f"reward function {name!r} returned {result!r}, not a list of numbers") from None
-        out.append(checked_values(name, values, len(completions)))
+        out.append(checked_values(name, result, len(completions)))
     return out
 
 
@@ -211,9 +213,16 @@ def _await_all(coroutines: list[Any]) -> list[Any]:
         return pool.submit(asyncio.run, gather()).result()
 
 
-def checked_values(name: str, values: list[Any], count: int) -> list[float]:
-    """A function's values as floats, one per completion (None becomes NaN); a `RewardFunctionError` naming it
-    otherwise."""
+def checked_values(name: str, result: Any, count: int) -> list[float]:
+    """What a function returned as floats, one per completion (None becomes NaN); a `RewardFunctionError` naming it
+    otherwise. A list, tuple, generator, numpy array or tensor is a list of numbers; a text is not read as one value
+    per character, nor a number as a failed iteration."""
+    values = result.tolist() if isinstance(result, (np.ndarray, torch.Tensor)) else result
+    if isinstance(values, (str, bytes, dict)) or not isinstance(values, Iterable):
+        raise RewardFunctionError(
+            f"reward function {name!r} returned {one_line(repr(result), 80)}, not a list of numbers"
+        )
+    values = list(values)  # a generator too, as TRL reads it
     if len(values) != count:
         raise RewardFunctionError(f"reward function {name!r} returned {len(values)} values for {count} completions")
     out = []
