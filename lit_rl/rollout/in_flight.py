@@ -40,8 +40,8 @@ from lit_rl.rollout.base import Generate, RolloutOutput
 # Printed once when a run turns in-flight updates on, until more seeds say whether its falls are chance.
 EXPERIMENTAL = (
     "model.rollout.in_flight_updates is experimental: over three seeds of the tools job (benchmarks/tools_accuracy.py) "
-    "its held-out accuracy matched the synchronous runs', but 3 of 8 single runs measured fell mid-run, against none "
-    "of 5 with max_staleness alone (docs/environments.md)"
+    "its held-out accuracy matched the synchronous runs', but it fell mid-run in 1 of the 4 single runs the result "
+    "files keep (3 of 8 with runs not kept), against none of 4 (5) with max_staleness alone (docs/environments.md)"
 )
 
 
