@@ -203,6 +203,17 @@ class SaveRunConfig(SaveConfigCallback):
                 return
 
 
+def lightnings_checkpoint_dir(trainer: L.Trainer) -> list[str]:
+    """Where Lightning puts a `ModelCheckpoint`'s files when it names no `dirpath`, as `ModelCheckpoint` resolves it:
+    `<save_dir>/<name>/<version>/checkpoints` of the first logger (TensorBoard's `sub_dir` is not in it, its
+    `log_dir` is); none without a logger (the run directory's own `checkpoints`)."""
+    logger = trainer.logger
+    if logger is None:
+        return []
+    version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
+    return [str(Path(logger.save_dir or trainer.default_root_dir) / str(logger.name) / version / "checkpoints")]
+
+
 class LitRLCLI(LightningCLI):
     """LightningCLI with lit-rl defaults: any LightningModule/DataModule by class path, configs overwritable, and
     unless configured otherwise:
@@ -245,6 +256,7 @@ class LitRLCLI(LightningCLI):
         ckpt_path = self.config[self.config["subcommand"]].get("ckpt_path")
         run = run_directory(self.trainer)
         checkpoint_dirs = [str(c.dirpath) for c in self.trainer.checkpoint_callbacks if getattr(c, "dirpath", None)]
+        checkpoint_dirs += lightnings_checkpoint_dir(self.trainer)
         if not ckpt_path or resumes_another_run(str(ckpt_path), run, checkpoint_dirs):
             resuming = str(ckpt_path) if ckpt_path else None
             refuse_another_runs_directory(run, logged=self.trainer.logger is not None, resuming=resuming)

@@ -7,6 +7,10 @@ consolidated here on CPU; no GPU and no process group needed). The model's archi
 the checkpoint's own `model_name_or_path`; the weights are the policy's at the checkpoint's step. A LoRA
 checkpoint gives the merged model, or with `--adapter` the peft adapter alone. A PPO checkpoint's critic is written
 to `out_dir/critic` (a one-label `AutoModelForTokenClassification`).
+
+`out_dir` is new, empty, or an earlier export (`EXPORT_FILES` alone): it is written beside and swapped in whole, so
+no file of an earlier export stays, and a failed export leaves it as it was. A directory holding anything else (a
+run's directory, files of yours) is refused before the model loads.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from transformers import AutoConfig
 from lit_rl.config import grouped_hparams
 from lit_rl.errors import DataFileNotFound, LitRLError, exception_line
 from lit_rl.modeling.lora import apply_lora, as_lora_config, save_merged, trainable_keys
-from lit_rl.modeling.models import load_causal_lm, load_tokenizer, resolve_model_path
+from lit_rl.modeling.models import load_causal_lm, load_tokenizer, reading_model, resolve_model_path
 from lit_rl.modeling.value_model import save_value_state
 from lit_rl.resume import CheckpointError
 from lit_rl.training.checkpoint import publish_directory, temporary_directory
@@ -84,6 +88,7 @@ def export_checkpoint(
     it would run (the policy's, and a PPO critic's own), unless each is named; code from a repository not named is
     never run.
     """
+    out = writable_out_dir(Path(out_dir))
     checkpoint = load_checkpoint(Path(checkpoint_path))
     hparams = grouped_hparams(checkpoint.get("hyper_parameters") or {})  # a 0.1 checkpoint's flat keys too
     policy = hparams.get("policy") or {}
@@ -132,28 +137,62 @@ def export_checkpoint(
         model = apply_lora(model, lora)
         frozen = set(model.state_dict()) - trainable_keys(model)  # loaded from `name` above
         _load_weights(model, policy_state, checkpoint_path, name, may_miss=frozen)
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise LitRLError(f"out_dir {out} is a file: give the directory to write")
+    critic_config = None
+    if critic_name is not None:  # read before anything is written
+        critic_path = resolve_model_path(critic_name)
+        with reading_model(critic_name, critic_path):
+            critic_config = AutoConfig.from_pretrained(critic_path, trust_remote_code=critic_path in trusted)
     # Written beside `out` and swapped in whole: an earlier export's files (a critic/, merged weights beside an
     # adapter) never stay mixed with this one's, and a failed export leaves `out` as it was.
     tmp = temporary_directory(out)
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as err:
+        raise LitRLError(f"out_dir {out_dir}: cannot write beside it ({exception_line(err)})") from err
     try:
         if lora is not None and not adapter_only:
             save_merged(model, tmp)
         else:
             model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        if critic_name is not None:
-            trust_critic = resolve_model_path(critic_name) in trusted
-            config = AutoConfig.from_pretrained(resolve_model_path(critic_name), trust_remote_code=trust_critic)
-            save_value_state(config, critic_state, tmp / "critic")
-        publish_directory(tmp, out)
+        if critic_config is not None:
+            save_value_state(critic_config, critic_state, tmp / "critic")
+        try:
+            publish_directory(tmp, out)
+        except OSError as err:  # a mount point, another device
+            raise LitRLError(f"out_dir {out_dir}: cannot be replaced ({exception_line(err)})") from err
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return Path(out_dir)
+
+
+# What `save_pretrained` of a model, a peft adapter and a tokenizer writes, and a PPO export's `critic/`: an out_dir
+# holding only these is an earlier export, which an export replaces whole.
+EXPORT_FILES = re.compile(
+    r"(config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json"
+    r"|adapter_config\.json|adapter_model\.safetensors|README\.md|tokenizer(_config)?\.json|tokenizer\.model"
+    r"|special_tokens_map\.json|added_tokens\.json|vocab\.json|merges\.txt|chat_template\.(jinja|json)|critic)"
+)
+
+
+def writable_out_dir(out: Path) -> Path:
+    """`out` resolved (`.`, a symlink), checked before the model loads: a directory that is missing, empty or an
+    earlier export (`EXPORT_FILES` alone), which the export replaces whole; anything else (a file, a run's directory,
+    a folder of the user's) is refused in one line naming what is there."""
+    resolved = out.resolve()
+    if resolved == resolved.parent:
+        raise LitRLError(f"out_dir {out}: give a directory of its own, not the file system's root")
+    if resolved.exists() and not resolved.is_dir():
+        raise LitRLError(f"out_dir {out} is a file: give the directory to write")
+    found = list(resolved.iterdir()) if resolved.exists() else []
+    others = sorted(path.name for path in found if not EXPORT_FILES.fullmatch(path.name))
+    if others:
+        raise LitRLError(
+            f"out_dir {out} holds files an export did not write ({', '.join(others[:3])}"
+            f"{', ...' if len(others) > 3 else ''}), which replacing it would delete: give a new or empty directory"
+        )
+    return resolved
 
 
 def _model_from_config(name: str, trust_remote_code: bool, dtype: torch.dtype, tokenizer: Any) -> torch.nn.Module:
@@ -212,6 +251,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     except LitRLError as err:
         sys.stderr.write(f"lit-rl export: error: {err}\n")
+        sys.exit(1)
+    except OSError as err:  # transformers' for a model or config it cannot read (a PPO critic's), a full disk
+        sys.stderr.write(f"lit-rl export: error: {exception_line(err)}\n")
         sys.exit(1)
     print(f"wrote {out}")
 

@@ -7,7 +7,7 @@ again from step 0. lit-rl resolves `last` before the trainer exists instead:
 
 1. the logger's run directories (`<save_dir>/<name>/version_*`, or the one its `version` names) are searched for
    checkpoints (`checkpoints/*.ckpt`, files or DeepSpeed directories);
-2. the newest checkpoint (by modification time) wins: `last.ckpt` where its run has one, else its newest file;
+2. the newest checkpoint (by modification time) wins (`last.ckpt` where it was written with the newest step file);
 3. the logger's `version` is set to that run's, so the resumed run writes into the same directory;
 4. an explicit `--ckpt_path runs/grpo/version_3/checkpoints/step=200.ckpt` continues `version_3` the same way.
 
@@ -110,11 +110,13 @@ def explicit_checkpoint_dir(callbacks: Any) -> Optional[str]:
 def keep_run_metrics(loggers: list[Any], resumed: ResumePoint) -> None:
     """Keep the rows up to the resumed step in the metrics file of every CSV logger that writes into the resumed
     run's directory (`keep_csv_rows`, `restore_csv_rows`); rank 0 only."""
+    from lightning.pytorch.loggers import CSVLogger
+
     if not is_rank_zero() or resumed.run is None:
         return
     for logger in loggers:
         log_dir = getattr(logger, "log_dir", None)
-        if type(logger).__name__ == "CSVLogger" and log_dir and Path(log_dir).resolve() == resumed.run.resolve():
+        if isinstance(logger, CSVLogger) and log_dir and Path(log_dir).resolve() == resumed.run.resolve():
             header, rows = keep_csv_rows(Path(log_dir) / "metrics.csv", resumed.step)
             with warnings.catch_warnings():  # "... will be deleted": the rows are put back at once
                 warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
@@ -139,10 +141,11 @@ def refuse_another_runs_directory(run: Path, logged: bool = True, resuming: Opti
     found = [name for name in RUN_FILES if (run / name).exists()]
     if found:
         if resuming is not None:
+            own = "e.g. --trainer.logger.version" if logged else "--trainer.default_root_dir"
             raise LitRLError(
                 f"trainer.logger: the run directory {run} holds another run's files ({', '.join(found)}), which this "
                 f"run, resumed from {resuming} (not a checkpoint of that run), would overwrite: give the run a "
-                "directory of its own (the logger's name or version that names it, e.g. --trainer.logger.version)"
+                f"directory of its own ({own})"
             )
         last = run / CHECKPOINT_DIR / "last.ckpt"
         continued = f", or continue that run with --ckpt_path {last}" if last.exists() else ""
@@ -159,18 +162,16 @@ def refuse_another_runs_directory(run: Path, logged: bool = True, resuming: Opti
 
 def resumes_another_run(ckpt_path: str, run: Path, checkpoint_dirs: list[str]) -> bool:
     """Whether `--ckpt_path` names a checkpoint (file or DeepSpeed directory) of a run other than the one whose
-    directory `run` this `fit` writes into. A checkpoint is this run's when it is in a `dirpath` its checkpoint
-    callbacks name (`checkpoint_dirs`), or in `<run>/checkpoints` (with TensorBoard's `sub_dir`, `run` is below the
-    directory holding `checkpoints`). Being anywhere below `run` is not enough: without a logger `run` is the
-    working directory, which holds every other run. Lightning's names and URLs are Lightning's to resolve."""
+    directory `run` this `fit` writes into. A checkpoint is this run's when it is in `<run>/checkpoints` or in a
+    directory this run's checkpoints go to (`checkpoint_dirs`: a checkpoint callback's `dirpath`, the directory
+    Lightning gives the logger's, `<save_dir>/<name>/<version>/checkpoints`, outside a TensorBoard `sub_dir`). Being
+    anywhere below `run` is not enough: without a logger `run` is the working directory, which holds every other
+    run. Lightning's names and URLs are Lightning's to resolve."""
     if is_lightnings_to_resolve(ckpt_path) or not Path(ckpt_path).exists():
         return False
     checkpoint = Path(ckpt_path).resolve()
-    if any(Path(d).resolve() in checkpoint.parents for d in checkpoint_dirs):
-        return False
-    holder = checkpoint.parent
-    run = run.resolve()
-    return not (holder.name == CHECKPOINT_DIR and (holder.parent == run or holder.parent in run.parents))
+    own = [run / CHECKPOINT_DIR, *map(Path, checkpoint_dirs)]
+    return not any(directory.resolve() in checkpoint.parents for directory in own)
 
 
 def is_rank_zero() -> bool:

@@ -37,7 +37,6 @@ def test_a_close_that_fails_is_said_by_the_rank_it_failed_on(capsys):
     module = SimpleNamespace(producer=_Producer(fails=True))
     ClosesRolloutsOnFailure().on_exception(_trainer(rank=1, world_size=2), module, RuntimeError("step failed"))
     lines = capsys.readouterr().err.strip().splitlines()
-    expected = "lit-rl: rank 1: closing the rollouts after the run's error failed too: RuntimeError: the server would"
-    assert lines == [expected + " not stop"]
+    assert lines == ["lit-rl: rank 1: closing the rollouts after the run's error failed too: RuntimeError: the server"]
     ClosesRolloutsOnFailure().on_exception(_trainer(), module, RuntimeError("step failed"))
     assert capsys.readouterr().err.startswith("lit-rl: closing the rollouts after the run's error failed too:")

@@ -224,8 +224,8 @@ def test_a_prompt_of_chat_messages_is_a_list_of_dicts_with_role_and_content(tmp_
     with pytest.raises(DataError) as raised:
         validate_rows(rows, ["prompt"], str(path))
     assert str(raised.value) == (
-        f"{path}: line 2 column 'prompt' must be text or chat messages ([{{'role': ..., 'content': ...}}, ...]): "
-        f"{problem}"
+        f"{path}: line 2 column 'prompt' must be text or chat messages "
+        f"([{{'role': ..., 'content' or 'tool_calls': ...}}, ...]): {problem}"
     )
 
 

@@ -4,6 +4,7 @@ replaced whole, and left as it was when the export fails."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -50,16 +51,22 @@ def test_an_export_replaces_an_earlier_ones_directory_whole(tmp_path):
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
     assert not (out / "critic").exists() and not (out / "adapter_config.json").exists()
     assert not [path.name for path in tmp_path.iterdir() if path.name.startswith(".")]  # no temporary left
+    # Its own files are an earlier export's: a second export into it, by a relative path, replaces them.
+    written = sorted(path.name for path in out.iterdir())
+    assert export_checkpoint(tmp_path / "policy.ckpt", os.path.relpath(out)) == Path(os.path.relpath(out))
+    assert sorted(path.name for path in out.iterdir()) == written
 
 
 def test_a_failed_export_leaves_the_directory_as_it_was(tmp_path):
-    """The critic's model cannot be loaded: before, the new policy had been written over the old export's by then."""
+    """The critic's model cannot be loaded: before, the new policy had been written over the old export's by then,
+    and the error was a traceback."""
     out = tmp_path / "out"
     out.mkdir()
     (out / "config.json").write_text('{"earlier": true}')
     checkpoint = _checkpoint(tmp_path / "ppo.ckpt", critic_model_name_or_path=str(tmp_path / "no-such-critic"))
-    with pytest.raises(Exception):
-        export_checkpoint(checkpoint, out)
+    result = _export(str(checkpoint), str(out))
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.stderr.splitlines()[-1].startswith(f"lit-rl export: error: model '{tmp_path / 'no-such-critic'}': ")
     assert sorted(path.name for path in out.iterdir()) == ["config.json"]
     assert (out / "config.json").read_text() == '{"earlier": true}'
     assert not [path.name for path in tmp_path.iterdir() if path.name.startswith(".")]
@@ -79,6 +86,20 @@ def test_what_export_cannot_read_or_write_is_one_line_naming_it(tmp_path):
     assert result.returncode == 1
     assert result.stderr.startswith(f"lit-rl export: error: checkpoint directory {not_deepspeed} cannot be read (")
     assert result.stderr.count("\n") == 1
+
+    # A directory an export did not write (a run's, the user's own) would be deleted by the swap: refused before the
+    # model loads, naming what is there; so is the file system's root.
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("metrics.csv", "config.json", "checkpoints"):
+        (run / name).touch()
+    with pytest.raises(
+        LitRLError, match=f"^out_dir {run} holds files an export did not write \\(checkpoints, metrics.csv\\)"
+    ):
+        export_checkpoint(tmp_path / "whole.ckpt", run)
+    assert sorted(path.name for path in run.iterdir()) == ["checkpoints", "config.json", "metrics.csv"]
+    with pytest.raises(LitRLError, match="not the file system's root"):
+        export_checkpoint(tmp_path / "whole.ckpt", Path("/"))
 
     a_file = tmp_path / "model.txt"
     a_file.write_text("mine")

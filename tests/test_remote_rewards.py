@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from lit_rl.errors import RewardFunctionError
-from lit_rl.rewards import import_reward_function, reward_name
+from lit_rl.rewards import import_reward_function, log_extra, log_metric, reward_name
 from lit_rl.rewards.http import HTTPReward
 from lit_rl.rewards.scorer import call_reward_functions
 from lit_rl.rollout.server.client import free_port
@@ -123,7 +123,9 @@ def test_an_http_reward_is_scored_in_batches_by_the_server():
         assert reward_name(server.url) == "score" and isinstance(reward, HTTPReward)
         reward.batch_size = 4
         completions = [str(i) for i in range(10)]
-        values = call_reward_functions({"score": reward}, ["p"] * 10, completions, {"answer": ["ab"] * 10})
+        # TRL's logging hooks are functions of this process: not sent (slicing them per batch raised TypeError).
+        columns = {"answer": ["ab"] * 10, "log_extra": log_extra, "log_metric": log_metric}
+        values = call_reward_functions({"score": reward}, ["p"] * 10, completions, columns)
         assert values == [[3.0] * 10] and sorted(server.batches) == [2, 4, 4]
     finally:
         server.close()

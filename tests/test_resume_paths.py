@@ -172,8 +172,14 @@ def test_a_checkpoint_is_this_runs_only_in_its_checkpoint_directory(tmp_path):
     assert resumes_another_run(str(other), run, [])
     # Without a logger the run's directory is the working directory, which holds every other run: not enough.
     assert resumes_another_run(str(other), tmp_path, [])
-    assert not resumes_another_run(str(tmp_path / "checkpoints" / "x.ckpt"), tmp_path, [])  # no such file
-    # A checkpoint callback's own `dirpath`, and TensorBoard's `sub_dir` below the directory holding `checkpoints`.
+    unlogged = _checkpoint(tmp_path / "checkpoints" / "last.ckpt", 2, 1000)
+    assert not resumes_another_run(str(unlogged), tmp_path, [])
+    # A checkpoint in an ancestor's `checkpoints/` is not this run's (it was taken for one, by a first version).
+    assert resumes_another_run(str(unlogged), run, [])
+    # A checkpoint callback's own `dirpath`; with TensorBoard's `sub_dir`, the run's directory is below the one
+    # Lightning gives its checkpoints, which the CLI passes (`lightnings_checkpoint_dir`).
     assert resumes_another_run(str(cluster), run, []) and not resumes_another_run(str(cluster), run, [cluster.parent])
-    assert not resumes_another_run(str(own), run / "sub", [])
+    assert resumes_another_run(str(own), run / "sub", [])
+    assert not resumes_another_run(str(own), run / "sub", [str(run / "checkpoints")])
     assert not resumes_another_run("best", run, [])
+    assert not resumes_another_run(str(tmp_path / "missing.ckpt"), run, [])  # Lightning's to report

@@ -92,3 +92,14 @@ def test_an_invalid_value_names_its_column_as_a_function_or_an_environments_part
         weighted_reward(torch.tensor([[1.0, 0.0], [1.0, math.nan]]), weights, names, "error")
     with pytest.raises(RewardFunctionError, match="^reward function 'correctness' returned inf for completion 0"):
         weighted_reward(torch.tensor([[math.inf, 0.0]]), weights, names, "error")
+
+
+def test_an_error_inside_a_generator_reward_function_is_named():
+    """A generator's code runs as its values are read: that read is inside the naming of errors too."""
+
+    def ratios(prompts, completions, **_):
+        for completion in completions:
+            yield 1.0 / len(completion)
+
+    with pytest.raises(RewardFunctionError, match="^reward function 'ratios' raised ZeroDivisionError"):
+        call_reward_function("ratios", ratios, ["p", "q"], ["ab", ""], {})

@@ -249,3 +249,32 @@ def test_has_non_finite_finds_one_bad_element_in_any_dtype():
             broken = [t.clone() for t in tensors]
             broken[index].view(-1)[5] = bad
             assert has_non_finite(broken), (bad, index)
+
+
+def test_a_stop_without_a_checkpoint_callback_writes_into_the_runs_own_directory(tmp_path):
+    """Without a checkpoint callback the stop wrote `<log_dir>/checkpoints/last.ckpt`; a W&B, MLflow or Trackio
+    logger's `log_dir` is the save_dir every run shares, so each stopped run wrote over the last one's. It writes
+    where the run's own checkpoints go, `<save_dir>/<name>/<version>/checkpoints` (`run_directory`)."""
+    import signal
+    from types import SimpleNamespace
+
+    from lit_rl.callbacks import GracefulStop
+
+    saved = []
+    logger = SimpleNamespace(save_dir=str(tmp_path), name="my-project", version="run-7")
+    trainer = SimpleNamespace(
+        global_step=3,
+        world_size=1,
+        checkpoint_callback=None,
+        logger=logger,
+        log_dir=str(tmp_path),  # what such a logger gives: the shared save_dir
+        default_root_dir=str(tmp_path),
+        strategy=SimpleNamespace(broadcast=lambda obj: obj),
+        save_checkpoint=lambda path, weights_only: saved.append(path),
+        should_stop=False,
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_skip_next_val=False)),
+    )
+    stop = GracefulStop()
+    stop.received = signal.SIGTERM
+    stop.on_train_batch_end(trainer, SimpleNamespace(device=torch.device("cpu")))
+    assert saved == [str(tmp_path / "my-project" / "run-7" / "checkpoints" / "last.ckpt")] and trainer.should_stop

@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+from lit_rl.errors import RewardFunctionError
 from lit_rl.rewards import TrainerState
 from lit_rl.rewards.scorer import reward_components
 
@@ -72,7 +73,33 @@ def test_text_prompts_get_text_completions_and_every_keyword_trl_passes():
     fns = {"reward_len": reward_len, "reward_func": reward_func, "recorder": recorder}
     values = _score(fns, rows, ["\\boxed{4}", "5"], 2)
     assert values.tolist() == [[-11.0, 1.0, 0.0], [-19.0, 0.0, 0.0]]
+    hooks = {key: seen.pop(key) for key in ("log_extra", "log_metric")}
     assert seen == {"prompts": ["2+2=", "2+2="], "completions": ["\\boxed{4}", "5"], "ids": IDS, "state": STATE}
+    assert all(callable(hook) for hook in hooks.values())
+
+
+def test_trls_logging_hooks_are_passed_log_extra_dropped_and_log_metric_refused_by_name():
+    """TRL 1.16 passes `log_extra` and `log_metric`: a function that names them failed with "missing 2 required
+    positional arguments". `log_extra` feeds TRL's table of completions, which lit-rl does not keep; a number given
+    to `log_metric` stops the run naming the function and the way lit-rl logs it."""
+
+    def with_extra(prompts, completions, log_extra, log_metric, **kwargs):
+        log_extra("length", [len(c) for c in completions])
+        return [1.0] * len(completions)
+
+    def with_metric(prompts, completions, log_metric, **kwargs):
+        log_metric("mean_length", 1.5)
+        return [1.0] * len(completions)
+
+    rows = [{"prompt": "2+2="}]
+    assert _score({"with_extra": with_extra}, rows, ["4", "5"], 2).tolist() == [[1.0], [1.0]]
+    with pytest.raises(RewardFunctionError) as refused:
+        _score({"with_metric": with_metric}, rows, ["4", "5"], 2)
+    assert str(refused.value) == (
+        "reward function 'with_metric' raised NotImplementedError: log_metric('mean_length', ...) is TRL's; lit-rl "
+        "does not log a reward function's own metrics: compute the number in a further function of "
+        "model.rewards.funcs, of weight 0 (its mean is logged as rewards/<its name>)"
+    )
 
 
 def test_every_column_of_any_row_is_passed_none_where_a_row_lacks_it():
@@ -87,7 +114,7 @@ def test_every_column_of_any_row_is_passed_none_where_a_row_lacks_it():
     rows = [{"prompt": "1+1=", "source": "a"}, {"prompt": "2+2=", "answer": "4", "level": 2}]
     _score({"named": named}, rows, ["2", "4", "5", "3"], 2)
     assert seen.pop("answer") == [None, None, "4", "4"]
-    assert list(seen) == ["source", "level", "completion_ids", "trainer_state"]  # the order first seen
+    assert list(seen) == ["source", "level", "completion_ids", "trainer_state", "log_extra", "log_metric"]
     assert seen["source"] == ["a", "a", None, None] and seen["level"] == [None, None, 2, 2]
 
 

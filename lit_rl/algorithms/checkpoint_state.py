@@ -100,8 +100,9 @@ class CheckpointState:
         resume may make are said when the checkpoint loads."""
         self._refuse_other_lora(checkpoint)
         saved = checkpoint.get("hyper_parameters") or {}
-        if saved:
-            reconcile("fit", type(self), self.hparams, saved, path)
+        if not saved:  # as `check_resumed_hyperparameters`: nothing to compare
+            return
+        reconcile("fit", type(self), self.hparams, saved, path)
         refuse_moved_position(self.data_layout(trainer, datamodule), checkpoint.get(LAYOUT_KEY) or {}, path)
 
     def _refuse_other_lora(self, checkpoint: dict[str, Any]) -> None:

@@ -170,9 +170,12 @@ class GracefulStop(Callback):
         if flag.item() == 0:
             return
         self.received = self.received or signal.SIGTERM
-        directory = Path(
-            getattr(trainer.checkpoint_callback, "dirpath", None) or Path(trainer.log_dir or ".") / "checkpoints"
-        )
+        # Without a checkpoint callback, the run's own directory (W&B's or Trackio's `log_dir` is the save_dir every
+        # run shares); a broadcast there, which every rank reaches here together.
+        from lit_rl.callbacks.export import run_directory  # here: export.py imports this module
+
+        dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
+        directory = Path(dirpath) if dirpath else run_directory(trainer) / "checkpoints"
         self.checkpoint_path = str(directory / "last.ckpt")
         checkpointing = trainer.checkpoint_callback
         if isinstance(checkpointing, ModelCheckpoint):

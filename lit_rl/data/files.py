@@ -143,7 +143,7 @@ def validate_rows(rows: Sequence[Row], required: Sequence[str], source: str) -> 
             if problem:
                 raise DataError(
                     f"{source}: {record_label(source, index)} column {column!r} must be text or chat messages "
-                    f"([{{'role': ..., 'content': ...}}, ...]): {problem}"
+                    f"([{{'role': ..., 'content' or 'tool_calls': ...}}, ...]): {problem}"
                 )
 
 

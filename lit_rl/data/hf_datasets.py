@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
-from lit_rl.errors import DataError
+from lit_rl.errors import DataError, exception_line
 
 # A hub id: `name` or `owner/name`, then `:split` or `:config:split`. Local-looking specs (a path with a data-file
 # suffix, more than one `/`, a leading `.`, `/` or `~`) are never sent to the hub.
@@ -70,7 +70,7 @@ def rows_from_hub(spec: str) -> list[dict[str, Any]]:
         )
         raise DataError(
             f"data {spec!r}: no local file or directory of that name, and the hub data set {name!r} could not be "
-            f"loaded ({type(err).__name__}: {_first_line(err)}); {hint}"
+            f"loaded ({exception_line(err)}); {hint}"
         ) from None
     # With a split, `load_dataset` gave that split's `Dataset`; without, a `DatasetDict`, read by default as `train`.
     return _split_rows(loaded, None, spec, f"{name}:", default="train")

@@ -6,7 +6,12 @@
   `[{"role": "assistant", "content": text}]` (TRL's convention: `completion[0]["content"]`);
 - `completion_ids`: each completion's token ids (up to and including its EOS), a list of int lists;
 - `trainer_state`: a `TrainerState` (`global_step`, `max_steps`, `epoch`), for rewards that change with training;
-- every other column of the batch's rows (`answer`, `solution`, ...), by name (None for a row without it).
+- every other column of the batch's rows (`answer`, `solution`, ...), by name (None for a row without it);
+- `log_extra` and `log_metric`, TRL 1.16's hooks for a function's own logging (`log_extra`: columns of TRL's table
+  of completions, which lit-rl does not keep, so they are accepted and dropped; `log_metric`: a scalar, which
+  lit-rl does not log: calling it stops the run naming the function, with the way lit-rl logs a number of a
+  reward function's: a further function in `model.rewards.funcs`, of weight 0, whose mean is logged as
+  `rewards/<name>`).
 
 A function returns a list (or tuple, numpy array, tensor) of one float per completion; `None` marks a completion
 it cannot score. lit-rl counts such a value as 0 in the weighted sum (`model.rewards.on_invalid: zero`, the
@@ -32,8 +37,23 @@ from lit_rl.rewards.http import HTTPReward, is_url, url_reward_name
 
 RewardFunction = Callable[..., Sequence[float]]
 
-# Row columns that never reach a reward function as such: TRL drops them too (the keywords are the completions').
-NOT_PASSED_COLUMNS = ("prompt", "completion", "completion_ids", "trainer_state")
+# Row columns that never reach a reward function as such: TRL drops them too (the keywords are the completions',
+# and TRL's logging hooks).
+NOT_PASSED_COLUMNS = ("prompt", "completion", "completion_ids", "trainer_state", "log_extra", "log_metric")
+
+
+def log_extra(column: str, values: list[Any]) -> None:
+    """TRL's `log_extra` keyword: a column of its table of completions. lit-rl keeps no such table: dropped."""
+
+
+def log_metric(name: str, value: float) -> None:
+    """TRL's `log_metric` keyword: a scalar TRL averages over its logging step. lit-rl logs only metrics it can
+    reduce exactly over ranks, declared before the run (a name one rank logs and another does not would break that),
+    so a call stops the run, naming the function (`call_reward_function`) and the way to log the number."""
+    raise NotImplementedError(
+        f"log_metric({name!r}, ...) is TRL's; lit-rl does not log a reward function's own metrics: compute the number "
+        "in a further function of model.rewards.funcs, of weight 0 (its mean is logged as rewards/<its name>)"
+    )
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,9 @@ def url_reward_name(url: str) -> str:
     return segment or f"http_{parsed.port or parsed.hostname}"
 
 
-# Columns that are objects of this process, not data: a TRL environment's instances (`environments=`).
-LOCAL_COLUMNS = ("environments",)
+# Columns that are objects of this process, not data: a TRL environment's instances (`environments=`), TRL's
+# logging hooks.
+LOCAL_COLUMNS = ("environments", "log_extra", "log_metric")
 
 
 class HTTPReward:

@@ -24,6 +24,8 @@ from lit_rl.rewards import (
     as_messages,
     import_reward_function,
     is_conversational,
+    log_extra,
+    log_metric,
     reward_name,
 )
 
@@ -116,6 +118,7 @@ def reward_components(
     columns = {key: [row.get(key) for row in rows for _ in range(repeat)] for key in keys}
     columns["completion_ids"] = completion_ids
     columns["trainer_state"] = trainer_state
+    columns["log_extra"], columns["log_metric"] = log_extra, log_metric
     if environments is not None:
         columns["environments"] = environments
     passed: list[Any] = as_messages(completions) if prompts and is_conversational(prompts[0]) else completions
@@ -222,7 +225,10 @@ def checked_values(name: str, result: Any, count: int) -> list[float]:
         raise RewardFunctionError(
             f"reward function {name!r} returned {one_line(repr(result), 80)}, not a list of numbers"
         )
-    values = list(values)  # a generator too, as TRL reads it
+    try:
+        values = list(values)  # a generator too, as TRL reads it: its code runs here
+    except Exception as err:
+        raise raised(name, err) from err
     if len(values) != count:
         raise RewardFunctionError(f"reward function {name!r} returned {len(values)} values for {count} completions")
     out = []

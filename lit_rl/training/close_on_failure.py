@@ -8,7 +8,7 @@ import sys
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
-from lit_rl.errors import one_line
+from lit_rl.errors import exception_line
 
 
 class ClosesRolloutsOnFailure(L.Callback):
@@ -28,7 +28,7 @@ class ClosesRolloutsOnFailure(L.Callback):
                 pl_module.producer.close()
         except Exception as err:  # the run's own error is the one to report
             where = f"rank {trainer.global_rank}: " if trainer.world_size > 1 else ""
-            reason = f"{type(err).__name__}: {one_line(err, 300)}"
+            reason = exception_line(err)
             sys.stderr.write(f"lit-rl: {where}closing the rollouts after the run's error failed too: {reason}\n")
 
 
