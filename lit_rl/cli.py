@@ -28,7 +28,12 @@ from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeed
 
 from lit_rl.algorithms.checkpoint_state import CheckpointState
 from lit_rl.callbacks import GracefulStop, NonFiniteGuard, RunSummary, StepProgressBar
-from lit_rl.callbacks.export import numbers_its_runs, run_directory
+from lit_rl.callbacks.export import (
+    knows_its_directory_before_fit,
+    lightnings_checkpoint_dir,
+    numbers_its_runs,
+    run_directory,
+)
 from lit_rl.config import data_key_hint, moved_key_hint
 from lit_rl.console import WEIGHT_PUSH_MESSAGES, drop_log_messages
 from lit_rl.entry import private_files
@@ -203,17 +208,6 @@ class SaveRunConfig(SaveConfigCallback):
                 return
 
 
-def lightnings_checkpoint_dir(trainer: L.Trainer) -> list[str]:
-    """Where Lightning puts a `ModelCheckpoint`'s files when it names no `dirpath`, as `ModelCheckpoint` resolves it:
-    `<save_dir>/<name>/<version>/checkpoints` of the first logger (TensorBoard's `sub_dir` is not in it, its
-    `log_dir` is); none without a logger (the run directory's own `checkpoints`)."""
-    logger = trainer.logger
-    if logger is None:
-        return []
-    version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
-    return [str(Path(logger.save_dir or trainer.default_root_dir) / str(logger.name) / version / "checkpoints")]
-
-
 class LitRLCLI(LightningCLI):
     """LightningCLI with lit-rl defaults: any LightningModule/DataModule by class path, configs overwritable, and
     unless configured otherwise:
@@ -252,7 +246,10 @@ class LitRLCLI(LightningCLI):
         # A new run (no --ckpt_path, or `last` where there is none), or one resumed from a checkpoint of another
         # directory, never writes into a directory holding another run's files: a logger whose directory is a name
         # (Trackio), a CSV/TensorBoard `version` fixed by hand, or no logger (`default_root_dir`, the working
-        # directory by default, where a user's config.yaml may be).
+        # directory by default, where a user's config.yaml may be). Only where the directory is known before `fit`
+        # without side effects (MLflow's `version` starts its run; W&B's is None until `fit`).
+        if not knows_its_directory_before_fit(self.trainer.logger):
+            return
         ckpt_path = self.config[self.config["subcommand"]].get("ckpt_path")
         run = run_directory(self.trainer)
         checkpoint_dirs = [str(c.dirpath) for c in self.trainer.checkpoint_callbacks if getattr(c, "dirpath", None)]

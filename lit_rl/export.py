@@ -8,14 +8,16 @@ the checkpoint's own `model_name_or_path`; the weights are the policy's at the c
 checkpoint gives the merged model, or with `--adapter` the peft adapter alone. A PPO checkpoint's critic is written
 to `out_dir/critic` (a one-label `AutoModelForTokenClassification`).
 
-`out_dir` is new, empty, or an earlier export (`EXPORT_FILES` alone): it is written beside and swapped in whole, so
-no file of an earlier export stays, and a failed export leaves it as it was. A directory holding anything else (a
-run's directory, files of yours) is refused before the model loads.
+`out_dir` is new, empty, or an earlier export (every file in it listed in the `.lit-rl-export` that export wrote): it
+is written beside and swapped in whole, so no file of an earlier export stays, and a failed export leaves it as it
+was. A directory holding anything else (a run's directory, files of yours, the model the checkpoint was trained
+from, the working directory) is refused in one line.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import pickle
 import re
 import shlex
@@ -101,6 +103,7 @@ def export_checkpoint(
         if key.startswith(CRITIC_PREFIX)
     }
     critic_name = (hparams.get("critic_model_name_or_path") or name) if critic_state else None
+    refuse_model_directories(out, [repo for repo in (name, critic_name) if repo is not None])
     if isinstance(trust_remote_code, (str, bool)):  # a name would be read letter by letter, True as trust for all
         raise LitRLError(f"trust_remote_code takes the repositories to trust, as a list, got {trust_remote_code!r}")
     trusted = {resolve_model_path(repo) for repo in trust_remote_code}  # `~/model` and `./model` as the loader reads
@@ -158,6 +161,7 @@ def export_checkpoint(
         tokenizer.save_pretrained(tmp)
         if critic_config is not None:
             save_value_state(critic_config, critic_state, tmp / "critic")
+        (tmp / MANIFEST).write_text(json.dumps(sorted(path.name for path in tmp.iterdir())))
         try:
             publish_directory(tmp, out)
         except OSError as err:  # a mount point, another device
@@ -167,32 +171,43 @@ def export_checkpoint(
     return Path(out_dir)
 
 
-# What `save_pretrained` of a model, a peft adapter and a tokenizer writes, and a PPO export's `critic/`: an out_dir
-# holding only these is an earlier export, which an export replaces whole.
-EXPORT_FILES = re.compile(
-    r"(config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json"
-    r"|adapter_config\.json|adapter_model\.safetensors|README\.md|tokenizer(_config)?\.json|tokenizer\.model"
-    r"|special_tokens_map\.json|added_tokens\.json|vocab\.json|merges\.txt|chat_template\.(jinja|json)|critic)"
-)
+# The list of what an export wrote, kept in it: the files a later export may replace.
+MANIFEST = ".lit-rl-export"
 
 
 def writable_out_dir(out: Path) -> Path:
-    """`out` resolved (`.`, a symlink), checked before the model loads: a directory that is missing, empty or an
-    earlier export (`EXPORT_FILES` alone), which the export replaces whole; anything else (a file, a run's directory,
-    a folder of the user's) is refused in one line naming what is there."""
+    """`out` resolved (`.`, a symlink), checked before the checkpoint loads: a directory that is missing, empty or
+    an earlier export (each of its files listed in its `MANIFEST`), which the export replaces whole; anything else
+    (a file, a run's directory, a folder of the user's, the working directory or one above it) is refused in one line
+    naming what is there."""
     resolved = out.resolve()
-    if resolved == resolved.parent:
-        raise LitRLError(f"out_dir {out}: give a directory of its own, not the file system's root")
+    if resolved == resolved.parent or resolved == Path.cwd() or resolved in Path.cwd().parents:
+        raise LitRLError(f"out_dir {out}: the working directory or one above it; give a directory of its own")
     if resolved.exists() and not resolved.is_dir():
         raise LitRLError(f"out_dir {out} is a file: give the directory to write")
-    found = list(resolved.iterdir()) if resolved.exists() else []
-    others = sorted(path.name for path in found if not EXPORT_FILES.fullmatch(path.name))
+    found = sorted(path.name for path in resolved.iterdir() if path.name != MANIFEST) if resolved.exists() else []
+    others = [name for name in found if name not in _exported_names(resolved)]
     if others:
         raise LitRLError(
-            f"out_dir {out} holds files an export did not write ({', '.join(others[:3])}"
+            f"out_dir {out} holds files a lit-rl export did not write ({', '.join(others[:3])}"
             f"{', ...' if len(others) > 3 else ''}), which replacing it would delete: give a new or empty directory"
         )
     return resolved
+
+
+def refuse_model_directories(out: Path, models: Sequence[str]) -> None:
+    """An earlier export that is the model the checkpoint was trained from (a LoRA run's base, a PPO critic's) cannot
+    be replaced: the checkpoint's frozen weights are read from it."""
+    for model in models:
+        if Path(resolve_model_path(model)).resolve() == out:
+            raise LitRLError(f"out_dir {out} is {model!r}, which this checkpoint was trained from: give another")
+
+
+def _exported_names(directory: Path) -> set[str]:
+    try:
+        return set(json.loads((directory / MANIFEST).read_text()))
+    except (OSError, ValueError, TypeError):
+        return set()
 
 
 def _model_from_config(name: str, trust_remote_code: bool, dtype: torch.dtype, tokenizer: Any) -> torch.nn.Module:

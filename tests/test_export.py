@@ -4,7 +4,7 @@ replaced whole, and left as it was when the export fails."""
 
 from __future__ import annotations
 
-import os
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lit_rl.errors import LitRLError
-from lit_rl.export import export_checkpoint
+from lit_rl.export import MANIFEST, export_checkpoint
 from lit_rl.modeling.models import load_causal_lm, load_tokenizer
 from tests.conftest import cli_env
 
@@ -41,19 +41,30 @@ def _export(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_an_export_replaces_an_earlier_ones_directory_whole(tmp_path):
+def test_an_export_replaces_an_earlier_ones_directory_whole(tmp_path, monkeypatch):
     """Files of an earlier export stayed beside the new one's: a PPO export's `critic/`, or an adapter's
-    `adapter_config.json` beside merged weights, which transformers then loads as an adapter."""
+    `adapter_config.json` beside merged weights, which transformers then loads as an adapter. An export lists what
+    it wrote in `.lit-rl-export`; a later one replaces those, and refuses a directory holding anything else."""
     out = tmp_path / "out"
-    (out / "critic").mkdir(parents=True)
-    (out / "adapter_config.json").write_text("{}")
     assert export_checkpoint(_checkpoint(tmp_path / "policy.ckpt"), out) == out
-    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
-    assert not (out / "critic").exists() and not (out / "adapter_config.json").exists()
-    assert not [path.name for path in tmp_path.iterdir() if path.name.startswith(".")]  # no temporary left
-    # Its own files are an earlier export's: a second export into it, by a relative path, replaces them.
     written = sorted(path.name for path in out.iterdir())
-    assert export_checkpoint(tmp_path / "policy.ckpt", os.path.relpath(out)) == Path(os.path.relpath(out))
+    assert {"config.json", "model.safetensors", MANIFEST} <= set(written)
+    assert not [path.name for path in tmp_path.iterdir() if path.name.startswith(".")]  # no temporary left
+    # An earlier export's critic/ (listed in its manifest) goes; a second export by a relative path replaces it.
+    (out / "critic").mkdir()
+    (out / MANIFEST).write_text(json.dumps([*written, "critic"]))
+    monkeypatch.chdir(tmp_path)
+    assert export_checkpoint(tmp_path / "policy.ckpt", "out") == Path("out")
+    assert sorted(path.name for path in out.iterdir()) == written
+    # The working directory (or one above it) is never replaced, even when it is an export.
+    monkeypatch.chdir(out)
+    with pytest.raises(LitRLError, match=r"^out_dir \.: the working directory or one above it"):
+        export_checkpoint(tmp_path / "policy.ckpt", ".")
+    # Nor the model a checkpoint was trained from, though an earlier export: its weights are read from it.
+    monkeypatch.chdir(tmp_path)
+    trained_from_it = _checkpoint(tmp_path / "from-out.ckpt", policy={"model_name_or_path": str(out)})
+    with pytest.raises(LitRLError, match=f"^out_dir {out} is '{out}', which this checkpoint was trained from"):
+        export_checkpoint(trained_from_it, out)
     assert sorted(path.name for path in out.iterdir()) == written
 
 
@@ -63,11 +74,12 @@ def test_a_failed_export_leaves_the_directory_as_it_was(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "config.json").write_text('{"earlier": true}')
+    (out / MANIFEST).write_text('["config.json"]')  # an earlier export's
     checkpoint = _checkpoint(tmp_path / "ppo.ckpt", critic_model_name_or_path=str(tmp_path / "no-such-critic"))
     result = _export(str(checkpoint), str(out))
     assert result.returncode == 1, result.stderr[-2000:]
     assert result.stderr.splitlines()[-1].startswith(f"lit-rl export: error: model '{tmp_path / 'no-such-critic'}': ")
-    assert sorted(path.name for path in out.iterdir()) == ["config.json"]
+    assert sorted(path.name for path in out.iterdir()) == [MANIFEST, "config.json"]
     assert (out / "config.json").read_text() == '{"earlier": true}'
     assert not [path.name for path in tmp_path.iterdir() if path.name.startswith(".")]
 
@@ -75,30 +87,27 @@ def test_a_failed_export_leaves_the_directory_as_it_was(tmp_path):
 def test_what_export_cannot_read_or_write_is_one_line_naming_it(tmp_path):
     truncated = tmp_path / "truncated.ckpt"
     truncated.write_bytes(_checkpoint(tmp_path / "whole.ckpt").read_bytes()[:4096])
-    result = _export(str(truncated), str(tmp_path / "out"))
-    assert result.returncode == 1
-    assert result.stderr.startswith(f"lit-rl export: error: checkpoint {truncated} cannot be read (")
-    assert result.stderr.count("\n") == 1
-
     not_deepspeed = tmp_path / "not-deepspeed"
     not_deepspeed.mkdir()
-    result = _export(str(not_deepspeed), str(tmp_path / "out"))
-    assert result.returncode == 1
-    assert result.stderr.startswith(f"lit-rl export: error: checkpoint directory {not_deepspeed} cannot be read (")
-    assert result.stderr.count("\n") == 1
+    for checkpoint, named in ((truncated, "checkpoint"), (not_deepspeed, "checkpoint directory")):
+        result = _export(str(checkpoint), str(tmp_path / "out"))
+        assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr[-2000:]
+        assert result.stderr.startswith(f"lit-rl export: error: {named} {checkpoint} cannot be read (")
 
-    # A directory an export did not write (a run's, the user's own) would be deleted by the swap: refused before the
-    # model loads, naming what is there; so is the file system's root.
-    run = tmp_path / "run"
-    run.mkdir()
-    for name in ("metrics.csv", "config.json", "checkpoints"):
-        (run / name).touch()
-    with pytest.raises(
-        LitRLError, match=f"^out_dir {run} holds files an export did not write \\(checkpoints, metrics.csv\\)"
-    ):
-        export_checkpoint(tmp_path / "whole.ckpt", run)
-    assert sorted(path.name for path in run.iterdir()) == ["checkpoints", "config.json", "metrics.csv"]
-    with pytest.raises(LitRLError, match="not the file system's root"):
+    # A directory an export did not write (a run's, the user's own, one named as a model's files are) would be
+    # deleted by the swap: refused before the checkpoint loads, naming what is there; so is the file system's root.
+    for names in (("metrics.csv", "config.json", "checkpoints"), ("README.md", "config.json")):
+        mine = tmp_path / f"mine-{len(names)}"
+        mine.mkdir()
+        for name in names:
+            (mine / name).touch()
+        listed = ", ".join(sorted(names)[:3])
+        with pytest.raises(
+            LitRLError, match=f"^out_dir {mine} holds files a lit-rl export did not write \\({listed}\\)"
+        ):
+            export_checkpoint(tmp_path / "whole.ckpt", mine)
+        assert sorted(path.name for path in mine.iterdir()) == sorted(names)
+    with pytest.raises(LitRLError, match="the working directory or one above it"):
         export_checkpoint(tmp_path / "whole.ckpt", Path("/"))
 
     a_file = tmp_path / "model.txt"

@@ -13,6 +13,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lit_rl.algorithms.base import PolicyModule
 from lit_rl.callbacks.safety import GracefulStop
 from lit_rl.errors import ConfigError
+from lit_rl.loggers import TrackioLogger
 from lit_rl.modeling.lora import is_lora_model, save_merged
 from lit_rl.modeling.value_model import save_value_model
 from lit_rl.training.strategies import gathered_parameters
@@ -108,6 +109,24 @@ def run_directory(trainer: L.Trainer) -> Path:
     version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
     path = Path(logger.save_dir or trainer.default_root_dir) / str(logger.name) / version
     return Path(trainer.strategy.broadcast(str(path)))
+
+
+def lightnings_checkpoint_dir(trainer: L.Trainer) -> list[str]:
+    """Where Lightning puts a `ModelCheckpoint`'s files when it names no `dirpath`, as `ModelCheckpoint` resolves it:
+    `<save_dir>/<name>/<version>/checkpoints` of the first logger (TensorBoard's `sub_dir` is not in it, its
+    `log_dir` is); none without a logger (then `<default_root_dir>/checkpoints`, the run directory's own)."""
+    logger = trainer.logger
+    if logger is None:
+        return []
+    version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
+    return [str(Path(logger.save_dir or trainer.default_root_dir) / str(logger.name) / version / "checkpoints")]
+
+
+def knows_its_directory_before_fit(logger: Optional[Logger]) -> bool:
+    """Whether `logger`'s run directory can be read before `fit` without side effects: numbered runs (CSV,
+    TensorBoard), no logger, and lit-rl's Trackio logger (its directory is the run's name). Not MLflow (reading its
+    `version` starts its run) nor W&B (its run id is None until `fit`)."""
+    return numbers_its_runs(logger) or isinstance(logger, TrackioLogger)
 
 
 def _attempt(save: Callable[[], object]) -> Optional[BaseException]:

@@ -170,12 +170,14 @@ class GracefulStop(Callback):
         if flag.item() == 0:
             return
         self.received = self.received or signal.SIGTERM
-        # Without a checkpoint callback, the run's own directory (W&B's or Trackio's `log_dir` is the save_dir every
-        # run shares); a broadcast there, which every rank reaches here together.
-        from lit_rl.callbacks.export import run_directory  # here: export.py imports this module
+        # Without a checkpoint callback, where Lightning would put the run's checkpoints, which `--ckpt_path last`
+        # searches (W&B's or Trackio's `log_dir` is the save_dir every run shares; TensorBoard's ends in its sub_dir),
+        # broadcast from rank 0 as ModelCheckpoint does it: every rank reaches here together.
+        from lit_rl.callbacks.export import lightnings_checkpoint_dir  # here: export.py imports this module
 
         dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
-        directory = Path(dirpath) if dirpath else run_directory(trainer) / "checkpoints"
+        default = lightnings_checkpoint_dir(trainer) or [str(Path(trainer.default_root_dir) / "checkpoints")]
+        directory = Path(dirpath) if dirpath else Path(trainer.strategy.broadcast(default[0]))
         self.checkpoint_path = str(directory / "last.ckpt")
         checkpointing = trainer.checkpoint_callback
         if isinstance(checkpointing, ModelCheckpoint):
