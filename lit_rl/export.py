@@ -8,10 +8,10 @@ the checkpoint's own `model_name_or_path`; the weights are the policy's at the c
 checkpoint gives the merged model, or with `--adapter` the peft adapter alone. A PPO checkpoint's critic is written
 to `out_dir/critic` (a one-label `AutoModelForTokenClassification`).
 
-`out_dir` is new, empty, or an earlier export (every file in it listed in the `.lit-rl-export` that export wrote): it
-is written beside and swapped in whole, so no file of an earlier export stays, and a failed export leaves it as it
-was. A directory holding anything else (a run's directory, files of yours, the model the checkpoint was trained
-from, the working directory) is refused in one line.
+`out_dir` is new, empty, or an earlier export (every file in it, its `critic/` too, listed in the `.lit-rl-export`
+that export wrote): it is written beside and swapped in whole, so no file of an earlier export stays, and a failed
+export leaves it as it was. A directory holding anything else (a run's directory, files of yours, a model the
+checkpoint was trained from, the working directory) is refused in one line.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from transformers import AutoConfig
@@ -36,7 +36,7 @@ from lit_rl.modeling.lora import apply_lora, as_lora_config, save_merged, traina
 from lit_rl.modeling.models import load_causal_lm, load_tokenizer, reading_model, resolve_model_path
 from lit_rl.modeling.value_model import save_value_state
 from lit_rl.resume import CheckpointError
-from lit_rl.training.checkpoint import publish_directory, temporary_directory
+from lit_rl.training.checkpoint import publish_directory
 
 POLICY_PREFIX = "policy."
 CRITIC_PREFIX = "critic."
@@ -103,7 +103,9 @@ def export_checkpoint(
         if key.startswith(CRITIC_PREFIX)
     }
     critic_name = (hparams.get("critic_model_name_or_path") or name) if critic_state else None
-    refuse_model_directories(out, [repo for repo in (name, critic_name) if repo is not None])
+    # The models a checkpoint's run reads besides its policy: a PPO critic, DPO's reference, Online DPO's judge.
+    others = (critic_name, hparams.get("ref_model_name_or_path"), hparams.get("reward_model_name_or_path"))
+    refuse_model_directories(out, [repo for repo in (name, *others) if isinstance(repo, str)])
     if isinstance(trust_remote_code, (str, bool)):  # a name would be read letter by letter, True as trust for all
         raise LitRLError(f"trust_remote_code takes the repositories to trust, as a list, got {trust_remote_code!r}")
     trusted = {resolve_model_path(repo) for repo in trust_remote_code}  # `~/model` and `./model` as the loader reads
@@ -145,30 +147,42 @@ def export_checkpoint(
         critic_path = resolve_model_path(critic_name)
         with reading_model(critic_name, critic_path):
             critic_config = AutoConfig.from_pretrained(critic_path, trust_remote_code=critic_path in trusted)
-    # Written beside `out` and swapped in whole: an earlier export's files (a critic/, merged weights beside an
-    # adapter) never stay mixed with this one's, and a failed export leaves `out` as it was.
-    tmp = temporary_directory(out)
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
-    except OSError as err:
-        raise LitRLError(f"out_dir {out_dir}: cannot write beside it ({exception_line(err)})") from err
-    try:
+
+    def write(directory: Path) -> None:
         if lora is not None and not adapter_only:
-            save_merged(model, tmp)
+            save_merged(model, directory)
         else:
-            model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+            model.save_pretrained(directory, safe_serialization=True)
+        tokenizer.save_pretrained(directory)
         if critic_config is not None:
-            save_value_state(critic_config, critic_state, tmp / "critic")
-        (tmp / MANIFEST).write_text(json.dumps(sorted(path.name for path in tmp.iterdir())))
+            save_value_state(critic_config, critic_state, directory / "critic")
+
+    publish_export(out, write)
+    return Path(out_dir)
+
+
+def publish_export(out: Path, write: Callable[[Path], None]) -> None:
+    """`write` an export into a directory of its own beside `out` (two exports at once never share one), list its
+    files in `MANIFEST`, and swap it in for `out` whole: an earlier export's files (a critic/, merged weights beside
+    an adapter) never stay mixed with this one's, and a failed export leaves `out` as it was. `out` is checked again
+    just before the swap: loading the checkpoint can take minutes, and another export may have written there."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    except OSError as err:
+        raise LitRLError(f"out_dir {out}: cannot write beside it ({exception_line(err)})") from err
+    try:
+        write(tmp)
+        listed = _files_under(tmp)
+        (tmp / MANIFEST).write_text(json.dumps(listed))
+        writable_out_dir(out)
         try:
             publish_directory(tmp, out)
-        except OSError as err:  # a mount point, another device
-            raise LitRLError(f"out_dir {out_dir}: cannot be replaced ({exception_line(err)})") from err
+        except OSError as err:  # a mount point, another device; a failed clean-up after the swap is not a failure
+            if _exported_names(out) != set(listed):
+                raise LitRLError(f"out_dir {out}: cannot be replaced ({exception_line(err)})") from err
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return Path(out_dir)
 
 
 # The list of what an export wrote, kept in it: the files a later export may replace.
@@ -185,7 +199,7 @@ def writable_out_dir(out: Path) -> Path:
         raise LitRLError(f"out_dir {out}: the working directory or one above it; give a directory of its own")
     if resolved.exists() and not resolved.is_dir():
         raise LitRLError(f"out_dir {out} is a file: give the directory to write")
-    found = sorted(path.name for path in resolved.iterdir() if path.name != MANIFEST) if resolved.exists() else []
+    found = _files_under(resolved) if resolved.exists() else []
     others = [name for name in found if name not in _exported_names(resolved)]
     if others:
         raise LitRLError(
@@ -201,6 +215,12 @@ def refuse_model_directories(out: Path, models: Sequence[str]) -> None:
     for model in models:
         if Path(resolve_model_path(model)).resolve() == out:
             raise LitRLError(f"out_dir {out} is {model!r}, which this checkpoint was trained from: give another")
+
+
+def _files_under(directory: Path) -> list[str]:
+    """Every file below `directory` (its subdirectories' too: a `critic/`), as relative paths, but the manifest."""
+    found = (path.relative_to(directory).as_posix() for path in directory.rglob("*") if not path.is_dir())
+    return sorted(name for name in found if name != MANIFEST)
 
 
 def _exported_names(directory: Path) -> set[str]:

@@ -50,12 +50,22 @@ def test_an_export_replaces_an_earlier_ones_directory_whole(tmp_path, monkeypatc
     written = sorted(path.name for path in out.iterdir())
     assert {"config.json", "model.safetensors", MANIFEST} <= set(written)
     assert not [path.name for path in tmp_path.iterdir() if path.name.startswith(".")]  # no temporary left
-    # An earlier export's critic/ (listed in its manifest) goes; a second export by a relative path replaces it.
+    listed = json.loads((out / MANIFEST).read_text())
+    assert listed == sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.name != MANIFEST)
+    # An earlier export's critic/ files (listed in its manifest) go; a second export by a relative path replaces it.
     (out / "critic").mkdir()
-    (out / MANIFEST).write_text(json.dumps([*written, "critic"]))
+    (out / "critic" / "config.json").write_text("{}")
+    (out / MANIFEST).write_text(json.dumps([*listed, "critic/config.json"]))
     monkeypatch.chdir(tmp_path)
     assert export_checkpoint(tmp_path / "policy.ckpt", "out") == Path("out")
     assert sorted(path.name for path in out.iterdir()) == written
+    # A file of the user's inside a listed folder is not the export's: refused, as every file is listed.
+    (out / "critic").mkdir()
+    (out / "critic" / "notes.txt").write_text("mine")
+    with pytest.raises(LitRLError, match=r"holds files a lit-rl export did not write \(critic/notes.txt\)"):
+        export_checkpoint(tmp_path / "policy.ckpt", out)
+    (out / "critic" / "notes.txt").unlink()
+    (out / "critic").rmdir()
     # The working directory (or one above it) is never replaced, even when it is an export.
     monkeypatch.chdir(out)
     with pytest.raises(LitRLError, match=r"^out_dir \.: the working directory or one above it"):
@@ -65,6 +75,9 @@ def test_an_export_replaces_an_earlier_ones_directory_whole(tmp_path, monkeypatc
     trained_from_it = _checkpoint(tmp_path / "from-out.ckpt", policy={"model_name_or_path": str(out)})
     with pytest.raises(LitRLError, match=f"^out_dir {out} is '{out}', which this checkpoint was trained from"):
         export_checkpoint(trained_from_it, out)
+    referenced = _checkpoint(tmp_path / "dpo.ckpt", ref_model_name_or_path=str(out))  # DPO's reference
+    with pytest.raises(LitRLError, match=f"^out_dir {out} is '{out}', which this checkpoint was trained from"):
+        export_checkpoint(referenced, out)
     assert sorted(path.name for path in out.iterdir()) == written
 
 
@@ -81,6 +94,25 @@ def test_a_failed_export_leaves_the_directory_as_it_was(tmp_path):
     assert result.stderr.splitlines()[-1].startswith(f"lit-rl export: error: model '{tmp_path / 'no-such-critic'}': ")
     assert sorted(path.name for path in out.iterdir()) == [MANIFEST, "config.json"]
     assert (out / "config.json").read_text() == '{"earlier": true}'
+    assert not [path.name for path in tmp_path.iterdir() if path.name.startswith(".")]
+
+
+def test_an_export_that_fails_while_writing_leaves_the_directory_as_it_was(tmp_path, monkeypatch):
+    """A failure after the new files are being written (the critic's, here): `out` keeps the earlier export, and
+    the directory the new one was written in is gone."""
+    import lit_rl.export
+
+    out = tmp_path / "out"
+    export_checkpoint(_checkpoint(tmp_path / "policy.ckpt"), out)
+    before = {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(lit_rl.export, "save_value_state", full_disk)
+    with pytest.raises(OSError, match="No space left on device"):
+        export_checkpoint(_checkpoint(tmp_path / "ppo.ckpt", critic_model_name_or_path=TINY), out)
+    assert {path: path.read_bytes() for path in out.rglob("*") if path.is_file()} == before
     assert not [path.name for path in tmp_path.iterdir() if path.name.startswith(".")]
 
 

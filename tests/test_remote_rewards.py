@@ -150,3 +150,15 @@ def test_an_http_reward_retries_a_failing_server_then_names_the_url():
     down = f"http://127.0.0.1:{free_port()}/score"
     with pytest.raises(RewardFunctionError, match=rf"reward server {down}: unreachable"):
         call_reward_functions({"score": HTTPReward(down, max_retries=0)}, ["p"], ["a"], {"answer": ["x"]})
+
+
+def test_two_urls_of_one_name_are_told_apart_by_their_address():
+    """A URL's name is its last path segment, and names must be unique: two servers of `/score` could not be used
+    together (a function can be renamed, a URL cannot)."""
+    from lit_rl.config import RewardArgs
+    from lit_rl.rewards.scorer import RewardScorer
+
+    urls = ["http://127.0.0.1:8000/score", "http://127.0.0.1:8001/score", "http://judge.local/grade"]
+    scorer = RewardScorer(RewardArgs(funcs=urls))
+    assert scorer.names == ["score_127_0_0_1_8000", "score_127_0_0_1_8001", "grade"]
+    assert RewardScorer(RewardArgs(funcs=urls[:1])).names == ["score"]

@@ -251,23 +251,21 @@ def test_has_non_finite_finds_one_bad_element_in_any_dtype():
             assert has_non_finite(broken), (bad, index)
 
 
-def test_a_stop_without_a_checkpoint_callback_writes_into_the_runs_own_directory(tmp_path):
-    """Without a checkpoint callback the stop wrote `<log_dir>/checkpoints/last.ckpt`; a W&B, MLflow or Trackio
-    logger's `log_dir` is the save_dir every run shares, so each stopped run wrote over the last one's. It writes
-    where the run's own checkpoints go, `<save_dir>/<name>/<version>/checkpoints` (`run_directory`)."""
+def _stopped_into(tmp_path, logger, log_dir: str) -> list[str]:
+    """Where GracefulStop writes its checkpoint for a trainer without a checkpoint callback, whose logger is
+    `logger` and whose `log_dir` is `log_dir` (what that logger gives)."""
     import signal
     from types import SimpleNamespace
 
     from lit_rl.callbacks import GracefulStop
 
     saved = []
-    logger = SimpleNamespace(save_dir=str(tmp_path), name="my-project", version="run-7")
     trainer = SimpleNamespace(
         global_step=3,
         world_size=1,
         checkpoint_callback=None,
         logger=logger,
-        log_dir=str(tmp_path),  # what such a logger gives: the shared save_dir
+        log_dir=log_dir,
         default_root_dir=str(tmp_path),
         strategy=SimpleNamespace(broadcast=lambda obj: obj),
         save_checkpoint=lambda path, weights_only: saved.append(path),
@@ -277,4 +275,49 @@ def test_a_stop_without_a_checkpoint_callback_writes_into_the_runs_own_directory
     stop = GracefulStop()
     stop.received = signal.SIGTERM
     stop.on_train_batch_end(trainer, SimpleNamespace(device=torch.device("cpu")))
-    assert saved == [str(tmp_path / "my-project" / "run-7" / "checkpoints" / "last.ckpt")] and trainer.should_stop
+    assert trainer.should_stop
+    return saved
+
+
+def test_a_stop_without_a_checkpoint_callback_writes_where_lightning_puts_the_runs_checkpoints(tmp_path):
+    """Without a checkpoint callback the stop wrote `<log_dir>/checkpoints/last.ckpt`; a W&B, MLflow or Trackio
+    logger's `log_dir` is the save_dir every run shares, so each stopped run wrote over the last one's, and a
+    TensorBoard logger's ends in its `sub_dir`, where `--ckpt_path last` does not look. It writes where Lightning
+    puts the run's checkpoints, `<save_dir>/<name>/<version>/checkpoints` (`lightnings_checkpoint_dir`)."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    shared = SimpleNamespace(save_dir=str(tmp_path), name="my-project", version="run-7")
+    assert _stopped_into(tmp_path, shared, str(tmp_path)) == [
+        str(tmp_path / "my-project" / "run-7" / "checkpoints" / "last.ckpt")
+    ]
+    # A numbered logger whose log_dir is below its version directory, as TensorBoard's with a sub_dir.
+    numbered = CSVLogger(save_dir=str(tmp_path), name="tb", version=0)
+    below = str(tmp_path / "tb" / "version_0" / "sub")
+    assert _stopped_into(tmp_path, numbered, below) == [
+        str(tmp_path / "tb" / "version_0" / "checkpoints" / "last.ckpt")
+    ]
+
+
+def test_only_loggers_whose_directory_is_known_before_fit_are_checked_for_another_runs_files(tmp_path):
+    """The run-directory check reads the logger's version before `fit`: MLflow's starts its run then, W&B's is None."""
+    from lightning.pytorch.loggers import CSVLogger, Logger
+
+    from lit_rl.callbacks.export import knows_its_directory_before_fit
+    from lit_rl.loggers import TrackioLogger
+
+    class StartsARunWhenAsked(Logger):  # as MLflow's: its version starts a run
+        name = "mlflow-like"
+
+        @property
+        def version(self):
+            raise AssertionError("read before fit")
+
+        def log_hyperparams(self, params, *args, **kwargs) -> None: ...
+
+        def log_metrics(self, metrics, step=None) -> None: ...
+
+    assert knows_its_directory_before_fit(None) and knows_its_directory_before_fit(CSVLogger(str(tmp_path)))
+    assert knows_its_directory_before_fit(TrackioLogger(project="p", name="n"))
+    assert not knows_its_directory_before_fit(StartsARunWhenAsked())

@@ -13,9 +13,9 @@
   reward function's: a further function in `model.rewards.funcs`, of weight 0, whose mean is logged as
   `rewards/<name>`).
 
-A function returns a list (or tuple, numpy array, tensor) of one float per completion; `None` marks a completion
-it cannot score. lit-rl counts such a value as 0 in the weighted sum (`model.rewards.on_invalid: zero`, the
-default, as TRL's `nansum` does for a function that returned None) and in the metric `frac_invalid_reward`;
+A function returns a list (or tuple, generator, numpy array, tensor) of one float per completion; `None` marks a
+completion it cannot score. lit-rl counts such a value as 0 in the weighted sum (`model.rewards.on_invalid: zero`,
+the default, as TRL's `nansum` does for a function that returned None) and in the metric `frac_invalid_reward`;
 `model.rewards.on_invalid: error` stops the run naming the function. (TRL 1.16 also leaves a completion for which
 *every* function returned None out of its group's baseline; lit-rl scores it 0.)
 
@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 from lit_rl.errors import RewardFunctionError
 from lit_rl.importing import import_callable
-from lit_rl.rewards.http import HTTPReward, is_url, url_reward_name
+from lit_rl.rewards.http import HTTPReward, is_url, url_address, url_reward_name
 
 RewardFunction = Callable[..., Sequence[float]]
 
@@ -99,3 +99,13 @@ def reward_name(path: str) -> str:
     if is_url(path):
         return url_reward_name(path)
     return path.replace(":", ".").rsplit(".", 1)[-1]
+
+
+def reward_names(paths: Sequence[str]) -> list[str]:
+    """Each path's `reward_name`; URLs that would share one (`http://h:8000/score`, `http://h:8001/score`) are told
+    apart by their address (`score_h_8000`): a URL's name cannot be chosen, a function's can (by its own name)."""
+    names = [reward_name(path) for path in paths]
+    shared = {name for name in names if names.count(name) > 1}
+    return [
+        f"{name}_{url_address(path)}" if name in shared and is_url(path) else name for name, path in zip(names, paths)
+    ]

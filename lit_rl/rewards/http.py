@@ -21,6 +21,7 @@ import concurrent.futures
 import dataclasses
 import http.client
 import json
+import re
 import time
 import urllib.error
 import urllib.parse
@@ -35,6 +36,12 @@ MAX_ANSWER_BYTES = 64 << 20  # a number per completion: kilobytes; a server answ
 
 def is_url(path: str) -> bool:
     return path.startswith(("http://", "https://"))
+
+
+def url_address(url: str) -> str:
+    """`url`'s host and port as a name's part (`127.0.0.1:8001` -> `127_0_0_1_8001`)."""
+    parsed = urllib.parse.urlparse(url)
+    return re.sub(r"\W", "_", f"{parsed.hostname}_{parsed.port}" if parsed.port else str(parsed.hostname))
 
 
 def url_reward_name(url: str) -> str:

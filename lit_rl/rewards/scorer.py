@@ -26,7 +26,7 @@ from lit_rl.rewards import (
     is_conversational,
     log_extra,
     log_metric,
-    reward_name,
+    reward_names,
 )
 
 if TYPE_CHECKING:  # the config imports Lightning; reward scoring does not need it
@@ -47,7 +47,7 @@ class RewardScorer:
 
     def __init__(self, args: RewardArgs) -> None:
         paths = [DEFAULT_REWARD] if args.funcs is None else args.funcs
-        names = [reward_name(path) for path in paths]
+        names = reward_names(paths)
         duplicates = sorted({name for name in names if names.count(name) > 1})
         if duplicates:
             raise ConfigError(f"model.rewards.funcs: two functions are named {duplicates[0]!r}; names must be unique")
