@@ -103,23 +103,25 @@ def run_directory(trainer: L.Trainer) -> Path:
     """This run's own directory, the parent of the `checkpoints/` Lightning makes: the CSV or TensorBoard logger's
     `log_dir`; for other loggers (W&B, MLflow, ...), whose `log_dir` is their shared `save_dir`,
     `<save_dir>/<name>/<version>` as Lightning lays out their checkpoints (W&B: the project and the run id)."""
-    logger = trainer.logger
-    if numbers_its_runs(logger):
+    if numbers_its_runs(trainer.logger):
         return Path(trainer.log_dir or trainer.default_root_dir)
+    return Path(trainer.strategy.broadcast(str(_lightnings_run_dir(trainer))))
+
+
+def _lightnings_run_dir(trainer: L.Trainer) -> Path:
+    """`<save_dir>/<name>/<version>` of the first logger, as Lightning lays out a run's checkpoints under it."""
+    logger = trainer.logger
     version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
-    path = Path(logger.save_dir or trainer.default_root_dir) / str(logger.name) / version
-    return Path(trainer.strategy.broadcast(str(path)))
+    return Path(logger.save_dir or trainer.default_root_dir) / str(logger.name) / version
 
 
 def lightnings_checkpoint_dir(trainer: L.Trainer) -> list[str]:
     """Where Lightning puts a `ModelCheckpoint`'s files when it names no `dirpath`, as `ModelCheckpoint` resolves it:
     `<save_dir>/<name>/<version>/checkpoints` of the first logger (TensorBoard's `sub_dir` is not in it, its
     `log_dir` is); none without a logger (then `<default_root_dir>/checkpoints`, the run directory's own)."""
-    logger = trainer.logger
-    if logger is None:
+    if trainer.logger is None:
         return []
-    version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
-    return [str(Path(logger.save_dir or trainer.default_root_dir) / str(logger.name) / version / "checkpoints")]
+    return [str(_lightnings_run_dir(trainer) / "checkpoints")]
 
 
 def knows_its_directory_before_fit(logger: Optional[Logger]) -> bool:
