@@ -223,15 +223,21 @@ def versioned_logger(logger_config: Any) -> Optional[Any]:
     return None
 
 
-def _numbers_its_runs(class_path: str) -> bool:
+def numbers_runs(logger_class: type) -> bool:
+    """Whether loggers of `logger_class` lay runs out in numbered directories, `<save_dir>/<name>/version_N`: CSV,
+    TensorBoard and their subclasses."""
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
+    return issubclass(logger_class, (CSVLogger, TensorBoardLogger))
+
+
+def _numbers_its_runs(class_path: str) -> bool:
     module, _, name = class_path.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError):
         return False
-    return isinstance(cls, type) and issubclass(cls, (CSVLogger, TensorBoardLogger))
+    return isinstance(cls, type) and numbers_runs(cls)
 
 
 def run_directories(init_args: Any) -> RunDirectories:

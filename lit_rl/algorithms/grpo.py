@@ -103,6 +103,8 @@ class GRPO(OnPolicyModule):
 
     def shape_rewards(self, rewards: torch.Tensor, out: RolloutOutput) -> torch.Tensor:
         loss = self.loss_args
+        if loss.overlong_buffer == 0:  # no soft overlong punishment (the default)
+            return rewards
         lengths = out.completion_mask.sum(dim=1)  # [N] (with an environment: the transcript, against its budget)
         return rewards - overlong_penalty(lengths, self.completion_budget, loss.overlong_buffer, loss.overlong_penalty)
 

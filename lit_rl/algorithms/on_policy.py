@@ -29,10 +29,9 @@ import lightning as L
 import torch
 from torchmetrics import MetricCollection
 
-from lit_rl.algorithms.base import PolicyModule
 from lit_rl.algorithms.micro_steps import MicroBatcher
-from lit_rl.algorithms.rng import rng_state, set_rng_state
 from lit_rl.algorithms.rollout_checks import check_prompt_lengths
+from lit_rl.algorithms.rollout_state import RolloutState
 from lit_rl.config import EnvArgs, OptimArgs, PolicyArgs, RewardArgs, RolloutArgs, SamplingArgs, ScheduleArgs, as_args
 from lit_rl.data.schedule import RolloutSchedule, ScheduledMicroStep
 from lit_rl.errors import ConfigError
@@ -80,7 +79,7 @@ def group_reward_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return rewards.view(-1, group_size).std(dim=1).repeat_interleave(group_size)
 
 
-class OnPolicyModule(PolicyModule):
+class OnPolicyModule(RolloutState):
     """Base of algorithms that learn from their own samples. Not used directly: see GRPO, RLOO, OnlineDPO."""
 
     # Consecutive completions the loss reads together (Online DPO: a pair); token-budget micro-batches keep them.
@@ -129,6 +128,7 @@ class OnPolicyModule(PolicyModule):
         # (`model.env.max_total_tokens`). Fixed by the producer: kept here, so that no hook asks for it.
         self.completion_budget: int = self.producer.completion_budget
         self._micro_steps_done = 0
+        self._correction: Optional[str] = None  # `rollout_correction()`, resolved once a fit (`on_fit_start`)
         self._buffer: Optional[RolloutBatch] = None
         self._normalizers: list[LossNormalizer] = []
 
@@ -211,9 +211,11 @@ class OnPolicyModule(PolicyModule):
         """The rollout correction's weights w [N, T] of a micro-batch (`lit_rl.losses.rollout_is_weights`; None:
         no correction), on the model's tokens (observations have no engine log-prob); counts the tokens it changed
         in `rollout_is_frac_corrected`."""
+        if self._correction is None:  # a micro-batch outside `fit`
+            self._correction = self.rollout_correction()
         model_tokens = model_token_mask(mb)
         weights, corrected = rollout_is_weights(
-            self.rollout_correction(), old_logprobs, mb.rollout_logprobs, model_tokens, self.rollout_args.correction_cap
+            self._correction, old_logprobs, mb.rollout_logprobs, model_tokens, self.rollout_args.correction_cap
         )
         if corrected is not None and "rollout_is_frac_corrected" in self.train_metrics:
             self.train_metrics["rollout_is_frac_corrected"].update(corrected[model_tokens > 0].float())
@@ -287,6 +289,8 @@ class OnPolicyModule(PolicyModule):
 
     def on_fit_start(self) -> None:
         check_prompt_lengths(self)
+        # The engine and the trainer's precision are fixed from here: `auto` is resolved once, not per micro-batch.
+        self._correction = self.rollout_correction()
 
     @property
     def accumulate(self) -> int:
@@ -524,41 +528,3 @@ class OnPolicyModule(PolicyModule):
     def on_validation_epoch_end(self) -> None:
         self.producer.release()  # after the last validation batch: all of them share one push
         self.log_collection(self.val_metrics, on_step=False, prog_bar=("reward",))
-
-    # -- checkpoints -----------------------------------------------------------------------------------------
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_save_checkpoint(checkpoint)  # without the reference model
-        # Every rank has its own buffer and RNG stream, but only rank 0 writes the file: gather them all.
-        local = {
-            "buffer": None if self._buffer is None else self._buffer.state_dict(),
-            "normalizers": [vars(n) for n in self._normalizers],
-            "rng": rng_state(self.device),
-            # Generations launched ahead, finished (waited for): their weights are not in the checkpoint.
-            "pending": self.producer.state_dict(),
-        }
-        per_rank = [local]
-        if self.trainer.world_size > 1:
-            per_rank = [None] * self.trainer.world_size
-            torch.distributed.all_gather_object(per_rank, local)
-        checkpoint["lit_rl"] = {"micro_steps_done": self._micro_steps_done, "per_rank": per_rank}
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_load_checkpoint(checkpoint)
-        state = checkpoint.get("lit_rl")
-        if state is None:
-            return
-        per_rank = state["per_rank"]
-        if len(per_rank) != self.trainer.world_size:
-            raise ConfigError(
-                f"checkpoint was written by {len(per_rank)} ranks, this run has {self.trainer.world_size}: "
-                "rollout algorithms resume their buffer per rank, so resume with the same number of devices"
-            )
-        mine = per_rank[self.global_rank]
-        self._micro_steps_done = state["micro_steps_done"]
-        # Kept on CPU here: the module is moved to its device after this hook; training_step moves it.
-        self._buffer = None if mine["buffer"] is None else self.batch_type.from_state_dict(mine["buffer"])
-        if self._buffer is not None and self._buffer.loss_mask is None:  # written before the batch kept its mask
-            self._buffer.loss_mask = self.loss_mask(self._buffer)
-        self._normalizers = [LossNormalizer(**n) for n in mine["normalizers"]]
-        set_rng_state(mine["rng"])
-        self.producer.load_state_dict(mine.get("pending"))

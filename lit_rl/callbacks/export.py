@@ -8,7 +8,7 @@ from typing import Callable, Optional, Protocol, runtime_checkable
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
+from lightning.pytorch.loggers import Logger
 
 from lit_rl.algorithms.base import PolicyModule
 from lit_rl.callbacks.safety import GracefulStop
@@ -16,6 +16,7 @@ from lit_rl.errors import ConfigError
 from lit_rl.loggers import TrackioLogger
 from lit_rl.modeling.lora import is_lora_model, save_merged
 from lit_rl.modeling.value_model import save_value_model
+from lit_rl.resume import numbers_runs
 from lit_rl.training.strategies import gathered_parameters
 
 
@@ -96,7 +97,7 @@ def stopped_by_signal(trainer: L.Trainer) -> bool:
 def numbers_its_runs(logger: Optional[Logger]) -> bool:
     """Whether `logger` lays runs out in numbered directories, `<save_dir>/<name>/version_N` (CSV, TensorBoard; also
     no logger): `--ckpt_path last` finds its newest run, and its `log_dir` is the run's own."""
-    return logger is None or isinstance(logger, (CSVLogger, TensorBoardLogger))
+    return logger is None or numbers_runs(type(logger))
 
 
 def run_directory(trainer: L.Trainer) -> Path:
