@@ -184,3 +184,94 @@ def test_a_metric_built_without_a_reduction_is_named_undeclared():
         "train/custom": "MeanMetric: reduction not declared",
         "train/entropy": "mean per token, over ranks and micro-batches",
     }
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
+def test_metrics_accumulate_in_float32_when_lightning_casts_the_module_to_half_precision(precision):
+    """`bf16-true`/`16-true` cast the whole module with `.to(dtype)` (Lightning's `HalfPrecision.convert_module`),
+    which torchmetrics does not guard: in bfloat16, 300 updates of 7 tokens summed to 2048 and a mean of 2.3 read
+    2.703; in float16 the sum of 70 000 tokens was 16384."""
+    from lightning.pytorch.plugins.precision import HalfPrecision
+
+    from lit_rl.algorithms import SFT
+    from lit_rl.training.metrics import compute_collection
+
+    module = HalfPrecision(precision).convert_module(SFT())
+    assert module.policy is None  # the policy is built later (configure_model); the metrics are the module's now
+    metrics = module.train_metrics
+    assert {metric.dtype for metric in metrics.values()} == {torch.float32}
+    for _ in range(10_000):  # 70 000 tokens: above float16's largest value, 65 504
+        metrics["num_tokens"].update(torch.tensor(7.0))
+    for _ in range(300):
+        metrics["token_accuracy"].update(torch.full((7,), 0.3))
+    values = compute_collection(metrics)
+    assert values["num_tokens"].item() == 70_000.0 and values["token_accuracy"].item() == pytest.approx(0.3, rel=1e-6)
+
+
+def test_a_collection_that_accumulates_in_half_precision_is_refused():
+    from lit_rl.training.metrics import compute_collection
+
+    metrics = grpo_metrics([], with_kl=False)
+    metrics["entropy"].set_dtype(torch.bfloat16)
+    metrics["entropy"].update(torch.ones(3))
+    with pytest.raises(TypeError, match="'entropy' accumulates in torch.bfloat16: metric states must stay float32"):
+        compute_collection(metrics)
+
+
+def test_a_metric_without_data_on_a_later_step_logs_nan_not_its_last_value(tmp_path):
+    """Online DPO's pair metrics on a step whose pairs all tied: the module updates none of them, and Lightning
+    repeated the previous step's values in that step's row (`train/rewards/accuracies` 1.0 on a step of ties)."""
+    import csv
+
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lit_rl.algorithms import OnlineDPO
+    from lit_rl.algorithms.base import PolicyModule
+    from lit_rl.algorithms.online_dpo import online_dpo_metrics
+
+    class TiedOnSecondStep(L.LightningModule):
+        """The logging of `PolicyModule` and the metric updates of `OnlineDPO`, on a linear model."""
+
+        log_collection = PolicyModule.log_collection
+        update_algorithm_metrics = OnlineDPO.update_algorithm_metrics
+
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(2, 1)
+            self._logged_metrics = set()
+            self.train_metrics = online_dpo_metrics(["correctness"]).clone(prefix="train/")
+
+        def training_step(self, batch, batch_idx):
+            untied = torch.ones(2) if self.trainer.global_step == 0 else torch.zeros(2)  # step 2: all tied
+            ones = torch.ones(2)
+            stats = {"untied": untied, "chosen_rewards": ones, "rejected_rewards": ones, "accuracies": ones}
+            stats |= {"margins": ones, "chosen_logps": ones, "rejected_logps": ones}
+            loss = self.linear(batch).sum()
+            self.update_algorithm_metrics(None, loss, stats)
+            return loss
+
+        def on_before_optimizer_step(self, optimizer):
+            self.log_collection(self.train_metrics, on_step=True)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), 0.1)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.randn(4, 2), batch_size=2)
+
+    trainer = L.Trainer(
+        max_steps=2,
+        logger=CSVLogger(tmp_path),
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+    )
+    trainer.fit(TiedOnSecondStep())
+    rows = list(csv.DictReader(open(f"{trainer.logger.log_dir}/metrics.csv")))
+    assert [(row["train/frac_tied_pairs"], row["train/rewards/accuracies"]) for row in rows] == [
+        ("0.0", "1.0"),
+        ("1.0", "nan"),
+    ]

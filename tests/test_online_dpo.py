@@ -31,7 +31,8 @@ def test_pairs_are_ranked_by_reward_and_ties_get_no_label():
 
 def test_a_step_of_tied_pairs_logs_no_pair_metric_rather_than_nan():
     """The pair metrics are means over untied pairs: a step whose pairs all tie (a saturated reward) has none, and
-    logs none of them; one untied pair in another micro-batch is the step's value."""
+    computes none of them (`log_collection` logs NaN for them once they have been logged: test_metrics); one untied
+    pair in another micro-batch is the step's value."""
     from lit_rl.training.metrics import compute_collection
 
     module = OnlineDPO()
@@ -60,6 +61,16 @@ def test_a_step_of_tied_pairs_logs_no_pair_metric_rather_than_nan():
 def test_bad_settings_name_the_key(kwargs, message):
     with pytest.raises(ValueError, match=message):
         OnlineDPO(**grouped_kwargs(OnlineDPO, **kwargs))
+
+
+def test_a_reward_function_named_as_a_pair_metric_is_refused(tmp_path, monkeypatch):
+    """A function `accuracies` logged as `train/rewards/accuracies`, the metric of DPO's pair accuracy: one metric
+    averaged the function's scores and the pairs' accuracy together."""
+    source = "def accuracies(completions, **kwargs):\n    return [1.0] * len(completions)\n"
+    (tmp_path / "pair_named_rewards.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match="reward function 'accuracies' would log as train/rewards/accuracies"):
+        OnlineDPO(**grouped_kwargs(OnlineDPO, reward_funcs=["pair_named_rewards.accuracies"]))
 
 
 def test_a_reward_model_given_by_path_ranks_the_pairs(tmp_path):

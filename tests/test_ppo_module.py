@@ -216,6 +216,7 @@ def test_the_rollout_correction_weighs_the_policy_term_by_the_truncated_engine_r
     buffer.rollout_logprobs = (buffer.old_logprobs - shift) * tokens
     _, plain = model.micro_batch_loss(buffer, model.micro_batch_terms(buffer, logprobs), normalizer)
     model.rollout_args = dataclasses.replace(model.rollout_args, correction="token_truncate", correction_cap=1.5)
+    model._correction = None  # resolved once a fit (`on_fit_start`): resolved again on the next micro-batch
     _, weighed = model.micro_batch_loss(buffer, model.micro_batch_terms(buffer, logprobs), normalizer)
     weights = torch.exp(shift).clamp(max=1.5) * tokens
     per_token, _ = ppo_clip(logprobs, buffer.old_logprobs, buffer.token_advantages, tokens)

@@ -1,6 +1,13 @@
 import logging
 
-from lit_rl.data.preference import ShardedPairBatches, TokenizedPair, batch_tokens, collate_pairs, tokenize_pairs
+from lit_rl.data.preference import (
+    ShardedPairBatches,
+    TokenizedPair,
+    batch_completion_tokens,
+    batch_tokens,
+    collate_pairs,
+    tokenize_pairs,
+)
 from lit_rl.modeling.models import load_tokenizer
 
 TOKENIZER = load_tokenizer("lit-rl/tiny-qwen2-base")
@@ -48,6 +55,8 @@ def test_a_batch_counts_the_tokens_of_its_real_pairs_as_the_token_budget_does():
     padding = TokenizedPair(1, [5, 6, 7, 8], [7, 7, 7, 1], [8, 8, 8, 8, 1])  # the longest, but of weight 0
     batch = collate_pairs([real, padding], [1.0, 0.0], pad_id=0)
     assert int(batch_tokens(batch)) == real.num_tokens == 5
+    # DPO's `perf/trained_tokens_per_s` counts the real pair's completions (2 + 1), not the padding pair's 4 + 5.
+    assert int(batch_completion_tokens(batch)) == 3
 
 
 def test_uneven_shards_get_equal_batch_counts_with_weight_zero_padding():

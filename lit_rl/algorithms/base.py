@@ -15,7 +15,7 @@ from typing import Any, Optional
 import lightning as L
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
-from torchmetrics import MetricCollection
+from torchmetrics import Metric, MetricCollection
 
 from lit_rl.algorithms.checkpoint_state import CheckpointState
 from lit_rl.algorithms.policy_model import PolicyModel
@@ -81,6 +81,17 @@ class PolicyModule(PolicyModel, CheckpointState, L.LightningModule):
         # Model FLOPs (`lit_rl.training.flops`): the policy's shape, taken whole before a strategy shards it.
         self.policy_shape: Optional[ModelShape] = None
         self.throughput = RunThroughput()  # the run's totals, for the end-of-run summary
+        self._logged_metrics: set[str] = set()  # the names `log_collection` has logged (NaN when without data)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> PolicyModule:
+        """`nn.Module._apply` (under `.to`, `.cuda`, ...), with the metrics' states kept float32: `bf16-true` and
+        `16-true` cast the whole module with `.to(dtype)`, which torchmetrics lets through (it guards `.half()` and
+        the like only), and sums in half precision round (300 updates of 7 tokens counted 2048, not 2100)."""
+        super()._apply(fn, recurse)
+        for module in self.modules():
+            if isinstance(module, Metric) and module.dtype != torch.float32:
+                module.set_dtype(torch.float32)
+        return self
 
     @property
     def padding_free(self) -> bool:
@@ -191,9 +202,15 @@ class PolicyModule(PolicyModel, CheckpointState, L.LightningModule):
 
     # -- metrics ---------------------------------------------------------------------------------------------
     def log_collection(self, collection: MetricCollection, on_step: bool, prog_bar: tuple[str, ...] = ()) -> None:
-        """Compute (synced across ranks), log and reset every metric of `collection` that received data on any rank."""
+        """Compute (synced across ranks), log and reset every metric of `collection` that received data on any rank;
+        one logged before that received none this time logs NaN (Lightning would repeat its last value: Online DPO's
+        pair metrics on a step whose pairs all tied)."""
         values = {f"{collection.prefix}{name}": value for name, value in compute_collection(collection).items()}
         collection.reset()
+        for name in self._logged_metrics - values.keys():
+            if name.startswith(collection.prefix):
+                values[name] = torch.tensor(float("nan"))
+        self._logged_metrics.update(values)
         for name, value in values.items():
             shown = any(name.endswith("/" + key) and name.count("/") == 1 for key in prog_bar)
             self.log(name, value, on_step=on_step, on_epoch=not on_step, prog_bar=shown, batch_size=1)

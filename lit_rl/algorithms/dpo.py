@@ -22,7 +22,7 @@ from torchmetrics import MetricCollection
 from lit_rl.algorithms.offline import OfflineModule
 from lit_rl.config import OptimArgs, PolicyArgs, as_args
 from lit_rl.data.contracts import PreferencePairs, data_of
-from lit_rl.data.preference import TokenizedPair, batch_tokens, collate_pairs
+from lit_rl.data.preference import TokenizedPair, batch_completion_tokens, batch_tokens, collate_pairs
 from lit_rl.loss_config import DPOLoss
 from lit_rl.losses.dpo import REFERENCE_FREE, dpo_loss
 from lit_rl.modeling.models import resolve_model_path
@@ -273,7 +273,7 @@ class DPO(OfflineModule):
 
     # -- Lightning hooks -------------------------------------------------------------------------------------
     def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        self.timer.count("trained_tokens", float(batch["completion_mask"].sum()))
+        self.timer.count("trained_tokens", float(batch_completion_tokens(batch)))
         self.count_micro_batch_tokens(batch_tokens(batch))
         return self._step(batch, "train", self.train_metrics)
 

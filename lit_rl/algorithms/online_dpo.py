@@ -83,6 +83,12 @@ class OnlineDPO(OnPolicyModule):
         if reward_model_name_or_path is not None:
             # A plain callable, never an nn.Module attribute: the reward model is not trained or checkpointed.
             self.reward_scorer.add("reward_model", RewardModel(reward_model_name_or_path), judge_weight)
+        clash = next((name for name in self.reward_names if f"rewards/{name}" in DPO_PAIR_METRICS), None)
+        if clash is not None:  # one metric would average the function's scores and the pairs' numbers together
+            raise ConfigError(
+                f"model.rewards.funcs: the reward function {clash!r} would log as train/rewards/{clash}, which Online "
+                "DPO logs for its pairs (TRL's name): give the function another name"
+            )
         self.train_metrics = self.rollout_train_metrics(online_dpo_metrics(self.reward_names))
         self.val_metrics = self.rollout_val_metrics()
 

@@ -110,6 +110,12 @@ def batch_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return (sequences * (batch["weight"] > 0).repeat(2)).sum()
 
 
+def batch_completion_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The completion tokens of a collated batch's real pairs (`perf/trained_tokens_per_s`); padding pairs count
+    nothing."""
+    return (batch["completion_mask"].sum(dim=1) * (batch["weight"] > 0).repeat(2)).sum()
+
+
 def collate_pairs(pairs: list[TokenizedPair], weights: list[float], pad_id: int) -> dict[str, torch.Tensor]:
     """One batch of B pairs as 2B sequences, chosen first then rejected, for a single forward pass.
 

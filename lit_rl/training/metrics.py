@@ -208,6 +208,12 @@ def compute_collection(collection: MetricCollection) -> dict[str, torch.Tensor]:
         raise TypeError(
             f"metric {syncing[0]!r} must be built with lit_rl.training.metrics.LOCAL (sync_on_compute=False)"
         )
+    halved = [name for name, metric in metrics.items() if metric.dtype in (torch.float16, torch.bfloat16)]
+    if halved:  # its sums would round: 300 updates of 7 tokens count 2048 in bfloat16
+        raise TypeError(
+            f"metric {halved[0]!r} accumulates in {metrics[halved[0]].dtype}: metric states must stay float32 "
+            "(a module cast with `.to(dtype)` keeps them so: `PolicyModule._apply`)"
+        )
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return {name: metric.compute() for name, metric in metrics.items() if metric.update_called}
     device = next(t.device for m in metrics.values() for t in m.metric_state.values() if torch.is_tensor(t))

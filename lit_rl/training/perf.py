@@ -24,6 +24,7 @@ PHASES = (
     "reward",
     "old_logprobs",
     "ref_logprobs",
+    "values",  # PPO's critic
 )
 
 # What a step counts (`StepTimer.count`), summed over ranks by `step_perf`.
