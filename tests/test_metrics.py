@@ -275,3 +275,21 @@ def test_a_metric_without_data_on_a_later_step_logs_nan_not_its_last_value(tmp_p
         ("0.0", "1.0"),
         ("1.0", "nan"),
     ]
+
+
+def test_a_nan_in_a_step_is_logged_as_nan_not_dropped():
+    """torchmetrics' aggregators drop NaN values: a step whose second micro-batch loss was NaN logged the first one's
+    0.25, an entropy of [1, nan, 3] logged 2.0. Weights still count (torchmetrics' `nan_strategy="disable"` dropped
+    them)."""
+    from lit_rl.training.metrics import compute_collection
+
+    metrics = grpo_metrics([], with_kl=False)
+    metrics["loss"].update(torch.tensor(0.25))
+    metrics["loss"].update(torch.tensor(float("nan")))
+    metrics["entropy"].update(torch.tensor([1.0, float("nan"), 3.0]))
+    metrics["rollout_is_ratio/max"].update(torch.tensor([1.0, float("nan")]))
+    metrics["rollout_is_ratio/min"].update(torch.tensor([1.0, float("nan")]))
+    metrics["reward"].update(torch.tensor([1.0, 5.0]), torch.tensor([3.0, 1.0]))
+    values = compute_collection(metrics)
+    assert all(values[name].isnan() for name in ("loss", "entropy", "rollout_is_ratio/max", "rollout_is_ratio/min"))
+    assert values["reward"].item() == 2.0  # (3 * 1 + 1 * 5) / 4

@@ -30,9 +30,58 @@ from lit_rl.types import EPISODE_STATS, RolloutBatch, model_token_mask
 LOCAL = {"sync_on_compute": False}  # `compute_collection` syncs; `compute()` alone must not (see the docstring)
 
 
+# -- torchmetrics' aggregators, keeping NaN -------------------------------------------------------------------------
+# Theirs drop NaN values (with one warning; `nan_strategy="disable"` drops the weights too), so a step with one NaN
+# micro-batch loss logged the mean of the rest, and check for them with a host-device sync at every update. These
+# are the same sums, with NaN kept: the step's value is NaN.
+def _as_values(metric: Metric, value: Any) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        value = torch.as_tensor(value, dtype=metric.dtype, device=metric.device)
+    return value.to(metric.dtype)
+
+
+class Mean(MeanMetric):
+    """sum_i w_i x_i / sum_i w_i over every update (`MeanMetric`, NaN kept)."""
+
+    def update(self, value: Any, weight: Any = None) -> None:
+        value = _as_values(self, value)
+        weight = torch.ones_like(value) if weight is None else _as_values(self, weight)
+        weight = torch.broadcast_to(weight, value.shape)
+        if value.numel():
+            self.mean_value += (value * weight).sum()
+            self.weight += weight.sum()
+
+
+class Sum(SumMetric):
+    """sum_i x_i over every update (`SumMetric`, NaN kept)."""
+
+    def update(self, value: Any) -> None:
+        value = _as_values(self, value)
+        if value.numel():
+            self.sum_value += value.sum()
+
+
+class Max(MaxMetric):
+    """max_i x_i over every update (`MaxMetric`, NaN kept)."""
+
+    def update(self, value: Any) -> None:
+        value = _as_values(self, value)
+        if value.numel():
+            self.max_value = torch.max(self.max_value, torch.max(value))
+
+
+class Min(MinMetric):
+    """min_i x_i over every update (`MinMetric`, NaN kept)."""
+
+    def update(self, value: Any) -> None:
+        value = _as_values(self, value)
+        if value.numel():
+            self.min_value = torch.min(self.min_value, torch.min(value))
+
+
 # -- metrics that declare how they are reduced -----------------------------------------------------------------------
 # Each sets `reduced_as` on the metric: the unit one update's weight counts (a token, a completion, a pair, ...). The
-# metric itself is the plain torchmetrics one, built with LOCAL: the attribute changes no value.
+# metric itself is a torchmetrics aggregator (NaN kept), built with LOCAL: the attribute changes no value.
 def _declared(metric: Metric, reduced_as: str) -> Metric:
     metric.reduced_as = reduced_as
     return metric
@@ -41,22 +90,22 @@ def _declared(metric: Metric, reduced_as: str) -> Metric:
 def mean(unit: str) -> MeanMetric:
     """A mean in which each `unit` (token, completion, pair, episode, ...) weighs the same: what its updates pass,
     one value per unit (or that unit's weight)."""
-    return _declared(MeanMetric(**LOCAL), f"mean per {unit}")
+    return _declared(Mean(**LOCAL), f"mean per {unit}")
 
 
 def total(what: str) -> SumMetric:
     """A sum of `what` (the step's micro-batch losses, its tokens, ...)."""
-    return _declared(SumMetric(**LOCAL), f"sum of {what}")
+    return _declared(Sum(**LOCAL), f"sum of {what}")
 
 
 def largest(unit: str) -> MaxMetric:
     """The largest value of any `unit` (token, completion, micro-batch, rank)."""
-    return _declared(MaxMetric(**LOCAL), f"max of any {unit}")
+    return _declared(Max(**LOCAL), f"max of any {unit}")
 
 
 def smallest(unit: str) -> MinMetric:
     """The smallest value of any `unit`."""
-    return _declared(MinMetric(**LOCAL), f"min of any {unit}")
+    return _declared(Min(**LOCAL), f"min of any {unit}")
 
 
 def explained_variance(unit: str) -> ExplainedVariance:
