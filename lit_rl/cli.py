@@ -11,6 +11,7 @@ shows the traceback as well.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shlex
@@ -18,9 +19,10 @@ import signal
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, NoReturn, Optional
+from typing import Any, Iterator, NoReturn, Optional
 
 import lightning as L
+import yaml
 from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.plugins.io import CheckpointIO
@@ -37,7 +39,7 @@ from lit_rl.callbacks.export import (
 from lit_rl.config import data_key_hint, moved_key_hint
 from lit_rl.console import WEIGHT_PUSH_MESSAGES, drop_log_messages
 from lit_rl.entry import private_files
-from lit_rl.errors import LitRLError, ReportedOnRankZero
+from lit_rl.errors import ConfigError, LitRLError, ReportedOnRankZero
 from lit_rl.numerics import settle_cpu_math_kernels
 from lit_rl.resume import (
     ResumePoint,
@@ -259,6 +261,7 @@ class LitRLCLI(LightningCLI):
             refuse_another_runs_directory(run, logged=self.trainer.logger is not None, resuming=resuming)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> L.Trainer:
+        check_trainer_settings(config)
         configured = list(config.get("callbacks") or []) + callbacks
         extra: list[Callback] = []
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in configured):
@@ -274,6 +277,61 @@ class LitRLCLI(LightningCLI):
         if not deepspeed and not any(isinstance(p, CheckpointIO) for p in plugins):
             config = {**config, "plugins": [*plugins, AtomicCheckpointIO()]}
         return super()._instantiate_trainer(config, [*callbacks, *extra])
+
+
+def check_trainer_settings(config: dict[str, Any]) -> None:
+    """Trainer settings Lightning takes and then divides by (a `ZeroDivisionError` traceback, mid-run)."""
+    accumulate = config.get("accumulate_grad_batches", 1)
+    if isinstance(accumulate, int) and accumulate < 1:
+        raise ConfigError(f"trainer.accumulate_grad_batches must be >= 1, got {accumulate}")
+    interval = config.get("val_check_interval")
+    if isinstance(interval, (int, float)) and interval <= 0:
+        raise ConfigError(f"trainer.val_check_interval must be > 0 (or null: once an epoch), got {interval}")
+
+
+def refuse_options_a_later_config_replaces(args: list[str]) -> None:
+    """An option followed by a `--config` that sets the same key is silently replaced by the file's value
+    (jsonargparse applies the command line left to right): refused in one line. An option the later files leave
+    alone stands (a test overlay after a documented command)."""
+    for index, arg in enumerate(args):
+        key = arg.partition("=")[0]
+        if not key.startswith(("--trainer", "--model", "--data", "--seed_everything")) or key.endswith(".help"):
+            continue
+        path = [part for part in key[2:].split(".") if part != "init_args"]
+        for config_file, values in _later_config_files(args[index + 1 :]):
+            if _sets(values, path):
+                raise ConfigError(
+                    f"{key} comes before --config {config_file}, which sets it too and would replace it: put "
+                    "options after the last --config"
+                )
+
+
+def _later_config_files(args: list[str]) -> Iterator[tuple[str, Any]]:
+    """Each `--config FILE` (or `--config=FILE`) of `args` with its parsed YAML; a file that cannot be read is left
+    to the parser to report."""
+    for index, arg in enumerate(args):
+        if arg == "--config" and index + 1 < len(args):
+            config_file = args[index + 1]
+        elif arg.startswith("--config="):
+            config_file = arg.partition("=")[2]
+        else:
+            continue
+        try:
+            yield config_file, yaml.safe_load(Path(config_file).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            continue
+
+
+def _sets(values: Any, path: list[str]) -> bool:
+    """Whether the config `values` sets the dotted `path` (a class's options under its `init_args`)."""
+    node = values
+    for part in path:
+        if isinstance(node, dict) and part not in node and isinstance(node.get("init_args"), dict):
+            node = node["init_args"]
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 # Short names on the command line (`--model GRPO`, `--model.help GRPO`, `--data.help PromptDataModule`).
@@ -336,6 +394,7 @@ def main(args: Optional[list[str]] = None) -> None:
     if args is None:  # LightningCLI warns when given `args` while sys.argv holds arguments too
         sys.argv[1:] = normalize_args(given)
     try:
+        refuse_options_a_later_config_replaces(given)
         cli = LitRLCLI(
             model_class=L.LightningModule,
             datamodule_class=L.LightningDataModule,
@@ -418,7 +477,8 @@ LIGHTNING_ADVICE = {
 def user_error_message(err: BaseException) -> Optional[str]:
     """The one line that reports `err`, when it is the user's to fix: a LitRLError (itself, or one that jsonargparse
     or Lightning wrapped while instantiating), an invalid Trainer setting (Lightning's MisconfigurationException),
-    or a class the config names whose package is not installed (a logger: the extra that installs it). None for
+    a path that cannot be made or written (`UNUSABLE_PATH`), or a class the config names whose package is not
+    installed (a logger: the extra that installs it). None for
     anything else: a traceback is then the useful report."""
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
@@ -430,6 +490,9 @@ def user_error_message(err: BaseException) -> Optional[str]:
         if isinstance(current, MisconfigurationException):
             text = str(current).strip().splitlines()[0] if str(current).strip() else type(current).__name__
             return LIGHTNING_ADVICE.get(text, f"trainer: {text}")
+    unusable = next((c for c in chain if isinstance(c, OSError) and c.filename and c.errno in UNUSABLE_PATH), None)
+    if unusable is not None:  # a directory the config names that cannot be made or written (a logger's save_dir)
+        return f"{unusable.filename}: {unusable.strerror}"
     missing = next((c for c in chain if isinstance(c, ImportError)), None)
     class_path = next((m.group(1) for c in chain if (m := _CLASS_PATH.search(str(c)))), None)
     if missing is not None and class_path is not None:
@@ -440,6 +503,11 @@ def user_error_message(err: BaseException) -> Optional[str]:
             install = f'pip install -e ".[{extra}]"' if extra else f"pip install {package}"
             return f"{class_path} needs the package {package!r}, which is not installed: {install}"
     return None
+
+
+# The OS errors of a path that cannot be used as the config asks (a file where a directory must be, no permission,
+# no space): the user's to fix, named in one line.
+UNUSABLE_PATH = {errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC}
 
 
 def exception_chain(err: BaseException) -> list[BaseException]:

@@ -129,6 +129,10 @@ class OptimArgs:
     def check(self) -> None:
         if self.learning_rate < 0:
             raise ConfigError(f"model.optim.learning_rate must be >= 0, got {self.learning_rate}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"model.optim.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"model.optim.warmup_steps must be >= 0 (0: no warm-up), got {self.warmup_steps}")
 
 
 @dataclass(frozen=True)
@@ -206,6 +210,19 @@ class SamplingArgs:
             )
         if self.val_num_generations < 1:
             raise ConfigError(f"model.sampling.val_num_generations must be >= 1, got {self.val_num_generations}")
+        if self.val_temperature < 0 or not math.isfinite(self.val_temperature):  # else it fails at the first validation
+            raise ConfigError(f"model.sampling.val_temperature must be >= 0 (0: greedy), got {self.val_temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"model.sampling.top_p must be in (0, 1] (1: off), got {self.top_p}")
+        if self.top_k < 0:
+            raise ConfigError(f"model.sampling.top_k must be >= 0 (0: off), got {self.top_k}")
+        check_length_limit("model.sampling.max_prompt_length", self.max_prompt_length)
+
+
+def check_length_limit(key: str, limit: Optional[int]) -> None:
+    """A truncation keeps at least one token: `limit` None (no limit) or >= 1."""
+    if limit is not None and limit < 1:
+        raise ConfigError(f"{key} must be >= 1 (or null: no limit), got {limit}")
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from lit_rl.errors import exception_line
+
 
 def import_callable(path: str, what: str) -> Callable[..., Any]:
     """Import `package.module.function` or `package.module:function`; a `ValueError` whose message starts with
@@ -21,6 +23,8 @@ def import_callable(path: str, what: str) -> Callable[..., Any]:
         module = import_module(module_name)
     except ImportError as err:
         raise ValueError(f"{what} {path!r}: cannot import module {module_name!r} ({err})") from None
+    except Exception as err:  # the module's own code failed (a SyntaxError names its file and line)
+        raise ValueError(f"{what} {path!r}: importing module {module_name!r} raised {exception_line(err)}") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"{what} {path!r}: module {module_name!r} has no callable {attr!r}")

@@ -77,8 +77,53 @@ def _parquet(tmp_path, name, rows):
     return ["--data.train_data", str(tmp_path / name), "--data.val_data", "null"]
 
 
+def _broken_module(tmp_path):
+    """A reward module with a syntax error (a missing colon): a 112-line traceback before."""
+    (tmp_path / "broken_rewards.py").write_text("def accuracy(prompts, completions, **kw)\n    return [1.0]\n")
+    return ["--model.rewards.funcs", "[broken_rewards.accuracy]", "--model.rewards.weights", "null"]
+
+
+def _save_dir_under_a_file(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    return ["--trainer.logger.init_args.save_dir", str(tmp_path / "a_file" / "runs")]
+
+
 # (id, base config, arguments (a callable of tmp_path when it needs files), expected text, exit code)
 CASES = [
+    (
+        "reward-module-syntax-error",
+        GRPO,
+        _broken_module,
+        "'broken_rewards.accuracy': importing module 'broken_rewards' raised SyntaxError: expected ':'",
+        1,
+    ),
+    ("zero-prompt-length", GRPO, ["--model.sampling.max_prompt_length", "0"], "max_prompt_length must be >= 1", 1),
+    ("top-p-above-1", GRPO, ["--model.sampling.top_p", "1.5"], "model.sampling.top_p must be in (0, 1]", 1),
+    (
+        "negative-val-temperature",  # failed in transformers at the first validation, after training
+        GRPO,
+        ["--model.sampling.val_temperature", "-1"],
+        "model.sampling.val_temperature must be >= 0",
+        1,
+    ),
+    ("negative-weight-decay", GRPO, ["--model.optim.weight_decay", "-1"], "model.optim.weight_decay must be >= 0", 1),
+    ("negative-warmup", GRPO, ["--model.optim.warmup_steps", "-5"], "model.optim.warmup_steps must be >= 0", 1),
+    (
+        "zero-accumulation",
+        GRPO,
+        ["--trainer.accumulate_grad_batches", "0"],
+        "trainer.accumulate_grad_batches must be >= 1",
+        1,
+    ),
+    (
+        "option-before-config",  # jsonargparse applied the file's max_steps over it, silently
+        [],
+        ["--config", str(CONFIGS / "grpo.yaml")],
+        "--trainer.max_steps comes before --config",
+        1,
+    ),
+    ("zero-val-interval", GRPO, ["--trainer.val_check_interval", "0"], "trainer.val_check_interval must be > 0", 1),
+    ("save-dir-under-a-file", GRPO, _save_dir_under_a_file, "a_file/runs: Not a directory", 1),
     ("unknown-key", GRPO, ["--model.no_such_option", "1"], "model.no_such_option: unknown option", 2),
     (
         "data-key-under-model",

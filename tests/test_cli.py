@@ -63,6 +63,14 @@ def test_dotted_overrides_and_repeated_configs(capsys, tmp_path):
     assert sampling["num_generations"] == 4 and config["trainer"]["max_steps"] == 7
     assert sampling["max_new_tokens"] == 8  # untouched keys of a group keep grpo.yaml's values
     assert config["model"]["init_args"]["schedule"]["micro_batch_size"] == 128
+    # An option before a file stands where the file leaves its key alone (one the file sets is refused:
+    # test_bad_input's option-before-config); grpo.yaml sets no max_epochs, later.yaml no learning rate.
+    config = _print_config(capsys, "--trainer.max_epochs", "3", "--config", str(CONFIGS / "grpo.yaml"))
+    assert config["trainer"]["max_epochs"] == 3
+    config = _print_config(
+        capsys, "--config", str(CONFIGS / "grpo.yaml"), "--model.optim.learning_rate", "0.5", "--config", str(later)
+    )
+    assert config["model"]["init_args"]["optim"]["learning_rate"] == 0.5
 
 
 def test_help_documents_every_constructor_argument(capsys):

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MetricCollection
 
 from lit_rl.algorithms.offline import OfflineModule
-from lit_rl.config import OptimArgs, PolicyArgs
+from lit_rl.config import OptimArgs, PolicyArgs, check_length_limit
 from lit_rl.losses.sft import sft_loss
 from lit_rl.training.metrics import mean, metric_collection, total
 from lit_rl.training.strategies import reduce_across_ranks
@@ -44,6 +44,8 @@ class SFT(OfflineModule):
         max_prompt_length: Optional[int] = None,
         max_completion_length: Optional[int] = None,
     ) -> None:
+        check_length_limit("model.max_prompt_length", max_prompt_length)
+        check_length_limit("model.max_completion_length", max_completion_length)
         super().__init__(policy, optim, random_init=random_init, max_prompt_length=max_prompt_length)
         self.save_hyperparameters()
         self.max_completion_length = max_completion_length
