@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pickle
 import re
 import shlex
@@ -25,7 +26,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, BinaryIO, Callable, Sequence
 
 import torch
 from transformers import AutoConfig
@@ -61,16 +62,40 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
                 raise CheckpointError(f"checkpoint directory {path} cannot be read ({exception_line(err)})") from err
             return torch.load(consolidated, map_location="cpu", weights_only=True)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with open(path, "rb") as file:
+            return _load_weights_only(path, file)
+    except OSError as err:  # unreadable: permissions, a special file
+        raise CheckpointError(f"checkpoint {path} cannot be read ({exception_line(err)})") from err
+
+
+def _load_weights_only(path: Path, file: BinaryIO) -> dict[str, Any]:
+    """`torch.load(weights_only=True)` of an open checkpoint file; what it refuses as one line.
+
+    Only a GLOBAL that torch refuses to import is "may run code": the class or function a crafted pickle would
+    call. Any other unpickling failure is a file that is no checkpoint at all (a YAML file: `Unsupported operand`)
+    or a damaged one, and so is a refused GLOBAL whose name runs to the end of the file: an old-format (non-zip)
+    checkpoint cut short inside the name of a class it holds (`torch._utils._rebui`), not a class of its own."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        found = re.search(r"unsupported GLOBAL (\S+)", str(err))
-        what = f" ({found.group(1)})" if found else ""
-        raise LitRLError(
-            f"checkpoint {path} holds objects other than tensors and plain containers{what}, which lit-rl does "
-            "not unpickle: it may run code"
-        ) from None
+        refused = re.search(r"unsupported (?:global: )?GLOBAL (\S+)", str(err), re.IGNORECASE)
+        cut_short = file.tell() >= os.fstat(file.fileno()).st_size
+        if refused and not cut_short:
+            raise LitRLError(
+                f"checkpoint {path} holds objects other than tensors and plain containers ({refused.group(1)}), "
+                "which lit-rl does not unpickle: it may run code"
+            ) from None
+        reason = "it ends inside a pickled name: truncated?" if refused else _unpickling_line(err)
+        raise CheckpointError(f"checkpoint {path} cannot be read ({reason})") from err
     except Exception as err:  # truncated, damaged, not a checkpoint
         raise CheckpointError(f"checkpoint {path} cannot be read ({exception_line(err)})") from err
+
+
+def _unpickling_line(err: pickle.UnpicklingError) -> str:
+    """The unpickler's own message (`UnpicklingError: Unsupported operand 35`), not the first line torch wraps it
+    in, which suggests `weights_only=False`: the one thing not to do with a file of unknown origin."""
+    found = re.search(r"WeightsUnpickler error:\s*(.+)", str(err))
+    return f"{type(err).__name__}: {found.group(1).strip()}" if found else exception_line(err)
 
 
 def export_checkpoint(

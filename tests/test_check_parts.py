@@ -309,3 +309,54 @@ def test_a_ctrl_c_that_ended_a_run_stops_the_check_and_an_exit_1_alone_is_a_fail
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_a_value_fit_refuses_stops_the_check_in_one_line_and_a_layouts_own_refusal_fails_its_pair(
+    monkeypatch, tmp_path, capsys
+):
+    """`--print_config` instantiates nothing, so a value `lit-rl fit` refuses as it builds the model
+    (`num_generations 0`) reached the pairs: each "failed (exit 1)", as if accumulation and packing were broken, and
+    the scratch directory stayed. The config's own error is one line and exit 2 ("nothing checked"), the runs gone.
+    A refusal of a layout's own change, where the config as configured runs, is still its pair's FAIL."""
+    import tempfile
+
+    import lit_rl.check.command as command
+
+    refused = "model.sampling.num_generations must be >= 2 (GRPO compares rollouts within a group), got 0"
+    refusing: dict[str, str] = {}  # layout -> the line `lit-rl fit` refuses it with ("*": every layout)
+    ran: list[str] = []
+
+    def fit(config, directory, processes=1):  # `lit-rl fit` of a layout, refusing its input as the CLI does
+        ran.append(directory.name)
+        directory.mkdir(parents=True, exist_ok=True)
+        error = refusing.get(directory.name, refusing.get("*"))
+        (directory / "output.log").write_text("Seed set to 0\n" + (f"lit-rl: error: {error}\n" if error else ""))
+        return 1 if error else 0
+
+    monkeypatch.setattr(command, "resolved_config", lambda fit_args: _config())
+    monkeypatch.setattr(command, "fit", fit)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    refusing["*"] = refused
+    with pytest.raises(SystemExit) as stop:
+        command.main(["--config", "my.yaml", "--quick", "--pairs", "accumulation,packing"])
+    assert stop.value.code == command.EXIT_NOTHING_CHECKED
+    out, err = capsys.readouterr()
+    assert out == ""  # no table
+    assert err.strip().splitlines()[-1] == f"lit-rl check: error: {refused}", err
+    assert "FAIL" not in err and "failed" not in err
+    assert ran == ["two_micro_batches", "straight"]  # the config as configured is refused too: no packing run
+    assert list(tmp_path.iterdir()) == []  # the scratch directory is removed
+
+    # Only the padding-free layout is refused; the run as configured is not, so the pair fails with the layout's
+    # line (and the runs are kept).
+    refusing.clear()
+    refusing["padding_free"] = "model.policy.padding_free needs an attention that packs"
+    ran.clear()
+    monkeypatch.setattr(command, "read_run", lambda directory, save_dir: RunResult([], {}, None))
+    with pytest.raises(SystemExit) as stop:
+        command.main(["--config", "my.yaml", "--quick", "--pairs", "packing"])
+    assert stop.value.code == command.EXIT_FAIL
+    out, err = capsys.readouterr()
+    assert "padding_free failed (exit 1): lit-rl: error: model.policy.padding_free needs" in out
+    assert err.strip().splitlines()[-1] == "lit-rl check: FAIL: packing", err
+    assert ran == ["padding_free", "straight"]

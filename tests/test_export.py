@@ -147,3 +147,30 @@ def test_what_export_cannot_read_or_write_is_one_line_naming_it(tmp_path):
     with pytest.raises(LitRLError, match=f"out_dir {a_file} is a file: give the directory to write"):
         export_checkpoint(tmp_path / "whole.ckpt", a_file)
     assert a_file.read_text() == "mine"
+
+
+def test_a_file_that_is_no_checkpoint_is_unreadable_not_code(tmp_path):
+    """A YAML config, or an old-format (non-zip) checkpoint cut short inside the name of a class it pickles
+    (`torch._utils._rebuild_tensor_v2`), fails to unpickle too: it was said to hold objects that "may run code".
+    That is for a GLOBAL torch refuses in a whole file (a crafted one: tests/test_security.py); these cannot be
+    read."""
+    from lit_rl.export import load_checkpoint
+    from lit_rl.resume import CheckpointError
+
+    config = tmp_path / "grpo.yaml"
+    config.write_text("model:\n  policy:\n    model_name_or_path: lit-rl/tiny-qwen2-base\n")
+    old_format = tmp_path / "old.ckpt"
+    torch.save({"state_dict": {"policy.w": torch.zeros(3)}}, old_format, _use_new_zipfile_serialization=False)
+    whole = old_format.read_bytes()
+    cut = tmp_path / "cut.ckpt"
+    cut.write_bytes(whole[: whole.index(b"_rebuild_tensor_v2") + 8])  # inside the name
+    with pytest.raises(CheckpointError, match=f"^checkpoint {config} cannot be read \\(UnpicklingError: Unsupported "):
+        load_checkpoint(config)
+    with pytest.raises(CheckpointError, match=f"^checkpoint {cut} cannot be read \\(it ends inside a pickled name"):
+        load_checkpoint(cut)
+    assert load_checkpoint(old_format)["state_dict"]["policy.w"].shape == (3,)
+
+    # A refused class in a whole old-format file is still one that may run code.
+    torch.save({"state_dict": {}, "path": Path("x")}, old_format, _use_new_zipfile_serialization=False)
+    with pytest.raises(LitRLError, match=r"\(pathlib\.\w*Path\), which lit-rl does not unpickle: it may run code$"):
+        load_checkpoint(old_format)

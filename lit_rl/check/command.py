@@ -48,8 +48,9 @@ HELP = """Run your config in pairs of layouts that must train to the same number
 
 Pairs: accumulation (your micro-batches against one per step), ranks (1 process against 2), packing (padded
 against padding-free), resume (K steps against a stop after about K/2 and the printed resume command), cadence
-(checkpoints every 2 steps, straight and resumed). Exit 1 when a pair fails, 2 when none could run here,
-130 when stopped by Ctrl-C (the pairs finished so far are shown; the one running is neither PASS nor FAIL).
+(checkpoints every 2 steps, straight and resumed). Exit 1 when a pair fails, 2 when none could run here or
+your config itself is refused (`lit-rl fit` would refuse it too), 130 when stopped by Ctrl-C (the pairs finished
+so far are shown; the one running is neither PASS nor FAIL).
 
   lit-rl check --config my.yaml --mismatch
 
@@ -99,6 +100,20 @@ def resolved_config(fit_args: list[str]) -> dict:
     return yaml.safe_load(out.getvalue())
 
 
+CONFIG_ERROR = "lit-rl: error: "  # how `lit-rl fit` refuses its input: the last line of its output
+
+
+class ConfigRefused(Exception):
+    """The user's config as configured is refused by `lit-rl fit` itself (a value it checks only as it builds the
+    model or the data, which `--print_config` in `resolved_config` does not): every pair would fail alike, so no
+    pair did. The message is `fit`'s, without its `lit-rl: error: `."""
+
+
+def as_configured(layout: Layout) -> bool:
+    """A layout that runs the user's config as it is (`straight`; `--mismatch`'s `as_configured`)."""
+    return not layout.changes and layout.stop_at is None
+
+
 class Check:
     """The runs of one check, each run once and shared by the pairs that need it."""
 
@@ -109,6 +124,7 @@ class Check:
         self.every_n = 2
         self.stop_at = steps // 2 if (steps // 2) % 2 else steps // 2 + 1
         self.results: dict[str, RunResult] = {}
+        self.configured_ran = False  # a run as configured has finished (`straight`, or `--mismatch`'s baseline)
 
     def run(self, layout: Layout) -> RunResult:
         if layout.name in self.results:
@@ -119,21 +135,42 @@ class Check:
         started = time.monotonic()
         self.say(f"  run {layout.name} ({layout.describe()}, {count} process{'es' * (count > 1)})")
         code = fit(config, directory, count)
-        if layout.stop_at is not None:
-            result = read_run(directory, directory)
-            if code != 143 or result.resume_command is None or result.stopped_at != layout.stop_at:
+        try:
+            if layout.stop_at is not None:
+                result = read_run(directory, directory)
+                if code != 143 or result.resume_command is None or result.stopped_at != layout.stop_at:
+                    raise RunFailed(
+                        f"{layout.name} did not stop at step {layout.stop_at} (exit {code}, stopped after step "
+                        f"{result.stopped_at}): {last_line(directory)}"
+                    )
+                self.say(f"  resume {layout.name} with the printed command: {result.resume_command}")
+                code = resume(directory, result.resume_command, count)
+            if code != 0:
                 raise RunFailed(
-                    f"{layout.name} did not stop at step {layout.stop_at} (exit {code}, stopped after step "
-                    f"{result.stopped_at}): {last_line(directory)}"
+                    f"{layout.name} failed (exit {code}): {last_line(directory)} (log: {directory}/output.log)"
                 )
-            self.say(f"  resume {layout.name} with the printed command: {result.resume_command}")
-            code = resume(directory, result.resume_command, count)
-        if code != 0:
-            raise RunFailed(f"{layout.name} failed (exit {code}): {last_line(directory)} (log: {directory}/output.log)")
-        result = read_run(directory, directory)
+            result = read_run(directory, directory)
+        except RunFailed:
+            self.refuse_a_config_error(layout, directory)
+            raise
         self.say(f"    {time.monotonic() - started:.0f} s")
         self.results[layout.name] = result
+        self.configured_ran |= as_configured(layout)
         return result
+
+    def refuse_a_config_error(self, layout: Layout, directory: Path) -> None:
+        """`ConfigRefused` where the run in `directory` ended on `lit-rl fit`'s own refusal (`lit-rl: error: ...`)
+        and the config as configured is refused too: the user's value, which every pair would otherwise report as
+        its own failure (exit 1). A change of the layout's that `fit` refuses (padding-free for a model that cannot
+        pack) fails only its pair: the run as configured, which most pairs compare with anyway, tells them apart."""
+        line = last_line(directory)
+        if not line.startswith(CONFIG_ERROR):
+            return
+        if as_configured(layout):
+            raise ConfigRefused(line.removeprefix(CONFIG_ERROR))
+        if not self.configured_ran:
+            with contextlib.suppress(RunFailed):  # a failure of another kind is reported by a pair that needs it
+                self.straight()
 
     def straight(self) -> RunResult:
         return self.run(Layout("straight"))
@@ -266,6 +303,9 @@ def _check(argv: Optional[list[str]]) -> None:
         keep = False
         try:
             mismatch(Check(config, workdir, steps_needed(config), say), gpus, say)
+        except ConfigRefused as err:
+            say(f"lit-rl check: error: {err}")
+            sys.exit(EXIT_NOTHING_CHECKED)
         except RunFailed as err:  # a run crashed or wrote nothing: keep the runs, and say where they are
             keep = True
             say(f"lit-rl check: error: {err}")
@@ -287,6 +327,8 @@ def _check(argv: Optional[list[str]]) -> None:
             say(f"lit-rl check: {pair}")
             try:
                 results.append(check_pair(check, pair, gpus))
+            except ConfigRefused:  # every pair would fail on it: none is a result
+                raise
             except CannotRunHere as err:
                 results.append(PairResult(pair, "", "SKIP", detail=f"cannot run here: {err}"))
             except RunFailed as err:
@@ -295,6 +337,11 @@ def _check(argv: Optional[list[str]]) -> None:
                 results.append(PairResult(pair, "", "FAIL", detail=f"{type(err).__name__}: {err}"))
     except KeyboardInterrupt:  # the pair that was running is not a result: neither a PASS nor a FAIL
         interrupted = True
+    except ConfigRefused as err:  # the user's value, as `lit-rl fit` would say it; the runs hold nothing else
+        if scratch:
+            shutil.rmtree(workdir, ignore_errors=True)
+        say(f"lit-rl check: error: {err}")
+        sys.exit(EXIT_NOTHING_CHECKED)
     if results:
         print_table(results, sys.stdout.write)
     failed = [r.pair for r in results if r.status == "FAIL"]
