@@ -190,21 +190,37 @@ def differences(key: str, this_run: Any, checkpoint: Any) -> list[Difference]:
     return found
 
 
-def refuse_moved_position(this_run: Mapping[str, int], checkpoint_layout: Mapping[str, int], checkpoint: Any) -> None:
+def refuse_moved_position(this_run: Mapping[str, Any], checkpoint_layout: Mapping[str, Any], checkpoint: Any) -> None:
     """A resumed `fit` continues from the checkpoint's place in its data, which counts micro-batches of the
-    checkpoint's sizes on its ranks (`PolicyModule.data_layout`: the accumulation, the ranks, a batch size). With
-    any of them changed the same count is another place: samples would be trained twice or skipped, and a
-    generation split across optimizer steps. So a change of one stops the run in one line naming every such key,
-    this run's value and the checkpoint's (`checkpoint_layout`: empty for a checkpoint that kept none)."""
-    kept = {key: value for key, value in checkpoint_layout.items() if key in this_run}
+    checkpoint's sizes on its ranks, in the order its data and seed give (`PolicyModule.data_layout`: the
+    accumulation, the ranks, a batch size, the data and its seed). With any of them changed the same count is
+    another place: samples would be trained twice or skipped, and a generation split across optimizer steps. So a
+    change of one stops the run in one line naming every such key, this run's value and the checkpoint's
+    (`checkpoint_layout`: empty for a checkpoint that kept none; a key it lacks, from an older checkpoint, is not
+    compared)."""
+    kept = {key: value for key, value in checkpoint_layout.items() if key in this_run and key not in ANNOUNCED_DATA}
     changed = [Difference(key, this_run[key], value) for key, value in kept.items() if this_run[key] != value]
     if changed:
         listed = _listed(changed)
         raise ConfigError(
             f"--ckpt_path {checkpoint} was trained with other values: {listed}; the checkpoint's place in the data "
-            "counts micro-batches of its sizes on its ranks, and a resumed run continues from that place: give the "
-            "checkpoint's values, or start a new run without --ckpt_path"
+            "counts micro-batches of its sizes on its ranks, in its data's order, and a resumed run continues from "
+            "that place: give the checkpoint's values, or start a new run without --ckpt_path"
         )
+
+
+# What a resumed `fit` may change of its data, said in one line: other data continues the run on it (a curriculum's
+# next stage, with the optimizer's state), at the checkpoint's step count in the new data's order.
+ANNOUNCED_DATA = ("data.train_data",)
+
+
+def other_data(this_run: Mapping[str, Any], checkpoint_layout: Mapping[str, Any]) -> list[Difference]:
+    """The `ANNOUNCED_DATA` this run changes from the checkpoint's (`announce` says each)."""
+    return [
+        Difference(key, this_run[key], checkpoint_layout[key])
+        for key in ANNOUNCED_DATA
+        if key in this_run and key in checkpoint_layout and this_run[key] != checkpoint_layout[key]
+    ]
 
 
 def _listed(differences: list[Difference]) -> str:

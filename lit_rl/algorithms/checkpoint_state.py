@@ -11,10 +11,17 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lit_rl.config import OptimArgs, grouped_hparams, plain_data
+from lit_rl.data.contracts import OrderedData
 from lit_rl.errors import ConfigError
 from lit_rl.modeling.lora import trainable_keys
 from lit_rl.resume import say
-from lit_rl.resume_config import announce, reconcile, refuse_moved_position, refuse_ungrouped_hyperparameters
+from lit_rl.resume_config import (
+    announce,
+    other_data,
+    reconcile,
+    refuse_moved_position,
+    refuse_ungrouped_hyperparameters,
+)
 from lit_rl.training.compat import mark_step_saved
 
 # The checkpoint's entry for `CheckpointState.data_layout`.
@@ -55,16 +62,21 @@ class CheckpointState:
         if self._trainer is not None:
             checkpoint[LAYOUT_KEY] = self.data_layout(self.trainer, self.trainer.datamodule)
 
-    def data_layout(self, trainer: Any, datamodule: Any) -> dict[str, int]:
+    def data_layout(self, trainer: Any, datamodule: Any) -> dict[str, Any]:
         """The settings the checkpoint's place in the data is counted in, by the option that sets each: a resumed
         fit must keep them (`lit_rl.resume_config.refuse_moved_position`). The ranks and the accumulation of
-        `trainer`; an algorithm adds its batch size (the on-policy ones compare theirs,
-        `model.schedule.micro_batch_size`, as an option; the offline ones `datamodule`'s). Arguments, not the
-        module's own trainer: the CLI asks before the trainer holds the module (`refuse_resume_before_writing`)."""
-        return {
+        `trainer`; `datamodule`'s data and seed, which its order comes from; an algorithm adds its batch size (the
+        on-policy ones compare theirs, `model.schedule.micro_batch_size`, as an option; the offline ones
+        `datamodule`'s). Arguments, not the module's own trainer: the CLI asks before the trainer holds the module
+        (`refuse_resume_before_writing`)."""
+        layout: dict[str, Any] = {
             "trainer.accumulate_grad_batches": trainer.accumulate_grad_batches,
             "trainer.devices x trainer.num_nodes": trainer.world_size,
         }
+        if isinstance(datamodule, OrderedData):
+            layout["data.train_data"] = str(datamodule.train_data)
+            layout["data.seed"] = datamodule.seed
+        return layout
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._refuse_other_lora(checkpoint)
@@ -86,8 +98,9 @@ class CheckpointState:
         ckpt_path = self.trainer.ckpt_path
         changed = reconcile(subcommand, type(self), self.hparams, checkpoint["hyper_parameters"], ckpt_path)
         if subcommand == "fit":
-            layout = self.data_layout(self.trainer, self.trainer.datamodule)
-            refuse_moved_position(layout, checkpoint.get(LAYOUT_KEY) or {}, ckpt_path)
+            layout, saved_layout = self.data_layout(self.trainer, self.trainer.datamodule), checkpoint.get(LAYOUT_KEY)
+            refuse_moved_position(layout, saved_layout or {}, ckpt_path)
+            changed += other_data(layout, saved_layout or {})
         for difference in changed:
             say(announce(difference))
 

@@ -34,7 +34,7 @@ class OfflineModule(PolicyModule):
         if budget is not None and "micro_batch_tokens/max" not in self.train_metrics:
             self.train_metrics.add_metrics(data_token_budget_metrics())
 
-    def data_layout(self, trainer: Any, datamodule: Any) -> dict[str, int]:
+    def data_layout(self, trainer: Any, datamodule: Any) -> dict[str, Any]:
         """`train_batches_done` counts batches of `data.batch_size` rows too."""
         layout = super().data_layout(trainer, datamodule)
         if isinstance(datamodule, FixedBatches):

@@ -8,7 +8,8 @@
   counts a row's tokens as it will tokenize it (`CountsRowTokens`); DPO reads the pairs back (`PreferencePairs`),
   which the data module renders with DPO's own prompt encoder (`EncodesPrompts`). SFT's and DPO's data modules may
   cut batches by tokens (`BatchesByTokens`), which the algorithm reads to log the micro-batches' sizes, and its
-  checkpoints keep their batch size (`FixedBatches`), the unit of the place in the data they count.
+  checkpoints keep their batch size (`FixedBatches`), the unit of the place in the data they count;
+- every algorithm's checkpoints keep the data and the seed its order comes from (`OrderedData`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,15 @@ class FixedBatches(Protocol):
     """A data module whose training batches hold `data.batch_size` rows or pairs on each rank (SFT's and DPO's)."""
 
     batch_size: int
+
+
+@runtime_checkable
+class OrderedData(Protocol):
+    """A data module whose training order is a function of its data and its seed (each of lit-rl's): a checkpoint's
+    place in the data is a place in that order, which another data set or seed would move."""
+
+    train_data: str
+    seed: int
 
 
 @runtime_checkable

@@ -76,9 +76,28 @@ def test_another_accumulation_stops_in_one_line_and_keeps_the_run(trained):
     assert _refused_resume(trained, "--trainer.accumulate_grad_batches", "2") == [
         f"lit-rl: error: --ckpt_path {RUN / 'checkpoints' / 'last.ckpt'} was trained with other values: "
         "trainer.accumulate_grad_batches: 2 here, 1 in the checkpoint; the checkpoint's place in the data counts "
-        "micro-batches of its sizes on its ranks, and a resumed run continues from that place: give the checkpoint's "
-        "values, or start a new run without --ckpt_path"
+        "micro-batches of its sizes on its ranks, in its data's order, and a resumed run continues from that place: "
+        "give the checkpoint's values, or start a new run without --ckpt_path"
     ]
+
+
+@pytest.mark.slow
+def test_another_seed_stops_in_one_line_and_other_data_is_said(trained):
+    """The prompts' order is a function of the data and `data.seed`: with another seed the checkpoint's place is a
+    place in another order of the same prompts, and the resume repeated some and skipped others (before, exit 0 and
+    not a word). Other data continues the run on it, said in one line."""
+    (line,) = _refused_resume(trained, "--data.train_data", "builtin:addition/val", "--data.seed", "7")
+    assert line.startswith(f"lit-rl: error: --ckpt_path {RUN / 'checkpoints' / 'last.ckpt'} was trained with other ")
+    assert "data.seed: 7 here, 0 in the checkpoint; " in line and "data.train_data" not in line
+    cwd, env = trained
+    other = shutil.copytree(cwd / "runs", cwd.parent / "other_data_runs" / "runs")
+    result = _lit_rl(other.parent, env, "fit", *ARGS, "--trainer.max_steps", "3", "--ckpt_path", "last", *OTHER_DATA)
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = "lit-rl: data.train_data 'builtin:addition/val' from this run (the checkpoint has 'builtin:addition/train')"
+    assert said in _lines(result.stderr)
+
+
+OTHER_DATA = ["--data.train_data", "builtin:addition/val"]
 
 
 @pytest.mark.slow
