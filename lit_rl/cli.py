@@ -11,6 +11,7 @@ shows the traceback as well.
 
 from __future__ import annotations
 
+import difflib
 import errno
 import os
 import re
@@ -36,7 +37,8 @@ from lit_rl.callbacks.export import (
     numbers_its_runs,
     run_directory,
 )
-from lit_rl.config import data_key_hint, moved_key_hint
+from lit_rl.config import GROUP_NAMES, data_key_hint, group_class, group_fields, moved_key_hint, renamed_key_hint
+from lit_rl.config_files import config_file_problem, duplicate_key_problem
 from lit_rl.console import WEIGHT_PUSH_MESSAGES, drop_log_messages
 from lit_rl.entry import private_files
 from lit_rl.errors import ConfigError, LitRLError, ReportedOnRankZero
@@ -105,20 +107,36 @@ def condense_parser_error(message: str) -> str:
     if unknown:
         option = unknown.group(1)
         key = ".".join(keys + ([option] if not keys or keys[-1] != option else []))
-        moved = moved_key_hint(key, _named_class(message))
+        named = _named_class(message)
+        moved = moved_key_hint(key, named)
         if moved is not None:  # a lit-rl 0.1 key
             return f"{key}: moved to {moved} (lit-rl 0.2 groups the options; see docs/config-reference.md)"
-        place = data_key_hint(key, _data_classes())
-        return f"{key}: unknown option" + (f"; this is {place}" if place else "")
+        missing = _missing_group(key, named)
+        if missing is not None:  # `--config configs/rollout/vllm_colocate.yaml` over DPO's config
+            return f"{key}: {missing}"
+        place = data_key_hint(key, _data_classes()) or renamed_key_hint(key, named)
+        if place is not None:
+            return f"{key}: unknown option; this is {place}"
+        close = _close_group_option(key, named)
+        return f"{key}: unknown option" + (f" (did you mean {close}?)" if close else "")
     # A group of the class given (switching `--model RLOO` over a GRPO config) without a key the config sets.
     group_option = re.search(r"Group '([\w.]+)' does not accept option '([\w.]+)'", message)
     if group_option:
         named = _named_class(message)
         owner = f"{named.__name__}'s" if named is not None else "this"
-        line = f"{'.'.join([*keys, *group_option.groups()])}: unknown option of {owner} {group_option.group(1)} group"
+        group, option = group_option.groups()
+        key = ".".join([*keys, group, option])
+        renamed = renamed_key_hint(key, named)
+        if renamed is not None:
+            return f"{key}: unknown option of {owner} {group} group; this is {renamed}"
+        line = f"{key}: unknown option of {owner} {group} group"
         config = SHIPPED_CONFIGS.get(named.__name__) if named is not None else None
-        if config is not None:  # most often `--model X` over another algorithm's config
+        if config is not None and _another_algorithm_takes(named, group, option):
+            # most often `--model X` over another algorithm's config
             line += f" (a key of another algorithm's config? start from {config})"
+        else:
+            close = _close_group_option(key, named)
+            line += f" (did you mean {close}?)" if close else ""
         return line
     wrong_type = re.search(r"Expected a <class '(?!NoneType)[^']+'>[^\n]*", message)
     if wrong_type and keys:
@@ -130,6 +148,47 @@ def condense_parser_error(message: str) -> str:
             break
     key = ".".join(keys)
     return f"{key}: {detail}" if key and detail else (detail or message.strip().splitlines()[0])
+
+
+def _algorithm_classes() -> tuple[type, ...]:
+    """lit-rl's algorithms, whose groups differ (SFT and DPO sample nothing; each has its own `loss`)."""
+    from lit_rl.algorithms import DPO, GRPO, PPO, RLOO, SFT, OnlineDPO
+
+    return (GRPO, OnlineDPO, PPO, RLOO, DPO, SFT)
+
+
+def _group_parts(key: str) -> list[str]:
+    """`model.<group>.<option>...` without the `init_args` of a class's keys; [] for a key outside a group."""
+    parts = [part for part in key.split(".") if part != "init_args"]
+    return parts if parts[:1] == ["model"] and len(parts) > 1 and parts[1] in GROUP_NAMES else []
+
+
+def _missing_group(key: str, named: Optional[type]) -> Optional[str]:
+    """For an option of a group the algorithm `named` does not take (a rollout overlay over DPO's config): that,
+    and which algorithms take the group. jsonargparse says only that the option is unknown."""
+    parts = _group_parts(key)
+    if not parts or named is None or group_class(named, parts[1]) is not None:
+        return None
+    takers = [cls.__name__ for cls in _algorithm_classes() if group_class(cls, parts[1]) is not None]
+    if not takers:
+        return None
+    listed = takers[0] if len(takers) == 1 else f"{', '.join(takers[:-1])} and {takers[-1]}"
+    return f"{named.__name__} takes no {parts[1]} group (only {listed} take it: an option for another algorithm?)"
+
+
+def _another_algorithm_takes(named: type, group: str, option: str) -> bool:
+    """Whether another algorithm's `group` has `option` (GRPO's `loss.scale_rewards` under `--model RLOO`): only
+    then is the option likely a key of another algorithm's config rather than a typo."""
+    return any(cls is not named and option in group_fields(cls, group) for cls in _algorithm_classes())
+
+
+def _close_group_option(key: str, named: Optional[type]) -> Optional[str]:
+    """The option of the group that `key` (`model.sampling.temprature`) most likely misspells, as a full key."""
+    parts = _group_parts(key)
+    if len(parts) != 3:
+        return None
+    close = difflib.get_close_matches(parts[2], sorted(group_fields(named, parts[1])), n=1)
+    return f"model.{parts[1]}.{close[0]}" if close else None
 
 
 def _data_classes() -> tuple[type, ...]:
@@ -158,12 +217,41 @@ def quiet_console() -> None:
 class OneLineErrorParser(LightningArgumentParser):
     """Reports a bad command line or config in one line instead of the whole usage text."""
 
+    _config_name: Optional[str] = None  # the `--config FILE` whose text `parse_string` is given next
+    _config_file: Optional[tuple[str, str]] = None  # (name, text) of the `--config` file being parsed
+
+    def parse_path(self, path: Any, *args: Any, **kwargs: Any) -> Any:
+        """Each `--config FILE`: its name for `parse_string`, which jsonargparse gives the text it read."""
+        previous, self._config_name = self._config_name, str(path)
+        try:
+            return super().parse_path(path, *args, **kwargs)
+        finally:
+            self._config_name = previous
+
+    def parse_string(self, content: str, *args: Any, **kwargs: Any) -> Any:
+        """A `--config` file's text: refused when a mapping sets a key twice (`duplicate_key_problem`), and kept
+        with its name for `error`, as jsonargparse's messages about a file it cannot load name neither."""
+        name, self._config_name = self._config_name, None  # a config string (`--config '{...}'`) has no file
+        if name is None:
+            return super().parse_string(content, *args, **kwargs)
+        if self.parser_mode == "yaml":
+            duplicate = duplicate_key_problem(name, content)
+            if duplicate is not None:
+                self.error(duplicate)
+        previous, self._config_file = self._config_file, (name, content)
+        try:
+            return super().parse_string(content, *args, **kwargs)
+        finally:
+            self._config_file = previous
+
     def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
         if not getattr(self, "exit_on_error", True):
             super().error(message, ex)
-        sys.stderr.write(
-            f"lit-rl: error: {condense_parser_error(message)} (see `lit-rl {self._subcommand_hint()}--help`)\n"
-        )
+        line = condense_parser_error(message)
+        if self._config_file is not None and message.startswith(("Problems parsing config", "Unexpected config")):
+            name, text = self._config_file
+            line = config_file_problem(name, text) or f"{name}: {line}"
+        sys.stderr.write(f"lit-rl: error: {line} (see `lit-rl {self._subcommand_hint()}--help`)\n")
         sys.exit(CONFIG_ERROR_EXIT)
 
     def _subcommand_hint(self) -> str:

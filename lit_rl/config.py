@@ -554,6 +554,45 @@ def moved_key_hint(key: str, cls: Optional[type] = None) -> Optional[str]:
     return f"model.{place}"
 
 
+# TRL's names of group fields that neither lit-rl 0.2 nor 0.1 (`RENAMED`) gives them: TRL's GRPO `loss_type` is
+# lit-rl's `loss.aggregation`, with its values renamed (docs/coming-from-trl.md); DPO's is `loss.type` (`RENAMED`).
+TRL_RENAMED = {"loss_type": "aggregation"}
+
+
+def group_class(cls: type, group: str) -> Optional[type]:
+    """The class of algorithm `cls`'s `group` (its `loss` is its objective's own), or None when it takes no such
+    group. Read from the signature's annotation, which `from __future__ import annotations` leaves a name."""
+    parameter = inspect.signature(cls.__init__).parameters.get(group)
+    if parameter is None:
+        return None
+    if isinstance(parameter.annotation, type):
+        return parameter.annotation
+    return next((c for c in (*GROUPS.values(), *LOSS_GROUPS) if c.__name__ == parameter.annotation), None)
+
+
+def group_fields(cls: Optional[type], group: str) -> frozenset[str]:
+    """The options of `group` in algorithm `cls`, or in any algorithm when `cls` is None (every objective's `loss`)."""
+    if cls is not None:
+        found = group_class(cls, group)
+        classes: tuple[type, ...] = () if found is None else (found,)
+    else:
+        classes = LOSS_GROUPS if group == "loss" else tuple(c for name, c in GROUPS.items() if name == group)
+    return frozenset(field.name for c in classes if dataclasses.is_dataclass(c) for field in dataclasses.fields(c))
+
+
+def renamed_key_hint(key: str, cls: Optional[type] = None) -> Optional[str]:
+    """For a group option a module rejected under an older or TRL name (`model.loss.loss_type`,
+    `model.rewards.reward_funcs`): its name in that group now (`model.loss.type`), when algorithm `cls` (if known)
+    has it; None otherwise. `moved_key_hint` is for 0.1's flat keys, which had no group."""
+    parts = _option_parts(key)
+    if parts[:1] != ["model"] or len(parts) != 3 or parts[1] not in GROUP_NAMES:
+        return None
+    group, old = parts[1:]
+    fields = group_fields(cls, group)
+    new = next((name for name in (RENAMED.get(old), TRL_RENAMED.get(old)) if name in fields), None)
+    return f"model.{group}.{new}" if new is not None else None
+
+
 def data_key_hint(key: str, data_classes: tuple[type, ...]) -> Optional[str]:
     """For a `model.<name>` option the algorithm rejected that is an option of one of `data_classes`:
     `data.<name>` (DPO and SFT take `micro_batch_tokens` there); None otherwise."""

@@ -88,6 +88,16 @@ def _save_dir_under_a_file(tmp_path):
     return ["--trainer.logger.init_args.save_dir", str(tmp_path / "a_file" / "runs")]
 
 
+def _config_file(name, text):
+    """The arguments `--config <tmp_path>/<name>`, the file holding `text`."""
+
+    def write(tmp_path):
+        (tmp_path / name).write_text(text)
+        return ["--config", str(tmp_path / name)]
+
+    return write
+
+
 # (id, base config, arguments (a callable of tmp_path when it needs files), expected text, exit code)
 CASES = [
     (
@@ -125,6 +135,75 @@ CASES = [
     ("zero-val-interval", GRPO, ["--trainer.val_check_interval", "0"], "trainer.val_check_interval must be > 0", 1),
     ("save-dir-under-a-file", GRPO, _save_dir_under_a_file, "a_file/runs: Not a directory", 1),
     ("unknown-key", GRPO, ["--model.no_such_option", "1"], "model.no_such_option: unknown option", 2),
+    (
+        "config-file-with-a-tab",  # named neither the file nor the line
+        GRPO,
+        _config_file("tab.yaml", "trainer:\n\tmax_steps: 1\n"),
+        "tab.yaml line 2, column 1: found character '\\t' that cannot start any token (YAML indents with spaces",
+        2,
+    ),
+    (
+        "config-file-not-yaml",
+        GRPO,
+        _config_file("bad.yaml", "model:\n  init_args: {sampling: [1, 2}\n"),
+        "bad.yaml line 2, column 30: expected ',' or ']', but got '}'",
+        2,
+    ),
+    ("config-file-empty", GRPO, _config_file("empty.yaml", ""), "empty.yaml: not a mapping of options", 2),
+    ("config-file-a-list", GRPO, _config_file("list.yaml", "- a\n- b\n"), "list.yaml: not a mapping of options", 2),
+    (
+        "config-file-key-twice",  # the first `sampling` block was dropped silently
+        GRPO,
+        _config_file(
+            "dup.yaml",
+            "model:\n  init_args:\n    sampling:\n      temperature: 0.5\n    sampling:\n      top_p: 0.9\n",
+        ),
+        "dup.yaml line 5: key 'sampling' appears twice in one mapping (also on line 3; the first would be dropped)",
+        2,
+    ),
+    (
+        "trl-name-in-a-group",
+        DPO,
+        ["--model.loss.loss_type", "ipo"],
+        "model.loss.loss_type: unknown option; this is model.loss.type",
+        2,
+    ),
+    (
+        "grpo-trl-loss-type",  # TRL's GRPO `loss_type` is the aggregation (docs/coming-from-trl.md)
+        GRPO,
+        ["--model.loss.loss_type", "dapo"],
+        "model.loss.loss_type: unknown option; this is model.loss.aggregation",
+        2,
+    ),
+    (
+        "trl-reward-funcs",
+        GRPO,
+        ["--model.rewards.reward_funcs", "[bad_rewards.correctness]"],
+        "model.rewards.reward_funcs: unknown option; this is model.rewards.funcs",
+        2,
+    ),
+    (
+        "typo-in-a-group-of-a-config",  # said "a key of another algorithm's config?"
+        GRPO,
+        _config_file("typo.yaml", "model:\n  init_args:\n    sampling:\n      temprature: 0.7\n"),
+        "model.sampling.temprature: unknown option of GRPO's sampling group (did you mean model.sampling.temperature?)",
+        2,
+    ),
+    (
+        "typo-in-a-group",
+        GRPO,
+        ["--model.sampling.temprature", "0.7"],
+        "model.sampling.temprature: unknown option (did you mean model.sampling.temperature?)",
+        2,
+    ),
+    (
+        "rollout-overlay-over-dpo",  # said only that gpu_memory_utilization is unknown
+        DPO,
+        ["--config", str(CONFIGS / "rollout" / "vllm_colocate.yaml")],
+        "model.rollout.engine.init_args.gpu_memory_utilization: DPO takes no rollout group (only GRPO, OnlineDPO, "
+        "PPO and RLOO take it",
+        2,
+    ),
     (
         "data-key-under-model",
         DPO,

@@ -148,6 +148,42 @@ def test_a_key_of_lit_rl_0_1_fails_in_one_line_naming_its_new_place(capsys, tmp_
     assert line.startswith("lit-rl: error: model.temperature: moved to model.sampling.temperature"), line
 
 
+def test_no_shipped_config_sets_a_key_twice_and_yaml_merges_are_not_duplicates():
+    """`--config` files are refused when a mapping sets a key twice (YAML keeps the last silently); the shipped ones
+    must pass, and a `<<` merge that a mapping overrides is no duplicate."""
+    from lit_rl.cli import duplicate_key_problem
+
+    assert [p for p in CONFIGS.rglob("*.yaml") if duplicate_key_problem(str(p), p.read_text())] == []
+    assert duplicate_key_problem("m.yaml", "base: &b\n  x: 1\nother:\n  <<: *b\n  x: 3\n") is None
+    assert duplicate_key_problem("m.yaml", "a: [{x: 1}, {x: 2}]\nb: {x: 1}\n") is None
+    twice = duplicate_key_problem("m.yaml", "a:\n  x: 1\n  y: 2\n  x: 3\n")
+    assert twice == "m.yaml line 4: key 'x' appears twice in one mapping (also on line 2; the first would be dropped)"
+    assert duplicate_key_problem("m.yaml", "a: [1\n") is None  # no YAML: the parser's error names it
+
+
+def test_an_unloadable_config_file_is_named_with_its_line_before_the_subcommand_too(capsys, tmp_path):
+    """jsonargparse's "Problems parsing config" named neither the file nor the line, and a top-level `--config`
+    (before `fit`) is read by another parser than the subcommand's."""
+    (tmp_path / "tab.yaml").write_text("fit:\n  trainer:\n\tmax_steps: 1\n")
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli("--config", str(tmp_path / "tab.yaml"), "fit", "--config", str(CONFIGS / "grpo.yaml"), "--print_config")
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"lit-rl: error: {tmp_path / 'tab.yaml'} line 3, column 1: found character"), line
+
+
+def test_renamed_key_hint_names_a_group_field_the_algorithm_has():
+    from lit_rl.algorithms import DPO, GRPO, PPO, SFT
+    from lit_rl.config import renamed_key_hint
+
+    assert renamed_key_hint("model.loss.loss_type", DPO) == "model.loss.type"
+    assert renamed_key_hint("model.loss.loss_type", GRPO) == "model.loss.aggregation"  # TRL's GRPO loss_type
+    assert renamed_key_hint("model.init_args.rewards.reward_weights", GRPO) == "model.rewards.weights"
+    assert renamed_key_hint("model.loss.whiten_advantages", PPO) == "model.loss.normalize_advantages"
+    assert renamed_key_hint("model.loss.whiten_advantages", GRPO) is None  # GRPO's loss has no such field
+    assert renamed_key_hint("model.rewards.reward_funcs", SFT) is None and renamed_key_hint("model.loss_type") is None
+
+
 def test_null_clears_an_option_inside_a_group(capsys):
     config = _print_config(
         capsys, "--config", str(CONFIGS / "grpo.yaml"), "--model.rewards.weights", "null", "--model.policy.lora", "null"
