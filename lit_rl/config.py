@@ -26,6 +26,7 @@ from lit_rl.errors import ConfigError
 from lit_rl.loss_config import LOSS_GROUPS
 from lit_rl.losses import IS_CORRECTIONS
 from lit_rl.modeling.lora import LoRAConfig, as_lora_config, check_lora_config
+from lit_rl.modeling.models import MODEL_DTYPES
 from lit_rl.rollout.engine_config import (
     EngineConfig,
     engine_from_config,
@@ -89,6 +90,8 @@ class PolicyArgs:
 
     def check(self) -> None:
         check_lora_config(self.lora)
+        if self.dtype not in MODEL_DTYPES:  # else named only as `dtype` when the model loads
+            raise ConfigError(f"model.policy.dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
         if self.head_chunk_tokens is not None and self.head_chunk_tokens < 1:
             raise ConfigError(f"model.policy.head_chunk_tokens must be >= 1 (or null), got {self.head_chunk_tokens}")
         check_attention_implementation(self.attn_implementation)

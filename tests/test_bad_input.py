@@ -108,6 +108,7 @@ CASES = [
         1,
     ),
     ("zero-prompt-length", GRPO, ["--model.sampling.max_prompt_length", "0"], "max_prompt_length must be >= 1", 1),
+    ("unknown-dtype", GRPO, ["--model.policy.dtype", "foo"], "model.policy.dtype must be one of float32, bfloat16", 1),
     ("top-p-above-1", GRPO, ["--model.sampling.top_p", "1.5"], "model.sampling.top_p must be in (0, 1]", 1),
     (
         "negative-val-temperature",  # failed in transformers at the first validation, after training

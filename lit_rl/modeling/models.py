@@ -23,6 +23,7 @@ ASSETS_DIR = Path(__file__).parents[1] / "assets"
 BUILTIN_PREFIX = "lit-rl/"
 TINY_BASE = "tiny-qwen2-base"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+MODEL_DTYPES = tuple(_DTYPES)  # `model.policy.dtype`'s choices
 
 
 def resolve_model_path(name_or_path: str) -> str:
