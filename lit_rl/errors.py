@@ -5,6 +5,11 @@ The CLI prints them as one line, `lit-rl: error: <message>`, and exits non-zero 
 `ValueError` (and `FileNotFoundError` where a path is missing) so library callers can catch the usual types.
 """
 
+from __future__ import annotations
+
+import argparse
+from typing import NoReturn
+
 
 class LitRLError(ValueError):
     """A mistake in the input, reported in one line."""
@@ -54,3 +59,11 @@ def exception_line(err: BaseException) -> str:
     part of a one-line message."""
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse for `lit-rl check` and `lit-rl export`: a bad command line is one line naming where the usage is
+    (argparse prints the whole usage text first), exit 2 as argparse's."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")

@@ -32,7 +32,7 @@ import torch
 from transformers import AutoConfig
 
 from lit_rl.config import grouped_hparams
-from lit_rl.errors import DataFileNotFound, LitRLError, exception_line
+from lit_rl.errors import DataFileNotFound, LitRLError, OneLineArgumentParser, exception_line
 from lit_rl.modeling.lora import apply_lora, as_lora_config, save_merged, trainable_keys
 from lit_rl.modeling.models import load_causal_lm, load_tokenizer, reading_model, resolve_model_path
 from lit_rl.modeling.value_model import save_value_state
@@ -286,7 +286,7 @@ def _tied_keys(model: torch.nn.Module) -> set[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = OneLineArgumentParser(
         prog="lit-rl export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("checkpoint", help="a .ckpt file or a DeepSpeed checkpoint directory")

@@ -209,6 +209,26 @@ def test_a_config_that_does_not_parse_stops_the_check_in_one_line(tmp_path, caps
     assert "lit-rl: error:" not in lines[0]
 
 
+@pytest.mark.parametrize(
+    "command, argv, expected",
+    [
+        ("check", ["configs/grpo.yaml"], "lit-rl check: error: give the config to check: lit-rl check --config"),
+        ("check", ["--config", "my.yaml", "--steps", "3"], "lit-rl check: error: --steps must be even and at least 2"),
+        ("export", [], "lit-rl export: error: the following arguments are required: checkpoint, out_dir"),
+    ],
+)
+def test_a_bad_command_line_of_check_and_export_is_one_line(capsys, command, argv, expected):
+    """argparse printed its usage text before the error: three lines."""
+    from lit_rl.check.command import main as check
+    from lit_rl.export import main as export
+
+    with pytest.raises(SystemExit) as stop:
+        (check if command == "check" else export)(argv)
+    assert stop.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(expected), lines
+
+
 def test_the_users_checkpoint_callbacks_in_any_form_become_one_that_writes_under_the_run():
     """Any import path of ModelCheckpoint (or a subclass) is redirected; a second one is dropped (two alike would
     share Lightning's state key); a single callback given without a list is read as one."""

@@ -37,6 +37,7 @@ from lit_rl.check.layouts import (
 )
 from lit_rl.check.mismatch import MISMATCH_METRICS, moved_most, run_mismatch, steps_needed
 from lit_rl.check.runner import RunFailed, RunResult, fit, last_line, read_run, resume
+from lit_rl.errors import OneLineArgumentParser
 
 PAIRS = ("accumulation", "packing", "ranks", "resume", "cadence")
 EXIT_FAIL = 1
@@ -60,9 +61,7 @@ engine-trainer log-prob mismatch (train/rollout_kl) most.
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(
-        prog="lit-rl check", description=HELP, formatter_class=argparse.RawTextHelpFormatter
-    )
+    parser = OneLineArgumentParser(prog="lit-rl check", description=HELP, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="2 steps per run (the resume pair stops after step 1)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (even, >= 2; default 4)")
     parser.add_argument("--pairs", default=",".join(PAIRS), help=f"a comma-separated subset of {','.join(PAIRS)}")
