@@ -378,16 +378,18 @@ def check_trainer_settings(config: dict[str, Any]) -> None:
 
 
 def refuse_options_a_later_config_replaces(args: list[str]) -> None:
-    """An option followed by a `--config` that sets the same key is silently replaced by the file's value
+    """An option followed by a `--config` that sets the same value is silently replaced by the file's
     (jsonargparse applies the command line left to right): refused in one line. An option the later files leave
-    alone stands (a test overlay after a documented command)."""
+    alone stands (a test overlay after a documented command), and so does one they merge with: a group given as a
+    file (`--model.policy p.yaml`), or the class a later file names too (`--model GRPO --config lora.yaml`)."""
     for index, arg in enumerate(args):
-        key = arg.partition("=")[0]
+        key, has_value, value = arg.partition("=")
         if not key.startswith(("--trainer", "--model", "--data", "--seed_everything")) or key.endswith(".help"):
             continue
+        given = value if has_value else (args[index + 1] if index + 1 < len(args) else None)
         path = [part for part in key[2:].split(".") if part != "init_args"]
         for config_file, values in _later_config_files(args[index + 1 :]):
-            if _sets(values, path):
+            if _replaces(values, path, given):
                 raise ConfigError(
                     f"{key} comes before --config {config_file}, which sets it too and would replace it: put "
                     "options after the last --config"
@@ -410,8 +412,9 @@ def _later_config_files(args: list[str]) -> Iterator[tuple[str, Any]]:
             continue
 
 
-def _sets(values: Any, path: list[str]) -> bool:
-    """Whether the config `values` sets the dotted `path` (a class's options under its `init_args`)."""
+def _replaces(values: Any, path: list[str], given: Optional[str]) -> bool:
+    """Whether the config `values` replaces option `path` given as `given`: it sets a value there (a class's options
+    are under its `init_args`), or another class than the one `given` names."""
     node = values
     for part in path:
         if isinstance(node, dict) and part not in node and isinstance(node.get("init_args"), dict):
@@ -419,7 +422,11 @@ def _sets(values: Any, path: list[str]) -> bool:
         if not isinstance(node, dict) or part not in node:
             return False
         node = node[part]
-    return True
+    if not isinstance(node, dict):
+        return True
+    class_path = node.get("class_path")
+    names_a_class = given is not None and not given.endswith((".yaml", ".yml", ".json")) and "{" not in given
+    return names_a_class and class_path is not None and class_path != given
 
 
 # Short names on the command line (`--model GRPO`, `--model.help GRPO`, `--data.help PromptDataModule`).
@@ -482,7 +489,7 @@ def main(args: Optional[list[str]] = None) -> None:
     if args is None:  # LightningCLI warns when given `args` while sys.argv holds arguments too
         sys.argv[1:] = normalize_args(given)
     try:
-        refuse_options_a_later_config_replaces(given)
+        refuse_options_a_later_config_replaces(normalize_args(given))
         cli = LitRLCLI(
             model_class=L.LightningModule,
             datamodule_class=L.LightningDataModule,

@@ -7,6 +7,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,12 +24,21 @@ def import_callable(path: str, what: str) -> Callable[..., Any]:
         module = import_module(module_name)
     except ImportError as err:
         raise ValueError(f"{what} {path!r}: cannot import module {module_name!r} ({err})") from None
-    except Exception as err:  # the module's own code failed (a SyntaxError names its file and line)
-        raise ValueError(f"{what} {path!r}: importing module {module_name!r} raised {exception_line(err)}") from None
+    except Exception as err:  # the module's own code failed (a SyntaxError names its file and line itself)
+        where = "" if isinstance(err, SyntaxError) else _where(err)
+        raise ValueError(
+            f"{what} {path!r}: importing module {module_name!r} raised {exception_line(err)}{where}"
+        ) from err
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"{what} {path!r}: module {module_name!r} has no callable {attr!r}")
     return fn
+
+
+def _where(err: BaseException) -> str:
+    """` (at file:line)` of the innermost frame `err` was raised in: the user's module, or one it imports."""
+    frames = traceback.extract_tb(err.__traceback__)
+    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 
 
 def import_module(name: str) -> Any:

@@ -83,6 +83,15 @@ def _broken_module(tmp_path):
     return ["--model.rewards.funcs", "[broken_rewards.accuracy]", "--model.rewards.weights", "null"]
 
 
+def _module_failing_in_what_it_imports(tmp_path):
+    """A reward module whose import of a helper module fails: the line names the helper's file and line."""
+    (tmp_path / "helper_of_rewards.py").write_text("x = 1\ny = undefined_name\n")
+    (tmp_path / "rewards_with_helper.py").write_text(
+        "import helper_of_rewards\n\ndef score(completions, **kw):\n    pass\n"
+    )
+    return ["--model.rewards.funcs", "[rewards_with_helper.score]", "--model.rewards.weights", "null"]
+
+
 def _save_dir_under_a_file(tmp_path):
     (tmp_path / "a_file").write_text("")
     return ["--trainer.logger.init_args.save_dir", str(tmp_path / "a_file" / "runs")]
@@ -105,6 +114,13 @@ CASES = [
         GRPO,
         _broken_module,
         "'broken_rewards.accuracy': importing module 'broken_rewards' raised SyntaxError: expected ':'",
+        1,
+    ),
+    (
+        "reward-module-import-fails-inside",
+        GRPO,
+        _module_failing_in_what_it_imports,
+        "raised NameError: name 'undefined_name' is not defined (at ",
         1,
     ),
     ("zero-prompt-length", GRPO, ["--model.sampling.max_prompt_length", "0"], "max_prompt_length must be >= 1", 1),

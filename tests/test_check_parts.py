@@ -351,6 +351,9 @@ def test_a_value_fit_refuses_stops_the_check_in_one_line_and_a_layouts_own_refus
         directory.mkdir(parents=True, exist_ok=True)
         error = refusing.get(directory.name, refusing.get("*"))
         (directory / "output.log").write_text("Seed set to 0\n" + (f"lit-rl: error: {error}\n" if error else ""))
+        if error and error.startswith("step 1's loss"):  # it failed while training: a logged step
+            (directory / "run" / "version_0").mkdir(parents=True)
+            (directory / "run" / "version_0" / "metrics.csv").write_text("step,train/loss\n1,0.5\n")
         return 1 if error else 0
 
     monkeypatch.setattr(command, "resolved_config", lambda fit_args: _config())
@@ -380,3 +383,14 @@ def test_a_value_fit_refuses_stops_the_check_in_one_line_and_a_layouts_own_refus
     assert "padding_free failed (exit 1): lit-rl: error: model.policy.padding_free needs" in out
     assert err.strip().splitlines()[-1] == "lit-rl check: FAIL: packing", err
     assert ran == ["padding_free", "straight"]
+
+    # A run that failed while training (a diverged loss, a full disk: `lit-rl: error:` too) is its pair's FAIL.
+    refusing.clear()
+    refusing["*"] = "step 1's loss is not finite (nan)"
+    ran.clear()
+    with pytest.raises(SystemExit) as stop:
+        command.main(["--config", "my.yaml", "--quick", "--pairs", "accumulation"])
+    assert stop.value.code == command.EXIT_FAIL
+    out, err = capsys.readouterr()
+    assert "two_micro_batches failed (exit 1): lit-rl: error: step 1's loss is not finite" in out
+    assert ran == ["two_micro_batches"]

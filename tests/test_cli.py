@@ -67,6 +67,8 @@ def test_dotted_overrides_and_repeated_configs(capsys, tmp_path):
     # test_bad_input's option-before-config); grpo.yaml sets no max_epochs, later.yaml no learning rate.
     config = _print_config(capsys, "--trainer.max_epochs", "3", "--config", str(CONFIGS / "grpo.yaml"))
     assert config["trainer"]["max_epochs"] == 3
+    config = _print_config(capsys, "--model", "GRPO", "--config", str(CONFIGS / "grpo.yaml"))  # the same class
+    assert config["model"]["class_path"] == "lit_rl.algorithms.GRPO"
     config = _print_config(
         capsys, "--config", str(CONFIGS / "grpo.yaml"), "--model.optim.learning_rate", "0.5", "--config", str(later)
     )

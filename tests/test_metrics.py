@@ -196,10 +196,11 @@ def test_metrics_accumulate_in_float32_when_lightning_casts_the_module_to_half_p
     from lit_rl.algorithms import SFT
     from lit_rl.training.metrics import compute_collection
 
-    module = HalfPrecision(precision).convert_module(SFT())
+    module = HalfPrecision(precision).convert_module(SFT()).to("cpu")  # cast, then moved: as Strategy.setup
     assert module.policy is None  # the policy is built later (configure_model); the metrics are the module's now
     metrics = module.train_metrics
-    assert {metric.dtype for metric in metrics.values()} == {torch.float32}
+    states = {value.dtype for metric in metrics.values() for value in metric.metric_state.values()}
+    assert states == {torch.float32}
     for _ in range(10_000):  # 70 000 tokens: above float16's largest value, 65 504
         metrics["num_tokens"].update(torch.tensor(7.0))
     for _ in range(300):
@@ -212,9 +213,10 @@ def test_a_collection_that_accumulates_in_half_precision_is_refused():
     from lit_rl.training.metrics import compute_collection
 
     metrics = grpo_metrics([], with_kl=False)
-    metrics["entropy"].set_dtype(torch.bfloat16)
+    metrics.to(torch.bfloat16).to("cpu")  # as Lightning's strategies: cast, then moved (`dtype` reads float32 again)
     metrics["entropy"].update(torch.ones(3))
-    with pytest.raises(TypeError, match="'entropy' accumulates in torch.bfloat16: metric states must stay float32"):
+    refused = r"'clip_ratio/high' accumulates in torch.bfloat16 \(mean_value\): metric states must stay float32"
+    with pytest.raises(TypeError, match=refused):
         compute_collection(metrics)
 
 

@@ -29,7 +29,7 @@ from lit_rl.numerics import settle_cpu_math_kernels
 from lit_rl.resume import say
 from lit_rl.training.flops import ModelShape, RunThroughput, device_peak, precision_advice, row_tokens_and_keys
 from lit_rl.training.gradients import clip_gradients
-from lit_rl.training.metrics import compute_collection
+from lit_rl.training.metrics import compute_collection, half_precision_states
 from lit_rl.training.perf import BusyClock, StepTimer, step_perf
 from lit_rl.training.strategies import shards_parameters
 
@@ -89,8 +89,8 @@ class PolicyModule(PolicyModel, CheckpointState, L.LightningModule):
         the like only), and sums in half precision round (300 updates of 7 tokens counted 2048, not 2100)."""
         super()._apply(fn, recurse)
         for module in self.modules():
-            if isinstance(module, Metric) and module.dtype != torch.float32:
-                module.set_dtype(torch.float32)
+            if isinstance(module, Metric) and half_precision_states(module):  # its integer states stay as they are
+                module._apply(lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t)
         return self
 
     @property
@@ -207,9 +207,9 @@ class PolicyModule(PolicyModel, CheckpointState, L.LightningModule):
         pair metrics on a step whose pairs all tied)."""
         values = {f"{collection.prefix}{name}": value for name, value in compute_collection(collection).items()}
         collection.reset()
-        for name in self._logged_metrics - values.keys():
-            if name.startswith(collection.prefix):
-                values[name] = torch.tensor(float("nan"))
+        names = {f"{collection.prefix}{name}" for name in collection.keys(keep_base=True)}
+        for name in (self._logged_metrics & names) - values.keys():
+            values[name] = torch.tensor(float("nan"))
         self._logged_metrics.update(values)
         for name, value in values.items():
             shown = any(name.endswith("/" + key) and name.count("/") == 1 for key in prog_bar)

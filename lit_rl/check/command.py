@@ -108,6 +108,14 @@ class ConfigRefused(Exception):
     pair did. The message is `fit`'s, without its `lit-rl: error: `."""
 
 
+def trained_a_step(directory: Path) -> bool:
+    """Whether the run in `directory` logged a training step or wrote a checkpoint: its error then came while it
+    trained (`NonFiniteGuard`, a reward function's, a checkpoint's write), not from refusing its config."""
+    runs = list((directory / "run").glob("version_*"))
+    logged = any((run / "metrics.csv").is_file() and (run / "metrics.csv").stat().st_size > 0 for run in runs)
+    return logged or any(any(run.glob("checkpoints/*")) for run in runs)
+
+
 def as_configured(layout: Layout) -> bool:
     """A layout that runs the user's config as it is (`straight`; `--mismatch`'s `as_configured`)."""
     return not layout.changes and layout.stop_at is None
@@ -163,8 +171,8 @@ class Check:
         its own failure (exit 1). A change of the layout's that `fit` refuses (padding-free for a model that cannot
         pack) fails only its pair: the run as configured, which most pairs compare with anyway, tells them apart."""
         line = last_line(directory)
-        if not line.startswith(CONFIG_ERROR):
-            return
+        if not line.startswith(CONFIG_ERROR) or trained_a_step(directory):
+            return  # a run that failed while training (a diverged loss, a full disk) is its pair's FAIL, runs kept
         if as_configured(layout):
             raise ConfigRefused(line.removeprefix(CONFIG_ERROR))
         if not self.configured_ran:

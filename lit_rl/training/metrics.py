@@ -245,6 +245,15 @@ def update_rollout_metrics(
         m[f"rewards/{name}"].update(components[:, column].nan_to_num(0.0, 0.0, 0.0), weight * valid)
 
 
+def half_precision_states(metric: Metric) -> list[str]:
+    """The states of `metric` held in float16 or bfloat16 (its `dtype` says only what it was last moved with)."""
+    return [
+        name
+        for name, value in metric.metric_state.items()
+        if torch.is_tensor(value) and value.dtype in (torch.float16, torch.bfloat16)
+    ]
+
+
 def compute_collection(collection: MetricCollection) -> dict[str, torch.Tensor]:
     """The value over every rank of each metric of `collection` that any rank updated, by name (without the prefix).
 
@@ -257,11 +266,12 @@ def compute_collection(collection: MetricCollection) -> dict[str, torch.Tensor]:
         raise TypeError(
             f"metric {syncing[0]!r} must be built with lit_rl.training.metrics.LOCAL (sync_on_compute=False)"
         )
-    halved = [name for name, metric in metrics.items() if metric.dtype in (torch.float16, torch.bfloat16)]
+    halved = [(name, state) for name, metric in metrics.items() for state in half_precision_states(metric)]
     if halved:  # its sums would round: 300 updates of 7 tokens count 2048 in bfloat16
+        (name, state), dtype = halved[0], getattr(metrics[halved[0][0]], halved[0][1]).dtype
         raise TypeError(
-            f"metric {halved[0]!r} accumulates in {metrics[halved[0]].dtype}: metric states must stay float32 "
-            "(a module cast with `.to(dtype)` keeps them so: `PolicyModule._apply`)"
+            f"metric {name!r} accumulates in {dtype} ({state}): metric states must stay float32 (a module cast "
+            "with `.to(dtype)` keeps them so: `PolicyModule._apply`)"
         )
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return {name: metric.compute() for name, metric in metrics.items() if metric.update_called}
