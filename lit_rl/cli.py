@@ -20,7 +20,7 @@ import signal
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, NoReturn, Optional
+from typing import Any, NoReturn, Optional
 
 import lightning as L
 import yaml
@@ -381,35 +381,45 @@ def refuse_options_a_later_config_replaces(args: list[str]) -> None:
     """An option followed by a `--config` that sets the same value is silently replaced by the file's
     (jsonargparse applies the command line left to right): refused in one line. An option the later files leave
     alone stands (a test overlay after a documented command), and so does one they merge with: a group given as a
-    file (`--model.policy p.yaml`), or the class a later file names too (`--model GRPO --config lora.yaml`)."""
+    file (`--model.policy p.yaml`), or the class a later file names too (`--model GRPO --config lora.yaml`). Each
+    file is read once, and only when an option comes before it."""
+    config_files = _config_files(args)
+    read: dict[int, Any] = {}  # position of the file's name in `args` -> its YAML
     for index, arg in enumerate(args):
         key, has_value, value = arg.partition("=")
         if not key.startswith(("--trainer", "--model", "--data", "--seed_everything")) or key.endswith(".help"):
             continue
         given = value if has_value else (args[index + 1] if index + 1 < len(args) else None)
         path = [part for part in key[2:].split(".") if part != "init_args"]
-        for config_file, values in _later_config_files(args[index + 1 :]):
-            if _replaces(values, path, given):
+        for position, config_file in config_files:
+            if position <= index:
+                continue
+            if position not in read:
+                read[position] = _read_config_file(config_file)
+            if _replaces(read[position], path, given):
                 raise ConfigError(
                     f"{key} comes before --config {config_file}, which sets it too and would replace it: put "
                     "options after the last --config"
                 )
 
 
-def _later_config_files(args: list[str]) -> Iterator[tuple[str, Any]]:
-    """Each `--config FILE` (or `--config=FILE`) of `args` with its parsed YAML; a file that cannot be read is left
-    to the parser to report."""
+def _config_files(args: list[str]) -> list[tuple[int, str]]:
+    """Each `--config FILE` (or `--config=FILE`) of `args`: where it stands, and the file."""
+    found = []
     for index, arg in enumerate(args):
         if arg == "--config" and index + 1 < len(args):
-            config_file = args[index + 1]
+            found.append((index, args[index + 1]))
         elif arg.startswith("--config="):
-            config_file = arg.partition("=")[2]
-        else:
-            continue
-        try:
-            yield config_file, yaml.safe_load(Path(config_file).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, yaml.YAMLError):
-            continue
+            found.append((index, arg.partition("=")[2]))
+    return found
+
+
+def _read_config_file(config_file: str) -> Any:
+    """A `--config` file's YAML; None for one that cannot be read, which the parser reports."""
+    try:
+        return yaml.safe_load(Path(config_file).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
 
 
 def _replaces(values: Any, path: list[str], given: Optional[str]) -> bool:
