@@ -484,6 +484,27 @@ def normalize_args(args: list[str]) -> list[str]:
     return out
 
 
+# What `--model.help` / `--data.help` without a class should have named (jsonargparse would print the base class's
+# empty usage and exit 0).
+HELP_NEEDS = {
+    "--model.help": "an algorithm: lit-rl fit --model.help GRPO (or DPO, OnlineDPO, PPO, RLOO, SFT, or a class path)",
+    "--data.help": "a data module: lit-rl fit --data.help PromptDataModule (or PreferenceDataModule, SFTDataModule, "
+    "or a class path)",
+}
+
+
+def refuse_help_without_class(args: list[str]) -> None:
+    """`--model.help` and `--data.help` show one class's options, so they need the class after them."""
+    for index, arg in enumerate(args):
+        key, equals, value = arg.partition("=")
+        if key not in HELP_NEEDS:
+            continue
+        if not equals:
+            value = args[index + 1] if index + 1 < len(args) else ""
+        if not value or value.startswith("-"):
+            raise ConfigError(f"{key} needs {HELP_NEEDS[key]}")
+
+
 def main(args: Optional[list[str]] = None) -> None:
     if args is None:  # `python -m lit_rl.cli` (the ranks Lightning starts, `lit-rl check`'s runs) as `lit-rl` does
         private_files()
@@ -499,6 +520,7 @@ def main(args: Optional[list[str]] = None) -> None:
     if args is None:  # LightningCLI warns when given `args` while sys.argv holds arguments too
         sys.argv[1:] = normalize_args(given)
     try:
+        refuse_help_without_class(given)
         refuse_options_a_later_config_replaces(normalize_args(given))
         cli = LitRLCLI(
             model_class=L.LightningModule,

@@ -119,6 +119,17 @@ def test_short_algorithm_names_and_negative_numbers_on_the_command_line(capsys):
     assert "--model GRPO | PPO | RLOO | OnlineDPO | DPO | SFT" in text and "lit-rl fit --model.help GRPO" in text
 
 
+@pytest.mark.parametrize("args", [["--model.help"], ["--data.help", "--trainer.max_steps", "2"], ["--model.help="]])
+def test_help_without_a_class_names_what_it_needs(capsys, args):
+    """jsonargparse prints the base class's empty usage and exits 0 for a `.help` with no class."""
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli("fit", "--config", str(CONFIGS / "grpo.yaml"), *args)
+    assert exit_info.value.code != 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"lit-rl: error: {args[0].rstrip('=')} needs a"), lines
+    assert ("--model.help GRPO" if "model" in args[0] else "--data.help PromptDataModule") in lines[0]
+
+
 def test_every_documented_group_field_is_on_the_command_line(capsys):
     """Each group's fields are options of every algorithm that takes the group, documented once (lit_rl.config)."""
     import dataclasses
