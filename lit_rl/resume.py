@@ -9,7 +9,9 @@ again from step 0. lit-rl resolves `last` before the trainer exists instead:
    checkpoints (`checkpoints/*.ckpt`, files or DeepSpeed directories);
 2. the newest checkpoint (by modification time) wins (`last.ckpt` where it was written with the newest step file);
 3. the logger's `version` is set to that run's, so the resumed run writes into the same directory;
-4. an explicit `--ckpt_path runs/grpo/version_3/checkpoints/step=200.ckpt` continues `version_3` the same way.
+4. an explicit `--ckpt_path runs/grpo/version_3/checkpoints/step=200.ckpt` continues `version_3` the same way,
+   when it is that run's newest checkpoint: continuing from an older one would overwrite the later checkpoints and
+   metrics rows, so it is refused in one line (a branch from it gets a directory of its own).
 
 The CSV logger deletes `metrics.csv` when it opens an existing directory; `keep_csv_rows` puts back every row
 up to the checkpoint's step (the rows a stopped run logged after its checkpoint are dropped: the resumed run logs
@@ -80,11 +82,34 @@ def resolve_ckpt_path(config: Any, continue_run: bool = True) -> Optional[Resume
     if not continue_run:
         say(f"reading checkpoint {checkpoint} (step {step})")
         return ResumePoint(checkpoint, step, None)
+    if run is not None:
+        refuse_rewinding(run, checkpoint, step)
     if run is not None and found is not None and found.version is None:
         match = VERSION_DIR.match(run.name)
         found.version = int(match.group(1)) if match else run.name
     say(f"resuming from {checkpoint} (step {step})" + (f" in {run}" if run is not None else ""))
     return ResumePoint(checkpoint, step, run)
+
+
+def refuse_rewinding(run: Path, checkpoint: Path, step: int) -> None:
+    """Continuing `run` from `checkpoint` (written at `step`) while it holds a checkpoint of a later step would
+    overwrite that checkpoint and drop the metrics rows after `step`: stopped in one line. Only checkpoints written
+    after `checkpoint` are read (a later step is written later)."""
+    written = checkpoint.stat().st_mtime
+    for other in checkpoints_in(run):
+        if other.stat().st_mtime <= written or other.resolve() == checkpoint.resolve():
+            continue
+        try:
+            later = int(_read_state(other)["global_step"])
+        except Exception:  # a damaged checkpoint holds nothing to lose
+            continue
+        if later > step:
+            raise LitRLError(
+                f"--ckpt_path {checkpoint}: the run {run} has a later checkpoint ({other.name}, step {later}), which "
+                f"continuing the run from step {step} would overwrite, with its metrics after step {step}: continue "
+                "the newest with --ckpt_path last, or branch from this one into a directory of its own "
+                "(--trainer.logger.version NAME)"
+            )
 
 
 # `--ckpt_path` values Lightning resolves itself: its names, and remote paths (fsspec URLs).

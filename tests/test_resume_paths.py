@@ -12,6 +12,7 @@ import torch
 from jsonargparse import Namespace
 from lightning.pytorch.loggers import CSVLogger
 
+from lit_rl.errors import LitRLError
 from lit_rl.resume import CheckpointError, ResumePoint, keep_run_metrics, resolve_ckpt_path, resumes_another_run
 
 
@@ -56,6 +57,23 @@ def test_an_explicit_checkpoint_of_a_run_continues_that_run(tmp_path):
     config = _config(tmp_path / "runs", str(elsewhere))
     assert resolve_ckpt_path(config) == ResumePoint(elsewhere, 9, None)
     assert config.trainer.logger.init_args.version is None
+
+
+def test_an_older_checkpoint_of_a_run_does_not_overwrite_its_later_ones(tmp_path):
+    """Continuing a run from step 2 while it holds step 4 would overwrite step 4 and drop its metrics rows after
+    step 2: refused in one line; a branch in a directory of its own (a version given by hand) goes ahead."""
+    runs = tmp_path / "runs" / "grpo"
+    older = _checkpoint(runs / "version_0" / "checkpoints" / "step=2.ckpt", 2, 1000)
+    _checkpoint(runs / "version_0" / "checkpoints" / "step=4.ckpt", 4, 2000)
+    with pytest.raises(LitRLError) as caught:
+        resolve_ckpt_path(_config(tmp_path / "runs", str(older)))
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(f"--ckpt_path {older}: the run {runs / 'version_0'} has a later")
+    assert "(step=4.ckpt, step 4)" in message and "--ckpt_path last" in message
+    branch = _config(tmp_path / "runs", str(older), version="branch")
+    assert resolve_ckpt_path(branch) == ResumePoint(older, 2, None)
+    newest = runs / "version_0" / "checkpoints" / "step=4.ckpt"
+    assert resolve_ckpt_path(_config(tmp_path / "runs", str(newest))) == ResumePoint(newest, 4, runs / "version_0")
 
 
 def test_last_without_any_checkpoint_starts_at_step_0_and_says_so(tmp_path, capsys):
