@@ -49,7 +49,9 @@ def test_skipping_finished_rows_samples_what_generate_samples(policy, params, re
     torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-6)
     lengths = a.completion_mask.sum(dim=1)
     assert len(set(lengths.tolist())) > 1  # rows finish at different steps: there is something to skip
-    assert (a.logprobs[a.completion_mask > 0] < 0).all()
+    sampled = a.logprobs[a.completion_mask > 0]
+    # Of the distribution drawn from: top-k/top-p may leave a step one token (log-prob 0), never a positive one.
+    assert (sampled <= 0).all() and (sampled < 0).any()
 
 
 def test_only_the_rows_still_running_are_computed(policy):
@@ -69,8 +71,32 @@ def test_only_the_rows_still_running_are_computed(policy):
     assert sum(rows) < full_rows
 
 
+def drawn_from_logprobs(model, ids, mask, out, params, eos_id):
+    """[N, T] log-probs of `out`'s tokens under the distribution each was drawn from, from the whole sequence's
+    forward: the stop masked before `min_new_tokens`, then temperature, top-k and top-p (the plain logits when
+    greedy), as vLLM's `processed_logprobs` report them."""
+    from lit_rl.ops import position_ids_from_mask
+    from lit_rl.rollout.engines.compact_decode import SeededRowSampler
+
+    full_mask = torch.cat([mask, out.completion_mask.long()], dim=1)
+    full_ids = torch.cat([ids, out.completion_ids], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=full_ids, attention_mask=full_mask, position_ids=position_ids_from_mask(full_mask))
+    logits = logits.logits[:, ids.shape[1] - 1 : -1].float()  # [N, T, V]: the logits each token was drawn from
+    warp = (lambda x: x) if params.greedy else SeededRowSampler([0] * len(ids), params).warp
+    columns = []
+    for t in range(logits.shape[1]):
+        step = logits[:, t]
+        if t < params.min_new_tokens:
+            step = step.index_fill(-1, torch.tensor([eos_id]), float("-inf"))
+        columns.append(torch.log_softmax(warp(step), dim=-1).gather(-1, out.completion_ids[:, t : t + 1]))
+    return torch.cat(columns, dim=1).masked_fill(out.completion_mask == 0, 0.0)  # pads may be truncated: -inf
+
+
 @pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (0.0, 0), (1.0, 1)], ids=["sampled", "greedy", "top_k_1"])
-def test_no_completion_stops_before_min_new_tokens_and_the_logprobs_stay_the_trainers(policy, temperature, top_k):
+def test_no_completion_stops_before_min_new_tokens_and_the_logprobs_are_of_the_distribution_drawn_from(
+    policy, temperature, top_k
+):
     from lit_rl.modeling.completions import completion_scores
 
     tokenizer, model = policy
@@ -86,9 +112,17 @@ def test_no_completion_stops_before_min_new_tokens_and_the_logprobs_stay_the_tra
     a, b = skipping.generate(ids, mask, held, seeds), full.generate(ids, mask, held, seeds)
     assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.completion_mask, b.completion_mask)
     assert a.completion_mask.sum(dim=1).min() >= 6
-    # The log-probs are of the model's own distribution (stops unmasked), what the trainer computes.
-    trainer = completion_scores(
-        model, ids, mask, a.completion_ids, a.completion_mask, 1.0 if temperature == 0 else temperature
-    ).logprobs
+    # The log-probs are of the distribution drawn from (vLLM's `processed_logprobs`): the stop masked early, top-k
+    # applied (top_k 1: every token had probability 1, log-prob 0).
+    expected = drawn_from_logprobs(model, ids, mask, a, held, tokenizer.eos_token_id)
     for out in (a, b):
-        torch.testing.assert_close(out.logprobs, trainer * out.completion_mask, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.logprobs, expected, rtol=1e-5, atol=1e-5)
+    if top_k == 1:
+        assert a.logprobs.abs().max() == 0
+    # The trainer's are of the whole distribution: the early tokens' differ by the stop's mass, the later agree.
+    trainer = completion_scores(model, ids, mask, a.completion_ids, a.completion_mask, held.logprob_temperature)
+    gap = a.logprobs - trainer.logprobs * a.completion_mask
+    if top_k == 0:
+        assert (gap[:, :6] > 1e-4).any() and (gap[:, :6] > -1e-5).all()  # the engine's q >= the trainer's p
+        # (the whole sequence's forward rounds differently from one token at a time: ~1e-5)
+        torch.testing.assert_close(gap[:, 6:], torch.zeros_like(gap[:, 6:]), rtol=0, atol=5e-5)

@@ -15,9 +15,11 @@ from lit_rl.seeding import seed_offset
 class SamplingParams:
     """How completions are sampled. `temperature == 0` means greedy decoding.
 
-    Log-probs reported by engines are those of the temperature-scaled distribution `softmax(logits / T)` (of the
-    plain logits when greedy), before top-p/top-k truncation, which is what the trainer recomputes. The HF
-    engine's are also before `min_new_tokens` masks the stop ids; vLLM's are after it (`lit_rl.rollout.engines.vllm`).
+    Log-probs reported by engines are those of the distribution each token was drawn from, the same for every
+    engine (vLLM's `processed_logprobs`): the logits with the stop ids masked before `min_new_tokens`, divided by
+    `T` and truncated by top-k and top-p (the plain logits when greedy). The trainer recomputes `softmax(logits / T)`:
+    the two agree up to rounding without top-k, top-p and `min_new_tokens`; with them the difference is the
+    truncation's, which the rollout log-prob metrics show and the importance correction weighs (docs/rollouts.md).
     """
 
     max_new_tokens: int = 16

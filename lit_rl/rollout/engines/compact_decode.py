@@ -34,14 +34,16 @@ def sample_next(
     eos: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens [n] chosen from decoding `step`'s logits [n, V] (greedy without a `SeededRowSampler`, else each row
-    from its seed in `seeds` [n]) and their log-probs [n] under `softmax(logits / params.logprob_temperature)`."""
+    from its seed in `seeds` [n]) and their log-probs [n] under the distribution they were drawn from: the logits
+    with the stop ids masked before `min_new_tokens`, then divided by the temperature and truncated by top-k and
+    top-p (`SeededRowSampler.warp`; the plain logits when greedy), as vLLM's `processed_logprobs` report them."""
     scores = logits.float()  # [n, V]
-    # No stop yet: masked before top-k/top-p (as HF and vLLM do), so the truncation keeps other tokens; the
-    # log-prob below stays that of the unmasked distribution.
+    # No stop yet: masked before top-k/top-p (as HF and vLLM do), so the truncation keeps other tokens.
     allowed = scores.index_fill(-1, eos, float("-inf")) if step < params.min_new_tokens else scores
-    ranked = allowed if sampler is None else sampler.perturb(allowed, seeds, step)
+    drawn_from = allowed if sampler is None else sampler.warp(allowed)
+    ranked = drawn_from if sampler is None else sampler.noised(drawn_from, seeds, step)
     chosen = ranked.argmax(dim=-1)  # [n]
-    logprob = torch.log_softmax(scores / params.logprob_temperature, dim=-1).gather(-1, chosen[:, None])
+    logprob = torch.log_softmax(drawn_from, dim=-1).gather(-1, chosen[:, None])
     return chosen, logprob.squeeze(-1)
 
 
@@ -57,7 +59,7 @@ def decode_skipping_finished(
     cache: Optional[Any] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Completion ids [N, T'] (pad after each row's EOS, T' <= max_new_tokens: up to the longest row) and the
-    log-probs [N, T'] of the sampled tokens under `softmax(logits / params.logprob_temperature)`.
+    log-probs [N, T'] of the sampled tokens under the distribution they were drawn from (`sample_next`).
 
     `cache`: a KV cache of every row's prompt but its last token (`shared_prompt_cache`), or None.
     """
@@ -127,11 +129,13 @@ class SeededRowSampler:
     (`counter_uniforms`): vectorised over the batch, the same on any device, and independent of the other rows.
     """
 
-    def __init__(self, seeds: Sequence[int], params: SamplingParams) -> None:
+    def __init__(self, seeds: Sequence[int], params: SamplingParams, recorder: Optional[Any] = None) -> None:
+        """`recorder`: a logits processor (`hf.SampledTokenLogprobs`) given each step's warped scores in `generate`."""
         from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
         self.seeds = torch.tensor([int(seed) for seed in seeds], dtype=torch.int64)
         self.step = 0
+        self.recorder = recorder
         warpers = [TemperatureLogitsWarper(params.temperature)]
         if params.top_k > 0:
             warpers.append(TopKLogitsWarper(params.top_k))
@@ -142,16 +146,23 @@ class SeededRowSampler:
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if len(self.seeds) != scores.shape[0]:
             raise ValueError(f"{len(self.seeds)} seeds for {scores.shape[0]} rows")
-        perturbed = self.perturb(scores, self.seeds, self.step)
+        warped = self.warp(scores)
+        if self.recorder is not None:  # the log-probs of the distribution sampled from, before the noise
+            self.recorder(input_ids, warped)
+        perturbed = self.noised(warped, self.seeds, self.step)
         self.step += 1
         return perturbed
 
-    def perturb(self, scores: torch.Tensor, seeds: torch.Tensor, step: int) -> torch.Tensor:
-        """The warped scores [n, V] of rows with `seeds` [n] at decoding `step`, plus their Gumbel noise: the
-        argmax is the sample."""
-        scores = self.warpers(None, scores.float())  # [n, V]; the warpers do not read input_ids
-        uniform = counter_uniforms(seeds.to(scores.device), step, scores.shape[1])  # [n, V]
-        return scores + (-torch.log(-torch.log(uniform))).to(scores.dtype)
+    def warp(self, scores: torch.Tensor) -> torch.Tensor:
+        """The scores [n, V] of the distribution sampled from: divided by the temperature, truncated by top-k and
+        top-p (-inf outside)."""
+        return self.warpers(None, scores.float())  # the warpers do not read input_ids
+
+    def noised(self, warped: torch.Tensor, seeds: torch.Tensor, step: int) -> torch.Tensor:
+        """Warped scores [n, V] of rows with `seeds` [n] at decoding `step`, plus their Gumbel noise: the argmax is
+        the sample."""
+        uniform = counter_uniforms(seeds.to(warped.device), step, warped.shape[1])  # [n, V]
+        return warped + (-torch.log(-torch.log(uniform))).to(warped.dtype)
 
 
 _GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed int64

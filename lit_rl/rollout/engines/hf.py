@@ -109,7 +109,10 @@ class HFGenerateEngine:
             self.model.train(was_training)
         mask = completion_mask_from_ids(completion_ids, self.eos_token_ids)
         completion_ids = completion_ids.masked_fill(mask == 0, self.pad_token_id)
-        return RolloutOutput(completion_ids=completion_ids, completion_mask=mask, logprobs=logprobs * mask)
+        # After a row's EOS `generate` appends pads, which top-k/top-p may have truncated away (log-prob -inf):
+        # zeroed, not multiplied (-inf * 0 is NaN).
+        logprobs = logprobs.masked_fill(mask == 0, 0.0)
+        return RolloutOutput(completion_ids=completion_ids, completion_mask=mask, logprobs=logprobs)
 
     def _decode(self, prompt_ids, prompt_mask, params, seeds) -> tuple[torch.Tensor, torch.Tensor]:
         """Completion ids [N, T] and the sampled tokens' log-probs [N, T], in eval mode."""
@@ -138,12 +141,13 @@ class HFGenerateEngine:
             pad_token_id=self.pad_token_id,
             return_dict_in_generate=True,
         )
-        recorder = SampledTokenLogprobs(params.logprob_temperature)
-        processors = [recorder]  # first: the recorded log-probs are of the unmasked distribution
+        # The recorded log-probs are of the distribution sampled from (`compact_decode.sample_next`): after the
+        # stops' mask, and when sampling of the sampler's warped scores (temperature, top-k, top-p), before its noise.
+        recorder = SampledTokenLogprobs()
+        processors = []
         if params.min_new_tokens > 0:  # before top-k/top-p, as HF's own processor and vLLM mask
             processors.append(StopsSuppressed(self.eos_token_ids, params.min_new_tokens))
-        if not params.greedy:
-            processors.append(SeededRowSampler(seeds, params))
+        processors.append(recorder if params.greedy else SeededRowSampler(seeds, params, recorder=recorder))
         processors = LogitsProcessorList(processors)
         with _library_generation_defaults(self.model):
             out = self.model.generate(
@@ -165,8 +169,9 @@ class HFGenerateEngine:
 
 
 class SampledTokenLogprobs:
-    """A logits processor, first in the list so that it sees the raw logits, that keeps the log-prob of each sampled
-    token under `softmax(logits / temperature)`.
+    """A logits processor that keeps the log-prob of each sampled token under `softmax(scores / temperature)` of the
+    scores it is given: the distribution sampled from (last in the list when greedy; when sampling, the
+    `SeededRowSampler` hands it its warped scores before adding the noise).
 
     At decoding step t it holds step t's log-softmax [N, V] (float32) until step t + 1 shows which token was chosen
     (the last column of `input_ids`); `logprobs_of` reads the last step's. Peak memory is one step's [N, V], where
