@@ -221,6 +221,17 @@ class SamplingArgs:
             raise ConfigError(f"model.sampling.top_k must be >= 0 (0: off), got {self.top_k}")
         check_length_limit("model.sampling.max_prompt_length", self.max_prompt_length)
 
+    def check_engine(self, engine: EngineConfig) -> None:
+        """Temperatures the engine would sample at another value than asked (`EngineConfig.min_temperature`), while
+        the trainer computes log-probs at the one asked."""
+        floor = engine.min_temperature
+        for key, value in (("temperature", self.temperature), ("val_temperature", self.val_temperature)):
+            if 0 < value < floor:
+                raise ConfigError(
+                    f"model.sampling.{key} must be 0 (greedy) or >= {floor} with {type(engine).__name__}, which "
+                    f"samples a lower one at {floor}; got {value}"
+                )
+
 
 def check_length_limit(key: str, limit: Optional[int]) -> None:
     """A truncation keeps at least one token: `limit` None (no limit) or >= 1."""

@@ -266,6 +266,20 @@ CASES = [
         "model.loss.epsilon_high (0.2) must be >= model.loss.epsilon (0.3)",
         1,
     ),
+    (
+        "temperature-vllm-raises",  # vLLM samples at 0.01 with a log line; the trainer's log-probs at 0.005
+        GRPO,
+        ["--model.rollout.engine", "VLLMServer", "--model.sampling.temperature", "0.005"],
+        "model.sampling.temperature must be 0 (greedy) or >= 0.01 with VLLMServer, which samples a lower one at 0.01",
+        1,
+    ),
+    (
+        "val-temperature-vllm-raises",
+        GRPO,
+        ["--model.rollout.engine", "VLLMColocate", "--model.sampling.val_temperature", "0.001"],
+        "model.sampling.val_temperature must be 0 (greedy) or >= 0.01 with VLLMColocate",
+        1,
+    ),
     ("vllm-0-1-key", GRPO, ["--model.vllm.mode", "server"], "model.vllm.mode: moved to model.rollout.engine", 2),
     ("unknown-engine", GRPO, ["--model.rollout.engine", "SGLangEngine"], "model.rollout.engine", 2),
     (

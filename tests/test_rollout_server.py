@@ -88,6 +88,9 @@ def test_engine_groups_identical_prompts_and_pads_completions(fake_server, tmp_p
     completions = sorted((b for _, path, b in server.requests if path == "/v1/completions"), key=lambda b: -b["n"])
     assert [(c["prompt"], c["n"]) for c in completions] == [([4, 5], 3), ([8, 9, 99], 1)]
     assert completions[0]["temperature"] == 0.7 and completions[0]["stop_token_ids"] == [2]
+    # Nothing left for a server's generation_config defaults to fill (a repetition penalty the trainer never applies).
+    neutral = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0}
+    assert all({key: c[key] for key in neutral} == neutral for c in completions)
     first = completions[0]["seed"] % 7 + 10
     assert out.completion_ids.tolist() == [[first, 2, 0], [first + 1, 2, 0], [first + 2, 2, 0], [5, 6, 7]]
     assert out.completion_mask.tolist() == [[1, 1, 0], [1, 1, 0], [1, 1, 0], [1, 1, 1]]

@@ -110,6 +110,7 @@ class OnPolicyModule(RolloutState):
         rewards.check()
         env.check()
         rollout.check()
+        sampling.check_engine(rollout.engine_config)
         rollout.check_taken_by(type(self).__name__, frozenset(self.rollout_options))
         super().__init__(policy, optim, max_prompt_length=sampling.max_prompt_length)
         self.engine_config = rollout.engine_config

@@ -56,6 +56,7 @@ class EngineConfig:
         tensor_parallel_size: the trainer ranks one colocated engine spans.
         push_bucket_mib: the policy's weights reach an engine that holds its own a bucket of at most this many MiB
             at a time (`lit_rl.rollout.weights`).
+        min_temperature: the lowest temperature above 0 it samples at as asked (vLLM raises a lower one to 0.01).
     """
 
     samples_in_background = False
@@ -63,6 +64,7 @@ class EngineConfig:
     samples_on_trainer_devices = False
     tensor_parallel_size: int = 1
     push_bucket_mib: float = PUSH_BUCKET_MIB
+    min_temperature: float = 0.0
 
     def check(self) -> None:
         """Reject impossible settings at construction, naming the key (`model.rollout.engine.<option>`)."""
@@ -230,6 +232,10 @@ def _whole_weights_out_of_memory(policy: torch.nn.Module, when: str) -> str:
     )
 
 
+# vLLM's `SamplingParams` raises a temperature in (0, 0.01) to 0.01, with a log line only.
+VLLM_MIN_TEMPERATURE = 0.01
+
+
 class VLLMColocate(EngineConfig):
     """An in-process `vllm.LLM` on each trainer rank's device, given the policy's weights in place before each
     generation that follows an optimizer step (`lit_rl.rollout.engines.vllm`).
@@ -252,6 +258,7 @@ class VLLMColocate(EngineConfig):
     """
 
     colocated = True
+    min_temperature = VLLM_MIN_TEMPERATURE
     samples_on_trainer_devices = True
 
     def __init__(
@@ -382,6 +389,7 @@ class VLLMServer(EngineConfig):
     """
 
     samples_in_background = True
+    min_temperature = VLLM_MIN_TEMPERATURE
 
     def __init__(
         self,

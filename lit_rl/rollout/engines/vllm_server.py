@@ -74,6 +74,10 @@ ONE_SENDER = "each process's episode turns go through rank 0, turn by turn"
 IN_FLIGHT_JOBS = 8
 
 
+# The sampling options lit-rl has none of, at the values that leave the distribution alone.
+NEUTRAL_SAMPLING = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0}
+
+
 class VLLMServerEngine:
     """Generates on vLLM servers and pushes weights to them; see the module docstring for the protocol."""
 
@@ -188,6 +192,9 @@ class VLLMServerEngine:
             "temperature": 0.0 if params.greedy else params.temperature,
             "top_p": 1.0 if params.greedy else params.top_p,
             "top_k": 0 if params.greedy else params.top_k,
+            # Neutral, said explicitly: a server started by hand fills what a request leaves out from the model's
+            # generation_config.json (Qwen2.5-Instruct: repetition_penalty 1.05), which the trainer never applies.
+            **NEUTRAL_SAMPLING,
             "logprobs": 0,
             "return_token_ids": True,
             "stop_token_ids": self.eos_token_ids,
