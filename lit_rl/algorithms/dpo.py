@@ -33,6 +33,20 @@ from lit_rl.training.strategies import reduce_across_ranks
 log = logging.getLogger(__name__)
 
 
+def cast_like(module: torch.nn.Module, like: torch.nn.Module) -> torch.nn.Module:
+    """`module` with its floating-point parameters and buffers in the dtypes `like`'s have (the first of each), as
+    the strategy cast `like`: `*-true` precisions cast both to bf16/fp16; DeepSpeed's bf16 the parameters (ZeRO-3
+    creates them and the buffers in bf16); plain `bf16-mixed` neither (autocast computes in bf16). A precomputed
+    reference cast otherwise than the live one moved the log-probs by up to 1e-3."""
+    kinds = ((module.parameters(), like.parameters()), (module.buffers(), like.buffers()))
+    for tensors, reference in kinds:
+        dtype = next((t.dtype for t in reference if t.is_floating_point()), None)
+        for tensor in tensors:
+            if dtype is not None and tensor.is_floating_point():
+                tensor.data = tensor.data.to(dtype)
+    return module
+
+
 class DPO(OfflineModule):
     """DPO, cDPO, robust DPO, IPO, hinge (SLiC), APO-zero and SimPO.
 
@@ -154,7 +168,11 @@ class DPO(OfflineModule):
             with self.reference_model() as ref_model:
                 yield ref_model
         else:
-            ref_model = self.load_reference(self.ref_path).to(self.device)
+            # A whole copy on each rank for the one pass, cast as the policy is (`cast_like`): outside the DeepSpeed
+            # engine nothing would gather a ZeRO-3 partitioned one, and loading it whole is no collective (a rank
+            # that finds the cache file skips the pass). Under ZeRO-3 the engine's forward runs DeepSpeed's own linear
+            # layers: the pass's bf16 log-probs differ from a live reference's in their last bits (~1e-4 per pair).
+            ref_model = cast_like(self.load_reference(self.ref_path, whole=True), self.policy).to(self.device)
             yield ref_model
             del ref_model
 

@@ -75,10 +75,11 @@ class PolicyModel:
         else:
             raise RuntimeError("no reference model was loaded")
 
-    def load_reference(self, path: Optional[str] = None) -> torch.nn.Module:
+    def load_reference(self, path: Optional[str] = None, whole: bool = False) -> torch.nn.Module:
         """A frozen copy of the model at `path` (default: the starting policy), in eval mode (under ZeRO-3 it is
-        partitioned like the policy and never given to the optimizer)."""
-        with hf_zero3_loading(self.attached_strategy()):
+        partitioned like the policy and never given to the optimizer, unless `whole`: a copy run outside the
+        engine, which nothing would gather)."""
+        with hf_zero3_loading(None if whole else self.attached_strategy()):
             return self.load_model(path=path).eval().requires_grad_(False)
 
     def configure_model(self) -> None:

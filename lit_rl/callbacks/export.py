@@ -15,9 +15,10 @@ from lit_rl.callbacks.safety import GracefulStop
 from lit_rl.errors import ConfigError
 from lit_rl.loggers import TrackioLogger
 from lit_rl.modeling.lora import is_lora_model, save_merged
+from lit_rl.modeling.models import MODEL_TORCH_DTYPES
 from lit_rl.modeling.value_model import save_value_model
 from lit_rl.resume import numbers_runs
-from lit_rl.training.strategies import gathered_parameters
+from lit_rl.training.strategies import gathered_parameters, master_weights
 
 
 @runtime_checkable
@@ -64,9 +65,16 @@ class SaveHFPretrained(Callback):
         # Every rank asks: the directory is a broadcast, and a collective on rank 0 alone never returns.
         out = Path(self.dirpath) if self.dirpath else run_directory(trainer) / "hf"
         error: Optional[BaseException] = None
+        # DeepSpeed's bf16/fp16: the optimizer's float32 masters, what `lit-rl export` of the checkpoint writes, not
+        # the engine's rounded copies (every rank takes part). A LoRA policy's merge reads the module's own.
+        masters = (
+            None
+            if is_lora_model(pl_module.policy)
+            else master_weights(trainer.strategy, pl_module.policy, keep=trainer.is_global_zero)
+        )
         with gathered_parameters(pl_module.policy):  # ZeRO-3: every rank takes part in gathering the shards
             if trainer.is_global_zero:
-                error = _attempt(lambda: self._save_policy(pl_module, out))
+                error = _attempt(lambda: self._save_policy(pl_module, out, masters))
         critic = pl_module.exported_critic() if isinstance(pl_module, TrainsCritic) else None
         if critic is not None:  # PPO: its critic beside the policy (`save_value_model`)
             with gathered_parameters(critic):
@@ -79,14 +87,28 @@ class SaveHFPretrained(Callback):
         self.saved_to = out
 
     @staticmethod
-    def _save_policy(pl_module: PolicyModule, out: Path) -> None:
+    def _save_policy(pl_module: PolicyModule, out: Path, masters: Optional[dict[str, torch.Tensor]]) -> None:
         out.mkdir(parents=True, exist_ok=True)
-        if is_lora_model(pl_module.policy):
-            save_merged(pl_module.policy, out)
-            pl_module.policy.save_pretrained(out / "adapter", safe_serialization=True)
+        policy = pl_module.policy
+        if is_lora_model(policy):
+            save_merged(policy, out)
+            policy.save_pretrained(out / "adapter", safe_serialization=True)
+        elif masters is not None:
+            policy.save_pretrained(out, state_dict=_with_masters(pl_module, masters), safe_serialization=True)
         else:
-            pl_module.policy.save_pretrained(out, safe_serialization=True)
+            policy.save_pretrained(out, safe_serialization=True)
         pl_module.tokenizer.save_pretrained(out)
+
+
+def _with_masters(pl_module: PolicyModule, masters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The policy's state dict with each parameter's master copy (the same tensor under every name of a tied
+    parameter, so `save_pretrained` still writes it once), in `model.policy.dtype` (`auto`: float32), as `lit-rl
+    export` loads the checkpoint's."""
+    dtype = MODEL_TORCH_DTYPES.get(pl_module.policy_args.dtype, torch.float32)
+    by_parameter = {id(p): masters[name] for name, p in pl_module.policy.named_parameters() if name in masters}
+    state = pl_module.policy.state_dict(keep_vars=True)
+    converted = {id(t): by_parameter.get(id(t), t.detach()).to(dtype) for t in state.values()}  # one per tensor
+    return {name: converted[id(t)] if t.is_floating_point() else t.detach() for name, t in state.items()}
 
 
 def stopped_by_signal(trainer: L.Trainer) -> bool:

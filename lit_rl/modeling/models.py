@@ -24,6 +24,7 @@ BUILTIN_PREFIX = "lit-rl/"
 TINY_BASE = "tiny-qwen2-base"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 MODEL_DTYPES = tuple(_DTYPES)  # `model.policy.dtype`'s choices
+MODEL_TORCH_DTYPES = {name: dtype for name, dtype in _DTYPES.items() if isinstance(dtype, torch.dtype)}
 
 
 def resolve_model_path(name_or_path: str) -> str:

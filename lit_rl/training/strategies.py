@@ -58,6 +58,14 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy):
             return
         super().setup_distributed()
 
+    def _auto_select_batch_size(self) -> int:
+        """`train_micro_batch_size_per_gpu` when the DeepSpeed config has none (DeepSpeed's throughput log reads
+        it): the loader's batch size. Lightning's reads `batch_sampler.batch_size`, which a loader of batches built
+        by the data module (`batch_size=None`: DPO's, SFT's) does not have, and failed there; 1 for those."""
+        data_source = self.lightning_module.trainer.fit_loop._data_source
+        sampler = getattr(data_source.dataloader(), "batch_sampler", None) if data_source.is_defined() else None
+        return getattr(sampler, "batch_size", None) or 1
+
     @property
     def root_device(self) -> torch.device:
         if self._on_cpu():
@@ -69,6 +77,10 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy):
         gradients" replaced by one line saying how they are clipped: lit-rl's override leaves DeepSpeed's case to
         DeepSpeed, whose `gradient_clipping` Lightning sets from `trainer.gradient_clip_val` (unless the DeepSpeed
         config sets it), and the engine clips by the norm over every rank's partition of the gradients."""
+        if (self.config.get("zero_optimization") or {}).get("offload_optimizer"):
+            # lit-rl's optimizer is torch's AdamW, which DeepSpeed refuses beside an offloaded optimizer state unless
+            # told otherwise (it wants its own compiled `DeepSpeedCPUAdam`): AdamW then steps on the CPU partitions.
+            self.config.setdefault("zero_force_ds_cpu_optimizer", False)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Since DeepSpeed handles gradient clipping internally")
             super().init_deepspeed()
@@ -169,6 +181,24 @@ def deepspeed_engine(strategy: object) -> Optional[Any]:
     import deepspeed
 
     return strategy.model if isinstance(strategy.model, deepspeed.DeepSpeedEngine) else None
+
+
+def master_weights(strategy: object, module: torch.nn.Module, keep: bool) -> Optional[dict[str, torch.Tensor]]:
+    """`module`'s trainable parameters as the float32 master copies DeepSpeed's optimizer keeps when the engine
+    computes in bf16 or fp16 (the module's own are their rounded copies), by parameter name, on CPU; None under any
+    other strategy or precision. A collective (ZeRO assembles each from every rank's partition): every rank calls
+    it, and only where `keep` (rank 0) are the tensors kept."""
+    engine = deepspeed_engine(strategy)
+    if engine is None or not (engine.bfloat16_enabled() or engine.fp16_enabled()):
+        return None
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    weights = {}
+    for name, param in module.named_parameters():
+        full = safe_get_full_fp32_param(param) if param.requires_grad else None  # frozen ones have no master
+        if full is not None and keep:
+            weights[name] = full.detach().cpu()
+    return weights if keep else None
 
 
 def deepspeed_local_gradients(engine: Any) -> list[torch.Tensor]:

@@ -7,6 +7,7 @@ stopping (or skipping) a NaN step under ZeRO-2/3."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -358,3 +359,68 @@ def test_episodes_that_end_at_different_turns_on_each_rank_train_under_zero3_lik
     reference = _rows(ddp)
     assert [row["step"] for row in reference] == [1, 2] and 1 < reference[0]["train/turns"] < 3
     assert_rows_match(_rows(zero3), reference, rel=1e-4, abs=1e-5)
+
+
+def test_dpo_with_precomputed_reference_log_probs_and_sft_train_under_zero(tmp_path):
+    """`configs/dpo_8gpu.yaml`'s combination on a CPU process: DPO under DeepSpeed bf16 with the reference's
+    log-probs precomputed once. A loader of batches the data module builds (DPO's, SFT's) failed Lightning's
+    batch-size probe; under ZeRO-3 the precompute copy was partitioned with nothing to gather it; and it computed in
+    float32 beside a bf16 policy. At step 1 the policy is the reference: under ZeRO-2 loss ln 2 and margins 0
+    exactly, as with a live reference; under ZeRO-3 the engine's own linear layers round the live forward's bf16
+    differently (margins ~1e-4). The run's `hf/` export holds the optimizer's float32 master weights, as `lit-rl
+    export` of its checkpoint does (it held the engine's bf16 copies). SFT trains under ZeRO-2."""
+
+    def dpo_step_1(stage, *args, every_n_train_steps=None):
+        log_dir = fit_in_subprocess(
+            tmp_path,
+            f"dpo_{stage}",
+            "dpo.yaml",
+            *strategy_overlay(f"deepspeed_{stage}"),
+            *args,
+            *("--trainer.devices", "1", "--trainer.precision", "bf16-mixed", "--trainer.max_steps", "1"),
+            *("--data.batch_size", "8", "--data.val_data", "null", "--model.precompute_ref_logprobs", "true"),
+            *("--model.ref_cache_dir", str(tmp_path / f"cache_{stage}")),
+            every_n_train_steps=every_n_train_steps,
+        )
+        assert len(list((tmp_path / f"cache_{stage}").glob("ref_logprobs-*.pt"))) == 1
+        first = train_rows(log_dir)[0]
+        return log_dir, (first["train/loss"], first["train/rewards/margins"])
+
+    ln2 = torch.tensor(math.log(2)).item()  # float32's, as logged
+    export = ("--trainer.callbacks+", "lit_rl.callbacks.SaveHFPretrained")
+    zero2, step_1 = dpo_step_1("zero2", *export, every_n_train_steps=1)
+    assert step_1 == (ln2, 0.0)
+    out = tmp_path / "exported"
+    command = [sys.executable, "-m", "lit_rl.export", str(zero2 / "checkpoints" / "step=1.ckpt"), str(out)]
+    subprocess.run(command, check=True, capture_output=True, env=cli_env(), timeout=300)
+    hf, exported = load_file(zero2 / "hf" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert hf.keys() == exported.keys() and all(hf[k].dtype == torch.float32 for k in hf)
+    assert all(torch.equal(hf[k], exported[k]) for k in hf)
+    _, (loss, margins) = dpo_step_1("zero3")
+    assert abs(loss - ln2) < 1e-4 and abs(margins) < 1e-3, (loss, margins)
+    sft = fit_in_subprocess(
+        tmp_path,
+        "sft",
+        "sft.yaml",
+        *strategy_overlay("deepspeed_zero2"),
+        *("--trainer.devices", "1", "--trainer.max_steps", "2", "--trainer.log_every_n_steps", "1"),
+        *(
+            "--data.val_data",
+            "null",
+        ),
+    )
+    assert [row["step"] for row in train_rows(sft)] == [1, 2]
+
+
+def test_an_offloaded_optimizer_state_steps_as_the_device_one(tmp_path):
+    """`--trainer.strategy deepspeed_stage_2_offload` (a name Lightning registers): DeepSpeed refused lit-rl's torch
+    AdamW beside an offloaded optimizer state with a multi-line traceback; AdamW now steps on the CPU partitions, to
+    the same numbers as ZeRO-2 without offload."""
+    rows = {}
+    for strategy in ("deepspeed_stage_2", "deepspeed_stage_2_offload"):
+        log_dir = fit_in_subprocess(
+            tmp_path, strategy, "grpo.yaml", *FAST_GRPO, "--trainer.strategy", strategy, "--trainer.max_steps", "2"
+        )
+        rows[strategy] = _rows(log_dir)
+    assert [row["step"] for row in rows["deepspeed_stage_2"]] == [1, 2]
+    assert rows["deepspeed_stage_2_offload"] == rows["deepspeed_stage_2"]
