@@ -4,6 +4,7 @@ rendered by the template and appended token-in, token-out."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -139,6 +140,80 @@ def test_llama_calls_are_the_turns_json_and_an_answer_is_no_call():
     assert parse_tool_calls('{"parameters": {}}', "llama3")[0].error == 'the tool call has no "name"'
     (listed,) = parse_tool_calls('{"name": "f", "parameters": [1]}', "llama3")
     assert listed.error == '"parameters" is not a JSON object'
+
+
+def test_a_call_nested_too_deep_or_with_a_number_past_pythons_digits_is_the_models_error():
+    """`json` raises `RecursionError` on a value nested past the interpreter's limit and `ValueError` on an integer
+    past Python's 4300 digits: each is a call that is not JSON, told to the model and counted, not the run's end."""
+    deep = '{"a": ' + "[" * 100_000 + "]" * 100_000 + ', "b": 1}'
+    long = '{"a": ' + "9" * 4301 + ', "b": 1}'
+    for arguments, reason in [(deep, "nested too deep"), (long, "Exceeds the limit (4300 digits)")]:
+        (hermes,) = parse_tool_calls(_call("add_numbers", arguments))
+        (llama,) = parse_tool_calls(f'{{"name": "add_numbers", "parameters": {arguments}}}', "llama3")
+        for call in hermes, llama:
+            assert call.name is None and call.error.startswith("the tool call is not JSON (") and reason in call.error
+        step = ChatToolEnvironment([add_numbers]).step(_call("add_numbers", arguments))
+        assert (step.tool_calls, step.tool_errors, step.done) == (1, 1, False)
+        assert step.observation[0]["content"].startswith("error: the tool call is not JSON (")
+        # The arguments as a JSON string holding such a value: not a JSON object.
+        (quoted,) = parse_tool_calls(_call("add_numbers", json.dumps(arguments)))
+        assert quoted.error == '"arguments" is not a JSON object'
+
+
+def test_calls_in_the_models_reasoning_are_not_made():
+    """Qwen3 thinks in `<think>...</think>` before it answers: a call written there is one the model thought about,
+    which TRL's Qwen3 response template and vLLM's reasoning parser leave out of the calls; so does lit-rl."""
+    made, thought = _call("add_numbers", '{"a": 1, "b": 1}'), _call("delete_all", "{}")
+    turns = {
+        f"<think>\nI could write {thought} but I will not.\n</think>\n\nThe answer is 2.": [],
+        f"<think>\nadd first\n</think>\n\n{made}": ["add_numbers"],
+        f"<think>\nstill thinking {thought}": [],  # open to the turn's end (cut by its token budget)
+        f"{made}<think>then {thought}</think>{made}": ["add_numbers", "add_numbers"],
+        _call("add_numbers", '{"a": 1, "b": 1, "note": "<think>"}'): ["add_numbers"],  # in a call: its text
+    }
+    for text, names in turns.items():
+        assert [call.name for call in parse_tool_calls(text)] == names, text
+    # The same calls as TRL's response template for Qwen3 reads (the Hermes format is lit-rl's own for Qwen3).
+    qwen3 = TemplateCalls.of(_with_response_template(qwen_chat_tokenizer(), "qwen3"))
+    for text, names in turns.items():
+        assert [call.name for call in qwen3.parse(text + "<|im_end|>")] == names, text
+    # Qwen3's thinking templates write `<think>` in the generation prompt: the turn only closes it.
+    assert [call.name for call in parse_tool_calls(f"I could write {thought}\n</think>\n\n{made}")] == ["add_numbers"]
+    step = ChatToolEnvironment([add_numbers]).step(f"<think>{thought}</think>The answer is 2.")
+    assert step.done and step.tool_calls == 0
+
+
+def test_string_arguments_are_typed_by_the_tools_schema_as_transformers_types_trls_calls():
+    """A model may write `{"n": "3"}` for an integer parameter: TRL's trainer reads its calls with transformers'
+    `parse_response`, which types a string argument by the tool's JSON schema; lit-rl types its own formats' calls
+    the same way, and a string that is not of its type stays as written."""
+
+    def typed(n: int, x: float, flag: bool, word: str) -> str:
+        """Shows its arguments as the tool got them.
+
+        Args:
+            n: an integer
+            x: a number
+            flag: a boolean
+            word: a string
+        """
+        return repr((n, x, flag, word))
+
+    arguments = '{"n": "3", "x": "2.5", "flag": "true", "word": "7"}'
+    turns = {
+        "hermes": _call("typed", arguments),
+        "llama3": f'{{"name": "typed", "parameters": {arguments}}}',
+        "pythonic": '[typed(n="3", x="2.5", flag="true", word="7")]',
+    }
+    for call_format, turn in turns.items():
+        step = ChatToolEnvironment([typed], call_format=call_format).step(turn)
+        assert step.observation[0]["content"] == "(3, 2.5, True, '7')", call_format
+    trls = TemplateCalls.of(_with_response_template(qwen_chat_tokenizer(), "qwen2_5"))
+    (call,) = trls.parse(turns["hermes"] + "<|im_end|>", [tool_schema(typed)])
+    assert call.arguments == {"n": 3, "x": 2.5, "flag": True, "word": "7"}  # what TRL's trainer gives the tool
+    (kept,) = parse_tool_calls(_call("typed", '{"n": "three", "x": "2"}'), schemas=[tool_schema(typed)])
+    assert kept.arguments == {"n": "three", "x": 2}  # not an integer: as written, for the tool to refuse
+    assert parse_tool_calls(turns["hermes"])[0].arguments["n"] == "3"  # no schemas: not typed
 
 
 def test_pythonic_calls_are_a_python_list_of_literals_and_nothing_the_model_writes_runs():

@@ -5,8 +5,9 @@
 from __future__ import annotations
 
 import json
+import math
 import time
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -50,6 +51,104 @@ def test_a_class_with_reset_and_no_step_is_trls_and_its_methods_are_its_tools():
     assert env.finish() == {"IncrementEnv": 1.0}  # counter 3 == target 3
 
 
+class Game:
+    """A TRL environment whose tool is named `step` (a move in a game), as TRL allows: its `reset(**row)` tells it
+    from lit-rl's own protocol, whose `reset(row)` takes the row positionally."""
+
+    def reset(self, **kwargs: Any) -> str:
+        self.moves: list[str] = []
+        return " Start."
+
+    def step(self, action: str) -> str:
+        """Takes a move in the game.
+
+        Args:
+            action: the move
+        """
+        self.moves.append(action)
+        return "ok"
+
+    def get_reward(self) -> float:
+        return float(len(self.moves))
+
+
+def test_a_trl_class_with_a_tool_named_step_is_trls_and_lit_rls_own_environments_are_not():
+    from lit_rl.envs import ChatToolEnvironment, OpenEnv, OpenEnvTools, ToolEnvironment, Verifiers, VerifiersHarness
+    from lit_rl.envs.trl_environments import is_trl_environment
+    from tests.integration import envs
+
+    spec = environment_factory("tests.test_trl_environments.Game", None, None, "auto", tool_support="hermes")
+    assert [schema["function"]["name"] for schema in spec.tool_schemas] == ["step"]
+    assert spec.reward_names == ("Game",)
+    env = spec.factory()
+    assert isinstance(env, TRLEnvironment) and env.reset({"prompt": "Play."}) == "Play. Start."
+    assert env.step(_call("step", action="e4")).observation == [{"role": "tool", "name": "step", "content": "ok"}]
+    assert env.finish() == {"Game": 1.0}
+    trls = [envs.IncrementEnv, envs.AsyncIncrementEnv, envs.DoubleEnv, envs.NumberedIncrementEnv, Silent, Game]
+    own = [ChatToolEnvironment, ToolEnvironment, OpenEnv, OpenEnvTools, Verifiers, VerifiersHarness, TRLEnvironment]
+    own += [envs.Countdown, envs.ChatCountdown, envs.RowTurns, envs.LongTokenPrompt, envs.LongResetClosed]
+    assert [is_trl_environment(cls) for cls in trls] == [True] * len(trls)
+    assert [is_trl_environment(cls) for cls in own] == [False] * len(own)
+
+    class StaticReset:  # a staticmethod reset(**row): no `self` to skip
+        reset = staticmethod(lambda **row: None)
+        step = Game.step
+
+    class RowAndKeywords:  # reset(row, **options): the row positionally, lit-rl's kind
+        def reset(self, row: dict[str, Any], **options: Any) -> None: ...
+        def step(self, completion: str) -> None: ...
+
+    assert is_trl_environment(StaticReset) and not is_trl_environment(RowAndKeywords)
+
+
+class Tools:
+    """A TRL environment with a staticmethod tool and a property that raises until `reset`: TRL lists the tools on
+    the class (`inspect.isfunction`), so the property is never read and the staticmethod is a tool."""
+
+    def reset(self, **kwargs: Any) -> None:
+        self.count = 0
+
+    @staticmethod
+    def add(a: int, b: int) -> int:
+        """Adds two integers.
+
+        Args:
+            a: the first
+            b: the second
+        """
+        return a + b
+
+    @property
+    def state(self) -> int:
+        raise RuntimeError("state read before reset")
+
+    @classmethod
+    def build(cls) -> "Tools":
+        return cls()
+
+    def incr(self, k: int) -> int:
+        """Increments the count.
+
+        Args:
+            k: by how much
+        """
+        self.count += k
+        return self.count
+
+
+def test_the_tools_are_the_classs_public_functions_as_trl_lists_them():
+    from lit_rl.envs.trl_environments import tool_methods
+
+    instance = Tools()
+    assert [tool.__name__ for tool in tool_methods(instance)] == ["add", "incr"]  # the property never read
+    spec = environment_factory("tests.test_trl_environments.Tools", None, None, "auto", tool_support="hermes")
+    assert [schema["function"]["name"] for schema in spec.tool_schemas] == ["add", "incr"]
+    env = spec.factory()
+    env.reset({"prompt": "p"})
+    result = env.step(_call("add", a=2, b=3) + _call("incr", k=4))
+    assert [message["content"] for message in result.observation] == ["5", "4"]
+
+
 def test_messages_name_the_users_class_under_the_adapter_and_an_environments_own_otherwise():
     from lit_rl.envs.base import env_label
 
@@ -74,6 +173,31 @@ def test_standalone_tools_are_offered_beside_the_methods_and_async_ones_are_awai
     result = env.step(_call("increment", step=2) + _call("add_numbers", a=1, b=2))
     assert [message["content"] for message in result.observation] == ["2", "3"]
     assert env.finish() == {"AsyncIncrementEnv": 1.0}
+
+
+class MaybeScored(IncrementEnv):
+    """IncrementEnv whose `get_reward` gives None (no score) short of its target, as a TRL environment may."""
+
+    def get_reward(self) -> Optional[float]:
+        return 1.0 if self.counter == self.target else None
+
+
+def test_a_get_reward_of_none_is_an_invalid_reward_as_a_reward_functions_none_is():
+    """TRL makes a None reward NaN; lit-rl's reward scoring counts a function's None as an invalid reward (0 with
+    `model.rewards.on_invalid: zero`, the run's end with `error`): a `get_reward` of None is the same, not a crash."""
+    from lit_rl.errors import RewardFunctionError
+    from lit_rl.rewards.scorer import weighted_reward
+
+    env = environment_factory("tests.test_trl_environments.MaybeScored", None, None, "auto", "hermes").factory()
+    env.reset({"prompt": "p", "answer": "2"})
+    (nan,) = env.finish().values()
+    assert math.isnan(nan)
+    env.step(_call("increment", step=2))
+    assert env.finish() == {"MaybeScored": 1.0}
+    parts, weights, names = torch.tensor([[nan], [1.0]]), torch.ones(1), ["env/MaybeScored"]
+    assert weighted_reward(parts, weights, names, "zero").tolist() == [0.0, 1.0]
+    with pytest.raises(RewardFunctionError, match="environment reward part 'env/MaybeScored' returned nan"):
+        weighted_reward(parts, weights, names, "error")
 
 
 def test_a_trl_environment_that_cannot_run_says_why_in_one_line():

@@ -112,6 +112,40 @@ def test_an_episode_is_scored_by_the_tasks_own_rewards_each_weighted(beside_the_
     assert trace.reward == pytest.approx(sum(asyncio.run(env.finish()).values()))  # the columns sum to verifiers'
 
 
+def test_a_replys_reasoning_is_split_off_as_verifiers_renderer_parses_it(beside_the_run):
+    """A Qwen3 reply opens with `<think>...</think>`, which lit-rl's decoded turn keeps: the rewards score the content
+    after it and the reasoning is the message's `reasoning_content`, as verifiers' renderer gives them."""
+    from renderers.default import DefaultRenderer
+
+    from lit_rl.envs.verifiers_tasks import split_reasoning
+    from tests.llama_chat import released_template
+    from tests.qwen_chat import qwen_chat_tokenizer
+
+    env = Verifiers("my_tasks")
+    row = load_rows("verifiers:my_tasks?select.limit=1")[0]
+    answer = row["verifiers"]["task"]["answer"]
+    env.reset(row)
+    env.step(f"<think>\nThe question has 2 numbers; adding them.\n</think>\n\n{answer}")
+    assert asyncio.run(env.finish()) == pytest.approx({"correct": 1.0, "short": 0.1})  # as the answer alone scores
+    reply = env._trace().nodes[-1].message
+    assert (reply.content, reply.reasoning_content) == (f"\n\n{answer}", "\nThe question has 2 numbers; adding them.\n")
+    tokenizer = qwen_chat_tokenizer()
+    tokenizer.chat_template = released_template("qwen3")
+    renderer = DefaultRenderer(tokenizer)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for text in [
+        answer,
+        "<think>\nhm\n</think>\n\n5",
+        " <think>still open",
+        "<think></think>5",
+        "a <think>b</think> c",
+    ]:
+        parsed = renderer.parse_response(tokenizer.encode(text, add_special_tokens=False) + [end])
+        assert split_reasoning(text) == (parsed.content, parsed.reasoning_content), text
+    # A reply closing reasoning its generation prompt opened (Qwen3's thinking templates write `<think>` there).
+    assert split_reasoning("hm\n</think>\n\n5") == ("\n\n5", "hm\n")
+
+
 def test_the_environment_is_built_from_its_settings_and_checks_each_rows_taskset(beside_the_run):
     spec = environment_factory("lit_rl.envs.Verifiers", {"taskset": "my_tasks"}, None)
     assert spec.reward_names == ("correct", "short") and spec.tool_schemas is None

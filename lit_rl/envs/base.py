@@ -11,7 +11,8 @@ One environment object runs one episode (one completion of one prompt row):
 episode ends when `done` is true, when `observation` is None, after `max_turns` model turns, or when the transcript
 reaches `max_total_tokens`. Its reward is the sum of the reward parts over its steps and `finish` (each part a
 column of its own, named in the class attribute `reward_names`, weight 1) plus the reward functions applied to the
-final transcript. TRL's environment classes (a `reset` and no `step`) are run by `lit_rl.envs.trl_environments`.
+final transcript. TRL's environment classes (a `reset`, and no `step` or a `reset(**row)`) are run by
+`lit_rl.envs.trl_environments`.
 
 A `TokenEnvironment` exchanges token ids instead of text: `step` gets the turn's sampled ids and engine log-probs
 (`SampledTurn`), and its first observation and observations are `TokenIds`, appended as they are. It is for a world
@@ -170,9 +171,9 @@ def environment_factory(
     `lit_rl.envs.chat_tools.template_tool_support`; `template_calls`: its `response_template`'s reader, where it has
     one, `TemplateCalls.of`; `tokenizer_name`: the run's tokenizer, given to a `TokenEnvironment`). Tools alone
     give the built-in `ToolEnvironment`, or in the chat format `ChatToolEnvironment`; a TRL environment class (a
-    `reset` and no `step`) runs in `TRLEnvironment`, its methods and the tools called in the chat format; any other
-    environment is given the tools as `tools=`. A dict `{name: import path}` of TRL classes is TRL's dict of
-    environments (`routed_trl_environments`)."""
+    `reset`, and no `step` or a `reset(**row)`) runs in `TRLEnvironment`, its methods and the tools called in the
+    chat format; any other environment is given the tools as `tools=`. A dict `{name: import path}` of TRL classes
+    is TRL's dict of environments (`routed_trl_environments`)."""
     from lit_rl.envs.chat_tools import RESPONSE_TEMPLATE, ChatToolEnvironment, tool_schema, uses_chat_tools
     from lit_rl.envs.tools import ToolEnvironment, import_tools
     from lit_rl.envs.trl_environments import is_trl_environment
@@ -263,8 +264,8 @@ def routed_trl_environments(
             raise ConfigError(f"{where}: {err}") from None
         if not is_trl_environment(user_class):
             raise ConfigError(
-                f"{where} {path} is not a TRL environment class (a reset and no step): several environments by name "
-                "are TRL's environment_factory dict"
+                f"{where} {path} is not a TRL environment class (a reset, and no step or a reset(**row)): several "
+                "environments by name are TRL's environment_factory dict"
             )
         _check_chat_format(path, TRL_KIND, tool_format, tool_support)
         make = functools.partial(
@@ -302,7 +303,7 @@ def _trl_episode(
     return TRLEnvironment(user_class(**options), functions, tool_support, template_calls, routed=routed)
 
 
-TRL_KIND = "a TRL environment (a reset and no step), whose methods are tools"
+TRL_KIND = "a TRL environment (a reset, and no step or a reset(**row)), whose methods are tools"
 
 
 def _check_chat_format(path: str, kind: str, tool_format: str, tool_support: str) -> None:

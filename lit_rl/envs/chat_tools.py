@@ -13,6 +13,8 @@
   TRL's trainer gives it, TRL's for its chat template (`trls_response_template`: Qwen3.5-3.8's XML calls,
   gpt-oss, GLM, Nemotron, LFM2, Gemma 4), on the turn decoded with its special tokens, as the template's markup
   needs. Which one is found from the tokenizer (`template_tool_support`). A turn without a call ends the episode.
+  As TRL reads them: a call inside the model's reasoning (`<think>...</think>`) is not made, and a string argument is
+  typed by the tool's schema (`"3"` is 3 for an integer parameter).
 - **The results** go back as `tool` messages (`{"role": "tool", "name": ..., "content": ...}`), one per call, which
   `ChatRenderer` renders through the same template and appends token-in, token-out: only the new messages' tokens
   are appended to the episode's ids, the history is never re-tokenised.
@@ -42,7 +44,10 @@ from lit_rl.envs.runner import EnvCallTimeout, call_in_thread
 from lit_rl.errors import ConfigError, one_line
 
 TOOL_FORMATS = ("auto", "tags", "chat")
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+# A Hermes turn's regions, left to right: a call, or a `<think>` block (closed, or open to the turn's end) whose calls
+# the model only thought about, as TRL's Qwen3 response template reads them (a `<think>` inside a call is its text).
+_HERMES_REGIONS = re.compile(r"<tool_call>(?P<call>.*?)</tool_call>|<think>.*?(?:</think>|\Z)", re.DOTALL)
+_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 # Stand-in turns the observation renderer builds its history from (their text never reaches an episode).
 _STAND_IN_QUESTION = "lit-rl stand-in question"
 _STAND_IN_ANSWER = "lit-rl stand-in answer"
@@ -264,17 +269,30 @@ def chat_prompt(prompt: Any) -> list[dict[str, Any]]:
     return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
 
 
-def parse_tool_calls(text: str, call_format: str = HERMES) -> list[ToolCall]:
+def parse_tool_calls(
+    text: str, call_format: str = HERMES, schemas: Optional[list[dict[str, Any]]] = None
+) -> list[ToolCall]:
     """The tool calls of a model turn, in order; a call that cannot be read keeps its error.
 
-    - `hermes` (Qwen2.5/3, Hermes): every `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in `text`.
+    - `hermes` (Qwen2.5/3, Hermes): every `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in `text`
+      outside the model's reasoning (`<think>...</think>`, or open to the turn's end; text before a `</think>` the
+      turn never opened, the generation prompt having opened it), as TRL's Qwen3 response template and vLLM's
+      reasoning parser leave it out: a call the model thought about is not made.
     - `llama3` (Llama 3.1-3.3): the turn itself, when it is a JSON object (after `<|python_tag|>` and white space):
       `{"name": ..., "parameters": {...}}` (`arguments` is read too), one call; text after the object is ignored, as
       Llama's own parsers do. A turn that does not start with `{`, or whose object has neither `parameters` nor
       `arguments` (`{"answer": 5}`), is an answer, not a call, as vLLM's `llama3_json` parser reads it.
     - `pythonic` (vLLM's Llama 3.2 and Llama 4 pythonic templates): `pythonic_calls`.
 
-    The arguments may be an object or a JSON string holding one."""
+    The arguments may be an object or a JSON string holding one. Given the tools' `schemas`, a string argument is
+    typed by its parameter's JSON schema type (`typed_arguments`), as transformers' `parse_response` types it for
+    TRL."""
+    calls = _read_calls(text, call_format)
+    return typed_arguments(calls, schemas) if schemas else calls
+
+
+def _read_calls(text: str, call_format: str) -> list[ToolCall]:
+    """`parse_tool_calls` before the arguments are typed."""
     if call_format == PYTHONIC:
         return pythonic_calls(text)
     if call_format == LLAMA3:
@@ -283,20 +301,82 @@ def parse_tool_calls(text: str, call_format: str = HERMES) -> list[ToolCall]:
             return []
         try:
             call, _ = json.JSONDecoder().raw_decode(body)
-        except json.JSONDecodeError as err:
-            return [ToolCall(None, {}, f"the tool call is not JSON ({err.msg} at character {err.pos})")]
+        except _NOT_DECODED as err:
+            return [ToolCall(None, {}, _not_json(err))]
         if not isinstance(call, dict) or not ({"parameters", "arguments"} & set(call)):
             return []
         return [_tool_call(call, "parameters" if "parameters" in call else "arguments")]
     calls = []
-    for match in _TOOL_CALL.finditer(text):
+    for match in _HERMES_REGIONS.finditer(_after_prewritten_reasoning(text)):
+        if match.group("call") is None:  # a `<think>` block
+            continue
         try:
-            call = json.loads(match.group(1).strip())
-        except json.JSONDecodeError as err:
-            calls.append(ToolCall(None, {}, f"the tool call is not JSON ({err.msg} at character {err.pos})"))
+            call = json.loads(match.group("call").strip())
+        except _NOT_DECODED as err:
+            calls.append(ToolCall(None, {}, _not_json(err)))
             continue
         calls.append(_tool_call(call, "arguments"))
     return calls
+
+
+# What `json.loads` raises on a model's text: `JSONDecodeError` (a `ValueError`), `ValueError` for an integer past
+# Python's 4300 digits, `RecursionError` for values nested past the interpreter's limit. Each is a malformed call.
+_NOT_DECODED = (ValueError, RecursionError)
+
+
+def _not_json(err: Exception) -> str:
+    """Why a call is not JSON, as the model is told it: the decoder's message and where, or the limit it ran past."""
+    if isinstance(err, json.JSONDecodeError):
+        return f"the tool call is not JSON ({err.msg} at character {err.pos})"
+    if isinstance(err, RecursionError):
+        return "the tool call is not JSON (nested too deep)"
+    return f"the tool call is not JSON ({one_line(err, 120)})"
+
+
+def _after_prewritten_reasoning(text: str) -> str:
+    """`text` after a `</think>` that comes before any `<think>`: the reasoning a generation prompt opened (Qwen3's
+    thinking templates write `<think>` there), which the turn only closes."""
+    closing, opening = text.find(_THINK_CLOSE), text.find(_THINK_OPEN)
+    if closing >= 0 and (opening < 0 or closing < opening):
+        return text[closing + len(_THINK_CLOSE) :]
+    return text
+
+
+def typed_arguments(calls: list[ToolCall], schemas: list[dict[str, Any]]) -> list[ToolCall]:
+    """`calls` with each string argument (or list of strings, for a parameter that is no array) typed by its
+    parameter's JSON schema type in the tools' `schemas`: `"3"` -> 3 for an integer, `"true"` -> True for a boolean,
+    with transformers' own helpers, as `parse_response` types TRL's calls. A string that is not of its type (`"x"` for
+    an integer) stays as written, as transformers leaves it: the tool gets it, and says what is wrong."""
+    try:  # private helpers of transformers' (5.16-5.19): without them the arguments stay as written
+        from transformers.utils.chat_parsing.response_parser import _coerce, _schema_types
+    except ImportError:
+        return calls
+
+    def coerced(raw: str, types: tuple[str, ...]) -> Any:
+        try:
+            return _coerce(raw, types)
+        except RecursionError:  # an object or array argument nested past the interpreter's limit: as written
+            return raw
+
+    properties = {schema["function"]["name"]: _parameters(schema) for schema in schemas}
+    for call in calls:
+        declared = properties.get(call.name) or {}
+        for key, value in call.arguments.items():
+            types = _schema_types(declared.get(key))
+            if not types:
+                continue
+            if isinstance(value, str):
+                call.arguments[key] = coerced(value, types)
+            elif isinstance(value, list) and "array" not in types:
+                call.arguments[key] = [coerced(item, types) if isinstance(item, str) else item for item in value]
+    return calls
+
+
+def _parameters(schema: dict[str, Any]) -> dict[str, Any]:
+    """A tool schema's parameters' schemas, by name (none for a schema without them)."""
+    parameters = schema["function"].get("parameters")
+    properties = parameters.get("properties") if isinstance(parameters, dict) else None
+    return properties if isinstance(properties, dict) else {}
 
 
 def pythonic_calls(text: str) -> list[ToolCall]:
@@ -385,7 +465,7 @@ def _tool_call(call: Any, arguments_key: str) -> ToolCall:
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError:
+        except _NOT_DECODED:
             arguments = None
     if not isinstance(arguments, dict):
         return ToolCall(call["name"], {}, f'"{arguments_key}" is not a JSON object')
@@ -461,7 +541,7 @@ class ChatToolEnvironment:
         """The calls of a model turn, read in this environment's `call_format`."""
         if self.call_format == RESPONSE_TEMPLATE:
             return self.template_calls.parse(completion, self.schemas)
-        return parse_tool_calls(completion, self.call_format)
+        return parse_tool_calls(completion, self.call_format, self.schemas)
 
     def step(self, completion: str) -> StepResult:
         calls = self.read_calls(completion)

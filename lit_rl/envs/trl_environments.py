@@ -2,13 +2,17 @@
 
 TRL's contract, which `TRLEnvironment` keeps:
 
-- A class with a callable `reset` and no `step` is TRL's kind. One instance runs one episode.
+- A class with a callable `reset` is TRL's kind when it has no `step`, or when its `reset` takes the row's columns
+  as keywords (`**kwargs`) and nothing positionally (a `step` is then one of its tools: a move in a game); lit-rl's
+  own protocol has both, and its `reset(row)` takes the row positionally. One instance runs one episode.
 - `reset(**row)` gets every column of the episode's row as keywords (the dataset's task data) and returns None or
   text; text is appended to the prompt's last user message (to the prompt, for a text prompt).
-- Every other public method is a tool, called in the model's chat format (`lit_rl.envs.chat_tools`): its schema comes
-  from its type hints and docstring and goes into the prompt; sync or `async def`.
+- Every other public function of the class is a tool (`tool_methods`: a staticmethod too; a property is never read),
+  called in the model's chat format (`lit_rl.envs.chat_tools`): its schema comes from its type hints and docstring
+  and goes into the prompt; sync or `async def`.
 - An optional `get_reward()` (sync or `async def`) scores the episode from the environment's state, once, when the
-  episode ends: a reward column named after the class (`rewards/env/<ClassName>`), weight 1, as in TRL.
+  episode ends: a reward column named after the class (`rewards/env/<ClassName>`), weight 1, as in TRL. None is an
+  invalid reward (NaN, as TRL makes it), counted as a reward function's None is (`model.rewards.on_invalid`).
 - Reward functions receive the episodes' instances as `environments=` (one per completion).
 - Several classes by name (TRL's `environment_factory={name: factory}`; here `model.env.environment: {name: import
   path}`): each row's `environment` column picks its episode's class (`EnvironmentRouting`), only that class's
@@ -25,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -37,15 +42,40 @@ ROUTING_COLUMN = "environment"  # TRL's: the column of a row that names its envi
 
 
 def is_trl_environment(cls: Any) -> bool:
-    """Whether `cls` is a TRL environment class: a callable `reset` and no `step` (lit-rl's own protocol has both)."""
-    return callable(getattr(cls, "reset", None)) and not hasattr(cls, "step")
+    """Whether `cls` is a TRL environment class (module docstring): a callable `reset`, and no `step` or a `reset`
+    that takes the row as keywords alone, as TRL calls it (`reset(**row)`; lit-rl calls its own `reset(row)`)."""
+    if not callable(getattr(cls, "reset", None)):
+        return False
+    return not hasattr(cls, "step") or _resets_from_keywords(cls)
+
+
+def _resets_from_keywords(cls: Any) -> bool:
+    """Whether `cls.reset` has a `**kwargs` and no required positional parameter but `self`: it can be called
+    `reset(**row)`, never `reset(row)`."""
+    reset = getattr(cls, "reset")
+    try:
+        parameters = list(inspect.signature(reset).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (a builtin's): not a Python class's `reset(**row)`
+        return False
+    if isinstance(cls, type) and inspect.isfunction(reset) and not _is_static(cls, "reset"):
+        parameters = parameters[1:]  # `self`, not bound on the class
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p for p in parameters if p.kind in positional and p.default is inspect.Parameter.empty]
+    return not required and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def _is_static(cls: type, name: str) -> bool:
+    """Whether `cls`'s attribute `name` is a staticmethod (its function takes no `self`)."""
+    return isinstance(inspect.getattr_static(cls, name, None), staticmethod)
 
 
 def tool_methods(instance: Any) -> list[Callable[..., Any]]:
-    """The public methods of a TRL environment `instance` but `reset` and `get_reward`: its tools, as TRL finds them."""
+    """The tools of a TRL environment `instance`, as TRL finds them: the functions of its class (staticmethods among
+    them; read on the class, so no property is evaluated, as TRL's trainer avoids) whose names are public and neither
+    `reset` nor `get_reward`, each as the instance gives it (a bound method, or a staticmethod's function)."""
     return [
-        member
-        for name, member in inspect.getmembers(instance, predicate=inspect.ismethod)
+        getattr(instance, name)
+        for name, _ in inspect.getmembers(type(instance), predicate=inspect.isfunction)
         if name not in RESERVED and not name.startswith("_")
     ]
 
@@ -110,10 +140,12 @@ class TRLEnvironment(ChatToolEnvironment, UserObjectAdapter):
         return _appended(row["prompt"], str(observation))
 
     def finish(self) -> dict[str, float]:
-        """The episode's reward from the instance's `get_reward()`, called once when the episode has ended."""
+        """The episode's reward from the instance's `get_reward()`, called once when the episode has ended. None
+        (TRL: NaN) is NaN, an invalid reward, as a reward function's None is (`model.rewards.on_invalid`)."""
         if not self.owns_reward:
             return {}
-        return {self.reward_names[0]: float(_resolved(self.instance.get_reward()))}
+        value = _resolved(self.instance.get_reward())
+        return {self.reward_names[0]: math.nan if value is None else float(value)}
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,9 @@ harness (`null`) runs a task: the row's prompt (`lit_rl.data.verifiers_tasksets`
 lit-rl's engine like any prompt, and once the episode ends, the reply goes into a verifiers `Trace` (the prompt's
 messages and the reply) and the task's own `@vf.reward` functions score it (`Task.score`, awaited on the
 environment runner's loop). Each reward is a column `rewards/env/<name>` holding its weighted value
-(`score * weight`), so the columns sum to verifiers' `trace.reward`. `@vf.metric` functions are not logged.
+(`score * weight`), so the columns sum to verifiers' `trace.reward`. `@vf.metric` functions are not logged. A
+reply that opens with reasoning (`<think>...</think>`, Qwen3's) is split as verifiers' renderer parses a turn: the
+rewards score the content after `</think>`, the reasoning goes in the message's `reasoning_content`.
 
 What a one-turn chat episode cannot give is refused when the run starts, in one line, so that no reward is silently
 partial: a reward that needs the task's runtime (a sandbox: verifiers itself skips it when there is none), plugged
@@ -37,6 +39,7 @@ from lit_rl.errors import ConfigError, one_line
 WHERE = "model.env.environment_args"
 RUNTIME_HOOKS = ("setup", "finalize", "stage_verifier")
 BY_HARNESS = "lit_rl.envs.VerifiersHarness runs a task by a harness, in its runtime"
+_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"  # a reasoning model's markers (Qwen3's), kept in decoded turns
 
 
 class Verifiers:
@@ -80,10 +83,27 @@ class Verifiers:
         vf, task = self.vf, self.task
         messages = [{"role": "user", "content": self.prompt}] if isinstance(self.prompt, str) else list(self.prompt)
         nodes = [MessageNode(message=message, parent=i - 1 if i else None) for i, message in enumerate(messages)]
-        reply = vf.AssistantMessage(content=self.reply)
+        content, reasoning = split_reasoning(self.reply)
+        reply = vf.AssistantMessage(content=content, reasoning_content=reasoning)
         nodes.append(MessageNode(message=reply, parent=len(nodes) - 1 if nodes else None, sampled=True))
         recorded = TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash)
         return vf.Trace(task=recorded, agent=AgentInfo(config=vf.AgentConfig()), nodes=nodes)
+
+
+def split_reasoning(reply: str) -> tuple[str, Optional[str]]:
+    """(content, reasoning) of a reply, as verifiers' default renderer parses a turn (`renderers`' `scan_reasoning`):
+    the reasoning is a `<think>` block opening the reply (after white space), or what comes before a `</think>` the
+    reply never opened (the generation prompt opened it: Qwen3's thinking templates); the content is what follows
+    its first `</think>`, white space kept; a block still open is all reasoning, the content empty. A reply without
+    one is all content (reasoning None)."""
+    opened = reply.lstrip().startswith(_THINK_OPEN)
+    start = reply.index(_THINK_OPEN) + len(_THINK_OPEN) if opened else 0
+    close = reply.find(_THINK_CLOSE, start)
+    if not opened and (close < 0 or _THINK_OPEN in reply[:close]):
+        return reply, None
+    if close < 0:
+        return "", reply[start:] or None
+    return reply[close + len(_THINK_CLOSE) :], reply[start:close] or None
 
 
 def row_task(row: dict[str, Any], taskset_config: Any, task_class: type) -> Any:
