@@ -113,6 +113,38 @@ def test_score_uses_each_tasks_own_scorer_on_the_answer_the_completion_gives():
     assert answer_of("<answer>1</answer> then <answer> 2 </answer>") == "2"
 
 
+def test_the_scorer_is_built_with_the_specs_task_options(tmp_path, monkeypatch):
+    """decimal_arithmetic scores to its config's decimal places: built with the defaults, a wrong sixth decimal scored
+    1.0 where the spec's own dataset scores 0.0. Options a row names that no spec of this run gave are refused."""
+    from lit_rl.errors import RewardFunctionError
+
+    monkeypatch.setattr("lit_rl.data.reasoning_gym._SCORING_OPTIONS", set())  # what this test's specs register alone
+    spec = "reasoning_gym:decimal_arithmetic?size=8&seed=3&max_num_decimal_places=6"
+    rows = load_rows(spec)
+    dataset = reasoning_gym.create_dataset("decimal_arithmetic", size=8, seed=3, max_num_decimal_places=6)
+    wrong = [str(e["answer"])[:-1] + ("1" if str(e["answer"])[-1] != "1" else "2") for e in dataset]
+    expected = [dataset.score_answer(answer, entry) for answer, entry in zip(wrong, dataset)]
+    assert 0.0 in expected  # a wrong last decimal that the default config's scorer rounds away
+    columns = {key: [row[key] for row in rows] for key in ("reasoning_gym", "reasoning_gym_options")}
+    assert columns["reasoning_gym_options"] == [{"max_num_decimal_places": 6}] * 8
+    assert score([], [f"<answer>{a}</answer>" for a in wrong], **columns) == expected
+    rows_file = tmp_path / "rows.jsonl"  # a file's row naming options no spec gave
+    options = {"max_num_decimal_places": 2}
+    rows_file.write_text(
+        json.dumps({"prompt": "?", "reasoning_gym": rows[0]["reasoning_gym"], "reasoning_gym_options": options}) + "\n"
+    )
+    (row,) = load_rows(str(rows_file))
+    with pytest.raises(
+        RewardFunctionError, match=r"with options \{\"max_num_decimal_places\": 2\}, which no reasoning_gym: spec"
+    ):
+        score(
+            [],
+            ["<answer>1</answer>"],
+            reasoning_gym=[row["reasoning_gym"]],
+            reasoning_gym_options=[row["reasoning_gym_options"]],
+        )
+
+
 @pytest.mark.slow
 def test_grpo_trains_on_a_reasoning_gym_task_through_the_cli(tmp_path):
     """The command the docs print, for 2 steps (the test overlay and the suite's small batches on top): the task's

@@ -10,14 +10,16 @@ lit-rl's: `prompt=text` (the default: the question as it is, for a base model) o
 default system prompt, which asks for the answer in `<answer>` tags, and the question as a user message). Several
 tasks, comma-separated, make reasoning-gym's `composite` dataset with equal weights (then only `size`, `seed` and
 `prompt` may be given). Each row holds `prompt`, `answer`, `reasoning_gym` (the task's entry: question, answer and
-metadata), which `lit_rl.rewards.reasoning_gym.score` scores with the task's own scorer, and `completion` (the
-answer as the prompt style asks for it: `<answer>...</answer>` for `chat`), so SFT trains on the same spec.
+metadata), which `lit_rl.rewards.reasoning_gym.score` scores with the task's own scorer built with the spec's task
+options (`reasoning_gym_options`), and `completion` (the answer as the prompt style asks for it:
+`<answer>...</answer>` for `chat`), so SFT trains on the same spec.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import json
 import re
 from typing import Any, Callable, Optional
 
@@ -36,6 +38,23 @@ EVALUATING = re.compile(r"\b(eval|exec|compile|parse_expr|sympify|parse_latex)\(
 # (`lit_rl.rewards.reasoning_gym.score`) runs no other such scorer, whatever rows name them (a data file's rows
 # choose their task by name, and would otherwise choose an `eval` of their own answer or of the model's).
 _TRUSTED_SCORERS: set[str] = set()
+
+
+# The task options of every single-task spec loaded in this process, as (task, canonical JSON): the reward builds a
+# task's scorer with the options a row's `reasoning_gym_options` names only when a spec registered them (a row from
+# a file would otherwise choose the dataset config its scorer is built with).
+_SCORING_OPTIONS: set[tuple[str, str]] = set()
+OPTIONS_COLUMN = "reasoning_gym_options"
+
+
+def options_key(options: dict[str, Any]) -> str:
+    """Task options as one canonical string (a cache key, and what `_SCORING_OPTIONS` holds)."""
+    return json.dumps(options, sort_keys=True)
+
+
+def scoring_options_registered(task: str, options: dict[str, Any]) -> bool:
+    """Whether a spec loaded in this process made `task`'s rows with `options`."""
+    return (task, options_key(options)) in _SCORING_OPTIONS
 
 
 def scorer_trusted(task: str) -> bool:
@@ -97,6 +116,10 @@ def load_reasoning_gym_rows(spec: str) -> list[dict[str, Any]]:
     except Exception as err:  # unknown task, a bad option: reasoning-gym's own message, on one line
         message = one_line(err)
         raise DataError(f"{spec!r}: reasoning-gym: {type(err).__name__}: {message}") from None
+    # The task's own options (not `size` and `seed`), which some scorers read from their dataset's config
+    # (decimal_arithmetic's decimal places): the reward builds the scorer with them (`OPTIONS_COLUMN`).
+    scoring = {key: value for key, value in options.items() if key not in MIX_OPTIONS} if len(tasks) == 1 else {}
+    _SCORING_OPTIONS.add((tasks[0], options_key(scoring)))
     rows = []
     for entry in entries:
         question = entry["question"]
@@ -110,6 +133,7 @@ def load_reasoning_gym_rows(spec: str) -> list[dict[str, Any]]:
         # `completion`: the reference answer in the prompt's style, for SFT (`SFTDataModule`) on the same spec.
         completion = f"<answer>{entry['answer']}</answer>" if style == "chat" else str(entry["answer"])
         row = {"prompt": prompt, "completion": completion, "answer": entry["answer"], "reasoning_gym": dict(entry)}
+        row[OPTIONS_COLUMN] = dict(scoring)
         rows.append(row)
     return rows
 

@@ -5,16 +5,24 @@
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any, Callable, Optional, Sequence
 
 from lit_rl.errors import RewardFunctionError
 from lit_rl.rewards import completion_text
 
 
-def _scorer(task: str) -> Callable[[Optional[str], dict[str, Any]], float]:
-    """The task's own `score_answer` (of a dataset with the task's default options). One that runs text as code
-    only where a spec of this run trusted it: a row names its task, and rows from a file are anyone's."""
-    from lit_rl.data.reasoning_gym import TRUST_OPTION, scorer_evaluation, scorer_trusted
+def _scorer(task: str, options: dict[str, Any]) -> Callable[[Optional[str], dict[str, Any]], float]:
+    """The task's own `score_answer`, of a dataset built with the task `options` of the spec that made the row. One
+    that runs text as code only where a spec of this run trusted it, and options only a spec of this run gave: a
+    row names its task and options, and rows from a file are anyone's."""
+    from lit_rl.data.reasoning_gym import (
+        TRUST_OPTION,
+        options_key,
+        scorer_evaluation,
+        scorer_trusted,
+        scoring_options_registered,
+    )
 
     found = None if scorer_trusted(task) else scorer_evaluation(task)
     if found:
@@ -23,14 +31,25 @@ def _scorer(task: str) -> Callable[[Optional[str], dict[str, Any]], float]:
             f"({found}); it runs only for rows of a spec that trusts it: data reasoning_gym:{task}?...&"
             f"{TRUST_OPTION}=true"
         )
-    return _task_scorer(task)
+    if options and not scoring_options_registered(task, options):
+        raise RewardFunctionError(
+            f"reward function 'score': a row names reasoning-gym task {task!r} with options {options_key(options)}, "
+            "which no reasoning_gym: spec of this run gave: its scorer is built only with a spec's options"
+        )
+    return _task_scorer(task, options_key(options))
 
 
 @functools.lru_cache(maxsize=None)
-def _task_scorer(task: str) -> Callable[[Optional[str], dict[str, Any]], float]:
+def _task_scorer(task: str, options: str) -> Callable[[Optional[str], dict[str, Any]], float]:
+    """`score_answer` of the task's dataset with `options` (JSON; `{}`: reasoning-gym's defaults). Some scorers read
+    their config (decimal_arithmetic's decimal places, time_intervals' tolerance): with the defaults a wrong answer
+    scored 1.0 where the spec's own dataset scores 0.0."""
     import reasoning_gym
 
-    return reasoning_gym.get_score_answer_fn(task)
+    chosen = json.loads(options)
+    if not chosen:
+        return reasoning_gym.get_score_answer_fn(task)
+    return reasoning_gym.create_dataset(task, size=1, seed=0, **chosen).score_answer
 
 
 def answer_of(completion: str) -> str:
@@ -43,12 +62,16 @@ def answer_of(completion: str) -> str:
 
 
 def score(
-    prompts: Sequence[Any], completions: Sequence[Any], reasoning_gym: Optional[Sequence[dict]] = None, **_: Any
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    reasoning_gym: Optional[Sequence[dict]] = None,
+    reasoning_gym_options: Optional[Sequence[Optional[dict]]] = None,
+    **_: Any,
 ) -> list[float]:
     """Each completion's score by its task's own scorer (`score_answer(answer, entry)`, in [0, 1]: 1.0 for a
     correct answer; some tasks give partial credit), on the answer `answer_of` finds. The task is the entry's
-    `metadata.source_dataset`, so a mix of tasks is scored task by task. Scorers are built with the task's default
-    options: a task whose scoring depends on an option you changed may score differently."""
+    `metadata.source_dataset`, so a mix of tasks is scored task by task; the scorer's dataset has the options the
+    spec gave the task (`reasoning_gym_options`, a column of the spec's rows; reasoning-gym's defaults without)."""
     try:
         import reasoning_gym as _  # noqa: F401
     except ImportError:
@@ -59,8 +82,9 @@ def score(
         raise RewardFunctionError(
             "reward function 'score' needs the 'reasoning_gym' column: give data from reasoning_gym:<task>"
         )
+    options = reasoning_gym_options if reasoning_gym_options is not None else [None] * len(reasoning_gym)
     values = []
-    for completion, entry in zip(completions, reasoning_gym):
+    for completion, entry, chosen in zip(completions, reasoning_gym, options):
         task = entry["metadata"]["source_dataset"]
-        values.append(float(_scorer(task)(answer_of(completion_text(completion)), entry)))
+        values.append(float(_scorer(task, chosen or {})(answer_of(completion_text(completion)), entry)))
     return values
