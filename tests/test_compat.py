@@ -66,6 +66,7 @@ OVERRIDES = {
     ("LightningCLI", "_parse_ckpt_path"),  # lit_rl.cli: --ckpt_path last, resolved
     ("LightningCLI", "_instantiate_trainer"),  # lit_rl.cli: lit-rl's callbacks
     ("RichProgressBar", "_get_train_description"),  # lit_rl.callbacks.progress
+    ("DeepSpeedStrategy", "_auto_select_batch_size"),  # lit_rl.training.strategies: DPO's and SFT's loaders
 }
 SCANNED = ("lit_rl.cli", "lit_rl.loggers", "lit_rl.callbacks", "lit_rl.algorithms", "lit_rl.data", "lit_rl.training")
 
