@@ -179,6 +179,9 @@ def test_calls_in_the_models_reasoning_are_not_made():
         assert [call.name for call in qwen3.parse(text + "<|im_end|>")] == names, text
     # Qwen3's thinking templates write `<think>` in the generation prompt: the turn only closes it.
     assert [call.name for call in parse_tool_calls(f"I could write {thought}\n</think>\n\n{made}")] == ["add_numbers"]
+    # A `</think>` an argument writes is the call's text, not the end of reasoning the prompt opened.
+    writes = _call("add_numbers", '{"a": 1, "b": 1, "note": "a </think> b"}')
+    assert [call.name for call in parse_tool_calls(f"{made}{writes}")] == ["add_numbers", "add_numbers"]
     step = ChatToolEnvironment([add_numbers]).step(f"<think>{thought}</think>The answer is 2.")
     assert step.done and step.tool_calls == 0
 

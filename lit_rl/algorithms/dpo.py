@@ -178,11 +178,14 @@ class DPO(OfflineModule):
 
     def _cache_key(self, pairs: list[TokenizedPair]) -> str:
         """Hash of the reference model (path; name, size, mtime and first/last MiB of its config and weight files),
-        the dtype, the trainer's precision and the token ids. A hub id is keyed by its name: clear the cache when the
-        hub model changes."""
+        the dtype, the trainer's precision, the dtype the pass computes in (the policy's parameters': DeepSpeed's
+        bf16 casts them where plain `bf16-mixed` does not) and the token ids. A hub id is keyed by its name: clear
+        the cache when the hub model changes."""
         digest = hashlib.sha256()
         resolved = Path(resolve_model_path(self.ref_path))
+        computed_in = str(next(self.policy.parameters()).dtype)
         digest.update(json.dumps([self.ref_path, self.policy_args.dtype, str(self.trainer.precision)]).encode())
+        digest.update(computed_in.encode())
         if resolved.is_dir():
             for file in sorted(resolved.iterdir()):
                 if file.suffix in (".json", ".safetensors", ".bin"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Callable, Optional, Protocol, runtime_checkable
 
@@ -95,20 +96,35 @@ class SaveHFPretrained(Callback):
             policy.save_pretrained(out / "adapter", safe_serialization=True)
         elif masters is not None:
             policy.save_pretrained(out, state_dict=_with_masters(pl_module, masters), safe_serialization=True)
+            _config_dtype(out / "config.json", exported_dtype(pl_module))  # it names the module's (bf16) dtype
         else:
             policy.save_pretrained(out, safe_serialization=True)
         pl_module.tokenizer.save_pretrained(out)
 
 
+def exported_dtype(pl_module: PolicyModule) -> torch.dtype:
+    """The dtype the masters are exported in: `model.policy.dtype` (`auto`: float32)."""
+    return MODEL_TORCH_DTYPES.get(pl_module.policy_args.dtype, torch.float32)
+
+
 def _with_masters(pl_module: PolicyModule, masters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The policy's state dict with each parameter's master copy (the same tensor under every name of a tied
-    parameter, so `save_pretrained` still writes it once), in `model.policy.dtype` (`auto`: float32), as `lit-rl
-    export` loads the checkpoint's."""
-    dtype = MODEL_TORCH_DTYPES.get(pl_module.policy_args.dtype, torch.float32)
+    parameter, so `save_pretrained` still writes it once), in `exported_dtype`."""
+    dtype = exported_dtype(pl_module)
     by_parameter = {id(p): masters[name] for name, p in pl_module.policy.named_parameters() if name in masters}
     state = pl_module.policy.state_dict(keep_vars=True)
     converted = {id(t): by_parameter.get(id(t), t.detach()).to(dtype) for t in state.values()}  # one per tensor
     return {name: converted[id(t)] if t.is_floating_point() else t.detach() for name, t in state.items()}
+
+
+def _config_dtype(config_file: Path, dtype: torch.dtype) -> None:
+    """`config.json`'s dtype set to the weights' (`save_pretrained` writes the module's): a loader with `dtype="auto"`
+    (vLLM's default) reads it."""
+    config = json.loads(config_file.read_text())
+    for key in ("dtype", "torch_dtype"):
+        if key in config or key == "dtype":
+            config[key] = str(dtype).removeprefix("torch.")
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def stopped_by_signal(trainer: L.Trainer) -> bool:

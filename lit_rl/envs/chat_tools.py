@@ -334,12 +334,15 @@ def _not_json(err: Exception) -> str:
 
 
 def _after_prewritten_reasoning(text: str) -> str:
-    """`text` after a `</think>` that comes before any `<think>`: the reasoning a generation prompt opened (Qwen3's
-    thinking templates write `<think>` there), which the turn only closes."""
+    """`text` after a `</think>` that comes before any `<think>`, outside a call: the reasoning a generation prompt
+    opened (Qwen3's thinking templates write `<think>` there), which the turn only closes."""
     closing, opening = text.find(_THINK_CLOSE), text.find(_THINK_OPEN)
-    if closing >= 0 and (opening < 0 or closing < opening):
-        return text[closing + len(_THINK_CLOSE) :]
-    return text
+    if closing < 0 or 0 <= opening < closing:
+        return text
+    call = text.rfind("<tool_call>", 0, closing)
+    if call >= 0 and text.find("</tool_call>", call, closing) < 0:
+        return text  # inside a call: an argument that writes `</think>`
+    return text[closing + len(_THINK_CLOSE) :]
 
 
 def typed_arguments(calls: list[ToolCall], schemas: list[dict[str, Any]]) -> list[ToolCall]:

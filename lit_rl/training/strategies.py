@@ -187,18 +187,29 @@ def master_weights(strategy: object, module: torch.nn.Module, keep: bool) -> Opt
     """`module`'s trainable parameters as the float32 master copies DeepSpeed's optimizer keeps when the engine
     computes in bf16 or fp16 (the module's own are their rounded copies), by parameter name, on CPU; None under any
     other strategy or precision. A collective (ZeRO assembles each from every rank's partition): every rank calls
-    it, and only where `keep` (rank 0) are the tensors kept."""
+    it, and only where `keep` (rank 0) are the tensors kept. Where they do not fit in host memory, rank 0 goes on
+    taking part without keeping them (a rank leaving the collectives would hang the others) and returns None, with
+    one line saying so; None too where the engine keeps no masters (fp16 without ZeRO)."""
     engine = deepspeed_engine(strategy)
     if engine is None or not (engine.bfloat16_enabled() or engine.fp16_enabled()):
         return None
     from deepspeed.utils import safe_get_full_fp32_param
 
-    weights = {}
+    weights: Optional[dict[str, torch.Tensor]] = {} if keep else None
     for name, param in module.named_parameters():
         full = safe_get_full_fp32_param(param) if param.requires_grad else None  # frozen ones have no master
-        if full is not None and keep:
+        if full is None or weights is None:
+            continue
+        try:
             weights[name] = full.detach().cpu()
-    return weights if keep else None
+        except RuntimeError as err:  # the CPU allocator's "can't allocate memory"
+            warnings.warn(
+                f"hf/: the float32 master weights do not fit in host memory ({err}): the engine's own copies "
+                "are exported; `lit-rl export` of the last checkpoint writes the masters",
+                stacklevel=2,
+            )
+            weights = None
+    return weights or None
 
 
 def deepspeed_local_gradients(engine: Any) -> list[torch.Tensor]:

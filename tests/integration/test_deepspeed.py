@@ -396,6 +396,7 @@ def test_dpo_with_precomputed_reference_log_probs_and_sft_train_under_zero(tmp_p
     hf, exported = load_file(zero2 / "hf" / "model.safetensors"), load_file(out / "model.safetensors")
     assert hf.keys() == exported.keys() and all(hf[k].dtype == torch.float32 for k in hf)
     assert all(torch.equal(hf[k], exported[k]) for k in hf)
+    assert json.loads((zero2 / "hf" / "config.json").read_text())["dtype"] == "float32"  # not the engine's bf16
     _, (loss, margins) = dpo_step_1("zero3")
     assert abs(loss - ln2) < 1e-4 and abs(margins) < 1e-3, (loss, margins)
     sft = fit_in_subprocess(

@@ -131,9 +131,8 @@ class HFGenerateEngine:
         the sampled tokens' log-probs [N, T]."""
         from transformers import GenerationConfig, LogitsProcessorList
 
-        # `generate` only ever takes the argmax: sampling is the `SeededRowSampler` processor. The first processor
-        # sees the raw logits and keeps the sampled tokens' log-probs, one step at a time instead of every step's
-        # [N, V] logits.
+        # `generate` only ever takes the argmax: sampling is the `SeededRowSampler` processor. `SampledTokenLogprobs`
+        # keeps the sampled tokens' log-probs, one step at a time instead of every step's [N, V] logits.
         config = GenerationConfig(
             max_new_tokens=params.max_new_tokens,
             do_sample=False,

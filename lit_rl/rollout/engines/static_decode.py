@@ -67,7 +67,8 @@ class CompiledDecoder:
         prefix_cache: Optional[Any] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Completion ids [N, T'] (anything after a row's EOS: the caller masks it; T' <= max_new_tokens, up to the
-        longest row) and the sampled tokens' log-probs [N, T'] under `softmax(logits / logprob_temperature)`.
+        longest row) and the sampled tokens' log-probs [N, T'] under the distribution each was drawn from
+        (`compact_decode.sample_next`).
 
         `prefix_cache`: a KV cache of every row's prompt but its last token (`shared_prompt_cache`), or None.
         On CPU the weights are packed for this generation's steps and freed after them.
