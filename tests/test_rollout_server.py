@@ -3,7 +3,9 @@ what the engine makes of the server's answers. A stdlib HTTP server in a thread 
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 import time
 
 import pytest
@@ -362,3 +364,31 @@ def test_ranks_sample_apart_only_where_every_rank_reaches_every_server(tmp_path)
         "several servers, on_server_failure continue": False,
     }
     assert ranks == [expected, expected]
+
+
+def test_weights_folders_of_killed_trainers_are_removed_and_no_other(tmp_path):
+    """A trainer killed by SIGKILL or the OOM killer never removes its weights' folder, a copy of the model in
+    /dev/shm (RAM) until the machine restarts: the next server engine removes it. A live process's folder, one
+    changed within the hour (a run in another PID namespace) and one named otherwise stay."""
+    import subprocess
+
+    from lit_rl.rollout.engines.vllm_server import STALE_WEIGHTS_S, remove_stale_weight_dirs
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid no process has now
+    folders = {
+        "dead": tmp_path / f"lit-rl-weights-{gone.pid}-abc",
+        "live": tmp_path / f"lit-rl-weights-{os.getpid()}-abc",
+        "recent": tmp_path / f"lit-rl-weights-{gone.pid}-new",
+        "other": tmp_path / "lit-rl-weights",  # a receiver's --dir, as docs name it
+    }
+    for folder in folders.values():
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"x")
+    old = time.time() - STALE_WEIGHTS_S - 60
+    for name in ("dead", "live", "other"):
+        os.utime(folders[name], (old, old))
+    assert remove_stale_weight_dirs(tmp_path) == [folders["dead"]]
+    assert [name for name, folder in folders.items() if folder.exists()] == ["live", "recent", "other"]
+    os.utime(folders["recent"], (old, old))
+    assert remove_stale_weight_dirs(tmp_path, now=time.time()) == [folders["recent"]]

@@ -43,6 +43,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 import urllib.parse
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -76,6 +77,48 @@ IN_FLIGHT_JOBS = 8
 
 # The sampling options lit-rl has none of, at the values that leave the distribution alone.
 NEUTRAL_SAMPLING = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0}
+
+
+# `<shm>/lit-rl-weights-<pid>-<random>`: the weights' folder of the trainer process `pid`.
+WEIGHT_DIR_PREFIX = "lit-rl-weights-"
+
+
+# A weights' folder untouched this long, of a process that is gone, is stale (a run's pushes rewrite it every step).
+STALE_WEIGHTS_S = 3600
+
+
+def remove_stale_weight_dirs(root: Path, now: Optional[float] = None) -> list[Path]:
+    """Remove the weights' folders under `root` of this user's trainer processes that are gone: a killed trainer
+    (SIGKILL, out of memory) never runs its clean-up, and a folder in /dev/shm holds a copy of the model in RAM until
+    the machine restarts. A folder whose process still runs, or that changed in the last `STALE_WEIGHTS_S` (a run
+    in another PID namespace sharing /dev/shm: its process is not seen here), another user's, or one named
+    otherwise stays."""
+    now = time.time() if now is None else now
+    removed = []
+    for folder in root.glob(f"{WEIGHT_DIR_PREFIX}*-*"):
+        pid = folder.name[len(WEIGHT_DIR_PREFIX) :].split("-", 1)[0]
+        try:
+            stat = folder.lstat()
+            if not pid.isdigit() or folder.is_symlink() or stat.st_uid != os.getuid():
+                continue
+            if now - stat.st_mtime < STALE_WEIGHTS_S or _running(int(pid)):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists (signal 0 checks without sending; a process of another user exists too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class VLLMServerEngine:
@@ -130,7 +173,8 @@ class VLLMServerEngine:
         self.sync_dir = self.config.transfer.sync_dir
         if self.sync_dir is None:  # a folder of this process's own, 0700
             shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-            self.sync_dir = tempfile.mkdtemp(prefix="lit-rl-weights-", dir=shm)
+            remove_stale_weight_dirs(Path(shm or tempfile.gettempdir()))
+            self.sync_dir = tempfile.mkdtemp(prefix=f"{WEIGHT_DIR_PREFIX}{os.getpid()}-", dir=shm)
             self._own_sync_dir = True
             # Removed even when the run dies with an exception (Lightning then skips teardown): /dev/shm is RAM.
             self._cleanup = weakref.finalize(self, shutil.rmtree, self.sync_dir, True)
