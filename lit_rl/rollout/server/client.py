@@ -137,6 +137,11 @@ def start_child(argv: Sequence[str], env: dict[str, str], log_path: str) -> tupl
     return process, log
 
 
+# How `why_not_started` begins when another process took the port between `free_port` and the child's bind: a
+# starter may take another port.
+PORT_TAKEN = "found its port"
+
+
 def why_not_started(process: Any, url: str, timeout_s: float, api_key: bool = True) -> Optional[str]:
     """Wait until the child `process` (`start_child`) serving `url` answers `/health`, for at most `timeout_s`:
     None, or why it did not start (`exited with code 1`, `did not answer within 60 s`), for the caller's one-line
@@ -150,7 +155,7 @@ def why_not_started(process: Any, url: str, timeout_s: float, api_key: bool = Tr
             return f"did not answer within {timeout_s:g} s"
         time.sleep(0.2)
     if holder == "other":
-        return f"found its port {port} taken by another process (nothing was sent there)"
+        return f"{PORT_TAKEN} {port} taken by another process (nothing was sent there)"
     try:
         client = VLLMServerClient(url, timeout_s=2.0, max_retries=0, api_key=api_key)  # its `/health` poll
         client.wait_until_healthy(max(0.0, deadline - time.monotonic()), gone=lambda: process.poll() is not None)
