@@ -44,7 +44,6 @@ import sys
 import tempfile
 import threading
 import urllib.parse
-import weakref
 from pathlib import Path
 from typing import Any, Optional
 
@@ -263,35 +262,19 @@ class _LocalApps:
             return self._urls[app]
 
     def _start(self, app: str, python: str, timeout_s: float) -> str:
-        from lit_rl.rollout.server.client import (
-            PORT_TAKEN,
-            _last_error,
-            _stop_session,
-            free_port,
-            start_child,
-            why_not_started,
-        )
+        from lit_rl.rollout.server.client import _last_error, start_server_child
 
         if ":" not in app:
             raise ConfigError(f"lit_rl.envs.OpenEnv environment_args.app must be module:attribute, got {app!r}")
-        # A free port can be taken by another process before the server binds it: then another port, a few times.
-        for attempt in range(PORT_ATTEMPTS):
-            port = free_port()
-            log_path = str(Path(tempfile.mkdtemp(prefix="lit-rl-openenv-")) / "server.log")
-            argv = [python, "-c", _SERVE_APP, app, "127.0.0.1", str(port)]
-            process, log = start_child(argv, {}, log_path)
-            stop = weakref.finalize(process, _stop_session, process, log)  # at exit at the latest
-            url = f"http://127.0.0.1:{port}"
-            failure = why_not_started(process, url, timeout_s, api_key=False)  # no vLLM server: no VLLM_API_KEY
-            if failure is None:
-                return url
-            stop()
-            if not failure.startswith(PORT_TAKEN) or attempt == PORT_ATTEMPTS - 1:
-                raise ConfigError(
-                    f"lit_rl.envs.OpenEnv: the server of {app} {failure} ({_last_error(log_path)}); its log: {log_path}"
-                )
-        raise AssertionError("unreachable")
+        log_path = str(Path(tempfile.mkdtemp(prefix="lit-rl-openenv-")) / "server.log")
+        command = lambda port: ([python, "-c", _SERVE_APP, app, "127.0.0.1", str(port)], {})  # noqa: E731
+        # No vLLM server: its health poll carries no VLLM_API_KEY. Stopped at exit at the latest.
+        child, failure = start_server_child(command, log_path, timeout_s, api_key=False)
+        if failure is not None:
+            raise ConfigError(
+                f"lit_rl.envs.OpenEnv: the server of {app} {failure} ({_last_error(log_path)}); its log: {log_path}"
+            )
+        return child.url
 
 
-PORT_ATTEMPTS = 3  # ports an app's server is started on before its failure is the run's
 LOCAL_APPS = _LocalApps()

@@ -455,7 +455,7 @@ class VLLMServer(EngineConfig):
         if not self.launch:
             return VLLMServerEngine(self, eos_ids, module.tokenizer.pad_token_id, busy=busy)
         from lit_rl.modeling.models import resolve_model_path
-        from lit_rl.rollout.server.launch import ServerLauncher
+        from lit_rl.rollout.server.launch import NOT_STARTED_URL, ServerLauncher
 
         launcher = ServerLauncher(
             model=resolve_model_path(module.policy_args.model_name_or_path),
@@ -466,7 +466,7 @@ class VLLMServer(EngineConfig):
             trust_remote_code=module.policy_args.trust_remote_code,
         )
         launched = copy.copy(self)  # the run's config keeps the URL it was given; the engine talks to the launched one
-        launched.server_url = launcher.url
+        launched.server_url = NOT_STARTED_URL  # its port is known once rank 0 started it (`VLLMServerEngine`)
         return VLLMServerEngine(launched, eos_ids, module.tokenizer.pad_token_id, launcher=launcher, busy=busy)
 
     def engine_dtype(self, compute_dtype: torch.dtype) -> Optional[torch.dtype]:

@@ -58,7 +58,7 @@ from lit_rl.resume import say
 from lit_rl.rollout.base import Generate, RolloutOutput, SamplingParams, draw_seeds, padded_output, unpadded_prompts
 from lit_rl.rollout.engine_config import VLLMServer
 from lit_rl.rollout.in_flight import InFlightWeights
-from lit_rl.rollout.server.client import RolloutServerError, ServerDownError, VLLMServerClient
+from lit_rl.rollout.server.client import RolloutServerError, ServerDownError
 from lit_rl.rollout.server.collective_transfer import CollectiveTransfer, host_copies
 from lit_rl.rollout.server.launch import ServerLauncher
 from lit_rl.rollout.server.pool import RolloutServer, ServerPool
@@ -136,7 +136,7 @@ class VLLMServerEngine:
     ) -> None:
         self.config = config
         self.busy = busy or BusyClock()  # counts the time a completions request is outstanding (`perf/engine_busy_s`)
-        self.launcher = launcher  # `model.rollout.engine.launch`: rank 0 starts the server at `config.server_url`
+        self.launcher = launcher  # `model.rollout.engine.launch`: rank 0 starts the server
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.rank, self.world_size = _rank_and_world()
@@ -161,6 +161,7 @@ class VLLMServerEngine:
             private_directory(Path(self.config.transfer.sync_dir), "model.rollout.engine.transfer.sync_dir")
         if self.launcher is not None:
             self.launcher.start()
+            self.pool.move(self.pool.servers[0], self.launcher.url)  # the port it bound; other ranks `_follow`
         try:
             self.pool.connect(self.config.wait_for_server_s)
             if self.transfer is not None:  # each server's group now: one that cannot receive fails before training
@@ -302,8 +303,7 @@ class VLLMServerEngine:
         if self.rank == 0:
             return
         for server, (url, model_name, in_service) in zip(self.pool.servers, servers):
-            if server.url != url:
-                server.client = VLLMServerClient(url, self.config.request_timeout_s, self.config.max_retries)
+            self.pool.move(server, url)
             server.model_name, server.in_service = model_name, in_service
 
     def _every_rank_may_sample_alone(self) -> bool:

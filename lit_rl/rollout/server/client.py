@@ -8,6 +8,7 @@ request itself is wrong) raises `RolloutServerError` at once.
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import os
@@ -62,8 +63,9 @@ def server_command(
 
 
 class LocalVLLMServer:
-    """`server_command` started as a child process on 127.0.0.1 (a free port unless `port` is given), waited for
-    until healthy; `stop()` ends it, with every process it started.
+    """`server_command` started as a child process on 127.0.0.1 (at `port`, else at a free port, and another when
+    another process takes it first: `start_server_child`), waited for until healthy; `stop()` ends it, with every
+    process it started.
 
     It never outlives its starter: it runs in a session of its own (Ctrl-C in the terminal reaches the trainer, which
     stops it in order), `stop()` ends the whole session, the interpreter's exit calls `stop()` (a run that died with an
@@ -84,35 +86,76 @@ class LocalVLLMServer:
         trust_remote_code: bool = False,
         cpus: Optional[set[int]] = None,
     ) -> None:
-        port = port or free_port()
-        argv, env = server_command(
-            model,
-            port,
-            cpu=cpu,
-            weight_transfer=weight_transfer,
-            extra_args=extra_args,
-            trust_remote_code=trust_remote_code,
-        )
-        if cpus:  # the server's cores (`lit_rl.rollout.server.launch.core_split`): vLLM binds its threads among them
-            env[SERVER_CPUS_ENV] = ",".join(str(cpu) for cpu in sorted(cpus))
-        self.url = f"http://127.0.0.1:{port}"
+        def command(bound: int) -> tuple[list[str], dict]:
+            argv, env = server_command(
+                model,
+                bound,
+                cpu=cpu,
+                weight_transfer=weight_transfer,
+                extra_args=extra_args,
+                trust_remote_code=trust_remote_code,
+            )
+            if cpus:  # the server's cores (`lit_rl.rollout.server.launch.core_split`): vLLM binds its threads there
+                env[SERVER_CPUS_ENV] = ",".join(str(cpu) for cpu in sorted(cpus))
+            return argv, env
+
         self.log_path = log_path
-        self.process, self._log = start_child(argv, env, log_path)
-        self._stop_at_exit = weakref.finalize(self, _stop_session, self.process, self._log)
-        try:
-            failure = why_not_started(self.process, self.url, timeout_s)
-        except BaseException:  # never leave a server running behind Ctrl-C
-            self.stop()
-            raise
+        self._child, failure = start_server_child(command, log_path, timeout_s, port=port)
+        self.url, self.process = self._child.url, self._child.process
         if failure is not None:
-            self.stop()
             raise RolloutServerError(
                 f"vLLM server {self.url} did not start: it {failure} ({_last_error(log_path)}); its log: {log_path}"
             )
 
     def stop(self) -> None:
         """End the server and everything it started (SIGTERM, then SIGKILL after 30 s); idempotent."""
-        self._stop_at_exit()
+        self._child.stop()
+
+
+@dataclasses.dataclass
+class ChildServer:
+    """A server `start_server_child` started: its process, its URL, and `stop` (idempotent; run at exit at the
+    latest)."""
+
+    process: Any
+    url: str
+    stop: Callable[[], Any]
+
+
+# A free port can be taken by another process before the child binds it (a vLLM server imports for tens of seconds
+# first): a starter then tries another, this many ports in all, before the failure is the run's.
+PORT_ATTEMPTS = 3
+
+
+def start_server_child(
+    command: Callable[[int], tuple[Sequence[str], dict]],
+    log_path: str,
+    timeout_s: float,
+    port: Optional[int] = None,
+    api_key: bool = True,
+) -> tuple[ChildServer, Optional[str]]:
+    """Start `command(port)` (argv, extra environment) as a child on 127.0.0.1 (`start_child`), and wait until it
+    answers (`why_not_started`): the child and None, or the child (stopped) and why it did not start, for the
+    caller's one-line error. Without `port`, a free port, and another when another process took it first (up to
+    `PORT_ATTEMPTS`; each attempt rewrites `log_path`); a given `port` is the one the caller asked for, tried once.
+    Ctrl-C while waiting stops the child."""
+    for _ in range(1 if port else PORT_ATTEMPTS):
+        bound = port or free_port()
+        argv, env = command(bound)
+        process, log = start_child(argv, env, log_path)
+        stop = weakref.finalize(process, _stop_session, process, log)
+        child = ChildServer(process, f"http://127.0.0.1:{bound}", stop)
+        try:
+            failure = why_not_started(process, child.url, timeout_s, api_key=api_key)
+        except BaseException:  # never leave a server running behind Ctrl-C
+            child.stop()
+            raise
+        if failure is None:
+            return child, None
+        child.stop()
+        if not failure.startswith(PORT_TAKEN):
+            break
+    return child, failure
 
 
 def start_child(argv: Sequence[str], env: dict[str, str], log_path: str) -> tuple[Any, Any]:
@@ -137,8 +180,8 @@ def start_child(argv: Sequence[str], env: dict[str, str], log_path: str) -> tupl
     return process, log
 
 
-# How `why_not_started` begins when another process took the port between `free_port` and the child's bind: a
-# starter may take another port.
+# How `why_not_started` begins when another process took the port between `free_port` and the child's bind
+# (`start_server_child` then tries another).
 PORT_TAKEN = "found its port"
 
 

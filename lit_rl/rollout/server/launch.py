@@ -4,8 +4,9 @@ rollouts, agentic episodes) is one command:
     lit-rl fit --config configs/grpo.yaml --config configs/rollout/vllm_server.yaml --model.rollout.engine.launch true
 
 Rank 0 starts `server_command` (the documented command: loopback, vLLM's RL endpoints, the log-probs the trainer
-recomputes) on 127.0.0.1 at a free port, serving the policy's `model_name_or_path`, when the engine is first built;
-its first weight push then gives it the policy's current weights (a resumed run's too). The server is stopped with
+recomputes) on 127.0.0.1 at a free port (another if another process takes it first; every rank learns rank 0's),
+serving the policy's `model_name_or_path`, when the engine is first built; its first weight push then gives it the
+policy's current weights (a resumed run's too). The server is stopped with
 the engine, and never outlives the trainer (`LocalVLLMServer`). Imports no vLLM.
 """
 
@@ -23,9 +24,10 @@ from lit_rl.errors import ConfigError
 from lit_rl.resume import say
 from lit_rl.rollout.engine_config import ENGINE_KEY as KEY
 from lit_rl.rollout.engine_config import VLLMServer
-from lit_rl.rollout.server.client import LocalVLLMServer, free_port
+from lit_rl.rollout.server.client import LocalVLLMServer
 
 LOG_NAME = "vllm_server.log"
+NOT_STARTED_URL = "http://127.0.0.1:0"  # a launched server's until it started (port 0: no server listens there)
 # Flags `server_command` sets (they come last, so they win anyway): a second value would fight lit-rl's, and
 # `--host` would expose the server. vLLM's parser also takes a flag's prefix and `_` for `-`: so are they checked.
 OWN_FLAGS = (
@@ -91,7 +93,7 @@ def launched_dtype(launch_args: Sequence[str]) -> str:
 
 
 class ServerLauncher:
-    """Starts the run's server on rank 0 (`start`) and stops it (`stop`); `url` is known before it starts.
+    """Starts the run's server on rank 0 (`start`) and stops it (`stop`); `url` is known once it started.
 
     Args:
         model: what the server loads (the policy's resolved `model_name_or_path`).
@@ -118,22 +120,24 @@ class ServerLauncher:
         self.extra_args = list(extra_args)
         self.timeout_s = timeout_s
         self.weight_transfer = weight_transfer
-        self.port = free_port()  # every rank picks one; only rank 0's is started and used
-        self.url = f"http://127.0.0.1:{self.port}"
         self.server: Optional[LocalVLLMServer] = None
+
+    @property
+    def url(self) -> Optional[str]:
+        """Where the started server listens (the port it bound), None before `start`."""
+        return None if self.server is None else self.server.url
 
     def start(self) -> None:
         log_dir = self.log_dir or tempfile.mkdtemp(prefix="lit-rl-vllm-server-")
         os.makedirs(log_dir, exist_ok=True)
         log = os.path.abspath(os.path.join(log_dir, LOG_NAME))
-        say(f"starting a vLLM server for {self.model} on {self.url} ({KEY}.launch; its log: {log})")
+        say(f"starting a vLLM server for {self.model} on 127.0.0.1 ({KEY}.launch; its log: {log})")
         cpu = not torch.cuda.is_available()
         split = core_split() if cpu else None  # (the trainer's cores, the server's)
         started = time.monotonic()
         self.server = LocalVLLMServer(
             self.model,
             log,
-            port=self.port,
             cpu=cpu,
             extra_args=self.extra_args,
             timeout_s=self.timeout_s,
@@ -141,7 +145,7 @@ class ServerLauncher:
             trust_remote_code=self.trust_remote_code,
             cpus=None if split is None else split[1],
         )
-        say(f"vLLM server ready after {time.monotonic() - started:.0f} s; it stops when the run ends")
+        say(f"vLLM server ready on {self.url} after {time.monotonic() - started:.0f} s; it stops when the run ends")
         if cpu:
             self.trainer_share = share_cores(None if split is None else split[0])
 

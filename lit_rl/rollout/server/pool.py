@@ -78,6 +78,12 @@ class ServerPool:
         # The bound on requests in flight, shared by every `deal` (a request waiting for a slot has not started:
         # its time limit has not either).
         self._in_flight = threading.Semaphore(MAX_REQUESTS_PER_SERVER * len(self.servers))
+        self._request_timeout_s, self._max_retries = config.request_timeout_s, config.max_retries
+
+    def move(self, server: RolloutServer, url: str) -> None:
+        """`server` is at `url` (a launched server's port, known once it started): its requests go there."""
+        if server.url != url:
+            server.client = VLLMServerClient(url, self._request_timeout_s, self._max_retries)
 
     def in_service(self) -> list[RolloutServer]:
         return [server for server in self.servers if server.in_service]
