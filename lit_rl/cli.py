@@ -41,7 +41,7 @@ from lit_rl.config import GROUP_NAMES, data_key_hint, group_class, group_fields,
 from lit_rl.config_files import config_file_problem, duplicate_key_problem
 from lit_rl.console import WEIGHT_PUSH_MESSAGES, drop_log_messages
 from lit_rl.entry import private_files
-from lit_rl.errors import ConfigError, LitRLError, ReportedOnRankZero
+from lit_rl.errors import ConfigError, LitRLError, ReportedOnRankZero, exception_line, one_line
 from lit_rl.numerics import settle_cpu_math_kernels
 from lit_rl.resume import (
     ResumePoint,
@@ -286,11 +286,17 @@ class SaveRunConfig(SaveConfigCallback):
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         """A run that fails before writing anything (a missing data file fails after the logger made its folder)
-        leaves no empty `version_N` folder, nor an empty folder of its name; what a run wrote stays. No collective:
-        the other ranks may be elsewhere."""
+        leaves no empty `version_N` folder, nor an empty folder of its name; what a run wrote stays. A run that
+        failed before it wrote metrics or a checkpoint (a model that cannot be read, a logger that fails at the
+        first step) wrote only its own config and hyperparameters: they go too. No collective: the other ranks may
+        be elsewhere."""
         log_dir = getattr(trainer.logger, "log_dir", None)
         if not trainer.is_global_zero or not isinstance(log_dir, str):
             return
+        own = [Path(log_dir) / name for name in (self.config_filename, "hparams.yaml")]
+        if Path(log_dir).is_dir() and set(Path(log_dir).iterdir()) <= set(own):
+            for path in own:
+                path.unlink(missing_ok=True)
         for folder in (Path(log_dir), Path(log_dir).parent):
             try:
                 folder.rmdir()  # only an empty folder
@@ -330,6 +336,7 @@ class LitRLCLI(LightningCLI):
         if self.resumed is not None and isinstance(self.model, CheckpointState):
             checkpoint = read_checkpoint(self.resumed.checkpoint)
             self.model.refuse_resume_before_writing(self.trainer, self.datamodule, checkpoint, self.resumed.checkpoint)
+        refuse_unwritable_checkpoint_dirs(self.trainer)
         # The CSV logger deletes the metrics file of a run directory it opens: put back the resumed run's rows.
         if self.resumed is not None and self.resumed.run is not None:
             keep_run_metrics(self.trainer.loggers, self.resumed)
@@ -364,7 +371,29 @@ class LitRLCLI(LightningCLI):
         deepspeed = isinstance(strategy, LightningDeepSpeedStrategy)  # writes checkpoint directories, atomically
         if not deepspeed and not any(isinstance(p, CheckpointIO) for p in plugins):
             config = {**config, "plugins": [*plugins, AtomicCheckpointIO()]}
-        return super()._instantiate_trainer(config, [*callbacks, *extra])
+        try:
+            trainer = super()._instantiate_trainer(config, [*callbacks, *extra])
+        except LitRLError:
+            raise
+        except (ValueError, TypeError, ImportError) as err:  # a value Lightning refuses (`--trainer.devices -2`)
+            raise ConfigError(f"trainer: {exception_line(err)}") from err
+        return trainer
+
+
+def refuse_unwritable_checkpoint_dirs(trainer: L.Trainer) -> None:
+    """A checkpoint folder given by hand (`ModelCheckpoint.dirpath`) that cannot be made or written fails before the
+    first step, in one line, not at the first save, after `every_n_train_steps` steps of work. (A folder derived
+    from the logger's is made with the logger's, which is checked where it is made.)"""
+    if not trainer.is_global_zero:
+        return
+    for callback in trainer.checkpoint_callbacks:
+        dirpath = getattr(callback, "dirpath", None)
+        if not dirpath or "://" in str(dirpath):
+            continue
+        folder = Path(dirpath)
+        folder.mkdir(parents=True, exist_ok=True)  # an OSError naming the path: reported in one line
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise OSError(errno.EACCES, "cannot write checkpoints there (ModelCheckpoint.dirpath)", str(folder))
 
 
 def check_trainer_settings(config: dict[str, Any]) -> None:
@@ -542,13 +571,18 @@ def main(args: Optional[list[str]] = None) -> None:
             exit_if_interrupted(cli.trainer, given)
     except Exception as err:
         reported = any(isinstance(e, ReportedOnRankZero) for e in exception_chain(err))
-        if reported and not os.environ.get("LIT_RL_TRACEBACK"):
+        if reported and not wants_traceback():
             sys.exit(INPUT_ERROR_EXIT)  # another rank failed: rank 0 says what, in one line
         user_error = user_error_message(err)
-        if user_error is None or os.environ.get("LIT_RL_TRACEBACK"):
+        if user_error is None or wants_traceback():
             raise
-        sys.stderr.write(f"lit-rl: error: {user_error}\n")
+        sys.stderr.write(f"lit-rl: error: {one_line(user_error)}\n")  # a message of the user's code may hold lines
         sys.exit(INPUT_ERROR_EXIT)
+
+
+def wants_traceback() -> bool:
+    """`LIT_RL_TRACEBACK` set to anything but empty, 0, false or no: the traceback too, not one line alone."""
+    return os.environ.get("LIT_RL_TRACEBACK", "").strip().lower() not in ("", "0", "false", "no")
 
 
 def exit_if_interrupted(trainer: L.Trainer, args: list[str]) -> None:
@@ -604,8 +638,8 @@ LIGHTNING_ADVICE = {
 def user_error_message(err: BaseException) -> Optional[str]:
     """The one line that reports `err`, when it is the user's to fix: a LitRLError (itself, or one that jsonargparse
     or Lightning wrapped while instantiating), an invalid Trainer setting (Lightning's MisconfigurationException),
-    a path that cannot be made or written (`UNUSABLE_PATH`), or a class the config names whose package is not
-    installed (a logger: the extra that installs it). None for
+    a path that cannot be made or written (`UNUSABLE_PATH`), a class the config names whose package is not
+    installed (a logger: the extra that installs it), or an exception raised inside a logger's method. None for
     anything else: a traceback is then the useful report."""
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
@@ -616,7 +650,7 @@ def user_error_message(err: BaseException) -> Optional[str]:
     for current in chain:
         if isinstance(current, MisconfigurationException):
             text = str(current).strip().splitlines()[0] if str(current).strip() else type(current).__name__
-            return LIGHTNING_ADVICE.get(text, f"trainer: {text}")
+            return LIGHTNING_ADVICE.get(text, f"{_raised_by(current)}: {text}")
     unusable = next((c for c in chain if isinstance(c, OSError) and c.filename and c.errno in UNUSABLE_PATH), None)
     if unusable is not None:  # a directory the config names that cannot be made or written (a logger's save_dir)
         return f"{unusable.filename}: {unusable.strerror}"
@@ -629,7 +663,42 @@ def user_error_message(err: BaseException) -> Optional[str]:
             extra = EXTRA_OF_PACKAGE.get(package)
             install = f'pip install -e ".[{extra}]"' if extra else f"pip install {package}"
             return f"{class_path} needs the package {package!r}, which is not installed: {install}"
+    return _logger_failure(chain)  # a tracker's network error, mid-run: the logger's, not Lightning's loop's
+
+
+def _logger_failure(chain: list[BaseException]) -> Optional[str]:
+    """`<Logger class>.<method> raised <exception>` where an exception of `chain` was raised inside a logger's
+    method (W&B, MLflow, TensorBoard, a user's), else None."""
+    from lightning.fabric.loggers import Logger
+
+    for current in chain:
+        frame, found = current.__traceback__, None
+        while frame is not None:  # the innermost logger method on the way to the raise
+            owner = frame.tb_frame.f_locals.get("self")
+            if isinstance(owner, Logger):
+                found = f"{type(owner).__name__}.{frame.tb_frame.f_code.co_name}"
+            frame = frame.tb_next
+        if found is not None:
+            return f"{found} raised {exception_line(current)}"
     return None
+
+
+# Lightning classes whose refusals are of a `trainer.*` key other than the class's own name says.
+TRAINER_KEY_OF_CLASS = {"Timer": "trainer.max_time"}
+
+
+def _raised_by(err: BaseException) -> str:
+    """Whose setting Lightning refused: the callback whose method raised `err` (`ModelCheckpoint`, `Timer
+    (trainer.max_time)`), else `trainer`."""
+    frame, owner = err.__traceback__, None
+    while frame is not None:  # the innermost frame of a method is the raiser
+        found = frame.tb_frame.f_locals.get("self")
+        owner = type(found) if found is not None else owner
+        frame = frame.tb_next
+    if owner is None or not issubclass(owner, Callback):  # the Trainer, its loops and connectors
+        return "trainer"
+    key = TRAINER_KEY_OF_CLASS.get(owner.__name__)
+    return f"{owner.__name__} ({key})" if key else owner.__name__
 
 
 # The OS errors of a path that cannot be used as the config asks (a file where a directory must be, no permission,

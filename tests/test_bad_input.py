@@ -32,6 +32,20 @@ def correctness(prompts, completions, **_):
 
 def text(prompts, completions, **_):
     return ["high" for _ in completions]
+
+def noted(prompts, completions, **_):  # leaves a file: a step started
+    open("a_step_started", "w").close()
+    return [1.0 for _ in completions]
+
+def quits(prompts, completions, **_):
+    import sys
+    sys.exit(0)
+
+from lightning.pytorch.loggers import CSVLogger
+
+class Unreachable(CSVLogger):  # a tracker whose server went away mid-run
+    def log_metrics(self, metrics, step=None):
+        raise ConnectionError("remote tracker: connection reset by peer\\nretry later")
 """
 
 
@@ -95,6 +109,40 @@ def _module_failing_in_what_it_imports(tmp_path):
 def _save_dir_under_a_file(tmp_path):
     (tmp_path / "a_file").write_text("")
     return ["--trainer.logger.init_args.save_dir", str(tmp_path / "a_file" / "runs")]
+
+
+def _model_without_chat_template(tmp_path):
+    """The shipped policy without its chat template, on chat-format prompts: a 46-line traceback before."""
+    import shutil
+
+    from lit_rl.modeling.models import resolve_model_path
+
+    model = tmp_path / "no-template"
+    shutil.copytree(resolve_model_path("lit-rl/tiny-qwen2-addition-sft"), model)
+    (model / "chat_template.jinja").unlink()
+    rows = [{"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}] * 8
+    return ["--model.policy.model_name_or_path", str(model), *_data(tmp_path, "chat.jsonl", rows)]
+
+
+def _unreadable_weights(tmp_path):
+    """A model directory whose `model.safetensors` was cut short (a copy that failed): a 51-line traceback before."""
+    import shutil
+
+    from lit_rl.modeling.models import resolve_model_path
+
+    model = tmp_path / "cut"
+    shutil.copytree(resolve_model_path("lit-rl/tiny-qwen2-addition-sft"), model)
+    (model / "model.safetensors").write_bytes((model / "model.safetensors").read_bytes()[:100])
+    return ["--model.policy.model_name_or_path", str(model)]
+
+
+def _checkpoints_under_a_file(tmp_path):
+    """Checkpoints into a folder under a file: found at the first save before, after that many steps of work."""
+    (tmp_path / "a_file").write_text("")
+    folder = tmp_path / "a_file" / "checkpoints"
+    callbacks = f"[{{class_path: lightning.pytorch.callbacks.ModelCheckpoint, init_args: {{dirpath: {folder}}}}}]"
+    noted = ["--model.rewards.funcs", "[bad_rewards.noted]", "--model.rewards.weights", "null"]
+    return ["--trainer.enable_checkpointing", "true", "--trainer.callbacks", callbacks, *noted]
 
 
 def _config_file(name, text):
@@ -612,6 +660,43 @@ CASES = [
         2,
     ),
     ("trainer-value", GRPO, ["--trainer.max_steps=-5"], "trainer: `max_steps` must be a non-negative integer", 1),
+    # Values Lightning refuses with a ValueError or TypeError of its own: a 35-line traceback before.
+    ("trainer-devices", GRPO, ["--trainer.devices", "-2"], "trainer: ", 1),
+    ("trainer-strategy", GRPO, ["--trainer.strategy", "no_such_strategy"], "trainer: ", 1),
+    (
+        "checkpoint-callback-value",  # Lightning's refusal, named by the class that refused it, not `trainer`
+        GRPO,
+        _config_file(
+            "checkpoints.yaml",
+            "trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
+            "      init_args: {save_top_k: -2}\n",
+        ),
+        "ModelCheckpoint: Invalid value for save_top_k=-2",
+        1,
+    ),
+    ("checkpoint-dir-under-a-file", GRPO, _checkpoints_under_a_file, "a_file/checkpoints: Not a directory", 1),
+    (
+        "no-chat-template",
+        GRPO,
+        _model_without_chat_template,
+        "the data's prompts are chat messages, but the tokenizer of ",
+        1,
+    ),
+    ("weights-cut-short", GRPO, _unreadable_weights, "cannot be read: SafetensorError", 1),
+    (
+        "logger-raises-mid-run",
+        GRPO,
+        ["--trainer.logger", "bad_rewards.Unreachable", "--trainer.logger.save_dir", "runs"],
+        "Unreachable.log_metrics raised ConnectionError: remote tracker: connection reset by peer",
+        1,
+    ),
+    (
+        "reward-calls-sys-exit",  # ended the run with exit 0 before, silently
+        GRPO,
+        ["--model.rewards.funcs", "[bad_rewards.quits]", "--model.rewards.weights", "null"],
+        "reward function 'quits' raised SystemExit: 0",
+        1,
+    ),
     *(
         [
             (
@@ -712,6 +797,11 @@ def test_bad_input_gives_one_line_error(bad_rewards, capsys, case, config, args,
     runs = tmp_path / "runs"  # a failed start leaves no empty run folder (issue 58.6)
     empty = [str(folder) for folder in runs.rglob("*") if folder.is_dir() and not any(folder.iterdir())]
     assert not empty, empty
+    # Nor one holding only the config it was started with (a model that cannot be read fails after it is written).
+    bare = [str(f) for f in runs.rglob("version_*") if {p.name for p in f.iterdir()} <= {"config.yaml", "hparams.yaml"}]
+    assert not bare, bare
+    if case == "checkpoint-dir-under-a-file":  # refused before the first step, not at its first save
+        assert not (tmp_path / "a_step_started").exists()
     # (No-traceback is checked on a real process below: in-process, pytest's capture can make logging print its
     # own "Logging error" tracebacks.)
 
@@ -779,3 +869,14 @@ def test_a_real_process_prints_no_traceback_and_keeps_what_was_written(tmp_path)
     from tests.conftest import train_rows
 
     assert [r["step"] for r in train_rows(log_dir)] == [1, 2]
+
+
+def test_lit_rl_traceback_set_to_0_or_false_keeps_the_one_line(monkeypatch):
+    """`LIT_RL_TRACEBACK=0` showed the traceback: only whether the variable was set was read."""
+    from lit_rl.cli import wants_traceback
+
+    for value, wanted in (("", False), ("0", False), ("false", False), ("No", False), ("1", True), ("yes", True)):
+        monkeypatch.setenv("LIT_RL_TRACEBACK", value)
+        assert wants_traceback() is wanted, value
+    monkeypatch.delenv("LIT_RL_TRACEBACK")
+    assert wants_traceback() is False

@@ -94,6 +94,30 @@ def test_an_invalid_value_names_its_column_as_a_function_or_an_environments_part
         weighted_reward(torch.tensor([[math.inf, 0.0]]), weights, names, "error")
 
 
+def test_a_reward_function_that_calls_sys_exit_fails_the_run_naming_it_instead_of_ending_it_with_exit_0():
+    """`sys.exit(0)` in a reward function ended training at once with exit code 0: no message, no summary, no
+    checkpoint, and a scheduler recorded success (an outside read found it). A multi-line message is one line."""
+    import sys
+
+    def quits(prompts, completions, **_):
+        sys.exit(0)
+
+    async def quits_later(prompts, completions, **_):
+        sys.exit(0)
+
+    def verbose(prompts, completions, **_):
+        raise ValueError("first line\nsecond line\n" + "x" * 3000)
+
+    with pytest.raises(RewardFunctionError, match="^reward function 'quits' raised SystemExit: 0$"):
+        call_reward_function("quits", quits, ["p"], ["c"], {})
+    asynchronous = r"^an asynchronous reward function \(quits_later\) raised SystemExit"
+    with pytest.raises(RewardFunctionError, match=asynchronous):
+        call_reward_functions({"quits_later": quits_later}, ["p"], ["c"], {})
+    with pytest.raises(RewardFunctionError) as failed:
+        call_reward_function("verbose", verbose, ["p"], ["c"], {})
+    assert str(failed.value) == "reward function 'verbose' raised ValueError: first line"
+
+
 def test_an_error_inside_a_generator_reward_function_is_named():
     """A generator's code runs as its values are read: that read is inside the naming of errors too."""
 

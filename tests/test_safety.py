@@ -109,6 +109,28 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path)
     assert not list(tmp_path.glob(".step=1.ckpt.tmp-*"))  # ...which the next save in the directory removes
 
 
+def test_a_full_disk_during_a_save_is_said_naming_the_checkpoint(tmp_path, monkeypatch):
+    """torch's writer reports a full disk as `RuntimeError: [enforce fail at inline_container.cc] unexpected pos`,
+    the OSError only as its context and with no file name: the run ended in a 67-line traceback. The save now
+    raises an OSError naming the checkpoint, which `lit-rl fit` reports in one line (`user_error_message`)."""
+    import errno
+
+    from lit_rl.cli import user_error_message
+
+    def full_disk(*args, **kwargs):
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 7627584 vs 7627472")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(OSError) as failed:
+        AtomicCheckpointIO().save_checkpoint({"w": 3}, tmp_path / "step=1.ckpt")
+    assert failed.value.errno == errno.ENOSPC and failed.value.filename == str(tmp_path / "step=1.ckpt")
+    assert user_error_message(failed.value) == f"{tmp_path / 'step=1.ckpt'}: No space left on device"
+    assert not list(tmp_path.iterdir())  # nor a temporary file left behind
+
+
 def _checkpoint_dir(path, value):
     (path / "checkpoint").mkdir(parents=True)
     (path / "checkpoint" / "shard.pt").write_text(value)

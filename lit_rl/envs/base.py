@@ -29,7 +29,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol, Union, runtime_checkable
 
-from lit_rl.errors import ConfigError
+from lit_rl.errors import ConfigError, EnvironmentStepError, one_line
 from lit_rl.importing import import_callable
 
 if TYPE_CHECKING:
@@ -139,7 +139,9 @@ def as_step_result(value: Any, where: str) -> StepResult:
     if isinstance(value, tuple) and len(value) == 3:
         observation, rewards, done = value
         return StepResult(observation, dict(rewards or {}), bool(done))
-    raise TypeError(f"{where}.step must return a StepResult or (observation, rewards, done), got {value!r}")
+    raise EnvironmentStepError(
+        f"{where}.step returned {one_line(repr(value), 80)}, not a StepResult or (observation, rewards, done)"
+    )
 
 
 class EnvironmentSpec(NamedTuple):

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
+from safetensors import SafetensorError
 
-from lit_rl.errors import ConfigError, ModelNotFound
+from lit_rl.errors import ConfigError, LitRLError, ModelNotFound, exception_line
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +57,17 @@ def _check_exists(name_or_path: str, resolved: str) -> None:
 @contextmanager
 def reading_model(name_or_path: str, resolved: str) -> Iterator[None]:
     """transformers' OSError for a model it cannot read (not in the cache offline, an unknown hub id, a directory
-    without a config) -> one-line ModelNotFound naming the model and what to do."""
+    without a config) -> one-line ModelNotFound naming the model and what to do; a local directory whose files
+    cannot be read (no tokenizer files, an unknown `model_type`, a truncated `model.safetensors`: a ValueError,
+    KeyError or safetensors' own error) -> one line naming the directory."""
     try:
         yield
+    except LitRLError:
+        raise
+    except (ValueError, KeyError, SafetensorError) as err:
+        if not Path(resolved).exists():
+            raise
+        raise ModelNotFound(f"model {name_or_path!r} ({resolved}) cannot be read: {exception_line(err)}") from err
     except OSError as err:
         lines = str(err).strip().splitlines()
         reason = lines[0] if lines else type(err).__name__

@@ -34,6 +34,7 @@ class PromptEncoder:
         schemas, for a model that calls tools in its chat format)."""
         if isinstance(prompt, str):
             return prompt
+        check_chat_template(self.tokenizer)
         return self.tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True)
 
     def encode(
@@ -131,3 +132,14 @@ def _prompt_key(prompt: Any, row: int) -> tuple:
         return ("chat", json.dumps(prompt, sort_keys=True))
     except (TypeError, ValueError):
         return ("row", row)
+
+
+def check_chat_template(tokenizer: Any) -> None:
+    """A one-line `ConfigError` for chat-format rows (lists of messages) when the tokenizer has no chat template
+    (transformers' ValueError came as a traceback through the data module or the first step)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ConfigError(
+            f"the data's prompts are chat messages, but the tokenizer of {tokenizer.name_or_path!r} has no chat "
+            "template to render them (chat_template.jinja or tokenizer_config.json's chat_template): use a model "
+            "with one, or text prompts"
+        )

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-from lit_rl.errors import ConfigError, RewardFunctionError, one_line
+from lit_rl.errors import ConfigError, RewardFunctionError, exception_line, one_line
 from lit_rl.rewards import (
     NOT_PASSED_COLUMNS,
     RewardFunction,
@@ -148,9 +148,16 @@ def weighted_reward(
     return (torch.where(invalid, torch.zeros_like(components), components) * weights.to(components)).sum(dim=1)
 
 
+# What a reward function (the user's code) may raise that is its failure, not this process's to act on: any
+# error, and `sys.exit()` too, which would otherwise end the run silently with exit 0 (the environment's calls are
+# caught alike). Ctrl-C (KeyboardInterrupt) still stops the run.
+USER_CODE_ERRORS = (Exception, SystemExit)
+
+
 def raised(name: str, err: BaseException) -> RewardFunctionError:
-    """The one-line error for a reward function that raised `err`, naming the function and the exception."""
-    return RewardFunctionError(f"reward function {name!r} raised {type(err).__name__}: {err}")
+    """The one-line error for a reward function that raised `err`, naming the function and the exception (its
+    message's first line, at most 300 characters)."""
+    return RewardFunctionError(f"reward function {name!r} raised {one_line(exception_line(err), 300)}")
 
 
 def call_reward_function(
@@ -162,7 +169,7 @@ def call_reward_function(
         result = fn(prompts=prompts, completions=completions, **columns)
     except RewardFunctionError:
         raise
-    except Exception as err:  # the user's code: report it by name, keep the cause for LIT_RL_TRACEBACK=1
+    except USER_CODE_ERRORS as err:  # the user's code: report it by name, keep the cause for LIT_RL_TRACEBACK=1
         raise raised(name, err) from err
     return checked_values(name, result, len(completions))
 
@@ -182,11 +189,14 @@ def call_reward_functions(
     for name in asynchronous:
         try:  # a wrong signature raises here, when the coroutine is made
             calls[name] = reward_fns[name](prompts=prompts, completions=completions, **columns)
-        except Exception as err:
+        except USER_CODE_ERRORS as err:
             for call in calls.values():
                 call.close()
             raise raised(name, err) from err
-    results = dict(zip(calls, _await_all(list(calls.values()))))
+    try:
+        results = dict(zip(calls, _await_all(list(calls.values()))))
+    except SystemExit as err:  # asyncio lets it through `gather`, so which function raised it is not known
+        raise RewardFunctionError(f"an asynchronous reward function ({', '.join(calls)}) raised SystemExit") from err
     out = []
     for name, fn in reward_fns.items():
         if name not in results:
@@ -227,7 +237,7 @@ def checked_values(name: str, result: Any, count: int) -> list[float]:
         )
     try:
         values = list(values)  # a generator too, as TRL reads it: its code runs here
-    except Exception as err:
+    except USER_CODE_ERRORS as err:
         raise raised(name, err) from err
     if len(values) != count:
         raise RewardFunctionError(f"reward function {name!r} returned {len(values)} values for {count} completions")

@@ -35,6 +35,7 @@ from lit_rl.envs.base import (
     env_label,
 )
 from lit_rl.envs.runner import Call, EnvCallTimeout, EnvironmentRunner
+from lit_rl.errors import EnvironmentStepError, exception_line, one_line
 from lit_rl.modeling.prompts import left_padded
 from lit_rl.rollout.base import Generate, RolloutEngine, RolloutOutput, SamplingParams
 from lit_rl.types import EPISODE_STATS
@@ -228,13 +229,16 @@ class _EpisodeBatch:
             return False
         name = env_label(self.envs[i])
         if isinstance(outcome, BaseException):  # a SystemExit too: the environment's, not this process's to end
-            self._fail(i, f"{name}.step raised {type(outcome).__name__}: {outcome}")
+            self._fail(i, f"{name}.step raised {exception_line(outcome)}")
             return False
         try:
             result = as_step_result(outcome, name)
             _add_reward_parts(self.env_rewards[i], result.rewards, self.column, f"{name}.step")
+        except EnvironmentStepError as err:  # what it returned: lit-rl's check says what is wrong with it
+            self._fail(i, str(err))
+            return False
         except Exception as err:  # the user's environment: end this episode, report once every rank is done
-            self._fail(i, f"{name}.step raised {type(err).__name__}: {err}")
+            self._fail(i, f"{name}.step raised {exception_line(err)}")
             return False
         self.stats[i, 1] += result.tool_calls
         self.stats[i, 2] += result.tool_errors
@@ -243,7 +247,7 @@ class _EpisodeBatch:
         try:  # text, or chat messages rendered after the turn just sampled
             observation = self.encode_observation(result.observation, self.pieces[i][-1][0])
         except Exception as err:
-            self._fail(i, f"{name}.step's observation cannot be encoded: {type(err).__name__}: {err}")
+            self._fail(i, f"{name}.step's observation cannot be encoded: {exception_line(err)}")
             return False
         observation = observation[: self.max_total_tokens - self.used[i]]
         self.pieces[i].append((observation, [0.0] * len(observation), False, None))
@@ -417,7 +421,7 @@ def _add_reward_parts(row: torch.Tensor, parts: dict[str, float], column: dict[s
     """Add reward `parts` to an episode's `row` of reward parts; an error for a part not in the reward names."""
     for name, value in parts.items():
         if name not in column:
-            raise ValueError(f"{where} reported reward part {name!r}, not in its reward_names")
+            raise EnvironmentStepError(f"{where} reported reward part {name!r}, not in its reward_names")
         row[column[name]] += float(value)
 
 
@@ -447,12 +451,14 @@ def _finish(envs: list[Environment], runner: EnvironmentRunner, batch: _EpisodeB
             continue
         label = f"{env_label(envs[i])}.finish"
         if isinstance(outcome, BaseException):  # a SystemExit too: the environment's, not this process's to end
-            error = error or f"{label} raised {type(outcome).__name__}: {outcome}"
+            error = error or f"{label} raised {exception_line(outcome)}"
             continue
         try:
             _add_reward_parts(batch.env_rewards[i], dict(outcome or {}), batch.column, label)
+        except EnvironmentStepError as err:
+            error = error or str(err)
         except Exception as err:
-            error = error or f"{label} raised {type(err).__name__}: {err}"
+            error = error or f"{label} returned {one_line(repr(outcome), 80)}, not a dict of reward parts ({err})"
     return error
 
 

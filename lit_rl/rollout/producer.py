@@ -27,7 +27,7 @@ from lit_rl.envs.base import ClosesEpisode, TokenIds, env_label
 from lit_rl.envs.chat_tools import ChatRenderer, chat_prompt
 from lit_rl.envs.runner import EnvCallTimeout, EnvironmentRunner
 from lit_rl.envs.trl_environments import EnvironmentRouting, TRLEnvironment
-from lit_rl.errors import ConfigError, DataError, EnvironmentStepError, LitRLError, RewardFunctionError
+from lit_rl.errors import ConfigError, DataError, EnvironmentStepError, LitRLError, RewardFunctionError, exception_line
 from lit_rl.modeling.models import model_eos_token_ids
 from lit_rl.modeling.prompts import PromptEncoder
 from lit_rl.rewards import TrainerState
@@ -470,7 +470,7 @@ class EpisodeProducer(RolloutProducer):
         prompts, error, ended = [], None, set()
         for index, (row, first) in enumerate(zip(rows, firsts)):
             if isinstance(first, BaseException):
-                failure = f"raised {type(first).__name__}: {first}"
+                failure = f"raised {exception_line(first)}"
                 if isinstance(first, EnvCallTimeout):
                     failure = f"{first} (model.env.step_timeout_s)"
                 error = error or f"{env_label(envs[index])}.reset {failure}"

@@ -36,8 +36,24 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 os.fsync(handle.fileno())
             os.replace(tmp, path)
             _fsync(path.parent)  # the rename itself survives a crash
+        except Exception as err:
+            named = _naming(err, path)
+            if named is err:
+                raise
+            raise named from err
         finally:
             tmp.unlink(missing_ok=True)
+
+
+def _naming(err: Exception, path: Path) -> Exception:
+    """`err` as an OSError naming the checkpoint `path` where an OS error (no space, no permission) is behind it:
+    torch's writer reports a full disk as `RuntimeError: ... unexpected pos`, its OSError only the context."""
+    cause: Optional[BaseException] = err
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    if not isinstance(cause, OSError) or cause.errno is None:
+        return err
+    return OSError(cause.errno, os.strerror(cause.errno), str(path))
 
 
 # Checkpoint directories (DeepSpeed writes one per checkpoint, a shard per rank): every rank writes into the
