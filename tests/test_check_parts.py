@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -75,6 +76,44 @@ def test_ranks_keep_the_global_batch_and_reuse_the_users_one_process_run():
     assert one.name == "one_process" and one.changes["trainer.accelerator"] == "cpu"
 
 
+def test_ranks_run_the_configs_deepspeed_on_both_sides_and_name_a_strategy_that_stands_in():
+    """The pair ran every config in `auto` against `ddp`: a DeepSpeed config's ZeRO never ran on two ranks in it,
+    and its row said nothing of it (an outside read found it)."""
+    from lit_rl.check.layouts import strategy_in_ranks_pair
+
+    deepspeed = {"class_path": "lit_rl.training.strategies.DeepSpeedStrategy", "init_args": {"stage": 2}}
+    one, two = ranks_layouts(_config(devices=2, strategy=deepspeed), gpus=0)
+    assert one.changes["trainer.strategy"] == deepspeed and two.changes["trainer.strategy"] == deepspeed
+    assert one.name == "one_process"  # the user's run is the two-process side here
+    assert strategy_in_ranks_pair(_config(strategy=deepspeed)) == "DeepSpeedStrategy"
+    assert strategy_in_ranks_pair(_config()) == "ddp"
+    one, two = ranks_layouts(_config(strategy="ddp_find_unused_parameters_true"), gpus=0)
+    assert (one.changes["trainer.strategy"], two.changes["trainer.strategy"]) == (
+        "auto",
+        "ddp_find_unused_parameters_true",
+    )
+    fsdp = {"class_path": "lightning.pytorch.strategies.FSDPStrategy"}
+    assert strategy_in_ranks_pair(_config(strategy=fsdp)) == "ddp in place of the config's FSDPStrategy"
+
+
+def test_the_validation_pair_validates_a_few_rows_after_every_micro_step():
+    from lit_rl.check.layouts import run_config, validation_layout
+
+    with pytest.raises(CannotRunHere, match=r"no validation data \(data.val_data\)"):
+        validation_layout(_config())
+    config = _config(val_check_interval=50)
+    config["data"]["init_args"].update(val_data="builtin:addition/val", val_batch_size=256)
+    layout = validation_layout(config)
+    assert layout.changes == {"data.init_args.val_limit": 8, "data.init_args.val_batch_size": 8}
+    trainer = run_config(config, layout, "/tmp/x", 2, 2, "/tmp/x")["trainer"]
+    assert (trainer["limit_val_batches"], trainer["val_check_interval"], trainer["check_val_every_n_epoch"]) == (
+        1,
+        1,
+        None,
+    )
+    assert run_config(config, Layout("straight"), "/tmp/x", 2, 2, "/tmp/x")["trainer"]["limit_val_batches"] == 0
+
+
 def test_a_config_that_needs_missing_gpus_is_refused_in_one_line():
     with pytest.raises(CannotRunHere, match="trains on 8 GPU"):
         check_runs_here(_config(accelerator="gpu", devices=8), gpus=1)
@@ -132,16 +171,35 @@ def test_rows_compare_every_shared_metric_and_report_the_worst():
         {"step": 1.0, "train/loss": 1.0 + 5e-6, "train/kl": 0.5},
         {"step": 2.0, "train/loss": 2.0, "train/kl": 0.5},
     ]
-    worst, problems = compare_rows(close, reference, FP32)
+    worst, problems, _ = compare_rows(close, reference, FP32)
     assert problems == [] and worst.passed and worst.where == "step 1 train/loss"
     far = [{"step": 1.0, "train/loss": 1.0, "train/kl": 0.5}, {"step": 2.0, "train/loss": 2.1, "train/kl": 0.5}]
-    worst, _ = compare_rows(far, reference, FP32)
+    worst, _, _ = compare_rows(far, reference, FP32)
     assert not worst.passed and worst.where == "step 2 train/loss" and worst.abs_diff == pytest.approx(0.1)
     missing = [{"step": 1.0, "train/loss": 1.0}]
-    _, problems = compare_rows(missing, reference, FP32)
+    _, problems, _ = compare_rows(missing, reference, FP32)
     assert problems == ["step 2 not logged", "step 1: train/kl logged by one run only"]
     timings = [{**row, "train/perf/step_s": 9.0} for row in reference]  # timings are not compared
     assert compare_rows(timings, reference, FP32)[1] == []
+
+
+def test_every_row_of_a_step_is_compared_not_only_its_last():
+    """A logger writes a row per `log_metrics` call, so a callback logging on its own adds a row at the step.
+    Only the step's last row was compared: a metric of the other row, 2x apart, passed (an outside read planted
+    one)."""
+    reference = [{"step": 1.0, "train/loss": 1.0}, {"step": 1.0, "train/tokens_seen": 1000.0}]
+    doubled = [{"step": 1.0, "train/loss": 1.0}, {"step": 1.0, "train/tokens_seen": 2000.0}]
+    worst, problems, _ = compare_rows(doubled, reference, FP32)
+    assert not worst.passed and worst.where == "step 1 train/tokens_seen"
+    twice = [{"step": 1.0, "train/loss": 1.0}, {"step": 1.0, "train/loss": 1.5, "train/tokens_seen": 1000.0}]
+    _, problems, _ = compare_rows(twice, reference, FP32)
+    assert problems == ["step 1: train/loss logged twice, 1 and 1.5"]
+
+
+def test_a_metric_nan_in_both_runs_is_named_not_passed_over_in_silence():
+    reference = [{"step": 1.0, "train/loss": 1.0, "train/kl": math.nan}]
+    worst, problems, nan_in_both = compare_rows([dict(row) for row in reference], reference, FP32)
+    assert worst.passed and problems == [] and nan_in_both == ["train/kl"]
 
 
 def test_weights_compare_by_their_distance_relative_to_the_update():
@@ -268,7 +326,7 @@ def test_processes_read_every_form_of_trainer_devices():
 def test_layout_metrics_of_token_budgets_are_not_compared():
     reference = [{"step": 1.0, "train/loss": 1.0, "train/micro_batch_tokens/max": 64.0, "train/rank_tokens/min": 9.0}]
     other = [{"step": 1.0, "train/loss": 1.0, "train/micro_batch_tokens/max": 128.0}]
-    worst, problems = compare_rows(other, reference, FP32)
+    worst, problems, _ = compare_rows(other, reference, FP32)
     assert problems == [] and worst.passed
 
 

@@ -5,7 +5,7 @@ FAIL.
 The pairs and their layouts are in `lit_rl.check.layouts`, the comparison and tolerances in
 `lit_rl.check.compare`. Every run goes through `lit-rl fit` with the user's model, data, rewards and options; only
 the keys a pair is about change, plus what keeps the runs apart from the user's own (their logger and checkpoints
-go to a scratch directory; no HF export, no validation).
+go to a scratch directory; no HF export, and no validation but in the validation pair).
 """
 
 from __future__ import annotations
@@ -34,12 +34,14 @@ from lit_rl.check.layouts import (
     processes,
     ranks_layouts,
     run_config,
+    strategy_in_ranks_pair,
+    validation_layout,
 )
 from lit_rl.check.mismatch import MISMATCH_METRICS, moved_most, run_mismatch, steps_needed
 from lit_rl.check.runner import RunFailed, RunResult, fit, last_line, read_run, resume
 from lit_rl.errors import OneLineArgumentParser
 
-PAIRS = ("accumulation", "packing", "ranks", "resume", "cadence")
+PAIRS = ("accumulation", "packing", "ranks", "validation", "resume", "cadence")
 EXIT_FAIL = 1
 EXIT_NOTHING_CHECKED = 2
 EXIT_INTERRUPTED = 130  # stopped by Ctrl-C (128 + SIGINT, as `lit-rl fit`)
@@ -48,8 +50,9 @@ HELP = """Run your config in pairs of layouts that must train to the same number
   lit-rl check --config my.yaml [fit overrides] [--quick] [--steps K] [--pairs accumulation,resume]
 
 Pairs: accumulation (your micro-batches against one per step), ranks (1 process against 2), packing (padded
-against padding-free), resume (K steps against a stop after about K/2 and the printed resume command), cadence
-(checkpoints every 2 steps, straight and resumed). Exit 1 when a pair fails, 2 when none could run here or
+against padding-free), validation (a validation batch after every micro-step against none), resume (K steps
+against a stop after about K/2 and the printed resume command), cadence (checkpoints every 2 steps, straight and
+resumed). Exit 1 when a pair fails, 2 when none could run here or
 your config itself is refused (`lit-rl fit` would refuse it too), 130 when stopped by Ctrl-C (the pairs finished
 so far are shown; the one running is neither PASS nor FAIL).
 
@@ -218,12 +221,19 @@ def check_pair(check: Check, pair: str, gpus: int) -> PairResult:
         one, two = ranks_layouts(check.config, gpus)
         reference = check.straight() if one.name == "straight" else check.run(one)
         result = judge(pair, check.run(two), reference, tol)
-        result.compared = f"2 processes vs 1 ({'GPUs' if gpus >= 2 else 'CPU, gloo'}), {result.compared}"
+        where = "GPUs" if gpus >= 2 else "CPU, gloo"
+        result.compared = f"2 processes vs 1 ({where}; {strategy_in_ranks_pair(check.config)}), {result.compared}"
+        return result
+    if pair == "validation":
+        layout = validation_layout(check.config)
+        result = judge(pair, check.run(layout), check.straight(), tol)
+        result.compared = f"{layout.describe()} vs none, {result.compared}"
         return result
     stop = check.stop_at
     if pair == "resume":
         resumed = check.run(Layout("resumed", stop_at=stop))
-        result = judge(pair, resumed, check.straight(), tol, steps=set(range(stop + 1, check.steps + 1)))
+        # Every step, those before the stop too: the resumed run's metrics file must keep what the stopped run wrote.
+        result = judge(pair, resumed, check.straight(), tol)
         result.compared = f"stopped at {stop} and resumed vs straight, {result.compared}"
         return result
     if pair == "cadence":

@@ -87,16 +87,18 @@ def _allowed(reference: float, tol: Tolerance) -> float:
 
 def compare_rows(
     rows: list[dict[str, float]], reference: list[dict[str, float]], tol: Tolerance, steps: Optional[set[int]] = None
-) -> tuple[Optional[Difference], list[str]]:
-    """The worst difference over the logged values of `steps` (all of the reference's by default), and what is
-    wrong besides: a metric one run logs and the other does not, and the first value over the tolerance (the
-    earliest step, where the cause shows before its consequences do)."""
-    by_step = {int(row["step"]): row for row in reference}
-    mine = {int(row["step"]): row for row in rows}
+) -> tuple[Optional[Difference], list[str], list[str]]:
+    """The worst difference over the logged values of `steps` (all of the reference's by default), what is wrong
+    besides (a metric one run logs and the other does not, a metric logged twice at a step with two values, and the
+    first value over the tolerance: the earliest step, where the cause shows before its consequences do), and the
+    metrics NaN in both runs at some step (equal there, so not compared: the table says so)."""
+    problems: list[str] = []
+    by_step, mine = _by_step(reference, problems), _by_step(rows, problems)
     wanted = sorted(steps if steps is not None else by_step)
-    problems = [f"step {s} not logged" for s in wanted if s not in mine or s not in by_step]
+    problems += [f"step {s} not logged" for s in wanted if s not in mine or s not in by_step]
     worst: Optional[Difference] = None
     first: Optional[Difference] = None
+    nan_in_both: set[str] = set()
     for step in wanted:
         if step not in mine or step not in by_step:
             continue
@@ -109,6 +111,8 @@ def compare_rows(
                 continue
             value, ref = a[key], b[key]
             nan_equal = math.isnan(value) and math.isnan(ref)
+            if nan_equal:
+                nan_in_both.add(key)
             excess = 0.0 if nan_equal else abs(value - ref) / _allowed(ref, tol)
             diff = Difference(f"step {step} {key}", value, ref, nan_equal or excess <= 1.0, metric=key)
             if worst is None or _excess(diff, tol) > _excess(worst, tol):
@@ -117,7 +121,20 @@ def compare_rows(
                 first = diff
     if first is not None and first is not worst:
         problems.append(f"first over tolerance: {first.where} ({first.value:.6g} vs {first.reference:.6g})")
-    return worst, problems
+    return worst, problems, sorted(nan_in_both)
+
+
+def _by_step(rows: list[dict[str, float]], problems: list[str]) -> dict[int, dict[str, float]]:
+    """Each step's values, from every row logged at it (a logger writes one row per `log_metrics` call: a callback
+    logging on its own adds a row); a key two rows of one step give different values is a problem."""
+    merged: dict[int, dict[str, float]] = {}
+    for row in rows:
+        step = merged.setdefault(int(row["step"]), {})
+        for key, value in row.items():
+            seen = step.setdefault(key, value)
+            if seen != value and not (math.isnan(seen) and math.isnan(value)):
+                problems.append(f"step {int(row['step'])}: {key} logged twice, {seen:.6g} and {value:.6g}")
+    return merged
 
 
 def _excess(diff: Difference, tol: Tolerance) -> float:
@@ -186,7 +203,7 @@ class PairResult:
 
 def judge(pair: str, left: RunResult, right: RunResult, tol: Tolerance, steps: Optional[set[int]] = None) -> PairResult:
     """PASS when every compared value of `left` is within `tol` of `right`'s and nothing is missing."""
-    rows_worst, row_problems = compare_rows(left.rows, right.rows, tol, steps)
+    rows_worst, row_problems, nan_in_both = compare_rows(left.rows, right.rows, tol, steps)
     params_worst, param_problems = compare_parameters(left.parameters, right.parameters, right.initial_parameters, tol)
     problems = row_problems + param_problems
     found = tuple(d for d in (rows_worst, params_worst) if d is not None)
@@ -194,6 +211,8 @@ def judge(pair: str, left: RunResult, right: RunResult, tol: Tolerance, steps: O
     shown = sorted({int(r["step"]) for r in right.rows} if steps is None else steps)
     compared = f"steps {_span(shown)}"
     detail = "; ".join(problems[:3]) if problems else ("nothing logged" if rows_worst is None else "")
+    if nan_in_both:  # equal, and so compared as nothing: said, so that a metric NaN everywhere is seen
+        detail = "; ".join([*([detail] if detail else []), f"NaN in both runs: {', '.join(nan_in_both[:3])}"])
     return PairResult(
         pair, compared, "FAIL" if failed else "PASS", found, tol, detail, {**right.reductions, **left.reductions}
     )

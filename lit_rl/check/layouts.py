@@ -7,6 +7,7 @@ each pair must agree step by step:
     accumulation : the user's micro-batches  against one micro-batch per step (or two, where the user has one)
     ranks        : 1 process                 against 2 processes (GPUs when there are two, else CPU over gloo)
     packing      : padded forward            against padding-free forward (`model.policy.padding_free`)
+    validation   : no validation             against a validation batch after every micro-step
     resume       : k steps straight          against k/2 steps, a stop (SIGTERM), and `--ckpt_path last`
     cadence      : the checkpoints of the straight run and of the resumed one land exactly every N steps
 """
@@ -38,6 +39,7 @@ class Layout:
     changes: dict[str, Any] = field(default_factory=dict)
     stop_at: Optional[int] = None
     description: Optional[str] = None  # what the changes mean, where their values alone do not say it
+    validates: bool = False  # a validation batch after every micro-step (the check's other runs validate never)
 
     def describe(self) -> str:
         if self.description:
@@ -116,8 +118,9 @@ def ranks_layouts(config: dict, gpus: int) -> tuple[Layout, Layout]:
         raise CannotRunHere(f"the config trains on {nodes} node(s) x {devices} devices; the pair compares 1 and 2")
     accelerator = "gpu" if gpus >= 2 else "cpu"
     rows, accumulate = get(config, keys.micro_batch), get(config, "trainer.accumulate_grad_batches") or 1
-    one = {"trainer.devices": 1, "trainer.accelerator": accelerator, "trainer.strategy": "auto"}
-    two = {"trainer.devices": 2, "trainer.accelerator": accelerator, "trainer.strategy": "ddp"}
+    one_strategy, two_strategy = ranks_strategies(get(config, "trainer.strategy"))
+    one = {"trainer.devices": 1, "trainer.accelerator": accelerator, "trainer.strategy": one_strategy}
+    two = {"trainer.devices": 2, "trainer.accelerator": accelerator, "trainer.strategy": two_strategy}
     if accumulate % 2 == 0:
         two["trainer.accumulate_grad_batches"] = accumulate // 2
     elif rows % (2 * keys.unit) == 0:
@@ -125,10 +128,36 @@ def ranks_layouts(config: dict, gpus: int) -> tuple[Layout, Layout]:
     else:
         raise CannotRunHere(f"{keys.micro_batch}={rows} x accumulate {accumulate} cannot be halved for 2 processes")
     configured = {"auto": "gpu" if gpus else "cpu", "cuda": "gpu"}.get(get(config, "trainer.accelerator") or "auto")
-    user_is_one = str(devices) == "1" and (configured or get(config, "trainer.accelerator")) == accelerator
+    user_is_one = (
+        str(devices) == "1"
+        and (configured or get(config, "trainer.accelerator")) == accelerator
+        and one_strategy == (get(config, "trainer.strategy") or "auto")
+    )
     return Layout("straight" if user_is_one else "one_process", {} if user_is_one else one), Layout(
         "two_processes", two
     )
+
+
+def ranks_strategies(strategy: Any) -> tuple[Any, Any]:
+    """The strategies of the ranks pair's (1 process, 2 processes): the config's where it runs in both (DeepSpeed,
+    on CPU too; DDP's variants on the two-process side), else the plain ones (`auto`, `ddp`), which
+    `strategy_in_ranks_pair` says."""
+    path = strategy.get("class_path", "") if isinstance(strategy, dict) else str(strategy or "auto")
+    if "deepspeed" in path.lower():
+        return strategy, strategy
+    if path.startswith("ddp"):
+        return "auto", strategy
+    return "auto", "ddp"
+
+
+def strategy_in_ranks_pair(config: dict) -> str:
+    """How the ranks pair treats the config's strategy, for its row: `DeepSpeedStrategy`, or what stands in."""
+    strategy = get(config, "trainer.strategy")
+    path = strategy.get("class_path", "") if isinstance(strategy, dict) else str(strategy or "auto")
+    name = path.rsplit(".", 1)[-1]
+    if ranks_strategies(strategy) != ("auto", "ddp"):
+        return name
+    return "ddp" if path in ("auto", "ddp") else f"ddp in place of the config's {name}"
 
 
 def processes(config: dict) -> int:
@@ -169,6 +198,21 @@ def packing_layout(config: dict) -> Layout:
     return Layout("padding_free" if not current else "padded", {key: not current})
 
 
+VALIDATION_ROWS = 8  # the validation rows of the validation pair: one small batch after every micro-step
+
+
+def validation_layout(config: dict) -> Layout:
+    """A validation batch (at most `VALIDATION_ROWS` rows) after every micro-step, mid-accumulation too: what
+    training computes and logs must not change (a validation that writes into the train metrics, or draws from the
+    stream training samples with, does)."""
+    if get(config, "data.init_args.val_data") is None:
+        raise CannotRunHere("the config has no validation data (data.val_data)")
+    changes: dict[str, Any] = {"data.init_args.val_limit": VALIDATION_ROWS}
+    if get(config, "data.init_args.val_batch_size") is not None:
+        changes["data.init_args.val_batch_size"] = VALIDATION_ROWS
+    return Layout("validated", changes, description="a validation batch after every micro-step", validates=True)
+
+
 def is_checkpoint_callback(callback: Any) -> bool:
     """A `ModelCheckpoint` (or a subclass) under any of its import paths."""
     path = callback.get("class_path") if isinstance(callback, dict) else None
@@ -184,7 +228,8 @@ def is_checkpoint_callback(callback: Any) -> bool:
 
 
 def run_config(config: dict, layout: Layout, save_dir: str, steps: int, every_n: int, probe_dir: str) -> dict:
-    """The config a layout runs: the user's with the layout's changes, `steps` optimizer steps, no validation, a
+    """The config a layout runs: the user's with the layout's changes, `steps` optimizer steps, no validation (but
+    where the layout validates), a
     CSV logger under `save_dir`, the user's first checkpoint callback every `every_n` steps into the run's
     directory (others dropped: the check needs one cadence, and two alike would share Lightning's state key), no
     HF export, and the probe that records the parameters (and stops the run where the layout says)."""
@@ -231,7 +276,9 @@ def run_config(config: dict, layout: Layout, save_dir: str, steps: int, every_n:
         max_time=None,
         min_steps=None,  # a minimum would defer the stop of the resume pair
         min_epochs=None,
-        limit_val_batches=0,
+        limit_val_batches=1 if layout.validates else 0,
+        val_check_interval=1 if layout.validates else trainer.get("val_check_interval"),
+        check_val_every_n_epoch=None if layout.validates else trainer.get("check_val_every_n_epoch"),
         num_sanity_val_steps=0,
         enable_progress_bar=False,
         log_every_n_steps=1,  # every step is compared

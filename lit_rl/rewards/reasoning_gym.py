@@ -17,6 +17,7 @@ def _scorer(task: str, options: dict[str, Any]) -> Callable[[Optional[str], dict
     that runs text as code only where a spec of this run trusted it, and options only a spec of this run gave: a
     row names its task and options, and rows from a file are anyone's."""
     from lit_rl.data.reasoning_gym import (
+        OPTIONS_COLUMN,
         TRUST_OPTION,
         options_key,
         scorer_evaluation,
@@ -34,7 +35,9 @@ def _scorer(task: str, options: dict[str, Any]) -> Callable[[Optional[str], dict
     if options and not scoring_options_registered(task, options):
         raise RewardFunctionError(
             f"reward function 'score': a row names reasoning-gym task {task!r} with options {options_key(options)}, "
-            "which no reasoning_gym: spec of this run gave: its scorer is built only with a spec's options"
+            "which no reasoning_gym: spec of this run gave: its scorer is built only with a spec's options (rows "
+            f"from a data file: train on the spec that made them, reasoning_gym:{task}?...; or drop the file's "
+            f"{OPTIONS_COLUMN} column to score with reasoning-gym's defaults)"
         )
     return _task_scorer(task, options_key(options))
 

@@ -41,6 +41,16 @@ class EntropyAsMeanOfRankMeans(L.Callback):
         pl_module.log("train/entropy_of_ranks", entropy.mean_value / entropy.weight, sync_dist=True)
 
 
+class ValidationRewardsCountedAsTraining(L.Callback):
+    """Adds each validation batch's rewards to the train reward metric (the train/eval mix-up of a library that
+    keeps one metric for both): a step whose accumulation a validation interrupts logs a `train/reward` that is
+    not the training rows' alone. (The validation's own rewards stand in as zeros, one per validation row.)"""
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if trainer.state.fn == "fit":
+            pl_module.train_metrics["reward"].update(torch.zeros(len(batch["rows"])))
+
+
 class StepCountOutsideTheCheckpoint(L.Callback):
     """Logs `train/steps_this_process`: the optimizer steps since the process started, kept in the callback and not
     in the checkpoint (a callback, a reward or a curriculum whose state is not saved): a resumed run counts from 0

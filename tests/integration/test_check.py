@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 RUNS_HERE = ["grpo", "grpo_tools", "ppo", "rloo", "online_dpo", "dpo", "sft", "sft_tools"]
 NEEDS_GPUS = ["grpo_8gpu", "dpo_8gpu"]
-PAIRS = ("accumulation", "packing", "ranks", "resume", "cadence")
+PAIRS = ("accumulation", "packing", "ranks", "validation", "resume", "cadence")
 
 
 def _env(**env_vars: str) -> dict[str, str]:
@@ -163,6 +163,10 @@ PLANTED = {
         ["--trainer.callbacks+=tests.integration.planted_bugs.EntropyAsMeanOfRankMeans"],
         "ranks",
     ),
+    "validation rewards counted as training": (
+        ["--trainer.callbacks+=tests.integration.planted_bugs.ValidationRewardsCountedAsTraining"],
+        "validation",
+    ),
     "state kept outside the checkpoint": (
         ["--trainer.callbacks+=tests.integration.planted_bugs.StepCountOutsideTheCheckpoint"],
         "resume",
@@ -198,6 +202,8 @@ def test_a_planted_bug_fails_the_pair_that_shows_it(tmp_path, bug):
     assert (kept / "straight" / "output.log").is_file()
     if bug.startswith("metric"):
         assert "train/entropy_of_ranks" in result.stdout  # the table names the metric that differs
+    if bug.startswith("validation"):
+        assert "train/reward" in result.stdout  # the train metric the validation wrote into
     if bug.startswith("state"):
         assert "train/steps_this_process" in result.stdout
     if bug.startswith("checkpoint"):  # the checkpoints themselves differ, not a run that failed
