@@ -411,6 +411,7 @@ def compare(
                 f"  {algorithm} {model_name} {label} {library} round {round_index}: {per_round[library][-1]:.3f} s/step"
             )
     lit, trl = (statistics.median(per_round[name]) for name in ("lit_rl", "trl"))
+    ratio = paired_ratio(per_round)
     variant = {} if label == "fixed-matched" else {"workload": workload, "setting": setting}
     if work.variable or workload == "fixed32":  # where lit-rl's step goes: the median of each phase
         variant["lit_rl_phases_s"] = {phase: statistics.median(step[phase] for step in steps) for phase in PHASES}
@@ -426,9 +427,16 @@ def compare(
         **variant,
         "lit_rl_s_per_step": lit,
         "trl_s_per_step": trl,
-        "ratio": lit / trl,
+        "ratio": ratio,
         "rounds": per_round,
     }
+
+
+def paired_ratio(per_round: dict[str, list[float]]) -> float:
+    """lit-rl / TRL: the median over rounds of each round's ratio. A round runs both libraries back to back, so the
+    machine's load of the moment is in both of its times; a ratio of the two medians could divide one round's
+    lit-rl by another round's TRL (on 2 shared cores, rounds of one library differ by up to 60%)."""
+    return statistics.median(lit / trl for lit, trl in zip(per_round["lit_rl"], per_round["trl"]))
 
 
 def matmul_peaks(seconds: float = 1.0) -> dict[str, float]:
