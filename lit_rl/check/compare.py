@@ -50,8 +50,10 @@ class Tolerance:
 # fp32: the shipped configs differ by ~1e-7 relative in their metrics and ~3e-5 in their weights across layouts.
 FP32 = Tolerance("fp32", 1e-5, 1e-6, 1e-3)
 # bf16 keeps 8 bits of mantissa (relative rounding 2**-9 ~ 2e-3); sums over different micro-batch splits round
-# differently at each step, and a few steps compound it.
-BF16 = Tolerance("bf16", 2e-2, 2e-3, 5e-2)
+# differently at each step, and a few steps compound it. Weights: configs/grpo.yaml with bf16 weights moved apart by
+# 0.036 (2 steps) and 0.048-0.053 (4 steps) between correct layouts, and by 0.15-0.18 with a loss normalised per
+# micro-batch (`tests/integration/planted_bugs.py`): 0.08 lies between, with a margin under 2 either way.
+BF16 = Tolerance("bf16", 2e-2, 2e-3, 8e-2)
 FP16 = Tolerance("fp16", 5e-3, 5e-4, 2e-2)
 
 

@@ -210,6 +210,19 @@ def test_a_planted_bug_fails_the_pair_that_shows_it(tmp_path, bug):
         assert "straight [2], resumed []" in result.stdout
 
 
+@pytest.mark.parametrize("planted", [False, True], ids=["correct", "normalised-per-micro-batch"])
+def test_in_bf16_a_correct_config_passes_and_a_normalisation_bug_fails(tmp_path, planted):
+    """bf16's weights tolerance (0.05) failed the shipped GRPO config with bf16 weights (0.053 at 4 steps); at 0.08
+    the correct layouts pass and a loss normalised per micro-batch still fails (0.18 at 2 steps)."""
+    objective = ["--model.loss.objective", "tests.integration.planted_bugs.loss_over_the_micro_batch_tokens"]
+    pairs = "accumulation" if planted else "accumulation,packing"
+    args = ["--model.policy.dtype", "bfloat16", *(objective if planted else []), "--pairs", pairs]
+    result = _check(tmp_path, "grpo", *args, TMPDIR=str(_scratch(tmp_path)))
+    expected = {"accumulation": "FAIL"} if planted else {"accumulation": "PASS", "packing": "PASS"}
+    assert _results(result.stdout) == expected, result.stdout + result.stderr[-2000:]
+    assert "bf16" in result.stdout
+
+
 def _mismatch_rows(stdout: str) -> dict[str, list[str]]:
     rows = {}
     for line in stdout.splitlines():
