@@ -49,7 +49,7 @@ and where each library's step goes: lit-rl's the median of each `perf/` phase ti
 workloads), TRL's GRPO the median time of its `generate` calls (`time_generation`) and the rest of its step.
 
     python benchmarks/compare_trl.py --workloads fixed32 --models 20m --settings matched bf16 fastest compiled \
-        --steps 16 --warmup 6 --rounds 1 --out benchmarks/results/compare_trl_fixed32_cpu.json
+        --steps 12 --warmup 5 --rounds 3 --out benchmarks/results/compare_trl_fixed32_cpu.json
 """
 
 from __future__ import annotations
