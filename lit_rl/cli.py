@@ -44,7 +44,9 @@ from lit_rl.entry import private_files
 from lit_rl.errors import ConfigError, LitRLError, ReportedOnRankZero, exception_line, one_line
 from lit_rl.numerics import settle_cpu_math_kernels
 from lit_rl.resume import (
+    CheckpointError,
     ResumePoint,
+    checkpoint_step,
     keep_run_metrics,
     read_checkpoint,
     refuse_another_runs_directory,
@@ -331,7 +333,12 @@ class LitRLCLI(LightningCLI):
         if subcommand:
             self.resumed = resolve_ckpt_path(self.config[subcommand], continue_run=subcommand == "fit")
 
+    # The trainer of the `fit` under way: after a failure mid-run, `main` names its newest checkpoint and the command
+    # that resumes from it (the exception leaves the LitRLCLI object unbuilt).
+    fitting: Optional[L.Trainer] = None
+
     def before_fit(self) -> None:
+        LitRLCLI.fitting = self.trainer
         # A resume the module refuses stops here, before the run's config.yaml and metrics.csv are written.
         if self.resumed is not None and isinstance(self.model, CheckpointState):
             checkpoint = read_checkpoint(self.resumed.checkpoint)
@@ -546,6 +553,7 @@ def main(args: Optional[list[str]] = None) -> None:
         # The checkpoint's ModelCheckpoint state names the trained run's folder, and this run writes no checkpoint:
         # Lightning's "The dirpath has changed" (its best-k bookkeeping not reloaded) is nothing to act on.
         warnings.filterwarnings("ignore", message="The dirpath has changed from", category=UserWarning)
+    LitRLCLI.fitting = None  # set by this run's `fit` (a process may run several: tests, notebooks)
     if args is None:  # LightningCLI warns when given `args` while sys.argv holds arguments too
         sys.argv[1:] = normalize_args(given)
     try:
@@ -577,7 +585,33 @@ def main(args: Optional[list[str]] = None) -> None:
         if user_error is None or wants_traceback():
             raise
         sys.stderr.write(f"lit-rl: error: {one_line(user_error)}\n")  # a message of the user's code may hold lines
+        say_where_to_resume(LitRLCLI.fitting, given)
         sys.exit(INPUT_ERROR_EXIT)
+
+
+def say_where_to_resume(trainer: Optional[L.Trainer], args: list[str]) -> None:
+    """After a `fit` failed mid-run (a reward function, an environment, a logger): its newest checkpoint, if it wrote
+    one, and the command that resumes from it once the cause is fixed. Rank 0 alone; no collective (the other ranks
+    may be elsewhere)."""
+    if trainer is None or not trainer.is_global_zero:
+        return
+    found = [
+        path
+        for callback in trainer.checkpoint_callbacks
+        if getattr(callback, "dirpath", None) and "://" not in str(callback.dirpath)
+        for path in Path(callback.dirpath).glob("*.ckpt")
+        if not path.name.startswith(".")
+    ]
+    if not found:
+        return
+    newest = max(found, key=lambda path: path.stat().st_mtime)
+    try:
+        step = checkpoint_step(newest)
+    except CheckpointError:
+        return
+    last = "last" if numbers_its_runs(trainer.logger) else str(newest)
+    command = resume_command(args, last)
+    sys.stderr.write(f"lit-rl: its newest checkpoint is {newest} (step {step}); resume with: {command}\n")
 
 
 def wants_traceback() -> bool:
