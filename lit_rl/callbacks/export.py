@@ -3,23 +3,27 @@
 from __future__ import annotations
 
 import json
+import secrets
+import shutil
 from pathlib import Path
 from typing import Callable, Optional, Protocol, runtime_checkable
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 
 from lit_rl.algorithms.base import PolicyModule
 from lit_rl.callbacks.safety import GracefulStop
-from lit_rl.errors import ConfigError
+from lit_rl.errors import ConfigError, LitRLError, exception_line
+from lit_rl.export import MANIFEST, writable_out_dir
 from lit_rl.loggers import TrackioLogger
 from lit_rl.modeling.lora import is_lora_model, save_merged
 from lit_rl.modeling.models import MODEL_TORCH_DTYPES
 from lit_rl.modeling.value_model import save_value_model
 from lit_rl.resume import numbers_runs
-from lit_rl.training.strategies import gathered_parameters, master_weights
+from lit_rl.training.checkpoint import publish_directory
+from lit_rl.training.strategies import fail_on_every_rank, gathered_parameters, master_weights
 
 
 @runtime_checkable
@@ -40,10 +44,17 @@ class SaveHFPretrained(Callback):
     A module with a critic (PPO) also writes it to `dirpath/critic` (`lit_rl.modeling.value_model.save_value_state`: a
     one-label `AutoModelForTokenClassification` whose logits are the values, where the architecture has one).
 
+    The export is written beside `dirpath` and swapped in whole, as `lit-rl export` does: a failed export leaves
+    `dirpath` as it was, and no file of an earlier export stays mixed in. It runs after the run's end-of-training
+    checkpoint is written, so a failed export never costs the checkpoint; a `dirpath` that cannot be written is
+    refused in one line before training starts.
+
     Args:
-        dirpath: output directory (created; files with the same names are replaced). Default: `hf/` in this
+        dirpath: output directory: new, empty, or an earlier export (lit-rl's, listed in its `.lit-rl-export`),
+            which is replaced; one holding other files is refused before training. Default: `hf/` in this
             run's directory (`runs/<name>/version_N/hf`; W&B: `<save_dir>/<project>/<run id>/hf`, beside its
-            `checkpoints/`), so runs never overwrite each other, whatever the logger.
+            `checkpoints/`), so runs never overwrite each other, whatever the logger; only the run's exports write
+            there, so it is replaced whatever it holds (an export of lit-rl 0.2 has no list).
     """
 
     def __init__(self, dirpath: Optional[str] = None) -> None:
@@ -57,15 +68,36 @@ class SaveHFPretrained(Callback):
                 f"trainer.callbacks: SaveHFPretrained exports a lit-rl algorithm's policy and tokenizer; "
                 f"{type(pl_module).__name__} is not one (a subclass of lit_rl.algorithms.base.PolicyModule)"
             )
+        if stage == "fit":
+            out = self._out_dir(trainer)  # every rank asks: a broadcast for some loggers
+            error = unwritable(out, own=self.dirpath is None) if trainer.is_global_zero else None
+            elsewhere, device = f"{DIRPATH} {out}: cannot be written", trainer.strategy.root_device
+            fail_on_every_rank(error, ConfigError, elsewhere, trainer.world_size, trainer.global_rank, device)
+
+    def _out_dir(self, trainer: L.Trainer) -> Path:
+        return Path(self.dirpath) if self.dirpath else run_directory(trainer) / "hf"
 
     def on_train_end(self, trainer: L.Trainer, pl_module: PolicyModule) -> None:
         if stopped_by_signal(trainer):
             # A pre-empted run's grace period is for the checkpoint a resume needs; a model's export can take as
             # long again. The resumed run exports when it ends.
             return
+        # Lightning calls the checkpoint callbacks' `on_train_end` after every other callback's: their end-of-training
+        # save (`last.ckpt`) comes first here, so that a failed export leaves it (Lightning's own call then saves
+        # nothing). Not exported in `on_fit_end`, which comes after the strategy's teardown has moved the model and
+        # the optimizer's state to the CPU: DeepSpeed's masters are gathered with collectives on the device.
+        for checkpoint in trainer.checkpoint_callbacks:
+            if isinstance(checkpoint, ModelCheckpoint):
+                checkpoint.on_train_end(trainer, pl_module)
         # Every rank asks: the directory is a broadcast, and a collective on rank 0 alone never returns.
-        out = Path(self.dirpath) if self.dirpath else run_directory(trainer) / "hf"
+        out = self._out_dir(trainer)
+        staging: Optional[Path] = None
         error: Optional[BaseException] = None
+        if trainer.is_global_zero:
+            try:
+                staging = staging_dir(out)
+            except OSError as err:
+                error = err
         # DeepSpeed's bf16/fp16: the optimizer's float32 masters, what `lit-rl export` of the checkpoint writes, not
         # the engine's rounded copies (every rank takes part). A LoRA policy's merge reads the module's own.
         masters = (
@@ -74,15 +106,24 @@ class SaveHFPretrained(Callback):
             else master_weights(trainer.strategy, pl_module.policy, keep=trainer.is_global_zero)
         )
         with gathered_parameters(pl_module.policy):  # ZeRO-3: every rank takes part in gathering the shards
-            if trainer.is_global_zero:
-                error = _attempt(lambda: self._save_policy(pl_module, out, masters))
+            if staging is not None and error is None:
+                error = _attempt(lambda: self._save_policy(pl_module, staging, masters))
         critic = pl_module.exported_critic() if isinstance(pl_module, TrainsCritic) else None
         if critic is not None:  # PPO: its critic beside the policy (`save_value_model`)
             with gathered_parameters(critic):
-                if trainer.is_global_zero and error is None:
-                    error = _attempt(lambda: save_value_model(critic, out / "critic"))
+                if staging is not None and error is None:
+                    error = _attempt(lambda: save_value_model(critic, staging / "critic"))
+        if staging is not None:
+            if error is None:
+                error = _attempt(lambda: publish(staging, out, own=self.dirpath is None))
+            shutil.rmtree(staging, ignore_errors=True)
         # A failure on rank 0 is raised after the barrier: raised before it, the other ranks would wait there.
         trainer.strategy.barrier("save_hf_pretrained")
+        if isinstance(error, OSError):  # a full disk, a folder removed under the run: the key, in one line
+            raise LitRLError(
+                f"{DIRPATH} {out}: the export failed ({exception_line(error)}); the run's checkpoints are written, "
+                "`lit-rl export` makes the model from one"
+            ) from error
         if error is not None:
             raise error
         self.saved_to = out
@@ -125,6 +166,61 @@ def _config_dtype(config_file: Path, dtype: torch.dtype) -> None:
         if key in config or key == "dtype":
             config[key] = str(dtype).removeprefix("torch.")
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+# How errors name the export's folder: the callback and its key, as a config spells them.
+DIRPATH = "trainer.callbacks: SaveHFPretrained dirpath"
+
+
+def unwritable(out: Path, own: bool = False) -> Optional[str]:
+    """Why the export could not be written to `out`, or None: checked at `setup`, so that a run of hours does not end
+    in a failed export. The folders the check makes are removed again."""
+    made = [folder for folder in (out.parent, *out.parent.parents) if not folder.exists()]  # deepest first
+    try:
+        checked_out_dir(out, own)
+        staging_dir(out).rmdir()
+    except ConfigError as err:
+        return str(err)
+    except OSError as err:
+        return f"{DIRPATH} {out}: cannot be written ({exception_line(err)})"
+    finally:
+        for folder in made:
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+    return None
+
+
+def checked_out_dir(out: Path, own: bool = False) -> None:
+    """`out` is what `lit-rl export` would replace (`writable_out_dir`: missing, empty or an earlier export; not a
+    file, a folder of other files, nor the working directory); its refusal names this callback's key. `own`: the
+    run's own `hf/` (the default `dirpath`), which only this run's exports write: one without a `MANIFEST` (an
+    export of lit-rl 0.2, in a run resumed now) is replaced too."""
+    if own and (out.is_dir() or not out.exists()):
+        return
+    try:
+        writable_out_dir(out)
+    except LitRLError as err:
+        raise ConfigError(f"{DIRPATH} {str(err).removeprefix('out_dir ')}") from err
+
+
+def staging_dir(out: Path) -> Path:
+    """A new folder beside `out` to write the export into: on its filesystem, so that `publish` is a rename, and
+    made with the process's umask (`tempfile.mkdtemp`'s are 0700 whatever `LIT_RL_UMASK` says)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.{secrets.token_hex(4)}.tmp"
+    staging.mkdir()
+    return staging
+
+
+def publish(staging: Path, out: Path, own: bool = False) -> None:
+    """List the export's files in its `MANIFEST` (a later export may replace them) and swap it in for `out` whole
+    (`publish_directory`). `out` is checked again: anything may have been written there since `setup`."""
+    listed = sorted(path.relative_to(staging).as_posix() for path in staging.rglob("*") if not path.is_dir())
+    (staging / MANIFEST).write_text(json.dumps(listed))
+    checked_out_dir(out, own)
+    publish_directory(staging, out)
 
 
 def stopped_by_signal(trainer: L.Trainer) -> bool:

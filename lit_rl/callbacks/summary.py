@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import lightning as L
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 from rich.console import Console
@@ -122,7 +123,8 @@ def saved_step(path: str) -> Optional[int]:
 
 
 def outputs(trainer: L.Trainer) -> dict[str, str]:
-    """Where this run wrote its newest checkpoint, its metrics CSV and its Hugging Face export (those it wrote)."""
+    """Where this run wrote its newest checkpoint, its metrics CSV and its Hugging Face export: only those on disk
+    (the CSV logger makes no file until a row is logged: `log_every_n_steps 0`, `max_steps 0`)."""
     found: dict[str, str] = {}
     checkpoint = trainer.checkpoint_callback
     for callback in trainer.callbacks:
@@ -140,4 +142,4 @@ def outputs(trainer: L.Trainer) -> dict[str, str]:
     for callback in trainer.callbacks:
         if isinstance(callback, SaveHFPretrained) and callback.saved_to is not None:
             found["model"] = str(callback.saved_to)
-    return found
+    return {label: path for label, path in found.items() if get_filesystem(path).exists(path)}
