@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from lit_rl.rollout import SamplingParams, VLLMServer, WeightTransfer
-from lit_rl.rollout.engines.vllm_server import RolloutServerError, VLLMServerClient, VLLMServerEngine
+from lit_rl.rollout.engines.vllm_server import RolloutServerError, VLLMServerEngine
+from lit_rl.rollout.server.client import VLLMServerClient
 from tests.fake_vllm import completions_answer as _completions
 
 
