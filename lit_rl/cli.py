@@ -289,14 +289,16 @@ class SaveRunConfig(SaveConfigCallback):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         """A run that fails before writing anything (a missing data file fails after the logger made its folder)
         leaves no empty `version_N` folder, nor an empty folder of its name; what a run wrote stays. A run that
-        failed before it wrote metrics or a checkpoint (a model that cannot be read, a logger that fails at the
-        first step) wrote only its own config and hyperparameters: they go too. No collective: the other ranks may
+        failed before its first step (a model that cannot be read) wrote only its own config and
+        hyperparameters: they go too. No collective: the other ranks may
         be elsewhere."""
         log_dir = getattr(trainer.logger, "log_dir", None)
         if not trainer.is_global_zero or not isinstance(log_dir, str):
             return
         own = [Path(log_dir) / name for name in (self.config_filename, "hparams.yaml")]
-        if Path(log_dir).is_dir() and set(Path(log_dir).iterdir()) <= set(own):
+        # Before the first step only: a logger may hold later rows in memory until it finalizes (the CSV logger
+        # writes every 100 steps), after this hook.
+        if trainer.global_step == 0 and Path(log_dir).is_dir() and set(Path(log_dir).iterdir()) <= set(own):
             for path in own:
                 path.unlink(missing_ok=True)
         for folder in (Path(log_dir), Path(log_dir).parent):
@@ -390,17 +392,18 @@ class LitRLCLI(LightningCLI):
 def refuse_unwritable_checkpoint_dirs(trainer: L.Trainer) -> None:
     """A checkpoint folder given by hand (`ModelCheckpoint.dirpath`) that cannot be made or written fails before the
     first step, in one line, not at the first save, after `every_n_train_steps` steps of work. (A folder derived
-    from the logger's is made with the logger's, which is checked where it is made.)"""
-    if not trainer.is_global_zero:
-        return
-    for callback in trainer.checkpoint_callbacks:
+    from the logger's is made with the logger's, which is checked where it is made.) Run by every rank."""
+    for callback in trainer.checkpoint_callbacks:  # every rank: a refusal on rank 0 alone leaves the others waiting
         dirpath = getattr(callback, "dirpath", None)
         if not dirpath or "://" in str(dirpath):
             continue
-        folder = Path(dirpath)
-        folder.mkdir(parents=True, exist_ok=True)  # an OSError naming the path: reported in one line
-        if not os.access(folder, os.W_OK | os.X_OK):
-            raise OSError(errno.EACCES, "cannot write checkpoints there (ModelCheckpoint.dirpath)", str(folder))
+        # Nothing is made here (a new folder would count as another run's files in the directory check that
+        # follows): the nearest existing folder on its path must be a folder this process can write in.
+        existing = next(p for p in (Path(dirpath), *Path(dirpath).parents) if os.path.lexists(p))
+        if not existing.is_dir():
+            raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(Path(dirpath)))
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise OSError(errno.EACCES, "cannot write checkpoints there (ModelCheckpoint.dirpath)", str(dirpath))
 
 
 def check_trainer_settings(config: dict[str, Any]) -> None:
@@ -585,15 +588,20 @@ def main(args: Optional[list[str]] = None) -> None:
         if user_error is None or wants_traceback():
             raise
         sys.stderr.write(f"lit-rl: error: {one_line(user_error)}\n")  # a message of the user's code may hold lines
-        say_where_to_resume(LitRLCLI.fitting, given)
+        try:
+            say_where_to_resume(LitRLCLI.fitting, given)
+        except Exception:  # noqa: BLE001  (a hint: its own failure must not replace the error line)
+            pass
         sys.exit(INPUT_ERROR_EXIT)
+    finally:
+        LitRLCLI.fitting = None  # nothing of the run stays referenced (a notebook's next cell, a sweep)
 
 
 def say_where_to_resume(trainer: Optional[L.Trainer], args: list[str]) -> None:
     """After a `fit` failed mid-run (a reward function, an environment, a logger): its newest checkpoint, if it wrote
-    one, and the command that resumes from it once the cause is fixed. Rank 0 alone; no collective (the other ranks
-    may be elsewhere)."""
-    if trainer is None or not trainer.is_global_zero:
+    one (not before its first step: a refusal at setup left a run that never started), and the command that resumes
+    from it once the cause is fixed. Rank 0 alone; no collective (the other ranks may be elsewhere)."""
+    if trainer is None or not trainer.is_global_zero or trainer.global_step == 0:
         return
     found = [
         path
@@ -609,8 +617,7 @@ def say_where_to_resume(trainer: Optional[L.Trainer], args: list[str]) -> None:
         step = checkpoint_step(newest)
     except CheckpointError:
         return
-    last = "last" if numbers_its_runs(trainer.logger) else str(newest)
-    command = resume_command(args, last)
+    command = resume_command(args, str(newest))  # the file itself: `last` means a `last.ckpt`, which may not exist
     sys.stderr.write(f"lit-rl: its newest checkpoint is {newest} (step {step}); resume with: {command}\n")
 
 
@@ -701,11 +708,11 @@ def user_error_message(err: BaseException) -> Optional[str]:
 
 
 def _logger_failure(chain: list[BaseException]) -> Optional[str]:
-    """`<Logger class>.<method> raised <exception>` where an exception of `chain` was raised inside a logger's
-    method (W&B, MLflow, TensorBoard, a user's), else None."""
+    """`<Logger class>.<method> raised <exception>` where the first exception of `chain` (its innermost) was raised
+    inside a logger's method (W&B, MLflow, TensorBoard, a user's), else None."""
     from lightning.fabric.loggers import Logger
 
-    for current in chain:
+    for current in chain[-1:]:  # the first failure alone: one raised while handling it is its consequence
         frame, found = current.__traceback__, None
         while frame is not None:  # the innermost logger method on the way to the raise
             owner = frame.tb_frame.f_locals.get("self")

@@ -731,3 +731,18 @@ def test_a_token_environment_without_close_whose_prompt_is_too_long_gets_the_len
         "LongTokenPrompt.reset gave a prompt of 40 tokens, more than model.sampling.max_prompt_length "
         "(16): raise it (its world rendered it whole)"
     )
+
+
+def test_an_environments_malformed_return_is_said_as_returned_not_raised():
+    """What `step` returned that lit-rl cannot read is the return's fault, said as such: `Boom.step raised
+    TypeError: ...` read as if the environment itself had raised."""
+    from lit_rl.envs.base import as_step_result
+    from lit_rl.errors import EnvironmentStepError
+    from lit_rl.rollout.multi_turn import _add_reward_parts
+
+    with pytest.raises(EnvironmentStepError, match=r"^Boom.step returned 'oops', not a StepResult"):
+        as_step_result("oops", "Boom")
+    with pytest.raises(EnvironmentStepError, match=r"^Boom.step returned rewards 3, not a dict of reward parts"):
+        as_step_result(("obs", 3, True), "Boom")
+    with pytest.raises(EnvironmentStepError, match=r"^Boom.step returned reward part 'r' = 'abc', not a number"):
+        _add_reward_parts(torch.zeros(1), {"r": "abc"}, {"r": 0}, "Boom.step")

@@ -202,7 +202,10 @@ def checked_out_dir(out: Path, own: bool = False) -> None:
     try:
         writable_out_dir(out)
     except LitRLError as err:
-        raise ConfigError(f"{DIRPATH} {str(err).removeprefix('out_dir ')}") from err
+        # An export of lit-rl 0.2 there has no MANIFEST either: the user's to move (it could be theirs).
+        earlier = " (an export of lit-rl 0.2 lists none of its files: move it away first)"
+        earlier = earlier if "did not write" in str(err) else ""
+        raise ConfigError(f"{DIRPATH} {str(err).removeprefix('out_dir ')}{earlier}") from err
 
 
 def staging_dir(out: Path) -> Path:

@@ -134,6 +134,8 @@ def _by_step(rows: list[dict[str, float]], problems: list[str]) -> dict[int, dic
         step = merged.setdefault(int(row["step"]), {})
         for key, value in row.items():
             seen = step.setdefault(key, value)
+            if key.startswith(IGNORED_PREFIXES):  # not compared: nor is a second value of it
+                continue
             if seen != value and not (math.isnan(seen) and math.isnan(value)):
                 problems.append(f"step {int(row['step'])}: {key} logged twice, {seen:.6g} and {value:.6g}")
     return merged

@@ -138,7 +138,12 @@ def as_step_result(value: Any, where: str) -> StepResult:
         return value
     if isinstance(value, tuple) and len(value) == 3:
         observation, rewards, done = value
-        return StepResult(observation, dict(rewards or {}), bool(done))
+        try:
+            return StepResult(observation, dict(rewards or {}), bool(done))
+        except (TypeError, ValueError) as err:
+            raise EnvironmentStepError(
+                f"{where}.step returned rewards {one_line(repr(rewards), 80)}, not a dict of reward parts ({err})"
+            ) from err
     raise EnvironmentStepError(
         f"{where}.step returned {one_line(repr(value), 80)}, not a StepResult or (observation, rewards, done)"
     )

@@ -422,7 +422,10 @@ def _add_reward_parts(row: torch.Tensor, parts: dict[str, float], column: dict[s
     for name, value in parts.items():
         if name not in column:
             raise EnvironmentStepError(f"{where} reported reward part {name!r}, not in its reward_names")
-        row[column[name]] += float(value)
+        try:
+            row[column[name]] += float(value)
+        except (TypeError, ValueError):
+            raise EnvironmentStepError(f"{where} returned reward part {name!r} = {value!r}, not a number") from None
 
 
 def close_environments(envs: Sequence[Environment], busy: set[int] | frozenset[int], runner: EnvironmentRunner) -> None:

@@ -459,8 +459,9 @@ def test_a_server_dying_with_generations_in_flight_ends_the_run_in_one_line_and_
         doomed.stop()  # the next generation is already in flight (launched before step 2's checkpoint)
     _, stderr = process.communicate(timeout=300)
     assert process.returncode == 1, stderr[-3000:]
-    last = stderr.strip().splitlines()[-1]
-    assert doomed.url in last and "is the server running" in last, last
+    error, hint = stderr.strip().splitlines()[-2:]
+    assert doomed.url in error and "is the server running" in error, error
+    assert hint.startswith("lit-rl: its newest checkpoint is ") and "; resume with: lit-rl fit " in hint, hint
     assert "Traceback" not in stderr
     # The checkpoint of the last finished step is intact: resume it against a live server.
     kept = sorted(p.name for p in checkpoints.glob("step=*.ckpt"))

@@ -161,7 +161,10 @@ class VLLMServerEngine:
             private_directory(Path(self.config.transfer.sync_dir), "model.rollout.engine.transfer.sync_dir")
         if self.launcher is not None:
             self.launcher.start()
+            moved_from = self.pool.servers[0].url
             self.pool.move(self.pool.servers[0], self.launcher.url)  # the port it bound; other ranks `_follow`
+            if self.transfer is not None:  # a broadcast's ports are given by the server's place in the list
+                self.transfer.order[self.launcher.url] = self.transfer.order.pop(moved_from)
         try:
             self.pool.connect(self.config.wait_for_server_s)
             if self.transfer is not None:  # each server's group now: one that cannot receive fails before training
