@@ -41,7 +41,7 @@ from lit_rl.config import GROUP_NAMES, data_key_hint, group_class, group_fields,
 from lit_rl.config_files import config_file_problem, duplicate_key_problem
 from lit_rl.console import WEIGHT_PUSH_MESSAGES, drop_log_messages
 from lit_rl.entry import private_files
-from lit_rl.errors import ConfigError, LitRLError, ReportedOnRankZero, exception_line, one_line
+from lit_rl.errors import ConfigError, LitRLError, ReportedOnRankZero, exception_chain, exception_line, one_line
 from lit_rl.numerics import settle_cpu_math_kernels
 from lit_rl.resume import (
     CheckpointError,
@@ -290,8 +290,7 @@ class SaveRunConfig(SaveConfigCallback):
         """A run that fails before writing anything (a missing data file fails after the logger made its folder)
         leaves no empty `version_N` folder, nor an empty folder of its name; what a run wrote stays. A run that
         failed before its first step (a model that cannot be read) wrote only its own config and
-        hyperparameters: they go too. No collective: the other ranks may
-        be elsewhere."""
+        hyperparameters: they go too. No collective: the other ranks may be elsewhere."""
         log_dir = getattr(trainer.logger, "log_dir", None)
         if not trainer.is_global_zero or not isinstance(log_dir, str):
             return
@@ -389,19 +388,22 @@ class LitRLCLI(LightningCLI):
         return trainer
 
 
+def local_checkpoint_dirs(trainer: L.Trainer) -> list[Path]:
+    """The folders the run's checkpoint callbacks were given (`dirpath`) on this machine's file system (not a URL)."""
+    dirpaths = (getattr(callback, "dirpath", None) for callback in trainer.checkpoint_callbacks)
+    return [Path(dirpath) for dirpath in dirpaths if dirpath and "://" not in str(dirpath)]
+
+
 def refuse_unwritable_checkpoint_dirs(trainer: L.Trainer) -> None:
     """A checkpoint folder given by hand (`ModelCheckpoint.dirpath`) that cannot be made or written fails before the
     first step, in one line, not at the first save, after `every_n_train_steps` steps of work. (A folder derived
     from the logger's is made with the logger's, which is checked where it is made.) Run by every rank."""
-    for callback in trainer.checkpoint_callbacks:  # every rank: a refusal on rank 0 alone leaves the others waiting
-        dirpath = getattr(callback, "dirpath", None)
-        if not dirpath or "://" in str(dirpath):
-            continue
+    for dirpath in local_checkpoint_dirs(trainer):  # every rank: a refusal on rank 0 alone leaves the others waiting
         # Nothing is made here (a new folder would count as another run's files in the directory check that
         # follows): the nearest existing folder on its path must be a folder this process can write in.
-        existing = next(p for p in (Path(dirpath), *Path(dirpath).parents) if os.path.lexists(p))
+        existing = next(p for p in (dirpath, *dirpath.parents) if os.path.lexists(p))
         if not existing.is_dir():
-            raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(Path(dirpath)))
+            raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(dirpath))
         if not os.access(existing, os.W_OK | os.X_OK):
             raise OSError(errno.EACCES, "cannot write checkpoints there (ModelCheckpoint.dirpath)", str(dirpath))
 
@@ -605,9 +607,8 @@ def say_where_to_resume(trainer: Optional[L.Trainer], args: list[str]) -> None:
         return
     found = [
         path
-        for callback in trainer.checkpoint_callbacks
-        if getattr(callback, "dirpath", None) and "://" not in str(callback.dirpath)
-        for path in Path(callback.dirpath).glob("*.ckpt")
+        for dirpath in local_checkpoint_dirs(trainer)
+        for path in dirpath.glob("*.ckpt")
         if not path.name.startswith(".")
     ]
     if not found:
@@ -708,20 +709,27 @@ def user_error_message(err: BaseException) -> Optional[str]:
 
 
 def _logger_failure(chain: list[BaseException]) -> Optional[str]:
-    """`<Logger class>.<method> raised <exception>` where the first exception of `chain` (its innermost) was raised
-    inside a logger's method (W&B, MLflow, TensorBoard, a user's), else None."""
+    """`<Logger class>.<method> raised <exception>` where the first exception of `chain` (its innermost: one raised
+    while handling it is its consequence) was raised inside a logger's method (W&B, MLflow, TensorBoard, a user's),
+    else None."""
     from lightning.fabric.loggers import Logger
 
-    for current in chain[-1:]:  # the first failure alone: one raised while handling it is its consequence
-        frame, found = current.__traceback__, None
-        while frame is not None:  # the innermost logger method on the way to the raise
-            owner = frame.tb_frame.f_locals.get("self")
-            if isinstance(owner, Logger):
-                found = f"{type(owner).__name__}.{frame.tb_frame.f_code.co_name}"
-            frame = frame.tb_next
-        if found is not None:
-            return f"{found} raised {exception_line(current)}"
-    return None
+    first = chain[-1]
+    inside = [f"{type(owner).__name__}.{method}" for owner, method in _methods(first) if isinstance(owner, Logger)]
+    return f"{inside[-1]} raised {exception_line(first)}" if inside else None
+
+
+def _methods(err: BaseException) -> list[tuple[Any, str]]:
+    """(the object, the method's name) of every method call on the way from where `err` was caught to where it was
+    raised, outermost first: whose code raised it."""
+    found = []
+    frame = err.__traceback__
+    while frame is not None:
+        owner = frame.tb_frame.f_locals.get("self")
+        if owner is not None:
+            found.append((owner, frame.tb_frame.f_code.co_name))
+        frame = frame.tb_next
+    return found
 
 
 # Lightning classes whose refusals are of a `trainer.*` key other than the class's own name says.
@@ -731,11 +739,8 @@ TRAINER_KEY_OF_CLASS = {"Timer": "trainer.max_time"}
 def _raised_by(err: BaseException) -> str:
     """Whose setting Lightning refused: the callback whose method raised `err` (`ModelCheckpoint`, `Timer
     (trainer.max_time)`), else `trainer`."""
-    frame, owner = err.__traceback__, None
-    while frame is not None:  # the innermost frame of a method is the raiser
-        found = frame.tb_frame.f_locals.get("self")
-        owner = type(found) if found is not None else owner
-        frame = frame.tb_next
+    methods = _methods(err)
+    owner = type(methods[-1][0]) if methods else None  # the innermost method is the raiser
     if owner is None or not issubclass(owner, Callback):  # the Trainer, its loops and connectors
         return "trainer"
     key = TRAINER_KEY_OF_CLASS.get(owner.__name__)
@@ -745,18 +750,6 @@ def _raised_by(err: BaseException) -> str:
 # The OS errors of a path that cannot be used as the config asks (a file where a directory must be, no permission,
 # no space): the user's to fix, named in one line.
 UNUSABLE_PATH = {errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC}
-
-
-def exception_chain(err: BaseException) -> list[BaseException]:
-    """`err` and the exceptions it was raised from or during, innermost last."""
-    seen: set[int] = set()
-    chain: list[BaseException] = []
-    current: Optional[BaseException] = err
-    while current is not None and id(current) not in seen:
-        chain.append(current)
-        seen.add(id(current))
-        current = current.__cause__ if current.__suppress_context__ else (current.__cause__ or current.__context__)
-    return chain
 
 
 if __name__ == "__main__":

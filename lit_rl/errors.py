@@ -8,7 +8,7 @@ The CLI prints them as one line, `lit-rl: error: <message>`, and exits non-zero 
 from __future__ import annotations
 
 import argparse
-from typing import NoReturn
+from typing import NoReturn, Optional
 
 
 class LitRLError(ValueError):
@@ -67,3 +67,15 @@ class OneLineArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def exception_chain(err: BaseException) -> list[BaseException]:
+    """`err` and the exceptions it was raised from or during, innermost last."""
+    seen: set[int] = set()
+    chain: list[BaseException] = []
+    current: Optional[BaseException] = err
+    while current is not None and id(current) not in seen:
+        chain.append(current)
+        seen.add(id(current))
+        current = current.__cause__ if current.__suppress_context__ else (current.__cause__ or current.__context__)
+    return chain

@@ -404,3 +404,21 @@ def listening_addresses(port: int) -> list[str]:
     from lit_rl.rollout.server.listeners import listening_sockets
 
     return [str(address) for address, _ in listening_sockets(port) or []]
+
+
+@pytest.fixture
+def first_free_port_taken(monkeypatch):
+    """`free_port` finds a port another process then binds before the server it was found for (a CI run failed so):
+    its first answer is a port a socket here listens on, its second a free one, which the fixture returns."""
+    import socket
+
+    from lit_rl.rollout.server import client
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    other_port = client.free_port()
+    answers = iter([taken.getsockname()[1], other_port])
+    monkeypatch.setattr(client, "free_port", lambda: next(answers))
+    yield other_port
+    taken.close()

@@ -125,28 +125,17 @@ def test_a_module_beside_the_run_cannot_stand_in_for_a_package_the_served_app_im
     assert not marker.exists()
 
 
-def test_a_port_another_process_takes_before_the_app_binds_it_is_passed_over(monkeypatch):
+def test_a_port_another_process_takes_before_the_app_binds_it_is_passed_over(monkeypatch, first_free_port_taken):
     """`free_port` finds a port free, and another process may take it before the app's server binds it (a CI run
     failed so: `found its port ... taken by another process`): the server is started on another port."""
-    import socket
     import sys
 
     from lit_rl.envs.openenv import _LocalApps
-    from lit_rl.rollout.server import client
     from tests.conftest import REPO
 
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    taken_port, other_port = taken.getsockname()[1], client.free_port()
-    ports = iter([taken_port, other_port])
-    monkeypatch.setattr(client, "free_port", lambda: next(ports))
     monkeypatch.setenv("PYTHONPATH", str(REPO))
-    try:
-        url = _LocalApps().url(APP, sys.executable, timeout_s=60)
-    finally:
-        taken.close()
-    assert url == f"http://127.0.0.1:{other_port}"
+    url = _LocalApps().url(APP, sys.executable, timeout_s=60)
+    assert url == f"http://127.0.0.1:{first_free_port_taken}"
 
 
 # -- MCP tool environments (`lit_rl.envs.OpenEnvTools`) ---------------------------------------------------------

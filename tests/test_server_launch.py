@@ -166,24 +166,17 @@ def test_a_port_taken_by_another_process_first_is_said_and_sent_nothing(stand_in
 
 
 def test_a_launched_server_whose_port_another_process_takes_first_starts_on_another_which_the_engine_uses(
-    stand_in, tmp_path, monkeypatch, capsys
+    stand_in, tmp_path, monkeypatch, capsys, first_free_port_taken
 ):
     """`launch: true` picks a free port, and another process may bind it first while vLLM imports: the server is
     started on another port, the line that says it is ready names that one, and the engine's requests go there
     (other ranks take rank 0's URL, `_follow`). Before, the launcher's port was fixed before the start: the run
     stopped with `found its port ... taken by another process`."""
-    import socket
     from types import SimpleNamespace
 
     from lit_rl.training.perf import BusyClock
 
     monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))  # no core split in this test's process
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    taken_port, other_port = taken.getsockname()[1], client.free_port()
-    ports = iter([taken_port, other_port])
-    monkeypatch.setattr(client, "free_port", lambda: next(ports))
     host = SimpleNamespace(  # what `VLLMServer.build` reads of the module (`RolloutHost`)
         policy=torch.nn.Linear(1, 1),
         tokenizer=SimpleNamespace(eos_token_id=2, pad_token_id=0),
@@ -191,12 +184,9 @@ def test_a_launched_server_whose_port_another_process_takes_first_starts_on_anot
         policy_args=SimpleNamespace(model_name_or_path="m", trust_remote_code=False),
         trainer=SimpleNamespace(log_dir=str(tmp_path)),
     )
+    engine = VLLMServer(launch=True, launch_timeout_s=30).build(host)
     try:
-        engine = VLLMServer(launch=True, launch_timeout_s=30).build(host)
-    finally:
-        taken.close()
-    try:
-        url = f"http://127.0.0.1:{other_port}"
+        url = f"http://127.0.0.1:{first_free_port_taken}"
         assert engine.launcher.url == url and [server.url for server in engine.pool.servers] == [url]
         assert engine.pool.servers[0].model_name == "policy"  # its /v1/models answered there
         assert f"vLLM server ready on {url} after" in capsys.readouterr().err

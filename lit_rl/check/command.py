@@ -205,17 +205,22 @@ def policy_dtype(config: dict) -> Optional[str]:
     return checkpoint_dtype(policy["model_name_or_path"], bool(policy.get("trust_remote_code"))) or "float32"
 
 
+# The pairs of one changed layout against the user's run as configured: how the layout is made, and how the
+# reference reads in the table.
+AGAINST_THE_STRAIGHT_RUN = {
+    "accumulation": (accumulation_layout, "as configured"),
+    "packing": (packing_layout, "as configured"),
+    "validation": (validation_layout, "none"),
+}
+
+
 def check_pair(check: Check, pair: str, gpus: int) -> PairResult:
     tol = tolerance_for(get(check.config, "trainer.precision"), policy_dtype(check.config))
-    if pair == "accumulation":
-        layout = accumulation_layout(check.config)
+    if pair in AGAINST_THE_STRAIGHT_RUN:
+        make_layout, reference = AGAINST_THE_STRAIGHT_RUN[pair]
+        layout = make_layout(check.config)
         result = judge(pair, check.run(layout), check.straight(), tol)
-        result.compared = f"{layout.describe()} vs as configured, {result.compared}"
-        return result
-    if pair == "packing":
-        layout = packing_layout(check.config)
-        result = judge(pair, check.run(layout), check.straight(), tol)
-        result.compared = f"{layout.describe()} vs as configured, {result.compared}"
+        result.compared = f"{layout.describe()} vs {reference}, {result.compared}"
         return result
     if pair == "ranks":
         one, two = ranks_layouts(check.config, gpus)
@@ -223,11 +228,6 @@ def check_pair(check: Check, pair: str, gpus: int) -> PairResult:
         result = judge(pair, check.run(two), reference, tol)
         where = "GPUs" if gpus >= 2 else "CPU, gloo"
         result.compared = f"2 processes vs 1 ({where}; {strategy_in_ranks_pair(check.config)}), {result.compared}"
-        return result
-    if pair == "validation":
-        layout = validation_layout(check.config)
-        result = judge(pair, check.run(layout), check.straight(), tol)
-        result.compared = f"{layout.describe()} vs none, {result.compared}"
         return result
     stop = check.stop_at
     if pair == "resume":

@@ -142,7 +142,7 @@ def ranks_strategies(strategy: Any) -> tuple[Any, Any]:
     """The strategies of the ranks pair's (1 process, 2 processes): the config's where it runs in both (DeepSpeed,
     on CPU too; DDP's variants on the two-process side), else the plain ones (`auto`, `ddp`), which
     `strategy_in_ranks_pair` says."""
-    path = strategy.get("class_path", "") if isinstance(strategy, dict) else str(strategy or "auto")
+    path = _strategy_path(strategy)
     if "deepspeed" in path.lower():
         return strategy, strategy
     if path.startswith("ddp"):
@@ -150,10 +150,15 @@ def ranks_strategies(strategy: Any) -> tuple[Any, Any]:
     return "auto", "ddp"
 
 
+def _strategy_path(strategy: Any) -> str:
+    """`trainer.strategy` as one text: its class path, or its name (`ddp`; `auto` when unset)."""
+    return strategy.get("class_path", "") if isinstance(strategy, dict) else str(strategy or "auto")
+
+
 def strategy_in_ranks_pair(config: dict) -> str:
     """How the ranks pair treats the config's strategy, for its row: `DeepSpeedStrategy`, or what stands in."""
     strategy = get(config, "trainer.strategy")
-    path = strategy.get("class_path", "") if isinstance(strategy, dict) else str(strategy or "auto")
+    path = _strategy_path(strategy)
     name = path.rsplit(".", 1)[-1]
     if ranks_strategies(strategy) != ("auto", "ddp"):
         return name
@@ -229,10 +234,10 @@ def is_checkpoint_callback(callback: Any) -> bool:
 
 def run_config(config: dict, layout: Layout, save_dir: str, steps: int, every_n: int, probe_dir: str) -> dict:
     """The config a layout runs: the user's with the layout's changes, `steps` optimizer steps, no validation (but
-    where the layout validates), a
-    CSV logger under `save_dir`, the user's first checkpoint callback every `every_n` steps into the run's
-    directory (others dropped: the check needs one cadence, and two alike would share Lightning's state key), no
-    HF export, and the probe that records the parameters (and stops the run where the layout says)."""
+    where the layout validates), a CSV logger under `save_dir`, the user's first checkpoint callback every `every_n`
+    steps into the run's directory (others dropped: the check needs one cadence, and two alike would share
+    Lightning's state key), no HF export, and the probe that records the parameters (and stops the run where the
+    layout says)."""
     out = with_changes(config, layout.changes)
     trainer = out["trainer"]
     configured = trainer.get("callbacks") or []

@@ -12,6 +12,8 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from lit_rl.errors import exception_chain
+
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Writes `path` as a temporary file in the same directory, fsyncs it, then renames it over `path`.
@@ -48,12 +50,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 def _naming(err: Exception, path: Path) -> Exception:
     """`err` as an OSError naming the checkpoint `path` where an OS error (no space, no permission) is behind it:
     torch's writer reports a full disk as `RuntimeError: ... unexpected pos`, its OSError only the context."""
-    cause: Optional[BaseException] = err
-    while cause is not None and not isinstance(cause, OSError):
-        cause = cause.__cause__ or cause.__context__
-    if not isinstance(cause, OSError) or cause.errno is None:
-        return err
-    return OSError(cause.errno, os.strerror(cause.errno), str(path))
+    cause = next((c for c in exception_chain(err) if isinstance(c, OSError) and c.errno is not None), None)
+    return err if cause is None else OSError(cause.errno, os.strerror(cause.errno), str(path))
 
 
 # Checkpoint directories (DeepSpeed writes one per checkpoint, a shard per rank): every rank writes into the
