@@ -41,7 +41,15 @@ from lit_rl.config import GROUP_NAMES, data_key_hint, group_class, group_fields,
 from lit_rl.config_files import config_file_problem, duplicate_key_problem
 from lit_rl.console import WEIGHT_PUSH_MESSAGES, drop_log_messages
 from lit_rl.entry import private_files
-from lit_rl.errors import ConfigError, LitRLError, ReportedOnRankZero, exception_chain, exception_line, one_line
+from lit_rl.errors import (
+    ConfigError,
+    LitRLError,
+    ReportedOnRankZero,
+    exception_chain,
+    exception_line,
+    one_line,
+    refuse_unwritable_folder,
+)
 from lit_rl.numerics import settle_cpu_math_kernels
 from lit_rl.resume import (
     CheckpointError,
@@ -52,6 +60,7 @@ from lit_rl.resume import (
     refuse_another_runs_directory,
     resolve_ckpt_path,
     resumes_another_run,
+    say,
 )
 from lit_rl.training.checkpoint import AtomicCheckpointIO
 from lit_rl.training.compat import keep_nested_nulls
@@ -399,13 +408,7 @@ def refuse_unwritable_checkpoint_dirs(trainer: L.Trainer) -> None:
     first step, in one line, not at the first save, after `every_n_train_steps` steps of work. (A folder derived
     from the logger's is made with the logger's, which is checked where it is made.) Run by every rank."""
     for dirpath in local_checkpoint_dirs(trainer):  # every rank: a refusal on rank 0 alone leaves the others waiting
-        # Nothing is made here (a new folder would count as another run's files in the directory check that
-        # follows): the nearest existing folder on its path must be a folder this process can write in.
-        existing = next(p for p in (dirpath, *dirpath.parents) if os.path.lexists(p))
-        if not existing.is_dir():
-            raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(dirpath))
-        if not os.access(existing, os.W_OK | os.X_OK):
-            raise OSError(errno.EACCES, "cannot write checkpoints there (ModelCheckpoint.dirpath)", str(dirpath))
+        refuse_unwritable_folder(dirpath, "checkpoints (ModelCheckpoint.dirpath)")
 
 
 def check_trainer_settings(config: dict[str, Any]) -> None:
@@ -595,6 +598,12 @@ def main(args: Optional[list[str]] = None) -> None:
         except Exception:  # noqa: BLE001  (a hint: its own failure must not replace the error line)
             pass
         sys.exit(INPUT_ERROR_EXIT)
+    except KeyboardInterrupt:  # a Ctrl-C before `fit`'s graceful stop took SIGINT over: loading the model, the data
+        exit_after_ctrl_c(given)
+    except SystemExit as stop:
+        if isinstance(stop.__context__, KeyboardInterrupt):  # Lightning's own `sys.exit(1)` after one inside `fit`
+            exit_after_ctrl_c(given)
+        raise
     finally:
         LitRLCLI.fitting = None  # nothing of the run stays referenced (a notebook's next cell, a sweep)
 
@@ -620,6 +629,19 @@ def say_where_to_resume(trainer: Optional[L.Trainer], args: list[str]) -> None:
         return
     command = resume_command(args, str(newest))  # the file itself: `last` means a `last.ckpt`, which may not exist
     sys.stderr.write(f"lit-rl: its newest checkpoint is {newest} (step {step}); resume with: {command}\n")
+
+
+def exit_after_ctrl_c(args: list[str]) -> None:
+    """A Ctrl-C that stopped the run at once (one during setup, before the graceful stop takes SIGINT over, or a
+    second one while it finishes its step): one line on rank 0, the newest checkpoint and the command that resumes
+    from it where the run wrote one, and exit 130 (128 + SIGINT, as a shell reports a job Ctrl-C ended) where
+    Lightning exits 1, the code of a failed run."""
+    say("interrupted by Ctrl-C (SIGINT), without finishing the step")
+    try:
+        say_where_to_resume(LitRLCLI.fitting, args)
+    except Exception:  # noqa: BLE001  (a hint: its failure must not hide the exit code)
+        pass
+    sys.exit(128 + signal.SIGINT)
 
 
 def wants_traceback() -> bool:

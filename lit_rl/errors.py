@@ -8,6 +8,9 @@ The CLI prints them as one line, `lit-rl: error: <message>`, and exits non-zero 
 from __future__ import annotations
 
 import argparse
+import errno
+import os
+from pathlib import Path
 from typing import NoReturn, Optional
 
 
@@ -79,3 +82,14 @@ def exception_chain(err: BaseException) -> list[BaseException]:
         seen.add(id(current))
         current = current.__cause__ if current.__suppress_context__ else (current.__cause__ or current.__context__)
     return chain
+
+
+def refuse_unwritable_folder(folder: Path, what: str) -> None:
+    """An `OSError` naming `folder` (the CLI's one line: `<folder>: <why>`) unless this process could make it or
+    write in it: the nearest existing folder on its path must be a folder it can write in. Nothing is made (a new
+    folder would count as another run's files where run folders are checked)."""
+    existing = next(p for p in (folder, *folder.parents) if os.path.lexists(p))
+    if not existing.is_dir():
+        raise OSError(errno.ENOTDIR, f"{os.strerror(errno.ENOTDIR)}: cannot write {what} there", str(folder))
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise OSError(errno.EACCES, f"cannot write {what} there", str(folder))

@@ -12,10 +12,13 @@ from __future__ import annotations
 import dataclasses
 import time
 from argparse import Namespace
+from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
 from lightning.pytorch.loggers.logger import Logger, rank_zero_experiment
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from lit_rl.errors import refuse_unwritable_folder
 
 
 class TrackioLogger(Logger):
@@ -43,6 +46,11 @@ class TrackioLogger(Logger):
     ) -> None:
         super().__init__()
         import trackio  # noqa: F401  (fail here, where the CLI names the extra that installs it)
+
+        if space_id is None:  # Trackio itself only warns, at its first write, and the run's metrics are lost
+            from trackio.utils import TRACKIO_DIR
+
+            refuse_unwritable_folder(Path(TRACKIO_DIR), "Trackio's database ($TRACKIO_DIR)")
 
         self._project = project
         # Named now, not by Trackio when the run starts on rank 0: the run directory must be known on every rank

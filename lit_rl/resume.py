@@ -25,6 +25,7 @@ import importlib
 import re
 import sys
 import warnings
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -308,7 +309,7 @@ def checkpoint_step(path: Path) -> int:
         others = (p for p in checkpoints_in(path.parent.parent) if p.resolve() != path.resolve())
         intact = next((p for p in others if _readable(p)), None)  # newest first: stop at the first readable one
         hint = f"; the newest intact checkpoint beside it is {intact}" if intact else ""
-        raise CheckpointError(f"checkpoint {path} cannot be read ({exception_line(err)}){hint}") from err
+        raise CheckpointError(f"checkpoint {path} cannot be read ({_why(err)}){hint}") from err
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:
@@ -317,7 +318,7 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     try:
         return _read_state(path)
     except Exception as err:
-        raise CheckpointError(f"checkpoint {path} cannot be read ({exception_line(err)})") from err
+        raise CheckpointError(f"checkpoint {path} cannot be read ({_why(err)})") from err
 
 
 def _read_state(path: Path) -> dict[str, Any]:
@@ -326,8 +327,17 @@ def _read_state(path: Path) -> dict[str, Any]:
         if not states:
             raise CheckpointError("no *mp_rank_00_model_states.pt inside")
         path = states[0]
+    if not zipfile.is_zipfile(path):  # torch's own words would advise saving it again with a zipfile option
+        raise CheckpointError(
+            "not a checkpoint: not the zip archive torch.save writes; cut short, or another kind of file"
+        )
     # mmap: only the metadata is read, not every tensor of a model of many GB.
     return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+def _why(err: BaseException) -> str:
+    """What kept a checkpoint from being read: lit-rl's own words as they are, a library's with its type."""
+    return str(err) if isinstance(err, CheckpointError) else exception_line(err)
 
 
 def _readable(path: Path) -> bool:

@@ -877,6 +877,62 @@ def test_a_real_process_prints_no_traceback_and_keeps_what_was_written(tmp_path)
     assert [r["step"] for r in train_rows(log_dir)] == [1, 2]
 
 
+CTRL_C = (
+    "import os, signal, time\n"
+    "calls = {'n': 0}\n"
+    "def ctrl_c(times):\n"
+    "    for _ in range(times):  # apart: Python runs a signal's handler once for signals that arrive together\n"
+    "        os.kill(os.getpid(), signal.SIGINT)\n"
+    "        time.sleep(1)\n"
+    "if os.environ.get('CTRL_C_AT_IMPORT'):\n"
+    "    ctrl_c(1)  # while the config's reward functions load, before training starts\n"
+    "def twice_at_third_generation(prompts, completions, **_):\n"
+    "    calls['n'] += 1\n"
+    "    if calls['n'] == 3:\n"
+    "        ctrl_c(2)  # the second while the first's graceful stop waits for the step to end\n"
+    "    return [0.0 for _ in completions]\n"
+)
+
+
+@pytest.mark.parametrize("when", ["setup", "mid-step"])
+def test_a_ctrl_c_that_stops_the_run_at_once_exits_130_in_one_line_with_the_resume_hint(tmp_path, when):
+    """A Ctrl-C that cannot wait for the step to end (one during setup, before the graceful stop takes SIGINT over;
+    a second one mid-step) exits 130 as a shell reports a job Ctrl-C ended, not Lightning's exit 1 of a failed run,
+    with no traceback, and names the newest checkpoint and the command that resumes from it."""
+    import signal
+
+    (tmp_path / "ctrl_c.py").write_text(CTRL_C)
+    overlay = write_overlay(tmp_path / "o.yaml", every_n_train_steps=1, save_dir=tmp_path / "runs")
+    args = ["--trainer.max_steps", "5", "--trainer.limit_val_batches", "0", "--model.rewards.weights", "null"]
+    funcs = ["--model.rewards.funcs", "[ctrl_c.twice_at_third_generation]"]
+    command = [*CLI_COMMAND, "fit", *GRPO, "--config", str(overlay), *FAST_GRPO, *args, *funcs]
+    env = {"PYTHONPATH": f"{tmp_path}:{REPO}", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    if when == "setup":
+        env["CTRL_C_AT_IMPORT"] = "1"
+    result = subprocess.run(
+        command,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a shell starts a job (a worker may not)
+    )
+    assert result.returncode == 130, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    log_dir = tmp_path / "runs" / "run" / "version_0"
+    if when == "setup":
+        assert lines[-1] == "lit-rl: interrupted by Ctrl-C (SIGINT), without finishing the step"
+        assert not log_dir.exists()
+        return
+    interrupted, resume = lines[-2:]
+    assert interrupted == "lit-rl: interrupted by Ctrl-C (SIGINT), without finishing the step"
+    newest = log_dir / "checkpoints" / "step=2.ckpt"
+    assert resume.startswith(f"lit-rl: its newest checkpoint is {newest} (step 2); resume with: lit-rl fit ")
+    assert resume.endswith(f"--model.rewards.funcs '[ctrl_c.twice_at_third_generation]' --ckpt_path {newest}")
+
+
 def test_lit_rl_traceback_set_to_0_or_false_keeps_the_one_line(monkeypatch):
     """`LIT_RL_TRACEBACK=0` showed the traceback: only whether the variable was set was read."""
     from lit_rl.cli import wants_traceback

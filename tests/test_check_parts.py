@@ -92,6 +92,10 @@ def test_ranks_run_the_configs_deepspeed_on_both_sides_and_name_a_strategy_that_
         "auto",
         "ddp_find_unused_parameters_true",
     )
+    ddp = {"class_path": "lightning.pytorch.strategies.DDPStrategy", "init_args": {"timeout": "0:10:00"}}
+    one, two = ranks_layouts(_config(strategy=ddp), gpus=0)  # its arguments kept on the two-process side
+    assert (one.changes["trainer.strategy"], two.changes["trainer.strategy"]) == ("auto", ddp)
+    assert strategy_in_ranks_pair(_config(strategy=ddp)) == "DDPStrategy"
     fsdp = {"class_path": "lightning.pytorch.strategies.FSDPStrategy"}
     assert strategy_in_ranks_pair(_config(strategy=fsdp)) == "ddp in place of the config's FSDPStrategy"
 

@@ -94,6 +94,19 @@ def test_a_damaged_checkpoint_is_one_line_naming_it_and_the_newest_intact_one(tm
     assert message.endswith(f"; the newest intact checkpoint beside it is {intact}")
 
 
+def test_a_file_that_is_no_checkpoint_is_named_as_such_not_with_torchs_advice_to_save_it_again(tmp_path):
+    """torch.load(mmap=True) of a file torch.save did not write says to save it `with _use_new_zipfile_serialization`:
+    nothing a user given the wrong `--ckpt_path` can act on."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("step 200 was the good one\n")
+    with pytest.raises(CheckpointError) as caught:
+        resolve_ckpt_path(_config(tmp_path / "runs", str(notes)))
+    assert str(caught.value) == (
+        f"checkpoint {notes} cannot be read (not a checkpoint: not the zip archive torch.save writes; cut short, or "
+        "another kind of file)"
+    )
+
+
 def test_the_resumed_run_keeps_its_metrics_rows_up_to_the_checkpoint_step(tmp_path):
     run = tmp_path / "runs" / "grpo" / "version_0"
     run.mkdir(parents=True)

@@ -145,7 +145,7 @@ def ranks_strategies(strategy: Any) -> tuple[Any, Any]:
     path = _strategy_path(strategy)
     if "deepspeed" in path.lower():
         return strategy, strategy
-    if path.startswith("ddp"):
+    if path.startswith("ddp") or path.rsplit(".", 1)[-1] == "DDPStrategy":  # a name, or the class with its arguments
         return "auto", strategy
     return "auto", "ddp"
 

@@ -74,6 +74,22 @@ def test_trackio_gets_every_logged_value_and_the_run_its_own_directory(tmp_path)
 
 
 @pytest.mark.slow
+def test_a_trackio_folder_that_cannot_be_written_stops_the_run_before_it_starts_in_one_line(tmp_path):
+    """Trackio only warns when it cannot write its database (`$TRACKIO_DIR`), at its first write, and the run's
+    metrics are lost: refused before the first step, naming the folder."""
+    (tmp_path / "a_file").write_text("")
+    unusable = tmp_path / "a_file" / "trackio"
+    env = _env(tmp_path, TRACKIO_DIR=str(unusable))
+    args = ["fit", "--config", str(CONFIGS / "grpo.yaml"), "--trainer.logger", "lit_rl.loggers.TrackioLogger"]
+    result = _lit_rl(tmp_path, env, *args, *SMALL, "--trainer.max_steps", "1")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"lit-rl: error: {unusable}: Not a directory: cannot write Trackio's database ($TRACKIO_DIR) there"
+    )
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
 def test_a_new_run_never_writes_into_another_runs_directory(tmp_path):
     """Switched over a shipped config, `--trainer.logger lit_rl.loggers.TrackioLogger` takes the CSV logger's `name`
     (`grpo`) with it, so every such run had one directory: the second overwrote the first's config and export and
