@@ -167,6 +167,9 @@ def test_tolerance_follows_the_lowest_precision():
     assert tolerance_for(None, "float32") is FP32
     assert tolerance_for("bf16-mixed", "float32") is BF16
     assert tolerance_for("32-true", "bfloat16") is BF16
+    # fp16 mixed precision runs as bf16-mixed on a CPU (Lightning's), where fp16's tolerance failed a correct config
+    assert tolerance_for("16-mixed", "float32", on_cpu=True) is BF16
+    assert tolerance_for("16-mixed", "float32").name == "fp16"
 
 
 def test_rows_compare_every_shared_metric_and_report_the_worst():

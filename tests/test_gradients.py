@@ -8,6 +8,7 @@ import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 
 from lit_rl.algorithms import GRPO
+from lit_rl.errors import ConfigError
 from lit_rl.training.gradients import clip_grad_norm_
 from tests.conftest import grouped_kwargs
 
@@ -68,13 +69,38 @@ def test_every_unscaled_precision_clips_the_policy_with_it(precision, plugin, dt
     """fp32, bf16-true, 16-true and bf16-mixed clip through `clip_grad_norm_` (Lightning's own path multiplies every
     step), to torch's gradients bit for bit, over the cap and under it."""
     model = _module(precision, plugin, dtype)
-    optimizer = model.configure_optimizers()["optimizer"]
+    if dtype == torch.float16:  # which AdamW cannot train (the test below); clipping is the optimizer's own business
+        optimizer = torch.optim.SGD(model.policy.parameters(), lr=0.1)
+    else:
+        optimizer = model.configure_optimizers()["optimizer"]
     expected = [p.grad.clone() for p in model.policy.parameters()]
     torch.nn.utils.clip_grad_norm_(_with_grads(expected), cap)  # clips `expected` in place
     monkeypatch.setattr(model, "clip_gradients", lambda *args: pytest.fail("Lightning's clipping path was taken"))
     model.configure_gradient_clipping(optimizer, cap, "norm")
     assert all(p.grad.dtype == dtype for p in model.policy.parameters())
     assert all(torch.equal(p.grad, e) for p, e in zip(model.policy.parameters(), expected))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_adamw_on_float16_parameters_is_refused_in_one_line_naming_the_setting(dtype):
+    """float16 parameters under AdamW: its second moment underflows to 0 while the first does not, so a step whose
+    gradient is small (here 0: a token the batch does not use) moves by lr * m / eps. Shown on one parameter
+    first, then refused for the module's (bfloat16 and float32 train)."""
+    param = torch.nn.Parameter(torch.ones(4, dtype=dtype))
+    adamw = torch.optim.AdamW([param], lr=1e-4, fused=True)
+    for gradient in (1e-3, 0.0, 0.0):
+        param.grad = torch.full((4,), gradient, dtype=dtype)
+        adamw.step()
+    moved = (1 - param.detach().float()).abs().max().item()
+    assert moved > 1.0 if dtype == torch.float16 else moved < 1e-3  # three steps of lr 1e-4 move at most ~3e-4
+    model = _module("16-true" if dtype == torch.float16 else "32-true", Precision(), dtype)
+    if dtype != torch.float16:
+        assert model.configure_optimizers()["optimizer"]
+        return
+    with pytest.raises(ConfigError) as refused:
+        model.configure_optimizers()
+    assert str(refused.value).startswith("trainer.precision 16-true: AdamW cannot train float16 parameters (")
+    assert "\n" not in str(refused.value)
 
 
 def test_a_scaled_precision_leaves_clipping_to_lightnings_path(monkeypatch):

@@ -28,7 +28,7 @@ from lit_rl.modeling.prompts import PromptEncoder
 from lit_rl.numerics import settle_cpu_math_kernels
 from lit_rl.resume import say
 from lit_rl.training.flops import ModelShape, RunThroughput, device_peak, precision_advice, row_tokens_and_keys
-from lit_rl.training.gradients import clip_gradients
+from lit_rl.training.gradients import clip_gradients, refuse_float16_parameters
 from lit_rl.training.metrics import compute_collection, half_precision_states
 from lit_rl.training.perf import BusyClock, StepTimer, step_perf
 from lit_rl.training.strategies import shards_parameters
@@ -168,6 +168,7 @@ class PolicyModule(PolicyModel, CheckpointState, L.LightningModule):
         optim = self.optim_args
         groups = self.optimizer_param_groups()
         params = [p for group in groups for p in group["params"]]
+        refuse_float16_parameters(params, self._trainer.strategy if self._trainer else None, self._float16_setting())
         # torch's fused AdamW kernel (CPU and CUDA): one pass over the parameters instead of a loop of small ops,
         # about 10x faster on the 21M benchmark model (0.009 s vs 0.092 s per step on 2 CPU cores). Not with fp16
         # mixed precision: the gradient scaler must unscale before clipping, which a fused step does internally.
@@ -177,6 +178,13 @@ class PolicyModule(PolicyModel, CheckpointState, L.LightningModule):
         warmup = max(optim.warmup_steps, 0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _float16_setting(self) -> str:
+        """The setting that makes the trained parameters float16, for `refuse_float16_parameters`'s message."""
+        if self._trainer is not None and str(self._trainer.precision) == "16-true":
+            return "trainer.precision 16-true"
+        dtype = self.policy_args.dtype
+        return f"model.policy.dtype {dtype}" + (" (the checkpoint's float16)" if dtype == "auto" else "")
 
     def compute_dtype(self) -> torch.dtype:
         """The dtype the policy's forward computes in: `trainer.precision`'s (bf16-mixed and bf16-true: bfloat16;

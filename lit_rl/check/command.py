@@ -215,7 +215,8 @@ AGAINST_THE_STRAIGHT_RUN = {
 
 
 def check_pair(check: Check, pair: str, gpus: int) -> PairResult:
-    tol = tolerance_for(get(check.config, "trainer.precision"), policy_dtype(check.config))
+    on_cpu = gpus == 0 or get(check.config, "trainer.accelerator") == "cpu"
+    tol = tolerance_for(get(check.config, "trainer.precision"), policy_dtype(check.config), on_cpu)
     if pair in AGAINST_THE_STRAIGHT_RUN:
         make_layout, reference = AGAINST_THE_STRAIGHT_RUN[pair]
         layout = make_layout(check.config)

@@ -57,8 +57,11 @@ BF16 = Tolerance("bf16", 2e-2, 2e-3, 8e-2)
 FP16 = Tolerance("fp16", 5e-3, 5e-4, 2e-2)
 
 
-def tolerance_for(precision: Optional[str], dtype: Optional[str]) -> Tolerance:
-    """From `trainer.precision` and `model.policy.dtype`: the lowest precision either computes in."""
+def tolerance_for(precision: Optional[str], dtype: Optional[str], on_cpu: bool = False) -> Tolerance:
+    """From `trainer.precision` and `model.policy.dtype`: the lowest precision either computes in. On a CPU
+    Lightning runs `16-mixed` as `bf16-mixed` (it has no float16 autocast there): the runs compute in bfloat16."""
+    if on_cpu and str(precision) in ("16-mixed", "16"):
+        precision = "bf16-mixed"
     text = f"{precision or ''} {dtype or ''}".lower()
     if "bf16" in text or "bfloat16" in text:
         return BF16
