@@ -316,6 +316,9 @@ class SaveRunConfig(SaveConfigCallback):
                 return
 
 
+SUBCOMMANDS = ("fit", "validate")
+
+
 class LitRLCLI(LightningCLI):
     """LightningCLI with lit-rl defaults: any LightningModule/DataModule by class path, configs overwritable, and
     unless configured otherwise:
@@ -331,6 +334,12 @@ class LitRLCLI(LightningCLI):
     """
 
     resumed: Optional[ResumePoint] = None  # the checkpoint and run directory `--ckpt_path` resolved to
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """`fit` and `validate`: Lightning's `test` and `predict` need a `test_step`, a `predict_step` and loaders
+        that no lit-rl algorithm has (offered, they could only fail)."""
+        return {name: keys for name, keys in LightningCLI.subcommands().items() if name in SUBCOMMANDS}
 
     # This and `_instantiate_trainer` are private methods of Lightning's: tests/test_compat.py finds them and checks
     # that Lightning still calls them.
@@ -371,6 +380,13 @@ class LitRLCLI(LightningCLI):
         if not ckpt_path or resumes_another_run(str(ckpt_path), run, checkpoint_dirs):
             resuming = str(ckpt_path) if ckpt_path else None
             refuse_another_runs_directory(run, logged=self.trainer.logger is not None, resuming=resuming)
+
+    def before_validate(self) -> None:
+        # `validate` writes a run directory of its own (its metrics file, config.yaml): never one that holds a
+        # trained run's files, which the CSV logger would delete (`--trainer.logger.version` of that run).
+        if knows_its_directory_before_fit(self.trainer.logger):
+            run = run_directory(self.trainer)
+            refuse_another_runs_directory(run, logged=self.trainer.logger is not None, subcommand="validate")
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> L.Trainer:
         check_trainer_settings(config)
@@ -557,7 +573,7 @@ def main(args: Optional[list[str]] = None) -> None:
     quiet_console()
     keep_nested_nulls()  # `--model.rewards.weights null` (lit_rl.training.compat)
     given = sys.argv[1:] if args is None else list(args)
-    if given[:1] in (["validate"], ["test"], ["predict"]):
+    if given[:1] == ["validate"]:
         # The checkpoint's ModelCheckpoint state names the trained run's folder, and this run writes no checkpoint:
         # Lightning's "The dirpath has changed" (its best-k bookkeeping not reloaded) is nothing to act on.
         warnings.filterwarnings("ignore", message="The dirpath has changed from", category=UserWarning)
@@ -580,7 +596,7 @@ def main(args: Optional[list[str]] = None) -> None:
             parser_kwargs={
                 "description": "lit-rl: reinforcement-learning fine-tuning of language models, on Lightning.",
                 "epilog": CHECK_EPILOG,
-                **{sub: {"epilog": HELP_EPILOG} for sub in ("fit", "validate", "test", "predict")},
+                **{sub: {"epilog": HELP_EPILOG} for sub in SUBCOMMANDS},
             },
         )
         if cli.subcommand == "fit":

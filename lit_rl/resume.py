@@ -155,7 +155,9 @@ def keep_run_metrics(loggers: list[Any], resumed: ResumePoint) -> None:
 RUN_FILES = ("config.yaml", CHECKPOINT_DIR, "hf")
 
 
-def refuse_another_runs_directory(run: Path, logged: bool = True, resuming: Optional[str] = None) -> None:
+def refuse_another_runs_directory(
+    run: Path, logged: bool = True, resuming: Optional[str] = None, subcommand: str = "fit"
+) -> None:
     """A `fit` whose run directory `run` holds another run's files: a logger without versions (Trackio, or any whose
     version is a name) given a name an earlier run had, a CSV or TensorBoard logger whose `version` is fixed, or no
     logger (`logged` False: `default_root_dir`, the working directory by default, where a user's own `config.yaml`
@@ -163,7 +165,7 @@ def refuse_another_runs_directory(run: Path, logged: bool = True, resuming: Opti
     stopped in one line. (Switching `--trainer.logger` over a shipped config carries the CSV logger's `name` into the
     new logger: every such run had the same name.) A numbered new run's directory is always new. A run resumed from
     a checkpoint (`resuming`, `--ckpt_path`) continues its directory where the checkpoint is inside it
-    (`resumes_another_run` says when it is not)."""
+    (`resumes_another_run` says when it is not). A `validate` (`subcommand`) never continues a run's directory."""
     found = [name for name in RUN_FILES if (run / name).exists()]
     if found:
         if resuming is not None:
@@ -174,7 +176,7 @@ def refuse_another_runs_directory(run: Path, logged: bool = True, resuming: Opti
                 f"directory of its own ({own})"
             )
         last = run / CHECKPOINT_DIR / "last.ckpt"
-        continued = f", or continue that run with --ckpt_path {last}" if last.exists() else ""
+        continued = f", or continue that run with --ckpt_path {last}" if last.exists() and subcommand == "fit" else ""
         own = (
             "the logger's name or version that names it, e.g. --trainer.logger.name; null makes a new one"
             if logged
@@ -182,7 +184,8 @@ def refuse_another_runs_directory(run: Path, logged: bool = True, resuming: Opti
         )
         raise LitRLError(
             f"trainer.logger: the run directory {run} holds another run's files ({', '.join(found)}), which this "
-            f"new run would overwrite: give the run a directory of its own ({own}){continued}"
+            f"{'new run' if subcommand == 'fit' else subcommand} would overwrite: give the run a directory of its own "
+            f"({own}){continued}"
         )
 
 

@@ -125,6 +125,22 @@ def test_validate_scores_with_this_runs_rewards_in_its_own_run_directory(trained
 
 
 @pytest.mark.slow
+def test_validate_into_the_trained_runs_directory_is_refused_and_keeps_its_files(trained):
+    """`--trainer.logger.version 0` points `validate` at the trained run: the CSV logger deleted its metrics file
+    (every training row) and the run's config.yaml was replaced, exit 0 (an outside read found it)."""
+    cwd, env = trained
+    before = {name: (cwd / RUN / name).read_text() for name in ("metrics.csv", "config.yaml")}
+    result = _lit_rl(cwd, env, "validate", *ARGS, "--ckpt_path", "last", "--trainer.logger.version", "0")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert _lines(result.stderr)[-1] == (
+        f"lit-rl: error: trainer.logger: the run directory {RUN} holds another run's files (config.yaml, checkpoints, "
+        "hf), which this validate would overwrite: give the run a directory of its own (the logger's name or version "
+        "that names it, e.g. --trainer.logger.name; null makes a new one)"
+    )
+    assert {name: (cwd / RUN / name).read_text() for name in before} == before
+
+
+@pytest.mark.slow
 def test_a_shared_checkpoint_configures_nothing(trained, tmp_path):
     """A checkpoint whose hyperparameters name another class path, remote code and a reward module that writes a
     file when imported: the run stops naming the class, and nothing it names was imported."""
