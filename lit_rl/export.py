@@ -256,12 +256,19 @@ def _exported_names(directory: Path) -> set[str]:
 
 
 def _model_from_config(name: str, trust_remote_code: bool, dtype: torch.dtype, tokenizer: Any) -> torch.nn.Module:
-    """The architecture of `name` with uninitialised weights of `dtype`, sized for `tokenizer`."""
-    from transformers import AutoModelForCausalLM
+    """The architecture of `name` with uninitialised weights of `dtype`, sized for `tokenizer`, and `name`'s
+    generation settings (`generation_config.json`: an instruct model's end-of-turn stop tokens, its sampling
+    defaults), which `from_config` would derive from `config.json` alone, as the run's own `hf/` keeps them."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
-    config = AutoConfig.from_pretrained(resolve_model_path(name), trust_remote_code=trust_remote_code)
+    path = resolve_model_path(name)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     config.dtype = dtype
     model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:  # the model has none: the one derived from its config stands
+        pass
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # training added a pad token
         model.resize_token_embeddings(len(tokenizer))
     return model

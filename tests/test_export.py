@@ -81,6 +81,25 @@ def test_an_export_replaces_an_earlier_ones_directory_whole(tmp_path, monkeypatc
     assert sorted(path.name for path in out.iterdir()) == written
 
 
+def test_an_export_keeps_the_models_generation_settings(tmp_path):
+    """An instruct model's stop tokens live in `generation_config.json` (Qwen2.5's [151645, 151643]); the export
+    rebuilt it from `config.json` (one eos id, no sampling defaults), so transformers and vLLM lost the end-of-turn
+    stop, while the run's own `hf/` kept it (an outside read found it)."""
+    import shutil
+
+    from lit_rl.modeling.models import resolve_model_path
+
+    model = shutil.copytree(resolve_model_path(TINY), tmp_path / "instruct")
+    settings = {"eos_token_id": [256, 10], "do_sample": True, "temperature": 0.7, "top_p": 0.9}
+    (model / "generation_config.json").write_text(json.dumps(settings))
+    checkpoint = _checkpoint(tmp_path / "policy.ckpt", policy={"model_name_or_path": str(model)})
+    out = export_checkpoint(checkpoint, tmp_path / "out")
+    written = json.loads((out / "generation_config.json").read_text())
+    assert {key: written.get(key) for key in settings} == settings
+    plain = export_checkpoint(_checkpoint(tmp_path / "plain.ckpt"), tmp_path / "plain")  # none: the derived one
+    assert json.loads((plain / "generation_config.json").read_text())["_from_model_config"] is True
+
+
 def test_a_failed_export_leaves_the_directory_as_it_was(tmp_path):
     """The critic's model cannot be loaded: before, the new policy had been written over the old export's by then,
     and the error was a traceback."""
