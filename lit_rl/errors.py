@@ -38,6 +38,11 @@ class RewardFunctionError(LitRLError):
     """A reward function that does not import, raises, or returns the wrong values; the message names it."""
 
 
+class UserFunctionError(LitRLError):
+    """A user's function given by import path (an objective, an advantage estimator) raised or returned what its
+    caller cannot use; the message names its key and path."""
+
+
 class EnvironmentStepError(LitRLError):
     """A user's environment raised in `reset` or `step`, or returned something the protocol does not allow."""
 

@@ -41,6 +41,12 @@ def quits(prompts, completions, **_):
     import sys
     sys.exit(0)
 
+def objective_of_two(logprobs, advantages):  # an objective written for another signature
+    return logprobs
+
+def advantages_one_short(rewards, group_size, scale_rewards):
+    return rewards[1:] - rewards.mean(), {}
+
 from lightning.pytorch.loggers import CSVLogger
 
 class Unreachable(CSVLogger):  # a tracker whose server went away mid-run
@@ -758,6 +764,21 @@ CASES = [
         GRPO,
         ["--model.rollout.producer", "lit_rl.rollout.producer.EpisodeProducer"],
         "'lit_rl.rollout.producer.EpisodeProducer' must be a subclass of lit_rl.rollout.producer.RolloutProducer",
+        1,
+    ),
+    (  # was a 108-line traceback ending in lit-rl's loss
+        "objective-wrong-signature",
+        GRPO,
+        ["--model.loss.objective", "bad_rewards.objective_of_two"],
+        "model.loss.objective 'bad_rewards.objective_of_two' raised TypeError: objective_of_two() takes 2 positional "
+        "arguments but 6 were given",
+        1,
+    ),
+    (  # was a 114-line traceback from a shape mismatch in lit_rl/losses/policy.py, the function never named
+        "advantage-wrong-length",
+        GRPO,
+        ["--model.loss.advantage", "bad_rewards.advantages_one_short"],
+        "model.loss.advantage 'bad_rewards.advantages_one_short' returned (",
         1,
     ),
     (

@@ -16,7 +16,7 @@ signature is given by import path. Pure torch.
 
 from __future__ import annotations
 
-from typing import Callable, Literal, get_args
+from typing import Any, Callable, Literal, Optional, get_args
 
 import torch
 
@@ -101,4 +101,15 @@ ADVANTAGES: dict[str, AdvantageEstimator] = {
 
 def advantage_function(name: str) -> AdvantageEstimator:
     """The estimator named `name` (a key of `ADVANTAGES`) or at the import path `name`."""
-    return resolve_function("model.loss.advantage", name, ADVANTAGES)
+    return resolve_function("model.loss.advantage", name, ADVANTAGES, _one_per_reward)
+
+
+def _one_per_reward(args: tuple, result: Any) -> Optional[str]:
+    """What is wrong with a user's estimator's `(advantages, stats)` for `args[0]`, the rewards [N]; None if
+    nothing."""
+    rewards = args[0]
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.Tensor)):
+        return f"returned {type(result).__name__}, not (advantages tensor, stats dict)"
+    if result[0].shape[:1] != rewards.shape[:1]:
+        return f"returned {tuple(result[0].shape)} advantages for {rewards.shape[0]} rewards (one per completion)"
+    return None

@@ -2,22 +2,48 @@
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+import functools
+from typing import Any, Callable, Optional, TypeVar
 
-from lit_rl.errors import ConfigError
+from lit_rl.errors import ConfigError, LitRLError, UserFunctionError, exception_line
 from lit_rl.importing import import_callable
 
 F = TypeVar("F", bound=Callable)
 
 
-def resolve_function(key: str, name: str, registry: dict[str, F]) -> F:
+def resolve_function(
+    key: str, name: str, registry: dict[str, F], check: Optional[Callable[[tuple, Any], Optional[str]]] = None
+) -> F:
     """`registry[name]`, or the function at import path `name` (it contains a dot or a colon); a one-line
-    `ConfigError` naming `key` and the choices otherwise."""
+    `ConfigError` naming `key` and the choices otherwise. A user's function is called through `named_failures`:
+    what it raises, or a result `check(args, result)` finds wrong, is one line naming `key` and `name`."""
     if name in registry:
         return registry[name]
     if "." not in name and ":" not in name:
         raise ConfigError(f"{key} must be one of {sorted(registry)} or an import path, got {name!r}")
     try:
-        return import_callable(name, key)
+        found = import_callable(name, key)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    return named_failures(found, f"{key} {name!r}", check)
+
+
+def named_failures(fn: F, named: str, check: Optional[Callable[[tuple, Any], Optional[str]]] = None) -> F:
+    """`fn`, whose exceptions (a wrong signature, a shape error inside it) and wrong results (`check`'s message)
+    become a one-line `UserFunctionError` naming it: without it the user saw a 100-line traceback ending in
+    lit-rl's code, where the result was first used."""
+
+    @functools.wraps(fn)
+    def called(*args: Any, **kwargs: Any) -> Any:
+        try:
+            result = fn(*args, **kwargs)
+        except LitRLError:
+            raise
+        except Exception as err:
+            raise UserFunctionError(f"{named} raised {exception_line(err)}") from err
+        wrong = check(args, result) if check is not None else None
+        if wrong:
+            raise UserFunctionError(f"{named} {wrong}")
+        return result
+
+    return called  # type: ignore[return-value]
