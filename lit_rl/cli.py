@@ -40,6 +40,7 @@ from lit_rl.callbacks.export import (
 from lit_rl.config import GROUP_NAMES, data_key_hint, group_class, group_fields, moved_key_hint, renamed_key_hint
 from lit_rl.config_files import config_file_problem, duplicate_key_problem
 from lit_rl.console import WEIGHT_PUSH_MESSAGES, drop_log_messages
+from lit_rl.data.modules import PromptDataModule
 from lit_rl.entry import private_files
 from lit_rl.errors import (
     ConfigError,
@@ -382,6 +383,9 @@ class LitRLCLI(LightningCLI):
             refuse_another_runs_directory(run, logged=self.trainer.logger is not None, resuming=resuming)
 
     def before_validate(self) -> None:
+        if isinstance(self.datamodule, PromptDataModule) and self.datamodule.val_data is None:
+            # Lightning would run no batch, print nothing, exit 0 and leave a run folder of config files.
+            raise ConfigError("data.val_data is null: lit-rl validate has no data to validate on")
         # `validate` writes a run directory of its own (its metrics file, config.yaml): never one that holds a
         # trained run's files, which the CSV logger would delete (`--trainer.logger.version` of that run).
         if knows_its_directory_before_fit(self.trainer.logger):

@@ -898,6 +898,17 @@ def test_a_real_process_prints_no_traceback_and_keeps_what_was_written(tmp_path)
     assert [r["step"] for r in train_rows(log_dir)] == [1, 2]
 
 
+def test_validate_without_validation_data_says_so_in_one_line_and_writes_nothing(tmp_path, capsys):
+    """It ran no batch, printed nothing, exited 0 and left a run folder holding only its config files."""
+    overlay = write_overlay(tmp_path / "o.yaml", save_dir=tmp_path / "runs")
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli("validate", *GRPO, "--config", str(overlay), "--data.val_data", "null")
+    assert exit_info.value.code == 1
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error == "lit-rl: error: data.val_data is null: lit-rl validate has no data to validate on"
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("*.yaml"))
+
+
 CTRL_C = (
     "import os, signal, time\n"
     "calls = {'n': 0}\n"
