@@ -4,7 +4,7 @@ with this run's (`lit_rl.resume_config`), and the configured learning rates and 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -78,7 +78,18 @@ class CheckpointState:
             layout["data.seed"] = datamodule.seed
         return layout
 
+    # A `validate` of a checkpoint: the step it was written at, which its rows are logged at (Lightning logs them at
+    # step 0, so the rows of several checkpoints could not be told apart).
+    validated_step: Optional[int] = None
+
+    def log_validated_step(self) -> None:
+        """With the validation metrics: a logged `step` is the step Lightning writes the row at."""
+        if self.validated_step is not None:
+            self.log("step", float(self.validated_step))
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self._trainer is not None and self.trainer.state.fn == TrainerFn.VALIDATING:
+            self.validated_step = int(checkpoint.get("global_step", 0))
         self._refuse_other_lora(checkpoint)
         if "state_dict" in checkpoint:
             for key, value in self._frozen_state().items():

@@ -61,6 +61,7 @@ class OfflineModule(PolicyModule):
 
     def on_validation_epoch_end(self) -> None:
         self.log_collection(self.val_metrics, on_step=False, prog_bar=("loss",))
+        self.log_validated_step()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)

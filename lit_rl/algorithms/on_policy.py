@@ -529,3 +529,4 @@ class OnPolicyModule(RolloutState):
     def on_validation_epoch_end(self) -> None:
         self.producer.release()  # after the last validation batch: all of them share one push
         self.log_collection(self.val_metrics, on_step=False, prog_bar=("reward",))
+        self.log_validated_step()

@@ -120,6 +120,7 @@ def test_validate_scores_with_this_runs_rewards_in_its_own_run_directory(trained
         "lit-rl: model.rewards.weights [1.0] from this run (the checkpoint has [1.0, 0.1])",
     ]
     (row,) = _rows(cwd / "runs" / "grpo" / "version_1")  # a new run directory: the trained run is untouched
+    assert row["step"] == "2"  # the checkpoint's step (Lightning logged it at 0: checkpoints could not be told apart)
     assert set(k for k, v in row.items() if v and k.startswith("val/rewards/")) == {"val/rewards/integer_format"}
     assert (cwd / RUN / "metrics.csv").read_text() == before
 
