@@ -12,7 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_rl.check.compare import BF16, FP32, WEIGHTS, compare_parameters, compare_rows, judge, tolerance_for
+from lit_rl.check.compare import (
+    BF16,
+    FP32,
+    NOT_MOVED,
+    WEIGHTS,
+    compare_parameters,
+    compare_rows,
+    judge,
+    tolerance_for,
+)
 from lit_rl.check.layouts import (
     CannotRunHere,
     Layout,
@@ -218,7 +227,20 @@ def test_weights_compare_by_their_distance_relative_to_the_update():
     worst, _ = compare_parameters({"w": torch.tensor([1.0, 2e-3, 0.0, 0.0])}, reference, initial, FP32)
     assert not worst.passed
     _, problems = compare_parameters(reference, reference, reference, FP32)
-    assert problems == ["training did not move the weights"]
+    assert problems == [NOT_MOVED]
+    _, problems = compare_parameters(near, reference, reference, FP32)  # the reference did not move; this did
+    assert problems == ["the weights moved in one run only"]
+
+
+def test_a_pair_whose_training_moved_no_weight_is_inconclusive_not_failed():
+    """A constant reward gives every advantage 0: the metrics agreed, and the pair said FAIL ("training did not
+    move the weights") of a correct layout (an outside read found it)."""
+    rows = [{"step": 1.0, "train/loss": 0.0}]
+    unmoved = {"w": torch.zeros(2)}
+    result = judge("ranks", RunResult(rows, unmoved, unmoved), RunResult(rows, unmoved, unmoved), FP32)
+    assert result.status == "SKIP" and result.detail == NOT_MOVED
+    differing = RunResult([{"step": 1.0, "train/loss": 1.0}], unmoved, unmoved)  # a metric apart is still a FAIL
+    assert judge("ranks", differing, RunResult(rows, unmoved, unmoved), FP32).status == "FAIL"
 
 
 def test_a_pair_fails_on_any_difference_over_tolerance_and_passes_otherwise():

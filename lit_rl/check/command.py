@@ -376,7 +376,7 @@ def _check(argv: Optional[list[str]]) -> None:
         say(f"lit-rl check: FAIL: {', '.join(failed)}")
         sys.exit(EXIT_FAIL)
     if not passed:
-        say("lit-rl check: no pair could run here (see SKIP above)")
+        say("lit-rl check: no pair could be checked here (see SKIP above)")
         sys.exit(EXIT_NOTHING_CHECKED)
     say(f"lit-rl check: PASS: {', '.join(passed)}")
 

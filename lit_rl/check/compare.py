@@ -155,6 +155,11 @@ def _excess(diff: Difference, tol: Tolerance) -> float:
     return diff.abs_diff / _allowed(diff.reference, tol)
 
 
+# Neither run's training moved a weight (every reward equal, so every advantage 0; a learning rate of 0): the pair
+# cannot tell a correct layout from a wrong one by the weights, so it is inconclusive (SKIP), not failed.
+NOT_MOVED = "training moved no weight in either run (are all rewards equal?), so the updates could not be compared"
+
+
 def compare_parameters(
     parameters: dict[str, torch.Tensor],
     reference: dict[str, torch.Tensor],
@@ -174,8 +179,8 @@ def compare_parameters(
         apart += float(((a - b).double() ** 2).sum())
         if name in initial:
             moved += float(((b - initial[name]).double() ** 2).sum())
-    if moved == 0.0:
-        return None, [*problems, "training did not move the weights"]
+    if moved == 0.0:  # no update to measure a distance by: one run moved its weights, or neither did
+        return None, [*problems, "the weights moved in one run only" if apart > 0 else NOT_MOVED]
     relative = math.sqrt(apart / moved)
     return Difference(WEIGHTS, relative, 0.0, relative <= tol.parameters), problems
 
@@ -215,14 +220,14 @@ def judge(pair: str, left: RunResult, right: RunResult, tol: Tolerance, steps: O
     problems = row_problems + param_problems
     found = tuple(d for d in (rows_worst, params_worst) if d is not None)
     failed = bool(problems) or rows_worst is None or any(not d.passed for d in found)
+    inconclusive = problems == [NOT_MOVED] and not row_problems and rows_worst is not None and rows_worst.passed
     shown = sorted({int(r["step"]) for r in right.rows} if steps is None else steps)
     compared = f"steps {_span(shown)}"
     detail = "; ".join(problems[:3]) if problems else ("nothing logged" if rows_worst is None else "")
     if nan_in_both:  # equal, and so compared as nothing: said, so that a metric NaN everywhere is seen
         detail = "; ".join([*([detail] if detail else []), f"NaN in both runs: {', '.join(nan_in_both[:3])}"])
-    return PairResult(
-        pair, compared, "FAIL" if failed else "PASS", found, tol, detail, {**right.reductions, **left.reductions}
-    )
+    status = "SKIP" if inconclusive else "FAIL" if failed else "PASS"
+    return PairResult(pair, compared, status, found, tol, detail, {**right.reductions, **left.reductions})
 
 
 def _span(steps: list[int]) -> str:

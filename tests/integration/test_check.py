@@ -80,7 +80,7 @@ def test_a_config_for_gpus_this_machine_lacks_is_skipped_saying_why(tmp_path, co
     assert result.returncode == 2, result.stderr[-3000:]
     assert _results(result.stdout) == {pair: "SKIP" for pair in PAIRS}, result.stdout
     assert "cannot run here: the config trains on 8 GPU(s)" in result.stdout
-    assert "no pair could run here" in result.stderr
+    assert "no pair could be checked here" in result.stderr
 
 
 # The run the Ctrl-C interrupts, by pair: the accumulation pair's second run (in the check's process), and the ranks
