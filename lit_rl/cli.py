@@ -468,10 +468,11 @@ def refuse_options_a_later_config_replaces(args: list[str]) -> None:
 
 
 def _config_files(args: list[str]) -> list[tuple[int, str]]:
-    """Each `--config FILE` (or `--config=FILE`) of `args`: where it stands, and the file."""
+    """Each `--config FILE` (or `--config=FILE`, or LightningCLI's short `-c FILE`) of `args`: where it stands, and
+    the file."""
     found = []
     for index, arg in enumerate(args):
-        if arg == "--config" and index + 1 < len(args):
+        if arg in ("--config", "-c") and index + 1 < len(args):
             found.append((index, args[index + 1]))
         elif arg.startswith("--config="):
             found.append((index, arg.partition("=")[2]))

@@ -203,6 +203,13 @@ CASES = [
         "--trainer.max_steps comes before --config",
         1,
     ),
+    (  # LightningCLI's short form: the option was then named as a key of the wrong class
+        "option-before-short-config",
+        [],
+        ["-c", str(CONFIGS / "grpo.yaml")],
+        "--trainer.max_steps comes before --config",
+        1,
+    ),
     ("zero-val-interval", GRPO, ["--trainer.val_check_interval", "0"], "trainer.val_check_interval must be > 0", 1),
     ("save-dir-under-a-file", GRPO, _save_dir_under_a_file, "a_file/runs: Not a directory", 1),
     ("unknown-key", GRPO, ["--model.no_such_option", "1"], "model.no_such_option: unknown option", 2),
