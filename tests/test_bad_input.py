@@ -47,6 +47,10 @@ def objective_of_two(logprobs, advantages):  # an objective written for another 
 def advantages_one_short(rewards, group_size, scale_rewards):
     return rewards[1:] - rewards.mean(), {}
 
+class UnreachableSandbox:  # an environment whose constructor cannot reach its sandbox
+    def __init__(self):
+        raise ConnectionError("sandbox pool at 127.0.0.1:9 refused the connection")
+
 from lightning.pytorch.loggers import CSVLogger
 
 class Unreachable(CSVLogger):  # a tracker whose server went away mid-run
@@ -757,6 +761,14 @@ CASES = [
         GRPO,
         ["--model.env.environment", "tests.integration.envs.Exploding", "--model.env.max_turns", "3"],
         "Exploding.step raised RuntimeError: the environment broke",
+        1,
+    ),
+    (  # was 91 lines: two chained tracebacks and jsonargparse's dump of the whole model namespace
+        "environment-constructor-raises",
+        GRPO,
+        ["--model.env.environment", "bad_rewards.UnreachableSandbox", "--model.env.max_turns", "3"],
+        "model.env.environment bad_rewards.UnreachableSandbox: building it raised ConnectionError: sandbox pool at "
+        "127.0.0.1:9 refused the connection",
         1,
     ),
     (

@@ -29,7 +29,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol, Union, runtime_checkable
 
-from lit_rl.errors import ConfigError, EnvironmentStepError, one_line
+from lit_rl.errors import ConfigError, EnvironmentStepError, LitRLError, exception_line, one_line
 from lit_rl.importing import import_callable
 
 if TYPE_CHECKING:
@@ -228,6 +228,12 @@ def environment_factory(
         if "call_format" in str(err) or "template_calls" in str(err):  # a ChatToolEnvironment of the user's
             hint = " (a ChatToolEnvironment is built with the template's call_format and template_calls: take them)"
         raise ConfigError(f"model.env.environment {path or make.__name__}: {err}{hint}") from None
+    except LitRLError:
+        raise
+    except Exception as err:  # a sandbox it cannot reach, a file it cannot read: the user's to fix, in one line
+        raise EnvironmentStepError(
+            f"model.env.environment {path or make.__name__}: building it raised {exception_line(err)}"
+        ) from err
     if isinstance(probe, ChatToolEnvironment):  # also TRLEnvironment: its methods' schemas too
         schemas: Optional[list[dict[str, Any]]] = probe.schemas
     else:
