@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import difflib
 import errno
+import importlib
+import importlib.util
 import os
 import re
 import shlex
@@ -150,6 +152,10 @@ def condense_parser_error(message: str) -> str:
             close = _close_group_option(key, named)
             line += f" (did you mean {close}?)" if close else ""
         return line
+    unimportable = re.search(r"Expected a path but (\S+) either not accessible or invalid", message)
+    if unimportable and keys:  # a class path jsonargparse could not import: say why
+        path = unimportable.group(1)
+        return f"{'.'.join(dict.fromkeys(keys))}: cannot import {path}: {why_unimportable(path)}"
     wrong_type = re.search(r"Expected a <class '(?!NoneType)[^']+'>[^\n]*", message)
     if wrong_type and keys:
         return f"{'.'.join(dict.fromkeys(keys))}: {wrong_type.group(0)}"
@@ -160,6 +166,28 @@ def condense_parser_error(message: str) -> str:
             break
     key = ".".join(keys)
     return f"{key}: {detail}" if key and detail else (detail or message.strip().splitlines()[0])
+
+
+def why_unimportable(path: str) -> str:
+    """Why the class path `path` (`my_engines.CountingEngine`) does not import: its module is a file of the working
+    directory (class paths, unlike reward functions and environments, are imported by jsonargparse, from
+    `sys.path` alone), there is no such module, or the module has no such name (with the closest it has)."""
+    module_name, _, name = path.rpartition(".")
+    top = module_name.split(".")[0]
+    if not module_name:
+        return "not a dotted path (module.Class)"
+    if importlib.util.find_spec(top) is None:
+        if Path(f"{top}.py").is_file() or Path(top, "__init__.py").is_file():
+            return f"{top} is in the working directory, which class paths are not imported from: run with PYTHONPATH=."
+        return f"no module named {top!r}"
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # noqa: BLE001  (the user's module failed to import: that is the reason)
+        return f"importing {module_name} raised {exception_line(err)}"
+    if name in vars(module):
+        return f"{name} is not a class this option takes"
+    close = difflib.get_close_matches(name, [n for n in vars(module) if not n.startswith("_")], n=1)
+    return f"module {module_name} has no {name!r}" + (f" (did you mean {module_name}.{close[0]}?)" if close else "")
 
 
 def _algorithm_classes() -> tuple[type, ...]:

@@ -771,6 +771,14 @@ CASES = [
         "127.0.0.1:9 refused the connection",
         1,
     ),
+    (  # was jsonargparse's "Expected a path but ... either not accessible or invalid"
+        "algorithm-class-typo",
+        GRPO,
+        ["--model", "lit_rl.algorithms.GRPOO"],
+        "model: cannot import lit_rl.algorithms.GRPOO: module lit_rl.algorithms has no 'GRPOO' (did you mean "
+        "lit_rl.algorithms.GRPO?)",
+        2,
+    ),
     (
         "producer-not-a-producer",
         GRPO,
@@ -926,6 +934,20 @@ def test_validate_without_validation_data_says_so_in_one_line_and_writes_nothing
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error == "lit-rl: error: data.val_data is null: lit-rl validate has no data to validate on"
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("*.yaml"))
+
+
+def test_a_class_path_in_the_working_directory_says_class_paths_are_not_imported_from_it(tmp_path, monkeypatch):
+    """Reward functions and environments beside the run are found; an engine or algorithm class there is imported
+    by jsonargparse from sys.path alone, and its message said only 'either not accessible or invalid'."""
+    from lit_rl.cli import why_unimportable
+
+    (tmp_path / "my_engines_beside_the_run.py").write_text("class CountingEngine:\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    assert why_unimportable("my_engines_beside_the_run.CountingEngine") == (
+        "my_engines_beside_the_run is in the working directory, which class paths are not imported from: run with "
+        "PYTHONPATH=."
+    )
+    assert why_unimportable("no_module_of_that_name.Engine") == "no module named 'no_module_of_that_name'"
 
 
 CTRL_C = (
