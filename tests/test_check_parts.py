@@ -273,6 +273,9 @@ def test_mismatch_varies_each_factor_the_config_allows_and_names_the_largest_mov
         FactorResult("lora", "", {}, skipped="no LoRA"),
     ]
     assert moved_most(baseline, results) == "engine"
+    # Rounding: 7e-14 as configured and 1e-14 in bf16 was named "dtype" (an outside read found it)
+    noise = [FactorResult("dtype", "", {"train/rollout_kl": 1.04e-14}), FactorResult("engine", "", {})]
+    assert moved_most({"train/rollout_kl": 6.95e-14}, noise) is None
     assert steps_needed(config) == 1
     config["model"]["init_args"]["policy"]["lora"] = {"r": 8}
     lora = {factor: layout for factor, layout, _ in factor_layouts(config)}["lora"]

@@ -37,7 +37,7 @@ from lit_rl.check.layouts import (
     strategy_in_ranks_pair,
     validation_layout,
 )
-from lit_rl.check.mismatch import MISMATCH_METRICS, moved_most, run_mismatch, steps_needed
+from lit_rl.check.mismatch import KL_ROUNDING, MISMATCH_METRICS, moved_most, run_mismatch, steps_needed
 from lit_rl.check.runner import RunFailed, RunResult, fit, last_line, read_run, resume
 from lit_rl.errors import OneLineArgumentParser
 
@@ -409,3 +409,5 @@ def mismatch(check: Check, gpus: int, say: Callable[[str], None]) -> None:
     most = moved_most(baseline, results)
     if most is not None:
         sys.stdout.write(f"The factor that moves rollout_kl most: {most}.\n")
+    elif "train/rollout_kl" in baseline:
+        sys.stdout.write(f"No factor moves rollout_kl beyond rounding (at or below {KL_ROUNDING:g}).\n")

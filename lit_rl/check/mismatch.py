@@ -75,21 +75,27 @@ def steps_needed(config: dict) -> int:
     return 1 if get(config, "model.init_args.policy.lora") is None else 2
 
 
+# A `train/rollout_kl` at or below this is rounding: float32 log-probs of the same weights, computed by two code
+# paths, differ by ~1e-7 a token, a KL of ~1e-14.
+KL_ROUNDING = 1e-9
+
+
 def moved_most(baseline: dict[str, float], results: list[FactorResult]) -> Optional[str]:
     """The factor whose change moved `train/rollout_kl` furthest from the baseline's (in log scale: KL spans
-    orders of magnitude)."""
+    orders of magnitude); None when none moved it beyond `KL_ROUNDING` (every value at or below it is rounding:
+    one that fell from 7e-14 to 1e-14 was named the factor)."""
     key = "train/rollout_kl"
     if key not in baseline:
         return None
-    floor = 1e-12
 
     def distance(result: FactorResult) -> float:
         if key not in result.values:
             return -1.0
-        return abs(math.log10(max(result.values[key], floor)) - math.log10(max(baseline[key], floor)))
+        return abs(math.log10(max(result.values[key], KL_ROUNDING)) - math.log10(max(baseline[key], KL_ROUNDING)))
 
     ran = [r for r in results if not r.skipped and r.values]
-    return max(ran, key=distance).factor if ran else None
+    most = max(ran, key=distance) if ran else None
+    return most.factor if most is not None and distance(most) > 0 else None
 
 
 def run_mismatch(
