@@ -32,7 +32,7 @@ import torch
 from transformers import AutoConfig
 
 from lit_rl.config import grouped_hparams
-from lit_rl.errors import DataFileNotFound, LitRLError, OneLineArgumentParser, exception_line
+from lit_rl.errors import DataFileNotFound, LitRLError, ModelNotFound, OneLineArgumentParser, exception_line
 from lit_rl.modeling.lora import apply_lora, as_lora_config, save_merged, trainable_keys
 from lit_rl.modeling.models import load_causal_lm, load_tokenizer, reading_model, resolve_model_path
 from lit_rl.modeling.value_model import save_value_state
@@ -292,6 +292,13 @@ def _tied_keys(model: torch.nn.Module) -> set[str]:
     return set(tied) if not isinstance(tied, dict) else set(tied.keys())
 
 
+# A checkpoint names its models as its run was given them: a relative path is relative to where the run started.
+RELATIVE_PATH_HINT = (
+    " here (a checkpoint keeps its model paths as the run was given them: run lit-rl export from the folder the run "
+    "was started in for a relative one)"
+)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = OneLineArgumentParser(
         prog="lit-rl export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -316,6 +323,10 @@ def main(argv: list[str] | None = None) -> None:
         out = export_checkpoint(
             args.checkpoint, args.out_dir, adapter_only=args.adapter, trust_remote_code=args.trust_remote_code
         )
+    except ModelNotFound as err:  # a model path of the checkpoint's run, relative to where that run started
+        relative = "" if "does not exist" not in str(err) else RELATIVE_PATH_HINT
+        sys.stderr.write(f"lit-rl export: error: {err}{relative}\n")
+        sys.exit(1)
     except LitRLError as err:
         sys.stderr.write(f"lit-rl export: error: {err}\n")
         sys.exit(1)

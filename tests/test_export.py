@@ -100,6 +100,19 @@ def test_an_export_keeps_the_models_generation_settings(tmp_path):
     assert json.loads((plain / "generation_config.json").read_text())["_from_model_config"] is True
 
 
+def test_a_relative_model_path_that_is_not_here_says_where_it_is_read_from(tmp_path):
+    """A run given `runs/sft/version_0/hf` keeps that path; an export from another folder said only that it does not
+    exist (an outside read found it)."""
+    checkpoint = _checkpoint(tmp_path / "policy.ckpt", policy={"model_name_or_path": "./runs/sft/version_0/hf"})
+    result = _export(str(checkpoint), str(tmp_path / "out"))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        "lit-rl export: error: model path './runs/sft/version_0/hf' does not exist here (a checkpoint keeps its "
+        "model paths as the run was given them: run lit-rl export from the folder the run was started in for a "
+        "relative one)"
+    )
+
+
 def test_a_failed_export_leaves_the_directory_as_it_was(tmp_path):
     """The critic's model cannot be loaded: before, the new policy had been written over the old export's by then,
     and the error was a traceback."""
