@@ -51,6 +51,11 @@ class UnreachableSandbox:  # an environment whose constructor cannot reach its s
     def __init__(self):
         raise ConnectionError("sandbox pool at 127.0.0.1:9 refused the connection")
 
+from lit_rl.rollout import EngineConfig
+
+class NoBuild(EngineConfig):  # a user's engine that forgot `build`
+    pass
+
 from lightning.pytorch.loggers import CSVLogger
 
 class Unreachable(CSVLogger):  # a tracker whose server went away mid-run
@@ -769,6 +774,13 @@ CASES = [
         ["--model.env.environment", "bad_rewards.UnreachableSandbox", "--model.env.max_turns", "3"],
         "model.env.environment bad_rewards.UnreachableSandbox: building it raised ConnectionError: sandbox pool at "
         "127.0.0.1:9 refused the connection",
+        1,
+    ),
+    (  # was found at the first rollout, a 116-line traceback
+        "engine-without-build",
+        GRPO,
+        ["--model.rollout.engine", "bad_rewards.NoBuild"],
+        "model.rollout.engine: NoBuild does not say how to build its engine: define build(self, module)",
         1,
     ),
     (  # was jsonargparse's "Expected a path but ... either not accessible or invalid"

@@ -499,6 +499,11 @@ def engine_from_config(value: Any) -> EngineConfig:
     if value is None:
         return HFGenerate()
     if isinstance(value, EngineConfig):
+        if type(value).build is EngineConfig.build:  # found at the first rollout, as a 116-line traceback
+            raise ConfigError(
+                f"{ENGINE_KEY}: {type(value).__name__} does not say how to build its engine: define "
+                "build(self, module) returning a lit_rl.rollout.RolloutEngine (docs/rollouts.md, Your own engine)"
+            )
         return value
     if isinstance(value, dict) and "class_path" in value:
         name = str(value["class_path"]).rsplit(".", 1)[-1]
