@@ -153,7 +153,7 @@ def condense_parser_error(message: str) -> str:
             line += f" (did you mean {close}?)" if close else ""
         return line
     unimportable = re.search(r"Expected a path but (\S+) either not accessible or invalid", message)
-    if unimportable and keys:  # a class path jsonargparse could not import: say why
+    if unimportable and keys and CLASS_PATH.fullmatch(unimportable.group(1)):  # not a group's YAML file: say why
         path = unimportable.group(1)
         return f"{'.'.join(dict.fromkeys(keys))}: cannot import {path}: {why_unimportable(path)}"
     wrong_type = re.search(r"Expected a <class '(?!NoneType)[^']+'>[^\n]*", message)
@@ -168,6 +168,10 @@ def condense_parser_error(message: str) -> str:
     return f"{key}: {detail}" if key and detail else (detail or message.strip().splitlines()[0])
 
 
+# What a class path looks like (`my_engines.CountingEngine`), as against a file an option group reads (`lora.yaml`).
+CLASS_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+(?<!\.yaml)(?<!\.yml)(?<!\.json)")
+
+
 def why_unimportable(path: str) -> str:
     """Why the class path `path` (`my_engines.CountingEngine`) does not import: its module is a file of the working
     directory (class paths, unlike reward functions and environments, are imported by jsonargparse, from
@@ -176,7 +180,11 @@ def why_unimportable(path: str) -> str:
     top = module_name.split(".")[0]
     if not module_name:
         return "not a dotted path (module.Class)"
-    if importlib.util.find_spec(top) is None:
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ValueError, ImportError) as err:  # `__main__`, whose spec is None
+        return exception_line(err)
+    if spec is None:
         if Path(f"{top}.py").is_file() or Path(top, "__init__.py").is_file():
             return f"{top} is in the working directory, which class paths are not imported from: run with PYTHONPATH=."
         return f"no module named {top!r}"

@@ -53,7 +53,8 @@ class PolicyArgs:
 
     Args:
         model_name_or_path: policy to train: a hub id, a local directory, or `lit-rl/<asset>` for a shipped one.
-        dtype: dtype the policy is loaded in (`float32`, `bfloat16`, `float16`, `auto`).
+        dtype: dtype the policy is loaded in (`float32`, `bfloat16`, `float16`, `auto`); `float16` only under LoRA,
+            whose adapters train in float32 (AdamW cannot train float16 parameters: refused in one line).
         gradient_checkpointing: recompute activations in the backward pass to save memory.
         trust_remote_code: allow model code from the model repository (off by default: it runs that code).
         lora: train a LoRA adapter (`configs/peft/lora.yaml`) instead of the full weights; the reference is then

@@ -44,7 +44,8 @@ class UserFunctionError(LitRLError):
 
 
 class EnvironmentStepError(LitRLError):
-    """A user's environment raised in `reset` or `step`, or returned something the protocol does not allow."""
+    """A user's environment raised when built, in `reset` or in `step`, or returned something the protocol does not
+    allow."""
 
 
 class BrokenInstall(LitRLError):

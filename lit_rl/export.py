@@ -259,19 +259,39 @@ def _model_from_config(name: str, trust_remote_code: bool, dtype: torch.dtype, t
     """The architecture of `name` with uninitialised weights of `dtype`, sized for `tokenizer`, and `name`'s
     generation settings (`generation_config.json`: an instruct model's end-of-turn stop tokens, its sampling
     defaults), which `from_config` would derive from `config.json` alone, as the run's own `hf/` keeps them."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(name)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     config.dtype = dtype
     model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    try:
-        model.generation_config = GenerationConfig.from_pretrained(path)
-    except OSError:  # the model has none: the one derived from its config stands
-        pass
+    settings = _generation_settings(name, path)
+    if settings is not None:
+        model.generation_config = settings
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # training added a pad token
         model.resize_token_embeddings(len(tokenizer))
     return model
+
+
+def _generation_settings(name: str, path: str) -> Any:
+    """`name`'s `generation_config.json` (at `path`), or None where it has none or one `save_pretrained` would
+    refuse (`temperature` without `do_sample`: transformers loads it with a warning, then fails to save it), said
+    in one line: the export then has the one derived from `config.json`."""
+    from transformers import GenerationConfig
+
+    try:
+        settings = GenerationConfig.from_pretrained(path)
+        settings.validate(strict=True)  # as `save_pretrained` will
+    except OSError:
+        return None
+    except ValueError as err:
+        first = str(err).strip().splitlines()[1:2] or [exception_line(err)]
+        sys.stderr.write(
+            f"lit-rl export: {name}'s generation_config.json is not one transformers saves ({first[0].lstrip('- ')}):"
+            " the export has the one derived from config.json\n"
+        )
+        return None
+    return settings
 
 
 def _load_weights(

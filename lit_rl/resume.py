@@ -55,9 +55,9 @@ class ResumePoint:
 def resolve_ckpt_path(config: Any, continue_run: bool = True) -> Optional[ResumePoint]:
     """Resolve `config.ckpt_path` (a subcommand's parsed config) as the module docstring says, in place: `last`
     becomes the newest checkpoint's path (None, with one line saying so, where there is none), and, with
-    `continue_run` (`fit`), the versioned logger's `version` becomes the resumed run's. `validate`, `test` and
-    `predict` read the checkpoint and write into a run directory of their own: opening the trained run's would
-    replace its metrics file and config. Prints one line on rank 0 saying what is read."""
+    `continue_run` (`fit`), the versioned logger's `version` becomes the resumed run's. `validate` (the CLI's
+    other subcommand) reads the checkpoint and writes into a run directory of its own: opening the trained run's
+    would replace its metrics file and config. Prints one line on rank 0 saying what is read."""
     requested = config.get("ckpt_path")
     if not requested or is_lightnings_to_resolve(str(requested)):
         return None

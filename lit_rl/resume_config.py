@@ -7,9 +7,9 @@ never takes a value from a checkpoint. The run is configured by its own config a
 checkpoint's hyperparameters are only compared with them, key by key:
 
 - the same value: nothing to say;
-- a key in `MAY_CHANGE_ON_RESUME` (or, for `validate`, `test` and `predict`, any key but `MODEL_IDENTITY`): this
-  run's value takes effect, and one line says so (`lit-rl: model.optim.learning_rate 0.5 from this run (the checkpoint
-  has 0.0001)`);
+- a key in `MAY_CHANGE_ON_RESUME` (or, for `validate`, and Lightning's `test` and `predict` called from Python,
+  any key but `MODEL_IDENTITY`): this run's value takes effect, and one line says so (`lit-rl:
+  model.optim.learning_rate 0.5 from this run (the checkpoint has 0.0001)`);
 - any other key: the run stops before it starts, with one line naming every such key, this run's value and the
   checkpoint's. A resumed `fit` continues the training the checkpoint holds, and changing its objective halfway
   (`beta`, `num_generations`, the reward functions...) is a new run, not a resume.

@@ -44,6 +44,9 @@ def quits(prompts, completions, **_):
 def objective_of_two(logprobs, advantages):  # an objective written for another signature
     return logprobs
 
+def objective_bare_tensor(logprobs, old_logprobs, advantages, mask, epsilon_low, epsilon_high):  # no stats
+    return -logprobs * advantages[:, None]
+
 def advantages_one_short(rewards, group_size, scale_rewards):
     return rewards[1:] - rewards.mean(), {}
 
@@ -813,6 +816,14 @@ CASES = [
         "arguments but 6 were given",
         1,
     ),
+    (  # was "too many values to unpack" from lit_rl/losses/grpo.py
+        "objective-without-stats",
+        GRPO,
+        ["--model.loss.objective", "bad_rewards.objective_bare_tensor"],
+        "model.loss.objective 'bad_rewards.objective_bare_tensor' returned Tensor, not (per-token loss tensor, stats "
+        "dict)",
+        1,
+    ),
     (  # was a 114-line traceback from a shape mismatch in lit_rl/losses/policy.py, the function never named
         "advantage-wrong-length",
         GRPO,
@@ -960,6 +971,9 @@ def test_a_class_path_in_the_working_directory_says_class_paths_are_not_imported
         "PYTHONPATH=."
     )
     assert why_unimportable("no_module_of_that_name.Engine") == "no module named 'no_module_of_that_name'"
+    from lit_rl.cli import CLASS_PATH  # a group's YAML file that is missing keeps jsonargparse's own words
+
+    assert CLASS_PATH.fullmatch("my_engines.CountingEngine") and not CLASS_PATH.fullmatch("lora.yaml")
 
 
 CTRL_C = (

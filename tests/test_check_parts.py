@@ -235,12 +235,23 @@ def test_weights_compare_by_their_distance_relative_to_the_update():
 def test_a_pair_whose_training_moved_no_weight_is_inconclusive_not_failed():
     """A constant reward gives every advantage 0: the metrics agreed, and the pair said FAIL ("training did not
     move the weights") of a correct layout (an outside read found it)."""
-    rows = [{"step": 1.0, "train/loss": 0.0}]
+    rows = [{"step": 1.0, "train/loss": 0.0, "train/reward_std": 0.0}]
     unmoved = {"w": torch.zeros(2)}
     result = judge("ranks", RunResult(rows, unmoved, unmoved), RunResult(rows, unmoved, unmoved), FP32)
     assert result.status == "SKIP" and result.detail == NOT_MOVED
-    differing = RunResult([{"step": 1.0, "train/loss": 1.0}], unmoved, unmoved)  # a metric apart is still a FAIL
+    differing = RunResult([{**rows[0], "train/loss": 1.0}], unmoved, unmoved)  # a metric apart is still a FAIL
     assert judge("ranks", differing, RunResult(rows, unmoved, unmoved), FP32).status == "FAIL"
+    # Without the evidence of equal rewards (an update skipped every step, an SFT run) no weight moving is a FAIL.
+    learning = [{"step": 1.0, "train/loss": 0.0, "train/reward_std": 0.3}]
+    assert (
+        judge("ranks", RunResult(learning, unmoved, unmoved), RunResult(learning, unmoved, unmoved), FP32).status
+        == "FAIL"
+    )
+    offline = [{"step": 1.0, "train/loss": 0.7}]
+    assert (
+        judge("ranks", RunResult(offline, unmoved, unmoved), RunResult(offline, unmoved, unmoved), FP32).status
+        == "FAIL"
+    )
 
 
 def test_a_pair_fails_on_any_difference_over_tolerance_and_passes_otherwise():

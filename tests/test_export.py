@@ -98,6 +98,10 @@ def test_an_export_keeps_the_models_generation_settings(tmp_path):
     assert {key: written.get(key) for key in settings} == settings
     plain = export_checkpoint(_checkpoint(tmp_path / "plain.ckpt"), tmp_path / "plain")  # none: the derived one
     assert json.loads((plain / "generation_config.json").read_text())["_from_model_config"] is True
+    # One save_pretrained refuses (a temperature without do_sample) does not fail the export: the derived one.
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": 256, "temperature": 0.7}))
+    out = export_checkpoint(checkpoint, tmp_path / "out")
+    assert "temperature" not in json.loads((out / "generation_config.json").read_text())
 
 
 def test_a_relative_model_path_that_is_not_here_says_where_it_is_read_from(tmp_path):

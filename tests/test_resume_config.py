@@ -169,3 +169,21 @@ def test_the_documented_sets_are_arguments_of_the_algorithms():
     keys = {key for key in arguments if key not in GROUP_NAMES}
     keys |= {f"{group}.{field.name}" for group, cls in GROUPS.items() for field in dataclasses.fields(cls)}
     assert MAY_CHANGE_ON_RESUME <= keys and MODEL_IDENTITY <= keys
+
+
+def test_a_validated_checkpoints_step_is_logged_once_not_into_later_runs_of_the_module():
+    """`validate --ckpt_path` logs its row at the checkpoint's step; a later `fit` or `validate` of the same module
+    (a notebook) must log at its own steps, not at that one (a review found it kept)."""
+    from lit_rl.algorithms.checkpoint_state import CheckpointState
+
+    logged = []
+
+    class Module(CheckpointState):
+        def log(self, name, value):
+            logged.append((name, value))
+
+    module = Module()
+    module.validated_step = 2
+    module.log_validated_step()
+    module.log_validated_step()
+    assert logged == [("step", 2.0)]

@@ -83,9 +83,11 @@ class CheckpointState:
     validated_step: Optional[int] = None
 
     def log_validated_step(self) -> None:
-        """With the validation metrics: a logged `step` is the step Lightning writes the row at."""
+        """With the validation metrics: a logged `step` is the step Lightning writes the row at. Once: a later `fit`
+        or `validate` of the same module logs at its own step."""
         if self.validated_step is not None:
             self.log("step", float(self.validated_step))
+            self.validated_step = None
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self._trainer is not None and self.trainer.state.fn == TrainerFn.VALIDATING:

@@ -155,9 +155,18 @@ def _excess(diff: Difference, tol: Tolerance) -> float:
     return diff.abs_diff / _allowed(diff.reference, tol)
 
 
-# Neither run's training moved a weight (every reward equal, so every advantage 0; a learning rate of 0): the pair
-# cannot tell a correct layout from a wrong one by the weights, so it is inconclusive (SKIP), not failed.
-NOT_MOVED = "training moved no weight in either run (are all rewards equal?), so the updates could not be compared"
+# Neither run's training moved a weight. Where every reward was equal (every advantage 0) the pair cannot tell a
+# correct layout from a wrong one by the weights: inconclusive (SKIP); otherwise (a skipped or broken update) FAIL.
+NOT_MOVED = (
+    "training moved no weight in either run (every reward equal: no advantage), so the updates could not be compared"
+)
+REWARD_STD = "train/reward_std"
+
+
+def _rewards_all_equal(rows: list[dict[str, float]]) -> bool:
+    """Whether a run logged `train/reward_std` and it was 0 at every step: every advantage 0, nothing to learn."""
+    stds = [row[REWARD_STD] for row in rows if REWARD_STD in row]
+    return bool(stds) and all(std == 0 for std in stds)
 
 
 def compare_parameters(
@@ -220,7 +229,13 @@ def judge(pair: str, left: RunResult, right: RunResult, tol: Tolerance, steps: O
     problems = row_problems + param_problems
     found = tuple(d for d in (rows_worst, params_worst) if d is not None)
     failed = bool(problems) or rows_worst is None or any(not d.passed for d in found)
-    inconclusive = problems == [NOT_MOVED] and not row_problems and rows_worst is not None and rows_worst.passed
+    inconclusive = (
+        problems == [NOT_MOVED]
+        and rows_worst is not None
+        and rows_worst.passed
+        and _rewards_all_equal(left.rows)
+        and _rewards_all_equal(right.rows)
+    )
     shown = sorted({int(r["step"]) for r in right.rows} if steps is None else steps)
     compared = f"steps {_span(shown)}"
     detail = "; ".join(problems[:3]) if problems else ("nothing logged" if rows_worst is None else "")

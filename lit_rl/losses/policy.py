@@ -28,7 +28,7 @@ A user's own objective with this signature is given by import path (`my_pkg.loss
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -110,4 +110,14 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {
 
 def policy_loss_function(name: str) -> PolicyLoss:
     """The objective named `name` (a key of `POLICY_LOSSES`) or at the import path `name`."""
-    return resolve_function("model.loss.objective", name, POLICY_LOSSES)
+    return resolve_function("model.loss.objective", name, POLICY_LOSSES, _per_token_pair)
+
+
+def _per_token_pair(args: tuple, result: Any) -> Optional[str]:
+    """What is wrong with a user's objective's `(per_token_loss, stats)` for `args[0]`, the log-probs [N, T]; None
+    if nothing."""
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.Tensor)):
+        return f"returned {type(result).__name__}, not (per-token loss tensor, stats dict)"
+    if result[0].shape != args[0].shape:
+        return f"returned a loss of shape {tuple(result[0].shape)} for log-probs of {tuple(args[0].shape)} (per token)"
+    return None

@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Optional, TypeVar
 
+import torch
+
 from lit_rl.errors import ConfigError, LitRLError, UserFunctionError, exception_line
 from lit_rl.importing import import_callable
 
@@ -32,18 +34,25 @@ def named_failures(fn: F, named: str, check: Optional[Callable[[tuple, Any], Opt
     """`fn`, whose exceptions (a wrong signature, a shape error inside it) and wrong results (`check`'s message)
     become a one-line `UserFunctionError` naming it: without it the user saw a 100-line traceback ending in
     lit-rl's code, where the result was first used."""
+    return NamedFailures(fn, named, check)  # type: ignore[return-value]
 
-    @functools.wraps(fn)
-    def called(*args: Any, **kwargs: Any) -> Any:
+
+class NamedFailures:
+    """`named_failures`'s callable: an object, not a closure, so that a module holding it pickles as it did with
+    the plain function (`ddp_spawn`) when `fn` and `check` do."""
+
+    def __init__(self, fn: Callable, named: str, check: Optional[Callable[[tuple, Any], Optional[str]]]) -> None:
+        self.fn, self.named, self.check = fn, named, check
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            result = fn(*args, **kwargs)
-        except LitRLError:
+            result = self.fn(*args, **kwargs)
+        except (LitRLError, torch.OutOfMemoryError):  # out of memory is the batch's size, not the function's fault
             raise
         except Exception as err:
-            raise UserFunctionError(f"{named} raised {exception_line(err)}") from err
-        wrong = check(args, result) if check is not None else None
+            raise UserFunctionError(f"{self.named} raised {exception_line(err)}") from err
+        wrong = self.check(args, result) if self.check is not None else None
         if wrong:
-            raise UserFunctionError(f"{named} {wrong}")
+            raise UserFunctionError(f"{self.named} {wrong}")
         return result
-
-    return called  # type: ignore[return-value]

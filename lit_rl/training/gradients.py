@@ -102,18 +102,20 @@ def clip_gradients(
     return False  # fp16's scaler; DeepSpeed's own
 
 
-def refuse_float16_parameters(params: list[torch.Tensor], strategy: object, setting: str) -> None:
+def refuse_float16_parameters(named: list[tuple[str, torch.Tensor]], strategy: object, setting: str) -> None:
     """A one-line `ConfigError` (starting with `setting`, what made them float16) where AdamW would train float16
     parameters itself. It keeps its moments in the parameters' dtype, and float16's smallest value is 6e-8: the
     second moment it stores, (1 - beta2) g^2 = 1e-3 g^2, is 0 for every gradient below about 1e-2 while the first
     moment is not, so a later step with a small gradient moves by about lr * m / eps (configs/grpo.yaml with float16
     weights: the reward fell from 0.53 to 0.04 by step 4, in every layout `lit-rl check` ran). DeepSpeed
-    keeps float32 master weights for its float16 training, and LoRA's adapters are float32 (peft's default), so
-    those train; `trainer.precision 16-mixed` keeps float32 parameters."""
-    if isinstance(strategy, DeepSpeedStrategy) or not any(p.dtype == torch.float16 for p in params):
+    keeps float32 master weights for its float16 training, and LoRA's adapters over float16 weights are float32
+    (peft's default), so those train; `trainer.precision 16-mixed` keeps float32 parameters. `named`: the trained
+    (name, parameter) pairs; the message names the first float16 one and how many there are."""
+    half = [name for name, p in named if p.dtype == torch.float16]
+    if isinstance(strategy, DeepSpeedStrategy) or not half:
         return
     raise ConfigError(
-        f"{setting}: AdamW cannot train float16 parameters (its second moments underflow to 0 in float16 and the "
-        "updates blow up within steps); train float32 parameters with --trainer.precision 16-mixed (float16 "
-        "compute with a loss scaler), use bfloat16 where the hardware has it, or LoRA (its adapters are float32)"
+        f"{setting}: AdamW cannot train float16 parameters ({half[0]} and {len(half) - 1} more: its second moments "
+        "underflow to 0 in float16 and the updates blow up within steps); train float32 parameters with "
+        "--trainer.precision 16-mixed (float16 compute with a loss scaler) or use bfloat16 where the hardware has it"
     )
