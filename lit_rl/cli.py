@@ -53,6 +53,7 @@ from lit_rl.errors import (
     one_line,
     refuse_unwritable_folder,
 )
+from lit_rl.importing import working_directory_source
 from lit_rl.numerics import settle_cpu_math_kernels
 from lit_rl.resume import (
     CheckpointError,
@@ -185,7 +186,7 @@ def why_unimportable(path: str) -> str:
     except (ValueError, ImportError) as err:  # `__main__`, whose spec is None
         return exception_line(err)
     if spec is None:
-        if Path(f"{top}.py").is_file() or Path(top, "__init__.py").is_file():
+        if working_directory_source(top) is not None:
             return f"{top} is in the working directory, which class paths are not imported from: run with PYTHONPATH=."
         return f"no module named {top!r}"
     try:

@@ -9,7 +9,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from lit_rl.errors import exception_line
 
@@ -60,16 +60,23 @@ def import_module(name: str) -> Any:
         return importlib.import_module(name)
 
 
+def working_directory_source(top: str) -> Optional[Path]:
+    """The working directory's `top/__init__.py` or `top.py`, the file module or package `top` would load from
+    there; None when neither exists."""
+    package = Path.cwd() / top / "__init__.py"
+    location = package if package.is_file() else Path.cwd() / f"{top}.py"
+    return location if location.is_file() else None
+
+
 def _load_from_working_directory(top: str, not_found: ModuleNotFoundError) -> None:
     """Load module or package `top` from the working directory's `top.py` or `top/__init__.py` into `sys.modules`;
     `not_found` re-raised when neither exists."""
-    cwd = Path.cwd()
-    package = cwd / top / "__init__.py"
-    location = package if package.is_file() else cwd / f"{top}.py"
-    if not location.is_file():
+    location = working_directory_source(top)
+    if location is None:
         raise not_found
+    package = location.name == "__init__.py"
     spec = importlib.util.spec_from_file_location(
-        top, location, submodule_search_locations=[str(location.parent)] if location == package else None
+        top, location, submodule_search_locations=[str(location.parent)] if package else None
     )
     module = importlib.util.module_from_spec(spec)
     sys.modules[top] = module

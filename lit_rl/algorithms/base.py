@@ -160,10 +160,10 @@ class PolicyModule(PolicyModel, CheckpointState, L.LightningModule):
         at their own rate. The warm-up scales every group alike."""
         return [{"params": [p for p in self.policy.parameters() if p.requires_grad]}]
 
-    def named_trained_parameters(self) -> list[tuple[str, torch.Tensor]]:
-        """(name, parameter) of every parameter AdamW trains (`optimizer_param_groups`), named as in the module."""
-        trained = {id(p) for group in self.optimizer_param_groups() for p in group["params"]}
-        return [(name, p) for name, p in self.named_parameters() if id(p) in trained]
+    def named_parameters_of(self, params: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """(name, parameter) of each of `params` (the optimizer's), named as in the module."""
+        wanted = {id(p) for p in params}
+        return [(name, p) for name, p in self.named_parameters() if id(p) in wanted]
 
     def attached_strategy(self) -> Optional[Any]:
         """The trainer's strategy, or None for a module used on its own (tests, export)."""
@@ -173,7 +173,7 @@ class PolicyModule(PolicyModel, CheckpointState, L.LightningModule):
         optim = self.optim_args
         groups = self.optimizer_param_groups()
         params = [p for group in groups for p in group["params"]]
-        refuse_float16_parameters(self.named_trained_parameters(), self.attached_strategy(), self._float16_setting())
+        refuse_float16_parameters(self.named_parameters_of(params), self.attached_strategy(), self._float16_setting())
         # torch's fused AdamW kernel (CPU and CUDA): one pass over the parameters instead of a loop of small ops,
         # about 10x faster on the 21M benchmark model (0.009 s vs 0.092 s per step on 2 CPU cores). Not with fp16
         # mixed precision: the gradient scaler must unscale before clipping, which a fused step does internally.

@@ -20,7 +20,7 @@ from typing import Any, Callable, Literal, Optional, get_args
 
 import torch
 
-from lit_rl.losses.resolve import resolve_function
+from lit_rl.losses.resolve import resolve_function, tensor_pair_problem
 from lit_rl.losses.rloo import rloo_advantages
 
 ScaleRewards = Literal["group", "batch", "none"]
@@ -108,8 +108,9 @@ def _one_per_reward(args: tuple, result: Any) -> Optional[str]:
     """What is wrong with a user's estimator's `(advantages, stats)` for `args[0]`, the rewards [N]; None if
     nothing."""
     rewards = args[0]
-    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.Tensor)):
-        return f"returned {type(result).__name__}, not (advantages tensor, stats dict)"
+    wrong = tensor_pair_problem(result, "advantages")
+    if wrong is not None:
+        return wrong
     if result[0].shape[:1] != rewards.shape[:1]:
         return f"returned {tuple(result[0].shape)} advantages for {rewards.shape[0]} rewards (one per completion)"
     return None

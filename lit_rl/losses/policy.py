@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from lit_rl.losses.resolve import resolve_function
+from lit_rl.losses.resolve import resolve_function, tensor_pair_problem
 
 PolicyLoss = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float],
@@ -116,8 +116,9 @@ def policy_loss_function(name: str) -> PolicyLoss:
 def _per_token_pair(args: tuple, result: Any) -> Optional[str]:
     """What is wrong with a user's objective's `(per_token_loss, stats)` for `args[0]`, the log-probs [N, T]; None
     if nothing."""
-    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.Tensor)):
-        return f"returned {type(result).__name__}, not (per-token loss tensor, stats dict)"
+    wrong = tensor_pair_problem(result, "per-token loss")
+    if wrong is not None:
+        return wrong
     if result[0].shape != args[0].shape:
         return f"returned a loss of shape {tuple(result[0].shape)} for log-probs of {tuple(args[0].shape)} (per token)"
     return None

@@ -17,7 +17,7 @@ def resolve_function(
     key: str, name: str, registry: dict[str, F], check: Optional[Callable[[tuple, Any], Optional[str]]] = None
 ) -> F:
     """`registry[name]`, or the function at import path `name` (it contains a dot or a colon); a one-line
-    `ConfigError` naming `key` and the choices otherwise. A user's function is called through `named_failures`:
+    `ConfigError` naming `key` and the choices otherwise. A user's function is called through `NamedFailures`:
     what it raises, or a result `check(args, result)` finds wrong, is one line naming `key` and `name`."""
     if name in registry:
         return registry[name]
@@ -27,19 +27,22 @@ def resolve_function(
         found = import_callable(name, key)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    return named_failures(found, f"{key} {name!r}", check)
+    return NamedFailures(found, f"{key} {name!r}", check)  # type: ignore[return-value]
 
 
-def named_failures(fn: F, named: str, check: Optional[Callable[[tuple, Any], Optional[str]]] = None) -> F:
-    """`fn`, whose exceptions (a wrong signature, a shape error inside it) and wrong results (`check`'s message)
-    become a one-line `UserFunctionError` naming it: without it the user saw a 100-line traceback ending in
-    lit-rl's code, where the result was first used."""
-    return NamedFailures(fn, named, check)  # type: ignore[return-value]
+def tensor_pair_problem(result: Any, first: str) -> Optional[str]:
+    """What is wrong with a user's function's result where a `(tensor, stats dict)` pair is due (`first` names the
+    tensor): None if it is one."""
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.Tensor):
+        return None
+    return f"returned {type(result).__name__}, not ({first} tensor, stats dict)"
 
 
 class NamedFailures:
-    """`named_failures`'s callable: an object, not a closure, so that a module holding it pickles as it did with
-    the plain function (`ddp_spawn`) when `fn` and `check` do."""
+    """A user's function `fn`, whose exceptions (a wrong signature, a shape error inside it) and wrong results
+    (`check`'s message) become a one-line `UserFunctionError` naming it: without it the user saw a 100-line
+    traceback ending in lit-rl's code, where the result was first used. An object, not a closure, so that a module
+    holding it pickles as it did with the plain function (`ddp_spawn`) when `fn` and `check` do."""
 
     def __init__(self, fn: Callable, named: str, check: Optional[Callable[[tuple, Any], Optional[str]]]) -> None:
         self.fn, self.named, self.check = fn, named, check
